@@ -1,0 +1,83 @@
+"""The reference attention backend: gather K/V by slot into a padded batch, masked SDPA.
+
+It runs on CPU and GPU and is what the Triton kernels are checked against. All requests
+of a forward go through one SDPA call per layer: queries are padded to the longest
+extend, keys to the longest prefix + extend, and the mask keeps padding out.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specserve.attention.base import AttentionBackend, ForwardBatch, ForwardMode
+
+
+@dataclass
+class PaddedLayout:
+    kv_slots: torch.Tensor     # (bs, max_kv) int64, slot of every key; padding -> slot 0
+    query_rows: torch.Tensor   # (num_tokens,) int64, flat index into (bs * max_q) of each new token
+    mask: torch.Tensor         # (bs, 1, max_q, max_kv) bool, True = may attend
+    max_q: int
+
+
+class TorchNativeBackend(AttentionBackend):
+
+    def plan(self, batch: ForwardBatch) -> None:
+        batch.attn_metadata = build_padded_layout(batch)
+
+    def forward(self, q, k, v, layer, batch: ForwardBatch) -> torch.Tensor:
+        pool = batch.kv_pool
+        pool.store(layer, batch.out_slots, k, v)
+        layout: PaddedLayout = batch.attn_metadata
+        bs, max_q = layout.kv_slots.shape[0], layout.max_q
+        # (bs, num_kv_heads, max_kv, head_dim)
+        keys = pool.k_buffers[layer][layout.kv_slots].transpose(1, 2).to(q.dtype)
+        values = pool.v_buffers[layer][layout.kv_slots].transpose(1, 2).to(q.dtype)
+        padded_q = q.new_zeros((bs * max_q, self.num_heads, self.head_dim))
+        padded_q[layout.query_rows] = q
+        padded_q = padded_q.view(bs, max_q, self.num_heads, self.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(padded_q, keys, values, attn_mask=layout.mask,
+                                             scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+        # (bs, num_heads, max_q, head_dim) -> (num_tokens, num_heads, head_dim)
+        return out.transpose(1, 2).reshape(bs * max_q, self.num_heads, self.head_dim)[layout.query_rows]
+
+
+def build_padded_layout(batch: ForwardBatch) -> PaddedLayout:
+    device = batch.input_ids.device
+    prefix, extend = batch.prefix_lens, batch.extend_lens
+    bs = batch.batch_size
+    max_q = max(batch.extend_lens_host)
+    max_kv = max(p + e for p, e in zip(batch.prefix_lens_host, batch.extend_lens_host))
+    extend_starts = torch.cumsum(extend, 0) - extend                     # (bs,) first token of each request
+    key_pos = torch.arange(max_kv, device=device).unsqueeze(0)           # (1, max_kv)
+    prefix_part = key_pos < prefix.unsqueeze(1)                           # (bs, max_kv)
+    new_index = key_pos - prefix.unsqueeze(1)                             # index among the new tokens
+    new_part = (new_index >= 0) & (new_index < extend.unsqueeze(1))
+    table = batch.kv_pool.req_to_token[batch.req_rows, :max_kv].long() if max_kv <= batch.kv_pool.max_context \
+        else batch.kv_pool.req_to_token[batch.req_rows].long()
+    prefix_slots = torch.gather(table, 1, key_pos.clamp(max=table.shape[1] - 1).expand(bs, -1))
+    new_token = (extend_starts.unsqueeze(1) + new_index).clamp(0, max(batch.num_tokens - 1, 0))
+    new_slots = batch.out_slots[new_token]
+    kv_slots = torch.where(prefix_part, prefix_slots, torch.where(new_part, new_slots, torch.zeros_like(new_slots)))
+
+    query_pos = torch.arange(max_q, device=device)
+    token_req = torch.repeat_interleave(torch.arange(bs, device=device), extend, output_size=batch.num_tokens)
+    token_offset = torch.arange(batch.num_tokens, device=device) - extend_starts[token_req]
+    query_rows = token_req * max_q + token_offset
+
+    # new-token part of the mask: causal, or the draft tree's ancestor mask
+    qi = query_pos.view(1, max_q, 1)
+    kj = new_index.unsqueeze(1)                                           # (bs, 1, max_kv)
+    if batch.mode is ForwardMode.VERIFY and batch.tree_mask is not None:
+        n = batch.tree_mask.shape[-1]
+        tree = batch.tree_mask[:, :max_q, :]                               # (bs, max_q, n)
+        among_new = torch.gather(tree, 2, kj.clamp(0, n - 1).expand(bs, max_q, max_kv))
+    else:
+        among_new = kj <= qi
+    mask = prefix_part.unsqueeze(1) | (new_part.unsqueeze(1) & among_new)
+    # padded query rows must see one key or softmax gives NaN; their output is dropped
+    padded_query = query_pos.view(1, max_q) >= extend.view(bs, 1)
+    mask[:, :, 0] |= padded_query
+    return PaddedLayout(kv_slots=kv_slots, query_rows=query_rows, mask=mask.unsqueeze(1), max_q=max_q)

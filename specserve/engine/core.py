@@ -1,0 +1,174 @@
+"""EngineCore: one step is schedule -> (draft) -> forward -> verify -> commit.
+
+Nothing else talks to the model. A decode step is a verify step whose draft trees hold only
+their root, so plain decoding and every speculative algorithm share one path.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specserve.engine.request import Batch, Req, ReqState
+from specserve.engine.scheduler import Scheduler
+from specserve.engine.stats import StepLogger
+from specserve.runner.model_runner import ModelRunner
+from specserve.sampling.sampler import Sampler, SampledStep
+from specserve.spec.drafter import Drafter
+from specserve.spec.tree import DraftTrees
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepOutput:
+    """What one step added to one request."""
+    req: Req
+    new_token_ids: list[int]
+    finished: bool
+
+
+class EngineCore:
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler,
+                 drafter: Drafter | None, num_draft_tokens: int, log_interval_s: float = 10.0):
+        self.runner = runner
+        self.scheduler = scheduler
+        self.sampler = sampler
+        self.drafter = drafter
+        self.num_draft_tokens = num_draft_tokens if drafter is not None else 1
+        self.stats = StepLogger(log_interval_s, speculative=drafter is not None)
+        self.requests: dict[str, Req] = {}
+        self.last_batch_reqs: list[Req] = []   # the requests of the step in flight, failed together if it raises
+
+    # --- public surface ---
+    def add_request(self, req: Req) -> None:
+        if req.rid in self.requests:
+            raise ValueError(f"request id {req.rid!r} is already in use")
+        if req.max_new_tokens == 0:
+            req.state = ReqState.FINISHED
+            req.finish_reason = {"type": "length", "length": 0}
+            req.finish_time = time.perf_counter()
+            return
+        self.requests[req.rid] = req
+        self.scheduler.add(req)
+        if self.drafter is not None:
+            self.drafter.add_prompt(req)
+
+    def abort(self, rid: str) -> Req | None:
+        req = self.requests.pop(rid, None)
+        if req is None or req.finished:
+            return None
+        self.scheduler.abort(req)
+        req.state = ReqState.FINISHED
+        req.finish_reason = {"type": "abort", "message": "aborted"}
+        req.finish_time = time.perf_counter()
+        self._release_draft_state(req)
+        return req
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[StepOutput]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        self.last_batch_reqs = batch.reqs
+        outputs = self._run_extend(batch) if batch.is_extend else self._run_decode(batch)
+        self.stats.maybe_log(self.scheduler)
+        return outputs
+
+    # --- the two kinds of step ---
+    def _run_extend(self, batch: Batch) -> list[StepOutput]:
+        slots = self.scheduler.alloc_slots(sum(batch.extend_lens))
+        assert slots is not None, "the scheduler reserves the cache a prefill needs"
+        logits = self.runner.extend(batch.reqs, batch.extend_lens, slots, batch.samples)
+        offset = 0
+        for req, length in zip(batch.reqs, batch.extend_lens):
+            self.scheduler.append_kv(req, slots[offset:offset + length])
+            offset += length
+        sampling = [req for req, samples in zip(batch.reqs, batch.samples) if samples]
+        if not sampling:
+            return []
+        trees = DraftTrees.root_only(self._last_tokens(sampling))
+        sampled = self.sampler.sample(logits, trees, sampling)
+        return [self._commit(req, sampled, i, node_slots=[]) for i, req in enumerate(sampling)]
+
+    def _run_decode(self, batch: Batch) -> list[StepOutput]:
+        reqs = batch.reqs
+        trees, num_nodes = self._propose(reqs)
+        slots = self.scheduler.alloc_slots(sum(num_nodes))
+        if slots is None:  # the cache fits one token per request (the scheduler made sure), not the drafts
+            trees, num_nodes = DraftTrees.root_only(self._last_tokens(reqs)), [1] * len(reqs)
+            slots = self.scheduler.alloc_slots(len(reqs))
+        logits = self.runner.verify(reqs, trees, num_nodes, slots)
+        sampled = self.sampler.sample(logits, trees, reqs)
+        outputs, offset = [], 0
+        for i, req in enumerate(reqs):
+            node_slots = slots[offset:offset + num_nodes[i]]
+            offset += num_nodes[i]
+            outputs.append(self._commit(req, sampled, i, node_slots))
+        return outputs
+
+    def _propose(self, reqs: list[Req]) -> tuple[DraftTrees, list[int]]:
+        if self.drafter is None:
+            return DraftTrees.root_only(self._last_tokens(reqs)), [1] * len(reqs)
+        # never draft past max_new_tokens or the context: those nodes could not be committed
+        limits = [max(1, min(self.num_draft_tokens, r.max_new_tokens - len(r.output_ids),
+                             self.runner.context_length - r.kv_len)) for r in reqs]
+        trees, num_nodes = self.drafter.propose(reqs, limits)
+        return trees.to(self.runner.device), num_nodes
+
+    def _last_tokens(self, reqs: list[Req]) -> torch.Tensor:
+        return torch.tensor([r.all_ids[-1] for r in reqs], dtype=torch.long, device=self.runner.device)
+
+    # --- commit ---
+    def _commit(self, req: Req, sampled: SampledStep, index: int, node_slots: list[int]) -> StepOutput:
+        accepted = sampled.accepted_nodes[index]
+        if node_slots:
+            kept = [node_slots[node] for node in accepted]
+            kept_set = set(accepted)
+            self.scheduler.free_slots([s for node, s in enumerate(node_slots) if node not in kept_set])
+            self.scheduler.append_kv(req, kept)
+        if self.drafter is not None and node_slots:
+            req.spec.record(len(sampled.tokens[index]))
+        new_tokens = []
+        if req.first_token_time is None:
+            req.first_token_time = time.perf_counter()
+        for position, token in enumerate(sampled.tokens[index]):
+            new_tokens.append(token)
+            req.output_ids.append(token)
+            if sampled.logprobs is not None and req.return_logprob:
+                req.output_logprobs.append(sampled.logprobs[index][position])
+                if sampled.top_logprobs is not None:
+                    req.output_top_logprobs.append(sampled.top_logprobs[index][position])
+            reason = self._finish_reason(req, token)
+            if reason is not None:
+                self._finish(req, reason)
+                break
+        if self.drafter is not None and not req.finished:
+            self.drafter.observe(req, new_tokens)
+        self.stats.count_tokens(len(new_tokens))
+        return StepOutput(req=req, new_token_ids=new_tokens, finished=req.finished)
+
+    def _finish_reason(self, req: Req, token: int) -> dict | None:
+        stop_string = req.detokenizer.add(token)
+        if token in req.stop_ids and len(req.output_ids) > req.params.min_new_tokens:
+            return {"type": "stop", "matched": token}
+        if stop_string is not None:
+            return {"type": "stop", "matched": stop_string}
+        if len(req.output_ids) >= req.max_new_tokens:
+            return {"type": "length", "length": len(req.output_ids)}
+        return None
+
+    def _finish(self, req: Req, reason: dict) -> None:
+        if reason["type"] != "stop" or not isinstance(reason.get("matched"), str):
+            req.detokenizer.flush()
+        self.scheduler.finish(req, reason)
+        self.requests.pop(req.rid, None)
+        self._release_draft_state(req)
+
+    def _release_draft_state(self, req: Req) -> None:
+        if self.drafter is not None:
+            self.drafter.release(req)

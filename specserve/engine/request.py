@@ -1,0 +1,101 @@
+"""Req (one request's whole state) and Batch (the requests of one step).
+
+The KV invariant of a running request: the cache holds every token but the last one
+(`kv_len == len(all_ids) - 1`); the next forward feeds the last token (and, when
+speculating, the draft tree rooted at it).
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from specserve.engine.detokenizer import IncrementalDetokenizer
+from specserve.sampling.params import SamplingParams
+
+
+class ReqState(enum.Enum):
+    WAITING = "waiting"      # queued, or preempted and waiting to recompute its cache
+    RUNNING = "running"      # has a req_to_token row and (part of) its cache
+    FINISHED = "finished"
+
+
+@dataclass
+class SpecStats:
+    verify_steps: int = 0
+    accepted_tokens: int = 0                              # committed tokens, bonus included
+    accept_length_histogram: dict[int, int] = field(default_factory=dict)
+
+    def record(self, committed: int) -> None:
+        self.verify_steps += 1
+        self.accepted_tokens += committed
+        self.accept_length_histogram[committed] = self.accept_length_histogram.get(committed, 0) + 1
+
+    @property
+    def accept_length(self) -> float:
+        return self.accepted_tokens / self.verify_steps if self.verify_steps else 0.0
+
+
+@dataclass
+class Req:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    seed: int                                  # params.seed, or drawn at arrival: keys the random numbers
+    stop_ids: frozenset[int]                   # eos (unless ignore_eos) and stop_token_ids
+    max_new_tokens: int                        # params.max_new_tokens capped by the context length
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    arrival_time: float = field(default_factory=time.perf_counter)
+    # filled by the scheduler
+    state: ReqState = ReqState.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    row: int | None = None                     # row of req_to_token while RUNNING
+    kv_slots: list[int] = field(default_factory=list)   # slots of cached tokens, by position
+    preemptions: int = 0
+    # filled at commit
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: dict | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    spec: SpecStats = field(default_factory=SpecStats)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def kv_len(self) -> int:
+        return len(self.kv_slots)
+
+    @property
+    def prefill_target(self) -> int:
+        """How far the cache must be filled before decoding: the whole prompt for a new request
+        (its last logits give the first token), all but the last token for a resumed one."""
+        return self.num_tokens - 1 if self.output_ids else self.num_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.state is ReqState.FINISHED
+
+
+@dataclass
+class Batch:
+    """The requests of one step. EXTEND: `extend_lens[i]` prompt tokens of reqs[i] from its
+    kv_len on; `samples[i]` says whether the chunk ends the prompt (its logits give the first
+    token). DECODE/VERIFY: one draft tree per request (root only without speculation)."""
+
+    reqs: list[Req]
+    is_extend: bool
+    extend_lens: list[int] = field(default_factory=list)
+    samples: list[bool] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return len(self.reqs)

@@ -1,0 +1,104 @@
+"""One decoder for Llama, Qwen2 and Qwen3: the differences are flags of ModelConfig
+(qkv bias for Qwen2, q/k RMSNorm for Qwen3, tied embeddings, rope scaling)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specserve.attention.base import AttentionBackend, ForwardBatch
+from specserve.model.config import ModelConfig
+from specserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend,
+                rope: RotaryEmbedding) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)      # (num_tokens, num_heads, head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)   # (num_tokens, num_kv_heads, head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(batch.positions, q, k)
+        out = backend.forward(q, k, v, self.layer, batch)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x, batch, backend, rope) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, backend, rope)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderLM(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rope = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
+        """Returns fp32 logits (num_logits, vocab) for the rows in batch.logits_indices."""
+        x = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            x = layer(x, batch, backend, self.rope)
+        x = self.norm(x[batch.logits_indices])
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.matmul(x, weight.t()).float()
+
+    @torch.no_grad()
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copies HF-named weights in, fusing q/k/v and gate/up; every parameter must be set."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in state_dict.items():
+            target, offset = _fused_target(name, self.config)
+            target = target.removeprefix("model.")
+            if target not in params:
+                if "rotary_emb" in name:
+                    continue
+                raise ValueError(f"unexpected weight {name!r} in checkpoint")
+            param = params[target]
+            param[offset:offset + tensor.shape[0]].copy_(tensor)
+            loaded.add(target)
+        missing = set(params) - loaded
+        if missing:
+            raise ValueError(f"checkpoint lacks weights: {sorted(missing)[:5]}...")
+
+
+def _fused_target(name: str, config: ModelConfig) -> tuple[str, int]:
+    """Maps an HF weight name to (our parameter name, row offset inside a fused matrix)."""
+    q_rows = config.num_heads * config.head_dim
+    kv_rows = config.num_kv_heads * config.head_dim
+    fused = {
+        "self_attn.q_proj.": ("self_attn.qkv_proj.", 0),
+        "self_attn.k_proj.": ("self_attn.qkv_proj.", q_rows),
+        "self_attn.v_proj.": ("self_attn.qkv_proj.", q_rows + kv_rows),
+        "mlp.gate_proj.": ("mlp.gate_up_proj.", 0),
+        "mlp.up_proj.": ("mlp.gate_up_proj.", config.intermediate_size),
+    }
+    for part, (replacement, offset) in fused.items():
+        if part in name:
+            return name.replace(part, replacement), offset
+    return name, 0

@@ -1,0 +1,134 @@
+"""ModelRunner: owns the model, the KV pool and the attention backend, and turns a
+scheduled step (prompt chunks, or one draft tree per request) into a forward pass."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from specserve.args import ServerArgs
+from specserve.attention.base import ForwardBatch, ForwardMode, create_attention_backend
+from specserve.engine.request import Req
+from specserve.kv.pool import KVPool
+from specserve.model.config import ModelConfig
+from specserve.model.llama import DecoderLM
+from specserve.model.layers import RotaryEmbedding
+from specserve.spec.tree import DraftTrees
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_TOKENS = 32768
+DTYPE_NAMES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+               "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+               "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} but CUDA is not available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPE_NAMES[name]
+
+
+@dataclass
+class StepForward:
+    """A forward's logits laid out per request: (bs, n, vocab), padded where a request has fewer rows."""
+    logits: torch.Tensor
+    batch: ForwardBatch
+
+
+class ModelRunner:
+    def __init__(self, args: ServerArgs, config: ModelConfig, state_dict: dict[str, torch.Tensor],
+                 device: torch.device, dtype: torch.dtype, context_length: int):
+        self.args, self.config, self.device, self.dtype = args, config, device, dtype
+        self.context_length = context_length
+        self.model = _build_model(config, state_dict, device, dtype, context_length)
+        self.max_running_requests = args.max_running_requests or (256 if device.type == "cuda" else 64)
+        self.pool = KVPool(config.num_layers, config.num_kv_heads, config.head_dim, self._kv_tokens(),
+                           self.max_running_requests + 1, context_length, dtype, device)
+        backend = args.attention_backend
+        if backend == "auto":
+            backend = "triton" if device.type == "cuda" else "torch_native"
+        self.attn_backend = create_attention_backend(backend, config.num_heads, config.num_kv_heads, config.head_dim)
+        logger.info("KV cache: %d tokens, attention backend %s", self.pool.size, backend)
+
+    def _kv_tokens(self) -> int:
+        if self.args.max_total_tokens is not None:
+            return self.args.max_total_tokens
+        if self.device.type != "cuda":
+            return CPU_DEFAULT_KV_TOKENS
+        fraction = self.args.mem_fraction_static or 0.85
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_allocated(self.device)
+        budget = total * fraction - torch.cuda.memory_allocated(self.device) - used_by_others
+        per_token = KVPool.bytes_per_token(self.config.num_layers, self.config.num_kv_heads, self.config.head_dim, self.dtype)
+        # leave room for activations and logits of the largest step
+        activation_reserve = 2 * 1024 ** 3
+        tokens = int((budget - activation_reserve) // per_token)
+        if tokens < 1024:
+            raise ValueError(f"mem_fraction_static={fraction} leaves room for only {tokens} KV tokens")
+        return tokens
+
+    # --- forwards ---
+    @torch.inference_mode()
+    def extend(self, reqs: list[Req], extend_lens: list[int], slots: list[int], samples: list[bool]) -> torch.Tensor:
+        """Runs prompt chunks; returns (num_sampling_reqs, 1, vocab) logits of the chunks that end a prompt."""
+        input_ids, positions = [], []
+        for req, length in zip(reqs, extend_lens):
+            input_ids.extend(req.all_ids[req.kv_len:req.kv_len + length])
+            positions.extend(range(req.kv_len, req.kv_len + length))
+        ends = torch.tensor(extend_lens).cumsum(0) - 1
+        logits_rows = ends[torch.tensor(samples, dtype=torch.bool)]
+        batch = self._forward_batch(ForwardMode.EXTEND, reqs, input_ids, positions, slots, extend_lens, logits_rows)
+        return self.model(batch, self.attn_backend).unsqueeze(1)
+
+    @torch.inference_mode()
+    def verify(self, reqs: list[Req], trees: DraftTrees, num_nodes: list[int], slots: list[int]) -> torch.Tensor:
+        """Runs each request's draft tree (its first num_nodes[i] nodes; the root is the last
+        token); returns (bs, n, vocab) logits, rows past a request's node count undefined."""
+        n = trees.tokens.shape[1]
+        node_index = torch.cat([torch.arange(c) + i * n for i, c in enumerate(num_nodes)]).to(self.device)
+        kv_lens = torch.tensor([r.kv_len for r in reqs], device=self.device)
+        input_ids = trees.tokens.reshape(-1)[node_index]
+        positions = (trees.depth + kv_lens.unsqueeze(1)).reshape(-1)[node_index]
+        mode = ForwardMode.DECODE if n == 1 else ForwardMode.VERIFY
+        batch = self._forward_batch(mode, reqs, input_ids, positions, slots, num_nodes, None, trees.ancestor_mask)
+        logits = self.model(batch, self.attn_backend)
+        padded = logits.new_zeros((len(reqs) * n, logits.shape[-1]))
+        padded[node_index] = logits
+        return padded.view(len(reqs), n, -1)
+
+    def _forward_batch(self, mode, reqs, input_ids, positions, slots, extend_lens, logits_rows, tree_mask=None) -> ForwardBatch:
+        device = self.device
+        prefix_host = [r.kv_len for r in reqs]
+        as_long = lambda x: x.to(device) if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.long, device=device)
+        out_slots = as_long(slots)
+        num_tokens = len(slots)
+        batch = ForwardBatch(
+            mode=mode, input_ids=as_long(input_ids), positions=as_long(positions), out_slots=out_slots,
+            req_rows=as_long([r.row for r in reqs]), prefix_lens=as_long(prefix_host),
+            extend_lens=as_long(extend_lens), prefix_lens_host=prefix_host, extend_lens_host=list(extend_lens),
+            kv_pool=self.pool,
+            logits_indices=as_long(logits_rows) if logits_rows is not None else torch.arange(num_tokens, device=device),
+            tree_mask=tree_mask)
+        self.attn_backend.plan(batch)
+        return batch
+
+
+def _build_model(config: ModelConfig, state_dict, device, dtype, context_length: int) -> DecoderLM:
+    # build on the meta device: random initialisation of weights that are overwritten anyway is slow
+    with torch.device("meta"):
+        model = DecoderLM(config, max_positions=1)
+    model = model.to_empty(device=device).to(dtype)
+    model.rope = RotaryEmbedding(config.head_dim, context_length, config.rope_theta, config.rope_scaling).to(device)
+    model.load_weights(state_dict)
+    return model.eval()

@@ -1,0 +1,112 @@
+"""Sampler: logits of every draft-tree node -> the tokens each request commits this step.
+
+Plain decoding is the root-only case. Order of logit processing, per node: penalties
+(counting the node's draft ancestors), min_new_tokens (stop tokens masked while too few
+tokens exist), then temperature / top-k / top-p / min-p inside verification. Everything
+runs on the device; the only host sync is one copy of the results at the end.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.engine.request import Req
+from specserve.spec.tree import DraftTrees
+from specserve.spec.verify import apply_penalties_to_tree, verify_greedy, verify_sampling
+
+
+@dataclass
+class SampledStep:
+    tokens: list[list[int]]                 # per request: committed tokens (accepted drafts, then the bonus)
+    accepted_nodes: list[list[int]]         # per request: accepted node indices, root first
+    logprobs: list[list[float]] | None      # per request, per committed token (raw model logprobs)
+    top_logprobs: list[list[list[tuple[int, float]]]] | None
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device):
+        self.vocab_size = vocab_size
+        self.device = device
+
+    def sample(self, logits: torch.Tensor, trees: DraftTrees, reqs: list[Req]) -> SampledStep:
+        """logits: (bs, n, vocab) fp32, the target's logits at each tree node."""
+        raw_logits = logits
+        logits = self._apply_penalties(logits, trees, reqs)
+        logits = self._mask_early_stops(logits, trees, reqs)
+        if all(r.params.greedy for r in reqs):
+            result = verify_greedy(trees, logits)
+        else:
+            result = verify_sampling(trees, logits, **self._sampling_tensors(reqs))
+        # the one host sync of the step
+        packed = torch.cat([result.accept_lens.unsqueeze(1), result.accepted_nodes, result.committed_tokens], 1).cpu()
+        n = trees.tokens.shape[1]
+        lens = packed[:, 0].tolist()
+        accepted = [row[:k] for row, k in zip(packed[:, 1:1 + n].tolist(), lens)]
+        tokens = [row[:k] for row, k in zip(packed[:, 1 + n:].tolist(), lens)]
+        logprobs = top = None
+        if any(r.return_logprob for r in reqs):
+            logprobs, top = self._logprobs(raw_logits, result, reqs, lens)
+        return SampledStep(tokens=tokens, accepted_nodes=accepted, logprobs=logprobs, top_logprobs=top)
+
+    def _apply_penalties(self, logits, trees, reqs) -> torch.Tensor:
+        if not any(r.params.has_penalties for r in reqs):
+            return logits
+        bs, vocab = len(reqs), logits.shape[-1]
+        counts = torch.zeros((bs, vocab), dtype=torch.long, device=self.device)
+        prompt_mask = torch.zeros((bs, vocab), dtype=torch.bool, device=self.device)
+        for i, req in enumerate(reqs):
+            if req.output_ids:
+                ids = torch.tensor(req.output_ids, device=self.device)
+                counts[i].index_add_(0, ids, torch.ones_like(ids))
+            prompt_mask[i, torch.tensor(req.prompt_ids, device=self.device)] = True
+        param = lambda name: torch.tensor([getattr(r.params, name) for r in reqs], dtype=torch.float32, device=self.device)
+        return apply_penalties_to_tree(logits, trees, counts, prompt_mask, param("repetition_penalty"),
+                                       param("frequency_penalty"), param("presence_penalty"))
+
+    def _mask_early_stops(self, logits, trees, reqs) -> torch.Tensor:
+        """min_new_tokens: a node whose next token would be output number < min_new_tokens
+        may not pick a stop token."""
+        if not any(r.params.min_new_tokens > len(r.output_ids) for r in reqs):
+            return logits
+        bs = len(reqs)
+        produced = torch.tensor([len(r.output_ids) for r in reqs], device=self.device)
+        minimum = torch.tensor([r.params.min_new_tokens for r in reqs], device=self.device)
+        too_early = (produced.unsqueeze(1) + trees.depth) < minimum.unsqueeze(1)      # (bs, n)
+        stop_mask = torch.zeros((bs, logits.shape[-1]), dtype=torch.bool, device=self.device)
+        for i, req in enumerate(reqs):
+            ids = [t for t in req.stop_ids if t < logits.shape[-1]]
+            if ids:
+                stop_mask[i, ids] = True
+        return logits.masked_fill(too_early.unsqueeze(-1) & stop_mask.unsqueeze(1), float("-inf"))
+
+    def _sampling_tensors(self, reqs: list[Req]) -> dict[str, torch.Tensor]:
+        def column(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=self.device)
+        return {
+            "temperatures": column([0.0 if r.params.greedy else r.params.temperature for r in reqs], torch.float32),
+            "top_ks": column([r.params.top_k if r.params.top_k > 0 else self.vocab_size for r in reqs], torch.long),
+            "top_ps": column([r.params.top_p for r in reqs], torch.float32),
+            "min_ps": column([r.params.min_p for r in reqs], torch.float32),
+            "seeds": column([r.seed for r in reqs], torch.long),
+            # the random numbers of a node are keyed by the position of the token it samples
+            "positions": column([r.num_tokens for r in reqs], torch.long),
+        }
+
+    def _logprobs(self, raw_logits, result, reqs, lens):
+        """Logprobs of the committed tokens under the raw target distribution at their parent node."""
+        bs, n = result.accepted_nodes.shape
+        parent_nodes = result.accepted_nodes.clamp(min=0)                      # (bs, n)
+        node_logits = torch.gather(raw_logits, 1, parent_nodes.unsqueeze(-1).expand(-1, -1, raw_logits.shape[-1]))
+        logprobs = torch.log_softmax(node_logits, dim=-1)                      # (bs, n, vocab)
+        chosen = torch.gather(logprobs, 2, result.committed_tokens.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        k = max(r.top_logprobs_num for r in reqs)
+        chosen_host = chosen.cpu().tolist()
+        values = [row[:m] for row, m in zip(chosen_host, lens)]
+        if k <= 0:
+            return values, None
+        top_values, top_ids = logprobs.topk(k, dim=-1)
+        top_values, top_ids = top_values.cpu().tolist(), top_ids.cpu().tolist()
+        top = [[list(zip(top_ids[b][j][:reqs[b].top_logprobs_num], top_values[b][j][:reqs[b].top_logprobs_num]))
+                for j in range(lens[b])] for b in range(bs)]
+        return values, top

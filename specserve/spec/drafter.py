@@ -1,0 +1,41 @@
+"""The Drafter protocol every speculative algorithm implements, and its registry.
+
+A drafter proposes one draft tree per request (node 0 = the request's last token), is
+shown every committed token, and forgets a request when it ends.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from specserve.spec.tree import DraftTrees
+
+if TYPE_CHECKING:
+    from specserve.args import ServerArgs
+    from specserve.engine.request import Req
+
+
+class Drafter:
+    def add_prompt(self, req: "Req") -> None:
+        """A request arrived: its prompt may feed the drafter."""
+
+    def propose(self, reqs: list["Req"], max_nodes: list[int]) -> tuple[DraftTrees, list[int]]:
+        """One tree per request with at most max_nodes[i] nodes (root included).
+        Returns the padded trees and each tree's real node count."""
+        raise NotImplementedError
+
+    def observe(self, req: "Req", committed: list[int]) -> None:
+        """Tokens the request just committed."""
+
+    def release(self, req: "Req") -> None:
+        """The request finished or was aborted."""
+
+
+def create_drafter(args: "ServerArgs") -> Drafter | None:
+    """Registry by algorithm name, with lazy imports."""
+    name = args.speculative
+    if name is None:
+        return None
+    if name == "NGRAM":
+        from specserve.spec.ngram import NgramDrafter
+        return NgramDrafter.from_args(args)
+    raise NotImplementedError(f"speculative_algorithm {args.speculative_algorithm!r} is not implemented")
