@@ -76,8 +76,8 @@ class DecoderLM(nn.Module):
             target, offset = _fused_target(name, self.config)
             target = target.removeprefix("model.")
             if target not in params:
-                if "rotary_emb" in name:
-                    continue
+                if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+                    continue  # recomputed, or the same tensor as the embedding
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
             param = params[target]
             param[offset:offset + tensor.shape[0]].copy_(tensor)
