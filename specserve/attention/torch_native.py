@@ -16,9 +16,9 @@ from specserve.attention.base import AttentionBackend, ForwardBatch, ForwardMode
 
 @dataclass
 class PaddedLayout:
-    kv_slots: torch.Tensor     # (bs, max_kv) int64, slot of every key; padding -> slot 0
-    query_rows: torch.Tensor   # (num_tokens,) int64, flat index into (bs * max_q) of each new token
-    mask: torch.Tensor         # (bs, 1, max_q, max_kv) bool, True = may attend
+    kv_slots: torch.Tensor            # (bs, max_kv) int64, slot of every key; padding -> slot 0
+    query_rows: torch.Tensor | None   # (num_tokens,) flat index into (bs * max_q); None: no query padding
+    mask: torch.Tensor | None         # (bs, 1, max_q, max_kv) bool, True = may attend; None: attend to all
     max_q: int
 
 
@@ -35,13 +35,17 @@ class TorchNativeBackend(AttentionBackend):
         # (bs, num_kv_heads, max_kv, head_dim)
         keys = pool.k_buffers[layer][layout.kv_slots].transpose(1, 2).to(q.dtype)
         values = pool.v_buffers[layer][layout.kv_slots].transpose(1, 2).to(q.dtype)
-        padded_q = q.new_zeros((bs * max_q, self.num_heads, self.head_dim))
-        padded_q[layout.query_rows] = q
+        if layout.query_rows is None:
+            padded_q = q
+        else:
+            padded_q = q.new_zeros((bs * max_q, self.num_heads, self.head_dim))
+            padded_q[layout.query_rows] = q
         padded_q = padded_q.view(bs, max_q, self.num_heads, self.head_dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(padded_q, keys, values, attn_mask=layout.mask,
                                              scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
         # (bs, num_heads, max_q, head_dim) -> (num_tokens, num_heads, head_dim)
-        return out.transpose(1, 2).reshape(bs * max_q, self.num_heads, self.head_dim)[layout.query_rows]
+        out = out.transpose(1, 2).reshape(bs * max_q, self.num_heads, self.head_dim)
+        return out if layout.query_rows is None else out[layout.query_rows]
 
 
 def build_padded_layout(batch: ForwardBatch) -> PaddedLayout:
@@ -80,4 +84,8 @@ def build_padded_layout(batch: ForwardBatch) -> PaddedLayout:
     # padded query rows must see one key or softmax gives NaN; their output is dropped
     padded_query = query_pos.view(1, max_q) >= extend.view(bs, 1)
     mask[:, :, 0] |= padded_query
-    return PaddedLayout(kv_slots=kv_slots, query_rows=query_rows, mask=mask.unsqueeze(1), max_q=max_q)
+    # decode steps of equal-length requests need neither query padding nor a mask
+    uniform_queries = all(e == max_q for e in batch.extend_lens_host)
+    unmasked = max_q == 1 and all(p + 1 == max_kv for p in batch.prefix_lens_host)
+    return PaddedLayout(kv_slots=kv_slots, query_rows=None if uniform_queries else query_rows,
+                        mask=None if unmasked else mask.unsqueeze(1), max_q=max_q)

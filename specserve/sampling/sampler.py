@@ -80,7 +80,7 @@ class Sampler:
                 stop_mask[i, ids] = True
         return logits.masked_fill(too_early.unsqueeze(-1) & stop_mask.unsqueeze(1), float("-inf"))
 
-    def _sampling_tensors(self, reqs: list[Req]) -> dict[str, torch.Tensor]:
+    def _sampling_tensors(self, reqs: list[Req]) -> dict:
         def column(values, dtype):
             return torch.tensor(values, dtype=dtype, device=self.device)
         return {
@@ -89,8 +89,11 @@ class Sampler:
             "top_ps": column([r.params.top_p for r in reqs], torch.float32),
             "min_ps": column([r.params.min_p for r in reqs], torch.float32),
             "seeds": column([r.seed for r in reqs], torch.long),
-            # the random numbers of a node are keyed by the position of the token it samples
-            "positions": column([r.num_tokens for r in reqs], torch.long),
+            # the root's position (the last token's); random numbers are keyed by position
+            "positions": column([r.num_tokens - 1 for r in reqs], torch.long),
+            # the full-vocabulary sort of top-k / top-p is the costly part: skip it when unused
+            "need_top_k_top_p": any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in reqs),
+            "need_min_p": any(r.params.min_p > 0 for r in reqs),
         }
 
     def _logprobs(self, raw_logits, result, reqs, lens):

@@ -1,0 +1,82 @@
+"""The target distribution of a sampling request: penalties, temperature, top-k, top-p, min-p.
+
+Shared by the plain sampler and speculative verification, so that a token is drawn from
+the same distribution with and without speculation. Everything is batched over rows, with
+per-row parameters, and never syncs with the host.
+
+Order (HF's): penalties on the logits -> temperature -> softmax -> top-k -> top-p on the
+top-k-renormalised distribution -> min-p relative to the most likely token -> renormalise.
+A row with temperature 0 is greedy: one-hot at argmax(logits) (ties: the lowest index, as
+torch.argmax).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _per_row(param: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """(bs,) -> (bs, 1, ..., 1) broadcastable against `like` (bs, ..., V)."""
+    return param.view(-1, *([1] * (like.dim() - 1)))
+
+
+def apply_sampling_filters(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor,
+                           top_ps: torch.Tensor, min_ps: torch.Tensor, *,
+                           need_top_k_top_p: bool = True, need_min_p: bool = True) -> torch.Tensor:
+    """Returns normalised probabilities, same shape as logits ((bs, V) or (bs, n, V)).
+
+    temperatures, top_ps, min_ps: (bs,) float; top_ks: (bs,) int, <= 0 or >= V means no top-k.
+    top_p >= 1 and min_p <= 0 disable those filters per row. Float32, or float64 for float64
+    logits. need_top_k_top_p / need_min_p: the caller (who knows the batch's parameters on the
+    host) may pass False when no row uses them, to skip the sort over the vocabulary.
+    """
+    vocab = logits.shape[-1]
+    x = logits if logits.dtype == torch.float64 else logits.float()
+    temperatures = _per_row(temperatures.to(x.dtype), x)
+    greedy = temperatures <= 0
+    probs = torch.softmax(x / torch.where(greedy, torch.ones_like(temperatures), temperatures), dim=-1)
+
+    if need_top_k_top_p:
+        sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+        rank = torch.arange(vocab, device=x.device)
+        top_ks = _per_row(top_ks.to(torch.int64), x)
+        top_ks = torch.where((top_ks <= 0) | (top_ks > vocab), torch.full_like(top_ks, vocab), top_ks)
+        kept = torch.where(rank < top_ks, sorted_probs, torch.zeros_like(sorted_probs))
+        # top-p: keep the smallest prefix whose mass reaches top_p of the top-k mass, i.e.
+        # every token whose preceding (exclusive) cumulative mass is still below it
+        exclusive_mass = kept.cumsum(dim=-1) - kept
+        top_ps = _per_row(top_ps.to(x.dtype), x)
+        keep_sorted = (rank < top_ks) & ((exclusive_mass < top_ps * kept.sum(-1, keepdim=True))
+                                         | (top_ps >= 1) | (rank == 0))
+        keep = torch.empty_like(keep_sorted).scatter_(-1, order, keep_sorted)
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
+
+    if need_min_p:
+        min_ps = _per_row(min_ps.to(x.dtype), x)
+        threshold = probs.amax(dim=-1, keepdim=True) * min_ps
+        probs = torch.where(probs >= threshold, probs, torch.zeros_like(probs))
+
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return torch.where(greedy, one_hot, probs)
+
+
+def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, prompt_mask: torch.Tensor,
+                    repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
+    """Repetition / frequency / presence penalties on logits (bs, ..., V); returns float32
+    (float64 for float64 logits).
+
+    counts: output-token counts broadcastable to logits (int); prompt_mask: tokens present in
+    the prompt, broadcastable to logits (bool); repetition, frequency, presence: (bs,).
+    - repetition (HF / SGLang): a token seen in the prompt or the output gets logit / r if
+      its logit is > 0, else logit * r;
+    - frequency (OpenAI): logit -= f * count_in_output;
+    - presence (OpenAI): logit -= p * (count_in_output > 0).
+    """
+    x = logits if logits.dtype == torch.float64 else logits.float()
+    repetition = _per_row(repetition.to(x.dtype), x)
+    frequency = _per_row(frequency.to(x.dtype), x)
+    presence = _per_row(presence.to(x.dtype), x)
+    seen_in_output = counts > 0
+    seen = seen_in_output | prompt_mask
+    x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
+    return x - frequency * counts.to(x.dtype) - presence * seen_in_output.to(x.dtype)

@@ -1,0 +1,82 @@
+"""NGRAM / LOOKAHEAD drafter: draft trees from the shared n-gram trie (model-free).
+
+The trie is fed every prompt when it arrives and every committed token; each request is an
+owner of its own stream, so its own prompt and output rank first when it is drafted for.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING
+
+import torch
+
+from specserve.spec.drafter import Drafter
+from specserve.spec.ngram_trie import NgramConfig, NgramTrie
+from specserve.spec.tree import DraftTrees
+
+if TYPE_CHECKING:
+    from specserve.args import ServerArgs
+    from specserve.engine.request import Req
+
+
+class NgramDrafter(Drafter):
+    def __init__(self, config: NgramConfig, one_branch: bool):
+        self.trie = NgramTrie(config)
+        self.one_branch = one_branch
+        self.window = config.max_match_window
+        self._owners: dict[str, int] = {}
+        self._next_owner = itertools.count()
+
+    @classmethod
+    def from_args(cls, args: "ServerArgs") -> "NgramDrafter":
+        config = NgramConfig(
+            capacity=args.speculative_ngram_capacity,
+            min_match_window=args.speculative_ngram_min_match_window_size,
+            max_match_window=args.speculative_ngram_max_match_window_size,
+            min_bfs_breadth=args.speculative_ngram_min_bfs_breadth,
+            max_bfs_breadth=args.speculative_ngram_max_bfs_breadth,
+            max_trie_depth=args.speculative_ngram_max_trie_depth,
+            match_type=args.speculative_ngram_match_type)
+        return cls(config, args.speculative_one_branch)
+
+    def add_prompt(self, req: "Req") -> None:
+        self.trie.insert(req.prompt_ids, owner=self._owner(req))
+
+    def propose(self, reqs: list["Req"], max_nodes: list[int]) -> tuple[DraftTrees, list[int]]:
+        rows: list[tuple[list[int], list[int]]] = []
+        for req, limit in zip(reqs, max_nodes):
+            context = _tail(req, self.window)
+            drafts, parents = self.trie.propose(context, limit, self.one_branch, owner=self._owner(req))
+            # the trie numbers drafts from 0 with -1 for the root; the tree puts the root at 0
+            rows.append(([context[-1], *drafts], [-1, *(p + 1 for p in parents)]))
+        return _pack(rows), [len(tokens) for tokens, _ in rows]
+
+    def observe(self, req: "Req", committed: list[int]) -> None:
+        self.trie.insert(committed, owner=self._owner(req))
+
+    def release(self, req: "Req") -> None:
+        owner = self._owners.pop(req.rid, None)
+        if owner is not None:
+            self.trie.release(owner)
+
+    def _owner(self, req: "Req") -> int:
+        owner = self._owners.get(req.rid)
+        if owner is None:
+            owner = self._owners[req.rid] = next(self._next_owner)
+        return owner
+
+
+def _tail(req: "Req", length: int) -> list[int]:
+    """The last `length` tokens of prompt + output, without copying the whole history."""
+    output = req.output_ids
+    if len(output) >= length:
+        return output[-length:]
+    return req.prompt_ids[len(output) - length:] + output
+
+
+def _pack(rows: list[tuple[list[int], list[int]]]) -> DraftTrees:
+    """One tensor build for the whole batch (a tensor per request would cost more than drafting)."""
+    n = max(len(tokens) for tokens, _ in rows)
+    tokens = [t + [0] * (n - len(t)) for t, _ in rows]
+    parents = [p + [-1] * (n - len(p)) for _, p in rows]
+    return DraftTrees.build(torch.tensor(tokens), torch.tensor(parents), torch.tensor([len(t) for t, _ in rows]))

@@ -1,0 +1,132 @@
+"""DraftTrees: a batch of draft trees, one per request, all padded to n nodes.
+
+Conventions:
+- node 0 is the root: the last committed token. It is NOT in the KV cache yet (it was
+  sampled by the previous step), so the verify forward runs all n nodes, root included.
+- parents are topological: parents[b, i] < i, parents[b, 0] = -1.
+- nodes num_nodes[b] .. n-1 of row b are padding: parent -1, depth 0, they see only
+  themselves, have no children and are no one's child.
+- positions: the root sits at position prefix_len (the number of tokens already in the
+  KV cache); a node at depth d sits at prefix_len + d.
+- children of a node are ordered by node index (drafters put their best guess first);
+  verification tries them in that order.
+
+Derived tensors are built once, vectorised over batch and nodes: the only loops run
+log2(n) pointer-doubling rounds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class DraftTrees:
+    tokens: torch.Tensor          # (bs, n) int64
+    parents: torch.Tensor         # (bs, n) int64, -1 for the root and padding
+    num_nodes: torch.Tensor       # (bs,) int64, real nodes including the root
+    depth: torch.Tensor           # (bs, n) int64, root 0, padding 0
+    ancestor_mask: torch.Tensor   # (bs, n, n) bool, [b, i, j] = j is i or an ancestor of i
+    first_child: torch.Tensor     # (bs, n) int64, lowest-index child, -1 if none
+    next_sibling: torch.Tensor    # (bs, n) int64, next child of the same parent, -1 if none
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_slots(self) -> int:
+        """n: nodes per tree, padding included."""
+        return self.tokens.shape[1]
+
+    @classmethod
+    def build(cls, tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor) -> DraftTrees:
+        """Derives depth, ancestor mask and child order from (tokens, parents, num_nodes).
+
+        Parents of the root and of padding nodes are normalised to -1. Does not check that
+        parents are topological (that needs a host sync): see `validate`.
+        """
+        bs, n = tokens.shape
+        device = tokens.device
+        node = torch.arange(n, device=device)
+        num_nodes = num_nodes.to(device=device, dtype=torch.int64)
+        is_child = (node > 0) & (node < num_nodes.unsqueeze(1))          # (bs, n): real, not root
+        parents = torch.where(is_child, parents.to(torch.int64), torch.full_like(parents, -1, dtype=torch.int64))
+
+        # Pointer doubling: `jump` is each node's 2**k-th ancestor (the root and padding point
+        # to themselves); after round k, mask[i] holds the ancestors within distance 2**k.
+        jump = torch.where(is_child, parents, node.expand(bs, n))
+        mask = torch.eye(n, dtype=torch.bool, device=device).expand(bs, n, n).clone()
+        mask.scatter_(2, jump.unsqueeze(2), True)
+        reach = 1
+        while reach < n - 1:
+            mask |= mask.gather(1, jump.unsqueeze(2).expand(bs, n, n))
+            jump = jump.gather(1, jump)
+            reach *= 2
+        depth = mask.sum(dim=2) - 1
+
+        # first child: the lowest child index per parent (scatter-min; non-children send n to row 0)
+        sentinel = torch.full((bs, n), n, dtype=torch.int64, device=device)
+        child_index = torch.where(is_child, node.expand(bs, n), sentinel)
+        first_child = sentinel.scatter_reduce(1, parents.clamp(min=0), child_index, "amin")
+        # next sibling: the lowest later node with the same parent
+        same_parent = ((parents.unsqueeze(2) == parents.unsqueeze(1))
+                       & is_child.unsqueeze(2) & is_child.unsqueeze(1)
+                       & (node.view(1, 1, n) > node.view(1, n, 1)))              # (bs, i, j)
+        next_sibling = torch.where(same_parent, node.view(1, 1, n), n).amin(dim=2)
+        first_child = torch.where(first_child == n, -1, first_child)
+        next_sibling = torch.where(next_sibling == n, -1, next_sibling)
+        return cls(tokens.to(torch.int64), parents, num_nodes, depth, mask, first_child, next_sibling)
+
+    @classmethod
+    def from_lists(cls, trees: Sequence[tuple[Sequence[int], Sequence[int]]], n: int | None = None,
+                   device: torch.device | str | None = None) -> DraftTrees:
+        """From per-request (tokens, parents) lists; pads to n (default: the largest tree)
+        with token 0 and parent -1."""
+        sizes = [len(tok) for tok, _ in trees]
+        n = max(sizes) if n is None else n
+        if min(sizes) < 1 or max(sizes) > n:
+            raise ValueError(f"tree sizes {sizes} must be in [1, {n}]")
+        tokens = torch.zeros((len(trees), n), dtype=torch.int64)
+        parents = torch.full((len(trees), n), -1, dtype=torch.int64)
+        for row, (tok, par) in enumerate(trees):
+            if len(par) != len(tok):
+                raise ValueError(f"tree {row}: {len(tok)} tokens but {len(par)} parents")
+            tokens[row, :len(tok)] = torch.tensor(tok, dtype=torch.int64)
+            parents[row, :len(par)] = torch.tensor(par, dtype=torch.int64)
+        return cls.build(tokens.to(device), parents.to(device), torch.tensor(sizes, device=device))
+
+    @classmethod
+    def chain(cls, tokens: torch.Tensor, num_nodes: torch.Tensor | None = None) -> DraftTrees:
+        """Chains: node i's parent is i - 1. tokens (bs, n), tokens[:, 0] the roots."""
+        bs, n = tokens.shape
+        parents = (torch.arange(n, device=tokens.device) - 1).expand(bs, n)
+        if num_nodes is None:
+            num_nodes = torch.full((bs,), n, dtype=torch.int64, device=tokens.device)
+        return cls.build(tokens, parents, num_nodes)
+
+    @classmethod
+    def root_only(cls, root_tokens: torch.Tensor) -> DraftTrees:
+        """n = 1 trees: a plain decode step."""
+        return cls.chain(root_tokens.view(-1, 1))
+
+    def positions(self, prefix_lens: torch.Tensor) -> torch.Tensor:
+        """(bs, n) positions: prefix_lens[b] (tokens already in the KV cache, = the root's
+        position) + depth. Padding nodes get the root's position."""
+        return prefix_lens.to(torch.int64).unsqueeze(1) + self.depth
+
+    def to(self, device: torch.device | str) -> DraftTrees:
+        return DraftTrees(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+    def validate(self) -> None:
+        """Checks the invariants (syncs with the host: for tests and debugging)."""
+        n = self.num_slots
+        node = torch.arange(n, device=self.tokens.device)
+        real = node < self.num_nodes.unsqueeze(1)
+        if bool(((self.num_nodes < 1) | (self.num_nodes > n)).any()):
+            raise ValueError("num_nodes must be in [1, n]")
+        child = real & (node > 0)
+        if bool((child & ((self.parents < 0) | (self.parents >= node))).any()):
+            raise ValueError("parents must satisfy 0 <= parents[i] < i for real non-root nodes")
