@@ -10,7 +10,7 @@ import torch
 from specserve.args import ServerArgs
 from specserve.attention.base import ForwardBatch, ForwardMode, create_attention_backend
 from specserve.engine.request import Req
-from specserve.kv.pool import KVPool
+from specserve.kv.pool import PADDING_SLOT, KVPool
 from specserve.model.config import ModelConfig
 from specserve.model.llama import DecoderLM
 from specserve.model.layers import RotaryEmbedding
@@ -60,6 +60,18 @@ class ModelRunner:
             backend = "triton" if device.type == "cuda" else "torch_native"
         self.attn_backend = create_attention_backend(backend, config.num_heads, config.num_kv_heads, config.head_dim)
         logger.info("KV cache: %d tokens, attention backend %s", self.pool.size, backend)
+        self.graphs = self._capture_graphs()
+
+    def _capture_graphs(self):
+        args = self.args
+        if self.device.type != "cuda" or args.disable_cuda_graph or not self.attn_backend.supports_cuda_graph:
+            return None
+        from specserve.runner.cuda_graph import CudaGraphRunner
+        max_bs = min(args.cuda_graph_max_bs or 64, self.max_running_requests)
+        n = args.speculative_num_draft_tokens if args.speculative else 1
+        # smaller trees (the batch's largest draft decides) replay a smaller, cheaper graph
+        sizes = sorted({1, n} | {size for size in (4, 8) if size < n})
+        return CudaGraphRunner(self.model, self.attn_backend, self.pool, max_bs, sizes)
 
     def _kv_tokens(self) -> int:
         if self.args.max_total_tokens is not None:
@@ -96,6 +108,8 @@ class ModelRunner:
         """Runs each request's draft tree (its first num_nodes[i] nodes; the root is the last
         token); returns (bs, n, vocab) logits, rows past a request's node count undefined."""
         n = trees.tokens.shape[1]
+        if self.graphs is not None and self.graphs.can_run(len(reqs), n):
+            return self._replay_graph(reqs, trees, num_nodes, slots)
         node_index = torch.cat([torch.arange(c) + i * n for i, c in enumerate(num_nodes)]).to(self.device)
         kv_lens = torch.tensor([r.kv_len for r in reqs], device=self.device)
         input_ids = trees.tokens.reshape(-1)[node_index]
@@ -106,6 +120,16 @@ class ModelRunner:
         padded = logits.new_zeros((len(reqs) * n, logits.shape[-1]))
         padded[node_index] = logits
         return padded.view(len(reqs), n, -1)
+
+    def _replay_graph(self, reqs, trees: DraftTrees, num_nodes: list[int], slots: list[int]) -> torch.Tensor:
+        n = trees.tokens.shape[1]
+        padded_slots, offset = [], 0
+        for count in num_nodes:  # padding nodes write to the padding slot
+            padded_slots.extend(slots[offset:offset + count] + [PADDING_SLOT] * (n - count))
+            offset += count
+        node_slots = torch.tensor(padded_slots, dtype=torch.long).view(len(reqs), n).to(self.device, non_blocking=True)
+        return self.graphs.replay(trees.tokens, trees.depth, trees.ancestor_mask, node_slots,
+                                  [r.row for r in reqs], [r.kv_len for r in reqs])
 
     def _forward_batch(self, mode, reqs, input_ids, positions, slots, extend_lens, logits_rows, tree_mask=None) -> ForwardBatch:
         device = self.device

