@@ -83,7 +83,11 @@ class EngineCore:
     def _run_extend(self, batch: Batch) -> list[StepOutput]:
         slots = self.scheduler.alloc_slots(sum(batch.extend_lens))
         assert slots is not None, "the scheduler reserves the cache a prefill needs"
-        logits = self.runner.extend(batch.reqs, batch.extend_lens, slots, batch.samples)
+        try:
+            logits = self.runner.extend(batch.reqs, batch.extend_lens, slots, batch.samples)
+        except BaseException:
+            self.scheduler.free_slots(slots)  # no request holds them yet
+            raise
         offset = 0
         for req, length in zip(batch.reqs, batch.extend_lens):
             self.scheduler.append_kv(req, slots[offset:offset + length])
@@ -92,7 +96,7 @@ class EngineCore:
         if not sampling:
             return []
         trees = DraftTrees.root_only(self._last_tokens(sampling))
-        sampled = self.sampler.sample(logits, trees, sampling)
+        sampled = self.sampler.sample(logits, trees, sampling, self.sampler.prepare(trees, sampling))
         return [self._commit(req, sampled, i, node_slots=[]) for i, req in enumerate(sampling)]
 
     def _run_decode(self, batch: Batch) -> list[StepOutput]:
@@ -102,8 +106,12 @@ class EngineCore:
         if slots is None:  # the cache fits one token per request (the scheduler made sure), not the drafts
             trees, num_nodes = DraftTrees.root_only(self._last_tokens(reqs)), [1] * len(reqs)
             slots = self.scheduler.alloc_slots(len(reqs))
-        logits = self.runner.verify(reqs, trees, num_nodes, slots)
-        sampled = self.sampler.sample(logits, trees, reqs)
+        try:
+            logits = self.runner.verify(reqs, trees, num_nodes, slots)
+            sampled = self.sampler.sample(logits, trees, reqs)
+        except BaseException:
+            self.scheduler.free_slots(slots)  # no request holds them until commit
+            raise
         outputs, offset = [], 0
         for i, req in enumerate(reqs):
             node_slots = slots[offset:offset + num_nodes[i]]
@@ -153,9 +161,12 @@ class EngineCore:
         return StepOutput(req=req, new_token_ids=new_tokens, finished=req.finished)
 
     def _finish_reason(self, req: Req, token: int) -> dict | None:
-        stop_string = req.detokenizer.add(token)
         if token in req.stop_ids and len(req.output_ids) > req.params.min_new_tokens:
+            # as in SGLang and vLLM, the matched stop token's text is trimmed unless no_stop_trim
+            if req.params.no_stop_trim:
+                req.detokenizer.add(token)
             return {"type": "stop", "matched": token}
+        stop_string = req.detokenizer.add(token)
         if stop_string is not None:
             return {"type": "stop", "matched": stop_string}
         if len(req.output_ids) >= req.max_new_tokens:

@@ -24,20 +24,40 @@ class SampledStep:
     top_logprobs: list[list[list[tuple[int, float]]]] | None
 
 
+@dataclass
+class PreparedSampling:
+    penalties: tuple | None                              # apply_penalties_to_tree's tensors
+    early_stops: tuple[torch.Tensor, torch.Tensor] | None
+    sampling: dict | None                                # verify_sampling's tensors; None = all greedy
+
+
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device):
         self.vocab_size = vocab_size
         self.device = device
 
-    def sample(self, logits: torch.Tensor, trees: DraftTrees, reqs: list[Req]) -> SampledStep:
+    def prepare(self, trees: DraftTrees, reqs: list[Req]) -> "PreparedSampling":
+        """Builds the per-request tensors. Called before the forward is launched: a host to
+        device copy issued after it would wait for the forward to finish."""
+        return PreparedSampling(
+            penalties=self._penalty_tensors(reqs) if any(r.params.has_penalties for r in reqs) else None,
+            early_stops=self._early_stop_masks(trees, reqs),
+            sampling=None if all(r.params.greedy for r in reqs) else self._sampling_tensors(reqs))
+
+    def sample(self, logits: torch.Tensor, trees: DraftTrees, reqs: list[Req],
+               prepared: "PreparedSampling | None" = None) -> SampledStep:
         """logits: (bs, n, vocab) fp32, the target's logits at each tree node."""
+        prepared = prepared or self.prepare(trees, reqs)
         raw_logits = logits
-        logits = self._apply_penalties(logits, trees, reqs)
-        logits = self._mask_early_stops(logits, trees, reqs)
-        if all(r.params.greedy for r in reqs):
+        if prepared.penalties is not None:
+            logits = apply_penalties_to_tree(logits, trees, *prepared.penalties)
+        if prepared.early_stops is not None:
+            too_early, stop_mask = prepared.early_stops
+            logits = logits.masked_fill(too_early.unsqueeze(-1) & stop_mask.unsqueeze(1), float("-inf"))
+        if prepared.sampling is None:
             result = verify_greedy(trees, logits)
         else:
-            result = verify_sampling(trees, logits, **self._sampling_tensors(reqs))
+            result = verify_sampling(trees, logits, **prepared.sampling)
         # the one host sync of the step
         packed = torch.cat([result.accept_lens.unsqueeze(1), result.accepted_nodes, result.committed_tokens], 1).cpu()
         n = trees.tokens.shape[1]
@@ -49,10 +69,8 @@ class Sampler:
             logprobs, top = self._logprobs(raw_logits, result, reqs, lens)
         return SampledStep(tokens=tokens, accepted_nodes=accepted, logprobs=logprobs, top_logprobs=top)
 
-    def _apply_penalties(self, logits, trees, reqs) -> torch.Tensor:
-        if not any(r.params.has_penalties for r in reqs):
-            return logits
-        bs, vocab = len(reqs), logits.shape[-1]
+    def _penalty_tensors(self, reqs) -> tuple:
+        bs, vocab = len(reqs), self.vocab_size
         counts = torch.zeros((bs, vocab), dtype=torch.long, device=self.device)
         prompt_mask = torch.zeros((bs, vocab), dtype=torch.bool, device=self.device)
         for i, req in enumerate(reqs):
@@ -61,24 +79,23 @@ class Sampler:
                 counts[i].index_add_(0, ids, torch.ones_like(ids))
             prompt_mask[i, torch.tensor(req.prompt_ids, device=self.device)] = True
         param = lambda name: torch.tensor([getattr(r.params, name) for r in reqs], dtype=torch.float32, device=self.device)
-        return apply_penalties_to_tree(logits, trees, counts, prompt_mask, param("repetition_penalty"),
-                                       param("frequency_penalty"), param("presence_penalty"))
+        return counts, prompt_mask, param("repetition_penalty"), param("frequency_penalty"), param("presence_penalty")
 
-    def _mask_early_stops(self, logits, trees, reqs) -> torch.Tensor:
+    def _early_stop_masks(self, trees, reqs) -> tuple[torch.Tensor, torch.Tensor] | None:
         """min_new_tokens: a node whose next token would be output number < min_new_tokens
-        may not pick a stop token."""
+        may not pick a stop token. Returns (too_early (bs, n), stop_mask (bs, vocab))."""
         if not any(r.params.min_new_tokens > len(r.output_ids) for r in reqs):
-            return logits
+            return None
         bs = len(reqs)
         produced = torch.tensor([len(r.output_ids) for r in reqs], device=self.device)
         minimum = torch.tensor([r.params.min_new_tokens for r in reqs], device=self.device)
-        too_early = (produced.unsqueeze(1) + trees.depth) < minimum.unsqueeze(1)      # (bs, n)
-        stop_mask = torch.zeros((bs, logits.shape[-1]), dtype=torch.bool, device=self.device)
+        too_early = (produced.unsqueeze(1) + trees.depth) < minimum.unsqueeze(1)
+        stop_mask = torch.zeros((bs, self.vocab_size), dtype=torch.bool, device=self.device)
         for i, req in enumerate(reqs):
-            ids = [t for t in req.stop_ids if t < logits.shape[-1]]
+            ids = [t for t in req.stop_ids if t < self.vocab_size]
             if ids:
                 stop_mask[i, ids] = True
-        return logits.masked_fill(too_early.unsqueeze(-1) & stop_mask.unsqueeze(1), float("-inf"))
+        return too_early, stop_mask
 
     def _sampling_tensors(self, reqs: list[Req]) -> dict:
         def column(values, dtype):

