@@ -79,7 +79,7 @@ class AttentionBackend:
     # --- CUDA-graph hooks (a backend without graph support keeps these defaults) ---
     supports_cuda_graph = False
 
-    def init_cuda_graph_state(self, max_bs: int, max_tokens_per_req: int) -> None:
+    def init_cuda_graph_state(self, max_bs: int, max_tokens_per_req: int, kv_pool: "KVPool") -> None:
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
     def plan_for_capture(self, batch: ForwardBatch) -> None:

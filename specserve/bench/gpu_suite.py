@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import time
@@ -83,7 +84,8 @@ def bench_model(path: str, ns, bandwidth: float, write) -> None:
     from specserve.engine.engine import Engine
     name = os.path.basename(path).removesuffix(".gguf")
     engine = Engine(model_path=path, speculative_algorithm="NGRAM", speculative_num_draft_tokens=16,
-                    cuda_graph_max_bs=64, log_level="warning", dtype=ns.dtype, device=ns.device)
+                    cuda_graph_max_bs=64, log_level="warning", dtype=ns.dtype, device=ns.device,
+                    mem_fraction_static=0.5)  # room for transformers' copy of the model afterwards
     roofline = bandwidth / weight_bytes(engine)
     write({"model": name, "kind": "roofline", "weight_bytes": weight_bytes(engine), "bandwidth_GBps": bandwidth / 1e9,
            "roofline_tok_s_bs1": roofline})
@@ -111,6 +113,9 @@ def bench_model(path: str, ns, bandwidth: float, write) -> None:
     model_path = engine.model_path
     engine.shutdown()
     del engine
+    gc.collect()
+    if ns.device == "cuda":
+        torch.cuda.empty_cache()
     if ns.transformers:
         bench_transformers(model_path, name, workloads, ns, write)
 

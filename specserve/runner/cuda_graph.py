@@ -85,6 +85,7 @@ class CudaGraphRunner:
             prefix_lens_host=[0] * bs, extend_lens_host=[n] * bs, kv_pool=self.pool,
             logits_indices=s.logits_indices[:rows], tree_mask=s.tree_mask[:bs] if n > 1 else None)
 
+    @torch.inference_mode()
     def _capture(self, bs: int, n: int) -> None:
         batch = self._static_batch(bs, n)
         self.backend.plan_for_capture(batch)

@@ -155,4 +155,4 @@ def _build_model(config: ModelConfig, state_dict, device, dtype, context_length:
     model = model.to_empty(device=device).to(dtype)
     model.rope = RotaryEmbedding(config.head_dim, context_length, config.rope_theta, config.rope_scaling).to(device)
     model.load_weights(state_dict)
-    return model.eval()
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,103 @@
+"""Decode attention: one new token per request, split over the keys (flash-decoding).
+
+Program (request, kv_head, split) loads the query rows of every q head that shares the
+kv head (grouped-query: the K/V block is read once for the whole group, and the group is
+padded to 16 rows so it can go through tl.dot), walks the split's keys and writes a
+partial result; `merge_splits` then reduces the splits. The keys of request b are its
+prefix (`req_to_token[req_rows[b], :prefix_lens[b]]`) followed by its own new slot
+`out_slots[b]`. With one split the program writes the final output directly.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from specserve.attention.kernels.online_softmax import (
+    LOG2_E, attend_block, check_layout, dot_precision, load_kv_block, merge_splits, split_range, store_split)
+
+# launch configuration; BLOCK_N keys per step
+CONFIG = dict(BLOCK_N=128, num_warps=4, num_stages=2)
+
+
+@triton.jit
+def _key_slots(pos, prefix_len, table_row_ptr, new_slot):
+    """Slot of each key position: the prefix from the request's `req_to_token` row, then
+    the new token's slot at position prefix_len (past it: slot 0, masked by the caller)."""
+    in_prefix = pos < prefix_len
+    from_table = tl.load(table_row_ptr + pos, mask=in_prefix, other=0).to(tl.int64)
+    return tl.where(in_prefix, from_table, tl.where(pos == prefix_len, new_slot, 0))
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_buffer, v_buffer, req_to_token, req_rows, prefix_lens, out_slots,
+                   out_ptr, lse_ptr,
+                   stride_qt, stride_qh, stride_slot, stride_kv_head, stride_table,
+                   stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+                   qk_scale,
+                   HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, STORE_LSE: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
+    req = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+
+    group_rows = tl.arange(0, BLOCK_H)
+    row_ok = group_rows < GROUP
+    heads = kv_head * GROUP + group_rows
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(q_ptr + req * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)            # (BLOCK_H, BLOCK_D)
+
+    prefix_len = tl.load(prefix_lens + req)
+    kv_len = prefix_len + 1
+    table_row = req_to_token + tl.load(req_rows + req).to(tl.int64) * stride_table
+    new_slot = tl.load(out_slots + req)
+    lo, hi = split_range(kv_len, split, num_splits, BLOCK_N)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        key_ok = pos < hi
+        slots = _key_slots(pos, prefix_len, table_row, new_slot)
+        k, v = load_kv_block(k_buffer, v_buffer, slots, kv_head, stride_slot, stride_kv_head, dims,
+                             key_ok, dim_ok, q.dtype)
+        m_i, l_i, acc = attend_block(q, k, v, key_ok[None, :], m_i, l_i, acc, qk_scale, DOT_PRECISION)
+
+    out_ptrs = out_ptr + req * stride_ot + heads[:, None] * stride_oh + split * stride_os + dims[None, :]
+    lse_ptrs = lse_ptr + req * stride_lt + heads * stride_lh + split
+    store_split(out_ptrs, lse_ptrs, acc, m_i, l_i, row_ok, dim_ok, STORE_LSE)
+
+
+def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                     req_to_token: torch.Tensor, req_rows: torch.Tensor, prefix_lens: torch.Tensor,
+                     out_slots: torch.Tensor, out: torch.Tensor, scale: float,
+                     partial_out: torch.Tensor | None = None, partial_lse: torch.Tensor | None = None) -> None:
+    """q, out: (bs, num_heads, head_dim), token b belongs to request b; k/v_buffer: (slots,
+    num_kv_heads, head_dim); req_rows, prefix_lens: (bs,) int32; out_slots: (bs,) int64.
+    partial_out (bs, num_heads, splits, head_dim) and partial_lse (bs, num_heads, splits)
+    fp32 give the split count; without them one split writes `out` directly."""
+    bs, num_heads, head_dim = q.shape
+    num_kv_heads = k_buffer.shape[1]
+    if bs == 0:
+        return
+    check_layout(q, k_buffer, v_buffer, out)
+    split_out = partial_out is not None
+    num_splits = partial_out.shape[2] if split_out else 1
+    target, lse = (partial_out, partial_lse) if split_out else (out.unsqueeze(2), out)
+    group = num_heads // num_kv_heads
+    _decode_kernel[(bs, num_kv_heads, num_splits)](
+        q, k_buffer, v_buffer, req_to_token, req_rows, prefix_lens, out_slots, target, lse,
+        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), req_to_token.stride(0),
+        target.stride(0), target.stride(1), target.stride(2), lse.stride(0), lse.stride(1),
+        scale * LOG2_E,
+        HEAD_DIM=head_dim, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), STORE_LSE=split_out,
+        DOT_PRECISION=dot_precision(q.dtype), **CONFIG)
+    if split_out:
+        merge_splits(partial_out, partial_lse, out)
+

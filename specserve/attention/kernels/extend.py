@@ -1,0 +1,146 @@
+"""Extend / verify attention: the new tokens of each request (ragged, `qo_indptr`) attend
+to the request's prefix and to the new tokens a mask allows among themselves.
+
+One kernel, two mask modes (a constexpr): causal (EXTEND: prefill, chunked prefill) or
+a tree (VERIFY: `tree_mask[b, i, j]`, node i sees node j iff j is i or an ancestor).
+
+Grouped-query: the rows of a query block are (token, q head) pairs of one kv head, row
+r = token * GROUP + head_in_group, so a K/V block is loaded once for all heads of the
+group — a verify step of n tokens then reads the prefix once per kv head, like decode.
+The keys can be split (grid axis 2) as in decode, so a few long requests still fill the
+GPU; `merge_splits` reduces the splits, and one split writes the output directly. Each
+program walks its split in two runs: prefix keys (slots from `req_to_token`, no mask to
+compute) and then new keys (slots from `out_slots`, through the mask).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from specserve.attention.kernels.online_softmax import (
+    LOG2_E, attend_block, check_layout, dot_precision, load_kv_block, merge_splits, split_range, store_split)
+
+# launch configuration: BLOCK_M query rows (token x head) and BLOCK_N keys per step
+CONFIG = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
+
+
+def num_row_blocks(tokens_per_req: int, group: int) -> int:
+    """Query blocks per request along grid axis 0 (rows are tokens x heads of the group)."""
+    return triton.cdiv(max(tokens_per_req, 1) * group, CONFIG["BLOCK_M"])
+
+
+@triton.jit
+def _attend_keys(q, m_i, l_i, acc, k_buffer, v_buffer, slot_ptr, lo, hi, kv_head, stride_slot, stride_kv_head,
+                 dims, dim_ok, qk_scale, token, row_ok, tree_rows,
+                 MASK: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Attend to the keys with index [lo, hi) of a run of slots (`slot_ptr[index]`).
+    MASK 0: every row sees every key (the prefix); 1: causal, row sees index <= token;
+    2: tree, row sees index iff tree_rows[row][index] (tree_rows: (BLOCK_M,) pointers)."""
+    for start in range(lo, hi, BLOCK_N):
+        index = start + tl.arange(0, BLOCK_N)
+        key_ok = index < hi
+        slots = tl.load(slot_ptr + index, mask=key_ok, other=0).to(tl.int64)
+        k, v = load_kv_block(k_buffer, v_buffer, slots, kv_head, stride_slot, stride_kv_head, dims,
+                             key_ok, dim_ok, q.dtype)
+        if MASK == 0:
+            visible = key_ok[None, :]
+        elif MASK == 1:
+            visible = key_ok[None, :] & (index[None, :] <= token[:, None])
+        else:
+            visible = tl.load(tree_rows[:, None] + index[None, :], mask=row_ok[:, None] & key_ok[None, :],
+                              other=0) != 0
+        m_i, l_i, acc = attend_block(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _extend_kernel(q_ptr, k_buffer, v_buffer, req_to_token, req_rows, prefix_lens, qo_indptr, out_slots,
+                   tree_mask, out_ptr, lse_ptr,
+                   stride_qt, stride_qh, stride_slot, stride_kv_head, stride_table,
+                   stride_tree_b, stride_tree_i,
+                   stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+                   row_blocks, qk_scale,
+                   HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, TREE_MASK: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   STORE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    req = tl.program_id(0) // row_blocks
+    row_block = tl.program_id(0) % row_blocks
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+
+    qo_start = tl.load(qo_indptr + req).to(tl.int64)
+    extend_len = tl.load(qo_indptr + req + 1) - qo_start
+    prefix_len = tl.load(prefix_lens + req)
+    table_row = req_to_token + tl.load(req_rows + req).to(tl.int64) * stride_table
+
+    rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    token = rows // GROUP                                                     # index among the new tokens
+    heads = kv_head * GROUP + rows % GROUP
+    row_ok = token < extend_len
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    q_rows = (qo_start + token) * stride_qt + heads * stride_qh
+    q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+
+    # this split's key positions, then the part of them this block of rows may see
+    lo, hi = split_range(prefix_len + extend_len, split, num_splits, BLOCK_N)
+    if not TREE_MASK:  # causal: no row of the block sees past its last token
+        hi = tl.minimum(hi, prefix_len + tl.minimum((row_block * BLOCK_M + BLOCK_M - 1) // GROUP, extend_len - 1) + 1)
+    hi = tl.where(row_block * BLOCK_M < extend_len * GROUP, hi, lo)  # a block of padding rows reads nothing
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    tree_rows = tree_mask + req * stride_tree_b + token * stride_tree_i
+    # prefix keys, seen by every row, with no mask to compute
+    m_i, l_i, acc = _attend_keys(q, m_i, l_i, acc, k_buffer, v_buffer, table_row, lo, tl.minimum(hi, prefix_len),
+                                 kv_head, stride_slot, stride_kv_head, dims, dim_ok, qk_scale, token, row_ok,
+                                 tree_rows, 0, BLOCK_N, DOT_PRECISION)
+    # new keys, indexed among the new tokens, through the causal or tree mask
+    m_i, l_i, acc = _attend_keys(q, m_i, l_i, acc, k_buffer, v_buffer, out_slots + qo_start,
+                                 tl.maximum(lo, prefix_len) - prefix_len, hi - prefix_len,
+                                 kv_head, stride_slot, stride_kv_head, dims, dim_ok, qk_scale, token, row_ok,
+                                 tree_rows, 2 if TREE_MASK else 1, BLOCK_N, DOT_PRECISION)
+
+    out_rows = (qo_start + token) * stride_ot + heads * stride_oh + split * stride_os
+    lse_ptrs = lse_ptr + (qo_start + token) * stride_lt + heads * stride_lh + split
+    store_split(out_ptr + out_rows[:, None] + dims[None, :], lse_ptrs, acc, m_i, l_i, row_ok, dim_ok, STORE_LSE)
+
+
+def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                     req_to_token: torch.Tensor, req_rows: torch.Tensor, prefix_lens: torch.Tensor,
+                     qo_indptr: torch.Tensor, out_slots: torch.Tensor, out: torch.Tensor, scale: float,
+                     row_blocks: int, tree_mask: torch.Tensor | None = None,
+                     partial_out: torch.Tensor | None = None, partial_lse: torch.Tensor | None = None) -> None:
+    """q, out: (num_tokens, num_heads, head_dim), request b's tokens are
+    qo_indptr[b]:qo_indptr[b+1] (int32, (bs+1,)); req_rows, prefix_lens: (bs,) int32;
+    out_slots: (num_tokens,) int64; row_blocks: `num_row_blocks` of the longest request
+    (or more: extra blocks do nothing). tree_mask (bs, n, n) uint8/bool selects the tree
+    mode, else causal. partial_out/partial_lse as in `decode_attention`."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_buffer.shape[1]
+    bs = req_rows.shape[0]
+    if num_tokens == 0 or bs == 0:
+        return
+    check_layout(q, k_buffer, v_buffer, out)
+    split_out = partial_out is not None
+    num_splits = partial_out.shape[2] if split_out else 1
+    target, lse = (partial_out, partial_lse) if split_out else (out.unsqueeze(2), out)
+    tree = tree_mask if tree_mask is not None else qo_indptr  # a dummy pointer in causal mode
+    if tree_mask is not None:
+        assert tree_mask.stride(-1) == 1 and tree_mask.dtype in (torch.uint8, torch.int8, torch.bool)
+    group = num_heads // num_kv_heads
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    _extend_kernel[(bs * row_blocks, num_kv_heads, num_splits)](
+        q, k_buffer, v_buffer, req_to_token, req_rows, prefix_lens, qo_indptr, out_slots, tree, target, lse,
+        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), req_to_token.stride(0),
+        tree.stride(0) if tree_mask is not None else 0, tree.stride(1) if tree_mask is not None else 0,
+        target.stride(0), target.stride(1), target.stride(2), lse.stride(0), lse.stride(1),
+        row_blocks, scale * LOG2_E,
+        HEAD_DIM=head_dim, GROUP=group, TREE_MASK=tree_mask is not None, BLOCK_M=CONFIG["BLOCK_M"],
+        BLOCK_N=CONFIG["BLOCK_N"], BLOCK_D=block_d, STORE_LSE=split_out, DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"])
+    if split_out:
+        merge_splits(partial_out, partial_lse, out)

@@ -1,0 +1,123 @@
+"""Split-K online softmax: the pieces the decode and extend kernels share.
+
+Both kernels walk one request's keys (prefix slots from `req_to_token`, then the slots of
+the new tokens) in blocks, possibly only a slice of them (a "split"), keeping a running
+max `m`, sum `l` and weighted value sum `acc` per query row (flash attention). A split
+writes `acc / l` and `lse = m + log2(l)`; `merge_splits` combines the splits of a row:
+
+    out = sum_s 2^(lse_s - lse_max) * out_s / sum_s 2^(lse_s - lse_max)
+
+Scores are kept in log2 units (scaled by softmax_scale * log2(e)) so exp2 does the work.
+A row that sees no key in a split gets out 0 and lse -inf, which the merge weighs as 0.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2_E = 1.4426950408889634
+MAX_SPLITS = 64  # the merge holds (splits, head_dim) of a head at once
+
+
+@triton.jit
+def split_range(kv_len, split, num_splits, BLOCK_N: tl.constexpr):
+    """Key positions [lo, hi) of one split; splits are whole blocks, and the last ones may
+    be empty (lo >= hi) so that the grid can be fixed while lengths vary."""
+    per_split = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, kv_len)
+    return lo, hi
+
+
+@triton.jit
+def load_kv_block(k_buffer, v_buffer, slots, kv_head, stride_slot, stride_head, dims, key_ok, dim_ok,
+                  dtype: tl.constexpr):
+    """K and V of a block of keys: two (BLOCK_N, BLOCK_D) tiles in the query dtype."""
+    offsets = slots[:, None] * stride_slot + kv_head * stride_head + dims[None, :]
+    mask = key_ok[:, None] & dim_ok[None, :]
+    k = tl.load(k_buffer + offsets, mask=mask, other=0.0).to(dtype)
+    v = tl.load(v_buffer + offsets, mask=mask, other=0.0).to(dtype)
+    return k, v
+
+
+@triton.jit
+def attend_block(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step. q (M, D), k and v (N, D), visible (M, N) or (1, N) bool;
+    m_i, l_i (M,) and acc (M, D) fp32."""
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (M, N) fp32
+    scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    # a row that has seen no visible key yet keeps m = -inf; subtract 0 so exp2 stays 0, not NaN
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_shift)
+    p = tl.math.exp2(scores - m_shift[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def store_split(out_ptrs, lse_ptrs, acc, m_i, l_i, row_ok, dim_ok, STORE_LSE: tl.constexpr):
+    """Write acc / l (in the out buffer's dtype) and, when there are several splits, lse."""
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    if STORE_LSE:
+        lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptrs, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr,
+                         stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh,
+                         num_heads, num_splits, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    # all splits are loaded at once: a loop over them would chain load latencies
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    splits = tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, BLOCK_D)
+    head_ok = heads < num_heads
+    lse = tl.load(lse_ptr + token * stride_lt + heads[:, None] * stride_lh + splits[None, :],
+                  mask=head_ok[:, None] & (splits < num_splits)[None, :], other=float("-inf"))  # (H, S)
+    lse_max = tl.max(lse, 1)
+    weights = tl.math.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max)[:, None])  # 0 for empty splits
+    # an empty split's partial output may be stale memory: never load it
+    part_ok = (lse > float("-inf"))[:, :, None] & (dims < HEAD_DIM)[None, None, :]
+    partial = tl.load(partial_ptr + token * stride_pt + heads[:, None, None] * stride_ph
+                      + splits[None, :, None] * stride_ps + dims[None, None, :], mask=part_ok, other=0.0)  # (H, S, D)
+    total = tl.sum(weights, 1)
+    out = tl.sum(weights[:, :, None] * partial, 1) / tl.where(total > 0.0, total, 1.0)[:, None]      # (H, D)
+    out_ptrs = out_ptr + token * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & (dims < HEAD_DIM)[None, :])
+
+
+def merge_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor) -> None:
+    """partial_out (num_tokens, num_heads, num_splits, head_dim) fp32, partial_lse
+    (num_tokens, num_heads, num_splits) fp32 -> out (num_tokens, num_heads, head_dim)."""
+    num_tokens, num_heads, num_splits, head_dim = partial_out.shape
+    if num_tokens == 0:
+        return
+    assert num_splits <= MAX_SPLITS
+    assert partial_out.stride(-1) == 1 and partial_lse.stride(-1) == 1 and out.stride(-1) == 1
+    block_s = max(triton.next_power_of_2(num_splits), 2)
+    block_h = max(min(triton.next_power_of_2(num_heads), MAX_SPLITS // block_s), 1)  # (H, S, D) tile <= 64 x D
+    _merge_splits_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
+        partial_out, partial_lse, out,
+        partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
+        partial_lse.stride(0), partial_lse.stride(1), out.stride(0), out.stride(1),
+        num_heads, num_splits, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_S=block_s,
+        BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs get exact fp32 dots (the default on a GPU would be tf32)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def check_layout(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, out: torch.Tensor) -> None:
+    """The kernels index the last dim with stride 1 and use K's strides for V too."""
+    assert q.stride(-1) == 1 and out.stride(-1) == 1 and k_buffer.stride(-1) == 1
+    assert k_buffer.stride() == v_buffer.stride(), "K and V buffers must have the same layout"
+    assert q.shape[1] % k_buffer.shape[1] == 0, "num_heads must be a multiple of num_kv_heads"

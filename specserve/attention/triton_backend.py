@@ -1,0 +1,182 @@
+"""The Triton attention backend: split-K decode, and one extend kernel for EXTEND (causal)
+and VERIFY (tree mask), over the token-granular KV pool.
+
+Metadata (`TritonMetadata`, built once per forward, shared by every layer): per request
+its `req_to_token` row, prefix length and first new token (`qo_indptr`); the kernels
+read prefix slots straight from `req_to_token` and new slots from `batch.out_slots`, so
+no kv_indices array is built. The split count (how many programs share one request's
+keys) is chosen from the grid size and the longest context, and the per-split scratch
+buffers are allocated once per forward.
+
+CUDA graphs: `init_cuda_graph_state` allocates static copies of that metadata for the
+largest graph, and `plan_for_capture` / `plan_for_replay` fill them in place. In graph
+mode the grid depends only on the batch size (row blocks from `max_tokens_per_req`,
+splits from `kv_pool.max_context`); kernels skip splits and row blocks a batch leaves
+empty. Padding convention for a graph batch of bs rows where only the first ones are
+real: a padded request has prefix_len 0, extend_len = the graph's tokens per request
+(1 for DECODE), all its out_slots = PADDING_SLOT (0), any valid req row (0), and for
+VERIFY a tree_mask whose diagonal is True (e.g. the identity). It then attends only to
+slot 0, reads no `req_to_token` entry, and its (finite, meaningless) output is dropped.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from specserve.attention.base import AttentionBackend, ForwardBatch, ForwardMode
+from specserve.attention.kernels.decode import decode_attention
+from specserve.attention.kernels.extend import extend_attention, num_row_blocks
+from specserve.attention.kernels.online_softmax import MAX_SPLITS
+from specserve.kv.pool import KVPool
+
+
+@dataclass
+class TritonMetadata:
+    mode: ForwardMode
+    req_rows: torch.Tensor              # (bs,) int32, rows of req_to_token
+    prefix_lens: torch.Tensor           # (bs,) int32
+    qo_indptr: torch.Tensor             # (bs + 1,) int32, request b's new tokens are [qo_indptr[b], qo_indptr[b+1])
+    tree_mask: torch.Tensor | None      # (bs, n, n) uint8, VERIFY only
+    row_blocks: int                     # extend grid: query blocks per request
+    partial_out: torch.Tensor | None    # (num_tokens, num_heads, splits, head_dim) fp32; None = one split
+    partial_lse: torch.Tensor | None    # (num_tokens, num_heads, splits) fp32
+
+
+@dataclass
+class _GraphBuffers:
+    """Static metadata read by captured graphs, sized for the largest one."""
+    max_bs: int
+    max_tokens_per_req: int
+    max_context: int
+    req_rows: torch.Tensor      # (max_bs,) int32
+    prefix_lens: torch.Tensor   # (max_bs,) int32
+    qo_indptr: torch.Tensor     # (max_bs + 1,) int32
+    tree_mask: torch.Tensor     # (max_bs, max_tokens_per_req, max_tokens_per_req) uint8
+    partial_out: torch.Tensor   # flat fp32, viewed per batch size
+    partial_lse: torch.Tensor   # flat fp32
+
+
+class TritonBackend(AttentionBackend):
+    supports_cuda_graph = True
+    # a split reads at least this many keys: fewer would cost more in merging than it gains
+    min_keys_per_split = 128
+    # grid size to aim for when splitting; None = 4 programs per SM on CUDA, 8 elsewhere
+    target_programs: int | None = None
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__(num_heads, num_kv_heads, head_dim)
+        assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+        self.group = num_heads // num_kv_heads
+        self._graph: _GraphBuffers | None = None
+
+    # --- eager ---
+    def plan(self, batch: ForwardBatch) -> None:
+        device = batch.input_ids.device
+        bs = batch.batch_size
+        qo_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=device)
+        qo_indptr[1:] = torch.cumsum(batch.extend_lens, 0)
+        tree_mask = None
+        if batch.mode is ForwardMode.VERIFY and batch.tree_mask is not None:
+            tree_mask = batch.tree_mask.to(torch.uint8).contiguous()
+        max_kv = max((p + e for p, e in zip(batch.prefix_lens_host, batch.extend_lens_host)), default=0)
+        row_blocks, splits = self._grid(batch.mode, bs, max(batch.extend_lens_host, default=0), max_kv, device)
+        partial_out = partial_lse = None
+        if splits > 1:
+            partial_out = torch.empty((batch.num_tokens, self.num_heads, splits, self.head_dim),
+                                      dtype=torch.float32, device=device)
+            partial_lse = torch.empty((batch.num_tokens, self.num_heads, splits), dtype=torch.float32, device=device)
+        batch.attn_metadata = TritonMetadata(
+            mode=batch.mode, req_rows=batch.req_rows.to(torch.int32), prefix_lens=batch.prefix_lens.to(torch.int32),
+            qo_indptr=qo_indptr, tree_mask=tree_mask, row_blocks=row_blocks,
+            partial_out=partial_out, partial_lse=partial_lse)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                batch: ForwardBatch) -> torch.Tensor:
+        pool = batch.kv_pool
+        pool.store(layer, batch.out_slots, k, v)
+        meta: TritonMetadata = batch.attn_metadata
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (num_tokens, num_heads, head_dim)
+        buffers = (pool.k_buffers[layer], pool.v_buffers[layer], pool.req_to_token, meta.req_rows, meta.prefix_lens)
+        if meta.mode is ForwardMode.DECODE:
+            decode_attention(q, *buffers, batch.out_slots, out, self.scale,
+                             partial_out=meta.partial_out, partial_lse=meta.partial_lse)
+        else:
+            extend_attention(q, *buffers, meta.qo_indptr, batch.out_slots, out, self.scale, meta.row_blocks,
+                             tree_mask=meta.tree_mask, partial_out=meta.partial_out, partial_lse=meta.partial_lse)
+        return out
+
+    # --- CUDA graphs ---
+    def init_cuda_graph_state(self, max_bs: int, max_tokens_per_req: int, kv_pool: KVPool) -> None:
+        """Static buffers for graphs of up to max_bs requests with up to max_tokens_per_req
+        new tokens each (1 for DECODE, n for VERIFY) and up to kv_pool.max_context keys."""
+        device, n = kv_pool.device, max_tokens_per_req
+        partial_rows = 0  # largest num_tokens * num_heads * splits over the graphs this state serves
+        for bs in range(1, max_bs + 1):
+            for mode, tokens in ((ForwardMode.DECODE, bs), (ForwardMode.VERIFY, bs * n)):
+                _, splits = self._grid(mode, bs, n, kv_pool.max_context, device)
+                if splits > 1:
+                    partial_rows = max(partial_rows, tokens * self.num_heads * splits)
+        int32 = dict(dtype=torch.int32, device=device)
+        self._graph = _GraphBuffers(
+            max_bs=max_bs, max_tokens_per_req=n, max_context=kv_pool.max_context,
+            req_rows=torch.zeros(max_bs, **int32), prefix_lens=torch.zeros(max_bs, **int32),
+            qo_indptr=torch.zeros(max_bs + 1, **int32),
+            tree_mask=torch.zeros((max_bs, n, n), dtype=torch.uint8, device=device),
+            partial_out=torch.zeros(partial_rows * self.head_dim, dtype=torch.float32, device=device),
+            partial_lse=torch.zeros(partial_rows, dtype=torch.float32, device=device))
+
+    def plan_for_capture(self, batch: ForwardBatch) -> None:
+        self._plan_static(batch)
+
+    def plan_for_replay(self, batch: ForwardBatch) -> None:
+        self._plan_static(batch)
+
+    def _plan_static(self, batch: ForwardBatch) -> None:
+        """Fill the static buffers in place; the views handed out depend only on the batch
+        size and mode, so they are the same at capture and at every replay."""
+        g = self._graph
+        assert g is not None, "init_cuda_graph_state must run before graph planning"
+        bs, num_tokens = batch.batch_size, batch.num_tokens
+        assert bs <= g.max_bs and num_tokens <= bs * g.max_tokens_per_req, "batch larger than the graph state"
+        g.req_rows[:bs].copy_(batch.req_rows)
+        g.prefix_lens[:bs].copy_(batch.prefix_lens)
+        g.qo_indptr[1:bs + 1].copy_(torch.cumsum(batch.extend_lens, 0))
+        tree_mask = None
+        if batch.mode is ForwardMode.VERIFY and batch.tree_mask is not None:
+            n = batch.tree_mask.shape[-1]
+            assert n <= g.max_tokens_per_req, "tree larger than the graph state"
+            tree_mask = g.tree_mask[:bs, :n, :n]
+            tree_mask.copy_(batch.tree_mask)
+        row_blocks, splits = self._grid(batch.mode, bs, g.max_tokens_per_req, g.max_context, g.req_rows.device)
+        partial_out = partial_lse = None
+        if splits > 1:
+            rows = num_tokens * self.num_heads * splits
+            partial_out = g.partial_out[:rows * self.head_dim].view(num_tokens, self.num_heads, splits, self.head_dim)
+            partial_lse = g.partial_lse[:rows].view(num_tokens, self.num_heads, splits)
+        batch.attn_metadata = TritonMetadata(
+            mode=batch.mode, req_rows=g.req_rows[:bs], prefix_lens=g.prefix_lens[:bs],
+            qo_indptr=g.qo_indptr[:bs + 1], tree_mask=tree_mask, row_blocks=row_blocks,
+            partial_out=partial_out, partial_lse=partial_lse)
+
+    # --- grid ---
+    def _grid(self, mode: ForwardMode, bs: int, tokens_per_req: int, max_kv_len: int,
+              device: torch.device) -> tuple[int, int]:
+        """(row blocks per request, kv splits): split a request's keys only as far as
+        needed to give the GPU about `target_programs` programs."""
+        row_blocks = 1 if mode is ForwardMode.DECODE else num_row_blocks(tokens_per_req, self.group)
+        programs = max(bs * self.num_kv_heads * row_blocks, 1)
+        target = self.target_programs or _default_target_programs(device)
+        splits = min(triton.cdiv(max_kv_len, self.min_keys_per_split), triton.cdiv(target, programs), MAX_SPLITS)
+        return row_blocks, max(splits, 1)
+
+
+@functools.lru_cache(maxsize=None)
+def _default_target_programs(device: torch.device) -> int:
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 8

@@ -1,0 +1,202 @@
+"""TritonBackend against TorchNativeBackend: DECODE, EXTEND (with and without a prefix),
+VERIFY (random trees of different sizes) and the static-buffer path used by CUDA graphs.
+
+The kernels run in Triton's interpreter on a CPU, which is slow: sizes stay small, and the
+split heuristics are turned down so that several splits are still exercised. With
+TRITON_INTERPRET=0 on a GPU machine the same tests run the compiled kernels on CUDA.
+"""
+from __future__ import annotations
+
+import os
+
+# must be set before triton is imported anywhere in this process
+INTERPRET = os.environ.setdefault("TRITON_INTERPRET", "1") == "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import triton  # noqa: E402,F401  -- no triton must fail these tests, never skip them
+
+from specserve.attention.base import ForwardBatch, ForwardMode  # noqa: E402
+from specserve.attention.kernels import decode as decode_kernels  # noqa: E402
+from specserve.attention.torch_native import TorchNativeBackend  # noqa: E402
+from specserve.attention.triton_backend import TritonBackend  # noqa: E402
+from specserve.kv.pool import PADDING_SLOT, KVPool  # noqa: E402
+
+DEVICE = torch.device("cpu" if INTERPRET else "cuda")
+POOL_SIZE = 2048
+MAX_CONTEXT = 512
+# (num_heads, num_kv_heads, head_dim): GQA ratios 1, 3 and 4
+HEADS = [(2, 2, 64), (6, 2, 64), (8, 2, 128)]
+
+
+def test_kernels_run_where_the_tensors_are():
+    # a module imported earlier without TRITON_INTERPRET would have compiled the kernels for a GPU
+    assert (type(decode_kernels._decode_kernel).__name__ == "InterpretedFunction") == INTERPRET
+
+
+def make_pool(num_kv_heads: int, head_dim: int, seed: int = 0) -> KVPool:
+    pool = KVPool(num_layers=1, num_kv_heads=num_kv_heads, head_dim=head_dim, size=POOL_SIZE, max_requests=8,
+                  max_context=MAX_CONTEXT, dtype=torch.float32, device=DEVICE)
+    gen = torch.Generator().manual_seed(seed)
+    for buffer in pool.k_buffers + pool.v_buffers:
+        buffer.copy_(torch.randn(buffer.shape, generator=gen))  # prefix K/V: whatever the slots hold
+    return pool
+
+
+def make_batch(pool: KVPool, mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int],
+               tree_mask: torch.Tensor | None = None, seed: int = 0) -> ForwardBatch:
+    """Requests with shuffled (non-contiguous) prefix and new slots."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = [pool.alloc_row() for _ in prefix_lens]
+    slots = torch.tensor(pool.slots.alloc(sum(prefix_lens) + sum(extend_lens)))
+    slots = slots[torch.randperm(slots.numel(), generator=gen)].to(DEVICE)
+    start = 0
+    for row, prefix in zip(rows, prefix_lens):
+        pool.write_positions(row, 0, slots[start:start + prefix].to(torch.int32))
+        start += prefix
+    num_tokens = sum(extend_lens)
+    return ForwardBatch(
+        mode=mode, input_ids=torch.zeros(num_tokens, dtype=torch.long, device=DEVICE),
+        positions=torch.zeros(num_tokens, dtype=torch.long, device=DEVICE), out_slots=slots[start:],
+        req_rows=torch.tensor(rows, device=DEVICE), prefix_lens=torch.tensor(prefix_lens, device=DEVICE),
+        extend_lens=torch.tensor(extend_lens, device=DEVICE), prefix_lens_host=list(prefix_lens),
+        extend_lens_host=list(extend_lens), kv_pool=pool,
+        logits_indices=torch.arange(num_tokens, device=DEVICE), tree_mask=tree_mask)
+
+
+def random_qkv(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn((num_tokens, heads, head_dim), generator=gen).to(DEVICE)
+                 for heads in (num_heads, num_kv_heads, num_kv_heads))
+
+
+def random_tree_masks(sizes: list[int], seed: int = 2) -> torch.Tensor:
+    """(bs, n, n) ancestor-or-self masks of random trees, n = max(sizes); padding is False."""
+    gen = torch.Generator().manual_seed(seed)
+    n = max(sizes)
+    masks = torch.zeros((len(sizes), n, n), dtype=torch.bool)
+    for b, size in enumerate(sizes):
+        for i in range(size):
+            if i > 0:
+                parent = int(torch.randint(0, i, (1,), generator=gen))
+                masks[b, i] = masks[b, parent]
+            masks[b, i, i] = True
+    return masks.to(DEVICE)
+
+
+def small_splits(backend: TritonBackend, target_programs: int = 24) -> TritonBackend:
+    """Split keys at small sizes too, so the split path and the merge are exercised."""
+    backend.min_keys_per_split = 64
+    backend.target_programs = target_programs
+    return backend
+
+
+def attend(backend, batch: ForwardBatch, q, k, v) -> torch.Tensor:
+    backend.plan(batch)
+    return backend.forward(q, k, v, 0, batch)
+
+
+def compare(heads, mode, prefix_lens, extend_lens, tree_mask=None, target_programs=24):
+    num_heads, num_kv_heads, head_dim = heads
+    pool = make_pool(num_kv_heads, head_dim)
+    batch = make_batch(pool, mode, prefix_lens, extend_lens, tree_mask)
+    q, k, v = random_qkv(batch.num_tokens, num_heads, num_kv_heads, head_dim)
+    expected = attend(TorchNativeBackend(*heads), batch, q, k, v)
+    triton_backend = small_splits(TritonBackend(*heads), target_programs)
+    got = attend(triton_backend, batch, q, k, v)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    return batch
+
+
+@pytest.mark.parametrize("heads", HEADS + [(4, 2, 80)])
+def test_decode(heads):
+    batch = compare(heads, ForwardMode.DECODE, prefix_lens=[0, 7, 150, 300], extend_lens=[1, 1, 1, 1])
+    assert batch.attn_metadata.partial_out is not None  # the split path ran
+
+
+def test_decode_one_split_writes_output_directly():
+    batch = compare((6, 2, 64), ForwardMode.DECODE, [3, 200], [1, 1], target_programs=1)
+    assert batch.attn_metadata.partial_out is None
+
+
+@pytest.mark.parametrize("heads", HEADS)
+def test_extend_without_prefix(heads):
+    compare(heads, ForwardMode.EXTEND, prefix_lens=[0, 0, 0], extend_lens=[1, 23, 70])
+
+
+@pytest.mark.parametrize("heads", HEADS)
+def test_chunked_extend(heads):
+    # a prefill chunk after earlier chunks: the prefix comes from req_to_token
+    compare(heads, ForwardMode.EXTEND, prefix_lens=[37, 130, 0], extend_lens=[16, 45, 5])
+
+
+def test_extend_one_split_writes_output_directly():
+    batch = compare((6, 2, 64), ForwardMode.EXTEND, [0, 90], [30, 12], target_programs=1)
+    assert batch.attn_metadata.partial_out is None
+
+
+@pytest.mark.parametrize("heads", HEADS)
+def test_verify_random_trees(heads):
+    sizes = [8, 1, 5]  # different tree sizes, padded to 8 in the mask
+    compare(heads, ForwardMode.VERIFY, prefix_lens=[100, 3, 260], extend_lens=sizes,
+            tree_mask=random_tree_masks(sizes))
+
+
+def test_verify_chain_without_mask_is_causal():
+    compare((6, 2, 64), ForwardMode.VERIFY, prefix_lens=[20, 70], extend_lens=[4, 4])
+
+
+def padded_graph_batch(pool: KVPool, real: ForwardBatch, bs: int, tokens_per_req: int) -> ForwardBatch:
+    """`real` padded to bs requests the way the backend's docstring says a graph batch is."""
+    pad = bs - real.batch_size
+    long = dict(dtype=torch.long, device=DEVICE)
+    tree_mask = None
+    if real.tree_mask is not None:
+        tree_mask = torch.eye(tokens_per_req, dtype=torch.bool, device=DEVICE).repeat(bs, 1, 1)
+        n = real.tree_mask.shape[-1]
+        tree_mask[:real.batch_size, :n, :n] = real.tree_mask
+    num_tokens = real.num_tokens + pad * tokens_per_req
+    return ForwardBatch(
+        mode=real.mode, input_ids=torch.zeros(num_tokens, **long), positions=torch.zeros(num_tokens, **long),
+        out_slots=torch.cat([real.out_slots, torch.full((pad * tokens_per_req,), PADDING_SLOT, **long)]),
+        req_rows=torch.cat([real.req_rows, torch.zeros(pad, **long)]),
+        prefix_lens=torch.cat([real.prefix_lens, torch.zeros(pad, **long)]),
+        extend_lens=torch.cat([real.extend_lens, torch.full((pad,), tokens_per_req, **long)]),
+        prefix_lens_host=real.prefix_lens_host + [0] * pad,
+        extend_lens_host=real.extend_lens_host + [tokens_per_req] * pad, kv_pool=pool,
+        logits_indices=torch.arange(num_tokens, device=DEVICE), tree_mask=tree_mask)
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.VERIFY])
+def test_static_buffers_match_plan(mode):
+    heads = num_heads, num_kv_heads, head_dim = (6, 2, 64)
+    tokens_per_req = 1 if mode is ForwardMode.DECODE else 5
+    pool = make_pool(num_kv_heads, head_dim)
+    real = make_batch(pool, mode, [60, 3, 200], [tokens_per_req] * 3,
+                      random_tree_masks([tokens_per_req] * 3) if mode is ForwardMode.VERIFY else None)
+    q, k, v = random_qkv(real.num_tokens, num_heads, num_kv_heads, head_dim)
+    expected = attend(small_splits(TritonBackend(*heads)), real, q, k, v)
+
+    backend = small_splits(TritonBackend(*heads))
+    # one state serves decode and verify graphs of up to 4 requests
+    backend.init_cuda_graph_state(max_bs=4, max_tokens_per_req=5, kv_pool=pool)
+    dummy = padded_graph_batch(pool, make_batch(pool, mode, [0], [tokens_per_req],
+                                                random_tree_masks([tokens_per_req]) if real.tree_mask is not None
+                                                else None), 4, tokens_per_req)
+    backend.plan_for_capture(dummy)
+    captured = dummy.attn_metadata
+
+    graph_batch = padded_graph_batch(pool, real, 4, tokens_per_req)
+    backend.plan_for_replay(graph_batch)
+    replayed = graph_batch.attn_metadata
+    # a captured graph re-reads the same memory: the replay plan must hand out the same buffers
+    for name in ("req_rows", "prefix_lens", "qo_indptr", "tree_mask", "partial_out", "partial_lse"):
+        a, b = getattr(captured, name), getattr(replayed, name)
+        assert (a is None) == (b is None) and (a is None or a.data_ptr() == b.data_ptr()), name
+    assert captured.row_blocks == replayed.row_blocks and replayed.partial_out is not None
+
+    pad_q, pad_k, pad_v = (torch.cat([x, torch.zeros((tokens_per_req, *x.shape[1:]), device=DEVICE)])
+                           for x in (q, k, v))
+    got = backend.forward(pad_q, pad_k, pad_v, 0, graph_batch)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got[:real.num_tokens], expected, atol=1e-4, rtol=1e-4)
