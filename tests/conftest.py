@@ -39,3 +39,36 @@ def smollm2_engine(smollm2_path):
     engine = Engine(model_path=smollm2_path, dtype="float32", device="cpu", max_total_tokens=16384, log_level="warning")
     yield engine
     engine.shutdown()
+
+
+# ---- extra engines for the engine API tests (test_engine_sampling / _errors / test_kv_accounting) ----
+@pytest.fixture(scope="session")
+def engine_factory(smollm2_path, smollm2_checkpoint):
+    """`engine_factory(**server_args)` makes an fp32 CPU engine over SmolLM2 (e.g. with a tiny KV cache)
+    from the session's already-loaded checkpoint instead of parsing the GGUF again; every engine it
+    made is shut down at the end of the session."""
+    import copy
+    import dataclasses
+    from unittest import mock
+
+    from specserve.engine import builder
+    from specserve.engine.engine import Engine
+
+    def reuse_checkpoint(model_path, dtype, device="cpu"):
+        assert model_path == smollm2_path and dtype == torch.float32, (model_path, dtype)
+        # the builder drops state_dict from what it gets: hand it a copy; and one tokenizer per engine thread
+        return dataclasses.replace(smollm2_checkpoint, state_dict=dict(smollm2_checkpoint.state_dict),
+                                   tokenizer=copy.deepcopy(smollm2_checkpoint.tokenizer))
+
+    engines = []
+
+    def make(**server_args):
+        kwargs = {"dtype": "float32", "device": "cpu", "log_level": "warning", **server_args}
+        with mock.patch.object(builder, "load_checkpoint", reuse_checkpoint):
+            engine = Engine(model_path=smollm2_path, **kwargs)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.shutdown()

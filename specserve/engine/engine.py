@@ -143,7 +143,9 @@ class Engine:
             detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop, params.no_stop_trim),
             seed=params.seed if params.seed is not None else self._rng.getrandbits(62),
             stop_ids=frozenset(eos | set(params.stop_token_ids)),
-            max_new_tokens=min(params.max_new_tokens, self.context_length - len(ids)),
+            # capped by the context and by the whole cache: a longer request would preempt itself forever
+            max_new_tokens=min(params.max_new_tokens, self.context_length - len(ids),
+                               self.core.runner.pool.size + 1 - len(ids)),
             return_logprob=return_logprob or top_logprobs_num > 0, top_logprobs_num=top_logprobs_num)
 
     def _submit(self, req: Req, sink: Callable[[Any], None], stream: bool) -> None:

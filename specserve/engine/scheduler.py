@@ -55,20 +55,18 @@ class Scheduler:
         # requests partway through a chunked prefill go first, then new ones in arrival order
         candidates = [r for r in self.running if r.kv_len < r.prefill_target] + list(self.waiting)
         decode_reserve = sum(1 for r in self.running if r.kv_len >= r.prefill_target)
+        free = self.pool.slots.available() - decode_reserve   # what this step's chunks may take, together
         for req in candidates:
-            if budget <= 0:
+            if budget <= 0 or free <= 0:
                 break
             if req.state is ReqState.WAITING and not self._admit(req, decode_reserve):
                 break  # FCFS: later requests wait behind this one
-            length = min(req.prefill_target - req.kv_len, budget)
-            if self.pool.slots.available() < length + decode_reserve:
-                length = self.pool.slots.available() - decode_reserve
-                if length <= 0:
-                    break
+            length = min(req.prefill_target - req.kv_len, budget, free)
             reqs.append(req)
             lens.append(length)
             samples.append(req.kv_len + length == req.num_tokens)
             budget -= length
+            free -= length
         return Batch(reqs=reqs, is_extend=True, extend_lens=lens, samples=samples) if reqs else None
 
     def _admit(self, req: Req, decode_reserve: int) -> bool:
