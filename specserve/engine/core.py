@@ -125,11 +125,12 @@ class EngineCore:
         # never draft past max_new_tokens or the context: those nodes could not be committed
         limits = [max(1, min(self.num_draft_tokens, r.max_new_tokens - len(r.output_ids),
                              self.runner.context_length - r.kv_len)) for r in reqs]
-        trees, num_nodes = self.drafter.propose(reqs, limits)
-        return trees.to(self.runner.device), num_nodes
+        return self.drafter.propose(reqs, limits)
 
-    def _last_tokens(self, reqs: list[Req]) -> torch.Tensor:
-        return torch.tensor([r.all_ids[-1] for r in reqs], dtype=torch.long, device=self.runner.device)
+    @staticmethod
+    def _last_tokens(reqs: list[Req]) -> torch.Tensor:
+        """On the host, like every draft tree: the runner builds forward metadata there."""
+        return torch.tensor([r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs], dtype=torch.long)
 
     # --- commit ---
     def _commit(self, req: Req, sampled: SampledStep, index: int, node_slots: list[int]) -> StepOutput:

@@ -5,6 +5,10 @@ A graph batch has `bucket` requests of exactly `n` tokens each (n = 1 for DECODE
 draft size for VERIFY). Real requests with smaller trees, and the padding requests that
 fill a bucket, get padding nodes: token 0, KV slot PADDING_SLOT, a tree-mask row that sees
 only itself; their logits are dropped. Prefill (EXTEND) stays eager: its shapes vary.
+
+Each graph's integer inputs live in one packed int64 buffer, filled on the host (pinned)
+and sent with a single copy per step: small device ops per input would cost more than the
+forward of a small model.
 """
 from __future__ import annotations
 
@@ -27,15 +31,29 @@ def batch_size_buckets(max_bs: int) -> list[int]:
 
 
 @dataclass
-class _StaticInputs:
-    input_ids: torch.Tensor     # (max_bs * n,) int64
-    positions: torch.Tensor     # (max_bs * n,) int64
-    out_slots: torch.Tensor     # (max_bs * n,) int64
-    req_rows: torch.Tensor      # (max_bs,) int64
-    prefix_lens: torch.Tensor   # (max_bs,) int64
-    extend_lens: torch.Tensor   # (max_bs,) int64, always n
-    tree_mask: torch.Tensor     # (max_bs, n, n) bool
-    logits_indices: torch.Tensor
+class GraphInputs:
+    """Views into one packed int64 buffer (host or device) for a (bucket, n) graph."""
+    packed: torch.Tensor
+    input_ids: torch.Tensor     # (bucket, n)
+    positions: torch.Tensor     # (bucket, n)
+    out_slots: torch.Tensor     # (bucket, n)
+    req_rows: torch.Tensor      # (bucket,)
+    prefix_lens: torch.Tensor   # (bucket,)
+    extend_lens: torch.Tensor   # (bucket,), always n
+    tree_mask: torch.Tensor     # (bucket, n, n) bool, kept apart: it is not int64
+
+    @classmethod
+    def allocate(cls, bucket: int, n: int, device, pin: bool = False) -> "GraphInputs":
+        rows = bucket * n
+        packed = torch.zeros(3 * rows + 3 * bucket, dtype=torch.long, device=device, pin_memory=pin)
+        mask = torch.eye(n, dtype=torch.bool, device=device).expand(bucket, n, n).contiguous()
+        if pin:
+            mask = mask.pin_memory()
+        parts = packed.split([rows, rows, rows, bucket, bucket, bucket])
+        inputs = cls(packed, parts[0].view(bucket, n), parts[1].view(bucket, n), parts[2].view(bucket, n),
+                     parts[3], parts[4], parts[5], mask)
+        inputs.extend_lens.fill_(n)
+        return inputs
 
 
 class CudaGraphRunner:
@@ -48,46 +66,37 @@ class CudaGraphRunner:
         self.sizes = sorted(set(tokens_per_req))
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
-        self.inputs: dict[int, _StaticInputs] = {}
+        self.device_inputs: dict[tuple[int, int], GraphInputs] = {}
+        self.host_inputs: dict[tuple[int, int], GraphInputs] = {}
+        self._batches: dict[tuple[int, int], ForwardBatch] = {}
         self.memory_pool = None
         backend.init_cuda_graph_state(self.max_bs, max(self.sizes), pool)
         start = time.perf_counter()
         for n in self.sizes:
-            self.inputs[n] = self._allocate_inputs(n)
             for bs in reversed(self.buckets):  # largest first: later graphs reuse its pool memory
                 self._capture(bs, n)
         logger.info("captured %d CUDA graphs (batch sizes %s, tokens per request %s) in %.1f s",
                     len(self.graphs), self.buckets, self.sizes, time.perf_counter() - start)
 
     def can_run(self, bs: int, n: int) -> bool:
-        return bs <= self.max_bs and any(size >= n for size in self.sizes)
+        return bs <= self.max_bs and n <= self.sizes[-1]
 
-    def graph_size(self, n: int) -> int:
-        return self.sizes[bisect.bisect_left(self.sizes, n)]
-
-    def _allocate_inputs(self, n: int) -> _StaticInputs:
-        device, rows = self.pool.device, self.max_bs * n
-        long = dict(dtype=torch.long, device=device)
-        return _StaticInputs(
-            input_ids=torch.zeros(rows, **long), positions=torch.zeros(rows, **long),
-            out_slots=torch.full((rows,), PADDING_SLOT, **long), req_rows=torch.zeros(self.max_bs, **long),
-            prefix_lens=torch.zeros(self.max_bs, **long), extend_lens=torch.full((self.max_bs,), n, **long),
-            tree_mask=torch.eye(n, dtype=torch.bool, device=device).expand(self.max_bs, n, n).contiguous(),
-            logits_indices=torch.arange(rows, device=device))
-
-    def _static_batch(self, bs: int, n: int) -> ForwardBatch:
-        s = self.inputs[n]
-        rows = bs * n
+    def _static_batch(self, key: tuple[int, int]) -> ForwardBatch:
+        bs, n = key
+        s = self.device_inputs[key]
         return ForwardBatch(
             mode=ForwardMode.DECODE if n == 1 else ForwardMode.VERIFY,
-            input_ids=s.input_ids[:rows], positions=s.positions[:rows], out_slots=s.out_slots[:rows],
-            req_rows=s.req_rows[:bs], prefix_lens=s.prefix_lens[:bs], extend_lens=s.extend_lens[:bs],
+            input_ids=s.input_ids.view(-1), positions=s.positions.view(-1), out_slots=s.out_slots.view(-1),
+            req_rows=s.req_rows, prefix_lens=s.prefix_lens, extend_lens=s.extend_lens,
             prefix_lens_host=[0] * bs, extend_lens_host=[n] * bs, kv_pool=self.pool,
-            logits_indices=s.logits_indices[:rows], tree_mask=s.tree_mask[:bs] if n > 1 else None)
+            logits_indices=torch.arange(bs * n, device=self.pool.device), tree_mask=s.tree_mask if n > 1 else None)
 
     @torch.inference_mode()
     def _capture(self, bs: int, n: int) -> None:
-        batch = self._static_batch(bs, n)
+        key = (bs, n)
+        self.device_inputs[key] = GraphInputs.allocate(bs, n, self.pool.device)
+        self.host_inputs[key] = GraphInputs.allocate(bs, n, "cpu", pin=True)
+        batch = self._static_batch(key)
         self.backend.plan_for_capture(batch)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -97,40 +106,35 @@ class CudaGraphRunner:
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.memory_pool):
-            self.outputs[(bs, n)] = self.model(batch, self.backend)
+            self.outputs[key] = self.model(batch, self.backend)
         if self.memory_pool is None:
             self.memory_pool = graph.pool()
-        self.graphs[(bs, n)] = graph
+        self.graphs[key] = graph
+        self._batches[key] = batch
 
     @torch.inference_mode()
-    def replay(self, trees_tokens: torch.Tensor, trees_depth: torch.Tensor, tree_mask: torch.Tensor,
-               node_slots: torch.Tensor, req_rows: list[int], kv_lens: list[int]) -> torch.Tensor:
-        """trees_*: (bs, m) with m <= graph n; node_slots (bs, m) int64 (PADDING_SLOT for
-        padding nodes). Returns (bs, m, vocab) logits."""
-        bs, m = trees_tokens.shape
-        n = self.graph_size(m)
-        bucket = self.buckets[bisect.bisect_left(self.buckets, bs)]
-        s = self.inputs[n]
-        device = s.input_ids.device
-        host = torch.tensor([req_rows + [0] * (bucket - bs), kv_lens + [0] * (bucket - bs)], dtype=torch.long)
-        host = host.to(device, non_blocking=True)
-        s.req_rows[:bucket].copy_(host[0])
-        s.prefix_lens[:bucket].copy_(host[1])
-        grid = lambda t: t[:bucket * n].view(bucket, n)
-        _fill(grid(s.input_ids), trees_tokens, 0)
-        _fill(grid(s.positions), trees_depth + host[1, :bs].unsqueeze(1), 0)
-        _fill(grid(s.out_slots), node_slots, PADDING_SLOT)
+    def replay(self, tokens: torch.Tensor, depth: torch.Tensor, tree_mask: torch.Tensor,
+               node_slots: list[int], req_rows: list[int], kv_lens: list[int]) -> torch.Tensor:
+        """tokens, depth (bs, m) and tree_mask (bs, m, m) on the host, m <= a captured n;
+        node_slots: bs * m slots (PADDING_SLOT for padding nodes). Returns (bs, m, vocab)."""
+        bs, m = tokens.shape
+        n = self.sizes[bisect.bisect_left(self.sizes, m)]
+        key = (self.buckets[bisect.bisect_left(self.buckets, bs)], n)
+        host, device = self.host_inputs[key], self.device_inputs[key]
+        host.packed.zero_()
+        host.extend_lens.fill_(n)
+        host.out_slots.fill_(PADDING_SLOT)
+        lens = torch.tensor(kv_lens, dtype=torch.long)
+        host.input_ids[:bs, :m] = tokens
+        host.positions[:bs, :m] = depth + lens.unsqueeze(1)
+        host.out_slots[:bs, :m] = torch.tensor(node_slots, dtype=torch.long).view(bs, m)
+        host.req_rows[:bs] = torch.tensor(req_rows, dtype=torch.long)
+        host.prefix_lens[:bs] = lens
+        device.packed.copy_(host.packed, non_blocking=True)
         if n > 1:
-            s.tree_mask[:bucket].copy_(torch.eye(n, dtype=torch.bool, device=device))
-            s.tree_mask[:bs, :m, :m].copy_(tree_mask)
-        batch = self._static_batch(bucket, n)
-        self.backend.plan_for_replay(batch)
-        self.graphs[(bucket, n)].replay()
-        return self.outputs[(bucket, n)].view(bucket, n, -1)[:bs, :m]
-
-
-def _fill(target: torch.Tensor, values: torch.Tensor, pad: int) -> None:
-    """target (bucket, n) <- values (bs, m) in its top-left corner, pad elsewhere."""
-    bs, m = values.shape
-    target.fill_(pad)
-    target[:bs, :m].copy_(values)
+            host.tree_mask[:] = torch.eye(n, dtype=torch.bool)
+            host.tree_mask[:bs, :m, :m] = tree_mask
+            device.tree_mask.copy_(host.tree_mask, non_blocking=True)
+        self.backend.plan_for_replay(self._batches[key])
+        self.graphs[key].replay()
+        return self.outputs[key].view(key[0], n, -1)[:bs, :m]

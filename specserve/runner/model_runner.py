@@ -106,10 +106,13 @@ class ModelRunner:
     @torch.inference_mode()
     def verify(self, reqs: list[Req], trees: DraftTrees, num_nodes: list[int], slots: list[int]) -> torch.Tensor:
         """Runs each request's draft tree (its first num_nodes[i] nodes; the root is the last
-        token); returns (bs, n, vocab) logits, rows past a request's node count undefined."""
+        token); returns (bs, n, vocab) logits, rows past a request's node count undefined.
+        `trees` lives on the host: the forward's metadata is built there."""
         n = trees.tokens.shape[1]
         if self.graphs is not None and self.graphs.can_run(len(reqs), n):
-            return self._replay_graph(reqs, trees, num_nodes, slots)
+            return self.graphs.replay(trees.tokens, trees.depth, trees.ancestor_mask, _pad_slots(slots, num_nodes, n),
+                                      [r.row for r in reqs], [r.kv_len for r in reqs])
+        trees = trees.to(self.device)
         node_index = torch.cat([torch.arange(c) + i * n for i, c in enumerate(num_nodes)]).to(self.device)
         kv_lens = torch.tensor([r.kv_len for r in reqs], device=self.device)
         input_ids = trees.tokens.reshape(-1)[node_index]
@@ -120,16 +123,6 @@ class ModelRunner:
         padded = logits.new_zeros((len(reqs) * n, logits.shape[-1]))
         padded[node_index] = logits
         return padded.view(len(reqs), n, -1)
-
-    def _replay_graph(self, reqs, trees: DraftTrees, num_nodes: list[int], slots: list[int]) -> torch.Tensor:
-        n = trees.tokens.shape[1]
-        padded_slots, offset = [], 0
-        for count in num_nodes:  # padding nodes write to the padding slot
-            padded_slots.extend(slots[offset:offset + count] + [PADDING_SLOT] * (n - count))
-            offset += count
-        node_slots = torch.tensor(padded_slots, dtype=torch.long).view(len(reqs), n).to(self.device, non_blocking=True)
-        return self.graphs.replay(trees.tokens, trees.depth, trees.ancestor_mask, node_slots,
-                                  [r.row for r in reqs], [r.kv_len for r in reqs])
 
     def _forward_batch(self, mode, reqs, input_ids, positions, slots, extend_lens, logits_rows, tree_mask=None) -> ForwardBatch:
         device = self.device
@@ -146,6 +139,16 @@ class ModelRunner:
             tree_mask=tree_mask)
         self.attn_backend.plan(batch)
         return batch
+
+
+def _pad_slots(slots: list[int], num_nodes: list[int], n: int) -> list[int]:
+    """Each request's node slots, padded to n with the padding slot."""
+    padded, offset = [], 0
+    for count in num_nodes:
+        padded.extend(slots[offset:offset + count])
+        padded.extend([PADDING_SLOT] * (n - count))
+        offset += count
+    return padded
 
 
 def _build_model(config: ModelConfig, state_dict, device, dtype, context_length: int) -> DecoderLM:

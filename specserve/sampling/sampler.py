@@ -29,6 +29,7 @@ class PreparedSampling:
     penalties: tuple | None                              # apply_penalties_to_tree's tensors
     early_stops: tuple[torch.Tensor, torch.Tensor] | None
     sampling: dict | None                                # verify_sampling's tensors; None = all greedy
+    device_trees: DraftTrees | None                      # None: plain greedy decode, no tree needed
 
 
 class Sampler:
@@ -37,17 +38,26 @@ class Sampler:
         self.device = device
 
     def prepare(self, trees: DraftTrees, reqs: list[Req]) -> "PreparedSampling":
-        """Builds the per-request tensors. Called before the forward is launched: a host to
-        device copy issued after it would wait for the forward to finish."""
-        return PreparedSampling(
-            penalties=self._penalty_tensors(reqs) if any(r.params.has_penalties for r in reqs) else None,
-            early_stops=self._early_stop_masks(trees, reqs),
-            sampling=None if all(r.params.greedy for r in reqs) else self._sampling_tensors(reqs))
+        """Builds the per-request tensors and moves the (host) trees to the device. Called
+        before the forward is launched: a host to device copy issued after it would wait
+        for the forward to finish."""
+        penalties = self._penalty_tensors(reqs) if any(r.params.has_penalties for r in reqs) else None
+        early_stops = self._early_stop_masks(trees, reqs)
+        sampling = None if all(r.params.greedy for r in reqs) else self._sampling_tensors(reqs)
+        plain_argmax = (trees.tokens.shape[1] == 1 and sampling is None and penalties is None
+                        and early_stops is None and not any(r.return_logprob for r in reqs))
+        return PreparedSampling(penalties, early_stops, sampling,
+                                device_trees=None if plain_argmax else trees.to(self.device))
 
     def sample(self, logits: torch.Tensor, trees: DraftTrees, reqs: list[Req],
                prepared: "PreparedSampling | None" = None) -> SampledStep:
         """logits: (bs, n, vocab) fp32, the target's logits at each tree node."""
         prepared = prepared or self.prepare(trees, reqs)
+        if prepared.device_trees is None:  # greedy decode without extras: the argmax is all there is
+            tokens = logits[:, 0].argmax(-1).tolist()
+            return SampledStep(tokens=[[t] for t in tokens], accepted_nodes=[[0]] * len(tokens),
+                               logprobs=None, top_logprobs=None)
+        trees = prepared.device_trees
         raw_logits = logits
         if prepared.penalties is not None:
             logits = apply_penalties_to_tree(logits, trees, *prepared.penalties)
@@ -89,7 +99,7 @@ class Sampler:
         bs = len(reqs)
         produced = torch.tensor([len(r.output_ids) for r in reqs], device=self.device)
         minimum = torch.tensor([r.params.min_new_tokens for r in reqs], device=self.device)
-        too_early = (produced.unsqueeze(1) + trees.depth) < minimum.unsqueeze(1)
+        too_early = (produced.unsqueeze(1) + trees.depth.to(self.device)) < minimum.unsqueeze(1)
         stop_mask = torch.zeros((bs, self.vocab_size), dtype=torch.bool, device=self.device)
         for i, req in enumerate(reqs):
             ids = [t for t in req.stop_ids if t < self.vocab_size]

@@ -109,8 +109,13 @@ class DraftTrees:
 
     @classmethod
     def root_only(cls, root_tokens: torch.Tensor) -> DraftTrees:
-        """n = 1 trees: a plain decode step."""
-        return cls.chain(root_tokens.view(-1, 1))
+        """n = 1 trees: a plain decode step. Built directly: every decode step makes one."""
+        tokens = root_tokens.view(-1, 1).to(torch.int64)
+        bs, device = tokens.shape[0], tokens.device
+        minus_one = torch.full((bs, 1), -1, dtype=torch.int64, device=device)
+        return cls(tokens, minus_one, torch.ones(bs, dtype=torch.int64, device=device),
+                   torch.zeros((bs, 1), dtype=torch.int64, device=device),
+                   torch.ones((bs, 1, 1), dtype=torch.bool, device=device), minus_one, minus_one)
 
     def positions(self, prefix_lens: torch.Tensor) -> torch.Tensor:
         """(bs, n) positions: prefix_lens[b] (tokens already in the KV cache, = the root's
