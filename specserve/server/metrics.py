@@ -1,0 +1,147 @@
+"""Server-side metrics: per-request timing measured in the HTTP layer from chunk arrival
+times, totals kept as plain counters, and engine load read at scrape time.
+
+Everything here runs on the event loop; the engine is only read (queue lengths, free KV
+slots), never locked, so a scrape cannot slow the step loop.
+"""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+PREFIX = "specserve:"
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+
+
+def engine_load(engine) -> dict:
+    """Queue lengths and KV cache occupancy; plain reads of engine state from another thread."""
+    core = engine.core
+    pool = core.runner.pool
+    free, total = pool.slots.available(), pool.size
+    return {"num_running": len(core.scheduler.running), "num_waiting": len(core.scheduler.waiting),
+            "kv_free_slots": free, "kv_total_slots": total, "kv_usage": 1.0 - free / total if total else 0.0}
+
+
+class ServerMetrics:
+    def __init__(self, engine, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+        self.requests_by_reason: dict[str, int] = {}
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.spec_verify_steps = 0
+        self.spec_accepted_tokens = 0
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.", labels,
+                              buckets=_TTFT_BUCKETS, registry=self.registry).labels(model_name)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between output tokens.", labels,
+                             buckets=_ITL_BUCKETS, registry=self.registry).labels(model_name)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Request latency.", labels,
+                             buckets=_E2E_BUCKETS, registry=self.registry).labels(model_name)
+        self.registry.register(_TotalsCollector(self))
+
+    def track(self, prompt_tokens: int) -> "RequestTimer":
+        return RequestTimer(self, prompt_tokens)
+
+    def count_failure(self, reason: str = "error") -> None:
+        self.requests_by_reason[reason] = self.requests_by_reason.get(reason, 0) + 1
+
+    @property
+    def avg_spec_accept_length(self) -> float:
+        return self.spec_accepted_tokens / self.spec_verify_steps if self.spec_verify_steps else 0.0
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """One request's timing: TTFT at its first chunk, inter-token latency per later token
+    (a chunk of k tokens, e.g. an accepted draft, spreads its gap over the k tokens)."""
+
+    __slots__ = ("metrics", "prompt_tokens", "start", "last", "tokens", "done")
+
+    def __init__(self, metrics: ServerMetrics, prompt_tokens: int):
+        self.metrics = metrics
+        self.prompt_tokens = prompt_tokens
+        self.start = self.last = time.perf_counter()
+        self.tokens = 0
+        self.done = False
+
+    def on_chunk(self, num_new_tokens: int) -> None:
+        if num_new_tokens <= 0:
+            return
+        now = time.perf_counter()
+        self.metrics.generation_tokens += num_new_tokens
+        if self.tokens == 0:
+            self.metrics.ttft.observe(now - self.start)
+        else:
+            gap = (now - self.last) / num_new_tokens
+            for _ in range(num_new_tokens):
+                self.metrics.itl.observe(gap)
+        self.tokens += num_new_tokens
+        self.last = now
+
+    def finish(self, meta: dict) -> None:
+        """At the last output; `meta` is the engine's meta_info."""
+        if self.done:
+            return
+        self.done = True
+        metrics = self.metrics
+        metrics.prompt_tokens += self.prompt_tokens
+        metrics.generation_tokens += max(0, meta.get("completion_tokens", 0) - self.tokens)
+        reason = (meta.get("finish_reason") or {}).get("type", "unknown")
+        metrics.requests_by_reason[reason] = metrics.requests_by_reason.get(reason, 0) + 1
+        metrics.e2e.observe(time.perf_counter() - self.start)
+        verify_steps = meta.get("spec_verify_ct", 0)
+        if verify_steps:
+            metrics.spec_verify_steps += verify_steps
+            metrics.spec_accepted_tokens += round(meta.get("spec_accept_length", 0.0) * verify_steps)
+
+    def discard(self) -> None:
+        """The engine refused the request: it never ran, so it counts nowhere."""
+        self.done = True
+
+    def fail(self, reason: str = "error") -> None:
+        if not self.done:
+            self.done = True
+            self.metrics.prompt_tokens += self.prompt_tokens
+            self.metrics.count_failure(reason)
+
+
+class _TotalsCollector:
+    """Counters and gauges computed at scrape time from plain totals and the engine's state."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+
+    def collect(self):
+        m, labels = self.metrics, [self.metrics.model_name]
+        requests = CounterMetricFamily(PREFIX + "num_requests", "Finished requests by finish reason.",
+                                       labels=["model_name", "finish_reason"])
+        for reason, count in sorted(m.requests_by_reason.items()):
+            requests.add_metric(labels + [reason], count)
+        yield requests
+        for name, help_text, value in (
+                ("prompt_tokens", "Prompt tokens processed.", m.prompt_tokens),
+                ("generation_tokens", "Output tokens generated.", m.generation_tokens),
+                ("spec_verify_steps", "Speculative verify steps of finished requests.", m.spec_verify_steps),
+                ("spec_accepted_tokens", "Tokens committed by verify steps, bonus included.", m.spec_accepted_tokens)):
+            counter = CounterMetricFamily(PREFIX + name, help_text, labels=["model_name"])
+            counter.add_metric(labels, value)
+            yield counter
+        load = engine_load(m.engine)
+        for name, help_text, value in (
+                ("num_running_reqs", "Requests running in the engine.", load["num_running"]),
+                ("num_queue_reqs", "Requests waiting in the engine's queue.", load["num_waiting"]),
+                ("token_usage", "Fraction of KV cache slots in use.", load["kv_usage"]),
+                ("kv_free_slots", "Free KV cache slots.", load["kv_free_slots"]),
+                ("spec_accept_length", "Mean tokens committed per verify step (finished requests).",
+                 m.avg_spec_accept_length)):
+            gauge = GaugeMetricFamily(PREFIX + name, help_text, labels=["model_name"])
+            gauge.add_metric(labels, value)
+            yield gauge

@@ -1,0 +1,246 @@
+"""The wire format: the request bodies of /v1/completions, /v1/chat/completions and
+/generate as pydantic models, OpenAI-style errors, server-sent events, and the translation
+of an OpenAI request into the engine's sampling-params dict (SGLang's keys).
+
+Models validate strictly (a string where a number belongs is an error, as in OpenAI's
+API); unknown fields of the OpenAI bodies are ignored, as OpenAI-compatible servers do.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+logger = logging.getLogger("specserve")
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class APIError(Exception):
+    """A request the server refuses; rendered as OpenAI's error JSON with `status`."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | int | None = None):
+        super().__init__(message)
+        self.message, self.status, self.param, self.type, self.code = message, status, param, type, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code if self.code is not None else self.status}}
+
+
+def sse(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def error_event(error: BaseException) -> bytes:
+    """An error after a stream's headers went out: an error event, as vLLM and SGLang send."""
+    if isinstance(error, APIError):
+        return sse(error.body())
+    logger.error("request failed mid-stream: %s: %s", type(error).__name__, error)
+    return sse({"error": {"message": f"{type(error).__name__}: {error}", "type": "server_error", "param": None, "code": 500}})
+
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def parse_body(raw: bytes, model: type[Body]) -> Body:
+    """JSON bytes -> a validated request model, or an APIError naming the bad field."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise APIError(f"the request body is not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise APIError(f"the request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        first = error.errors(include_url=False)[0]
+        field = ".".join(str(part) for part in first["loc"] if isinstance(part, int) or "[" not in str(part))
+        if first["type"] == "missing":
+            message = f"missing required field {field!r}"
+        elif first["type"].startswith("value_error"):
+            message = str(first["msg"]).removeprefix("Value error, ")
+        else:
+            message = f"invalid value for {field!r}: {first['msg']} (got {first.get('input')!r:.100})"
+        raise APIError(message, param=str(first["loc"][0]) if first["loc"] else None) from None
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _OpenAISampling(_Strict):
+    """Fields /v1/completions and /v1/chat/completions share, plus the SGLang/vLLM extensions."""
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # extensions, as SGLang and vLLM accept them
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+    @model_validator(mode="after")
+    def _check_common(self):
+        if self.n != 1:
+            raise ValueError(f"only n=1 is supported, got n={self.n}")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if any(s == "" for s in stops):
+            raise ValueError("stop strings must not be empty")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
+        """The engine's sampling-params dict; keys left unset keep the engine's defaults."""
+        params: dict[str, Any] = {
+            "max_new_tokens": max_new_tokens, "min_new_tokens": min(self.min_tokens, max_new_tokens),
+            "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty,
+            "ignore_eos": self.ignore_eos, "skip_special_tokens": self.skip_special_tokens,
+            "no_stop_trim": self.no_stop_trim,
+        }
+        optional = {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed, "top_k": self.top_k,
+                    "min_p": self.min_p, "repetition_penalty": self.repetition_penalty, "stop": self.stop,
+                    "stop_token_ids": self.stop_token_ids}
+        params.update({key: value for key, value in optional.items() if value is not None})
+        return params
+
+
+class CompletionRequest(_OpenAISampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=0)          # OpenAI's default for completions
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @model_validator(mode="after")
+    def _check_completion(self):
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.best_of not in (None, 1):
+            raise ValueError(f"only best_of=1 is supported, got best_of={self.best_of}")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo together with logprobs is not supported (prompt logprobs)")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt must not be an empty list")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per choice: a string or a list of token ids."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_input(self) -> dict:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(_OpenAISampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_chat(self):
+        if self.tools:
+            raise ValueError("tools (function calling) are not supported")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs=true")
+        return self
+
+    @property
+    def max_output_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class GenerateRequest(BaseModel):
+    """SGLang's native /generate body. Unknown fields are errors here: this API is ours."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = Field(0, ge=0, le=20)
+    logprob_start_len: int = -1
+    return_text_in_logprobs: bool = False
+    rid: str | list[str] | None = None
+
+    @model_validator(mode="after")
+    def _check_generate(self):
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("pass exactly one of text and input_ids")
+        if self.stream and self.batch_size is not None:
+            raise ValueError("stream=true takes a single prompt")
+        if isinstance(self.sampling_params, list) and len(self.sampling_params) != (self.batch_size or 1):
+            raise ValueError("sampling_params must be one dict, or one per prompt")
+        return self
+
+    @property
+    def batch_size(self) -> int | None:
+        """None for a single prompt, else the number of prompts."""
+        if isinstance(self.text, list):
+            return len(self.text)
+        if self.input_ids and isinstance(self.input_ids[0], list):
+            return len(self.input_ids)
+        return None
+
+
+def finish_reason(reason: dict | None) -> str | None:
+    """The engine's finish_reason dict -> OpenAI's string."""
+    if reason is None:
+        return None
+    return "length" if reason["type"] == "length" else "stop" if reason["type"] == "stop" else reason["type"]
+
+
+def matched_stop(reason: dict | None) -> int | str | None:
+    return reason.get("matched") if reason else None

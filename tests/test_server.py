@@ -1,0 +1,440 @@
+"""The HTTP server end to end: `python -m specserve.launch_server` in a subprocess on a free
+port, driven by the official `openai` client and raw HTTP, checked against an offline
+Engine in this process (both start once per module, side by side)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GREEDY = {"temperature": 0.0}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(port: int, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "specserve.launch_server", "--host", "127.0.0.1", "--port", str(port),
+           "--max-total-tokens", "8192", "--dtype", "float32", "--log-level", "warning", *extra]
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.Popen(cmd, cwd=ROOT, env=env)
+
+
+def wait_healthy(proc: subprocess.Popen, base_url: str, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with code {proc.returncode}")
+        try:
+            if httpx.get(base_url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError("the server did not become healthy")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def env(request):
+    port = free_port()
+    proc = start_server(port)             # loads while this process loads its offline engine
+    try:
+        # the session's engine factory reuses an already-loaded checkpoint when another module loaded one
+        engine = request.getfixturevalue("engine_factory")(max_total_tokens=8192)
+        base_url = f"http://127.0.0.1:{port}"
+        wait_healthy(proc, base_url)
+        client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        model = httpx.get(base_url + "/v1/models").json()["data"][0]["id"]
+        yield SimpleNamespace(base_url=base_url, engine=engine, client=client, model=model)
+    finally:
+        stop_server(proc)
+
+
+def offline(engine, prompt=None, input_ids=None, **params) -> dict:
+    return engine.generate(prompt=prompt, input_ids=input_ids, sampling_params={**GREEDY, **params})
+
+
+def chat_ids(engine, messages) -> list[int]:
+    return engine.tokenizer(engine.apply_chat_template(messages), add_special_tokens=False).input_ids
+
+
+def server_load(base_url: str) -> dict:
+    return httpx.get(base_url + "/get_server_info").json()
+
+
+def wait_idle(base_url: str, timeout: float = 10.0) -> dict:
+    """A finished request's slots are freed by the engine thread: poll briefly."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = server_load(base_url)
+        idle = info["kv_free_slots"] == info["kv_total_slots"] and info["num_running"] == info["num_waiting"] == 0
+        if idle or time.monotonic() > deadline:
+            return info
+        time.sleep(0.05)
+
+
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "Name three colors."}]
+
+
+def test_completion_and_chat_match_offline_engine(env):
+    expected = offline(env.engine, PROMPT, max_new_tokens=12)
+    out = env.client.completions.create(model=env.model, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert out.choices[0].text == expected["text"]
+    assert out.choices[0].finish_reason == ("length" if expected["meta_info"]["finish_reason"]["type"] == "length" else "stop")
+    assert out.usage.prompt_tokens == expected["meta_info"]["prompt_tokens"]
+    assert out.usage.completion_tokens == expected["meta_info"]["completion_tokens"]
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+
+    expected_chat = offline(env.engine, input_ids=chat_ids(env.engine, CHAT), max_new_tokens=12)
+    chat = env.client.chat.completions.create(model=env.model, messages=CHAT, max_tokens=12, temperature=0)
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content == expected_chat["text"]
+    assert chat.usage.prompt_tokens == expected_chat["meta_info"]["prompt_tokens"]
+    assert chat.usage.completion_tokens == expected_chat["meta_info"]["completion_tokens"]
+
+
+def test_streaming_matches_non_streaming(env):
+    full = env.client.completions.create(model=env.model, prompt=PROMPT, max_tokens=10, temperature=0)
+    chunks = list(env.client.completions.create(model=env.model, prompt=PROMPT, max_tokens=10, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+    full_chat = env.client.chat.completions.create(model=env.model, messages=CHAT, max_tokens=10, temperature=0)
+    stream = env.client.chat.completions.create(model=env.model, messages=CHAT, max_tokens=10, temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full_chat.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == full_chat.choices[0].finish_reason
+    assert all(c.usage is None for c in chunks)   # no include_usage: no usage chunk
+
+
+def test_stop_strings(env):
+    text = offline(env.engine, PROMPT, max_new_tokens=12)["text"]
+    stop = text.split()[2]          # a word from the middle of the greedy output
+    out = env.client.completions.create(model=env.model, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop])
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].text == text[:text.index(stop)]
+    streamed = env.client.chat.completions.create(model=env.model, messages=CHAT, max_tokens=12, temperature=0,
+                                                  stop="\n", stream=True)
+    assert "\n" not in "".join(c.choices[0].delta.content or "" for c in streamed)
+
+
+def test_logprobs(env):
+    expected = env.engine.generate(PROMPT, {**GREEDY, "max_new_tokens": 6}, return_logprob=True, top_logprobs_num=2)
+    want = [lp for lp, _, _ in expected["meta_info"]["output_token_logprobs"]]
+    out = env.client.completions.create(model=env.model, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2)
+    logprobs = out.choices[0].logprobs
+    assert len(logprobs.tokens) == out.usage.completion_tokens == len(want)
+    assert "".join(logprobs.tokens) == out.choices[0].text
+    assert logprobs.token_logprobs == pytest.approx(want, abs=1e-4)
+    for token, top, lp in zip(logprobs.tokens, logprobs.top_logprobs, logprobs.token_logprobs):
+        assert 1 <= len(top) <= 2 and top[token] == pytest.approx(lp)   # greedy: the chosen token is the top one
+    assert logprobs.text_offset[0] == 0
+
+    chat = env.client.chat.completions.create(model=env.model, messages=CHAT, max_tokens=5, temperature=0,
+                                              logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob == pytest.approx(c.logprob) for c in content)
+    assert all(c.logprob <= 0 and bytes(c.bytes).decode() == c.token for c in content)
+
+    streamed = list(env.client.chat.completions.create(model=env.model, messages=CHAT, max_tokens=5, temperature=0,
+                                                       logprobs=True, stream=True))
+    assert [t.logprob for c in streamed[1:] for t in c.choices[0].logprobs.content] == pytest.approx(
+        [c.logprob for c in content], abs=1e-4)
+
+
+def test_native_generate(env):
+    expected = offline(env.engine, PROMPT, max_new_tokens=6)
+    body = {"text": PROMPT, "sampling_params": {**GREEDY, "max_new_tokens": 6}}
+    out = httpx.post(env.base_url + "/generate", json=body, timeout=60).json()
+    assert out["text"] == expected["text"] and out["output_ids"] == expected["output_ids"]
+    assert out["meta_info"]["completion_tokens"] == 6 and out["meta_info"]["finish_reason"]["type"] == "length"
+
+    ids = env.engine.tokenizer(PROMPT).input_ids
+    batch = httpx.post(env.base_url + "/generate", timeout=60, json={
+        "input_ids": [ids, ids], "sampling_params": {**GREEDY, "max_new_tokens": 6}, "return_logprob": True}).json()
+    assert [b["output_ids"] for b in batch] == [expected["output_ids"]] * 2
+    assert len(batch[0]["meta_info"]["output_token_logprobs"]) == 6
+
+    events = []
+    with httpx.stream("POST", env.base_url + "/generate", json={**body, "stream": True}, timeout=60) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["text"] == expected["text"] and chunks[-1]["output_ids"] == expected["output_ids"]
+    assert [c["meta_info"]["completion_tokens"] for c in chunks] == list(range(1, 7))   # cumulative, as SGLang
+
+
+PROMPTS = [f"Question {i}: what is {i} plus {i + 1}? Answer:" for i in range(4)] + [
+    "Once upon a time", "def fibonacci(n):", "The three primary colors are", "Translate to French: good morning"]
+
+
+def test_32_concurrent_requests_match_single_requests(env):
+    singles = [offline(env.engine, p, max_new_tokens=8) for p in PROMPTS]   # one at a time
+
+    async def run_all():
+        async with httpx.AsyncClient(base_url=env.base_url, timeout=120) as http:
+            async def completion(prompt, stream):
+                body = {"model": env.model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": stream}
+                if not stream:
+                    return (await http.post("/v1/completions", json=body)).json()["choices"][0]["text"]
+                text = ""
+                async with http.stream("POST", "/v1/completions", json=body) as response:
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: {"):
+                            text += json.loads(line[6:])["choices"][0]["text"]
+                return text
+
+            async def native(prompt, max_new_tokens):
+                body = {"text": prompt, "sampling_params": {**GREEDY, "max_new_tokens": max_new_tokens}}
+                return (await http.post("/generate", json=body)).json()["output_ids"]
+
+            jobs = []
+            for prompt in PROMPTS:
+                jobs += [completion(prompt, False), completion(prompt, True), native(prompt, 5), native(prompt, 7)]
+            return await asyncio.gather(*jobs)
+
+    results = iter(asyncio.run(run_all()))
+    for single in singles:
+        assert next(results) == single["text"]
+        assert next(results) == single["text"]
+        assert next(results) == single["output_ids"][:5]
+        assert next(results) == single["output_ids"][:7]
+    info = wait_idle(env.base_url)
+    assert info["kv_free_slots"] == info["kv_total_slots"]
+
+
+def test_client_disconnect_mid_stream_frees_kv_slots(env):
+    body = {"model": env.model, "prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", env.base_url + "/v1/completions", json=body, timeout=60) as response:
+        events = 0
+        for line in response.iter_lines():
+            events += line.startswith("data: ")
+            if events == 3:
+                busy = server_load(env.base_url)
+                break
+    assert busy["num_running"] == 1 and busy["kv_free_slots"] < busy["kv_total_slots"]
+    info = wait_idle(env.base_url)
+    assert info["kv_free_slots"] == info["kv_total_slots"] and info["num_running"] == 0
+
+    with pytest.raises(httpx.TimeoutException):    # a non-streaming client that gives up
+        httpx.post(env.base_url + "/generate", json={"text": "Tell me a long story.", "sampling_params": {
+            "max_new_tokens": 2000, "ignore_eos": True}}, timeout=1.0)
+    info = wait_idle(env.base_url)
+    assert info["kv_free_slots"] == info["kv_total_slots"] and info["num_running"] == 0
+
+
+def _bad_requests(model: str) -> list[tuple[str, str, object]]:
+    """(method, path, json body or raw bytes) that must each get a 4xx OpenAI-style error."""
+    ok = {"model": model, "prompt": "hi", "max_tokens": 2}
+    chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    gen = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
+    return [
+        ("POST", "/v1/completions", b'{"prompt": "hi", '),                       # malformed JSON
+        ("POST", "/v1/completions", b"[1, 2]"),                                  # not an object
+        ("POST", "/v1/completions", {"model": model}),                           # prompt missing
+        ("POST", "/v1/completions", {**ok, "prompt": 5}),
+        ("POST", "/v1/completions", {**ok, "prompt": ""}),
+        ("POST", "/v1/completions", {**ok, "temperature": "hot"}),
+        ("POST", "/v1/completions", {**ok, "temperature": 5}),
+        ("POST", "/v1/completions", {**ok, "top_p": 0}),
+        ("POST", "/v1/completions", {**ok, "max_tokens": -1}),
+        ("POST", "/v1/completions", {**ok, "max_tokens": 1.5}),
+        ("POST", "/v1/completions", {**ok, "n": 2}),
+        ("POST", "/v1/completions", {**ok, "model": "gpt-4"}),                   # unknown model: 404
+        ("POST", "/v1/completions", {**ok, "prompt": "hello " * 9000}),           # longer than the context
+        ("POST", "/v1/completions", {**ok, "max_tokens": 9000}),                  # prompt + output too long
+        ("POST", "/v1/completions", {**ok, "logprobs": 30}),
+        ("POST", "/v1/completions", {**ok, "stop": 5}),
+        ("POST", "/v1/completions", {**ok, "stop": [""]}),
+        ("POST", "/v1/completions", {**ok, "seed": -1}),
+        ("POST", "/v1/completions", {**ok, "stream": "yes"}),
+        ("POST", "/v1/completions", {**ok, "presence_penalty": 3}),
+        ("POST", "/v1/completions", {**ok, "logit_bias": {"42": 10}}),
+        ("POST", "/v1/completions", {**ok, "stream_options": {"include_usage": True}}),  # without stream
+        ("POST", "/v1/completions", {**ok, "prompt": [10 ** 9]}),                 # token id outside the vocab
+        ("POST", "/v1/chat/completions", {**chat, "messages": []}),
+        ("POST", "/v1/chat/completions", {**chat, "messages": "hi"}),
+        ("POST", "/v1/chat/completions", {**chat, "messages": [{"role": "wizard", "content": "hi"}]}),
+        ("POST", "/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": 7}]}),
+        ("POST", "/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "x"}}]}]}),
+        ("POST", "/v1/chat/completions", {**chat, "top_logprobs": 2}),           # without logprobs
+        ("POST", "/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 50}),
+        ("POST", "/v1/chat/completions", {**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}),
+        ("POST", "/v1/chat/completions", {**chat, "model": "nope"}),
+        ("POST", "/generate", {**gen, "input_ids": [1, 2]}),                       # both text and input_ids
+        ("POST", "/generate", {"sampling_params": {}}),                            # neither
+        ("POST", "/generate", {**gen, "sampling_params": {"temprature": 0.5}}),    # unknown sampling key
+        ("POST", "/generate", {**gen, "sampling_params": {"temperature": -1}}),
+        ("POST", "/generate", {**gen, "sampling_params": {"max_new_tokens": "many"}}),
+        ("POST", "/generate", {**gen, "top_logprobs_num": -1}),
+        ("POST", "/generate", {**gen, "unknown_field": 1}),
+        ("POST", "/generate", {"input_ids": [10 ** 9]}),
+        ("POST", "/generate", {"text": ""}),
+        ("GET", "/v1/completions", None),                                          # wrong method
+        ("GET", "/no/such/route", None),
+    ]
+
+
+def test_bad_requests_get_4xx_json_and_server_keeps_serving(env):
+    with httpx.Client(base_url=env.base_url, timeout=60) as http:
+        cases = _bad_requests(env.model)
+        assert len(cases) >= 20
+        for method, path, body in cases:
+            if isinstance(body, bytes):
+                response = http.request(method, path, content=body, headers={"content-type": "application/json"})
+            else:
+                response = http.request(method, path, json=body)
+            assert 400 <= response.status_code < 500, (path, body, response.status_code, response.text)
+            error = response.json()["error"]
+            assert isinstance(error["message"], str) and error["message"] and "type" in error and "param" in error, error
+            if body is not None and not isinstance(body, bytes) and body.get("model") in ("gpt-4", "nope"):
+                assert response.status_code == 404 and error["code"] == "model_not_found"
+        ok = http.post("/v1/completions", json={"model": env.model, "prompt": "hi", "max_tokens": 2})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+    with pytest.raises(openai.NotFoundError):
+        env.client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        env.client.completions.create(model=env.model, prompt="hi", max_tokens=2, temperature=9)
+
+
+def test_info_endpoints_and_metrics(env):
+    with httpx.Client(base_url=env.base_url, timeout=30) as http:
+        assert http.get("/health").status_code == 200
+        assert http.get("/health_generate").status_code == 200
+        models = http.get("/v1/models").json()
+        assert models["object"] == "list" and models["data"][0]["id"] == env.model
+        assert http.get(f"/v1/models/{env.model}").json()["id"] == env.model
+        info = http.get("/get_model_info").json()
+        assert info["is_generation"] and info["model_path"].endswith(".gguf")
+        server = http.get("/get_server_info").json()
+        assert server["max_total_tokens"] == 8192 and server["kv_total_slots"] == 8192 and "num_waiting" in server
+        tokens = http.post("/tokenize", json={"prompt": PROMPT}).json()
+        assert tokens["tokens"] == env.engine.tokenizer(PROMPT).input_ids and tokens["count"] == len(tokens["tokens"])
+        assert http.post("/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"] == PROMPT
+        metrics = http.get("/metrics")
+    assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
+    text = metrics.text
+    for name in ("num_requests_total", "prompt_tokens_total", "generation_tokens_total", "num_running_reqs",
+                 "num_queue_reqs", "token_usage", "time_to_first_token_seconds_bucket",
+                 "inter_token_latency_seconds_bucket", "e2e_request_latency_seconds_count",
+                 "spec_verify_steps_total", "spec_accept_length"):
+        assert f"specserve:{name}" in text, name
+    generated = [line for line in text.splitlines() if line.startswith("specserve:generation_tokens_total")]
+    assert float(generated[0].rsplit(" ", 1)[1]) > 0
+
+
+# --- in-process, with a fake engine: failures a real engine does not produce on demand ---
+class _FakeTokenizer:
+    chat_template = "fake"
+
+    def __call__(self, text, add_special_tokens=True):
+        return SimpleNamespace(input_ids=[ord(c) for c in text])
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+class _FakeEngine:
+    """Echoes the prompt; a prompt containing "boom" fails inside the engine."""
+
+    def __init__(self):
+        self.tokenizer = _FakeTokenizer()
+        self.context_length = 256
+        self.model_path = "/models/fake"
+        self.aborted = []
+        pool = SimpleNamespace(size=100, slots=SimpleNamespace(available=lambda: 100))
+        self.core = SimpleNamespace(scheduler=SimpleNamespace(running=[], waiting=[]), runner=SimpleNamespace(pool=pool))
+
+    def apply_chat_template(self, messages):
+        return "".join(m["content"] for m in messages)
+
+    def get_server_info(self):
+        return {"model_path": self.model_path}
+
+    def abort_request(self, rid):
+        self.aborted.append(rid)
+
+    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
+                             top_logprobs_num=0, stream=False, rid=None):
+        from specserve.sampling.params import SamplingParams
+        params = SamplingParams.from_dict(sampling_params)
+        text = self.tokenizer.decode(input_ids)[: params.max_new_tokens]
+
+        async def chunks():
+            for i, char in enumerate(text):
+                if "boom" in self.tokenizer.decode(input_ids) and i == 2:
+                    raise RuntimeError(f"request {rid} failed: boom")
+                last = i == len(text) - 1
+                yield {"text": char, "output_ids": [ord(char)], "meta_info": {
+                    "id": rid, "prompt_tokens": len(input_ids), "completion_tokens": i + 1,
+                    "finish_reason": {"type": "length"} if last else None}}
+
+        if stream:
+            return chunks()
+        out = {"text": "", "output_ids": []}
+        async for chunk in chunks():
+            out = {"text": out["text"] + chunk["text"], "output_ids": out["output_ids"] + chunk["output_ids"],
+                   "meta_info": chunk["meta_info"]}
+        return out
+
+
+def test_internal_failure_is_a_500_for_that_request_only():
+    from fastapi.testclient import TestClient
+
+    from specserve.server.http import create_app
+    engine = _FakeEngine()
+    with TestClient(create_app(engine, served_model_name="fake"), raise_server_exceptions=False) as http:
+        failed = http.post("/v1/completions", json={"prompt": "boom boom", "max_tokens": 8})
+        assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error"
+        ok = http.post("/v1/completions", json={"model": "fake", "prompt": "hello", "max_tokens": 8})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "hello"
+        with http.stream("POST", "/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "boom"}], "max_tokens": 8, "stream": True}) as response:
+            lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+        assert json.loads(lines[-2][6:])["error"]["code"] == 500 and lines[-1] == "data: [DONE]"
+        assert http.post("/generate", json={"text": "fine", "sampling_params": {"max_new_tokens": 2}}).json()["text"] == "fi"
+        metrics = http.get("/metrics").text
+        assert 'finish_reason="error"' in metrics
+
+
+def test_api_key():
+    from fastapi.testclient import TestClient
+
+    from specserve.server.http import create_app
+    with TestClient(create_app(_FakeEngine(), api_key="sesame")) as http:
+        assert http.get("/health").status_code == 200
+        refused = http.post("/v1/completions", json={"prompt": "hi"})
+        assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
+        ok = http.post("/v1/completions", json={"prompt": "hi"}, headers={"Authorization": "Bearer sesame"})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "hi"
