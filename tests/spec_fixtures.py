@@ -1,0 +1,212 @@
+"""Helpers shared by the speculative-decoding tests: SmolLM2 engines that reuse one loaded
+checkpoint, tiny random-weight Hugging Face directories (with tokenizers the Engine can
+load), spies on the drafter / allocator, and the accounting checks."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import time
+from unittest import mock
+
+import torch
+import transformers
+
+CODE = '''def merge_sorted(a, b):
+    result = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        if a[i] <= b[j]:
+            result.append(a[i])
+            i += 1
+        else:
+            result.append(b[j])
+            j += 1
+    return result + a[i:] + b[j:]
+'''
+
+
+# A code-editing request (a raw prompt: the chat template's system prompt would add 30 tokens
+# to every prefill): the answer copies the code, so n-gram drafts get accepted.
+CODE_PROMPT = f"Python code:\n```python\n{CODE}```\nRepeat the code above:\n```python\n"
+
+
+# ---- SmolLM2 engines that share one parsed checkpoint ----
+class SmolEngines:
+    """Makes fp32 CPU engines over SmolLM2 from an already-loaded checkpoint (parsing the GGUF
+    again costs seconds); `close()` shuts down and drops every engine it made."""
+
+    def __init__(self, path: str, checkpoint):
+        self.path, self.checkpoint = path, checkpoint
+        self.engines: list = []
+
+    def make(self, **server_args):
+        from specserve.engine import builder
+        from specserve.engine.engine import Engine
+
+        def reuse_checkpoint(model_path, dtype, device="cpu"):
+            assert model_path == self.path and dtype == torch.float32, (model_path, dtype)
+            # the builder drops state_dict from what it gets: hand it a copy; one tokenizer per engine thread
+            return dataclasses.replace(self.checkpoint, state_dict=dict(self.checkpoint.state_dict),
+                                       tokenizer=copy.deepcopy(self.checkpoint.tokenizer))
+
+        kwargs = {"dtype": "float32", "device": "cpu", "log_level": "warning", "max_total_tokens": 4096, **server_args}
+        with mock.patch.object(builder, "load_checkpoint", reuse_checkpoint):
+            engine = Engine(model_path=self.path, **kwargs)
+        self.engines.append(engine)
+        return engine
+
+    def close(self, engine=None) -> None:
+        for e in ([engine] if engine is not None else list(self.engines)):
+            e.shutdown()
+            if e in self.engines:
+                self.engines.remove(e)
+
+
+def ngram_args(num_draft_tokens: int, one_branch: bool = False, **extra) -> dict:
+    return {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": num_draft_tokens,
+            "speculative_one_branch": one_branch, **extra}
+
+
+# ---- tiny random-weight Hugging Face directories ----
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
+
+
+def save_bpe_tokenizer(directory: str) -> None:
+    """A byte-level BPE tokenizer trained on one sentence (as tests/test_loader.py makes): small,
+    offline, and of a kind transformers rebuilds for any architecture."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=280, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(["hello world, a tiny tokenizer for speculative decoding tests"], trainer)
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                                     unk_token="<unk>")
+    tokenizer.save_pretrained(directory)
+
+
+LETTERS = [chr(ord("a") + i) for i in range(13)]            # with 3 special tokens: a vocabulary of 16
+
+
+def save_letter_tokenizer(directory: str) -> int:
+    """A word-level tokenizer over <unk> <s> </s> a..m (ids 0..15); returns the vocabulary size."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {token: i for i, token in enumerate(["<unk>", "<s>", "</s>", *LETTERS])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                                     unk_token="<unk>")
+    tokenizer.save_pretrained(directory)
+    return len(vocab)
+
+
+def make_tiny_directory(path, architecture: str = "llama", vocab_size: int = 256, seed: int = 0,
+                        tokenizer: str = "bpe", weight_std: float | None = 1.0,
+                        logit_scale: float = 1.0) -> transformers.PreTrainedModel:
+    """Saves a random-weight model (and a tokenizer) that `Engine(model_path=path)` loads.
+
+    weight_std: every parameter ~ N(0, std) (random norms and biases too, so a swapped tensor
+    shows; large weights also keep greedy away from near-ties); None keeps HF's init.
+    logit_scale multiplies lm_head, to make the distribution peakier."""
+    config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[architecture]
+    config = config_class(**TINY, vocab_size=vocab_size, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        if weight_std is not None:
+            for parameter in model.parameters():
+                parameter.normal_(std=weight_std)
+        else:
+            for name, parameter in model.named_parameters():
+                if "norm" in name or name.endswith("bias"):
+                    parameter.add_(torch.randn_like(parameter) * 0.1)
+        model.lm_head.weight.mul_(logit_scale)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    if tokenizer == "bpe":
+        save_bpe_tokenizer(str(path))
+    else:
+        assert save_letter_tokenizer(str(path)) == vocab_size
+    return model
+
+
+def tiny_engine(path, **server_args):
+    from specserve.engine.engine import Engine
+    return Engine(model_path=str(path), **{"dtype": "float32", "device": "cpu", "log_level": "warning", **server_args})
+
+
+# ---- spies (wrap a bound method on one instance; they run in the engine's thread) ----
+class ProposeSpy:
+    """Records the trees a drafter proposes: per call, per request, (tokens, parents) of the real nodes."""
+
+    def __init__(self, drafter):
+        self.trees: list[tuple[list[int], list[int]]] = []
+        original = drafter.propose
+
+        def propose(reqs, max_nodes):
+            trees, num_nodes = original(reqs, max_nodes)
+            for row, count in enumerate(num_nodes):
+                self.trees.append((trees.tokens[row, :count].tolist(), trees.parents[row, :count].tolist()))
+            return trees, num_nodes
+
+        drafter.propose = propose
+
+    @property
+    def drafted_nodes(self) -> int:
+        """Draft nodes proposed in all (root not counted)."""
+        return sum(len(tokens) - 1 for tokens, _ in self.trees)
+
+    @property
+    def branching_trees(self) -> int:
+        """Trees in which some node has two or more children."""
+        return sum(len([p for p in parents if p >= 0]) != len(set(p for p in parents if p >= 0))
+                   for _, parents in self.trees)
+
+
+class AllocSpy:
+    """Counts slot allocations the scheduler refused (returned None)."""
+
+    def __init__(self, scheduler):
+        self.refused = 0
+        original = scheduler.alloc_slots
+
+        def alloc_slots(count):
+            slots = original(count)
+            self.refused += slots is None
+            return slots
+
+        scheduler.alloc_slots = alloc_slots
+
+
+# ---- accounting ----
+def committed_by_verify_steps(output: dict) -> int:
+    """Tokens the verify steps committed, counted from the accept-length histogram (it counts
+    tokens a stop later cut off, the output does not)."""
+    return sum(length * count for length, count in output["meta_info"]["spec_accept_histogram"].items())
+
+
+def truncated_mid_path(output: dict) -> bool:
+    """The last verify step accepted tokens past the stop: the first output token comes from the
+    prefill, the rest from verify steps, so without a cut the two counts agree."""
+    return committed_by_verify_steps(output) > len(output["output_ids"]) - 1
+
+
+def wait_until_all_kv_is_free(engine, timeout: float = 30.0) -> None:
+    """The core runs in its own thread: poll, then check every slot and req_to_token row is free exactly once."""
+    core, pool = engine.core, engine.core.runner.pool
+    all_rows = pool.req_to_token.shape[0]
+    deadline = time.monotonic() + timeout
+    while core.has_work() or pool.slots.available() != pool.size or pool.free_rows() != all_rows:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    assert not core.has_work() and not core.requests
+    assert pool.slots.available() == pool.size, f"{pool.size - pool.slots.available()} slots leaked"
+    assert sorted(pool.slots._free) == list(range(1, pool.size + 1))     # no slot lost or freed twice
+    assert pool.free_rows() == all_rows
+    assert sorted(pool._free_rows) == list(range(all_rows))
