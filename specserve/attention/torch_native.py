@@ -29,7 +29,8 @@ class TorchNativeBackend(AttentionBackend):
 
     def forward(self, q, k, v, layer, batch: ForwardBatch) -> torch.Tensor:
         pool = batch.kv_pool
-        pool.store(layer, batch.out_slots, k, v)
+        if k is not None:  # None: the model's fused RoPE kernel has stored k and v already
+            pool.store(layer, batch.out_slots, k, v)
         layout: PaddedLayout = batch.attn_metadata
         bs, max_q = layout.kv_slots.shape[0], layout.max_q
         # (bs, num_kv_heads, max_kv, head_dim)

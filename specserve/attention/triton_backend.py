@@ -96,7 +96,8 @@ class TritonBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 batch: ForwardBatch) -> torch.Tensor:
         pool = batch.kv_pool
-        pool.store(layer, batch.out_slots, k, v)
+        if k is not None:  # None: the model's fused RoPE kernel has stored k and v already
+            pool.store(layer, batch.out_slots, k, v)
         meta: TritonMetadata = batch.attn_metadata
         if q.stride(-1) != 1:
             q = q.contiguous()

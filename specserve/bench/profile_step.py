@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import pstats
 import time
 
@@ -15,7 +16,7 @@ import torch
 def measure(model: str, speculative: str | None, graphs: bool, steps: int) -> None:
     from specserve.engine.engine import Engine
     kwargs = dict(speculative_algorithm=speculative, speculative_num_draft_tokens=8) if speculative else {}
-    engine = Engine(model_path=model, log_level="warning", disable_cuda_graph=not graphs, **kwargs)
+    engine = Engine(model_path=model, log_level="warning", disable_cuda_graph=not graphs, max_total_tokens=200_000, **kwargs)
     engine.shutdown()  # drive the core from this thread
     core = engine.core
     prompt = engine.tokenizer("def quicksort(xs):\n    " * 20).input_ids
@@ -56,7 +57,10 @@ def measure(model: str, speculative: str | None, graphs: bool, steps: int) -> No
     tokens = (len(req.output_ids) - tokens_before) / 2
     print(f"== {speculative or 'plain'} graphs={graphs}: {wall:.2f} ms/step wall (timed), forward {sorted(forward_ms)[len(forward_ms) // 2]:.2f} ms median, "
           f"{tokens / steps:.2f} tokens/step, graph replays {replays['n']}", flush=True)
-    pstats.Stats(profile).sort_stats("tottime").print_stats(14)
+    pstats.Stats(profile).sort_stats("tottime").print_stats(8)
+    del engine, core
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def main() -> None:

@@ -8,6 +8,12 @@ from torch import nn
 import torch.nn.functional as F
 
 
+def fused():
+    """The Triton kernels, imported on first GPU use: CPU-only installs never import Triton."""
+    from specserve.model import fused_ops
+    return fused_ops
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -15,10 +21,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.dim() == 2:
+            return fused().add_rmsnorm(x.contiguous(), self.weight, self.eps)
         # normalise in fp32 like the reference implementations, then cast back
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x); on a GPU one kernel, updating residual in place."""
+        if x.is_cuda:
+            return fused().add_rmsnorm(x.contiguous(), self.weight, self.eps, residual=residual), residual
+        residual = residual + x
+        return self(residual), residual
 
 
 class RotaryEmbedding(nn.Module):
@@ -77,5 +92,8 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.is_cuda:
+            return self.down_proj(fused().silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -7,7 +7,7 @@ from torch import nn
 
 from specserve.attention.base import AttentionBackend, ForwardBatch
 from specserve.model.config import ModelConfig
-from specserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from specserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, fused
 
 
 class Attention(nn.Module):
@@ -30,8 +30,14 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(batch.positions, q, k)
-        out = backend.forward(q, k, v, self.layer, batch)
+        if q.is_cuda and self.head_dim & (self.head_dim - 1) == 0:  # one kernel: rotate q, k; write k, v to the cache
+            pool = batch.kv_pool
+            fused().rope_and_store(q, k, v, rope.cos, rope.sin, batch.positions, batch.out_slots,
+                                 pool.k_buffers[self.layer], pool.v_buffers[self.layer])
+            out = backend.forward(q.contiguous(), None, None, self.layer, batch)
+        else:
+            q, k = rope(batch.positions, q, k)
+            out = backend.forward(q, k, v, self.layer, batch)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -43,9 +49,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x, batch, backend, rope) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, backend, rope)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, batch, backend, rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual-stream form: returns (mlp output, residual); the caller adds them."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h = self.self_attn(h, batch, backend, rope)
+        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderLM(nn.Module):
@@ -60,10 +72,10 @@ class DecoderLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         """Returns fp32 logits (num_logits, vocab) for the rows in batch.logits_indices."""
-        x = self.embed_tokens(batch.input_ids)
+        x, residual = self.embed_tokens(batch.input_ids), None
         for layer in self.layers:
-            x = layer(x, batch, backend, self.rope)
-        x = self.norm(x[batch.logits_indices])
+            x, residual = layer(x, residual, batch, backend, self.rope)
+        x = self.norm((residual + x)[batch.logits_indices])
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return torch.matmul(x, weight.t()).float()
 
@@ -91,14 +103,14 @@ def _fused_target(name: str, config: ModelConfig) -> tuple[str, int]:
     """Maps an HF weight name to (our parameter name, row offset inside a fused matrix)."""
     q_rows = config.num_heads * config.head_dim
     kv_rows = config.num_kv_heads * config.head_dim
-    fused = {
+    fused_rows = {
         "self_attn.q_proj.": ("self_attn.qkv_proj.", 0),
         "self_attn.k_proj.": ("self_attn.qkv_proj.", q_rows),
         "self_attn.v_proj.": ("self_attn.qkv_proj.", q_rows + kv_rows),
         "mlp.gate_proj.": ("mlp.gate_up_proj.", 0),
         "mlp.up_proj.": ("mlp.gate_up_proj.", config.intermediate_size),
     }
-    for part, (replacement, offset) in fused.items():
+    for part, (replacement, offset) in fused_rows.items():
         if part in name:
             return name.replace(part, replacement), offset
     return name, 0
