@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined; 0 on a GPU
 
 import torch
 
