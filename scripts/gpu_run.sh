@@ -13,7 +13,8 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 if [ "$mode" = checks ] || [ "$mode" = all ]; then
   # Triton kernels compiled for real, against torch_native, at test and at real sizes
-  python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py 2>&1 | tail -5 | tee "$OUT/pytest_triton_gpu.txt"
+  TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/test_triton_attention.py tests/test_fused_ops.py \
+    2>&1 | tail -5 | tee "$OUT/pytest_gpu.txt"
   python3 -m specserve.attention.check_gpu 2>&1 | tee "$OUT/check_gpu.txt"
   for dtype in float32 bfloat16; do
     python3 -m specserve.bench.gpu_checks --model /root/models/smollm2-135m-instruct.gguf --dtype $dtype 2>&1 \

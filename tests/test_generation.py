@@ -5,16 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"",
-    "Write a haiku about the sea.",
-    "Q: What is 17 * 23?\nA:",
-    "Once upon a time, in a small village by the mountains, there lived",
-    "List three colors:",
-    "import numpy as np\n\ndef softmax(x):",
-    "The theory of relativity says that",
-]
+from specserve.bench.prompts import SAMPLE_PROMPTS
+
+PROMPTS = SAMPLE_PROMPTS
 GREEDY = {"temperature": 0, "max_new_tokens": 64}
 
 

@@ -9,19 +9,12 @@ import time
 import pytest
 import torch
 
+from specserve.bench.prompts import SAMPLE_PROMPTS
+
 from specserve.kv.pool import PADDING_SLOT, KVPool, SlotAllocator
 
 GREEDY = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"",
-    "Write a haiku about the sea.",
-    "Q: What is 17 * 23?\nA:",
-    "Once upon a time, in a small village by the mountains, there lived",
-    "List three colors:",
-    "import numpy as np\n\ndef softmax(x):",
-    "The theory of relativity says that",
-]
+PROMPTS = SAMPLE_PROMPTS
 SMALL_CACHE = 160
 
 

@@ -13,9 +13,11 @@ import time
 from types import SimpleNamespace
 
 import httpx
+import openai
 import pytest
 
-openai = pytest.importorskip("openai")
+from specserve.bench.server_overhead import wait_healthy
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GREEDY = {"temperature": 0.0}
@@ -32,20 +34,6 @@ def start_server(port: int, *extra: str) -> subprocess.Popen:
            "--max-total-tokens", "8192", "--dtype", "float32", "--log-level", "warning", *extra]
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return subprocess.Popen(cmd, cwd=ROOT, env=env)
-
-
-def wait_healthy(proc: subprocess.Popen, base_url: str, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with code {proc.returncode}")
-        try:
-            if httpx.get(base_url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError("the server did not become healthy")
 
 
 def stop_server(proc: subprocess.Popen) -> None:

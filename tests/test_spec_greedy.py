@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specserve.bench.prompts import SAMPLE_PROMPTS
+
 from tests.spec_fixtures import (
     CODE_PROMPT,
     ProposeSpy,
@@ -23,15 +25,7 @@ from tests.spec_fixtures import (
     wait_until_all_kv_is_free,
 )
 
-PROMPTS = [
-    "The capital of France is",                    # greedy: EOS after ~25 tokens (it runs with max_new_tokens 40)
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"",
-    "Write a haiku about the sea.",
-    "Q: What is 17 * 23?\nA:",
-    "Once upon a time, in a small village by the mountains, there lived",
-    "List three colors:",
-    "import numpy as np\n\ndef softmax(x):",
-]
+PROMPTS = SAMPLE_PROMPTS[:7]   # the first one ends in EOS after ~25 tokens
 GREEDY = {"temperature": 0, "max_new_tokens": 32}
 CODE_GREEDY = {"temperature": 0, "max_new_tokens": 32}
 PENALTIES = {"repetition_penalty": 1.2, "frequency_penalty": 0.5, "presence_penalty": 0.5}

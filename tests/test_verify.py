@@ -2,7 +2,6 @@
 and the counter-based random numbers they rely on."""
 from __future__ import annotations
 
-import math
 import random
 from collections import Counter
 
@@ -74,14 +73,6 @@ def test_exponential_race_follows_distribution() -> None:
     subset = torch.randperm(bs, generator=torch.Generator().manual_seed(0))[:1000]
     again = srandom.exponential_race(probs.expand(1000, -1) * 3.0, seeds[subset], torch.full((1000,), 42))
     assert torch.equal(again, samples[subset])
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_random_numbers_same_on_cuda() -> None:
-    seeds, positions = torch.arange(64) * 1_000_003 - 5, torch.arange(64) * 3
-    cpu = srandom.uniform(seeds, positions, 2, (1000,), dtype=torch.float64)
-    cuda = srandom.uniform(seeds.cuda(), positions.cuda(), 2, (1000,), dtype=torch.float64)
-    assert torch.equal(cpu, cuda.cpu())
 
 
 # --- filters ---------------------------------------------------------------------------------
@@ -382,27 +373,3 @@ def test_penalties_at_tree_nodes_match_explicit_history(device: str) -> None:
             expected = reference_penalties(logits[b, i].tolist(), outputs[b] + path[::-1], prompts[b],
                                            float(rep[b]), float(freq[b]), float(pres[b]))
             np.testing.assert_allclose(out[b, i].numpy(), expected, rtol=1e-12, atol=1e-12)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_no_host_sync_on_cuda() -> None:
-    rng = random.Random(9)
-    bs, n, vocab = 16, 8, 1000
-    lists = random_trees(rng, bs, n, vocab)
-    tokens, parents, num_nodes = (t.cuda() for t in (lists.tokens, lists.parents, lists.num_nodes))
-    logits = torch.randn(bs, n, vocab, device="cuda")
-    q = torch.softmax(torch.randn(bs, n, vocab, device="cuda"), -1)
-    ones, zeros = torch.ones(bs, device="cuda"), torch.zeros(bs, device="cuda")
-    ks, seeds = torch.full((bs,), 5, device="cuda"), torch.arange(bs, device="cuda")
-    counts, prompt = torch.zeros(bs, vocab, dtype=torch.long, device="cuda"), torch.zeros(bs, vocab, dtype=torch.bool, device="cuda")
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        trees = DraftTrees.build(tokens, parents, num_nodes)
-        trees.positions(seeds)
-        verify_greedy(trees, logits)
-        penalised = apply_penalties_to_tree(logits, trees, counts, prompt, ones, zeros, zeros)
-        verify_sampling(trees, penalised, ones, ks, ones * 0.9, zeros, seeds, seeds)
-        verify_sampling(trees, logits, ones, ks, ones, zeros, seeds, seeds, q)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")

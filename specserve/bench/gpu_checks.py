@@ -10,18 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 import torch
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"",
-    "Write a haiku about the sea.",
-    "Q: What is 17 * 23?\nA:",
-    "Once upon a time, in a small village by the mountains, there lived",
-    "List three colors:",
-    "import numpy as np\n\ndef softmax(x):",
+from specserve.bench.prompts import SAMPLE_PROMPTS
+
+PROMPTS = SAMPLE_PROMPTS[:7] + [
     "Repeat exactly: the quick brown fox jumps over the lazy dog. the quick brown fox jumps over",
 ]
 

@@ -11,7 +11,6 @@ import logging
 import queue
 import random
 import threading
-import time
 import uuid
 from typing import Any, AsyncIterator, Callable, Iterator
 
@@ -19,7 +18,7 @@ from specserve.args import ServerArgs
 from specserve.engine.builder import build_core
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.output import OutputTracker
-from specserve.engine.request import Req
+from specserve.engine.request import Req, ReqState
 from specserve.sampling.params import SamplingParams
 
 logger = logging.getLogger("specserve")
@@ -215,6 +214,8 @@ class Engine:
                 try:
                     self.core.add_request(req)
                 except Exception as error:
+                    # finished, so the caller's clean-up never aborts a live request of the same rid
+                    req.state = ReqState.FINISHED
                     sink(error)
                     continue
                 tracker.track(req, sink, stream)

@@ -77,6 +77,8 @@ class OutputTracker:
         meta = {"id": req.rid, "prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.output_ids),
                 "cached_tokens": 0, "finish_reason": req.finish_reason, "e2e_latency": end - req.arrival_time,
                 "preemptions": req.preemptions}
+        if req.first_token_time is not None:
+            meta["ttft"] = req.first_token_time - req.arrival_time
         if self.engine.core.drafter is not None:
             meta["spec_verify_ct"] = req.spec.verify_steps
             meta["spec_accept_length"] = req.spec.accept_length

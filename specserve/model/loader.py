@@ -141,8 +141,6 @@ def _download_from_hub(repo_id: str) -> str:
 
 def _load_gguf(path: str, dtype: torch.dtype, device: str | torch.device) -> LoadedCheckpoint:
     import gguf
-    from transformers import AutoTokenizer
-
     reader = gguf.GGUFReader(path)
     metadata = {
         name: field.contents()

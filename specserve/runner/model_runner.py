@@ -3,8 +3,6 @@ scheduled step (prompt chunks, or one draft tree per request) into a forward pas
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-
 import torch
 
 from specserve.args import ServerArgs
@@ -37,13 +35,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPE_NAMES[name]
-
-
-@dataclass
-class StepForward:
-    """A forward's logits laid out per request: (bs, n, vocab), padded where a request has fewer rows."""
-    logits: torch.Tensor
-    batch: ForwardBatch
 
 
 class ModelRunner:

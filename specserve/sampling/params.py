@@ -1,7 +1,7 @@
 """SamplingParams: one request's sampling settings, validated on construction (SGLang's keys)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 _NUMBER = (int, float)
