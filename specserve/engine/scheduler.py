@@ -11,6 +11,8 @@ from __future__ import annotations
 import collections
 import time
 
+import torch
+
 from specserve.engine.request import Batch, Req, ReqState
 from specserve.kv.pool import KVPool
 
@@ -127,6 +129,5 @@ class Scheduler:
             req.row = None
 
 
-def _as_tensor(slots: list[int], pool: KVPool):
-    import torch
+def _as_tensor(slots: list[int], pool: KVPool) -> torch.Tensor:
     return torch.tensor(slots, dtype=torch.int32).to(pool.device, non_blocking=True)
