@@ -24,7 +24,7 @@ run: setup
 # tests/gpu needs CUDA (scripts/gpu_run.sh runs it on the GPU machine).
 # Triton's interpreter runs the GPU kernels on the CPU; it goes in its own process because
 # a library that imports Triton earlier in the session (transformers, torch._dynamo) breaks it.
-KERNEL_TESTS := tests/test_triton_attention.py tests/test_fused_ops.py
+KERNEL_TESTS := tests/test_triton_attention.py tests/test_fused_ops.py tests/test_gemv.py
 
 test: setup
 	$(PY) -m pytest -q --ignore=tests/gpu $(addprefix --ignore=,$(KERNEL_TESTS))

@@ -47,6 +47,9 @@ class ServerArgs:
     speculative_algorithm: str | None = field(default=None, metadata={"help": "NGRAM (alias LOOKAHEAD)"})
     speculative_num_draft_tokens: int = field(default=8, metadata={"help": "tree nodes per verify step, the root included"})
     speculative_one_branch: bool = field(default=False, metadata={"help": "draft a single chain instead of a tree"})
+    speculative_adaptive: bool = field(default=False, metadata={
+        "help": "choose the draft size each step (1 = plain decoding, up to speculative_num_draft_tokens) "
+                "from measured acceptance and measured step time"})
     speculative_num_steps: int | None = None
     speculative_eagle_topk: int | None = None
     speculative_draft_model_path: str | None = None

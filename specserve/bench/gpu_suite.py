@@ -18,11 +18,15 @@ import time
 import torch
 
 from specserve.bench.offline import run_turn
+from specserve.spec.adaptive import AdaptiveDraftLength, tiers_for
 from specserve.spec.ngram import NgramDrafter
 from specserve.spec.ngram_trie import NgramConfig
 
 MODELS = ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct")
-SPEC_CONFIGS = [(4, True), (4, False), (8, True), (8, False), (16, True), (16, False)]
+# (draft tokens, one branch, adaptive draft length)
+SPEC_CONFIGS = [(4, True, False), (4, False, False), (8, True, False), (8, False, False), (16, True, False),
+                (16, False, False), (16, True, True), (16, False, True)]
+CONCURRENT_CONFIGS = [(8, False, False), (4, True, False), (16, False, True)]
 
 
 def measure_copy_bandwidth(device: str) -> float:
@@ -45,16 +49,25 @@ def weight_bytes(engine) -> int:
     return sum(p.numel() * p.element_size() for p in engine.core.runner.model.parameters())
 
 
-def set_drafter(engine, num_draft_tokens: int | None, one_branch: bool = False) -> None:
+def set_drafter(engine, num_draft_tokens: int | None, one_branch: bool = False, adaptive: bool = False) -> None:
     """Swap speculation between runs (the engine is idle then): None = plain decoding."""
     core = engine.core
     if num_draft_tokens is None:
-        core.drafter, core.num_draft_tokens = None, 1
+        core.drafter, core.num_draft_tokens, core.adaptive = None, 1, None
         core.stats.speculative = False
         return
     core.drafter = NgramDrafter(NgramConfig(), one_branch)
     core.num_draft_tokens = num_draft_tokens
+    graph_sizes = core.runner.graphs.sizes if core.runner.graphs is not None else None
+    core.adaptive = AdaptiveDraftLength(tiers_for(num_draft_tokens, graph_sizes)) if adaptive else None
     core.stats.speculative = True
+
+
+def config_label(spec: tuple | None) -> str:
+    if spec is None:
+        return "plain"
+    n, one_branch, adaptive = spec
+    return f"ngram-{n}-{'one' if one_branch else 'multi'}" + ("-adaptive" if adaptive else "")
 
 
 def run(engine, prompts, concurrency: int, max_new_tokens: int, label: str, turns: int = 1) -> list[dict]:
@@ -95,20 +108,22 @@ def bench_model(path: str, ns, bandwidth: float, write) -> None:
                                              fixed_output_len=ns.max_new_tokens, context_len=2048, seed=1)
     chat = [engine.tokenizer(engine.apply_chat_template([{"role": "user", "content": r.prompt}])).input_ids for r in rows]
     workloads = {"code-edit": code, "sharegpt": chat}
-    engine.generate(input_ids=code[0], sampling_params={"temperature": 0, "max_new_tokens": 8})  # warm-up
     for concurrency in ns.concurrency:
         count = ns.bs1_prompts if concurrency == 1 else min(len(code), max(concurrency * 2, 16))
         for workload, prompts in workloads.items():
             turns = 2 if workload == "sharegpt" else 1
-            configs = [None] + (SPEC_CONFIGS if concurrency == 1 else [(8, False), (4, True)])
+            # warm-up on these prompts (first-use kernel compiles, allocator growth), not timed
+            set_drafter(engine, None)
+            run(engine, prompts[:count], concurrency, 4, "warm-up")
+            configs = [None] + (SPEC_CONFIGS if concurrency == 1 else CONCURRENT_CONFIGS)
             for spec in configs:
                 set_drafter(engine, *(spec or (None,)))
-                label = "plain" if spec is None else f"ngram-{spec[0]}-{'one' if spec[1] else 'multi'}"
+                label = config_label(spec)
                 for summary in run(engine, prompts[:count], concurrency, ns.max_new_tokens, label, turns):
                     write({"model": name, "kind": "specserve", "workload": workload, "concurrency": concurrency,
                            "config": label, **summary, "roofline_fraction": summary["output_tokens_per_s"] / roofline
                            if concurrency == 1 else None})
-    match = greedy_match_rate(engine, code[:8] + chat[:8], ns.max_new_tokens, (8, False))
+    match = greedy_match_rate(engine, code[:8] + chat[:8], ns.max_new_tokens, (8, False, False))
     write({"model": name, "kind": "greedy_match_rate_bf16", "ngram": "8-multi", "rate": match})
     model_path = engine.model_path
     engine.shutdown()

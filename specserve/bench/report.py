@@ -65,12 +65,13 @@ def plot(rows: list[dict], path: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    table = [r for r in speed_rows(rows) if r["config"] in ("plain", "ngram-8-multi", "ngram-4-one")]
+    shown = ("plain", "ngram-8-multi", "ngram-4-one", "ngram-16-multi-adaptive")
+    table = [r for r in speed_rows(rows) if r["config"] in shown]
     models = sorted({r["model"] for r in table})
     fig, axes = plt.subplots(1, max(len(models), 1), figsize=(6 * max(len(models), 1), 4), squeeze=False)
     for ax, model in zip(axes[0], models):
         for workload, style in (("code-edit", "-"), ("sharegpt", "--")):
-            for config in ("plain", "ngram-8-multi", "ngram-4-one"):
+            for config in shown:
                 points = sorted((r["concurrency"], r["tok_s"]) for r in table if r["model"] == model
                                 and r["workload"] == workload and r["config"] == config and r["turn"] == (2 if workload == "sharegpt" else 1))
                 if points:

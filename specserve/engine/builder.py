@@ -9,6 +9,7 @@ from specserve.engine.scheduler import Scheduler
 from specserve.model.loader import default_model_path, load_checkpoint
 from specserve.runner.model_runner import ModelRunner, resolve_device, resolve_dtype
 from specserve.sampling.sampler import Sampler
+from specserve.spec.adaptive import AdaptiveDraftLength, tiers_for
 from specserve.spec.drafter import create_drafter
 
 logger = logging.getLogger("specserve")
@@ -31,6 +32,10 @@ def build_core(args: ServerArgs):
     scheduler = Scheduler(runner.pool, runner.max_running_requests,
                           args.chunked_prefill_size if args.chunked_prefill_size > 0 else context_length)
     drafter = create_drafter(args)
+    adaptive = None
+    if drafter is not None and args.speculative_adaptive:
+        graph_sizes = runner.graphs.sizes if runner.graphs is not None else None
+        adaptive = AdaptiveDraftLength(tiers_for(args.speculative_num_draft_tokens, graph_sizes))
     core = EngineCore(runner, scheduler, Sampler(config.vocab_size, device), drafter,
-                      args.speculative_num_draft_tokens, args.log_interval_s)
+                      args.speculative_num_draft_tokens, args.log_interval_s, adaptive)
     return core, checkpoint.tokenizer, model_path

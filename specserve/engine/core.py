@@ -16,6 +16,7 @@ from specserve.engine.scheduler import Scheduler
 from specserve.engine.stats import StepLogger
 from specserve.runner.model_runner import ModelRunner
 from specserve.sampling.sampler import Sampler, SampledStep
+from specserve.spec.adaptive import AdaptiveDraftLength
 from specserve.spec.drafter import Drafter
 from specserve.spec.tree import DraftTrees
 
@@ -32,12 +33,14 @@ class StepOutput:
 
 class EngineCore:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler,
-                 drafter: Drafter | None, num_draft_tokens: int, log_interval_s: float = 10.0):
+                 drafter: Drafter | None, num_draft_tokens: int, log_interval_s: float = 10.0,
+                 adaptive: AdaptiveDraftLength | None = None):
         self.runner = runner
         self.scheduler = scheduler
         self.sampler = sampler
         self.drafter = drafter
         self.num_draft_tokens = num_draft_tokens if drafter is not None else 1
+        self.adaptive = adaptive if drafter is not None else None  # None: always verify the full draft
         self.stats = StepLogger(log_interval_s, speculative=drafter is not None)
         self.requests: dict[str, Req] = {}
         self.last_batch_reqs: list[Req] = []   # the requests of the step in flight, failed together if it raises
@@ -100,6 +103,7 @@ class EngineCore:
         return [self._commit(req, sampled, i, node_slots=[]) for i, req in enumerate(sampling)]
 
     def _run_decode(self, batch: Batch) -> list[StepOutput]:
+        start = time.perf_counter()
         reqs = batch.reqs
         trees, num_nodes = self._propose(reqs)
         slots = self.scheduler.alloc_slots(sum(num_nodes))
@@ -117,6 +121,8 @@ class EngineCore:
             node_slots = slots[offset:offset + num_nodes[i]]
             offset += num_nodes[i]
             outputs.append(self._commit(req, sampled, i, node_slots))
+        if self.adaptive is not None:
+            self.adaptive.record_step(len(reqs), trees.num_slots, time.perf_counter() - start)
         return outputs
 
     def _propose(self, reqs: list[Req]) -> tuple[DraftTrees, list[int]]:
@@ -125,7 +131,13 @@ class EngineCore:
         # never draft past max_new_tokens or the context: those nodes could not be committed
         limits = [max(1, min(self.num_draft_tokens, r.max_new_tokens - len(r.output_ids),
                              self.runner.context_length - r.kv_len)) for r in reqs]
-        return self.drafter.propose(reqs, limits)
+        trees, num_nodes = self.drafter.propose(reqs, limits)
+        if self.adaptive is None:
+            return trees, num_nodes
+        rids = [r.rid for r in reqs]
+        self.adaptive.record_proposals(rids, trees, num_nodes)
+        tier = self.adaptive.choose(rids, num_nodes)
+        return trees.truncate(tier), [min(n, tier) for n in num_nodes]
 
     @staticmethod
     def _last_tokens(reqs: list[Req]) -> torch.Tensor:
@@ -158,6 +170,8 @@ class EngineCore:
                 break
         if self.drafter is not None and not req.finished:
             self.drafter.observe(req, new_tokens)
+            if self.adaptive is not None:
+                self.adaptive.observe(req.rid, new_tokens)
         self.stats.count_tokens(len(new_tokens))
         return StepOutput(req=req, new_token_ids=new_tokens, finished=req.finished)
 
@@ -184,3 +198,5 @@ class EngineCore:
     def _release_draft_state(self, req: Req) -> None:
         if self.drafter is not None:
             self.drafter.release(req)
+        if self.adaptive is not None:
+            self.adaptive.release(req.rid)

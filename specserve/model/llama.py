@@ -7,7 +7,8 @@ from torch import nn
 
 from specserve.attention.base import AttentionBackend, ForwardBatch
 from specserve.model.config import ModelConfig
-from specserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, fused
+from specserve.model.cpu_linear import CpuLinear
+from specserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, fused, linear
 
 
 class Attention(nn.Module):
@@ -24,7 +25,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend,
                 rope: RotaryEmbedding) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = linear(self.qkv_proj, x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)      # (num_tokens, num_heads, head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)   # (num_tokens, num_kv_heads, head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -38,7 +39,7 @@ class Attention(nn.Module):
         else:
             q, k = rope(batch.positions, q, k)
             out = backend.forward(q, k, v, self.layer, batch)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return linear(self.o_proj, out.reshape(-1, self.q_size))
 
 
 class DecoderLayer(nn.Module):
@@ -76,6 +77,8 @@ class DecoderLM(nn.Module):
         for layer in self.layers:
             x, residual = layer(x, residual, batch, backend, self.rope)
         x = self.norm((residual + x)[batch.logits_indices])
+        if isinstance(self.lm_head, CpuLinear):  # fp32 on the CPU, tied or not: see cpu_linear.py
+            return self.lm_head(x)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return torch.matmul(x, weight.t()).float()
 

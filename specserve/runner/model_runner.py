@@ -10,6 +10,7 @@ from specserve.attention.base import ForwardBatch, ForwardMode, create_attention
 from specserve.engine.request import Req
 from specserve.kv.pool import PADDING_SLOT, KVPool
 from specserve.model.config import ModelConfig
+from specserve.model.cpu_linear import use_cpu_linears
 from specserve.model.llama import DecoderLM
 from specserve.model.layers import RotaryEmbedding
 from specserve.spec.tree import DraftTrees
@@ -149,4 +150,6 @@ def _build_model(config: ModelConfig, state_dict, device, dtype, context_length:
     model = model.to_empty(device=device).to(dtype)
     model.rope = RotaryEmbedding(config.head_dim, context_length, config.rope_theta, config.rope_scaling).to(device)
     model.load_weights(state_dict)
+    if device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        use_cpu_linears(model)  # faster few-row matmuls (verify steps) for a second copy of the weights
     return model.eval().requires_grad_(False)

@@ -122,6 +122,15 @@ class DraftTrees:
         position) + depth. Padding nodes get the root's position."""
         return prefix_lens.to(torch.int64).unsqueeze(1) + self.depth
 
+    def truncate(self, n: int) -> DraftTrees:
+        """Each tree cut to its first n nodes: still trees, since parents precede children.
+        A first child or next sibling at index >= n means none below n (both are minima)."""
+        if n >= self.num_slots:
+            return self
+        cut = lambda x: torch.where(x[:, :n] >= n, -1, x[:, :n])
+        return DraftTrees(self.tokens[:, :n], self.parents[:, :n], self.num_nodes.clamp(max=n), self.depth[:, :n],
+                          self.ancestor_mask[:, :n, :n], cut(self.first_child), cut(self.next_sibling))
+
     def to(self, device: torch.device | str) -> DraftTrees:
         return DraftTrees(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 

@@ -1,0 +1,139 @@
+"""Adaptive draft length: the shadow walk counts exactly what a cut proposal would have
+committed, the choice follows measured cost and acceptance (plain decoding included), and
+an adaptive engine's greedy output equals plain decoding while it switches draft sizes."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specserve.spec.adaptive import REFRESH_EVERY, AdaptiveDraftLength, tiers_for
+from specserve.spec.tree import DraftTrees
+
+from tests.spec_fixtures import CODE_PROMPT, SmolEngines, ngram_args, wait_until_all_kv_is_free
+
+# root r; 1:a <- 0, 2:b <- 1, 3:x <- 0, 4:c <- 2, 5:d <- 4   (token ids: r=9, a=1, b=2, x=3, c=4, d=5)
+TREE = ([9, 1, 2, 3, 4, 5], [-1, 0, 1, 0, 2, 4])
+
+
+def propose(adaptive: AdaptiveDraftLength, rid: str, tree=TREE) -> None:
+    trees = DraftTrees.from_lists([tree])
+    adaptive.record_proposals([rid], trees, [len(tree[0])])
+
+
+def random_tree(rng: random.Random, size: int) -> tuple[list[int], list[int]]:
+    return [rng.randrange(50) for _ in range(size)], [-1] + [rng.randrange(i) for i in range(1, size)]
+
+
+@pytest.mark.parametrize("cut", [1, 2, 3, 5, 8])
+def test_truncate_equals_trees_built_from_the_cut_lists(cut):
+    rng = random.Random(cut)
+    rows = [random_tree(rng, size) for size in (1, 3, 8, 6, 8)]
+    trees = DraftTrees.from_lists(rows, n=8)
+    expected = DraftTrees.from_lists([(tokens[:cut], parents[:cut]) for tokens, parents in rows], n=min(cut, 8))
+    got = trees.truncate(cut)
+    for name in ("tokens", "parents", "num_nodes", "depth", "ancestor_mask", "first_child", "next_sibling"):
+        assert torch.equal(getattr(got, name), getattr(expected, name)), name
+
+
+def test_shadow_walk_counts_what_each_cut_would_commit():
+    adaptive = AdaptiveDraftLength([1, 2, 4, 8])
+    prior = {t: adaptive.expected_tokens("r", t) for t in adaptive.tiers}
+    propose(adaptive, "r")
+    adaptive.observe("r", [1, 2])            # a, b matched; c (node 4) may still come
+    assert {t: adaptive.expected_tokens("r", t) for t in adaptive.tiers} == prior
+    adaptive.observe("r", [4, 7])            # c matched, then 7 is no child of c: resolved
+    # path nodes 1, 2, 4: a cut to t nodes commits the path nodes below t, plus the bonus
+    outcome = {1: 1, 2: 2, 4: 3, 8: 4}
+    for t, tokens in outcome.items():
+        assert adaptive.expected_tokens("r", t) == pytest.approx(prior[t] + 0.3 * (tokens - prior[t]))
+
+
+def test_a_walk_that_reaches_a_leaf_resolves_at_once():
+    adaptive = AdaptiveDraftLength([1, 8])
+    propose(adaptive, "r", ([9, 3], [-1, 0]))
+    adaptive.observe("r", [3, 8, 8])
+    assert adaptive.expected_tokens("r", 8) == pytest.approx(8 + 0.3 * (2 - 8))
+
+
+def measured(adaptive: AdaptiveDraftLength, costs: dict[int, float], batch_size: int = 1) -> None:
+    for tier, seconds in costs.items():
+        adaptive.record_step(batch_size, tier, seconds)
+
+
+def test_unmeasured_tiers_are_tried_in_order_then_the_best_rate_wins():
+    adaptive = AdaptiveDraftLength([1, 4, 8])
+    chosen = []
+    for _ in range(3):
+        tier = adaptive.choose(["r"], [8])
+        chosen.append(tier)
+        adaptive.record_step(1, tier, {1: 0.05, 4: 0.06, 8: 0.12}[tier])
+    assert chosen == [1, 4, 8]
+    # prior: every node accepted -> 4 tokens / 0.06 s beats 8 / 0.12 and 1 / 0.05
+    assert adaptive.choose(["r"], [8]) == 4
+
+
+def test_plain_decoding_wins_when_drafts_miss_and_verifying_costs():
+    adaptive = AdaptiveDraftLength([1, 4, 8])
+    measured(adaptive, {1: 0.05, 4: 0.08, 8: 0.11})
+    for _ in range(20):                       # every proposal rejected at the first node
+        propose(adaptive, "r")
+        adaptive.observe("r", [7])
+    assert adaptive.choose(["r"], [8]) == 1
+    assert adaptive.choose(["r"], [1]) == 1   # nothing drafted: plain
+
+
+def test_long_accepted_paths_pick_the_largest_tier():
+    adaptive = AdaptiveDraftLength([1, 2, 4, 8])
+    measured(adaptive, {1: 0.05, 2: 0.06, 4: 0.08, 8: 0.11})
+    chain = ([9, 1, 2, 3, 4, 5, 6, 7], [-1, 0, 1, 2, 3, 4, 5, 6])
+    for _ in range(20):
+        propose(adaptive, "r", chain)
+        adaptive.observe("r", [1, 2, 3, 4, 5, 6, 7])
+    assert adaptive.choose(["r"], [8]) == 8
+
+
+def test_costs_are_per_batch_bucket_and_refreshed():
+    adaptive = AdaptiveDraftLength([1, 4])
+    measured(adaptive, {1: 0.05, 4: 0.06}, batch_size=1)
+    assert adaptive.choose(["a", "b", "c"], [4, 4, 4]) == 1   # bucket 4 not measured yet: try 1 first
+    refreshed = []
+    for step in range(2 * REFRESH_EVERY):
+        tier = adaptive.choose(["r"], [4])
+        refreshed.append(tier)
+        adaptive.record_step(1, tier, 0.05 if tier == 1 else 0.06)
+    assert refreshed.count(1) >= 1 and refreshed.count(4) > REFRESH_EVERY   # mostly 4, plain re-measured
+
+
+def test_tiers_are_the_graph_sizes_or_powers_of_two():
+    assert tiers_for(16, [1, 4, 8, 16]) == [1, 4, 8, 16]
+    assert tiers_for(8, [1, 4, 8, 16]) == [1, 4, 8]
+    assert tiers_for(6, None) == [1, 2, 4, 6]
+
+
+# ---- the engine ----
+@pytest.fixture(scope="module")
+def smol(smollm2_path, smollm2_checkpoint):
+    engines = SmolEngines(smollm2_path, smollm2_checkpoint)
+    yield engines
+    engines.close()
+
+
+def test_adaptive_engine_equals_plain_and_switches_draft_sizes(smol):
+    from specserve.bench.prompts import SAMPLE_PROMPTS
+    params = {"temperature": 0, "max_new_tokens": 48}
+    plain = smol.make()
+    prompts = [plain.tokenizer(p).input_ids for p in [CODE_PROMPT, *SAMPLE_PROMPTS[1:4]]]
+    expected = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=params)]
+    smol.close(plain)
+    engine = smol.make(**ngram_args(8, speculative_adaptive=True))
+    for _ in range(2):  # the second round sees tiers already priced
+        got = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+        assert got == expected
+    solo = engine.generate(input_ids=prompts[0], sampling_params=params)
+    assert solo["output_ids"] == expected[0]
+    used = {tier: steps for tier, steps in engine.core.adaptive.steps_per_tier.items() if steps}
+    assert len(used) >= 2 and 8 in used, used
+    wait_until_all_kv_is_free(engine)
+    smol.close(engine)
