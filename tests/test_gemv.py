@@ -31,3 +31,19 @@ def test_gemv_silu_mul_matches_unfused(config):
     out = gemv.gemv(x, w, None, silu_mul=True, config=config)
     assert out.shape == (1, 45)
     torch.testing.assert_close(out, gemv.reference(x, w, None, True), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("config", gemv.CANDIDATES[:3])
+@pytest.mark.parametrize("silu_mul,bias", [(False, True), (True, False)])
+def test_gemv_with_add_norm_matches_add_rmsnorm_then_linear(config, silu_mul, bias):
+    """The pre-norm inside the GEMV: residual + x written out, rmsnorm(residual + x) * w as input."""
+    torch.manual_seed(4)
+    k, n = 300, 2 * 37
+    x, residual = torch.randn(1, k, device=DEVICE), torch.randn(1, k, device=DEVICE)
+    norm = gemv.AddNorm(residual, torch.randn(k, device=DEVICE), 1e-6)
+    w, b = torch.randn(n, k, device=DEVICE), (torch.randn(n, device=DEVICE) if bias else None)
+    out, residual_out = gemv.gemv(x, w, b, silu_mul, config, add_norm=norm)
+    expected, expected_residual = gemv.reference(x, w, b, silu_mul, add_norm=norm)
+    torch.testing.assert_close(residual_out, expected_residual)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(residual, norm.residual)  # the input residual is left alone

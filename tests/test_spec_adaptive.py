@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from specserve.spec.adaptive import REFRESH_EVERY, AdaptiveDraftLength, tiers_for
+from specserve.spec.adaptive import PROBE_EVERY, REFRESH_EVERY, AdaptiveDraftLength, tiers_for
 from specserve.spec.tree import DraftTrees
 
 from tests.spec_fixtures import CODE_PROMPT, SmolEngines, ngram_args, wait_until_all_kv_is_free
@@ -82,6 +82,25 @@ def test_plain_decoding_wins_when_drafts_miss_and_verifying_costs():
         adaptive.observe("r", [7])
     assert adaptive.choose(["r"], [8]) == 1
     assert adaptive.choose(["r"], [1]) == 1   # nothing drafted: plain
+
+
+def test_while_plain_wins_only_probe_steps_draft():
+    adaptive = AdaptiveDraftLength([1, 4])
+    measured(adaptive, {1: 0.05, 4: 0.08})
+    assert adaptive.should_draft(1)                  # nothing chosen yet
+    for _ in range(5):
+        propose(adaptive, "r")
+        adaptive.observe("r", [7])
+    assert adaptive.choose(["r"], [6]) == 1
+    drafts = [adaptive.should_draft(1) for _ in range(3 * PROBE_EVERY)]
+    assert sum(drafts) == 3 and drafts[PROBE_EVERY - 1]
+    assert adaptive.should_draft(2)                  # another batch-size bucket decides for itself
+    chain = ([9, 1, 2, 3], [-1, 0, 1, 2])
+    for _ in range(10):                              # drafts start to hit: the next choice drafts again
+        propose(adaptive, "r", chain)
+        adaptive.observe("r", [1, 2, 3, 8])
+    assert adaptive.choose(["r"], [4]) == 4
+    assert all(adaptive.should_draft(1) for _ in range(PROBE_EVERY))
 
 
 def test_long_accepted_paths_pick_the_largest_tier():

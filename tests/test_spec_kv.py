@@ -271,6 +271,7 @@ def test_ngram_drafter_proposes_valid_trees(one_branch):
     for req in reqs:
         drafter.add_prompt(req)
     drafter.observe(reqs[1], [53, 10, 11])
+    drafter.flush()                              # as the engine does once the forward is launched
     limits = [8, 3, 5, 1]
     trees, num_nodes = drafter.propose(reqs, limits)
     rows = check_trees(trees, num_nodes, reqs, limits, one_branch)
@@ -303,6 +304,7 @@ def test_ngram_drafter_random_histories_stay_within_limits(one_branch):
         drafter.add_prompt(req)
         reqs.append(req)
     for step in range(6):
+        drafter.flush()
         limits = [rng.choice([1, 2, 4, 8, 16]) for _ in reqs]
         trees, num_nodes = drafter.propose(reqs, limits)
         rows = check_trees(trees, num_nodes, reqs, limits, one_branch)
@@ -316,3 +318,21 @@ def test_ngram_drafter_random_histories_stay_within_limits(one_branch):
             committed = chain[:rng.randrange(len(chain) + 1)] + [rng.randrange(20)]
             req.output_ids.extend(committed)
             drafter.observe(req, committed)
+
+
+def test_ngram_drafter_indexes_prompts_and_outputs_at_flush():
+    """add_prompt and observe only queue tokens; flush (run while the GPU computes) indexes them."""
+    drafter = NgramDrafter(NgramConfig(), one_branch=True)
+    writer, reader = fake_req("w", [5, 6, 7, 8]), fake_req("r", [40, 5, 6])
+    drafter.add_prompt(writer)
+    assert drafter.propose([reader], [4])[1] == [1]          # nothing indexed yet: root only
+    drafter.flush()
+    trees, num_nodes = drafter.propose([reader], [4])
+    assert trees.tokens[0, :num_nodes[0]].tolist() == [6, 7, 8]
+    writer.output_ids.extend([9, 10])
+    drafter.observe(writer, [9, 10])
+    assert drafter.propose([reader], [8])[1] == [3]
+    drafter.flush()
+    assert drafter.propose([reader], [8])[1] == [5]          # 6 -> 7 8 9 10
+    drafter.release(writer)
+    drafter.release(reader)

@@ -38,13 +38,14 @@ def bench_linears(config: dict, write) -> None:
     from specserve.model.gemv import candidate_times
     hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     kv = config["num_key_value_heads"] * hidden // config["num_attention_heads"]
-    shapes = {"qkv": ((hidden + 2 * kv, hidden), True, False), "o": ((hidden, hidden), False, False),
-              "gate_up+silu_mul": ((2 * inter, hidden), False, True), "down": ((hidden, inter), False, False),
-              "lm_head": ((vocab, hidden), False, False)}
-    for name, (shape, bias, silu_mul) in shapes.items():
-        times = candidate_times(shape, torch.bfloat16, bias, silu_mul, torch.device("cuda"))
+    # name: (weight shape, bias, silu_mul, add_norm), as a batch-1 decode step runs them
+    shapes = {"add_norm+qkv": ((hidden + 2 * kv, hidden), True, False, True), "o": ((hidden, hidden), False, False, False),
+              "add_norm+gate_up+silu_mul": ((2 * inter, hidden), False, True, True),
+              "down": ((hidden, inter), False, False, False), "lm_head": ((vocab, hidden), False, False, False)}
+    for name, (shape, bias, silu_mul, add_norm) in shapes.items():
+        times = candidate_times(shape, torch.bfloat16, bias, silu_mul, add_norm, torch.device("cuda"))
         mb = shape[0] * shape[1] * 2 / 1e6
-        write({"kind": "linear", "name": name, "MB": mb, **{("cublas" if k is None else "gemv_%dx%dw%d" % k) + "_us": v
+        write({"kind": "linear", "name": name, "MB": mb, **{("cublas" if k is None else "gemv_%dx%dw%ds%d" % k) + "_us": v
                                                            for k, v in times.items()},
                "cublas_GBps": mb * 1e3 / times[None], "best_GBps": mb * 1e3 / min(times.values())})
 
@@ -118,16 +119,13 @@ def main(argv=None) -> None:
     from specserve.model import gemv
     path = write_random_model(f"/tmp/random-{ns.shape}", ns.shape)
     for use_gemv in (False, True):
-        if not use_gemv:  # cuBLAS for every one-row matmul: the A/B baseline
-            original, gemv.best_config = gemv.best_config, lambda *args: None
+        gemv.ENABLED = use_gemv  # False: cuBLAS for every one-row matmul, the A/B baseline
         engine = Engine(model_path=path, log_level="warning", cuda_graph_max_bs=8, max_total_tokens=100_000)
         roofline = bandwidth / weight_bytes(engine)
         write({"kind": "roofline", "gemv": use_gemv, "weight_bytes": weight_bytes(engine), "roofline_tok_s_bs1": roofline})
         end_to_end(engine, roofline, write)
         engine.shutdown()  # drive the core from this thread for the step profile
         step_profile(engine, write)
-        if not use_gemv:
-            gemv.best_config = original
         del engine
 
 

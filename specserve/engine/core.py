@@ -88,6 +88,8 @@ class EngineCore:
         assert slots is not None, "the scheduler reserves the cache a prefill needs"
         try:
             logits = self.runner.extend(batch.reqs, batch.extend_lens, slots, batch.samples)
+            if self.drafter is not None:
+                self.drafter.flush()  # e.g. index the new prompts while the GPU runs the prefill
         except BaseException:
             self.scheduler.free_slots(slots)  # no request holds them yet
             raise
@@ -112,6 +114,8 @@ class EngineCore:
             slots = self.scheduler.alloc_slots(len(reqs))
         try:
             logits = self.runner.verify(reqs, trees, num_nodes, slots)
+            if self.drafter is not None:
+                self.drafter.flush()  # host work while the GPU computes the step
             sampled = self.sampler.sample(logits, trees, reqs)
         except BaseException:
             self.scheduler.free_slots(slots)  # no request holds them until commit
@@ -126,7 +130,7 @@ class EngineCore:
         return outputs
 
     def _propose(self, reqs: list[Req]) -> tuple[DraftTrees, list[int]]:
-        if self.drafter is None:
+        if self.drafter is None or (self.adaptive is not None and not self.adaptive.should_draft(len(reqs))):
             return DraftTrees.root_only(self._last_tokens(reqs)), [1] * len(reqs)
         # never draft past max_new_tokens or the context: those nodes could not be committed
         limits = [max(1, min(self.num_draft_tokens, r.max_new_tokens - len(r.output_ids),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -24,18 +25,34 @@ import triton.language as tl
 
 logger = logging.getLogger(__name__)
 
-# (BLOCK_N, BLOCK_K, num_warps): small row blocks and long K chunks keep many loads in flight
-CANDIDATES = ((4, 1024, 4), (4, 256, 4), (8, 512, 4), (2, 2048, 8), (2, 1024, 4), (4, 512, 4), (8, 256, 8),
-              (1, 2048, 4), (16, 256, 8), (4, 2048, 8), (1, 4096, 8))
+ENABLED = True  # False: one-row matmuls go to cuBLAS like any other (the A/B of bench.decode_profile)
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages): small row blocks, long K chunks and deeper
+# pipelining keep more loads in flight; which wins depends on the shape and the GPU
+CANDIDATES = ((4, 1024, 4, 3), (4, 256, 4, 3), (8, 512, 4, 3), (2, 2048, 8, 3), (2, 1024, 4, 3), (8, 256, 8, 3),
+              (4, 2048, 8, 3), (2, 1024, 4, 5), (4, 256, 4, 5), (8, 256, 8, 5), (4, 2048, 8, 4), (4, 512, 8, 5))
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N_OUT, K,
-                 HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N_OUT, K, res_ptr, norm_w_ptr, res_out_ptr, eps,
+                 HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, ADD_NORM: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # SILU_MUL: W holds gate rows [0, N_OUT) then up rows [N_OUT, 2 N_OUT); out = silu(gate) * up
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # ADD_NORM: the input is rmsnorm(residual + x) * norm_w; program 0 writes residual + x out
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N_OUT
     cols = tl.arange(0, BLOCK_K)
+    inv_rms = 1.0
+    if ADD_NORM:  # every program recomputes the norm of the (L2-resident) row: cheaper than a launch
+        squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            k_mask = (k + cols) < K
+            summed = tl.load(x_ptr + k + cols, mask=k_mask, other=0.0) + tl.load(res_ptr + k + cols, mask=k_mask, other=0.0)
+            squares += summed.to(tl.float32) * summed.to(tl.float32)
+            if pid == 0:
+                tl.store(res_out_ptr + k + cols, summed, mask=k_mask)
+        inv_rms = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
     up_rows = w_rows + N_OUT.to(tl.int64) * K
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -43,7 +60,12 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N_OUT, K,
     for k in range(0, K, BLOCK_K):
         k_mask = (k + cols) < K
         mask = row_mask[:, None] & k_mask[None, :]
-        x = tl.load(x_ptr + k + cols, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        x = tl.load(x_ptr + k + cols, mask=k_mask, other=0.0)
+        if ADD_NORM:  # the same roundings as add_rmsnorm: sum, normalised value, then times the weight
+            summed = x + tl.load(res_ptr + k + cols, mask=k_mask, other=0.0)
+            normed = (summed.to(tl.float32) * inv_rms).to(summed.dtype).to(tl.float32)
+            x = (tl.load(norm_w_ptr + k + cols, mask=k_mask, other=0.0).to(tl.float32) * normed).to(summed.dtype)
+        x = x.to(tl.float32)[None, :]
         acc += tl.load(w_rows + k + cols[None, :], mask=mask, other=0.0).to(tl.float32) * x
         if SILU_MUL:
             acc_up += tl.load(up_rows + k + cols[None, :], mask=mask, other=0.0).to(tl.float32) * x
@@ -58,48 +80,70 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N_OUT, K,
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
+@dataclass(frozen=True)
+class AddNorm:
+    """A GEMV input given as rmsnorm(residual + x) * weight, the pre-norm of a decoder block."""
+    residual: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
-         config: tuple[int, int, int] = CANDIDATES[0]) -> torch.Tensor:
-    """x: (1, K), weight: (N, K) contiguous; returns (1, N), or (1, N / 2) with silu_mul."""
+         config: tuple[int, int, int, int] = CANDIDATES[0], add_norm: AddNorm | None = None):
+    """x: (1, K), weight: (N, K) contiguous; returns (1, N), or (1, N / 2) with silu_mul.
+    With add_norm, returns (output, residual + x)."""
     n, k = weight.shape
     n_out = n // 2 if silu_mul else n
-    block_n, block_k, warps = config
+    block_n, block_k, warps, stages = config
     out = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
+    residual_out = torch.empty_like(x) if add_norm is not None else None
+    norm = add_norm or AddNorm(x, x, 0.0)  # unused pointers when there is no norm
     _gemv_kernel[(triton.cdiv(n_out, block_n),)](
-        x, weight, bias if bias is not None else weight, out, n_out, k, HAS_BIAS=bias is not None,
-        SILU_MUL=silu_mul, BLOCK_N=block_n, BLOCK_K=min(block_k, triton.next_power_of_2(k)), num_warps=warps)
-    return out
+        x, weight, bias if bias is not None else weight, out, n_out, k,
+        norm.residual, norm.weight, residual_out if residual_out is not None else out, norm.eps,
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, ADD_NORM=add_norm is not None, BLOCK_N=block_n,
+        BLOCK_K=min(block_k, triton.next_power_of_2(k)), num_warps=warps, num_stages=stages)
+    return out if add_norm is None else (out, residual_out)
 
 
-def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> torch.Tensor:
-    """The unfused torch computation gemv replaces."""
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
+              add_norm: AddNorm | None = None):
+    """The unfused torch computation gemv replaces (same return convention)."""
+    residual_out = None
+    if add_norm is not None:
+        residual_out = add_norm.residual + x
+        x32 = residual_out.float()
+        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + add_norm.eps)).to(x.dtype)
+        x = add_norm.weight * normed
     y = F.linear(x, weight, bias)
-    if not silu_mul:
-        return y
-    gate, up = y.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    if silu_mul:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    return y if add_norm is None else (y, residual_out)
 
 
 def one_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                   silu_mul: bool = False) -> torch.Tensor:
-    """x @ W^T (+ bias) (then silu_mul) for one CUDA row, by the fastest measured path."""
-    config = best_config(tuple(weight.shape), weight.dtype, bias is not None, silu_mul, weight.device)
+                   silu_mul: bool = False, add_norm: AddNorm | None = None):
+    """x @ W^T (+ bias) (then silu_mul) for one CUDA row, by the fastest measured path;
+    with add_norm the input is normalised first and (output, residual + x) is returned."""
+    config = best_config(tuple(weight.shape), weight.dtype, bias is not None, silu_mul, add_norm is not None,
+                         weight.device)
     if config is None:
-        return reference(x, weight, bias, silu_mul)
-    return gemv(x, weight, bias, silu_mul, config)
+        return _unfused(x, weight, bias, silu_mul, add_norm)
+    return gemv(x, weight, bias, silu_mul, config, add_norm)
 
 
 @functools.lru_cache(maxsize=None)
-def best_config(shape: tuple[int, int], dtype: torch.dtype, has_bias: bool, silu_mul: bool,
-                device: torch.device) -> tuple[int, int, int] | None:
+def best_config(shape: tuple[int, int], dtype: torch.dtype, has_bias: bool, silu_mul: bool, add_norm: bool,
+                device: torch.device) -> tuple[int, int, int, int] | None:
     """The fastest GEMV tile config for this weight shape, or None when cuBLAS is faster."""
-    times = candidate_times(shape, dtype, has_bias, silu_mul, device)
-    logger.info("one-row matmul %s%s: %s", shape, " + silu_mul" if silu_mul else "",
+    times = candidate_times(shape, dtype, has_bias, silu_mul, add_norm, device)
+    logger.info("one-row matmul %s%s%s: %s", shape, " + add_norm" if add_norm else "", " + silu_mul" if silu_mul else "",
                 ", ".join(f"{'cublas' if k is None else k} {v:.1f} us" for k, v in times.items()))
     return min(times, key=times.get)
 
 
-def candidate_times(shape: tuple[int, int], dtype: torch.dtype, has_bias: bool, silu_mul: bool,
+def candidate_times(shape: tuple[int, int], dtype: torch.dtype, has_bias: bool, silu_mul: bool, add_norm: bool,
                     device: torch.device) -> dict:
     """GPU microseconds per call of cuBLAS (key None) and of each GEMV config.
 
@@ -111,10 +155,27 @@ def candidate_times(shape: tuple[int, int], dtype: torch.dtype, has_bias: bool, 
     weights = [torch.randn(shape, dtype=dtype, device=device) for _ in range(copies)]
     bias = torch.randn(shape[0], dtype=dtype, device=device) if has_bias else None
     x = torch.randn((1, shape[1]), dtype=dtype, device=device)
-    times = {None: graph_time_us([lambda w=w: reference(x, w, bias, silu_mul) for w in weights])}
+    norm = AddNorm(torch.randn_like(x), torch.randn(shape[1], dtype=dtype, device=device), 1e-6) if add_norm else None
+    times = {None: graph_time_us([lambda w=w: _unfused(x, w, bias, silu_mul, norm) for w in weights])}
     for config in CANDIDATES:
-        times[config] = graph_time_us([lambda w=w: gemv(x, w, bias, silu_mul, config) for w in weights])
+        try:
+            times[config] = graph_time_us([lambda w=w: gemv(x, w, bias, silu_mul, config, norm) for w in weights])
+        except Exception as error:  # e.g. a tile that needs more shared memory than this GPU has
+            logger.warning("gemv config %s failed on %s: %s", config, shape, error)
     return times
+
+
+def _unfused(x, weight, bias, silu_mul: bool, add_norm: AddNorm | None):
+    """The same result through the other GPU kernels: add+RMSNorm, cuBLAS, silu_mul (for
+    shapes where cuBLAS wins, and as the baseline the GEMV is timed against)."""
+    from specserve.model import fused_ops
+    residual = None
+    if add_norm is not None:
+        residual = add_norm.residual.clone()  # add_rmsnorm updates it in place; the input stays
+        x = fused_ops.add_rmsnorm(x, add_norm.weight, add_norm.eps, residual=residual)
+    y = F.linear(x, weight, bias)
+    y = fused_ops.silu_mul(y) if silu_mul else y
+    return y if add_norm is None else (y, residual)
 
 
 def graph_time_us(calls: list, rounds: int = 3) -> float:

@@ -14,11 +14,21 @@ def fused():
     return fused_ops
 
 
+def gemv_ops():
+    """The one-row GEMV kernels (gemv.py), imported on first GPU use like `fused`."""
+    from specserve.model import gemv
+    return gemv
+
+
+def takes_one_row_kernels(x: torch.Tensor) -> bool:
+    """One row on a GPU (a batch-1 decode step) goes through gemv.py's kernels."""
+    return x.is_cuda and x.shape[0] == 1 and gemv_ops().ENABLED
+
+
 def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """layer(x); one CUDA row (a batch-1 decode step) takes the fastest measured GEMV."""
-    if x.is_cuda and x.shape[0] == 1:
-        from specserve.model.gemv import one_row_linear
-        return one_row_linear(x, layer.weight, layer.bias)
+    """layer(x); one CUDA row takes the fastest measured GEMV."""
+    if takes_one_row_kernels(x):
+        return gemv_ops().one_row_linear(x, layer.weight, layer.bias)
     return layer(x)
 
 
@@ -100,9 +110,6 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.shape[0] == 1:  # one GEMV computes gate, up and silu(gate) * up
-            from specserve.model.gemv import one_row_linear
-            return linear(self.down_proj, one_row_linear(x, self.gate_up_proj.weight, silu_mul=True))
         gate_up = self.gate_up_proj(x)
         if gate_up.is_cuda:
             return self.down_proj(fused().silu_mul(gate_up))

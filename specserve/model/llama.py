@@ -8,7 +8,7 @@ from torch import nn
 from specserve.attention.base import AttentionBackend, ForwardBatch
 from specserve.model.config import ModelConfig
 from specserve.model.cpu_linear import CpuLinear
-from specserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, fused, linear
+from specserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, fused, gemv_ops, linear, takes_one_row_kernels
 
 
 class Attention(nn.Module):
@@ -25,7 +25,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend,
                 rope: RotaryEmbedding) -> torch.Tensor:
-        q, k, v = linear(self.qkv_proj, x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.attend(linear(self.qkv_proj, x), batch, backend, rope)
+
+    def attend(self, qkv: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend,
+               rope: RotaryEmbedding) -> torch.Tensor:
+        """Everything after the qkv projection: q/k norms, RoPE, the KV write, attention, o_proj."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)      # (num_tokens, num_heads, head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)   # (num_tokens, num_kv_heads, head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -52,6 +57,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, residual, batch, backend, rope) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual-stream form: returns (mlp output, residual); the caller adds them."""
+        if takes_one_row_kernels(x):
+            return self._forward_one_row(x, residual, batch, backend, rope)
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
@@ -59,6 +66,20 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(h, batch, backend, rope)
         h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
         return self.mlp(h), residual
+
+    def _forward_one_row(self, x, residual, batch, backend, rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch-1 decode on a GPU: each pre-norm runs inside the GEMV that consumes it, and
+        gate, up and SiLU * up are one GEMV (a step is a chain of ~5 kernels per layer)."""
+        if residual is None:  # the first layer: residual 0 + x is exactly x
+            residual = torch.zeros_like(x)
+        gemv, attn, mlp, norm = gemv_ops(), self.self_attn, self.mlp, self.input_layernorm
+        qkv, residual = gemv.one_row_linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias,
+                                            add_norm=gemv.AddNorm(residual, norm.weight, norm.eps))
+        h = attn.attend(qkv, batch, backend, rope)
+        norm = self.post_attention_layernorm
+        act, residual = gemv.one_row_linear(h, mlp.gate_up_proj.weight, silu_mul=True,
+                                            add_norm=gemv.AddNorm(residual, norm.weight, norm.eps))
+        return linear(mlp.down_proj, act), residual
 
 
 class DecoderLM(nn.Module):

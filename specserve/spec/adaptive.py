@@ -16,6 +16,10 @@ Both factors are measured, not assumed:
   the request commits over the next steps down the full proposal. In greedy decoding the
   committed stream does not depend on the drafts, so the counterfactual is exact.
 
+Drafting itself costs host time (a trie walk per request), so while a bucket's choice is
+plain decoding, only one step in PROBE_EVERY drafts at all: enough to notice when drafts
+start to pay, without paying for drafts that are thrown away.
+
 Cutting a tree to its first t nodes keeps a valid tree (parents come before children),
 and the tiers are sizes the CUDA graphs were captured for, so replay stays valid.
 """
@@ -28,6 +32,7 @@ from specserve.spec.tree import DraftTrees
 COST_EMA = 0.2       # step times are noisy; tokens per proposal change with the text
 ACCEPT_EMA = 0.3
 REFRESH_EVERY = 50
+PROBE_EVERY = 8
 
 
 @dataclass
@@ -44,23 +49,37 @@ class AdaptiveDraftLength:
         self._cost: dict[tuple[int, int], float] = {}
         self._measured_at: dict[tuple[int, int], int] = {}  # the bucket's step count at the last measurement
         self._bucket_steps: dict[int, int] = {}
+        self._last_choice: dict[int, int] = {}              # bucket -> tier of its last drafted step
+        self._plain_streak: dict[int, int] = {}             # bucket -> steps since it last drafted
         self._prior = {t: float(t) for t in self.tiers}  # before any evidence: every draft node accepted
         self._expected: dict[str, dict[int, float]] = {}
         self._shadows: dict[str, list[_Shadow]] = {}
         self.steps_per_tier = {t: 0 for t in self.tiers}
 
     # --- the choice ---
+    def should_draft(self, batch_size: int) -> bool:
+        """False while plain decoding wins at this batch size, except for one probe step in
+        PROBE_EVERY (drafting costs host time even when nothing is verified)."""
+        bucket = _bucket(batch_size)
+        if self._last_choice.get(bucket, 0) != 1:
+            return True
+        streak = self._plain_streak.get(bucket, 0) + 1
+        self._plain_streak[bucket] = 0 if streak >= PROBE_EVERY else streak
+        return streak >= PROBE_EVERY
+
     def choose(self, rids: list[str], num_nodes: list[int]) -> int:
         """The tier to verify this step, given each request's proposal size."""
         bucket = _bucket(len(rids))
         tiers = self._useful_tiers(max(num_nodes))
-        explore = self._tier_to_measure(bucket, tiers)
-        if explore is not None:
-            return explore
-        def rate(tier: int) -> float:
-            tokens = sum(self.expected_tokens(rid, tier) if n > 1 else 1.0 for rid, n in zip(rids, num_nodes))
-            return tokens / self._cost[(bucket, tier)]
-        return max(tiers, key=rate)
+        choice = self._tier_to_measure(bucket, tiers)
+        if choice is None:
+            def rate(tier: int) -> float:
+                tokens = sum(self.expected_tokens(rid, tier) if n > 1 else 1.0 for rid, n in zip(rids, num_nodes))
+                return tokens / self._cost[(bucket, tier)]
+            choice = max(tiers, key=rate)
+        if max(num_nodes) > 1:  # a step without drafts says nothing about whether drafting pays
+            self._last_choice[bucket] = choice
+        return choice
 
     def _useful_tiers(self, largest: int) -> list[int]:
         """Tiers up to the first that holds every proposal (larger ones run the same forward)."""

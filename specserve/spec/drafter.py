@@ -26,6 +26,10 @@ class Drafter:
     def observe(self, req: "Req", committed: list[int]) -> None:
         """Tokens the request just committed."""
 
+    def flush(self) -> None:
+        """Deferred bookkeeping (e.g. indexing observed tokens). The engine calls it right
+        after launching a forward, so on a GPU it runs while the step computes."""
+
     def release(self, req: "Req") -> None:
         """The request finished or was aborted."""
 

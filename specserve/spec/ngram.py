@@ -2,6 +2,9 @@
 
 The trie is fed every prompt when it arrives and every committed token; each request is an
 owner of its own stream, so its own prompt and output rank first when it is drafted for.
+Committed tokens are indexed in `flush`, while the GPU computes the next step (at 64
+requests the inserts cost milliseconds of host time per step); a proposal therefore sees
+all tokens but those of the step just before it, which have no continuation to offer yet.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ class NgramDrafter(Drafter):
         self.window = config.max_match_window
         self._owners: dict[str, int] = {}
         self._next_owner = itertools.count()
+        self._pending: list[tuple[int, list[int]]] = []   # (owner, committed tokens) not indexed yet
 
     @classmethod
     def from_args(cls, args: "ServerArgs") -> "NgramDrafter":
@@ -40,7 +44,7 @@ class NgramDrafter(Drafter):
         return cls(config, args.speculative_one_branch)
 
     def add_prompt(self, req: "Req") -> None:
-        self.trie.insert(req.prompt_ids, owner=self._owner(req))
+        self._pending.append((self._owner(req), req.prompt_ids))
 
     def propose(self, reqs: list["Req"], max_nodes: list[int]) -> tuple[DraftTrees, list[int]]:
         rows: list[tuple[list[int], list[int]]] = []
@@ -52,9 +56,15 @@ class NgramDrafter(Drafter):
         return _pack(rows), [len(tokens) for tokens, _ in rows]
 
     def observe(self, req: "Req", committed: list[int]) -> None:
-        self.trie.insert(committed, owner=self._owner(req))
+        self._pending.append((self._owner(req), committed))
+
+    def flush(self) -> None:
+        for owner, tokens in self._pending:
+            self.trie.insert(tokens, owner=owner)
+        self._pending.clear()
 
     def release(self, req: "Req") -> None:
+        self.flush()  # its last tokens belong in the trie before its stream is let go
         owner = self._owners.pop(req.rid, None)
         if owner is not None:
             self.trie.release(owner)
