@@ -41,6 +41,9 @@ class ServerArgs:
     attention_backend: str = field(default="auto", metadata={"choices": ATTENTION_BACKENDS})
     sampling_backend: str | None = None
     disable_cuda_graph: bool = False
+    disable_overlap_schedule: bool = field(default=False, metadata={
+        "help": "launch plain greedy decode steps only after the previous step's tokens reached the host "
+                "(by default, on CUDA graphs, the next step is queued before waiting for this one)"})
     cuda_graph_max_bs: int | None = None
     tp_size: int = 1
     # --- speculative decoding ---

@@ -118,11 +118,14 @@ def main(argv=None) -> None:
     from specserve.engine.engine import Engine
     from specserve.model import gemv
     path = write_random_model(f"/tmp/random-{ns.shape}", ns.shape)
-    for use_gemv in (False, True):
-        gemv.ENABLED = use_gemv  # False: cuBLAS for every one-row matmul, the A/B baseline
-        engine = Engine(model_path=path, log_level="warning", cuda_graph_max_bs=8, max_total_tokens=100_000)
+    # cuBLAS, no overlap (the previous engine) -> + one-row GEMV kernels -> + the overlap schedule
+    for use_gemv, overlap in ((False, False), (True, False), (True, True)):
+        gemv.ENABLED = use_gemv
+        engine = Engine(model_path=path, log_level="warning", cuda_graph_max_bs=8, max_total_tokens=100_000,
+                        disable_overlap_schedule=not overlap)
         roofline = bandwidth / weight_bytes(engine)
-        write({"kind": "roofline", "gemv": use_gemv, "weight_bytes": weight_bytes(engine), "roofline_tok_s_bs1": roofline})
+        write({"kind": "roofline", "gemv": use_gemv, "overlap": overlap, "weight_bytes": weight_bytes(engine),
+               "roofline_tok_s_bs1": roofline})
         end_to_end(engine, roofline, write)
         engine.shutdown()  # drive the core from this thread for the step profile
         step_profile(engine, write)

@@ -37,5 +37,6 @@ def build_core(args: ServerArgs):
         graph_sizes = runner.graphs.sizes if runner.graphs is not None else None
         adaptive = AdaptiveDraftLength(tiers_for(args.speculative_num_draft_tokens, graph_sizes))
     core = EngineCore(runner, scheduler, Sampler(config.vocab_size, device), drafter,
-                      args.speculative_num_draft_tokens, args.log_interval_s, adaptive)
+                      args.speculative_num_draft_tokens, args.log_interval_s, adaptive,
+                      overlap=runner.graphs is not None and not args.disable_overlap_schedule)
     return core, checkpoint.tokenizer, model_path

@@ -14,13 +14,21 @@ import torch
 from specserve.engine.request import Batch, Req, ReqState
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.stats import StepLogger
-from specserve.runner.model_runner import ModelRunner
+from specserve.runner.model_runner import InFlightDecode, ModelRunner
 from specserve.sampling.sampler import Sampler, SampledStep
 from specserve.spec.adaptive import AdaptiveDraftLength
 from specserve.spec.drafter import Drafter
 from specserve.spec.tree import DraftTrees
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _StepAhead:
+    """A decode step launched before the previous step's tokens reached the host."""
+    reqs: list[Req]
+    slots: list[int]          # one new KV slot per request, not yet in its req_to_token row
+    launched: InFlightDecode
 
 
 @dataclass
@@ -34,13 +42,16 @@ class StepOutput:
 class EngineCore:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler,
                  drafter: Drafter | None, num_draft_tokens: int, log_interval_s: float = 10.0,
-                 adaptive: AdaptiveDraftLength | None = None):
+                 adaptive: AdaptiveDraftLength | None = None, overlap: bool = False):
         self.runner = runner
         self.scheduler = scheduler
         self.sampler = sampler
         self.drafter = drafter
         self.num_draft_tokens = num_draft_tokens if drafter is not None else 1
         self.adaptive = adaptive if drafter is not None else None  # None: always verify the full draft
+        # plain greedy decoding queues step N+1 before waiting for step N (see _run_decode_ahead)
+        self.overlap = overlap and drafter is None
+        self._ahead: _StepAhead | None = None
         self.stats = StepLogger(log_interval_s, speculative=drafter is not None)
         self.requests: dict[str, Req] = {}
         self.last_batch_reqs: list[Req] = []   # the requests of the step in flight, failed together if it raises
@@ -63,6 +74,7 @@ class EngineCore:
         req = self.requests.pop(rid, None)
         if req is None or req.finished:
             return None
+        self._drop_ahead()  # it may hold a slot for this request
         self.scheduler.abort(req)
         req.state = ReqState.FINISHED
         req.finish_reason = {"type": "abort", "message": "aborted"}
@@ -75,6 +87,8 @@ class EngineCore:
 
     def step(self) -> list[StepOutput]:
         batch = self.scheduler.schedule()
+        if batch is None or batch.is_extend:
+            self._drop_ahead()
         if batch is None:
             return []
         self.last_batch_reqs = batch.reqs
@@ -107,6 +121,9 @@ class EngineCore:
     def _run_decode(self, batch: Batch) -> list[StepOutput]:
         start = time.perf_counter()
         reqs = batch.reqs
+        if self.overlap and self.sampler.argmax_is_enough(reqs):
+            return self._run_decode_ahead(reqs)
+        self._drop_ahead()
         trees, num_nodes = self._propose(reqs)
         slots = self.scheduler.alloc_slots(sum(num_nodes))
         if slots is None:  # the cache fits one token per request (the scheduler made sure), not the drafts
@@ -128,6 +145,56 @@ class EngineCore:
         if self.adaptive is not None:
             self.adaptive.record_step(len(reqs), trees.num_slots, time.perf_counter() - start)
         return outputs
+
+    # --- plain greedy decoding, one step ahead ---
+    def _run_decode_ahead(self, reqs: list[Req]) -> list[StepOutput]:
+        """Step N's tokens are waited for only after step N+1 is queued behind it on the GPU
+        (its roots are step N's argmax, copied on the device), so the host work of a step
+        (commit, detokenize, schedule, input packing) overlaps the next forward. A step
+        launched ahead for a batch that then changes (a request finished, arrived or was
+        preempted) is dropped: its slots are freed and its output ignored."""
+        current, self._ahead = self._ahead, None
+        if current is not None and not _same_requests(current.reqs, reqs):
+            self._free_ahead(current)
+            current = None
+        try:
+            if current is None:
+                slots = self.scheduler.alloc_slots(len(reqs))
+                assert slots is not None, "the scheduler reserves a slot per decoding request"
+                current = _StepAhead(list(reqs), slots, self.runner.launch_greedy_decode(
+                    reqs, [r.kv_len for r in reqs], slots, self._last_tokens(reqs)))
+            self._ahead = self._launch_next(current)
+            tokens = current.launched.tokens()
+        except BaseException:
+            self._free_ahead(current)
+            self._drop_ahead()
+            raise
+        sampled = SampledStep(tokens=[[t] for t in tokens], accepted_nodes=[[0]] * len(tokens),
+                              logprobs=None, top_logprobs=None)
+        outputs = [self._commit(req, sampled, i, [current.slots[i]]) for i, req in enumerate(reqs)]
+        if any(out.finished for out in outputs):
+            self._drop_ahead()  # computed for a batch that no longer exists
+        return outputs
+
+    def _launch_next(self, current: _StepAhead) -> _StepAhead | None:
+        reqs = current.reqs
+        if any(len(r.output_ids) + 1 >= r.max_new_tokens or r.kv_len + 2 > self.runner.context_length for r in reqs):
+            return None  # a request ends with the current step: the next one would be thrown away
+        slots = self.scheduler.alloc_slots(len(reqs))
+        if slots is None:
+            return None
+        # the next step attends to the current one's token: its slot must be in the table first
+        self.runner.pool.write_entries_async([r.row for r in reqs], [r.kv_len for r in reqs], current.slots)
+        return _StepAhead(list(reqs), slots, self.runner.launch_greedy_decode(
+            reqs, [r.kv_len + 1 for r in reqs], slots, current.launched.argmax))
+
+    def _drop_ahead(self) -> None:
+        ahead, self._ahead = self._ahead, None
+        self._free_ahead(ahead)
+
+    def _free_ahead(self, ahead: _StepAhead | None) -> None:
+        if ahead is not None:
+            self.scheduler.free_slots(ahead.slots)
 
     def _propose(self, reqs: list[Req]) -> tuple[DraftTrees, list[int]]:
         if self.drafter is None or (self.adaptive is not None and not self.adaptive.should_draft(len(reqs))):
@@ -204,3 +271,7 @@ class EngineCore:
             self.drafter.release(req)
         if self.adaptive is not None:
             self.adaptive.release(req.rid)
+
+
+def _same_requests(a: list[Req], b: list[Req]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))

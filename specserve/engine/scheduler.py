@@ -14,7 +14,7 @@ import time
 import torch
 
 from specserve.engine.request import Batch, Req, ReqState
-from specserve.kv.pool import KVPool
+from specserve.kv.pool import KVPool, host_to_device_async
 
 
 class Scheduler:
@@ -130,4 +130,4 @@ class Scheduler:
 
 
 def _as_tensor(slots: list[int], pool: KVPool) -> torch.Tensor:
-    return torch.tensor(slots, dtype=torch.int32).to(pool.device, non_blocking=True)
+    return host_to_device_async(torch.tensor(slots, dtype=torch.int32), pool.device)

@@ -70,7 +70,21 @@ class KVPool:
         """req_to_token[row, start : start + len(slots)] = slots."""
         self.req_to_token[row, start:start + slots.numel()] = slots
 
+    def write_entries_async(self, rows: list[int], positions: list[int], slots: list[int]) -> None:
+        """req_to_token[rows[i], positions[i]] = slots[i], queued on the stream without
+        blocking the host (through pinned memory), e.g. behind a step still in flight."""
+        values = host_to_device_async(torch.tensor([rows, positions, slots], dtype=torch.long), self.device)
+        self.req_to_token[values[0], values[1]] = values[2].to(torch.int32)
+
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: (num_tokens, num_kv_heads, head_dim) written to the given slots."""
         self.k_buffers[layer][slots] = k.to(self.dtype)
         self.v_buffers[layer][slots] = v.to(self.dtype)
+
+
+def host_to_device_async(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor's copy on `device`, queued without waiting: a copy from pageable memory
+    may wait for the stream to drain, which would stall a step launched ahead."""
+    if device.type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)

@@ -71,6 +71,9 @@ class CudaGraphRunner:
         self.device_inputs: dict[tuple[int, int], GraphInputs] = {}
         self.host_inputs: dict[tuple[int, int], GraphInputs] = {}
         self._batches: dict[tuple[int, int], ForwardBatch] = {}
+        # marks the last host-to-device copy out of each pinned host buffer: a step launched
+        # ahead rewrites the buffer while the previous copy may still be queued
+        self._copied: dict[tuple[int, int], torch.cuda.Event] = {}
         self.memory_pool = None
         backend.init_cuda_graph_state(self.max_bs, max(self.sizes), pool)
         start = time.perf_counter()
@@ -119,15 +122,21 @@ class CudaGraphRunner:
     def replay(self, tokens: torch.Tensor, depth: torch.Tensor, tree_mask: torch.Tensor,
                node_slots: list[int], req_rows: list[int], kv_lens: list[int]) -> torch.Tensor:
         """tokens, depth (bs, m) and tree_mask (bs, m, m) on the host, m <= a captured n;
-        node_slots: bs * m slots (PADDING_SLOT for padding nodes). Returns (bs, m, vocab)."""
+        node_slots: bs * m slots (PADDING_SLOT for padding nodes); tokens may instead be a
+        (bs, 1) device tensor (a decode step launched before its inputs reached the host).
+        Returns (bs, m, vocab)."""
         bs, m = tokens.shape
         n = self.sizes[bisect.bisect_left(self.sizes, m)]
         key = (self.buckets[bisect.bisect_left(self.buckets, bs)], n)
         host, device = self.host_inputs[key], self.device_inputs[key]
+        if key in self._copied:
+            self._copied[key].synchronize()
+        on_device = tokens.is_cuda
         lens = np.asarray(kv_lens, dtype=np.int64)
         ids, positions, slots = host.input_ids.numpy(), host.positions.numpy(), host.out_slots.numpy()
         ids.fill(0)
-        ids[:bs, :m] = tokens.numpy()
+        if not on_device:
+            ids[:bs, :m] = tokens.numpy()
         positions.fill(0)
         positions[:bs, :m] = depth.numpy() + lens[:, None]
         slots.fill(PADDING_SLOT)
@@ -138,10 +147,13 @@ class CudaGraphRunner:
         prefix.fill(0)
         prefix[:bs] = lens
         device.packed.copy_(host.packed, non_blocking=True)
+        if on_device:
+            device.input_ids[:bs, :m].copy_(tokens)
         if n > 1:
             mask = host.tree_mask.numpy()
             mask[:] = np.eye(n, dtype=bool)
             mask[:bs, :m, :m] = tree_mask.numpy()
             device.tree_mask.copy_(host.tree_mask, non_blocking=True)
+        self._copied.setdefault(key, torch.cuda.Event()).record()
         self.graphs[key].replay()
         return self.outputs[key].view(key[0], n, -1)[:bs, :m]

@@ -3,6 +3,8 @@ scheduled step (prompt chunks, or one draft tree per request) into a forward pas
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+
 import torch
 
 from specserve.args import ServerArgs
@@ -96,29 +98,47 @@ class ModelRunner:
         return self.model(batch, self.attn_backend).unsqueeze(1)
 
     @torch.inference_mode()
-    def verify(self, reqs: list[Req], trees: DraftTrees, num_nodes: list[int], slots: list[int]) -> torch.Tensor:
+    def verify(self, reqs: list[Req], trees: DraftTrees, num_nodes: list[int], slots: list[int],
+               kv_lens: list[int] | None = None) -> torch.Tensor:
         """Runs each request's draft tree (its first num_nodes[i] nodes; the root is the last
         token); returns (bs, n, vocab) logits, rows past a request's node count undefined.
-        `trees` lives on the host: the forward's metadata is built there."""
+        `trees` lives on the host: the forward's metadata is built there. kv_lens: tokens in
+        each request's cache (default: its kv_len; one more for a step launched ahead)."""
         n = trees.tokens.shape[1]
+        kv_lens = kv_lens if kv_lens is not None else [r.kv_len for r in reqs]
         if self.graphs is not None and self.graphs.can_run(len(reqs), n):
             return self.graphs.replay(trees.tokens, trees.depth, trees.ancestor_mask, _pad_slots(slots, num_nodes, n),
-                                      [r.row for r in reqs], [r.kv_len for r in reqs])
+                                      [r.row for r in reqs], kv_lens)
         trees = trees.to(self.device)
         node_index = torch.cat([torch.arange(c) + i * n for i, c in enumerate(num_nodes)]).to(self.device)
-        kv_lens = torch.tensor([r.kv_len for r in reqs], device=self.device)
         input_ids = trees.tokens.reshape(-1)[node_index]
-        positions = (trees.depth + kv_lens.unsqueeze(1)).reshape(-1)[node_index]
+        positions = (trees.depth + torch.tensor(kv_lens, device=self.device).unsqueeze(1)).reshape(-1)[node_index]
         mode = ForwardMode.DECODE if n == 1 else ForwardMode.VERIFY
-        batch = self._forward_batch(mode, reqs, input_ids, positions, slots, num_nodes, None, trees.ancestor_mask)
+        batch = self._forward_batch(mode, reqs, input_ids, positions, slots, num_nodes, None, trees.ancestor_mask,
+                                    kv_lens)
         logits = self.model(batch, self.attn_backend)
         padded = logits.new_zeros((len(reqs) * n, logits.shape[-1]))
         padded[node_index] = logits
         return padded.view(len(reqs), n, -1)
 
-    def _forward_batch(self, mode, reqs, input_ids, positions, slots, extend_lens, logits_rows, tree_mask=None) -> ForwardBatch:
+    @torch.inference_mode()
+    def launch_greedy_decode(self, reqs: list[Req], kv_lens: list[int], slots: list[int],
+                             roots: torch.Tensor) -> "InFlightDecode":
+        """A plain greedy decode step, queued without waiting for it. roots (bs,): the last
+        tokens, on the host, or on the device for a step launched before the previous one's
+        tokens reached the host (its argmax)."""
+        bs = len(reqs)
+        if self.graphs is not None and self.graphs.can_run(bs, 1):
+            logits = self.graphs.replay(roots.view(bs, 1), torch.zeros((bs, 1), dtype=torch.long), None, slots,
+                                        [r.row for r in reqs], kv_lens)
+        else:
+            logits = self.verify(reqs, DraftTrees.root_only(roots), [1] * bs, slots, kv_lens)
+        return InFlightDecode.launch(logits[:, 0].argmax(-1))
+
+    def _forward_batch(self, mode, reqs, input_ids, positions, slots, extend_lens, logits_rows, tree_mask=None,
+                       kv_lens: list[int] | None = None) -> ForwardBatch:
         device = self.device
-        prefix_host = [r.kv_len for r in reqs]
+        prefix_host = kv_lens if kv_lens is not None else [r.kv_len for r in reqs]
         as_long = lambda x: x.to(device) if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.long, device=device)
         out_slots = as_long(slots)
         num_tokens = len(slots)
@@ -131,6 +151,30 @@ class ModelRunner:
             tree_mask=tree_mask)
         self.attn_backend.plan(batch)
         return batch
+
+
+@dataclass
+class InFlightDecode:
+    """A launched decode step's greedy tokens: on the device at once, on the host when done."""
+    argmax: torch.Tensor                # (bs,) on the device: the next step's roots
+    host: torch.Tensor                  # (bs,) pinned copy, valid once `done` has fired
+    done: torch.cuda.Event | None       # None on a CPU, where the forward has already run
+
+    @classmethod
+    def launch(cls, argmax: torch.Tensor) -> "InFlightDecode":
+        if not argmax.is_cuda:
+            return cls(argmax, argmax, None)
+        host = torch.empty(argmax.shape, dtype=argmax.dtype, pin_memory=True)
+        host.copy_(argmax, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return cls(argmax, host, done)
+
+    def tokens(self) -> list[int]:
+        """Waits for this step only (not for any step queued after it)."""
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
 
 
 def _pad_slots(slots: list[int], num_nodes: list[int], n: int) -> list[int]:

@@ -37,6 +37,13 @@ class Sampler:
         self.vocab_size = vocab_size
         self.device = device
 
+    @staticmethod
+    def argmax_is_enough(reqs: list[Req], steps: int = 1) -> bool:
+        """Whether the next `steps` decode steps of these requests need nothing but the argmax
+        (greedy, no penalties, no logprobs, no min_new_tokens still holding stops back)."""
+        return all(r.params.greedy and not r.params.has_penalties and not r.return_logprob
+                   and r.params.min_new_tokens <= len(r.output_ids) for r in reqs)
+
     def prepare(self, trees: DraftTrees, reqs: list[Req]) -> "PreparedSampling":
         """Builds the per-request tensors and moves the (host) trees to the device. Called
         before the forward is launched: a host to device copy issued after it would wait

@@ -1,0 +1,84 @@
+"""Plain greedy decoding one step ahead (the overlap schedule): step N+1 is queued with step
+N's argmax as its roots before step N's tokens are read. On a GPU that hides the host's work;
+here (CPU, forced on) it must change nothing: the same outputs as the normal path, whatever
+ends a request (length, stop string, EOS, abort, preemption), and every KV slot comes back."""
+from __future__ import annotations
+
+import pytest
+
+from specserve.bench.prompts import SAMPLE_PROMPTS
+
+from tests.test_kv_accounting import wait_until_all_kv_is_free
+
+GREEDY = {"temperature": 0, "max_new_tokens": 24}
+
+
+def overlapped(engine):
+    """Forces the overlap schedule on (it is CUDA-graph-only by default) and counts the steps
+    whose launched-ahead successor was used."""
+    core = engine.core
+    core.overlap = True
+    used = {"ahead": 0}
+    run = core._run_decode_ahead
+
+    def run_ahead(reqs):
+        if core._ahead is not None and len(reqs) == len(core._ahead.reqs) \
+                and all(a is b for a, b in zip(core._ahead.reqs, reqs)):
+            used["ahead"] += 1
+        return run(reqs)
+    core._run_decode_ahead = run_ahead
+    return used
+
+
+@pytest.fixture(scope="module")
+def plain(engine_factory):
+    return engine_factory(max_total_tokens=4096)
+
+
+@pytest.fixture(scope="module")
+def ahead(engine_factory):
+    engine = engine_factory(max_total_tokens=4096)
+    engine.used = overlapped(engine)
+    return engine
+
+
+def requests(tokenizer) -> tuple[list[str], list[dict]]:
+    prompts = SAMPLE_PROMPTS[:6]
+    params = [dict(GREEDY, max_new_tokens=8 + 5 * i) for i in range(len(prompts))]   # they end at different steps
+    params[1] = dict(GREEDY, max_new_tokens=40, ignore_eos=True)
+    params[2] = dict(GREEDY, stop=[" the"])
+    params[3] = dict(GREEDY, repetition_penalty=1.3)   # not argmax-only: the batch takes the normal path
+    return prompts, params
+
+
+def test_outputs_equal_the_normal_path(plain, ahead):
+    prompts, params = requests(plain.tokenizer)
+    expected = plain.generate(prompts, params)
+    got = ahead.generate(prompts, params)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in expected]
+    assert [o["text"] for o in got] == [o["text"] for o in expected]
+    assert [o["meta_info"]["finish_reason"] for o in got] == [o["meta_info"]["finish_reason"] for o in expected]
+    solo = ahead.generate(prompts[1], params[1])     # batch 1 all the way
+    assert solo["output_ids"] == expected[1]["output_ids"]
+    assert ahead.used["ahead"] > 20                   # the launched-ahead steps were really used
+    wait_until_all_kv_is_free(ahead)
+
+
+def test_abort_while_a_step_is_ahead_frees_everything(ahead):
+    stream = ahead.generate(SAMPLE_PROMPTS[0], dict(GREEDY, max_new_tokens=64, ignore_eos=True), stream=True)
+    for chunks, _ in enumerate(stream, start=1):
+        if chunks == 5:
+            break
+    stream.close()
+    wait_until_all_kv_is_free(ahead)
+
+
+def test_preemption_with_steps_ahead(engine_factory, plain):
+    small = engine_factory(max_total_tokens=160, max_running_requests=8)
+    small.used = overlapped(small)
+    params = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}
+    expected = plain.generate(SAMPLE_PROMPTS, params)
+    got = small.generate(SAMPLE_PROMPTS, params)
+    assert sum(o["meta_info"]["preemptions"] for o in got) > 0
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in expected]
+    wait_until_all_kv_is_free(small)
