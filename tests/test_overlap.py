@@ -21,11 +21,11 @@ def overlapped(engine):
     used = {"ahead": 0}
     run = core._run_decode_ahead
 
-    def run_ahead(reqs):
+    def run_ahead(reqs, start):
         if core._ahead is not None and len(reqs) == len(core._ahead.reqs) \
                 and all(a is b for a, b in zip(core._ahead.reqs, reqs)):
             used["ahead"] += 1
-        return run(reqs)
+        return run(reqs, start)
     core._run_decode_ahead = run_ahead
     return used
 
@@ -82,3 +82,28 @@ def test_preemption_with_steps_ahead(engine_factory, plain):
     assert sum(o["meta_info"]["preemptions"] for o in got) > 0
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in expected]
     wait_until_all_kv_is_free(small)
+
+
+def test_adaptive_ngram_overlaps_its_plain_steps(engine_factory, plain):
+    """With NGRAM and the adaptive draft length, the steps it decodes plainly are launched
+    ahead too; probe steps draft and verify. Outputs stay those of plain decoding."""
+    from tests.spec_fixtures import ngram_args
+    engine = engine_factory(max_total_tokens=4096, **ngram_args(8, speculative_adaptive=True))
+    used = overlapped(engine)
+    adaptive = engine.core.adaptive
+    for batch_size in (1, 2, 4, 8):      # verifying drafts priced far above plain steps: plain wins
+        for tier in adaptive.tiers:
+            adaptive.record_step(batch_size, tier, 0.001 if tier == 1 else 10.0)
+    drafted = {"steps": 0}
+    propose = engine.core.drafter.propose
+
+    def counting_propose(reqs, max_nodes):
+        drafted["steps"] += 1
+        return propose(reqs, max_nodes)
+    engine.core.drafter.propose = counting_propose
+    prompts, params = requests(plain.tokenizer)
+    expected = plain.generate(prompts, params)
+    got = engine.generate(prompts, params)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in expected]
+    assert used["ahead"] > 3 and drafted["steps"] > 2
+    wait_until_all_kv_is_free(engine)

@@ -54,10 +54,8 @@ def set_drafter(engine, num_draft_tokens: int | None, one_branch: bool = False, 
     core = engine.core
     if num_draft_tokens is None:
         core.drafter, core.num_draft_tokens, core.adaptive = None, 1, None
-        core.overlap = core.runner.graphs is not None  # as a plain engine's builder sets it
         core.stats.speculative = False
         return
-    core.overlap = False
     core.drafter = NgramDrafter(NgramConfig(), one_branch)
     core.num_draft_tokens = num_draft_tokens
     graph_sizes = core.runner.graphs.sizes if core.runner.graphs is not None else None

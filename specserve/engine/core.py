@@ -49,8 +49,9 @@ class EngineCore:
         self.drafter = drafter
         self.num_draft_tokens = num_draft_tokens if drafter is not None else 1
         self.adaptive = adaptive if drafter is not None else None  # None: always verify the full draft
-        # plain greedy decoding queues step N+1 before waiting for step N (see _run_decode_ahead)
-        self.overlap = overlap and drafter is None
+        # plain greedy decode steps queue step N+1 before waiting for step N (_run_decode_ahead):
+        # always without a drafter, and with one while the adaptive draft length says plain
+        self.overlap = overlap
         self._ahead: _StepAhead | None = None
         self.stats = StepLogger(log_interval_s, speculative=drafter is not None)
         self.requests: dict[str, Req] = {}
@@ -121,13 +122,14 @@ class EngineCore:
     def _run_decode(self, batch: Batch) -> list[StepOutput]:
         start = time.perf_counter()
         reqs = batch.reqs
-        if self.overlap and self.sampler.argmax_is_enough(reqs):
-            return self._run_decode_ahead(reqs)
+        draft = self.drafter is not None and (self.adaptive is None or self.adaptive.should_draft(len(reqs)))
+        if not draft and self.overlap and self.sampler.argmax_is_enough(reqs):
+            return self._run_decode_ahead(reqs, start)
         self._drop_ahead()
-        trees, num_nodes = self._propose(reqs)
+        trees, num_nodes = self._propose(reqs) if draft else self._no_drafts(reqs)
         slots = self.scheduler.alloc_slots(sum(num_nodes))
         if slots is None:  # the cache fits one token per request (the scheduler made sure), not the drafts
-            trees, num_nodes = DraftTrees.root_only(self._last_tokens(reqs)), [1] * len(reqs)
+            trees, num_nodes = self._no_drafts(reqs)
             slots = self.scheduler.alloc_slots(len(reqs))
         try:
             logits = self.runner.verify(reqs, trees, num_nodes, slots)
@@ -147,7 +149,7 @@ class EngineCore:
         return outputs
 
     # --- plain greedy decoding, one step ahead ---
-    def _run_decode_ahead(self, reqs: list[Req]) -> list[StepOutput]:
+    def _run_decode_ahead(self, reqs: list[Req], start: float) -> list[StepOutput]:
         """Step N's tokens are waited for only after step N+1 is queued behind it on the GPU
         (its roots are step N's argmax, copied on the device), so the host work of a step
         (commit, detokenize, schedule, input packing) overlaps the next forward. A step
@@ -164,6 +166,8 @@ class EngineCore:
                 current = _StepAhead(list(reqs), slots, self.runner.launch_greedy_decode(
                     reqs, [r.kv_len for r in reqs], slots, self._last_tokens(reqs)))
             self._ahead = self._launch_next(current)
+            if self.drafter is not None:
+                self.drafter.flush()  # host work while the GPU computes
             tokens = current.launched.tokens()
         except BaseException:
             self._free_ahead(current)
@@ -174,12 +178,16 @@ class EngineCore:
         outputs = [self._commit(req, sampled, i, [current.slots[i]]) for i, req in enumerate(reqs)]
         if any(out.finished for out in outputs):
             self._drop_ahead()  # computed for a batch that no longer exists
+        if self.adaptive is not None:
+            self.adaptive.record_step(len(reqs), 1, time.perf_counter() - start)
         return outputs
 
     def _launch_next(self, current: _StepAhead) -> _StepAhead | None:
         reqs = current.reqs
         if any(len(r.output_ids) + 1 >= r.max_new_tokens or r.kv_len + 2 > self.runner.context_length for r in reqs):
             return None  # a request ends with the current step: the next one would be thrown away
+        if self.adaptive is not None and self.adaptive.would_draft(len(reqs)):
+            return None  # the next step drafts: it cannot be launched before this one's tokens are known
         slots = self.scheduler.alloc_slots(len(reqs))
         if slots is None:
             return None
@@ -196,9 +204,10 @@ class EngineCore:
         if ahead is not None:
             self.scheduler.free_slots(ahead.slots)
 
+    def _no_drafts(self, reqs: list[Req]) -> tuple[DraftTrees, list[int]]:
+        return DraftTrees.root_only(self._last_tokens(reqs)), [1] * len(reqs)
+
     def _propose(self, reqs: list[Req]) -> tuple[DraftTrees, list[int]]:
-        if self.drafter is None or (self.adaptive is not None and not self.adaptive.should_draft(len(reqs))):
-            return DraftTrees.root_only(self._last_tokens(reqs)), [1] * len(reqs)
         # never draft past max_new_tokens or the context: those nodes could not be committed
         limits = [max(1, min(self.num_draft_tokens, r.max_new_tokens - len(r.output_ids),
                              self.runner.context_length - r.kv_len)) for r in reqs]

@@ -67,6 +67,11 @@ class AdaptiveDraftLength:
         self._plain_streak[bucket] = 0 if streak >= PROBE_EVERY else streak
         return streak >= PROBE_EVERY
 
+    def would_draft(self, batch_size: int) -> bool:
+        """What the next should_draft(batch_size) will answer, without counting a step."""
+        bucket = _bucket(batch_size)
+        return self._last_choice.get(bucket, 0) != 1 or self._plain_streak.get(bucket, 0) + 1 >= PROBE_EVERY
+
     def choose(self, rids: list[str], num_nodes: list[int]) -> int:
         """The tier to verify this step, given each request's proposal size."""
         bucket = _bucket(len(rids))
