@@ -19,11 +19,13 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason
 @pytest.mark.parametrize("rows", [0, 1, 2, 8, 64])
 def test_cpu_linear_equals_f_linear(rows, bias, max_packed_rows):
     torch.manual_seed(rows)
-    linear = nn.Linear(64, 96, bias=bias)
-    x = torch.randn(rows, 64)
-    with torch.inference_mode():
-        got = CpuLinear(linear.weight, linear.bias, max_packed_rows)(x)
-        torch.testing.assert_close(got, F.linear(x, linear.weight, linear.bias), atol=1e-5, rtol=0)
+    for linear in (nn.Linear(64, 96, bias=bias), nn.Linear(96, 64, bias=bias)):
+        x = torch.randn(rows, linear.in_features)
+        expected = F.linear(x, linear.weight, linear.bias)
+        for weight in (linear.weight, linear.weight.t().contiguous().t()):   # row- and column-major
+            with torch.inference_mode():
+                got = CpuLinear(weight, linear.bias, max_packed_rows)(x)
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 
 def prepared_driver(arch: str):
@@ -40,7 +42,9 @@ def prepared_driver(arch: str):
 def test_tied_lm_head_and_embedding():
     hf, driver = prepared_driver("qwen2")          # tied embeddings
     model, embedding = driver.runner.model, hf.model.embed_tokens.weight.detach()
-    assert model.embed_tokens.weight.data_ptr() == model.lm_head.weight_t.data_ptr()   # one shared copy
+    assert model.embed_tokens.weight is model.lm_head.weight   # one shared, column-major copy
+    assert model.lm_head.weight.t().is_contiguous()
+    assert model.layers[0].mlp.down_proj.weight.is_contiguous()   # fewer outputs than inputs: row-major
     ids = torch.tensor([0, 5, 96, 5])
     with torch.inference_mode():
         assert torch.equal(model.embed_tokens(ids), embedding[ids])
