@@ -104,7 +104,7 @@ class EngineCore:
         try:
             logits = self.runner.extend(batch.reqs, batch.extend_lens, slots, batch.samples)
             if self.drafter is not None:
-                self.drafter.flush()  # e.g. index the new prompts while the GPU runs the prefill
+                self.drafter.flush(self._gpu_busy())  # e.g. index new prompts while the GPU runs the prefill
         except BaseException:
             self.scheduler.free_slots(slots)  # no request holds them yet
             raise
@@ -134,7 +134,7 @@ class EngineCore:
         try:
             logits = self.runner.verify(reqs, trees, num_nodes, slots)
             if self.drafter is not None:
-                self.drafter.flush()  # host work while the GPU computes the step
+                self.drafter.flush(self._gpu_busy())  # host work while the GPU computes the step
             sampled = self.sampler.sample(logits, trees, reqs)
         except BaseException:
             self.scheduler.free_slots(slots)  # no request holds them until commit
@@ -167,7 +167,7 @@ class EngineCore:
                     reqs, [r.kv_len for r in reqs], slots, self._last_tokens(reqs)))
             self._ahead = self._launch_next(current)
             if self.drafter is not None:
-                self.drafter.flush()  # host work while the GPU computes
+                self.drafter.flush(self._gpu_busy())  # host work while the GPU computes
             tokens = current.launched.tokens()
         except BaseException:
             self._free_ahead(current)
@@ -195,6 +195,15 @@ class EngineCore:
         self.runner.pool.write_entries_async([r.row for r in reqs], [r.kv_len for r in reqs], current.slots)
         return _StepAhead(list(reqs), slots, self.runner.launch_greedy_decode(
             reqs, [r.kv_len + 1 for r in reqs], slots, current.launched.argmax))
+
+    def _gpu_busy(self):
+        """A probe of whether the work queued so far is still running (None on a CPU, where
+        the forward has already run: the drafter's deferred work then happens at once)."""
+        if self.runner.device.type != "cuda":
+            return None
+        queued = torch.cuda.Event()
+        queued.record()
+        return lambda: not queued.query()
 
     def _drop_ahead(self) -> None:
         ahead, self._ahead = self._ahead, None

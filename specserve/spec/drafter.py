@@ -5,7 +5,7 @@ shown every committed token, and forgets a request when it ends.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from specserve.spec.tree import DraftTrees
 
@@ -26,9 +26,10 @@ class Drafter:
     def observe(self, req: "Req", committed: list[int]) -> None:
         """Tokens the request just committed."""
 
-    def flush(self) -> None:
+    def flush(self, busy: "Callable[[], bool] | None" = None) -> None:
         """Deferred bookkeeping (e.g. indexing observed tokens). The engine calls it right
-        after launching a forward, so on a GPU it runs while the step computes."""
+        after launching a forward, with `busy` telling whether the GPU is still computing
+        (None: do it all now)."""
 
     def release(self, req: "Req") -> None:
         """The request finished or was aborted."""

@@ -2,14 +2,18 @@
 
 The trie is fed every prompt when it arrives and every committed token; each request is an
 owner of its own stream, so its own prompt and output rank first when it is drafted for.
-Committed tokens are indexed in `flush`, while the GPU computes the next step (at 64
-requests the inserts cost milliseconds of host time per step); a proposal therefore sees
-all tokens but those of the step just before it, which have no continuation to offer yet.
+Prompts and committed tokens are queued and indexed in `flush`, which the engine calls
+right after launching a forward: indexing costs ~20 us per token of host time (at 64
+requests, milliseconds per step; a batch of long prompts, more than their prefill), so it
+runs while the GPU computes, in chunks, for as long as the GPU is busy, and what is left
+waits for the next step. A proposal therefore misses at least the tokens of the step just
+before it, which have no continuation to offer yet anyway.
 """
 from __future__ import annotations
 
+import collections
 import itertools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -22,6 +26,10 @@ if TYPE_CHECKING:
     from specserve.engine.request import Req
 
 
+FLUSH_CHUNK = 32          # tokens indexed between two checks of whether the GPU is still busy
+MAX_BACKLOG = 65536       # queued tokens beyond which flush indexes everything at once
+
+
 class NgramDrafter(Drafter):
     def __init__(self, config: NgramConfig, one_branch: bool):
         self.trie = NgramTrie(config)
@@ -29,7 +37,9 @@ class NgramDrafter(Drafter):
         self.window = config.max_match_window
         self._owners: dict[str, int] = {}
         self._next_owner = itertools.count()
-        self._pending: list[tuple[int, list[int]]] = []   # (owner, committed tokens) not indexed yet
+        # (owner, tokens) not indexed yet, in order: an owner's stream must be fed in order
+        self._pending: collections.deque[tuple[int, list[int]]] = collections.deque()
+        self._pending_tokens = 0
 
     @classmethod
     def from_args(cls, args: "ServerArgs") -> "NgramDrafter":
@@ -44,7 +54,7 @@ class NgramDrafter(Drafter):
         return cls(config, args.speculative_one_branch)
 
     def add_prompt(self, req: "Req") -> None:
-        self._pending.append((self._owner(req), req.prompt_ids))
+        self._queue(self._owner(req), req.prompt_ids)
 
     def propose(self, reqs: list["Req"], max_nodes: list[int]) -> tuple[DraftTrees, list[int]]:
         rows: list[tuple[list[int], list[int]]] = []
@@ -56,17 +66,40 @@ class NgramDrafter(Drafter):
         return _pack(rows), [len(tokens) for tokens, _ in rows]
 
     def observe(self, req: "Req", committed: list[int]) -> None:
-        self._pending.append((self._owner(req), committed))
+        self._queue(self._owner(req), committed)
 
-    def flush(self) -> None:
-        for owner, tokens in self._pending:
-            self.trie.insert(tokens, owner=owner)
-        self._pending.clear()
+    def _queue(self, owner: int, tokens: list[int]) -> None:
+        self._pending.append((owner, tokens))
+        self._pending_tokens += len(tokens)
+
+    def flush(self, busy: Callable[[], bool] | None = None) -> None:
+        """Indexes queued tokens: all of them, or, given `busy`, chunk by chunk until it
+        returns False (at least one chunk, and all once the backlog grows too long)."""
+        while self._pending:
+            owner, tokens = self._pending[0]
+            chunk = tokens if busy is None else tokens[:FLUSH_CHUNK]
+            self.trie.insert(chunk, owner=owner)
+            self._pending_tokens -= len(chunk)
+            if len(chunk) < len(tokens):
+                self._pending[0] = (owner, tokens[len(chunk):])
+            else:
+                self._pending.popleft()
+            if busy is not None and not busy() and self._pending_tokens < MAX_BACKLOG:
+                return
+
+    def _flush_owner(self, owner: int) -> None:
+        """Indexes one owner's queued tokens now (in order); the others keep waiting."""
+        mine = [tokens for who, tokens in self._pending if who == owner]
+        if mine:
+            self._pending = collections.deque(item for item in self._pending if item[0] != owner)
+            for tokens in mine:
+                self.trie.insert(tokens, owner=owner)
+                self._pending_tokens -= len(tokens)
 
     def release(self, req: "Req") -> None:
-        self.flush()  # its last tokens belong in the trie before its stream is let go
         owner = self._owners.pop(req.rid, None)
         if owner is not None:
+            self._flush_owner(owner)  # its last tokens belong in the trie before its stream is let go
             self.trie.release(owner)
 
     def _owner(self, req: "Req") -> int:
