@@ -15,18 +15,19 @@ GREEDY = {"temperature": 0, "max_new_tokens": 24}
 
 def overlapped(engine):
     """Forces the overlap schedule on (it is CUDA-graph-only by default) and counts the steps
-    whose launched-ahead successor was used."""
+    that were read from a launch ahead."""
+    from specserve.engine.overlap import OverlapSchedule
     core = engine.core
-    core.overlap = True
+    schedule = core.overlap = OverlapSchedule(core.runner, core.scheduler)
     used = {"ahead": 0}
-    run = core._run_decode_ahead
+    current_step = schedule.current_step
 
-    def run_ahead(reqs, start):
-        if core._ahead is not None and len(reqs) == len(core._ahead.reqs) \
-                and all(a is b for a, b in zip(core._ahead.reqs, reqs)):
-            used["ahead"] += 1
-        return run(reqs, start)
-    core._run_decode_ahead = run_ahead
+    def counting_current_step(reqs, last_tokens):
+        ahead = schedule.ahead
+        step = current_step(reqs, last_tokens)
+        used["ahead"] += step is ahead
+        return step
+    schedule.current_step = counting_current_step
     return used
 
 

@@ -14,21 +14,14 @@ import torch
 from specserve.engine.request import Batch, Req, ReqState
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.stats import StepLogger
-from specserve.runner.model_runner import InFlightDecode, ModelRunner
+from specserve.engine.overlap import OverlapSchedule
+from specserve.runner.model_runner import ModelRunner
 from specserve.sampling.sampler import Sampler, SampledStep
 from specserve.spec.adaptive import AdaptiveDraftLength
 from specserve.spec.drafter import Drafter
 from specserve.spec.tree import DraftTrees
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _StepAhead:
-    """A decode step launched before the previous step's tokens reached the host."""
-    reqs: list[Req]
-    slots: list[int]          # one new KV slot per request, not yet in its req_to_token row
-    launched: InFlightDecode
 
 
 @dataclass
@@ -49,10 +42,9 @@ class EngineCore:
         self.drafter = drafter
         self.num_draft_tokens = num_draft_tokens if drafter is not None else 1
         self.adaptive = adaptive if drafter is not None else None  # None: always verify the full draft
-        # plain greedy decode steps queue step N+1 before waiting for step N (_run_decode_ahead):
-        # always without a drafter, and with one while the adaptive draft length says plain
-        self.overlap = overlap
-        self._ahead: _StepAhead | None = None
+        # plain greedy decode steps run one step ahead (overlap.py): always without a drafter,
+        # and with one while the adaptive draft length says plain decoding wins
+        self.overlap = OverlapSchedule(runner, scheduler) if overlap else None
         self.stats = StepLogger(log_interval_s, speculative=drafter is not None)
         self.requests: dict[str, Req] = {}
         self.last_batch_reqs: list[Req] = []   # the requests of the step in flight, failed together if it raises
@@ -75,7 +67,7 @@ class EngineCore:
         req = self.requests.pop(rid, None)
         if req is None or req.finished:
             return None
-        self._drop_ahead()  # it may hold a slot for this request
+        self._drop_ahead()  # a step launched ahead may hold a slot for this request
         self.scheduler.abort(req)
         req.state = ReqState.FINISHED
         req.finish_reason = {"type": "abort", "message": "aborted"}
@@ -123,7 +115,7 @@ class EngineCore:
         start = time.perf_counter()
         reqs = batch.reqs
         draft = self.drafter is not None and (self.adaptive is None or self.adaptive.should_draft(len(reqs)))
-        if not draft and self.overlap and self.sampler.argmax_is_enough(reqs):
+        if not draft and self.overlap is not None and self.sampler.argmax_is_enough(reqs):
             return self._run_decode_ahead(reqs, start)
         self._drop_ahead()
         trees, num_nodes = self._propose(reqs) if draft else self._no_drafts(reqs)
@@ -148,53 +140,34 @@ class EngineCore:
             self.adaptive.record_step(len(reqs), trees.num_slots, time.perf_counter() - start)
         return outputs
 
-    # --- plain greedy decoding, one step ahead ---
+    # --- plain greedy decoding, one step ahead (overlap.py) ---
     def _run_decode_ahead(self, reqs: list[Req], start: float) -> list[StepOutput]:
-        """Step N's tokens are waited for only after step N+1 is queued behind it on the GPU
-        (its roots are step N's argmax, copied on the device), so the host work of a step
-        (commit, detokenize, schedule, input packing) overlaps the next forward. A step
-        launched ahead for a batch that then changes (a request finished, arrived or was
-        preempted) is dropped: its slots are freed and its output ignored."""
-        current, self._ahead = self._ahead, None
-        if current is not None and not _same_requests(current.reqs, reqs):
-            self._free_ahead(current)
-            current = None
+        current = None
         try:
-            if current is None:
-                slots = self.scheduler.alloc_slots(len(reqs))
-                assert slots is not None, "the scheduler reserves a slot per decoding request"
-                current = _StepAhead(list(reqs), slots, self.runner.launch_greedy_decode(
-                    reqs, [r.kv_len for r in reqs], slots, self._last_tokens(reqs)))
-            self._ahead = self._launch_next(current)
+            current = self.overlap.current_step(reqs, lambda: self._last_tokens(reqs))
+            if self._next_step_is_plain(reqs):
+                self.overlap.launch_next(current)
             if self.drafter is not None:
                 self.drafter.flush(self._gpu_busy())  # host work while the GPU computes
             tokens = current.launched.tokens()
         except BaseException:
-            self._free_ahead(current)
-            self._drop_ahead()
+            self.overlap.release(current)
+            self.overlap.drop()
             raise
         sampled = SampledStep(tokens=[[t] for t in tokens], accepted_nodes=[[0]] * len(tokens),
                               logprobs=None, top_logprobs=None)
         outputs = [self._commit(req, sampled, i, [current.slots[i]]) for i, req in enumerate(reqs)]
         if any(out.finished for out in outputs):
-            self._drop_ahead()  # computed for a batch that no longer exists
+            self.overlap.drop()  # computed for a batch that no longer exists
         if self.adaptive is not None:
             self.adaptive.record_step(len(reqs), 1, time.perf_counter() - start)
         return outputs
 
-    def _launch_next(self, current: _StepAhead) -> _StepAhead | None:
-        reqs = current.reqs
+    def _next_step_is_plain(self, reqs: list[Req]) -> bool:
+        """Whether the step after this one can be launched before this one's tokens are read."""
         if any(len(r.output_ids) + 1 >= r.max_new_tokens or r.kv_len + 2 > self.runner.context_length for r in reqs):
-            return None  # a request ends with the current step: the next one would be thrown away
-        if self.adaptive is not None and self.adaptive.would_draft(len(reqs)):
-            return None  # the next step drafts: it cannot be launched before this one's tokens are known
-        slots = self.scheduler.alloc_slots(len(reqs))
-        if slots is None:
-            return None
-        # the next step attends to the current one's token: its slot must be in the table first
-        self.runner.pool.write_entries_async([r.row for r in reqs], [r.kv_len for r in reqs], current.slots)
-        return _StepAhead(list(reqs), slots, self.runner.launch_greedy_decode(
-            reqs, [r.kv_len + 1 for r in reqs], slots, current.launched.argmax))
+            return False  # a request ends with this step: the next one would be thrown away
+        return self.adaptive is None or not self.adaptive.would_draft(len(reqs))
 
     def _gpu_busy(self):
         """A probe of whether the work queued so far is still running (None on a CPU, where
@@ -206,12 +179,8 @@ class EngineCore:
         return lambda: not queued.query()
 
     def _drop_ahead(self) -> None:
-        ahead, self._ahead = self._ahead, None
-        self._free_ahead(ahead)
-
-    def _free_ahead(self, ahead: _StepAhead | None) -> None:
-        if ahead is not None:
-            self.scheduler.free_slots(ahead.slots)
+        if self.overlap is not None:
+            self.overlap.drop()
 
     def _no_drafts(self, reqs: list[Req]) -> tuple[DraftTrees, list[int]]:
         return DraftTrees.root_only(self._last_tokens(reqs)), [1] * len(reqs)
@@ -289,7 +258,3 @@ class EngineCore:
             self.drafter.release(req)
         if self.adaptive is not None:
             self.adaptive.release(req.rid)
-
-
-def _same_requests(a: list[Req], b: list[Req]) -> bool:
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b))

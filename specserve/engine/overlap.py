@@ -1,0 +1,69 @@
+"""The overlap schedule: plain greedy decode steps run one step ahead.
+
+Step N+1 is queued on the GPU before step N's tokens are read: its roots are step N's
+argmax, copied on the device, and its KV slots are allocated before step N commits. While
+the GPU runs step N+1, the host commits step N (stop checks, detokenizing, streaming) and
+schedules the next step, so a batch-1 decode step costs its GPU time and nothing more.
+
+A step launched ahead for a batch that then changes (a request finished, arrived, was
+preempted or aborted) is dropped: its slots are freed and its output ignored. Only steps
+that need nothing but the argmax qualify (greedy, no penalties, logprobs or min_new_tokens
+still in force): every other sampling option depends on tokens the host has not seen yet.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from specserve.engine.request import Req
+from specserve.engine.scheduler import Scheduler
+from specserve.runner.model_runner import InFlightDecode, ModelRunner
+
+
+@dataclass
+class StepAhead:
+    """A launched decode step whose tokens the host has not read yet."""
+    reqs: list[Req]
+    slots: list[int]          # one new KV slot per request, not yet committed to it
+    launched: InFlightDecode
+
+
+class OverlapSchedule:
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler):
+        self.runner, self.scheduler = runner, scheduler
+        self.ahead: StepAhead | None = None
+
+    def current_step(self, reqs: list[Req], last_tokens: Callable[[], torch.Tensor]) -> StepAhead:
+        """The step to read now: the one launched ahead for exactly these requests, or a
+        new launch rooted at their last tokens."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and len(ahead.reqs) == len(reqs) and all(a is b for a, b in zip(ahead.reqs, reqs)):
+            return ahead
+        self.release(ahead)
+        slots = self.scheduler.alloc_slots(len(reqs))
+        assert slots is not None, "the scheduler reserves a slot per decoding request"
+        return StepAhead(list(reqs), slots, self.runner.launch_greedy_decode(
+            reqs, [r.kv_len for r in reqs], slots, last_tokens()))
+
+    def launch_next(self, current: StepAhead) -> None:
+        """Queues the step after `current` (whose tokens are not committed yet)."""
+        reqs = current.reqs
+        slots = self.scheduler.alloc_slots(len(reqs))
+        if slots is None:
+            return
+        # the next step attends to the current one's token: its slot must be in the table first
+        self.runner.pool.write_entries_async([r.row for r in reqs], [r.kv_len for r in reqs], current.slots)
+        self.ahead = StepAhead(list(reqs), slots, self.runner.launch_greedy_decode(
+            reqs, [r.kv_len + 1 for r in reqs], slots, current.launched.argmax))
+
+    def drop(self) -> None:
+        """Forgets the step launched ahead, if any."""
+        ahead, self.ahead = self.ahead, None
+        self.release(ahead)
+
+    def release(self, step: StepAhead | None) -> None:
+        """Frees a step's slots (no request holds them before its commit)."""
+        if step is not None:
+            self.scheduler.free_slots(step.slots)
