@@ -311,3 +311,12 @@ def test_config_is_validated():
         NgramConfig(min_match_window=5, max_match_window=3)
     with pytest.raises(ValueError):
         NgramConfig(min_bfs_breadth=0)
+
+
+def test_match_length_is_the_longest_suffix_with_a_continuation():
+    trie = NgramTrie(NgramConfig())
+    trie.insert([1, 2, 3, 4, 5])
+    assert trie.match_length([9, 2, 3]) == 2        # "2 3" continues with 4; "9 2 3" was never seen
+    assert trie.match_length([1, 2, 3]) == 3
+    assert trie.match_length([7, 5]) == 0           # 5 ends the text: no continuation
+    assert trie.match_length([8, 4]) == 1

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from specserve.spec.adaptive import PROBE_EVERY, REFRESH_EVERY, AdaptiveDraftLength, tiers_for
+from specserve.spec.adaptive import PROBE_EVERY, PROBE_MIN_BATCH, REFRESH_EVERY, AdaptiveDraftLength, tiers_for
 from specserve.spec.tree import DraftTrees
 
 from tests.spec_fixtures import CODE_PROMPT, SmolEngines, ngram_args, wait_until_all_kv_is_free
@@ -84,23 +84,43 @@ def test_plain_decoding_wins_when_drafts_miss_and_verifying_costs():
     assert adaptive.choose(["r"], [1]) == 1   # nothing drafted: plain
 
 
-def test_while_plain_wins_only_probe_steps_draft():
+def test_while_plain_wins_large_batches_draft_only_on_probe_steps():
     adaptive = AdaptiveDraftLength([1, 4])
-    measured(adaptive, {1: 0.05, 4: 0.08})
-    assert adaptive.should_draft(1)                  # nothing chosen yet
-    for _ in range(5):
-        propose(adaptive, "r")
-        adaptive.observe("r", [7])
-    assert adaptive.choose(["r"], [6]) == 1
-    drafts = [adaptive.should_draft(1) for _ in range(3 * PROBE_EVERY)]
+    batch = [f"r{i}" for i in range(PROBE_MIN_BATCH)]
+    measured(adaptive, {1: 0.05, 4: 0.08}, batch_size=PROBE_MIN_BATCH)
+    assert adaptive.should_draft(PROBE_MIN_BATCH)    # nothing chosen yet
+    for rid in batch:
+        for _ in range(5):
+            propose(adaptive, rid)
+            adaptive.observe(rid, [7])
+    assert adaptive.choose(batch, [6] * len(batch)) == 1
+    drafts = [adaptive.should_draft(PROBE_MIN_BATCH) for _ in range(3 * PROBE_EVERY)]
     assert sum(drafts) == 3 and drafts[PROBE_EVERY - 1]
-    assert adaptive.should_draft(2)                  # another batch-size bucket decides for itself
+    assert adaptive.should_draft(2 * PROBE_MIN_BATCH)  # another batch-size bucket decides for itself
+    assert all(adaptive.should_draft(1) for _ in range(PROBE_EVERY))  # small batches draft every step
     chain = ([9, 1, 2, 3], [-1, 0, 1, 2])
-    for _ in range(10):                              # drafts start to hit: the next choice drafts again
-        propose(adaptive, "r", chain)
-        adaptive.observe("r", [1, 2, 3, 8])
-    assert adaptive.choose(["r"], [4]) == 4
-    assert all(adaptive.should_draft(1) for _ in range(PROBE_EVERY))
+    for rid in batch:                                  # drafts start to hit: the next choice drafts again
+        for _ in range(10):
+            propose(adaptive, rid, chain)
+            adaptive.observe(rid, [1, 2, 3, 8])
+    assert adaptive.choose(batch, [4] * len(batch)) == 4
+    assert all(adaptive.should_draft(PROBE_MIN_BATCH) for _ in range(PROBE_EVERY))
+
+
+def test_evidence_classes_tell_weak_matches_from_strong_ones():
+    """Per class (NGRAM: matched suffix length): one-token matches that never pay decode
+    plainly, long matches that do get the largest draft, within the same request."""
+    adaptive = AdaptiveDraftLength([1, 8])
+    measured(adaptive, {1: 0.04, 8: 0.08})
+    chain = ([9, 1, 2, 3, 4, 5, 6, 7], [-1, 0, 1, 2, 3, 4, 5, 6])
+    for _ in range(10):
+        adaptive.record_proposals(["r"], DraftTrees.from_lists([chain]), [8], keys=[1])
+        adaptive.observe("r", [99])                    # weak match: rejected at once
+        adaptive.record_proposals(["r"], DraftTrees.from_lists([chain]), [8], keys=[5])
+        adaptive.observe("r", [1, 2, 3, 4, 5, 6, 7, 98])
+    assert adaptive.choose(["r"], [8], keys=[1]) == 1
+    assert adaptive.choose(["r"], [8], keys=[5]) == 8
+    assert adaptive.expected_tokens("r", 8, key=5) > 6 > 1.5 > adaptive.expected_tokens("r", 8, key=1)
 
 
 def test_long_accepted_paths_pick_the_largest_tier():

@@ -192,9 +192,9 @@ class EngineCore:
         trees, num_nodes = self.drafter.propose(reqs, limits)
         if self.adaptive is None:
             return trees, num_nodes
-        rids = [r.rid for r in reqs]
-        self.adaptive.record_proposals(rids, trees, num_nodes)
-        tier = self.adaptive.choose(rids, num_nodes)
+        rids, keys = [r.rid for r in reqs], self.drafter.proposal_keys()
+        self.adaptive.record_proposals(rids, trees, num_nodes, keys)
+        tier = self.adaptive.choose(rids, num_nodes, keys)
         return trees.truncate(tier), [min(n, tier) for n in num_nodes]
 
     @staticmethod

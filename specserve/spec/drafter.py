@@ -23,6 +23,11 @@ class Drafter:
         Returns the padded trees and each tree's real node count."""
         raise NotImplementedError
 
+    def proposal_keys(self) -> list[int] | None:
+        """Per request of the last `propose`: an evidence class that predicts how much of
+        the draft will be accepted (for the adaptive draft length), or None."""
+        return None
+
     def observe(self, req: "Req", committed: list[int]) -> None:
         """Tokens the request just committed."""
 

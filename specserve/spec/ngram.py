@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from specserve.engine.request import Req
 
 
+MATCH_KEY_CAP = 6         # suffix matches this long or longer count as one evidence class
 FLUSH_CHUNK = 32          # tokens indexed between two checks of whether the GPU is still busy
 MAX_BACKLOG = 65536       # queued tokens beyond which flush indexes everything at once
 
@@ -40,6 +41,7 @@ class NgramDrafter(Drafter):
         # (owner, tokens) not indexed yet, in order: an owner's stream must be fed in order
         self._pending: collections.deque[tuple[int, list[int]]] = collections.deque()
         self._pending_tokens = 0
+        self._keys: list[int] = []
 
     @classmethod
     def from_args(cls, args: "ServerArgs") -> "NgramDrafter":
@@ -58,12 +60,20 @@ class NgramDrafter(Drafter):
 
     def propose(self, reqs: list["Req"], max_nodes: list[int]) -> tuple[DraftTrees, list[int]]:
         rows: list[tuple[list[int], list[int]]] = []
+        self._keys = []
         for req, limit in zip(reqs, max_nodes):
             context = _tail(req, self.window)
-            drafts, parents = self.trie.propose(context, limit, self.one_branch, owner=self._owner(req))
+            owner = self._owner(req)
+            drafts, parents = self.trie.propose(context, limit, self.one_branch, owner=owner)
+            self._keys.append(min(self.trie.match_length(context, owner), MATCH_KEY_CAP) if drafts else 0)
             # the trie numbers drafts from 0 with -1 for the root; the tree puts the root at 0
             rows.append(([context[-1], *drafts], [-1, *(p + 1 for p in parents)]))
         return _pack(rows), [len(tokens) for tokens, _ in rows]
+
+    def proposal_keys(self) -> list[int]:
+        """The length of each proposal's matched suffix (capped): a one-token match is weak
+        evidence, a long one strong."""
+        return self._keys
 
     def observe(self, req: "Req", committed: list[int]) -> None:
         self._queue(self._owner(req), committed)

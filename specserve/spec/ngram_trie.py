@@ -269,6 +269,12 @@ class NgramTrie:
                 break
         return _bfs_order(tokens, parents) if reorder else (tokens, parents)
 
+    def match_length(self, context: Sequence[int], owner: int | None = None) -> int:
+        """The length of the longest suffix of ``context`` that has a continuation (0: none)."""
+        window = _as_list(context[-self._max_window:])
+        stream = self._streams.get(owner) if owner is not None else None
+        return next(self._matches(window, stream), (None, 0))[1]
+
     def _walk(self, tokens: list[int], start: int) -> int | None:
         node, children_of = _ROOT, self._children
         for i in range(start, len(tokens)):
