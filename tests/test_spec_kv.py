@@ -340,20 +340,28 @@ def test_ngram_drafter_indexes_prompts_and_outputs_at_flush():
 
 def test_ngram_flush_indexes_chunks_while_the_gpu_is_busy():
     """With a `busy` probe, flush indexes FLUSH_CHUNK tokens at a time until the GPU is done;
-    the rest waits, in order; release indexes that request's queued tokens first."""
+    the rest waits, in order. A finished request's stream is let go once its queued tokens
+    are in (they continue it), not before."""
     from specserve.spec import ngram
     drafter = NgramDrafter(NgramConfig(), one_branch=True)
     long_prompt = [100 + (i % 50) for i in range(3 * ngram.FLUSH_CHUNK)]
     writer, other = fake_req("w", long_prompt), fake_req("o", [7, 8, 9])
     drafter.add_prompt(writer)
     drafter.add_prompt(other)
+    writer_owner = drafter._owners["w"]
     checks = iter([True, False])                       # busy for one more chunk, then done
     drafter.flush(busy=lambda: next(checks))
     assert drafter._pending_tokens == ngram.FLUSH_CHUNK + 3
-    drafter.release(writer)                            # the writer's last chunk goes in now
+    drafter.release(writer)                            # finished with a chunk still queued
+    assert writer_owner in drafter.trie._streams
+    drafter.flush(busy=lambda: False)                  # one chunk: the writer's last
+    assert writer_owner not in drafter.trie._streams   # released once its tokens are in
     assert list(drafter._pending) == [(drafter._owners["o"], [7, 8, 9])]
     reader = fake_req("r", [1, 100, 101])
     trees, num_nodes = drafter.propose([reader], [4])
     assert trees.tokens[0, :num_nodes[0]].tolist() == [101, 102, 103, 104]
     drafter.flush()
     assert drafter._pending_tokens == 0 and not drafter._pending
+    for req in (other, reader):
+        drafter.release(req)
+    assert not drafter.trie._streams and not drafter._queued_items and not drafter._finished

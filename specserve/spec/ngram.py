@@ -6,8 +6,9 @@ Prompts and committed tokens are queued and indexed in `flush`, which the engine
 right after launching a forward: indexing costs ~20 us per token of host time (at 64
 requests, milliseconds per step; a batch of long prompts, more than their prefill), so it
 runs while the GPU computes, in chunks, for as long as the GPU is busy, and what is left
-waits for the next step. A proposal therefore misses at least the tokens of the step just
-before it, which have no continuation to offer yet anyway.
+waits for the next step (a finished request's stream is let go once its tokens are in). A
+proposal therefore misses at least the tokens of the step just before it, which have no
+continuation to offer yet anyway.
 """
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ class NgramDrafter(Drafter):
         # (owner, tokens) not indexed yet, in order: an owner's stream must be fed in order
         self._pending: collections.deque[tuple[int, list[int]]] = collections.deque()
         self._pending_tokens = 0
+        self._queued_items: collections.Counter[int] = collections.Counter()  # per owner
+        self._finished: set[int] = set()    # owners released while tokens of theirs were queued
         self._keys: list[int] = []
 
     @classmethod
@@ -81,6 +84,7 @@ class NgramDrafter(Drafter):
     def _queue(self, owner: int, tokens: list[int]) -> None:
         self._pending.append((owner, tokens))
         self._pending_tokens += len(tokens)
+        self._queued_items[owner] += 1
 
     def flush(self, busy: Callable[[], bool] | None = None) -> None:
         """Indexes queued tokens: all of them, or, given `busy`, chunk by chunk until it
@@ -94,22 +98,26 @@ class NgramDrafter(Drafter):
                 self._pending[0] = (owner, tokens[len(chunk):])
             else:
                 self._pending.popleft()
+                self._indexed_item(owner)
             if busy is not None and not busy() and self._pending_tokens < MAX_BACKLOG:
                 return
 
-    def _flush_owner(self, owner: int) -> None:
-        """Indexes one owner's queued tokens now (in order); the others keep waiting."""
-        mine = [tokens for who, tokens in self._pending if who == owner]
-        if mine:
-            self._pending = collections.deque(item for item in self._pending if item[0] != owner)
-            for tokens in mine:
-                self.trie.insert(tokens, owner=owner)
-                self._pending_tokens -= len(tokens)
+    def _indexed_item(self, owner: int) -> None:
+        self._queued_items[owner] -= 1
+        if not self._queued_items[owner]:
+            del self._queued_items[owner]
+            if owner in self._finished:
+                self._finished.discard(owner)
+                self.trie.release(owner)
 
     def release(self, req: "Req") -> None:
+        """Its stream is let go now, or once its queued tokens are indexed (they continue it)."""
         owner = self._owners.pop(req.rid, None)
-        if owner is not None:
-            self._flush_owner(owner)  # its last tokens belong in the trie before its stream is let go
+        if owner is None:
+            return
+        if self._queued_items.get(owner):
+            self._finished.add(owner)
+        else:
             self.trie.release(owner)
 
     def _owner(self, req: "Req") -> int:
