@@ -313,10 +313,15 @@ def test_config_is_validated():
         NgramConfig(min_bfs_breadth=0)
 
 
-def test_match_length_is_the_longest_suffix_with_a_continuation():
+@pytest.mark.parametrize("one_branch", [False, True])
+def test_propose_reports_the_longest_suffix_with_a_continuation(one_branch):
     trie = NgramTrie(NgramConfig())
     trie.insert([1, 2, 3, 4, 5])
-    assert trie.match_length([9, 2, 3]) == 2        # "2 3" continues with 4; "9 2 3" was never seen
-    assert trie.match_length([1, 2, 3]) == 3
-    assert trie.match_length([7, 5]) == 0           # 5 ends the text: no continuation
-    assert trie.match_length([8, 4]) == 1
+
+    def match_length(context):
+        trie.propose(context, 4, one_branch)
+        return trie.last_match_length
+    assert match_length([9, 2, 3]) == 2        # "2 3" continues with 4; "9 2 3" was never seen
+    assert match_length([1, 2, 3]) == 3
+    assert match_length([7, 5]) == 0           # 5 ends the text: no continuation
+    assert match_length([8, 4]) == 1

@@ -43,7 +43,7 @@ def ahead(engine_factory):
     return engine
 
 
-def requests(tokenizer) -> tuple[list[str], list[dict]]:
+def requests() -> tuple[list[str], list[dict]]:
     prompts = SAMPLE_PROMPTS[:6]
     params = [dict(GREEDY, max_new_tokens=8 + 5 * i) for i in range(len(prompts))]   # they end at different steps
     params[1] = dict(GREEDY, max_new_tokens=40, ignore_eos=True)
@@ -53,7 +53,7 @@ def requests(tokenizer) -> tuple[list[str], list[dict]]:
 
 
 def test_outputs_equal_the_normal_path(plain, ahead):
-    prompts, params = requests(plain.tokenizer)
+    prompts, params = requests()
     expected = plain.generate(prompts, params)
     got = ahead.generate(prompts, params)
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in expected]

@@ -154,8 +154,7 @@ class EngineCore:
             self.overlap.release(current)
             self.overlap.drop()
             raise
-        sampled = SampledStep(tokens=[[t] for t in tokens], accepted_nodes=[[0]] * len(tokens),
-                              logprobs=None, top_logprobs=None)
+        sampled = SampledStep.plain(tokens)
         outputs = [self._commit(req, sampled, i, [current.slots[i]]) for i, req in enumerate(reqs)]
         if any(out.finished for out in outputs):
             self.overlap.drop()  # computed for a batch that no longer exists

@@ -7,7 +7,6 @@ from torch import nn
 
 from specserve.attention.base import AttentionBackend, ForwardBatch
 from specserve.model.config import ModelConfig
-from specserve.model.cpu_linear import CpuLinear
 from specserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, fused, gemv_ops, linear, takes_one_row_kernels
 
 
@@ -98,10 +97,9 @@ class DecoderLM(nn.Module):
         for layer in self.layers:
             x, residual = layer(x, residual, batch, backend, self.rope)
         x = self.norm((residual + x)[batch.logits_indices])
-        if isinstance(self.lm_head, CpuLinear):  # fp32 on the CPU, tied or not: see cpu_linear.py
-            return self.lm_head(x)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.matmul(x, weight.t()).float()
+        if self.lm_head is not None:  # untied, or a CPU layer sharing the tied weight (cpu_linear.py)
+            return self.lm_head(x).float()
+        return torch.matmul(x, self.embed_tokens.weight.t()).float()
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:

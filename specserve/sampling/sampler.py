@@ -23,6 +23,11 @@ class SampledStep:
     logprobs: list[list[float]] | None      # per request, per committed token (raw model logprobs)
     top_logprobs: list[list[list[tuple[int, float]]]] | None
 
+    @classmethod
+    def plain(cls, tokens: list[int]) -> "SampledStep":
+        """A decode step without drafts or logprobs: one token per request, from the root."""
+        return cls(tokens=[[t] for t in tokens], accepted_nodes=[[0]] * len(tokens), logprobs=None, top_logprobs=None)
+
 
 @dataclass
 class PreparedSampling:
@@ -38,8 +43,8 @@ class Sampler:
         self.device = device
 
     @staticmethod
-    def argmax_is_enough(reqs: list[Req], steps: int = 1) -> bool:
-        """Whether the next `steps` decode steps of these requests need nothing but the argmax
+    def argmax_is_enough(reqs: list[Req]) -> bool:
+        """Whether the next decode steps of these requests need nothing but the argmax
         (greedy, no penalties, no logprobs, no min_new_tokens still holding stops back)."""
         return all(r.params.greedy and not r.params.has_penalties and not r.return_logprob
                    and r.params.min_new_tokens <= len(r.output_ids) for r in reqs)
@@ -48,22 +53,19 @@ class Sampler:
         """Builds the per-request tensors and moves the (host) trees to the device. Called
         before the forward is launched: a host to device copy issued after it would wait
         for the forward to finish."""
+        if trees.tokens.shape[1] == 1 and self.argmax_is_enough(reqs):
+            return PreparedSampling(None, None, None, device_trees=None)
         penalties = self._penalty_tensors(reqs) if any(r.params.has_penalties for r in reqs) else None
         early_stops = self._early_stop_masks(trees, reqs)
         sampling = None if all(r.params.greedy for r in reqs) else self._sampling_tensors(reqs)
-        plain_argmax = (trees.tokens.shape[1] == 1 and sampling is None and penalties is None
-                        and early_stops is None and not any(r.return_logprob for r in reqs))
-        return PreparedSampling(penalties, early_stops, sampling,
-                                device_trees=None if plain_argmax else trees.to(self.device))
+        return PreparedSampling(penalties, early_stops, sampling, device_trees=trees.to(self.device))
 
     def sample(self, logits: torch.Tensor, trees: DraftTrees, reqs: list[Req],
                prepared: "PreparedSampling | None" = None) -> SampledStep:
         """logits: (bs, n, vocab) fp32, the target's logits at each tree node."""
         prepared = prepared or self.prepare(trees, reqs)
         if prepared.device_trees is None:  # greedy decode without extras: the argmax is all there is
-            tokens = logits[:, 0].argmax(-1).tolist()
-            return SampledStep(tokens=[[t] for t in tokens], accepted_nodes=[[0]] * len(tokens),
-                               logprobs=None, top_logprobs=None)
+            return SampledStep.plain(logits[:, 0].argmax(-1).tolist())
         trees = prepared.device_trees
         raw_logits = logits
         if prepared.penalties is not None:

@@ -173,12 +173,13 @@ class AdaptiveDraftLength:
         """Tokens the proposal cut to t nodes would have committed: the accepted path runs
         through increasing node indices, so it is the matched nodes below t, plus the bonus."""
         outcome = {t: 1.0 + sum(1 for node in shadow.path if node < t) for t in self.tiers}
-        estimates = [self._expected.setdefault(rid, dict(self._prior))]
+        # the estimate `expected_tokens` reads for such a proposal: its class's, else its request's
         if shadow.key is not None:
-            estimates.append(self._by_key.setdefault(shadow.key, dict(self._prior)))
+            expected = self._by_key.setdefault(shadow.key, dict(self._prior))
+        else:
+            expected = self._expected.setdefault(rid, dict(self._prior))
         for t, tokens in outcome.items():
-            for expected in estimates:
-                expected[t] += ACCEPT_EMA * (tokens - expected[t])
+            expected[t] += ACCEPT_EMA * (tokens - expected[t])
             self._prior[t] += ACCEPT_EMA * ACCEPT_EMA * (tokens - self._prior[t])
 
 

@@ -68,7 +68,7 @@ class NgramDrafter(Drafter):
             context = _tail(req, self.window)
             owner = self._owner(req)
             drafts, parents = self.trie.propose(context, limit, self.one_branch, owner=owner)
-            self._keys.append(min(self.trie.match_length(context, owner), MATCH_KEY_CAP) if drafts else 0)
+            self._keys.append(min(self.trie.last_match_length, MATCH_KEY_CAP))
             # the trie numbers drafts from 0 with -1 for the root; the tree puts the root at 0
             rows.append(([context[-1], *drafts], [-1, *(p + 1 for p in parents)]))
         return _pack(rows), [len(tokens) for tokens, _ in rows]

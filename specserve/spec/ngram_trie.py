@@ -97,6 +97,7 @@ class NgramTrie:
         self._clock = 0  # ticks once per inserted token
         self._epoch = 0  # bumped by each eviction: frontiers of older epochs are stale
         self._streams: dict[int, _Stream] = {}
+        self.last_match_length = 0  # of the last propose: its longest suffix with a continuation
         self._max_window = min(config.max_match_window, config.max_trie_depth - 1)
         # Tokens fed between capacity checks: bounds the overshoot to capacity / 2.
         self._chunk = max(1, config.capacity // (2 * config.max_trie_depth))
@@ -238,6 +239,7 @@ class NgramTrie:
         instead of walking each suffix from the root.
         """
         budget = num_draft_tokens - 1
+        self.last_match_length = 0
         if budget <= 0:
             return [], []
         window = _as_list(context[-self._max_window:])
@@ -250,6 +252,7 @@ class NgramTrie:
         parents: list[int] = []
         reorder, last_count = False, 0
         for node, length in self._matches(window, stream):
+            self.last_match_length = max(self.last_match_length, length)  # the first is the longest
             # A shorter suffix seen no more often than the last one expanded has the same
             # continuations (each of its occurrences extends one of the longer's), at most
             # one level deeper: not worth a second expansion.
@@ -268,12 +271,6 @@ class NgramTrie:
             if len(tokens) >= budget:
                 break
         return _bfs_order(tokens, parents) if reorder else (tokens, parents)
-
-    def match_length(self, context: Sequence[int], owner: int | None = None) -> int:
-        """The length of the longest suffix of ``context`` that has a continuation (0: none)."""
-        window = _as_list(context[-self._max_window:])
-        stream = self._streams.get(owner) if owner is not None else None
-        return next(self._matches(window, stream), (None, 0))[1]
 
     def _walk(self, tokens: list[int], start: int) -> int | None:
         node, children_of = _ROOT, self._children
@@ -319,7 +316,7 @@ class NgramTrie:
         top_of, token_of = self._top, self._token
         follow = stream.follow if stream is not None else None
         tokens: list[int] = []
-        node = next(self._matches(window, stream), (None, 0))[0]
+        node, self.last_match_length = next(self._matches(window, stream), (None, 0))
         while node is not None and len(tokens) < budget:
             best = top_of[node]
             if best is not None and follow is not None:
