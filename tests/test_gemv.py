@@ -47,3 +47,58 @@ def test_gemv_with_add_norm_matches_add_rmsnorm_then_linear(config, silu_mul, bi
     torch.testing.assert_close(residual_out, expected_residual)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(residual, norm.residual)  # the input residual is left alone
+
+
+@pytest.mark.parametrize("config", gemv.CANDIDATES[:3])
+@pytest.mark.parametrize("add_norm", [False, True])
+def test_gemv_with_rope_matches_linear_then_rope_and_store(config, add_norm):
+    """The qkv epilogue: q rotated and returned, k rotated and v copied into the token's
+    slot of the KV pool (grouped-query: 3 q heads share 1 kv head); other slots untouched."""
+    from specserve.model.layers import RotaryEmbedding
+    torch.manual_seed(5)
+    num_q, num_kv, head_dim, k = 3, 1, 16, 48
+    x = torch.randn(1, k, device=DEVICE)
+    w, b = torch.randn((num_q + 2 * num_kv) * head_dim, k, device=DEVICE), torch.randn(80, device=DEVICE)
+    norm = gemv.AddNorm(torch.randn(1, k, device=DEVICE), torch.randn(k, device=DEVICE), 1e-6) if add_norm else None
+    tables = RotaryEmbedding(head_dim, 10, 10000.0, None).to(DEVICE)
+    pools = [torch.randn(6, num_kv, head_dim, device=DEVICE) for _ in range(2)]
+    untouched = [p.clone() for p in pools]
+    position, slot = torch.tensor([7], device=DEVICE), torch.tensor([4], device=DEVICE)
+    rope, expected_rope = (gemv.RopeStore(tables.cos, tables.sin, position, slot, k_pool, v_pool, num_q)
+                           for k_pool, v_pool in (pools[:2], [p.clone() for p in pools[:2]]))
+    out = gemv.gemv(x, w, b, config=config, add_norm=norm, rope=rope)
+    expected = gemv.reference(x, w, b, False, add_norm=norm, rope=expected_rope)
+    if add_norm:
+        (out, residual_out), (expected, expected_residual) = out, expected
+        torch.testing.assert_close(residual_out, expected_residual)
+    assert out.shape == (1, num_q * head_dim)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(rope.k_buffer, expected_rope.k_buffer, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(rope.v_buffer, expected_rope.v_buffer, rtol=1e-4, atol=1e-4)
+    for written, before in zip((rope.k_buffer, rope.v_buffer), untouched):
+        assert not torch.equal(written[4], before[4])
+        torch.testing.assert_close(written[[0, 1, 2, 3, 5]], before[[0, 1, 2, 3, 5]], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3"])
+def test_batch1_decoder_path_matches_the_batched_path(arch, monkeypatch):
+    """DecoderLayer's one-row path (the pre-norms inside the GEMVs, RoPE + KV write in the
+    qkv GEMV; Qwen3's q/k norms keep the separate RoPE) gives the batched path's logits
+    for a decode step after a prefill, and leaves the same K/V in the pool."""
+    from specserve.model import layers, llama
+    from specserve.runner import model_runner
+    from tests.model_fixtures import RunnerDriver, tiny_hf_model
+    monkeypatch.setattr(model_runner, "use_cpu_linears", lambda model: None)  # GPU weight layout: row-major
+    hf = tiny_hf_model(arch)
+    drivers = [RunnerDriver.from_hf(hf) for _ in range(2)]
+    for driver in drivers:
+        driver.prefill([5, 17, 3, 9, 44, 2])
+    expected = drivers[0].decode(11)
+    for module in (layers, llama):
+        monkeypatch.setattr(module, "takes_one_row_kernels", lambda x: x.shape[0] == 1)
+    monkeypatch.setattr(gemv, "best_config", lambda *args: gemv.CANDIDATES[0])
+    got = drivers[1].decode(11)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    for pools in zip(drivers[0].runner.pool.k_buffers + drivers[0].runner.pool.v_buffers,
+                     drivers[1].runner.pool.k_buffers + drivers[1].runner.pool.v_buffers):
+        torch.testing.assert_close(*pools, rtol=1e-5, atol=1e-5)

@@ -114,6 +114,17 @@ def test_decode(heads):
     assert batch.attn_metadata.partial_out is not None  # the split path ran
 
 
+def test_decode_merges_in_the_last_split_in_chunks_and_resets_its_counters(monkeypatch):
+    """More non-empty splits than the merge reads at once (a chunked merge: 401 keys in
+    128-key splits are 4 splits, read 2 at a time); the arrival counters are zero again
+    after the launch (graph replays reuse them)."""
+    monkeypatch.setattr(decode_kernels, "MERGE_CHUNK", 2)
+    batch = compare((4, 2, 32), ForwardMode.DECODE, [400, 5], [1, 1], target_programs=64)
+    meta = batch.attn_metadata
+    assert meta.partial_out.shape[2] >= 4
+    assert not meta.split_counters.any()
+
+
 def test_decode_one_split_writes_output_directly():
     batch = compare((6, 2, 64), ForwardMode.DECODE, [3, 200], [1, 1], target_programs=1)
     assert batch.attn_metadata.partial_out is None

@@ -43,6 +43,7 @@ class TritonMetadata:
     row_blocks: int                     # extend grid: query blocks per request
     partial_out: torch.Tensor | None    # (num_tokens, num_heads, splits, head_dim) fp32; None = one split
     partial_lse: torch.Tensor | None    # (num_tokens, num_heads, splits) fp32
+    split_counters: torch.Tensor | None  # (>= bs * num_kv_heads,) int32 zeros: DECODE's in-kernel merge
 
 
 @dataclass
@@ -57,6 +58,7 @@ class _GraphBuffers:
     tree_mask: torch.Tensor     # (max_bs, max_tokens_per_req, max_tokens_per_req) uint8
     partial_out: torch.Tensor   # flat fp32, viewed per batch size
     partial_lse: torch.Tensor   # flat fp32
+    split_counters: torch.Tensor  # (max_bs * num_kv_heads,) int32, zero between launches
 
 
 class TritonBackend(AttentionBackend):
@@ -83,15 +85,17 @@ class TritonBackend(AttentionBackend):
             tree_mask = batch.tree_mask.to(torch.uint8).contiguous()
         max_kv = max((p + e for p, e in zip(batch.prefix_lens_host, batch.extend_lens_host)), default=0)
         row_blocks, splits = self._grid(batch.mode, bs, max(batch.extend_lens_host, default=0), max_kv, device)
-        partial_out = partial_lse = None
+        partial_out = partial_lse = split_counters = None
         if splits > 1:
+            split_counters = torch.zeros(bs * self.num_kv_heads, dtype=torch.int32, device=device)
             partial_out = torch.empty((batch.num_tokens, self.num_heads, splits, self.head_dim),
                                       dtype=torch.float32, device=device)
             partial_lse = torch.empty((batch.num_tokens, self.num_heads, splits), dtype=torch.float32, device=device)
         batch.attn_metadata = TritonMetadata(
             mode=batch.mode, req_rows=batch.req_rows.to(torch.int32), prefix_lens=batch.prefix_lens.to(torch.int32),
             qo_indptr=qo_indptr, tree_mask=tree_mask, row_blocks=row_blocks,
-            partial_out=partial_out, partial_lse=partial_lse)
+            partial_out=partial_out, partial_lse=partial_lse,
+            split_counters=split_counters)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 batch: ForwardBatch) -> torch.Tensor:
@@ -104,8 +108,8 @@ class TritonBackend(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (num_tokens, num_heads, head_dim)
         buffers = (pool.k_buffers[layer], pool.v_buffers[layer], pool.req_to_token, meta.req_rows, meta.prefix_lens)
         if meta.mode is ForwardMode.DECODE:
-            decode_attention(q, *buffers, batch.out_slots, out, self.scale,
-                             partial_out=meta.partial_out, partial_lse=meta.partial_lse)
+            decode_attention(q, *buffers, batch.out_slots, out, self.scale, partial_out=meta.partial_out,
+                             partial_lse=meta.partial_lse, split_counters=meta.split_counters)
         else:
             extend_attention(q, *buffers, meta.qo_indptr, batch.out_slots, out, self.scale, meta.row_blocks,
                              tree_mask=meta.tree_mask, partial_out=meta.partial_out, partial_lse=meta.partial_lse)
@@ -129,7 +133,8 @@ class TritonBackend(AttentionBackend):
             qo_indptr=torch.zeros(max_bs + 1, **int32),
             tree_mask=torch.zeros((max_bs, n, n), dtype=torch.uint8, device=device),
             partial_out=torch.zeros(partial_rows * self.head_dim, dtype=torch.float32, device=device),
-            partial_lse=torch.zeros(partial_rows, dtype=torch.float32, device=device))
+            partial_lse=torch.zeros(partial_rows, dtype=torch.float32, device=device),
+            split_counters=torch.zeros(max_bs * self.num_kv_heads, **int32))
 
     def plan_for_capture(self, batch: ForwardBatch) -> None:
         self._plan_static(batch)
@@ -162,7 +167,7 @@ class TritonBackend(AttentionBackend):
         batch.attn_metadata = TritonMetadata(
             mode=batch.mode, req_rows=g.req_rows[:bs], prefix_lens=g.prefix_lens[:bs],
             qo_indptr=g.qo_indptr[:bs + 1], tree_mask=tree_mask, row_blocks=row_blocks,
-            partial_out=partial_out, partial_lse=partial_lse)
+            partial_out=partial_out, partial_lse=partial_lse, split_counters=g.split_counters)
 
     # --- grid ---
     def _grid(self, mode: ForwardMode, bs: int, tokens_per_req: int, max_kv_len: int,

@@ -37,13 +37,17 @@ def bench_linears(config: dict, write) -> None:
     """One-row matmul time per weight shape, read from HBM: cuBLAS vs each GEMV config."""
     from specserve.model.gemv import candidate_times
     hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    kv = config["num_key_value_heads"] * hidden // config["num_attention_heads"]
-    # name: (weight shape, bias, silu_mul, add_norm), as a batch-1 decode step runs them
-    shapes = {"add_norm+qkv": ((hidden + 2 * kv, hidden), True, False, True), "o": ((hidden, hidden), False, False, False),
-              "add_norm+gate_up+silu_mul": ((2 * inter, hidden), False, True, True),
-              "down": ((hidden, inter), False, False, False), "lm_head": ((vocab, hidden), False, False, False)}
-    for name, (shape, bias, silu_mul, add_norm) in shapes.items():
-        times = candidate_times(shape, torch.bfloat16, bias, silu_mul, add_norm, torch.device("cuda"))
+    num_q, num_kv = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = hidden // num_q
+    kv = num_kv * head_dim
+    # name: (weight shape, bias, silu_mul, add_norm, rope heads), as a batch-1 decode step runs them
+    shapes = {"add_norm+qkv+rope": ((hidden + 2 * kv, hidden), True, False, True, (num_q, num_kv, head_dim)),
+              "o": ((hidden, hidden), False, False, False, None),
+              "add_norm+gate_up+silu_mul": ((2 * inter, hidden), False, True, True, None),
+              "down": ((hidden, inter), False, False, False, None),
+              "lm_head": ((vocab, hidden), False, False, False, None)}
+    for name, (shape, bias, silu_mul, add_norm, rope) in shapes.items():
+        times = candidate_times(shape, torch.bfloat16, bias, silu_mul, add_norm, torch.device("cuda"), rope)
         mb = shape[0] * shape[1] * 2 / 1e6
         write({"kind": "linear", "name": name, "MB": mb, **{("cublas" if k is None else "gemv_%dx%dw%ds%d" % k) + "_us": v
                                                            for k, v in times.items()},

@@ -1,14 +1,17 @@
 """A Triton GEMV for one-row linear layers on a GPU: y = x @ W^T (+ bias), optionally with
-the decoder's pre-norm in front (input = rmsnorm(residual + x) * w) and SiLU(gate) * up
-behind (the fused gate_up projection), so a batch-1 layer is ~5 kernels instead of ~10.
+the decoder's pre-norm in front (input = rmsnorm(residual + x) * w) and, behind, SiLU(gate)
+* up (the fused gate_up projection) or RoPE + the KV-pool write (the fused qkv
+projection), so a batch-1 layer is 4 GEMVs and the attention kernel.
 
 At batch 1 a decode step is a chain of matrix-vector products that must each stream a
 weight matrix once at full memory bandwidth. cuBLAS gets close on large matrices but not
 on the small ones of a 1.5B model (H200, weights read from HBM: o_proj 4.7 MB in 6.5 us,
 down_proj 27.5 MB in 11.9 us; this kernel: 3.3 us and 8.9 us). Each program owns BLOCK_N
-output rows and walks K in BLOCK_K chunks with a (BLOCK_N, BLOCK_K) fp32 partial sum
-reduced once at the end, so the loop body is loads and FMAs only. With the pre-norm, every
-program first recomputes the row's RMS from the (L2-resident) input: cheaper than a launch.
+output lanes and walks K in BLOCK_K chunks with a (BLOCK_N, BLOCK_K) fp32 partial sum
+reduced once at the end, so the loop body is loads and FMAs only. The pre-norm costs no
+pass of its own: rmsnorm(s) * w . W_row = rsqrt(mean(s^2) + eps) * ((w * s) . W_row), so
+the loop accumulates (w * s) . W_row and s^2 together and scales at the end. A lane that
+needs two rows (gate and up; dims d and d + head_dim / 2 of a head for RoPE) keeps two sums.
 
 Tile sizes are chosen per weight shape by timing a few candidates, cuBLAS included,
 inside a CUDA graph the first time a shape is seen (before the engine captures its own
@@ -37,49 +40,89 @@ CANDIDATES = ((4, 1024, 4, 3), (4, 256, 4, 3), (8, 512, 4, 3), (2, 2048, 8, 3), 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N_OUT, K, res_ptr, norm_w_ptr, res_out_ptr, eps,
-                 HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, ADD_NORM: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # SILU_MUL: W holds gate rows [0, N_OUT) then up rows [N_OUT, 2 N_OUT); out = silu(gate) * up
-    # ADD_NORM: the input is rmsnorm(residual + x) * norm_w; program 0 writes residual + x out
+                 cos_ptr, sin_ptr, positions_ptr, slots_ptr, k_buf_ptr, v_buf_ptr, num_q_heads, num_kv_heads,
+                 HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, ADD_NORM: tl.constexpr, ROPE: tl.constexpr,
+                 HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # N_OUT output lanes; a lane reads two weight rows with SILU_MUL (gate row, up row
+    # N_OUT further) and with ROPE (dims d and d + HALF of one head), one row otherwise.
+    # ADD_NORM: the input is rmsnorm(residual + x) * norm_w; program 0 writes residual + x out.
     pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N_OUT
+    lanes = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    lane_ok = lanes < N_OUT
+    rows = lanes
+    if ROPE:
+        rows = (lanes // HALF) * (2 * HALF) + lanes % HALF
+    second_rows = rows + (HALF if ROPE else N_OUT)
     cols = tl.arange(0, BLOCK_K)
-    inv_rms = 1.0
-    if ADD_NORM:  # every program recomputes the norm of the (L2-resident) row: cheaper than a launch
-        squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            k_mask = (k + cols) < K
-            summed = tl.load(x_ptr + k + cols, mask=k_mask, other=0.0) + tl.load(res_ptr + k + cols, mask=k_mask, other=0.0)
-            squares += summed.to(tl.float32) * summed.to(tl.float32)
-            if pid == 0:
-                tl.store(res_out_ptr + k + cols, summed, mask=k_mask)
-        inv_rms = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
-    up_rows = w_rows + N_OUT.to(tl.int64) * K
+    w_second = w_ptr + second_rows.to(tl.int64)[:, None] * K
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_second = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         k_mask = (k + cols) < K
-        mask = row_mask[:, None] & k_mask[None, :]
+        mask = lane_ok[:, None] & k_mask[None, :]
         x = tl.load(x_ptr + k + cols, mask=k_mask, other=0.0)
-        if ADD_NORM:  # the same roundings as add_rmsnorm: sum, normalised value, then times the weight
-            summed = x + tl.load(res_ptr + k + cols, mask=k_mask, other=0.0)
-            normed = (summed.to(tl.float32) * inv_rms).to(summed.dtype).to(tl.float32)
-            x = (tl.load(norm_w_ptr + k + cols, mask=k_mask, other=0.0).to(tl.float32) * normed).to(summed.dtype)
+        if ADD_NORM:
+            # one pass: rmsnorm's scale is a scalar, so it is applied to the dot products at
+            # the end (no serial norm loop before the weights start streaming)
+            summed = x + tl.load(res_ptr + k + cols, mask=k_mask, other=0.0)  # rounds like torch's residual + x
+            if pid == 0:
+                tl.store(res_out_ptr + k + cols, summed, mask=k_mask)
+            summed = summed.to(tl.float32)
+            squares += summed * summed
+            x = tl.load(norm_w_ptr + k + cols, mask=k_mask, other=0.0).to(tl.float32) * summed
         x = x.to(tl.float32)[None, :]
         acc += tl.load(w_rows + k + cols[None, :], mask=mask, other=0.0).to(tl.float32) * x
-        if SILU_MUL:
-            acc_up += tl.load(up_rows + k + cols[None, :], mask=mask, other=0.0).to(tl.float32) * x
+        if SILU_MUL or ROPE:
+            acc_second += tl.load(w_second + k + cols[None, :], mask=mask, other=0.0).to(tl.float32) * x
     y = tl.sum(acc, axis=1)
+    y_second = tl.sum(acc_second, axis=1)
+    if ADD_NORM:
+        inv_rms = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
+        y *= inv_rms
+        y_second *= inv_rms
     if HAS_BIAS:
-        y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-    if SILU_MUL:
-        # round gate and up to the model dtype first, as the unfused matmul + silu_mul does
-        gate = y.to(out_ptr.dtype.element_ty).to(tl.float32)
-        up = tl.sum(acc_up, axis=1).to(out_ptr.dtype.element_ty).to(tl.float32)
-        y = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32) * up
-    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
+        y += tl.load(bias_ptr + rows, mask=lane_ok, other=0.0).to(tl.float32)
+        if ROPE:
+            y_second += tl.load(bias_ptr + second_rows, mask=lane_ok, other=0.0).to(tl.float32)
+    # round to the model dtype first, as the unfused matmul does before SiLU * up or RoPE
+    y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+    y_second = y_second.to(out_ptr.dtype.element_ty).to(tl.float32)
+    if ROPE:
+        _rope_epilogue(y, y_second, lanes, lane_ok, out_ptr, cos_ptr, sin_ptr, positions_ptr, slots_ptr,
+                       k_buf_ptr, v_buf_ptr, num_q_heads, num_kv_heads, HALF)
+    else:
+        if SILU_MUL:
+            y = (y / (1.0 + tl.exp(-y))).to(out_ptr.dtype.element_ty).to(tl.float32) * y_second
+        tl.store(out_ptr + lanes, y.to(out_ptr.dtype.element_ty), mask=lane_ok)
+
+
+@triton.jit
+def _rope_epilogue(first, second, lanes, lane_ok, q_ptr, cos_ptr, sin_ptr, positions_ptr, slots_ptr,
+                   k_buf_ptr, v_buf_ptr, num_q_heads, num_kv_heads, HALF: tl.constexpr):
+    """Lane (head h, dim d) holds qkv[h, d] and qkv[h, d + HALF]: rotate q and k heads as
+    fused_ops.rope_and_store does, then write q heads to q_ptr, k and v heads to the pool."""
+    head = lanes // HALF
+    dim = lanes % HALF
+    position = tl.load(positions_ptr).to(tl.int64)
+    cos = tl.load(cos_ptr + position * HALF + dim)
+    sin = tl.load(sin_ptr + position * HALF + dim)
+    is_q = head < num_q_heads
+    is_v = head >= num_q_heads + num_kv_heads
+    is_k = ~is_q & ~is_v
+    rotated_first = tl.where(is_v, first, first * cos - second * sin)
+    rotated_second = tl.where(is_v, second, second * cos + first * sin)
+    q_dest = q_ptr + head * (2 * HALF) + dim
+    tl.store(q_dest, rotated_first.to(q_ptr.dtype.element_ty), mask=lane_ok & is_q)
+    tl.store(q_dest + HALF, rotated_second.to(q_ptr.dtype.element_ty), mask=lane_ok & is_q)
+    kv_head = tl.where(is_v, head - num_q_heads - num_kv_heads, head - num_q_heads)
+    slot = tl.load(slots_ptr).to(tl.int64)
+    offset = (slot * num_kv_heads + kv_head) * (2 * HALF) + dim
+    tl.store(k_buf_ptr + offset, rotated_first.to(k_buf_ptr.dtype.element_ty), mask=lane_ok & is_k)
+    tl.store(k_buf_ptr + offset + HALF, rotated_second.to(k_buf_ptr.dtype.element_ty), mask=lane_ok & is_k)
+    tl.store(v_buf_ptr + offset, rotated_first.to(v_buf_ptr.dtype.element_ty), mask=lane_ok & is_v)
+    tl.store(v_buf_ptr + offset + HALF, rotated_second.to(v_buf_ptr.dtype.element_ty), mask=lane_ok & is_v)
 
 
 @dataclass(frozen=True)
@@ -90,27 +133,52 @@ class AddNorm:
     eps: float
 
 
+@dataclass(frozen=True)
+class RopeStore:
+    """The qkv GEMV's epilogue: of the q, k and v heads it computes, q and k are rotated
+    (rotate-half RoPE at the token's position) and q is returned, k and v go into the
+    token's KV-pool slot, as fused_ops.rope_and_store does after an unfused matmul."""
+    cos: torch.Tensor        # (max_positions, head_dim / 2) fp32
+    sin: torch.Tensor
+    positions: torch.Tensor  # (1,)
+    slots: torch.Tensor      # (1,)
+    k_buffer: torch.Tensor   # (pool slots, num_kv_heads, head_dim)
+    v_buffer: torch.Tensor
+    num_q_heads: int
+
+    @property
+    def heads(self) -> tuple[int, int, int]:
+        """(num_q_heads, num_kv_heads, head_dim): what the tile timing depends on."""
+        return self.num_q_heads, self.k_buffer.shape[1], self.k_buffer.shape[2]
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
-         config: tuple[int, int, int, int] = CANDIDATES[0], add_norm: AddNorm | None = None):
-    """x: (1, K), weight: (N, K) contiguous; returns (1, N), or (1, N / 2) with silu_mul.
-    With add_norm, returns (output, residual + x)."""
+         config: tuple[int, int, int, int] = CANDIDATES[0], add_norm: AddNorm | None = None,
+         rope: RopeStore | None = None):
+    """x: (1, K), weight: (N, K) contiguous; returns (1, N), (1, N / 2) with silu_mul, or
+    q (1, num_q_heads * head_dim) with rope. With add_norm, returns (output, residual + x)."""
     n, k = weight.shape
-    n_out = n // 2 if silu_mul else n
+    lanes = n // 2 if silu_mul or rope is not None else n
     block_n, block_k, warps, stages = config
-    out = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
+    width = rope.num_q_heads * rope.heads[2] if rope is not None else lanes
+    out = torch.empty((1, width), dtype=x.dtype, device=x.device)
     residual_out = torch.empty_like(x) if add_norm is not None else None
     norm = add_norm or AddNorm(x, x, 0.0)  # unused pointers when there is no norm
-    _gemv_kernel[(triton.cdiv(n_out, block_n),)](
-        x, weight, bias if bias is not None else weight, out, n_out, k,
+    r = rope or RopeStore(x, x, x, x, x, x, 0)  # likewise
+    _gemv_kernel[(triton.cdiv(lanes, block_n),)](
+        x, weight, bias if bias is not None else weight, out, lanes, k,
         norm.residual, norm.weight, residual_out if residual_out is not None else out, norm.eps,
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, ADD_NORM=add_norm is not None, BLOCK_N=block_n,
+        r.cos, r.sin, r.positions, r.slots, r.k_buffer, r.v_buffer, r.num_q_heads, r.heads[1] if rope else 0,
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, ADD_NORM=add_norm is not None, ROPE=rope is not None,
+        HALF=r.heads[2] // 2 if rope else 1, BLOCK_N=block_n,
         BLOCK_K=min(block_k, triton.next_power_of_2(k)), num_warps=warps, num_stages=stages)
     return out if add_norm is None else (out, residual_out)
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
-              add_norm: AddNorm | None = None):
+              add_norm: AddNorm | None = None, rope: RopeStore | None = None):
     """The unfused torch computation gemv replaces (same return convention)."""
+    from specserve.model.layers import rotate_half
     residual_out = None
     if add_norm is not None:
         residual_out = add_norm.residual + x
@@ -121,32 +189,40 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     if silu_mul:
         gate, up = y.chunk(2, dim=-1)
         y = F.silu(gate) * up
+    if rope is not None:
+        num_q, num_kv, head_dim = rope.heads
+        q, k, v = y.view(num_q + 2 * num_kv, head_dim).split([num_q, num_kv, num_kv])
+        cos, sin = rope.cos[rope.positions], rope.sin[rope.positions]
+        rope.k_buffer[rope.slots] = rotate_half(k, cos, sin).unsqueeze(0)
+        rope.v_buffer[rope.slots] = v.unsqueeze(0)
+        y = rotate_half(q, cos, sin).reshape(1, -1)
     return y if add_norm is None else (y, residual_out)
 
 
 def one_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                   silu_mul: bool = False, add_norm: AddNorm | None = None):
-    """x @ W^T (+ bias) (then silu_mul) for one CUDA row, by the fastest measured path;
-    with add_norm the input is normalised first and (output, residual + x) is returned."""
+                   silu_mul: bool = False, add_norm: AddNorm | None = None, rope: RopeStore | None = None):
+    """x @ W^T (+ bias) (then silu_mul or rope) for one CUDA row, by the fastest measured
+    path; with add_norm the input is normalised first and (output, residual + x) is returned."""
     config = best_config(tuple(weight.shape), weight.dtype, bias is not None, silu_mul, add_norm is not None,
-                         weight.device)
+                         rope.heads if rope is not None else None, weight.device)
     if config is None:
-        return _unfused(x, weight, bias, silu_mul, add_norm)
-    return gemv(x, weight, bias, silu_mul, config, add_norm)
+        return _unfused(x, weight, bias, silu_mul, add_norm, rope)
+    return gemv(x, weight, bias, silu_mul, config, add_norm, rope)
 
 
 @functools.lru_cache(maxsize=None)
 def best_config(shape: tuple[int, int], dtype: torch.dtype, has_bias: bool, silu_mul: bool, add_norm: bool,
-                device: torch.device) -> tuple[int, int, int, int] | None:
+                rope_heads: tuple[int, int, int] | None, device: torch.device) -> tuple[int, int, int, int] | None:
     """The fastest GEMV tile config for this weight shape, or None when cuBLAS is faster."""
-    times = candidate_times(shape, dtype, has_bias, silu_mul, add_norm, device)
-    logger.info("one-row matmul %s%s%s: %s", shape, " + add_norm" if add_norm else "", " + silu_mul" if silu_mul else "",
+    times = candidate_times(shape, dtype, has_bias, silu_mul, add_norm, device, rope_heads)
+    logger.info("one-row matmul %s%s%s%s: %s", shape, " + add_norm" if add_norm else "",
+                " + silu_mul" if silu_mul else "", " + rope" if rope_heads else "",
                 ", ".join(f"{'cublas' if k is None else k} {v:.1f} us" for k, v in times.items()))
     return min(times, key=times.get)
 
 
 def candidate_times(shape: tuple[int, int], dtype: torch.dtype, has_bias: bool, silu_mul: bool, add_norm: bool,
-                    device: torch.device) -> dict:
+                    device: torch.device, rope_heads: tuple[int, int, int] | None = None) -> dict:
     """GPU microseconds per call of cuBLAS (key None) and of each GEMV config.
 
     Timed over enough weight copies to overflow the L2 cache: in a decode step every
@@ -158,18 +234,30 @@ def candidate_times(shape: tuple[int, int], dtype: torch.dtype, has_bias: bool, 
     bias = torch.randn(shape[0], dtype=dtype, device=device) if has_bias else None
     x = torch.randn((1, shape[1]), dtype=dtype, device=device)
     norm = AddNorm(torch.randn_like(x), torch.randn(shape[1], dtype=dtype, device=device), 1e-6) if add_norm else None
-    times = {None: graph_time_us([lambda w=w: _unfused(x, w, bias, silu_mul, norm) for w in weights])}
+    rope = _timing_rope(rope_heads, dtype, device) if rope_heads else None
+    times = {None: graph_time_us([lambda w=w: _unfused(x, w, bias, silu_mul, norm, rope) for w in weights])}
     for config in CANDIDATES:
         try:
-            times[config] = graph_time_us([lambda w=w: gemv(x, w, bias, silu_mul, config, norm) for w in weights])
+            times[config] = graph_time_us([lambda w=w: gemv(x, w, bias, silu_mul, config, norm, rope)
+                                           for w in weights])
         except Exception as error:  # e.g. a tile that needs more shared memory than this GPU has
             logger.warning("gemv config %s failed on %s: %s", config, shape, error)
     return times
 
 
-def _unfused(x, weight, bias, silu_mul: bool, add_norm: AddNorm | None):
-    """The same result through the other GPU kernels: add+RMSNorm, cuBLAS, silu_mul (for
-    shapes where cuBLAS wins, and as the baseline the GEMV is timed against)."""
+def _timing_rope(heads: tuple[int, int, int], dtype: torch.dtype, device: torch.device) -> RopeStore:
+    """A small stand-in cache and position for timing the RoPE epilogue."""
+    num_q, num_kv, head_dim = heads
+    table = torch.rand((8, head_dim // 2), dtype=torch.float32, device=device)
+    index = torch.ones(1, dtype=torch.int64, device=device)
+    pool = torch.zeros((4, num_kv, head_dim), dtype=dtype, device=device)
+    return RopeStore(table, table, index, index, pool, pool.clone(), num_q)
+
+
+def _unfused(x, weight, bias, silu_mul: bool, add_norm: AddNorm | None, rope: RopeStore | None = None):
+    """The same result through the other GPU kernels: add+RMSNorm, cuBLAS, silu_mul or
+    rope_and_store (for shapes where cuBLAS wins, and as the baseline the GEMV is timed
+    against)."""
     from specserve.model import fused_ops
     residual = None
     if add_norm is not None:
@@ -177,6 +265,11 @@ def _unfused(x, weight, bias, silu_mul: bool, add_norm: AddNorm | None):
         x = fused_ops.add_rmsnorm(x, add_norm.weight, add_norm.eps, residual=residual)
     y = F.linear(x, weight, bias)
     y = fused_ops.silu_mul(y) if silu_mul else y
+    if rope is not None:
+        num_q, num_kv, head_dim = rope.heads
+        q, k, v = y.view(1, num_q + 2 * num_kv, head_dim).split([num_q, num_kv, num_kv], dim=1)
+        fused_ops.rope_and_store(q, k, v, rope.cos, rope.sin, rope.positions, rope.slots, rope.k_buffer, rope.v_buffer)
+        y = q.reshape(1, -1)
     return y if add_norm is None else (y, residual)
 
 

@@ -35,15 +35,32 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if q.is_cuda and self.head_dim & (self.head_dim - 1) == 0:  # one kernel: rotate q, k; write k, v to the cache
+        if q.is_cuda and self.fuses_rope:  # one kernel: rotate q, k; write k, v to the cache
             pool = batch.kv_pool
             fused().rope_and_store(q, k, v, rope.cos, rope.sin, batch.positions, batch.out_slots,
-                                 pool.k_buffers[self.layer], pool.v_buffers[self.layer])
-            out = backend.forward(q.contiguous(), None, None, self.layer, batch)
-        else:
-            q, k = rope(batch.positions, q, k)
-            out = backend.forward(q, k, v, self.layer, batch)
+                                   pool.k_buffers[self.layer], pool.v_buffers[self.layer])
+            return self.attend_stored(q, batch, backend)
+        q, k = rope(batch.positions, q, k)
+        out = backend.forward(q, k, v, self.layer, batch)
         return linear(self.o_proj, out.reshape(-1, self.q_size))
+
+    @property
+    def fuses_rope(self) -> bool:
+        """RoPE and the KV write can run as one kernel (or a GEMV's epilogue) on a GPU:
+        head_dim a power of two, and no q/k norm between the projection and RoPE."""
+        return self.q_norm is None and self.head_dim & (self.head_dim - 1) == 0
+
+    def attend_stored(self, q: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
+        """Attention and o_proj for rotated q, the token's k and v already in the KV pool."""
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        out = backend.forward(q.contiguous(), None, None, self.layer, batch)
+        return linear(self.o_proj, out.reshape(-1, self.q_size))
+
+    def rope_store(self, batch: ForwardBatch, rope: RotaryEmbedding):
+        """The qkv GEMV epilogue's arguments for this layer (see gemv.RopeStore)."""
+        pool = batch.kv_pool
+        return gemv_ops().RopeStore(rope.cos, rope.sin, batch.positions, batch.out_slots,
+                                    pool.k_buffers[self.layer], pool.v_buffers[self.layer], self.num_heads)
 
 
 class DecoderLayer(nn.Module):
@@ -72,9 +89,15 @@ class DecoderLayer(nn.Module):
         if residual is None:  # the first layer: residual 0 + x is exactly x
             residual = torch.zeros_like(x)
         gemv, attn, mlp, norm = gemv_ops(), self.self_attn, self.mlp, self.input_layernorm
-        qkv, residual = gemv.one_row_linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias,
-                                            add_norm=gemv.AddNorm(residual, norm.weight, norm.eps))
-        h = attn.attend(qkv, batch, backend, rope)
+        pre_norm = gemv.AddNorm(residual, norm.weight, norm.eps)
+        qkv_weight, qkv_bias = attn.qkv_proj.weight, attn.qkv_proj.bias
+        if attn.fuses_rope:  # RoPE and the KV write in the qkv GEMV's epilogue
+            q, residual = gemv.one_row_linear(x, qkv_weight, qkv_bias, add_norm=pre_norm,
+                                              rope=attn.rope_store(batch, rope))
+            h = attn.attend_stored(q, batch, backend)
+        else:
+            qkv, residual = gemv.one_row_linear(x, qkv_weight, qkv_bias, add_norm=pre_norm)
+            h = attn.attend(qkv, batch, backend, rope)
         norm = self.post_attention_layernorm
         act, residual = gemv.one_row_linear(h, mlp.gate_up_proj.weight, silu_mul=True,
                                             add_norm=gemv.AddNorm(residual, norm.weight, norm.eps))

@@ -3,9 +3,13 @@
 Program (request, kv_head, split) loads the query rows of every q head that shares the
 kv head (grouped-query: the K/V block is read once for the whole group, and the group is
 padded to 16 rows so it can go through tl.dot), walks the split's keys and writes a
-partial result; `merge_splits` then reduces the splits. The keys of request b are its
-prefix (`req_to_token[req_rows[b], :prefix_lens[b]]`) followed by its own new slot
-`out_slots[b]`. With one split the program writes the final output directly.
+partial result. The last split of a (request, kv_head) to finish merges the group's
+splits itself: each split counts itself in an atomic counter after its stores, and the
+one that brings the count to the number of non-empty splits reads them all back, writes
+the output and zeroes the counter for the next launch. That saves a merge kernel per layer
+(~2 us at batch 1, where a decode step is a chain of small kernels). The keys of request
+b are its prefix (`req_to_token[req_rows[b], :prefix_lens[b]]`) followed by its own new
+slot `out_slots[b]`. With one split the program writes the final output directly.
 """
 from __future__ import annotations
 
@@ -14,10 +18,12 @@ import triton
 import triton.language as tl
 
 from specserve.attention.kernels.online_softmax import (
-    LOG2_E, attend_block, check_layout, dot_precision, load_kv_block, merge_splits, split_range, store_split)
+    LOG2_E, attend_block, check_layout, dot_precision, load_kv_block, merge_head_splits, nonempty_splits, split_range,
+    store_split)
 
 # launch configuration; BLOCK_N keys per step
 CONFIG = dict(BLOCK_N=128, num_warps=4, num_stages=2)
+MERGE_CHUNK = 8  # splits the merging program reads at once
 
 
 @triton.jit
@@ -31,13 +37,13 @@ def _key_slots(pos, prefix_len, table_row_ptr, new_slot):
 
 @triton.jit
 def _decode_kernel(q_ptr, k_buffer, v_buffer, req_to_token, req_rows, prefix_lens, out_slots,
-                   out_ptr, lse_ptr,
+                   out_ptr, lse_ptr, final_ptr, counters,
                    stride_qt, stride_qh, stride_slot, stride_kv_head, stride_table,
-                   stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+                   stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ft, stride_fh,
                    qk_scale,
-                   HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, STORE_LSE: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
+                   DOT_PRECISION: tl.constexpr, MERGE_CHUNK: tl.constexpr):
     req = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -71,33 +77,47 @@ def _decode_kernel(q_ptr, k_buffer, v_buffer, req_to_token, req_rows, prefix_len
     out_ptrs = out_ptr + req * stride_ot + heads[:, None] * stride_oh + split * stride_os + dims[None, :]
     lse_ptrs = lse_ptr + req * stride_lt + heads * stride_lh + split
     store_split(out_ptrs, lse_ptrs, acc, m_i, l_i, row_ok, dim_ok, STORE_LSE)
+    if STORE_LSE and lo < hi:
+        tl.debug_barrier()  # every thread's stores are issued before the release below
+        counter = counters + req * tl.num_programs(1) + kv_head
+        splits = nonempty_splits(kv_len, num_splits, BLOCK_N)
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == splits - 1:
+            group = kv_head * GROUP + tl.arange(0, BLOCK_G)  # the merge needs no padding for tl.dot
+            merge_head_splits(out_ptr + req * stride_ot + group[:, None] * stride_oh + dims[None, :],
+                              lse_ptr + req * stride_lt + group * stride_lh,
+                              final_ptr + req * stride_ft + group[:, None] * stride_fh + dims[None, :],
+                              tl.arange(0, BLOCK_G) < GROUP, dim_ok, stride_os, splits, MERGE_CHUNK)
+            tl.store(counter, 0)
 
 
 def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                      req_to_token: torch.Tensor, req_rows: torch.Tensor, prefix_lens: torch.Tensor,
                      out_slots: torch.Tensor, out: torch.Tensor, scale: float,
-                     partial_out: torch.Tensor | None = None, partial_lse: torch.Tensor | None = None) -> None:
+                     partial_out: torch.Tensor | None = None, partial_lse: torch.Tensor | None = None,
+                     split_counters: torch.Tensor | None = None) -> None:
     """q, out: (bs, num_heads, head_dim), token b belongs to request b; k/v_buffer: (slots,
     num_kv_heads, head_dim); req_rows, prefix_lens: (bs,) int32; out_slots: (bs,) int64.
     partial_out (bs, num_heads, splits, head_dim) and partial_lse (bs, num_heads, splits)
-    fp32 give the split count; without them one split writes `out` directly."""
+    fp32 give the split count, split_counters (>= bs * num_kv_heads,) int32, all zero
+    (and zero again after the call), the merge's arrival counts; without them one split
+    writes `out` directly."""
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     if bs == 0:
         return
     check_layout(q, k_buffer, v_buffer, out)
     split_out = partial_out is not None
+    assert not split_out or (split_counters is not None and split_counters.numel() >= bs * num_kv_heads)
     num_splits = partial_out.shape[2] if split_out else 1
     target, lse = (partial_out, partial_lse) if split_out else (out.unsqueeze(2), out)
     group = num_heads // num_kv_heads
     _decode_kernel[(bs, num_kv_heads, num_splits)](
-        q, k_buffer, v_buffer, req_to_token, req_rows, prefix_lens, out_slots, target, lse,
+        q, k_buffer, v_buffer, req_to_token, req_rows, prefix_lens, out_slots, target, lse, out,
+        split_counters if split_out else out_slots,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), req_to_token.stride(0),
         target.stride(0), target.stride(1), target.stride(2), lse.stride(0), lse.stride(1),
-        scale * LOG2_E,
+        out.stride(0), out.stride(1), scale * LOG2_E,
         HEAD_DIM=head_dim, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), STORE_LSE=split_out,
-        DOT_PRECISION=dot_precision(q.dtype), **CONFIG)
-    if split_out:
-        merge_splits(partial_out, partial_lse, out)
+        BLOCK_G=triton.next_power_of_2(group), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        STORE_LSE=split_out, DOT_PRECISION=dot_precision(q.dtype), MERGE_CHUNK=MERGE_CHUNK, **CONFIG)
 

@@ -24,10 +24,21 @@ MAX_SPLITS = 64  # the merge holds (splits, head_dim) of a head at once
 def split_range(kv_len, split, num_splits, BLOCK_N: tl.constexpr):
     """Key positions [lo, hi) of one split; splits are whole blocks, and the last ones may
     be empty (lo >= hi) so that the grid can be fixed while lengths vary."""
-    per_split = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    per_split = _keys_per_split(kv_len, num_splits, BLOCK_N)
     lo = split * per_split
     hi = tl.minimum(lo + per_split, kv_len)
     return lo, hi
+
+
+@triton.jit
+def nonempty_splits(kv_len, num_splits, BLOCK_N: tl.constexpr):
+    """How many splits of split_range hold keys (the first ones)."""
+    return tl.cdiv(kv_len, _keys_per_split(kv_len, num_splits, BLOCK_N))
+
+
+@triton.jit
+def _keys_per_split(kv_len, num_splits, BLOCK_N: tl.constexpr):
+    return tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
 
 
 @triton.jit
@@ -69,28 +80,50 @@ def store_split(out_ptrs, lse_ptrs, acc, m_i, l_i, row_ok, dim_ok, STORE_LSE: tl
 
 
 @triton.jit
+def merge_head_splits(partial_ptrs, lse_ptrs, out_ptrs, head_ok, dim_ok, stride_ps, num_splits,
+                      BLOCK_S: tl.constexpr):
+    """Combine the first num_splits splits of a block of heads of one token.
+
+    partial_ptrs (H, D) / lse_ptrs (H,) point at split 0 of each head (the next split is
+    stride_ps further for partial_ptrs, 1 for lse_ptrs); out_ptrs (H, D). Splits are read
+    BLOCK_S at a time (all at once when num_splits <= BLOCK_S: a split-by-split loop would
+    chain load latencies), with a running max across chunks. Loads bypass L1 (.cg): the
+    decode kernel merges partials that other programs of the same launch just wrote."""
+    splits = tl.arange(0, BLOCK_S)
+    m = tl.full(head_ok.shape, float("-inf"), tl.float32)
+    total = tl.zeros(head_ok.shape, tl.float32)
+    acc = tl.zeros(partial_ptrs.shape, tl.float32)
+    for first in range(0, num_splits, BLOCK_S):
+        split_ok = (first + splits) < num_splits
+        lse = tl.load(lse_ptrs[:, None] + first + splits[None, :], mask=head_ok[:, None] & split_ok[None, :],
+                      other=float("-inf"), cache_modifier=".cg")                                   # (H, S)
+        m_new = tl.maximum(m, tl.max(lse, 1))
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        weights = tl.math.exp2(lse - shift[:, None])  # 0 for empty splits
+        # an empty split's partial output may be stale memory: never load it
+        part_ok = (lse > float("-inf"))[:, :, None] & dim_ok[None, None, :]
+        partial = tl.load(partial_ptrs[:, None, :] + (first + splits)[None, :, None] * stride_ps,
+                          mask=part_ok, other=0.0, cache_modifier=".cg")                         # (H, S, D)
+        alpha = tl.math.exp2(m - shift)
+        total = total * alpha + tl.sum(weights, 1)
+        acc = acc * alpha[:, None] + tl.sum(weights[:, :, None] * partial, 1)
+        m = m_new
+    out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
+    tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=head_ok[:, None] & dim_ok[None, :])
+
+
+@triton.jit
 def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr,
                          stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh,
                          num_heads, num_splits, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    # all splits are loaded at once: a loop over them would chain load latencies
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, BLOCK_D)
-    head_ok = heads < num_heads
-    lse = tl.load(lse_ptr + token * stride_lt + heads[:, None] * stride_lh + splits[None, :],
-                  mask=head_ok[:, None] & (splits < num_splits)[None, :], other=float("-inf"))  # (H, S)
-    lse_max = tl.max(lse, 1)
-    weights = tl.math.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max)[:, None])  # 0 for empty splits
-    # an empty split's partial output may be stale memory: never load it
-    part_ok = (lse > float("-inf"))[:, :, None] & (dims < HEAD_DIM)[None, None, :]
-    partial = tl.load(partial_ptr + token * stride_pt + heads[:, None, None] * stride_ph
-                      + splits[None, :, None] * stride_ps + dims[None, None, :], mask=part_ok, other=0.0)  # (H, S, D)
-    total = tl.sum(weights, 1)
-    out = tl.sum(weights[:, :, None] * partial, 1) / tl.where(total > 0.0, total, 1.0)[:, None]      # (H, D)
-    out_ptrs = out_ptr + token * stride_ot + heads[:, None] * stride_oh + dims[None, :]
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & (dims < HEAD_DIM)[None, :])
+    merge_head_splits(partial_ptr + token * stride_pt + heads[:, None] * stride_ph + dims[None, :],
+                      lse_ptr + token * stride_lt + heads * stride_lh,
+                      out_ptr + token * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+                      heads < num_heads, dims < HEAD_DIM, stride_ps, num_splits, BLOCK_S)
 
 
 def merge_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor) -> None:
