@@ -45,7 +45,7 @@ def bench_linears(config: dict, write) -> None:
               "o": ((hidden, hidden), False, False, False, None),
               "add_norm+gate_up+silu_mul": ((2 * inter, hidden), False, True, True, None),
               "down": ((hidden, inter), False, False, False, None),
-              "lm_head": ((vocab, hidden), False, False, False, None)}
+              "add_norm+lm_head": ((vocab, hidden), False, False, True, None)}
     for name, (shape, bias, silu_mul, add_norm, rope) in shapes.items():
         times = candidate_times(shape, torch.bfloat16, bias, silu_mul, add_norm, torch.device("cuda"), rope)
         mb = shape[0] * shape[1] * 2 / 1e6

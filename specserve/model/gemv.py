@@ -34,8 +34,9 @@ ENABLED = True  # False: one-row matmuls go to cuBLAS like any other (the A/B of
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages): small row blocks, long K chunks and deeper
 # pipelining keep more loads in flight; which wins depends on the shape and the GPU
-CANDIDATES = ((4, 1024, 4, 3), (4, 256, 4, 3), (8, 512, 4, 3), (2, 2048, 8, 3), (2, 1024, 4, 3), (8, 256, 8, 3),
-              (4, 2048, 8, 3), (2, 1024, 4, 5), (4, 256, 4, 5), (8, 256, 8, 5), (4, 2048, 8, 4), (4, 512, 8, 5))
+CANDIDATES = ((4, 1024, 4, 3), (4, 256, 4, 3), (2, 1024, 4, 3), (4, 2048, 8, 3), (2, 1024, 4, 5), (4, 256, 4, 5),
+              (8, 256, 8, 5), (4, 2048, 8, 4), (4, 512, 8, 5), (1, 512, 4, 4), (1, 1024, 4, 4), (2, 256, 2, 4),
+              (2, 512, 2, 6), (4, 128, 2, 8), (1, 256, 1, 6))
 
 
 @triton.jit
@@ -66,10 +67,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N_OUT, K, res_ptr, norm_w_ptr,
         if ADD_NORM:
             # one pass: rmsnorm's scale is a scalar, so it is applied to the dot products at
             # the end (no serial norm loop before the weights start streaming)
-            summed = x + tl.load(res_ptr + k + cols, mask=k_mask, other=0.0)  # rounds like torch's residual + x
-            if pid == 0:
-                tl.store(res_out_ptr + k + cols, summed, mask=k_mask)
-            summed = summed.to(tl.float32)
+            summed = (x + tl.load(res_ptr + k + cols, mask=k_mask, other=0.0)).to(tl.float32)
             squares += summed * summed
             x = tl.load(norm_w_ptr + k + cols, mask=k_mask, other=0.0).to(tl.float32) * summed
         x = x.to(tl.float32)[None, :]
@@ -79,6 +77,11 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N_OUT, K, res_ptr, norm_w_ptr,
     y = tl.sum(acc, axis=1)
     y_second = tl.sum(acc_second, axis=1)
     if ADD_NORM:
+        if pid == 0:  # not inside the loop above: a branch there would keep it from being pipelined
+            for k in range(0, K, BLOCK_K):
+                k_mask = (k + cols) < K
+                summed = tl.load(x_ptr + k + cols, mask=k_mask, other=0.0) + tl.load(res_ptr + k + cols, mask=k_mask)
+                tl.store(res_out_ptr + k + cols, summed, mask=k_mask)  # rounds like torch's residual + x
         inv_rms = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
         y *= inv_rms
         y_second *= inv_rms

@@ -119,6 +119,10 @@ class DecoderLM(nn.Module):
         x, residual = self.embed_tokens(batch.input_ids), None
         for layer in self.layers:
             x, residual = layer(x, residual, batch, backend, self.rope)
+        if takes_one_row_kernels(x) and batch.logits_indices.numel() == 1:  # the final norm inside the lm_head GEMV
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            final_norm = gemv_ops().AddNorm(residual, self.norm.weight, self.norm.eps)
+            return gemv_ops().one_row_linear(x, weight, add_norm=final_norm)[0].float()
         x = self.norm((residual + x)[batch.logits_indices])
         if self.lm_head is not None:  # untied, or a CPU layer sharing the tied weight (cpu_linear.py)
             return self.lm_head(x).float()

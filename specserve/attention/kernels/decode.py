@@ -74,20 +74,27 @@ def _decode_kernel(q_ptr, k_buffer, v_buffer, req_to_token, req_rows, prefix_len
                              key_ok, dim_ok, q.dtype)
         m_i, l_i, acc = attend_block(q, k, v, key_ok[None, :], m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
-    out_ptrs = out_ptr + req * stride_ot + heads[:, None] * stride_oh + split * stride_os + dims[None, :]
+    final_ptrs = final_ptr + req * stride_ft + heads[:, None] * stride_fh + dims[None, :]
     lse_ptrs = lse_ptr + req * stride_lt + heads * stride_lh + split
-    store_split(out_ptrs, lse_ptrs, acc, m_i, l_i, row_ok, dim_ok, STORE_LSE)
-    if STORE_LSE and lo < hi:
-        tl.debug_barrier()  # every thread's stores are issued before the release below
-        counter = counters + req * tl.num_programs(1) + kv_head
+    if STORE_LSE:
         splits = nonempty_splits(kv_len, num_splits, BLOCK_N)
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == splits - 1:
-            group = kv_head * GROUP + tl.arange(0, BLOCK_G)  # the merge needs no padding for tl.dot
-            merge_head_splits(out_ptr + req * stride_ot + group[:, None] * stride_oh + dims[None, :],
-                              lse_ptr + req * stride_lt + group * stride_lh,
-                              final_ptr + req * stride_ft + group[:, None] * stride_fh + dims[None, :],
-                              tl.arange(0, BLOCK_G) < GROUP, dim_ok, stride_os, splits, MERGE_CHUNK)
-            tl.store(counter, 0)
+        if splits == 1:  # a context of one block: its one split writes the output
+            if split == 0:
+                store_split(final_ptrs, lse_ptrs, acc, m_i, l_i, row_ok, dim_ok, False)
+        elif lo < hi:
+            out_ptrs = out_ptr + req * stride_ot + heads[:, None] * stride_oh + split * stride_os + dims[None, :]
+            store_split(out_ptrs, lse_ptrs, acc, m_i, l_i, row_ok, dim_ok, True)
+            tl.debug_barrier()  # every thread's stores are issued before the release below
+            counter = counters + req * tl.num_programs(1) + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == splits - 1:
+                group = kv_head * GROUP + tl.arange(0, BLOCK_G)  # the merge needs no padding for tl.dot
+                merge_head_splits(out_ptr + req * stride_ot + group[:, None] * stride_oh + dims[None, :],
+                                  lse_ptr + req * stride_lt + group * stride_lh,
+                                  final_ptr + req * stride_ft + group[:, None] * stride_fh + dims[None, :],
+                                  tl.arange(0, BLOCK_G) < GROUP, dim_ok, stride_os, splits, MERGE_CHUNK)
+                tl.store(counter, 0)
+    else:
+        store_split(final_ptrs, lse_ptrs, acc, m_i, l_i, row_ok, dim_ok, False)
 
 
 def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,

@@ -32,7 +32,7 @@ def split_range(kv_len, split, num_splits, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def nonempty_splits(kv_len, num_splits, BLOCK_N: tl.constexpr):
-    """How many splits of split_range hold keys (the first ones)."""
+    """How many splits of split_range hold keys (the first ones); kv_len >= 1."""
     return tl.cdiv(kv_len, _keys_per_split(kv_len, num_splits, BLOCK_N))
 
 
