@@ -91,7 +91,7 @@ def _decode_kernel(q_ptr, k_buffer, v_buffer, req_to_token, req_rows, prefix_len
                 merge_head_splits(out_ptr + req * stride_ot + group[:, None] * stride_oh + dims[None, :],
                                   lse_ptr + req * stride_lt + group * stride_lh,
                                   final_ptr + req * stride_ft + group[:, None] * stride_fh + dims[None, :],
-                                  tl.arange(0, BLOCK_G) < GROUP, dim_ok, stride_os, splits, MERGE_CHUNK)
+                                  tl.arange(0, BLOCK_G) < GROUP, dim_ok, stride_os, splits, MERGE_CHUNK, False)
                 tl.store(counter, 0)
     else:
         store_split(final_ptrs, lse_ptrs, acc, m_i, l_i, row_ok, dim_ok, False)

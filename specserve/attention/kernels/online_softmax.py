@@ -81,14 +81,16 @@ def store_split(out_ptrs, lse_ptrs, acc, m_i, l_i, row_ok, dim_ok, STORE_LSE: tl
 
 @triton.jit
 def merge_head_splits(partial_ptrs, lse_ptrs, out_ptrs, head_ok, dim_ok, stride_ps, num_splits,
-                      BLOCK_S: tl.constexpr):
+                      BLOCK_S: tl.constexpr, MAY_BE_EMPTY: tl.constexpr):
     """Combine the first num_splits splits of a block of heads of one token.
 
     partial_ptrs (H, D) / lse_ptrs (H,) point at split 0 of each head (the next split is
     stride_ps further for partial_ptrs, 1 for lse_ptrs); out_ptrs (H, D). Splits are read
     BLOCK_S at a time (all at once when num_splits <= BLOCK_S: a split-by-split loop would
     chain load latencies), with a running max across chunks. Loads bypass L1 (.cg): the
-    decode kernel merges partials that other programs of the same launch just wrote."""
+    decode kernel merges partials that other programs of the same launch just wrote.
+    MAY_BE_EMPTY: some of the splits saw no key (lse -inf, partial never written); else
+    the partials are loaded alongside the lse instead of after it."""
     splits = tl.arange(0, BLOCK_S)
     m = tl.full(head_ok.shape, float("-inf"), tl.float32)
     total = tl.zeros(head_ok.shape, tl.float32)
@@ -100,8 +102,9 @@ def merge_head_splits(partial_ptrs, lse_ptrs, out_ptrs, head_ok, dim_ok, stride_
         m_new = tl.maximum(m, tl.max(lse, 1))
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         weights = tl.math.exp2(lse - shift[:, None])  # 0 for empty splits
-        # an empty split's partial output may be stale memory: never load it
-        part_ok = (lse > float("-inf"))[:, :, None] & dim_ok[None, None, :]
+        part_ok = (head_ok[:, None] & split_ok[None, :])[:, :, None] & dim_ok[None, None, :]
+        if MAY_BE_EMPTY:  # an empty split's partial output may be stale memory (NaN): never load it
+            part_ok = part_ok & (lse > float("-inf"))[:, :, None]
         partial = tl.load(partial_ptrs[:, None, :] + (first + splits)[None, :, None] * stride_ps,
                           mask=part_ok, other=0.0, cache_modifier=".cg")                         # (H, S, D)
         alpha = tl.math.exp2(m - shift)
@@ -123,7 +126,7 @@ def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr,
     merge_head_splits(partial_ptr + token * stride_pt + heads[:, None] * stride_ph + dims[None, :],
                       lse_ptr + token * stride_lt + heads * stride_lh,
                       out_ptr + token * stride_ot + heads[:, None] * stride_oh + dims[None, :],
-                      heads < num_heads, dims < HEAD_DIM, stride_ps, num_splits, BLOCK_S)
+                      heads < num_heads, dims < HEAD_DIM, stride_ps, num_splits, BLOCK_S, True)
 
 
 def merge_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor) -> None:
