@@ -90,7 +90,8 @@ class TritonBackend(AttentionBackend):
         row_blocks, splits = self._grid(batch.mode, bs, max(batch.extend_lens_host, default=0), max_kv, device)
         partial_out = partial_lse = split_counters = None
         if splits > 1:
-            split_counters = torch.zeros(bs * self.num_kv_heads, dtype=torch.int32, device=device)
+            if batch.mode is ForwardMode.DECODE:
+                split_counters = torch.zeros(bs * self.num_kv_heads, dtype=torch.int32, device=device)
             partial_out = torch.empty((batch.num_tokens, self.num_heads, splits, self.head_dim),
                                       dtype=torch.float32, device=device)
             partial_lse = torch.empty((batch.num_tokens, self.num_heads, splits), dtype=torch.float32, device=device)
