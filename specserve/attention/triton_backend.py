@@ -155,7 +155,8 @@ class TritonBackend(AttentionBackend):
         assert bs <= g.max_bs and num_tokens <= bs * g.max_tokens_per_req, "batch larger than the graph state"
         g.req_rows[:bs].copy_(batch.req_rows)
         g.prefix_lens[:bs].copy_(batch.prefix_lens)
-        g.qo_indptr[1:bs + 1].copy_(torch.cumsum(batch.extend_lens, 0))
+        if batch.mode is not ForwardMode.DECODE:  # the decode kernel reads no qo_indptr (a scan less per step)
+            g.qo_indptr[1:bs + 1].copy_(torch.cumsum(batch.extend_lens, 0))
         tree_mask = None
         if batch.mode is ForwardMode.VERIFY and batch.tree_mask is not None:
             n = batch.tree_mask.shape[-1]
