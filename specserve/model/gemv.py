@@ -28,6 +28,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from specserve.pdl import uses_pdl
+
 logger = logging.getLogger(__name__)
 
 ENABLED = True  # False: one-row matmuls go to cuBLAS like any other (the A/B of bench.decode_profile)
@@ -43,46 +45,58 @@ CANDIDATES = ((4, 1024, 4, 3), (4, 256, 4, 3), (2, 1024, 4, 3), (4, 2048, 8, 3),
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N_OUT, K, res_ptr, norm_w_ptr, res_out_ptr, eps,
                  cos_ptr, sin_ptr, positions_ptr, slots_ptr, k_buf_ptr, v_buf_ptr, num_q_heads, num_kv_heads,
                  HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, ADD_NORM: tl.constexpr, ROPE: tl.constexpr,
-                 HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH_K: tl.constexpr,
+                 USE_PDL: tl.constexpr):
     # N_OUT output lanes; a lane reads two weight rows with SILU_MUL (gate row, up row
     # N_OUT further) and with ROPE (dims d and d + HALF of one head), one row otherwise.
     # ADD_NORM: the input is rmsnorm(residual + x) * norm_w; program 0 writes residual + x out.
     pid = tl.program_id(0)
+    if USE_PDL:  # the next kernel may start (and fetch its own weights) as SMs free up
+        tl.extra.cuda.gdc_launch_dependents()
     lanes = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     lane_ok = lanes < N_OUT
     rows = lanes
     if ROPE:
         rows = (lanes // HALF) * (2 * HALF) + lanes % HALF
     second_rows = rows + (HALF if ROPE else N_OUT)
-    cols = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
     w_second = w_ptr + second_rows.to(tl.int64)[:, None] * K
+    # The first PREFETCH_K weight columns are loaded before waiting for the previous kernel:
+    # they do not depend on it, so with PDL they stream in while it finishes.
+    pre = tl.arange(0, PREFETCH_K)
+    pre_ok = pre < K
+    w_pre = tl.load(w_rows + pre[None, :], mask=lane_ok[:, None] & pre_ok[None, :], other=0.0)
+    w_pre_second = w_pre
+    if SILU_MUL or ROPE:
+        w_pre_second = tl.load(w_second + pre[None, :], mask=lane_ok[:, None] & pre_ok[None, :], other=0.0)
+    if USE_PDL:  # x and the residual are the previous kernels' outputs
+        tl.extra.cuda.gdc_wait()
+    x, squares_pre = _gemv_input(x_ptr, res_ptr, norm_w_ptr, pre, pre_ok, ADD_NORM)
+    y = tl.sum(w_pre.to(tl.float32) * x[None, :], axis=1)
+    y_second = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if SILU_MUL or ROPE:
+        y_second = tl.sum(w_pre_second.to(tl.float32) * x[None, :], axis=1)
+    cols = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_second = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
+    for k in range(PREFETCH_K, K, BLOCK_K):
         k_mask = (k + cols) < K
         mask = lane_ok[:, None] & k_mask[None, :]
-        x = tl.load(x_ptr + k + cols, mask=k_mask, other=0.0)
-        if ADD_NORM:
-            # one pass: rmsnorm's scale is a scalar, so it is applied to the dot products at
-            # the end (no serial norm loop before the weights start streaming)
-            summed = (x + tl.load(res_ptr + k + cols, mask=k_mask, other=0.0)).to(tl.float32)
-            squares += summed * summed
-            x = tl.load(norm_w_ptr + k + cols, mask=k_mask, other=0.0).to(tl.float32) * summed
-        x = x.to(tl.float32)[None, :]
-        acc += tl.load(w_rows + k + cols[None, :], mask=mask, other=0.0).to(tl.float32) * x
+        x, chunk_squares = _gemv_input(x_ptr, res_ptr, norm_w_ptr, k + cols, k_mask, ADD_NORM)
+        squares += chunk_squares
+        acc += tl.load(w_rows + k + cols[None, :], mask=mask, other=0.0).to(tl.float32) * x[None, :]
         if SILU_MUL or ROPE:
-            acc_second += tl.load(w_second + k + cols[None, :], mask=mask, other=0.0).to(tl.float32) * x
-    y = tl.sum(acc, axis=1)
-    y_second = tl.sum(acc_second, axis=1)
+            acc_second += tl.load(w_second + k + cols[None, :], mask=mask, other=0.0).to(tl.float32) * x[None, :]
+    y += tl.sum(acc, axis=1)
+    y_second += tl.sum(acc_second, axis=1)
     if ADD_NORM:
         if pid == 0:  # not inside the loop above: a branch there would keep it from being pipelined
             for k in range(0, K, BLOCK_K):
                 k_mask = (k + cols) < K
                 summed = tl.load(x_ptr + k + cols, mask=k_mask, other=0.0) + tl.load(res_ptr + k + cols, mask=k_mask)
                 tl.store(res_out_ptr + k + cols, summed, mask=k_mask)  # rounds like torch's residual + x
-        inv_rms = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
+        inv_rms = tl.rsqrt((tl.sum(squares_pre, axis=0) + tl.sum(squares, axis=0)) / K + eps)
         y *= inv_rms
         y_second *= inv_rms
     if HAS_BIAS:
@@ -99,6 +113,21 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N_OUT, K, res_ptr, norm_w_ptr,
         if SILU_MUL:
             y = (y / (1.0 + tl.exp(-y))).to(out_ptr.dtype.element_ty).to(tl.float32) * y_second
         tl.store(out_ptr + lanes, y.to(out_ptr.dtype.element_ty), mask=lane_ok)
+
+
+@triton.jit
+def _gemv_input(x_ptr, res_ptr, norm_w_ptr, cols, col_ok, ADD_NORM: tl.constexpr):
+    """The input columns `cols` in fp32, and their squares for the norm (0 without ADD_NORM).
+    With ADD_NORM, one pass: rmsnorm's scale is a scalar, so the caller applies it to the
+    dot products at the end (no serial norm loop before the weights start streaming)."""
+    raw = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
+    x = raw.to(tl.float32)
+    squares = tl.zeros(cols.shape, dtype=tl.float32)
+    if ADD_NORM:
+        summed = (raw + tl.load(res_ptr + cols, mask=col_ok, other=0.0)).to(tl.float32)  # rounds like torch's add
+        squares = summed * summed
+        x = tl.load(norm_w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) * summed
+    return x, squares
 
 
 @triton.jit
@@ -167,15 +196,25 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     out = torch.empty((1, width), dtype=x.dtype, device=x.device)
     residual_out = torch.empty_like(x) if add_norm is not None else None
     norm = add_norm or AddNorm(x, x, 0.0)  # unused pointers when there is no norm
+    pdl = uses_pdl(x.device)
     r = rope or RopeStore(x, x, x, x, x, x, 0)  # likewise
     _gemv_kernel[(triton.cdiv(lanes, block_n),)](
         x, weight, bias if bias is not None else weight, out, lanes, k,
         norm.residual, norm.weight, residual_out if residual_out is not None else out, norm.eps,
         r.cos, r.sin, r.positions, r.slots, r.k_buffer, r.v_buffer, r.num_q_heads, r.heads[1] if rope else 0,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, ADD_NORM=add_norm is not None, ROPE=rope is not None,
-        HALF=r.heads[2] // 2 if rope else 1, BLOCK_N=block_n,
-        BLOCK_K=min(block_k, triton.next_power_of_2(k)), num_warps=warps, num_stages=stages)
+        HALF=r.heads[2] // 2 if rope else 1, BLOCK_N=block_n, BLOCK_K=min(block_k, triton.next_power_of_2(k)),
+        PREFETCH_K=prefetch_columns(k, block_n * (2 if silu_mul or rope is not None else 1), warps),
+        USE_PDL=pdl, num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}))
     return out if add_norm is None else (out, residual_out)
+
+
+def prefetch_columns(k: int, rows: int, warps: int) -> int:
+    """Weight columns a program loads before waiting for the previous kernel: all of K when
+    its `rows` rows fit in ~64 values per thread (the rest streams through the K loop)."""
+    fits = 64 * 32 * warps // rows
+    return max(16, min(triton.next_power_of_2(k), 1 << (fits.bit_length() - 1)))
+
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,

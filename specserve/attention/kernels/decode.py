@@ -20,6 +20,7 @@ import triton.language as tl
 from specserve.attention.kernels.online_softmax import (
     LOG2_E, attend_block, check_layout, dot_precision, load_kv_block, merge_head_splits, nonempty_splits, split_range,
     store_split)
+from specserve.pdl import uses_pdl
 
 # launch configuration; BLOCK_N keys per step
 CONFIG = dict(BLOCK_N=128, num_stages=2)
@@ -46,24 +47,28 @@ def _decode_kernel(q_ptr, k_buffer, v_buffer, req_to_token, req_rows, prefix_len
                    qk_scale,
                    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, STORE_LSE: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr, MERGE_CHUNK: tl.constexpr):
+                   DOT_PRECISION: tl.constexpr, MERGE_CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
     req = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
 
+    if USE_PDL:  # the next kernel (o_proj) may start fetching its weights
+        tl.extra.cuda.gdc_launch_dependents()
     group_rows = tl.arange(0, BLOCK_H)
     row_ok = group_rows < GROUP
     heads = kv_head * GROUP + group_rows
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
-    q = tl.load(q_ptr + req * stride_qt + heads[:, None] * stride_qh + dims[None, :],
-                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)            # (BLOCK_H, BLOCK_D)
-
+    # the batch's metadata was written before the step's first kernel: no need to wait for it
     prefix_len = tl.load(prefix_lens + req)
     kv_len = prefix_len + 1
     table_row = req_to_token + tl.load(req_rows + req).to(tl.int64) * stride_table
     new_slot = tl.load(out_slots + req)
+    if USE_PDL:  # q and the new token's K/V come from the previous kernel
+        tl.extra.cuda.gdc_wait()
+    q = tl.load(q_ptr + req * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)            # (BLOCK_H, BLOCK_D)
     lo, hi = split_range(kv_len, split, num_splits, BLOCK_N)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -121,6 +126,7 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     num_splits = partial_out.shape[2] if split_out else 1
     target, lse = (partial_out, partial_lse) if split_out else (out.unsqueeze(2), out)
     group = num_heads // num_kv_heads
+    pdl = uses_pdl(q.device)
     _decode_kernel[(bs, num_kv_heads, num_splits)](
         q, k_buffer, v_buffer, req_to_token, req_rows, prefix_lens, out_slots, target, lse, out,
         split_counters if split_out else out_slots,
@@ -130,5 +136,6 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         HEAD_DIM=head_dim, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_G=triton.next_power_of_2(group), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         STORE_LSE=split_out, DOT_PRECISION=dot_precision(q.dtype), MERGE_CHUNK=MERGE_CHUNK,
-        num_warps=8 if bs <= MANY_WARPS_MAX_BATCH else 4, **CONFIG)
+        USE_PDL=pdl, num_warps=8 if bs <= MANY_WARPS_MAX_BATCH else 4, **CONFIG,
+        **({"launch_pdl": True} if pdl else {}))
 
