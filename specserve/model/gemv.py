@@ -71,11 +71,11 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N_OUT, K, res_ptr, norm_w_ptr,
         w_pre_second = tl.load(w_second + pre[None, :], mask=lane_ok[:, None] & pre_ok[None, :], other=0.0)
     if USE_PDL:  # x and the residual are the previous kernels' outputs
         tl.extra.cuda.gdc_wait()
-    x, squares_pre = _gemv_input(x_ptr, res_ptr, norm_w_ptr, pre, pre_ok, ADD_NORM)
-    y = tl.sum(w_pre.to(tl.float32) * x[None, :], axis=1)
+    x_pre, squares_pre = _gemv_input(x_ptr, res_ptr, norm_w_ptr, pre, pre_ok, ADD_NORM)
+    y = tl.sum(w_pre.to(tl.float32) * x_pre[None, :], axis=1)
     y_second = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if SILU_MUL or ROPE:
-        y_second = tl.sum(w_pre_second.to(tl.float32) * x[None, :], axis=1)
+        y_second = tl.sum(w_pre_second.to(tl.float32) * x_pre[None, :], axis=1)
     cols = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_second = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
