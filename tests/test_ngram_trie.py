@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from specserve.spec.ngram_trie import NgramConfig, NgramTrie
+from tests.ngram_trie_reference import NgramTrie as ReferenceTrie
 
 
 def make(**overrides) -> NgramTrie:
@@ -27,27 +28,34 @@ def check_tree(tokens: list[int], parents: list[int]) -> None:
 
 
 def check_invariants(trie: NgramTrie) -> None:
-    """Every live node is reachable once, and each ranking is the true top of its children."""
+    """Every live node is reachable once, and each ranking is the true top of its children;
+    the C side's own structural check (hash table, lists, queue, free ids, frontiers) passes."""
+    assert trie._check() == 0
+    nodes = trie._nodes()  # id -> (token, parent, count, stamp)
     seen, stack = 0, [0]
     while stack:
         node = stack.pop()
-        children = trie._children[node] or {}
+        children = trie._children(node)
         for token, child in children.items():
-            assert trie._parent[child] == node and trie._token[child] == token
+            assert nodes[child][:2] == (token, node)
+            assert trie._child(node, token) == child
         seen += len(children)
         stack.extend(children.values())
         if node and children:
-            top = trie._top[node]
-            rank = sorted(children.values(), key=lambda c: (trie._count[c], trie._stamp[c]),
+            top = trie._top(node)
+            rank = sorted(children.values(), key=lambda c: (nodes[c][2], nodes[c][3]),
                           reverse=True)
             assert list(top) == rank[:trie.config.max_bfs_breadth]
-    assert seen == trie.num_nodes()
+    assert seen == trie.num_nodes() == len(nodes)
 
 
 def check_frontier_matches(trie: NgramTrie, history: list[int], owner: int) -> None:
     """Matching through the owner's frontier finds what walking from the root finds."""
     window = history[-trie._max_window:]
-    assert list(trie._matches(window, trie._streams[owner])) == list(trie._matches(window))
+    assert trie._matches(window, owner) == trie._matches(window)
+    frontier, tail, _ = trie._frontier(owner)
+    assert tail == history[1 - trie.config.max_trie_depth:]
+    assert len(frontier) == len(tail) + 1
 
 
 def ngram_counts(sequences: list[list[int]], max_depth: int) -> Counter:
@@ -60,12 +68,13 @@ def ngram_counts(sequences: list[list[int]], max_depth: int) -> Counter:
 
 
 def trie_counts(trie: NgramTrie) -> Counter:
+    nodes = trie._nodes()
     counts: Counter = Counter()
     stack = [(0, ())]
     while stack:
         node, path = stack.pop()
-        for token, child in (trie._children[node] or {}).items():
-            counts[path + (token,)] = trie._count[child]
+        for token, child in trie._children(node).items():
+            counts[path + (token,)] = nodes[child][2]
             stack.append((child, path + (token,)))
     return counts
 
@@ -325,3 +334,148 @@ def test_propose_reports_the_longest_suffix_with_a_continuation(one_branch):
     assert match_length([1, 2, 3]) == 3
     assert match_length([7, 5]) == 0           # 5 ends the text: no continuation
     assert match_length([8, 4]) == 1
+
+
+# ---------------------------------------------------------------- the C trie vs the reference
+def reference_nodes(trie: ReferenceTrie) -> dict[int, tuple[int, int, int, int]]:
+    """The reference's live nodes in NgramTrie._nodes's form: id -> (token, parent, count, stamp)."""
+    nodes, stack = {}, [0]
+    while stack:
+        node = stack.pop()
+        for token, child in (trie._children[node] or {}).items():
+            nodes[child] = (token, node, trie._count[child], trie._stamp[child])
+            stack.append(child)
+    return nodes
+
+
+def random_config(rng: random.Random) -> NgramConfig:
+    depth = rng.randint(2, 9)
+    min_window = rng.randint(1, 3)
+    min_breadth = rng.randint(1, 3)
+    return NgramConfig(
+        capacity=rng.choice([1, 30, 120, 500, 100_000]), max_trie_depth=depth,
+        min_match_window=min_window, max_match_window=rng.randint(min_window, depth + 1),
+        min_bfs_breadth=min_breadth, max_bfs_breadth=rng.randint(min_breadth, 6),
+        match_type=rng.choice(["BFS", "PROB"]), evict_to=rng.choice([0.0, 0.5, 0.9]),
+        owner_priority=rng.random() < 0.8)
+
+
+@pytest.mark.parametrize("seed", range(48))
+def test_matches_the_reference_on_random_streams(seed):
+    """Random streams over a small vocabulary (n-grams repeat), several owners, releases, and
+    capacities small enough that eviction (and id reuse) runs all the time: after every
+    operation both tries propose the same trees and match lengths and count the same nodes,
+    evictions and streams; every 50 operations and at the end they hold the same nodes, to
+    the id, count and stamp."""
+    rng = random.Random(seed)
+    config = random_config(rng)
+    fast, reference = NgramTrie(config), ReferenceTrie(config)
+    vocab = rng.choice([2, 4, 8, 30])
+    history: dict[int | None, list[int]] = {None: []}
+    for step in range(250):
+        action = rng.random()
+        owner = rng.choice([None, 0, 1, 2, 3])
+        if action < 0.45:
+            source = history[rng.choice(list(history))]
+            if source and rng.random() < 0.4:  # repeat a stretch already seen: long matches
+                start = rng.randrange(len(source))
+                tokens = source[start:start + rng.randint(1, 15)]
+            else:
+                tokens = [rng.randrange(vocab) for _ in range(rng.randint(0, 12))]
+            fast.insert(tokens, owner)
+            reference.insert(tokens, owner)
+            if owner is not None:
+                history[owner] = history.get(owner, []) + tokens
+            history[None] = tokens
+        elif action < 0.5:
+            fast.release(owner)
+            reference.release(owner)
+            if owner is not None:
+                history.pop(owner, None)
+        else:
+            known = history.get(owner) or history[None]
+            if known and rng.random() < 0.7:  # the owner's own tokens: its frontier applies
+                context = known[-rng.randint(1, 20):] if rng.random() < 0.3 else known
+            else:
+                context = [rng.randrange(vocab) for _ in range(rng.randint(0, 10))]
+            args = (context, rng.randint(0, 24), rng.random() < 0.4, owner)
+            assert fast.propose(*args) == reference.propose(*args), (step, args)
+            assert fast.last_match_length == reference.last_match_length
+        assert fast.num_nodes() == reference.num_nodes()
+        assert fast._epoch == reference._epoch
+        assert set(fast._streams) == set(reference._streams)
+        if step % 50 == 0:
+            assert fast._nodes() == reference_nodes(reference)
+            assert fast._check() == 0
+    assert fast._nodes() == reference_nodes(reference)
+    check_invariants(fast)
+
+
+@pytest.mark.parametrize("match_type", ["BFS", "PROB"])
+def test_matches_the_reference_on_a_long_text(match_type):
+    """Zipf-distributed tokens from a 30k vocabulary with repeated phrases, the default shape
+    of the trie, a capacity that evicts: a serving-like stream."""
+    rng = random.Random(7)
+    config = NgramConfig(capacity=20_000, match_type=match_type)
+    fast, reference = NgramTrie(config), ReferenceTrie(config)
+    phrases = [[min(int(rng.paretovariate(1.1)), 30_000) for _ in range(rng.randint(3, 30))]
+               for _ in range(300)]
+    for owner in range(6):
+        text = [token for _ in range(40) for token in rng.choice(phrases)]
+        for start in range(0, len(text), 200):
+            fast.insert(text[start:start + 200], owner)
+            reference.insert(text[start:start + 200], owner)
+            context = text[:start + 200]
+            for one_branch in (True, False):
+                args = (context, 16, one_branch, owner)
+                assert fast.propose(*args) == reference.propose(*args)
+                assert fast.last_match_length == reference.last_match_length
+        fast.release(owner)
+        reference.release(owner)
+    assert fast._epoch == reference._epoch > 0
+    assert fast._nodes() == reference_nodes(reference)
+
+
+def test_the_trie_is_freed_with_its_owner():
+    trie = make()
+    trie.insert([1, 2, 3], owner=1)
+    finalizer = trie._finalizer
+    assert finalizer.alive
+    del trie
+    assert not finalizer.alive
+
+
+def test_no_compiler_is_a_clear_error(monkeypatch, tmp_path):
+    from specserve.spec import ngram_trie
+    monkeypatch.setenv("CC", "")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no cc, gcc or clang there
+    with pytest.raises(RuntimeError, match="no C compiler"):
+        ngram_trie._compile(tmp_path / "trie.so", list(ngram_trie._CFLAGS))
+    assert not list(tmp_path.iterdir())
+
+
+def test_rejects_token_ids_beyond_int32():
+    trie = make()
+    with pytest.raises(OverflowError):
+        trie.insert([1, 2**31])
+    assert trie.num_nodes() == 0
+
+
+def test_concurrent_first_uses_build_one_library(tmp_path):
+    """Processes starting together with an empty cache each compile to a temporary name and
+    rename: every one loads a whole library, and no temporary is left."""
+    import os
+    import subprocess
+    import sys
+    script = ("from specserve.spec.ngram_trie import NgramConfig, NgramTrie\n"
+              "t = NgramTrie(NgramConfig()); t.insert([1, 2, 3]); print(t.propose([1, 2], 4, True))")
+    env = {**os.environ, "SPECSERVE_CACHE_DIR": str(tmp_path)}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    runs = [subprocess.Popen([sys.executable, "-c", script], env=env, cwd=root, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    for run in runs:
+        out, err = run.communicate(timeout=120)
+        assert run.returncode == 0, err
+        assert out.strip() == "([3], [-1])"
+    assert [p.name for p in tmp_path.iterdir()] == [p.name for p in tmp_path.glob("ngram_trie-*.so")]
+    assert len(list(tmp_path.iterdir())) == 1

@@ -3,7 +3,7 @@
 The trie is fed every prompt when it arrives and every committed token; each request is an
 owner of its own stream, so its own prompt and output rank first when it is drafted for.
 Prompts and committed tokens are queued and indexed in `flush`, which the engine calls
-right after launching a forward: indexing costs ~20 us per token of host time (at 64
+right after launching a forward: indexing costs ~2-5 us per token of host time (at 64
 requests, milliseconds per step; a batch of long prompts, more than their prefill), so it
 runs while the GPU computes, in chunks, for as long as the GPU is busy, and what is left
 waits for the next step (a finished request's stream is let go once its tokens are in). A

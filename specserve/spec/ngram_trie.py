@@ -4,15 +4,16 @@ Every path from the root is an n-gram (at most ``max_trie_depth`` tokens) that o
 some inserted sequence; a node's count is how often its n-gram occurred. A draft is the
 continuation of the longest suffix of a request's tokens that the trie has seen continued.
 
-Layout, for speed in pure Python: a node is an int id into flat lists (token, parent,
-count, ...), its children a ``dict[token, id]`` and its ranking a tuple of ids. Containers
-of ints only are not tracked by the cyclic garbage collector, so a trie of a million nodes
-adds nothing to the collector's full passes (an object per node, parent and child pointing
-at each other, made them scan every node and doubled the insertion cost).
+The trie itself is C (``ngram_trie.c``, beside this file), compiled on first use with the
+system C compiler into ``$SPECSERVE_CACHE_DIR`` (default ``~/.cache/specserve``) and called
+through ctypes, one call per ``insert`` or ``propose``: ~2-5 us per token indexed where the
+pure-Python original (kept as ``tests/ngram_trie_reference.py``) took ~20-70, and proposals
+several times cheaper (``python -m specserve.spec.bench_ngram``). This file is the Python
+face: the config, the build, and the conversions.
 
 - Insertion is incremental: a stream (one request, keyed by ``owner``) keeps its frontier,
   the nodes of the n-grams ending at its last token. A new token adds one child to each,
-  ``max_trie_depth`` dict look-ups; no history is re-scanned.
+  ``max_trie_depth`` hash look-ups; no history is re-scanned.
 - Each node keeps ``top``: its ``max_bfs_breadth`` best children by (count, last update)
   descending, re-placed on every count increment (a count only grows, so a child only moves
   forward). Proposing never sorts a node's children, even a token with thousands.
@@ -20,24 +21,43 @@ at each other, made them scan every node and doubled the insertion cost).
   approximation of LRU, over leaves. Nodes wait in a FIFO in creation order; the oldest
   leaves go unless their count grew since they were queued (then they are queued again,
   as are inner nodes). Amortised O(1) per node, never a scan of the trie, and a node with
-  a recently used descendant stays. Ids are reused; ``gen`` tells incarnations apart.
+  a recently used descendant stays. Ids are reused; a generation tells incarnations apart.
 - Owner priority: an owner's stream also records, for each n-gram it inserted, the token
   that last followed it in that owner's own tokens (its prompt and output). ``propose(...,
   owner=k)`` ranks that child first at every node whatever its global count (PROB scores it
-  as conditional probability 1). It costs a dict entry per n-gram; ``release(k)`` frees it.
+  as conditional probability 1). It costs a map entry per n-gram; ``release(k)`` frees it.
+
+Token ids must fit in an int32 (an OverflowError otherwise). Memory: ~160 bytes per node
+(the default million-node capacity, ~160 MB resident; the Python original took ~500), plus
+12-24 bytes per n-gram of each live owner's stream.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
-from collections import deque
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import secrets
+import shlex
+import shutil
+import struct
+import subprocess
+import weakref
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
-_ROOT = 0
-_TOKEN_BITS = 32  # owner follow maps hold (gen << _TOKEN_BITS) | token
-_TOKEN_MASK = (1 << _TOKEN_BITS) - 1
+_SOURCE = Path(__file__).with_name("ngram_trie.c")
+# -ffp-contract=off: PROB's path probabilities are computed exactly as Python computes them.
+_CFLAGS = ("-O2", "-std=c99", "-shared", "-fPIC", "-Wall", "-Wextra", "-ffp-contract=off")
+_EXTRA_CFLAGS_ENV = "SPECSERVE_NGRAM_CFLAGS"  # e.g. "-fsanitize=address,undefined -g"
+_NO_MEMORY = -1  # the C side's codes: -1 out of memory, -2 a bad argument
+_MAX_DRAFT = 1 << 20  # num_draft_tokens beyond any tree worth verifying
+# Token lists go to C as bytes of int32s; a precompiled Struct packs a short list fastest.
+_PACKERS = [struct.Struct(f"{n}i").pack for n in range(65)]
 
 
 @dataclass(frozen=True)
@@ -65,45 +85,31 @@ class NgramConfig:
             raise ValueError("evict_to must be in [0, 1)")
 
 
-class _Stream:
-    """Insertion state of one token stream: an owner's history, or one anonymous insert."""
-
-    __slots__ = ("frontier", "tail", "follow", "epoch")
-
-    def __init__(self, epoch: int, with_follow: bool):
-        # frontier[k]: node of the k-gram ending at the last token (-1: evicted; [0] = root)
-        self.frontier: list[int] = [_ROOT]
-        self.tail: list[int] = []  # last max_trie_depth - 1 tokens, to rebuild the frontier
-        # node -> (gen << 32) | token that last followed that n-gram here (owner priority)
-        self.follow: dict[int, int] | None = {} if with_follow else None
-        self.epoch = epoch  # the trie's eviction epoch the frontier is valid for
-
-
 class NgramTrie:
     def __init__(self, config: NgramConfig):
+        if config.capacity > 1 << 30 or config.max_bfs_breadth > (1 << 15) - 1:
+            raise ValueError("the C trie holds at most 2**30 nodes and ranks at most 32767 children")
         self.config = config
-        # Per node id; the root is id 0 and is never evicted.
-        self._token: list[int] = [-1]
-        self._parent: list[int] = [-1]
-        self._count: list[int] = [0]
-        self._stamp: list[int] = [0]  # clock of the last count increment (LRU, tie-break)
-        self._queued: list[int] = [0]  # clock when (re)queued for eviction
-        self._gen: list[int] = [0]  # incarnation of a reused id
-        self._children: list[dict[int, int] | None] = [{}]
-        self._top: list[tuple[int, ...] | None] = [None]  # the root keeps no ranking
-        self._free: list[int] = []
-        self._queue: deque[int] = deque()  # CLOCK eviction order
-        self._num_nodes = 0
-        self._clock = 0  # ticks once per inserted token
-        self._epoch = 0  # bumped by each eviction: frontiers of older epochs are stale
-        self._streams: dict[int, _Stream] = {}
         self.last_match_length = 0  # of the last propose: its longest suffix with a continuation
         self._max_window = min(config.max_match_window, config.max_trie_depth - 1)
         # Tokens fed between capacity checks: bounds the overshoot to capacity / 2.
         self._chunk = max(1, config.capacity // (2 * config.max_trie_depth))
         self._breadths = self._breadth_table()
+        self._streams: dict[int, int] = {}  # owner -> its stream's slot in the C trie
+        lib = self._lib = _library()
+        breadths = array("i", [b for row in self._breadths for b in row])  # alive during the call
+        self._handle = lib.ngt_create(
+            config.capacity, int(config.capacity * config.evict_to), self._chunk,
+            config.min_match_window, self._max_window, config.max_bfs_breadth,
+            config.max_trie_depth, config.match_type == "PROB", breadths.buffer_info()[0])
+        if not self._handle:
+            raise MemoryError("cannot allocate the n-gram trie")
+        self._finalizer = weakref.finalize(self, lib.ngt_free, self._handle)
+        # The two hot calls skip ctypes' per-argument conversion (see _SIGNATURES).
+        self._handle_arg = ctypes.c_void_p(self._handle)
+        self._insert_c, self._propose_c = lib.ngt_insert, lib.ngt_propose
+        self._grow_output(64)
 
-    # ---------------------------------------------------------------- insertion
     def insert(self, tokens: Sequence[int], owner: int | None = None) -> None:
         """Index every n-gram (up to max_trie_depth long) that ends in ``tokens``.
 
@@ -112,118 +118,14 @@ class NgramTrie:
         ``insert(accepted, rid)`` per step. Without, ``tokens`` stand alone.
         """
         tokens = _as_list(tokens)
-        if owner is None:
-            stream = _Stream(self._epoch, with_follow=False)
-        else:
-            stream = self._streams.get(owner)
-            if stream is None:
-                stream = self._streams[owner] = _Stream(self._epoch, self.config.owner_priority)
-        for start in range(0, len(tokens), self._chunk):
-            chunk = tokens[start:start + self._chunk]
-            if stream.epoch != self._epoch:
-                self._refind_frontier(stream)
-            self._feed(stream, chunk)
-            stream.tail = (stream.tail + chunk)[1 - self.config.max_trie_depth:]
-            if self._num_nodes > self.config.capacity:
-                self._evict()
+        data = _int32_bytes(tokens)
+        slot = -1 if owner is None else self._streams.get(owner)
+        if slot is None:
+            slot = self._streams[owner] = _checked(
+                self._lib.ngt_stream_new(self._handle, self.config.owner_priority))
+        if tokens and self._insert_c(self._handle_arg, data, len(tokens), slot) < 0:
+            raise MemoryError("the n-gram trie is out of memory")
 
-    def _feed(self, stream: _Stream, tokens: list[int]) -> None:
-        token_of, parent_of, count, stamp = self._token, self._parent, self._count, self._stamp
-        queued, gen, children_of, top_of = self._queued, self._gen, self._children, self._top
-        free, queue_append, follow = self._free, self._queue.append, stream.follow
-        max_depth, breadth = self.config.max_trie_depth, self.config.max_bfs_breadth
-        frontier, clock, created = stream.frontier, self._clock, 0
-        for token in tokens:
-            clock += 1
-            next_frontier = [_ROOT]
-            for node in frontier:
-                if node < 0:
-                    next_frontier.append(-1)
-                    continue
-                children = children_of[node]
-                if children is None:
-                    children = children_of[node] = {}
-                child = children.get(token)
-                if child is None:
-                    if free:
-                        child = free.pop()
-                        token_of[child], parent_of[child], count[child] = token, node, 1
-                        stamp[child] = queued[child] = clock
-                        gen[child] += 1
-                    else:
-                        child = len(token_of)
-                        token_of.append(token)
-                        parent_of.append(node)
-                        count.append(1)
-                        stamp.append(clock)
-                        queued.append(clock)
-                        gen.append(0)
-                        children_of.append(None)
-                        top_of.append(None)
-                    children[token] = child
-                    queue_append(child)
-                    created += 1
-                else:
-                    count[child] += 1
-                    stamp[child] = clock
-                if node:  # the root keeps no ranking and no follow: no match stops there
-                    top = top_of[node]
-                    if top is None or top[0] != child:
-                        top_of[node] = _promoted(top, child, count, breadth)
-                    if follow is not None:
-                        follow[node] = (gen[node] << _TOKEN_BITS) | token
-                next_frontier.append(child)
-            if len(next_frontier) > max_depth:  # an n-gram of max_depth is not extended
-                next_frontier.pop()
-            frontier = next_frontier
-        stream.frontier = frontier
-        self._clock = clock
-        self._num_nodes += created
-
-    def _refind_frontier(self, stream: _Stream) -> None:
-        """After an eviction, look the stream's frontier up again from its last tokens.
-        An n-gram whose node was evicted is not extended any more (-1)."""
-        tail = stream.tail
-        frontier = [_ROOT]
-        for length in range(1, len(tail) + 1):
-            node = self._walk(tail, len(tail) - length)
-            frontier.append(-1 if node is None else node)
-        stream.frontier = frontier
-        stream.epoch = self._epoch
-
-    # ---------------------------------------------------------------- eviction
-    def _evict(self) -> None:
-        """CLOCK over leaves: take the oldest queue entries, newest first (in creation order a
-        child follows its parent, so a cold chain goes leaf first and its parent is a leaf by
-        its turn); evict a leaf not touched since queued, requeue everything else."""
-        target = int(self.config.capacity * self.config.evict_to)
-        queue, stamp, queued = self._queue, self._stamp, self._queued
-        children_of, top_of, parent_of, token_of = (self._children, self._top, self._parent,
-                                                    self._token)
-        while self._num_nodes > target and queue:
-            batch = [queue.popleft() for _ in range(min(len(queue), self._num_nodes - target))]
-            for node in reversed(batch):
-                if stamp[node] > queued[node] or children_of[node]:
-                    queued[node] = self._clock
-                    queue.append(node)
-                    continue
-                parent = parent_of[node]
-                siblings = children_of[parent]
-                del siblings[token_of[node]]
-                top = top_of[parent]
-                if top is not None and node in top:
-                    top_of[parent] = self._rank_children(siblings) if siblings else None
-                children_of[node] = top_of[node] = None
-                self._free.append(node)
-                self._num_nodes -= 1
-        self._epoch += 1
-
-    def _rank_children(self, children: dict[int, int]) -> tuple[int, ...]:
-        count, stamp = self._count, self._stamp
-        return tuple(heapq.nlargest(self.config.max_bfs_breadth, children.values(),
-                                    key=lambda child: (count[child], stamp[child])))
-
-    # ---------------------------------------------------------------- proposal
     def propose(self, context: Sequence[int], num_draft_tokens: int, one_branch: bool,
                 owner: int | None = None) -> tuple[list[int], list[int]]:
         """Draft tree after ``context[-1]`` (the root, not returned): ``(tokens, parents)``
@@ -232,7 +134,8 @@ class NgramTrie:
 
         The longest suffix with a continuation is expanded first; while the budget is not
         full, the continuations of shorter suffixes are merged in (a path already in the
-        draft is shared, not repeated) as a weaker, wider second opinion.
+        draft is shared, not repeated) as a weaker, wider second opinion. ``one_branch``:
+        a chain instead, re-matched on the extended context where the trie runs out.
 
         ``owner``: rank the owner's own continuations first. When ``context`` ends with
         the tokens the owner inserted last, matching also reads the owner's frontier
@@ -242,94 +145,31 @@ class NgramTrie:
         self.last_match_length = 0
         if budget <= 0:
             return [], []
+        if budget > self._out_capacity:
+            if budget > _MAX_DRAFT:
+                raise ValueError(f"num_draft_tokens is at most {_MAX_DRAFT + 1}")
+            self._grow_output(budget)
         window = _as_list(context[-self._max_window:])
-        stream = self._streams.get(owner) if owner is not None else None
-        follow = stream.follow if stream is not None else None
-        if one_branch:
-            return self._chain(window, budget, stream)
-        expand_prob = self.config.match_type == "PROB"
-        tokens: list[int] = []
-        parents: list[int] = []
-        reorder, last_count = False, 0
-        for node, length in self._matches(window, stream):
-            self.last_match_length = max(self.last_match_length, length)  # the first is the longest
-            # A shorter suffix seen no more often than the last one expanded has the same
-            # continuations (each of its occurrences extends one of the longer's), at most
-            # one level deeper: not worth a second expansion.
-            if self._count[node] <= last_count:
-                continue
-            last_count = self._count[node]
-            if expand_prob:
-                more = self._expand_prob(node, budget, follow)
-            else:
-                more = self._expand_bfs(node, length, budget, follow)
-            if tokens:
-                reorder |= _merge(tokens, parents, *more, budget)
-            else:
-                tokens, parents = more
-                reorder = expand_prob  # PROB comes in pop order, not BFS order
-            if len(tokens) >= budget:
-                break
-        return _bfs_order(tokens, parents) if reorder else (tokens, parents)
+        slot = -1 if owner is None else self._streams.get(owner, -1)
+        result = self._propose_c(self._handle_arg, _int32_bytes(window), len(window), budget,
+                                 (slot + 1) * 2 + (1 if one_branch else 0))
+        if result < 0:
+            _checked(result)
+        count = result & 0xFFFFFFFF
+        self.last_match_length = result >> 32
+        values = self._out[:2 * count].tolist()  # the tokens, then their parents
+        return values[:count], values[count:]
 
-    def _walk(self, tokens: list[int], start: int) -> int | None:
-        node, children_of = _ROOT, self._children
-        for i in range(start, len(tokens)):
-            children = children_of[node]
-            if not children:
-                return None
-            node = children.get(tokens[i])
-            if node is None:
-                return None
-        return node
+    def release(self, owner: int) -> None:
+        """A request finished: drop its stream (frontier and owner priority data). Its
+        n-grams stay in the shared trie for others."""
+        slot = self._streams.pop(owner, None)
+        if slot is not None:
+            _checked(self._lib.ngt_stream_release(self._handle, slot))
 
-    def _matches(self, window: list[int], stream: _Stream | None = None):
-        """(node, suffix length) for each suffix of ``window`` that has a continuation,
-        longest first, lengths within [min_match_window, max_match_window]."""
-        n, children_of = len(window), self._children
-        frontier = None
-        if stream is not None and stream.epoch == self._epoch:
-            tail = stream.tail
-            if len(tail) >= n and tail[len(tail) - n:] == window:
-                frontier = stream.frontier  # frontier[k]: the node of window[-k:]
-        for length in range(min(n, self._max_window), self.config.min_match_window - 1, -1):
-            node = frontier[length] if frontier is not None else -1
-            if node < 0:
-                node = self._walk(window, n - length)
-            if node is not None and children_of[node]:
-                yield node, length
-
-    def _ranked(self, node: int, follow: dict[int, int]) -> tuple[tuple[int, ...], int | None]:
-        """A node with children: its ranking with the owner's own child (if any) first, and
-        that child. Slice to the breadth wanted: the ranking can be one longer than top."""
-        top = self._top[node]
-        last = follow.get(node)
-        if last is None or last >> _TOKEN_BITS != self._gen[node]:  # none, or an old id
-            return top, None
-        own = self._children[node].get(last & _TOKEN_MASK)
-        if own is None or own == top[0]:
-            return top, own
-        return (own,) + tuple(child for child in top if child != own), own
-
-    def _chain(self, window: list[int], budget: int,
-               stream: _Stream | None) -> tuple[list[int], list[int]]:
-        top_of, token_of = self._top, self._token
-        follow = stream.follow if stream is not None else None
-        tokens: list[int] = []
-        node, self.last_match_length = next(self._matches(window, stream), (None, 0))
-        while node is not None and len(tokens) < budget:
-            best = top_of[node]
-            if best is not None and follow is not None:
-                best = self._ranked(node, follow)[0]
-            if best:
-                node = best[0]
-                tokens.append(token_of[node])
-            else:
-                # Stalled (a leaf or the depth limit): re-match on the context extended by
-                # the chain; a match has children, so the next turn appends.
-                extended = (window + tokens)[-self._max_window:]
-                node = next(self._matches(extended), (None, 0))[0]
-        return tokens, list(range(-1, len(tokens) - 1))
+    def num_nodes(self) -> int:
+        """Live nodes, the root not counted."""
+        return self._lib.ngt_num_nodes(self._handle)
 
     def _breadth_table(self) -> list[list[int]]:
         """[match_length][level] -> children expanded per node. Wide after a short (weak)
@@ -345,138 +185,175 @@ class NgramTrie:
                                     for level in range(1, cfg.max_trie_depth + 1)])
         return table
 
-    def _expand_bfs(self, match: int, match_length: int, budget: int,
-                    follow: dict[int, int] | None) -> tuple[list[int], list[int]]:
-        token_of, children_of, top_of = self._token, self._children, self._top
-        tokens: list[int] = []
-        parents: list[int] = []
-        breadths = self._breadths[match_length]
-        level_nodes, level_index, level = [match], [-1], 1
-        while level_nodes:
-            breadth = breadths[level]
-            next_nodes, next_index = [], []
-            for node, index in zip(level_nodes, level_index):
-                ranked = top_of[node] if follow is None else self._ranked(node, follow)[0]
-                for child in ranked[:breadth]:
-                    tokens.append(token_of[child])
-                    parents.append(index)
-                    if len(tokens) == budget:
-                        return tokens, parents
-                    if children_of[child]:
-                        next_nodes.append(child)
-                        next_index.append(len(tokens) - 1)
-            level_nodes, level_index, level = next_nodes, next_index, level + 1
-        return tokens, parents
+    def _grow_output(self, capacity: int) -> None:
+        """propose's output: room for ``capacity`` tokens and as many parents. The C trie keeps
+        the address, so the array is replaced, never resized."""
+        self._out = array("i", bytes(8 * capacity))
+        _checked(self._lib.ngt_set_output(self._handle, self._out.buffer_info()[0], capacity))
+        self._out_capacity = capacity
 
-    def _expand_prob(self, match: int, budget: int,
-                     follow: dict[int, int] | None) -> tuple[list[int], list[int]]:
-        """The ``budget`` likeliest nodes by P(path) = prod count(child) / count(parent), in
-        pop order (topological); count(parent) also counts the occurrences that ended there
-        (or are the context itself). A node's children are ranked, so their probabilities
-        fall with rank: the heap holds one entry per node with unpicked children, its next."""
-        breadth, count, token_of, top_of = (self.config.max_bfs_breadth, self._count,
-                                            self._token, self._top)
-        tokens: list[int] = []
-        parents: list[int] = []
-        heap: list = []
-        pushes = itertools.count()  # ties: the earlier push (parents before children) first
+    # ------------------------------------------------ introspection, for tests and debugging
+    @property
+    def _epoch(self) -> int:
+        """Evictions so far."""
+        return self._lib.ngt_epoch(self._handle)
 
-        def push_first_child(node: int, prob: float, index: int) -> None:
-            kids, own = (top_of[node], None) if follow is None else self._ranked(node, follow)
-            push(node, prob, kids[:breadth], own, 0, index)
+    def _check(self) -> int:
+        """The C side's structural self-check: 0, or the number of the first broken invariant
+        (hash table, sibling lists, rankings, free list, eviction queue, frontiers, follow maps)."""
+        return self._lib.ngt_check(self._handle)
 
-        def push(parent: int, parent_prob: float, kids: tuple[int, ...], own: int | None,
-                 rank: int, parent_index: int) -> None:
-            kid = kids[rank]
-            prob = parent_prob if kid == own else parent_prob * count[kid] / count[parent]
-            heapq.heappush(heap, (-prob, next(pushes), kid, parent, parent_prob, kids, own, rank,
-                                  parent_index))
+    def _nodes(self) -> dict[int, tuple[int, int, int, int]]:
+        """Every live node: id -> (token, parent, count, stamp)."""
+        n = self.num_nodes()
+        ids, tokens, parents = (array("i", bytes(4 * n)) for _ in range(3))
+        counts, stamps = array("q", bytes(8 * n)), array("q", bytes(8 * n))
+        got = self._lib.ngt_export(self._handle, *(a.buffer_info()[0] for a in
+                                                   (ids, tokens, parents, counts, stamps)), n)
+        assert got == n
+        return {i: (token, parent, count, stamp)
+                for i, token, parent, count, stamp in zip(ids, tokens, parents, counts, stamps)}
 
-        push_first_child(match, 1.0, -1)
-        while heap and len(tokens) < budget:
-            (neg_prob, _, node, parent, parent_prob, kids, own, rank,
-             parent_index) = heapq.heappop(heap)
-            tokens.append(token_of[node])
-            parents.append(parent_index)
-            if rank + 1 < len(kids):
-                push(parent, parent_prob, kids, own, rank + 1, parent_index)
-            if top_of[node] is not None:
-                push_first_child(node, -neg_prob, len(tokens) - 1)
-        return tokens, parents
+    def _children(self, node: int) -> dict[int, int]:
+        """token -> child, from the node's sibling list."""
+        n = _checked(self._lib.ngt_children(self._handle, node, None, None, 0))
+        ids, tokens = array("i", bytes(4 * n)), array("i", bytes(4 * n))
+        _checked(self._lib.ngt_children(self._handle, node, ids.buffer_info()[0],
+                                        tokens.buffer_info()[0], n))
+        return dict(zip(tokens, ids))
 
-    # ---------------------------------------------------------------- bookkeeping
-    def release(self, owner: int) -> None:
-        """A request finished: drop its stream (frontier and owner priority data). Its
-        n-grams stay in the shared trie for others."""
-        self._streams.pop(owner, None)
+    def _child(self, node: int, token: int) -> int | None:
+        """The child through the hash table."""
+        return _checked(self._lib.ngt_child(self._handle, node, token)) or None
 
-    def num_nodes(self) -> int:
-        """Live nodes, the root not counted."""
-        return self._num_nodes
+    def _top(self, node: int) -> tuple[int, ...]:
+        out = array("i", bytes(4 * self.config.max_bfs_breadth))
+        n = _checked(self._lib.ngt_top(self._handle, node, out.buffer_info()[0], len(out)))
+        return tuple(out[:n])
+
+    def _frontier(self, owner: int) -> tuple[list[int], list[int], int]:
+        """An owner's stream: its frontier (node per n-gram length, -1 evicted), tail, epoch."""
+        depth = self.config.max_trie_depth
+        frontier, tail, state = array("i", bytes(4 * depth)), array("i", bytes(4 * depth)), array("q", bytes(24))
+        _checked(self._lib.ngt_stream_state(self._handle, self._streams[owner],
+                                            frontier.buffer_info()[0], tail.buffer_info()[0],
+                                            state.buffer_info()[0]))
+        return frontier[:state[0]].tolist(), tail[:state[1]].tolist(), state[2]
+
+    def _matches(self, window: Sequence[int], owner: int | None = None) -> list[tuple[int, int]]:
+        """(node, suffix length) for each suffix of ``window`` (at most max_window long) that
+        has a continuation, longest first; through the owner's frontier where it applies."""
+        buffer = _int32_buffer(window)
+        slot = -1 if owner is None else self._streams[owner]
+        nodes, lengths = array("i", bytes(4 * len(buffer))), array("i", bytes(4 * len(buffer)))
+        n = _checked(self._lib.ngt_matches(self._handle, buffer.buffer_info()[0], len(buffer), slot,
+                                           nodes.buffer_info()[0], lengths.buffer_info()[0],
+                                           len(buffer)))
+        return list(zip(nodes[:n], lengths[:n]))
 
 
-def _as_list(tokens: Sequence[int]) -> list[int]:
-    if isinstance(tokens, list):
+def _as_list(tokens: Sequence[int]) -> Sequence[int]:
+    if type(tokens) is list or type(tokens) is tuple:
         return tokens
-    to_list = getattr(tokens, "tolist", None)  # numpy / torch: plain ints hash faster
+    to_list = getattr(tokens, "tolist", None)  # numpy / torch: plain ints
     return to_list() if to_list is not None else list(tokens)
 
 
-def _promoted(top: tuple[int, ...] | None, child: int, count: list[int],
-              breadth: int) -> tuple[int, ...]:
-    """``top`` after ``child``'s count grew by one. ``child`` is the most recently updated,
-    so it goes before every child of equal count."""
-    if top is None:
-        return (child,)
-    child_count = count[child]
-    if child in top:
-        rest = [other for other in top if other != child]
-    elif len(top) < breadth:
-        rest = list(top)
-    elif count[top[-1]] > child_count:
-        return top
-    else:
-        rest = list(top[:-1])
-    i = 0
-    for other in rest:
-        if count[other] <= child_count:
-            break
-        i += 1
-    rest.insert(i, child)
-    return tuple(rest)
+def _int32_bytes(tokens: Sequence[int]) -> bytes:
+    """A list or tuple of ints as int32s; an OverflowError for an id beyond int32."""
+    try:
+        if len(tokens) < len(_PACKERS):
+            return _PACKERS[len(tokens)](*tokens)
+    except struct.error:
+        pass  # array says what is wrong
+    return array("i", tokens).tobytes()
 
 
-def _merge(tokens: list[int], parents: list[int], more_tokens: list[int],
-           more_parents: list[int], budget: int) -> bool:
-    """Add the nodes of another draft tree (topological order) whose paths are not in
-    ``tokens``/``parents`` yet, while there is budget. Returns whether any was added."""
-    index_of = {(parent, token): i for i, (token, parent) in enumerate(zip(tokens, parents))}
-    mapped: list[int | None] = []  # index in the merged tree, None when left out
-    added = False
-    for token, parent in zip(more_tokens, more_parents):
-        if parent >= 0:
-            parent = mapped[parent]
-            if parent is None:
-                mapped.append(None)
-                continue
-        index = index_of.get((parent, token))
-        if index is None and len(tokens) < budget:
-            index = index_of[(parent, token)] = len(tokens)
-            tokens.append(token)
-            parents.append(parent)
-            added = True
-        mapped.append(index)
-    return added
+def _int32_buffer(tokens: Sequence[int]) -> array:
+    return array("i", _as_list(tokens))
 
 
-def _bfs_order(tokens: list[int], parents: list[int]) -> tuple[list[int], list[int]]:
-    """Reorder a tree given in topological order into BFS order (stable within a level)."""
-    depth: list[int] = []
-    for parent in parents:
-        depth.append(0 if parent < 0 else depth[parent] + 1)
-    order = sorted(range(len(tokens)), key=depth.__getitem__)
-    new_index = [0] * len(tokens)
-    for new, old in enumerate(order):
-        new_index[old] = new
-    return ([tokens[old] for old in order],
-            [-1 if parents[old] < 0 else new_index[parents[old]] for old in order])
+def _checked(result: int) -> int:
+    if result == _NO_MEMORY:
+        raise MemoryError("the n-gram trie is out of memory")
+    if result < 0:
+        raise ValueError(f"the n-gram trie rejected an argument (code {result})")
+    return result
+
+
+# ---------------------------------------------------------------- building the C library
+_P, _I32, _I64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
+_SIGNATURES = {  # name: (restype, argtypes)
+    "ngt_create": (_P, [_I64, _I64, _I64, _I32, _I32, _I32, _I32, _I32, _P]),
+    "ngt_free": (None, [_P]),
+    # Hot: no argtypes, whose conversion costs more than a short call's work. Their C
+    # parameters are pointers and int32s, which is what ctypes passes for a c_void_p, a
+    # bytes object and an int.
+    "ngt_insert": (_I64, None),
+    "ngt_propose": (_I64, None),
+    "ngt_set_output": (_I64, [_P, _P, _I64]),
+    "ngt_stream_new": (_I64, [_P, _I32]),
+    "ngt_stream_release": (_I64, [_P, _I32]),
+    "ngt_num_nodes": (_I64, [_P]),
+    "ngt_epoch": (_I64, [_P]),
+    "ngt_check": (_I64, [_P]),
+    "ngt_export": (_I64, [_P, _P, _P, _P, _P, _P, _I64]),
+    "ngt_children": (_I64, [_P, _I32, _P, _P, _I64]),
+    "ngt_child": (_I64, [_P, _I32, _I32]),
+    "ngt_top": (_I64, [_P, _I32, _P, _I64]),
+    "ngt_stream_state": (_I64, [_P, _I32, _P, _P, _P]),
+    "ngt_matches": (_I64, [_P, _P, _I64, _I32, _P, _P, _I64]),
+}
+
+
+@functools.cache
+def _library() -> ctypes.PyDLL:
+    """The compiled trie, built once per source version and flags. PyDLL: calls keep the GIL
+    (they take microseconds; no other thread can enter the trie meanwhile)."""
+    if array("i").itemsize != 4:
+        raise RuntimeError("the n-gram trie needs a 4-byte C int")
+    path, flags = _library_path()
+    if not path.exists():
+        _compile(path, flags)
+    lib = ctypes.PyDLL(str(path))
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        function = getattr(lib, name)
+        function.restype = restype
+        if argtypes is not None:
+            function.argtypes = argtypes
+    return lib
+
+
+def _library_path() -> tuple[Path, list[str]]:
+    """Where the library for this source, these flags and this platform lives, and the flags."""
+    flags = [*_CFLAGS, *shlex.split(os.environ.get(_EXTRA_CFLAGS_ENV, ""))]
+    key = hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), " ".join(flags).encode(),
+                                     platform.machine().encode(), platform.system().encode()]))
+    cache = Path(os.environ.get("SPECSERVE_CACHE_DIR") or Path.home() / ".cache" / "specserve")
+    return cache / f"ngram_trie-{key.hexdigest()[:16]}.so", flags
+
+
+def _compile(path: Path, flags: list[str]) -> None:
+    """Builds to a temporary name and renames: processes starting together (pytest-xdist,
+    several servers) each build, and none loads a half-written file."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not compiler:
+        raise RuntimeError(f"the n-gram trie ({_SOURCE.name}) is C compiled on first use, and no C "
+                           "compiler was found: install one (cc, gcc or clang) or set CC")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise RuntimeError(f"cannot create {path.parent} for the compiled n-gram trie: {error}; "
+                           "set SPECSERVE_CACHE_DIR to a writable directory") from error
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    command = [*shlex.split(compiler), *flags, "-o", str(temporary), str(_SOURCE)]
+    try:
+        try:
+            result = subprocess.run(command, capture_output=True, text=True)
+        except OSError as error:
+            raise RuntimeError(f"cannot run the C compiler {compiler!r}: {error}") from error
+        if result.returncode != 0:
+            raise RuntimeError(f"compiling the n-gram trie failed: {shlex.join(command)}\n{result.stderr}")
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
