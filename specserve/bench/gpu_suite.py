@@ -5,6 +5,12 @@ roofline, and transformers.generate (plain and prompt lookup) on the same prompt
 `python -m specserve.bench.gpu_suite --models-dir /root/models --out $OUT` writes
 results.jsonl, table.md and speed.png. Each model loads once: the engine is built for the
 largest draft size and the drafter is swapped between runs (graphs exist for each size).
+
+Every timed run also reports its longest engine step and the Triton JIT compiles it set off
+(`RunWatch`): prefill stays eager, and a batch of prompts of a new shape can need a kernel
+variant not compiled yet, which stalls every request in flight for up to seconds in whichever
+configuration meets it first. `--warm-each-config` runs each configuration once, untimed,
+before its timed runs (with a fresh drafter again for those).
 """
 from __future__ import annotations
 
@@ -70,12 +76,73 @@ def config_label(spec: tuple | None) -> str:
     return f"ngram-{n}-{'one' if one_branch else 'multi'}" + ("-adaptive" if adaptive else "")
 
 
-def run(engine, prompts, concurrency: int, max_new_tokens: int, label: str, turns: int = 1) -> list[dict]:
+class RunWatch:
+    """One-off costs inside a timed run: its longest engine step, and the Triton kernels
+    compiled during it (first use in this process; a compile found in Triton's disk cache
+    only loads, so `jit_compile_s` tells the two apart). Wraps the core's `step` and sets
+    Triton's JIT hooks; `close` puts both back."""
+
+    def __init__(self, engine, triton_runtime=None):
+        self.core = engine.core
+        self._step = self.core.step
+        self.core.step = self._timed_step
+        self._runtime = None
+        self._compile_started: float | None = None
+        if triton_runtime is None:
+            try:
+                from triton import knobs
+                triton_runtime = knobs.runtime
+            except ImportError:  # no Triton (a CPU install), or one too old to have knobs: no compiles to count
+                triton_runtime = None
+        if triton_runtime is not None and triton_runtime.jit_cache_hook is None \
+                and triton_runtime.jit_post_compile_hook is None:
+            self._runtime = triton_runtime  # hooks someone else set are left alone (and nothing counted)
+            triton_runtime.jit_cache_hook = self._before_compile
+            triton_runtime.jit_post_compile_hook = self._after_compile
+        self.reset()
+
+    def reset(self) -> None:
+        self.longest_step_s, self.jit_compiles, self.jit_compile_s = 0.0, 0, 0.0
+
+    def summary(self) -> dict:
+        return {"longest_step_s": self.longest_step_s,
+                "jit_compiles": self.jit_compiles if self._runtime is not None else None,
+                "jit_compile_s": self.jit_compile_s if self._runtime is not None else None}
+
+    def close(self) -> None:
+        self.core.step = self._step
+        if self._runtime is not None:
+            self._runtime.jit_cache_hook = self._runtime.jit_post_compile_hook = None
+            self._runtime = None
+
+    def _timed_step(self):
+        start = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.longest_step_s = max(self.longest_step_s, time.perf_counter() - start)
+
+    def _before_compile(self, **_) -> None:  # returns None: a true value would make Triton skip the compile
+        self._compile_started = time.perf_counter()
+
+    def _after_compile(self, **_) -> None:
+        self.jit_compiles += 1
+        if self._compile_started is not None:
+            self.jit_compile_s += time.perf_counter() - self._compile_started
+            self._compile_started = None
+
+
+def run(engine, prompts, concurrency: int, max_new_tokens: int, label: str, turns: int = 1,
+        watch: RunWatch | None = None) -> list[dict]:
     params = {"temperature": 0, "max_new_tokens": max_new_tokens}
     out = []
     for turn in range(turns):
+        if watch is not None:
+            watch.reset()
         summary = asyncio.run(run_turn(engine, prompts, params, concurrency, f"{label} t{turn + 1}"))
         summary["turn"] = turn + 1
+        if watch is not None:
+            summary.update(watch.summary())
         out.append(summary)
     return out
 
@@ -108,6 +175,7 @@ def bench_model(path: str, ns, bandwidth: float, write) -> None:
                                              fixed_output_len=ns.max_new_tokens, context_len=2048, seed=1)
     chat = [engine.tokenizer(engine.apply_chat_template([{"role": "user", "content": r.prompt}])).input_ids for r in rows]
     workloads = {"code-edit": code, "sharegpt": chat}
+    watch = RunWatch(engine)
     for concurrency in ns.concurrency:
         count = ns.bs1_prompts if concurrency == 1 else min(len(code), max(concurrency * 2, 16))
         for workload, prompts in workloads.items():
@@ -119,10 +187,14 @@ def bench_model(path: str, ns, bandwidth: float, write) -> None:
             for spec in configs:
                 set_drafter(engine, *(spec or (None,)))
                 label = config_label(spec)
-                for summary in run(engine, prompts[:count], concurrency, ns.max_new_tokens, label, turns):
+                if ns.warm_each_config:
+                    run(engine, prompts[:count], concurrency, ns.max_new_tokens, f"warm-up {label}")
+                    set_drafter(engine, *(spec or (None,)))  # the timed turns start from an empty trie
+                for summary in run(engine, prompts[:count], concurrency, ns.max_new_tokens, label, turns, watch):
                     write({"model": name, "kind": "specserve", "workload": workload, "concurrency": concurrency,
                            "config": label, **summary, "roofline_fraction": summary["output_tokens_per_s"] / roofline
                            if concurrency == 1 else None})
+    watch.close()
     match = greedy_match_rate(engine, code[:8] + chat[:8], ns.max_new_tokens, (8, False, False))
     write({"model": name, "kind": "greedy_match_rate_bf16", "ngram": "8-multi", "rate": match})
     model_path = engine.model_path
@@ -160,6 +232,9 @@ def main(argv=None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 32, 64])
     parser.add_argument("--no-transformers", dest="transformers", action="store_false")
+    parser.add_argument("--warm-each-config", action="store_true",
+                        help="run each configuration once, untimed, before its timed runs (first-use "
+                             "kernel compiles then stay out of the timings)")
     ns = parser.parse_args(argv)
     os.makedirs(ns.out, exist_ok=True)
     results_path = os.path.join(ns.out, "results.jsonl")

@@ -109,7 +109,7 @@ class EngineCore:
             return []
         trees = DraftTrees.root_only(self._last_tokens(sampling))
         sampled = self.sampler.sample(logits, trees, sampling, self.sampler.prepare(trees, sampling))
-        return [self._commit(req, sampled, i, node_slots=[]) for i, req in enumerate(sampling)]
+        return [self._commit(req, sampled, i, verified=False) for i, req in enumerate(sampling)]
 
     def _run_decode(self, batch: Batch) -> list[StepOutput]:
         start = time.perf_counter()
@@ -131,11 +131,12 @@ class EngineCore:
         except BaseException:
             self.scheduler.free_slots(slots)  # no request holds them until commit
             raise
-        outputs, offset = [], 0
-        for i, req in enumerate(reqs):
-            node_slots = slots[offset:offset + num_nodes[i]]
-            offset += num_nodes[i]
-            outputs.append(self._commit(req, sampled, i, node_slots))
+        node_slots, offset = [], 0
+        for count in num_nodes:
+            node_slots.append(slots[offset:offset + count])
+            offset += count
+        self._commit_kv(reqs, sampled, node_slots)
+        outputs = [self._commit(req, sampled, i) for i, req in enumerate(reqs)]
         if self.adaptive is not None:
             self.adaptive.record_step(len(reqs), trees.num_slots, time.perf_counter() - start)
         return outputs
@@ -155,7 +156,8 @@ class EngineCore:
             self.overlap.drop()
             raise
         sampled = SampledStep.plain(tokens)
-        outputs = [self._commit(req, sampled, i, [current.slots[i]]) for i, req in enumerate(reqs)]
+        self.scheduler.append_kv_batch(reqs, [[slot] for slot in current.slots])
+        outputs = [self._commit(req, sampled, i) for i, req in enumerate(reqs)]
         if any(out.finished for out in outputs):
             self.overlap.drop()  # computed for a batch that no longer exists
         if self.adaptive is not None:
@@ -202,14 +204,23 @@ class EngineCore:
         return torch.tensor([r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs], dtype=torch.long)
 
     # --- commit ---
-    def _commit(self, req: Req, sampled: SampledStep, index: int, node_slots: list[int]) -> StepOutput:
-        accepted = sampled.accepted_nodes[index]
-        if node_slots:
-            kept = [node_slots[node] for node in accepted]
-            kept_set = set(accepted)
-            self.scheduler.free_slots([s for node, s in enumerate(node_slots) if node not in kept_set])
-            self.scheduler.append_kv(req, kept)
-        if self.drafter is not None and node_slots:
+    def _commit_kv(self, reqs: list[Req], sampled: SampledStep, node_slots: list[list[int]]) -> None:
+        """Each request keeps the KV slots of its accepted nodes (in path order), the others
+        go back to the allocator; one req_to_token write for the whole batch. Runs before the
+        token commits, which may finish a request and release its slots."""
+        kept, rejected = [], []
+        for req_slots, accepted in zip(node_slots, sampled.accepted_nodes):
+            kept.append([req_slots[node] for node in accepted])
+            if len(accepted) < len(req_slots):
+                accepted_set = set(accepted)
+                rejected.extend(s for node, s in enumerate(req_slots) if node not in accepted_set)
+        self.scheduler.free_slots(rejected)
+        self.scheduler.append_kv_batch(reqs, kept)
+
+    def _commit(self, req: Req, sampled: SampledStep, index: int, verified: bool = True) -> StepOutput:
+        """Appends the request's committed tokens (its KV slots were committed before) and
+        checks for its end. `verified`: a decode/verify step, not the first token of a prefill."""
+        if self.drafter is not None and verified:
             req.spec.record(len(sampled.tokens[index]))
         new_tokens = []
         if req.first_token_time is None:

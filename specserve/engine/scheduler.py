@@ -113,6 +113,23 @@ class Scheduler:
             req.kv_slots.extend(slots)
             self.pool.req_to_token[req.row, start:start + len(slots)] = _as_tensor(slots, self.pool)
 
+    def append_kv_batch(self, reqs: list[Req], slot_lists: list[list[int]]) -> None:
+        """`append_kv` for every request of a decode step, with one req_to_token write for
+        them all: a write per request costs a host-to-device copy and a kernel launch each,
+        host time that grows with the batch (a millisecond or more per step at 64 requests)."""
+        rows: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for req, kept in zip(reqs, slot_lists):
+            if kept:
+                start = req.kv_len
+                req.kv_slots.extend(kept)
+                rows.extend([req.row] * len(kept))
+                positions.extend(range(start, start + len(kept)))
+                slots.extend(kept)
+        if slots:
+            self.pool.write_entries_async(rows, positions, slots)
+
     def finish(self, req: Req, reason: dict) -> None:
         req.state = ReqState.FINISHED
         req.finish_reason = reason

@@ -1,0 +1,91 @@
+"""gpu_suite's RunWatch: each timed run reports its longest engine step and the Triton JIT
+compiles it set off (a first-use compile is a one-off stall of every request in flight, not
+a per-step cost), and the report shows both. Runs on the CPU with a tiny random model and a
+stand-in for Triton's `knobs.runtime`."""
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from specserve.bench.gpu_suite import RunWatch, run
+from specserve.bench.report import markdown, speed_rows
+from tests.spec_fixtures import make_tiny_directory, tiny_engine
+
+PROMPTS = [[5, 6, 7, 8, 9] * 4, [20, 21, 22, 23] * 5, list(range(30, 50))]
+STALL_S = 0.2
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-watch")
+    make_tiny_directory(path, "llama", seed=2)
+    with tiny_engine(path) as engine:
+        yield engine
+
+
+def fake_runtime():
+    return SimpleNamespace(jit_cache_hook=None, jit_post_compile_hook=None)
+
+
+def compile_once_in_a_step(core, runtime):
+    """Makes the core's next step "compile" a kernel: Triton calls the cache hook, compiles
+    (here: sleeps), then calls the post-compile hook, all inside the step."""
+    step, pending = core.step, [True]
+
+    def stalling_step():
+        if pending:
+            pending.clear()
+            assert runtime.jit_cache_hook(key="k", repr="kernel", fn=None, compile={},
+                                          is_manual_warmup=False, already_compiled=False) is None
+            time.sleep(STALL_S)
+            runtime.jit_post_compile_hook(key="k", repr="kernel", fn=None, compile={},
+                                          is_manual_warmup=False, already_compiled=False)
+        return step()
+
+    core.step = stalling_step
+
+
+def test_watch_reports_the_stall_and_the_compile_of_its_run_only(engine):
+    runtime = fake_runtime()
+    original_step = engine.core.step
+    compile_once_in_a_step(engine.core, runtime)
+    watch = RunWatch(engine, triton_runtime=runtime)
+    try:
+        first, second = run(engine, PROMPTS, 2, 6, "plain", turns=2, watch=watch)
+    finally:
+        watch.close()
+    assert first["jit_compiles"] == 1 and first["jit_compile_s"] >= STALL_S
+    assert first["longest_step_s"] >= STALL_S
+    assert second["jit_compiles"] == 0 and second["jit_compile_s"] == 0.0
+    assert 0.0 < second["longest_step_s"] < STALL_S
+    assert first["output_tokens"] == second["output_tokens"] == 6 * len(PROMPTS)
+    # close() gives the step and the hooks back
+    assert runtime.jit_cache_hook is None and runtime.jit_post_compile_hook is None
+    engine.core.step = original_step
+
+
+def test_watch_leaves_someone_elses_hooks_alone(engine):
+    theirs = lambda **_: None  # noqa: E731
+    runtime = SimpleNamespace(jit_cache_hook=theirs, jit_post_compile_hook=None)
+    step = engine.core.step
+    watch = RunWatch(engine, triton_runtime=runtime)
+    [summary] = run(engine, PROMPTS[:1], 1, 3, "plain", watch=watch)
+    watch.close()
+    assert runtime.jit_cache_hook is theirs and runtime.jit_post_compile_hook is None
+    assert summary["jit_compiles"] is None and summary["longest_step_s"] > 0
+    assert engine.core.step == step
+
+
+def test_report_shows_longest_step_and_compile_time():
+    base = {"kind": "specserve", "model": "m", "workload": "w", "concurrency": 8, "turn": 1}
+    rows = [{**base, "config": "plain", "output_tokens_per_s": 100.0, "longest_step_s": 0.004, "jit_compile_s": 0.0},
+            {**base, "config": "ngram-8-multi", "output_tokens_per_s": 25.0, "accept_length": 2.0,
+             "longest_step_s": 1.5, "jit_compile_s": 1.45},
+            {**base, "config": "ngram-4-one", "output_tokens_per_s": 75.0}]        # a row from before the watch
+    by_config = {r["config"]: r for r in speed_rows(rows)}
+    assert by_config["ngram-8-multi"]["speedup"] == 0.25 and by_config["ngram-8-multi"]["jit_compile_s"] == 1.45
+    table = markdown(rows)
+    assert "| 0.25x |  | 1500.0 | 1.45 |" in table
+    assert "| ngram-4-one | 75.0 |  | 0.75x |  |  |  |" in table
