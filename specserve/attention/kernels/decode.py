@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 
 from specserve.attention.kernels.online_softmax import (
-    LOG2_E, attend_block, check_layout, dot_precision, load_kv_block, merge_head_splits, nonempty_splits, split_range,
-    store_split)
+    LOG2_E, MERGE_CHUNK, attend_block, check_layout, dot_precision, load_kv_block, merge_head_splits, nonempty_splits,
+    split_range, store_split)
 from specserve.pdl import uses_pdl
 
 # launch configuration; BLOCK_N keys per step
@@ -27,7 +27,6 @@ CONFIG = dict(BLOCK_N=128, num_stages=2)
 # 8 warps per program up to this batch size, 4 above (H200, 1.5B heads, 512-8192 keys:
 # 8 warps are 0.5-1.4 us faster per launch at batch 1, 0.4-0.6 at 4, slower from 8 on)
 MANY_WARPS_MAX_BATCH = 4
-MERGE_CHUNK = 8  # splits the merging program reads at once
 
 
 @triton.jit

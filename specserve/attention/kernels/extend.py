@@ -54,7 +54,11 @@ def _attend_keys(q, m_i, l_i, acc, k_buffer, v_buffer, slot_ptr, lo, hi, kv_head
     return m_i, l_i, acc
 
 
-@triton.jit
+# Integer arguments that vary with how prompts happen to be batched (tree size, split count,
+# row blocks) are not specialised on (Triton compiles a variant per value that is 1 or a
+# multiple of 16): a new variant is a compile of ~0.5 s in the middle of serving.
+@triton.jit(do_not_specialize=["stride_tree_b", "stride_tree_i", "stride_ot", "stride_oh", "stride_os",
+                               "stride_lt", "stride_lh", "row_blocks"])
 def _extend_kernel(q_ptr, k_buffer, v_buffer, req_to_token, req_rows, prefix_lens, qo_indptr, out_slots,
                    tree_mask, out_ptr, lse_ptr,
                    stride_qt, stride_qh, stride_slot, stride_kv_head, stride_table,

@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 
 LOG2_E = 1.4426950408889634
-MAX_SPLITS = 64  # the merge holds (splits, head_dim) of a head at once
+MAX_SPLITS = 64
+MERGE_CHUNK = 8  # splits a merge reads at once (a running max across chunks)
 
 
 @triton.jit
@@ -115,7 +116,7 @@ def merge_head_splits(partial_ptrs, lse_ptrs, out_ptrs, head_ok, dim_ok, stride_
     tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=head_ok[:, None] & dim_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pt", "stride_ph", "stride_lt", "stride_lh", "num_splits"])  # see extend.py
 def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr,
                          stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh,
                          num_heads, num_splits, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -137,13 +138,13 @@ def merge_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torc
         return
     assert num_splits <= MAX_SPLITS
     assert partial_out.stride(-1) == 1 and partial_lse.stride(-1) == 1 and out.stride(-1) == 1
-    block_s = max(triton.next_power_of_2(num_splits), 2)
-    block_h = max(min(triton.next_power_of_2(num_heads), MAX_SPLITS // block_s), 1)  # (H, S, D) tile <= 64 x D
+    # one compiled variant whatever the split count: MERGE_CHUNK splits at a time
+    block_h = max(min(triton.next_power_of_2(num_heads), MAX_SPLITS // MERGE_CHUNK), 1)  # (H, S, D) tile <= 64 x D
     _merge_splits_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
         partial_out, partial_lse, out,
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1), out.stride(0), out.stride(1),
-        num_heads, num_splits, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_S=block_s,
+        num_heads, num_splits, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_S=MERGE_CHUNK,
         BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4)
 
 
