@@ -184,6 +184,12 @@ class AllocSpy:
 
 
 # ---- accounting ----
+def plain_greedy_outputs(path, prompts: list[list[int]], params: dict) -> list[list[int]]:
+    """What plain decoding answers: the output ids a speculative engine must reproduce."""
+    with tiny_engine(path) as plain:
+        return [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=params)]
+
+
 def committed_by_verify_steps(output: dict) -> int:
     """Tokens the verify steps committed, counted from the accept-length histogram (it counts
     tokens a stop later cut off, the output does not)."""

@@ -23,6 +23,7 @@ from tests.spec_fixtures import (
     AllocSpy,
     make_tiny_directory,
     ngram_args,
+    plain_greedy_outputs,
     tiny_engine,
     truncated_mid_path,
     wait_until_all_kv_is_free,
@@ -48,8 +49,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plain_outputs(model_dir) -> list[list[int]]:
-    with tiny_engine(model_dir) as plain:
-        return [o["output_ids"] for o in plain.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+    return plain_greedy_outputs(model_dir, PROMPTS, GREEDY)
 
 
 @pytest.fixture(scope="module")

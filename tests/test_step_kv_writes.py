@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.spec_fixtures import make_tiny_directory, ngram_args, tiny_engine, wait_until_all_kv_is_free
+from tests.spec_fixtures import (make_tiny_directory, ngram_args, plain_greedy_outputs, tiny_engine,
+                                 wait_until_all_kv_is_free)
 
 PROMPTS = [
     [5, 6, 7, 8, 9] * 6 + [10, 11],
@@ -31,8 +32,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plain_outputs(model_dir) -> list[list[int]]:
-    with tiny_engine(model_dir) as plain:
-        return [o["output_ids"] for o in plain.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+    return plain_greedy_outputs(model_dir, PROMPTS, GREEDY)
 
 
 class TableWriteSpy:
