@@ -100,10 +100,7 @@ class EngineCore:
         except BaseException:
             self.scheduler.free_slots(slots)  # no request holds them yet
             raise
-        offset = 0
-        for req, length in zip(batch.reqs, batch.extend_lens):
-            self.scheduler.append_kv(req, slots[offset:offset + length])
-            offset += length
+        self.scheduler.append_kv(batch.reqs, _split(slots, batch.extend_lens))
         sampling = [req for req, samples in zip(batch.reqs, batch.samples) if samples]
         if not sampling:
             return []
@@ -131,11 +128,7 @@ class EngineCore:
         except BaseException:
             self.scheduler.free_slots(slots)  # no request holds them until commit
             raise
-        node_slots, offset = [], 0
-        for count in num_nodes:
-            node_slots.append(slots[offset:offset + count])
-            offset += count
-        self._commit_kv(reqs, sampled, node_slots)
+        self._commit_kv(reqs, sampled, _split(slots, num_nodes))
         outputs = [self._commit(req, sampled, i) for i, req in enumerate(reqs)]
         if self.adaptive is not None:
             self.adaptive.record_step(len(reqs), trees.num_slots, time.perf_counter() - start)
@@ -156,7 +149,7 @@ class EngineCore:
             self.overlap.drop()
             raise
         sampled = SampledStep.plain(tokens)
-        self.scheduler.append_kv_batch(reqs, [[slot] for slot in current.slots])
+        self.scheduler.append_kv(reqs, [[slot] for slot in current.slots], write_table=not current.in_table)
         outputs = [self._commit(req, sampled, i) for i, req in enumerate(reqs)]
         if any(out.finished for out in outputs):
             self.overlap.drop()  # computed for a batch that no longer exists
@@ -215,7 +208,7 @@ class EngineCore:
                 accepted_set = set(accepted)
                 rejected.extend(s for node, s in enumerate(req_slots) if node not in accepted_set)
         self.scheduler.free_slots(rejected)
-        self.scheduler.append_kv_batch(reqs, kept)
+        self.scheduler.append_kv(reqs, kept)
 
     def _commit(self, req: Req, sampled: SampledStep, index: int, verified: bool = True) -> StepOutput:
         """Appends the request's committed tokens (its KV slots were committed before) and
@@ -268,3 +261,12 @@ class EngineCore:
             self.drafter.release(req)
         if self.adaptive is not None:
             self.adaptive.release(req.rid)
+
+
+def _split(items: list[int], counts: list[int]) -> list[list[int]]:
+    """items cut into consecutive runs of the given lengths."""
+    runs, offset = [], 0
+    for count in counts:
+        runs.append(items[offset:offset + count])
+        offset += count
+    return runs

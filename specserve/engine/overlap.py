@@ -28,6 +28,7 @@ class StepAhead:
     reqs: list[Req]
     slots: list[int]          # one new KV slot per request, not yet committed to it
     launched: InFlightDecode
+    in_table: bool = False    # its slots are in req_to_token already (written for the step after it)
 
 
 class OverlapSchedule:
@@ -55,6 +56,7 @@ class OverlapSchedule:
             return
         # the next step attends to the current one's token: its slot must be in the table first
         self.runner.pool.write_entries_async([r.row for r in reqs], [r.kv_len for r in reqs], current.slots)
+        current.in_table = True  # its commit need not write them again
         self.ahead = StepAhead(list(reqs), slots, self.runner.launch_greedy_decode(
             reqs, [r.kv_len + 1 for r in reqs], slots, current.launched.argmax))
 

@@ -11,10 +11,8 @@ from __future__ import annotations
 import collections
 import time
 
-import torch
-
 from specserve.engine.request import Batch, Req, ReqState
-from specserve.kv.pool import KVPool, host_to_device_async
+from specserve.kv.pool import KVPool
 
 
 class Scheduler:
@@ -106,17 +104,12 @@ class Scheduler:
     def free_slots(self, slots: list[int]) -> None:
         self.pool.slots.free(slots)
 
-    def append_kv(self, req: Req, slots: list[int]) -> None:
-        """The tokens at req's next positions now live in `slots`."""
-        if slots:
-            start = req.kv_len
-            req.kv_slots.extend(slots)
-            self.pool.req_to_token[req.row, start:start + len(slots)] = _as_tensor(slots, self.pool)
-
-    def append_kv_batch(self, reqs: list[Req], slot_lists: list[list[int]]) -> None:
-        """`append_kv` for every request of a decode step, with one req_to_token write for
-        them all: a write per request costs a host-to-device copy and a kernel launch each,
-        host time that grows with the batch (a millisecond or more per step at 64 requests)."""
+    def append_kv(self, reqs: list[Req], slot_lists: list[list[int]], write_table: bool = True) -> None:
+        """The tokens at each request's next positions now live in its `slot_lists` entry,
+        with one req_to_token write for the whole batch: a write per request costs a
+        host-to-device copy and a kernel launch each, host time that grows with the batch
+        (a millisecond or more per step at 64 requests). write_table=False: the entries are
+        in the table already (a step launched ahead wrote them)."""
         rows: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -127,7 +120,7 @@ class Scheduler:
                 rows.extend([req.row] * len(kept))
                 positions.extend(range(start, start + len(kept)))
                 slots.extend(kept)
-        if slots:
+        if slots and write_table:
             self.pool.write_entries_async(rows, positions, slots)
 
     def finish(self, req: Req, reason: dict) -> None:
@@ -145,6 +138,3 @@ class Scheduler:
             self.pool.free_row(req.row)
             req.row = None
 
-
-def _as_tensor(slots: list[int], pool: KVPool) -> torch.Tensor:
-    return host_to_device_async(torch.tensor(slots, dtype=torch.int32), pool.device)
