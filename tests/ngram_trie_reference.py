@@ -1,4 +1,4 @@
-"""The pure-Python n-gram trie that specserve/spec/ngram_trie.c replaced, kept as the reference
+"""The pure-Python n-gram trie that specserve/speculative/ngram_trie.c replaced, kept as the reference
 the compiled trie is tested against (tests/test_ngram_trie.py): same behaviour to the node id.
 Its ``_token``/``_parent``/... lists are what the C file's node structs hold.
 
@@ -38,7 +38,7 @@ import itertools
 from collections import deque
 from collections.abc import Sequence
 
-from specserve.spec.ngram_trie import NgramConfig
+from specserve.speculative.ngram_trie import NgramConfig
 
 _ROOT = 0
 _TOKEN_BITS = 32  # owner follow maps hold (gen << _TOKEN_BITS) | token

@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from specserve.spec.adaptive import PROBE_EVERY, PROBE_MIN_BATCH, REFRESH_EVERY, AdaptiveDraftLength, tiers_for
-from specserve.spec.tree import DraftTrees
+from specserve.speculative.adaptive import PROBE_EVERY, PROBE_MIN_BATCH, REFRESH_EVERY, AdaptiveDraftLength, tiers_for
+from specserve.speculative.tree import DraftTrees
 
 from tests.spec_fixtures import CODE_PROMPT, SmolEngines, ngram_args, wait_until_all_kv_is_free
 

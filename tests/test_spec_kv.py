@@ -17,8 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from specserve.spec.ngram import NgramDrafter
-from specserve.spec.ngram_trie import NgramConfig
+from specserve.speculative.ngram import NgramDrafter
+from specserve.speculative.ngram_trie import NgramConfig
 from tests.spec_fixtures import (
     AllocSpy,
     make_tiny_directory,
@@ -342,7 +342,7 @@ def test_ngram_flush_indexes_chunks_while_the_gpu_is_busy():
     """With a `busy` probe, flush indexes FLUSH_CHUNK tokens at a time until the GPU is done;
     the rest waits, in order. A finished request's stream is let go once its queued tokens
     are in (they continue it), not before."""
-    from specserve.spec import ngram
+    from specserve.speculative import ngram
     drafter = NgramDrafter(NgramConfig(), one_branch=True)
     long_prompt = [100 + (i % 50) for i in range(3 * ngram.FLUSH_CHUNK)]
     writer, other = fake_req("w", long_prompt), fake_req("o", [7, 8, 9])

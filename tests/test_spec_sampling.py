@@ -25,7 +25,7 @@ import torch
 
 import specserve.sampling.sampler
 from specserve.sampling.filters import apply_penalties
-from specserve.spec import verify
+from specserve.speculative import verify
 from tests.spec_fixtures import ProposeSpy, make_tiny_directory, ngram_args, tiny_engine, wait_until_all_kv_is_free
 
 VOCAB = 16

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specserve.spec.tree import DraftTrees
+from specserve.speculative.tree import DraftTrees
 from tests.model_fixtures import ARCHITECTURES, RunnerDriver, tiny_hf_model
 
 ATOL = 1e-5

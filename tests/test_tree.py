@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from specserve.spec.tree import DraftTrees
+from specserve.speculative.tree import DraftTrees
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -12,9 +12,9 @@ from scipy.stats import chisquare
 
 from specserve.sampling import random as srandom
 from specserve.sampling.filters import apply_sampling_filters
-from specserve.spec import verify as verify_module
-from specserve.spec.tree import DraftTrees
-from specserve.spec.verify import apply_penalties_to_tree, verify_greedy, verify_sampling
+from specserve.speculative import verify as verify_module
+from specserve.speculative.tree import DraftTrees
+from specserve.speculative.verify import apply_penalties_to_tree, verify_greedy, verify_sampling
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 P_MIN = 1e-3

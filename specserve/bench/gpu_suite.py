@@ -24,9 +24,9 @@ import time
 import torch
 
 from specserve.bench.offline import run_turn
-from specserve.spec.adaptive import AdaptiveDraftLength, tiers_for
-from specserve.spec.ngram import NgramDrafter
-from specserve.spec.ngram_trie import NgramConfig
+from specserve.speculative.adaptive import AdaptiveDraftLength, tiers_for
+from specserve.speculative.ngram import NgramDrafter
+from specserve.speculative.ngram_trie import NgramConfig
 
 MODELS = ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct")
 # (draft tokens, one branch, adaptive draft length)

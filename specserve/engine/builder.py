@@ -9,8 +9,8 @@ from specserve.engine.scheduler import Scheduler
 from specserve.model.loader import default_model_path, load_checkpoint
 from specserve.runner.model_runner import ModelRunner, resolve_device, resolve_dtype
 from specserve.sampling.sampler import Sampler
-from specserve.spec.adaptive import AdaptiveDraftLength, tiers_for
-from specserve.spec.drafter import create_drafter
+from specserve.speculative.adaptive import AdaptiveDraftLength, tiers_for
+from specserve.speculative.drafter import create_drafter
 
 logger = logging.getLogger("specserve")
 

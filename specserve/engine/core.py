@@ -17,9 +17,9 @@ from specserve.engine.stats import StepLogger
 from specserve.engine.overlap import OverlapSchedule
 from specserve.runner.model_runner import ModelRunner
 from specserve.sampling.sampler import Sampler, SampledStep
-from specserve.spec.adaptive import AdaptiveDraftLength
-from specserve.spec.drafter import Drafter
-from specserve.spec.tree import DraftTrees
+from specserve.speculative.adaptive import AdaptiveDraftLength
+from specserve.speculative.drafter import Drafter
+from specserve.speculative.tree import DraftTrees
 
 logger = logging.getLogger(__name__)
 

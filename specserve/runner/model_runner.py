@@ -15,7 +15,7 @@ from specserve.model.config import ModelConfig
 from specserve.model.cpu_linear import use_cpu_linears
 from specserve.model.llama import DecoderLM
 from specserve.model.layers import RotaryEmbedding
-from specserve.spec.tree import DraftTrees
+from specserve.speculative.tree import DraftTrees
 
 logger = logging.getLogger(__name__)
 

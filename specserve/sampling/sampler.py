@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from specserve.engine.request import Req
-from specserve.spec.tree import DraftTrees
-from specserve.spec.verify import apply_penalties_to_tree, verify_greedy, verify_sampling
+from specserve.speculative.tree import DraftTrees
+from specserve.speculative.verify import apply_penalties_to_tree, verify_greedy, verify_sampling
 
 
 @dataclass

@@ -8,8 +8,8 @@ import random
 import torch
 
 from specserve.sampling import random as srandom
-from specserve.spec.tree import DraftTrees
-from specserve.spec.verify import apply_penalties_to_tree, verify_greedy, verify_sampling
+from specserve.speculative.tree import DraftTrees
+from specserve.speculative.verify import apply_penalties_to_tree, verify_greedy, verify_sampling
 from tests.test_verify import random_trees
 
 

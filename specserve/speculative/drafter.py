@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from specserve.spec.tree import DraftTrees
+from specserve.speculative.tree import DraftTrees
 
 if TYPE_CHECKING:
     from specserve.args import ServerArgs
@@ -46,6 +46,6 @@ def create_drafter(args: "ServerArgs") -> Drafter | None:
     if name is None:
         return None
     if name == "NGRAM":
-        from specserve.spec.ngram import NgramDrafter
+        from specserve.speculative.ngram import NgramDrafter
         return NgramDrafter.from_args(args)
     raise NotImplementedError(f"speculative_algorithm {args.speculative_algorithm!r} is not implemented")

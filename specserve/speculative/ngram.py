@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from specserve.spec.drafter import Drafter
-from specserve.spec.ngram_trie import NgramConfig, NgramTrie
-from specserve.spec.tree import DraftTrees
+from specserve.speculative.drafter import Drafter
+from specserve.speculative.ngram_trie import NgramConfig, NgramTrie
+from specserve.speculative.tree import DraftTrees
 
 if TYPE_CHECKING:
     from specserve.args import ServerArgs

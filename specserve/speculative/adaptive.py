@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specserve.spec.tree import DraftTrees
+from specserve.speculative.tree import DraftTrees
 
 COST_EMA = 0.2       # step times are noisy; tokens per proposal change with the text
 ACCEPT_EMA = 0.3

@@ -1,4 +1,4 @@
-"""CPU cost of the n-gram trie drafter: ``python -m specserve.spec.bench_ngram``.
+"""CPU cost of the n-gram trie drafter: ``python -m specserve.speculative.bench_ngram``.
 
 Code: Python source from the standard library, split into words, punctuation and whitespace
 runs (a stand-in for BPE ids: no tokenizer or model needed). Background requests fill the
@@ -27,7 +27,7 @@ import time
 import zlib
 from collections import Counter
 
-from specserve.spec.ngram_trie import NgramConfig, NgramTrie
+from specserve.speculative.ngram_trie import NgramConfig, NgramTrie
 
 _SOURCES = ("argparse", "ast", "inspect", "typing", "dataclasses", "pathlib", "logging",
             "collections", "textwrap")
@@ -179,7 +179,7 @@ def bench_batch(conversations: list[tuple[list[int], list[int]]], trie_class: ty
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trie", default="specserve.spec.ngram_trie:NgramTrie",
+    parser.add_argument("--trie", default="specserve.speculative.ngram_trie:NgramTrie",
                         help="module:class of the trie to time")
     args = parser.parse_args()
     module, name = args.trie.split(":")

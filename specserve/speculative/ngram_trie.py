@@ -8,7 +8,7 @@ The trie itself is C (``ngram_trie.c``, beside this file), compiled on first use
 system C compiler into ``$SPECSERVE_CACHE_DIR`` (default ``~/.cache/specserve``) and called
 through ctypes, one call per ``insert`` or ``propose``: ~2-5 us per token indexed where the
 pure-Python original (kept as ``tests/ngram_trie_reference.py``) took ~20-70, and proposals
-several times cheaper (``python -m specserve.spec.bench_ngram``). This file is the Python
+several times cheaper (``python -m specserve.speculative.bench_ngram``). This file is the Python
 face: the config, the build, and the conversions.
 
 - Insertion is incremental: a stream (one request, keyed by ``owner``) keeps its frontier,
