@@ -88,13 +88,3 @@ class AttentionBackend:
     def plan_for_replay(self, batch: ForwardBatch) -> None:
         raise NotImplementedError
 
-
-def create_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
-    """Registry with lazy imports, so CPU-only installs never import Triton."""
-    if name == "torch_native":
-        from specserve.attention.torch_native import TorchNativeBackend
-        return TorchNativeBackend(num_heads, num_kv_heads, head_dim)
-    if name == "triton":
-        from specserve.attention.triton_backend import TritonBackend
-        return TritonBackend(num_heads, num_kv_heads, head_dim)
-    raise ValueError(f"attention_backend must be 'torch_native' or 'triton', got {name!r}")

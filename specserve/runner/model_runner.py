@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from specserve.args import ServerArgs
-from specserve.attention.base import ForwardBatch, ForwardMode, create_attention_backend
+from specserve.attention.base import ForwardBatch, ForwardMode
+from specserve.attention.registry import create_attention_backend
 from specserve.engine.request import Req
 from specserve.kv.pool import PADDING_SLOT, KVPool
 from specserve.model.config import ModelConfig

@@ -1,0 +1,19 @@
+"""Attention backends by name, imported lazily so CPU-only installs never import Triton.
+
+The registry lives apart from base.py: the backends import the interface from base.py,
+so base.py must not import them back."""
+from __future__ import annotations
+
+from specserve.attention.base import AttentionBackend
+
+BACKEND_NAMES = ("torch_native", "triton")
+
+
+def create_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
+    if name == "torch_native":
+        from specserve.attention.torch_native import TorchNativeBackend
+        return TorchNativeBackend(num_heads, num_kv_heads, head_dim)
+    if name == "triton":
+        from specserve.attention.triton_backend import TritonBackend
+        return TritonBackend(num_heads, num_kv_heads, head_dim)
+    raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {name!r}")
