@@ -220,7 +220,7 @@ def prefetch_columns(k: int, rows: int, warps: int) -> int:
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
               add_norm: AddNorm | None = None, rope: RopeStore | None = None):
     """The unfused torch computation gemv replaces (same return convention)."""
-    from specserve.model.layers import rotate_half
+    from specserve.model.rope import rotate_half
     residual_out = None
     if add_norm is not None:
         residual_out = add_norm.residual + x

@@ -7,7 +7,8 @@ from torch import nn
 
 from specserve.attention.base import AttentionBackend, ForwardBatch
 from specserve.model.config import ModelConfig
-from specserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, fused, gemv_ops, linear, takes_one_row_kernels
+from specserve.model.layers import GatedMLP, RMSNorm, fused, gemv_ops, linear, takes_one_row_kernels
+from specserve.model.rope import RotaryEmbedding
 
 
 class Attention(nn.Module):
