@@ -22,6 +22,7 @@ import torch
 
 if TYPE_CHECKING:
     from specserve.kv.pool import KVPool
+    from specserve.model.hidden_capture import HiddenCapture
 
 
 class ForwardMode(enum.Enum):
@@ -47,6 +48,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor     # (num_logits,) rows of the hidden states that get logits
     tree_mask: torch.Tensor | None = None   # VERIFY: (bs, n, n) bool, [b, i, j] = node i sees node j
     attn_metadata: Any = field(default=None)  # filled by AttentionBackend.plan
+    hidden_capture: "HiddenCapture | None" = None  # hidden states the model keeps besides the logits (EAGLE)
 
     @property
     def batch_size(self) -> int:

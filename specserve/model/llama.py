@@ -116,10 +116,18 @@ class DecoderLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
-        """Returns fp32 logits (num_logits, vocab) for the rows in batch.logits_indices."""
+        """Returns fp32 logits (num_logits, vocab) for the rows in batch.logits_indices, and
+        fills batch.hidden_capture's states when the batch carries one."""
+        capture = batch.hidden_capture
+        if capture is not None:
+            capture.check(len(self.layers))
         x, residual = self.embed_tokens(batch.input_ids), None
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
             x, residual = layer(x, residual, batch, backend, self.rope)
+            if capture is not None and index in capture.layers:
+                capture.keep(index, residual + x)  # a new tensor: the next layer updates residual in place
+        if capture is not None and capture.final:
+            capture.keep_final(self.norm(residual + x))
         if takes_one_row_kernels(x) and batch.logits_indices.numel() == 1:  # the final norm inside the lm_head GEMV
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             final_norm = gemv_ops().AddNorm(residual, self.norm.weight, self.norm.eps)
