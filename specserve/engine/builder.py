@@ -1,37 +1,89 @@
-"""Builds an EngineCore from ServerArgs: resolves the model, device and dtype, loads weights."""
+"""Builds an EngineCore from ServerArgs: checks what can fail cheaply, then loads weights.
+
+Everything that can be checked in a second (the device, the model path, the n-gram trie's
+compiler) is checked before the weights load, so a mistake is reported at once instead of
+after tens of seconds; each slow stage logs a line with its time.
+"""
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass
+
+import torch
 
 from specserve.args import ServerArgs
 from specserve.engine.core import EngineCore
 from specserve.engine.scheduler import Scheduler
-from specserve.model.loader import default_model_path, load_checkpoint
+from specserve.engine import warmup
+from specserve.errors import DeviceError
+from specserve.model.loader import (check_tokenizer_path, default_model_path, load_checkpoint, load_tokenizer,
+                                    resolve_model_path)
 from specserve.runner.model_runner import ModelRunner, resolve_device, resolve_dtype
 from specserve.sampling.sampler import Sampler
 from specserve.speculative.adaptive import AdaptiveDraftLength, tiers_for
-from specserve.speculative.drafter import create_drafter
+from specserve.speculative.drafter import Drafter, create_drafter
 
 logger = logging.getLogger("specserve")
 
 
-def build_core(args: ServerArgs):
-    """Returns (core, tokenizer, model_path)."""
+@dataclass
+class Preflight:
+    """What the cheap checks resolved, for the expensive part to use."""
+    model_path: str
+    device: torch.device
+    dtype: torch.dtype
+    drafter: Drafter | None
+
+
+def preflight(args: ServerArgs) -> Preflight:
+    """The checks that take a second: device, model path, drafter (e.g. the trie's C build)."""
+    device = check_device(args.device)
     model_path = args.model_path
     if model_path is None:
         model_path = default_model_path()
-        print(f"specserve: no --model-path given, using the default model SmolLM2-135M-Instruct ({model_path})", flush=True)
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
+        logger.info("no --model-path given: using the default model SmolLM2-135M-Instruct (%s)", model_path)
+    else:
+        model_path = resolve_model_path(model_path)
+    if args.tokenizer_path is not None:
+        check_tokenizer_path(args.tokenizer_path)
+    drafter = create_drafter(args)
+    return Preflight(model_path, device, resolve_dtype(args.dtype, device), drafter)
+
+
+def check_device(name: str) -> torch.device:
+    """The device `name` asks for, or a DeviceError saying why it is not usable here."""
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        why = (f"torch {torch.__version__} is a CPU-only build (README, 'Set-up': make setup GPU=1)"
+               if torch.version.cuda is None else "no NVIDIA GPU is visible to torch")
+        raise DeviceError(f"device={name!r} but CUDA is not available: {why}")
+    if name.startswith("cuda:") and int(name[5:]) >= torch.cuda.device_count():
+        raise DeviceError(f"device={name!r} but only {torch.cuda.device_count()} CUDA device(s) are visible")
+    return resolve_device(name)
+
+
+def build_core(args: ServerArgs):
+    """Returns (core, tokenizer, model_path)."""
+    checked = preflight(args)
+    model_path, device, dtype = checked.model_path, checked.device, checked.dtype
+    warmup.prepare_kernel_cache(device)  # Triton's cache persists across starts; before anything compiles
+    start = time.perf_counter()
+    logger.info("loading %s on %s in %s ...", model_path, device, str(dtype).removeprefix("torch."))
     checkpoint = load_checkpoint(model_path, dtype=dtype, device=device)
     config = checkpoint.config
+    tokenizer = checkpoint.tokenizer if args.tokenizer_path is None else load_tokenizer(args.tokenizer_path)
     context_length = args.context_length or config.max_position_embeddings
-    logger.info("loaded %s (%s) on %s in %s", model_path, config.architecture, device, dtype)
+    logger.info("loaded %s (%d layers, %.0fM parameters) in %.1f s", config.architecture, config.num_layers,
+                sum(w.numel() for w in checkpoint.state_dict.values()) / 1e6, time.perf_counter() - start)
+    start = time.perf_counter()
+    logger.info("preparing the runner (kernels, KV cache%s) ...",
+                ", CUDA graphs" if device.type == "cuda" and not args.disable_cuda_graph else "")
     runner = ModelRunner(args, config, checkpoint.state_dict, device, dtype, context_length)
     del checkpoint.state_dict
+    logger.info("runner ready in %.1f s", time.perf_counter() - start)
     scheduler = Scheduler(runner.pool, runner.max_running_requests,
                           args.chunked_prefill_size if args.chunked_prefill_size > 0 else context_length)
-    drafter = create_drafter(args)
+    drafter = checked.drafter
     adaptive = None
     if drafter is not None and args.speculative_adaptive:
         graph_sizes = runner.graphs.sizes if runner.graphs is not None else None
@@ -39,4 +91,5 @@ def build_core(args: ServerArgs):
     core = EngineCore(runner, scheduler, Sampler(config.vocab_size, device), drafter,
                       args.speculative_num_draft_tokens, args.log_interval_s, adaptive,
                       overlap=runner.graphs is not None and not args.disable_overlap_schedule)
-    return core, checkpoint.tokenizer, model_path
+    warmup.warm_up(core, tokenizer, args)  # first-use compiles happen now, not in a request
+    return core, tokenizer, model_path

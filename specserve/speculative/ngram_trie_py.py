@@ -1,6 +1,7 @@
-"""The pure-Python n-gram trie that specserve/speculative/ngram_trie.c replaced, kept as the reference
-the compiled trie is tested against (tests/test_ngram_trie.py): same behaviour to the node id.
-Its ``_token``/``_parent``/... lists are what the C file's node structs hold.
+"""The pure-Python n-gram trie: the reference the compiled trie (ngram_trie.c) is tested
+against (tests/test_ngram_trie.py), same behaviour to the node id, and the stand-in
+`NgramTrie(config)` returns on a machine without a C compiler. Its ``_token``/``_parent``/...
+lists are what the C file's node structs hold.
 
 A shared n-gram trie of token ids: the model-free drafter behind NGRAM / LOOKAHEAD.
 
@@ -38,7 +39,7 @@ import itertools
 from collections import deque
 from collections.abc import Sequence
 
-from specserve.speculative.ngram_trie import NgramConfig
+from specserve.speculative.ngram_config import NgramConfig
 
 _ROOT = 0
 _TOKEN_BITS = 32  # owner follow maps hold (gen << _TOKEN_BITS) | token
@@ -59,7 +60,7 @@ class _Stream:
         self.epoch = epoch  # the trie's eviction epoch the frontier is valid for
 
 
-class NgramTrie:
+class PythonNgramTrie:
     def __init__(self, config: NgramConfig):
         self.config = config
         # Per node id; the root is id 0 and is never evicted.
