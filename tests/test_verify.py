@@ -75,6 +75,33 @@ def test_exponential_race_follows_distribution() -> None:
     assert torch.equal(again, samples[subset])
 
 
+def test_two_level_race_follows_distribution_across_blocks() -> None:
+    """A vocabulary of 2 full blocks and a partial one: the block race, then the race inside
+    the winner, sample p exactly; the test tells p from p with 10% of one block's mass moved
+    to another; the same row gives the same token in any batch shape."""
+    vocab, bs = 2 * srandom.RACE_BLOCK + 88, 30_000
+    gen = torch.Generator().manual_seed(3)
+    probs = torch.full((vocab,), 1e-5)
+    likely = torch.randperm(vocab, generator=gen)[:30]
+    probs[likely] = torch.rand(30, generator=gen) + 0.2
+    probs[vocab - 1] = 0.5                                      # the last token of the partial block
+    probs[5] = 0.0
+    seeds = torch.arange(bs) * 104_729 + 3
+    samples = srandom.exponential_race(probs.expand(bs, -1), seeds, torch.full((bs,), 7))
+    observed = np.bincount(samples.numpy(), minlength=vocab)
+    exact = probs.double().numpy()
+    assert chi_square_p(observed, exact) > P_MIN
+    moved = exact.copy()
+    first_block = slice(0, srandom.RACE_BLOCK)
+    moved[first_block] *= 0.9
+    moved[srandom.RACE_BLOCK:] *= 1 + 0.1 * exact[first_block].sum() / exact[srandom.RACE_BLOCK:].sum()
+    assert chi_square_p(observed, moved) < 1e-6
+    grid = srandom.exponential_race(probs.expand(100, 4, -1), seeds[:100], torch.full((100, 4), 7))
+    assert torch.equal(grid[:, 2], samples[:100])
+    one_hot = torch.zeros(3, vocab).scatter_(1, torch.tensor([[0], [300], [vocab - 1]]), 1.0)
+    assert srandom.exponential_race(one_hot, seeds[:3], torch.zeros(3)).tolist() == [0, 300, vocab - 1]
+
+
 # --- filters ---------------------------------------------------------------------------------
 
 def reference_filter(logits: list[float], temperature: float, top_k: int, top_p: float, min_p: float) -> np.ndarray:
@@ -165,8 +192,8 @@ def test_verify_greedy_chain_accepts_argmax_path_and_rejects_mismatch() -> None:
     assert result.committed_tokens[:, 1:].eq(-1).all()
 
 
-@pytest.mark.parametrize("with_q", [False, True])
-def test_sampling_temperature_zero_rows_equal_greedy(with_q: bool) -> None:
+@pytest.mark.parametrize("rule,with_q", [("coupled", False), ("rejection", False), ("rejection", True)])
+def test_sampling_temperature_zero_rows_equal_greedy(rule: str, with_q: bool) -> None:
     rng = random.Random(5)
     gen = torch.Generator().manual_seed(5)
     bs, n, vocab = 256, 8, 3                     # a tiny vocabulary so that drafts often match
@@ -175,7 +202,7 @@ def test_sampling_temperature_zero_rows_equal_greedy(with_q: bool) -> None:
     temps = torch.where(torch.arange(bs) % 2 == 0, 0.0, 1.0)
     q = torch.softmax(torch.randn(bs, n, vocab, generator=gen), -1) if with_q else None
     sampled = verify_sampling(trees, logits, temps, torch.full((bs,), 2), torch.full((bs,), 0.9),
-                              torch.full((bs,), 0.1), torch.arange(bs), torch.full((bs,), 9), q)
+                              torch.full((bs,), 0.1), torch.arange(bs), torch.full((bs,), 9), q, rule=rule)
     greedy = verify_greedy(trees, logits)
     even = slice(0, bs, 2)
     for name in ("accepted_nodes", "accept_lens", "bonus_tokens", "committed_tokens"):
@@ -183,7 +210,7 @@ def test_sampling_temperature_zero_rows_equal_greedy(with_q: bool) -> None:
     assert (greedy.accept_lens[even] > 1).any()
 
 
-# --- sampling is lossless --------------------------------------------------------------------
+# --- sampling is lossless: residual rejection here, the coupled rule in test_verify_coupled.py -
 
 VOCAB = 8
 FILTERS = {"t1": (1.0, 0, 1.0, 0.0), "t0.7_p0.8": (0.7, 0, 0.8, 0.0), "k3": (1.0, 3, 1.0, 0.0),
@@ -243,8 +270,10 @@ def draft_trees(target: MarkovTarget, roots: torch.Tensor, kind: str, gen: torch
     return trees, draft_probs
 
 
-def sample_sequences(target: MarkovTarget, kind: str, length: int, bs: int, seed: int) -> torch.Tensor:
-    """Runs verify steps until every row has `length` committed tokens; returns (bs, length)."""
+def sample_sequences(target: MarkovTarget, kind: str, length: int, bs: int, seed: int,
+                     rule: str = "rejection") -> torch.Tensor:
+    """Runs verify steps until every row has `length` committed tokens; returns (bs, length).
+    The coupled rule gets no draft distribution (it needs none, whatever drew the drafts)."""
     gen = torch.Generator().manual_seed(seed)
     roots = torch.zeros(bs, dtype=torch.long)
     positions = torch.full((bs,), 100)
@@ -255,7 +284,9 @@ def sample_sequences(target: MarkovTarget, kind: str, length: int, bs: int, seed
         trees, draft_probs = draft_trees(target, roots, kind, gen)
         logits = target.table[trees.tokens]                     # (bs, n, V): next-token logits per node
         temps, top_ks, top_ps, min_ps = (f[0].expand(bs) for f in target.filters)
-        result = verify_sampling(trees, logits, temps, top_ks, top_ps, min_ps, seeds, positions, draft_probs)
+        if rule == "coupled":
+            draft_probs = None
+        result = verify_sampling(trees, logits, temps, top_ks, top_ps, min_ps, seeds, positions, draft_probs, rule=rule)
         for j in range(length):
             slot = count + j
             take = (j < result.accept_lens) & (slot < length)
@@ -266,8 +297,9 @@ def sample_sequences(target: MarkovTarget, kind: str, length: int, bs: int, seed
     return out
 
 
-def joint_p_value(target: MarkovTarget, kind: str, length: int = 2, bs: int = 20_000, seed: int = 1) -> float:
-    samples = sample_sequences(target, kind, length, bs, seed)
+def joint_p_value(target: MarkovTarget, kind: str, length: int = 2, bs: int = 20_000, seed: int = 1,
+                  rule: str = "rejection") -> float:
+    samples = sample_sequences(target, kind, length, bs, seed, rule)
     flat = sum(samples[:, j] * VOCAB ** (length - 1 - j) for j in range(length))
     observed = np.bincount(flat.numpy(), minlength=VOCAB ** length)
     return chi_square_p(observed, target.exact(0, length))
@@ -279,18 +311,19 @@ LOSSLESS_CASES = ([("t1", kind) for kind in ("top", "unlikely", "uniform", "q_ii
 
 
 @pytest.mark.parametrize("filters,kind", LOSSLESS_CASES)
-def test_sampling_is_lossless(filters: str, kind: str) -> None:
+def test_rejection_sampling_is_lossless(filters: str, kind: str) -> None:
     assert joint_p_value(MarkovTarget(FILTERS[filters]), kind) > P_MIN
 
 
-def test_sampling_is_lossless_three_tokens() -> None:
+def test_rejection_sampling_is_lossless_three_tokens() -> None:
     target = MarkovTarget(FILTERS["t1"], seed=3)
     assert joint_p_value(target, "top", length=3, seed=2) > P_MIN
     assert joint_p_value(target, "q_iid", length=3, seed=3) > P_MIN
 
 
-def test_chi_square_rejects_a_wrong_acceptance_rule(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Power check: accepting every child of nonzero probability biases towards the drafts."""
+def test_chi_square_rejects_a_wrong_rejection_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Power check (residual rejection): accepting every child of nonzero probability biases
+    towards the drafts."""
     monkeypatch.setattr(verify_module, "_accept", lambda u, residual_x, mass, q_x: residual_x > 0)
     assert joint_p_value(MarkovTarget(FILTERS["t1"]), "top") < 1e-6
     assert joint_p_value(MarkovTarget(FILTERS["t1"]), "uniform") < 1e-6
@@ -302,29 +335,31 @@ def test_chi_square_rejects_the_deterministic_rule_on_sampled_drafts(monkeypatch
     assert joint_p_value(MarkovTarget(FILTERS["t1"]), "q_iid") < 1e-6
 
 
-def test_sampling_reproducible_and_batch_invariant() -> None:
+@pytest.mark.parametrize("rule", ["coupled", "rejection"])
+def test_sampling_reproducible_and_batch_invariant(rule: str) -> None:
     rng = random.Random(2)
     bs, n, vocab = 64, 8, 4
     trees = random_trees(rng, bs, n, vocab)
     logits = torch.randn(bs, n, vocab, generator=torch.Generator().manual_seed(2))
     args = (torch.ones(bs), torch.zeros(bs, dtype=torch.long), torch.ones(bs), torch.zeros(bs),
             torch.arange(bs) * 31, torch.arange(bs) + 5)
-    full = verify_sampling(trees, logits, *args)
-    again = verify_sampling(trees, logits, *args)
+    full = verify_sampling(trees, logits, *args, rule=rule)
+    again = verify_sampling(trees, logits, *args, rule=rule)
     assert torch.equal(full.committed_tokens, again.committed_tokens)
     rows = torch.tensor([5, 17, 3])
     sub_trees = DraftTrees.build(trees.tokens[rows], trees.parents[rows], trees.num_nodes[rows])
-    sub = verify_sampling(sub_trees, logits[rows], *(a[rows] for a in args))
+    sub = verify_sampling(sub_trees, logits[rows], *(a[rows] for a in args), rule=rule)
     assert torch.equal(sub.committed_tokens, full.committed_tokens[rows])
 
 
-def test_root_only_sampling_equals_plain_sampler() -> None:
+@pytest.mark.parametrize("rule", ["coupled", "rejection"])
+def test_root_only_sampling_equals_plain_sampler(rule: str) -> None:
     bs, vocab = 32, 50
     logits = torch.randn(bs, 1, vocab, generator=torch.Generator().manual_seed(4))
     temps, top_ks, top_ps, min_ps = torch.full((bs,), 0.8), torch.full((bs,), 10), torch.full((bs,), 0.9), torch.zeros(bs)
     seeds, prefix = torch.arange(bs), torch.arange(bs) * 3
     result = verify_sampling(DraftTrees.root_only(torch.zeros(bs, dtype=torch.long)), logits,
-                             temps, top_ks, top_ps, min_ps, seeds, prefix)
+                             temps, top_ks, top_ps, min_ps, seeds, prefix, rule=rule)
     probs = apply_sampling_filters(logits[:, 0], temps, top_ks, top_ps, min_ps)
     plain = srandom.exponential_race(probs, seeds, prefix + 1, srandom.SALT_TOKEN)
     assert torch.equal(result.bonus_tokens, plain) and result.accept_lens.eq(1).all()

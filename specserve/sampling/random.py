@@ -11,8 +11,10 @@ Key conventions (who uses which salt):
 - `position` is the position of the token being decided (prefix_len + 1 for the token
   sampled after a plain decode step), so a position is decided in exactly one step and
   keys never repeat across steps.
-- SALT_TOKEN: drawing a token from a distribution (the plain sampler, the bonus token).
-- SALT_ACCEPT: accept/reject tests of speculative verification.
+- SALT_TOKEN: the token sampled at a position (`exponential_race`): the plain sampler, the
+  coupled verifier at every tree node (so both decide a position with the same numbers),
+  the bonus token of residual rejection.
+- SALT_ACCEPT: accept/reject tests of residual-rejection verification.
 - SALT_DRAFT: drafters that sample their drafts; independent of the verifier's numbers.
 """
 from __future__ import annotations
@@ -75,6 +77,13 @@ def _to_uniform(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (_shr(bits, 64 - mantissa).to(dtype) + 0.5) * (2.0 ** -mantissa)
 
 
+def _stream(key: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The index-th uniform of the splitmix64 stream of each key: the stream of state
+    key * golden, whose i-th output is mix((key + i + 1) * golden). (Not key + i * golden:
+    Inductor folds arange * constant into an int32 index expression.) key and index broadcast."""
+    return _to_uniform(_mix((key + index.to(torch.int64) + 1) * _GOLDEN), dtype)
+
+
 def uniform(seeds: torch.Tensor, positions: torch.Tensor, salt: int,
             shape_tail: tuple[int, ...] = (), dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Uniform numbers in the open interval (0, 1), one per (row, position, tail index).
@@ -83,20 +92,20 @@ def uniform(seeds: torch.Tensor, positions: torch.Tensor, salt: int,
     float32 (23 random bits) or float64 (52 bits).
     """
     key = _keys(seeds, positions, salt)
-    count = math.prod(shape_tail)
-    index = torch.arange(1, count + 1, device=positions.device, dtype=torch.int64)
-    # the splitmix64 stream of state key * golden: its i-th output is mix((key + i) * golden).
-    # (Not key + i * golden: Inductor folds arange * constant into an int32 index expression.)
-    bits = _mix((key.unsqueeze(-1) + index) * _GOLDEN)   # positions.shape + (count,)
-    return _to_uniform(bits, dtype).view(*positions.shape, *shape_tail)
+    index = torch.arange(math.prod(shape_tail), device=positions.device, dtype=torch.int64)
+    return _stream(key.unsqueeze(-1), index, dtype).view(*positions.shape, *shape_tail)
 
 
 def uniform_at(seeds: torch.Tensor, positions: torch.Tensor, salt: int, index: torch.Tensor,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """uniform(seeds, positions, salt, (m,))[..., index] for a per-element index (positions'
-    shape) without drawing the other m - 1 numbers."""
+    """uniform(seeds, positions, salt, (m,))[..., index] without drawing the other numbers.
+
+    index: positions' shape (one number per position), or positions.shape + (k,) (k numbers
+    per position)."""
     key = _keys(seeds, positions, salt)
-    return _to_uniform(_mix((key + index.to(torch.int64) + 1) * _GOLDEN), dtype)
+    if index.dim() > positions.dim():
+        key = key.unsqueeze(-1)
+    return _stream(key, index, dtype)
 
 
 def uniform_per_row(seeds: torch.Tensor, positions: torch.Tensor, salt: int) -> torch.Tensor:
@@ -104,16 +113,49 @@ def uniform_per_row(seeds: torch.Tensor, positions: torch.Tensor, salt: int) -> 
     return uniform(seeds, positions, salt)
 
 
+# Tokens per block of the two-level race. Part of the sampling rule: changing it changes
+# which token a seed gives (like changing the hash), never the distribution.
+RACE_BLOCK = 256
+
+
+def _race(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """argmax(w / E) with E = -log(u) ~ Exp(1): index i wins with probability w_i / sum(w).
+
+    E_i / w_i ~ Exp(w_i), and the smallest of independent exponentials is index i with
+    probability w_i / sum(w) (the Gumbel-max trick: log w - log E = log w + Gumbel).
+    E is computed from 52-bit uniforms in float64: a low-probability index wins on E values
+    close to 0, which 23-bit uniforms would quantise. Ties: the lowest index."""
+    exp_noise = (-torch.log(u)).to(torch.float32)
+    return (weights / exp_noise).argmax(dim=-1)
+
+
 def exponential_race(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
                      salt: int = SALT_TOKEN) -> torch.Tensor:
-    """Samples one index per row from `probs` (bs, V), which need not be normalised.
+    """Samples one index per row from `probs` (positions.shape + (V,)), which need not be
+    normalised: a deterministic function of (seed, position, probs), so a token decided at
+    a position is the same in a plain step and at any node of a draft tree.
 
-    With E_i ~ Exp(1) independent, E_i / p_i ~ Exp(p_i) and the smallest of independent
-    exponentials is index i with probability p_i / sum(p): so argmax(p / E) is a sample.
-    E is computed from 52-bit uniforms in float64: the winner of a low-probability token is
-    decided by E values close to 0, which 23-bit uniforms would quantise.
-    Returns (bs,) int64. Rows of all zeros return index 0.
+    A two-level race over blocks of RACE_BLOCK tokens: first the block b, from a race with
+    weights mass(b) = sum of its probs; then the token, from a race inside b. With E_t ~
+    Exp(1) per token, the block whose min_t E_t / p_t is smallest is b with probability
+    mass(b) / sum(mass), its min is ~ Exp(mass(b)) whatever token attains it, and that token
+    is t with probability p_t / mass(b), independently. So drawing the block's clock
+    directly from Exp(mass(b)), then the token inside the winner, has the law of the flat
+    race over the vocabulary, p_t / sum(p): V / 256 + 256 random numbers per row instead of
+    V. Counters: index b for block b's clock, num_blocks + t for token t's.
+    Returns positions' shape, int64. Rows of all zeros return index 0.
     """
-    u = uniform(seeds, positions, salt, (probs.shape[-1],), dtype=torch.float64)
-    exp_noise = (-torch.log(u)).to(torch.float32)       # (bs, V), > 0
-    return (probs / exp_noise).argmax(dim=-1)
+    vocab = probs.shape[-1]
+    num_blocks = -(-vocab // RACE_BLOCK)
+    full = vocab // RACE_BLOCK
+    mass = probs[..., :full * RACE_BLOCK].unflatten(-1, (full, RACE_BLOCK)).sum(dim=-1)   # (..., full)
+    if full < num_blocks:                          # the last, partial block
+        mass = torch.cat([mass, probs[..., full * RACE_BLOCK:].sum(dim=-1, keepdim=True)], dim=-1)
+    block_index = torch.arange(num_blocks, device=probs.device)
+    block = _race(mass, uniform_at(seeds, positions, salt, block_index.expand(*positions.shape, -1), torch.float64))
+    width = min(RACE_BLOCK, vocab)
+    tokens = block.unsqueeze(-1) * RACE_BLOCK + torch.arange(width, device=probs.device)   # (..., width)
+    in_vocab = tokens < vocab
+    members = torch.where(in_vocab, probs.gather(-1, tokens.clamp(max=vocab - 1)), 0.0)
+    member = _race(members, uniform_at(seeds, positions, salt, num_blocks + tokens, torch.float64))
+    return tokens.gather(-1, member.unsqueeze(-1)).squeeze(-1)

@@ -13,7 +13,7 @@ import torch
 
 from specserve.engine.request import Req
 from specserve.speculative.tree import DraftTrees
-from specserve.speculative.verify import apply_penalties_to_tree, verify_greedy, verify_sampling
+from specserve.speculative.verify import SAMPLING_RULES, apply_penalties_to_tree, verify_greedy, verify_sampling
 
 
 @dataclass
@@ -38,9 +38,14 @@ class PreparedSampling:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device):
+    def __init__(self, vocab_size: int, device: torch.device, sampling_rule: str = "coupled"):
+        if sampling_rule not in SAMPLING_RULES:
+            raise ValueError(f"sampling_rule must be one of {SAMPLING_RULES}, got {sampling_rule!r}")
         self.vocab_size = vocab_size
         self.device = device
+        # how sampled drafts are verified (verify_sampling's rule): "coupled" gives a seeded
+        # request the same tokens as plain decoding; "rejection" is kept for comparisons
+        self.sampling_rule = sampling_rule
 
     @staticmethod
     def argmax_is_enough(reqs: list[Req]) -> bool:
@@ -130,6 +135,7 @@ class Sampler:
             # the full-vocabulary sort of top-k / top-p is the costly part: skip it when unused
             "need_top_k_top_p": any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in reqs),
             "need_min_p": any(r.params.min_p > 0 for r in reqs),
+            "rule": self.sampling_rule,
         }
 
     def _logprobs(self, raw_logits, result, reqs, lens):

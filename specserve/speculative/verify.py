@@ -6,9 +6,13 @@ depth 1..k-1) and one bonus token drawn at the last accepted node, so it commits
 `accept_lens` = k >= 1 tokens.
 
 Greedy: the committed tokens are exactly the target's argmax chain. Sampling: they are an
-exact sample of the target's (filtered) distribution, whatever the drafts; the argument
-is in `verify_sampling`. Random numbers are keyed by (seed, position of the token being
-decided, salt, try index), see specserve/sampling/random.py.
+exact sample of the target's (filtered) distribution, whatever the drafts. Two rules:
+- coupled (the default): greedy verification over the tokens the plain sampler would draw
+  at each node's position, so a seeded request gets the same tokens with and without
+  speculation, at any draft size (`_verify_coupled`);
+- residual rejection (`_verify_rejection`), for drafts drawn from a distribution q.
+Random numbers are keyed by (seed, position of the token being decided, salt, index), see
+specserve/sampling/random.py.
 """
 from __future__ import annotations
 
@@ -49,15 +53,16 @@ def _result(trees: DraftTrees, on_path: torch.Tensor, bonus: torch.Tensor) -> Ve
     return VerifyResult(accepted_nodes, accept_lens, bonus, committed)
 
 
-def verify_greedy(trees: DraftTrees, logits: torch.Tensor) -> VerifyResult:
-    """Accepts, from the root down, the first child whose token is the target's argmax.
+def _accept_matching_children(trees: DraftTrees, target: torch.Tensor) -> VerifyResult:
+    """Accepts, from the root down, the first child whose token is `target` at its parent;
+    target: (bs, n) the token the target model takes after each node. The target at the last
+    accepted node is the bonus token.
 
-    logits: (bs, n, V). No loop: a node is on the accepted path iff it and all its non-root
-    ancestors are the accepted child of their parent.
+    No loop: a node is on the accepted path iff it and all its non-root ancestors are the
+    accepted child of their parent.
     """
     bs, n = trees.tokens.shape
-    node = torch.arange(n, device=logits.device).expand(bs, n)
-    target = logits.argmax(dim=-1)                                              # (bs, n)
+    node = torch.arange(n, device=target.device).expand(bs, n)
     parent = trees.parents.clamp(min=0)
     is_child = trees.parents >= 0
     matches = is_child & (trees.tokens == target.gather(1, parent))
@@ -72,6 +77,66 @@ def verify_greedy(trees: DraftTrees, logits: torch.Tensor) -> VerifyResult:
     return _result(trees, on_path, target.gather(1, last).squeeze(1))
 
 
+def verify_greedy(trees: DraftTrees, logits: torch.Tensor) -> VerifyResult:
+    """Accepts, from the root down, the first child whose token is the target's argmax.
+    logits: (bs, n, V)."""
+    return _accept_matching_children(trees, logits.argmax(dim=-1))
+
+
+SAMPLING_RULES = ("coupled", "rejection")
+
+
+def verify_sampling(trees: DraftTrees, logits: torch.Tensor, temperatures: torch.Tensor,
+                    top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor,
+                    seeds: torch.Tensor, positions: torch.Tensor,
+                    draft_probs: torch.Tensor | None = None, *, rule: str = "coupled",
+                    need_top_k_top_p: bool = True, need_min_p: bool = True) -> VerifyResult:
+    """Speculative sampling over a tree: the committed tokens follow the target exactly.
+
+    logits: (bs, n, V); temperatures, top_ks, top_ps, min_ps, seeds: (bs,); positions:
+    (bs,) the root's position (= prefix_len, tokens already in the KV cache).
+    rule: "coupled" (the default: a seeded request gets the tokens plain decoding gives it,
+    see _verify_coupled) or "rejection" (residual rejection sampling, see _verify_rejection;
+    the rule for drafts drawn from a distribution q).
+    draft_probs: rejection only. None for drafts that are a deterministic function of the
+    context (n-gram tries, top-k trees); else (bs, n, V), the draft distribution q at node i
+    from which the children of node i were drawn independently (with replacement).
+    need_*: see apply_sampling_filters. Temperature-0 rows give verify_greedy's result.
+    Either way the trees must not depend on this function's random numbers (drafters use
+    SALT_DRAFT).
+    """
+    if rule not in SAMPLING_RULES:
+        raise ValueError(f"rule must be one of {SAMPLING_RULES}, got {rule!r}")
+    if rule == "coupled" and draft_probs is not None:
+        raise ValueError("draft_probs: the coupled rule does not use a draft distribution; pass rule='rejection'")
+    probs = apply_sampling_filters(logits, temperatures, top_ks, top_ps, min_ps,
+                                   need_top_k_top_p=need_top_k_top_p, need_min_p=need_min_p)
+    positions = positions.to(torch.int64)
+    if rule == "coupled":
+        return _verify_coupled(trees, probs, seeds, positions)
+    return _verify_rejection(trees, probs, seeds, positions, draft_probs)
+
+
+def _verify_coupled(trees: DraftTrees, probs: torch.Tensor, seeds: torch.Tensor,
+                    positions: torch.Tensor) -> VerifyResult:
+    """Greedy verification over the tokens the plain sampler would draw.
+
+    The plain sampler draws the token at position t as exponential_race(p, seed, t): a
+    deterministic function of (seed, t, filtered probs). The token after node i is decided
+    at position positions + depth_i + 1, with node i's probs: call it y_i. Accepting the
+    child whose token is y_i at its parent, and committing y at the last accepted node, gives
+    the tokens plain decoding would have committed, one by one: with the same seed the same
+    text, whatever the drafts, the tree shape or the batch. Lossless: those tokens are a
+    sample of the target when the seed is random (the race samples p exactly) and the drafts
+    do not depend on the race's numbers.
+
+    Acceptance equals residual rejection's for deterministic drafts: children x_1..x_k of a
+    node are accepted with probability sum_j p(x_j) under both (here: y_i is one of them).
+    """
+    target = exponential_race(probs, seeds, trees.positions(positions) + 1, SALT_TOKEN)    # (bs, n)
+    return _accept_matching_children(trees, target)
+
+
 def _accept(u: torch.Tensor, residual_x: torch.Tensor, residual_mass: torch.Tensor,
             draft_q_x: torch.Tensor | None) -> torch.Tensor:
     """The accept test of one child x, with u ~ U(0, 1) and r = residual / residual_mass.
@@ -84,19 +149,9 @@ def _accept(u: torch.Tensor, residual_x: torch.Tensor, residual_mass: torch.Tens
     return u * draft_q_x * residual_mass < residual_x
 
 
-def verify_sampling(trees: DraftTrees, logits: torch.Tensor, temperatures: torch.Tensor,
-                    top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor,
-                    seeds: torch.Tensor, positions: torch.Tensor,
-                    draft_probs: torch.Tensor | None = None, *,
-                    need_top_k_top_p: bool = True, need_min_p: bool = True) -> VerifyResult:
-    """Speculative sampling over a tree: the committed tokens follow the target exactly.
-
-    logits: (bs, n, V); temperatures, top_ks, top_ps, min_ps, seeds: (bs,); positions:
-    (bs,) the root's position (= prefix_len, tokens already in the KV cache).
-    draft_probs: None for drafts that are a deterministic function of the context (n-gram
-    tries, top-k trees); else (bs, n, V), the draft distribution q at node i from which the
-    children of node i were drawn independently (with replacement).
-    need_*: see apply_sampling_filters. Temperature-0 rows give verify_greedy's result.
+def _verify_rejection(trees: DraftTrees, probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                      draft_probs: torch.Tensor | None) -> VerifyResult:
+    """Residual rejection sampling over a tree. probs: (bs, n, V) filtered.
 
     The math. At the current node let p be the target's (filtered) distribution; keep an
     unnormalised residual R (r = R / sum R), starting at R = p, and try the children
@@ -115,17 +170,14 @@ def verify_sampling(trees: DraftTrees, logits: torch.Tensor, temperatures: torch
     - no child accepted: draw the bonus token from r.
     So the token after the current node is an exact draw from p; if it is an accepted child
     the walk continues there with that child's p, which by the same argument gives the next
-    token exactly, and so on: the committed sequence follows the target. The trees must not
-    depend on this function's random numbers (drafters use SALT_DRAFT).
+    token exactly, and so on: the committed sequence follows the target. Which numbers a
+    step consumes depends on the drafts, so a seeded request's text depends on them too.
 
     Each try visits a distinct non-root node, so n - 1 rounds finish every row; a round
     tries one child per row, vectorised over the batch and the vocabulary.
     """
-    bs, n, vocab = logits.shape
-    device = logits.device
-    positions = positions.to(torch.int64)
-    probs = apply_sampling_filters(logits, temperatures, top_ks, top_ps, min_ps,
-                                   need_top_k_top_p=need_top_k_top_p, need_min_p=need_min_p)
+    bs, n, vocab = probs.shape
+    device = probs.device
     flat_probs = probs.view(bs * n, vocab)
     row_start = torch.arange(bs, device=device) * n
     # One accept-test number per node, keyed by the position of the token it decides and
