@@ -35,7 +35,9 @@ def assert_still_serving(engine, good_output) -> None:
 BAD_SAMPLING_PARAMS = {
     "negative max_new_tokens": ({"max_new_tokens": -1}, ValueError, "max_new_tokens"),
     "top_p > 1": ({"top_p": 1.5}, ValueError, "top_p"),
-    "top_p = 0": ({"top_p": 0}, ValueError, "top_p"),
+    "top_p < 0": ({"top_p": -0.1}, ValueError, "top_p"),
+    "top_k past int64": ({"top_k": 2 ** 63}, ValueError, "top_k"),
+    "seed past int64": ({"seed": 2 ** 63}, ValueError, "seed"),
     "negative temperature": ({"temperature": -0.5}, ValueError, "temperature"),
     "nan temperature": ({"temperature": float("nan")}, ValueError, "temperature"),
     "top_k < -1": ({"top_k": -2}, ValueError, "top_k"),

@@ -224,7 +224,7 @@ def test_rejected_requests_leave_nothing_behind(small_engine):
     with pytest.raises(ValueError, match="KV cache"):
         engine.generate(input_ids=[100] * SMALL_CACHE, sampling_params={"max_new_tokens": 1})
     with pytest.raises(ValueError, match="top_p"):
-        engine.generate(PROMPTS[0], {"top_p": 0})
+        engine.generate(PROMPTS[0], {"top_p": -1})
     # an id already in use is rejected inside the core thread
     first = run_in_thread(lambda: engine.generate(PROMPTS[0], {**GREEDY, "max_new_tokens": 500}, rid="dup"))
     wait_for(lambda: "dup" in engine.core.requests)

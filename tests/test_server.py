@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -241,79 +242,19 @@ def test_client_disconnect_mid_stream_frees_kv_slots(env):
     assert info["kv_free_slots"] == info["kv_total_slots"] and info["num_running"] == 0
 
 
-def _bad_requests(model: str) -> list[tuple[str, str, object]]:
-    """(method, path, json body or raw bytes) that must each get a 4xx OpenAI-style error."""
-    ok = {"model": model, "prompt": "hi", "max_tokens": 2}
-    chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    gen = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
-    return [
-        ("POST", "/v1/completions", b'{"prompt": "hi", '),                       # malformed JSON
-        ("POST", "/v1/completions", b"[1, 2]"),                                  # not an object
-        ("POST", "/v1/completions", {"model": model}),                           # prompt missing
-        ("POST", "/v1/completions", {**ok, "prompt": 5}),
-        ("POST", "/v1/completions", {**ok, "prompt": ""}),
-        ("POST", "/v1/completions", {**ok, "temperature": "hot"}),
-        ("POST", "/v1/completions", {**ok, "temperature": 5}),
-        ("POST", "/v1/completions", {**ok, "top_p": 0}),
-        ("POST", "/v1/completions", {**ok, "max_tokens": -1}),
-        ("POST", "/v1/completions", {**ok, "max_tokens": 1.5}),
-        ("POST", "/v1/completions", {**ok, "n": 2}),
-        ("POST", "/v1/completions", {**ok, "model": "gpt-4"}),                   # unknown model: 404
-        ("POST", "/v1/completions", {**ok, "prompt": "hello " * 9000}),           # longer than the context
-        ("POST", "/v1/completions", {**ok, "max_tokens": 9000}),                  # prompt + output too long
-        ("POST", "/v1/completions", {**ok, "logprobs": 30}),
-        ("POST", "/v1/completions", {**ok, "stop": 5}),
-        ("POST", "/v1/completions", {**ok, "stop": [""]}),
-        ("POST", "/v1/completions", {**ok, "seed": -1}),
-        ("POST", "/v1/completions", {**ok, "stream": "yes"}),
-        ("POST", "/v1/completions", {**ok, "presence_penalty": 3}),
-        ("POST", "/v1/completions", {**ok, "logit_bias": {"42": 10}}),
-        ("POST", "/v1/completions", {**ok, "stream_options": {"include_usage": True}}),  # without stream
-        ("POST", "/v1/completions", {**ok, "prompt": [10 ** 9]}),                 # token id outside the vocab
-        ("POST", "/v1/chat/completions", {**chat, "messages": []}),
-        ("POST", "/v1/chat/completions", {**chat, "messages": "hi"}),
-        ("POST", "/v1/chat/completions", {**chat, "messages": [{"role": "wizard", "content": "hi"}]}),
-        ("POST", "/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": 7}]}),
-        ("POST", "/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "x"}}]}]}),
-        ("POST", "/v1/chat/completions", {**chat, "top_logprobs": 2}),           # without logprobs
-        ("POST", "/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 50}),
-        ("POST", "/v1/chat/completions", {**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}),
-        ("POST", "/v1/chat/completions", {**chat, "model": "nope"}),
-        ("POST", "/generate", {**gen, "input_ids": [1, 2]}),                       # both text and input_ids
-        ("POST", "/generate", {"sampling_params": {}}),                            # neither
-        ("POST", "/generate", {**gen, "sampling_params": {"temprature": 0.5}}),    # unknown sampling key
-        ("POST", "/generate", {**gen, "sampling_params": {"temperature": -1}}),
-        ("POST", "/generate", {**gen, "sampling_params": {"max_new_tokens": "many"}}),
-        ("POST", "/generate", {**gen, "top_logprobs_num": -1}),
-        ("POST", "/generate", {**gen, "unknown_field": 1}),
-        ("POST", "/generate", {"input_ids": [10 ** 9]}),
-        ("POST", "/generate", {"text": ""}),
-        ("GET", "/v1/completions", None),                                          # wrong method
-        ("GET", "/no/such/route", None),
-    ]
-
-
-def test_bad_requests_get_4xx_json_and_server_keeps_serving(env):
-    with httpx.Client(base_url=env.base_url, timeout=60) as http:
-        cases = _bad_requests(env.model)
-        assert len(cases) >= 20
-        for method, path, body in cases:
-            if isinstance(body, bytes):
-                response = http.request(method, path, content=body, headers={"content-type": "application/json"})
-            else:
-                response = http.request(method, path, json=body)
-            assert 400 <= response.status_code < 500, (path, body, response.status_code, response.text)
-            error = response.json()["error"]
-            assert isinstance(error["message"], str) and error["message"] and "type" in error and "param" in error, error
-            if body is not None and not isinstance(body, bytes) and body.get("model") in ("gpt-4", "nope"):
-                assert response.status_code == 404 and error["code"] == "model_not_found"
-        ok = http.post("/v1/completions", json={"model": env.model, "prompt": "hi", "max_tokens": 2})
-        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+def test_openai_client_sees_api_errors(env):
+    """Every kind of bad request is in test_load_and_fault.py; here, the official client's view of two."""
     with pytest.raises(openai.NotFoundError):
         env.client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
     with pytest.raises(openai.BadRequestError):
         env.client.completions.create(model=env.model, prompt="hi", max_tokens=2, temperature=9)
+
+
+def test_top_p_zero_is_greedy(env):
+    """OpenAI accepts top_p=0: only the likeliest token is left, so the output is greedy."""
+    expected = offline(env.engine, PROMPT, max_new_tokens=8)
+    out = env.client.completions.create(model=env.model, prompt=PROMPT, max_tokens=8, temperature=1.0, top_p=0)
+    assert out.choices[0].text == expected["text"]
 
 
 def test_info_endpoints_and_metrics(env):
@@ -343,10 +284,15 @@ def test_info_endpoints_and_metrics(env):
 
 
 # --- in-process, with a fake engine: failures a real engine does not produce on demand ---
+_SLOW_TEXT_RELEASE = threading.Event()   # a text starting with "slow" tokenizes once this is set
+
+
 class _FakeTokenizer:
     chat_template = "fake"
 
     def __call__(self, text, add_special_tokens=True):
+        if text.startswith("slow"):
+            assert _SLOW_TEXT_RELEASE.wait(timeout=30)
         return SimpleNamespace(input_ids=[ord(c) for c in text])
 
     def decode(self, ids, skip_special_tokens=True):
@@ -362,7 +308,8 @@ class _FakeEngine:
         self.model_path = "/models/fake"
         self.aborted = []
         pool = SimpleNamespace(size=100, slots=SimpleNamespace(available=lambda: 100))
-        self.core = SimpleNamespace(scheduler=SimpleNamespace(running=[], waiting=[]), runner=SimpleNamespace(pool=pool))
+        runner = SimpleNamespace(pool=pool, config=SimpleNamespace(vocab_size=0x110000))
+        self.core = SimpleNamespace(scheduler=SimpleNamespace(running=[], waiting=[]), runner=runner)
 
     def apply_chat_template(self, messages):
         return "".join(m["content"] for m in messages)
@@ -426,3 +373,66 @@ def test_api_key():
         assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
         ok = http.post("/v1/completions", json={"prompt": "hi"}, headers={"Authorization": "Bearer sesame"})
         assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "hi"
+
+
+def test_long_texts_are_tokenized_off_the_event_loop():
+    """A long prompt's tokenization runs on a worker thread: while it is stuck, the event
+    loop goes on answering others (were it on the loop, /health would hang with it)."""
+    from specserve.server.http import create_app
+    from specserve.server.state import INLINE_TEXT_CHARS
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=create_app(_FakeEngine(), served_model_name="fake"))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            slow = asyncio.ensure_future(http.post("/tokenize", json={"prompt": "slow" + "x" * INLINE_TEXT_CHARS}))
+            try:
+                health = await asyncio.wait_for(http.get("/health"), timeout=10)
+                assert health.status_code == 200 and not slow.done()
+            finally:
+                _SLOW_TEXT_RELEASE.set()
+            assert (await slow).json()["count"] == 4 + INLINE_TEXT_CHARS
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        _SLOW_TEXT_RELEASE.clear()
+
+
+class _LeavingClient:
+    """A request whose client disconnects once `leave` is set."""
+
+    def __init__(self):
+        self.leave = asyncio.Event()
+
+    async def receive(self):
+        await self.leave.wait()
+        return {"type": "http.disconnect"}
+
+
+def test_disconnect_cancels_the_work_and_waits_for_it():
+    from specserve.server.disconnect import ClientDisconnected, gather_all, run_unless_disconnected
+    wound_down = []
+
+    async def work(name: str, fail_after: float | None = None):
+        try:
+            if fail_after is not None:
+                await asyncio.sleep(fail_after)
+                raise RuntimeError(name)
+            await asyncio.sleep(60)
+        finally:
+            wound_down.append(name)     # as the engine stream's clean-up (the abort) runs
+
+    async def scenario():
+        client = _LeavingClient()
+        asyncio.get_running_loop().call_later(0.05, client.leave.set)
+        with pytest.raises(ClientDisconnected):
+            await run_unless_disconnected(client, gather_all(work("a"), work("b")))
+        assert sorted(wound_down) == ["a", "b"]     # cancelled and finished before the handler returned
+        assert await run_unless_disconnected(_LeavingClient(), asyncio.sleep(0, result=7)) == 7
+        wound_down.clear()
+        with pytest.raises(RuntimeError, match="c"):    # one fails: the other is cancelled, not left running
+            await gather_all(work("c", fail_after=0.01), work("d"))
+        assert sorted(wound_down) == ["c", "d"]
+        assert asyncio.all_tasks() == {asyncio.current_task()}
+
+    asyncio.run(scenario())

@@ -1,149 +1,30 @@
 """The HTTP server: `create_app(engine)` builds the FastAPI app.
 
 Handlers only await the engine (`async_generate`), so serving never blocks the engine's
-step loop, which runs in its own thread. This file owns the app, the error handlers, the
-native endpoints (SGLang's /generate and info routes) and `ServerState`, the per-request
-plumbing every endpoint shares: tokenize, submit, time, and abort when the client leaves.
-The OpenAI routes live in openai_api.py.
+step loop, which runs in its own thread, and costly request preparation runs off the event
+loop (state.py). This file owns the app, the error handlers and the native endpoints
+(SGLang's /generate and info routes); the OpenAI routes live in openai_api.py.
 """
 from __future__ import annotations
 
 import asyncio
-import copy
+import contextlib
 import logging
-import os
-import uuid
-from typing import Any, AsyncIterator, Awaitable
+from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from specserve.server import openai_api
-from specserve.server.metrics import ServerMetrics, engine_load
-from specserve.server.protocol import SSE_DONE, APIError, GenerateRequest, error_event, parse_body, sse
+from specserve.server.disconnect import ClientDisconnected, gather_all
+from specserve.server.metrics import engine_load
+from specserve.server.protocol import SSE_DONE, APIError, GenerateRequest, error_event, sse
+from specserve.server.state import ServerState
 
 logger = logging.getLogger("specserve")
-
-
-class ClientDisconnected(Exception):
-    pass
-
-
-class ServerState:
-    """What every endpoint shares: the engine, the served name, tokenization and metrics."""
-
-    def __init__(self, engine, served_model_name: str | None = None):
-        self.engine = engine
-        # a copy of our own: the engine thread detokenizes with its tokenizer while we encode here
-        self.tokenizer = copy.deepcopy(engine.tokenizer)
-        self.context_length: int = engine.context_length
-        self.model_path: str = getattr(engine, "model_path", None) or "default"
-        args = getattr(engine, "args", None)
-        given_path = getattr(args, "model_path", None)
-        self.model_name = served_model_name or os.path.basename(os.path.normpath(given_path or self.model_path)) or "default"
-        self.model_aliases = {self.model_name, self.model_path, "default"} | ({given_path} if given_path else set())
-        self.metrics = ServerMetrics(engine, self.model_name)
-        self._token_text: dict[int, str] = {}
-
-    # --- prompts ---
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.model_aliases:
-            raise APIError(f"The model '{name}' does not exist; this server serves '{self.model_name}'.",
-                           status=404, param="model", code="model_not_found")
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
-
-    def token_text(self, token_id: int) -> str:
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
-        return text
-
-    def check_length(self, ids: list[int], max_new_tokens: int | None, param: str = "prompt") -> None:
-        """Errors a client can fix, raised before the request reaches the engine."""
-        if not ids:
-            raise APIError("the prompt must not be empty", param=param)
-        if len(ids) >= self.context_length:
-            raise APIError(f"This model's maximum context length is {self.context_length} tokens; "
-                           f"the prompt has {len(ids)} tokens.", param=param, code="context_length_exceeded")
-        if max_new_tokens is not None and len(ids) + max_new_tokens > self.context_length:
-            raise APIError(f"This model's maximum context length is {self.context_length} tokens; you requested "
-                           f"{len(ids) + max_new_tokens} ({len(ids)} in the prompt, {max_new_tokens} to generate).",
-                           param="max_tokens", code="context_length_exceeded")
-
-    # --- running requests ---
-    async def open_stream(self, ids: list[int], params: dict, return_logprob: bool = False,
-                          top_logprobs_num: int = 0, rid: str | None = None) -> AsyncIterator[dict]:
-        """Validates the request now (APIError on bad input); the returned iterator submits it
-        when first advanced and yields the engine's incremental chunks."""
-        rid = rid or uuid.uuid4().hex
-        try:
-            chunks = await self.engine.async_generate(input_ids=ids, sampling_params=params, stream=True, rid=rid,
-                                                      return_logprob=return_logprob, top_logprobs_num=top_logprobs_num)
-        except ValueError as error:
-            raise APIError(str(error)) from None
-        return self._timed(chunks, rid, len(ids))
-
-    async def _timed(self, chunks: AsyncIterator[dict], rid: str, prompt_tokens: int) -> AsyncIterator[dict]:
-        timer = self.metrics.track(prompt_tokens)
-        try:
-            async for chunk in chunks:
-                timer.on_chunk(len(chunk["output_ids"]))
-                if chunk["meta_info"]["finish_reason"] is not None:
-                    timer.finish(chunk["meta_info"])
-                yield chunk
-        except ValueError as error:   # the engine refused it at submission (e.g. a duplicate rid)
-            timer.discard()
-            raise APIError(str(error)) from None
-        except Exception:
-            timer.fail("error")
-            raise
-        finally:
-            if not timer.done:        # the consumer went away (client disconnect): free the slots
-                timer.fail("abort")
-                self.engine.abort_request(rid)
-
-    async def generate(self, ids: list[int], params: dict, return_logprob: bool = False,
-                       top_logprobs_num: int = 0, rid: str | None = None) -> dict:
-        """One request without streaming; its final output dict."""
-        timer = self.metrics.track(len(ids))
-        try:
-            result = await self.engine.async_generate(input_ids=ids, sampling_params=params, rid=rid,
-                                                      return_logprob=return_logprob, top_logprobs_num=top_logprobs_num)
-        except ValueError as error:
-            timer.discard()
-            raise APIError(str(error)) from None
-        except asyncio.CancelledError:  # the client left
-            timer.fail("abort")
-            raise
-        except Exception:
-            timer.fail("error")
-            raise
-        timer.finish(result["meta_info"])
-        return result
-
-    async def unless_disconnected(self, request: Request, work: Awaitable) -> Any:
-        """Awaits `work` unless the client disconnects first; then cancels it (which aborts
-        the engine request and frees its KV slots) and raises ClientDisconnected."""
-        task = asyncio.ensure_future(work)
-        watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-        try:
-            await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not task.done():
-                task.cancel()
-            watcher.cancel()
-        if task.cancelled():
-            raise ClientDisconnected()
-        return task.result()
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 def create_app(engine, served_model_name: str | None = None, api_key: str | None = None) -> FastAPI:
@@ -154,7 +35,13 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
     if served_model_name is None:
         served_model_name = getattr(args, "served_model_name", None)
     state = ServerState(engine, served_model_name)
-    app = FastAPI(title="specserve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        state.close()
+
+    app = FastAPI(title="specserve", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.server = state
     _add_error_handlers(app)
     if api_key:
@@ -179,7 +66,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(APIError(str(error.detail), error.status_code, type=kind).body(), status_code=error.status_code)
 
     @app.exception_handler(ClientDisconnected)
-    async def _gone(request: Request, error: ClientDisconnected):
+    @app.exception_handler(ClientDisconnect)       # it left while sending its body
+    async def _gone(request: Request, error: Exception):
         return Response(status_code=499)
 
     @app.exception_handler(Exception)
@@ -198,7 +86,7 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/health_generate")
     async def health_generate():
-        ids = state.encode("ping")
+        ids = await state.encode("ping")
         await asyncio.wait_for(state.generate(ids, {"max_new_tokens": 1, "temperature": 0.0}), timeout=60)
         return Response(status_code=200)
 
@@ -224,11 +112,11 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/generate")
     async def generate(request: Request):
-        body = parse_body(await request.body(), GenerateRequest)
+        body = await state.parse(request, GenerateRequest)
         batch = body.batch_size
         if body.text is not None:
             texts = body.text if isinstance(body.text, list) else [body.text]
-            id_lists = [state.encode(text) for text in texts]
+            id_lists = [await state.encode(text, param="text") for text in texts]
         else:
             id_lists = body.input_ids if batch is not None else [body.input_ids]
         params = body.sampling_params if isinstance(body.sampling_params, list) else [body.sampling_params] * len(id_lists)
@@ -244,7 +132,7 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
             chunks = await state.open_stream(id_lists[0], params[0], *logprob_args, rid=rids[0])
             return StreamingResponse(_native_sse(state, chunks, body.return_text_in_logprobs),
                                      media_type="text/event-stream")
-        results = await state.unless_disconnected(request, asyncio.gather(
+        results = await state.unless_disconnected(request, gather_all(
             *(state.generate(ids, p, *logprob_args, rid=r) for ids, p, r in zip(id_lists, params, rids))))
         if body.return_text_in_logprobs:
             for result in results:

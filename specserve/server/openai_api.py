@@ -6,20 +6,19 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
-from specserve.server.protocol import (SSE_DONE, APIError, ChatCompletionRequest, CompletionRequest, error_event,
-                                       finish_reason, matched_stop, parse_body, sse)
+from specserve.server.disconnect import gather_all
+from specserve.server.protocol import (SSE_DONE, APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
+                                       TokenId, error_event, finish_reason, matched_stop, sse)
+from specserve.server.state import INLINE_TEXT_CHARS, ServerState
 
-if TYPE_CHECKING:
-    from specserve.server.http import ServerState
 
-
-def add_routes(app: FastAPI, state: "ServerState") -> None:
+def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/models")
     async def list_models():
         return {"object": "list", "data": [_model_card(state)]}
@@ -31,22 +30,23 @@ def add_routes(app: FastAPI, state: "ServerState") -> None:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = parse_body(await request.body(), CompletionRequest)
+        body = await state.parse(request, CompletionRequest)
         state.check_model(body.model)
-        id_lists = [state.encode(p) if isinstance(p, str) else p for p in body.prompts()]
+        id_lists = [await state.encode(p) if isinstance(p, str) else p for p in body.prompts()]
         explicit = "max_tokens" in body.model_fields_set and body.max_tokens is not None
         for ids in id_lists:
+            state.check_token_ids(ids, param="prompt")
             state.check_length(ids, body.max_tokens if explicit else None)
         max_new_tokens = body.max_tokens if body.max_tokens is not None else state.context_length
         params = body.sampling_params(max_new_tokens)
         logprob_args = (body.logprobs is not None, body.logprobs or 0)
-        echo = [state.tokenizer.decode(ids) if body.echo else "" for ids in id_lists]
+        echo = [await state.decode(ids) if body.echo else "" for ids in id_lists]
         reply = _Reply(f"cmpl-{uuid.uuid4().hex}", "text_completion", state.model_name)
         if body.stream:
             streams = [await state.open_stream(ids, params, *logprob_args) for ids in id_lists]
             return _sse_response(_completion_events(state, reply, streams, echo, body.logprobs is not None,
                                                     body.include_usage))
-        results = await state.unless_disconnected(request, asyncio.gather(
+        results = await state.unless_disconnected(request, gather_all(
             *(state.generate(ids, params, *logprob_args) for ids in id_lists)))
         choices = []
         for index, result in enumerate(results):
@@ -59,13 +59,9 @@ def add_routes(app: FastAPI, state: "ServerState") -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = parse_body(await request.body(), ChatCompletionRequest)
+        body = await state.parse(request, ChatCompletionRequest)
         state.check_model(body.model)
-        try:
-            prompt = state.engine.apply_chat_template([m.as_template_input() for m in body.messages])
-        except Exception as error:  # a template may raise on a conversation it does not allow
-            raise APIError(f"could not apply the chat template: {error}", param="messages") from None
-        ids = state.encode(prompt, add_special_tokens=False)   # the template holds any BOS itself
+        ids = await _chat_prompt_ids(state, body.messages)
         max_tokens = body.max_output_tokens
         state.check_length(ids, max_tokens, param="messages")
         params = body.sampling_params(max_tokens if max_tokens is not None else state.context_length - len(ids))
@@ -83,19 +79,36 @@ def add_routes(app: FastAPI, state: "ServerState") -> None:
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        body = parse_body(await request.body(), _TokenizeRequest)
+        body = await state.parse(request, _TokenizeRequest)
         if isinstance(body.prompt, str):
-            tokens = state.encode(body.prompt, body.add_special_tokens)
+            tokens = await state.encode(body.prompt, body.add_special_tokens)
             return {"tokens": tokens, "count": len(tokens), "max_model_len": state.context_length}
-        tokens = [state.encode(p, body.add_special_tokens) for p in body.prompt]   # batched: our extension
+        tokens = [await state.encode(p, body.add_special_tokens) for p in body.prompt]   # batched: our extension
         return {"tokens": tokens, "count": [len(t) for t in tokens], "max_model_len": state.context_length}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        body = parse_body(await request.body(), _DetokenizeRequest)
+        body = await state.parse(request, _DetokenizeRequest)
         if body.tokens and isinstance(body.tokens[0], list):
-            return {"prompt": [state.tokenizer.decode(t) for t in body.tokens]}
-        return {"prompt": state.tokenizer.decode(body.tokens)}
+            return {"prompt": [await state.decode(t) for t in body.tokens]}
+        return {"prompt": await state.decode(body.tokens)}
+
+
+async def _chat_prompt_ids(state: ServerState, messages: list[ChatMessage]) -> list[int]:
+    """The conversation through the chat template, tokenized (both off the event loop when long)."""
+    chars = sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in m.content or [])
+                for m in messages)
+    state.check_text_length(chars, param="messages")
+    return await state.offload(_render_and_encode, state, [m.as_template_input() for m in messages],
+                               heavy=chars > INLINE_TEXT_CHARS)
+
+
+def _render_and_encode(state: ServerState, messages: list[dict]) -> list[int]:
+    try:
+        prompt = state.engine.apply_chat_template(messages)
+    except Exception as error:  # a template may raise on a conversation it does not allow
+        raise APIError(f"could not apply the chat template: {error}", param="messages") from None
+    return state.encode_now(prompt, add_special_tokens=False)   # the template holds any BOS itself
 
 
 class _TokenizeRequest(BaseModel):
@@ -106,7 +119,7 @@ class _TokenizeRequest(BaseModel):
 
 class _DetokenizeRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
-    tokens: list[int] | list[list[int]]
+    tokens: list[TokenId] | list[list[TokenId]]
 
 
 class _Reply:
@@ -123,7 +136,7 @@ class _Reply:
         return out
 
 
-def _model_card(state: "ServerState") -> dict:
+def _model_card(state: ServerState) -> dict:
     return {"id": state.model_name, "object": "model", "created": 0, "owned_by": "specserve",
             "root": state.model_path, "max_model_len": state.context_length}
 
@@ -140,7 +153,7 @@ def _sse_response(events: AsyncIterator[bytes]) -> StreamingResponse:
 
 
 # --- logprobs ---
-def _completion_logprobs(state: "ServerState", meta: dict, text_offset: int) -> tuple[dict, int]:
+def _completion_logprobs(state: ServerState, meta: dict, text_offset: int) -> tuple[dict, int]:
     """OpenAI's completions logprobs object for the tokens in `meta`; returns the next offset."""
     tokens, offsets, token_logprobs = [], [], []
     for logprob, token_id, _ in meta.get("output_token_logprobs", []):
@@ -155,7 +168,7 @@ def _completion_logprobs(state: "ServerState", meta: dict, text_offset: int) -> 
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}, text_offset
 
 
-def _chat_logprobs(state: "ServerState", meta: dict) -> dict:
+def _chat_logprobs(state: ServerState, meta: dict) -> dict:
     tops = meta.get("output_top_logprobs")
     content = []
     for i, (logprob, token_id, _) in enumerate(meta.get("output_token_logprobs", [])):
@@ -165,13 +178,13 @@ def _chat_logprobs(state: "ServerState", meta: dict) -> dict:
     return {"content": content, "refusal": None}
 
 
-def _chat_token(state: "ServerState", token_id: int, logprob: float) -> dict:
+def _chat_token(state: ServerState, token_id: int, logprob: float) -> dict:
     text = state.token_text(token_id)
     return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
 # --- server-sent events ---
-async def _chat_events(state: "ServerState", reply: _Reply, chunks: AsyncIterator[dict], logprobs: bool,
+async def _chat_events(state: ServerState, reply: _Reply, chunks: AsyncIterator[dict], logprobs: bool,
                        include_usage: bool) -> AsyncIterator[bytes]:
     first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
     yield sse(reply.body([first], None, chunk=True, with_usage=include_usage))
@@ -195,7 +208,7 @@ async def _chat_events(state: "ServerState", reply: _Reply, chunks: AsyncIterato
     yield SSE_DONE
 
 
-async def _completion_events(state: "ServerState", reply: _Reply, streams: list[AsyncIterator[dict]], echo: list[str],
+async def _completion_events(state: ServerState, reply: _Reply, streams: list[AsyncIterator[dict]], echo: list[str],
                              logprobs: bool, include_usage: bool) -> AsyncIterator[bytes]:
     finals: dict[int, dict] = {}
     offsets = [len(e) for e in echo]

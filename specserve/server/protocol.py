@@ -9,12 +9,18 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from specserve.sampling.params import INT64_MAX, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
 logger = logging.getLogger("specserve")
 SSE_DONE = b"data: [DONE]\n\n"
+# every integer a request carries fits an int64 (the sampler's tensors hold them as such)
+Int64 = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]
+Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 
 class APIError(Exception):
@@ -42,33 +48,8 @@ def error_event(error: BaseException) -> bytes:
     return sse({"error": {"message": f"{type(error).__name__}: {error}", "type": "server_error", "param": None, "code": 500}})
 
 
-Body = TypeVar("Body", bound=BaseModel)
-
-
-def parse_body(raw: bytes, model: type[Body]) -> Body:
-    """JSON bytes -> a validated request model, or an APIError naming the bad field."""
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as error:
-        raise APIError(f"the request body is not valid JSON: {error}") from None
-    if not isinstance(data, dict):
-        raise APIError(f"the request body must be a JSON object, got {type(data).__name__}")
-    try:
-        return model.model_validate(data)
-    except ValidationError as error:
-        first = error.errors(include_url=False)[0]
-        field = ".".join(str(part) for part in first["loc"] if isinstance(part, int) or "[" not in str(part))
-        if first["type"] == "missing":
-            message = f"missing required field {field!r}"
-        elif first["type"].startswith("value_error"):
-            message = str(first["msg"]).removeprefix("Value error, ")
-        else:
-            message = f"invalid value for {field!r}: {first['msg']} (got {first.get('input')!r:.100})"
-        raise APIError(message, param=str(first["loc"][0]) if first["loc"] else None) from None
-
-
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -78,12 +59,12 @@ class StreamOptions(_Strict):
 class _OpenAISampling(_Strict):
     """Fields /v1/completions and /v1/chat/completions share, plus the SGLang/vLLM extensions."""
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=0)
+    max_tokens: Count | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: int = 1
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0)
+    top_p: float | None = Field(None, ge=0.0, le=1.0)       # 0 keeps only the likeliest token: greedy
+    n: Int64 = 1
+    stop: str | list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    seed: Count | None = None
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
@@ -91,12 +72,12 @@ class _OpenAISampling(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # extensions, as SGLang and vLLM accept them
-    top_k: int | None = Field(None, ge=-1)
+    top_k: Int64 | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: Count = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
 
@@ -133,12 +114,12 @@ class _OpenAISampling(_Strict):
 
 
 class CompletionRequest(_OpenAISampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=0)          # OpenAI's default for completions
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: Count | None = 16          # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int64 | None = None
 
     @model_validator(mode="after")
     def _check_completion(self):
@@ -168,6 +149,14 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None
+
+    @model_validator(mode="after")
+    def _check_content(self):
+        # as OpenAI: only an assistant message that carries tool calls may leave content out
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a message with role {self.role!r} must have content")
+        return self
 
     def as_template_input(self) -> dict:
         content = self.content
@@ -182,7 +171,7 @@ class ResponseFormat(_Strict):
 
 class ChatCompletionRequest(_OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict] | None = None
@@ -204,14 +193,14 @@ class ChatCompletionRequest(_OpenAISampling):
 
 class GenerateRequest(BaseModel):
     """SGLang's native /generate body. Unknown fields are errors here: this API is ours."""
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
     text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
+    input_ids: list[TokenId] | list[list[TokenId]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = Field(0, ge=0, le=20)
-    logprob_start_len: int = -1
+    logprob_start_len: Int64 = Field(-1, ge=-1)
     return_text_in_logprobs: bool = False
     rid: str | list[str] | None = None
 
