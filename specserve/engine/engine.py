@@ -7,6 +7,7 @@ does blocks the step loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import random
@@ -17,6 +18,7 @@ from typing import Any, AsyncIterator, Callable, Iterator
 from specserve.args import ServerArgs
 from specserve.engine.builder import build_core
 from specserve.engine.detokenizer import IncrementalDetokenizer
+from specserve.engine.failure_isolation import FailureIsolation
 from specserve.engine.output import OutputTracker
 from specserve.engine.request import Req, ReqState
 from specserve.sampling.params import SamplingParams
@@ -165,8 +167,10 @@ class Engine:
 
     async def _async_one(self, req: Req) -> dict:
         result = None
-        async for item in self._async_stream(req, stream=False):
-            result = item
+        # closed at once when this is cancelled (its caller left), so the abort is sent now
+        async with contextlib.aclosing(self._async_stream(req, stream=False)) as items:
+            async for item in items:
+                result = item
         return _last_result([result])
 
     async def _async_stream(self, req: Req, stream: bool = True) -> AsyncIterator[dict]:
@@ -188,19 +192,14 @@ class Engine:
     # --- the step loop (its own thread) ---
     def _loop(self) -> None:
         tracker = OutputTracker(self, _DONE)
+        isolation = FailureIsolation(self.core, tracker)
         while not self._stopped:
             self._drain_inbox(tracker)
             if not self.core.has_work():
                 self._wake.wait(timeout=0.1)
                 self._wake.clear()
                 continue
-            try:
-                outputs = self.core.step()
-            except Exception as error:  # one bad step fails its requests, never the engine
-                logger.exception("step failed")
-                tracker.fail_running(error)
-                continue
-            tracker.publish(outputs)
+            isolation.step()
         tracker.fail_all(RuntimeError("the engine was shut down"))
 
     def _drain_inbox(self, tracker: OutputTracker) -> None:
@@ -222,7 +221,7 @@ class Engine:
             else:
                 req = self.core.abort(message[1])
                 if req is not None:
-                    tracker.publish_abort(req)
+                    tracker.publish_final(req)
 
 
 def _drain(sink: queue.SimpleQueue) -> Iterator[dict]:

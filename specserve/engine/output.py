@@ -26,13 +26,15 @@ class OutputTracker:
             if out.req.rid in self.sinks:
                 self._send(out.req, final=out.finished)
 
-    def publish_abort(self, req: Req) -> None:
+    def publish_final(self, req: Req) -> None:
+        """The last output of a request that finished outside a step's outputs (aborted, or
+        finished by a step that then failed)."""
         if req.rid in self.sinks:
             self._send(req, final=True)
 
-    def fail_running(self, error: Exception) -> None:
-        """A step raised: fail and abort the requests it was running."""
-        for req in list(self.engine.core.last_batch_reqs):
+    def fail(self, reqs: list[Req], error: Exception) -> None:
+        """Fails and aborts these requests (their step raised)."""
+        for req in reqs:
             self.engine.core.abort(req.rid)
             self._fail(req, error)
 

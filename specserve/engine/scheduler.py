@@ -1,27 +1,40 @@
 """The scheduler decides who runs each step and owns every request's KV slots.
 
-Policy: FCFS with prefill first. A step is either EXTEND (chunks of prompts, at most
-`chunked_prefill_size` tokens) or DECODE/VERIFY (every running request that has its
-cache). When the cache cannot grow, the most recently arrived running request is
-preempted: its slots are freed and it is queued again at the front, to recompute its
-cache later from prompt + output so far (greedy output is unchanged by this).
+Policy: FCFS. A step is EXTEND (chunks of prompts, at most `chunked_prefill_size` tokens)
+or DECODE/VERIFY (every running request that has its cache). While nobody decodes,
+prompts are prefilled first. While requests decode, prefill chunks are paced
+(prefill_pacer.py) so that no stream stalls behind a long prompt: they alternate with
+decode steps, or, with `enable_mixed_chunk` (SGLang's --enable-mixed-chunk), ride in the
+same EXTEND step as the decoding requests' next tokens.
+
+When the cache cannot grow, the most recently arrived running request is preempted: its
+slots are freed and it is queued again at the front, to recompute its cache later from
+prompt + output so far (greedy output is unchanged by this).
+
+`focus` narrows the next steps to a few requests: the engine retries a failed batch's
+requests one at a time to find the one whose step fails.
 """
 from __future__ import annotations
 
 import collections
 import time
 
+from specserve.engine.prefill_pacer import PrefillPacer
 from specserve.engine.request import Batch, Req, ReqState
 from specserve.kv.pool import KVPool
 
 
 class Scheduler:
-    def __init__(self, pool: KVPool, max_running_requests: int, chunked_prefill_size: int):
+    def __init__(self, pool: KVPool, max_running_requests: int, chunked_prefill_size: int,
+                 enable_mixed_chunk: bool = False):
         self.pool = pool
         self.max_running = max_running_requests
-        self.chunk_budget = chunked_prefill_size
+        self.pacer = PrefillPacer(chunked_prefill_size)
+        self.mixed_chunk = enable_mixed_chunk
         self.waiting: collections.deque[Req] = collections.deque()
         self.running: list[Req] = []        # by arrival; prefilling ones included
+        self.focus: list[Req] | None = None  # when set, only these requests are scheduled
+        self._last_step: tuple[int, int] | None = None   # (prompt tokens, decoding requests) of the last batch
 
     # --- intake ---
     def add(self, req: Req) -> None:
@@ -39,23 +52,45 @@ class Scheduler:
 
     # --- scheduling ---
     def schedule(self) -> Batch | None:
-        """The next step's batch: prefill chunks if any prompt needs one, else a decode step."""
-        extend = self._schedule_extend()
-        if extend is not None:
-            return extend
-        decoding = [r for r in self.running if r.kv_len == r.num_tokens - 1]
-        if not decoding:
-            return None
-        decoding = self._reserve_decode_slots(decoding)
-        return Batch(reqs=decoding, is_extend=False) if decoding else None
+        """The next step's batch (see the module docstring for the policy)."""
+        decoding = [r for r in self._candidates(self.running) if r.kv_len == r.num_tokens - 1]
+        prefill_turn = not decoding or self.mixed_chunk or self._last_step is None or self._last_step[0] == 0
+        batch, decode_count = None, 0
+        if prefill_turn:
+            batch, decode_count = self._schedule_extend(decoding if self.mixed_chunk else [])
+        if batch is None and decoding:
+            decoding = self._reserve_decode_slots(decoding)
+            batch, decode_count = (Batch(reqs=decoding, is_extend=False), len(decoding)) if decoding else (None, 0)
+        if batch is None and not prefill_turn:   # a decode turn, but preemption left nobody to decode
+            batch, decode_count = self._schedule_extend([])
+        self._last_step = None if batch is None else (sum(batch.extend_lens[decode_count:]), decode_count)
+        return batch
 
-    def _schedule_extend(self) -> Batch | None:
-        budget = self.chunk_budget
-        reqs, lens, samples = [], [], []
-        # requests partway through a chunked prefill go first, then new ones in arrival order
-        candidates = [r for r in self.running if r.kv_len < r.prefill_target] + list(self.waiting)
+    def record_step_time(self, seconds: float) -> None:
+        """The wall time of the step last scheduled: the pacer learns the costs from it."""
+        if self._last_step is not None:
+            self.pacer.record(seconds, *self._last_step)
+
+    def _candidates(self, reqs) -> list[Req]:
+        if self.focus is None:
+            return list(reqs)
+        return [r for r in reqs if any(r is f for f in self.focus)]
+
+    def _schedule_extend(self, decoding: list[Req]) -> tuple[Batch | None, int]:
+        """Prompt chunks (requests partway through a chunked prefill first, then new ones in
+        arrival order), behind `decoding`'s next tokens if any (a mixed step). Returns the
+        batch and how many requests it decodes; no batch if no prompt can take a chunk."""
+        if not any(r.kv_len < r.prefill_target for r in self.running) and not self.waiting:
+            return None, 0
+        if decoding:
+            decoding = self._reserve_decode_slots(decoding)
+        candidates = (self._candidates(r for r in self.running if r.kv_len < r.prefill_target)
+                      + self._candidates(self.waiting))
         decode_reserve = sum(1 for r in self.running if r.kv_len >= r.prefill_target)
+        # others' streams wait while a chunk runs: paced unless nobody else decodes (or they are paused)
+        budget = self.pacer.budget(decoding=decode_reserve > 0 and self.focus is None)
         free = self.pool.slots.available() - decode_reserve   # what this step's chunks may take, together
+        reqs, lens, samples = list(decoding), [1] * len(decoding), [True] * len(decoding)
         for req in candidates:
             if budget <= 0 or free <= 0:
                 break
@@ -67,7 +102,9 @@ class Scheduler:
             samples.append(req.kv_len + length == req.num_tokens)
             budget -= length
             free -= length
-        return Batch(reqs=reqs, is_extend=True, extend_lens=lens, samples=samples) if reqs else None
+        if len(reqs) == len(decoding):
+            return None, 0
+        return Batch(reqs=reqs, is_extend=True, extend_lens=lens, samples=samples), len(decoding)
 
     def _admit(self, req: Req, decode_reserve: int) -> bool:
         """Moves a waiting request into running if a row and some cache are free."""
@@ -83,7 +120,7 @@ class Scheduler:
 
     def _reserve_decode_slots(self, decoding: list[Req]) -> list[Req]:
         """Preempts the newest requests until every remaining one can grow by one token."""
-        while len(decoding) > self.pool.slots.available():
+        while decoding and len(decoding) > self.pool.slots.available():
             victim = self.running[-1]
             self.preempt(victim)
             if victim in decoding:
@@ -131,10 +168,19 @@ class Scheduler:
             self.running.remove(req)
         self._release(req)
 
+    def trim_kv(self, req: Req) -> None:
+        """Restores the invariant kv_len <= num_tokens - 1 after a step that failed between
+        committing KV slots and committing their tokens: the slots of tokens never committed go."""
+        excess = req.kv_slots[max(req.num_tokens - 1, 0):]
+        if excess:
+            del req.kv_slots[-len(excess):]
+            self.pool.slots.free(excess)
+
     def _release(self, req: Req) -> None:
         self.pool.slots.free(req.kv_slots)
         req.kv_slots = []
         if req.row is not None:
             self.pool.free_row(req.row)
             req.row = None
+
 

@@ -1,0 +1,120 @@
+"""A step that fails because of one request fails that request alone: the others of its
+batch finish with exactly the tokens they get without the failure, and no KV slot leaks.
+The failure is injected for one request (the victim) in the sampler, the drafter (its
+proposal, and its observation of committed tokens, which raises halfway through a commit)
+and the forward (prefill and decode)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from specserve.engine.request import Req
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
+RIDS = ["first", "victim", "last"]
+GREEDY = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
+INJECTION_POINTS = {   # name: (engine, object attribute path, method, from which victim token it fails)
+    "sampler (decode)": ("plain", "sampler", "sample", 2),
+    "sampler (prefill)": ("plain", "sampler", "sample", 0),
+    "forward (prefill)": ("plain", "runner", "extend", 0),
+    "forward (decode)": ("plain", "runner", "run_trees", 3),
+    "drafter proposal": ("ngram", "drafter", "propose", 2),
+    "drafter observe (mid-commit)": ("ngram", "drafter", "observe", 4),
+}
+
+
+@pytest.fixture(scope="module")
+def engines(engine_factory):
+    return {"plain": engine_factory(max_total_tokens=2048, max_running_requests=8),
+            "ngram": engine_factory(max_total_tokens=2048, max_running_requests=8,
+                                    speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)}
+
+
+@pytest.fixture(scope="module")
+def expected(engines):
+    """Each engine's outputs without a failure."""
+    outputs = {name: run_together(engine) for name, engine in engines.items()}
+    for results in outputs.values():
+        assert all(isinstance(r, dict) and len(r["output_ids"]) == GREEDY["max_new_tokens"] for r in results)
+    return outputs
+
+
+def run_together(engine) -> list:
+    """The three requests submitted at once (one batch); each result or its exception."""
+    async def main():
+        return await asyncio.gather(*(engine.async_generate(p, GREEDY, rid=r) for p, r in zip(PROMPTS, RIDS)),
+                                    return_exceptions=True)
+    return asyncio.run(main())
+
+
+@contextlib.contextmanager
+def failing_for_victim(owner, method: str, from_token: int):
+    """Makes owner.method raise whenever the victim (with >= from_token outputs) is among its requests."""
+    original = getattr(owner, method)
+    calls = {"failed": 0}
+
+    def involves_victim(args) -> bool:
+        for arg in args:
+            reqs = arg if isinstance(arg, list) else [arg]
+            if any(isinstance(r, Req) and r.rid == "victim" and len(r.output_ids) >= from_token for r in reqs):
+                return True
+        return False
+
+    def wrapper(*args, **kwargs):
+        if involves_victim(args):
+            calls["failed"] += 1
+            raise RuntimeError("injected failure")
+        return original(*args, **kwargs)
+
+    setattr(owner, method, wrapper)   # an instance attribute shadows the method until deleted
+    try:
+        yield calls
+    finally:
+        delattr(owner, method)
+
+
+def assert_all_kv_free(engine) -> None:
+    pool = engine.core.runner.pool
+    for _ in range(500):
+        if not engine.core.has_work() and pool.slots.available() == pool.size:
+            break
+        asyncio.run(asyncio.sleep(0.01))
+    assert not engine.core.has_work() and not engine.core.requests
+    assert sorted(pool.slots._free) == list(range(1, pool.size + 1))    # none lost, none freed twice
+
+
+@pytest.mark.parametrize("point", list(INJECTION_POINTS))
+def test_a_failing_request_fails_alone(engines, expected, point):
+    engine_name, owner_name, method, from_token = INJECTION_POINTS[point]
+    engine, expected = engines[engine_name], expected[engine_name]
+    with failing_for_victim(getattr(engine.core, owner_name), method, from_token) as calls:
+        results = run_together(engine)
+    assert calls["failed"] >= 2                         # in the batch, then alone
+    assert isinstance(results[1], RuntimeError) and "injected failure" in str(results[1])
+    for got, want in ((results[0], expected[0]), (results[2], expected[2])):
+        assert isinstance(got, dict), got
+        assert got["output_ids"] == want["output_ids"] and got["text"] == want["text"]
+    assert_all_kv_free(engine)
+    assert run_together(engine)[1]["output_ids"] == expected[1]["output_ids"]    # and it goes on serving
+
+
+def test_a_failure_that_does_not_recur_fails_nobody(engines, expected):
+    engine, expected = engines["plain"], expected["plain"]
+    original = engine.core.sampler.sample
+    calls = {"count": 0}
+
+    def fail_once(*args, **kwargs):
+        calls["count"] += 1
+        if calls["count"] == 3:
+            raise RuntimeError("a passing fault")
+        return original(*args, **kwargs)
+
+    engine.core.sampler.sample = fail_once
+    try:
+        results = run_together(engine)
+    finally:
+        del engine.core.sampler.sample
+    assert [r["output_ids"] for r in results] == [r["output_ids"] for r in expected]
+    assert_all_kv_free(engine)
