@@ -7,19 +7,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import operator
 
 import pytest
 
-from specserve.engine.request import Req
+from specserve.attention.base import ForwardBatch
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
 RIDS = ["first", "victim", "last"]
 GREEDY = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
-INJECTION_POINTS = {   # name: (engine, object attribute path, method, from which victim token it fails)
+INJECTION_POINTS = {   # name: (engine, object path from the core, method, from which victim token it fails)
     "sampler (decode)": ("plain", "sampler", "sample", 2),
     "sampler (prefill)": ("plain", "sampler", "sample", 0),
-    "forward (prefill)": ("plain", "runner", "extend", 0),
-    "forward (decode)": ("plain", "runner", "run_trees", 3),
+    "forward (prefill)": ("plain", "runner.model", "forward", 0),
+    "forward (decode)": ("plain", "runner.model", "forward", 3),
     "drafter proposal": ("ngram", "drafter", "propose", 2),
     "drafter observe (mid-commit)": ("ngram", "drafter", "observe", 4),
 }
@@ -50,15 +51,21 @@ def run_together(engine) -> list:
 
 
 @contextlib.contextmanager
-def failing_for_victim(owner, method: str, from_token: int):
-    """Makes owner.method raise whenever the victim (with >= from_token outputs) is among its requests."""
+def failing_for_victim(core, path: str, method: str, from_token: int):
+    """Makes core.<path>.method raise whenever the victim (once it has >= from_token outputs)
+    is among the requests of its call: Req arguments, or a forward batch's req_to_token rows."""
+    owner = operator.attrgetter(path)(core)
     original = getattr(owner, method)
     calls = {"failed": 0}
 
     def involves_victim(args) -> bool:
+        victim = core.requests.get("victim")
+        if victim is None or len(victim.output_ids) < from_token:
+            return False
         for arg in args:
-            reqs = arg if isinstance(arg, list) else [arg]
-            if any(isinstance(r, Req) and r.rid == "victim" and len(r.output_ids) >= from_token for r in reqs):
+            if isinstance(arg, ForwardBatch):
+                return victim.row in arg.req_rows.tolist()
+            if arg is victim or (isinstance(arg, list) and any(r is victim for r in arg)):
                 return True
         return False
 
@@ -89,7 +96,7 @@ def assert_all_kv_free(engine) -> None:
 def test_a_failing_request_fails_alone(engines, expected, point):
     engine_name, owner_name, method, from_token = INJECTION_POINTS[point]
     engine, expected = engines[engine_name], expected[engine_name]
-    with failing_for_victim(getattr(engine.core, owner_name), method, from_token) as calls:
+    with failing_for_victim(engine.core, owner_name, method, from_token) as calls:
         results = run_together(engine)
     assert calls["failed"] >= 2                         # in the batch, then alone
     assert isinstance(results[1], RuntimeError) and "injected failure" in str(results[1])
