@@ -1,5 +1,6 @@
 """`python -m specserve.bench_offline`: see specserve/bench/offline.py."""
 from specserve.bench.offline import main
+from specserve.cli import run_cli
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -9,10 +9,12 @@ benchmark's table).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import re
 import sys
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import NoReturn, TypeVar
 
 from specserve.errors import UserError, did_you_mean, one_line
@@ -92,3 +94,13 @@ def setup_logging(level: str = "info") -> None:
     # third-party chatter (HTTP requests of huggingface_hub, ...) only when debugging
     for noisy in ("httpx", "httpcore", "urllib3", "huggingface_hub", "filelock"):
         logging.getLogger(noisy).setLevel(logging.DEBUG if level == "debug" else logging.WARNING)
+
+
+@contextlib.contextmanager
+def stage(what: str) -> Iterator[None]:
+    """A log line before a slow stage and one with its time after."""
+    logger = logging.getLogger("specserve")
+    logger.info("%s ...", what)
+    start = time.perf_counter()
+    yield
+    logger.info("%s: done in %.1f s", what, time.perf_counter() - start)

@@ -141,6 +141,31 @@ def test_filters_match_reference() -> None:
     np.testing.assert_allclose(plain.numpy(), probs[:, 0].double().numpy(), atol=1e-6)
 
 
+def test_top_k_selection_equals_the_sort_even_with_ties() -> None:
+    """max_top_k ranks only the likeliest tokens (topk) instead of sorting: the same
+    probabilities, also when tokens tie at the top-k or top-p boundary (kept: the lowest ids)."""
+    gen = torch.Generator().manual_seed(11)
+    bs, vocab = 12, 300
+    logits = torch.randn(bs, 2, vocab, generator=gen) * 2
+    top_ks = torch.tensor([3, 5, 8, 20, 1, 40] * 2)
+    top_ps = torch.tensor([1.0] * 6 + [0.5, 0.8, 0.9, 0.95, 0.3, 0.99])
+    temps, min_ps = torch.full((bs,), 0.9), torch.zeros(bs)
+    # eleven tokens tied right at each row's top-k boundary (ranks top_k - 2 to top_k + 8)
+    for b in range(bs):
+        for i in range(2):
+            order = logits[b, i].argsort(descending=True)
+            logits[b, i, [5, *range(200, 210)]] = logits[b, i, order[max(int(top_ks[b]) - 2, 0)]].item()
+    sorted_probs = apply_sampling_filters(logits, temps, top_ks, top_ps, min_ps)
+    selected = apply_sampling_filters(logits, temps, top_ks, top_ps, min_ps, max_top_k=40)
+    assert torch.equal(selected, sorted_probs)
+    for b in range(bs):
+        for i in range(2):
+            expected = reference_filter(logits[b, i].tolist(), 0.9, int(top_ks[b]), float(top_ps[b]), 0.0)
+            np.testing.assert_allclose(selected[b, i].double().numpy(), expected, atol=1e-6)
+    tied = selected[:, :, [5, *range(200, 210)]] > 0
+    assert (tied.any(-1) & ~tied.all(-1)).any(), "no row cut through the tied tokens"
+
+
 # --- greedy ----------------------------------------------------------------------------------
 
 def reference_greedy(tokens: list[int], parents: list[int], num_nodes: int, argmax: list[int]):

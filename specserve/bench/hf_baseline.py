@@ -2,11 +2,15 @@
 prompts, greedy, in batches (left padding), optionally with prompt lookup decoding."""
 from __future__ import annotations
 
+import logging
 import os
 import statistics
 import time
 
 import torch
+from tqdm import tqdm
+
+logger = logging.getLogger("specserve")
 
 
 def load_hf_model(model_path: str, dtype: str, device: str):
@@ -17,7 +21,10 @@ def load_hf_model(model_path: str, dtype: str, device: str):
     kwargs = {}
     if model_path.endswith(".gguf"):
         model_path, kwargs["gguf_file"] = os.path.split(model_path)
+    logger.info("loading %s into transformers ...", kwargs.get("gguf_file") or model_path)
+    start = time.perf_counter()
     model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype, **kwargs)
+    logger.info("loaded into transformers in %.1f s", time.perf_counter() - start)
     return model.to(torch_device).eval()
 
 
@@ -36,14 +43,18 @@ def hf_generate_summary(model_path: str, prompts: list[list[int]], batch_size: i
         options["prompt_lookup_num_tokens"] = prompt_lookup_num_tokens
     _generate(model, prompts[:1], {**options, "max_new_tokens": 4})  # warm-up
     latencies, tokens = [], 0
+    name = label or ("transformers prompt-lookup" if prompt_lookup_num_tokens else "transformers generate")
+    bar = tqdm(total=len(prompts), desc=name, unit="req", leave=False)
     start = time.perf_counter()
     for i in range(0, len(prompts), batch_size):
         batch_start = time.perf_counter()
         outputs = _generate(model, prompts[i:i + batch_size], options)
         latencies.append(time.perf_counter() - batch_start)
         tokens += sum(_generated_length(row, eos_ids, ignore_eos) for row in outputs)
+        bar.set_postfix_str(f"{tokens} tokens", refresh=False)
+        bar.update(len(outputs))
     duration = time.perf_counter() - start
-    name = label or ("transformers prompt-lookup" if prompt_lookup_num_tokens else "transformers generate")
+    bar.close()
     return {"label": name, "requests": len(prompts), "duration_s": duration, "output_tokens": tokens,
             "output_tokens_per_s": tokens / duration, "mean_latency_s": statistics.mean(latencies),
             "p99_latency_s": max(latencies)}

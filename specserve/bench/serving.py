@@ -11,16 +11,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import random
 import statistics
 import sys
 import time
+import urllib.error
+import urllib.request
 from dataclasses import asdict, dataclass, field
 from typing import Awaitable, Callable
 
 from specserve.bench.datasets import (DatasetRow, HFTokenizer, ServerTokenizer, load_sharegpt_pairs,
                                       sample_random_requests, sample_sharegpt_requests)
+from specserve.cli import ArgumentParser, setup_logging, stage
+from specserve.errors import ServerUnreachableError
+
+logger = logging.getLogger("specserve")
 
 NATIVE_BACKENDS = ("specserve", "sglang", "sglang-native")
 COMPLETION_BACKENDS = ("openai", "vllm", "sglang-oai")
@@ -316,6 +323,7 @@ async def _benchmark(args, base_url: str, rows: list[DatasetRow]) -> list[dict]:
             def send(row): return request_openai(session, base_url, row, args, model, chat)
         if args.warmup_requests > 0:
             warm = DatasetRow(rows[0].prompt, rows[0].prompt_len, min(rows[0].output_len, 16))
+            logger.info("%d warm-up request(s) ...", args.warmup_requests)
             results = await asyncio.gather(*(send(warm) for _ in range(args.warmup_requests)))
             failed = [r.error for r in results if not r.success]
             if failed:
@@ -369,14 +377,32 @@ def _accept_length(results: list[RequestResult], before: dict, after: dict) -> f
     return (after.get("internal_states") or [{}])[0].get("avg_spec_accept_length") or None   # SGLang: a running mean
 
 
+def check_server(base_url: str, timeout_s: float = 10.0) -> None:
+    """Fails at once, in one line, when nothing answers at base_url (before the dataset is built)."""
+    try:
+        urllib.request.urlopen(base_url + "/health", timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        pass   # something answers; a server without /health is fine
+    except (urllib.error.URLError, OSError) as error:
+        reason = getattr(error, "reason", error)
+        raise ServerUnreachableError(f"no server answers at {base_url} ({reason}); start one with "
+                                     "python -m specserve.launch_server, or pass --base-url / --port") from None
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(prog="python -m specserve.bench_serving", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="python -m specserve.bench_serving", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     add_cli_args(parser)
     args = parser.parse_args(argv)
+    setup_logging("info")
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
-    print(f"{args}\n", flush=True)
-    rows = build_requests(args, base_url)
+    check_server(base_url)
+    rate = "inf" if args.request_rate == float("inf") else f"{args.request_rate}/s"
+    logger.info("benchmarking %s (%s): %s, %d prompts, request rate %s, max concurrency %s, %d turn(s)",
+                base_url, args.backend, args.dataset_name, args.num_prompts, rate,
+                args.max_concurrency or "unlimited", args.num_turns)
+    with stage(f"sampling {args.num_prompts} {args.dataset_name} requests"):
+        rows = build_requests(args, base_url)
     print(f"#Input tokens: {sum(r.prompt_len for r in rows)}\n#Output tokens: {sum(r.output_len for r in rows)}", flush=True)
     reports = asyncio.run(_benchmark(args, base_url, rows))
     if args.output_file:

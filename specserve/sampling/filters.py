@@ -21,34 +21,25 @@ def _per_row(param: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def apply_sampling_filters(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor,
                            top_ps: torch.Tensor, min_ps: torch.Tensor, *,
-                           need_top_k_top_p: bool = True, need_min_p: bool = True) -> torch.Tensor:
+                           need_top_k_top_p: bool = True, need_min_p: bool = True,
+                           max_top_k: int | None = None) -> torch.Tensor:
     """Returns normalised probabilities, same shape as logits ((bs, V) or (bs, n, V)).
 
     temperatures, top_ps, min_ps: (bs,) float; top_ks: (bs,) int, <= 0 or >= V means no top-k.
     top_p >= 1 and min_p <= 0 disable those filters per row. Float32, or float64 for float64
     logits. need_top_k_top_p / need_min_p: the caller (who knows the batch's parameters on the
     host) may pass False when no row uses them, to skip the sort over the vocabulary.
+    max_top_k: the caller may promise that every row has 0 < top_k <= max_top_k; then only the
+    max_top_k likeliest tokens are ranked (a top-k selection instead of a sort over the
+    vocabulary), with the same result.
     """
-    vocab = logits.shape[-1]
     x = logits if logits.dtype == torch.float64 else logits.float()
     temperatures = _per_row(temperatures.to(x.dtype), x)
     greedy = temperatures <= 0
     probs = torch.softmax(x / torch.where(greedy, torch.ones_like(temperatures), temperatures), dim=-1)
 
     if need_top_k_top_p:
-        sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
-        rank = torch.arange(vocab, device=x.device)
-        top_ks = _per_row(top_ks.to(torch.int64), x)
-        top_ks = torch.where((top_ks <= 0) | (top_ks > vocab), torch.full_like(top_ks, vocab), top_ks)
-        kept = torch.where(rank < top_ks, sorted_probs, torch.zeros_like(sorted_probs))
-        # top-p: keep the smallest prefix whose mass reaches top_p of the top-k mass, i.e.
-        # every token whose preceding (exclusive) cumulative mass is still below it
-        exclusive_mass = kept.cumsum(dim=-1) - kept
-        top_ps = _per_row(top_ps.to(x.dtype), x)
-        keep_sorted = (rank < top_ks) & ((exclusive_mass < top_ps * kept.sum(-1, keepdim=True))
-                                         | (top_ps >= 1) | (rank == 0))
-        keep = torch.empty_like(keep_sorted).scatter_(-1, order, keep_sorted)
-        probs = torch.where(keep, probs, torch.zeros_like(probs))
+        probs = torch.where(_top_k_top_p_keep(probs, top_ks, top_ps, max_top_k), probs, torch.zeros_like(probs))
 
     if need_min_p:
         min_ps = _per_row(min_ps.to(x.dtype), x)
@@ -58,6 +49,38 @@ def apply_sampling_filters(logits: torch.Tensor, temperatures: torch.Tensor, top
     probs = probs / probs.sum(dim=-1, keepdim=True)
     one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
     return torch.where(greedy, one_hot, probs)
+
+
+def _top_k_top_p_keep(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
+                      max_top_k: int | None) -> torch.Tensor:
+    """The tokens top-k then top-p keep, a bool mask shaped like probs.
+
+    Both keep a prefix of the tokens ranked by probability, so the decision needs only the
+    ranked probabilities (the largest max_top_k of them, or all): the prefix length `count`.
+    The mask is then rebuilt from values, so that a sort and a top-k selection give the same
+    one whatever order they leave tied tokens in: every token above the smallest kept
+    probability, and of the tokens equal to it the lowest ids (a stable sort's order).
+    """
+    vocab = probs.shape[-1]
+    if max_top_k is not None and max_top_k < vocab:
+        ranked = probs.topk(max_top_k, dim=-1).values                       # (..., max_top_k)
+    else:
+        ranked = probs.sort(dim=-1, descending=True).values                 # (..., V)
+    rank = torch.arange(ranked.shape[-1], device=probs.device)
+    top_ks = _per_row(top_ks.to(torch.int64), probs)
+    top_ks = torch.where((top_ks <= 0) | (top_ks > vocab), torch.full_like(top_ks, vocab), top_ks)
+    kept = torch.where(rank < top_ks, ranked, torch.zeros_like(ranked))
+    # top-p: keep the smallest prefix whose mass reaches top_p of the top-k mass, i.e.
+    # every token whose preceding (exclusive) cumulative mass is still below it
+    exclusive_mass = kept.cumsum(dim=-1) - kept
+    top_ps = _per_row(top_ps.to(probs.dtype), probs)
+    keep_ranked = (rank < top_ks) & ((exclusive_mass < top_ps * kept.sum(-1, keepdim=True))
+                                     | (top_ps >= 1) | (rank == 0))
+    count = keep_ranked.sum(dim=-1, keepdim=True)                           # >= 1
+    smallest_kept = ranked.gather(-1, count - 1)
+    tied_needed = count - (keep_ranked & (ranked > smallest_kept)).sum(dim=-1, keepdim=True)
+    tied = probs == smallest_kept
+    return (probs > smallest_kept) | (tied & (tied.cumsum(dim=-1, dtype=torch.int32) <= tied_needed))
 
 
 def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, prompt_mask: torch.Tensor,

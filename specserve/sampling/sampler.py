@@ -124,6 +124,7 @@ class Sampler:
     def _sampling_tensors(self, reqs: list[Req]) -> dict:
         def column(values, dtype):
             return torch.tensor(values, dtype=dtype, device=self.device)
+        top_ks = [r.params.top_k for r in reqs if not r.params.greedy]   # greedy rows ignore the filters
         return {
             "temperatures": column([0.0 if r.params.greedy else r.params.temperature for r in reqs], torch.float32),
             "top_ks": column([r.params.top_k if r.params.top_k > 0 else self.vocab_size for r in reqs], torch.long),
@@ -135,6 +136,8 @@ class Sampler:
             # the full-vocabulary sort of top-k / top-p is the costly part: skip it when unused
             "need_top_k_top_p": any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in reqs),
             "need_min_p": any(r.params.min_p > 0 for r in reqs),
+            # when every sampled row has a top-k, rank only that many tokens instead of sorting
+            "max_top_k": max(top_ks) if top_ks and all(0 < k < self.vocab_size for k in top_ks) else None,
             "rule": self.sampling_rule,
         }
 

@@ -90,7 +90,8 @@ def verify_sampling(trees: DraftTrees, logits: torch.Tensor, temperatures: torch
                     top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor,
                     seeds: torch.Tensor, positions: torch.Tensor,
                     draft_probs: torch.Tensor | None = None, *, rule: str = "coupled",
-                    need_top_k_top_p: bool = True, need_min_p: bool = True) -> VerifyResult:
+                    need_top_k_top_p: bool = True, need_min_p: bool = True,
+                    max_top_k: int | None = None) -> VerifyResult:
     """Speculative sampling over a tree: the committed tokens follow the target exactly.
 
     logits: (bs, n, V); temperatures, top_ks, top_ps, min_ps, seeds: (bs,); positions:
@@ -101,7 +102,7 @@ def verify_sampling(trees: DraftTrees, logits: torch.Tensor, temperatures: torch
     draft_probs: rejection only. None for drafts that are a deterministic function of the
     context (n-gram tries, top-k trees); else (bs, n, V), the draft distribution q at node i
     from which the children of node i were drawn independently (with replacement).
-    need_*: see apply_sampling_filters. Temperature-0 rows give verify_greedy's result.
+    need_*, max_top_k: see apply_sampling_filters. Temperature-0 rows give verify_greedy's result.
     Either way the trees must not depend on this function's random numbers (drafters use
     SALT_DRAFT).
     """
@@ -110,7 +111,7 @@ def verify_sampling(trees: DraftTrees, logits: torch.Tensor, temperatures: torch
     if rule == "coupled" and draft_probs is not None:
         raise ValueError("draft_probs: the coupled rule does not use a draft distribution; pass rule='rejection'")
     probs = apply_sampling_filters(logits, temperatures, top_ks, top_ps, min_ps,
-                                   need_top_k_top_p=need_top_k_top_p, need_min_p=need_min_p)
+                                   need_top_k_top_p=need_top_k_top_p, need_min_p=need_min_p, max_top_k=max_top_k)
     positions = positions.to(torch.int64)
     if rule == "coupled":
         return _verify_coupled(trees, probs, seeds, positions)

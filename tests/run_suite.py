@@ -1,0 +1,81 @@
+"""`make test`: the suite in several pytest processes, one after another, then one closing
+line with the totals ("total: N passed, N failed").
+
+Why processes: a process keeps what its tests loaded (models, engines, compiled kernels),
+and one process for the whole suite grew past 18 GB. So each file that loads a real model
+or starts an engine or a server (it names `smollm2`, `Engine(`, `engine_factory` or
+`launch_server`) runs alone, peaking under ~6 GB (the largest, test_generation.py, ~4.7 GB);
+the other files, tiny random models and pure functions, share one process; the Triton
+kernel tests share another, under Triton's interpreter (TRITON_INTERPRET=1 must be set
+before Triton is first imported).
+
+`python tests/run_suite.py [FILES...] [-- PYTEST ARGS]` runs some files, with pytest flags.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+import subprocess
+import sys
+import time
+from collections import Counter
+
+KERNEL_TESTS = {"test_triton_attention.py", "test_fused_ops.py", "test_gemv.py"}
+LOADS_A_MODEL = re.compile(r"smollm2|Engine\(|engine_factory|launch_server")
+COUNTS = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected)")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def groups(files: list[str]) -> list[list[str]]:
+    """The kernel tests together, the light files together, each heavy file alone."""
+    kernels = [f for f in files if os.path.basename(f) in KERNEL_TESTS]
+    rest = [f for f in files if f not in kernels]
+    heavy = [f for f in rest if LOADS_A_MODEL.search(open(os.path.join(ROOT, f), encoding="utf-8").read())]
+    light = [f for f in rest if f not in heavy]
+    return [group for group in (kernels, light, *([f] for f in heavy)) if group]
+
+
+def run_group(paths: list[str], pytest_args: list[str]) -> tuple[Counter, str, int, str]:
+    env = dict(os.environ)
+    if os.path.basename(paths[0]) in KERNEL_TESTS:
+        env["TRITON_INTERPRET"] = "1"
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths, *pytest_args],
+                            cwd=ROOT, env=env, capture_output=True, text=True)
+    output = result.stdout + result.stderr
+    lines = [line for line in output.splitlines() if COUNTS.search(line)]
+    summary = lines[-1].strip("= ") if lines else f"exit status {result.returncode}, no summary"
+    counts = Counter()
+    for number, kind in COUNTS.findall(lines[-1] if lines else ""):
+        counts["error" if kind.startswith("error") else kind] += int(number)
+    if result.returncode not in (0, 5) and not counts["failed"] + counts["error"]:
+        counts["error"] += 1   # a crash before pytest could count
+    return counts, summary, result.returncode, output
+
+
+def main(argv: list[str]) -> int:
+    split = argv.index("--") if "--" in argv else len(argv)
+    files = argv[:split] or sorted(glob.glob(os.path.join("tests", "test_*.py"), root_dir=ROOT))
+    pytest_args = argv[split + 1:]
+    totals, failures, start = Counter(), [], time.perf_counter()
+    batches = groups(files)
+    for i, paths in enumerate(batches, 1):
+        name = paths[0] if len(paths) == 1 else f"{len(paths)} files ({', '.join(os.path.basename(p) for p in paths)})"
+        print(f"[{i}/{len(batches)}] {name} ...", end=" ", flush=True)
+        group_start = time.perf_counter()
+        counts, summary, status, output = run_group(paths, pytest_args)
+        totals.update(counts)
+        print(f"{summary} ({time.perf_counter() - group_start:.0f} s)", flush=True)
+        if status not in (0, 5):
+            failures.extend(paths)
+            print(output, flush=True)
+    extra = "".join(f", {totals[k]} {k}" for k in ("error", "skipped", "xfailed", "xpassed") if totals[k])
+    if failures:
+        print("failed files: " + " ".join(failures))
+    print(f"total: {totals['passed']} passed, {totals['failed']} failed{extra} "
+          f"in {time.perf_counter() - start:.0f} s")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,196 @@
+"""What a new user meets first: a mistake is one line on stderr and a non-zero exit, caught
+before the weights load; the Python API raises the same message as one type per kind;
+SGLang's keyword names work; --help shows defaults; stdout carries only the text."""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from specserve import errors, sglang_compat
+from specserve.args import ServerArgs
+from specserve.cli import ArgumentParser, run_cli, setup_logging
+from specserve.generate import main as generate_main
+from specserve.launch_server import main as launch_main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cli_error(capfd, main, argv: list[str]) -> tuple[int, list[str], str]:
+    """Runs an entry point as `python -m` would; returns (exit status, stderr lines, stdout)."""
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(main, argv)
+    out, err = capfd.readouterr()
+    return exit_info.value.code, err.splitlines(), out
+
+
+# ---- one line, non-zero exit, before the model loads ----
+@pytest.fixture
+def bad_paths(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "corrupt.gguf").write_bytes(b"not a gguf at all")
+    (tmp_path / "weights.bin").write_bytes(b"\0" * 16)
+    return tmp_path
+
+
+# argv (<tmp> is a scratch directory), words the line must hold
+USER_ERRORS = {
+    "missing .gguf": (["--model-path", "<tmp>/missing.gguf"], ["missing.gguf", "does not exist"]),
+    "empty directory": (["--model-path", "<tmp>/empty"], ["empty", "config.json"]),
+    "corrupt GGUF": (["--model-path", "<tmp>/corrupt.gguf"], ["corrupt.gguf", "GGUF"]),
+    "not a GGUF file": (["--model-path", "<tmp>/weights.bin"], ["weights.bin", ".gguf"]),
+    "hub id offline": (["--model-path", "no-such-org/no-such-model"], ["no-such-org/no-such-model", "hub"]),
+    "EAGLE": (["--speculative-algorithm", "EAGLE"], ["EAGLE", "not implemented"]),
+    "tensor parallelism": (["--tp-size", "2"], ["tp_size", "one device"]),
+    "a device that is not there": (["--device", "cuda:99"], ["cuda:99"]),
+    "bad device name": (["--device", "gpu"], ["device", "'gpu'"]),
+    "bad sampling value": (["--temperature", "-1"], ["temperature"]),
+    "zero trie capacity": (["--speculative-algorithm", "NGRAM", "--speculative-ngram-capacity", "0"],
+                           ["speculative_ngram_capacity"]),
+    "SGLang feature we lack": (["--enable-lora"], ["enable_lora", "SGLang"]),
+    "compare without speculation": (["--compare-plain"], ["--speculative-algorithm"]),
+}
+
+
+@pytest.mark.parametrize("case", USER_ERRORS)
+def test_a_user_error_is_one_line_on_stderr_and_exit_1(capfd, monkeypatch, bad_paths, case):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    argv, words = USER_ERRORS[case]
+    status, lines, out = cli_error(capfd, generate_main, [a.replace("<tmp>", str(bad_paths)) for a in argv])
+    assert status == 1 and out == ""
+    assert len(lines) == 1 and lines[0].startswith("specserve: error: "), lines
+    assert all(word in lines[0] for word in words), lines[0]
+
+
+def test_a_misspelled_flag_is_one_line_with_a_suggestion(capfd):
+    status, lines, out = cli_error(capfd, generate_main, ["--speculative-algoritm", "NGRAM"])
+    assert status == 2 and out == ""
+    assert len(lines) == 1 and "did you mean --speculative-algorithm?" in lines[0], lines
+
+
+def test_log_level_debug_shows_the_traceback():
+    with pytest.raises(errors.NotSupportedError, match="EAGLE"):
+        run_cli(generate_main, ["--speculative-algorithm", "EAGLE", "--log-level", "debug"])
+
+
+def test_a_port_in_use_is_reported_before_the_model_loads(capfd):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(errors.PortInUseError, match=str(port)):
+            from specserve.net import check_port_free
+            check_port_free("127.0.0.1", port)
+        # --model-path names nothing loadable: reaching the load would be another error
+        status, lines, _ = cli_error(capfd, launch_main, ["--port", str(port), "--model-path", "/no/such.gguf"])
+    assert status == 1 and len(lines) == 1 and f"port {port}" in lines[0] and "in use" in lines[0], lines
+
+
+# ---- the Python API: one type per kind, the CLI's message ----
+def test_the_api_raises_the_cli_message_with_one_type_per_kind(capfd):
+    with pytest.raises(errors.NotSupportedError) as api_error:
+        ServerArgs.from_kwargs(speculative_algorithm="EAGLE")
+    assert isinstance(api_error.value, NotImplementedError)
+    _, lines, _ = cli_error(capfd, generate_main, ["--speculative-algorithm", "EAGLE"])
+    assert lines == [f"specserve: error: {api_error.value}"]
+    with pytest.raises(errors.ArgumentError) as bad_value:
+        ServerArgs.from_kwargs(mem_fraction_static=2.0)
+    assert isinstance(bad_value.value, ValueError) and "mem_fraction_static" in str(bad_value.value)
+    with pytest.raises(errors.ModelNotFoundError) as missing:
+        from specserve.model.loader import resolve_model_path
+        resolve_model_path("/no/such/model.gguf")
+    assert isinstance(missing.value, FileNotFoundError)
+
+
+def test_a_misspelled_keyword_gets_a_suggestion_not_not_implemented():
+    from specserve.engine.engine import Engine
+    with pytest.raises(errors.UnknownArgumentError, match=r"speculative_algoritm.*did you mean speculative_algorithm\?"):
+        Engine(speculative_algoritm="NGRAM")
+    with pytest.raises(TypeError, match="no_such_option'$"):   # nothing close: no suggestion
+        ServerArgs.from_kwargs(no_such_option=1)
+
+
+# ---- SGLang's names ----
+def test_sglang_spelling_is_primary_and_ours_an_alias():
+    assert ServerArgs().speculative_ngram_capacity == 10_000_000   # SGLang's default
+    args = ServerArgs.from_kwargs(speculative_ngram_max_trie_depth=7)
+    assert args.speculative_ngram_branch_length == 7 == args.speculative_ngram_max_trie_depth
+    parser = ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    for flag in ("--speculative-ngram-branch-length", "--speculative-ngram-max-trie-depth"):
+        assert ServerArgs.from_cli_args(parser.parse_args([flag, "5"])).speculative_ngram_branch_length == 5
+    assert ServerArgs.from_cli_args(parser.parse_args(["--model", "m.gguf"])).model_path == "m.gguf"
+    with pytest.raises(errors.ArgumentError, match="twice"):
+        ServerArgs.from_kwargs(speculative_ngram_branch_length=5, speculative_ngram_max_trie_depth=6)
+
+
+def test_tuning_options_of_sglang_are_accepted_with_one_warning(caplog, monkeypatch):
+    monkeypatch.setattr(sglang_compat, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger="specserve"):
+        for _ in range(2):
+            ServerArgs.from_kwargs(disable_radix_cache=True, enable_torch_compile=True, page_size=16)
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 3 and all(m.startswith("ignoring SGLang's") for m in messages), messages
+    assert any("disable_radix_cache" in m and "prefix" in m for m in messages)
+
+
+def test_every_sglang_name_is_accepted_at_its_default_and_features_refused_otherwise(caplog):
+    with caplog.at_level(logging.WARNING, logger="specserve"):
+        ServerArgs.from_kwargs(**{name: default for name, (default, _) in sglang_compat.SGLANG_ONLY_FIELDS.items()})
+        ServerArgs.from_kwargs(enable_lora=False, lora_paths=None, dp_size=1, quantization=None)
+    assert not caplog.records
+    for feature in ({"enable_lora": True}, {"dp_size": 2}, {"quantization": "fp8"}, {"kv_cache_dtype": "fp8_e5m2"}):
+        with pytest.raises(errors.NotSupportedError, match=next(iter(feature))):
+            ServerArgs.from_kwargs(**feature)
+
+
+def test_sglang_command_lines_parse():
+    parser = ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    argv = ["--model-path", "m.gguf", "--disable-radix-cache", "--cuda-graph-bs", "1", "2", "4", "--page-size", "1",
+            "--tensor-parallel-size", "1", "--speculative-ngram-branch-length", "12", "--enable-metrics"]
+    args = ServerArgs.from_cli_args(parser.parse_args(argv))
+    assert args.speculative_ngram_branch_length == 12 and args.tp_size == 1
+
+
+# ---- --help ----
+def test_help_shows_defaults_and_marks_what_is_not_implemented(capsys):
+    from specserve.runner.model_runner import CPU_DEFAULT_KV_TOKENS
+    with pytest.raises(SystemExit):
+        generate_main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--speculative-num-draft-tokens INT tree nodes per verify step, the root included (default: 8)" in text
+    assert f"{CPU_DEFAULT_KV_TOKENS} on a CPU" in text
+    assert "--speculative-eagle-topk INT EAGLE branching; not implemented yet" in text
+    assert "--disable-radix-cache" in text and "ignored with a warning" in text   # named in the SGLang section only
+    assert "--enable-lora" not in text
+
+
+# ---- logging ----
+def test_log_lines_go_through_tqdm_to_stderr(monkeypatch, capfd):
+    import tqdm
+    written = []
+    monkeypatch.setattr(tqdm.tqdm, "write", classmethod(lambda cls, line, file=None: written.append((line, file))))
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        setup_logging("info")
+        logging.getLogger("specserve").info("hello")
+    finally:
+        root.handlers[:], root.level = handlers, level
+    assert len(written) == 1 and written[0][0].endswith("hello") and written[0][1] is sys.stderr
+
+
+# ---- stdout carries only the text (a real run of the default model) ----
+def test_stdout_holds_only_the_generated_text():
+    result = subprocess.run([sys.executable, "-m", "specserve.generate", "--prompt", "The capital of France is",
+                             "--max-new-tokens", "4", "--max-total-tokens", "512"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "no --model-path given" in result.stderr and "tokens/s" in result.stderr
+    assert "specserve" not in result.stdout and "tokens/s" not in result.stdout
+    assert result.stdout.strip()
