@@ -5,10 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -17,38 +13,17 @@ import httpx
 import openai
 import pytest
 
+from server_process import free_port, server_load, start_server, stop_server, wait_idle
 from specserve.bench.server_overhead import wait_healthy
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GREEDY = {"temperature": 0.0}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_server(port: int, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "specserve.launch_server", "--host", "127.0.0.1", "--port", str(port),
-           "--max-total-tokens", "8192", "--dtype", "float32", "--log-level", "warning", *extra]
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.Popen(cmd, cwd=ROOT, env=env)
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
 
 
 @pytest.fixture(scope="module")
 def env(request):
     port = free_port()
-    proc = start_server(port)             # loads while this process loads its offline engine
+    proc = start_server(port, "--max-total-tokens", "8192")   # loads while this process loads its offline engine
     try:
         # the session's engine factory reuses an already-loaded checkpoint when another module loaded one
         engine = request.getfixturevalue("engine_factory")(max_total_tokens=8192)
@@ -67,21 +42,6 @@ def offline(engine, prompt=None, input_ids=None, **params) -> dict:
 
 def chat_ids(engine, messages) -> list[int]:
     return engine.tokenizer(engine.apply_chat_template(messages), add_special_tokens=False).input_ids
-
-
-def server_load(base_url: str) -> dict:
-    return httpx.get(base_url + "/get_server_info").json()
-
-
-def wait_idle(base_url: str, timeout: float = 10.0) -> dict:
-    """A finished request's slots are freed by the engine thread: poll briefly."""
-    deadline = time.monotonic() + timeout
-    while True:
-        info = server_load(base_url)
-        idle = info["kv_free_slots"] == info["kv_total_slots"] and info["num_running"] == info["num_waiting"] == 0
-        if idle or time.monotonic() > deadline:
-            return info
-        time.sleep(0.05)
 
 
 PROMPT = "The capital of France is"

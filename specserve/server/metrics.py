@@ -35,6 +35,7 @@ class ServerMetrics:
         self.generation_tokens = 0
         self.spec_verify_steps = 0
         self.spec_accepted_tokens = 0
+        self.preemptions = 0
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.", labels,
@@ -97,6 +98,7 @@ class RequestTimer:
         reason = (meta.get("finish_reason") or {}).get("type", "unknown")
         metrics.requests_by_reason[reason] = metrics.requests_by_reason.get(reason, 0) + 1
         metrics.e2e.observe(time.perf_counter() - self.start)
+        metrics.preemptions += meta.get("preemptions", 0)
         verify_steps = meta.get("spec_verify_ct", 0)
         if verify_steps:
             metrics.spec_verify_steps += verify_steps
@@ -130,7 +132,9 @@ class _TotalsCollector:
                 ("prompt_tokens", "Prompt tokens processed.", m.prompt_tokens),
                 ("generation_tokens", "Output tokens generated.", m.generation_tokens),
                 ("spec_verify_steps", "Speculative verify steps of finished requests.", m.spec_verify_steps),
-                ("spec_accepted_tokens", "Tokens committed by verify steps, bonus included.", m.spec_accepted_tokens)):
+                ("spec_accepted_tokens", "Tokens committed by verify steps, bonus included.", m.spec_accepted_tokens),
+                ("num_preemptions", "Preemptions of finished requests (cache dropped, recomputed later).",
+                 m.preemptions)):
             counter = CounterMetricFamily(PREFIX + name, help_text, labels=["model_name"])
             counter.add_metric(labels, value)
             yield counter
