@@ -63,6 +63,7 @@ class ServerArgs:
     mem_fraction_static: float | None = _memory(None, "fraction of GPU memory for weights + KV cache (default 0.85)")
     max_running_requests: int | None = _memory(None, "default: 256 on a GPU, 64 on a CPU")
     chunked_prefill_size: int = _memory(2048, "largest number of prompt tokens in one prefill step; -1 disables chunking")
+    enable_mixed_chunk: bool = _memory(False, "prefill chunks ride in decode steps instead of alternating with them")
     schedule_policy: str = _memory("fcfs", "first come, first served (SGLang's other policies are not implemented)",
                                    choices=("fcfs",))
     # --- kernels ---

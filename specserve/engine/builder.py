@@ -83,8 +83,7 @@ def build_core(args: ServerArgs):
     logger.info("runner ready in %.1f s", time.perf_counter() - start)
     scheduler = Scheduler(runner.pool, runner.max_running_requests,
                           args.chunked_prefill_size if args.chunked_prefill_size > 0 else context_length,
-                          # getattr until ServerArgs has the field (SGLang's --enable-mixed-chunk)
-                          enable_mixed_chunk=getattr(args, "enable_mixed_chunk", False))
+                          enable_mixed_chunk=args.enable_mixed_chunk)
     drafter = checked.drafter
     adaptive = None
     if drafter is not None and args.speculative_adaptive:
