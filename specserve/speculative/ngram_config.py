@@ -27,3 +27,21 @@ class NgramConfig:
             raise ValueError(f"match_type must be 'BFS' or 'PROB', got {self.match_type!r}")
         if not 0.0 <= self.evict_to < 1.0:
             raise ValueError("evict_to must be in [0, 1)")
+
+    @property
+    def max_window(self) -> int:
+        """The longest suffix worth matching: a match needs a continuation inside the trie."""
+        return min(self.max_match_window, self.max_trie_depth - 1)
+
+    def breadth_table(self) -> list[list[int]]:
+        """[match_length][level] -> children expanded per node. Wide after a short (weak)
+        match, narrow after a long one (linear in the match length, as SGLang does), then
+        ``first // level`` at deeper levels, never below min_bfs_breadth."""
+        span = max(1, self.max_window - self.min_match_window)
+        table = []
+        for length in range(self.max_window + 1):
+            frac = min(1.0, max(0.0, (length - self.min_match_window) / span))
+            first = round(self.max_bfs_breadth - frac * (self.max_bfs_breadth - self.min_bfs_breadth))
+            table.append([first] + [max(self.min_bfs_breadth, first // level)
+                                    for level in range(1, self.max_trie_depth + 1)])
+        return table

@@ -79,10 +79,10 @@ class NgramTrie:
             raise ValueError("the C trie holds at most 2**30 nodes and ranks at most 32767 children")
         self.config = config
         self.last_match_length = 0  # of the last propose: its longest suffix with a continuation
-        self._max_window = min(config.max_match_window, config.max_trie_depth - 1)
+        self._max_window = config.max_window
         # Tokens fed between capacity checks: bounds the overshoot to capacity / 2.
         self._chunk = max(1, config.capacity // (2 * config.max_trie_depth))
-        self._breadths = self._breadth_table()
+        self._breadths = config.breadth_table()
         self._streams: dict[int, int] = {}  # owner -> its stream's slot in the C trie
         lib = self._lib = _library()
         breadths = array("i", [b for row in self._breadths for b in row])  # alive during the call
@@ -158,20 +158,6 @@ class NgramTrie:
     def num_nodes(self) -> int:
         """Live nodes, the root not counted."""
         return self._lib.ngt_num_nodes(self._handle)
-
-    def _breadth_table(self) -> list[list[int]]:
-        """[match_length][level] -> children expanded per node. Wide after a short (weak)
-        match, narrow after a long one (linear in the match length, as SGLang does), then
-        ``first // level`` at deeper levels, never below min_bfs_breadth."""
-        cfg = self.config
-        span = max(1, self._max_window - cfg.min_match_window)
-        table = []
-        for length in range(self._max_window + 1):
-            frac = min(1.0, max(0.0, (length - cfg.min_match_window) / span))
-            first = round(cfg.max_bfs_breadth - frac * (cfg.max_bfs_breadth - cfg.min_bfs_breadth))
-            table.append([first] + [max(cfg.min_bfs_breadth, first // level)
-                                    for level in range(1, cfg.max_trie_depth + 1)])
-        return table
 
     def _grow_output(self, capacity: int) -> None:
         """propose's output: room for ``capacity`` tokens and as many parents. The C trie keeps

@@ -3,33 +3,15 @@ against (tests/test_ngram_trie.py), same behaviour to the node id, and the stand
 `NgramTrie(config)` returns on a machine without a C compiler. Its ``_token``/``_parent``/...
 lists are what the C file's node structs hold.
 
-A shared n-gram trie of token ids: the model-free drafter behind NGRAM / LOOKAHEAD.
-
-Every path from the root is an n-gram (at most ``max_trie_depth`` tokens) that occurred in
-some inserted sequence; a node's count is how often its n-gram occurred. A draft is the
-continuation of the longest suffix of a request's tokens that the trie has seen continued.
+The data structure and its behaviour (incremental insertion by stream, ranked ``top``
+children, CLOCK eviction, owner priority) are described in ngram_trie.py; ``gen`` here is
+the C file's generation of a reused id.
 
 Layout, for speed in pure Python: a node is an int id into flat lists (token, parent,
 count, ...), its children a ``dict[token, id]`` and its ranking a tuple of ids. Containers
 of ints only are not tracked by the cyclic garbage collector, so a trie of a million nodes
 adds nothing to the collector's full passes (an object per node, parent and child pointing
 at each other, made them scan every node and doubled the insertion cost).
-
-- Insertion is incremental: a stream (one request, keyed by ``owner``) keeps its frontier,
-  the nodes of the n-grams ending at its last token. A new token adds one child to each,
-  ``max_trie_depth`` dict look-ups; no history is re-scanned.
-- Each node keeps ``top``: its ``max_bfs_breadth`` best children by (count, last update)
-  descending, re-placed on every count increment (a count only grows, so a child only moves
-  forward). Proposing never sorts a node's children, even a token with thousands.
-- Eviction, when over ``capacity``, down to ``evict_to * capacity``: CLOCK, the usual cheap
-  approximation of LRU, over leaves. Nodes wait in a FIFO in creation order; the oldest
-  leaves go unless their count grew since they were queued (then they are queued again,
-  as are inner nodes). Amortised O(1) per node, never a scan of the trie, and a node with
-  a recently used descendant stays. Ids are reused; ``gen`` tells incarnations apart.
-- Owner priority: an owner's stream also records, for each n-gram it inserted, the token
-  that last followed it in that owner's own tokens (its prompt and output). ``propose(...,
-  owner=k)`` ranks that child first at every node whatever its global count (PROB scores it
-  as conditional probability 1). It costs a dict entry per n-gram; ``release(k)`` frees it.
 """
 
 from __future__ import annotations
@@ -79,19 +61,14 @@ class PythonNgramTrie:
         self._epoch = 0  # bumped by each eviction: frontiers of older epochs are stale
         self._streams: dict[int, _Stream] = {}
         self.last_match_length = 0  # of the last propose: its longest suffix with a continuation
-        self._max_window = min(config.max_match_window, config.max_trie_depth - 1)
+        self._max_window = config.max_window
         # Tokens fed between capacity checks: bounds the overshoot to capacity / 2.
         self._chunk = max(1, config.capacity // (2 * config.max_trie_depth))
-        self._breadths = self._breadth_table()
+        self._breadths = config.breadth_table()
 
     # ---------------------------------------------------------------- insertion
     def insert(self, tokens: Sequence[int], owner: int | None = None) -> None:
-        """Index every n-gram (up to max_trie_depth long) that ends in ``tokens``.
-
-        With ``owner``, ``tokens`` continue that owner's earlier tokens (n-grams spanning
-        the calls are indexed), so a request calls ``insert(prompt, rid)`` once and then
-        ``insert(accepted, rid)`` per step. Without, ``tokens`` stand alone.
-        """
+        """As ``NgramTrie.insert`` (ngram_trie.py)."""
         tokens = _as_list(tokens)
         if owner is None:
             stream = _Stream(self._epoch, with_follow=False)
@@ -207,18 +184,7 @@ class PythonNgramTrie:
     # ---------------------------------------------------------------- proposal
     def propose(self, context: Sequence[int], num_draft_tokens: int, one_branch: bool,
                 owner: int | None = None) -> tuple[list[int], list[int]]:
-        """Draft tree after ``context[-1]`` (the root, not returned): ``(tokens, parents)``
-        in BFS order, ``parents[i] < i``, -1 = the root, at most ``num_draft_tokens - 1``
-        nodes; empty lists when no suffix of ``context`` has a continuation.
-
-        The longest suffix with a continuation is expanded first; while the budget is not
-        full, the continuations of shorter suffixes are merged in (a path already in the
-        draft is shared, not repeated) as a weaker, wider second opinion.
-
-        ``owner``: rank the owner's own continuations first. When ``context`` ends with
-        the tokens the owner inserted last, matching also reads the owner's frontier
-        instead of walking each suffix from the root.
-        """
+        """As ``NgramTrie.propose`` (ngram_trie.py)."""
         budget = num_draft_tokens - 1
         self.last_match_length = 0
         if budget <= 0:
@@ -312,20 +278,6 @@ class PythonNgramTrie:
                 node = next(self._matches(extended), (None, 0))[0]
         return tokens, list(range(-1, len(tokens) - 1))
 
-    def _breadth_table(self) -> list[list[int]]:
-        """[match_length][level] -> children expanded per node. Wide after a short (weak)
-        match, narrow after a long one (linear in the match length, as SGLang does), then
-        ``first // level`` at deeper levels, never below min_bfs_breadth."""
-        cfg = self.config
-        span = max(1, self._max_window - cfg.min_match_window)
-        table = []
-        for length in range(self._max_window + 1):
-            frac = min(1.0, max(0.0, (length - cfg.min_match_window) / span))
-            first = round(cfg.max_bfs_breadth - frac * (cfg.max_bfs_breadth - cfg.min_bfs_breadth))
-            table.append([first] + [max(cfg.min_bfs_breadth, first // level)
-                                    for level in range(1, cfg.max_trie_depth + 1)])
-        return table
-
     def _expand_bfs(self, match: int, match_length: int, budget: int,
                     follow: dict[int, int] | None) -> tuple[list[int], list[int]]:
         token_of, children_of, top_of = self._token, self._children, self._top
@@ -387,8 +339,7 @@ class PythonNgramTrie:
 
     # ---------------------------------------------------------------- bookkeeping
     def release(self, owner: int) -> None:
-        """A request finished: drop its stream (frontier and owner priority data). Its
-        n-grams stay in the shared trie for others."""
+        """As ``NgramTrie.release`` (ngram_trie.py)."""
         self._streams.pop(owner, None)
 
     def num_nodes(self) -> int:
