@@ -33,6 +33,14 @@ def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return layer(x)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * rmsnorm(x) in torch ops (differentiable): normalised in fp32 like the
+    reference implementations, then cast back."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -42,10 +50,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.dim() == 2:
             return fused().add_rmsnorm(x.contiguous(), self.weight, self.eps)
-        # normalise in fp32 like the reference implementations, then cast back
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x); on a GPU one kernel, updating residual in place."""
