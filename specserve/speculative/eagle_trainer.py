@@ -1,0 +1,173 @@
+"""Training an EAGLE head on the target's states with the training-time test.
+
+Each batch unrolls `ttt_steps` draft steps (eagle_ttt.py); step k's loss is the soft
+cross-entropy between the head's draft-vocabulary distribution and the target's, weighted
+0.8^k as in EAGLE-3 (later steps matter only when the earlier ones were right). AdamW,
+linear warm-up then cosine decay, where progress is the larger of steps done and time
+spent (so a --max-train-seconds budget ends on a decayed learning rate). Checkpoints are
+the head in SGLang's layout plus the optimizer state; a resumed run continues the same
+seeded batch order where it stopped.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from specserve.model.llama import DecoderLM
+from specserve.speculative.eagle_batches import BatchBuilder, TrainingBatch, plan_batches
+from specserve.speculative.eagle_checkpoint import load_head_state, read_weights, save_head
+from specserve.speculative.eagle_config import EagleHeadConfig
+from specserve.speculative.eagle_data import Conversation
+from specserve.speculative.eagle_head import EagleHead
+from specserve.speculative.eagle_ttt import unroll
+
+TRAINER_STATE_FILE = "trainer_state.pt"
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    ttt_steps: int = 7
+    epochs: int = 2
+    batch_tokens: int = 4096            # padded tokens per batch (conversations x longest)
+    lr: float = 3e-4
+    warmup_fraction: float = 0.05
+    final_lr_fraction: float = 0.1
+    max_seconds: float | None = None    # stop training after this long, whatever the epochs
+    grad_clip: float = 0.5
+    step_weight: float = 0.8            # the loss of draft step k counts step_weight ** k
+    checkpoint_every: int = 0           # optimizer steps between checkpoints; 0: at the end only
+    seed: int = 0
+    autocast_dtype: torch.dtype | None = None  # bfloat16 on a GPU: the head's weights stay fp32
+
+
+def build_head(target: DecoderLM, algorithm: str, draft_vocab: torch.Tensor, max_positions: int) -> EagleHead:
+    """A fresh fp32 head for `target` over `draft_vocab`, borrowing the target's embedding.
+    (Starting the lm_head from the target's rows was tried: its confident, wrong first
+    drafts made the loss start ten times higher and the trained head draft worse.)"""
+    weight = target.embed_tokens.weight
+    config = EagleHeadConfig.for_target(target.config, algorithm, draft_vocab.numel())
+    head = EagleHead(config, max_positions).to(weight.device)
+    head.set_draft_vocab(draft_vocab)
+    head.share_embedding(weight)
+    return head
+
+
+def target_lm_head(target: DecoderLM) -> torch.Tensor:
+    """(vocab, hidden): the untied lm_head, or the embedding it is tied to."""
+    return target.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
+
+
+class SoftCrossEntropy(torch.autograd.Function):
+    """Mean over rows of -sum(p * log q), p = softmax(teacher), q = softmax(logits). Keeps
+    only the (half-precision) inputs for backward, where the gradient softmax(logits) - p is
+    recomputed: with a 32k vocabulary and 7 steps, saved fp32 softmaxes would dominate memory."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(logits, teacher_logits)
+        teacher = teacher_logits.float().softmax(-1)
+        return -(teacher * logits.float().log_softmax(-1)).sum(-1).mean()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, teacher_logits = ctx.saved_tensors
+        difference = logits.float().softmax(-1) - teacher_logits.float().softmax(-1)
+        return (difference * (grad / logits.shape[0])).to(logits.dtype), None
+
+
+def ttt_loss(head: EagleHead, batch: TrainingBatch, steps: int, step_weight: float) -> tuple[torch.Tensor, list[float]]:
+    """The weighted loss over `steps` draft steps, and each step's draft accuracy."""
+    conversations = batch.conversations
+    total, accuracies = 0.0, []
+    for step, output in enumerate(unroll(head, conversations, steps)):
+        rows = conversations.predicts_answer(step)
+        logits = head.logits(output[rows])
+        total = total + step_weight ** step * SoftCrossEntropy.apply(logits, batch.teacher_for(step, rows))
+        draft = head.to_target_ids(logits.detach().argmax(-1))
+        accuracies.append((draft == conversations.shifted_tokens(2 + step)[rows]).float().mean().item())
+    return total, accuracies
+
+
+class EagleTrainer:
+    def __init__(self, head: EagleHead, builder: BatchBuilder, conversations: list[Conversation],
+                 settings: TrainSettings, output_dir: str | None = None):
+        self.head, self.builder, self.conversations, self.settings = head, builder, conversations, settings
+        self.output_dir = output_dir
+        self.parameters = [p for p in head.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.parameters, lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        lengths = [len(c.tokens) for c in conversations]
+        self.plan = [group for epoch in range(settings.epochs)
+                     for group in plan_batches(lengths, settings.batch_tokens, settings.seed + epoch)]
+        self.step, self.elapsed = 0, 0.0
+        self.history: list[float] = []   # loss per optimizer step
+
+    def train(self, on_step: Callable[[int, float, list[float]], None] = lambda *_: None) -> None:
+        """Runs the remaining batches of the plan (or until max_seconds); on_step(step, loss, accuracies)."""
+        settings = self.settings
+        self.head.train()
+        while self.step < len(self.plan) and not self._out_of_time():
+            started = time.perf_counter()
+            loss, accuracies = self._train_batch(self.plan[self.step])
+            self.step += 1
+            self.elapsed += time.perf_counter() - started
+            self.history.append(loss)
+            if settings.checkpoint_every and self.step % settings.checkpoint_every == 0:
+                self.save_checkpoint()
+            on_step(self.step, loss, accuracies)
+        self.head.eval()
+
+    def _out_of_time(self) -> bool:
+        return self.settings.max_seconds is not None and self.elapsed >= self.settings.max_seconds
+
+    def _train_batch(self, group: list[int]) -> tuple[float, list[float]]:
+        settings = self.settings
+        for param_group in self.optimizer.param_groups:
+            param_group["lr"] = self.learning_rate()
+        batch = self.builder([self.conversations[i] for i in group])
+        device_type = batch.conversations.tokens.device.type
+        with torch.autocast(device_type, dtype=settings.autocast_dtype, enabled=settings.autocast_dtype is not None):
+            loss, accuracies = ttt_loss(self.head, batch, settings.ttt_steps, settings.step_weight)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.parameters, settings.grad_clip)
+        self.optimizer.step()
+        return loss.item(), accuracies
+
+    def learning_rate(self) -> float:
+        settings = self.settings
+        progress = self.step / max(len(self.plan), 1)
+        if settings.max_seconds:
+            progress = max(progress, self.elapsed / settings.max_seconds)
+        if progress < settings.warmup_fraction:
+            return settings.lr * (progress + 1e-3) / settings.warmup_fraction
+        decay = (progress - settings.warmup_fraction) / max(1 - settings.warmup_fraction, 1e-9)
+        cosine = 0.5 * (1 + math.cos(math.pi * min(decay, 1.0)))
+        return settings.lr * (settings.final_lr_fraction + (1 - settings.final_lr_fraction) * cosine)
+
+    # --- checkpoints ---
+    def save_checkpoint(self) -> None:
+        if self.output_dir is None:
+            return
+        save_head(self.head, self.output_dir)
+        state = {"step": self.step, "elapsed": self.elapsed, "history": self.history,
+                 "optimizer": self.optimizer.state_dict(), "plan_size": len(self.plan)}
+        torch.save(state, os.path.join(self.output_dir, TRAINER_STATE_FILE))
+
+    def resume(self) -> bool:
+        """Loads the head and trainer state saved in output_dir; False when there is none."""
+        path = os.path.join(self.output_dir or "", TRAINER_STATE_FILE)
+        if not os.path.isfile(path):
+            return False
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if state["plan_size"] != len(self.plan):
+            raise ValueError(f"{path} was saved for a plan of {state['plan_size']} batches, this run has "
+                             f"{len(self.plan)}: resume with the same data, --epochs and --batch-tokens")
+        load_head_state(self.head, read_weights(self.output_dir))
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step, self.elapsed, self.history = state["step"], state["elapsed"], list(state["history"])
+        return True

@@ -1,0 +1,137 @@
+"""Training an EAGLE head: the loss falls and the held-out accept length beats the untrained
+head's (a tiny random target whose greedy answers fall into cycles); a resumed run ends
+where an uninterrupted one does; `python -m specserve.train_eagle` end to end on the CPU;
+the accept-length replay, batch planning and draft vocabulary on hand-made inputs."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specserve.speculative.draft_vocab import most_frequent_tokens
+from specserve.speculative.eagle_batches import BatchBuilder, plan_batches
+from specserve.speculative.eagle_data import generate_conversations
+from specserve.speculative.eagle_eval import accept_length, replay_decoding
+from specserve.speculative.eagle_trainer import EagleTrainer, TrainSettings, build_head, target_lm_head
+from specserve.speculative.target_features import TargetFeatureExtractor
+from tests.spec_fixtures import make_tiny_directory, tiny_engine
+
+VOCAB = 16
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    """(target model, train conversations, held-out conversations): a 16-token random model
+    with peaky logits (its greedy answers settle into short cycles a head can learn)."""
+    path = tmp_path_factory.mktemp("tiny-eagle-target")
+    make_tiny_directory(path, vocab_size=VOCAB, tokenizer="letter", weight_std=None, logit_scale=100.0)
+    engine = tiny_engine(path)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, VOCAB, (int(torch.randint(4, 12, (1,), generator=generator)),),
+                             generator=generator).tolist() for _ in range(48)]
+    conversations = generate_conversations(engine, prompts, max_new_tokens=32, temperature=0.0)
+    model = engine.core.runner.model
+    engine.shutdown()
+    return model, conversations[8:], conversations[:8]
+
+
+def make_trainer(model, train, algorithm="EAGLE3", **settings) -> tuple[EagleTrainer, BatchBuilder]:
+    torch.manual_seed(0)
+    draft_vocab = most_frequent_tokens((c.tokens[c.prompt_len:] for c in train), VOCAB, VOCAB // 2)
+    head = build_head(model, algorithm, draft_vocab, max_positions=64)
+    extractor = TargetFeatureExtractor(model, head.config.aux_layers, 512, 64, 64)
+    builder = BatchBuilder(extractor, target_lm_head(model)[head.draft_vocab()], bool(head.config.aux_layers))
+    settings = TrainSettings(**{"ttt_steps": 3, "epochs": 3, "batch_tokens": 256, "lr": 3e-3, **settings})
+    return EagleTrainer(head, builder, train, settings), BatchBuilder(extractor, None, bool(head.config.aux_layers))
+
+
+def held_out_accept_length(trainer: EagleTrainer, eval_builder: BatchBuilder, held_out) -> float:
+    return accept_length(trainer.head, [eval_builder(held_out).conversations], draft_steps=3).accept_length
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE3", "EAGLE"])
+def test_loss_falls_and_accept_length_beats_untrained_head(tiny_target, algorithm):
+    model, train, held_out = tiny_target
+    trainer, eval_builder = make_trainer(model, train, algorithm)
+    untrained = held_out_accept_length(trainer, eval_builder, held_out)
+    trainer.train()
+    first, last = trainer.history[:3], trainer.history[-3:]
+    assert sum(last) < 0.5 * sum(first), trainer.history
+    trained = held_out_accept_length(trainer, eval_builder, held_out)
+    assert trained > untrained + 0.5, (untrained, trained)
+
+
+class Interrupt(Exception):
+    pass
+
+
+def test_resumed_training_ends_where_uninterrupted_training_does(tiny_target, tmp_path):
+    model, train, _ = tiny_target
+    uninterrupted, _ = make_trainer(model, train, epochs=1)
+    uninterrupted.train()
+
+    interrupted, _ = make_trainer(model, train, epochs=1, checkpoint_every=2)
+    interrupted.output_dir = str(tmp_path)
+
+    def stop_after_two(step, loss, accuracies):
+        if step == 2:
+            raise Interrupt
+    with pytest.raises(Interrupt):
+        interrupted.train(stop_after_two)
+    resumed, _ = make_trainer(model, train, epochs=1)
+    resumed.output_dir = str(tmp_path)
+    assert resumed.resume() and resumed.step == 2
+    resumed.train()
+    assert resumed.step == uninterrupted.step == len(uninterrupted.plan)
+    torch.testing.assert_close(resumed.history, uninterrupted.history, atol=1e-5, rtol=1e-5)
+    for (name, got), want in zip(resumed.head.state_dict().items(), uninterrupted.head.state_dict().values()):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_train_eagle_cli_end_to_end(tmp_path, capsys):
+    from specserve.train_eagle import main
+    target = tmp_path / "target"
+    make_tiny_directory(target, vocab_size=320, weight_std=None, logit_scale=100.0)   # the BPE tokenizer's ids fit
+    output = tmp_path / "head"
+    argv = ["--model-path", str(target), "--output-dir", str(output), "--device", "cpu", "--num-prompts", "12",
+            "--held-out", "4", "--max-prompt-len", "48", "--max-new-tokens", "12", "--epochs", "1",
+            "--ttt-steps", "2", "--batch-tokens", "256", "--draft-vocab-size", "64", "--checkpoint-every", "1"]
+    main(argv)
+    printed = capsys.readouterr().out
+    assert "held-out accept length before training" in printed and "held-out accept length:" in printed
+    config = json.loads((output / "config.json").read_text())
+    assert config["draft_vocab_size"] == 64 and config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 0, 1]
+    assert len(json.loads((output / "conversations.json").read_text())) == 16
+    assert (output / "model.safetensors").is_file() and (output / "trainer_state.pt").is_file()
+
+    main(argv + ["--resume"])       # the data is read back, the finished plan not trained again
+    printed = capsys.readouterr().out
+    assert "generated" not in printed and "before training" not in printed and "held-out accept length:" in printed
+
+
+def test_replay_decoding_counts_verify_steps():
+    # one conversation: prompt of 3 tokens, 10 tokens in all; chains rooted after rows 2, 5, 9...
+    runs = torch.zeros((1, 10), dtype=torch.long)
+    runs[0, 2] = 2      # root 3: two drafts + the bonus -> root 6
+    runs[0, 5] = 0      # root 6: the bonus only -> root 7
+    runs[0, 6] = 5      # root 7: a chain right to the end commits the last 2 tokens, no bonus
+    stats = replay_decoding(runs, [10], [3])
+    assert (stats.committed_tokens, stats.verify_steps) == (6, 3)
+    assert stats.accept_length == 2.0
+
+
+def test_plan_batches_bounds_padded_tokens():
+    lengths = [5, 40, 7, 33, 12, 90, 8, 8, 61]
+    groups = plan_batches(lengths, batch_tokens=100, seed=3)
+    assert sorted(i for group in groups for i in group) == list(range(len(lengths)))
+    assert all(len(group) * max(lengths[i] for i in group) <= 100 for group in groups)
+    assert plan_batches(lengths, 100, seed=3) == groups
+
+
+def test_most_frequent_tokens():
+    ids = most_frequent_tokens([[5, 5, 5, 2], [2, 7, 9, 9, 9, 9]], vocab_size=12, size=5)
+    assert ids.tolist() == [0, 2, 5, 7, 9]     # 9, 5, 2, 7 by count; then the lowest unseen id
+    assert most_frequent_tokens([[5, 5, 5, 2], [2, 7, 9, 9, 9, 9]], vocab_size=12, size=3).tolist() == [2, 5, 9]
+    with pytest.raises(ValueError, match="token ids"):
+        most_frequent_tokens([[12]], vocab_size=12, size=4)
