@@ -27,14 +27,17 @@ class TargetStates:
 
 
 class TargetFeatureExtractor:
-    def __init__(self, model: DecoderLM, aux_layers: tuple[int, ...], max_tokens: int, max_sequences: int):
+    def __init__(self, model: DecoderLM, aux_layers: tuple[int, ...], max_tokens: int, max_sequences: int,
+                 max_sequence_len: int | None = None):
+        """Batches of up to max_sequences sequences, max_tokens tokens in all, each at most
+        max_sequence_len (default max_tokens) long."""
         config = model.config
         weight = model.embed_tokens.weight
         self.model, self.aux_layers, self.max_tokens = model, tuple(aux_layers), max_tokens
         self.device = weight.device
         # slot 0 is the pool's padding slot: a batch of max_tokens tokens uses slots 1..max_tokens
         self.pool = KVPool(config.num_layers, config.num_kv_heads, config.head_dim, max_tokens, max_sequences,
-                           max_tokens, weight.dtype, self.device)
+                           max_sequence_len or max_tokens, weight.dtype, self.device)
         backend = "triton" if self.device.type == "cuda" else "torch_native"
         self.backend = create_attention_backend(backend, config.num_heads, config.num_kv_heads, config.head_dim)
 
@@ -52,9 +55,11 @@ class TargetFeatureExtractor:
         total = sum(lengths)
         if not sequences or min(lengths) == 0:
             raise ValueError("sequences must be a non-empty list of non-empty token lists")
-        if total > self.max_tokens or len(sequences) > self.pool.req_to_token.shape[0]:
-            raise ValueError(f"a batch of {len(sequences)} sequences, {total} tokens exceeds the extractor's "
-                             f"max_sequences={self.pool.req_to_token.shape[0]} / max_tokens={self.max_tokens}")
+        max_sequences, max_len = self.pool.req_to_token.shape
+        if total > self.max_tokens or len(sequences) > max_sequences or max(lengths) > max_len:
+            raise ValueError(f"a batch of {len(sequences)} sequences, {total} tokens, the longest {max(lengths)}, "
+                             f"exceeds the extractor's max_sequences={max_sequences} / max_tokens={self.max_tokens} "
+                             f"/ max_sequence_len={max_len}")
         device = self.device
         as_long = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
         positions = torch.cat([torch.arange(length) for length in lengths]).to(device)
