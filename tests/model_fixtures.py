@@ -10,7 +10,7 @@ import transformers
 from specserve.args import ServerArgs
 from specserve.model.config import ModelConfig
 from specserve.runner.model_runner import ModelRunner
-from specserve.speculative.tree import DraftTrees
+from specserve.speculative.tree import TreeProposal
 
 TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -79,9 +79,9 @@ class RunnerDriver:
     def verify_tree(self, tokens: list[int], parents: list[int], commit_path: list[int]) -> torch.Tensor:
         """Runs a draft tree rooted at tokens[0]; keeps the KV of the nodes on commit_path."""
         self.req.kv_len = self.kv_len
-        trees = DraftTrees.from_lists([(tokens, parents)])
+        proposal = TreeProposal.from_lists([(tokens, parents)])
         slots = self._take_slots(len(tokens))
-        logits = self.runner.verify([self.req], trees, [len(tokens)], slots)[0]
+        logits = self.runner.run_trees([self.req], proposal, slots).logits[0]
         self._commit_slots([slots[i] for i in commit_path])
         self.runner.pool.slots.free([s for i, s in enumerate(slots) if i not in commit_path])
         return logits

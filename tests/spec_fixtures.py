@@ -205,7 +205,7 @@ def truncated_mid_path(output: dict) -> bool:
 def wait_until_all_kv_is_free(engine, timeout: float = 30.0) -> None:
     """The core runs in its own thread: poll, then check every slot and req_to_token row is free exactly once."""
     core, pool = engine.core, engine.core.runner.pool
-    all_rows = pool.req_to_token.shape[0]
+    all_rows = pool.max_requests
     deadline = time.monotonic() + timeout
     while core.has_work() or pool.slots.available() != pool.size or pool.free_rows() != all_rows:
         if time.monotonic() > deadline:

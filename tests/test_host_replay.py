@@ -39,7 +39,7 @@ def test_parse_config():
 
 def test_stand_in_reproduces_the_model_and_is_put_back(engine, recorded):
     runner = engine.core.runner
-    originals = (runner.extend, runner.verify, torch.Tensor.argmax)
+    originals = (runner.extend, runner.run_trees, torch.Tensor.argmax)
     config = runner.config
     stand_in = ReplayForward(PROMPTS, recorded, config.eos_token_ids[0], config.vocab_size)
     params = {"temperature": 0, "max_new_tokens": NEW_TOKENS}
@@ -49,7 +49,7 @@ def test_stand_in_reproduces_the_model_and_is_put_back(engine, recorded):
             for _ in range(2):  # the second time drafts from the first's outputs: long accepted paths
                 assert [o["output_ids"] for o in engine.generate(input_ids=PROMPTS, sampling_params=params)] == recorded
     assert stand_in.seconds > 0
-    assert (runner.extend, runner.verify, torch.Tensor.argmax) == originals
+    assert (runner.extend, runner.run_trees, torch.Tensor.argmax) == originals
 
 
 def test_replay_reports_host_time_per_configuration(engine, recorded):

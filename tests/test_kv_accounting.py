@@ -44,7 +44,7 @@ def test_kv_pool_rows_buffers_and_store():
                   dtype=torch.float32, device=torch.device("cpu"))
     assert pool.size == 16 and pool.slots.available() == 16
     assert [tuple(b.shape) for b in pool.k_buffers + pool.v_buffers] == [(17, 2, 4)] * 4
-    assert tuple(pool.req_to_token.shape) == (3, 8)
+    assert tuple(pool.req_to_token.shape) == (4, 8) and pool.scratch_row == 3   # one row no request gets
     assert KVPool.bytes_per_token(2, 2, 4, torch.float32) == 2 * 2 * 2 * 4 * 4
     assert pool.free_rows() == 3
     rows = [pool.alloc_row() for _ in range(3)]
@@ -82,7 +82,7 @@ def wait_until_all_kv_is_free(engine, timeout: float = 30.0) -> None:
     """The core runs in its own thread: give it time to process aborts, then check every
     slot and row is free exactly once."""
     pool = engine.core.runner.pool
-    all_rows = pool.req_to_token.shape[0]
+    all_rows = pool.max_requests
     deadline = time.monotonic() + timeout
     while engine.core.has_work() or pool.slots.available() != pool.size or pool.free_rows() != all_rows:
         if time.monotonic() > deadline:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specserve.speculative.adaptive import PROBE_EVERY, PROBE_MIN_BATCH, REFRESH_EVERY, AdaptiveDraftLength, tiers_for
-from specserve.speculative.tree import DraftTrees
+from specserve.speculative.tree import DraftTrees, TreeProposal
 
 from tests.spec_fixtures import CODE_PROMPT, SmolEngines, ngram_args, wait_until_all_kv_is_free
 
@@ -18,8 +18,7 @@ TREE = ([9, 1, 2, 3, 4, 5], [-1, 0, 1, 0, 2, 4])
 
 
 def propose(adaptive: AdaptiveDraftLength, rid: str, tree=TREE) -> None:
-    trees = DraftTrees.from_lists([tree])
-    adaptive.record_proposals([rid], trees, [len(tree[0])])
+    adaptive.record_proposals([rid], TreeProposal.from_lists([tree]), [len(tree[0])])
 
 
 def random_tree(rng: random.Random, size: int) -> tuple[list[int], list[int]]:
@@ -30,9 +29,9 @@ def random_tree(rng: random.Random, size: int) -> tuple[list[int], list[int]]:
 def test_truncate_equals_trees_built_from_the_cut_lists(cut):
     rng = random.Random(cut)
     rows = [random_tree(rng, size) for size in (1, 3, 8, 6, 8)]
-    trees = DraftTrees.from_lists(rows, n=8)
+    proposal = TreeProposal.from_lists(rows, n=8)
     expected = DraftTrees.from_lists([(tokens[:cut], parents[:cut]) for tokens, parents in rows], n=min(cut, 8))
-    got = trees.truncate(cut)
+    got = proposal.truncate(cut).trees()
     for name in ("tokens", "parents", "num_nodes", "depth", "ancestor_mask", "first_child", "next_sibling"):
         assert torch.equal(getattr(got, name), getattr(expected, name)), name
 
@@ -114,9 +113,9 @@ def test_evidence_classes_tell_weak_matches_from_strong_ones():
     measured(adaptive, {1: 0.04, 8: 0.08})
     chain = ([9, 1, 2, 3, 4, 5, 6, 7], [-1, 0, 1, 2, 3, 4, 5, 6])
     for _ in range(10):
-        adaptive.record_proposals(["r"], DraftTrees.from_lists([chain]), [8], keys=[1])
+        adaptive.record_proposals(["r"], TreeProposal.from_lists([chain]), [8], keys=[1])
         adaptive.observe("r", [99])                    # weak match: rejected at once
-        adaptive.record_proposals(["r"], DraftTrees.from_lists([chain]), [8], keys=[5])
+        adaptive.record_proposals(["r"], TreeProposal.from_lists([chain]), [8], keys=[5])
         adaptive.observe("r", [1, 2, 3, 4, 5, 6, 7, 98])
     assert adaptive.choose(["r"], [8], keys=[1]) == 1
     assert adaptive.choose(["r"], [8], keys=[5]) == 8

@@ -230,6 +230,7 @@ def fake_req(rid: str, prompt: list[int], output: list[int] | None = None):
 
 def check_trees(trees, num_nodes: list[int], reqs, limits: list[int], one_branch: bool) -> list[tuple[list[int], list[int]]]:
     """Validity and conventions; returns each request's (tokens, parents) of its real nodes."""
+    trees = trees.trees()
     trees.validate()
     assert trees.num_nodes.tolist() == num_nodes
     assert trees.num_slots == max(num_nodes)

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specserve.speculative.tree import DraftTrees
+from specserve.speculative.tree import TreeProposal
 from tests.model_fixtures import ARCHITECTURES, RunnerDriver, tiny_hf_model
 
 ATOL = 1e-5
@@ -121,9 +121,8 @@ def test_batched_trees_of_different_sizes_equal_sequential(model):
         runner.pool.req_to_token[req.row, :len(slots)] = torch.tensor(slots, dtype=torch.int32)
         req.kv_len = len(prefix)
         reqs.append(req)
-    batch = DraftTrees.from_lists(trees)
     num_nodes = [len(tokens) for tokens, _ in trees]
-    logits = runner.verify(reqs, batch, num_nodes, runner.pool.slots.alloc(sum(num_nodes)))
+    logits = runner.run_trees(reqs, TreeProposal.from_lists(trees), runner.pool.slots.alloc(sum(num_nodes))).logits
     assert logits.shape == (3, 7, VOCAB)
     for prefix, (tokens, parents), rows in zip(prefixes, trees, logits):
         for leaf in leaves(parents):

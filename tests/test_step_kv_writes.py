@@ -1,5 +1,6 @@
-"""A decode or verify step commits the KV slots of every request with one req_to_token write
-(not one per request), and the table then holds exactly each request's slots: checked after
+"""A decode or verify step commits the KV slots of every request with at most one host
+req_to_token write (not one per request; a greedy verify step writes the accepted path on
+the device, inside its forward), and the table then holds exactly each request's slots: checked after
 every decode step of NGRAM engines (multi-branch and one-branch trees, where drafts are
 accepted and rejected) and of a plain engine, with greedy output equal to plain decoding.
 
@@ -86,6 +87,7 @@ def test_one_table_write_per_decode_step(model_dir, plain_outputs, speculation):
         wait_until_all_kv_is_free(engine)
     assert spy.mismatches == []
     assert max(spy.batch_sizes) == len(PROMPTS)          # batched steps were checked
-    assert set(spy.writes_per_step) == {1}               # never one write per request
+    assert set(spy.writes_per_step) <= {0, 1}           # never one write per request
     if speculation:
+        assert 0 in spy.writes_per_step                  # greedy verify steps: written on the device
         assert max(histogram) >= 3 and 1 in histogram    # paths accepted, and drafts rejected

@@ -25,6 +25,7 @@ import time
 import torch
 
 from specserve.bench.gpu_suite import run, set_drafter
+from specserve.runner.tree_step import TreeStepInputs, TreeStepOutputs, greedy_commit, pad_node_slots
 
 
 class ReplayForward:
@@ -63,17 +64,27 @@ class ReplayForward:
         self.seconds += time.perf_counter() - start
         return logits
 
-    def verify(self, reqs, trees, num_nodes, slots, kv_lens=None) -> torch.Tensor:
+    def run_trees(self, runner, reqs, proposal, slots, kv_lens=None, roots=None) -> TreeStepOutputs:
+        """The runner's step with the model's logits replaced: tree metadata, greedy
+        verification and the table commit are the real ones (device work on a GPU, timed apart)."""
         start = time.perf_counter()
-        depth = trees.depth.tolist()
+        bs, n = proposal.tokens.shape
+        inputs = TreeStepInputs.allocate(bs, n, "cpu")
+        inputs.fill(proposal, pad_node_slots(slots, proposal.num_nodes.tolist(), n), [r.row for r in reqs],
+                    kv_lens if kv_lens is not None else [r.kv_len for r in reqs], runner.pool.scratch_row)
+        if roots is not None:
+            inputs.tokens[:, 0] = roots
+        trees = proposal.trees() if n > 1 else None
+        depth = trees.depth.tolist() if trees is not None else [[0]] * bs
         logits = self._logits([[self._target(r, len(r.output_ids) + d) for d in depth[b]] for b, r in enumerate(reqs)])
+        outcome = greedy_commit(trees, logits, inputs, runner.pool) if trees is not None else None
         self.seconds += time.perf_counter() - start
-        return logits
+        return TreeStepOutputs(logits, trees, outcome)
 
     @contextlib.contextmanager
     def installed(self, runner):
         """The stand-in forwards on `runner`, and Tensor.argmax timed into `seconds`."""
-        extend, verify, argmax = runner.extend, runner.verify, torch.Tensor.argmax
+        extend, run_trees, argmax = runner.extend, runner.run_trees, torch.Tensor.argmax
 
         def timed_argmax(tensor, *args, **kwargs):
             start = time.perf_counter()
@@ -82,11 +93,12 @@ class ReplayForward:
             finally:
                 self.seconds += time.perf_counter() - start
 
-        runner.extend, runner.verify, torch.Tensor.argmax = self.extend, self.verify, timed_argmax
+        stand_in = lambda *args, **kwargs: self.run_trees(runner, *args, **kwargs)
+        runner.extend, runner.run_trees, torch.Tensor.argmax = self.extend, stand_in, timed_argmax
         try:
             yield self
         finally:
-            runner.extend, runner.verify, torch.Tensor.argmax = extend, verify, argmax
+            runner.extend, runner.run_trees, torch.Tensor.argmax = extend, run_trees, argmax
 
 
 class DecodeStepTimer:

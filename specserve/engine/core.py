@@ -15,11 +15,12 @@ from specserve.engine.request import Batch, Req, ReqState
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.stats import StepLogger
 from specserve.engine.overlap import OverlapSchedule
-from specserve.runner.model_runner import ModelRunner
+from specserve.runner.model_runner import InFlight, ModelRunner
+from specserve.runner.tree_step import GreedyOutcome
 from specserve.sampling.sampler import Sampler, SampledStep
 from specserve.speculative.adaptive import AdaptiveDraftLength
 from specserve.speculative.drafter import Drafter
-from specserve.speculative.tree import DraftTrees
+from specserve.speculative.tree import DraftTrees, TreeProposal
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ class EngineCore:
         sampling = [req for req, samples in zip(batch.reqs, batch.samples) if samples]
         if not sampling:
             return []
-        trees = DraftTrees.root_only(self._last_tokens(sampling))
+        trees = DraftTrees.root_only(torch.tensor(self._last_tokens(sampling)))
         sampled = self.sampler.sample(logits, trees, sampling, self.sampler.prepare(trees, sampling))
         return [self._commit(req, sampled, i, verified=False) for i, req in enumerate(sampling)]
 
@@ -115,24 +116,39 @@ class EngineCore:
         if not draft and self.overlap is not None and self.sampler.argmax_is_enough(reqs):
             return self._run_decode_ahead(reqs, start)
         self._drop_ahead()
-        trees, num_nodes = self._propose(reqs) if draft else self._no_drafts(reqs)
+        proposal, num_nodes = self._propose(reqs) if draft else self._no_drafts(reqs)
         slots = self.scheduler.alloc_slots(sum(num_nodes))
         if slots is None:  # the cache fits one token per request (the scheduler made sure), not the drafts
-            trees, num_nodes = self._no_drafts(reqs)
+            proposal, num_nodes = self._no_drafts(reqs)
             slots = self.scheduler.alloc_slots(len(reqs))
         try:
-            logits = self.runner.verify(reqs, trees, num_nodes, slots)
-            if self.drafter is not None:
-                self.drafter.flush(self._gpu_busy())  # host work while the GPU computes the step
-            sampled = self.sampler.sample(logits, trees, reqs)
+            sampled, table_written = self._verify(reqs, proposal, slots)
         except BaseException:
             self.scheduler.free_slots(slots)  # no request holds them until commit
             raise
-        self._commit_kv(reqs, sampled, _split(slots, num_nodes))
+        self._commit_kv(reqs, sampled, _split(slots, num_nodes), table_written)
         outputs = [self._commit(req, sampled, i) for i, req in enumerate(reqs)]
         if self.adaptive is not None:
-            self.adaptive.record_step(len(reqs), trees.num_slots, time.perf_counter() - start)
+            self.adaptive.record_step(len(reqs), proposal.num_slots, time.perf_counter() - start)
         return outputs
+
+    def _verify(self, reqs: list[Req], proposal: TreeProposal, slots: list[int]) -> tuple[SampledStep, bool]:
+        """Runs the step's forward and decides what each request commits. Greedy trees are
+        verified on the device, which also writes the accepted slots into the KV table
+        (returned True): one copy of the outcome comes back. Other steps go through the
+        sampler (penalties, sampling, logprobs)."""
+        greedy = proposal.num_slots > 1 and self.sampler.argmax_is_enough(reqs)
+        if not greedy:  # the sampler's tensors are sent before the forward: a copy after it would wait for it
+            host_trees = proposal.trees()
+            prepared = self.sampler.prepare(host_trees, reqs)
+        step = self.runner.run_trees(reqs, proposal, slots)
+        outcome = InFlight.launch(step.outcome) if greedy else None
+        if self.drafter is not None:
+            self.drafter.flush(self._gpu_busy())  # host work while the GPU computes the step
+        if greedy:
+            parsed = GreedyOutcome.parse(outcome.wait())
+            return SampledStep(parsed.tokens, parsed.accepted_nodes, None, None), True
+        return self.sampler.sample(step.logits, host_trees, reqs, prepared), False
 
     # --- plain greedy decoding, one step ahead (overlap.py) ---
     def _run_decode_ahead(self, reqs: list[Req], start: float) -> list[StepOutput]:
@@ -143,7 +159,7 @@ class EngineCore:
                 self.overlap.launch_next(current)
             if self.drafter is not None:
                 self.drafter.flush(self._gpu_busy())  # host work while the GPU computes
-            tokens = current.launched.tokens()
+            tokens = current.launched.wait().tolist()
         except BaseException:
             self.overlap.release(current)
             self.overlap.drop()
@@ -176,10 +192,10 @@ class EngineCore:
         if self.overlap is not None:
             self.overlap.drop()
 
-    def _no_drafts(self, reqs: list[Req]) -> tuple[DraftTrees, list[int]]:
-        return DraftTrees.root_only(self._last_tokens(reqs)), [1] * len(reqs)
+    def _no_drafts(self, reqs: list[Req]) -> tuple[TreeProposal, list[int]]:
+        return TreeProposal.root_only(self._last_tokens(reqs)), [1] * len(reqs)
 
-    def _propose(self, reqs: list[Req]) -> tuple[DraftTrees, list[int]]:
+    def _propose(self, reqs: list[Req]) -> tuple[TreeProposal, list[int]]:
         # never draft past max_new_tokens or the context: those nodes could not be committed
         limits = [max(1, min(self.num_draft_tokens, r.max_new_tokens - len(r.output_ids),
                              self.runner.context_length - r.kv_len)) for r in reqs]
@@ -192,15 +208,16 @@ class EngineCore:
         return trees.truncate(tier), [min(n, tier) for n in num_nodes]
 
     @staticmethod
-    def _last_tokens(reqs: list[Req]) -> torch.Tensor:
-        """On the host, like every draft tree: the runner builds forward metadata there."""
-        return torch.tensor([r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs], dtype=torch.long)
+    def _last_tokens(reqs: list[Req]) -> list[int]:
+        return [r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs]
 
     # --- commit ---
-    def _commit_kv(self, reqs: list[Req], sampled: SampledStep, node_slots: list[list[int]]) -> None:
+    def _commit_kv(self, reqs: list[Req], sampled: SampledStep, node_slots: list[list[int]],
+                   table_written: bool = False) -> None:
         """Each request keeps the KV slots of its accepted nodes (in path order), the others
-        go back to the allocator; one req_to_token write for the whole batch. Runs before the
-        token commits, which may finish a request and release its slots."""
+        go back to the allocator; one req_to_token write for the whole batch, unless the
+        step wrote the table itself. Runs before the token commits, which may finish a
+        request and release its slots."""
         kept, rejected = [], []
         for req_slots, accepted in zip(node_slots, sampled.accepted_nodes):
             kept.append([req_slots[node] for node in accepted])
@@ -208,7 +225,7 @@ class EngineCore:
                 accepted_set = set(accepted)
                 rejected.extend(s for node, s in enumerate(req_slots) if node not in accepted_set)
         self.scheduler.free_slots(rejected)
-        self.scheduler.append_kv(reqs, kept)
+        self.scheduler.append_kv(reqs, kept, write_table=not table_written)
 
     def _commit(self, req: Req, sampled: SampledStep, index: int, verified: bool = True) -> StepOutput:
         """Appends the request's committed tokens (its KV slots were committed before) and

@@ -19,7 +19,7 @@ import torch
 
 from specserve.engine.request import Req
 from specserve.engine.scheduler import Scheduler
-from specserve.runner.model_runner import InFlightDecode, ModelRunner
+from specserve.runner.model_runner import InFlight, ModelRunner
 
 
 @dataclass
@@ -27,7 +27,7 @@ class StepAhead:
     """A launched decode step whose tokens the host has not read yet."""
     reqs: list[Req]
     slots: list[int]          # one new KV slot per request, not yet committed to it
-    launched: InFlightDecode
+    launched: InFlight        # its argmax: on the device, and on the way to the host
     in_table: bool = False    # its slots are in req_to_token already (written for the step after it)
 
 
@@ -36,7 +36,7 @@ class OverlapSchedule:
         self.runner, self.scheduler = runner, scheduler
         self.ahead: StepAhead | None = None
 
-    def current_step(self, reqs: list[Req], last_tokens: Callable[[], torch.Tensor]) -> StepAhead:
+    def current_step(self, reqs: list[Req], last_tokens: Callable[[], list[int]]) -> StepAhead:
         """The step to read now: the one launched ahead for exactly these requests, or a
         new launch rooted at their last tokens."""
         ahead, self.ahead = self.ahead, None
@@ -58,7 +58,7 @@ class OverlapSchedule:
         self.runner.pool.write_entries_async([r.row for r in reqs], [r.kv_len for r in reqs], current.slots)
         current.in_table = True  # its commit need not write them again
         self.ahead = StepAhead(list(reqs), slots, self.runner.launch_greedy_decode(
-            reqs, [r.kv_len + 1 for r in reqs], slots, current.launched.argmax))
+            reqs, [r.kv_len + 1 for r in reqs], slots, current.launched.device))
 
     def drop(self) -> None:
         """Forgets the step launched ahead, if any."""

@@ -48,8 +48,12 @@ class KVPool:
         shape = (size + 1, num_kv_heads, head_dim)
         self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        # (max_requests, max_context) int32: small enough for the GPU and what the kernels index with
-        self.req_to_token = torch.zeros((max_requests, max_context), dtype=torch.int32, device=device)
+        # (max_requests + 1, max_context) int32: small enough for the GPU and what the kernels
+        # index with. The last row belongs to no request: padding rows of a graph batch name it,
+        # and table writes a step computes but does not need (rejected nodes) land there.
+        self.req_to_token = torch.zeros((max_requests + 1, max_context), dtype=torch.int32, device=device)
+        self.scratch_row = max_requests
+        self.max_requests = max_requests
         self.slots = SlotAllocator(size)
         self._free_rows = list(range(max_requests - 1, -1, -1))
 

@@ -11,12 +11,13 @@ from specserve.args import ServerArgs
 from specserve.attention.base import ForwardBatch, ForwardMode
 from specserve.attention.registry import create_attention_backend
 from specserve.engine.request import Req
-from specserve.kv.pool import PADDING_SLOT, KVPool
+from specserve.kv.pool import KVPool
 from specserve.model.config import ModelConfig
 from specserve.model.cpu_linear import use_cpu_linears
 from specserve.model.llama import DecoderLM
 from specserve.model.layers import RotaryEmbedding
-from specserve.speculative.tree import DraftTrees
+from specserve.runner.tree_step import TreeStepInputs, TreeStepOutputs, forward_tree, pad_node_slots
+from specserve.speculative.tree import TreeProposal
 
 logger = logging.getLogger(__name__)
 
@@ -99,93 +100,72 @@ class ModelRunner:
         return self.model(batch, self.attn_backend).unsqueeze(1)
 
     @torch.inference_mode()
-    def verify(self, reqs: list[Req], trees: DraftTrees, num_nodes: list[int], slots: list[int],
-               kv_lens: list[int] | None = None) -> torch.Tensor:
-        """Runs each request's draft tree (its first num_nodes[i] nodes; the root is the last
-        token); returns (bs, n, vocab) logits, rows past a request's node count undefined.
-        `trees` lives on the host: the forward's metadata is built there. kv_lens: tokens in
-        each request's cache (default: its kv_len; one more for a step launched ahead)."""
-        n = trees.tokens.shape[1]
+    def run_trees(self, reqs: list[Req], proposal: TreeProposal, slots: list[int], kv_lens: list[int] | None = None,
+                  roots: torch.Tensor | None = None) -> TreeStepOutputs:
+        """Queues a decode (one node per request) or verify step over each request's draft
+        tree, with no host sync: a graph replay when one fits, else the same computation
+        eagerly. slots: the real nodes' KV slots, request after request. kv_lens: tokens in
+        each request's cache (default: its kv_len; one more for a step launched ahead).
+        roots: (bs,) root tokens on the device, replacing the proposal's (see replay)."""
+        bs, n = proposal.tokens.shape
         kv_lens = kv_lens if kv_lens is not None else [r.kv_len for r in reqs]
-        if self.graphs is not None and self.graphs.can_run(len(reqs), n):
-            return self.graphs.replay(trees.tokens, trees.depth, trees.ancestor_mask, _pad_slots(slots, num_nodes, n),
-                                      [r.row for r in reqs], kv_lens)
-        trees = trees.to(self.device)
-        node_index = torch.cat([torch.arange(c) + i * n for i, c in enumerate(num_nodes)]).to(self.device)
-        input_ids = trees.tokens.reshape(-1)[node_index]
-        positions = (trees.depth + torch.tensor(kv_lens, device=self.device).unsqueeze(1)).reshape(-1)[node_index]
-        mode = ForwardMode.DECODE if n == 1 else ForwardMode.VERIFY
-        batch = self._forward_batch(mode, reqs, input_ids, positions, slots, num_nodes, None, trees.ancestor_mask,
-                                    kv_lens)
-        logits = self.model(batch, self.attn_backend)
-        padded = logits.new_zeros((len(reqs) * n, logits.shape[-1]))
-        padded[node_index] = logits
-        return padded.view(len(reqs), n, -1)
+        node_slots = pad_node_slots(slots, proposal.num_nodes.tolist(), n)
+        rows = [r.row for r in reqs]
+        if self.graphs is not None and self.graphs.can_run(bs, n):
+            return self.graphs.replay(proposal, node_slots, rows, kv_lens, roots)
+        host = TreeStepInputs.allocate(bs, n, "cpu", pin=self.device.type == "cuda")
+        host.fill(proposal, node_slots, rows, kv_lens, self.pool.scratch_row)
+        inputs = TreeStepInputs.view(host.packed.to(self.device, non_blocking=True), bs, n)
+        if roots is not None:
+            inputs.tokens[:, 0].copy_(roots)
+        return forward_tree(self.model, self.attn_backend, self.pool, inputs, self.attn_backend.plan, kv_lens)
 
     @torch.inference_mode()
     def launch_greedy_decode(self, reqs: list[Req], kv_lens: list[int], slots: list[int],
-                             roots: torch.Tensor) -> "InFlightDecode":
+                             roots: list[int] | torch.Tensor) -> "InFlight":
         """A plain greedy decode step, queued without waiting for it. roots (bs,): the last
         tokens, on the host, or on the device for a step launched before the previous one's
-        tokens reached the host (its argmax)."""
-        bs = len(reqs)
-        if self.graphs is not None and self.graphs.can_run(bs, 1):
-            logits = self.graphs.replay(roots.view(bs, 1), torch.zeros((bs, 1), dtype=torch.long), None, slots,
-                                        [r.row for r in reqs], kv_lens)
-        else:
-            logits = self.verify(reqs, DraftTrees.root_only(roots), [1] * bs, slots, kv_lens)
-        return InFlightDecode.launch(logits[:, 0].argmax(-1))
+        tokens reached the host (its argmax). Its InFlight's device tensor is the argmax."""
+        on_device = isinstance(roots, torch.Tensor) and roots.device.type != "cpu"
+        proposal = TreeProposal.root_only([0] * len(reqs) if on_device else roots)
+        step = self.run_trees(reqs, proposal, slots, kv_lens, roots if on_device else None)
+        return InFlight.launch(step.logits[:, 0].argmax(-1))
 
-    def _forward_batch(self, mode, reqs, input_ids, positions, slots, extend_lens, logits_rows, tree_mask=None,
-                       kv_lens: list[int] | None = None) -> ForwardBatch:
+    def _forward_batch(self, mode, reqs, input_ids, positions, slots, extend_lens, logits_rows) -> ForwardBatch:
         device = self.device
-        prefix_host = kv_lens if kv_lens is not None else [r.kv_len for r in reqs]
-        as_long = lambda x: x.to(device) if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.long, device=device)
-        out_slots = as_long(slots)
-        num_tokens = len(slots)
+        prefix_host = [r.kv_len for r in reqs]
+        as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)
         batch = ForwardBatch(
-            mode=mode, input_ids=as_long(input_ids), positions=as_long(positions), out_slots=out_slots,
+            mode=mode, input_ids=as_long(input_ids), positions=as_long(positions), out_slots=as_long(slots),
             req_rows=as_long([r.row for r in reqs]), prefix_lens=as_long(prefix_host),
             extend_lens=as_long(extend_lens), prefix_lens_host=prefix_host, extend_lens_host=list(extend_lens),
-            kv_pool=self.pool,
-            logits_indices=as_long(logits_rows) if logits_rows is not None else torch.arange(num_tokens, device=device),
-            tree_mask=tree_mask)
+            kv_pool=self.pool, logits_indices=logits_rows.to(device))
         self.attn_backend.plan(batch)
         return batch
 
 
 @dataclass
-class InFlightDecode:
-    """A launched decode step's greedy tokens: on the device at once, on the host when done."""
-    argmax: torch.Tensor                # (bs,) on the device: the next step's roots
-    host: torch.Tensor                  # (bs,) pinned copy, valid once `done` has fired
+class InFlight:
+    """A device tensor and its host copy, queued without waiting."""
+    device: torch.Tensor                # on the device at once (e.g. the next step's roots)
+    host: torch.Tensor                  # pinned copy, valid once `done` has fired
     done: torch.cuda.Event | None       # None on a CPU, where the forward has already run
 
     @classmethod
-    def launch(cls, argmax: torch.Tensor) -> "InFlightDecode":
-        if not argmax.is_cuda:
-            return cls(argmax, argmax, None)
-        host = torch.empty(argmax.shape, dtype=argmax.dtype, pin_memory=True)
-        host.copy_(argmax, non_blocking=True)
+    def launch(cls, tensor: torch.Tensor) -> "InFlight":
+        if not tensor.is_cuda:
+            return cls(tensor, tensor, None)
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        return cls(argmax, host, done)
+        return cls(tensor, host, done)
 
-    def tokens(self) -> list[int]:
-        """Waits for this step only (not for any step queued after it)."""
+    def wait(self) -> torch.Tensor:
+        """The host copy, once this step is done (not waiting for any step queued after it)."""
         if self.done is not None:
             self.done.synchronize()
-        return self.host.tolist()
-
-
-def _pad_slots(slots: list[int], num_nodes: list[int], n: int) -> list[int]:
-    """Each request's node slots, padded to n with the padding slot."""
-    padded, offset = [], 0
-    for count in num_nodes:
-        padded.extend(slots[offset:offset + count])
-        padded.extend([PADDING_SLOT] * (n - count))
-        offset += count
-    return padded
+        return self.host
 
 
 def _build_model(config: ModelConfig, state_dict, device, dtype, context_length: int) -> DecoderLM:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specserve.speculative.tree import DraftTrees
+from specserve.speculative.tree import TreeProposal
 
 COST_EMA = 0.2       # step times are noisy; tokens per proposal change with the text
 ACCEPT_EMA = 0.3
@@ -132,7 +132,7 @@ class AdaptiveDraftLength:
         self._measured_at[key] = self._bucket_steps[bucket]
         self.steps_per_tier[tier] += 1
 
-    def record_proposals(self, rids: list[str], trees: DraftTrees, num_nodes: list[int],
+    def record_proposals(self, rids: list[str], trees: TreeProposal, num_nodes: list[int],
                          keys: list[int] | None = None) -> None:
         """The full proposals of this step (before any cut), one shadow per real draft."""
         tokens, parents = trees.tokens.tolist(), trees.parents.tolist()

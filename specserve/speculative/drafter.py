@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from specserve.speculative.tree import DraftTrees
+from specserve.speculative.tree import TreeProposal
 
 if TYPE_CHECKING:
     from specserve.args import ServerArgs
@@ -18,9 +18,9 @@ class Drafter:
     def add_prompt(self, req: "Req") -> None:
         """A request arrived: its prompt may feed the drafter."""
 
-    def propose(self, reqs: list["Req"], max_nodes: list[int]) -> tuple[DraftTrees, list[int]]:
-        """One tree per request with at most max_nodes[i] nodes (root included).
-        Returns the padded trees and each tree's real node count."""
+    def propose(self, reqs: list["Req"], max_nodes: list[int]) -> tuple[TreeProposal, list[int]]:
+        """One tree per request with at most max_nodes[i] nodes (root included), on the
+        host. Returns the padded trees and each tree's real node count."""
         raise NotImplementedError
 
     def proposal_keys(self) -> list[int] | None:

@@ -16,11 +16,11 @@ import collections
 import itertools
 from typing import TYPE_CHECKING, Callable
 
-import torch
+import numpy as np
 
 from specserve.speculative.drafter import Drafter
 from specserve.speculative.ngram_trie import NgramConfig, NgramTrie
-from specserve.speculative.tree import DraftTrees
+from specserve.speculative.tree import TreeProposal
 
 if TYPE_CHECKING:
     from specserve.args import ServerArgs
@@ -61,7 +61,7 @@ class NgramDrafter(Drafter):
     def add_prompt(self, req: "Req") -> None:
         self._queue(self._owner(req), req.prompt_ids)
 
-    def propose(self, reqs: list["Req"], max_nodes: list[int]) -> tuple[DraftTrees, list[int]]:
+    def propose(self, reqs: list["Req"], max_nodes: list[int]) -> tuple[TreeProposal, list[int]]:
         rows: list[tuple[list[int], list[int]]] = []
         self._keys = []
         for req, limit in zip(reqs, max_nodes):
@@ -135,9 +135,9 @@ def _tail(req: "Req", length: int) -> list[int]:
     return req.prompt_ids[len(output) - length:] + output
 
 
-def _pack(rows: list[tuple[list[int], list[int]]]) -> DraftTrees:
-    """One tensor build for the whole batch (a tensor per request would cost more than drafting)."""
+def _pack(rows: list[tuple[list[int], list[int]]]) -> TreeProposal:
+    """One array build for the whole batch (an array per request would cost more than drafting)."""
     n = max(len(tokens) for tokens, _ in rows)
-    tokens = [t + [0] * (n - len(t)) for t, _ in rows]
-    parents = [p + [-1] * (n - len(p)) for _, p in rows]
-    return DraftTrees.build(torch.tensor(tokens), torch.tensor(parents), torch.tensor([len(t) for t, _ in rows]))
+    tokens = np.array([t + [0] * (n - len(t)) for t, _ in rows], dtype=np.int64)
+    parents = np.array([p + [-1] * (n - len(p)) for _, p in rows], dtype=np.int64)
+    return TreeProposal(tokens, parents, np.array([len(t) for t, _ in rows], dtype=np.int64))

@@ -12,14 +12,66 @@ Conventions:
   verification tries them in that order.
 
 Derived tensors are built once, vectorised over batch and nodes: the only loops run
-log2(n) pointer-doubling rounds.
+log2(n) pointer-doubling rounds. A drafter hands out a `TreeProposal` (the raw tokens and
+parents, host numpy arrays): building the derived tensors costs a hundred microseconds of
+torch dispatch on a host, so a verify step builds them on the device, inside its graph.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from typing import Sequence
 
+import numpy as np
 import torch
+
+
+@dataclass(frozen=True)
+class TreeProposal:
+    """A batch of draft trees as a drafter proposes them, on the host: what one packed copy
+    sends to a verify step. Same conventions as DraftTrees (padding: token 0, parent -1)."""
+    tokens: np.ndarray      # (bs, n) int64
+    parents: np.ndarray     # (bs, n) int64, -1 for the root and padding
+    num_nodes: np.ndarray   # (bs,) int64, real nodes including the root
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_slots(self) -> int:
+        return self.tokens.shape[1]
+
+    @classmethod
+    def from_lists(cls, rows: Sequence[tuple[Sequence[int], Sequence[int]]], n: int | None = None) -> TreeProposal:
+        """From per-request (tokens, parents) lists, padded to n (default: the largest tree)."""
+        sizes = [len(tokens) for tokens, _ in rows]
+        n = max(sizes) if n is None else n
+        if min(sizes) < 1 or max(sizes) > n:
+            raise ValueError(f"tree sizes {sizes} must be in [1, {n}]")
+        tokens = np.zeros((len(rows), n), dtype=np.int64)
+        parents = np.full((len(rows), n), -1, dtype=np.int64)
+        for row, (tok, par) in enumerate(rows):
+            if len(par) != len(tok):
+                raise ValueError(f"tree {row}: {len(tok)} tokens but {len(par)} parents")
+            tokens[row, :len(tok)] = tok
+            parents[row, :len(par)] = par
+        return cls(tokens, parents, np.asarray(sizes, dtype=np.int64))
+
+    @classmethod
+    def root_only(cls, root_tokens: Sequence[int]) -> TreeProposal:
+        tokens = np.asarray(root_tokens, dtype=np.int64).reshape(-1, 1)
+        return cls(tokens, np.full_like(tokens, -1), np.ones(tokens.shape[0], dtype=np.int64))
+
+    def truncate(self, n: int) -> TreeProposal:
+        """Each tree cut to its first n nodes (still trees: parents precede children)."""
+        if n >= self.num_slots:
+            return self
+        return TreeProposal(self.tokens[:, :n], self.parents[:, :n], np.minimum(self.num_nodes, n))
+
+    def trees(self, device: torch.device | str | None = None) -> DraftTrees:
+        """The derived tensors (see DraftTrees.build), on `device`."""
+        as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)
+        return DraftTrees.build(as_tensor(self.tokens), as_tensor(self.parents), as_tensor(self.num_nodes))
 
 
 @dataclass(frozen=True)
@@ -85,18 +137,7 @@ class DraftTrees:
                    device: torch.device | str | None = None) -> DraftTrees:
         """From per-request (tokens, parents) lists; pads to n (default: the largest tree)
         with token 0 and parent -1."""
-        sizes = [len(tok) for tok, _ in trees]
-        n = max(sizes) if n is None else n
-        if min(sizes) < 1 or max(sizes) > n:
-            raise ValueError(f"tree sizes {sizes} must be in [1, {n}]")
-        tokens = torch.zeros((len(trees), n), dtype=torch.int64)
-        parents = torch.full((len(trees), n), -1, dtype=torch.int64)
-        for row, (tok, par) in enumerate(trees):
-            if len(par) != len(tok):
-                raise ValueError(f"tree {row}: {len(tok)} tokens but {len(par)} parents")
-            tokens[row, :len(tok)] = torch.tensor(tok, dtype=torch.int64)
-            parents[row, :len(par)] = torch.tensor(par, dtype=torch.int64)
-        return cls.build(tokens.to(device), parents.to(device), torch.tensor(sizes, device=device))
+        return TreeProposal.from_lists(trees, n).trees(device)
 
     @classmethod
     def chain(cls, tokens: torch.Tensor, num_nodes: torch.Tensor | None = None) -> DraftTrees:
@@ -122,14 +163,13 @@ class DraftTrees:
         position) + depth. Padding nodes get the root's position."""
         return prefix_lens.to(torch.int64).unsqueeze(1) + self.depth
 
-    def truncate(self, n: int) -> DraftTrees:
-        """Each tree cut to its first n nodes: still trees, since parents precede children.
-        A first child or next sibling at index >= n means none below n (both are minima)."""
-        if n >= self.num_slots:
+    def head(self, bs: int, n: int) -> DraftTrees:
+        """The first bs trees, each cut to its first n nodes, when nodes n.. of those trees
+        are padding (nothing refers to them)."""
+        if (bs, n) == tuple(self.tokens.shape):
             return self
-        cut = lambda x: torch.where(x[:, :n] >= n, -1, x[:, :n])
-        return DraftTrees(self.tokens[:, :n], self.parents[:, :n], self.num_nodes.clamp(max=n), self.depth[:, :n],
-                          self.ancestor_mask[:, :n, :n], cut(self.first_child), cut(self.next_sibling))
+        return DraftTrees(self.tokens[:bs, :n], self.parents[:bs, :n], self.num_nodes[:bs], self.depth[:bs, :n],
+                          self.ancestor_mask[:bs, :n, :n], self.first_child[:bs, :n], self.next_sibling[:bs, :n])
 
     def to(self, device: torch.device | str) -> DraftTrees:
         return DraftTrees(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})

@@ -1,0 +1,155 @@
+"""The device side of a decode or verify step: one packed input buffer, the target's
+forward over every draft-tree node, and greedy verification with the KV-table commit of
+the accepted path, so that a step costs one host-to-device copy, one forward and one
+device-to-host copy of the outcome.
+
+The host sends only what a drafter proposes (tokens, parents, node counts) and where the
+nodes go (KV slots, table rows, prefix lengths); depth, positions and the ancestor mask
+are derived on the device (`DraftTrees.build`: a hundred microseconds of torch dispatch on
+a host, a few small kernels on a GPU). The same functions run eagerly (CPU, batches larger
+than the graphs) and inside a CUDA graph per (batch bucket, draft size), see cuda_graph.py.
+
+Padding: rows past the batch are requests with one node (token 0, KV slot PADDING_SLOT,
+prefix 0, table row `KVPool.scratch_row`); nodes past a tree's node count are padding nodes
+(see DraftTrees). Neither is ever accepted, and their table writes land in the scratch row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from specserve.attention.base import ForwardBatch, ForwardMode
+from specserve.kv.pool import PADDING_SLOT, KVPool
+from specserve.speculative.tree import DraftTrees, TreeProposal
+from specserve.speculative.verify import verify_greedy
+
+
+@dataclass
+class TreeStepInputs:
+    """Views into one packed int64 buffer (on the host, pinned for graphs, or the device)."""
+    packed: torch.Tensor
+    tokens: torch.Tensor        # (bs, n) node tokens, the root first
+    parents: torch.Tensor       # (bs, n) -1 for the root and padding
+    out_slots: torch.Tensor     # (bs, n) KV slot of each node, PADDING_SLOT for padding
+    num_nodes: torch.Tensor     # (bs,)
+    req_rows: torch.Tensor      # (bs,) req_to_token rows
+    prefix_lens: torch.Tensor   # (bs,) tokens already in each request's cache = the root's position
+
+    @classmethod
+    def allocate(cls, bs: int, n: int, device, pin: bool = False) -> TreeStepInputs:
+        return cls.view(torch.zeros(3 * bs * n + 3 * bs, dtype=torch.long, device=device, pin_memory=pin), bs, n)
+
+    @classmethod
+    def view(cls, packed: torch.Tensor, bs: int, n: int) -> TreeStepInputs:
+        rows = bs * n
+        parts = packed.split([rows, rows, rows, bs, bs, bs])
+        return cls(packed, parts[0].view(bs, n), parts[1].view(bs, n), parts[2].view(bs, n), *parts[3:])
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.tokens.shape)
+
+    def fill(self, proposal: TreeProposal, node_slots: list[int], req_rows: list[int], kv_lens: list[int],
+             scratch_row: int) -> None:
+        """Writes a batch of `proposal.batch_size` requests with trees of up to this buffer's
+        n nodes into a host buffer (through numpy views: a torch op per field costs
+        microseconds of dispatch); the rows after it become padding requests.
+        node_slots: proposal.num_slots slots per request, PADDING_SLOT for padding nodes."""
+        bs, m = proposal.tokens.shape
+        tokens, parents, slots = self.tokens.numpy(), self.parents.numpy(), self.out_slots.numpy()
+        tokens.fill(0)
+        tokens[:bs, :m] = proposal.tokens
+        parents.fill(-1)
+        parents[:bs, :m] = proposal.parents
+        slots.fill(PADDING_SLOT)
+        slots[:bs, :m] = np.asarray(node_slots, dtype=np.int64).reshape(bs, m)
+        num_nodes, rows, prefix = self.num_nodes.numpy(), self.req_rows.numpy(), self.prefix_lens.numpy()
+        num_nodes.fill(1)
+        num_nodes[:bs] = proposal.num_nodes
+        rows.fill(scratch_row)
+        rows[:bs] = req_rows
+        prefix.fill(0)
+        prefix[:bs] = kv_lens
+
+
+def pad_node_slots(slots: list[int], num_nodes: list[int], n: int) -> list[int]:
+    """Each request's node slots, padded to n with the padding slot."""
+    padded, offset = [], 0
+    for count in num_nodes:
+        padded.extend(slots[offset:offset + count])
+        padded.extend([PADDING_SLOT] * (n - count))
+        offset += count
+    return padded
+
+
+@dataclass
+class TreeStepOutputs:
+    """What a step leaves on the device (views into graph-owned memory when replayed: valid
+    until the same graph runs again)."""
+    logits: torch.Tensor            # (bs, n, vocab) fp32
+    trees: DraftTrees | None        # None for n = 1 (root-only trees are not built)
+    outcome: torch.Tensor | None    # (bs, 1 + 2n) int64 greedy outcome, see greedy_commit; None for n = 1
+
+
+def forward_tree(model, backend, pool: KVPool, inputs: TreeStepInputs,
+                 plan: Callable[[ForwardBatch], None], kv_lens_host: list[int] | None = None,
+                 commit: bool = True) -> TreeStepOutputs:
+    """The target's forward over every node of every tree and, for n > 1 (a verify step)
+    with `commit`, the greedy outcome with the accepted path's KV slots written into
+    req_to_token. kv_lens_host: the prefix lengths on the host, for eager planning (a
+    graph plans for the longest context instead)."""
+    bs, n = inputs.shape
+    trees = None
+    if n == 1:
+        mode, positions, tree_mask = ForwardMode.DECODE, inputs.prefix_lens, None
+    else:
+        trees = DraftTrees.build(inputs.tokens, inputs.parents, inputs.num_nodes)
+        mode, positions, tree_mask = ForwardMode.VERIFY, inputs.prefix_lens.unsqueeze(1) + trees.depth, trees.ancestor_mask
+    device = inputs.tokens.device
+    batch = ForwardBatch(
+        mode=mode, input_ids=inputs.tokens.reshape(-1), positions=positions.reshape(-1),
+        out_slots=inputs.out_slots.reshape(-1), req_rows=inputs.req_rows, prefix_lens=inputs.prefix_lens,
+        extend_lens=torch.full((bs,), n, dtype=torch.long, device=device),
+        prefix_lens_host=kv_lens_host if kv_lens_host is not None else [0] * bs, extend_lens_host=[n] * bs,
+        kv_pool=pool, logits_indices=torch.arange(bs * n, device=device), tree_mask=tree_mask)
+    plan(batch)
+    logits = model(batch, backend).view(bs, n, -1)
+    outcome = greedy_commit(trees, logits, inputs, pool) if trees is not None and commit else None
+    return TreeStepOutputs(logits, trees, outcome)
+
+
+def greedy_commit(trees: DraftTrees, logits: torch.Tensor, inputs: TreeStepInputs, pool: KVPool) -> torch.Tensor:
+    """Greedy verification, and req_to_token[row, prefix + d] = the KV slot of the accepted
+    path's node at depth d, for d < accept length (the other writes go to the scratch row:
+    positions past a request's committed length are never read before they are rewritten).
+
+    Returns (bs, 1 + 2n) int64: the accept length k, the accepted nodes (root first, -1
+    after), the committed tokens (k of them, -1 after): one copy brings it all to the host."""
+    result = verify_greedy(trees, logits)
+    bs, n = trees.tokens.shape
+    depth = torch.arange(n, device=logits.device).expand(bs, n)
+    on_path = depth < result.accept_lens.unsqueeze(1)
+    path_slots = inputs.out_slots.gather(1, result.accepted_nodes.clamp(min=0))
+    rows = torch.where(on_path, inputs.req_rows.unsqueeze(1), pool.scratch_row)
+    columns = torch.where(on_path, inputs.prefix_lens.unsqueeze(1) + depth, depth)
+    pool.req_to_token[rows, columns] = path_slots.to(pool.req_to_token.dtype)
+    return torch.cat([result.accept_lens.unsqueeze(1), result.accepted_nodes, result.committed_tokens], dim=1)
+
+
+@dataclass
+class GreedyOutcome:
+    """The host's view of a verify step's greedy outcome, per request."""
+    tokens: list[list[int]]          # committed tokens: accepted drafts, then the bonus
+    accepted_nodes: list[list[int]]  # accepted node indices, root first
+
+    @classmethod
+    def parse(cls, packed: torch.Tensor) -> GreedyOutcome:
+        """packed: greedy_commit's (bs, 1 + 2n) outcome, on the host."""
+        n = (packed.shape[1] - 1) // 2
+        rows = packed.tolist()
+        accepted = [row[1:1 + row[0]] for row in rows]
+        tokens = [row[1 + n:1 + n + row[0]] for row in rows]
+        return cls(tokens, accepted)
