@@ -15,7 +15,7 @@ shape of a step, so the plan names shapes, a few per class:
   whose context is long enough for attention to split its keys (the split count follows
   the batch's longest context);
 - draft tree sizes (the tiers an adaptive draft length chooses between, the full size
-  otherwise), verified at every graph bucket and at the eager sizes;
+  otherwise), verified at every graph bucket and at the smaller eager sizes;
 - sampling variants (filters, penalties, logprobs, min_new_tokens, stop strings), in one
   batch, plain and with drafts;
 - a prompt that arrives while others decode (its chunks paced between decode steps).
@@ -39,6 +39,7 @@ SPLIT_CONTEXT = 300        # a context long enough for attention to split its ke
 PREFILL_GROWTH = 4         # prompt lengths grow by this factor from 1 to the chunk size
 NEW_TOKENS = 4             # decode steps after each prefill: the launch-ahead schedule needs >= 3
 MAX_EAGER_BATCH = 256
+MAX_EAGER_TREE_BATCH = 64
 
 
 @dataclass(frozen=True)
@@ -95,11 +96,18 @@ def plan_warmup(shape: EngineShape) -> WarmupPlan | None:
     # a prompt must leave room for its tokens and a draft in the context, and share the cache
     longest = min(shape.context_length - NEW_TOKENS - max(tiers, default=1) - 2, shape.kv_slots // 2)
     eager = _eager_batch_sizes(shape)
-    batches = ([BatchShape(bs) for bs in shape.graph_batch_sizes + eager]
-               + [BatchShape(bs, SPLIT_CONTEXT) for bs in eager])
-    return WarmupPlan(_prompt_lengths(shape.chunk_size, longest), _fitting(shape, batches, 1), tiers,
-                      _fitting(shape, batches, max(tiers, default=1)) if tiers else (),
+    # a verify step's logits are (batch x tree x vocabulary) fp32: past the graphs, trees are
+    # verified at the smaller eager sizes only (at 256 x 16 nodes they would take gigabytes)
+    eager_trees = tuple(bs for bs in eager if bs <= max(eager[0], MAX_EAGER_TREE_BATCH)) if eager else ()
+    return WarmupPlan(_prompt_lengths(shape.chunk_size, longest),
+                      _fitting(shape, _batches(shape.graph_batch_sizes, eager), 1), tiers,
+                      _fitting(shape, _batches(shape.graph_batch_sizes, eager_trees), max(tiers)) if tiers else (),
                       late_prompt_length=max(0, min(SPLIT_CONTEXT, longest)))
+
+
+def _batches(graph_sizes: tuple[int, ...], eager: tuple[int, ...]) -> list[BatchShape]:
+    """Short prompts at every size; outside the graphs also one with a long context."""
+    return [BatchShape(bs) for bs in graph_sizes + eager] + [BatchShape(bs, SPLIT_CONTEXT) for bs in eager]
 
 
 def _prompt_lengths(chunk: int, longest: int) -> tuple[int, ...]:
