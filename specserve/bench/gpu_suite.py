@@ -24,6 +24,7 @@ import time
 import torch
 
 from specserve.bench.offline import run_turn
+from specserve.engine.kernel_cache import TritonCompileCounter
 from specserve.speculative.adaptive import AdaptiveDraftLength, tiers_for
 from specserve.speculative.ngram import NgramDrafter
 from specserve.speculative.ngram_trie import NgramConfig
@@ -86,34 +87,21 @@ class RunWatch:
         self.core = engine.core
         self._step = self.core.step
         self.core.step = self._timed_step
-        self._runtime = None
-        self._compile_started: float | None = None
-        if triton_runtime is None:
-            try:
-                from triton import knobs
-                triton_runtime = knobs.runtime
-            except ImportError:  # no Triton (a CPU install), or one too old to have knobs: no compiles to count
-                triton_runtime = None
-        if triton_runtime is not None and triton_runtime.jit_cache_hook is None \
-                and triton_runtime.jit_post_compile_hook is None:
-            self._runtime = triton_runtime  # hooks someone else set are left alone (and nothing counted)
-            triton_runtime.jit_cache_hook = self._before_compile
-            triton_runtime.jit_post_compile_hook = self._after_compile
+        self._compiles = TritonCompileCounter(triton_runtime).__enter__()
         self.reset()
 
     def reset(self) -> None:
-        self.longest_step_s, self.jit_compiles, self.jit_compile_s = 0.0, 0, 0.0
+        self.longest_step_s = 0.0
+        self._compiles.reset()
 
     def summary(self) -> dict:
-        return {"longest_step_s": self.longest_step_s,
-                "jit_compiles": self.jit_compiles if self._runtime is not None else None,
-                "jit_compile_s": self.jit_compile_s if self._runtime is not None else None}
+        counted = self._compiles.compiles is not None  # None: hooks someone else set are left alone
+        return {"longest_step_s": self.longest_step_s, "jit_compiles": self._compiles.compiles,
+                "jit_compile_s": self._compiles.seconds if counted else None}
 
     def close(self) -> None:
         self.core.step = self._step
-        if self._runtime is not None:
-            self._runtime.jit_cache_hook = self._runtime.jit_post_compile_hook = None
-            self._runtime = None
+        self._compiles.__exit__(None, None, None)
 
     def _timed_step(self):
         start = time.perf_counter()
@@ -121,15 +109,6 @@ class RunWatch:
             return self._step()
         finally:
             self.longest_step_s = max(self.longest_step_s, time.perf_counter() - start)
-
-    def _before_compile(self, **_) -> None:  # returns None: a true value would make Triton skip the compile
-        self._compile_started = time.perf_counter()
-
-    def _after_compile(self, **_) -> None:
-        self.jit_compiles += 1
-        if self._compile_started is not None:
-            self.jit_compile_s += time.perf_counter() - self._compile_started
-            self._compile_started = None
 
 
 def run(engine, prompts, concurrency: int, max_new_tokens: int, label: str, turns: int = 1,

@@ -49,21 +49,24 @@ def use_persistent_triton_cache(device: torch.device) -> Path | None:
 class TritonCompileCounter:
     """Counts the Triton kernels compiled while it is open (a kernel found in the disk cache
     counts too: it is then only loaded, which `seconds` tells apart) through Triton's JIT
-    hooks. Without Triton, or while someone else holds the hooks, it counts nothing and
-    `compiles` stays None."""
+    hooks (`knobs.runtime`, or a stand-in given for tests). Without Triton, or while someone
+    else holds the hooks, it counts nothing and `compiles` stays None."""
 
-    def __init__(self):
+    def __init__(self, runtime=None):
         self.compiles: int | None = None
         self.seconds = 0.0
+        self._given_runtime = runtime
         self._runtime = None
         self._started: float | None = None
 
     def __enter__(self) -> "TritonCompileCounter":
-        try:
-            from triton import knobs
-        except ImportError:  # a CPU install, or a Triton too old to have knobs
-            return self
-        runtime = knobs.runtime
+        runtime = self._given_runtime
+        if runtime is None:
+            try:
+                from triton import knobs
+            except ImportError:  # a CPU install, or a Triton too old to have knobs
+                return self
+            runtime = knobs.runtime
         if runtime.jit_cache_hook is None and runtime.jit_post_compile_hook is None:
             self._runtime, self.compiles = runtime, 0
             runtime.jit_cache_hook = self._before_compile
@@ -74,6 +77,11 @@ class TritonCompileCounter:
         if self._runtime is not None:
             self._runtime.jit_cache_hook = self._runtime.jit_post_compile_hook = None
             self._runtime = None
+
+    def reset(self) -> None:
+        """Counts from zero again (the hooks stay)."""
+        if self.compiles is not None:
+            self.compiles, self.seconds = 0, 0.0
 
     def _before_compile(self, **_) -> None:  # must return None: a true value makes Triton skip the compile
         self._started = time.perf_counter()
