@@ -11,13 +11,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import re
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import NoReturn, TypeVar
 
-from specserve.errors import UserError, did_you_mean, one_line
+from specserve.errors import ArgumentError, UserError, did_you_mean, one_line
 
 T = TypeVar("T")
 USAGE_ERROR = 2   # argparse's status for a bad command line
@@ -104,3 +105,9 @@ def stage(what: str) -> Iterator[None]:
     start = time.perf_counter()
     yield
     logger.info("%s: done in %.1f s", what, time.perf_counter() - start)
+
+
+def check_file(flag: str, path: str | None) -> None:
+    """An ArgumentError naming `flag` when `path` is given but is not a readable file."""
+    if path is not None and not os.path.isfile(os.path.expanduser(path)):
+        raise ArgumentError(f"{flag}: {path} is not a file")

@@ -72,6 +72,20 @@ def test_a_misspelled_flag_is_one_line_with_a_suggestion(capfd):
     assert len(lines) == 1 and "did you mean --speculative-algorithm?" in lines[0], lines
 
 
+def test_benchmark_mistakes_are_one_line_before_any_work(capfd):
+    from specserve.bench.offline import main as offline_main
+    from specserve.bench.serving import main as serving_main
+    with socket.socket() as closed:   # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    status, lines, out = cli_error(capfd, serving_main, ["--port", str(port), "--num-prompts", "2"])
+    assert status == 1 and out == "" and len(lines) == 1 and f"no server answers at http://127.0.0.1:{port}" in lines[0]
+    status, lines, _ = cli_error(capfd, offline_main, ["--dataset-path", "/no/such.json"])
+    assert status == 1 and lines == ["specserve: error: --dataset-path: /no/such.json is not a file"]
+    status, lines, _ = cli_error(capfd, serving_main, ["--num-promts", "2"])
+    assert status == 2 and len(lines) == 1 and "did you mean --num-prompts?" in lines[0]
+
+
 def test_log_level_debug_shows_the_traceback():
     with pytest.raises(errors.NotSupportedError, match="EAGLE"):
         run_cli(generate_main, ["--speculative-algorithm", "EAGLE", "--log-level", "debug"])

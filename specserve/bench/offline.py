@@ -17,7 +17,7 @@ import time
 from tqdm import tqdm
 
 from specserve.args import ServerArgs
-from specserve.cli import ArgumentParser, setup_logging, stage
+from specserve.cli import ArgumentParser, check_file, setup_logging, stage
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = ArgumentParser(prog="python -m specserve.bench_offline", description=__doc__,
@@ -115,6 +115,7 @@ def print_summary(summary: dict) -> None:
 def main(argv=None) -> list[dict]:
     ns = parse_args(argv)
     setup_logging(ns.log_level)
+    check_file("--dataset-path", ns.dataset_path)
     from specserve.engine.engine import Engine
     args = ServerArgs.from_cli_args(ns)
     params = {"temperature": ns.temperature, "max_new_tokens": ns.output_len, "ignore_eos": ns.ignore_eos}

@@ -24,7 +24,7 @@ from typing import Awaitable, Callable
 
 from specserve.bench.datasets import (DatasetRow, HFTokenizer, ServerTokenizer, load_sharegpt_pairs,
                                       sample_random_requests, sample_sharegpt_requests)
-from specserve.cli import ArgumentParser, setup_logging, stage
+from specserve.cli import ArgumentParser, check_file, setup_logging, stage
 from specserve.errors import ServerUnreachableError
 
 logger = logging.getLogger("specserve")
@@ -395,6 +395,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     add_cli_args(parser)
     args = parser.parse_args(argv)
     setup_logging("info")
+    check_file("--dataset-path", args.dataset_path)
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     check_server(base_url)
     rate = "inf" if args.request_rate == float("inf") else f"{args.request_rate}/s"
