@@ -189,8 +189,8 @@ class _Driver:
         return [ids[(start + i) % len(ids)] for i in range(length)]
 
     def draft_prompt(self, length: int, offset: int) -> list[int]:
-        """`length` tokens of the counting sequence, from its `offset`-th token (any model
-        continues it, so an adaptive draft length sees drafts accepted)."""
+        """`length` tokens of the counting sequence, from its `offset`-th token (a language
+        model continues it: the adaptive draft length sees drafts accepted)."""
         ids = self.draft_ids
         return [ids[(offset + i) % len(ids)] for i in range(length)]
 
