@@ -79,9 +79,9 @@ class ServerArgs:
                                                     "STANDALONE are not implemented yet")
     speculative_num_draft_tokens: int = _spec(8, "tree nodes per verify step, the root included")
     speculative_one_branch: bool = _spec(False, "draft a single chain instead of a tree")
-    speculative_adaptive: bool = field(default=False, metadata={
-        "help": "choose the draft size each step (1 = plain decoding, up to speculative_num_draft_tokens) "
-                "from measured acceptance and measured step time"})
+    speculative_disable_adaptive: bool = _spec(False, "verify speculative_num_draft_tokens nodes every step, as "
+                                                      "SGLang does (by default each step picks the draft size, down to "
+                                                      "plain decoding, from measured acceptance and step cost)")
     speculative_num_steps: int | None = _spec(None, f"EAGLE draft steps; {_NOT_YET}")
     speculative_eagle_topk: int | None = _spec(None, f"EAGLE branching; {_NOT_YET}")
     speculative_draft_model_path: str | None = _spec(None, f"draft model for EAGLE / STANDALONE; {_NOT_YET}")

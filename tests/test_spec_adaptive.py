@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from specserve.speculative.adaptive import PROBE_EVERY, PROBE_MIN_BATCH, REFRESH_EVERY, AdaptiveDraftLength, tiers_for
+from specserve.speculative.adaptive import REFRESH_EVERY, AdaptiveDraftLength, tiers_for
 from specserve.speculative.tree import DraftTrees, TreeProposal
 
 from tests.spec_fixtures import CODE_PROMPT, SmolEngines, ngram_args, wait_until_all_kv_is_free
@@ -83,27 +83,30 @@ def test_plain_decoding_wins_when_drafts_miss_and_verifying_costs():
     assert adaptive.choose(["r"], [1]) == 1   # nothing drafted: plain
 
 
-def test_while_plain_wins_large_batches_draft_only_on_probe_steps():
+def test_while_plain_wins_the_bucket_decodes_plainly_until_a_probe_says_drafts_pay():
     adaptive = AdaptiveDraftLength([1, 4])
-    batch = [f"r{i}" for i in range(PROBE_MIN_BATCH)]
-    measured(adaptive, {1: 0.05, 4: 0.08}, batch_size=PROBE_MIN_BATCH)
-    assert adaptive.should_draft(PROBE_MIN_BATCH)    # nothing chosen yet
+    batch = [f"r{i}" for i in range(8)]
+    measured(adaptive, {1: 0.05, 4: 0.08}, batch_size=8)
+    assert adaptive.should_draft(8)                    # nothing chosen yet
     for rid in batch:
         for _ in range(5):
             propose(adaptive, rid)
             adaptive.observe(rid, [7])
     assert adaptive.choose(batch, [6] * len(batch)) == 1
-    drafts = [adaptive.should_draft(PROBE_MIN_BATCH) for _ in range(3 * PROBE_EVERY)]
-    assert sum(drafts) == 3 and drafts[PROBE_EVERY - 1]
-    assert adaptive.should_draft(2 * PROBE_MIN_BATCH)  # another batch-size bucket decides for itself
-    assert all(adaptive.should_draft(1) for _ in range(PROBE_EVERY))  # small batches draft every step
+    assert not adaptive.should_draft(8) and not adaptive.would_draft(8)   # plain mode, no drafting step
+    assert adaptive.should_draft(16) and adaptive.should_draft(1)        # other buckets decide for themselves
+    window = adaptive.probe_requests(8)
+    assert len(window) == 8 and adaptive.probe_requests(40) != adaptive.probe_requests(40)   # rotates
+    adaptive.probe(8, batch, [6] * len(batch))         # drafts still miss: stay plain
+    assert not adaptive.should_draft(8)
     chain = ([9, 1, 2, 3], [-1, 0, 1, 2])
-    for rid in batch:                                  # drafts start to hit: the next choice drafts again
+    for rid in batch:                                  # probes' shadows start to hit
         for _ in range(10):
             propose(adaptive, rid, chain)
             adaptive.observe(rid, [1, 2, 3, 8])
+    adaptive.probe(8, batch[:2], [4, 4])               # a sample of the batch speaks for it
+    assert adaptive.should_draft(8)
     assert adaptive.choose(batch, [4] * len(batch)) == 4
-    assert all(adaptive.should_draft(PROBE_MIN_BATCH) for _ in range(PROBE_EVERY))
 
 
 def test_evidence_classes_tell_weak_matches_from_strong_ones():
@@ -132,16 +135,19 @@ def test_long_accepted_paths_pick_the_largest_tier():
     assert adaptive.choose(["r"], [8]) == 8
 
 
-def test_costs_are_per_batch_bucket_and_refreshed():
+@pytest.mark.parametrize("plain_cost, plain_refreshed", [(0.016, True), (0.05, False)])
+def test_costs_are_per_batch_bucket_and_contenders_refreshed(plain_cost, plain_refreshed):
+    """Tier 4 commits 4 tokens (the prior) for 0.06 s: plain at 0.016 s is a close contender
+    and gets re-measured now and then; at 0.05 s it is far behind and is not paid for again."""
     adaptive = AdaptiveDraftLength([1, 4])
-    measured(adaptive, {1: 0.05, 4: 0.06}, batch_size=1)
+    measured(adaptive, {1: plain_cost, 4: 0.06}, batch_size=1)
     assert adaptive.choose(["a", "b", "c"], [4, 4, 4]) == 1   # bucket 4 not measured yet: try 1 first
     refreshed = []
     for step in range(2 * REFRESH_EVERY):
         tier = adaptive.choose(["r"], [4])
         refreshed.append(tier)
-        adaptive.record_step(1, tier, 0.05 if tier == 1 else 0.06)
-    assert refreshed.count(1) >= 1 and refreshed.count(4) > REFRESH_EVERY   # mostly 4, plain re-measured
+        adaptive.record_step(1, tier, plain_cost if tier == 1 else 0.06)
+    assert (refreshed.count(1) >= 1) == plain_refreshed and refreshed.count(4) > REFRESH_EVERY
 
 
 def test_tiers_are_the_graph_sizes_or_powers_of_two():
@@ -165,7 +171,7 @@ def test_adaptive_engine_equals_plain_and_switches_draft_sizes(smol):
     prompts = [plain.tokenizer(p).input_ids for p in [CODE_PROMPT, *SAMPLE_PROMPTS[1:4]]]
     expected = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=params)]
     smol.close(plain)
-    engine = smol.make(**ngram_args(8, speculative_adaptive=True))
+    engine = smol.make(**ngram_args(8))
     for _ in range(2):  # the second round sees tiers already priced
         got = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
         assert got == expected

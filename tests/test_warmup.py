@@ -69,7 +69,7 @@ def recorded_draft_sizes():
 
 
 def test_warmup_runs_every_phase_and_leaves_the_engine_as_it_found_it(tiny_path):
-    args = {**NGRAM, "speculative_adaptive": True, "chunked_prefill_size": 24, "max_total_tokens": 2048}
+    args = {**NGRAM, "chunked_prefill_size": 24, "max_total_tokens": 2048}
     cold = tiny_engine(tiny_path, **args)
     with planned_warmup(EVERY_PHASE) as reports, recorded_draft_sizes() as draft_sizes:
         warm = tiny_engine(tiny_path, **args)

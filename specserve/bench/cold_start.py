@@ -32,6 +32,7 @@ from unittest import mock
 from specserve.args import ServerArgs
 
 ALGORITHMS = ("plain", "NGRAM")
+SHAPES = ("short-chat", "code-edit-400", "code-edit-600", "long")
 TARGETS = {"cuda": {"ratio": 1.2, "step_s": 0.05}, "cpu": {"ratio": 1.5, "step_s": None}}
 CHAT_MESSAGE = "Write a haiku about the sea."
 CODE_EDIT_TOKENS = (400, 600)
@@ -42,6 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m specserve.bench.cold_start", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=SHAPES, help="in the order sent")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each request after its first")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--out", default=None, help="append the JSON lines to this file too")
@@ -112,15 +114,17 @@ def run_engine(ns: argparse.Namespace, algorithm: str) -> Iterator[dict]:
            "warmup_s": report.seconds if report else None, "warmup": report.summary() if report else None}
     watch = RunWatch(engine)
     try:
-        for shape, ids in request_shapes(engine, args).items():
-            yield measure(engine, watch, algorithm, shape, ids, ns, TARGETS["cuda" if device == "cuda" else "cpu"])
+        shapes = request_shapes(engine, args)
+        target = TARGETS["cuda" if device == "cuda" else "cpu"]
+        for shape in ns.shapes:
+            yield measure(engine, watch, algorithm, shape, shapes[shape], ns, target)
     finally:
         watch.close()
         engine.shutdown()
 
 
 def request_shapes(engine, args: ServerArgs) -> dict[str, list[int]]:
-    """Token ids of each shape, in the order they are sent."""
+    """Token ids of each of SHAPES."""
     from specserve.bench.code_edit import code_edit_messages
     encode = lambda messages: engine.tokenizer(_as_prompt(engine, messages)).input_ids
     shapes = {"short-chat": encode([{"role": "user", "content": CHAT_MESSAGE}])}
@@ -176,7 +180,7 @@ def _timed(engine, watch, ids: list[int], params: dict) -> dict:
     from specserve.bench.gpu_suite import set_drafter
     args = engine.args
     if args.speculative is not None:  # the same (empty) trie for every run: the same drafts
-        set_drafter(engine, args.speculative_num_draft_tokens, args.speculative_one_branch, args.speculative_adaptive)
+        set_drafter(engine, args.speculative_num_draft_tokens, args.speculative_one_branch, not args.speculative_disable_adaptive)
     watch.reset()
     start = time.perf_counter()
     out = engine.generate(input_ids=ids, sampling_params=params)

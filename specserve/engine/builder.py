@@ -86,7 +86,7 @@ def build_core(args: ServerArgs):
                           enable_mixed_chunk=args.enable_mixed_chunk)
     drafter = checked.drafter
     adaptive = None
-    if drafter is not None and args.speculative_adaptive:
+    if drafter is not None and not args.speculative_disable_adaptive:
         graph_sizes = runner.graphs.sizes if runner.graphs is not None else None
         adaptive = AdaptiveDraftLength(tiers_for(args.speculative_num_draft_tokens, graph_sizes))
     core = EngineCore(runner, scheduler, Sampler(config.vocab_size, device), drafter,

@@ -130,6 +130,8 @@ class EngineCore:
         outputs = [self._commit(req, sampled, i) for i, req in enumerate(reqs)]
         if self.adaptive is not None:
             self.adaptive.record_step(len(reqs), proposal.num_slots, time.perf_counter() - start)
+            if not draft:
+                self._probe(reqs)
         return outputs
 
     def _verify(self, reqs: list[Req], proposal: TreeProposal, slots: list[int]) -> tuple[SampledStep, bool]:
@@ -171,7 +173,20 @@ class EngineCore:
             self.overlap.drop()  # computed for a batch that no longer exists
         if self.adaptive is not None:
             self.adaptive.record_step(len(reqs), 1, time.perf_counter() - start)
+            self._probe(reqs)  # while the GPU runs the step launched ahead
         return outputs
+
+    def _probe(self, reqs: list[Req]) -> None:
+        """A plain step's look at whether drafting would pay now: proposals for a few of its
+        requests, kept as the adaptive policy's shadows only (nothing is verified)."""
+        window = self.adaptive.probe_requests(len(reqs))   # at most the batch: no request twice
+        sample = [reqs[i % len(reqs)] for i in window if not reqs[i % len(reqs)].finished]
+        if not sample:
+            return
+        proposal, num_nodes = self.drafter.propose(sample, self._draft_limits(sample))
+        rids, keys = [r.rid for r in sample], self.drafter.proposal_keys()
+        self.adaptive.record_proposals(rids, proposal, num_nodes, keys)
+        self.adaptive.probe(len(reqs), rids, num_nodes, keys)
 
     def _next_step_is_plain(self, reqs: list[Req]) -> bool:
         """Whether the step after this one can be launched before this one's tokens are read."""
@@ -195,17 +210,19 @@ class EngineCore:
     def _no_drafts(self, reqs: list[Req]) -> tuple[TreeProposal, list[int]]:
         return TreeProposal.root_only(self._last_tokens(reqs)), [1] * len(reqs)
 
+    def _draft_limits(self, reqs: list[Req]) -> list[int]:
+        """Never draft past max_new_tokens or the context: those nodes could not be committed."""
+        return [max(1, min(self.num_draft_tokens, r.max_new_tokens - len(r.output_ids),
+                           self.runner.context_length - r.kv_len)) for r in reqs]
+
     def _propose(self, reqs: list[Req]) -> tuple[TreeProposal, list[int]]:
-        # never draft past max_new_tokens or the context: those nodes could not be committed
-        limits = [max(1, min(self.num_draft_tokens, r.max_new_tokens - len(r.output_ids),
-                             self.runner.context_length - r.kv_len)) for r in reqs]
-        trees, num_nodes = self.drafter.propose(reqs, limits)
+        proposal, num_nodes = self.drafter.propose(reqs, self._draft_limits(reqs))
         if self.adaptive is None:
-            return trees, num_nodes
+            return proposal, num_nodes
         rids, keys = [r.rid for r in reqs], self.drafter.proposal_keys()
-        self.adaptive.record_proposals(rids, trees, num_nodes, keys)
+        self.adaptive.record_proposals(rids, proposal, num_nodes, keys)
         tier = self.adaptive.choose(rids, num_nodes, keys)
-        return trees.truncate(tier), [min(n, tier) for n in num_nodes]
+        return proposal.truncate(tier), [min(n, tier) for n in num_nodes]
 
     @staticmethod
     def _last_tokens(reqs: list[Req]) -> list[int]:

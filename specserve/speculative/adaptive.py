@@ -1,27 +1,31 @@
 """Adaptive draft length: each step verifies the draft size (a "tier", 1 = plain decoding)
-that maximises expected committed tokens per second of step time.
+that maximises expected committed tokens per second of step time, at every batch size.
 
     tier* = argmax_t  sum_i E[tokens_i | t]  /  cost(batch bucket, t)
 
 Both factors are measured, not assumed:
 
 - cost: the wall time of whole steps (drafting, forward, verification, commit), an
-  exponential moving average per (batch-size bucket, tier). The first steps at a bucket
-  try each useful tier once; after that, one step in REFRESH_EVERY re-measures the tier
-  measured longest ago, so a price taken during a one-off stall does not stick.
+  exponential moving average per (batch-size bucket, tier). Each tier is tried once per
+  bucket (a few steps in a run); after that, one drafting step in REFRESH_EVERY
+  re-measures the contender measured longest ago (tiers within REFRESH_MARGIN of the
+  best), so a price taken during a one-off stall does not stick, and a tier far from
+  winning is not paid for again.
 - E[tokens_i | t]: a moving average over past proposals of how many tokens a proposal, cut
   to its first t nodes, would have committed: per evidence class when the drafter gives one
   (NGRAM: the length of the matched suffix, so that one-token matches, which rarely pay,
-  are told apart from long ones), else per request. The drafter always
-  proposes the full tree and only the verified part is cut, so this is known for every
-  tier, including tiers larger than the one verified: a "shadow" walk follows the tokens
-  the request commits over the next steps down the full proposal. In greedy decoding the
-  committed stream does not depend on the drafts, so the counterfactual is exact.
+  are told apart from long ones), else per request. The drafter always proposes the full
+  tree and only the verified part is cut, so this is known for every tier: a "shadow" walk
+  follows the tokens the request commits over the next steps down the full proposal. In
+  greedy decoding the committed stream does not depend on the drafts, so the
+  counterfactual is exact.
 
-Drafting itself costs host time (a trie walk per request), so while a batch bucket of
-PROBE_MIN_BATCH requests or more decodes plainly, only one step in PROBE_EVERY drafts at
-all: enough to notice when drafts start to pay, without paying for drafts thrown away.
-Smaller batches draft every step and decide per step, from each proposal's class.
+Two modes per batch bucket. Drafting: every step proposes and picks its tier; a step that
+picks 1 switches the bucket to plain. Plain: steps run on the overlapped plain path (the
+next step queued before this one's tokens are read), and after the tokens are committed,
+while the GPU runs the next step, the engine proposes for up to PROBE_REQUESTS requests of
+the batch as shadows only (`probe`): no verify is paid for, yet the evidence keeps coming,
+and the bucket switches back to drafting as soon as a tier above 1 is expected to win.
 
 Cutting a tree to its first t nodes keeps a valid tree (parents come before children),
 and the tiers are sizes the CUDA graphs were captured for, so replay stays valid.
@@ -35,8 +39,8 @@ from specserve.speculative.tree import TreeProposal
 COST_EMA = 0.2       # step times are noisy; tokens per proposal change with the text
 ACCEPT_EMA = 0.3
 REFRESH_EVERY = 50
-PROBE_EVERY = 8
-PROBE_MIN_BATCH = 8
+REFRESH_MARGIN = 0.8   # re-measure tiers expected to reach this fraction of the best rate
+PROBE_REQUESTS = 16    # proposals per plain step (host time, hidden behind the next step)
 
 
 @dataclass
@@ -54,8 +58,8 @@ class AdaptiveDraftLength:
         self._cost: dict[tuple[int, int], float] = {}
         self._measured_at: dict[tuple[int, int], int] = {}  # the bucket's step count at the last measurement
         self._bucket_steps: dict[int, int] = {}
-        self._last_choice: dict[int, int] = {}              # bucket -> tier of its last drafted step
-        self._plain_streak: dict[int, int] = {}             # bucket -> steps since it last drafted
+        self._plain: set[int] = set()                       # buckets in plain mode
+        self._probe_offset = 0                              # rotates the requests a probe drafts for
         self._prior = {t: float(t) for t in self.tiers}  # before any evidence: every draft node accepted
         self._expected: dict[str, dict[int, float]] = {}    # per request
         self._by_key: dict[int, dict[int, float]] = {}      # per evidence class
@@ -64,35 +68,57 @@ class AdaptiveDraftLength:
 
     # --- the choice ---
     def should_draft(self, batch_size: int) -> bool:
-        """False while plain decoding wins at this batch size, except for one probe step in
-        PROBE_EVERY (drafting costs host time even when nothing is verified)."""
-        bucket = _bucket(batch_size)
-        if bucket < PROBE_MIN_BATCH or self._last_choice.get(bucket, 0) != 1:
-            return True
-        streak = self._plain_streak.get(bucket, 0) + 1
-        self._plain_streak[bucket] = 0 if streak >= PROBE_EVERY else streak
-        return streak >= PROBE_EVERY
+        """Whether this step drafts: False while its bucket is in plain mode."""
+        return _bucket(batch_size) not in self._plain
 
     def would_draft(self, batch_size: int) -> bool:
-        """What the next should_draft(batch_size) will answer, without counting a step."""
+        """What the next should_draft(batch_size) will answer (it counts nothing)."""
+        return self.should_draft(batch_size)
+
+    def probe_requests(self, batch_size: int) -> range:
+        """Which requests of a plain step to propose for, as shadows (a rotating window)."""
+        count = min(batch_size, PROBE_REQUESTS)
+        start = self._probe_offset % batch_size
+        self._probe_offset += count
+        return range(start, start + count)
+
+    def probe(self, batch_size: int, rids: list[str], num_nodes: list[int], keys: list[int] | None = None) -> None:
+        """After a plain step: the sampled requests' proposals (recorded as shadows) say
+        whether drafting is expected to win now; if so the bucket drafts again."""
         bucket = _bucket(batch_size)
-        return (bucket < PROBE_MIN_BATCH or self._last_choice.get(bucket, 0) != 1
-                or self._plain_streak.get(bucket, 0) + 1 >= PROBE_EVERY)
+        if max(num_nodes) > 1 and self._best_tier(bucket, batch_size, rids, num_nodes, keys) > 1:
+            self._plain.discard(bucket)
 
     def choose(self, rids: list[str], num_nodes: list[int], keys: list[int] | None = None) -> int:
-        """The tier to verify this step, given each request's proposal size (and class)."""
+        """The tier to verify this drafting step, given each request's proposal size (and
+        class); choosing 1 puts the bucket in plain mode."""
         bucket = _bucket(len(rids))
-        tiers = self._useful_tiers(max(num_nodes))
-        choice = self._tier_to_measure(bucket, tiers)
-        if choice is None:
-            def rate(tier: int) -> float:
-                tokens = sum(self.expected_tokens(rid, tier, key) if n > 1 else 1.0
-                             for rid, n, key in zip(rids, num_nodes, keys or [None] * len(rids)))
-                return tokens / self._cost[(bucket, tier)]
-            choice = max(tiers, key=rate)
-        if max(num_nodes) > 1:  # a step without drafts says nothing about whether drafting pays
-            self._last_choice[bucket] = choice
+        if max(num_nodes) == 1:
+            return 1  # nothing to verify: says nothing about whether drafting pays
+        choice = self._best_tier(bucket, len(rids), rids, num_nodes, keys, measure=True)
+        if choice == 1:
+            self._plain.add(bucket)
         return choice
+
+    def _best_tier(self, bucket: int, batch_size: int, rids: list[str], num_nodes: list[int],
+                   keys: list[int] | None, measure: bool = False) -> int:
+        """The tier of the highest expected rate; a tier not priced at this bucket yet (and,
+        with `measure`, now and then the stalest contender) is chosen to be priced."""
+        tiers = self._useful_tiers(max(num_nodes))
+        unpriced = [t for t in tiers if (bucket, t) not in self._cost]
+        if unpriced:  # each tier is priced once per bucket, cheapest first
+            return unpriced[0]
+        scale = batch_size / len(rids)   # a probe sees a sample of the batch
+        keys = keys or [None] * len(rids)
+        rates = {t: scale * sum(self.expected_tokens(rid, t, key) if n > 1 else 1.0
+                                for rid, n, key in zip(rids, num_nodes, keys)) / self._cost[(bucket, t)]
+                 for t in tiers}
+        best = max(tiers, key=rates.get)
+        steps = self._bucket_steps.get(bucket, 0)
+        if measure and steps % REFRESH_EVERY == REFRESH_EVERY - 1:
+            contenders = [t for t in tiers if rates[t] >= REFRESH_MARGIN * rates[best]]
+            return min(contenders, key=lambda t: self._measured_at[(bucket, t)])
+        return best
 
     def _useful_tiers(self, largest: int) -> list[int]:
         """Tiers up to the first that holds every proposal (larger ones run the same forward)."""
@@ -102,15 +128,6 @@ class AdaptiveDraftLength:
             if tier >= largest:
                 break
         return useful
-
-    def _tier_to_measure(self, bucket: int, tiers: list[int]) -> int | None:
-        unmeasured = [t for t in tiers if (bucket, t) not in self._cost]
-        if unmeasured:
-            return unmeasured[0]
-        steps = self._bucket_steps.get(bucket, 0)
-        if len(tiers) > 1 and steps % REFRESH_EVERY == REFRESH_EVERY - 1:
-            return min(tiers, key=lambda t: self._measured_at[(bucket, t)])
-        return None
 
     def expected_tokens(self, rid: str, tier: int, key: int | None = None) -> float:
         """Tokens a step at this tier is expected to commit for the request (given a draft
@@ -134,7 +151,7 @@ class AdaptiveDraftLength:
 
     def record_proposals(self, rids: list[str], trees: TreeProposal, num_nodes: list[int],
                          keys: list[int] | None = None) -> None:
-        """The full proposals of this step (before any cut), one shadow per real draft."""
+        """Full proposals (before any cut, verified or probes), one shadow per real draft."""
         tokens, parents = trees.tokens.tolist(), trees.parents.tolist()
         for row, (rid, count) in enumerate(zip(rids, num_nodes)):
             if count > 1:

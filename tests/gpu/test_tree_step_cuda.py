@@ -1,0 +1,36 @@
+"""The device-side verify step on a GPU: greedy NGRAM output equals plain decoding through
+the captured graphs (tree metadata, verification and the KV-table commit inside them) and
+through the eager path (batches larger than the graphs), and every KV slot comes back."""
+from __future__ import annotations
+
+import pytest
+
+from tests.spec_fixtures import make_tiny_directory, ngram_args, tiny_engine, wait_until_all_kv_is_free
+
+PROMPTS = [[5, 6, 7, 8, 9] * 6 + [10, 11], [20, 21, 22, 23] * 5 + [20, 21], list(range(30, 60)) + list(range(30, 42)),
+           [40, 41, 40, 42, 40, 43, 40, 41], [200, 201, 202] * 8]
+GREEDY = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-cuda-tree-step")
+    make_tiny_directory(path, "llama", seed=3)
+    return path
+
+
+@pytest.mark.parametrize("one_branch", [False, True])
+@pytest.mark.parametrize("graph_max_bs", [8, 2])     # 2: the 5-request batches run eagerly
+def test_greedy_ngram_equals_plain_on_cuda(model_dir, one_branch, graph_max_bs):
+    with tiny_engine(model_dir, device="cuda", disable_cuda_graph=True, max_total_tokens=4096) as plain:
+        expected = [o["output_ids"] for o in plain.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+    with tiny_engine(model_dir, device="cuda", cuda_graph_max_bs=graph_max_bs, max_total_tokens=4096,
+                     **ngram_args(16, one_branch=one_branch)) as engine:
+        accepted = 0
+        for _ in range(2):  # the second pass drafts from the first's outputs: long accepted paths
+            outputs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+            assert [o["output_ids"] for o in outputs] == expected
+            accepted = max(accepted, max(max(o["meta_info"]["spec_accept_histogram"]) for o in outputs))
+        assert accepted >= 4
+        assert all(len(o["output_ids"]) == GREEDY["max_new_tokens"] for o in outputs)
+        wait_until_all_kv_is_free(engine)
