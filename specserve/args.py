@@ -101,7 +101,8 @@ class ServerArgs:
     api_key: str | None = _server(None, "require this Bearer token on every request")
     log_level: str = _server("info", "debug also shows the traceback of an error", choices=LOG_LEVELS)
     log_interval_s: float = _server(10.0, "seconds between throughput / accept-length log lines")
-    skip_server_warmup: bool = _server(False, "start without the warm-up (on a GPU, one request of each shape that compiles something on first use) and serve without the warm-up request")
+    skip_server_warmup: bool = _server(False, "start without the warm-up (on a GPU: one request of each shape that "
+                                              "builds something on first use) and serve without the warm-up request")
 
     def __post_init__(self) -> None:
         _check_positive(self, "max_total_tokens", "context_length", "max_running_requests", "cuda_graph_max_bs")

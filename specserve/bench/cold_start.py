@@ -180,7 +180,8 @@ def _timed(engine, watch, ids: list[int], params: dict) -> dict:
     from specserve.bench.gpu_suite import set_drafter
     args = engine.args
     if args.speculative is not None:  # the same (empty) trie for every run: the same drafts
-        set_drafter(engine, args.speculative_num_draft_tokens, args.speculative_one_branch, not args.speculative_disable_adaptive)
+        set_drafter(engine, args.speculative_num_draft_tokens, args.speculative_one_branch,
+                    not args.speculative_disable_adaptive)
     watch.reset()
     start = time.perf_counter()
     out = engine.generate(input_ids=ids, sampling_params=params)

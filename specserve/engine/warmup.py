@@ -93,7 +93,8 @@ class WarmupReport:
             parts.append(f"{len(SAMPLING_VARIANTS)} sampling variants")
         line = f"start-up warm-up: {self.seconds:.1f} s, {self.steps} steps: " + ", ".join(parts)
         if self.triton_compiles is not None:
-            line += f"; {self.triton_compiles} Triton kernels compiled or loaded from cache ({self.triton_seconds:.1f} s)"
+            line += (f"; {self.triton_compiles} Triton kernels compiled or loaded from cache "
+                     f"({self.triton_seconds:.1f} s)")
         return line
 
 
