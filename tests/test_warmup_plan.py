@@ -65,6 +65,11 @@ def test_plan_shrinks_to_a_small_cache_chunk_and_context():
     _fits(plan, shape)
 
 
+def test_plan_without_chunking_stops_at_a_few_thousand_tokens():
+    shape = dataclasses.replace(GPU_ENGINE, chunk_size=GPU_ENGINE.context_length)
+    assert plan_warmup(shape).prompt_lengths == (1, 4, 16, 64, 256, 1024, 4096, 8192)
+
+
 def test_a_cpu_engine_gets_no_plan():
     assert plan_warmup(dataclasses.replace(GPU_ENGINE, cuda=False)) is None
 

@@ -39,6 +39,7 @@ SPLIT_CONTEXT = 300        # a context long enough for attention to split its ke
 PREFILL_GROWTH = 4         # prompt lengths grow by this factor from 1 to the chunk size
 NEW_TOKENS = 4             # decode steps after each prefill: the launch-ahead schedule needs >= 3
 MAX_EAGER_BATCH = 256
+LONGEST_PROMPT = 8192      # without chunking (-1): kernels pick nothing new for longer prompts, which only cost time
 MAX_EAGER_TREE_BATCH = 64
 
 
@@ -94,7 +95,8 @@ def plan_warmup(shape: EngineShape) -> WarmupPlan | None:
         return None
     tiers = _tiers(shape)
     # a prompt must leave room for its tokens and a draft in the context, and share the cache
-    longest = min(shape.context_length - NEW_TOKENS - max(tiers, default=1) - 2, shape.kv_slots // 2)
+    longest = min(shape.context_length - NEW_TOKENS - max(tiers, default=1) - 2, shape.kv_slots // 2,
+                  LONGEST_PROMPT)
     eager = _eager_batch_sizes(shape)
     # a verify step's logits are (batch x tree x vocabulary) fp32: past the graphs, trees are
     # verified at the smaller eager sizes only (at 256 x 16 nodes they would take gigabytes)
