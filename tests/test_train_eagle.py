@@ -135,3 +135,15 @@ def test_most_frequent_tokens():
     assert most_frequent_tokens([[5, 5, 5, 2], [2, 7, 9, 9, 9, 9]], vocab_size=12, size=3).tolist() == [2, 5, 9]
     with pytest.raises(ValueError, match="token ids"):
         most_frequent_tokens([[12]], vocab_size=12, size=4)
+
+
+def test_benchmark_prompts_are_excluded(tmp_path):
+    from specserve.train_eagle import prompt_texts
+
+    def write(path, prompts):
+        path.write_text(json.dumps([{"conversations": [{"from": "human", "value": p}, {"from": "gpt", "value": "ok"}]}
+                                    for p in prompts]))
+    write(tmp_path / "all.json", ["one", "two", "three"])
+    write(tmp_path / "bench.json", ["two"])
+    assert prompt_texts(str(tmp_path / "all.json"), str(tmp_path / "bench.json")) == ["one", "three"]
+    assert prompt_texts(str(tmp_path / "all.json"), None) == ["one", "two", "three"]
