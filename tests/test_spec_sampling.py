@@ -10,9 +10,12 @@ grandchild, or chains where the trie knows one continuation) the shared trie pro
 by the repetitive prompt and by every request's output. The marginal of the first four is
 tested: it covers a whole first verify step, however many of its drafts were accepted.
 
+The engine verifies with the coupled rule (its default: a seeded request gets plain
+decoding's tokens); residual rejection (rule "rejection") is tested at temperature 1 too.
+
 Controls show the test has power: the same samples are rejected against a slightly
-different distribution (temperature 1.3), and engines with a biased accept rule, or with
-penalties that ignore a node's draft ancestors, fail it.
+different distribution (temperature 1.3), and engines with a biased accept rule (either
+rule), or with penalties that ignore a node's draft ancestors, fail it.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import scipy.stats
 import torch
 
 import specserve.sampling.sampler
+from specserve.sampling import random as srandom
 from specserve.sampling.filters import apply_penalties
 from specserve.speculative import verify
 from tests.spec_fixtures import ProposeSpy, make_tiny_directory, ngram_args, tiny_engine, wait_until_all_kv_is_free
@@ -119,10 +123,13 @@ def exact_joint(step_logits: list[torch.Tensor], temperature: float = 1.0, top_k
 
 
 # ---- samples through the engine ----
-def sample(path, configs: list[dict]) -> tuple[list[dict], ProposeSpy]:
-    """SAMPLES seeded requests per configuration, all in one generate call."""
-    drafter = ngram_args(4, speculative_ngram_min_bfs_breadth=2, speculative_ngram_max_bfs_breadth=2)
+def sample(path, configs: list[dict], rule: str = "coupled") -> tuple[list[dict], ProposeSpy]:
+    """SAMPLES seeded requests per configuration, all in one generate call, verified with `rule`."""
+    # a fixed draft size: every verify step drafts what the trie offers
+    drafter = ngram_args(4, speculative_ngram_min_bfs_breadth=2, speculative_ngram_max_bfs_breadth=2,
+                         speculative_disable_adaptive=True)
     with tiny_engine(path, **drafter, max_running_requests=1024) as engine:
+        engine.core.sampler.sampling_rule = rule
         spy = ProposeSpy(engine.core.drafter)
         params = [{**config, "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True, "seed": SAMPLES * c + i}
                   for c, config in enumerate(configs) for i in range(SAMPLES)]
@@ -188,15 +195,36 @@ def test_chi_square_has_power(samples, step_logits):
     assert p < 1e-6, f"p = {p:.3g}: the test cannot tell temperature 1 from 1.3"
 
 
-def test_chi_square_catches_a_biased_accept_rule(model_dir, step_logits, monkeypatch):
-    """The engine with a subtly wrong verifier (drafts accepted with probability min(1, 1.3 r(x))
-    instead of r(x)) fails the same test: the drafts really go through verification here."""
+def test_rejection_rule_samples_follow_the_exact_distribution(model_dir, step_logits):
+    outputs, _ = sample(model_dir[0], [CONFIGS["temperature 1"]], rule="rejection")
+    p = chi_square_p(outputs, exact_joint(step_logits, temperature=1.0))
+    assert p > ALPHA, f"residual rejection: chi-square p = {p:.3g}"
+
+
+def test_chi_square_catches_a_biased_rejection_rule(model_dir, step_logits, monkeypatch):
+    """The engine with a subtly wrong residual-rejection verifier (drafts accepted with
+    probability min(1, 1.3 r(x)) instead of r(x)) fails the same test: the drafts really go
+    through verification here."""
     def biased(u, residual_x, residual_mass, draft_q_x):
         return u * residual_mass < 1.3 * residual_x
     monkeypatch.setattr(verify, "_accept", biased)
-    outputs, _ = sample(model_dir[0], [CONFIGS["temperature 1"]])
+    outputs, _ = sample(model_dir[0], [CONFIGS["temperature 1"]], rule="rejection")
     p = chi_square_p(outputs, exact_joint(step_logits, temperature=1.0))
     assert p < 1e-6, f"p = {p:.3g}: a biased accept rule went unnoticed"
+
+
+def test_chi_square_catches_a_coupled_rule_that_reuses_the_root_position(model_dir, step_logits, monkeypatch):
+    """The engine with a subtly wrong coupled verifier (every node of a tree decided with the
+    random numbers of the root's position, so the tokens of an accepted path share them) fails
+    the same test."""
+    race = srandom.exponential_race
+
+    def root_position_race(probs, seeds, positions, salt=srandom.SALT_TOKEN):
+        return race(probs, seeds, positions[:, :1].expand_as(positions), salt)
+    monkeypatch.setattr(verify, "exponential_race", root_position_race)
+    outputs, _ = sample(model_dir[0], [CONFIGS["temperature 1"]])
+    p = chi_square_p(outputs, exact_joint(step_logits, temperature=1.0))
+    assert p < 1e-6, f"p = {p:.3g}: a coupled rule with shared noise went unnoticed"
 
 
 def test_chi_square_catches_penalties_that_ignore_draft_ancestors(model_dir, step_logits, monkeypatch):
