@@ -1,7 +1,13 @@
 """Shared fixtures: the real SmolLM2 model (our loader and transformers' reference) and
-engines over it, created once per test session because loading costs seconds."""
+engines over it, created once per test session because loading costs seconds.
+
+`make test` (tests/run_suite.py) runs each file that loads SmolLM2 in its own process, so a
+session is one file and what it loads is freed with it; engines a test makes are freed
+when the test ends (_free_engines_made_by_the_test)."""
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
 import sys
 
@@ -69,6 +75,37 @@ def engine_factory(smollm2_path, smollm2_checkpoint):
         engines.append(engine)
         return engine
 
+    make.engines = engines   # for _free_engines_made_by_the_test
     yield make
     for engine in engines:
         engine.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _free_engines_made_by_the_test(request):
+    """An engine that a test makes with engine_factory (~1 GB: SmolLM2's fp32 weights and
+    their packed copy) is shut down and let go when the test ends, so a file's engines do
+    not pile up. Engines of module fixtures exist before this fixture runs (pytest sets up
+    wider scopes first) and stay."""
+    if "engine_factory" not in request.fixturenames:
+        yield
+        return
+    engines = request.getfixturevalue("engine_factory").engines
+    before = len(engines)
+    yield
+    made, engines[before:] = engines[before:], []
+    for engine in made:
+        engine.shutdown()
+    del made
+    gc.collect()
+    _return_free_memory()
+
+
+def _return_free_memory() -> None:
+    """glibc keeps freed weights in its heap (tensors of a few MB come from it once larger
+    blocks were freed); malloc_trim hands the free pages back, so the next engine does not
+    add to the peak."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):   # not glibc: nothing to trim
+        pass
