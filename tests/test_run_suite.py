@@ -1,0 +1,35 @@
+"""`make test`'s runner: files that load a model run alone, the rest together, and the
+totals end in the closing line CI reads."""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import run_suite  # noqa: E402  (a script beside this file, not a package module)
+
+
+def write(path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+def test_files_that_load_a_model_run_alone(tmp_path):
+    light = [write(tmp_path / f"test_l{i}.py", "def test_x():\n    assert True\n") for i in range(2)]
+    heavy = write(tmp_path / "test_h.py", "def test_x(engine_factory):\n    engine_factory()\n")
+    kernel = write(tmp_path / "test_gemv.py", "def test_x():\n    assert True\n")
+    assert run_suite.groups([*light, heavy, kernel]) == [[kernel], light, [heavy]]
+
+
+def test_a_group_reports_its_counts_and_a_broken_file_fails_alone(tmp_path):
+    good = write(tmp_path / "test_good.py", "def test_a():\n    assert True\n\ndef test_b():\n    assert 1 == 2\n")
+    broken = write(tmp_path / "test_broken.py", "import no_such_module_anywhere\n")
+    counts, summary, status, _ = run_suite.run_group([good, broken], [])
+    assert status == 1 and counts["passed"] == 1 and counts["failed"] == 1 and counts["error"] == 1, summary
+
+
+def test_the_closing_line_counts_errors_as_failures(tmp_path, capsys, monkeypatch):
+    failing = write(tmp_path / "test_f.py", "def test_a():\n    assert False\n\ndef test_b():\n    pass\n")
+    monkeypatch.setattr(run_suite, "ROOT", str(tmp_path))
+    assert run_suite.main([failing]) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == "total: 1 passed, 1 failed"
