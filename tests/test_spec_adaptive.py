@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from specserve.speculative.adaptive import REFRESH_EVERY, AdaptiveDraftLength, tiers_for
+from specserve.speculative.adaptive import REFRESH_EVERY, SWITCH_MARGIN, AdaptiveDraftLength, tiers_for
 from specserve.speculative.tree import DraftTrees, TreeProposal
 
 from tests.spec_fixtures import CODE_PROMPT, SmolEngines, ngram_args, wait_until_all_kv_is_free
@@ -107,6 +107,22 @@ def test_while_plain_wins_the_bucket_decodes_plainly_until_a_probe_says_drafts_p
     adaptive.probe(8, batch[:2], [4, 4])               # a sample of the batch speaks for it
     assert adaptive.should_draft(8)
     assert adaptive.choose(batch, [4] * len(batch)) == 4
+
+
+def test_a_probe_switches_back_only_with_a_margin():
+    """Drafting expected to win by less than SWITCH_MARGIN keeps a plain bucket plain (no
+    step-by-step alternation between the modes)."""
+    adaptive = AdaptiveDraftLength([1, 4])
+    measured(adaptive, {1: 0.050, 4: 0.090}, batch_size=1)
+    chain = ([9, 1, 2, 3], [-1, 0, 1, 2])
+    for _ in range(30):                                # 2 tokens per 0.09 s tier-4 step: 1.11x plain
+        propose(adaptive, "r", chain)
+        adaptive.observe("r", [1, 8])
+    adaptive._plain.add(1)                             # the bucket decodes plainly
+    rate_4 = adaptive.expected_tokens("r", 4) / 0.090
+    assert 1 / 0.05 < rate_4 < SWITCH_MARGIN / 0.05
+    adaptive.probe(1, ["r"], [4])
+    assert not adaptive.should_draft(1)
 
 
 def test_evidence_classes_tell_weak_matches_from_strong_ones():

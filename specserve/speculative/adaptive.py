@@ -41,6 +41,10 @@ ACCEPT_EMA = 0.3
 REFRESH_EVERY = 50
 REFRESH_MARGIN = 0.8   # re-measure tiers expected to reach this fraction of the best rate
 PROBE_REQUESTS = 16    # proposals per plain step (host time, hidden behind the next step)
+# a plain bucket drafts again only when drafting is expected to beat plain by this much:
+# a switch costs a step that is not launched ahead, and a probe sees only a sample, so
+# without a margin the two modes can alternate step by step
+SWITCH_MARGIN = 1.15
 
 
 @dataclass
@@ -86,7 +90,10 @@ class AdaptiveDraftLength:
         """After a plain step: the sampled requests' proposals (recorded as shadows) say
         whether drafting is expected to win now; if so the bucket drafts again."""
         bucket = _bucket(batch_size)
-        if max(num_nodes) > 1 and self._best_tier(bucket, batch_size, rids, num_nodes, keys) > 1:
+        if max(num_nodes) == 1:
+            return
+        best, rates = self._best_tier(bucket, batch_size, rids, num_nodes, keys)
+        if best > 1 and (not rates or rates[best] >= SWITCH_MARGIN * rates[1]):
             self._plain.discard(bucket)
 
     def choose(self, rids: list[str], num_nodes: list[int], keys: list[int] | None = None) -> int:
@@ -95,19 +102,20 @@ class AdaptiveDraftLength:
         bucket = _bucket(len(rids))
         if max(num_nodes) == 1:
             return 1  # nothing to verify: says nothing about whether drafting pays
-        choice = self._best_tier(bucket, len(rids), rids, num_nodes, keys, measure=True)
+        choice, _ = self._best_tier(bucket, len(rids), rids, num_nodes, keys, measure=True)
         if choice == 1:
             self._plain.add(bucket)
         return choice
 
     def _best_tier(self, bucket: int, batch_size: int, rids: list[str], num_nodes: list[int],
-                   keys: list[int] | None, measure: bool = False) -> int:
-        """The tier of the highest expected rate; a tier not priced at this bucket yet (and,
-        with `measure`, now and then the stalest contender) is chosen to be priced."""
+                   keys: list[int] | None, measure: bool = False) -> tuple[int, dict[int, float]]:
+        """The tier of the highest expected rate, and the rates (tokens per second) of every
+        useful tier; a tier not priced at this bucket yet (and, with `measure`, now and then
+        the stalest contender) is chosen to be priced, with no rates."""
         tiers = self._useful_tiers(max(num_nodes))
         unpriced = [t for t in tiers if (bucket, t) not in self._cost]
         if unpriced:  # each tier is priced once per bucket, cheapest first
-            return unpriced[0]
+            return unpriced[0], {}
         scale = batch_size / len(rids)   # a probe sees a sample of the batch
         keys = keys or [None] * len(rids)
         rates = {t: scale * sum(self.expected_tokens(rid, t, key) if n > 1 else 1.0
@@ -117,8 +125,8 @@ class AdaptiveDraftLength:
         steps = self._bucket_steps.get(bucket, 0)
         if measure and steps % REFRESH_EVERY == REFRESH_EVERY - 1:
             contenders = [t for t in tiers if rates[t] >= REFRESH_MARGIN * rates[best]]
-            return min(contenders, key=lambda t: self._measured_at[(bucket, t)])
-        return best
+            return min(contenders, key=lambda t: self._measured_at[(bucket, t)]), rates
+        return best, rates
 
     def _useful_tiers(self, largest: int) -> list[int]:
         """Tiers up to the first that holds every proposal (larger ones run the same forward)."""
