@@ -25,13 +25,9 @@ import numpy as np
 import torch
 
 
-@dataclass(frozen=True)
-class TreeProposal:
-    """A batch of draft trees as a drafter proposes them, on the host: what one packed copy
-    sends to a verify step. Same conventions as DraftTrees (padding: token 0, parent -1)."""
-    tokens: np.ndarray      # (bs, n) int64
-    parents: np.ndarray     # (bs, n) int64, -1 for the root and padding
-    num_nodes: np.ndarray   # (bs,) int64, real nodes including the root
+class _BatchOfTrees:
+    """Shape accessors shared by the host and device forms (both have a (bs, n) `tokens`)."""
+    tokens: np.ndarray | torch.Tensor
 
     @property
     def batch_size(self) -> int:
@@ -39,7 +35,17 @@ class TreeProposal:
 
     @property
     def num_slots(self) -> int:
+        """n: nodes per tree, padding included."""
         return self.tokens.shape[1]
+
+
+@dataclass(frozen=True)
+class TreeProposal(_BatchOfTrees):
+    """A batch of draft trees as a drafter proposes them, on the host: what one packed copy
+    sends to a verify step. Same conventions as DraftTrees (padding: token 0, parent -1)."""
+    tokens: np.ndarray      # (bs, n) int64
+    parents: np.ndarray     # (bs, n) int64, -1 for the root and padding
+    num_nodes: np.ndarray   # (bs,) int64, real nodes including the root
 
     @classmethod
     def from_lists(cls, rows: Sequence[tuple[Sequence[int], Sequence[int]]], n: int | None = None) -> TreeProposal:
@@ -75,7 +81,7 @@ class TreeProposal:
 
 
 @dataclass(frozen=True)
-class DraftTrees:
+class DraftTrees(_BatchOfTrees):
     tokens: torch.Tensor          # (bs, n) int64
     parents: torch.Tensor         # (bs, n) int64, -1 for the root and padding
     num_nodes: torch.Tensor       # (bs,) int64, real nodes including the root
@@ -83,15 +89,6 @@ class DraftTrees:
     ancestor_mask: torch.Tensor   # (bs, n, n) bool, [b, i, j] = j is i or an ancestor of i
     first_child: torch.Tensor     # (bs, n) int64, lowest-index child, -1 if none
     next_sibling: torch.Tensor    # (bs, n) int64, next child of the same parent, -1 if none
-
-    @property
-    def batch_size(self) -> int:
-        return self.tokens.shape[0]
-
-    @property
-    def num_slots(self) -> int:
-        """n: nodes per tree, padding included."""
-        return self.tokens.shape[1]
 
     @classmethod
     def build(cls, tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor) -> DraftTrees:

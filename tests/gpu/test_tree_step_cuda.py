@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tests.spec_fixtures import make_tiny_directory, ngram_args, tiny_engine, wait_until_all_kv_is_free
+from tests.test_step_kv_writes import PROMPTS
 
-PROMPTS = [[5, 6, 7, 8, 9] * 6 + [10, 11], [20, 21, 22, 23] * 5 + [20, 21], list(range(30, 60)) + list(range(30, 42)),
-           [40, 41, 40, 42, 40, 43, 40, 41], [200, 201, 202] * 8]
 GREEDY = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
 
 
