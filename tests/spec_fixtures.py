@@ -63,9 +63,11 @@ class SmolEngines:
                 self.engines.remove(e)
 
 
-def ngram_args(num_draft_tokens: int, one_branch: bool = False, **extra) -> dict:
+def ngram_args(num_draft_tokens: int, one_branch: bool = False, adaptive: bool = False, **extra) -> dict:
+    """NGRAM at a pinned draft size (every step verifies what the trie proposes, which is
+    what tests of verification need), or with the adaptive policy, the engine's default."""
     return {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": num_draft_tokens,
-            "speculative_one_branch": one_branch, **extra}
+            "speculative_one_branch": one_branch, "speculative_disable_adaptive": not adaptive, **extra}
 
 
 # ---- tiny random-weight Hugging Face directories ----

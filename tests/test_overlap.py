@@ -89,7 +89,7 @@ def test_adaptive_ngram_overlaps_its_plain_steps(engine_factory, plain):
     """With NGRAM and the adaptive draft length, the steps it decodes plainly are launched
     ahead too; probe steps draft and verify. Outputs stay those of plain decoding."""
     from tests.spec_fixtures import ngram_args
-    engine = engine_factory(max_total_tokens=4096, **ngram_args(8))
+    engine = engine_factory(max_total_tokens=4096, **ngram_args(8, adaptive=True))
     used = overlapped(engine)
     adaptive = engine.core.adaptive
     for batch_size in (1, 2, 4, 8):      # verifying drafts priced far above plain steps: plain wins

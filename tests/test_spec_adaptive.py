@@ -187,7 +187,7 @@ def test_adaptive_engine_equals_plain_and_switches_draft_sizes(smol):
     prompts = [plain.tokenizer(p).input_ids for p in [CODE_PROMPT, *SAMPLE_PROMPTS[1:4]]]
     expected = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=params)]
     smol.close(plain)
-    engine = smol.make(**ngram_args(8))
+    engine = smol.make(**ngram_args(8, adaptive=True))
     for _ in range(2):  # the second round sees tiers already priced
         got = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
         assert got == expected
