@@ -4,6 +4,7 @@ The end-to-end figure (a 4k prompt arriving while 8 streams run) is a benchmark:
 python -m specserve.bench.prefill_stall."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specserve.engine.prefill_pacer import MIN_CHUNK, PREFILL_SHARE, PrefillPacer
@@ -27,12 +28,12 @@ def test_pacer_starts_small_and_converges_to_the_share_of_a_decode_step():
 
 
 def test_pacer_mixed_steps_count_only_the_prefill_part_and_respect_the_bounds():
-    pacer = PrefillPacer(max_chunk=512)
-    pacer.record(0.010, prefill_tokens=0, decode_reqs=4)
-    pacer.record(0.010 + 100 * 0.0001, prefill_tokens=100, decode_reqs=4)    # 0.1 ms per prompt token
-    assert pacer.budget(decoding=True) == int(PREFILL_SHARE * 0.010 / 0.0001)
-    pacer.record(0.010 + 0.5, prefill_tokens=10, decode_reqs=4)              # dreadfully slow tokens
-    pacer.record(0.010 + 0.5, prefill_tokens=10, decode_reqs=4)
+    pacer = PrefillPacer(max_chunk=1024)
+    pacer.record(0.040, prefill_tokens=0, decode_reqs=4)
+    pacer.record(0.040 + 100 * 0.0001, prefill_tokens=100, decode_reqs=4)    # 0.1 ms per prompt token
+    assert abs(pacer.budget(decoding=True) - PREFILL_SHARE * 0.040 / 0.0001) <= 1
+    pacer.record(0.040 + 2.0, prefill_tokens=10, decode_reqs=4)              # dreadfully slow tokens
+    pacer.record(0.040 + 2.0, prefill_tokens=10, decode_reqs=4)
     assert pacer.budget(decoding=True) == MIN_CHUNK
     fast = PrefillPacer(max_chunk=512)
     fast.record(1.0, prefill_tokens=0, decode_reqs=1)
@@ -105,6 +106,17 @@ def test_mixed_chunks_decode_in_every_prefill_step():
     assert scheduler._last_step == (batch.extend_lens[4], 4)     # timed as 4 decodes + the chunk
 
 
+def test_a_prompt_with_one_token_left_is_in_a_mixed_step_once():
+    scheduler, streams, long_prompt = _decoding_scheduler(mixed=True)
+    scheduler.pacer.max_chunk, scheduler.pacer.prefill_token_s = 3999, 1e-9   # a chunk one token short
+    _run(scheduler, scheduler.schedule())
+    assert long_prompt.kv_len == long_prompt.num_tokens - 1 and not long_prompt.output_ids
+    batch = scheduler.schedule()
+    assert sum(r is long_prompt for r in batch.reqs) == 1
+    _run(scheduler, batch)
+    assert long_prompt.output_ids == [7]
+
+
 def test_prefill_goes_first_while_nobody_decodes():
     scheduler = Scheduler(_pool(), max_running_requests=16, chunked_prefill_size=1024)
     long_prompt = _req("long", 3000)
@@ -132,3 +144,46 @@ def test_trim_kv_drops_slots_committed_ahead_of_their_tokens():
     assert req.kv_len == req.num_tokens
     scheduler.trim_kv(req)
     assert req.kv_len == req.num_tokens - 1 and scheduler.pool.slots.available() == free
+
+
+@pytest.mark.parametrize("mode, prefix_lens, extend_lens", [
+    ("EXTEND", [9, 600, 3], [1, 7, 1]),               # a mixed step: two decoding requests, a deep prompt chunk
+    ("DECODE", [3, 900, 40, 300], [1, 1, 1, 1]),      # one long context among short ones
+    ("VERIFY", [5, 700, 20], [3, 4, 2]),              # draft trees
+])
+def test_grouped_attention_equals_one_padded_call(mode, prefix_lens, extend_lens):
+    """The reference backend attends requests of different kinds and key lengths in
+    separate calls (short ones are not padded to the longest); same result as one call."""
+    from specserve.attention.base import ForwardBatch, ForwardMode
+    from specserve.attention.torch_native import LayoutGroup, TorchNativeBackend, build_padded_layout
+    heads, kv_heads, head_dim = 6, 2, 16
+    pool = KVPool(1, kv_heads, head_dim, 2048, max_requests=4, max_context=1024, dtype=torch.float32,
+                  device=torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    for buffer in pool.k_buffers + pool.v_buffers:
+        buffer.copy_(torch.randn(buffer.shape, generator=gen))
+    rows = [pool.alloc_row() for _ in prefix_lens]
+    slots = torch.randperm(2048, generator=gen)[:sum(prefix_lens) + sum(extend_lens)] + 1
+    start = 0
+    for row, prefix in zip(rows, prefix_lens):
+        pool.write_positions(row, 0, slots[start:start + prefix].to(torch.int32))
+        start += prefix
+    tree_mask = None
+    if mode == "VERIFY":   # chains: node i sees nodes 0..i
+        n = max(extend_lens)
+        tree_mask = torch.stack([torch.tril(torch.ones(n, n, dtype=torch.bool)) & (torch.arange(n) < e)
+                                 for e in extend_lens])
+    tokens = sum(extend_lens)
+    batch = ForwardBatch(mode=ForwardMode[mode], input_ids=torch.zeros(tokens, dtype=torch.long),
+                         positions=torch.zeros(tokens, dtype=torch.long), out_slots=slots[start:],
+                         req_rows=torch.tensor(rows), prefix_lens=torch.tensor(prefix_lens),
+                         extend_lens=torch.tensor(extend_lens), prefix_lens_host=prefix_lens,
+                         extend_lens_host=extend_lens, kv_pool=pool, logits_indices=torch.arange(tokens),
+                         tree_mask=tree_mask)
+    q, k, v = (torch.randn((tokens, n, head_dim), generator=gen) for n in (heads, kv_heads, kv_heads))
+    backend = TorchNativeBackend(heads, kv_heads, head_dim)
+    backend.plan(batch)
+    assert len(batch.attn_metadata) >= 2
+    grouped = backend.forward(q, k, v, 0, batch)
+    batch.attn_metadata = [LayoutGroup(None, build_padded_layout(batch))]
+    torch.testing.assert_close(grouped, backend.forward(q, k, v, 0, batch), atol=1e-5, rtol=1e-5)

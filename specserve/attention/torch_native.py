@@ -1,17 +1,24 @@
 """The reference attention backend: gather K/V by slot into a padded batch, masked SDPA.
 
-It runs on CPU and GPU and is what the Triton kernels are checked against. All requests
-of a forward go through one SDPA call per layer: queries are padded to the longest
-extend, keys to the longest prefix + extend, and the mask keeps padding out.
+It runs on CPU and GPU and is what the Triton kernels are checked against. Requests go
+through one SDPA call per layer and group: queries are padded to the group's longest
+extend, keys to its longest prefix + extend, and the mask keeps padding out. Requests are
+grouped by kind (single tokens, longer extends) and by key length within a factor of two:
+padded together, every short request would gather as many keys as the longest one, and a
+decode step beside one 4k-token context (or a prompt chunk deep into one) would cost a
+CPU seconds instead of tens of milliseconds.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from specserve.attention.base import AttentionBackend, ForwardBatch, ForwardMode
+
+MIN_BUCKET_KEYS = 256   # requests with fewer keys share one group: padding them is cheap
 
 
 @dataclass
@@ -22,16 +29,31 @@ class PaddedLayout:
     max_q: int
 
 
+@dataclass
+class LayoutGroup:
+    tokens: torch.Tensor | None       # (group_tokens,) rows of the forward's tokens; None: all of them
+    layout: PaddedLayout
+
+
 class TorchNativeBackend(AttentionBackend):
 
     def plan(self, batch: ForwardBatch) -> None:
-        batch.attn_metadata = build_padded_layout(batch)
+        batch.attn_metadata = plan_groups(batch)
 
     def forward(self, q, k, v, layer, batch: ForwardBatch) -> torch.Tensor:
         pool = batch.kv_pool
         if k is not None:  # None: the model's fused RoPE kernel has stored k and v already
             pool.store(layer, batch.out_slots, k, v)
-        layout: PaddedLayout = batch.attn_metadata
+        groups: list[LayoutGroup] = batch.attn_metadata
+        if len(groups) == 1:
+            return self._attend(q, layer, pool, groups[0].layout)
+        out = torch.empty_like(q)
+        for group in groups:
+            out[group.tokens] = self._attend(q[group.tokens], layer, pool, group.layout)
+        return out
+
+    def _attend(self, q: torch.Tensor, layer: int, pool, layout: PaddedLayout) -> torch.Tensor:
+        """q: (num_tokens, num_heads, head_dim) of the requests `layout` covers."""
         bs, max_q = layout.kv_slots.shape[0], layout.max_q
         # (bs, num_kv_heads, max_kv, head_dim)
         keys = pool.k_buffers[layer][layout.kv_slots].transpose(1, 2).to(q.dtype)
@@ -47,6 +69,36 @@ class TorchNativeBackend(AttentionBackend):
         # (bs, num_heads, max_q, head_dim) -> (num_tokens, num_heads, head_dim)
         out = out.transpose(1, 2).reshape(bs * max_q, self.num_heads, self.head_dim)
         return out if layout.query_rows is None else out[layout.query_rows]
+
+
+def plan_groups(batch: ForwardBatch) -> list[LayoutGroup]:
+    """A padded layout per group of requests of the same kind and key-length bucket."""
+    lens, prefixes = batch.extend_lens_host, batch.prefix_lens_host
+    groups: dict[tuple[bool, int], list[int]] = {}
+    for i, (prefix, length) in enumerate(zip(prefixes, lens)):
+        # keys padded to at most twice a request's own
+        bucket = max(prefix + length - 1, MIN_BUCKET_KEYS).bit_length()
+        groups.setdefault((length == 1, bucket), []).append(i)
+    if len(groups) == 1:
+        return [LayoutGroup(None, build_padded_layout(batch))]
+    starts = [0]
+    for length in lens[:-1]:
+        starts.append(starts[-1] + length)
+    return [_group(batch, reqs, starts) for reqs in groups.values()]
+
+
+
+def _group(batch: ForwardBatch, reqs: list[int], starts: list[int]) -> LayoutGroup:
+    device = batch.input_ids.device
+    lens = batch.extend_lens_host
+    tokens = torch.tensor([t for i in reqs for t in range(starts[i], starts[i] + lens[i])], device=device)
+    index = torch.tensor(reqs, device=device)
+    part = dataclasses.replace(
+        batch, input_ids=batch.input_ids[tokens], positions=batch.positions[tokens], out_slots=batch.out_slots[tokens],
+        req_rows=batch.req_rows[index], prefix_lens=batch.prefix_lens[index], extend_lens=batch.extend_lens[index],
+        prefix_lens_host=[batch.prefix_lens_host[i] for i in reqs], extend_lens_host=[lens[i] for i in reqs],
+        tree_mask=None if batch.tree_mask is None else batch.tree_mask[index], attn_metadata=None)
+    return LayoutGroup(tokens, build_padded_layout(part))
 
 
 def build_padded_layout(batch: ForwardBatch) -> PaddedLayout:
