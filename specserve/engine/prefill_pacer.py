@@ -16,11 +16,25 @@ converges to the largest chunk that keeps to the share: with t(c) = a + b*c, the
 c' = share*d*c / t(c) has the fixed point t(c) = share*d, and is increasing and concave, so
 it converges from any start (to MIN_CHUNK where even a tiny chunk costs more than the
 share). Until both times are known it starts at MIN_CHUNK.
+
+On a CPU a prefill step has a fixed cost about that of a decode step (every weight is
+read once per forward), so alternating steps leave little room under 3x; mixed steps
+(--enable-mixed-chunk), whose weight reads serve both, leave more. Their prefill part is
+measured against a plain decode step, so one runs first when none was timed. Deep into a
+long prompt a chunk has a fixed cost of its own (attending to the whole prefix: ~150 ms at
+4k tokens on one CPU core with torch_native), which no chunk size removes; MIN_CHUNK keeps
+the prompt moving by more than a token per such step (at 1, a 4k prompt took 8x longer).
 """
 from __future__ import annotations
 
-PREFILL_SHARE = 1.5      # the prefill part of a step, in decode steps: stalls stay under 3x the usual gap
-MIN_CHUNK = 16           # a long prompt always moves forward, however slow a prefill token is
+PREFILL_SHARE = 1.5      # the prefill part of a step, in decode steps: gaps stay within 2.5x the usual one
+MIN_CHUNK = 4            # a long prompt always moves forward, however slow a prefill token is
+# A prefill part may always take this long. On a GPU a decode step takes ~1-3 ms, and
+# pacing prefill to 1.5 of that cuts chunks to ~100 tokens: new requests then take hundreds
+# of steps to start and throughput at concurrency collapses (measured: 1.5B on an H100,
+# plain decoding at concurrency 32 fell below its batch-1 rate). A 25 ms stall is below
+# what a streaming reader notices; on a CPU, where steps take ~50-100 ms, the share rules.
+MIN_PREFILL_S = 0.025
 _SMOOTHING = 0.5         # weight of the newest measurement in the moving averages
 
 
@@ -38,8 +52,8 @@ class PrefillPacer:
             return self.max_chunk
         if self.decode_step_s is None or self.prefill_token_s is None:
             return self.min_chunk
-        tokens = int(self.share * self.decode_step_s / self.prefill_token_s)
-        return max(self.min_chunk, min(self.max_chunk, tokens))
+        tokens = max(self.share * self.decode_step_s, MIN_PREFILL_S) / self.prefill_token_s
+        return max(self.min_chunk, min(self.max_chunk, int(min(tokens, self.max_chunk))))
 
     def record(self, seconds: float, prefill_tokens: int, decode_reqs: int) -> None:
         """A step's wall time, with the prompt tokens it carried and the requests it decoded."""

@@ -54,10 +54,12 @@ class Scheduler:
     def schedule(self) -> Batch | None:
         """The next step's batch (see the module docstring for the policy)."""
         decoding = [r for r in self._candidates(self.running) if r.kv_len == r.num_tokens - 1]
-        prefill_turn = not decoding or self.mixed_chunk or self._last_step is None or self._last_step[0] == 0
+        # a mixed step's prefill part is timed against a plain decode step: one runs first
+        mixed = self.mixed_chunk and self.pacer.decode_step_s is not None
+        prefill_turn = not decoding or mixed or self._last_step is None or self._last_step[0] == 0
         batch, decode_count = None, 0
         if prefill_turn:
-            batch, decode_count = self._schedule_extend(decoding if self.mixed_chunk else [])
+            batch, decode_count = self._schedule_extend(decoding if mixed else [])
         if batch is None and decoding:
             decoding = self._reserve_decode_slots(decoding)
             batch, decode_count = (Batch(reqs=decoding, is_extend=False), len(decoding)) if decoding else (None, 0)
@@ -84,7 +86,9 @@ class Scheduler:
             return None, 0
         if decoding:
             decoding = self._reserve_decode_slots(decoding)
-        candidates = (self._candidates(r for r in self.running if r.kv_len < r.prefill_target)
+        # a prompt with one token left to cache decodes it: it is in `decoding`, not here
+        candidates = (self._candidates(r for r in self.running
+                                       if r.kv_len < r.prefill_target and not any(r is d for d in decoding))
                       + self._candidates(self.waiting))
         decode_reserve = sum(1 for r in self.running if r.kv_len >= r.prefill_target)
         # others' streams wait while a chunk runs: paced unless nobody else decodes (or they are paused)
