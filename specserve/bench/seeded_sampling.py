@@ -94,8 +94,8 @@ def bench_model(path: str | None, ns, write) -> None:
 
 def table(rows: list[dict]) -> str:
     """One line per (model, workload, config): accept length and identity under each rule."""
-    lines = ["| model | workload | config | accept coupled | accept rejection | identical to plain: coupled | rejection |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| model | workload | config | accept coupled | accept rejection | identical to plain: coupled "
+             "| rejection |", "|---|---|---|---|---|---|---|"]
     grouped: dict[tuple, dict] = {}
     for row in rows:
         grouped.setdefault((row["model"], row["workload"], row["config"]), {})[row["rule"]] = row
