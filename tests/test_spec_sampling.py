@@ -125,9 +125,8 @@ def exact_joint(step_logits: list[torch.Tensor], temperature: float = 1.0, top_k
 # ---- samples through the engine ----
 def sample(path, configs: list[dict], rule: str = "coupled") -> tuple[list[dict], ProposeSpy]:
     """SAMPLES seeded requests per configuration, all in one generate call, verified with `rule`."""
-    # a fixed draft size: every verify step drafts what the trie offers
-    drafter = ngram_args(4, speculative_ngram_min_bfs_breadth=2, speculative_ngram_max_bfs_breadth=2,
-                         speculative_disable_adaptive=True)
+    # a pinned draft size (ngram_args' default): every verify step drafts what the trie offers
+    drafter = ngram_args(4, speculative_ngram_min_bfs_breadth=2, speculative_ngram_max_bfs_breadth=2)
     with tiny_engine(path, **drafter, max_running_requests=1024) as engine:
         engine.core.sampler.sampling_rule = rule
         spy = ProposeSpy(engine.core.drafter)
