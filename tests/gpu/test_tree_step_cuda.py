@@ -24,8 +24,7 @@ def test_greedy_ngram_equals_plain_on_cuda(model_dir, one_branch, graph_max_bs):
     with tiny_engine(model_dir, device="cuda", disable_cuda_graph=True, max_total_tokens=4096) as plain:
         expected = [o["output_ids"] for o in plain.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
     with tiny_engine(model_dir, device="cuda", cuda_graph_max_bs=graph_max_bs, max_total_tokens=4096,
-                     speculative_disable_adaptive=True,   # every step verifies its full tree
-                     **ngram_args(16, one_branch=one_branch)) as engine:
+                     **ngram_args(16, one_branch=one_branch)) as engine:   # pinned size: full trees verified
         accepted = 0
         for _ in range(2):  # the second pass drafts from the first's outputs: long accepted paths
             outputs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
