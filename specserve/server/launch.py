@@ -27,7 +27,8 @@ def launch_server(args: ServerArgs) -> None:
             logger.info("warmup request done in %.2f s", time.perf_counter() - start)
         app = create_app(engine)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                access_log=args.log_level == "debug", timeout_keep_alive=30)
+                                # one line per request (method, path, status) at info and debug, as uvicorn's default
+                                access_log=args.log_level in ("debug", "info"), timeout_keep_alive=30)
         uvicorn.Server(config).run()
     finally:
         engine.shutdown()
