@@ -44,6 +44,7 @@ class TritonMetadata:
     partial_out: torch.Tensor | None    # (num_tokens, num_heads, splits, head_dim) fp32; None = one split
     partial_lse: torch.Tensor | None    # (num_tokens, num_heads, splits) fp32
     split_counters: torch.Tensor | None  # (>= bs * num_kv_heads,) int32 zeros: DECODE's in-kernel merge
+    split_counts: torch.Tensor | None = None  # (>= num_tokens,) int32 scratch: EXTEND/VERIFY splits used per token
 
 
 @dataclass
@@ -59,6 +60,7 @@ class _GraphBuffers:
     partial_out: torch.Tensor   # flat fp32, viewed per batch size
     partial_lse: torch.Tensor   # flat fp32
     split_counters: torch.Tensor  # (max_bs * num_kv_heads,) int32, zero between launches
+    split_counts: torch.Tensor    # (max_bs * max_tokens_per_req,) int32
 
 
 class TritonBackend(AttentionBackend):
@@ -88,10 +90,12 @@ class TritonBackend(AttentionBackend):
             tree_mask = batch.tree_mask.to(torch.uint8).contiguous()
         max_kv = max((p + e for p, e in zip(batch.prefix_lens_host, batch.extend_lens_host)), default=0)
         row_blocks, splits = self._grid(batch.mode, bs, max(batch.extend_lens_host, default=0), max_kv, device)
-        partial_out = partial_lse = split_counters = None
+        partial_out = partial_lse = split_counters = split_counts = None
         if splits > 1:
             if batch.mode is ForwardMode.DECODE:
                 split_counters = torch.zeros(bs * self.num_kv_heads, dtype=torch.int32, device=device)
+            else:
+                split_counts = torch.empty(batch.num_tokens, dtype=torch.int32, device=device)
             partial_out = torch.empty((batch.num_tokens, self.num_heads, splits, self.head_dim),
                                       dtype=torch.float32, device=device)
             partial_lse = torch.empty((batch.num_tokens, self.num_heads, splits), dtype=torch.float32, device=device)
@@ -99,7 +103,7 @@ class TritonBackend(AttentionBackend):
             mode=batch.mode, req_rows=batch.req_rows.to(torch.int32), prefix_lens=batch.prefix_lens.to(torch.int32),
             qo_indptr=qo_indptr, tree_mask=tree_mask, row_blocks=row_blocks,
             partial_out=partial_out, partial_lse=partial_lse,
-            split_counters=split_counters)
+            split_counters=split_counters, split_counts=split_counts)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 batch: ForwardBatch) -> torch.Tensor:
@@ -116,7 +120,8 @@ class TritonBackend(AttentionBackend):
                              partial_lse=meta.partial_lse, split_counters=meta.split_counters)
         else:
             extend_attention(q, *buffers, meta.qo_indptr, batch.out_slots, out, self.scale, meta.row_blocks,
-                             tree_mask=meta.tree_mask, partial_out=meta.partial_out, partial_lse=meta.partial_lse)
+                             tree_mask=meta.tree_mask, partial_out=meta.partial_out, partial_lse=meta.partial_lse,
+                             split_counts=meta.split_counts)
         return out
 
     # --- CUDA graphs ---
@@ -138,7 +143,8 @@ class TritonBackend(AttentionBackend):
             tree_mask=torch.zeros((max_bs, n, n), dtype=torch.uint8, device=device),
             partial_out=torch.zeros(partial_rows * self.head_dim, dtype=torch.float32, device=device),
             partial_lse=torch.zeros(partial_rows, dtype=torch.float32, device=device),
-            split_counters=torch.zeros(max_bs * self.num_kv_heads, **int32))
+            split_counters=torch.zeros(max_bs * self.num_kv_heads, **int32),
+            split_counts=torch.zeros(max_bs * n, **int32))
 
     def plan_for_capture(self, batch: ForwardBatch) -> None:
         self._plan_static(batch)
@@ -172,7 +178,8 @@ class TritonBackend(AttentionBackend):
         batch.attn_metadata = TritonMetadata(
             mode=batch.mode, req_rows=g.req_rows[:bs], prefix_lens=g.prefix_lens[:bs],
             qo_indptr=g.qo_indptr[:bs + 1], tree_mask=tree_mask, row_blocks=row_blocks,
-            partial_out=partial_out, partial_lse=partial_lse, split_counters=g.split_counters)
+            partial_out=partial_out, partial_lse=partial_lse, split_counters=g.split_counters,
+            split_counts=g.split_counts)
 
     # --- grid ---
     def _grid(self, mode: ForwardMode, bs: int, tokens_per_req: int, max_kv_len: int,

@@ -57,7 +57,6 @@ def bench_linears(config: dict, write) -> None:
 def step_profile(engine, write) -> None:
     """Wall time per step, forward GPU time, and GPU time per kernel name of decode steps."""
     import time
-    from torch.profiler import ProfilerActivity, profile
     core = engine.core
     prompt = [random.Random(0).randrange(10, 4000) for _ in range(300)]
     req = engine._make_request(prompt, {"temperature": 0, "max_new_tokens": 2000, "ignore_eos": True}, False, 0, None)
@@ -73,21 +72,27 @@ def step_profile(engine, write) -> None:
     graphs = core.runner.graphs
     key = (1, 1)
     gpu_us = events_time_us(lambda: graphs.graphs[key].replay())
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
-            core.step()
-        torch.cuda.synchronize()
-    kernels = collections.Counter()
-    counts = collections.Counter()
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[event.name[:80]] += event.device_time_total / 10
-            counts[event.name[:80]] += 1 / 10
+    kernels, counts = kernel_times(core.step)
     write({"kind": "step", "wall_ms": wall_ms, "graph_gpu_ms": gpu_us / 1e3, "host_ms": wall_ms - gpu_us / 1e3,
            "kernels_per_step": sum(counts.values())})
     for name, us in kernels.most_common(25):
         write({"kind": "kernel", "name": name, "us_per_step": round(us, 2), "calls_per_step": round(counts[name], 1)})
     core.abort(req.rid)
+
+
+def kernel_times(fn, reps: int = 10) -> tuple[collections.Counter, collections.Counter]:
+    """GPU microseconds and launches per fn() call, by kernel name (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    kernels, counts = collections.Counter(), collections.Counter()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.name[:80]] += event.device_time_total / reps
+            counts[event.name[:80]] += 1 / reps
+    return kernels, counts
 
 
 def end_to_end(engine, roofline: float, write) -> None:

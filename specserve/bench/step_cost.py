@@ -20,7 +20,7 @@ import time
 import numpy as np
 import torch
 
-from specserve.bench.decode_profile import events_time_us
+from specserve.bench.decode_profile import events_time_us, kernel_times
 from specserve.bench.gpu_suite import set_drafter
 from specserve.bench.random_model import SHAPES, write_random_model
 from specserve.speculative.drafter import Drafter
@@ -43,7 +43,7 @@ class ChainDrafter(Drafter):
         return TreeProposal(tokens, parents, np.asarray(counts, dtype=np.int64)), counts
 
 
-def time_steps(engine, bs: int, size: int, steps: int) -> dict:
+def time_steps(engine, bs: int, size: int, steps: int, kernels: int = 0) -> dict:
     core = engine.core
     if size == 1:
         set_drafter(engine, None)
@@ -70,11 +70,16 @@ def time_steps(engine, bs: int, size: int, steps: int) -> dict:
     wall_ms = (time.perf_counter() - start) / steps * 1e3
     graphs = core.runner.graphs
     bucket = next(b for b in graphs.buckets if b >= bs)
-    gpu_ms = events_time_us(lambda: graphs.graphs[(bucket, size)].replay()) / 1e3
+    replay = graphs.graphs[(bucket, size)].replay
+    gpu_ms = events_time_us(replay) / 1e3
     for req in reqs:
         core.abort(req.rid)
-    return {"batch_size": bs, "draft_size": size, "wall_ms": wall_ms, "graph_gpu_ms": gpu_ms,
-            "host_not_hidden_ms": wall_ms - gpu_ms}
+    row = {"batch_size": bs, "draft_size": size, "wall_ms": wall_ms, "graph_gpu_ms": gpu_ms,
+           "host_not_hidden_ms": wall_ms - gpu_ms}
+    if kernels:
+        times, counts = kernel_times(replay)
+        row["kernels"] = {name: [round(us, 1), round(counts[name])] for name, us in times.most_common(kernels)}
+    return row
 
 
 def main(argv=None) -> None:
@@ -83,6 +88,7 @@ def main(argv=None) -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 8, 32, 64])
     parser.add_argument("--sizes", type=int, nargs="*", default=[1, 4, 8, 16])
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--kernels", type=int, default=0, help="also list the N slowest kernels of each step's graph")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     ns = parser.parse_args(argv)
     os.makedirs(ns.out, exist_ok=True)
@@ -96,7 +102,7 @@ def main(argv=None) -> None:
         for bs in ns.batch_sizes:
             plain_ms = None
             for size in sorted(ns.sizes):
-                row = {"kind": "step_cost", "shape": shape, **time_steps(engine, bs, size, ns.steps),
+                row = {"kind": "step_cost", "shape": shape, **time_steps(engine, bs, size, ns.steps, ns.kernels),
                        "device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
                 plain_ms = row["wall_ms"] if size == 1 else plain_ms
                 row["vs_plain"] = row["wall_ms"] / plain_ms if plain_ms else None

@@ -8,7 +8,8 @@ Grouped-query: the rows of a query block are (token, q head) pairs of one kv hea
 r = token * GROUP + head_in_group, so a K/V block is loaded once for all heads of the
 group — a verify step of n tokens then reads the prefix once per kv head, like decode.
 The keys can be split (grid axis 2) as in decode, so a few long requests still fill the
-GPU; `merge_splits` reduces the splits, and one split writes the output directly. Each
+GPU; `merge_splits` reduces the splits a request used (a request whose keys fit one split
+has its output written by that split, and nothing to merge). Each
 program walks its split in two runs: prefix keys (slots from `req_to_token`, no mask to
 compute) and then new keys (slots from `out_slots`, through the mask).
 """
@@ -19,7 +20,8 @@ import triton
 import triton.language as tl
 
 from specserve.attention.kernels.online_softmax import (
-    LOG2_E, attend_block, check_layout, dot_precision, load_kv_block, merge_splits, split_range, store_split)
+    LOG2_E, attend_block, check_layout, dot_precision, load_kv_block, merge_splits, nonempty_splits, split_range,
+    store_split)
 
 # launch configuration: BLOCK_M query rows (token x head) and BLOCK_N keys per step
 CONFIG = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
@@ -58,12 +60,12 @@ def _attend_keys(q, m_i, l_i, acc, k_buffer, v_buffer, slot_ptr, lo, hi, kv_head
 # row blocks) are not specialised on (Triton compiles a variant per value that is 1 or a
 # multiple of 16): a new variant is a compile of ~0.5 s in the middle of serving.
 @triton.jit(do_not_specialize=["stride_tree_b", "stride_tree_i", "stride_ot", "stride_oh", "stride_os",
-                               "stride_lt", "stride_lh", "row_blocks"])
+                               "stride_lt", "stride_lh", "stride_ft", "stride_fh", "row_blocks"])
 def _extend_kernel(q_ptr, k_buffer, v_buffer, req_to_token, req_rows, prefix_lens, qo_indptr, out_slots,
-                   tree_mask, out_ptr, lse_ptr,
+                   tree_mask, out_ptr, lse_ptr, final_ptr, split_counts,
                    stride_qt, stride_qh, stride_slot, stride_kv_head, stride_table,
                    stride_tree_b, stride_tree_i,
-                   stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+                   stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ft, stride_fh,
                    row_blocks, qk_scale,
                    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, TREE_MASK: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -110,19 +112,35 @@ def _extend_kernel(q_ptr, k_buffer, v_buffer, req_to_token, req_rows, prefix_len
 
     out_rows = (qo_start + token) * stride_ot + heads * stride_oh + split * stride_os
     lse_ptrs = lse_ptr + (qo_start + token) * stride_lt + heads * stride_lh + split
-    store_split(out_ptr + out_rows[:, None] + dims[None, :], lse_ptrs, acc, m_i, l_i, row_ok, dim_ok, STORE_LSE)
+    if STORE_LSE:
+        # Graphs launch splits for the longest context a pool allows; a request uses only
+        # the first `splits` of them, and the merge reads no more (its count per token).
+        splits = nonempty_splits(prefix_len + extend_len, num_splits, BLOCK_N)
+        if split == 0:
+            tl.store(split_counts + qo_start + token, splits, mask=row_ok)
+        if splits == 1:  # one split holds every key: it writes the output, nothing to merge
+            if split == 0:
+                final_rows = (qo_start + token) * stride_ft + heads * stride_fh
+                store_split(final_ptr + final_rows[:, None] + dims[None, :], lse_ptrs, acc, m_i, l_i, row_ok, dim_ok,
+                            False)
+        elif split < splits:  # also when this row block sees none of the split's keys (lse -inf)
+            store_split(out_ptr + out_rows[:, None] + dims[None, :], lse_ptrs, acc, m_i, l_i, row_ok, dim_ok, True)
+    else:
+        store_split(out_ptr + out_rows[:, None] + dims[None, :], lse_ptrs, acc, m_i, l_i, row_ok, dim_ok, False)
 
 
 def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                      req_to_token: torch.Tensor, req_rows: torch.Tensor, prefix_lens: torch.Tensor,
                      qo_indptr: torch.Tensor, out_slots: torch.Tensor, out: torch.Tensor, scale: float,
                      row_blocks: int, tree_mask: torch.Tensor | None = None,
-                     partial_out: torch.Tensor | None = None, partial_lse: torch.Tensor | None = None) -> None:
+                     partial_out: torch.Tensor | None = None, partial_lse: torch.Tensor | None = None,
+                     split_counts: torch.Tensor | None = None) -> None:
     """q, out: (num_tokens, num_heads, head_dim), request b's tokens are
     qo_indptr[b]:qo_indptr[b+1] (int32, (bs+1,)); req_rows, prefix_lens: (bs,) int32;
     out_slots: (num_tokens,) int64; row_blocks: `num_row_blocks` of the longest request
     (or more: extra blocks do nothing). tree_mask (bs, n, n) uint8/bool selects the tree
-    mode, else causal. partial_out/partial_lse as in `decode_attention`."""
+    mode, else causal. partial_out/partial_lse as in `decode_attention`, with split_counts
+    (>= num_tokens,) int32 scratch: how many splits each token's request uses."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     bs = req_rows.shape[0]
@@ -130,6 +148,7 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         return
     check_layout(q, k_buffer, v_buffer, out)
     split_out = partial_out is not None
+    assert not split_out or (split_counts is not None and split_counts.numel() >= num_tokens)
     num_splits = partial_out.shape[2] if split_out else 1
     target, lse = (partial_out, partial_lse) if split_out else (out.unsqueeze(2), out)
     tree = tree_mask if tree_mask is not None else qo_indptr  # a dummy pointer in causal mode
@@ -138,13 +157,14 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
     _extend_kernel[(bs * row_blocks, num_kv_heads, num_splits)](
-        q, k_buffer, v_buffer, req_to_token, req_rows, prefix_lens, qo_indptr, out_slots, tree, target, lse,
+        q, k_buffer, v_buffer, req_to_token, req_rows, prefix_lens, qo_indptr, out_slots, tree, target, lse, out,
+        split_counts if split_out else qo_indptr,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), req_to_token.stride(0),
         tree.stride(0) if tree_mask is not None else 0, tree.stride(1) if tree_mask is not None else 0,
-        target.stride(0), target.stride(1), target.stride(2), lse.stride(0), lse.stride(1),
+        target.stride(0), target.stride(1), target.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
         row_blocks, scale * LOG2_E,
         HEAD_DIM=head_dim, GROUP=group, TREE_MASK=tree_mask is not None, BLOCK_M=CONFIG["BLOCK_M"],
         BLOCK_N=CONFIG["BLOCK_N"], BLOCK_D=block_d, STORE_LSE=split_out, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"])
     if split_out:
-        merge_splits(partial_out, partial_lse, out)
+        merge_splits(partial_out, partial_lse, out, split_counts)

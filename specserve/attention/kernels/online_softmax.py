@@ -116,23 +116,27 @@ def merge_head_splits(partial_ptrs, lse_ptrs, out_ptrs, head_ok, dim_ok, stride_
     tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=head_ok[:, None] & dim_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["stride_pt", "stride_ph", "stride_lt", "stride_lh", "num_splits"])  # see extend.py
-def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr,
+@triton.jit(do_not_specialize=["stride_pt", "stride_ph", "stride_lt", "stride_lh"])  # see extend.py
+def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, split_counts,
                          stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh,
-                         num_heads, num_splits, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                         num_heads, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    dims = tl.arange(0, BLOCK_D)
-    merge_head_splits(partial_ptr + token * stride_pt + heads[:, None] * stride_ph + dims[None, :],
-                      lse_ptr + token * stride_lt + heads * stride_lh,
-                      out_ptr + token * stride_ot + heads[:, None] * stride_oh + dims[None, :],
-                      heads < num_heads, dims < HEAD_DIM, stride_ps, num_splits, BLOCK_S, True)
+    num_splits = tl.load(split_counts + token)
+    if num_splits > 1:  # one split wrote the output itself
+        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        dims = tl.arange(0, BLOCK_D)
+        merge_head_splits(partial_ptr + token * stride_pt + heads[:, None] * stride_ph + dims[None, :],
+                          lse_ptr + token * stride_lt + heads * stride_lh,
+                          out_ptr + token * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+                          heads < num_heads, dims < HEAD_DIM, stride_ps, num_splits, BLOCK_S, True)
 
 
-def merge_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor) -> None:
+def merge_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor,
+                 split_counts: torch.Tensor) -> None:
     """partial_out (num_tokens, num_heads, num_splits, head_dim) fp32, partial_lse
-    (num_tokens, num_heads, num_splits) fp32 -> out (num_tokens, num_heads, head_dim)."""
+    (num_tokens, num_heads, num_splits) fp32 -> out (num_tokens, num_heads, head_dim), merging
+    the first split_counts[t] splits of token t (int32; 1: out already holds the result)."""
     num_tokens, num_heads, num_splits, head_dim = partial_out.shape
     if num_tokens == 0:
         return
@@ -141,10 +145,10 @@ def merge_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torc
     # one compiled variant whatever the split count: MERGE_CHUNK splits at a time
     block_h = max(min(triton.next_power_of_2(num_heads), MAX_SPLITS // MERGE_CHUNK), 1)  # (H, S, D) tile <= 64 x D
     _merge_splits_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
-        partial_out, partial_lse, out,
+        partial_out, partial_lse, out, split_counts,
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1), out.stride(0), out.stride(1),
-        num_heads, num_splits, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_S=MERGE_CHUNK,
+        num_heads, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_S=MERGE_CHUNK,
         BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4)
 
 
