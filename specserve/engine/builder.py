@@ -22,7 +22,8 @@ from specserve.model.loader import (check_tokenizer_path, default_model_path, lo
 from specserve.runner.model_runner import ModelRunner, resolve_device, resolve_dtype
 from specserve.sampling.sampler import Sampler
 from specserve.speculative.adaptive import AdaptiveDraftLength, tiers_for
-from specserve.speculative.drafter import Drafter, create_drafter
+from specserve.speculative.drafter import Drafter
+from specserve.speculative.registry import create_drafter
 
 logger = logging.getLogger("specserve")
 

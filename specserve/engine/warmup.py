@@ -27,7 +27,7 @@ from specserve.engine.warmup_plan import (DRAFT_PROMPT, SHORT_PROMPT, BatchShape
                                           plan_warmup)
 from specserve.sampling.params import SamplingParams
 from specserve.speculative.adaptive import AdaptiveDraftLength
-from specserve.speculative.drafter import create_drafter
+from specserve.speculative.registry import create_drafter
 
 logger = logging.getLogger("specserve")
 

@@ -1,4 +1,4 @@
-"""The Drafter protocol every speculative algorithm implements, and its registry.
+"""The Drafter protocol every speculative algorithm implements (registry.py creates them by name).
 
 A drafter proposes one draft tree per request (node 0 = the request's last token), is
 shown every committed token, and forgets a request when it ends.
@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Callable
 from specserve.speculative.tree import TreeProposal
 
 if TYPE_CHECKING:
-    from specserve.args import ServerArgs
     from specserve.engine.request import Req
 
 
@@ -39,13 +38,3 @@ class Drafter:
     def release(self, req: "Req") -> None:
         """The request finished or was aborted."""
 
-
-def create_drafter(args: "ServerArgs") -> Drafter | None:
-    """Registry by algorithm name, with lazy imports."""
-    name = args.speculative
-    if name is None:
-        return None
-    if name == "NGRAM":
-        from specserve.speculative.ngram import NgramDrafter
-        return NgramDrafter.from_args(args)
-    raise NotImplementedError(f"speculative_algorithm {args.speculative_algorithm!r} is not implemented")
