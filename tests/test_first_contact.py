@@ -177,7 +177,8 @@ def test_help_shows_defaults_and_marks_what_is_not_implemented(capsys):
     with pytest.raises(SystemExit):
         generate_main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "--speculative-num-draft-tokens INT tree nodes per verify step, the root included (default: 8)" in text
+    assert ("--speculative-num-draft-tokens INT tree nodes per verify step, the root included (STANDALONE's "
+            "chain: speculative_num_steps + 1) (default: 8)") in text
     assert f"{CPU_DEFAULT_KV_TOKENS} on a CPU" in text
     assert "--speculative-eagle-topk INT EAGLE branching; not implemented yet" in text
     assert "--disable-radix-cache" in text and "ignored with a warning" in text   # named in the SGLang section only

@@ -49,6 +49,7 @@ class EngineCore:
         self.stats = StepLogger(log_interval_s, speculative=drafter is not None)
         self.requests: dict[str, Req] = {}
         self.last_batch_reqs: list[Req] = []   # the requests of the step in flight, failed together if it raises
+        scheduler.preempt_listeners.append(self._preempted)
 
     # --- public surface ---
     def add_request(self, req: Req) -> None:
@@ -142,7 +143,7 @@ class EngineCore:
         greedy = proposal.num_slots > 1 and self.sampler.argmax_is_enough(reqs)
         if not greedy:  # the sampler's tensors are sent before the forward: a copy after it would wait for it
             host_trees = proposal.trees()
-            prepared = self.sampler.prepare(host_trees, reqs)
+            prepared = self.sampler.prepare(host_trees, reqs, proposal.draft_probs)
         step = self.runner.run_trees(reqs, proposal, slots)
         outcome = InFlight.launch(step.outcome) if greedy else None
         if self.drafter is not None:
@@ -289,6 +290,10 @@ class EngineCore:
         self.scheduler.finish(req, reason)
         self.requests.pop(req.rid, None)
         self._release_draft_state(req)
+
+    def _preempted(self, req: Req) -> None:
+        if self.drafter is not None:
+            self.drafter.preempted(req)   # e.g. a draft model's KV, rebuilt when the request resumes
 
     def _release_draft_state(self, req: Req) -> None:
         if self.drafter is not None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import time
+from typing import Callable
 
 from specserve.engine.prefill_pacer import PrefillPacer
 from specserve.engine.request import Batch, Req, ReqState
@@ -35,6 +36,8 @@ class Scheduler:
         self.running: list[Req] = []        # by arrival; prefilling ones included
         self.focus: list[Req] | None = None  # when set, only these requests are scheduled
         self._last_step: tuple[int, int] | None = None   # (prompt tokens, decoding requests) of the last batch
+        # called with each preempted request (the core tells the drafter: a draft model's cache goes too)
+        self.preempt_listeners: list[Callable[[Req], None]] = []
 
     # --- intake ---
     def add(self, req: Req) -> None:
@@ -137,6 +140,8 @@ class Scheduler:
         req.state = ReqState.WAITING
         req.preemptions += 1
         self.waiting.appendleft(req)
+        for listener in self.preempt_listeners:
+            listener(req)
 
     # --- cache bookkeeping ---
     def alloc_slots(self, count: int) -> list[int] | None:

@@ -27,7 +27,6 @@ from specserve.engine.warmup_plan import (DRAFT_PROMPT, SHORT_PROMPT, BatchShape
                                           plan_warmup)
 from specserve.sampling.params import SamplingParams
 from specserve.speculative.adaptive import AdaptiveDraftLength
-from specserve.speculative.registry import create_drafter
 
 logger = logging.getLogger("specserve")
 
@@ -125,16 +124,16 @@ def warm_up(core, tokenizer, args, plan: WarmupPlan | None = None) -> WarmupRepo
 def _run_plan(core, driver: "_Driver", plan: WarmupPlan, args) -> None:
     """Plain phases without a drafter; then, with a scratch drafter of the configured kind,
     every tier (the full drafts, no adaptive cut) and the adaptive draft length's own path."""
-    real_adaptive = core.adaptive
+    real_adaptive, real_drafter = core.adaptive, core.drafter
     with _swapped(core, drafter=None, adaptive=None):
         driver.run_plain(plan)
         if not plan.tiers:
             return
-        drafter = create_drafter(args)
+        drafter = real_drafter.scratch()
         with _swapped(core, drafter, adaptive=None):
             driver.run_drafted(plan, drafter)
         if real_adaptive is not None:
-            with _swapped(core, create_drafter(args), AdaptiveDraftLength(real_adaptive.tiers)):
+            with _swapped(core, real_drafter.scratch(), AdaptiveDraftLength(real_adaptive.tiers)):
                 driver.run([driver.request(driver.draft_prompt(DRAFT_PROMPT, 0), 2 * plan.longest_tier + 2)])
 
 

@@ -44,10 +44,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 class ModelRunner:
     def __init__(self, args: ServerArgs, config: ModelConfig, state_dict: dict[str, torch.Tensor],
-                 device: torch.device, dtype: torch.dtype, context_length: int):
+                 device: torch.device, dtype: torch.dtype, context_length: int, draft_kv_bytes_per_token: int = 0):
+        """draft_kv_bytes_per_token: a draft model's KV cost per token; its cache holds as many
+        tokens as the target's, from the same memory budget."""
         self.args, self.config, self.device, self.dtype = args, config, device, dtype
+        self.draft_kv_bytes_per_token = draft_kv_bytes_per_token
         self.context_length = context_length
-        self.model = _build_model(config, state_dict, device, dtype, context_length)
+        self.model = build_model(config, state_dict, device, dtype, context_length)
         self.max_running_requests = args.max_running_requests or (256 if device.type == "cuda" else 64)
         self.pool = KVPool(config.num_layers, config.num_kv_heads, config.head_dim, self._kv_tokens(),
                            self.max_running_requests + 1, context_length, dtype, device)
@@ -64,7 +67,7 @@ class ModelRunner:
             return None
         from specserve.runner.cuda_graph import CudaGraphRunner
         max_bs = min(args.cuda_graph_max_bs or 64, self.max_running_requests)
-        n = args.speculative_num_draft_tokens if args.speculative else 1
+        n = args.speculative_verify_size if args.speculative else 1
         # smaller trees (the batch's largest draft decides) replay a smaller, cheaper graph
         sizes = sorted({1, n} | {size for size in (4, 8) if size < n})
         return CudaGraphRunner(self.model, self.attn_backend, self.pool, max_bs, sizes)
@@ -78,7 +81,8 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         used_by_others = total - free - torch.cuda.memory_allocated(self.device)
         budget = total * fraction - torch.cuda.memory_allocated(self.device) - used_by_others
-        per_token = KVPool.bytes_per_token(self.config.num_layers, self.config.num_kv_heads, self.config.head_dim, self.dtype)
+        per_token = KVPool.bytes_per_token(self.config.num_layers, self.config.num_kv_heads, self.config.head_dim,
+                                           self.dtype) + self.draft_kv_bytes_per_token
         # leave room for activations and logits of the largest step
         activation_reserve = 2 * 1024 ** 3
         tokens = int((budget - activation_reserve) // per_token)
@@ -168,7 +172,7 @@ class InFlight:
         return self.host
 
 
-def _build_model(config: ModelConfig, state_dict, device, dtype, context_length: int) -> DecoderLM:
+def build_model(config: ModelConfig, state_dict, device, dtype, context_length: int) -> DecoderLM:
     # build on the meta device: random initialisation of weights that are overwritten anyway is slow
     with torch.device("meta"):
         model = DecoderLM(config, max_positions=1)

@@ -54,15 +54,16 @@ class Sampler:
         return all(r.params.greedy and not r.params.has_penalties and not r.return_logprob
                    and r.params.min_new_tokens <= len(r.output_ids) for r in reqs)
 
-    def prepare(self, trees: DraftTrees, reqs: list[Req]) -> "PreparedSampling":
+    def prepare(self, trees: DraftTrees, reqs: list[Req], draft_probs: torch.Tensor | None = None) -> "PreparedSampling":
         """Builds the per-request tensors and moves the (host) trees to the device. Called
         before the forward is launched: a host to device copy issued after it would wait
-        for the forward to finish."""
+        for the forward to finish. draft_probs: (bs, n, V) on the device, the distribution
+        the drafts were sampled from (TreeProposal.draft_probs), or None."""
         if trees.tokens.shape[1] == 1 and self.argmax_is_enough(reqs):
             return PreparedSampling(None, None, None, device_trees=None)
         penalties = self._penalty_tensors(reqs) if any(r.params.has_penalties for r in reqs) else None
         early_stops = self._early_stop_masks(trees, reqs)
-        sampling = None if all(r.params.greedy for r in reqs) else self._sampling_tensors(reqs)
+        sampling = None if all(r.params.greedy for r in reqs) else self._sampling_tensors(reqs, draft_probs)
         return PreparedSampling(penalties, early_stops, sampling, device_trees=trees.to(self.device))
 
     def sample(self, logits: torch.Tensor, trees: DraftTrees, reqs: list[Req],
@@ -121,7 +122,7 @@ class Sampler:
                 stop_mask[i, ids] = True
         return too_early, stop_mask
 
-    def _sampling_tensors(self, reqs: list[Req]) -> dict:
+    def _sampling_tensors(self, reqs: list[Req], draft_probs: torch.Tensor | None) -> dict:
         def column(values, dtype):
             return torch.tensor(values, dtype=dtype, device=self.device)
         top_ks = [r.params.top_k for r in reqs if not r.params.greedy]   # greedy rows ignore the filters
@@ -138,8 +139,17 @@ class Sampler:
             "need_min_p": any(r.params.min_p > 0 for r in reqs),
             # when every sampled row has a top-k, rank only that many tokens instead of sorting
             "max_top_k": max(top_ks) if top_ks and all(0 < k < self.vocab_size for k in top_ks) else None,
-            "rule": self.sampling_rule,
+            **self._rule(reqs, draft_probs),
         }
+
+    def _rule(self, reqs: list[Req], draft_probs: torch.Tensor | None) -> dict:
+        """Sampled drafts (with their q) are verified by residual rejection, which accepts them
+        with min(1, p/q), unless a request set a seed: the coupled rule then gives it plain
+        decoding's tokens (it stays exact for sampled drafts, it only accepts them less)."""
+        seeded = any(r.params.seed is not None for r in reqs)
+        if draft_probs is not None and (self.sampling_rule == "rejection" or not seeded):
+            return {"rule": "rejection", "draft_probs": draft_probs}
+        return {"rule": self.sampling_rule}
 
     def _logprobs(self, raw_logits, result, reqs, lens):
         """Logprobs of the committed tokens under the raw target distribution at their parent node."""

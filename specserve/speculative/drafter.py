@@ -1,7 +1,9 @@
 """The Drafter protocol every speculative algorithm implements (registry.py creates them by name).
 
 A drafter proposes one draft tree per request (node 0 = the request's last token), is
-shown every committed token, and forgets a request when it ends.
+shown every committed token (a model drafter learns there which of its drafts were
+accepted, and keeps their draft KV), and forgets a request when it ends. Drafts sampled
+from a distribution come with it (TreeProposal.draft_probs) for residual rejection.
 """
 from __future__ import annotations
 
@@ -37,4 +39,13 @@ class Drafter:
 
     def release(self, req: "Req") -> None:
         """The request finished or was aborted."""
+
+    def preempted(self, req: "Req") -> None:
+        """The request lost its KV cache (preempted; it recomputes it when it resumes): what
+        the drafter keeps per position of the cache goes too. Its tokens are still its own."""
+
+    def scratch(self) -> "Drafter":
+        """A drafter of the same kind whose learned state is thrown away afterwards (the
+        warm-up's). A drafter whose state is per request only may return itself."""
+        return self
 

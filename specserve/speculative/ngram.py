@@ -34,6 +34,7 @@ MAX_BACKLOG = 65536       # queued tokens beyond which flush indexes everything 
 
 class NgramDrafter(Drafter):
     def __init__(self, config: NgramConfig, one_branch: bool):
+        self.config = config
         self.trie = NgramTrie(config)
         self.one_branch = one_branch
         self.window = config.max_match_window
@@ -57,6 +58,10 @@ class NgramDrafter(Drafter):
             max_trie_depth=args.speculative_ngram_max_trie_depth,
             match_type=args.speculative_ngram_match_type)
         return cls(config, args.speculative_one_branch)
+
+    def scratch(self) -> "NgramDrafter":
+        """An empty trie of the same configuration."""
+        return NgramDrafter(self.config, self.one_branch)
 
     def add_prompt(self, req: "Req") -> None:
         self._queue(self._owner(req), req.prompt_ids)

@@ -46,6 +46,9 @@ class TreeProposal(_BatchOfTrees):
     tokens: np.ndarray      # (bs, n) int64
     parents: np.ndarray     # (bs, n) int64, -1 for the root and padding
     num_nodes: np.ndarray   # (bs,) int64, real nodes including the root
+    # (bs, n, vocab) on the device, for drafts sampled from a distribution: [b, i] is the q
+    # node i's children were drawn from (verify_sampling's draft_probs); None: deterministic drafts
+    draft_probs: torch.Tensor | None = None
 
     @classmethod
     def from_lists(cls, rows: Sequence[tuple[Sequence[int], Sequence[int]]], n: int | None = None) -> TreeProposal:
@@ -72,7 +75,8 @@ class TreeProposal(_BatchOfTrees):
         """Each tree cut to its first n nodes (still trees: parents precede children)."""
         if n >= self.num_slots:
             return self
-        return TreeProposal(self.tokens[:, :n], self.parents[:, :n], np.minimum(self.num_nodes, n))
+        probs = None if self.draft_probs is None else self.draft_probs[:, :n]
+        return TreeProposal(self.tokens[:, :n], self.parents[:, :n], np.minimum(self.num_nodes, n), probs)
 
     def trees(self, device: torch.device | str | None = None) -> DraftTrees:
         """The derived tensors (see DraftTrees.build), on `device`."""

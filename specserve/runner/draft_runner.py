@@ -1,0 +1,170 @@
+"""DraftModelRunner: a draft model (STANDALONE) with its own KV pool and attention backend,
+and its two forwards: the catch-up of tokens it has not seen (eager EXTEND) and the draft
+chain (draft_chain.py), replayed from one CUDA graph per batch bucket on a GPU.
+
+The draft pool has as many token slots as the target's (the builder sizes the target's
+cache for both: `kv_bytes_per_token` joins the target's per-token cost) and the same
+req_to_token rows; it is a few positions wider, because a chain drafts past the last
+position the target may reach (drafts there are cut, never verified).
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+import torch
+
+from specserve.args import ServerArgs
+from specserve.attention.base import ForwardBatch, ForwardMode
+from specserve.attention.registry import create_attention_backend
+from specserve.errors import ArgumentError
+from specserve.kv.pool import KVPool
+from specserve.model.config import ModelConfig
+from specserve.model.llama import DecoderLM
+from specserve.model.loader import load_checkpoint, resolve_model_path
+from specserve.runner.cuda_graph import batch_size_buckets
+from specserve.runner.draft_chain import ChainInputs, ChainRow, run_chain
+from specserve.runner.model_runner import build_model
+
+logger = logging.getLogger("specserve")
+
+
+def load_draft_model(args: ServerArgs, target: ModelConfig, device: torch.device, dtype: torch.dtype,
+                     context_length: int) -> DecoderLM:
+    """The draft model of `args.speculative_draft_model_path`, loaded like the target (HF
+    directory or GGUF), with room for positions a chain drafts past the context."""
+    path = resolve_model_path(args.speculative_draft_model_path)
+    start = time.perf_counter()
+    checkpoint = load_checkpoint(path, dtype=dtype, device=device)
+    config = checkpoint.config
+    if config.vocab_size != target.vocab_size:
+        raise ArgumentError(f"speculative_draft_model_path: the draft model's vocabulary has {config.vocab_size} "
+                            f"tokens, the target's {target.vocab_size}; a draft model must share the target's tokenizer")
+    model = build_model(config, checkpoint.state_dict, device, dtype, chain_context(context_length, args.speculative_steps))
+    logger.info("loaded draft model %s (%d layers, %.0fM parameters) in %.1f s", path, config.num_layers,
+                sum(p.numel() for p in model.parameters()) / 1e6, time.perf_counter() - start)
+    return model
+
+
+def chain_context(context_length: int, num_steps: int) -> int:
+    """Positions a draft cache spans: a chain rooted at the last position drafts num_steps past it."""
+    return context_length + num_steps + 1
+
+
+def kv_bytes_per_token(model: DecoderLM, dtype: torch.dtype) -> int:
+    config = model.config
+    return KVPool.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
+
+
+class DraftModelRunner:
+    def __init__(self, args: ServerArgs, model: DecoderLM, target_pool: KVPool):
+        config = model.config
+        self.model, self.config = model, config
+        self.device, self.dtype = target_pool.device, target_pool.dtype
+        self.num_steps = args.speculative_steps
+        self.vocab_size = config.vocab_size
+        self.pool = KVPool(config.num_layers, config.num_kv_heads, config.head_dim, target_pool.size,
+                           target_pool.max_requests, chain_context(target_pool.max_context, self.num_steps),
+                           self.dtype, self.device)
+        backend = args.attention_backend
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" else "torch_native"
+        self.backend = create_attention_backend(backend, config.num_heads, config.num_kv_heads, config.head_dim)
+        self.graphs = None
+        if self.device.type == "cuda" and not args.disable_cuda_graph and self.backend.supports_cuda_graph:
+            max_bs = min(args.cuda_graph_max_bs or 64, target_pool.max_requests)
+            self.graphs = DraftChainGraphs(self, max_bs)
+
+    @torch.inference_mode()
+    def catch_up(self, rows: list[int], starts: list[int], tokens: list[list[int]], slots: list[int]) -> None:
+        """Feeds each request's tokens[i] at positions starts[i].. (their slots, request after
+        request, in `slots`; table entries already written): one EXTEND forward."""
+        device = self.device
+        lengths = [len(t) for t in tokens]
+        positions = [p for start, length in zip(starts, lengths) for p in range(start, start + length)]
+        as_long = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+        batch = ForwardBatch(
+            mode=ForwardMode.EXTEND, input_ids=as_long([t for ids in tokens for t in ids]),
+            positions=as_long(positions), out_slots=as_long(slots), req_rows=as_long(rows),
+            prefix_lens=as_long(starts), extend_lens=as_long(lengths), prefix_lens_host=list(starts),
+            extend_lens_host=lengths, kv_pool=self.pool,
+            logits_indices=as_long([len(positions) - 1]))   # no logits are needed: one row is the cheapest
+        self.backend.plan(batch)
+        self.model(batch, self.backend)
+
+    @torch.inference_mode()
+    def chain(self, rows: list[ChainRow], sample: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Drafts (bs, K) int64 on the device and, for a sampling chain, q (bs, K+1, V): see
+        draft_chain.py. Queued without a host sync."""
+        if self.graphs is not None and len(rows) <= self.graphs.max_bs:
+            return self.graphs.replay(rows, sample)
+        bs = len(rows)
+        host = ChainInputs.allocate(bs, self.num_steps, "cpu", pin=self.device.type == "cuda")
+        host.fill(rows, self.pool.scratch_row)
+        inputs = ChainInputs.view(host.packed.to(self.device, non_blocking=True), bs, self.num_steps)
+        probs = self._probs_buffer(bs) if sample else None
+        drafts = run_chain(self.model, self.backend, self.pool, inputs, self.backend.plan, probs,
+                           [row.prefix_len for row in rows])
+        return drafts, probs
+
+    def _probs_buffer(self, bs: int) -> torch.Tensor:
+        """(bs, K+1, V) zeros: the last node has no child, its q stays 0."""
+        return torch.zeros((bs, self.num_steps + 1, self.vocab_size), dtype=torch.float32, device=self.device)
+
+
+class DraftChainGraphs:
+    """One CUDA graph per (batch bucket, argmax or sampled drafts): a whole chain, K forwards
+    of the draft model, is one replay."""
+
+    def __init__(self, runner: DraftModelRunner, max_bs: int):
+        self.runner = runner
+        self.buckets = batch_size_buckets(max_bs)
+        self.max_bs = self.buckets[-1]
+        num_steps, device = runner.num_steps, runner.device
+        runner.backend.init_cuda_graph_state(self.max_bs, 2, runner.pool)
+        self.device_inputs = {bs: ChainInputs.allocate(bs, num_steps, device) for bs in self.buckets}
+        self.host_inputs = {bs: ChainInputs.allocate(bs, num_steps, "cpu", pin=True) for bs in self.buckets}
+        self.probs = runner._probs_buffer(self.max_bs)   # shared by the sampling graphs
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.drafts: dict[tuple[int, bool], torch.Tensor] = {}
+        self._copied: dict[int, torch.cuda.Event] = {}
+        self.memory_pool = None
+        start = time.perf_counter()
+        for sample in (False, True):
+            for bs in reversed(self.buckets):    # largest first: later graphs reuse its pool memory
+                self._capture(bs, sample)
+        logger.info("captured %d draft-chain CUDA graphs (%d steps, batch sizes %s) in %.1f s",
+                    len(self.graphs), num_steps, self.buckets, time.perf_counter() - start)
+
+    @torch.inference_mode()
+    def _capture(self, bs: int, sample: bool) -> None:
+        runner, inputs = self.runner, self.device_inputs[bs]
+        inputs.req_rows.fill_(runner.pool.scratch_row)
+        run = lambda: run_chain(runner.model, runner.backend, runner.pool, inputs,  # noqa: E731
+                                runner.backend.plan_for_capture, self.probs if sample else None)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up: autotuning and lazy initialisation stay out of the graph
+                run()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.memory_pool):
+            self.drafts[bs, sample] = run()
+        if self.memory_pool is None:
+            self.memory_pool = graph.pool()
+        self.graphs[bs, sample] = graph
+
+    def replay(self, rows: list[ChainRow], sample: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Outputs are views of graph memory, valid until the next chain replays."""
+        bs = len(rows)
+        bucket = self.buckets[bisect.bisect_left(self.buckets, bs)]
+        host, device = self.host_inputs[bucket], self.device_inputs[bucket]
+        if bucket in self._copied:
+            self._copied[bucket].synchronize()   # the previous copy out of this pinned buffer is done
+        host.fill(rows, self.runner.pool.scratch_row)
+        device.packed.copy_(host.packed, non_blocking=True)
+        self._copied.setdefault(bucket, torch.cuda.Event()).record()
+        self.graphs[bucket, sample].replay()
+        return self.drafts[bucket, sample][:bs], self.probs[:bs] if sample else None

@@ -1,0 +1,115 @@
+"""STANDALONE: a smaller model with the target's tokenizer drafts a chain of K tokens per step.
+
+Per step: the draft cache of each request is cut to the positions the target committed
+(DraftKVTable.sync: the accepted drafts keep their draft KV), the positions it lacks are
+fed in one EXTEND forward (a new or resumed request: its prompt), then one chain of K draft
+forwards runs for the whole batch (draft_chain.py; one CUDA graph replay per batch bucket
+on a GPU) and its drafts come to the host in one copy. A request whose draft slots do not
+fit in the pool, or that may commit one token only, goes without drafts this step.
+
+Greedy requests and seeded sampling requests get argmax drafts (a seeded request is
+verified with the coupled rule, which accepts a draft when it is the token plain decoding
+would sample: the draft model's likeliest token is the best guess). Unseeded sampling
+requests get drafts sampled from the draft model's distribution q at their temperature, and
+the proposal carries q for residual rejection (min(1, p/q) acceptance, SpecInfer).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from specserve.runner.draft_chain import ChainRow
+from specserve.speculative.draft_kv import ChainSlots, DraftKVTable
+from specserve.speculative.drafter import Drafter
+from specserve.speculative.tree import TreeProposal
+
+if TYPE_CHECKING:
+    from specserve.engine.request import Req
+    from specserve.runner.draft_runner import DraftModelRunner
+
+
+class StandaloneDrafter(Drafter):
+    def __init__(self, runner: "DraftModelRunner"):
+        self.runner = runner
+        self.num_steps = runner.num_steps
+        self.kv = DraftKVTable(runner.pool)
+
+    def propose(self, reqs: list["Req"], max_nodes: list[int]) -> tuple[TreeProposal, list[int]]:
+        chained: list[tuple[int, "Req", ChainSlots]] = []
+        for index, (req, limit) in enumerate(zip(reqs, max_nodes)):
+            if limit > 1:
+                reserved = self.kv.reserve_chain(req, self.num_steps)
+                if reserved is not None:
+                    chained.append((index, req, reserved))
+        roots = [r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs]
+        if not chained:
+            return TreeProposal.root_only(roots), [1] * len(reqs)
+        try:
+            drafts, probs = self._draft([(req, reserved) for _, req, reserved in chained])
+        except BaseException:   # their draft cache is not what the table says: start it afresh
+            for _, req, _ in chained:
+                self.kv.release(req)
+            raise
+        return self._proposal(reqs, max_nodes, roots, chained, drafts, probs)
+
+    def _draft(self, chained: list[tuple["Req", ChainSlots]]) -> tuple[list[list[int]], torch.Tensor | None]:
+        """Catch-up, then the chain; the drafts on the host (the one sync) and q, if sampled."""
+        self.kv.write_table()
+        lagging = [(req, reserved) for req, reserved in chained if reserved.catch_up]
+        if lagging:
+            sequences = [self.kv.sequences[req.rid] for req, _ in lagging]
+            self.runner.catch_up(
+                rows=[seq.row for seq in sequences], starts=[r.catch_up.start for _, r in lagging],
+                tokens=[seq.tokens[r.catch_up.start:r.catch_up.stop] for seq, (_, r) in zip(sequences, lagging)],
+                slots=[s for seq, (_, r) in zip(sequences, lagging) for s in seq.slots[r.catch_up.start:r.catch_up.stop]])
+        rows = [self._chain_row(req, reserved) for req, reserved in chained]
+        drafts, probs = self.runner.chain(rows, sample=any(row.temperature > 0 for row in rows))
+        drafts = drafts.tolist()
+        for (req, _), tokens in zip(chained, drafts):
+            self.kv.record_drafts(req, tokens[:-1])   # d_K is drafted, never fed
+        return drafts, probs
+
+    def _chain_row(self, req: "Req", reserved: ChainSlots) -> ChainRow:
+        length = req.num_tokens
+        seq = self.kv.sequences[req.rid]
+        return ChainRow(tokens=(seq.tokens[length - 2], seq.tokens[length - 1]), slots=reserved.chain_slots,
+                        req_row=seq.row, prefix_len=length - 2, seed=req.seed, temperature=draft_temperature(req))
+
+    def _proposal(self, reqs, max_nodes, roots, chained, drafts, probs) -> tuple[TreeProposal, list[int]]:
+        """Chains of up to K + 1 nodes (the root, then the drafts) where drafted, roots elsewhere."""
+        n = self.num_steps + 1
+        tokens = np.zeros((len(reqs), n), dtype=np.int64)
+        tokens[:, 0] = roots
+        num_nodes = np.ones(len(reqs), dtype=np.int64)
+        for (index, _, _), row in zip(chained, drafts):
+            tokens[index, 1:] = row
+            num_nodes[index] = min(n, max_nodes[index])
+        real = np.arange(n) < num_nodes[:, None]
+        tokens = np.where(real, tokens, 0)               # padding nodes: token 0, parent -1
+        parents = np.where(real, np.arange(n) - 1, -1)
+        if probs is not None and len(chained) < len(reqs):   # rows without drafts: no q
+            full = probs.new_zeros((len(reqs), *probs.shape[1:]))
+            full[torch.tensor([index for index, _, _ in chained], device=probs.device)] = probs
+            probs = full
+        return TreeProposal(tokens, parents, num_nodes, probs), num_nodes.tolist()
+
+    def observe(self, req: "Req", committed: list[int]) -> None:
+        """After a verify step: the rejected drafts' draft KV goes back to the pool now."""
+        self.kv.sync(req)
+
+    def release(self, req: "Req") -> None:
+        self.kv.release(req)
+
+    def preempted(self, req: "Req") -> None:
+        self.kv.release(req)   # rebuilt by the catch-up when the request runs again
+
+
+def draft_temperature(req: "Req") -> float:
+    """The temperature a request's drafts are sampled at; 0: argmax drafts (greedy requests,
+    and seeded ones, which the coupled rule verifies; see the module docstring)."""
+    params = req.params
+    if params.greedy or params.seed is not None:
+        return 0.0
+    return params.temperature
