@@ -11,9 +11,10 @@ import json
 import logging
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from specserve.sampling.params import INT64_MAX, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from specserve.server.sglang_fields import SGLangGenerateExtras, warn_once
 
 logger = logging.getLogger("specserve")
 SSE_DONE = b"data: [DONE]\n\n"
@@ -191,8 +192,10 @@ class ChatCompletionRequest(_OpenAISampling):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class GenerateRequest(BaseModel):
-    """SGLang's native /generate body. Unknown fields are errors here: this API is ours."""
+class GenerateRequest(SGLangGenerateExtras):
+    """SGLang's native /generate body. The fields SGLang has and we lack are accepted and
+    ignored (sglang_fields.py, a warning when one asks for something); any other unknown
+    field is an error: this API is SGLang's, not an open-ended one."""
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
     text: str | list[str] | None = None
     input_ids: list[TokenId] | list[list[TokenId]] | None = None
@@ -203,15 +206,26 @@ class GenerateRequest(BaseModel):
     logprob_start_len: Int64 = Field(-1, ge=-1)
     return_text_in_logprobs: bool = False
     rid: str | list[str] | None = None
+    input_embeds: Any = None      # as SGLang: text or input_ids win over it; alone, it is refused
+
+    @field_validator("return_logprob", "top_logprobs_num", "logprob_start_len", mode="before")
+    @classmethod
+    def _null_is_default(cls, value, info):
+        # SGLang declares these Optional (null = its default) and clients send null
+        return cls.model_fields[info.field_name].default if value is None else value
 
     @model_validator(mode="after")
     def _check_generate(self):
+        if self.text is None and self.input_ids is None and self.input_embeds is not None:
+            raise ValueError("input_embeds is not supported: pass text or input_ids")
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("pass exactly one of text and input_ids")
         if self.stream and self.batch_size is not None:
             raise ValueError("stream=true takes a single prompt")
         if isinstance(self.sampling_params, list) and len(self.sampling_params) != (self.batch_size or 1):
             raise ValueError("sampling_params must be one dict, or one per prompt")
+        if self.return_logprob and self.logprob_start_len != -1:
+            warn_once("logprob_start_len", self.logprob_start_len)   # prompt logprobs: not computed
         return self
 
     @property

@@ -9,6 +9,7 @@ MAX_JSON_DEPTH is refused before any of them sees it.
 """
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import reprlib
@@ -56,11 +57,18 @@ def parse_body(raw: bytes, model: type[Body]) -> Body:
         field = ".".join(str(part) for part in first["loc"] if isinstance(part, int) or "[" not in str(part))
         if first["type"] == "missing":
             message = f"missing required field {field!r}"
+        elif first["type"] == "extra_forbidden":
+            message = f"unknown field {field!r}" + _did_you_mean(field.rpartition(".")[2], model)
         elif first["type"].startswith("value_error"):
             message = str(first["msg"]).removeprefix("Value error, ")
         else:
             message = f"invalid value for {field!r}: {first['msg']} (got {_short_repr(first.get('input'))})"
         raise APIError(message, param=str(first["loc"][0]) if first["loc"] else None) from None
+
+
+def _did_you_mean(name: str, model: type[BaseModel]) -> str:
+    close = difflib.get_close_matches(name, model.model_fields, n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def _short_repr(value: Any) -> str:
