@@ -27,6 +27,7 @@ DEFAULT_NUM_STEPS = 3                # SGLang's choice when --speculative-num-st
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp32", "fp16")
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+SCHEDULE_POLICIES = ("fcfs", "lpm")
 # specserve's earlier spelling -> SGLang's (the field's name): keyword and flag
 ALIASES = {"speculative_ngram_max_trie_depth": "speculative_ngram_branch_length"}
 # SGLang's own second flags for a field (its command line only)
@@ -66,8 +67,9 @@ class ServerArgs:
     max_running_requests: int | None = _memory(None, "default: 256 on a GPU, 64 on a CPU")
     chunked_prefill_size: int = _memory(2048, "largest number of prompt tokens in one prefill step; -1 disables chunking")
     enable_mixed_chunk: bool = _memory(False, "prefill chunks ride in decode steps instead of alternating with them")
-    schedule_policy: str = _memory("fcfs", "first come, first served (SGLang's other policies are not implemented)",
-                                   choices=("fcfs",))
+    schedule_policy: str = _memory("fcfs", "fcfs: first come, first served; lpm: longest cached prefix first "
+                                           "(SGLang's other policies are not implemented)", choices=SCHEDULE_POLICIES)
+    disable_radix_cache: bool = _memory(False, "recompute every prompt instead of reusing the KV of cached prefixes")
     # --- kernels ---
     attention_backend: str = _kernels("auto", "auto = triton on a GPU, torch_native on a CPU", choices=ATTENTION_BACKENDS)
     disable_cuda_graph: bool = _kernels(False, "run decode and verify steps eagerly")
@@ -116,7 +118,7 @@ class ServerArgs:
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ArgumentError(f"chunked_prefill_size must be positive or -1, got {self.chunked_prefill_size}")
         for name, choices in (("dtype", DTYPES), ("attention_backend", ATTENTION_BACKENDS),
-                              ("log_level", LOG_LEVELS), ("schedule_policy", ("fcfs",))):
+                              ("log_level", LOG_LEVELS), ("schedule_policy", SCHEDULE_POLICIES)):
             if getattr(self, name) not in choices:
                 raise ArgumentError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
         if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
@@ -277,7 +279,7 @@ def _add_sglang_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument_group(
         "SGLang options without a specserve field",
         "Every other flag of SGLang's launch_server is accepted: one that only tunes something specserve "
-        "does differently (--disable-radix-cache, --enable-torch-compile, --page-size, ...) is ignored with "
+        "does differently (--radix-eviction-policy, --enable-torch-compile, --page-size, ...) is ignored with "
         "a warning; one that asks for a feature specserve lacks (LoRA, quantization, data parallelism, ...) "
         "is an error unless it is at SGLang's default.")
     for name, (default, kind) in sglang_compat.SGLANG_ONLY_FIELDS.items():

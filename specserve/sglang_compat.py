@@ -189,7 +189,6 @@ SGLANG_ONLY_FIELDS: dict[str, tuple[Any, str]] = {
     "offload_prefetch_step": (1, "i"),
     "offload_mode": ('cpu', "s"),
     "multi_item_scoring_delimiter": (None, "s"),
-    "disable_radix_cache": (False, "b"),
     "cuda_graph_bs": (None, "l"),
     "disable_cuda_graph_padding": (False, "b"),
     "enable_profile_cuda_graph": (False, "b"),
@@ -275,7 +274,7 @@ SGLANG_ONLY_FIELDS: dict[str, tuple[Any, str]] = {
     "forward_hooks": (None, "l"),
 }
 
-_NO_PREFIX_CACHE = "specserve keeps no prefix (radix) cache"
+_NO_PREFIX_CACHE = "specserve's prefix cache is one radix tree in device memory, evicted least recently used first"
 _ONE_DEVICE = "specserve runs on one device, without NCCL"
 _NO_MOE = "specserve serves dense models (Llama, Qwen2, Qwen3), no mixture-of-experts"
 _NO_MAMBA = "specserve serves no state-space models"
@@ -295,7 +294,7 @@ TUNING: dict[str, str] = {
                      "dynamic_batch_tokenizer_batch_size", "dynamic_batch_tokenizer_batch_timeout"), _TOKENIZER),
     **dict.fromkeys(("load_format", "model_loader_extra_config", "model_impl", "weight_loader_disable_mmap",
                      "delete_ckpt_after_loading", "trust_remote_code"), _LOADER),
-    **dict.fromkeys(("disable_radix_cache", "radix_eviction_policy", "enable_hierarchical_cache", "hicache_ratio",
+    **dict.fromkeys(("radix_eviction_policy", "enable_hierarchical_cache", "hicache_ratio",
                      "hicache_size", "hicache_write_policy", "hicache_io_backend", "hicache_mem_layout",
                      "hicache_storage_backend", "hicache_storage_prefetch_policy",
                      "hicache_storage_backend_extra_config", "enable_lmcache", "disable_chunked_prefix_cache",

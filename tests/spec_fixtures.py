@@ -205,16 +205,18 @@ def truncated_mid_path(output: dict) -> bool:
 
 
 def wait_until_all_kv_is_free(engine, timeout: float = 30.0) -> None:
-    """The core runs in its own thread: poll, then check every slot and req_to_token row is free exactly once."""
+    """The core runs in its own thread: poll, then check every slot is free or in the prefix
+    cache (unheld) exactly once, and every req_to_token row is free."""
     core, pool = engine.core, engine.core.runner.pool
     all_rows = pool.max_requests
     deadline = time.monotonic() + timeout
-    while core.has_work() or pool.slots.available() != pool.size or pool.free_rows() != all_rows:
+    while core.has_work() or core.scheduler.available_slots() != pool.size or pool.free_rows() != all_rows:
         if time.monotonic() > deadline:
             break
         time.sleep(0.02)
     assert not core.has_work() and not core.requests
-    assert pool.slots.available() == pool.size, f"{pool.size - pool.slots.available()} slots leaked"
-    assert sorted(pool.slots._free) == list(range(1, pool.size + 1))     # no slot lost or freed twice
+    leaked = pool.size - core.scheduler.available_slots()
+    assert leaked == 0, f"{leaked} slots leaked"
+    core.scheduler.check_kv()     # no slot lost or freed twice
     assert pool.free_rows() == all_rows
     assert sorted(pool._free_rows) == list(range(all_rows))

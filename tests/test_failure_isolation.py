@@ -83,13 +83,13 @@ def failing_for_victim(core, path: str, method: str, from_token: int):
 
 
 def assert_all_kv_free(engine) -> None:
-    pool = engine.core.runner.pool
+    pool, scheduler = engine.core.runner.pool, engine.core.scheduler
     for _ in range(500):
-        if not engine.core.has_work() and pool.slots.available() == pool.size:
+        if not engine.core.has_work() and scheduler.available_slots() == pool.size:
             break
         asyncio.run(asyncio.sleep(0.01))
     assert not engine.core.has_work() and not engine.core.requests
-    assert sorted(pool.slots._free) == list(range(1, pool.size + 1))    # none lost, none freed twice
+    scheduler.check_kv()    # none lost, none freed twice
 
 
 @pytest.mark.parametrize("point", list(INJECTION_POINTS))

@@ -146,10 +146,10 @@ def test_tuning_options_of_sglang_are_accepted_with_one_warning(caplog, monkeypa
     monkeypatch.setattr(sglang_compat, "_warned", set())
     with caplog.at_level(logging.WARNING, logger="specserve"):
         for _ in range(2):
-            ServerArgs.from_kwargs(disable_radix_cache=True, enable_torch_compile=True, page_size=16)
+            ServerArgs.from_kwargs(radix_eviction_policy="lfu", enable_torch_compile=True, page_size=16)
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 3 and all(m.startswith("ignoring SGLang's") for m in messages), messages
-    assert any("disable_radix_cache" in m and "prefix" in m for m in messages)
+    assert any("radix_eviction_policy" in m and "prefix" in m for m in messages)
 
 
 def test_every_sglang_name_is_accepted_at_its_default_and_features_refused_otherwise(caplog):
@@ -168,7 +168,7 @@ def test_sglang_command_lines_parse():
     argv = ["--model-path", "m.gguf", "--disable-radix-cache", "--cuda-graph-bs", "1", "2", "4", "--page-size", "1",
             "--tensor-parallel-size", "1", "--speculative-ngram-branch-length", "12", "--enable-metrics"]
     args = ServerArgs.from_cli_args(parser.parse_args(argv))
-    assert args.speculative_ngram_branch_length == 12 and args.tp_size == 1
+    assert args.speculative_ngram_branch_length == 12 and args.tp_size == 1 and args.disable_radix_cache
 
 
 # ---- --help ----
@@ -181,7 +181,8 @@ def test_help_shows_defaults_and_marks_what_is_not_implemented(capsys):
             "chain: speculative_num_steps + 1) (default: 8)") in text
     assert f"{CPU_DEFAULT_KV_TOKENS} on a CPU" in text
     assert "--speculative-eagle-topk INT EAGLE branching; not implemented yet" in text
-    assert "--disable-radix-cache" in text and "ignored with a warning" in text   # named in the SGLang section only
+    assert "--radix-eviction-policy" in text and "ignored with a warning" in text   # named in the SGLang section only
+    assert "--disable-radix-cache recompute every prompt" in text
     assert "--enable-lora" not in text
 
 

@@ -50,5 +50,5 @@ def test_chunked_prefill_and_preemption_keep_outputs(smollm2_path, prompt_ids, s
         outs = engine.generate(input_ids=prompt_ids, sampling_params=GREEDY)
         assert [o["output_ids"] for o in outs] == solo_outputs
         assert sum(o["meta_info"]["preemptions"] for o in outs) > 0
-        pool = engine.core.runner.pool
-        assert pool.slots.available() == pool.size
+        assert engine.core.scheduler.available_slots() == engine.core.runner.pool.size
+        engine.core.scheduler.check_kv()

@@ -80,17 +80,17 @@ def big_engine(engine_factory):
 
 def wait_until_all_kv_is_free(engine, timeout: float = 30.0) -> None:
     """The core runs in its own thread: give it time to process aborts, then check every
-    slot and row is free exactly once."""
-    pool = engine.core.runner.pool
+    slot is free or in the prefix cache (unheld) exactly once, and every row is free."""
+    pool, scheduler = engine.core.runner.pool, engine.core.scheduler
     all_rows = pool.max_requests
     deadline = time.monotonic() + timeout
-    while engine.core.has_work() or pool.slots.available() != pool.size or pool.free_rows() != all_rows:
+    while engine.core.has_work() or scheduler.available_slots() != pool.size or pool.free_rows() != all_rows:
         if time.monotonic() > deadline:
             break
         time.sleep(0.02)
     assert not engine.core.has_work() and not engine.core.requests
-    assert pool.slots.available() == pool.size
-    assert sorted(pool.slots._free) == list(range(1, pool.size + 1))      # no slot lost or freed twice
+    assert scheduler.available_slots() == pool.size
+    scheduler.check_kv()      # no slot lost or freed twice
     assert pool.free_rows() == all_rows
     assert sorted(pool._free_rows) == list(range(all_rows))
 

@@ -74,7 +74,7 @@ def check_engine(model: str, dtype: str, backend: str, graphs: bool, hf=None) ->
             pool = engine.core.runner.pool
             report("NGRAM greedy == plain", dtype=dtype, engine=label, one_branch=one_branch,
                    identical=sum(a == b for a, b in zip(solo, spec)), of=8,
-                   kv_slots_free=pool.slots.available() == pool.size)
+                   kv_slots_free=engine.core.scheduler.available_slots() == pool.size)
     return solo
 
 

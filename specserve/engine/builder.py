@@ -91,7 +91,8 @@ def build_core(args: ServerArgs):
     logger.info("runner ready in %.1f s", time.perf_counter() - start)
     scheduler = Scheduler(runner.pool, runner.max_running_requests,
                           args.chunked_prefill_size if args.chunked_prefill_size > 0 else context_length,
-                          enable_mixed_chunk=args.enable_mixed_chunk)
+                          enable_mixed_chunk=args.enable_mixed_chunk, prefix_cache=not args.disable_radix_cache,
+                          schedule_policy=args.schedule_policy)
     drafter = checked.drafter
     if draft_model is not None:
         drafter = create_drafter(args, DraftModelRunner(args, draft_model, runner.pool))

@@ -77,7 +77,7 @@ class OutputTracker:
     def _meta(self, req: Req, logprobs_from: int) -> dict:
         end = req.finish_time or time.perf_counter()
         meta = {"id": req.rid, "prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.output_ids),
-                "cached_tokens": 0, "finish_reason": req.finish_reason, "e2e_latency": end - req.arrival_time,
+                "cached_tokens": req.cached_tokens, "finish_reason": req.finish_reason, "e2e_latency": end - req.arrival_time,
                 "preemptions": req.preemptions}
         if req.first_token_time is not None:
             meta["ttft"] = req.first_token_time - req.arrival_time

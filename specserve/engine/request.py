@@ -9,9 +9,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from specserve.kv.radix_cache import TreeNode
 
 
 class ReqState(enum.Enum):
@@ -53,6 +57,9 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     row: int | None = None                     # row of req_to_token while RUNNING
     kv_slots: list[int] = field(default_factory=list)   # slots of cached tokens, by position
+    cached_len: int = 0                        # leading kv_slots held by the prefix cache (kv/ledger.py)
+    cache_node: TreeNode | None = None         # the prefix cache's node whose lock keeps them
+    cached_tokens: int = 0                     # prompt tokens served from the prefix cache at admission
     preemptions: int = 0
     # filled at commit
     output_logprobs: list[float] = field(default_factory=list)

@@ -1,15 +1,23 @@
 """The scheduler decides who runs each step and owns every request's KV slots.
 
-Policy: FCFS. A step is EXTEND (chunks of prompts, at most `chunked_prefill_size` tokens)
+A step is EXTEND (chunks of prompts, at most `chunked_prefill_size` tokens)
 or DECODE/VERIFY (every running request that has its cache). While nobody decodes,
 prompts are prefilled first. While requests decode, prefill chunks are paced
 (prefill_pacer.py) so that no stream stalls behind a long prompt: they alternate with
 decode steps, or, with `enable_mixed_chunk` (SGLang's --enable-mixed-chunk), ride in the
 same EXTEND step as the decoding requests' next tokens.
 
+Waiting requests are admitted in arrival order (`fcfs`), or, with `schedule_policy="lpm"`
+(SGLang's longest prefix match), those with the longest cached prefix first, so requests
+that share a prefix run together. With the prefix cache on (kv/ledger.py), a request
+computes only what the cache lacks, and one whose uncached prompt starts with tokens that
+another request is prefilling in this very step waits a step for them to be cached
+(SHARED_PREFIX_MIN): under fcfs everyone behind it waits too, under lpm others go first.
+
 When the cache cannot grow, the most recently arrived running request is preempted: its
-slots are freed and it is queued again at the front, to recompute its cache later from
-prompt + output so far (greedy output is unchanged by this).
+slots are released (with the prefix cache on, its written KV stays cached until evicted)
+and it is queued again at the front, to rebuild its cache later from prompt + output so
+far (greedy output is unchanged by this).
 
 `focus` narrows the next steps to a few requests: the engine retries a failed batch's
 requests one at a time to find the one whose step fails.
@@ -17,18 +25,28 @@ requests one at a time to find the one whose step fails.
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 from specserve.engine.prefill_pacer import PrefillPacer
 from specserve.engine.request import Batch, Req, ReqState
+from specserve.kv.ledger import KVLedger
 from specserve.kv.pool import KVPool
+
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+SHARED_PREFIX_MIN = 32     # tokens another request's chunk must add to a waiting one's cached prefix to hold it back
+LPM_MAX_QUEUE = 128        # longer queues are served fcfs: matching every waiting request each step costs too much
 
 
 class Scheduler:
     def __init__(self, pool: KVPool, max_running_requests: int, chunked_prefill_size: int,
-                 enable_mixed_chunk: bool = False):
+                 enable_mixed_chunk: bool = False, prefix_cache: bool = False, schedule_policy: str = "fcfs"):
+        if schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}; got {schedule_policy!r}")
         self.pool = pool
+        self.kv = KVLedger(pool, prefix_cache)
+        self.policy = schedule_policy
         self.max_running = max_running_requests
         self.pacer = PrefillPacer(chunked_prefill_size)
         self.mixed_chunk = enable_mixed_chunk
@@ -38,6 +56,7 @@ class Scheduler:
         self._last_step: tuple[int, int] | None = None   # (prompt tokens, decoding requests) of the last batch
         # called with each preempted request (the core tells the drafter: a draft model's cache goes too)
         self.preempt_listeners: list[Callable[[Req], None]] = []
+        self._prefilled: list[Req] = []     # requests the last batch gave a prompt chunk, cached at the next schedule
 
     # --- intake ---
     def add(self, req: Req) -> None:
@@ -48,7 +67,7 @@ class Scheduler:
             self.waiting.remove(req)
         if req in self.running:
             self.running.remove(req)
-        self._release(req)
+        self._release(req, keep_cache=False)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -56,6 +75,7 @@ class Scheduler:
     # --- scheduling ---
     def schedule(self) -> Batch | None:
         """The next step's batch (see the module docstring for the policy)."""
+        self._cache_prefilled()
         decoding = [r for r in self._candidates(self.running) if r.kv_len == r.num_tokens - 1]
         # a mixed step's prefill part is timed against a plain decode step: one runs first
         mixed = self.mixed_chunk and self.pacer.decode_step_s is not None
@@ -69,7 +89,16 @@ class Scheduler:
         if batch is None and not prefill_turn:   # a decode turn, but preemption left nobody to decode
             batch, decode_count = self._schedule_extend([])
         self._last_step = None if batch is None else (sum(batch.extend_lens[decode_count:]), decode_count)
+        self._prefilled = batch.reqs[decode_count:] if batch is not None and batch.is_extend else []
         return batch
+
+    def _cache_prefilled(self) -> None:
+        """The prompt chunks of the last step join the prefix cache (a step that failed and was
+        trimmed leaves only what it committed); done here, once the step has fully committed."""
+        for req in self._prefilled:
+            if req.state is ReqState.RUNNING:
+                self.kv.cache_prefill(req)
+        self._prefilled = []
 
     def record_step_time(self, seconds: float) -> None:
         """The wall time of the step last scheduled: the pacer learns the costs from it."""
@@ -89,6 +118,8 @@ class Scheduler:
             return None, 0
         if decoding:
             decoding = self._reserve_decode_slots(decoding)
+        if self.policy == "lpm":
+            self._sort_waiting_by_cached_prefix()
         # a prompt with one token left to cache decodes it: it is in `decoding`, not here
         candidates = (self._candidates(r for r in self.running
                                        if r.kv_len < r.prefill_target and not any(r is d for d in decoding))
@@ -96,38 +127,69 @@ class Scheduler:
         decode_reserve = sum(1 for r in self.running if r.kv_len >= r.prefill_target)
         # others' streams wait while a chunk runs: paced unless nobody else decodes (or they are paused)
         budget = self.pacer.budget(decoding=decode_reserve > 0 and self.focus is None)
-        free = self.pool.slots.available() - decode_reserve   # what this step's chunks may take, together
+        planned = 0   # slots this step's chunks take, together
         reqs, lens, samples = list(decoding), [1] * len(decoding), [True] * len(decoding)
         for req in candidates:
-            if budget <= 0 or free <= 0:
+            if budget <= 0 or self.kv.available() - decode_reserve - planned <= 0:
                 break
-            if req.state is ReqState.WAITING and not self._admit(req, decode_reserve):
-                break  # FCFS: later requests wait behind this one
-            length = min(req.prefill_target - req.kv_len, budget, free)
+            if req.state is ReqState.WAITING:
+                if self._shares_a_chunk_in_this_step(req, reqs[len(decoding):], lens[len(decoding):]):
+                    if self.policy == "lpm":
+                        continue
+                    break  # FCFS: later requests wait behind this one
+                if not self._admit(req, decode_reserve + planned):
+                    break
+            # admission locks the request's cached prefix: what is free is counted again
+            length = min(req.prefill_target - req.kv_len, budget, self.kv.available() - decode_reserve - planned)
             reqs.append(req)
             lens.append(length)
             samples.append(req.kv_len + length == req.num_tokens)
             budget -= length
-            free -= length
+            planned += length
         if len(reqs) == len(decoding):
             return None, 0
         return Batch(reqs=reqs, is_extend=True, extend_lens=lens, samples=samples), len(decoding)
 
-    def _admit(self, req: Req, decode_reserve: int) -> bool:
-        """Moves a waiting request into running if a row and some cache are free."""
+    def _admit(self, req: Req, reserved: int) -> bool:
+        """Moves a waiting request into running, with its cached prefix, if a row and room
+        for at least one more token than `reserved` are free."""
         if len(self.running) >= self.max_running or self.pool.free_rows() == 0:
             return False
-        if self.pool.slots.available() <= decode_reserve:
+        if self.kv.available() <= reserved:
+            return False
+        req.row = self.pool.alloc_row()
+        self.kv.attach(req)
+        if self.kv.available() <= reserved:   # locking its cached prefix took the last room: it waits
+            self._release(req, keep_cache=False)
             return False
         self.waiting.remove(req)
-        req.row = self.pool.alloc_row()
         req.state = ReqState.RUNNING
         self.running.append(req)
         return True
 
+    def _shares_a_chunk_in_this_step(self, req: Req, prefilling: list[Req], chunk_lens: list[int]) -> bool:
+        """Whether a chunk in this step computes at least SHARED_PREFIX_MIN tokens of the
+        waiting `req`'s prompt that the cache lacks: next step it finds them cached."""
+        if self.kv.tree is None or not prefilling:
+            return False
+        probe = self.kv.cached_prefix_len(req) + SHARED_PREFIX_MIN
+        if probe > self.kv.match_limit(req):
+            return False
+        head = req.all_ids[:probe]
+        return any(other.kv_len + length >= probe and other.all_ids[:probe] == head
+                   for other, length in zip(prefilling, chunk_lens))
+
+    def _sort_waiting_by_cached_prefix(self) -> None:
+        """lpm: the longest cached prefix first; arrival order among equals (a stable sort)."""
+        if self.kv.tree is None or len(self.waiting) > LPM_MAX_QUEUE:
+            return
+        ordered = sorted(self.waiting, key=lambda r: -self.kv.cached_prefix_len(r))
+        self.waiting.clear()
+        self.waiting.extend(ordered)
+
     def _reserve_decode_slots(self, decoding: list[Req]) -> list[Req]:
         """Preempts the newest requests until every remaining one can grow by one token."""
-        while decoding and len(decoding) > self.pool.slots.available():
+        while decoding and len(decoding) > self.kv.available():
             victim = self.running[-1]
             self.preempt(victim)
             if victim in decoding:
@@ -136,7 +198,7 @@ class Scheduler:
 
     def preempt(self, req: Req) -> None:
         self.running.remove(req)
-        self._release(req)
+        self._release(req, keep_cache=True)
         req.state = ReqState.WAITING
         req.preemptions += 1
         self.waiting.appendleft(req)
@@ -145,10 +207,38 @@ class Scheduler:
 
     # --- cache bookkeeping ---
     def alloc_slots(self, count: int) -> list[int] | None:
-        return self.pool.slots.alloc(count)
+        return self.kv.alloc(count)
 
     def free_slots(self, slots: list[int]) -> None:
-        self.pool.slots.free(slots)
+        self.kv.free(slots)
+
+    def available_slots(self) -> int:
+        """Free KV slots, counting cached prefixes no running request holds (evicted on demand)."""
+        return self.kv.available()
+
+    def cached_slots(self) -> int:
+        """KV slots the prefix cache holds (those running requests use included)."""
+        return self.kv.tree.size if self.kv.tree is not None else 0
+
+    def flush_cache(self) -> int:
+        """Drops every cached prefix no running request holds; returns the slots freed."""
+        return self.kv.flush()
+
+    @contextlib.contextmanager
+    def without_prefix_cache(self) -> Iterator[None]:
+        """Runs the requests added meanwhile (e.g. the start-up warm-up's) uncached, as with
+        --disable-radix-cache; the cache is kept as it was. Only while nobody runs."""
+        if self.running or self.waiting:
+            raise RuntimeError("the prefix cache can be set aside only while no request is queued or running")
+        saved, self.kv = self.kv, KVLedger(self.pool, prefix_cache=False)
+        try:
+            yield
+        finally:
+            self.kv = saved
+
+    def check_kv(self) -> None:
+        """Raises AssertionError unless every KV slot is free, cached or held by one running request."""
+        self.kv.check(self.running)
 
     def append_kv(self, reqs: list[Req], slot_lists: list[list[int]], write_table: bool = True) -> None:
         """The tokens at each request's next positions now live in its `slot_lists` entry,
@@ -175,19 +265,15 @@ class Scheduler:
         req.finish_time = time.perf_counter()
         if req in self.running:
             self.running.remove(req)
-        self._release(req)
+        self._release(req, keep_cache=True)
 
     def trim_kv(self, req: Req) -> None:
         """Restores the invariant kv_len <= num_tokens - 1 after a step that failed between
         committing KV slots and committing their tokens: the slots of tokens never committed go."""
-        excess = req.kv_slots[max(req.num_tokens - 1, 0):]
-        if excess:
-            del req.kv_slots[-len(excess):]
-            self.pool.slots.free(excess)
+        self.kv.trim(req, max(req.num_tokens - 1, 0))
 
-    def _release(self, req: Req) -> None:
-        self.pool.slots.free(req.kv_slots)
-        req.kv_slots = []
+    def _release(self, req: Req, keep_cache: bool) -> None:
+        self.kv.release(req, keep=keep_cache)
         if req.row is not None:
             self.pool.free_row(req.row)
             req.row = None

@@ -112,7 +112,8 @@ def warm_up(core, tokenizer, args, plan: WarmupPlan | None = None) -> WarmupRepo
     pool = core.runner.pool
     free_slots, free_rows = pool.slots.available(), pool.free_rows()
     start = time.perf_counter()
-    with TritonCompileCounter() as compiles:
+    # uncached: every prompt shape runs in full, and real requests find none of these prompts cached
+    with TritonCompileCounter() as compiles, core.scheduler.without_prefix_cache():
         _run_plan(core, driver, plan, args)
     _check_clean(core, free_slots, free_rows)
     report = WarmupReport(plan, time.perf_counter() - start, driver.steps,

@@ -34,6 +34,10 @@ class SlotAllocator:
     def free(self, slots: list[int]) -> None:
         self._free.extend(reversed(slots))
 
+    def free_list(self) -> list[int]:
+        """A copy of the free slots (for accounting checks)."""
+        return list(self._free)
+
 
 class KVPool:
     """Per-layer K and V buffers of shape (size + 1, num_kv_heads, head_dim), plus the

@@ -18,12 +18,13 @@ _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 30
 
 
 def engine_load(engine) -> dict:
-    """Queue lengths and KV cache occupancy; plain reads of engine state from another thread."""
+    """Queue lengths and KV cache occupancy; plain reads of engine state from another thread.
+    Cached prefixes no running request holds count as free (they are evicted on demand)."""
     core = engine.core
-    pool = core.runner.pool
-    free, total = pool.slots.available(), pool.size
+    free, total = core.scheduler.available_slots(), core.runner.pool.size
     return {"num_running": len(core.scheduler.running), "num_waiting": len(core.scheduler.waiting),
-            "kv_free_slots": free, "kv_total_slots": total, "kv_usage": 1.0 - free / total if total else 0.0}
+            "kv_free_slots": free, "kv_total_slots": total, "kv_usage": 1.0 - free / total if total else 0.0,
+            "kv_cached_slots": core.scheduler.cached_slots()}
 
 
 class ServerMetrics:
@@ -32,6 +33,7 @@ class ServerMetrics:
         self.model_name = model_name
         self.requests_by_reason: dict[str, int] = {}
         self.prompt_tokens = 0
+        self.cached_tokens = 0          # prompt tokens served from the prefix cache
         self.generation_tokens = 0
         self.spec_verify_steps = 0
         self.spec_accepted_tokens = 0
@@ -51,6 +53,10 @@ class ServerMetrics:
 
     def count_failure(self, reason: str = "error") -> None:
         self.requests_by_reason[reason] = self.requests_by_reason.get(reason, 0) + 1
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
     def avg_spec_accept_length(self) -> float:
@@ -94,6 +100,7 @@ class RequestTimer:
         self.done = True
         metrics = self.metrics
         metrics.prompt_tokens += self.prompt_tokens
+        metrics.cached_tokens += meta.get("cached_tokens", 0)
         metrics.generation_tokens += max(0, meta.get("completion_tokens", 0) - self.tokens)
         reason = (meta.get("finish_reason") or {}).get("type", "unknown")
         metrics.requests_by_reason[reason] = metrics.requests_by_reason.get(reason, 0) + 1
@@ -130,6 +137,7 @@ class _TotalsCollector:
         yield requests
         for name, help_text, value in (
                 ("prompt_tokens", "Prompt tokens processed.", m.prompt_tokens),
+                ("cached_tokens", "Prompt tokens served from the prefix cache.", m.cached_tokens),
                 ("generation_tokens", "Output tokens generated.", m.generation_tokens),
                 ("spec_verify_steps", "Speculative verify steps of finished requests.", m.spec_verify_steps),
                 ("spec_accepted_tokens", "Tokens committed by verify steps, bonus included.", m.spec_accepted_tokens),
@@ -142,8 +150,11 @@ class _TotalsCollector:
         for name, help_text, value in (
                 ("num_running_reqs", "Requests running in the engine.", load["num_running"]),
                 ("num_queue_reqs", "Requests waiting in the engine's queue.", load["num_waiting"]),
-                ("token_usage", "Fraction of KV cache slots in use.", load["kv_usage"]),
-                ("kv_free_slots", "Free KV cache slots.", load["kv_free_slots"]),
+                ("token_usage", "Fraction of KV cache slots held by running requests.", load["kv_usage"]),
+                ("kv_free_slots", "Free KV cache slots (cached prefixes no request holds included).",
+                 load["kv_free_slots"]),
+                ("kv_cached_slots", "KV cache slots held by the prefix cache.", load["kv_cached_slots"]),
+                ("cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens.", m.cache_hit_rate),
                 ("spec_accept_length", "Mean tokens committed per verify step (finished requests).",
                  m.avg_spec_accept_length)):
             gauge = GaugeMetricFamily(PREFIX + name, help_text, labels=["model_name"])

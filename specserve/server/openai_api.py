@@ -144,7 +144,9 @@ def _model_card(state: ServerState) -> dict:
 def _usage(metas: list[dict]) -> dict:
     prompt = sum(m["prompt_tokens"] for m in metas)
     completion = sum(m["completion_tokens"] for m in metas)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(m.get("cached_tokens", 0) for m in metas)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _sse_response(events: AsyncIterator[bytes]) -> StreamingResponse:

@@ -1,0 +1,179 @@
+"""KVLedger: who holds each KV slot: the free list, the prefix cache, or one running request.
+
+The scheduler hands out and takes back every slot through it. A running request's
+`kv_slots` are its cache by position: the first `cached_len` belong to the prefix cache
+(kv/radix_cache.py; locked through `cache_node` while the request runs), the rest to the
+request alone. With the prefix cache disabled (`--disable-radix-cache`) the first part is
+always empty and the ledger is the plain allocator.
+
+A request's tokens meet the cache at four points:
+- admission (`attach`): the longest cached prefix of its tokens becomes the start of its
+  cache, capped at all but the last token it must prefill: that token is always computed,
+  since its logits give the next token;
+- after each prefill chunk (`cache_prefill`): the tokens computed so far are inserted, so
+  a request that arrives later (or one held back to share this one's prompt) finds them;
+- finish and preemption (`release(keep=True)`): prompt + output tokens whose KV is written
+  are inserted, then unlocked (evictable); a preempted request that comes back finds them;
+- abort (`release(keep=False)`): what the request computed alone is freed, unread: the
+  step that failed it may have left that half written.
+When another request cached the same tokens first, the tree keeps its copy and the
+request's own is freed (a running request switches to the tree's: its table row is rewritten).
+
+Allocation evicts unlocked cached prefixes, least recently used first, when the free list
+is short; `available()` counts them as room.
+"""
+from __future__ import annotations
+
+import collections
+from typing import TYPE_CHECKING, Iterable
+
+from specserve.kv.pool import KVPool
+from specserve.kv.radix_cache import RadixCache
+
+if TYPE_CHECKING:
+    from specserve.engine.request import Req
+
+
+class KVLedger:
+    def __init__(self, pool: KVPool, prefix_cache: bool):
+        self.pool = pool
+        self.allocator = pool.slots
+        self.tree = RadixCache(pool.slots) if prefix_cache else None
+
+    # --- room ---
+    def available(self) -> int:
+        """Slots an allocation can get: free ones, and cached ones no running request holds."""
+        return self.allocator.available() + (self.tree.evictable_size if self.tree is not None else 0)
+
+    def alloc(self, count: int) -> list[int] | None:
+        shortfall = count - self.allocator.available()
+        if shortfall > 0 and self.tree is not None:
+            self.tree.evict(shortfall)
+        return self.allocator.alloc(count)
+
+    def free(self, slots: list[int]) -> None:
+        self.allocator.free(slots)
+
+    def flush(self) -> int:
+        """Drops every cached prefix no running request holds; returns the slots freed."""
+        return self.tree.clear() if self.tree is not None else 0
+
+    # --- a request's cache ---
+    @staticmethod
+    def match_limit(req: Req) -> int:
+        return max(req.prefill_target - 1, 0)
+
+    def cached_prefix_len(self, req: Req) -> int:
+        """How much of the request's cache `attach` would find now (changes nothing)."""
+        if self.tree is None:
+            return 0
+        return self.tree.match_length(req.all_ids[:self.match_limit(req)])
+
+    def attach(self, req: Req) -> None:
+        """Admission (the request has its table row, no slots yet)."""
+        if req.kv_slots:
+            raise RuntimeError(f"request {req.rid} is admitted with {req.kv_len} KV slots already")
+        if self.tree is None:
+            return
+        slots, node = self.tree.match_prefix(req.all_ids[:self.match_limit(req)])
+        self.tree.lock(node)
+        req.kv_slots, req.cached_len, req.cache_node = slots, len(slots), node
+        if slots:
+            self._write_table(req, 0, slots)
+        if req.preemptions == 0:
+            req.cached_tokens = len(slots)
+
+    def cache_prefill(self, req: Req) -> None:
+        """After a prefill chunk: the request's computed tokens join the tree, under its lock."""
+        if self.tree is None or req.kv_len <= req.cached_len:
+            return
+        length = req.kv_len
+        inserted = self.tree.insert(req.all_ids[:length], req.kv_slots[:length])
+        start, end = req.cached_len, inserted.cached
+        if end > start:   # another request cached some of these tokens first: use its copy
+            duplicates = req.kv_slots[start:end]
+            req.kv_slots[start:end] = inserted.slots[start:end]
+            self._write_table(req, start, inserted.slots[start:end])
+            self.free(duplicates)
+        self.tree.lock(inserted.node)
+        self.tree.unlock(req.cache_node)
+        req.cached_len, req.cache_node = length, inserted.node
+
+    def release(self, req: Req, keep: bool) -> None:
+        """Takes back all of the request's slots: with keep, its written KV joins the tree."""
+        own_from = req.cached_len
+        written = min(req.kv_len, req.num_tokens)   # a verify step may have written drafts a stop cut off
+        if keep and self.tree is not None and written > req.cached_len:
+            inserted = self.tree.insert(req.all_ids[:written], req.kv_slots[:written])
+            self.free(req.kv_slots[req.cached_len:inserted.cached])   # another request's copy was cached first
+            own_from = written
+        self.free(req.kv_slots[own_from:])
+        if req.cache_node is not None:
+            self.tree.unlock(req.cache_node)
+        req.kv_slots, req.cached_len, req.cache_node = [], 0, None
+
+    def trim(self, req: Req, length: int) -> None:
+        """Frees the request's slots from position `length` on (its own, never the tree's)."""
+        if length < req.cached_len:
+            raise RuntimeError(f"trimming request {req.rid} to {length} tokens would free cached ones")
+        excess = req.kv_slots[length:]
+        if excess:
+            del req.kv_slots[length:]
+            self.free(excess)
+
+    def _write_table(self, req: Req, start: int, slots: list[int]) -> None:
+        self.pool.write_entries_async([req.row] * len(slots), list(range(start, start + len(slots))), slots)
+
+    # --- the invariant ---
+    def check(self, running: Iterable[Req]) -> None:
+        """Raises AssertionError unless every slot is in exactly one place (free, in the tree,
+        or held by one running request), each request's table row names its slots, and the
+        tree's locks and sizes agree with the requests that hold them."""
+        owners: dict[int, str] = {}
+
+        def claim(slots: Iterable[int], owner: str) -> None:
+            for slot in slots:
+                if slot in owners:
+                    raise AssertionError(f"KV slot {slot} is both {owners[slot]} and {owner}")
+                owners[slot] = owner
+
+        claim(self.allocator.free_list(), "free")
+        if self.tree is not None:
+            claim(self.tree.held_slots(), "in the prefix cache")
+        running = list(running)
+        for req in running:
+            claim(req.kv_slots[req.cached_len:], f"held by request {req.rid}")
+            table = self.pool.req_to_token[req.row, :req.kv_len].tolist() if req.row is not None else []
+            if table != req.kv_slots:
+                raise AssertionError(f"request {req.rid}: req_to_token row {req.row} does not name its KV slots")
+        expected = set(range(1, self.pool.size + 1))
+        if owners.keys() != expected:
+            raise AssertionError(f"KV slots lost: {sorted(expected - owners.keys())[:10]}, "
+                                 f"unknown: {sorted(owners.keys() - expected)[:10]}")
+        self._check_tree(running)
+
+    def _check_tree(self, running: list[Req]) -> None:
+        if self.tree is None:
+            if any(req.cached_len or req.cache_node is not None for req in running):
+                raise AssertionError("a request holds cached slots but the prefix cache is disabled")
+            return
+        locks: collections.Counter = collections.Counter()
+        for req in running:
+            if self.tree.path_slots(req.cache_node) != req.kv_slots[:req.cached_len]:
+                raise AssertionError(f"request {req.rid}: its cached slots are not its tree path's")
+            node = req.cache_node
+            while node is not self.tree.root:
+                locks[id(node)] += 1
+                node = node.parent
+        stack, sizes = [self.tree.root], {"locked": 0, "evictable": 0}
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if node is self.tree.root:
+                continue
+            if node.lock_count != locks[id(node)]:
+                raise AssertionError(f"a tree node has {node.lock_count} locks, {locks[id(node)]} requests hold it")
+            sizes["locked" if node.lock_count else "evictable"] += len(node.key)
+        if (sizes["locked"], sizes["evictable"]) != (self.tree.locked_size, self.tree.evictable_size):
+            raise AssertionError(f"tree sizes {sizes} disagree with its counters "
+                                 f"({self.tree.locked_size} locked, {self.tree.evictable_size} evictable)")
