@@ -31,7 +31,7 @@ def test_rows_with_add_norm_match_add_rmsnorm_then_linear(config, silu_mul, bias
     """Each row normalised on its own; residual + x written out for every row, the input left alone."""
     torch.manual_seed(4)
     m, k, n = 7, 300, 2 * 37
-    x, residual = torch.randn(m, k, device=DEVICE), torch.randn(m, k, device=DEVICE) * torch.arange(1, m + 1)[:, None]
+    x, residual = torch.randn(m, k, device=DEVICE), torch.randn(m, k, device=DEVICE) * torch.arange(1, m + 1, device=DEVICE)[:, None]
     norm = gemv.AddNorm(residual, torch.randn(k, device=DEVICE), 1e-6)
     w, b = torch.randn(n, k, device=DEVICE), (torch.randn(n, device=DEVICE) if bias else None)
     out, residual_out = gemm_rows.gemm_rows(x, w, b, silu_mul, config, add_norm=norm)

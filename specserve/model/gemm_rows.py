@@ -22,7 +22,6 @@ import triton
 import triton.language as tl
 
 from specserve.model.gemv import AddNorm, RopeStore, gemv_input, rope_epilogue
-from specserve.pdl import uses_pdl
 
 MAX_ROWS = 16
 BLOCK_M = 16  # the rows' tile: tl.dot's smallest
@@ -134,7 +133,10 @@ def gemm_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     out = torch.empty((m, width), dtype=x.dtype, device=x.device)
     residual_out = torch.empty_like(x) if add_norm is not None else None
     norm = add_norm or AddNorm(x, x, 0.0)  # unused pointers when there is no norm
-    pdl = uses_pdl(x.device)
+    # No PDL: its programs would launch early and wait on SMs while the previous kernel (the
+    # extend attention and its merge, which do not release dependents early) still runs; on
+    # an H100 that slowed the attention more than the early start saved.
+    pdl = False
     r = rope or RopeStore(x, x, x, x, x, x, 0)  # likewise
     _rows_kernel[(triton.cdiv(lanes, block_n),)](
         x, weight, bias if bias is not None else weight, out, m, lanes, k,
