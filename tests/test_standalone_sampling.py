@@ -1,0 +1,149 @@
+"""STANDALONE sampling is lossless: drafts sampled from the draft model's distribution q are
+verified by residual rejection with q (accept with min(1, p/q), resample from
+norm(max(p - q, 0))), and the first four tokens of thousands of unseeded requests follow
+the exact target distribution (chi-square; the distribution enumerated over all 16**4
+continuations with transformers in float64, as tests/test_spec_sampling.py does).
+
+The target is a random model over a 16-token vocabulary; the draft is a noisy copy of it,
+so q is close to p but not equal. A verifier that ignores q fails the same test (power),
+and seeded requests, verified with the coupled rule, get plain decoding's tokens.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+import pytest
+import scipy.stats
+import torch
+
+import specserve.sampling.sampler
+from specserve.speculative import verify
+from tests.spec_fixtures import make_tiny_directory, tiny_engine, wait_until_all_kv_is_free
+from tests.standalone_fixtures import make_noisy_draft, standalone_args, wait_until_draft_kv_is_free
+
+VOCAB = 16
+NEW_TOKENS = 4            # tokens whose joint distribution is tested
+MAX_NEW_TOKENS = 5        # the prefill's token, then a chain of 3 drafts verified (up to 4 tokens)
+NUM_STEPS = 3
+SAMPLES = 4000
+PROMPT = [3, 4, 5, 6, 7, 8] * 3 + [3, 4]
+CONFIGS = {"temperature 1": {"temperature": 1.0}, "temperature 0.8 top_k 4": {"temperature": 0.8, "top_k": 4}}
+ALPHA = 1e-4
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    target = tmp_path_factory.mktemp("standalone-v16")
+    # HF's small init with lm_head scaled up: a few hundred continuations carry most of the mass
+    hf_target = make_tiny_directory(target, "llama", vocab_size=VOCAB, tokenizer="letters", weight_std=None,
+                                    logit_scale=20.0)
+    draft = make_noisy_draft(target, tmp_path_factory.mktemp("standalone-v16-draft"), sigma=0.004)
+    return target, draft, hf_target.double()
+
+
+@pytest.fixture(scope="module")
+def step_logits(models) -> list[torch.Tensor]:
+    """[k]: (V,) * k + (V,) float64 logits of token k+1 given the prompt and tokens 1..k."""
+    model = models[2]
+    prefixes = torch.tensor(list(itertools.product(range(VOCAB), repeat=NEW_TOKENS - 1)))
+    ids = torch.cat([torch.tensor(PROMPT).expand(len(prefixes), -1), prefixes], dim=1)
+    with torch.no_grad():
+        logits = model(ids).logits[:, len(PROMPT) - 1:]                      # (V**3, 4, V)
+    shape = (VOCAB,) * (NEW_TOKENS - 1)
+    return [logits[:, k].reshape(*shape, VOCAB)[(slice(None),) * k + (0,) * (NEW_TOKENS - 1 - k)]
+            for k in range(NEW_TOKENS)]
+
+
+def exact_joint(step_logits: list[torch.Tensor], temperature: float, top_k: int = -1) -> torch.Tensor:
+    """(V,) * 4: P(x1..x4) = prod_k p_k(x_k | prompt, x_<k), each softmax(logits / T), top-k kept."""
+    joint = torch.ones(())
+    for logits in step_logits:
+        probs = torch.softmax(logits / temperature, dim=-1)
+        if top_k > 0:
+            kth = probs.topk(top_k, dim=-1).values[..., -1:]
+            probs = torch.where(probs >= kth, probs, 0.0)
+            probs = probs / probs.sum(-1, keepdim=True)
+        joint = joint.unsqueeze(-1) * probs
+    return joint
+
+
+def sample(models, config: dict, seeded: bool = False, **engine_args) -> list[dict]:
+    target, draft, _ = models
+    with tiny_engine(target, **standalone_args(draft, NUM_STEPS), max_running_requests=1024, **engine_args) as engine:
+        params = [{**config, "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True, **({"seed": i} if seeded else {})}
+                  for i in range(SAMPLES)]
+        outputs = engine.generate(input_ids=[PROMPT] * SAMPLES, sampling_params=params)
+        wait_until_draft_kv_is_free(engine)
+        wait_until_all_kv_is_free(engine)
+    return outputs
+
+
+def chi_square_p(outputs: list[dict], joint: torch.Tensor) -> float:
+    counts = Counter(tuple(out["output_ids"][:NEW_TOKENS]) for out in outputs)
+    assert not [key for key in counts if joint[key] == 0], "sampled continuations the filters exclude"
+    expected = joint.flatten() * len(outputs)
+    observed = torch.zeros_like(expected)
+    for key, n in counts.items():
+        observed[torch.tensor(key) @ (VOCAB ** torch.arange(NEW_TOKENS - 1, -1, -1))] += n
+    big = expected >= 5     # the cells expected fewer than 5 times, merged into one
+    assert big.sum() >= 50, "too few cells for a meaningful test"
+    f_exp = torch.cat([expected[big], expected[~big].sum().view(1)])
+    f_obs = torch.cat([observed[big], observed[~big].sum().view(1)])
+    return scipy.stats.chisquare(f_obs.numpy(), f_exp.numpy()).pvalue
+
+
+class VerifySpy:
+    """Counts the verify_sampling calls of steps with drafts, by whether they had q."""
+
+    def __init__(self, monkeypatch):
+        self.with_q = self.without_q = 0
+        original = specserve.sampling.sampler.verify_sampling
+
+        def spy(trees, logits, *args, draft_probs=None, rule="coupled", **kwargs):
+            if draft_probs is not None:
+                assert rule == "rejection" and draft_probs.shape[:2] == trees.tokens.shape
+                self.with_q += 1
+            elif trees.num_slots > 1:   # not a prefill's first token, nor a step without drafts
+                self.without_q += 1
+            return original(trees, logits, *args, draft_probs=draft_probs, rule=rule, **kwargs)
+        monkeypatch.setattr(specserve.sampling.sampler, "verify_sampling", spy)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_samples_follow_the_exact_distribution(models, step_logits, monkeypatch, name):
+    spy = VerifySpy(monkeypatch)
+    outputs = sample(models, CONFIGS[name])
+    assert spy.with_q > 0 and spy.without_q == 0     # every verify step had q
+    histogram = Counter()
+    for out in outputs:
+        histogram.update(out["meta_info"]["spec_accept_histogram"])
+    steps = sum(histogram.values())
+    assert histogram[1] < 0.7 * steps and histogram[NUM_STEPS + 1] > 0.05 * steps, histogram   # drafts accepted
+    p = chi_square_p(outputs, exact_joint(step_logits, **CONFIGS[name]))
+    assert p > ALPHA, f"{name}: chi-square p = {p:.3g}"
+
+
+def test_chi_square_catches_an_accept_rule_that_ignores_q(models, step_logits, monkeypatch):
+    """Sampled drafts accepted with probability r(x) instead of min(1, r(x) / q(x)): biased."""
+    def ignores_q(u, residual_x, residual_mass, draft_q_x):
+        return u * residual_mass < residual_x
+    monkeypatch.setattr(verify, "_accept", ignores_q)
+    outputs = sample(models, CONFIGS["temperature 1"])
+    p = chi_square_p(outputs, exact_joint(step_logits, temperature=1.0))
+    assert p < 1e-6, f"p = {p:.3g}: a verifier that ignores q went unnoticed"
+
+
+def test_seeded_requests_get_the_tokens_of_plain_decoding(models):
+    """A seed asks for plain decoding's tokens: argmax drafts, the coupled rule, no q."""
+    config = {"temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True}
+    prompts = [PROMPT[i:] for i in range(8)]
+    params = [{**config, "seed": 100 + i} for i in range(len(prompts))]
+    target, draft, _ = models
+    with tiny_engine(target) as plain:
+        expected = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=params)]
+    with tiny_engine(target, **standalone_args(draft, NUM_STEPS)) as engine:
+        outputs = engine.generate(input_ids=prompts, sampling_params=params)
+        wait_until_draft_kv_is_free(engine)
+    assert [o["output_ids"] for o in outputs] == expected
+    assert sum(o["meta_info"]["spec_accept_length"] for o in outputs) / len(outputs) > 1.3
