@@ -1,6 +1,5 @@
 """The one-row GEMV kernel equals F.linear (and the unfused SiLU * up) for every tile
-config the engine may pick, and the decoder's fused path (GEMV and gemm_rows) equals its
-batched path (Triton's interpreter on the CPU, fp32; real sizes on a GPU)."""
+config the engine may pick (Triton's interpreter on the CPU, fp32; real sizes on a GPU)."""
 from __future__ import annotations
 
 import os
@@ -10,7 +9,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 import pytest
 import torch
 
-from specserve.model import gemm_rows, gemv
+from specserve.model import gemv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -82,13 +81,11 @@ def test_gemv_with_rope_matches_linear_then_rope_and_store(config, add_norm):
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3"])
-@pytest.mark.parametrize("tree", [([11], [-1]), ([11, 4, 8, 30, 2], [-1, 0, 0, 1, 3])], ids=["decode", "tree"])
-def test_fused_decoder_path_matches_the_batched_path(arch, tree, monkeypatch):
-    """DecoderLayer's fused path (the pre-norms inside the matmuls, RoPE + KV write in the
-    qkv kernel; Qwen3's q/k norms keep the separate RoPE), through the one-row GEMV for a
-    decode step and gemm_rows.py for a 5-node draft tree, gives the batched path's logits
-    after a prefill, and leaves the same K/V in the pool."""
-    from specserve.model import fused_linear, layers, llama
+def test_batch1_decoder_path_matches_the_batched_path(arch, monkeypatch):
+    """DecoderLayer's one-row path (the pre-norms inside the GEMVs, RoPE + KV write in the
+    qkv GEMV; Qwen3's q/k norms keep the separate RoPE) gives the batched path's logits
+    for a decode step after a prefill, and leaves the same K/V in the pool."""
+    from specserve.model import layers, llama
     from specserve.runner import model_runner
     from tests.model_fixtures import RunnerDriver, tiny_hf_model
     monkeypatch.setattr(model_runner, "use_cpu_linears", lambda model: None)  # GPU weight layout: row-major
@@ -96,13 +93,11 @@ def test_fused_decoder_path_matches_the_batched_path(arch, tree, monkeypatch):
     drivers = [RunnerDriver.from_hf(hf) for _ in range(2)]
     for driver in drivers:
         driver.prefill([5, 17, 3, 9, 44, 2])
-    tokens, parents = tree
-    expected = drivers[0].verify_tree(tokens, parents, commit_path=[0])
+    expected = drivers[0].decode(11)
     for module in (layers, llama):
-        monkeypatch.setattr(module, "takes_fused_kernels", lambda x: 1 <= x.shape[0] <= fused_linear.MAX_ROWS)
-    monkeypatch.setattr(fused_linear, "best_config", lambda rows, *args: (gemv.CANDIDATES if rows == 1
-                                                                          else gemm_rows.CANDIDATES)[0])
-    got = drivers[1].verify_tree(tokens, parents, commit_path=[0])
+        monkeypatch.setattr(module, "takes_one_row_kernels", lambda x: x.shape[0] == 1)
+    monkeypatch.setattr(gemv, "best_config", lambda *args: gemv.CANDIDATES[0])
+    got = drivers[1].decode(11)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     for pools in zip(drivers[0].runner.pool.k_buffers + drivers[0].runner.pool.v_buffers,
                      drivers[1].runner.pool.k_buffers + drivers[1].runner.pool.v_buffers):

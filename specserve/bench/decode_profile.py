@@ -34,26 +34,24 @@ def events_time_us(fn, reps: int = 50) -> float:
 
 
 def bench_linears(config: dict, write) -> None:
-    """Matmul time per weight shape of 1 and 16 rows, read from HBM: cuBLAS (with the unfused
-    norm / SiLU / RoPE kernels) vs each fused-kernel config."""
-    from specserve.model.fused_linear import MAX_ROWS, candidate_times
+    """One-row matmul time per weight shape, read from HBM: cuBLAS vs each GEMV config."""
+    from specserve.model.gemv import candidate_times
     hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     num_q, num_kv = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = hidden // num_q
     kv = num_kv * head_dim
-    # name: (weight shape, bias, silu_mul, add_norm, rope heads), as a decode step runs them
+    # name: (weight shape, bias, silu_mul, add_norm, rope heads), as a batch-1 decode step runs them
     shapes = {"add_norm+qkv+rope": ((hidden + 2 * kv, hidden), True, False, True, (num_q, num_kv, head_dim)),
               "o": ((hidden, hidden), False, False, False, None),
               "add_norm+gate_up+silu_mul": ((2 * inter, hidden), False, True, True, None),
               "down": ((hidden, inter), False, False, False, None),
               "add_norm+lm_head": ((vocab, hidden), False, False, True, None)}
-    for rows in (1, MAX_ROWS):
-        for name, (shape, bias, silu_mul, add_norm, rope) in shapes.items():
-            times = candidate_times(rows, shape, torch.bfloat16, bias, silu_mul, add_norm, torch.device("cuda"), rope)
-            mb = shape[0] * shape[1] * 2 / 1e6
-            write({"kind": "linear", "rows": rows, "name": name, "MB": mb,
-                   **{("cublas" if k is None else "fused_%dx%dw%ds%d" % k) + "_us": v for k, v in times.items()},
-                   "cublas_GBps": mb * 1e3 / times[None], "best_GBps": mb * 1e3 / min(times.values())})
+    for name, (shape, bias, silu_mul, add_norm, rope) in shapes.items():
+        times = candidate_times(shape, torch.bfloat16, bias, silu_mul, add_norm, torch.device("cuda"), rope)
+        mb = shape[0] * shape[1] * 2 / 1e6
+        write({"kind": "linear", "name": name, "MB": mb, **{("cublas" if k is None else "gemv_%dx%dw%ds%d" % k) + "_us": v
+                                                           for k, v in times.items()},
+               "cublas_GBps": mb * 1e3 / times[None], "best_GBps": mb * 1e3 / min(times.values())})
 
 
 def step_profile(engine, write) -> None:
@@ -127,11 +125,11 @@ def main(argv=None) -> None:
     if not ns.skip_linears:
         bench_linears(SHAPES[ns.shape], write)
     from specserve.engine.engine import Engine
-    from specserve.model import fused_linear
+    from specserve.model import gemv
     path = write_random_model(f"/tmp/random-{ns.shape}", ns.shape)
     # cuBLAS, no overlap (the previous engine) -> + one-row GEMV kernels -> + the overlap schedule
     for use_gemv, overlap in ((False, False), (True, False), (True, True)):
-        fused_linear.ENABLED = use_gemv
+        gemv.ENABLED = use_gemv
         engine = Engine(model_path=path, log_level="warning", cuda_graph_max_bs=8, max_total_tokens=100_000,
                         disable_overlap_schedule=not overlap)
         roofline = bandwidth / weight_bytes(engine)

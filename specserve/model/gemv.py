@@ -13,11 +13,14 @@ pass of its own: rmsnorm(s) * w . W_row = rsqrt(mean(s^2) + eps) * ((w * s) . W_
 the loop accumulates (w * s) . W_row and s^2 together and scales at the end. A lane that
 needs two rows (gate and up; dims d and d + head_dim / 2 of a head for RoPE) keeps two sums.
 
-Tile sizes are chosen per weight shape by timing (fused_linear.py, which also routes a
-few rows to gemm_rows.py).
+Tile sizes are chosen per weight shape by timing a few candidates, cuBLAS included,
+inside a CUDA graph the first time a shape is seen (before the engine captures its own
+graphs), so the fastest path wins on every GPU and model.
 """
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +29,10 @@ import triton
 import triton.language as tl
 
 from specserve.pdl import uses_pdl
+
+logger = logging.getLogger(__name__)
+
+ENABLED = True  # False: one-row matmuls go to cuBLAS like any other (the A/B of bench.decode_profile)
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages): small row blocks, long K chunks and deeper
 # pipelining keep more loads in flight; which wins depends on the shape and the GPU
@@ -64,7 +71,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N_OUT, K, res_ptr, norm_w_ptr,
         w_pre_second = tl.load(w_second + pre[None, :], mask=lane_ok[:, None] & pre_ok[None, :], other=0.0)
     if USE_PDL:  # x and the residual are the previous kernels' outputs
         tl.extra.cuda.gdc_wait()
-    x_pre, squares_pre = gemv_input(x_ptr, res_ptr, norm_w_ptr, pre, pre_ok, pre, pre_ok, ADD_NORM)
+    x_pre, squares_pre = _gemv_input(x_ptr, res_ptr, norm_w_ptr, pre, pre_ok, ADD_NORM)
     y = tl.sum(w_pre.to(tl.float32) * x_pre[None, :], axis=1)
     y_second = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if SILU_MUL or ROPE:
@@ -76,7 +83,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N_OUT, K, res_ptr, norm_w_ptr,
     for k in range(PREFETCH_K, K, BLOCK_K):
         k_mask = (k + cols) < K
         mask = lane_ok[:, None] & k_mask[None, :]
-        x, chunk_squares = gemv_input(x_ptr, res_ptr, norm_w_ptr, k + cols, k_mask, k + cols, k_mask, ADD_NORM)
+        x, chunk_squares = _gemv_input(x_ptr, res_ptr, norm_w_ptr, k + cols, k_mask, ADD_NORM)
         squares += chunk_squares
         acc += tl.load(w_rows + k + cols[None, :], mask=mask, other=0.0).to(tl.float32) * x[None, :]
         if SILU_MUL or ROPE:
@@ -100,9 +107,8 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N_OUT, K, res_ptr, norm_w_ptr,
     y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
     y_second = y_second.to(out_ptr.dtype.element_ty).to(tl.float32)
     if ROPE:
-        token = tl.arange(0, 1)
-        rope_epilogue(y[None, :], y_second[None, :], token, token < 1, lanes, lane_ok, out_ptr, cos_ptr, sin_ptr,
-                      positions_ptr, slots_ptr, k_buf_ptr, v_buf_ptr, num_q_heads, num_kv_heads, HALF)
+        _rope_epilogue(y, y_second, lanes, lane_ok, out_ptr, cos_ptr, sin_ptr, positions_ptr, slots_ptr,
+                       k_buf_ptr, v_buf_ptr, num_q_heads, num_kv_heads, HALF)
     else:
         if SILU_MUL:
             y = (y / (1.0 + tl.exp(-y))).to(out_ptr.dtype.element_ty).to(tl.float32) * y_second
@@ -110,49 +116,45 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N_OUT, K, res_ptr, norm_w_ptr,
 
 
 @triton.jit
-def gemv_input(x_ptr, res_ptr, norm_w_ptr, offsets, mask, cols, col_ok, ADD_NORM: tl.constexpr):
-    """The input at x_ptr + offsets in fp32 (its column indices `cols` and their mask
-    col_ok broadcast to offsets' shape), and its squares for the norm (0 without
-    ADD_NORM). With ADD_NORM, one pass: rmsnorm's
-    scale is a scalar per row, so the caller applies it to the dot products at the end (no
-    serial norm loop before the weights start streaming)."""
-    raw = tl.load(x_ptr + offsets, mask=mask, other=0.0)
+def _gemv_input(x_ptr, res_ptr, norm_w_ptr, cols, col_ok, ADD_NORM: tl.constexpr):
+    """The input columns `cols` in fp32, and their squares for the norm (0 without ADD_NORM).
+    With ADD_NORM, one pass: rmsnorm's scale is a scalar, so the caller applies it to the
+    dot products at the end (no serial norm loop before the weights start streaming)."""
+    raw = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
     x = raw.to(tl.float32)
-    squares = tl.zeros(offsets.shape, dtype=tl.float32)
+    squares = tl.zeros(cols.shape, dtype=tl.float32)
     if ADD_NORM:
-        summed = (raw + tl.load(res_ptr + offsets, mask=mask, other=0.0)).to(tl.float32)  # rounds like torch's add
+        summed = (raw + tl.load(res_ptr + cols, mask=col_ok, other=0.0)).to(tl.float32)  # rounds like torch's add
         squares = summed * summed
         x = tl.load(norm_w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) * summed
     return x, squares
 
 
 @triton.jit
-def rope_epilogue(first, second, rows, row_ok, lanes, lane_ok, q_ptr, cos_ptr, sin_ptr, positions_ptr, slots_ptr,
-                  k_buf_ptr, v_buf_ptr, num_q_heads, num_kv_heads, HALF: tl.constexpr):
-    """Token `rows[i]`'s lane (head h, dim d) holds qkv[h, d] and qkv[h, d + HALF] (first,
-    second: (rows, lanes)): rotate q and k heads as fused_ops.rope_and_store does, then
-    write q heads to the token's row of q_ptr, k and v heads to its slot in the pool."""
-    head = (lanes // HALF)[None, :]
-    dim = (lanes % HALF)[None, :]
-    position = tl.load(positions_ptr + rows, mask=row_ok, other=0).to(tl.int64)[:, None]
+def _rope_epilogue(first, second, lanes, lane_ok, q_ptr, cos_ptr, sin_ptr, positions_ptr, slots_ptr,
+                   k_buf_ptr, v_buf_ptr, num_q_heads, num_kv_heads, HALF: tl.constexpr):
+    """Lane (head h, dim d) holds qkv[h, d] and qkv[h, d + HALF]: rotate q and k heads as
+    fused_ops.rope_and_store does, then write q heads to q_ptr, k and v heads to the pool."""
+    head = lanes // HALF
+    dim = lanes % HALF
+    position = tl.load(positions_ptr).to(tl.int64)
     cos = tl.load(cos_ptr + position * HALF + dim)
     sin = tl.load(sin_ptr + position * HALF + dim)
     is_q = head < num_q_heads
     is_v = head >= num_q_heads + num_kv_heads
     is_k = ~is_q & ~is_v
-    ok = row_ok[:, None] & lane_ok[None, :]
     rotated_first = tl.where(is_v, first, first * cos - second * sin)
     rotated_second = tl.where(is_v, second, second * cos + first * sin)
-    q_dest = q_ptr + rows.to(tl.int64)[:, None] * (num_q_heads * 2 * HALF) + head * (2 * HALF) + dim
-    tl.store(q_dest, rotated_first.to(q_ptr.dtype.element_ty), mask=ok & is_q)
-    tl.store(q_dest + HALF, rotated_second.to(q_ptr.dtype.element_ty), mask=ok & is_q)
+    q_dest = q_ptr + head * (2 * HALF) + dim
+    tl.store(q_dest, rotated_first.to(q_ptr.dtype.element_ty), mask=lane_ok & is_q)
+    tl.store(q_dest + HALF, rotated_second.to(q_ptr.dtype.element_ty), mask=lane_ok & is_q)
     kv_head = tl.where(is_v, head - num_q_heads - num_kv_heads, head - num_q_heads)
-    slot = tl.load(slots_ptr + rows, mask=row_ok, other=0).to(tl.int64)[:, None]
+    slot = tl.load(slots_ptr).to(tl.int64)
     offset = (slot * num_kv_heads + kv_head) * (2 * HALF) + dim
-    tl.store(k_buf_ptr + offset, rotated_first.to(k_buf_ptr.dtype.element_ty), mask=ok & is_k)
-    tl.store(k_buf_ptr + offset + HALF, rotated_second.to(k_buf_ptr.dtype.element_ty), mask=ok & is_k)
-    tl.store(v_buf_ptr + offset, rotated_first.to(v_buf_ptr.dtype.element_ty), mask=ok & is_v)
-    tl.store(v_buf_ptr + offset + HALF, rotated_second.to(v_buf_ptr.dtype.element_ty), mask=ok & is_v)
+    tl.store(k_buf_ptr + offset, rotated_first.to(k_buf_ptr.dtype.element_ty), mask=lane_ok & is_k)
+    tl.store(k_buf_ptr + offset + HALF, rotated_second.to(k_buf_ptr.dtype.element_ty), mask=lane_ok & is_k)
+    tl.store(v_buf_ptr + offset, rotated_first.to(v_buf_ptr.dtype.element_ty), mask=lane_ok & is_v)
+    tl.store(v_buf_ptr + offset + HALF, rotated_second.to(v_buf_ptr.dtype.element_ty), mask=lane_ok & is_v)
 
 
 @dataclass(frozen=True)
@@ -217,8 +219,7 @@ def prefetch_columns(k: int, rows: int, warps: int) -> int:
 
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
               add_norm: AddNorm | None = None, rope: RopeStore | None = None):
-    """The unfused torch computation gemv (and gemm_rows, for several rows) replaces (same
-    return convention)."""
+    """The unfused torch computation gemv replaces (same return convention)."""
     from specserve.model.rope import rotate_half
     residual_out = None
     if add_norm is not None:
@@ -232,9 +233,105 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
         y = F.silu(gate) * up
     if rope is not None:
         num_q, num_kv, head_dim = rope.heads
-        q, k, v = y.view(len(y), num_q + 2 * num_kv, head_dim).split([num_q, num_kv, num_kv], dim=1)
-        cos, sin = rope.cos[rope.positions].unsqueeze(1), rope.sin[rope.positions].unsqueeze(1)
-        rope.k_buffer[rope.slots] = rotate_half(k, cos, sin)
-        rope.v_buffer[rope.slots] = v
-        y = rotate_half(q, cos, sin).reshape(len(y), -1)
+        q, k, v = y.view(num_q + 2 * num_kv, head_dim).split([num_q, num_kv, num_kv])
+        cos, sin = rope.cos[rope.positions], rope.sin[rope.positions]
+        rope.k_buffer[rope.slots] = rotate_half(k, cos, sin).unsqueeze(0)
+        rope.v_buffer[rope.slots] = v.unsqueeze(0)
+        y = rotate_half(q, cos, sin).reshape(1, -1)
     return y if add_norm is None else (y, residual_out)
+
+
+def one_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   silu_mul: bool = False, add_norm: AddNorm | None = None, rope: RopeStore | None = None):
+    """x @ W^T (+ bias) (then silu_mul or rope) for one CUDA row, by the fastest measured
+    path; with add_norm the input is normalised first and (output, residual + x) is returned."""
+    config = best_config(tuple(weight.shape), weight.dtype, bias is not None, silu_mul, add_norm is not None,
+                         rope.heads if rope is not None else None, weight.device)
+    if config is None:
+        return _unfused(x, weight, bias, silu_mul, add_norm, rope)
+    return gemv(x, weight, bias, silu_mul, config, add_norm, rope)
+
+
+@functools.lru_cache(maxsize=None)
+def best_config(shape: tuple[int, int], dtype: torch.dtype, has_bias: bool, silu_mul: bool, add_norm: bool,
+                rope_heads: tuple[int, int, int] | None, device: torch.device) -> tuple[int, int, int, int] | None:
+    """The fastest GEMV tile config for this weight shape, or None when cuBLAS is faster."""
+    times = candidate_times(shape, dtype, has_bias, silu_mul, add_norm, device, rope_heads)
+    logger.info("one-row matmul %s%s%s%s: %s", shape, " + add_norm" if add_norm else "",
+                " + silu_mul" if silu_mul else "", " + rope" if rope_heads else "",
+                ", ".join(f"{'cublas' if k is None else k} {v:.1f} us" for k, v in times.items()))
+    return min(times, key=times.get)
+
+
+def candidate_times(shape: tuple[int, int], dtype: torch.dtype, has_bias: bool, silu_mul: bool, add_norm: bool,
+                    device: torch.device, rope_heads: tuple[int, int, int] | None = None) -> dict:
+    """GPU microseconds per call of cuBLAS (key None) and of each GEMV config.
+
+    Timed over enough weight copies to overflow the L2 cache: in a decode step every
+    weight comes from HBM, and a small matrix re-read from L2 would look several times
+    faster than it is (H200: o_proj 2.6 us from L2, ~6 us from HBM)."""
+    l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
+    copies = max(2, min(32, -(-3 * l2_bytes // (shape[0] * shape[1] * torch.finfo(dtype).bits // 8))))
+    weights = [torch.randn(shape, dtype=dtype, device=device) for _ in range(copies)]
+    bias = torch.randn(shape[0], dtype=dtype, device=device) if has_bias else None
+    x = torch.randn((1, shape[1]), dtype=dtype, device=device)
+    norm = AddNorm(torch.randn_like(x), torch.randn(shape[1], dtype=dtype, device=device), 1e-6) if add_norm else None
+    rope = _timing_rope(rope_heads, dtype, device) if rope_heads else None
+    times = {None: graph_time_us([lambda w=w: _unfused(x, w, bias, silu_mul, norm, rope) for w in weights])}
+    for config in CANDIDATES:
+        try:
+            times[config] = graph_time_us([lambda w=w: gemv(x, w, bias, silu_mul, config, norm, rope)
+                                           for w in weights])
+        except Exception as error:  # e.g. a tile that needs more shared memory than this GPU has
+            logger.warning("gemv config %s failed on %s: %s", config, shape, error)
+    return times
+
+
+def _timing_rope(heads: tuple[int, int, int], dtype: torch.dtype, device: torch.device) -> RopeStore:
+    """A small stand-in cache and position for timing the RoPE epilogue."""
+    num_q, num_kv, head_dim = heads
+    table = torch.rand((8, head_dim // 2), dtype=torch.float32, device=device)
+    index = torch.ones(1, dtype=torch.int64, device=device)
+    pool = torch.zeros((4, num_kv, head_dim), dtype=dtype, device=device)
+    return RopeStore(table, table, index, index, pool, pool.clone(), num_q)
+
+
+def _unfused(x, weight, bias, silu_mul: bool, add_norm: AddNorm | None, rope: RopeStore | None = None):
+    """The same result through the other GPU kernels: add+RMSNorm, cuBLAS, silu_mul or
+    rope_and_store (for shapes where cuBLAS wins, and as the baseline the GEMV is timed
+    against)."""
+    from specserve.model import fused_ops
+    residual = None
+    if add_norm is not None:
+        residual = add_norm.residual.clone()  # add_rmsnorm updates it in place; the input stays
+        x = fused_ops.add_rmsnorm(x, add_norm.weight, add_norm.eps, residual=residual)
+    y = F.linear(x, weight, bias)
+    y = fused_ops.silu_mul(y) if silu_mul else y
+    if rope is not None:
+        num_q, num_kv, head_dim = rope.heads
+        q, k, v = y.view(1, num_q + 2 * num_kv, head_dim).split([num_q, num_kv, num_kv], dim=1)
+        fused_ops.rope_and_store(q, k, v, rope.cos, rope.sin, rope.positions, rope.slots, rope.k_buffer, rope.v_buffer)
+        y = q.reshape(1, -1)
+    return y if add_norm is None else (y, residual)
+
+
+def graph_time_us(calls: list, rounds: int = 3) -> float:
+    """Microseconds per call on the GPU, launch cost excluded: the calls are captured in
+    one CUDA graph and replayed `rounds` times."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        calls[0]()  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(rounds):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (rounds * len(calls))

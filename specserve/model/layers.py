@@ -1,5 +1,5 @@
-"""Building blocks of the decoder: RMSNorm, the gated MLP, and the dispatch of few-row
-matmuls to fused_linear.py (rotary embeddings are in rope.py)."""
+"""Building blocks of the decoder: RMSNorm, the gated MLP, and the dispatch of one-row
+matmuls to gemv.py (rotary embeddings are in rope.py)."""
 from __future__ import annotations
 
 import torch
@@ -15,21 +15,21 @@ def fused():
     return fused_ops
 
 
-def fused_linear_ops():
-    """The few-row fused matmul kernels (fused_linear.py), imported on first GPU use like `fused`."""
-    from specserve.model import fused_linear
-    return fused_linear
+def gemv_ops():
+    """The one-row GEMV kernels (gemv.py), imported on first GPU use like `fused`."""
+    from specserve.model import gemv
+    return gemv
 
 
-def takes_fused_kernels(x: torch.Tensor) -> bool:
-    """A few rows on a GPU (a small decode batch or draft tree) go through the fused kernels."""
-    return x.is_cuda and fused_linear_ops().takes_fused_kernels(x)
+def takes_one_row_kernels(x: torch.Tensor) -> bool:
+    """One row on a GPU (a batch-1 decode step) goes through gemv.py's kernels."""
+    return x.is_cuda and x.shape[0] == 1 and gemv_ops().ENABLED
 
 
 def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """layer(x); a few CUDA rows take the fastest measured fused kernel."""
-    if takes_fused_kernels(x):
-        return fused_linear_ops().fused_linear(x, layer.weight, layer.bias)
+    """layer(x); one CUDA row takes the fastest measured GEMV."""
+    if takes_one_row_kernels(x):
+        return gemv_ops().one_row_linear(x, layer.weight, layer.bias)
     return layer(x)
 
 

@@ -7,7 +7,7 @@ from torch import nn
 
 from specserve.attention.base import AttentionBackend, ForwardBatch
 from specserve.model.config import ModelConfig
-from specserve.model.layers import GatedMLP, RMSNorm, fused, fused_linear_ops, linear, takes_fused_kernels
+from specserve.model.layers import GatedMLP, RMSNorm, fused, gemv_ops, linear, takes_one_row_kernels
 from specserve.model.rope import RotaryEmbedding
 
 
@@ -58,9 +58,9 @@ class Attention(nn.Module):
         return linear(self.o_proj, out.reshape(-1, self.q_size))
 
     def rope_store(self, batch: ForwardBatch, rope: RotaryEmbedding):
-        """The qkv kernel epilogue's arguments for this layer (see gemv.RopeStore)."""
+        """The qkv GEMV epilogue's arguments for this layer (see gemv.RopeStore)."""
         pool = batch.kv_pool
-        return fused_linear_ops().RopeStore(rope.cos, rope.sin, batch.positions, batch.out_slots,
+        return gemv_ops().RopeStore(rope.cos, rope.sin, batch.positions, batch.out_slots,
                                     pool.k_buffers[self.layer], pool.v_buffers[self.layer], self.num_heads)
 
 
@@ -74,8 +74,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, residual, batch, backend, rope) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual-stream form: returns (mlp output, residual); the caller adds them."""
-        if takes_fused_kernels(x):
-            return self._forward_fused(x, residual, batch, backend, rope)
+        if takes_one_row_kernels(x):
+            return self._forward_one_row(x, residual, batch, backend, rope)
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
@@ -84,24 +84,24 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
         return self.mlp(h), residual
 
-    def _forward_fused(self, x, residual, batch, backend, rope) -> tuple[torch.Tensor, torch.Tensor]:
-        """A few rows on a GPU (batch-1 decode, a small draft tree or batch): each pre-norm
-        runs inside the matmul that consumes it, and gate, up and SiLU * up are one kernel
-        (a step is a chain of ~5 kernels per layer)."""
+    def _forward_one_row(self, x, residual, batch, backend, rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch-1 decode on a GPU: each pre-norm runs inside the GEMV that consumes it, and
+        gate, up and SiLU * up are one GEMV (a step is a chain of ~5 kernels per layer)."""
         if residual is None:  # the first layer: residual 0 + x is exactly x
             residual = torch.zeros_like(x)
-        ops, attn, mlp, norm = fused_linear_ops(), self.self_attn, self.mlp, self.input_layernorm
-        pre_norm = ops.AddNorm(residual, norm.weight, norm.eps)
+        gemv, attn, mlp, norm = gemv_ops(), self.self_attn, self.mlp, self.input_layernorm
+        pre_norm = gemv.AddNorm(residual, norm.weight, norm.eps)
         qkv_weight, qkv_bias = attn.qkv_proj.weight, attn.qkv_proj.bias
-        if attn.fuses_rope:  # RoPE and the KV write in the qkv kernel's epilogue
-            q, residual = ops.fused_linear(x, qkv_weight, qkv_bias, add_norm=pre_norm, rope=attn.rope_store(batch, rope))
+        if attn.fuses_rope:  # RoPE and the KV write in the qkv GEMV's epilogue
+            q, residual = gemv.one_row_linear(x, qkv_weight, qkv_bias, add_norm=pre_norm,
+                                              rope=attn.rope_store(batch, rope))
             h = attn.attend_stored(q, batch, backend)
         else:
-            qkv, residual = ops.fused_linear(x, qkv_weight, qkv_bias, add_norm=pre_norm)
+            qkv, residual = gemv.one_row_linear(x, qkv_weight, qkv_bias, add_norm=pre_norm)
             h = attn.attend(qkv, batch, backend, rope)
         norm = self.post_attention_layernorm
-        act, residual = ops.fused_linear(h, mlp.gate_up_proj.weight, silu_mul=True,
-                                         add_norm=ops.AddNorm(residual, norm.weight, norm.eps))
+        act, residual = gemv.one_row_linear(h, mlp.gate_up_proj.weight, silu_mul=True,
+                                            add_norm=gemv.AddNorm(residual, norm.weight, norm.eps))
         return linear(mlp.down_proj, act), residual
 
 
@@ -128,12 +128,10 @@ class DecoderLM(nn.Module):
                 capture.keep(index, residual + x)  # a new tensor: the next layer updates residual in place
         if capture is not None and capture.final:
             capture.keep_final(self.norm(residual + x))
-        if takes_fused_kernels(x) and batch.logits_indices.numel():  # the final norm inside the lm_head kernel
-            if batch.logits_indices.numel() != len(x):  # e.g. a short prefill: only its last row
-                x, residual = x[batch.logits_indices], residual[batch.logits_indices]
+        if takes_one_row_kernels(x) and batch.logits_indices.numel() == 1:  # the final norm inside the lm_head GEMV
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-            final_norm = fused_linear_ops().AddNorm(residual, self.norm.weight, self.norm.eps)
-            return fused_linear_ops().fused_linear(x, weight, add_norm=final_norm)[0].float()
+            final_norm = gemv_ops().AddNorm(residual, self.norm.weight, self.norm.eps)
+            return gemv_ops().one_row_linear(x, weight, add_norm=final_norm)[0].float()
         x = self.norm((residual + x)[batch.logits_indices])
         if self.lm_head is not None:  # untied, or a CPU layer sharing the tied weight (cpu_linear.py)
             return self.lm_head(x).float()
