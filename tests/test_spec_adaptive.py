@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 
-from specserve.speculative.adaptive import REFRESH_EVERY, SWITCH_MARGIN, AdaptiveDraftLength, tiers_for
+from specserve.speculative.adaptive import (
+    GUARD_STEPS, MAX_PLAIN_HOLD, PLAIN_HOLD, REFRESH_EVERY, SWITCH_MARGIN, AdaptiveDraftLength, tiers_for)
 from specserve.speculative.tree import DraftTrees, TreeProposal
 
 from tests.spec_fixtures import CODE_PROMPT, SmolEngines, ngram_args, wait_until_all_kv_is_free
@@ -104,9 +105,71 @@ def test_while_plain_wins_the_bucket_decodes_plainly_until_a_probe_says_drafts_p
         for _ in range(10):
             propose(adaptive, rid, chain)
             adaptive.observe(rid, [1, 2, 3, 8])
+    adaptive.probe(8, batch[:2], [4, 4])               # held plain for PLAIN_HOLD steps after the episode
+    assert not adaptive.would_draft(8)
+    hold_out(adaptive, 8)
     adaptive.probe(8, batch[:2], [4, 4])               # a sample of the batch speaks for it
-    assert adaptive.should_draft(8)
+    assert switches(adaptive, 8)
     assert adaptive.choose(batch, [4] * len(batch)) == 4
+
+
+def hold_out(adaptive: AdaptiveDraftLength, batch_size: int, steps: int = PLAIN_HOLD,
+             seconds: float = 0.05) -> None:
+    """Plain steps of the bucket, one token per request each, until its hold has passed."""
+    for _ in range(steps):
+        adaptive.record_step(batch_size, 1, seconds, tokens=batch_size)
+
+
+def switches(adaptive: AdaptiveDraftLength, batch_size: int) -> bool:
+    """After a probe asked to draft: the step already launched ahead decodes plainly and
+    no further one is launched; the step after it drafts."""
+    return (not adaptive.should_draft(batch_size) and adaptive.would_draft(batch_size)
+            and adaptive.should_draft(batch_size))
+
+
+def test_a_probe_switch_waits_for_the_step_launched_ahead():
+    """The engine asks should_draft at a step's start and would_draft before launching the
+    next step ahead: a switch must not throw away a step already launched."""
+    adaptive = AdaptiveDraftLength([1, 4])
+    measured(adaptive, {1: 0.05, 4: 0.06})
+    adaptive._plain.add(1)
+    adaptive.probe(1, ["r"], [4])                      # the prior: every draft node accepted
+    assert not adaptive.should_draft(1)                # this step runs the one launched ahead
+    assert adaptive.would_draft(1)                     # ... and launches none after it
+    assert adaptive.should_draft(1)                    # the next step drafts
+
+
+def test_a_drafting_episode_below_the_plain_rate_is_stopped_and_the_hold_doubles():
+    """Whatever the model expects, drafting that commits fewer tokens per second than
+    plain decoding did is stopped after GUARD_STEPS steps; each lost episode keeps the
+    bucket plain twice as long (up to MAX_PLAIN_HOLD); a won episode resets the hold."""
+    adaptive = AdaptiveDraftLength([1, 4])
+    measured(adaptive, {1: 0.05, 4: 0.06})             # the prior expects 4 tokens per 0.06 s: draft
+    adaptive._plain.add(1)
+    hold_out(adaptive, 1)                              # plain: 20 tokens/s realized
+    holds = []
+    for _ in range(8):
+        adaptive.probe(1, ["r"], [4])
+        assert switches(adaptive, 1)
+        for step in range(GUARD_STEPS):                # drafting realizes 1.1 tokens per 0.06 s
+            assert adaptive.should_draft(1), step
+            adaptive.record_step(1, 4, 0.06, tokens=1)
+        assert not adaptive.should_draft(1)
+        holds.append(adaptive._hold[1])
+        adaptive.probe(1, ["r"], [4])
+        assert not adaptive.would_draft(1)             # held
+        hold_out(adaptive, 1, holds[-1])
+    assert holds == [min(PLAIN_HOLD * 2 ** i, MAX_PLAIN_HOLD) for i in range(1, 9)]
+    adaptive.probe(1, ["r"], [4])
+    assert switches(adaptive, 1)
+    for _ in range(3):                                 # this time drafting pays: 3 tokens per 0.06 s
+        adaptive.record_step(1, 4, 0.06, tokens=3)
+    chain = ([9, 1, 2, 3], [-1, 0, 1, 2])
+    for _ in range(20):                                # evidence that drafts miss: the model goes plain
+        propose(adaptive, "r", chain)
+        adaptive.observe("r", [7])
+    assert adaptive.choose(["r"], [4]) == 1
+    assert adaptive._hold[1] == PLAIN_HOLD             # the episode won: back to the short hold
 
 
 def test_a_probe_switches_back_only_with_a_margin():
@@ -122,7 +185,7 @@ def test_a_probe_switches_back_only_with_a_margin():
     rate_4 = adaptive.expected_tokens("r", 4) / 0.090
     assert 1 / 0.05 < rate_4 < SWITCH_MARGIN / 0.05
     adaptive.probe(1, ["r"], [4])
-    assert not adaptive.should_draft(1)
+    assert not adaptive.would_draft(1) and not adaptive.should_draft(1)
 
 
 def test_evidence_classes_tell_weak_matches_from_strong_ones():

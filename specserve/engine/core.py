@@ -130,9 +130,10 @@ class EngineCore:
         self._commit_kv(reqs, sampled, _split(slots, num_nodes), table_written)
         outputs = [self._commit(req, sampled, i) for i, req in enumerate(reqs)]
         if self.adaptive is not None:
-            self.adaptive.record_step(len(reqs), proposal.num_slots, time.perf_counter() - start)
             if not draft:
-                self._probe(reqs)
+                self._probe(reqs)  # its host time is part of what plain steps cost
+            self.adaptive.record_step(len(reqs), proposal.num_slots, time.perf_counter() - start,
+                                      _committed(outputs))
         return outputs
 
     def _verify(self, reqs: list[Req], proposal: TreeProposal, slots: list[int]) -> tuple[SampledStep, bool]:
@@ -173,8 +174,8 @@ class EngineCore:
         if any(out.finished for out in outputs):
             self.overlap.drop()  # computed for a batch that no longer exists
         if self.adaptive is not None:
-            self.adaptive.record_step(len(reqs), 1, time.perf_counter() - start)
             self._probe(reqs)  # while the GPU runs the step launched ahead
+            self.adaptive.record_step(len(reqs), 1, time.perf_counter() - start, _committed(outputs))
         return outputs
 
     def _probe(self, reqs: list[Req]) -> None:
@@ -300,6 +301,10 @@ class EngineCore:
             self.drafter.release(req)
         if self.adaptive is not None:
             self.adaptive.release(req.rid)
+
+
+def _committed(outputs: list[StepOutput]) -> int:
+    return sum(len(out.new_token_ids) for out in outputs)
 
 
 def _split(items: list[int], counts: list[int]) -> list[list[int]]:

@@ -27,6 +27,16 @@ while the GPU runs the next step, the engine proposes for up to PROBE_REQUESTS r
 the batch as shadows only (`probe`): no verify is paid for, yet the evidence keeps coming,
 and the bucket switches back to drafting as soon as a tier above 1 is expected to win.
 
+The model above can be wrong (a class's history may not transfer to new text, a probe sees
+a sample), so measured outcomes have the last word: the engine reports the tokens every
+step committed, a bucket keeps the realized rate (tokens per second) of its plain steps,
+and each drafting episode (from a switch to drafting until the next switch back) is
+compared with it. An episode that falls below GUARD_RATIO of the plain rate after
+GUARD_STEPS steps is stopped; an episode that lost doubles how long the bucket then stays
+plain before probes may switch it again (PLAIN_HOLD .. MAX_PLAIN_HOLD steps); one that won
+resets it. A probe's switch waits for the step already launched ahead to finish instead
+of throwing it away.
+
 Cutting a tree to its first t nodes keeps a valid tree (parents come before children),
 and the tiers are sizes the CUDA graphs were captured for, so replay stays valid.
 """
@@ -45,6 +55,22 @@ PROBE_REQUESTS = 16    # proposals per plain step (host time, hidden behind the 
 # a switch costs a step that is not launched ahead, and a probe sees only a sample, so
 # without a margin the two modes can alternate step by step
 SWITCH_MARGIN = 1.15
+REALIZED_EMA = 0.1     # realized plain-mode rate: a smooth reference for the episodes
+GUARD_STEPS = 8        # a drafting episode is judged on its realized rate after this many steps
+GUARD_RATIO = 0.97     # ... and stopped below this fraction of the plain rate
+PLAIN_HOLD = 16        # steps a bucket stays plain after a drafting episode that won (or its first)
+MAX_PLAIN_HOLD = 1024  # after episodes that lost the hold doubles, up to this
+
+
+@dataclass
+class _Episode:
+    """A bucket's drafting run since it last switched to drafting."""
+    tokens: int = 0
+    seconds: float = 0.0
+    steps: int = 0
+
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 @dataclass
@@ -63,6 +89,11 @@ class AdaptiveDraftLength:
         self._measured_at: dict[tuple[int, int], int] = {}  # the bucket's step count at the last measurement
         self._bucket_steps: dict[int, int] = {}
         self._plain: set[int] = set()                       # buckets in plain mode
+        self._switching: dict[int, bool] = {}               # bucket -> a probe's switch waits (True: next step)
+        self._hold: dict[int, int] = {}                     # bucket -> steps to stay plain after an episode
+        self._plain_until: dict[int, int] = {}              # bucket -> step count before which probes wait
+        self._plain_rate: dict[int, float] = {}             # bucket -> realized tokens/s of plain steps
+        self._episodes: dict[int, _Episode] = {}            # bucket -> its current drafting episode
         self._probe_offset = 0                              # rotates the requests a probe drafts for
         self._prior = {t: float(t) for t in self.tiers}  # before any evidence: every draft node accepted
         self._expected: dict[str, dict[int, float]] = {}    # per request
@@ -72,12 +103,26 @@ class AdaptiveDraftLength:
 
     # --- the choice ---
     def should_draft(self, batch_size: int) -> bool:
-        """Whether this step drafts: False while its bucket is in plain mode."""
-        return _bucket(batch_size) not in self._plain
+        """Whether this step drafts: False while its bucket is in plain mode. A switch a
+        probe asked for takes effect the step after next (see would_draft)."""
+        bucket = _bucket(batch_size)
+        if bucket in self._switching:
+            if not self._switching[bucket]:
+                self._switching[bucket] = True   # this step still decodes plainly (e.g. one launched ahead)
+                return False
+            del self._switching[bucket]
+            self._plain.discard(bucket)
+            self._episodes[bucket] = _Episode()
+        return bucket not in self._plain
 
     def would_draft(self, batch_size: int) -> bool:
-        """What the next should_draft(batch_size) will answer (it counts nothing)."""
-        return self.should_draft(batch_size)
+        """Whether the step after this one may draft: no plain step is launched ahead then
+        (a step launched ahead and not used is a GPU step thrown away)."""
+        bucket = _bucket(batch_size)
+        if bucket in self._switching:
+            self._switching[bucket] = True
+            return True
+        return bucket not in self._plain
 
     def probe_requests(self, batch_size: int) -> range:
         """Which requests of a plain step to propose for, as shadows (a rotating window)."""
@@ -90,11 +135,13 @@ class AdaptiveDraftLength:
         """After a plain step: the sampled requests' proposals (recorded as shadows) say
         whether drafting is expected to win now; if so the bucket drafts again."""
         bucket = _bucket(batch_size)
-        if max(num_nodes) == 1:
+        if max(num_nodes) == 1 or bucket not in self._plain or bucket in self._switching:
             return
-        best, rates = self._best_tier(bucket, batch_size, rids, num_nodes, keys)
+        if self._bucket_steps.get(bucket, 0) < self._plain_until.get(bucket, 0):
+            return  # held plain after a drafting episode (the shadows still gather evidence)
+        _, best, rates = self._best_tier(bucket, batch_size, rids, num_nodes, keys)
         if best > 1 and (not rates or rates[best] >= SWITCH_MARGIN * rates[1]):
-            self._plain.discard(bucket)
+            self._switching[bucket] = False
 
     def choose(self, rids: list[str], num_nodes: list[int], keys: list[int] | None = None) -> int:
         """The tier to verify this drafting step, given each request's proposal size (and
@@ -102,20 +149,32 @@ class AdaptiveDraftLength:
         bucket = _bucket(len(rids))
         if max(num_nodes) == 1:
             return 1  # nothing to verify: says nothing about whether drafting pays
-        choice, _ = self._best_tier(bucket, len(rids), rids, num_nodes, keys, measure=True)
-        if choice == 1:
-            self._plain.add(bucket)
+        choice, best, _ = self._best_tier(bucket, len(rids), rids, num_nodes, keys, measure=True)
+        if best == 1:  # not a re-measurement of tier 1: plain decoding is expected to win
+            self._go_plain(bucket)
         return choice
 
+    def _go_plain(self, bucket: int) -> None:
+        """Ends the bucket's drafting episode; how long it now stays plain depends on
+        whether the episode beat plain decoding's realized rate."""
+        episode = self._episodes.pop(bucket, _Episode())
+        plain_rate = self._plain_rate.get(bucket)
+        hold = self._hold.get(bucket, PLAIN_HOLD)
+        lost = plain_rate is not None and episode.rate() < plain_rate
+        self._hold[bucket] = min(2 * hold, MAX_PLAIN_HOLD) if lost else PLAIN_HOLD
+        self._plain_until[bucket] = self._bucket_steps.get(bucket, 0) + self._hold[bucket]
+        self._plain.add(bucket)
+
     def _best_tier(self, bucket: int, batch_size: int, rids: list[str], num_nodes: list[int],
-                   keys: list[int] | None, measure: bool = False) -> tuple[int, dict[int, float]]:
-        """The tier of the highest expected rate, and the rates (tokens per second) of every
-        useful tier; a tier not priced at this bucket yet (and, with `measure`, now and then
-        the stalest contender) is chosen to be priced, with no rates."""
+                   keys: list[int] | None, measure: bool = False) -> tuple[int, int, dict[int, float]]:
+        """(the tier to run, the tier of the highest expected rate, the rates (tokens per
+        second) of every useful tier). The tier to run is the best one, except that a tier
+        not priced at this bucket yet (and, with `measure`, now and then the stalest
+        contender) is run to be priced; while tiers are unpriced there are no rates."""
         tiers = self._useful_tiers(max(num_nodes))
         unpriced = [t for t in tiers if (bucket, t) not in self._cost]
         if unpriced:  # each tier is priced once per bucket, cheapest first
-            return unpriced[0], {}
+            return unpriced[0], unpriced[0], {}
         scale = batch_size / len(rids)   # a probe sees a sample of the batch
         keys = keys or [None] * len(rids)
         rates = {t: scale * sum(self.expected_tokens(rid, t, key) if n > 1 else 1.0
@@ -125,8 +184,8 @@ class AdaptiveDraftLength:
         steps = self._bucket_steps.get(bucket, 0)
         if measure and steps % REFRESH_EVERY == REFRESH_EVERY - 1:
             contenders = [t for t in tiers if rates[t] >= REFRESH_MARGIN * rates[best]]
-            return min(contenders, key=lambda t: self._measured_at[(bucket, t)]), rates
-        return best, rates
+            return min(contenders, key=lambda t: self._measured_at[(bucket, t)]), best, rates
+        return best, best, rates
 
     def _useful_tiers(self, largest: int) -> list[int]:
         """Tiers up to the first that holds every proposal (larger ones run the same forward)."""
@@ -145,9 +204,10 @@ class AdaptiveDraftLength:
         return self._expected.get(rid, self._prior)[tier]
 
     # --- evidence ---
-    def record_step(self, batch_size: int, tree_size: int, seconds: float) -> None:
+    def record_step(self, batch_size: int, tree_size: int, seconds: float, tokens: int | None = None) -> None:
         """A step whose largest tree had tree_size nodes: it is priced as the smallest tier
-        that holds it (the forward a GPU graph runs for it)."""
+        that holds it (the forward a GPU graph runs for it). `tokens`: what it committed,
+        for the realized rates of the bucket's modes."""
         tier = next((t for t in self.tiers if t >= tree_size), self.tiers[-1])
         bucket = _bucket(batch_size)
         key = (bucket, tier)
@@ -156,6 +216,24 @@ class AdaptiveDraftLength:
         self._bucket_steps[bucket] = self._bucket_steps.get(bucket, 0) + 1
         self._measured_at[key] = self._bucket_steps[bucket]
         self.steps_per_tier[tier] += 1
+        if tokens is not None and seconds > 0:
+            self._record_outcome(bucket, tokens, seconds)
+
+    def _record_outcome(self, bucket: int, tokens: int, seconds: float) -> None:
+        """Plain mode: the reference rate. Drafting: the episode, stopped once it is
+        clearly below the reference."""
+        if bucket in self._plain:
+            old = self._plain_rate.get(bucket)
+            rate = tokens / seconds
+            self._plain_rate[bucket] = rate if old is None else old + REALIZED_EMA * (rate - old)
+            return
+        episode = self._episodes.setdefault(bucket, _Episode())
+        episode.tokens += tokens
+        episode.seconds += seconds
+        episode.steps += 1
+        plain_rate = self._plain_rate.get(bucket)
+        if episode.steps >= GUARD_STEPS and plain_rate is not None and episode.rate() < GUARD_RATIO * plain_rate:
+            self._go_plain(bucket)
 
     def record_proposals(self, rids: list[str], trees: TreeProposal, num_nodes: list[int],
                          keys: list[int] | None = None) -> None:
