@@ -178,7 +178,8 @@ def bench_model(path: str, ns, bandwidth: float, write) -> None:
         count = ns.bs1_prompts if concurrency == 1 else min(ns.num_prompts, max(concurrency * 2, 16))
         for workload, (prompts, warm_prompts) in workloads.items():
             turns = 2 if workload == "sharegpt-repeat" else 1
-            configs = [None] + (SPEC_CONFIGS if concurrency == 1 else CONCURRENT_CONFIGS)
+            configs = [None] + ([DEFAULT_CONFIG] if ns.configs == "default"
+                                else SPEC_CONFIGS if concurrency == 1 else CONCURRENT_CONFIGS)
             for spec in configs:
                 label = config_label(spec)
                 # each configuration warmed on other prompts of this kind (compiles, allocator,
@@ -227,6 +228,8 @@ def main(argv=None) -> None:
     parser.add_argument("--bs1-prompts", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 32, 64])
+    parser.add_argument("--configs", choices=["all", "default"], default="all",
+                        help="NGRAM configurations beside plain: the fixed ones too, or only default flags")
     parser.add_argument("--no-transformers", dest="transformers", action="store_false")
     parser.add_argument("--hf-workloads", nargs="*", default=["code-types", "sharegpt-multiturn"],
                         help="workloads transformers.generate runs (at batch 1)")
