@@ -20,15 +20,8 @@ from tests.server_process import free_port, start_server, stop_server
 from tests.spec_fixtures import make_tiny_directory, plain_greedy_outputs, tiny_engine, truncated_mid_path, \
     wait_until_all_kv_is_free
 from tests.standalone_fixtures import make_noisy_draft, standalone_args, wait_until_draft_kv_is_free
+from tests.test_spec_kv import PROMPTS
 
-PROMPTS = [
-    [5, 6, 7, 8, 9] * 6 + [10, 11],
-    [20, 21, 22, 23] * 5 + [20, 21],
-    list(range(30, 60)) + list(range(30, 42)),
-    [100, 101, 102, 103, 104, 105] * 3 + [7],
-    [40, 41, 40, 42, 40, 43, 40, 41],
-    [200, 201, 202] * 8,
-]
 GREEDY = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
 
 
@@ -81,6 +74,17 @@ def test_the_target_as_its_own_draft_accepts_every_draft(target_dir, plain_outpu
         # 40 tokens: the prefill's, nine chains of 3 drafts + a bonus, and a last step cut to 3 tokens
         assert all(o["meta_info"]["spec_accept_histogram"] == {4: 9, 3: 1} for o in outputs)
         wait_until_draft_kv_is_free(engine)
+
+
+def test_the_adaptive_draft_length_keeps_the_output(target_dir, noisy_draft, plain_outputs):
+    """Steps cut the chain to a tier, plain steps run between drafted ones and probe now and
+    then: the draft caches lag and catch up; output and accounting stay exact."""
+    with tiny_engine(target_dir, **standalone_args(noisy_draft, 4, adaptive=True)) as engine:
+        for _ in range(2):
+            outputs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+            assert [o["output_ids"] for o in outputs] == plain_outputs
+        wait_until_draft_kv_is_free(engine)
+        wait_until_all_kv_is_free(engine)
 
 
 def test_a_draft_model_of_another_architecture(target_dir, plain_outputs, tmp_path):

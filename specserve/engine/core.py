@@ -50,6 +50,7 @@ class EngineCore:
         self.requests: dict[str, Req] = {}
         self.last_batch_reqs: list[Req] = []   # the requests of the step in flight, failed together if it raises
         scheduler.preempt_listeners.append(self._preempted)
+        self._plain_steps_unprobed = 0   # plain steps since the adaptive policy's last probe
 
     # --- public surface ---
     def add_request(self, req: Req) -> None:
@@ -180,7 +181,12 @@ class EngineCore:
 
     def _probe(self, reqs: list[Req]) -> None:
         """A plain step's look at whether drafting would pay now: proposals for a few of its
-        requests, kept as the adaptive policy's shadows only (nothing is verified)."""
+        requests, kept as the adaptive policy's shadows only (nothing is verified); every
+        `drafter.probe_every`-th plain step (a model drafter pays a draft forward for it)."""
+        self._plain_steps_unprobed += 1
+        if self._plain_steps_unprobed < self.drafter.probe_every:
+            return
+        self._plain_steps_unprobed = 0
         window = self.adaptive.probe_requests(len(reqs))   # at most the batch: no request twice
         sample = [reqs[i % len(reqs)] for i in window if not reqs[i % len(reqs)].finished]
         if not sample:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from typing import Callable, TypeVar
 
 import torch
 
@@ -25,11 +26,28 @@ from specserve.runner.tree_step import TreeStepInputs, TreeStepOutputs, forward_
 from specserve.speculative.tree import TreeProposal
 
 logger = logging.getLogger("specserve")
+T = TypeVar("T")
 
 
 def batch_size_buckets(max_bs: int) -> list[int]:
     small = [1, 2, 4, 8]
     return sorted({b for b in small if b <= max_bs} | set(range(16, max_bs + 1, 16)) | {max_bs})
+
+
+def capture_graph(run: Callable[[], T], memory_pool) -> tuple[torch.cuda.CUDAGraph, T]:
+    """`run` captured in a CUDA graph (sharing `memory_pool`, None for a new one), after two
+    runs on a side stream: autotuning and lazy initialisation stay out of the graph.
+    Returns the graph and what the captured run returned (its outputs live in the graph's memory)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=memory_pool):
+        output = run()
+    return graph, output
 
 
 class CudaGraphRunner:
@@ -67,19 +85,12 @@ class CudaGraphRunner:
         inputs.num_nodes.fill_(1)
         inputs.parents.fill_(-1)
         inputs.req_rows.fill_(self.pool.scratch_row)
-        run = lambda: forward_tree(self.model, self.backend, self.pool, inputs, self.backend.plan_for_capture)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up: autotuning and lazy initialisation stay out of the graph
-                run()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.memory_pool):
-            self.outputs[key] = run()  # the metadata is planned inside: every replay re-derives it
+        # the metadata is planned inside: every replay re-derives it
+        self.graphs[key], self.outputs[key] = capture_graph(
+            lambda: forward_tree(self.model, self.backend, self.pool, inputs, self.backend.plan_for_capture),
+            self.memory_pool)
         if self.memory_pool is None:
-            self.memory_pool = graph.pool()
-        self.graphs[key] = graph
+            self.memory_pool = self.graphs[key].pool()
 
     @torch.inference_mode()
     def replay(self, proposal: TreeProposal, node_slots: list[int], req_rows: list[int], kv_lens: list[int],

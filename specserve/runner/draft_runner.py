@@ -23,7 +23,7 @@ from specserve.kv.pool import KVPool
 from specserve.model.config import ModelConfig
 from specserve.model.llama import DecoderLM
 from specserve.model.loader import load_checkpoint, resolve_model_path
-from specserve.runner.cuda_graph import batch_size_buckets
+from specserve.runner.cuda_graph import batch_size_buckets, capture_graph
 from specserve.runner.draft_chain import ChainInputs, ChainRow, run_chain
 from specserve.runner.model_runner import build_model
 
@@ -141,20 +141,12 @@ class DraftChainGraphs:
     def _capture(self, bs: int, sample: bool) -> None:
         runner, inputs = self.runner, self.device_inputs[bs]
         inputs.req_rows.fill_(runner.pool.scratch_row)
-        run = lambda: run_chain(runner.model, runner.backend, runner.pool, inputs,  # noqa: E731
-                                runner.backend.plan_for_capture, self.probs if sample else None)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up: autotuning and lazy initialisation stay out of the graph
-                run()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.memory_pool):
-            self.drafts[bs, sample] = run()
+        self.graphs[bs, sample], self.drafts[bs, sample] = capture_graph(
+            lambda: run_chain(runner.model, runner.backend, runner.pool, inputs, runner.backend.plan_for_capture,
+                              self.probs if sample else None),
+            self.memory_pool)
         if self.memory_pool is None:
-            self.memory_pool = graph.pool()
-        self.graphs[bs, sample] = graph
+            self.memory_pool = self.graphs[bs, sample].pool()
 
     def replay(self, rows: list[ChainRow], sample: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Outputs are views of graph memory, valid until the next chain replays."""

