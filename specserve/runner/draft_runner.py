@@ -42,6 +42,9 @@ def load_draft_model(args: ServerArgs, target: ModelConfig, device: torch.device
         raise ArgumentError(f"speculative_draft_model_path: the draft model's vocabulary has {config.vocab_size} "
                             f"tokens, the target's {target.vocab_size}; a draft model must share the target's tokenizer")
     model = build_model(config, checkpoint.state_dict, device, dtype, chain_context(context_length, args.speculative_steps))
+    del checkpoint
+    if device.type == "cuda":
+        torch.cuda.empty_cache()   # the loaded copy's blocks: the target's KV budget reads free memory next
     logger.info("loaded draft model %s (%d layers, %.0fM parameters) in %.1f s", path, config.num_layers,
                 sum(p.numel() for p in model.parameters()) / 1e6, time.perf_counter() - start)
     return model
