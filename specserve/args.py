@@ -19,10 +19,12 @@ from dataclasses import dataclass, field, fields
 from specserve import sglang_compat
 from specserve.errors import ArgumentError, NotSupportedError, UnknownArgumentError, did_you_mean
 
-SPECULATIVE_ALGORITHMS = ("NGRAM", "LOOKAHEAD", "STANDALONE")
+SPECULATIVE_ALGORITHMS = ("NGRAM", "LOOKAHEAD", "STANDALONE", "EAGLE", "EAGLE3")
 # Algorithms SGLang has that later work adds; naming one is a clear NotSupportedError.
-PLANNED_SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NAIVE_EAGLE")
-CHAIN_ALGORITHMS = ("STANDALONE",)   # draft a chain of speculative_num_steps tokens per step
+PLANNED_SPECULATIVE_ALGORITHMS = ("NAIVE_EAGLE",)
+# draft with a model (a draft model, an EAGLE head) at speculative_draft_model_path: a chain
+# of speculative_num_steps tokens per step
+MODEL_ALGORITHMS = ("STANDALONE", "EAGLE", "EAGLE3")
 DEFAULT_NUM_STEPS = 3                # SGLang's choice when --speculative-num-steps is not given
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp32", "fp16")
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton")
@@ -79,19 +81,20 @@ class ServerArgs:
     cuda_graph_max_bs: int | None = _kernels(None, "largest batch captured in a CUDA graph")
     tp_size: int = _kernels(1, "tensor parallelism: only 1 (one device) is supported")
     # --- speculative decoding ---
-    speculative_algorithm: str | None = _spec(None, "NGRAM (alias LOOKAHEAD) or STANDALONE (a draft model); "
-                                                    "EAGLE, EAGLE3 and NAIVE_EAGLE are not implemented yet")
-    speculative_num_draft_tokens: int = _spec(8, "tree nodes per verify step, the root included (STANDALONE's "
-                                                 "chain: speculative_num_steps + 1)")
+    speculative_algorithm: str | None = _spec(None, "NGRAM (alias LOOKAHEAD), STANDALONE (a draft model), EAGLE "
+                                                    "(an EAGLE-2 head) or EAGLE3; NAIVE_EAGLE is not implemented yet")
+    speculative_num_draft_tokens: int = _spec(8, "tree nodes per verify step, the root included (a chain "
+                                                 "of STANDALONE / EAGLE: speculative_num_steps + 1)")
     speculative_one_branch: bool = _spec(False, "draft a single chain instead of a tree")
     speculative_disable_adaptive: bool = _spec(False, "verify speculative_num_draft_tokens nodes every step, as "
                                                       "SGLang does (by default each step picks the draft size, down to "
                                                       "plain decoding, from measured acceptance and step cost)")
-    speculative_num_steps: int | None = _spec(None, f"STANDALONE: tokens the draft model drafts per step, "
-                                                    f"a chain (default {DEFAULT_NUM_STEPS})")
-    speculative_eagle_topk: int | None = _spec(None, f"EAGLE branching; {_NOT_YET}")
-    speculative_draft_model_path: str | None = _spec(None, "STANDALONE's draft model (HF id, HF directory or "
-                                                           ".gguf): a smaller model with the target's tokenizer")
+    speculative_num_steps: int | None = _spec(None, f"STANDALONE / EAGLE: tokens drafted per step, a chain "
+                                                    f"(default {DEFAULT_NUM_STEPS})")
+    speculative_eagle_topk: int | None = _spec(None, "EAGLE branching: only 1 (a chain) is implemented")
+    speculative_draft_model_path: str | None = _spec(None, "STANDALONE: a smaller model with the target's tokenizer "
+                                                           "(HF id, HF directory or .gguf); EAGLE / EAGLE3: the head's "
+                                                           "directory (SGLang / SpecForge layout)")
     speculative_token_map: str | None = _spec(None, f"FR-Spec hot-token map; {_NOT_YET}")
     speculative_ngram_capacity: int = _spec(10_000_000, "most n-gram trie nodes, shared by all requests "
                                                         "(~160 bytes each, allocated as they fill)")
@@ -142,7 +145,7 @@ class ServerArgs:
                                 f"got {algorithm!r}")
         if self.speculative_num_draft_tokens < 1:
             raise ArgumentError(f"speculative_num_draft_tokens must be >= 1, got {self.speculative_num_draft_tokens}")
-        if self.speculative in CHAIN_ALGORITHMS:
+        if self.speculative in MODEL_ALGORITHMS:
             self._check_draft_model()
             return
         for name in ("speculative_draft_model_path", "speculative_token_map", "speculative_num_steps",
@@ -164,8 +167,8 @@ class ServerArgs:
                                 "speculative_draft_model_path (--speculative-draft-model-path)")
         _check_positive(self, "speculative_num_steps")
         if self.speculative_eagle_topk not in (None, 1):
-            raise NotSupportedError(f"speculative_eagle_topk={self.speculative_eagle_topk}: STANDALONE drafts a "
-                                    "chain (top-k 1); draft trees from a draft model are not implemented")
+            raise NotSupportedError(f"speculative_eagle_topk={self.speculative_eagle_topk}: {self.speculative} "
+                                    "drafts a chain (top-k 1); draft trees from a model are not implemented")
         if self.speculative_token_map is not None:
             raise NotSupportedError("speculative_token_map (FR-Spec) is not implemented")
 
@@ -176,10 +179,10 @@ class ServerArgs:
 
     @property
     def speculative_verify_size(self) -> int:
-        """The most nodes a verify step holds, the root included: the chain of a draft model
+        """The most nodes a verify step holds, the root included: the chain of a model drafter
         (speculative_num_draft_tokens does not apply to it: SGLang also sets it to num_steps + 1
         for top-k 1), or NGRAM's tree."""
-        if self.speculative in CHAIN_ALGORITHMS:
+        if self.speculative in MODEL_ALGORITHMS:
             return self.speculative_steps + 1
         return self.speculative_num_draft_tokens
 

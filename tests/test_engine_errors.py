@@ -159,8 +159,8 @@ BAD_ENGINES = {
     "unknown attention backend": ({"attention_backend": "flash"}, ValueError, "attention_backend"),
     "tensor parallelism": ({"tp_size": 2}, NotImplementedError, "tp_size"),
     "unknown speculative algorithm": ({"speculative_algorithm": "MEDUSA"}, ValueError, "speculative_algorithm"),
-    "EAGLE": ({"speculative_algorithm": "EAGLE"}, NotImplementedError, "EAGLE"),
-    "EAGLE3": ({"speculative_algorithm": "EAGLE3"}, NotImplementedError, "EAGLE3"),
+    "EAGLE without a head": ({"speculative_algorithm": "EAGLE3"}, ValueError, "speculative_draft_model_path"),
+    "NAIVE_EAGLE": ({"speculative_algorithm": "NAIVE_EAGLE"}, NotImplementedError, "NAIVE_EAGLE"),
     "EAGLE draft model": ({"speculative_algorithm": "NGRAM", "speculative_draft_model_path": "x"},
                           NotImplementedError, "speculative_draft_model_path"),
     "non-existent model path": ({"model_path": "/no/such/model.gguf"}, FileNotFoundError, "/no/such/model.gguf"),
@@ -188,6 +188,6 @@ def test_server_args_reject_the_same_values_directly():
     """ServerArgs (what the CLI builds) validates on construction too, not only Engine."""
     with pytest.raises(ValueError, match="mem_fraction_static"):
         ServerArgs(mem_fraction_static=2.0)
-    with pytest.raises(NotImplementedError, match="(?i)eagle"):
-        ServerArgs(speculative_algorithm="eagle")
+    with pytest.raises(NotImplementedError, match="(?i)naive_eagle"):
+        ServerArgs(speculative_algorithm="naive_eagle")
     assert ServerArgs(speculative_algorithm="lookahead").speculative == "NGRAM"

@@ -44,7 +44,7 @@ USER_ERRORS = {
     "corrupt GGUF": (["--model-path", "<tmp>/corrupt.gguf"], ["corrupt.gguf", "GGUF"]),
     "not a GGUF file": (["--model-path", "<tmp>/weights.bin"], ["weights.bin", ".gguf"]),
     "hub id offline": (["--model-path", "no-such-org/no-such-model"], ["no-such-org/no-such-model", "hub"]),
-    "EAGLE": (["--speculative-algorithm", "EAGLE"], ["EAGLE", "not implemented"]),
+    "NAIVE_EAGLE": (["--speculative-algorithm", "NAIVE_EAGLE"], ["NAIVE_EAGLE", "not implemented"]),
     "tensor parallelism": (["--tp-size", "2"], ["tp_size", "one device"]),
     "a device that is not there": (["--device", "cuda:99"], ["cuda:99"]),
     "bad device name": (["--device", "gpu"], ["device", "'gpu'"]),
@@ -87,8 +87,8 @@ def test_benchmark_mistakes_are_one_line_before_any_work(capfd):
 
 
 def test_log_level_debug_shows_the_traceback():
-    with pytest.raises(errors.NotSupportedError, match="EAGLE"):
-        run_cli(generate_main, ["--speculative-algorithm", "EAGLE", "--log-level", "debug"])
+    with pytest.raises(errors.NotSupportedError, match="NAIVE_EAGLE"):
+        run_cli(generate_main, ["--speculative-algorithm", "NAIVE_EAGLE", "--log-level", "debug"])
 
 
 def test_a_port_in_use_is_reported_before_the_model_loads(capfd):
@@ -107,9 +107,9 @@ def test_a_port_in_use_is_reported_before_the_model_loads(capfd):
 # ---- the Python API: one type per kind, the CLI's message ----
 def test_the_api_raises_the_cli_message_with_one_type_per_kind(capfd):
     with pytest.raises(errors.NotSupportedError) as api_error:
-        ServerArgs.from_kwargs(speculative_algorithm="EAGLE")
+        ServerArgs.from_kwargs(speculative_algorithm="NAIVE_EAGLE")
     assert isinstance(api_error.value, NotImplementedError)
-    _, lines, _ = cli_error(capfd, generate_main, ["--speculative-algorithm", "EAGLE"])
+    _, lines, _ = cli_error(capfd, generate_main, ["--speculative-algorithm", "NAIVE_EAGLE"])
     assert lines == [f"specserve: error: {api_error.value}"]
     with pytest.raises(errors.ArgumentError) as bad_value:
         ServerArgs.from_kwargs(mem_fraction_static=2.0)
@@ -177,10 +177,10 @@ def test_help_shows_defaults_and_marks_what_is_not_implemented(capsys):
     with pytest.raises(SystemExit):
         generate_main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert ("--speculative-num-draft-tokens INT tree nodes per verify step, the root included (STANDALONE's "
-            "chain: speculative_num_steps + 1) (default: 8)") in text
+    assert ("--speculative-num-draft-tokens INT tree nodes per verify step, the root included (a chain of "
+            "STANDALONE / EAGLE: speculative_num_steps + 1) (default: 8)") in text
     assert f"{CPU_DEFAULT_KV_TOKENS} on a CPU" in text
-    assert "--speculative-eagle-topk INT EAGLE branching; not implemented yet" in text
+    assert "--speculative-token-map STR FR-Spec hot-token map; not implemented yet" in text
     assert "--radix-eviction-policy" in text and "ignored with a warning" in text   # named in the SGLang section only
     assert "--disable-radix-cache recompute every prompt" in text
     assert "--enable-lora" not in text

@@ -23,7 +23,7 @@ from specserve.runner.model_runner import ModelRunner, resolve_device, resolve_d
 from specserve.sampling.sampler import Sampler
 from specserve.speculative.adaptive import AdaptiveDraftLength, tiers_for
 from specserve.speculative.drafter import Drafter
-from specserve.runner.draft_runner import DraftModelRunner, kv_bytes_per_token, load_draft_model
+from specserve.speculative.draft_setup import check_draft_path, prepare_draft
 from specserve.speculative.registry import create_drafter, needs_draft_model
 
 logger = logging.getLogger("specserve")
@@ -50,8 +50,8 @@ def preflight(args: ServerArgs) -> Preflight:
     if args.tokenizer_path is not None:
         check_tokenizer_path(args.tokenizer_path)
     if needs_draft_model(args):
-        resolve_model_path(args.speculative_draft_model_path)   # a wrong path fails before the target loads
-        drafter = None   # made in build_core, once the draft model is loaded
+        check_draft_path(args)   # a wrong path fails before the target loads
+        drafter = None           # made in build_core, once its model is loaded
     else:
         drafter = create_drafter(args)
     return Preflight(model_path, device, resolve_dtype(args.dtype, device), drafter)
@@ -81,23 +81,26 @@ def build_core(args: ServerArgs):
     context_length = args.context_length or config.max_position_embeddings
     logger.info("loaded %s (%d layers, %.0fM parameters) in %.1f s", config.architecture, config.num_layers,
                 sum(w.numel() for w in checkpoint.state_dict.values()) / 1e6, time.perf_counter() - start)
-    draft_model = load_draft_model(args, config, device, dtype, context_length) if needs_draft_model(args) else None
+    draft = prepare_draft(args, config, device, dtype, context_length) if needs_draft_model(args) else None
     start = time.perf_counter()
     logger.info("preparing the runner (kernels, KV cache%s) ...",
                 ", CUDA graphs" if device.type == "cuda" and not args.disable_cuda_graph else "")
     runner = ModelRunner(args, config, checkpoint.state_dict, device, dtype, context_length,
-                         draft_kv_bytes_per_token=kv_bytes_per_token(draft_model, dtype) if draft_model else 0)
+                         draft_kv_bytes_per_token=draft.kv_bytes_per_token if draft else 0,
+                         hidden_capture=draft.hidden_capture if draft else None)
     del checkpoint.state_dict
     logger.info("runner ready in %.1f s", time.perf_counter() - start)
     scheduler = Scheduler(runner.pool, runner.max_running_requests,
                           args.chunked_prefill_size if args.chunked_prefill_size > 0 else context_length,
-                          enable_mixed_chunk=args.enable_mixed_chunk, prefix_cache=not args.disable_radix_cache,
+                          enable_mixed_chunk=args.enable_mixed_chunk,
+                          prefix_cache=not args.disable_radix_cache and not (draft and draft.reads_target_states),
                           schedule_policy=args.schedule_policy)
-    drafter = checked.drafter
-    if draft_model is not None:
-        drafter = create_drafter(args, DraftModelRunner(args, draft_model, runner.pool))
+    drafter = checked.drafter if draft is None else draft.make_drafter(runner)
+    if draft is not None and draft.reads_target_states:
+        logger.info("%s: every step drafts (no adaptive draft length) and prefixes are not cached: "
+                    "the head needs the target's state of every token", args.speculative)
     adaptive = None
-    if drafter is not None and not args.speculative_disable_adaptive:
+    if drafter is not None and not args.speculative_disable_adaptive and not (draft and draft.reads_target_states):
         graph_sizes = runner.graphs.sizes if runner.graphs is not None else None
         adaptive = AdaptiveDraftLength(tiers_for(args.speculative_verify_size, graph_sizes))
     core = EngineCore(runner, scheduler, Sampler(config.vocab_size, device), drafter,

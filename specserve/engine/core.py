@@ -96,14 +96,19 @@ class EngineCore:
     def _run_extend(self, batch: Batch) -> list[StepOutput]:
         slots = self.scheduler.alloc_slots(sum(batch.extend_lens))
         assert slots is not None, "the scheduler reserves the cache a prefill needs"
+        capture = self.runner.hidden_capture.fresh() if self.runner.hidden_capture is not None else None
+        starts = [req.kv_len for req in batch.reqs]
         try:
-            logits = self.runner.extend(batch.reqs, batch.extend_lens, slots, batch.samples)
+            logits = self.runner.extend(batch.reqs, batch.extend_lens, slots, batch.samples, capture)
             if self.drafter is not None:
                 self.drafter.flush(self._gpu_busy())  # e.g. index new prompts while the GPU runs the prefill
         except BaseException:
             self.scheduler.free_slots(slots)  # no request holds them yet
             raise
         self.scheduler.append_kv(batch.reqs, _split(slots, batch.extend_lens))
+        if capture is not None and self.drafter is not None:   # every token's state, request after request
+            self.drafter.observe_hidden(batch.reqs, starts, capture.features(), _split(
+                list(range(sum(batch.extend_lens))), batch.extend_lens))
         sampling = [req for req, samples in zip(batch.reqs, batch.samples) if samples]
         if not sampling:
             return []
@@ -124,10 +129,14 @@ class EngineCore:
             proposal, num_nodes = self._no_drafts(reqs)
             slots = self.scheduler.alloc_slots(len(reqs))
         try:
-            sampled, table_written = self._verify(reqs, proposal, slots)
+            sampled, table_written, hidden = self._verify(reqs, proposal, slots)
         except BaseException:
             self.scheduler.free_slots(slots)  # no request holds them until commit
             raise
+        if hidden is not None and self.drafter is not None:   # the states of the accepted nodes
+            n = proposal.num_slots
+            self.drafter.observe_hidden(reqs, [r.kv_len for r in reqs], hidden.reshape(len(reqs) * n, -1),
+                                        [[i * n + node for node in nodes] for i, nodes in enumerate(sampled.accepted_nodes)])
         self._commit_kv(reqs, sampled, _split(slots, num_nodes), table_written)
         outputs = [self._commit(req, sampled, i) for i, req in enumerate(reqs)]
         if self.adaptive is not None:
@@ -137,11 +146,13 @@ class EngineCore:
                                       _committed(outputs))
         return outputs
 
-    def _verify(self, reqs: list[Req], proposal: TreeProposal, slots: list[int]) -> tuple[SampledStep, bool]:
+    def _verify(self, reqs: list[Req], proposal: TreeProposal,
+                slots: list[int]) -> tuple[SampledStep, bool, torch.Tensor | None]:
         """Runs the step's forward and decides what each request commits. Greedy trees are
         verified on the device, which also writes the accepted slots into the KV table
         (returned True): one copy of the outcome comes back. Other steps go through the
-        sampler (penalties, sampling, logprobs)."""
+        sampler (penalties, sampling, logprobs). Also returns the nodes' hidden states
+        (bs, n, features) when the runner keeps them (an EAGLE drafter reads them)."""
         greedy = proposal.num_slots > 1 and self.sampler.argmax_is_enough(reqs)
         if not greedy:  # the sampler's tensors are sent before the forward: a copy after it would wait for it
             host_trees = proposal.trees()
@@ -152,8 +163,8 @@ class EngineCore:
             self.drafter.flush(self._gpu_busy())  # host work while the GPU computes the step
         if greedy:
             parsed = GreedyOutcome.parse(outcome.wait())
-            return SampledStep(parsed.tokens, parsed.accepted_nodes, None, None), True
-        return self.sampler.sample(step.logits, host_trees, reqs, prepared), False
+            return SampledStep(parsed.tokens, parsed.accepted_nodes, None, None), True, step.hidden
+        return self.sampler.sample(step.logits, host_trees, reqs, prepared), False, step.hidden
 
     # --- plain greedy decoding, one step ahead (overlap.py) ---
     def _run_decode_ahead(self, reqs: list[Req], start: float) -> list[StepOutput]:

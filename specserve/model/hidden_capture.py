@@ -28,6 +28,14 @@ class HiddenCapture:
     layer_states: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (num_rows, hidden)
     final_state: torch.Tensor | None = None                                # (num_rows, hidden)
 
+    def fresh(self) -> "HiddenCapture":
+        """An empty capture of the same states: one per forward, from a template."""
+        return HiddenCapture(self.layers, self.final, self.rows)
+
+    def features(self) -> torch.Tensor:
+        """What an EAGLE head reads: the kept layers side by side (EAGLE-3), else the final state."""
+        return self.concatenated() if self.layers else self.final_state
+
     def check(self, num_layers: int) -> None:
         bad = [layer for layer in self.layers if not 0 <= layer < num_layers]
         if bad:

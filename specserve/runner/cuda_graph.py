@@ -22,6 +22,7 @@ import torch
 
 from specserve.attention.base import AttentionBackend
 from specserve.kv.pool import KVPool
+from specserve.model.hidden_capture import HiddenCapture
 from specserve.runner.tree_step import TreeStepInputs, TreeStepOutputs, forward_tree
 from specserve.speculative.tree import TreeProposal
 
@@ -53,8 +54,10 @@ def capture_graph(run: Callable[[], T], memory_pool) -> tuple[torch.cuda.CUDAGra
 class CudaGraphRunner:
     """Captures `forward_tree` for every bucket and each tokens-per-request size."""
 
-    def __init__(self, model, backend: AttentionBackend, pool: KVPool, max_bs: int, tokens_per_req: list[int]):
+    def __init__(self, model, backend: AttentionBackend, pool: KVPool, max_bs: int, tokens_per_req: list[int],
+                 capture: HiddenCapture | None = None):
         self.model, self.backend, self.pool = model, backend, pool
+        self.capture = capture   # hidden states every graph also outputs (an EAGLE drafter's)
         self.buckets = batch_size_buckets(max_bs)
         self.max_bs = self.buckets[-1]
         self.sizes = sorted(set(tokens_per_req))
@@ -87,7 +90,8 @@ class CudaGraphRunner:
         inputs.req_rows.fill_(self.pool.scratch_row)
         # the metadata is planned inside: every replay re-derives it
         self.graphs[key], self.outputs[key] = capture_graph(
-            lambda: forward_tree(self.model, self.backend, self.pool, inputs, self.backend.plan_for_capture),
+            lambda: forward_tree(self.model, self.backend, self.pool, inputs, self.backend.plan_for_capture,
+                                 capture=self.capture),
             self.memory_pool)
         if self.memory_pool is None:
             self.memory_pool = self.graphs[key].pool()
@@ -113,4 +117,5 @@ class CudaGraphRunner:
         self.graphs[key].replay()
         out = self.outputs[key]
         return TreeStepOutputs(out.logits[:bs, :m], out.trees.head(bs, m) if out.trees is not None else None,
-                               out.outcome[:bs] if out.outcome is not None else None)
+                               out.outcome[:bs] if out.outcome is not None else None,
+                               out.hidden[:bs, :m] if out.hidden is not None else None)

@@ -14,6 +14,7 @@ from specserve.engine.request import Req
 from specserve.kv.pool import KVPool
 from specserve.model.config import ModelConfig
 from specserve.model.cpu_linear import use_cpu_linears
+from specserve.model.hidden_capture import HiddenCapture
 from specserve.model.llama import DecoderLM
 from specserve.model.layers import RotaryEmbedding
 from specserve.runner.tree_step import TreeStepInputs, TreeStepOutputs, forward_tree, pad_node_slots
@@ -44,10 +45,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 class ModelRunner:
     def __init__(self, args: ServerArgs, config: ModelConfig, state_dict: dict[str, torch.Tensor],
-                 device: torch.device, dtype: torch.dtype, context_length: int, draft_kv_bytes_per_token: int = 0):
+                 device: torch.device, dtype: torch.dtype, context_length: int, draft_kv_bytes_per_token: int = 0,
+                 hidden_capture: HiddenCapture | None = None):
         """draft_kv_bytes_per_token: a draft model's KV cost per token; its cache holds as many
-        tokens as the target's, from the same memory budget."""
+        tokens as the target's, from the same memory budget. hidden_capture: the hidden states
+        every forward also keeps (an EAGLE drafter reads them), a template."""
         self.args, self.config, self.device, self.dtype = args, config, device, dtype
+        self.hidden_capture = hidden_capture
         self.draft_kv_bytes_per_token = draft_kv_bytes_per_token
         self.context_length = context_length
         self.model = build_model(config, state_dict, device, dtype, context_length)
@@ -70,7 +74,7 @@ class ModelRunner:
         n = args.speculative_verify_size if args.speculative else 1
         # smaller trees (the batch's largest draft decides) replay a smaller, cheaper graph
         sizes = sorted({1, n} | {size for size in (4, 8) if size < n})
-        return CudaGraphRunner(self.model, self.attn_backend, self.pool, max_bs, sizes)
+        return CudaGraphRunner(self.model, self.attn_backend, self.pool, max_bs, sizes, self.hidden_capture)
 
     def _kv_tokens(self) -> int:
         if self.args.max_total_tokens is not None:
@@ -92,8 +96,10 @@ class ModelRunner:
 
     # --- forwards ---
     @torch.inference_mode()
-    def extend(self, reqs: list[Req], extend_lens: list[int], slots: list[int], samples: list[bool]) -> torch.Tensor:
-        """Runs prompt chunks; returns (num_sampling_reqs, 1, vocab) logits of the chunks that end a prompt."""
+    def extend(self, reqs: list[Req], extend_lens: list[int], slots: list[int], samples: list[bool],
+               capture: HiddenCapture | None = None) -> torch.Tensor:
+        """Runs prompt chunks; returns (num_sampling_reqs, 1, vocab) logits of the chunks that end a prompt.
+        capture: filled with the hidden states of every token of the chunks."""
         input_ids, positions = [], []
         for req, length in zip(reqs, extend_lens):
             input_ids.extend(req.all_ids[req.kv_len:req.kv_len + length])
@@ -101,6 +107,7 @@ class ModelRunner:
         ends = torch.tensor(extend_lens).cumsum(0) - 1
         logits_rows = ends[torch.tensor(samples, dtype=torch.bool)]
         batch = self._forward_batch(ForwardMode.EXTEND, reqs, input_ids, positions, slots, extend_lens, logits_rows)
+        batch.hidden_capture = capture
         return self.model(batch, self.attn_backend).unsqueeze(1)
 
     @torch.inference_mode()
@@ -122,7 +129,8 @@ class ModelRunner:
         inputs = TreeStepInputs.view(host.packed.to(self.device, non_blocking=True), bs, n)
         if roots is not None:
             inputs.tokens[:, 0].copy_(roots)
-        return forward_tree(self.model, self.attn_backend, self.pool, inputs, self.attn_backend.plan, kv_lens)
+        return forward_tree(self.model, self.attn_backend, self.pool, inputs, self.attn_backend.plan, kv_lens,
+                            capture=self.hidden_capture)
 
     @torch.inference_mode()
     def launch_greedy_decode(self, reqs: list[Req], kv_lens: list[int], slots: list[int],

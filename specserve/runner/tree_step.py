@@ -23,6 +23,7 @@ import torch
 
 from specserve.attention.base import ForwardBatch, ForwardMode
 from specserve.kv.pool import PADDING_SLOT, KVPool
+from specserve.model.hidden_capture import HiddenCapture
 from specserve.speculative.tree import DraftTrees, TreeProposal
 from specserve.speculative.verify import verify_greedy
 
@@ -92,15 +93,17 @@ class TreeStepOutputs:
     logits: torch.Tensor            # (bs, n, vocab) fp32
     trees: DraftTrees | None        # None for n = 1 (root-only trees are not built)
     outcome: torch.Tensor | None    # (bs, 1 + 2n) int64 greedy outcome, see greedy_commit; None for n = 1
+    hidden: torch.Tensor | None = None   # (bs, n, features) the states `capture` asked for (an EAGLE drafter's)
 
 
 def forward_tree(model, backend, pool: KVPool, inputs: TreeStepInputs,
                  plan: Callable[[ForwardBatch], None], kv_lens_host: list[int] | None = None,
-                 commit: bool = True) -> TreeStepOutputs:
+                 commit: bool = True, capture: HiddenCapture | None = None) -> TreeStepOutputs:
     """The target's forward over every node of every tree and, for n > 1 (a verify step)
     with `commit`, the greedy outcome with the accepted path's KV slots written into
     req_to_token. kv_lens_host: the prefix lengths on the host, for eager planning (a
-    graph plans for the longest context instead)."""
+    graph plans for the longest context instead). capture: hidden states to keep besides the
+    logits (a template: see HiddenCapture.fresh)."""
     bs, n = inputs.shape
     trees = None
     if n == 1:
@@ -114,11 +117,13 @@ def forward_tree(model, backend, pool: KVPool, inputs: TreeStepInputs,
         out_slots=inputs.out_slots.reshape(-1), req_rows=inputs.req_rows, prefix_lens=inputs.prefix_lens,
         extend_lens=torch.full((bs,), n, dtype=torch.long, device=device),
         prefix_lens_host=kv_lens_host if kv_lens_host is not None else [0] * bs, extend_lens_host=[n] * bs,
-        kv_pool=pool, logits_indices=torch.arange(bs * n, device=device), tree_mask=tree_mask)
+        kv_pool=pool, logits_indices=torch.arange(bs * n, device=device), tree_mask=tree_mask,
+        hidden_capture=capture.fresh() if capture is not None else None)
     plan(batch)
     logits = model(batch, backend).view(bs, n, -1)
     outcome = greedy_commit(trees, logits, inputs, pool) if trees is not None and commit else None
-    return TreeStepOutputs(logits, trees, outcome)
+    hidden = batch.hidden_capture.features().view(bs, n, -1) if capture is not None else None
+    return TreeStepOutputs(logits, trees, outcome, hidden)
 
 
 def greedy_commit(trees: DraftTrees, logits: torch.Tensor, inputs: TreeStepInputs, pool: KVPool) -> torch.Tensor:

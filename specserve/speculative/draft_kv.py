@@ -1,15 +1,19 @@
-"""The draft model's KV cache, per request: which draft-pool slot holds which position, and
-the token whose K/V it holds.
+"""A drafter's own KV cache, per request: which draft-pool slot holds which row, and the
+token whose K/V it holds.
 
 A draft model caches the same sequence as the target, plus the drafts of the last chain.
-After a verify step only the positions whose fed token was committed stay valid (the
-accepted drafts; everything past the first mismatch is freed), so the next chain feeds only
-what is missing. Nothing here runs a model: `DraftKVTable` only hands out, keeps and frees
-slots of the draft model's own pool, through the same allocator interface as the target's.
+After a verify step only the rows whose token was committed stay valid (the accepted
+drafts; everything past the first mismatch is freed), so the next chain feeds only what is
+missing. Nothing here runs a model: `DraftKVTable` only hands out, keeps and frees slots of
+the drafter's own pool, through the same allocator interface as the target's.
 
-Rows: the draft pool's `req_to_token` has the target pool's shape, and a request uses the
-row the scheduler gave it in the target pool. A request that was preempted (its row freed)
-loses its draft cache and rebuilds it on resume, whatever row it then gets.
+Row r holds the request's token at position r + token_offset: 0 for a draft model (row =
+position), 1 for an EAGLE head, whose row r reads the token after the target state of
+position r. Rows reserved for chain drafts hold UNSET until recorded.
+
+Rows of req_to_token: the draft pool's table has the target pool's shape, and a request
+uses the row the scheduler gave it in the target pool. A request that was preempted (its
+row freed) loses its draft cache and rebuilds it on resume, whatever row it then gets.
 """
 from __future__ import annotations
 
@@ -21,33 +25,31 @@ from specserve.kv.pool import KVPool
 if TYPE_CHECKING:
     from specserve.engine.request import Req
 
-UNSET = -1   # the token of a slot reserved for a draft not drafted yet: matches no real token
+UNSET = -1   # the token of a row reserved for a draft: matches no real token
 
 
 @dataclass
 class DraftSequence:
     row: int
-    slots: list[int] = field(default_factory=list)    # draft-pool slot of positions 0..len-1
+    slots: list[int] = field(default_factory=list)    # draft-pool slot of rows 0..len-1
     tokens: list[int] = field(default_factory=list)   # the token whose K/V each slot holds
-    committed: int = 0                                # positions known to hold the request's own tokens
-
-
-@dataclass
-class ChainSlots:
-    """What a request's next draft chain feeds and where (see draft_chain.py)."""
-    catch_up: range               # positions the draft model has not seen, fed before the chain
-    chain_slots: list[int]        # slots of positions L-2 .. L+K-2 (L = the request's token count)
+    committed: int = 0                                # rows known to hold the request's own tokens
 
 
 class DraftKVTable:
-    def __init__(self, pool: KVPool):
+    def __init__(self, pool: KVPool, token_offset: int = 0):
         self.pool = pool
+        self.token_offset = token_offset
         self.sequences: dict[str, DraftSequence] = {}
         # (row, first position, slots) handed out since the last write_table
         self._new_entries: list[tuple[int, int, list[int]]] = []
 
+    def rows_of(self, req: "Req") -> int:
+        """Rows a request's cache holds once every token it committed is in."""
+        return req.num_tokens - self.token_offset
+
     def sync(self, req: "Req") -> DraftSequence:
-        """The request's draft cache cut to the positions whose token the request committed
+        """The request's draft cache cut to the rows whose token the request committed
         (drafts the verify step rejected go back to the pool)."""
         seq = self.sequences.get(req.rid)
         if seq is not None and seq.row != req.row:   # resumed after a preemption nobody reported
@@ -55,9 +57,9 @@ class DraftKVTable:
             seq = None
         if seq is None:
             seq = self.sequences[req.rid] = DraftSequence(row=req.row)
-        keep, limit = seq.committed, min(len(seq.tokens), req.num_tokens)
-        prompt, output = req.prompt_ids, req.output_ids
-        while keep < limit and seq.tokens[keep] == (prompt[keep] if keep < len(prompt) else output[keep - len(prompt)]):
+        keep, limit = seq.committed, min(len(seq.tokens), self.rows_of(req))
+        prompt, output, offset = req.prompt_ids, req.output_ids, self.token_offset
+        while keep < limit and seq.tokens[keep] == _token_at(prompt, output, keep + offset):
             keep += 1
         if keep < len(seq.slots):
             self.pool.slots.free(seq.slots[keep:])
@@ -65,29 +67,38 @@ class DraftKVTable:
         seq.committed = keep
         return seq
 
-    def reserve_chain(self, req: "Req", num_steps: int) -> ChainSlots | None:
-        """Slots for the catch-up and a chain of num_steps drafts (None: the pool is full;
-        the request then goes without drafts this step). The table entries of new slots
-        are written by `write_table`."""
+    def reserve(self, req: "Req", chain_rows: int) -> int | None:
+        """Slots for every row the request's cache lacks and `chain_rows` more for a chain's
+        drafts; returns the first row that was missing (None: the pool is full, and the
+        request goes without drafts this step). The table entries of the new slots are
+        written by `write_table`."""
         seq = self.sync(req)
-        length = req.num_tokens
-        end = length + num_steps - 1               # the chain's last fed position is end - 1
+        length = self.rows_of(req)
+        end = length + chain_rows
         start = len(seq.slots)
         new = self.pool.slots.alloc(end - start)
         if new is None:
             return None
         seq.slots.extend(new)
-        seq.tokens.extend(_tokens_at(req, start, length))
+        seq.tokens.extend(_tokens_at(req, start + self.token_offset, length + self.token_offset))
         seq.tokens.extend([UNSET] * (end - max(start, length)))
-        seq.committed = length                      # positions < length now hold (or will hold) its tokens
+        seq.committed = length                      # rows < length now hold (or will hold) its tokens
         self._new_entries.append((seq.row, start, new))
-        return ChainSlots(range(start, max(start, length - 2)), seq.slots[length - 2:end])
+        return start
 
     def record_drafts(self, req: "Req", drafts: list[int]) -> None:
-        """The chain fed these drafts (d1 .. d_{K-1}) at positions L .. L+K-2."""
+        """The chain fed these drafts in its reserved rows, in order (kept if accepted)."""
         seq = self.sequences[req.rid]
-        start = req.num_tokens
+        start = self.rows_of(req)
         seq.tokens[start:start + len(drafts)] = drafts
+
+    def truncate(self, req: "Req", rows: int) -> None:
+        """Frees the request's rows from `rows` on (their K/V is not what the table says)."""
+        seq = self.sequences.get(req.rid)
+        if seq is not None and rows < len(seq.slots):
+            self.pool.slots.free(seq.slots[rows:])
+            del seq.slots[rows:], seq.tokens[rows:]
+            seq.committed = min(seq.committed, rows)
 
     def release(self, req: "Req") -> None:
         seq = self.sequences.pop(req.rid, None)
@@ -107,6 +118,10 @@ class DraftKVTable:
         if slots:
             self.pool.write_entries_async(rows, positions, slots)
         self._new_entries = []
+
+
+def _token_at(prompt: list[int], output: list[int], position: int) -> int:
+    return prompt[position] if position < len(prompt) else output[position - len(prompt)]
 
 
 def _tokens_at(req: "Req", start: int, end: int) -> list[int]:

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Callable
 from specserve.speculative.tree import TreeProposal
 
 if TYPE_CHECKING:
+    import torch
+
     from specserve.engine.request import Req
 
 
@@ -35,6 +37,12 @@ class Drafter:
 
     def observe(self, req: "Req", committed: list[int]) -> None:
         """Tokens the request just committed."""
+
+    def observe_hidden(self, reqs: list["Req"], starts: list[int], states: "torch.Tensor",
+                       rows: list[list[int]]) -> None:
+        """The target's hidden states (when the runner keeps them: see ModelRunner's
+        hidden_capture) of the tokens a step put in the KV cache: request i's tokens at
+        positions starts[i], starts[i] + 1, ... have states[rows[i]]."""
 
     def flush(self, busy: "Callable[[], bool] | None" = None) -> None:
         """Deferred bookkeeping (e.g. indexing observed tokens). The engine calls it right

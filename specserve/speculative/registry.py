@@ -9,19 +9,19 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from specserve.args import ServerArgs
-    from specserve.runner.draft_runner import DraftModelRunner
     from specserve.speculative.drafter import Drafter
 
-MODEL_DRAFTERS = ("STANDALONE",)   # algorithms that run a draft model (the builder loads it first)
+# algorithms that run a draft model or an EAGLE head: draft_setup.prepare_draft loads it
+# before the target's runner and makes the drafter after it
+MODEL_DRAFTERS = ("STANDALONE", "EAGLE", "EAGLE3")
 
 
 def needs_draft_model(args: "ServerArgs") -> bool:
     return args.speculative in MODEL_DRAFTERS
 
 
-def create_drafter(args: "ServerArgs", draft_runner: "DraftModelRunner | None" = None) -> "Drafter | None":
-    """The drafter `args.speculative` names (None without speculation). Model drafters draft
-    with `draft_runner`, which the builder makes from the loaded draft model."""
+def create_drafter(args: "ServerArgs") -> "Drafter | None":
+    """The model-free drafter `args.speculative` names (None without speculation)."""
     name = args.speculative
     if name is None:
         return None
@@ -29,8 +29,5 @@ def create_drafter(args: "ServerArgs", draft_runner: "DraftModelRunner | None" =
         from specserve.speculative.ngram import NgramDrafter
         return NgramDrafter.from_args(args)
     if name in MODEL_DRAFTERS:
-        if draft_runner is None:
-            raise ValueError(f"speculative_algorithm {name} drafts with a draft model: pass its DraftModelRunner")
-        from specserve.speculative.standalone import StandaloneDrafter
-        return StandaloneDrafter(draft_runner)
+        raise ValueError(f"speculative_algorithm {name} drafts with a model: draft_setup.prepare_draft makes it")
     raise NotImplementedError(f"speculative_algorithm {args.speculative_algorithm!r} is not implemented")

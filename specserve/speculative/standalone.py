@@ -15,13 +15,14 @@ the proposal carries q for residual rejection (min(1, p/q) acceptance, SpecInfer
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from specserve.runner.draft_chain import ChainRow
-from specserve.speculative.draft_kv import ChainSlots, DraftKVTable
+from specserve.speculative.draft_kv import DraftKVTable
 from specserve.speculative.drafter import Drafter
 from specserve.speculative.tree import TreeProposal
 
@@ -42,9 +43,9 @@ class StandaloneDrafter(Drafter):
         chained: list[tuple[int, "Req", ChainSlots]] = []
         for index, (req, limit) in enumerate(zip(reqs, max_nodes)):
             if limit > 1:
-                reserved = self.kv.reserve_chain(req, self.num_steps)
-                if reserved is not None:
-                    chained.append((index, req, reserved))
+                start = self.kv.reserve(req, self.num_steps - 1)   # d1 .. d_{K-1} are fed, d_K is not
+                if start is not None:
+                    chained.append((index, req, self._chain_slots(req, start)))
         roots = [r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs]
         if not chained:
             return TreeProposal.root_only(roots), [1] * len(reqs)
@@ -54,7 +55,7 @@ class StandaloneDrafter(Drafter):
             for _, req, _ in chained:
                 self.kv.release(req)
             raise
-        return self._proposal(reqs, max_nodes, roots, chained, drafts, probs)
+        return chain_proposal(max_nodes, roots, [index for index, _, _ in chained], drafts, probs, self.num_steps)
 
     def _draft(self, chained: list[tuple["Req", ChainSlots]]) -> tuple[list[list[int]], torch.Tensor | None]:
         """Catch-up, then the chain; the drafts on the host (the one sync) and q, if sampled."""
@@ -73,29 +74,15 @@ class StandaloneDrafter(Drafter):
             self.kv.record_drafts(req, tokens[:-1])   # d_K is drafted, never fed
         return drafts, probs
 
+    def _chain_slots(self, req: "Req", start: int) -> "ChainSlots":
+        length = req.num_tokens
+        return ChainSlots(range(start, max(start, length - 2)), self.kv.sequences[req.rid].slots[length - 2:])
+
     def _chain_row(self, req: "Req", reserved: ChainSlots) -> ChainRow:
         length = req.num_tokens
         seq = self.kv.sequences[req.rid]
         return ChainRow(tokens=(seq.tokens[length - 2], seq.tokens[length - 1]), slots=reserved.chain_slots,
                         req_row=seq.row, prefix_len=length - 2, seed=req.seed, temperature=draft_temperature(req))
-
-    def _proposal(self, reqs, max_nodes, roots, chained, drafts, probs) -> tuple[TreeProposal, list[int]]:
-        """Chains of up to K + 1 nodes (the root, then the drafts) where drafted, roots elsewhere."""
-        n = self.num_steps + 1
-        tokens = np.zeros((len(reqs), n), dtype=np.int64)
-        tokens[:, 0] = roots
-        num_nodes = np.ones(len(reqs), dtype=np.int64)
-        for (index, _, _), row in zip(chained, drafts):
-            tokens[index, 1:] = row
-            num_nodes[index] = min(n, max_nodes[index])
-        real = np.arange(n) < num_nodes[:, None]
-        tokens = np.where(real, tokens, 0)               # padding nodes: token 0, parent -1
-        parents = np.where(real, np.arange(n) - 1, -1)
-        if probs is not None and len(chained) < len(reqs):   # rows without drafts: no q
-            full = probs.new_zeros((len(reqs), *probs.shape[1:]))
-            full[torch.tensor([index for index, _, _ in chained], device=probs.device)] = probs
-            probs = full
-        return TreeProposal(tokens, parents, num_nodes, probs), num_nodes.tolist()
 
     def observe(self, req: "Req", committed: list[int]) -> None:
         """After a verify step: the rejected drafts' draft KV goes back to the pool now."""
@@ -106,6 +93,37 @@ class StandaloneDrafter(Drafter):
 
     def preempted(self, req: "Req") -> None:
         self.kv.release(req)   # rebuilt by the catch-up when the request runs again
+
+
+@dataclass
+class ChainSlots:
+    """What a request's next chain feeds and where (see draft_chain.py)."""
+    catch_up: range               # positions the draft model has not seen, fed before the chain
+    chain_slots: list[int]        # slots of positions L-2 .. L+K-2 (L = the request's token count)
+
+
+def chain_proposal(max_nodes: list[int], roots: list[int], drafted: list[int], drafts: list[list[int]],
+                   probs: torch.Tensor | None, num_steps: int) -> tuple[TreeProposal, list[int]]:
+    """Chains of up to K + 1 nodes (the root, then the drafts) for the requests `drafted`
+    (indices into the batch), each cut to its max_nodes; the others' roots alone. probs:
+    the drafted rows' q (len(drafted), K + 1, V), or None."""
+    bs = len(roots)
+    if not drafted:
+        return TreeProposal.root_only(roots), [1] * bs
+    n = num_steps + 1
+    tokens = np.zeros((bs, n), dtype=np.int64)
+    tokens[:, 0] = roots
+    num_nodes = np.ones(bs, dtype=np.int64)
+    tokens[drafted, 1:] = drafts
+    num_nodes[drafted] = np.minimum(n, np.asarray(max_nodes)[drafted])
+    real = np.arange(n) < num_nodes[:, None]
+    tokens = np.where(real, tokens, 0)               # padding nodes: token 0, parent -1
+    parents = np.where(real, np.arange(n) - 1, -1)
+    if probs is not None and len(drafted) < bs:      # rows without drafts: no q
+        full = probs.new_zeros((bs, *probs.shape[1:]))
+        full[torch.tensor(drafted, device=probs.device)] = probs
+        probs = full
+    return TreeProposal(tokens, parents, num_nodes, probs), num_nodes.tolist()
 
 
 def draft_temperature(req: "Req") -> float:

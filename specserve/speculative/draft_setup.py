@@ -1,0 +1,66 @@
+"""What a model drafter needs from the engine builder, in the order the builder can give it.
+
+A draft model or an EAGLE head loads before the target's runner: its weights count against
+the memory budget the target's KV cache is sized from, its own KV cache's cost per token
+joins the target's (both caches hold as many tokens), and an EAGLE head names the target
+hidden states every forward must keep (the runner's CUDA graphs are captured with them).
+The drafter itself is made once the target's runner exists (its pool, its embedding).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from specserve.args import ServerArgs
+from specserve.errors import ArgumentError
+from specserve.model.config import ModelConfig
+from specserve.model.hidden_capture import HiddenCapture
+from specserve.model.loader import resolve_model_path
+from specserve.speculative.drafter import Drafter
+
+if TYPE_CHECKING:
+    from specserve.runner.model_runner import ModelRunner
+
+logger = logging.getLogger("specserve")
+
+
+@dataclass
+class DraftSetup:
+    kv_bytes_per_token: int                          # the drafter's own KV cache, per token
+    hidden_capture: HiddenCapture | None             # target states the drafter reads (EAGLE)
+    make_drafter: Callable[["ModelRunner"], Drafter]
+
+    @property
+    def reads_target_states(self) -> bool:
+        """An EAGLE head needs the target's state of every cached token: a prefix served
+        from the prefix cache has none, and plain steps launched ahead keep none."""
+        return self.hidden_capture is not None
+
+
+def check_draft_path(args: ServerArgs) -> None:
+    """A draft model's path resolves (STANDALONE), an EAGLE head's directory has its config."""
+    path = args.speculative_draft_model_path
+    if args.speculative == "STANDALONE":
+        resolve_model_path(path)
+    elif not os.path.isfile(os.path.join(path, "config.json")):
+        raise ArgumentError(f"speculative_draft_model_path={path!r}: an EAGLE head directory needs config.json "
+                            "and model.safetensors (the layout SGLang and SpecForge use)")
+
+
+def prepare_draft(args: ServerArgs, target: ModelConfig, device: torch.device, dtype: torch.dtype,
+                  context_length: int) -> DraftSetup:
+    if args.speculative == "STANDALONE":
+        from specserve.runner import draft_runner
+        from specserve.speculative.standalone import StandaloneDrafter
+        model = draft_runner.load_draft_model(args, target, device, dtype, context_length)
+        return DraftSetup(draft_runner.kv_bytes_per_token(model, dtype), None,
+                          lambda runner: StandaloneDrafter(draft_runner.DraftModelRunner(args, model, runner.pool)))
+    from specserve.runner import eagle_runner
+    from specserve.speculative.eagle import EagleDrafter
+    head = eagle_runner.load_eagle_head(args, target, device, dtype, context_length)
+    return DraftSetup(eagle_runner.kv_bytes_per_token(head, dtype), eagle_runner.target_capture(head),
+                      lambda runner: EagleDrafter(eagle_runner.EagleHeadRunner(args, head, runner.model, runner.pool)))

@@ -1,0 +1,133 @@
+"""EAGLE (EAGLE-2 heads, reading the target's final state) and EAGLE3 (three target layers
+fused by the head's fc): a one-layer head drafts a chain of K tokens per step from the
+target's own hidden states (eagle_runner.py has the head's forwards).
+
+The target's states arrive after every forward that caches tokens (`observe_hidden`: a
+prefill's every token, a verify step's accepted nodes) and wait here until the head feeds
+them: row r of the head's cache reads the state of position r and the token after it, so
+once a request has R + 1 tokens, rows up to R - 1 can be fed; the output of row R - 1
+drafts the token after the root. Rows of the chain's draft steps read the head's own
+outputs, not the target's: they are never kept (their tokens stay UNSET in DraftKVTable, so
+the next sync frees them).
+
+Drafts are argmax or sampled exactly as STANDALONE's (see standalone.py): sampled drafts
+hand their q over the target vocabulary to residual rejection.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from specserve.runner.eagle_runner import EagleChainInputs
+from specserve.speculative.draft_kv import DraftKVTable
+from specserve.speculative.drafter import Drafter
+from specserve.speculative.standalone import chain_proposal, draft_temperature
+
+if TYPE_CHECKING:
+    from specserve.engine.request import Req
+    from specserve.runner.eagle_runner import EagleHeadRunner
+
+
+class TargetStates:
+    """Per request, the target's states of positions first .. first + len - 1 not fed yet
+    (and the last fed one, which a chain re-feeds when nothing new came)."""
+
+    def __init__(self):
+        self._states: dict[str, tuple[int, torch.Tensor]] = {}
+
+    def append(self, rid: str, start: int, states: torch.Tensor) -> None:
+        held = self._states.get(rid)
+        if held is not None and held[0] <= start <= held[0] + len(held[1]):
+            first, kept = held
+            states = torch.cat([kept[:start - first], states])
+            start = first
+        self._states[rid] = (start, states)
+
+    def rows(self, rid: str, start: int, end: int) -> torch.Tensor | None:
+        """States of positions start .. end - 1, or None if some are missing."""
+        held = self._states.get(rid)
+        if held is None or start < held[0] or end > held[0] + len(held[1]):
+            return None
+        return held[1][start - held[0]:end - held[0]]
+
+    def drop_before(self, rid: str, position: int) -> None:
+        first, states = self._states[rid]
+        if position > first:
+            self._states[rid] = (position, states[position - first:])
+
+    def release(self, rid: str) -> None:
+        self._states.pop(rid, None)
+
+
+class EagleDrafter(Drafter):
+    probe_every = 16   # a probe costs the head's forwards and a host sync
+
+    def __init__(self, runner: "EagleHeadRunner"):
+        self.runner = runner
+        self.num_steps = runner.num_steps
+        self.kv = DraftKVTable(runner.pool, token_offset=1)
+        self.states = TargetStates()
+
+    def observe_hidden(self, reqs: list["Req"], starts: list[int], states: torch.Tensor,
+                       rows: list[list[int]]) -> None:
+        counts = [len(r) for r in rows]
+        gathered = states[torch.tensor([i for r in rows for i in r], device=states.device)]
+        for req, start, part in zip(reqs, starts, gathered.split(counts)):
+            self.states.append(req.rid, start, part)
+
+    def propose(self, reqs: list["Req"], max_nodes: list[int]):
+        chained, features = [], []
+        for index, (req, limit) in enumerate(zip(reqs, max_nodes)):
+            if limit <= 1:
+                continue
+            rows = self.kv.rows_of(req)                       # R: rows 0 .. R - 1 are fed
+            start = self.kv.reserve(req, self.num_steps - 1)
+            first = None if start is None else min(start, rows - 1)
+            fed = None if first is None else self.states.rows(req.rid, first, rows)
+            if fed is None:            # no room, or states missing: no drafts for it this step
+                if start is not None:
+                    self.kv.release(req)
+                continue
+            chained.append((index, req, first))
+            features.append(fed)
+        roots = [r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs]
+        if not chained:
+            return chain_proposal(max_nodes, roots, [], [], None, self.num_steps)
+        try:
+            drafts, probs = self._draft(chained, features)
+        except BaseException:   # rows from `first` on may not hold what the table says; their states are kept
+            for _, req, first in chained:
+                self.kv.truncate(req, first)
+            raise
+        return chain_proposal(max_nodes, roots, [index for index, _, _ in chained], drafts, probs, self.num_steps)
+
+    def _draft(self, chained, features) -> tuple[list[list[int]], torch.Tensor | None]:
+        self.kv.write_table()
+        feed_tokens, feed_slots, chain_slots = [], [], []
+        for _, req, first in chained:
+            seq, rows = self.kv.sequences[req.rid], self.kv.rows_of(req)
+            feed_tokens.append(seq.tokens[first:rows])
+            feed_slots.extend(seq.slots[first:rows])
+            chain_slots.append(seq.slots[rows:rows + self.num_steps - 1])
+        temperatures = [draft_temperature(req) for _, req, _ in chained]
+        inputs = EagleChainInputs(
+            req_rows=[self.kv.sequences[req.rid].row for _, req, _ in chained],
+            feed_starts=[first for _, _, first in chained], feed_tokens=feed_tokens, feed_slots=feed_slots,
+            features=torch.cat(features), chain_slots=chain_slots, seeds=[req.seed for _, req, _ in chained],
+            temperatures=temperatures)
+        drafts, probs = self.runner.chain(inputs, sample=any(t > 0 for t in temperatures))
+        for _, req, _ in chained:   # fed: keep the last row's state only, for a re-feed
+            self.states.drop_before(req.rid, self.kv.rows_of(req) - 1)
+        return drafts.tolist(), probs
+
+    def observe(self, req: "Req", committed: list[int]) -> None:
+        self.kv.sync(req)   # the chain's rows go back to the pool
+
+    def release(self, req: "Req") -> None:
+        self.kv.release(req)
+        self.states.release(req.rid)
+
+    def preempted(self, req: "Req") -> None:
+        self.release(req)   # its resumed prefill brings every state back

@@ -1,0 +1,170 @@
+"""EAGLE / EAGLE3 through the Engine, with heads our trainer made and saved in the SGLang /
+SpecForge layout: greedy output equals plain decoding, and every request's verify steps are
+exactly those the trainer's accept-length replay predicts (eagle_eval.py: the training-time
+test's chains against the target's answers), which holds only if the engine feeds the head
+the same rows, target states, tokens and positions as training does. The head's KV pool
+and the target states it waits for are freed however requests end; sampled drafts are
+drawn from the q handed to verification; the flags are checked.
+
+The target is a random 16-token model with peaky logits whose greedy answers settle into
+cycles a head learns in seconds (as in tests/test_train_eagle.py).
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import scipy.stats
+import torch
+
+from specserve.errors import ArgumentError, NotSupportedError
+from specserve.speculative.draft_vocab import most_frequent_tokens
+from specserve.speculative.eagle_batches import BatchBuilder
+from specserve.speculative.eagle_checkpoint import save_head
+from specserve.speculative.eagle_data import generate_conversations
+from specserve.speculative.eagle_eval import accepted_runs, replay_decoding
+from specserve.speculative.eagle_trainer import EagleTrainer, TrainSettings, build_head, target_lm_head
+from specserve.speculative.target_features import TargetFeatureExtractor
+from tests.spec_fixtures import make_tiny_directory, tiny_engine, wait_until_all_kv_is_free
+
+VOCAB = 16
+NUM_STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """(path, target model, train conversations, held-out conversations)."""
+    path = tmp_path_factory.mktemp("eagle-target")
+    make_tiny_directory(path, vocab_size=VOCAB, tokenizer="letter", weight_std=None, logit_scale=100.0)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, VOCAB, (int(torch.randint(4, 12, (1,), generator=generator)),),
+                             generator=generator).tolist() for _ in range(48)]
+    with tiny_engine(path) as engine:
+        conversations = generate_conversations(engine, prompts, max_new_tokens=32, temperature=0.0)
+        model = engine.core.runner.model
+    return path, model, conversations[8:], conversations[:8]
+
+
+@pytest.fixture(scope="module", params=["EAGLE3", "EAGLE"])
+def head_dir(request, target, tmp_path_factory) -> tuple[str, str, object]:
+    """(algorithm, saved head directory, the head): trained a few epochs on the target's answers."""
+    _, model, train, _ = target
+    torch.manual_seed(0)
+    draft_vocab = most_frequent_tokens((c.tokens[c.prompt_len:] for c in train), VOCAB, VOCAB // 2)
+    head = build_head(model, request.param, draft_vocab, max_positions=64)
+    extractor = TargetFeatureExtractor(model, head.config.aux_layers, 512, 64, 64)
+    builder = BatchBuilder(extractor, target_lm_head(model)[head.draft_vocab()], bool(head.config.aux_layers))
+    EagleTrainer(head, builder, train, TrainSettings(ttt_steps=NUM_STEPS, epochs=3, batch_tokens=256, lr=3e-3)).train()
+    path = tmp_path_factory.mktemp(f"head-{request.param}")
+    save_head(head, str(path))
+    return request.param, str(path), head, extractor
+
+
+def eagle_args(algorithm: str, head_path: str, **extra) -> dict:
+    return {"speculative_algorithm": algorithm, "speculative_draft_model_path": head_path,
+            "speculative_num_steps": NUM_STEPS, **extra}
+
+
+def wait_until_head_kv_is_free(engine) -> None:
+    drafter = engine.core.drafter
+    pool = drafter.runner.pool
+    wait_until_all_kv_is_free(engine)
+    assert not drafter.kv.sequences and not drafter.states._states
+    assert pool.slots.available() == pool.size
+    assert sorted(pool.slots._free) == list(range(1, pool.size + 1))
+
+
+def test_greedy_output_and_verify_steps_are_what_training_predicts(target, head_dir):
+    path, _, _, held_out = target
+    algorithm, head_path, head, extractor = head_dir
+    with tiny_engine(path, **eagle_args(algorithm, head_path)) as engine:
+        outputs = engine.generate(input_ids=[c.tokens[:c.prompt_len] for c in held_out],
+                                  sampling_params={"temperature": 0.0, "max_new_tokens": 32})
+        assert [c.prompt_len + len(o["output_ids"]) for c, o in zip(held_out, outputs)] == [len(c.tokens) for c in held_out]
+        assert [o["output_ids"] for o in outputs] == [c.tokens[c.prompt_len:] for c in held_out]
+        wait_until_head_kv_is_free(engine)
+    batch = BatchBuilder(extractor, None, bool(head.config.aux_layers))(held_out).conversations
+    with torch.no_grad():
+        runs = accepted_runs(head, batch, NUM_STEPS).cpu()
+    for row, (conversation, output) in enumerate(zip(held_out, outputs)):
+        replay = replay_decoding(runs[row:row + 1], [len(conversation.tokens)], [conversation.prompt_len])
+        assert output["meta_info"]["spec_verify_ct"] == replay.verify_steps, f"conversation {row}"
+    accepted = sum(len(o["output_ids"]) - 1 for o in outputs) / sum(o["meta_info"]["spec_verify_ct"] for o in outputs)
+    assert accepted > 1.5      # the trained head drafts well: chains of several tokens get accepted
+
+
+def test_an_untrained_head_keeps_greedy_output_and_frees_everything(tmp_path):
+    """A 256-token target, a random head over half its vocabulary; batches, a stop token
+    inside a chain, an abort and preemption (a small cache)."""
+    from specserve.model.loader import load_checkpoint
+    from specserve.runner.model_runner import build_model
+    target_path, head_path = tmp_path / "target", tmp_path / "head"
+    make_tiny_directory(target_path, "llama", seed=1)
+    checkpoint = load_checkpoint(str(target_path), dtype=torch.float32)
+    model = build_model(checkpoint.config, checkpoint.state_dict, torch.device("cpu"), torch.float32, 512)
+    torch.manual_seed(0)
+    save_head(build_head(model, "EAGLE3", torch.arange(0, 256, 2), max_positions=512), str(head_path))
+    prompts = [[5, 6, 7, 8, 9] * 6 + [10, 11], [20, 21, 22, 23] * 5, list(range(30, 72)), [100, 101] * 9]
+    greedy = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+    with tiny_engine(target_path) as plain:
+        expected = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=greedy)]
+    with tiny_engine(target_path, **eagle_args("EAGLE3", str(head_path)), max_total_tokens=120) as engine:
+        outputs = engine.generate(input_ids=prompts, sampling_params=greedy)
+        assert [o["output_ids"] for o in outputs] == expected
+        assert sum(o["meta_info"]["preemptions"] for o in outputs) > 0
+        stop = engine.generate(input_ids=prompts[0], sampling_params={**greedy, "stop_token_ids": [expected[0][7]]})
+        assert stop["output_ids"] == expected[0][:expected[0].index(expected[0][7]) + 1]
+        stream = engine.generate(input_ids=prompts[1], sampling_params={**greedy, "max_new_tokens": 60}, stream=True)
+        next(iter(stream))
+        stream.close()     # aborts it
+        sampled = engine.generate(input_ids=prompts[:2], sampling_params={"temperature": 1.0, "max_new_tokens": 20,
+                                                                          "ignore_eos": True})
+        assert [len(o["output_ids"]) for o in sampled] == [20, 20]
+        wait_until_head_kv_is_free(engine)
+
+
+def test_sampled_drafts_are_drawn_from_the_q_they_hand_over(target, head_dir):
+    """Many sampled chains: the first drafts' counts follow the sum of their q (chi-square;
+    each request's q differs with its sampled first token), and q is a distribution over
+    the head's draft vocabulary."""
+    path, _, _, held_out = target
+    algorithm, head_path, _, _ = head_dir
+    with tiny_engine(path, **eagle_args(algorithm, head_path)) as engine:
+        drafter = engine.core.drafter
+        proposals = []
+        propose = drafter.propose
+
+        def spy(reqs, max_nodes):
+            proposal, num_nodes = propose(reqs, max_nodes)
+            drafted = [i for i, n in enumerate(num_nodes) if n > 1]
+            if proposal.draft_probs is not None and drafted:
+                proposals.append((proposal.tokens[drafted, 1].tolist(), proposal.draft_probs[drafted, 0].clone()))
+            return proposal, num_nodes
+        drafter.propose = spy
+        prompt = held_out[0].tokens[:held_out[0].prompt_len]
+        # a high temperature: q spreads over several tokens; one verify step each, of a first draft or more
+        engine.generate(input_ids=[prompt] * 1500, sampling_params={"temperature": 3.0, "max_new_tokens": 3})
+    first_drafts = [t for tokens, _ in proposals for t in tokens]
+    q = torch.cat([probs for _, probs in proposals])
+    draft_vocab = torch.tensor(sorted(set(torch.nonzero(q.sum(0)).flatten().tolist())))
+    assert torch.allclose(q.sum(-1), torch.ones(len(q)), atol=1e-5) and len(draft_vocab) <= VOCAB // 2
+    assert len(first_drafts) == len(q) >= 1000
+    counts = Counter(first_drafts)
+    expected = q.sum(0)
+    cells = [t for t in range(VOCAB) if expected[t] >= 5]
+    observed = [counts[t] for t in cells] + [len(q) - sum(counts[t] for t in cells)]
+    wanted = [expected[t].item() for t in cells] + [len(q) - sum(expected[t].item() for t in cells)]
+    assert len(cells) >= 3
+    assert scipy.stats.chisquare(observed, wanted).pvalue > 1e-4
+
+
+def test_flags_are_checked(target, head_dir, tmp_path):
+    path = target[0]
+    algorithm, head_path, _, _ = head_dir
+    other = "EAGLE" if algorithm == "EAGLE3" else "EAGLE3"
+    with pytest.raises(ArgumentError, match="speculative_draft_model_path.*head"):
+        tiny_engine(path, **eagle_args(other, head_path))
+    with pytest.raises(ArgumentError, match="config.json"):
+        tiny_engine(path, **eagle_args(algorithm, str(tmp_path)))
+    with pytest.raises(NotSupportedError, match="speculative_eagle_topk"):
+        tiny_engine(path, **eagle_args(algorithm, head_path, speculative_eagle_topk=4))
