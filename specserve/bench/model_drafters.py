@@ -1,15 +1,17 @@
-"""STANDALONE against plain decoding, in one call: a draft model (Qwen2.5-Coder-0.5B) drafting
-chains for a target of the same tokenizer (1.5B), on the suite's workloads (gpu_suite.py)
-at batch 1 and concurrency 8/32/64, with the draft length pinned and with the adaptive
-policy; accept lengths, the roofline of the target, and the greedy match rate in the run
-dtype.
+"""Model drafters against plain decoding, in one call: STANDALONE (a draft model, e.g.
+Qwen2.5-Coder-0.5B drafting for the 1.5B) or EAGLE / EAGLE3 (a head, e.g. one
+`python -m specserve.train_eagle` made), on the suite's workloads (gpu_suite.py) at batch 1
+and concurrency 8/32/64, with the draft length pinned and (STANDALONE) with the adaptive
+policy; accept lengths, the target's roofline, and the greedy match rate in the run dtype.
 
-    python -m specserve.bench.standalone --target /root/models/qwen2.5-coder-1.5b-instruct.gguf \\
-        --draft /root/models/qwen2.5-coder-0.5b-instruct.gguf --dataset-path .gpu/sharegpt_subset.json --out $OUT
+    python -m specserve.bench.model_drafters --target /root/models/qwen2.5-coder-1.5b-instruct.gguf \\
+        --algorithm STANDALONE --draft /root/models/qwen2.5-coder-0.5b-instruct.gguf \\
+        --dataset-path .gpu/sharegpt_subset.json --out $OUT
 
 One engine per draft length (the draft chain's graphs are captured for it); plain decoding
-runs on the same engine with the drafter set aside. Rows go to results.jsonl; table.md
-gives tokens per second and the speed-up over plain per (workload, concurrency).
+runs on the same engine with the drafter set aside. Rows go to model_drafters.jsonl;
+model_drafters_table.md gives tokens per second and the speed-up over plain per (workload,
+concurrency).
 """
 from __future__ import annotations
 
@@ -50,18 +52,20 @@ def greedy_match_rate(engine, drafter, prompts: list[list[int]], max_new_tokens:
 def bench(ns, num_steps: int, bandwidth: float, write) -> None:
     from specserve.engine.engine import Engine
     start = time.perf_counter()
-    engine = Engine(model_path=ns.target, speculative_algorithm="STANDALONE", speculative_draft_model_path=ns.draft,
+    engine = Engine(model_path=ns.target, speculative_algorithm=ns.algorithm, speculative_draft_model_path=ns.draft,
                     speculative_num_steps=num_steps, cuda_graph_max_bs=64, log_level="warning", dtype=ns.dtype,
                     device=ns.device, mem_fraction_static=ns.mem_fraction_static)
     drafter = engine.core.drafter
-    name = f"standalone-{num_steps}"
+    name = f"{ns.algorithm.lower()}-{num_steps}"
+    draft_model = getattr(drafter.runner, "model", None) or drafter.runner.head
     write({"kind": "engine", "config": name, "start_s": time.perf_counter() - start,
            "kv_tokens": engine.core.runner.pool.size, "target_weight_bytes": weight_bytes(engine),
-           "draft_weight_bytes": sum(p.numel() * p.element_size() for p in drafter.runner.model.parameters())})
+           "draft_weight_bytes": sum(p.numel() * p.element_size() for p in draft_model.parameters())})
     roofline = bandwidth / weight_bytes(engine)
     workloads = suite_workloads(engine, ns)
     watch = RunWatch(engine)
-    modes = (["plain"] if ns.plain else []) + ["pinned", "adaptive"]
+    # EAGLE heads need the target's state of every token: the engine does not run them adaptively
+    modes = (["plain"] if ns.plain else []) + (["pinned", "adaptive"] if ns.algorithm == "STANDALONE" else ["pinned"])
     for concurrency in ns.concurrency:
         count = ns.bs1_prompts if concurrency == 1 else min(ns.num_prompts, max(concurrency * 2, 16))
         for workload, (prompts, warm_prompts) in workloads.items():
@@ -104,7 +108,9 @@ def write_table(rows: list[dict], path: str) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="/root/models/qwen2.5-coder-1.5b-instruct.gguf")
-    parser.add_argument("--draft", default="/root/models/qwen2.5-coder-0.5b-instruct.gguf")
+    parser.add_argument("--algorithm", default="STANDALONE", choices=("STANDALONE", "EAGLE", "EAGLE3"))
+    parser.add_argument("--draft", default="/root/models/qwen2.5-coder-0.5b-instruct.gguf",
+                        help="STANDALONE: the draft model; EAGLE / EAGLE3: the head's directory")
     parser.add_argument("--num-steps", type=int, nargs="*", default=[4], help="draft lengths, one engine each")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     parser.add_argument("--dtype", default="bfloat16")
@@ -120,7 +126,7 @@ def main(argv=None) -> None:
     parser.add_argument("--no-plain", dest="plain", action="store_false", help="skip plain decoding (measured once)")
     ns = parser.parse_args(argv)
     os.makedirs(ns.out, exist_ok=True)
-    results_path = os.path.join(ns.out, "standalone.jsonl")
+    results_path = os.path.join(ns.out, "model_drafters.jsonl")
     rows: list[dict] = []
 
     def write(row: dict) -> None:
@@ -131,10 +137,10 @@ def main(argv=None) -> None:
 
     bandwidth = measure_copy_bandwidth(ns.device)
     write({"kind": "device", "name": torch.cuda.get_device_name() if ns.device == "cuda" else "cpu",
-           "copy_bandwidth_GBps": bandwidth / 1e9, "target": ns.target, "draft": ns.draft})
+           "copy_bandwidth_GBps": bandwidth / 1e9, "target": ns.target, "algorithm": ns.algorithm, "draft": ns.draft})
     for index, num_steps in enumerate(ns.num_steps):
         bench(ns if index == 0 else argparse.Namespace(**{**vars(ns), "plain": False}), num_steps, bandwidth, write)
-    write_table(rows, os.path.join(ns.out, "standalone_table.md"))
+    write_table(rows, os.path.join(ns.out, "model_drafters_table.md"))
 
 
 if __name__ == "__main__":
