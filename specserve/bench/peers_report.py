@@ -1,0 +1,145 @@
+"""The peer benchmark's table: tok/s per (engine x algorithm) per (model, workload, turn,
+concurrency) cell, specserve's best over the best peer's, worst cell first; greedy
+agreement with specserve plain; every error a peer met, by name.
+
+Rows come from one or more peers.jsonl files (one GPU call cannot run every engine, so the
+results of several calls are merged here):
+`python -m specserve.bench.peers report RESULTS.jsonl... --out DIR`.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+
+from specserve.bench.peers_engines import ENGINES, REFERENCE
+
+CellKey = tuple[str, str, int, int]     # (model, workload, turn, concurrency)
+
+
+def load_rows(paths: list[str]) -> list[dict]:
+    rows = []
+    for path in paths:
+        with open(path) as f:
+            rows += [json.loads(line) for line in f if line.strip()]
+    return rows
+
+
+def cell_label(workload: str, turn: int) -> str:
+    """sharegpt-repeat runs its list twice: turn 1 is first turns, turn 2 the repeat."""
+    if workload == "sharegpt-repeat":
+        return "sharegpt-first-turns" if turn == 1 else "sharegpt-repeat (turn 2)"
+    return workload
+
+
+def collect(rows: list[dict]) -> tuple[dict[CellKey, dict[str, dict]], list[str]]:
+    """cell -> engine config -> its latest row; and the engine configs in table order. An
+    engine that failed before measuring anything (no wheels, a start-up crash) gets an
+    error row in every cell of its model, so the table shows the failure."""
+    cells: dict[CellKey, dict[str, dict]] = defaultdict(dict)
+    for row in rows:
+        if row.get("kind") == "cell":
+            cells[(row["model"], row["workload"], row["turn"], row["concurrency"])][row["engine"]] = row
+    for row in rows:
+        if row.get("kind") == "engine" and row.get("error"):
+            for key, by_engine in cells.items():
+                if key[0] == row["model"] and row["engine"] not in by_engine:
+                    by_engine[row["engine"]] = {**row, "kind": "cell"}
+    seen = {engine for by_engine in cells.values() for engine in by_engine}
+    order = [name for name in ENGINES if name in seen] + sorted(seen - set(ENGINES))
+    return cells, order
+
+
+def agreement(row: dict, reference: dict | None) -> float | None:
+    """Fraction of prompts whose greedy output equals specserve plain's (bf16: not required)."""
+    mine, theirs = row.get("output_hashes"), (reference or {}).get("output_hashes")
+    if not mine or not theirs or len(mine) != len(theirs):
+        return None
+    return sum(a == b for a, b in zip(mine, theirs)) / len(mine)
+
+
+def best(by_engine: dict[str, dict], family: str | None, exclude: str | None = None) -> tuple[str, float] | None:
+    """The fastest config of `family` (None: every engine but `exclude`) in one cell."""
+    scores = [(name, row["tok_s"]) for name, row in by_engine.items()
+              if row.get("tok_s") and (row["engine_family"] == family if family else row["engine_family"] != exclude)]
+    return max(scores, key=lambda item: item[1]) if scores else None
+
+
+def ratio_rows(cells: dict[CellKey, dict[str, dict]]) -> list[tuple[CellKey, float | None]]:
+    """Every cell with specserve best / best peer (None when either is missing), worst first."""
+    ratios = []
+    for key, by_engine in cells.items():
+        ours, peer = best(by_engine, "specserve"), best(by_engine, None, exclude="specserve")
+        ratios.append((key, ours[1] / peer[1] if ours and peer else None))
+    return sorted(ratios, key=lambda item: (item[1] is None, item[1] or 0.0, item[0]))
+
+
+def speed_table(cells: dict[CellKey, dict[str, dict]], order: list[str]) -> list[str]:
+    header = ["model", "workload", "conc"] + order + ["specserve / best peer"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for key, ratio in ratio_rows(cells):
+        model, workload, turn, concurrency = key
+        by_engine = cells[key]
+        peer = best(by_engine, None, exclude="specserve")
+        values = [_speed_cell(by_engine.get(name)) for name in order]
+        verdict = f"**{ratio:.2f}x** (vs {peer[0]})" if ratio is not None else "n/a"
+        lines.append("| " + " | ".join([model, cell_label(workload, turn), str(concurrency), *values, verdict]) + " |")
+    return lines
+
+
+def _speed_cell(row: dict | None) -> str:
+    if row is None:
+        return "-"
+    if row.get("error"):
+        return "not run" if row["error"].startswith("not run") else "failed"
+    return f"{row['tok_s']:.0f}"
+
+
+def agreement_table(cells: dict[CellKey, dict[str, dict]], order: list[str]) -> list[str]:
+    lines = ["| engine | greedy outputs equal to specserve-plain | cells |", "|---|---|---|"]
+    for name in order:
+        rates = [rate for by_engine in cells.values() if name in by_engine
+                 for rate in [agreement(by_engine[name], by_engine.get(REFERENCE))] if rate is not None]
+        mean = f"{sum(rates) / len(rates):.0%}" if rates else "n/a"
+        lines.append(f"| {name} | {mean} | {len(rates)} |")
+    return lines
+
+
+def error_lines(rows: list[dict]) -> list[str]:
+    """One line per distinct (engine, model, error): what a reader needs to rerun it."""
+    seen, lines = set(), []
+    for row in rows:
+        error = row.get("error")
+        if not error:
+            continue
+        first = " ".join(error.split())[:300]
+        key = (row.get("engine"), row.get("model"), first)
+        if key not in seen:
+            seen.add(key)
+            lines.append(f"- {row.get('engine')} on {row.get('model')} ({row.get('kind')}): `{first}`")
+    return lines
+
+
+def render(rows: list[dict]) -> str:
+    cells, order = collect(rows)
+    info = [r for r in rows if r.get("kind") in ("device", "engine")]
+    devices = sorted({f"{r['name']} ({r.get('date', '')})" for r in info if r["kind"] == "device"})
+    versions = sorted({r["version"] for r in info if r["kind"] == "engine" and r.get("version")})
+    parts = ["# Peers: specserve, vLLM and SGLang on the same GPU, model directory and prompts", "",
+             f"Device: {', '.join(devices) or 'unknown'}. Versions: {', '.join(versions) or 'unknown'}.",
+             "Output tok/s of one client (streaming /v1/completions, greedy, fixed output length with ignore_eos); "
+             "cells sorted by specserve's best over the best peer, worst first.", ""]
+    parts += speed_table(cells, order) + ["", "## Greedy agreement (bf16; reported, not required)", ""]
+    parts += agreement_table(cells, order)
+    errors = error_lines(rows)
+    if errors:
+        parts += ["", "## Errors", ""] + errors
+    return "\n".join(parts) + "\n"
+
+
+def write_report(paths: list[str], out_dir: str) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "peers_table.md")
+    with open(path, "w") as f:
+        f.write(render(load_rows(paths)))
+    return path

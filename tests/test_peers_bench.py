@@ -1,0 +1,103 @@
+"""The peer benchmark on a CPU: the GGUF -> HF conversion, the argument handling, the table,
+and a real run of the specserve engines (a tiny random model behind SmolLM2's tokenizer)
+with a peer that has no wheels, which must be reported and skipped."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from specserve.bench import peers, peers_report
+from specserve.bench.gguf_to_hf import DONE_MARKER, convert
+
+
+@pytest.fixture(scope="module")
+def converted_smollm2(smollm2_path, tmp_path_factory):
+    return convert(smollm2_path, str(tmp_path_factory.mktemp("hf") / "smollm2"), "bfloat16")
+
+
+def test_conversion_keeps_weights_tokenizer_and_template(converted_smollm2, smollm2_hf, smollm2_path):
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+    saved = load_file(os.path.join(converted_smollm2, "model.safetensors"))
+    reference = {name: t for name, t in smollm2_hf.state_dict().items() if name != "lm_head.weight"}  # tied
+    assert saved.keys() == reference.keys()
+    assert all(saved[name].dtype == torch.bfloat16 and torch.equal(saved[name], reference[name].to(torch.bfloat16))
+               for name in saved)
+    config = json.load(open(os.path.join(converted_smollm2, "config.json")))
+    assert "quantization_config" not in config and config["tie_word_embeddings"]
+    ours = AutoTokenizer.from_pretrained(converted_smollm2)
+    original = AutoTokenizer.from_pretrained(os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path))
+    text = "def add(a, b):\n    return a + b  # émoji 🙂"
+    assert ours(text).input_ids == original(text).input_ids
+    messages = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(messages, tokenize=False) == original.apply_chat_template(messages, tokenize=False)
+    before = os.path.getmtime(os.path.join(converted_smollm2, DONE_MARKER))
+    assert convert(smollm2_path, converted_smollm2, "bfloat16") == converted_smollm2     # done: not again
+    assert os.path.getmtime(os.path.join(converted_smollm2, DONE_MARKER)) == before
+
+
+def test_quick_mode_measures_one_wave_per_cell():
+    ns = peers.parse_args(["run", "--quick", "--engines", "specserve-plain", "vllm-ngram"])
+    assert ns.engines == ["specserve-plain", "vllm-ngram"] and ns.bs1_prompts == 2
+    assert [peers.prompts_per_cell(ns, c) for c in (1, 8, 32, 64)] == [2, 8, 32, 64]
+    full = peers.parse_args(["run"])
+    assert [peers.prompts_per_cell(full, c) for c in (1, 8, 32, 64)] == [4, 16, 64, 128]
+    with pytest.raises(SystemExit):
+        peers.parse_args(["run", "--engines", "tgi-plain"])
+
+
+def _cell(engine: str, tok_s: float | None, concurrency: int = 8, hashes=("a", "b"), **extra) -> dict:
+    return {"kind": "cell", "model": "m", "engine": engine, "engine_family": engine.split("-")[0],
+            "workload": "code-types", "turn": 1, "concurrency": concurrency, "tok_s": tok_s,
+            "output_hashes": list(hashes), **extra}
+
+
+def test_table_worst_cell_first_with_failures_and_agreement():
+    rows = [_cell("specserve-plain", 100, 1), _cell("specserve-ngram", 300, 1), _cell("vllm-plain", 120, 1),
+            _cell("vllm-ngram", 200, 1, hashes=("a", "x")),
+            _cell("specserve-plain", 1000), _cell("specserve-ngram", 900), _cell("vllm-plain", 2000),
+            _cell("vllm-ngram", None, error="3 requests failed; the first: HTTP 500"),
+            {"kind": "engine", "model": "m", "engine": "sglang-plain", "engine_family": "sglang",
+             "error": "no wheels for sglang"}]
+    text = peers_report.render(rows)
+    table = [line for line in text.splitlines() if line.startswith("| m |")]
+    assert table[0].endswith("**0.50x** (vs vllm-plain) |")              # 1000 / 2000: worst first
+    assert table[1].endswith("**1.50x** (vs vllm-ngram) |")              # 300 / 200
+    assert "| failed |" in table[0] and table[0].count("failed") == 2   # vllm-ngram's 500, sglang's missing wheels
+    assert "| vllm-ngram | 75% | 2 |" in text                            # 1 of 2, then 2 of 2
+    assert "no wheels for sglang" in text and "HTTP 500" in text
+
+
+def test_specserve_engines_run_and_a_peer_without_wheels_is_reported(converted_smollm2, tmp_path):
+    import transformers
+    hf_root = tmp_path / "hf"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(converted_smollm2)
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=4096, tie_word_embeddings=True,
+                                      eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(hf_root / "tiny")
+    tokenizer.save_pretrained(hf_root / "tiny")
+    out = tmp_path / "out"
+    table = peers.run(peers.parse_args([
+        "run", "--quick", "--models", "tiny", "--hf-root", str(hf_root), "--models-dir", str(tmp_path),
+        "--engines", "specserve-plain", "vllm-plain", "specserve-ngram", "--concurrency", "1", "4",
+        "--max-new-tokens", "8", "--wheels", str(tmp_path / "no-wheels"), "--envs-root", str(tmp_path / "envs"),
+        "--specserve-args", "--device cpu --dtype float32", "--out", str(out)]))
+    rows = [json.loads(line) for line in open(out / "peers.jsonl")]
+    cells = [r for r in rows if r["kind"] == "cell"]
+    by_engine = {e: [c for c in cells if c["engine"] == e] for e in ("specserve-plain", "specserve-ngram")}
+    # 4 workloads, sharegpt-repeat twice (first turns, then the repeat), at 2 concurrencies
+    assert all(len(engine_cells) == 10 and all(c["tok_s"] > 0 and c["output_tokens"] == c["prompts"] * 8
+                                               for c in engine_cells) for engine_cells in by_engine.values())
+    assert {c["prompts"] for c in cells} == {2, 8}
+    vllm = [r for r in rows if r.get("engine") == "vllm-plain"]
+    assert len(vllm) == 1 and vllm[0]["kind"] == "engine" and "no wheels for vllm" in vllm[0]["error"]
+    text = open(table).read()
+    assert "| specserve-ngram | 100% | 10 |" in text      # fp32 greedy: speculation changes no token
+    assert text.count("| tiny |") == 10 and "no wheels for vllm" in text
+    assert os.path.exists(out / "logs" / "tiny-specserve-ngram.log")
