@@ -35,6 +35,8 @@ if [ "$mode" = standalone ]; then
 fi
 if [ "$mode" = eagle ]; then
   steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(3)
+  TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_eagle_cuda.py 2>&1 | tail -5 \
+    | tee "$OUT/pytest_eagle.txt"
   # the head trains on the subset's prompts (a few of which the benchmark also samples)
   python3 -m specserve.train_eagle --model-path /root/models/qwen2.5-coder-1.5b-instruct.gguf \
     --output-dir /root/eagle3-1.5b --dataset-path .gpu/sharegpt_subset.json --max-train-seconds 240 \
