@@ -20,10 +20,13 @@ prefix matching, inserts, eviction): on minus off is what the tree costs.
 from __future__ import annotations
 
 import argparse
+import gc
 import asyncio
 import json
 import statistics
 import time
+
+import torch
 from dataclasses import dataclass, field
 
 from specserve.args import ServerArgs
@@ -183,6 +186,7 @@ def run_mode(ns: argparse.Namespace, args: ServerArgs, workloads: list[str], cac
         if requests is None:
             with stage("preparing the workloads from ShareGPT"):
                 requests = Workloads(ns, engine)
+        requests.apply_template = engine.apply_chat_template
         with stage(f"warm-up, cache {mode}"):   # a batch of the concurrency's size: first-use costs are paid here
             engine.generate(input_ids=requests.unique_prompts[:ns.max_concurrency], sampling_params={"max_new_tokens": 8})
         spent = time_ledger(engine.core.scheduler)
@@ -193,6 +197,11 @@ def run_mode(ns: argparse.Namespace, args: ServerArgs, workloads: list[str], cac
                 start = time.perf_counter()
                 phases = asyncio.run(requests.run(engine, workload))
                 runs.append(Run(workload, mode, phases, time.perf_counter() - start, spent[0]))
+    requests.apply_template = None  # a bound method: it would keep this engine (and its GPU memory) alive
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return runs, requests
 
 
