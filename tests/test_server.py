@@ -269,7 +269,8 @@ class _FakeEngine:
         self.aborted = []
         pool = SimpleNamespace(size=100, slots=SimpleNamespace(available=lambda: 100))
         runner = SimpleNamespace(pool=pool, config=SimpleNamespace(vocab_size=0x110000))
-        self.core = SimpleNamespace(scheduler=SimpleNamespace(running=[], waiting=[]), runner=runner)
+        scheduler = SimpleNamespace(running=[], waiting=[], available_slots=lambda: 100, cached_slots=lambda: 0)
+        self.core = SimpleNamespace(scheduler=scheduler, runner=runner)
 
     def apply_chat_template(self, messages):
         return "".join(m["content"] for m in messages)

@@ -96,7 +96,7 @@ class Scheduler:
         """The prompt chunks of the last step join the prefix cache (a step that failed and was
         trimmed leaves only what it committed); done here, once the step has fully committed."""
         for req in self._prefilled:
-            if req.state is ReqState.RUNNING:
+            if req.state is ReqState.RUNNING and req.row is not None:
                 self.kv.cache_prefill(req)
         self._prefilled = []
 
