@@ -88,14 +88,14 @@ def test_while_plain_wins_the_bucket_decodes_plainly_until_a_probe_says_drafts_p
     adaptive = AdaptiveDraftLength([1, 4])
     batch = [f"r{i}" for i in range(8)]
     measured(adaptive, {1: 0.05, 4: 0.08}, batch_size=8)
-    assert adaptive.should_draft(8)                    # nothing chosen yet
+    assert not adaptive.should_draft(8)                # a new bucket starts plain (its rate is the reference)
     for rid in batch:
         for _ in range(5):
             propose(adaptive, rid)
             adaptive.observe(rid, [7])
     assert adaptive.choose(batch, [6] * len(batch)) == 1
     assert not adaptive.should_draft(8) and not adaptive.would_draft(8)   # plain mode, no drafting step
-    assert adaptive.should_draft(16) and adaptive.should_draft(1)        # other buckets decide for themselves
+    assert not adaptive.should_draft(16) and adaptive._hold == {8: PLAIN_HOLD, 16: PLAIN_HOLD}  # per bucket
     window = adaptive.probe_requests(8)
     assert len(window) == 8 and adaptive.probe_requests(40) != adaptive.probe_requests(40)   # rotates
     adaptive.probe(8, batch, [6] * len(batch))         # drafts still miss: stay plain

@@ -20,7 +20,7 @@ Both factors are measured, not assumed:
   greedy decoding the committed stream does not depend on the drafts, so the
   counterfactual is exact.
 
-Two modes per batch bucket. Drafting: every step proposes and picks its tier; a step that
+Two modes per batch bucket, which starts plain. Drafting: every step proposes and picks its tier; a step that
 picks 1 switches the bucket to plain. Plain: steps run on the overlapped plain path (the
 next step queued before this one's tokens are read), and after the tokens are committed,
 while the GPU runs the next step, the engine proposes for up to PROBE_REQUESTS requests of
@@ -105,7 +105,7 @@ class AdaptiveDraftLength:
     def should_draft(self, batch_size: int) -> bool:
         """Whether this step drafts: False while its bucket is in plain mode. A switch a
         probe asked for takes effect the step after next (see would_draft)."""
-        bucket = _bucket(batch_size)
+        bucket = self._seen(batch_size)
         if bucket in self._switching:
             if not self._switching[bucket]:
                 self._switching[bucket] = True   # this step still decodes plainly (e.g. one launched ahead)
@@ -118,11 +118,23 @@ class AdaptiveDraftLength:
     def would_draft(self, batch_size: int) -> bool:
         """Whether the step after this one may draft: no plain step is launched ahead then
         (a step launched ahead and not used is a GPU step thrown away)."""
-        bucket = _bucket(batch_size)
+        bucket = self._seen(batch_size)
         if bucket in self._switching:
             self._switching[bucket] = True
             return True
         return bucket not in self._plain
+
+    def _seen(self, batch_size: int) -> int:
+        """The batch size's bucket; a bucket seen for the first time starts plain, held for
+        PLAIN_HOLD steps: its plain rate is the reference drafting must beat (at large
+        batches a verify step costs several plain ones, and optimistic priors would
+        otherwise draft first and learn later)."""
+        bucket = _bucket(batch_size)
+        if bucket not in self._hold:
+            self._hold[bucket] = PLAIN_HOLD
+            self._plain_until[bucket] = self._bucket_steps.get(bucket, 0) + PLAIN_HOLD
+            self._plain.add(bucket)
+        return bucket
 
     def probe_requests(self, batch_size: int) -> range:
         """Which requests of a plain step to propose for, as shadows (a rotating window)."""
