@@ -1,29 +1,34 @@
-"""The device side of a draft model's chain: K draft tokens per request, one forward after
+"""The device side of a model drafter's chain: K draft tokens per request, one forward after
 another, with no host sync, so the same function runs eagerly and inside one CUDA graph per
-batch bucket (draft_runner.py).
+batch bucket (chain_graphs.py). A draft model (STANDALONE) and an EAGLE head both draft this
+way; `ChainModel` is what differs between them.
 
-Per request, with L its token count (the root t[L-1] at position L-1) and the draft cache
-holding positions 0 .. L-3 at least:
-  step 1:     a VERIFY-mode forward of the chain (t[L-2], t[L-1]) at positions L-2, L-1.
-              Feeding t[L-2] again makes every request start alike: after a verify step
-              that accepted every draft, the last draft d_K is the one token the draft
-              model never saw; otherwise its slot is rewritten with the same K/V.
-              -> d1 from the logits at t[L-1]
-  step j > 1: a DECODE forward of d_{j-1} at position L+j-2 -> d_j
+Per request, the chain starts with up to n rows fed in one VERIFY-mode forward (a chain
+mask among the real ones, `num_fed` of them; the rest are padding that sees only itself and
+writes to the padding slot), and the drafter's state at the last fed row gives draft 1:
+- STANDALONE: n = 2, the last two tokens t[L-2], t[L-1] (L tokens so far). Feeding t[L-2]
+  again makes every request start alike: after a verify step that accepted every draft,
+  the last draft is the one token the draft model never saw; otherwise its slot is
+  rewritten with the same K/V.
+- EAGLE: n = K + 1, the rows whose target states the last verify step brought (1 .. K + 1).
+Draft step j (1 <= j < K) then feeds draft j at row last + j (one DECODE forward) and gives
+draft j + 1. Row = position for a draft model; an EAGLE row r reads the token at r + 1, so
+its drafts sit one position further (`ChainModel.token_offset`).
+
 A draft is the argmax, or a sample of q = softmax(logits / T) keyed by the request's seed
 and the draft's position (SALT_DRAFT: independent of the verifier's numbers); rows with
-T = 0 take the argmax (q one-hot). Sampling chains keep q of d_j in probs[:, j-1]: the
-distribution node j-1's child was drawn from, verify_sampling's `draft_probs` layout.
+T = 0 take the argmax (q one-hot). Sampling chains keep q of draft j over the target
+vocabulary in probs[:, j-1]: the distribution node j-1's child was drawn from,
+verify_sampling's `draft_probs` layout.
 
-Padding rows (a graph bucket larger than the batch) have table row `scratch_row`, prefix 0
-and the padding slot: their writes land in slot PADDING_SLOT, their drafts are dropped.
+Padding requests (a graph bucket larger than the batch) have table row `scratch_row`,
+prefix 0, one fed row and the padding slot: their writes land in slot PADDING_SLOT.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
-import numpy as np
 import torch
 
 from specserve.attention.base import ForwardBatch, ForwardMode
@@ -32,122 +37,152 @@ from specserve.sampling.filters import apply_sampling_filters
 from specserve.sampling.random import SALT_DRAFT, exponential_race
 
 
+class ChainModel(Protocol):
+    token_offset: int                  # a row's position + this = the position of the token it reads
+    draft_vocab: torch.Tensor | None   # (draft vocab,) target ids of the draft logits; None: the same ids
+
+    def forward(self, batch: ForwardBatch, features: torch.Tensor | None) -> torch.Tensor:
+        """The drafter's state at the rows batch.logits_indices, after the batch's tokens
+        (features: EAGLE's input per token row; None for a draft model)."""
+
+    def draft_logits(self, state: torch.Tensor) -> torch.Tensor:
+        """(bs, draft vocab) from forward's state."""
+
+
 @dataclass
 class ChainInputs:
     """Views into one packed int64 buffer (host, pinned for graphs, or device)."""
     packed: torch.Tensor
-    tokens: torch.Tensor        # (bs, 2) t[L-2], t[L-1]
-    slots: torch.Tensor         # (bs, K+1) draft-pool slots of positions L-2 .. L+K-2
-    req_rows: torch.Tensor      # (bs,) rows of the draft pool's req_to_token
-    prefix_lens: torch.Tensor   # (bs,) L-2: positions the chain does not feed
+    tokens: torch.Tensor        # (bs, n) tokens of the fed rows, 0 for padding
+    num_fed: torch.Tensor       # (bs,) real fed rows, >= 1
+    slots: torch.Tensor         # (bs, n + K - 1) slots of the fed rows (padding: PADDING_SLOT), then of the K - 1 draft steps
+    req_rows: torch.Tensor      # (bs,) rows of the drafter pool's req_to_token
+    prefix_lens: torch.Tensor   # (bs,) the first fed row = rows already cached
     seeds: torch.Tensor         # (bs,)
     temperatures: torch.Tensor  # (bs,) float64 (a view of int64 storage); 0: argmax drafts
 
     @classmethod
-    def allocate(cls, bs: int, num_steps: int, device, pin: bool = False) -> "ChainInputs":
-        size = bs * (2 + num_steps + 1) + 4 * bs
-        return cls.view(torch.zeros(size, dtype=torch.long, device=device, pin_memory=pin), bs, num_steps)
+    def allocate(cls, bs: int, n: int, num_steps: int, device, pin: bool = False) -> "ChainInputs":
+        size = bs * (2 * n + num_steps - 1) + 5 * bs
+        return cls.view(torch.zeros(size, dtype=torch.long, device=device, pin_memory=pin), bs, n, num_steps)
 
     @classmethod
-    def view(cls, packed: torch.Tensor, bs: int, num_steps: int) -> "ChainInputs":
-        parts = packed.split([2 * bs, (num_steps + 1) * bs, bs, bs, bs, bs])
-        return cls(packed, parts[0].view(bs, 2), parts[1].view(bs, num_steps + 1), parts[2], parts[3], parts[4],
-                   parts[5].view(torch.float64))
+    def view(cls, packed: torch.Tensor, bs: int, n: int, num_steps: int) -> "ChainInputs":
+        parts = packed.split([n * bs, bs, (n + num_steps - 1) * bs, bs, bs, bs, bs])
+        return cls(packed, parts[0].view(bs, n), parts[1], parts[2].view(bs, n + num_steps - 1), parts[3], parts[4],
+                   parts[5], parts[6].view(torch.float64))
 
     @property
     def batch_size(self) -> int:
         return self.tokens.shape[0]
 
     @property
+    def rows_per_req(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
     def num_steps(self) -> int:
-        return self.slots.shape[1] - 1
+        return self.slots.shape[1] - self.tokens.shape[1] + 1
 
     def fill(self, rows: "list[ChainRow]", scratch_row: int) -> None:
         """Writes `rows` into a host buffer through numpy views; later rows become padding."""
-        count = len(rows)
-        views = [t.numpy() for t in (self.tokens, self.slots, self.req_rows, self.prefix_lens, self.seeds,
-                                     self.temperatures)]
-        tokens, slots, req_rows, prefix, seeds, temperatures = views
+        n, count = self.rows_per_req, len(rows)
+        tokens, num_fed, slots, req_rows, prefix, seeds, temperatures = (t.numpy() for t in (
+            self.tokens, self.num_fed, self.slots, self.req_rows, self.prefix_lens, self.seeds, self.temperatures))
         tokens.fill(0)
+        num_fed.fill(1)
         slots.fill(PADDING_SLOT)
         req_rows.fill(scratch_row)
         prefix.fill(0)
         seeds.fill(0)
         temperatures.fill(0.0)
-        if not count:
-            return
-        tokens[:count] = [row.tokens for row in rows]
-        slots[:count] = np.asarray([row.slots for row in rows], dtype=np.int64)
-        req_rows[:count] = [row.req_row for row in rows]
-        prefix[:count] = [row.prefix_len for row in rows]
-        seeds[:count] = [row.seed for row in rows]
-        temperatures[:count] = [row.temperature for row in rows]
+        for i, row in enumerate(rows):
+            fed = len(row.tokens)
+            tokens[i, :fed] = row.tokens
+            slots[i, :fed] = row.slots[:fed]
+            slots[i, n:] = row.slots[fed:]
+        if count:
+            num_fed[:count] = [len(row.tokens) for row in rows]
+            req_rows[:count] = [row.req_row for row in rows]
+            prefix[:count] = [row.prefix_len for row in rows]
+            seeds[:count] = [row.seed for row in rows]
+            temperatures[:count] = [row.temperature for row in rows]
 
 
 @dataclass
 class ChainRow:
     """One request's chain, on the host."""
-    tokens: tuple[int, int]
-    slots: list[int]
+    tokens: list[int]       # the fed rows' tokens (1 .. n)
+    slots: list[int]        # the fed rows' slots, then the K - 1 draft steps'
     req_row: int
-    prefix_len: int
+    prefix_len: int         # the first fed row
     seed: int
     temperature: float
 
 
-def run_chain(model, backend, pool: KVPool, inputs: ChainInputs, plan: Callable[[ForwardBatch], None],
-              probs_out: torch.Tensor | None = None, prefix_lens_host: list[int] | None = None) -> torch.Tensor:
-    """The chain's drafts (bs, K) int64. probs_out: (>= bs, K+1, V) float32 filled with q
-    (sampling chains), or None for argmax drafts. prefix_lens_host: for eager planning (a
-    graph plans for the longest context instead)."""
-    bs, num_steps = inputs.batch_size, inputs.num_steps
+def run_chain(model: ChainModel, pool: KVPool, inputs: ChainInputs, plan: Callable[[ForwardBatch], None],
+              probs_out: torch.Tensor | None = None, first_features: torch.Tensor | None = None,
+              host_rows: list[ChainRow] | None = None) -> torch.Tensor:
+    """The chain's drafts (bs, K) int64 target ids. probs_out: (>= bs, K+1, V) float32
+    filled with q (sampling chains), or None for argmax drafts. first_features: EAGLE's
+    target states of the fed rows (bs * n, features). host_rows: the batch on the host, for
+    eager planning (a graph plans for the longest context instead)."""
+    bs, n, num_steps = inputs.batch_size, inputs.rows_per_req, inputs.num_steps
     device = inputs.tokens.device
-    host_prefix = prefix_lens_host if prefix_lens_host is not None else [0] * bs
+    host_prefix = [row.prefix_len for row in host_rows] if host_rows is not None else [0] * bs
+    host_last = [row.prefix_len + len(row.tokens) - 1 for row in host_rows] if host_rows is not None else [0] * bs
+    plan_and = lambda batch, features: (plan(batch), model.forward(batch, features))[1]  # noqa: E731
+    state = plan_and(_fed_rows(inputs, pool, host_prefix), first_features)
+    last = inputs.prefix_lens + inputs.num_fed - 1                  # the last fed row
     drafts = []
-    logits = _forward(model, backend, plan, _first_step(inputs, pool, host_prefix))
     for step in range(1, num_steps + 1):
-        position = inputs.prefix_lens + step + 1       # where d_step goes: L + step - 1
-        token = _pick(logits, inputs, position, None if probs_out is None else probs_out[:bs, step - 1])
-        drafts.append(token)
+        position = last + step + model.token_offset                 # where draft `step` goes
+        drafts.append(_pick(model, state, inputs, position, None if probs_out is None else probs_out[:bs, step - 1]))
         if step == num_steps:
             break
+        row = last + step
         batch = ForwardBatch(
-            mode=ForwardMode.DECODE, input_ids=token, positions=position,
-            out_slots=inputs.slots[:, step + 1].contiguous(), req_rows=inputs.req_rows, prefix_lens=position,
+            mode=ForwardMode.DECODE, input_ids=drafts[-1], positions=row,
+            out_slots=inputs.slots[:, n + step - 1].contiguous(), req_rows=inputs.req_rows, prefix_lens=row,
             extend_lens=torch.ones(bs, dtype=torch.long, device=device),
-            prefix_lens_host=[p + step + 1 for p in host_prefix], extend_lens_host=[1] * bs, kv_pool=pool,
-            logits_indices=torch.arange(bs, device=device))
-        logits = _forward(model, backend, plan, batch)
+            prefix_lens_host=[r + step for r in host_last], extend_lens_host=[1] * bs,
+            kv_pool=pool, logits_indices=torch.arange(bs, device=device))
+        state = plan_and(batch, state)
     return torch.stack(drafts, dim=1)
 
 
-def _forward(model, backend, plan: Callable[[ForwardBatch], None], batch: ForwardBatch) -> torch.Tensor:
-    plan(batch)
-    return model(batch, backend)
-
-
-def _first_step(inputs: ChainInputs, pool: KVPool, host_prefix: list[int]) -> ForwardBatch:
-    """The VERIFY-mode forward of (t[L-2], t[L-1]); logits at t[L-1] only."""
-    bs = inputs.batch_size
+def _fed_rows(inputs: ChainInputs, pool: KVPool, host_prefix: list[int]) -> ForwardBatch:
+    """The VERIFY-mode forward of the fed rows, the state taken at each request's last one."""
+    bs, n = inputs.batch_size, inputs.rows_per_req
     device = inputs.tokens.device
-    two = torch.arange(2, device=device)
+    node = torch.arange(n, device=device)
+    real = node < inputs.num_fed.unsqueeze(1)                                       # (bs, n)
+    chain = node.view(1, n, 1) >= node.view(1, 1, n)
+    mask = (chain & real.unsqueeze(1) & real.unsqueeze(2)) | torch.eye(n, dtype=torch.bool, device=device)
     return ForwardBatch(
         mode=ForwardMode.VERIFY, input_ids=inputs.tokens.reshape(-1),
-        positions=(inputs.prefix_lens.unsqueeze(1) + two).reshape(-1),
-        out_slots=inputs.slots[:, :2].reshape(-1), req_rows=inputs.req_rows, prefix_lens=inputs.prefix_lens,
-        extend_lens=torch.full((bs,), 2, dtype=torch.long, device=device), prefix_lens_host=host_prefix,
-        extend_lens_host=[2] * bs, kv_pool=pool, logits_indices=torch.arange(bs, device=device) * 2 + 1,
-        tree_mask=(two.view(1, 2, 1) >= two.view(1, 1, 2)).expand(bs, 2, 2))
+        positions=(inputs.prefix_lens.unsqueeze(1) + node).reshape(-1),
+        out_slots=inputs.slots[:, :n].reshape(-1), req_rows=inputs.req_rows, prefix_lens=inputs.prefix_lens,
+        extend_lens=torch.full((bs,), n, dtype=torch.long, device=device), prefix_lens_host=host_prefix,
+        extend_lens_host=[n] * bs, kv_pool=pool,
+        logits_indices=torch.arange(bs, device=device) * n + inputs.num_fed - 1, tree_mask=mask)
 
 
-def _pick(logits: torch.Tensor, inputs: ChainInputs, position: torch.Tensor,
+def _pick(model: ChainModel, state: torch.Tensor, inputs: ChainInputs, position: torch.Tensor,
           probs_out: torch.Tensor | None) -> torch.Tensor:
-    """One draft per row: the argmax, or a sample of q written to probs_out (bs, V)."""
+    """One draft per row (a target id): the argmax, or a sample of q written to probs_out (bs, V)."""
+    logits = model.draft_logits(state).float()
+    vocab = model.draft_vocab
     if probs_out is None:
-        return logits.argmax(dim=-1)
-    q = draft_distribution(logits, inputs.temperatures)
-    probs_out.copy_(q)
-    return exponential_race(q, inputs.seeds, position, SALT_DRAFT)
+        ids = logits.argmax(dim=-1)
+    else:
+        q = draft_distribution(logits, inputs.temperatures)
+        if vocab is None:
+            probs_out.copy_(q)
+        else:
+            probs_out.zero_().scatter_(1, vocab.expand(len(q), -1), q)
+        ids = exponential_race(q, inputs.seeds, position, SALT_DRAFT)
+    return ids if vocab is None else vocab[ids]
 
 
 def draft_distribution(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
@@ -157,3 +192,18 @@ def draft_distribution(logits: torch.Tensor, temperatures: torch.Tensor) -> torc
     unused = temperatures
     return apply_sampling_filters(logits, temperatures, unused, unused, unused,
                                   need_top_k_top_p=False, need_min_p=False)
+
+
+class DecoderChainModel:
+    """A draft model (DecoderLM) as a ChainModel: its state is the logits."""
+    token_offset = 0
+    draft_vocab = None
+
+    def __init__(self, model, backend):
+        self.model, self.backend = model, backend
+
+    def forward(self, batch: ForwardBatch, features: torch.Tensor | None) -> torch.Tensor:
+        return self.model(batch, self.backend)
+
+    def draft_logits(self, state: torch.Tensor) -> torch.Tensor:
+        return state

@@ -9,7 +9,6 @@ position the target may reach (drafts there are cut, never verified).
 """
 from __future__ import annotations
 
-import bisect
 import logging
 import time
 
@@ -23,11 +22,13 @@ from specserve.kv.pool import KVPool
 from specserve.model.config import ModelConfig
 from specserve.model.llama import DecoderLM
 from specserve.model.loader import load_checkpoint, resolve_model_path
-from specserve.runner.cuda_graph import batch_size_buckets, capture_graph
-from specserve.runner.draft_chain import ChainInputs, ChainRow, run_chain
+from specserve.runner.chain_graphs import ChainGraphs
+from specserve.runner.cuda_graph import batch_size_buckets
+from specserve.runner.draft_chain import ChainInputs, ChainRow, DecoderChainModel, run_chain
 from specserve.runner.model_runner import build_model
 
 logger = logging.getLogger("specserve")
+FED_ROWS = 2   # a chain feeds the last two tokens (see draft_chain.py)
 
 
 def load_draft_model(args: ServerArgs, target: ModelConfig, device: torch.device, dtype: torch.dtype,
@@ -55,6 +56,14 @@ def chain_context(context_length: int, num_steps: int) -> int:
     return context_length + num_steps + 1
 
 
+def drafter_backend(args: ServerArgs, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int):
+    """The attention backend the target uses (--attention-backend), for a drafter's own layers."""
+    name = args.attention_backend
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch_native"
+    return create_attention_backend(name, num_heads, num_kv_heads, head_dim)
+
+
 def kv_bytes_per_token(model: DecoderLM, dtype: torch.dtype) -> int:
     config = model.config
     return KVPool.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
@@ -70,14 +79,14 @@ class DraftModelRunner:
         self.pool = KVPool(config.num_layers, config.num_kv_heads, config.head_dim, target_pool.size,
                            target_pool.max_requests, chain_context(target_pool.max_context, self.num_steps),
                            self.dtype, self.device)
-        backend = args.attention_backend
-        if backend == "auto":
-            backend = "triton" if self.device.type == "cuda" else "torch_native"
-        self.backend = create_attention_backend(backend, config.num_heads, config.num_kv_heads, config.head_dim)
+        self.backend = drafter_backend(args, self.device, config.num_heads, config.num_kv_heads, config.head_dim)
+        self.chain_model = DecoderChainModel(model, self.backend)
         self.graphs = None
         if self.device.type == "cuda" and not args.disable_cuda_graph and self.backend.supports_cuda_graph:
             max_bs = min(args.cuda_graph_max_bs or 64, target_pool.max_requests)
-            self.graphs = DraftChainGraphs(self, max_bs)
+            self.backend.init_cuda_graph_state(batch_size_buckets(max_bs)[-1], FED_ROWS, self.pool)
+            self.graphs = ChainGraphs(self._run_for_graph, max_bs, FED_ROWS, self.num_steps, self.vocab_size,
+                                      self.pool.scratch_row, self.device)
 
     @torch.inference_mode()
     def catch_up(self, rows: list[int], starts: list[int], tokens: list[list[int]], slots: list[int]) -> None:
@@ -103,63 +112,12 @@ class DraftModelRunner:
         if self.graphs is not None and len(rows) <= self.graphs.max_bs:
             return self.graphs.replay(rows, sample)
         bs = len(rows)
-        host = ChainInputs.allocate(bs, self.num_steps, "cpu", pin=self.device.type == "cuda")
+        host = ChainInputs.allocate(bs, FED_ROWS, self.num_steps, "cpu", pin=self.device.type == "cuda")
         host.fill(rows, self.pool.scratch_row)
-        inputs = ChainInputs.view(host.packed.to(self.device, non_blocking=True), bs, self.num_steps)
-        probs = self._probs_buffer(bs) if sample else None
-        drafts = run_chain(self.model, self.backend, self.pool, inputs, self.backend.plan, probs,
-                           [row.prefix_len for row in rows])
+        inputs = ChainInputs.view(host.packed.to(self.device, non_blocking=True), bs, FED_ROWS, self.num_steps)
+        probs = torch.zeros((bs, self.num_steps + 1, self.vocab_size), device=self.device) if sample else None
+        drafts = run_chain(self.chain_model, self.pool, inputs, self.backend.plan, probs, host_rows=rows)
         return drafts, probs
 
-    def _probs_buffer(self, bs: int) -> torch.Tensor:
-        """(bs, K+1, V) zeros: the last node has no child, its q stays 0."""
-        return torch.zeros((bs, self.num_steps + 1, self.vocab_size), dtype=torch.float32, device=self.device)
-
-
-class DraftChainGraphs:
-    """One CUDA graph per (batch bucket, argmax or sampled drafts): a whole chain, K forwards
-    of the draft model, is one replay."""
-
-    def __init__(self, runner: DraftModelRunner, max_bs: int):
-        self.runner = runner
-        self.buckets = batch_size_buckets(max_bs)
-        self.max_bs = self.buckets[-1]
-        num_steps, device = runner.num_steps, runner.device
-        runner.backend.init_cuda_graph_state(self.max_bs, 2, runner.pool)
-        self.device_inputs = {bs: ChainInputs.allocate(bs, num_steps, device) for bs in self.buckets}
-        self.host_inputs = {bs: ChainInputs.allocate(bs, num_steps, "cpu", pin=True) for bs in self.buckets}
-        self.probs = runner._probs_buffer(self.max_bs)   # shared by the sampling graphs
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self.drafts: dict[tuple[int, bool], torch.Tensor] = {}
-        self._copied: dict[int, torch.cuda.Event] = {}
-        self.memory_pool = None
-        start = time.perf_counter()
-        for sample in (False, True):
-            for bs in reversed(self.buckets):    # largest first: later graphs reuse its pool memory
-                self._capture(bs, sample)
-        logger.info("captured %d draft-chain CUDA graphs (%d steps, batch sizes %s) in %.1f s",
-                    len(self.graphs), num_steps, self.buckets, time.perf_counter() - start)
-
-    @torch.inference_mode()
-    def _capture(self, bs: int, sample: bool) -> None:
-        runner, inputs = self.runner, self.device_inputs[bs]
-        inputs.req_rows.fill_(runner.pool.scratch_row)
-        self.graphs[bs, sample], self.drafts[bs, sample] = capture_graph(
-            lambda: run_chain(runner.model, runner.backend, runner.pool, inputs, runner.backend.plan_for_capture,
-                              self.probs if sample else None),
-            self.memory_pool)
-        if self.memory_pool is None:
-            self.memory_pool = self.graphs[bs, sample].pool()
-
-    def replay(self, rows: list[ChainRow], sample: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Outputs are views of graph memory, valid until the next chain replays."""
-        bs = len(rows)
-        bucket = self.buckets[bisect.bisect_left(self.buckets, bs)]
-        host, device = self.host_inputs[bucket], self.device_inputs[bucket]
-        if bucket in self._copied:
-            self._copied[bucket].synchronize()   # the previous copy out of this pinned buffer is done
-        host.fill(rows, self.runner.pool.scratch_row)
-        device.packed.copy_(host.packed, non_blocking=True)
-        self._copied.setdefault(bucket, torch.cuda.Event()).record()
-        self.graphs[bucket, sample].replay()
-        return self.drafts[bucket, sample][:bs], self.probs[:bs] if sample else None
+    def _run_for_graph(self, inputs: ChainInputs, probs: torch.Tensor | None) -> torch.Tensor:
+        return run_chain(self.chain_model, self.pool, inputs, self.backend.plan_for_capture, probs)

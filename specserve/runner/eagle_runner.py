@@ -1,6 +1,8 @@
 """EagleHeadRunner: an EAGLE head (eagle_head.py) serving drafts, with its own one-layer KV
-pool and attention backend, and its chain: the rows of the target's newly committed states
-fed in one forward, then K - 1 draft steps, without a host sync in between.
+pool and attention backend, and its chain (draft_chain.py): the rows of the target's newly
+committed states fed in one forward, then K - 1 draft steps, without a host sync in
+between; one CUDA graph replay per batch bucket on a GPU (chain_graphs.py). Rows a chain
+does not feed (a prompt's) go through an eager catch-up first.
 
 Rows follow the training-time test (eagle_ttt.py): row r of a request's draft cache holds
 the K/V of step 0 at r, which reads the token at position r + 1 and the target's state at
@@ -13,21 +15,20 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
 from specserve.args import ServerArgs
 from specserve.attention.base import ForwardBatch, ForwardMode
-from specserve.attention.registry import create_attention_backend
 from specserve.errors import ArgumentError
 from specserve.kv.pool import KVPool
 from specserve.model.config import ModelConfig
 from specserve.model.hidden_capture import HiddenCapture
 from specserve.model.rope import RotaryEmbedding
-from specserve.runner.draft_chain import draft_distribution
-from specserve.runner.draft_runner import chain_context
-from specserve.sampling.random import SALT_DRAFT, exponential_race
+from specserve.runner.chain_graphs import ChainGraphs
+from specserve.runner.cuda_graph import batch_size_buckets
+from specserve.runner.draft_chain import ChainInputs, ChainRow, run_chain
+from specserve.runner.draft_runner import chain_context, drafter_backend
 from specserve.speculative.eagle_checkpoint import load_head
 from specserve.speculative.eagle_head import EagleHead
 
@@ -70,17 +71,21 @@ def kv_bytes_per_token(head: EagleHead, dtype: torch.dtype) -> int:
     return KVPool.bytes_per_token(1, head.config.num_kv_heads, head.config.head_dim, dtype)
 
 
-@dataclass
-class EagleChainInputs:
-    """One chain for a batch, on the host; `features` on the device."""
-    req_rows: list[int]
-    feed_starts: list[int]         # first row fed per request
-    feed_tokens: list[list[int]]   # tokens of the fed rows (the token after each row's state)
-    feed_slots: list[int]          # their slots, request after request
-    features: torch.Tensor         # (fed rows, feature size) the target's states of the fed rows
-    chain_slots: list[list[int]]   # (bs, K - 1) slots of the draft steps' rows
-    seeds: list[int]
-    temperatures: list[float]      # 0: argmax drafts
+class HeadChainModel:
+    """An EAGLE head as a ChainModel: its state is the head's output (the next step's feature)."""
+    token_offset = 1
+
+    def __init__(self, head: EagleHead, backend):
+        self.head, self.backend = head, backend
+        self.draft_vocab = head.draft_vocab()          # (draft vocab,) target ids
+
+    def forward(self, batch: ForwardBatch, features: torch.Tensor | None) -> torch.Tensor:
+        attend = lambda q, k, v: self.backend.forward(q, k, v, 0, batch)  # noqa: E731
+        hidden = self.head.step(batch.input_ids, features, batch.positions, attend)
+        return hidden[batch.logits_indices]
+
+    def draft_logits(self, state: torch.Tensor) -> torch.Tensor:
+        return self.head.logits(state)
 
 
 class EagleHeadRunner:
@@ -91,69 +96,61 @@ class EagleHeadRunner:
         self.head, self.config = head, config
         self.device, self.dtype = target_pool.device, target_pool.dtype
         self.num_steps = args.speculative_steps
+        self.fed_rows = self.num_steps + 1     # a verify step commits up to K + 1 tokens: their rows are fed next
         self.vocab_size = config.vocab_size
-        self.draft_vocab = head.draft_vocab()          # (draft vocab,) target ids
         self.pool = KVPool(1, config.num_kv_heads, config.head_dim, target_pool.size, target_pool.max_requests,
                            chain_context(target_pool.max_context, self.num_steps), self.dtype, self.device)
-        backend = args.attention_backend
-        if backend == "auto":
-            backend = "triton" if self.device.type == "cuda" else "torch_native"
-        self.backend = create_attention_backend(backend, config.num_heads, config.num_kv_heads, config.head_dim)
+        self.backend = drafter_backend(args, self.device, config.num_heads, config.num_kv_heads, config.head_dim)
+        self.chain_model = HeadChainModel(head, self.backend)
+        self.graphs = None
+        if self.device.type == "cuda" and not args.disable_cuda_graph and self.backend.supports_cuda_graph:
+            max_bs = batch_size_buckets(min(args.cuda_graph_max_bs or 64, target_pool.max_requests))[-1]
+            self.backend.init_cuda_graph_state(max_bs, self.fed_rows, self.pool)
+            # the fed rows' target states, read by every graph (filled before a replay)
+            self.graph_features = torch.zeros((max_bs * self.fed_rows, config.feature_size), dtype=self.dtype,
+                                              device=self.device)
+            self.graphs = ChainGraphs(self._run_for_graph, max_bs, self.fed_rows, self.num_steps, self.vocab_size,
+                                      self.pool.scratch_row, self.device)
 
     @torch.inference_mode()
-    def chain(self, inputs: EagleChainInputs, sample: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Drafts (bs, K) target ids on the device and, for a sampling chain, q over the
-        target vocabulary (bs, K + 1, V), the last node's 0 (verify's draft_probs layout)."""
-        bs, device = len(inputs.req_rows), self.device
-        lengths = [len(tokens) for tokens in inputs.feed_tokens]
-        last_rows = [start + length - 1 for start, length in zip(inputs.feed_starts, lengths)]   # R - 1
-        as_long = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
-        seeds = as_long(inputs.seeds)
-        temperatures = torch.tensor(inputs.temperatures, dtype=torch.float32, device=device)
-        probs = torch.zeros((bs, self.num_steps + 1, self.vocab_size), device=device) if sample else None
-        hidden = self._extend(inputs, lengths)
-        rows = as_long(last_rows)
-        drafts = [self._pick(hidden, rows + 2, seeds, temperatures, probs, 0)]
-        chain_slots = as_long(inputs.chain_slots).view(bs, self.num_steps - 1)
-        for step in range(1, self.num_steps):
-            positions = rows + step
-            batch = self._batch(ForwardMode.DECODE, drafts[-1], positions, chain_slots[:, step - 1], inputs.req_rows,
-                                positions, [r + step for r in last_rows], [1] * bs)
-            hidden = self._step(batch, hidden)
-            drafts.append(self._pick(hidden, rows + 2 + step, seeds, temperatures, probs, step))
-        return torch.stack(drafts, dim=1), probs
-
-    def _extend(self, inputs: EagleChainInputs, lengths: list[int]) -> torch.Tensor:
-        """Step 0 over the fed rows; the outputs (bs, hidden) of each request's last row."""
+    def catch_up(self, rows: list[int], starts: list[int], tokens: list[list[int]], slots: list[int],
+                 features: torch.Tensor) -> None:
+        """Step 0 over rows a chain does not feed (a prompt's, before its last K + 1): one
+        EXTEND forward; features: the rows' target states, request after request."""
         device = self.device
+        lengths = [len(t) for t in tokens]
         as_long = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
-        positions = as_long([r for start, length in zip(inputs.feed_starts, lengths) for r in range(start, start + length)])
-        tokens = as_long([t for tokens in inputs.feed_tokens for t in tokens])
-        batch = self._batch(ForwardMode.EXTEND, tokens, positions, as_long(inputs.feed_slots), inputs.req_rows,
-                            as_long(inputs.feed_starts), list(inputs.feed_starts), lengths)
-        hidden = self._step(batch, self.head.project(inputs.features))
-        return hidden[torch.tensor(lengths, device=device).cumsum(0) - 1]
-
-    def _batch(self, mode: ForwardMode, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-               req_rows: list[int], prefix_lens: torch.Tensor, prefix_host: list[int], lengths: list[int]) -> ForwardBatch:
-        device = self.device
-        return ForwardBatch(
-            mode=mode, input_ids=tokens, positions=positions, out_slots=slots.contiguous(),
-            req_rows=torch.tensor(req_rows, dtype=torch.long, device=device), prefix_lens=prefix_lens,
-            extend_lens=torch.tensor(lengths, dtype=torch.long, device=device), prefix_lens_host=prefix_host,
-            extend_lens_host=lengths, kv_pool=self.pool, logits_indices=torch.empty(0, dtype=torch.long, device=device))
-
-    def _step(self, batch: ForwardBatch, features: torch.Tensor) -> torch.Tensor:
+        batch = ForwardBatch(
+            mode=ForwardMode.EXTEND, input_ids=as_long([t for ids in tokens for t in ids]),
+            positions=as_long([r for start, length in zip(starts, lengths) for r in range(start, start + length)]),
+            out_slots=as_long(slots), req_rows=as_long(rows), prefix_lens=as_long(starts), extend_lens=as_long(lengths),
+            prefix_lens_host=list(starts), extend_lens_host=lengths, kv_pool=self.pool,
+            logits_indices=as_long([sum(lengths) - 1]))
         self.backend.plan(batch)
-        attend = lambda q, k, v: self.backend.forward(q, k, v, 0, batch)  # noqa: E731
-        return self.head.step(batch.input_ids, features.to(self.dtype), batch.positions, attend)
+        self.chain_model.forward(batch, self.head.project(features.to(self.dtype)))
 
-    def _pick(self, hidden: torch.Tensor, positions: torch.Tensor, seeds: torch.Tensor, temperatures: torch.Tensor,
-              probs: torch.Tensor | None, step: int) -> torch.Tensor:
-        """The draft at `positions` (target ids): the argmax, or a sample of q kept in probs[:, step]."""
-        logits = self.head.logits(hidden).float()                  # (bs, draft vocab)
-        if probs is None:
-            return self.draft_vocab[logits.argmax(dim=-1)]
-        q = draft_distribution(logits, temperatures)
-        probs[:, step].scatter_(1, self.draft_vocab.expand(len(q), -1), q)
-        return self.draft_vocab[exponential_race(q, seeds, positions, SALT_DRAFT)]
+    @torch.inference_mode()
+    def chain(self, rows: list[ChainRow], features: torch.Tensor, sample: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Drafts (bs, K) target ids on the device and, for a sampling chain, q over the
+        target vocabulary (bs, K + 1, V). features: the fed rows' target states, request after
+        request. Queued without a host sync."""
+        n = self.fed_rows
+        index = torch.tensor([i * n + j for i, row in enumerate(rows) for j in range(len(row.tokens))],
+                             device=self.device)
+        if self.graphs is not None and len(rows) <= self.graphs.max_bs:
+            self.graph_features.index_copy_(0, index, features.to(self.dtype))
+            return self.graphs.replay(rows, sample)
+        bs = len(rows)
+        padded = torch.zeros((bs * n, features.shape[-1]), dtype=self.dtype, device=self.device)
+        padded.index_copy_(0, index, features.to(self.dtype))
+        host = ChainInputs.allocate(bs, n, self.num_steps, "cpu", pin=self.device.type == "cuda")
+        host.fill(rows, self.pool.scratch_row)
+        inputs = ChainInputs.view(host.packed.to(self.device, non_blocking=True), bs, n, self.num_steps)
+        probs = torch.zeros((bs, self.num_steps + 1, self.vocab_size), device=self.device) if sample else None
+        drafts = run_chain(self.chain_model, self.pool, inputs, self.backend.plan, probs,
+                           self.head.project(padded), host_rows=rows)
+        return drafts, probs
+
+    def _run_for_graph(self, inputs: ChainInputs, probs: torch.Tensor | None) -> torch.Tensor:
+        features = self.head.project(self.graph_features[:inputs.batch_size * self.fed_rows])
+        return run_chain(self.chain_model, self.pool, inputs, self.backend.plan_for_capture, probs, features)

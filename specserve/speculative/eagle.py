@@ -17,10 +17,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
-from specserve.runner.eagle_runner import EagleChainInputs
+from specserve.runner.draft_chain import ChainRow
 from specserve.speculative.draft_kv import DraftKVTable
 from specserve.speculative.drafter import Drafter
 from specserve.speculative.standalone import chain_proposal, draft_temperature
@@ -104,20 +103,26 @@ class EagleDrafter(Drafter):
         return chain_proposal(max_nodes, roots, [index for index, _, _ in chained], drafts, probs, self.num_steps)
 
     def _draft(self, chained, features) -> tuple[list[list[int]], torch.Tensor | None]:
+        """Catch-up of rows a chain does not feed, then the chain; the drafts on the host (the
+        one sync) and q, if sampled."""
         self.kv.write_table()
-        feed_tokens, feed_slots, chain_slots = [], [], []
-        for _, req, first in chained:
-            seq, rows = self.kv.sequences[req.rid], self.kv.rows_of(req)
-            feed_tokens.append(seq.tokens[first:rows])
-            feed_slots.extend(seq.slots[first:rows])
-            chain_slots.append(seq.slots[rows:rows + self.num_steps - 1])
-        temperatures = [draft_temperature(req) for _, req, _ in chained]
-        inputs = EagleChainInputs(
-            req_rows=[self.kv.sequences[req.rid].row for _, req, _ in chained],
-            feed_starts=[first for _, _, first in chained], feed_tokens=feed_tokens, feed_slots=feed_slots,
-            features=torch.cat(features), chain_slots=chain_slots, seeds=[req.seed for _, req, _ in chained],
-            temperatures=temperatures)
-        drafts, probs = self.runner.chain(inputs, sample=any(t > 0 for t in temperatures))
+        lagging, rows, chain_features = [], [], []
+        for (_, req, first), fed in zip(chained, features):
+            seq, end = self.kv.sequences[req.rid], self.kv.rows_of(req)
+            chain_start = max(first, end - self.runner.fed_rows)    # the chain feeds rows chain_start .. end - 1
+            if chain_start > first:
+                lagging.append((seq, first, chain_start, fed[:chain_start - first]))
+            rows.append(ChainRow(tokens=seq.tokens[chain_start:end],
+                                 slots=seq.slots[chain_start:end] + seq.slots[end:end + self.num_steps - 1],
+                                 req_row=seq.row, prefix_len=chain_start, seed=req.seed,
+                                 temperature=draft_temperature(req)))
+            chain_features.append(fed[chain_start - first:])
+        if lagging:
+            self.runner.catch_up([seq.row for seq, _, _, _ in lagging], [first for _, first, _, _ in lagging],
+                                 [seq.tokens[first:stop] for seq, first, stop, _ in lagging],
+                                 [s for seq, first, stop, _ in lagging for s in seq.slots[first:stop]],
+                                 torch.cat([fed for _, _, _, fed in lagging]))
+        drafts, probs = self.runner.chain(rows, torch.cat(chain_features), sample=any(r.temperature > 0 for r in rows))
         for _, req, _ in chained:   # fed: keep the last row's state only, for a re-feed
             self.states.drop_before(req.rid, self.kv.rows_of(req) - 1)
         return drafts.tolist(), probs

@@ -81,7 +81,7 @@ class StandaloneDrafter(Drafter):
     def _chain_row(self, req: "Req", reserved: ChainSlots) -> ChainRow:
         length = req.num_tokens
         seq = self.kv.sequences[req.rid]
-        return ChainRow(tokens=(seq.tokens[length - 2], seq.tokens[length - 1]), slots=reserved.chain_slots,
+        return ChainRow(tokens=seq.tokens[length - 2:length], slots=reserved.chain_slots,
                         req_row=seq.row, prefix_len=length - 2, seed=req.seed, temperature=draft_temperature(req))
 
     def observe(self, req: "Req", committed: list[int]) -> None:

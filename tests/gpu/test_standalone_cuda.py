@@ -67,7 +67,7 @@ def test_graph_chain_drafts_what_the_eager_chain_drafts(target_dir, noisy_draft,
         rows, starts, offset = [], [], 0
         for row, prompt in enumerate(PROMPTS[:3]):
             pool.write_positions(row, 0, torch.tensor(slots[offset:offset + len(prompt) + 4], device="cuda"))
-            rows.append(ChainRow(tokens=(prompt[-2], prompt[-1]), slots=slots[offset + len(prompt) - 2:offset + len(prompt) + 3],
+            rows.append(ChainRow(tokens=prompt[-2:], slots=slots[offset + len(prompt) - 2:offset + len(prompt) + 3],
                                  req_row=row, prefix_len=len(prompt) - 2, seed=row, temperature=0.9 if sample else 0.0))
             starts.append(offset)
             offset += len(prompt) + 4
