@@ -59,7 +59,8 @@ def test_summary_metrics():
 @pytest.fixture(scope="module")
 def server():
     port = free_port()
-    proc = start_server(port, "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4")
+    proc = start_server(port, "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4",
+                        "--speculative-disable-adaptive")  # every step drafts: accept lengths show the n-gram cache
     try:
         wait_healthy(proc, f"http://127.0.0.1:{port}")
         yield SimpleNamespace(port=port)

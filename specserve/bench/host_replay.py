@@ -57,7 +57,7 @@ class ReplayForward:
         flat[self._hot] = 1.0
         return self._buffer[:rows * n].view(rows, n, self.vocab_size)
 
-    def extend(self, reqs, extend_lens, slots, samples) -> torch.Tensor:
+    def extend(self, reqs, extend_lens, slots, samples, capture=None) -> torch.Tensor:
         start = time.perf_counter()
         ids = [[self._target(r, len(r.output_ids))] for r, s in zip(reqs, samples) if s]
         logits = self._logits(ids) if ids else torch.zeros((0, 1, self.vocab_size))
