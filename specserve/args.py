@@ -91,7 +91,9 @@ class ServerArgs:
                                                       "plain decoding, from measured acceptance and step cost)")
     speculative_num_steps: int | None = _spec(None, f"STANDALONE / EAGLE: tokens drafted per step, a chain "
                                                     f"(default {DEFAULT_NUM_STEPS})")
-    speculative_eagle_topk: int | None = _spec(None, "EAGLE branching: only 1 (a chain) is implemented")
+    speculative_eagle_topk: int | None = _spec(None, "EAGLE: 1 drafts a chain; k > 1 EAGLE-2's tree (each step "
+                                                     "expands the k best nodes' top-k children, the "
+                                                     "speculative_num_draft_tokens best are verified)")
     speculative_draft_model_path: str | None = _spec(None, "STANDALONE: a smaller model with the target's tokenizer "
                                                            "(HF id, HF directory or .gguf); EAGLE / EAGLE3: the head's "
                                                            "directory (SGLang / SpecForge layout)")
@@ -165,10 +167,16 @@ class ServerArgs:
         if not self.speculative_draft_model_path:
             raise ArgumentError(f"speculative_algorithm={self.speculative_algorithm!r} needs "
                                 "speculative_draft_model_path (--speculative-draft-model-path)")
-        _check_positive(self, "speculative_num_steps")
-        if self.speculative_eagle_topk not in (None, 1):
-            raise NotSupportedError(f"speculative_eagle_topk={self.speculative_eagle_topk}: {self.speculative} "
-                                    "drafts a chain (top-k 1); draft trees from a model are not implemented")
+        _check_positive(self, "speculative_num_steps", "speculative_eagle_topk")
+        topk = self.speculative_eagle_topk or 1
+        if topk > 1 and self.speculative == "STANDALONE":
+            raise NotSupportedError(f"speculative_eagle_topk={topk}: STANDALONE drafts a chain (top-k 1); "
+                                    "draft trees from a draft model are not implemented (EAGLE's are)")
+        most = 1 + topk + (self.speculative_steps - 1) * topk * topk
+        if topk > 1 and not 2 <= self.speculative_num_draft_tokens <= most:
+            raise ArgumentError(f"speculative_num_draft_tokens must be in [2, {most}] for a tree of "
+                                f"speculative_num_steps={self.speculative_steps} and speculative_eagle_topk={topk} "
+                                f"(the root and the candidates it drafts), got {self.speculative_num_draft_tokens}")
         if self.speculative_token_map is not None:
             raise NotSupportedError("speculative_token_map (FR-Spec) is not implemented")
 
@@ -181,8 +189,8 @@ class ServerArgs:
     def speculative_verify_size(self) -> int:
         """The most nodes a verify step holds, the root included: the chain of a model drafter
         (speculative_num_draft_tokens does not apply to it: SGLang also sets it to num_steps + 1
-        for top-k 1), or NGRAM's tree."""
-        if self.speculative in MODEL_ALGORITHMS:
+        for top-k 1), or a tree (NGRAM's, EAGLE-2's)."""
+        if self.speculative in MODEL_ALGORITHMS and (self.speculative_eagle_topk or 1) == 1:
             return self.speculative_steps + 1
         return self.speculative_num_draft_tokens
 

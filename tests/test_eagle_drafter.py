@@ -166,5 +166,10 @@ def test_flags_are_checked(target, head_dir, tmp_path):
         tiny_engine(path, **eagle_args(other, head_path))
     with pytest.raises(ArgumentError, match="config.json"):
         tiny_engine(path, **eagle_args(algorithm, str(tmp_path)))
+    with pytest.raises(ArgumentError, match="speculative_num_draft_tokens"):
+        tiny_engine(path, **eagle_args(algorithm, head_path, speculative_eagle_topk=2, speculative_num_draft_tokens=12))
+    with pytest.raises(ArgumentError, match="speculative_eagle_topk"):
+        tiny_engine(path, **eagle_args(algorithm, head_path, speculative_eagle_topk=9))   # > the draft vocabulary
     with pytest.raises(NotSupportedError, match="speculative_eagle_topk"):
-        tiny_engine(path, **eagle_args(algorithm, head_path, speculative_eagle_topk=4))
+        tiny_engine(path, speculative_algorithm="STANDALONE", speculative_draft_model_path=str(path),
+                    speculative_eagle_topk=2)

@@ -55,21 +55,22 @@ class ChainInputs:
     packed: torch.Tensor
     tokens: torch.Tensor        # (bs, n) tokens of the fed rows, 0 for padding
     num_fed: torch.Tensor       # (bs,) real fed rows, >= 1
-    slots: torch.Tensor         # (bs, n + K - 1) slots of the fed rows (padding: PADDING_SLOT), then of the K - 1 draft steps
+    slots: torch.Tensor         # (bs, n + d) slots of the fed rows (padding: PADDING_SLOT), then of the draft steps' d rows
     req_rows: torch.Tensor      # (bs,) rows of the drafter pool's req_to_token
     prefix_lens: torch.Tensor   # (bs,) the first fed row = rows already cached
     seeds: torch.Tensor         # (bs,)
     temperatures: torch.Tensor  # (bs,) float64 (a view of int64 storage); 0: argmax drafts
 
     @classmethod
-    def allocate(cls, bs: int, n: int, num_steps: int, device, pin: bool = False) -> "ChainInputs":
-        size = bs * (2 * n + num_steps - 1) + 5 * bs
-        return cls.view(torch.zeros(size, dtype=torch.long, device=device, pin_memory=pin), bs, n, num_steps)
+    def allocate(cls, bs: int, n: int, draft_slots: int, device, pin: bool = False) -> "ChainInputs":
+        """n fed rows and draft_slots draft-step slots per request (K - 1 for a chain of K)."""
+        size = bs * (2 * n + draft_slots) + 5 * bs
+        return cls.view(torch.zeros(size, dtype=torch.long, device=device, pin_memory=pin), bs, n, draft_slots)
 
     @classmethod
-    def view(cls, packed: torch.Tensor, bs: int, n: int, num_steps: int) -> "ChainInputs":
-        parts = packed.split([n * bs, bs, (n + num_steps - 1) * bs, bs, bs, bs, bs])
-        return cls(packed, parts[0].view(bs, n), parts[1], parts[2].view(bs, n + num_steps - 1), parts[3], parts[4],
+    def view(cls, packed: torch.Tensor, bs: int, n: int, draft_slots: int) -> "ChainInputs":
+        parts = packed.split([n * bs, bs, (n + draft_slots) * bs, bs, bs, bs, bs])
+        return cls(packed, parts[0].view(bs, n), parts[1], parts[2].view(bs, n + draft_slots), parts[3], parts[4],
                    parts[5], parts[6].view(torch.float64))
 
     @property
@@ -81,8 +82,8 @@ class ChainInputs:
         return self.tokens.shape[1]
 
     @property
-    def num_steps(self) -> int:
-        return self.slots.shape[1] - self.tokens.shape[1] + 1
+    def draft_slots(self) -> int:
+        return self.slots.shape[1] - self.tokens.shape[1]
 
     def fill(self, rows: "list[ChainRow]", scratch_row: int) -> None:
         """Writes `rows` into a host buffer through numpy views; later rows become padding."""
@@ -113,7 +114,7 @@ class ChainInputs:
 class ChainRow:
     """One request's chain, on the host."""
     tokens: list[int]       # the fed rows' tokens (1 .. n)
-    slots: list[int]        # the fed rows' slots, then the K - 1 draft steps'
+    slots: list[int]        # the fed rows' slots, then the draft steps'
     req_row: int
     prefix_len: int         # the first fed row
     seed: int
@@ -127,17 +128,17 @@ def run_chain(model: ChainModel, pool: KVPool, inputs: ChainInputs, plan: Callab
     filled with q (sampling chains), or None for argmax drafts. first_features: EAGLE's
     target states of the fed rows (bs * n, features). host_rows: the batch on the host, for
     eager planning (a graph plans for the longest context instead)."""
-    bs, n, num_steps = inputs.batch_size, inputs.rows_per_req, inputs.num_steps
+    bs, n, num_steps = inputs.batch_size, inputs.rows_per_req, inputs.draft_slots + 1
     device = inputs.tokens.device
     host_prefix = [row.prefix_len for row in host_rows] if host_rows is not None else [0] * bs
     host_last = [row.prefix_len + len(row.tokens) - 1 for row in host_rows] if host_rows is not None else [0] * bs
     plan_and = lambda batch, features: (plan(batch), model.forward(batch, features))[1]  # noqa: E731
-    state = plan_and(_fed_rows(inputs, pool, host_prefix), first_features)
+    state = plan_and(fed_rows_batch(inputs, pool, host_prefix), first_features)
     last = inputs.prefix_lens + inputs.num_fed - 1                  # the last fed row
     drafts = []
     for step in range(1, num_steps + 1):
         position = last + step + model.token_offset                 # where draft `step` goes
-        drafts.append(_pick(model, state, inputs, position, None if probs_out is None else probs_out[:bs, step - 1]))
+        drafts.append(pick(model, state, inputs, position, None if probs_out is None else probs_out[:bs, step - 1]))
         if step == num_steps:
             break
         row = last + step
@@ -151,8 +152,9 @@ def run_chain(model: ChainModel, pool: KVPool, inputs: ChainInputs, plan: Callab
     return torch.stack(drafts, dim=1)
 
 
-def _fed_rows(inputs: ChainInputs, pool: KVPool, host_prefix: list[int]) -> ForwardBatch:
-    """The VERIFY-mode forward of the fed rows, the state taken at each request's last one."""
+def fed_rows_batch(inputs: ChainInputs, pool: KVPool, host_prefix: list[int], rows_per_req: int = 1) -> ForwardBatch:
+    """The VERIFY-mode forward of the fed rows, the state taken at each request's last one.
+    rows_per_req: table rows a request owns (a tree's beams); the fed rows use the first."""
     bs, n = inputs.batch_size, inputs.rows_per_req
     device = inputs.tokens.device
     node = torch.arange(n, device=device)
@@ -162,13 +164,13 @@ def _fed_rows(inputs: ChainInputs, pool: KVPool, host_prefix: list[int]) -> Forw
     return ForwardBatch(
         mode=ForwardMode.VERIFY, input_ids=inputs.tokens.reshape(-1),
         positions=(inputs.prefix_lens.unsqueeze(1) + node).reshape(-1),
-        out_slots=inputs.slots[:, :n].reshape(-1), req_rows=inputs.req_rows, prefix_lens=inputs.prefix_lens,
+        out_slots=inputs.slots[:, :n].reshape(-1), req_rows=inputs.req_rows * rows_per_req, prefix_lens=inputs.prefix_lens,
         extend_lens=torch.full((bs,), n, dtype=torch.long, device=device), prefix_lens_host=host_prefix,
         extend_lens_host=[n] * bs, kv_pool=pool,
         logits_indices=torch.arange(bs, device=device) * n + inputs.num_fed - 1, tree_mask=mask)
 
 
-def _pick(model: ChainModel, state: torch.Tensor, inputs: ChainInputs, position: torch.Tensor,
+def pick(model: ChainModel, state: torch.Tensor, inputs: ChainInputs, position: torch.Tensor,
           probs_out: torch.Tensor | None) -> torch.Tensor:
     """One draft per row (a target id): the argmax, or a sample of q written to probs_out (bs, V)."""
     logits = model.draft_logits(state).float()

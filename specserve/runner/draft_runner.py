@@ -85,8 +85,8 @@ class DraftModelRunner:
         if self.device.type == "cuda" and not args.disable_cuda_graph and self.backend.supports_cuda_graph:
             max_bs = min(args.cuda_graph_max_bs or 64, target_pool.max_requests)
             self.backend.init_cuda_graph_state(batch_size_buckets(max_bs)[-1], FED_ROWS, self.pool)
-            self.graphs = ChainGraphs(self._run_for_graph, max_bs, FED_ROWS, self.num_steps, self.vocab_size,
-                                      self.pool.scratch_row, self.device)
+            self.graphs = ChainGraphs(self._run_for_graph, max_bs, FED_ROWS, self.num_steps - 1,
+                                      self.pool.scratch_row, self.device, (self.num_steps + 1, self.vocab_size))
 
     @torch.inference_mode()
     def catch_up(self, rows: list[int], starts: list[int], tokens: list[list[int]], slots: list[int]) -> None:
@@ -112,9 +112,9 @@ class DraftModelRunner:
         if self.graphs is not None and len(rows) <= self.graphs.max_bs:
             return self.graphs.replay(rows, sample)
         bs = len(rows)
-        host = ChainInputs.allocate(bs, FED_ROWS, self.num_steps, "cpu", pin=self.device.type == "cuda")
+        host = ChainInputs.allocate(bs, FED_ROWS, self.num_steps - 1, "cpu", pin=self.device.type == "cuda")
         host.fill(rows, self.pool.scratch_row)
-        inputs = ChainInputs.view(host.packed.to(self.device, non_blocking=True), bs, FED_ROWS, self.num_steps)
+        inputs = ChainInputs.view(host.packed.to(self.device, non_blocking=True), bs, FED_ROWS, self.num_steps - 1)
         probs = torch.zeros((bs, self.num_steps + 1, self.vocab_size), device=self.device) if sample else None
         drafts = run_chain(self.chain_model, self.pool, inputs, self.backend.plan, probs, host_rows=rows)
         return drafts, probs

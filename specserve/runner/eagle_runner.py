@@ -28,6 +28,7 @@ from specserve.model.rope import RotaryEmbedding
 from specserve.runner.chain_graphs import ChainGraphs
 from specserve.runner.cuda_graph import batch_size_buckets
 from specserve.runner.draft_chain import ChainInputs, ChainRow, run_chain
+from specserve.runner.draft_tree import run_tree
 from specserve.runner.draft_runner import chain_context, drafter_backend
 from specserve.speculative.eagle_checkpoint import load_head
 from specserve.speculative.eagle_head import EagleHead
@@ -52,6 +53,9 @@ def load_eagle_head(args: ServerArgs, target: ModelConfig, device: torch.device,
         raise ArgumentError(f"{field}: an {config.algorithm} head (it reads "
                             f"{'three target layers' if config.aux_layers else 'the final state'}), "
                             f"but speculative_algorithm is {args.speculative}")
+    if (args.speculative_eagle_topk or 1) > config.draft_vocab_size:
+        raise ArgumentError(f"speculative_eagle_topk={args.speculative_eagle_topk} exceeds the head's draft "
+                            f"vocabulary of {config.draft_vocab_size} tokens")
     if max(config.aux_layers, default=0) >= target.num_layers:
         raise ArgumentError(f"{field}: the head reads target layers {list(config.aux_layers)}, "
                             f"the target has {target.num_layers}")
@@ -96,21 +100,28 @@ class EagleHeadRunner:
         self.head, self.config = head, config
         self.device, self.dtype = target_pool.device, target_pool.dtype
         self.num_steps = args.speculative_steps
+        self.topk = args.speculative_eagle_topk or 1          # > 1: EAGLE-2's tree (draft_tree.py)
+        self.tree_nodes = args.speculative_verify_size
         self.fed_rows = self.num_steps + 1     # a verify step commits up to K + 1 tokens: their rows are fed next
+        self.draft_slots = (self.num_steps - 1) * self.topk
         self.vocab_size = config.vocab_size
-        self.pool = KVPool(1, config.num_kv_heads, config.head_dim, target_pool.size, target_pool.max_requests,
+        # table rows: topk per request (a tree's beams), and the target's scratch row's for padding requests
+        self.padding_row = target_pool.max_requests
+        self.pool = KVPool(1, config.num_kv_heads, config.head_dim, target_pool.size,
+                           (target_pool.max_requests + 1) * self.topk,
                            chain_context(target_pool.max_context, self.num_steps), self.dtype, self.device)
         self.backend = drafter_backend(args, self.device, config.num_heads, config.num_kv_heads, config.head_dim)
         self.chain_model = HeadChainModel(head, self.backend)
         self.graphs = None
         if self.device.type == "cuda" and not args.disable_cuda_graph and self.backend.supports_cuda_graph:
             max_bs = batch_size_buckets(min(args.cuda_graph_max_bs or 64, target_pool.max_requests))[-1]
-            self.backend.init_cuda_graph_state(max_bs, self.fed_rows, self.pool)
+            self.backend.init_cuda_graph_state(max_bs * self.topk, self.fed_rows, self.pool)
             # the fed rows' target states, read by every graph (filled before a replay)
             self.graph_features = torch.zeros((max_bs * self.fed_rows, config.feature_size), dtype=self.dtype,
                                               device=self.device)
-            self.graphs = ChainGraphs(self._run_for_graph, max_bs, self.fed_rows, self.num_steps, self.vocab_size,
-                                      self.pool.scratch_row, self.device)
+            probs_shape = (self.num_steps + 1, self.vocab_size) if self.topk == 1 else None   # trees: argmax only
+            self.graphs = ChainGraphs(self._run_for_graph, max_bs, self.fed_rows, self.draft_slots, self.padding_row,
+                                      self.device, probs_shape)
 
     @torch.inference_mode()
     def catch_up(self, rows: list[int], starts: list[int], tokens: list[list[int]], slots: list[int],
@@ -123,17 +134,19 @@ class EagleHeadRunner:
         batch = ForwardBatch(
             mode=ForwardMode.EXTEND, input_ids=as_long([t for ids in tokens for t in ids]),
             positions=as_long([r for start, length in zip(starts, lengths) for r in range(start, start + length)]),
-            out_slots=as_long(slots), req_rows=as_long(rows), prefix_lens=as_long(starts), extend_lens=as_long(lengths),
-            prefix_lens_host=list(starts), extend_lens_host=lengths, kv_pool=self.pool,
+            out_slots=as_long(slots), req_rows=as_long([r * self.topk for r in rows]), prefix_lens=as_long(starts),
+            extend_lens=as_long(lengths), prefix_lens_host=list(starts), extend_lens_host=lengths, kv_pool=self.pool,
             logits_indices=as_long([sum(lengths) - 1]))
         self.backend.plan(batch)
         self.chain_model.forward(batch, self.head.project(features.to(self.dtype)))
 
     @torch.inference_mode()
-    def chain(self, rows: list[ChainRow], features: torch.Tensor, sample: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Drafts (bs, K) target ids on the device and, for a sampling chain, q over the
-        target vocabulary (bs, K + 1, V). features: the fed rows' target states, request after
-        request. Queued without a host sync."""
+    def draft(self, rows: list[ChainRow], features: torch.Tensor, sample: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Queued without a host sync: a chain's drafts (bs, K) target ids and, for a sampling
+        chain, q over the target vocabulary (bs, K + 1, V); or a tree's (bs, 2 * (nodes - 1))
+        tokens and parents (draft_tree.run_tree). features: the fed rows' target states,
+        request after request."""
+        sample = sample and self.topk == 1
         n = self.fed_rows
         index = torch.tensor([i * n + j for i, row in enumerate(rows) for j in range(len(row.tokens))],
                              device=self.device)
@@ -143,14 +156,19 @@ class EagleHeadRunner:
         bs = len(rows)
         padded = torch.zeros((bs * n, features.shape[-1]), dtype=self.dtype, device=self.device)
         padded.index_copy_(0, index, features.to(self.dtype))
-        host = ChainInputs.allocate(bs, n, self.num_steps, "cpu", pin=self.device.type == "cuda")
-        host.fill(rows, self.pool.scratch_row)
-        inputs = ChainInputs.view(host.packed.to(self.device, non_blocking=True), bs, n, self.num_steps)
+        host = ChainInputs.allocate(bs, n, self.draft_slots, "cpu", pin=self.device.type == "cuda")
+        host.fill(rows, self.padding_row)
+        inputs = ChainInputs.view(host.packed.to(self.device, non_blocking=True), bs, n, self.draft_slots)
         probs = torch.zeros((bs, self.num_steps + 1, self.vocab_size), device=self.device) if sample else None
-        drafts = run_chain(self.chain_model, self.pool, inputs, self.backend.plan, probs,
-                           self.head.project(padded), host_rows=rows)
-        return drafts, probs
+        return self._run(inputs, probs, self.head.project(padded), self.backend.plan, rows), probs
+
+    def _run(self, inputs: ChainInputs, probs: torch.Tensor | None, features: torch.Tensor, plan,
+             host_rows: list[ChainRow] | None) -> torch.Tensor:
+        if self.topk == 1:
+            return run_chain(self.chain_model, self.pool, inputs, plan, probs, features, host_rows)
+        return run_tree(self.chain_model, self.pool, inputs, plan, self.topk, self.num_steps, self.tree_nodes,
+                        features, host_rows)
 
     def _run_for_graph(self, inputs: ChainInputs, probs: torch.Tensor | None) -> torch.Tensor:
         features = self.head.project(self.graph_features[:inputs.batch_size * self.fed_rows])
-        return run_chain(self.chain_model, self.pool, inputs, self.backend.plan_for_capture, probs, features)
+        return self._run(inputs, probs, features, self.backend.plan_for_capture, None)

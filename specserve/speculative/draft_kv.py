@@ -37,9 +37,12 @@ class DraftSequence:
 
 
 class DraftKVTable:
-    def __init__(self, pool: KVPool, token_offset: int = 0):
+    def __init__(self, pool: KVPool, token_offset: int = 0, row_fanout: int = 1):
+        """row_fanout: table rows per request (a draft tree's beams: request row r owns rows
+        r * fanout .. r * fanout + fanout - 1, each holding the cached rows)."""
         self.pool = pool
         self.token_offset = token_offset
+        self.row_fanout = row_fanout
         self.sequences: dict[str, DraftSequence] = {}
         # (row, first position, slots) handed out since the last write_table
         self._new_entries: list[tuple[int, int, list[int]]] = []
@@ -112,9 +115,10 @@ class DraftKVTable:
         """One req_to_token write for every slot handed out since the last call."""
         rows, positions, slots = [], [], []
         for row, start, new in self._new_entries:
-            rows.extend([row] * len(new))
-            positions.extend(range(start, start + len(new)))
-            slots.extend(new)
+            for beam in range(row * self.row_fanout, (row + 1) * self.row_fanout):
+                rows.extend([beam] * len(new))
+                positions.extend(range(start, start + len(new)))
+                slots.extend(new)
         if slots:
             self.pool.write_entries_async(rows, positions, slots)
         self._new_entries = []

@@ -1,6 +1,8 @@
 """EAGLE (EAGLE-2 heads, reading the target's final state) and EAGLE3 (three target layers
-fused by the head's fc): a one-layer head drafts a chain of K tokens per step from the
-target's own hidden states (eagle_runner.py has the head's forwards).
+fused by the head's fc): a one-layer head drafts from the target's own hidden states a
+chain of K tokens per step (--speculative-eagle-topk 1) or EAGLE-2's dynamic tree of
+--speculative-num-draft-tokens nodes (top-k > 1: draft_tree.py); eagle_runner.py has the
+head's forwards.
 
 The target's states arrive after every forward that caches tokens (`observe_hidden`: a
 prefill's every token, a verify step's accepted nodes) and wait here until the head feeds
@@ -10,8 +12,9 @@ drafts the token after the root. Rows of the chain's draft steps read the head's
 outputs, not the target's: they are never kept (their tokens stay UNSET in DraftKVTable, so
 the next sync frees them).
 
-Drafts are argmax or sampled exactly as STANDALONE's (see standalone.py): sampled drafts
-hand their q over the target vocabulary to residual rejection.
+Chain drafts are argmax or sampled exactly as STANDALONE's (see standalone.py): sampled
+drafts hand their q over the target vocabulary to residual rejection. Tree drafts are the
+head's top-k, a deterministic function of the context, which verification takes as it is.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import torch
 from specserve.runner.draft_chain import ChainRow
 from specserve.speculative.draft_kv import DraftKVTable
 from specserve.speculative.drafter import Drafter
-from specserve.speculative.standalone import chain_proposal, draft_temperature
+from specserve.speculative.model_proposals import chain_proposal, draft_temperature, tree_proposal
 
 if TYPE_CHECKING:
     from specserve.engine.request import Req
@@ -66,7 +69,7 @@ class EagleDrafter(Drafter):
     def __init__(self, runner: "EagleHeadRunner"):
         self.runner = runner
         self.num_steps = runner.num_steps
-        self.kv = DraftKVTable(runner.pool, token_offset=1)
+        self.kv = DraftKVTable(runner.pool, token_offset=1, row_fanout=runner.topk)
         self.states = TargetStates()
 
     def observe_hidden(self, reqs: list["Req"], starts: list[int], states: torch.Tensor,
@@ -82,7 +85,7 @@ class EagleDrafter(Drafter):
             if limit <= 1:
                 continue
             rows = self.kv.rows_of(req)                       # R: rows 0 .. R - 1 are fed
-            start = self.kv.reserve(req, self.num_steps - 1)
+            start = self.kv.reserve(req, self.runner.draft_slots)
             first = None if start is None else min(start, rows - 1)
             fed = None if first is None else self.states.rows(req.rid, first, rows)
             if fed is None:            # no room, or states missing: no drafts for it this step
@@ -100,7 +103,10 @@ class EagleDrafter(Drafter):
             for _, req, first in chained:
                 self.kv.truncate(req, first)
             raise
-        return chain_proposal(max_nodes, roots, [index for index, _, _ in chained], drafts, probs, self.num_steps)
+        drafted = [index for index, _, _ in chained]
+        if self.runner.topk > 1:
+            return tree_proposal(max_nodes, roots, drafted, drafts, self.runner.tree_nodes)
+        return chain_proposal(max_nodes, roots, drafted, drafts, probs, self.num_steps)
 
     def _draft(self, chained, features) -> tuple[list[list[int]], torch.Tensor | None]:
         """Catch-up of rows a chain does not feed, then the chain; the drafts on the host (the
@@ -113,7 +119,7 @@ class EagleDrafter(Drafter):
             if chain_start > first:
                 lagging.append((seq, first, chain_start, fed[:chain_start - first]))
             rows.append(ChainRow(tokens=seq.tokens[chain_start:end],
-                                 slots=seq.slots[chain_start:end] + seq.slots[end:end + self.num_steps - 1],
+                                 slots=seq.slots[chain_start:end] + seq.slots[end:end + self.runner.draft_slots],
                                  req_row=seq.row, prefix_len=chain_start, seed=req.seed,
                                  temperature=draft_temperature(req)))
             chain_features.append(fed[chain_start - first:])
@@ -122,7 +128,7 @@ class EagleDrafter(Drafter):
                                  [seq.tokens[first:stop] for seq, first, stop, _ in lagging],
                                  [s for seq, first, stop, _ in lagging for s in seq.slots[first:stop]],
                                  torch.cat([fed for _, _, _, fed in lagging]))
-        drafts, probs = self.runner.chain(rows, torch.cat(chain_features), sample=any(r.temperature > 0 for r in rows))
+        drafts, probs = self.runner.draft(rows, torch.cat(chain_features), sample=any(r.temperature > 0 for r in rows))
         for _, req, _ in chained:   # fed: keep the last row's state only, for a re-feed
             self.states.drop_before(req.rid, self.kv.rows_of(req) - 1)
         return drafts.tolist(), probs

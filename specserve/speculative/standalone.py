@@ -18,12 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from specserve.runner.draft_chain import ChainRow
 from specserve.speculative.draft_kv import DraftKVTable
 from specserve.speculative.drafter import Drafter
+from specserve.speculative.model_proposals import chain_proposal, draft_temperature
 from specserve.speculative.tree import TreeProposal
 
 if TYPE_CHECKING:
@@ -100,36 +100,3 @@ class ChainSlots:
     """What a request's next chain feeds and where (see draft_chain.py)."""
     catch_up: range               # positions the draft model has not seen, fed before the chain
     chain_slots: list[int]        # slots of positions L-2 .. L+K-2 (L = the request's token count)
-
-
-def chain_proposal(max_nodes: list[int], roots: list[int], drafted: list[int], drafts: list[list[int]],
-                   probs: torch.Tensor | None, num_steps: int) -> tuple[TreeProposal, list[int]]:
-    """Chains of up to K + 1 nodes (the root, then the drafts) for the requests `drafted`
-    (indices into the batch), each cut to its max_nodes; the others' roots alone. probs:
-    the drafted rows' q (len(drafted), K + 1, V), or None."""
-    bs = len(roots)
-    if not drafted:
-        return TreeProposal.root_only(roots), [1] * bs
-    n = num_steps + 1
-    tokens = np.zeros((bs, n), dtype=np.int64)
-    tokens[:, 0] = roots
-    num_nodes = np.ones(bs, dtype=np.int64)
-    tokens[drafted, 1:] = drafts
-    num_nodes[drafted] = np.minimum(n, np.asarray(max_nodes)[drafted])
-    real = np.arange(n) < num_nodes[:, None]
-    tokens = np.where(real, tokens, 0)               # padding nodes: token 0, parent -1
-    parents = np.where(real, np.arange(n) - 1, -1)
-    if probs is not None and len(drafted) < bs:      # rows without drafts: no q
-        full = probs.new_zeros((bs, *probs.shape[1:]))
-        full[torch.tensor(drafted, device=probs.device)] = probs
-        probs = full
-    return TreeProposal(tokens, parents, num_nodes, probs), num_nodes.tolist()
-
-
-def draft_temperature(req: "Req") -> float:
-    """The temperature a request's drafts are sampled at; 0: argmax drafts (greedy requests,
-    and seeded ones, which the coupled rule verifies; see the module docstring)."""
-    params = req.params
-    if params.greedy or params.seed is not None:
-        return 0.0
-    return params.temperature

@@ -1,0 +1,132 @@
+"""EAGLE-2's dynamic tree (--speculative-eagle-topk > 1) through the Engine: greedy output
+equals plain decoding, and every tree the engine verifies is the one a plain re-implementation
+builds from the head alone (each path recomputed from scratch: the head's step 0 over the
+request's rows with the target's states, then the path's drafts one by one; top-k children,
+k best by cumulative log-probability kept per step, the best num_draft_tokens - 1 overall).
+That holds only if the batched beams attend to exactly their own ancestors. The head's pool
+comes back whole. Heads: the ones tests/test_eagle_drafter.py trains, and a random one.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specserve.speculative.eagle_checkpoint import save_head
+from specserve.speculative.eagle_trainer import build_head
+from specserve.speculative.target_features import TargetFeatureExtractor
+from tests.spec_fixtures import tiny_engine
+from tests.test_eagle_drafter import VOCAB, eagle_args, head_dir, target, wait_until_head_kv_is_free  # noqa: F401
+
+TREES = [(2, 3, 6), (3, 3, 10), (4, 2, 5)]      # (top-k, steps, nodes)
+
+
+class CausalCache:
+    """The head's attention over everything fed so far, causal: a plain reference."""
+
+    def __init__(self):
+        self.keys, self.values = [], []
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.keys.append(k)
+        self.values.append(v)
+        keys, values = torch.cat(self.keys), torch.cat(self.values)            # (T, kv_heads, head_dim)
+        group = q.shape[1] // k.shape[1]
+        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+        total, new = keys.shape[0], q.shape[0]
+        mask = torch.arange(total).view(1, -1) <= torch.arange(total - new, total).view(-1, 1)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+                                             attn_mask=mask)
+        return out.transpose(0, 1)
+
+
+def path_state(head, states: torch.Tensor, next_tokens: torch.Tensor, path: list[int]) -> torch.Tensor:
+    """The head's output after its rows (step 0) and then the drafts of `path`."""
+    attend, rows = CausalCache(), len(next_tokens)
+    hidden = head.step(next_tokens, head.project(states), torch.arange(rows), attend)[-1:]
+    for i, token in enumerate(path):
+        hidden = head.step(torch.tensor([token]), hidden, torch.tensor([rows + i]), attend)
+    return hidden
+
+
+def reference_tree(head, states, next_tokens, topk: int, steps: int, nodes: int) -> tuple[list[int], list[int]]:
+    """(tokens, parents) of the draft nodes, best first, parents as node numbers (0: the root)."""
+    def children(path, score):
+        logp = torch.log_softmax(head.logits(path_state(head, states, next_tokens, path)).float(), -1)[0]
+        values, ids = logp.topk(topk)
+        return [(score + v.item(), int(head.to_target_ids(i))) for v, i in zip(values, ids)]
+
+    candidates = []                       # (score, depth, token, parent candidate, path)
+    for score, token in children([], 0.0):
+        candidates.append((score, 1, token, -1, [token]))
+    frontier = list(range(topk))
+    for _ in range(1, steps):
+        fresh = []
+        for parent in frontier:
+            score, depth, _, _, path = candidates[parent]
+            fresh += [(s, depth + 1, t, parent, path + [t]) for s, t in children(path, score)]
+        first = len(candidates)
+        candidates += fresh
+        frontier = [first + i for i in sorted(range(len(fresh)), key=lambda i: -fresh[i][0])[:topk]]
+    order = sorted(range(len(candidates)), key=lambda i: (-candidates[i][0], candidates[i][1]))[:nodes - 1]
+    number = {c: n + 1 for n, c in enumerate(order)}
+    return [candidates[c][2] for c in order], [number.get(candidates[c][3], 0) for c in order]
+
+
+@pytest.fixture(scope="module")
+def random_head(target, tmp_path_factory):
+    """An untrained EAGLE-3 head with large random weights: its scores are far from one-hot,
+    so a beam that attends to the wrong ancestors changes the tree (a trained head's peaked
+    choices can survive that)."""
+    _, model, _, _ = target
+    torch.manual_seed(1)
+    head = build_head(model, "EAGLE3", torch.arange(3, VOCAB), max_positions=64)
+    with torch.no_grad():
+        for parameter in head.parameters():
+            if parameter.requires_grad:
+                parameter.normal_(std=0.5)
+    path = tmp_path_factory.mktemp("random-head")
+    save_head(head, str(path))
+    return "EAGLE3", str(path), head, TargetFeatureExtractor(model, head.config.aux_layers, 512, 64, 64)
+
+
+@pytest.mark.parametrize("topk,steps,nodes", TREES[:2])
+def test_trained_heads_trees_are_the_reference_trees(target, head_dir, topk, steps, nodes):
+    check_trees(target, head_dir, topk, steps, nodes, longest_accepted=3)
+
+
+@pytest.mark.parametrize("topk,steps,nodes", TREES)
+def test_a_random_heads_trees_are_the_reference_trees(target, random_head, topk, steps, nodes):
+    check_trees(target, random_head, topk, steps, nodes, longest_accepted=1)
+
+
+def check_trees(target, head_dir, topk: int, steps: int, nodes: int, longest_accepted: int) -> None:
+    """Greedy output equals plain decoding, the verified trees equal reference_tree's, the
+    head's pool comes back whole; some step accepted longest_accepted tokens."""
+    path, _, _, held_out = target
+    algorithm, head_path, head, extractor = head_dir
+    algorithm, head_path, head, extractor = head_dir
+    proposals = []
+    with tiny_engine(path, **eagle_args(algorithm, head_path, speculative_num_steps=steps,
+                                        speculative_eagle_topk=topk, speculative_num_draft_tokens=nodes)) as engine:
+        propose = engine.core.drafter.propose
+
+        def spy(reqs, max_nodes):
+            proposal, num_nodes = propose(reqs, max_nodes)
+            proposals.extend((r.prompt_ids + r.output_ids, proposal.tokens[i, 1:].tolist(), proposal.parents[i, 1:].tolist())
+                             for i, (r, n) in enumerate(zip(reqs, num_nodes)) if n == nodes)
+            return proposal, num_nodes
+        engine.core.drafter.propose = spy
+        outputs = engine.generate(input_ids=[c.tokens[:c.prompt_len] for c in held_out[:4]],
+                                  sampling_params={"temperature": 0.0, "max_new_tokens": 32})
+        assert [o["output_ids"] for o in outputs] == [c.tokens[c.prompt_len:] for c in held_out[:4]]
+        assert max(n for o in outputs for n in o["meta_info"]["spec_accept_histogram"]) >= longest_accepted
+        wait_until_head_kv_is_free(engine)
+    assert len(proposals) >= 8
+    with torch.no_grad():
+        for context, tokens, parents in proposals[::2]:
+            states = extractor([context]).layers if head.config.aux_layers else extractor([context]).final
+            expected = reference_tree(head, states[:-1], torch.tensor(context[1:]), topk, steps, nodes)
+            assert (tokens, parents) == expected, f"context of {len(context)} tokens"
+
+
