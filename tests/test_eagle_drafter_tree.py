@@ -100,7 +100,7 @@ def test_a_random_heads_trees_are_the_reference_trees(target, random_head, topk,
     check_trees(target, random_head, topk, steps, nodes, longest_accepted=1)
 
 
-def check_trees(target, head_dir, topk: int, steps: int, nodes: int, longest_accepted: int) -> None:
+def check_trees(target, head_dir, topk: int, steps: int, nodes: int, longest_accepted: int, **engine_args) -> None:
     """Greedy output equals plain decoding, the verified trees equal reference_tree's, the
     head's pool comes back whole; some step accepted longest_accepted tokens."""
     path, _, _, held_out = target
@@ -108,7 +108,8 @@ def check_trees(target, head_dir, topk: int, steps: int, nodes: int, longest_acc
     algorithm, head_path, head, extractor = head_dir
     proposals = []
     with tiny_engine(path, **eagle_args(algorithm, head_path, speculative_num_steps=steps,
-                                        speculative_eagle_topk=topk, speculative_num_draft_tokens=nodes)) as engine:
+                                        speculative_eagle_topk=topk, speculative_num_draft_tokens=nodes),
+                     **engine_args) as engine:
         propose = engine.core.drafter.propose
 
         def spy(reqs, max_nodes):
