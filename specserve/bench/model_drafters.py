@@ -49,14 +49,15 @@ def greedy_match_rate(engine, drafter, prompts: list[list[int]], max_new_tokens:
     return sum(a == b for a, b in zip(plain, drafted)) / len(prompts)
 
 
-def bench(ns, num_steps: int, bandwidth: float, write) -> None:
+def bench(ns, num_steps: int, topk: int, bandwidth: float, write) -> None:
     from specserve.engine.engine import Engine
     start = time.perf_counter()
     engine = Engine(model_path=ns.target, speculative_algorithm=ns.algorithm, speculative_draft_model_path=ns.draft,
-                    speculative_num_steps=num_steps, cuda_graph_max_bs=64, log_level="warning", dtype=ns.dtype,
-                    device=ns.device, mem_fraction_static=ns.mem_fraction_static)
+                    speculative_num_steps=num_steps, speculative_eagle_topk=topk,
+                    speculative_num_draft_tokens=ns.num_draft_tokens, cuda_graph_max_bs=64, log_level="warning",
+                    dtype=ns.dtype, device=ns.device, mem_fraction_static=ns.mem_fraction_static)
     drafter = engine.core.drafter
-    name = f"{ns.algorithm.lower()}-{num_steps}"
+    name = f"{ns.algorithm.lower()}-{num_steps}" + (f"-top{topk}-{ns.num_draft_tokens}" if topk > 1 else "")
     draft_model = getattr(drafter.runner, "model", None) or drafter.runner.head
     write({"kind": "engine", "config": name, "start_s": time.perf_counter() - start,
            "kv_tokens": engine.core.runner.pool.size, "target_weight_bytes": weight_bytes(engine),
@@ -112,6 +113,9 @@ def main(argv=None) -> None:
     parser.add_argument("--draft", default="/root/models/qwen2.5-coder-0.5b-instruct.gguf",
                         help="STANDALONE: the draft model; EAGLE / EAGLE3: the head's directory")
     parser.add_argument("--num-steps", type=int, nargs="*", default=[4], help="draft lengths, one engine each")
+    parser.add_argument("--topk", type=int, nargs="*", default=[1],
+                        help="EAGLE: 1 (chains) and/or k > 1 (EAGLE-2 trees), one engine each per draft length")
+    parser.add_argument("--num-draft-tokens", type=int, default=8, help="nodes of an EAGLE-2 tree")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="cuda")
@@ -138,8 +142,10 @@ def main(argv=None) -> None:
     bandwidth = measure_copy_bandwidth(ns.device)
     write({"kind": "device", "name": torch.cuda.get_device_name() if ns.device == "cuda" else "cpu",
            "copy_bandwidth_GBps": bandwidth / 1e9, "target": ns.target, "algorithm": ns.algorithm, "draft": ns.draft})
-    for index, num_steps in enumerate(ns.num_steps):
-        bench(ns if index == 0 else argparse.Namespace(**{**vars(ns), "plain": False}), num_steps, bandwidth, write)
+    configs = [(steps, topk) for steps in ns.num_steps for topk in ns.topk]
+    for index, (num_steps, topk) in enumerate(configs):   # plain decoding is measured with the first engine only
+        bench(ns if index == 0 else argparse.Namespace(**{**vars(ns), "plain": False}), num_steps, topk, bandwidth,
+              write)
     write_table(rows, os.path.join(ns.out, "model_drafters_table.md"))
 
 
