@@ -59,9 +59,11 @@ def bench(ns, num_steps: int, topk: int, bandwidth: float, write) -> None:
     drafter = engine.core.drafter
     name = f"{ns.algorithm.lower()}-{num_steps}" + (f"-top{topk}-{ns.num_draft_tokens}" if topk > 1 else "")
     draft_model = getattr(drafter.runner, "model", None) or drafter.runner.head
+    own_weights = [p for name, p in draft_model.named_parameters() if not name.startswith("embed_tokens.")
+                   or draft_model is getattr(drafter.runner, "model", None)]   # a head borrows the target's embedding
     write({"kind": "engine", "config": name, "start_s": time.perf_counter() - start,
            "kv_tokens": engine.core.runner.pool.size, "target_weight_bytes": weight_bytes(engine),
-           "draft_weight_bytes": sum(p.numel() * p.element_size() for p in draft_model.parameters())})
+           "draft_weight_bytes": sum(p.numel() * p.element_size() for p in own_weights)})
     roofline = bandwidth / weight_bytes(engine)
     workloads = suite_workloads(engine, ns)
     watch = RunWatch(engine)
