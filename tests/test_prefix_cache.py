@@ -168,6 +168,22 @@ def test_a_request_computes_only_what_the_cache_lacks():
     assert again.cached_tokens == 81
 
 
+def test_a_prefix_two_requests_computed_at_once_is_kept_once():
+    """Shorter than SHARED_PREFIX_MIN, a shared prefix is computed by both requests of a step;
+    the second to be cached switches to the first's copy (table row rewritten), freeing its own."""
+    scheduler = _scheduler()
+    shared = SYSTEM[:SHARED_PREFIX_MIN - 4]
+    first, second = _req("a", shared + [201, 202]), _req("b", shared + [301, 302])
+    scheduler.add(first)
+    scheduler.add(second)
+    assert _step(scheduler).reqs == [first, second]          # both computed the shared tokens
+    assert first.kv_slots[:len(shared)] != second.kv_slots[:len(shared)]
+    _step(scheduler)                                        # caches both, then decodes
+    assert first.kv_slots[:len(shared)] == second.kv_slots[:len(shared)]
+    assert scheduler.cached_slots() == len(shared) + 2 + 2
+    _run_all(scheduler)
+
+
 @pytest.mark.parametrize("policy", ["fcfs", "lpm"])
 def test_a_waiting_request_waits_a_step_for_a_prefix_another_is_computing(policy):
     scheduler = _scheduler(chunk=128, policy=policy)
@@ -197,6 +213,21 @@ def test_lpm_admits_the_longest_cached_prefix_first():
         orders[policy] = [_step(scheduler).reqs[0].rid]
         _run_all(scheduler)
     assert orders == {"fcfs": ["unrelated"], "lpm": ["sharing"]}
+
+
+def test_a_prompt_cached_chunk_by_chunk_stays_one_node():
+    scheduler = _scheduler(chunk=16)
+    req = _req("r", SYSTEM, max_new_tokens=3)
+    scheduler.add(req)
+    while req.kv_len < 80:
+        _step(scheduler)
+        assert len(scheduler.kv.tree.root.children) <= 1
+    _step(scheduler)    # caches the last chunk, and decodes
+    (node,) = scheduler.kv.tree.root.children.values()
+    assert node.key == SYSTEM and not node.children and node.lock_count == 1 and req.cache_node is node
+    _run_all(scheduler)  # the finished request's outputs join the same node
+    (node,) = scheduler.kv.tree.root.children.values()
+    assert node.key == req.all_ids[:-1] and node.lock_count == 0
 
 
 def test_chunked_prefill_caches_each_chunk_and_eviction_makes_room():

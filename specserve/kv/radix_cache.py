@@ -55,11 +55,12 @@ class RadixCache:
         return self.evictable_size + self.locked_size
 
     # --- lookups ---
-    def match_prefix(self, tokens: list[int]) -> tuple[list[int], TreeNode]:
+    def match_prefix(self, tokens: list[int], below: TreeNode | None = None) -> tuple[list[int], TreeNode]:
         """The slots of the longest cached prefix of `tokens` and the node it ends at (a node
-        the match ends inside is split there, so a lock can hold exactly that prefix)."""
+        the match ends inside is split there, so a lock can hold exactly that prefix).
+        below: `tokens` continue the path to this node (default: they start at the root)."""
         slots: list[int] = []
-        node, position, now = self.root, 0, next(self._clock)
+        node, position, now = below or self.root, 0, next(self._clock)
         node.last_access = now
         while position < len(tokens):
             child = node.children.get(tokens[position])
@@ -88,15 +89,22 @@ class RadixCache:
         return position
 
     # --- changes ---
-    def insert(self, tokens: list[int], slots: list[int]) -> Inserted:
+    def insert(self, tokens: list[int], slots: list[int], below: TreeNode | None = None) -> Inserted:
         """Caches `slots` as the KV of `tokens`. Where a prefix is cached already its slots
-        stay and the given ones are not taken: the caller frees those it owns."""
+        stay and the given ones are not taken: the caller frees those it owns.
+
+        below: `tokens` continue the path to this node, which the caller holds locked. If the
+        caller alone holds it and nothing continues it, the node grows in place: a request
+        whose prompt is cached chunk by chunk stays one node, not a chain of one per chunk."""
         if len(tokens) != len(slots):
             raise ValueError(f"insert: {len(tokens)} tokens but {len(slots)} slots")
-        cached_slots, node = self.match_prefix(tokens)
+        cached_slots, node = self.match_prefix(tokens, below)
         cached = len(cached_slots)
         if cached < len(tokens):
-            node = self._add_leaf(node, tokens[cached:], slots[cached:])
+            if node is below and node is not self.root and not node.children and node.lock_count == 1:
+                self._grow(node, tokens[cached:], slots[cached:])
+            else:
+                node = self._add_leaf(node, tokens[cached:], slots[cached:])
         return Inserted(cached, cached_slots + slots[cached:], node)
 
     def lock(self, node: TreeNode) -> None:
@@ -176,6 +184,12 @@ class RadixCache:
         self._refresh_leaf(parent)
         self._refresh_leaf(leaf)
         return leaf
+
+    def _grow(self, node: TreeNode, key: list[int], slots: list[int]) -> None:
+        """Appends to a locked leaf's edge."""
+        node.key.extend(key)
+        node.slots.extend(slots)
+        self.locked_size += len(key)
 
     def _remove_leaf(self, leaf: TreeNode) -> int:
         self.allocator.free(leaf.slots)
