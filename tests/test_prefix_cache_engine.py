@@ -151,3 +151,18 @@ def test_metrics_report_cached_tokens():
     assert 'specserve:cache_hit_rate{model_name="m"} 0.375' in text
     assert 'specserve:kv_cached_slots{model_name="m"} 30.0' in text
     assert 'specserve:token_usage{model_name="m"} 0.25' in text
+
+
+def test_flush_cache_route_empties_the_cache(cached, sharing_prompts):
+    from fastapi.testclient import TestClient
+
+    from specserve.server.http import create_app
+    cached.generate(input_ids=sharing_prompts[0], sampling_params={**GREEDY, "max_new_tokens": 2})
+    wait_until_all_kv_is_free(cached)
+    assert cached.core.scheduler.cached_slots() > 0
+    with TestClient(create_app(cached, served_model_name="m")) as http:
+        reply = http.post("/flush_cache")
+        load = http.get("/get_server_info").json()
+    assert reply.status_code == 200 and reply.text.startswith("Cache flushed")
+    assert cached.core.scheduler.cached_slots() == 0 and load["kv_cached_slots"] == 0
+    assert load["kv_free_slots"] == load["kv_total_slots"]

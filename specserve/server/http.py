@@ -106,6 +106,12 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
                 "spec_verify_steps_total": m.spec_verify_steps, "spec_accepted_tokens_total": m.spec_accepted_tokens,
                 "internal_states": [{"avg_spec_accept_length": m.avg_spec_accept_length}]}
 
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        """SGLang's route: drops the cached prefixes no running request holds."""
+        freed = await asyncio.to_thread(engine.flush_cache)
+        return Response(f"Cache flushed: {freed} KV slots freed.\n", status_code=200)
+
     @app.get("/metrics")
     async def metrics():
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
