@@ -81,8 +81,11 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def step_logits(model_dir) -> list[torch.Tensor]:
-    """[k]: (V,) * k + (V,) float64 logits of token k+1 given the prompt and tokens 1..k."""
-    _, model = model_dir
+    return exact_step_logits(model_dir[1])
+
+
+def exact_step_logits(model) -> list[torch.Tensor]:
+    """[k]: (V,) * k + (V,) float64 logits of token k+1 given the prompt and tokens 1..k (an HF model)."""
     prefixes = torch.tensor(list(itertools.product(range(VOCAB), repeat=NEW_TOKENS - 1)))   # (V**3, 3)
     ids = torch.cat([torch.tensor(PROMPT).expand(len(prefixes), -1), prefixes], dim=1)
     with torch.no_grad():

@@ -10,24 +10,20 @@ and seeded requests, verified with the coupled rule, get plain decoding's tokens
 """
 from __future__ import annotations
 
-import itertools
 from collections import Counter
 
 import pytest
-import scipy.stats
 import torch
 
 import specserve.sampling.sampler
 from specserve.speculative import verify
 from tests.spec_fixtures import make_tiny_directory, tiny_engine, wait_until_all_kv_is_free
+from tests.test_spec_sampling import (  # the same prompt, vocabulary and exact joint distribution
+    PROMPT, SAMPLES, VOCAB, chi_square_p, exact_joint, exact_step_logits)
 from tests.standalone_fixtures import make_noisy_draft, standalone_args, wait_until_draft_kv_is_free
 
-VOCAB = 16
-NEW_TOKENS = 4            # tokens whose joint distribution is tested
 MAX_NEW_TOKENS = 5        # the prefill's token, then a chain of 3 drafts verified (up to 4 tokens)
 NUM_STEPS = 3
-SAMPLES = 4000
-PROMPT = [3, 4, 5, 6, 7, 8] * 3 + [3, 4]
 CONFIGS = {"temperature 1": {"temperature": 1.0}, "temperature 0.8 top_k 4": {"temperature": 0.8, "top_k": 4}}
 ALPHA = 1e-4
 
@@ -44,28 +40,7 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def step_logits(models) -> list[torch.Tensor]:
-    """[k]: (V,) * k + (V,) float64 logits of token k+1 given the prompt and tokens 1..k."""
-    model = models[2]
-    prefixes = torch.tensor(list(itertools.product(range(VOCAB), repeat=NEW_TOKENS - 1)))
-    ids = torch.cat([torch.tensor(PROMPT).expand(len(prefixes), -1), prefixes], dim=1)
-    with torch.no_grad():
-        logits = model(ids).logits[:, len(PROMPT) - 1:]                      # (V**3, 4, V)
-    shape = (VOCAB,) * (NEW_TOKENS - 1)
-    return [logits[:, k].reshape(*shape, VOCAB)[(slice(None),) * k + (0,) * (NEW_TOKENS - 1 - k)]
-            for k in range(NEW_TOKENS)]
-
-
-def exact_joint(step_logits: list[torch.Tensor], temperature: float, top_k: int = -1) -> torch.Tensor:
-    """(V,) * 4: P(x1..x4) = prod_k p_k(x_k | prompt, x_<k), each softmax(logits / T), top-k kept."""
-    joint = torch.ones(())
-    for logits in step_logits:
-        probs = torch.softmax(logits / temperature, dim=-1)
-        if top_k > 0:
-            kth = probs.topk(top_k, dim=-1).values[..., -1:]
-            probs = torch.where(probs >= kth, probs, 0.0)
-            probs = probs / probs.sum(-1, keepdim=True)
-        joint = joint.unsqueeze(-1) * probs
-    return joint
+    return exact_step_logits(models[2])
 
 
 def sample(models, config: dict, seeded: bool = False, **engine_args) -> list[dict]:
@@ -77,20 +52,6 @@ def sample(models, config: dict, seeded: bool = False, **engine_args) -> list[di
         wait_until_draft_kv_is_free(engine)
         wait_until_all_kv_is_free(engine)
     return outputs
-
-
-def chi_square_p(outputs: list[dict], joint: torch.Tensor) -> float:
-    counts = Counter(tuple(out["output_ids"][:NEW_TOKENS]) for out in outputs)
-    assert not [key for key in counts if joint[key] == 0], "sampled continuations the filters exclude"
-    expected = joint.flatten() * len(outputs)
-    observed = torch.zeros_like(expected)
-    for key, n in counts.items():
-        observed[torch.tensor(key) @ (VOCAB ** torch.arange(NEW_TOKENS - 1, -1, -1))] += n
-    big = expected >= 5     # the cells expected fewer than 5 times, merged into one
-    assert big.sum() >= 50, "too few cells for a meaningful test"
-    f_exp = torch.cat([expected[big], expected[~big].sum().view(1)])
-    f_obs = torch.cat([observed[big], observed[~big].sum().view(1)])
-    return scipy.stats.chisquare(f_obs.numpy(), f_exp.numpy()).pvalue
 
 
 class VerifySpy:
