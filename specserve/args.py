@@ -25,6 +25,8 @@ PLANNED_SPECULATIVE_ALGORITHMS = ("NAIVE_EAGLE",)
 # draft with a model (a draft model, an EAGLE head) at speculative_draft_model_path: a chain
 # of speculative_num_steps tokens per step
 MODEL_ALGORITHMS = ("STANDALONE", "EAGLE", "EAGLE3")
+# draft with an EAGLE head, whose lm_head an FR-Spec token map (speculative_token_map) restricts
+TOKEN_MAP_ALGORITHMS = ("EAGLE", "EAGLE3")
 DEFAULT_NUM_STEPS = 3                # SGLang's choice when --speculative-num-steps is not given
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp32", "fp16")
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton")
@@ -35,7 +37,6 @@ ALIASES = {"speculative_ngram_max_trie_depth": "speculative_ngram_branch_length"
 # SGLang's own second flags for a field (its command line only)
 FLAG_ALIASES = {"model_path": ("--model",), "tp_size": ("--tensor-parallel-size",),
                 "speculative_draft_model_path": ("--speculative-draft-model",)}
-_NOT_YET = "not implemented yet: setting it is an error"
 
 
 def option(default: typing.Any, help: str = "", *, group: str | None = None, **metadata: typing.Any) -> typing.Any:
@@ -97,7 +98,9 @@ class ServerArgs:
     speculative_draft_model_path: str | None = _spec(None, "STANDALONE: a smaller model with the target's tokenizer "
                                                            "(HF id, HF directory or .gguf); EAGLE / EAGLE3: the head's "
                                                            "directory (SGLang / SpecForge layout)")
-    speculative_token_map: str | None = _spec(None, f"FR-Spec hot-token map; {_NOT_YET}")
+    speculative_token_map: str | None = _spec(None, "EAGLE / EAGLE3: FR-Spec hot-token map, a torch.save'd list of "
+                                                    "target token ids (SGLang's format; python -m "
+                                                    "specserve.build_token_map makes one): the head drafts only them")
     speculative_ngram_capacity: int = _spec(10_000_000, "most n-gram trie nodes, shared by all requests "
                                                         "(~160 bytes each, allocated as they fill)")
     speculative_ngram_min_match_window_size: int = _spec(1, "shortest suffix of a request that may match")
@@ -134,6 +137,10 @@ class ServerArgs:
         if self.log_interval_s <= 0:
             raise ArgumentError(f"log_interval_s must be positive, got {self.log_interval_s}")
         self._check_speculative()
+        if self.speculative_token_map is not None and self.speculative not in TOKEN_MAP_ALGORITHMS:
+            raise ArgumentError(f"speculative_token_map restricts an EAGLE head's vocabulary: it needs "
+                                f"speculative_algorithm {' or '.join(TOKEN_MAP_ALGORITHMS)}, "
+                                f"got {self.speculative_algorithm!r}")
 
     def _check_speculative(self) -> None:
         algorithm = self.speculative_algorithm
@@ -177,8 +184,6 @@ class ServerArgs:
             raise ArgumentError(f"speculative_num_draft_tokens must be in [2, {most}] for a tree of "
                                 f"speculative_num_steps={self.speculative_steps} and speculative_eagle_topk={topk} "
                                 f"(the root and the candidates it drafts), got {self.speculative_num_draft_tokens}")
-        if self.speculative_token_map is not None:
-            raise NotSupportedError("speculative_token_map (FR-Spec) is not implemented")
 
     @property
     def speculative_steps(self) -> int:
