@@ -32,6 +32,7 @@ from specserve.runner.draft_tree import run_tree
 from specserve.runner.draft_runner import chain_context, drafter_backend
 from specserve.speculative.eagle_checkpoint import load_head
 from specserve.speculative.eagle_head import EagleHead
+from specserve.speculative.token_map import apply_token_map
 
 logger = logging.getLogger("specserve")
 
@@ -53,6 +54,9 @@ def load_eagle_head(args: ServerArgs, target: ModelConfig, device: torch.device,
         raise ArgumentError(f"{field}: an {config.algorithm} head (it reads "
                             f"{'three target layers' if config.aux_layers else 'the final state'}), "
                             f"but speculative_algorithm is {args.speculative}")
+    if args.speculative_token_map:   # FR-Spec: before the checks that read the draft vocabulary's size
+        apply_token_map(head, args.speculative_token_map)
+        config = head.config
     if (args.speculative_eagle_topk or 1) > config.draft_vocab_size:
         raise ArgumentError(f"speculative_eagle_topk={args.speculative_eagle_topk} exceeds the head's draft "
                             f"vocabulary of {config.draft_vocab_size} tokens")

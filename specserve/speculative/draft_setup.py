@@ -21,6 +21,7 @@ from specserve.model.config import ModelConfig
 from specserve.model.hidden_capture import HiddenCapture
 from specserve.model.loader import resolve_model_path
 from specserve.speculative.drafter import Drafter
+from specserve.speculative.token_map import read_token_map
 
 if TYPE_CHECKING:
     from specserve.runner.model_runner import ModelRunner
@@ -42,13 +43,16 @@ class DraftSetup:
 
 
 def check_draft_path(args: ServerArgs) -> None:
-    """A draft model's path resolves (STANDALONE), an EAGLE head's directory has its config."""
+    """A draft model's path resolves (STANDALONE), an EAGLE head's directory has its config,
+    a token map file reads."""
     path = args.speculative_draft_model_path
     if args.speculative == "STANDALONE":
         resolve_model_path(path)
     elif not os.path.isfile(os.path.join(path, "config.json")):
         raise ArgumentError(f"speculative_draft_model_path={path!r}: an EAGLE head directory needs config.json "
                             "and model.safetensors (the layout SGLang and SpecForge use)")
+    if args.speculative_token_map is not None:
+        read_token_map(args.speculative_token_map)   # the file's form; its ids meet the vocabulary at load
 
 
 def prepare_draft(args: ServerArgs, target: ModelConfig, device: torch.device, dtype: torch.dtype,

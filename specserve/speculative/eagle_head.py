@@ -19,6 +19,7 @@ training-time test's (eagle_ttt.py) or, later, the engine's over its draft KV ca
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
@@ -138,6 +139,22 @@ class EagleHead(nn.Module):
         self.d2t.copy_(target_ids - torch.arange(target_ids.numel(), device=target_ids.device))
         self.t2d.zero_()
         self.t2d[target_ids] = True
+
+    @torch.no_grad()
+    def restrict_draft_vocab(self, allowed_target_ids: torch.Tensor) -> None:
+        """FR-Spec: keeps only the draft tokens whose target id is allowed (lm_head rows and
+        d2t shrink together; draft ids stay ascending, set_draft_vocab's form). The config
+        becomes one of the smaller vocabulary, so save_head writes a consistent head."""
+        vocab = self.draft_vocab()
+        kept = torch.isin(vocab, allowed_target_ids.to(vocab.device)).nonzero().squeeze(1)
+        if kept.numel() == 0:
+            raise ValueError("none of the allowed target ids is in the head's draft vocabulary")
+        weight = self.lm_head.weight
+        self.lm_head = nn.Linear(weight.shape[1], kept.numel(), bias=False, device=weight.device, dtype=weight.dtype)
+        self.lm_head.weight.copy_(weight[kept])
+        self.config = dataclasses.replace(self.config, draft_vocab_size=kept.numel())
+        self.d2t = torch.zeros_like(self.d2t[:kept.numel()])
+        self.set_draft_vocab(vocab[kept])
 
     def draft_vocab(self) -> torch.Tensor:
         """The target ids of the draft vocabulary, in draft-id order."""
