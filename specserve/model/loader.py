@@ -154,7 +154,29 @@ def _download_from_hub(repo_id: str) -> str:
 # ---------------------------------------------------------------------------- GGUF
 
 
+def read_model_config(model_path: str) -> ModelConfig:
+    """The model's config without reading its weights (a GGUF's metadata, a directory's
+    config.json): for tools that need only the vocabulary size or the eos ids."""
+    local_path = resolve_model_path(model_path)
+    return _read_gguf(local_path)[0] if os.path.isfile(local_path) else _read_hf_config(local_path)[0]
+
+
 def _load_gguf(path: str, dtype: torch.dtype, device: str | torch.device) -> LoadedCheckpoint:
+    config, tensors = _read_gguf(path)
+    state_dict = {}
+    for gguf_name, tensor in tensors.items():
+        hf_name = _hf_name(gguf_name)
+        weight = torch.from_numpy(_dequantize(tensor))
+        if config.architecture == "LlamaForCausalLM" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            num_heads = config.num_heads if "q_proj" in hf_name else config.num_kv_heads
+            weight = _unpermute_rope_rows(weight, num_heads)
+        state_dict[hf_name] = weight.to(device=device, dtype=dtype)
+
+    return LoadedCheckpoint(config, state_dict, _load_gguf_tokenizer(path), path, config.to_hf())
+
+
+def _read_gguf(path: str) -> tuple[ModelConfig, dict[str, Any]]:
+    """The config and the weight tensors (memory-mapped, not read yet) of a GGUF file."""
     import gguf
     try:
         reader = gguf.GGUFReader(path)
@@ -179,17 +201,7 @@ def _load_gguf(path: str, dtype: torch.dtype, device: str | torch.device) -> Loa
             has_output_weight="output.weight" in tensors,
             rope_freqs=None if rope_freqs is None else _dequantize(rope_freqs),
         )
-
-    state_dict = {}
-    for gguf_name, tensor in tensors.items():
-        hf_name = _hf_name(gguf_name)
-        weight = torch.from_numpy(_dequantize(tensor))
-        if config.architecture == "LlamaForCausalLM" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-            num_heads = config.num_heads if "q_proj" in hf_name else config.num_kv_heads
-            weight = _unpermute_rope_rows(weight, num_heads)
-        state_dict[hf_name] = weight.to(device=device, dtype=dtype)
-
-    return LoadedCheckpoint(config, state_dict, _load_gguf_tokenizer(path), path, config.to_hf())
+    return config, tensors
 
 
 def _load_gguf_tokenizer(path: str) -> Any:
@@ -258,15 +270,7 @@ def _unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def _load_hf_directory(path: str, dtype: torch.dtype, device: str | torch.device) -> LoadedCheckpoint:
-    from transformers import AutoConfig, GenerationConfig
-
-    with _naming(path):
-        hf_config = AutoConfig.from_pretrained(path)
-        generation_config = None
-        if os.path.isfile(os.path.join(path, "generation_config.json")):
-            generation_config = GenerationConfig.from_pretrained(path)
-        config = ModelConfig.from_hf(hf_config, generation_config)
-
+    config, hf_config = _read_hf_config(path)
     state_dict = _read_weight_files(path, dtype, device)
     # Old checkpoints saved rope tables as buffers; they are recomputed, not loaded.
     state_dict = {name: w for name, w in state_dict.items() if not name.endswith("rotary_emb.inv_freq")}
@@ -274,6 +278,17 @@ def _load_hf_directory(path: str, dtype: torch.dtype, device: str | torch.device
         # Some tied checkpoints still write a copy of the embedding as lm_head.
         state_dict.pop("lm_head.weight", None)
     return LoadedCheckpoint(config, state_dict, _load_tokenizer(path), path, hf_config)
+
+
+def _read_hf_config(path: str) -> tuple[ModelConfig, Any]:
+    from transformers import AutoConfig, GenerationConfig
+
+    with _naming(path):
+        hf_config = AutoConfig.from_pretrained(path)
+        generation_config = None
+        if os.path.isfile(os.path.join(path, "generation_config.json")):
+            generation_config = GenerationConfig.from_pretrained(path)
+        return ModelConfig.from_hf(hf_config, generation_config), hf_config
 
 
 def _read_weight_files(path: str, dtype: torch.dtype, device: str | torch.device) -> dict[str, torch.Tensor]:
