@@ -17,6 +17,7 @@ from typing import Protocol
 _MIN_LEN = 2
 _MAX_PROMPT_LEN = 1024
 _MAX_TOTAL_LEN = 2048
+_CHAT_ROLES = {"human": "user", "gpt": "assistant"}   # ShareGPT's speakers; a few others are left out
 
 
 @dataclass
@@ -101,18 +102,27 @@ def load_sharegpt_second_turns(path: str | None, num: int, seed: int = 1,
     human and fit `max_chars`, shuffled with `seed`."""
     with open(path or default_sharegpt_path(), encoding="utf-8") as f:
         items = _json_array_items(f.read())
-    roles = {"human": "user", "gpt": "assistant"}
     conversations = []
     for item in items:
         turns = item.get("conversations", ())[:3]
         if [t.get("from") for t in turns] != ["human", "gpt", "human"]:
             continue
         if all(t["value"].strip() for t in turns) and sum(len(t["value"]) for t in turns) <= max_chars:
-            conversations.append([{"role": roles[t["from"]], "content": t["value"]} for t in turns])
+            conversations.append([{"role": _CHAT_ROLES[t["from"]], "content": t["value"]} for t in turns])
     random.Random(seed).shuffle(conversations)
     if len(conversations) < num:
         raise ValueError(f"only {len(conversations)} multi-turn ShareGPT conversations fit; asked for {num}")
     return conversations[:num]
+
+
+def load_sharegpt_conversations(path: str | None) -> list[list[dict]]:
+    """Every conversation, all its turns, as chat messages (human: user, gpt: assistant;
+    empty turns and other speakers left out), in file order."""
+    with open(path or default_sharegpt_path(), encoding="utf-8") as f:
+        items = _json_array_items(f.read())
+    conversations = ([{"role": _CHAT_ROLES[t["from"]], "content": t["value"]} for t in item.get("conversations", ())
+                      if t.get("from") in _CHAT_ROLES and t.get("value", "").strip()] for item in items)
+    return [messages for messages in conversations if messages]
 
 
 def _json_array_items(text: str) -> list[dict]:
