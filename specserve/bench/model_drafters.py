@@ -9,9 +9,11 @@ policy; accept lengths, the target's roofline, and the greedy match rate in the 
         --dataset-path .gpu/sharegpt_subset.json --out $OUT
 
 One engine per draft length (the draft chain's graphs are captured for it); plain decoding
-runs on the same engine with the drafter set aside. Rows go to model_drafters.jsonl;
-model_drafters_table.md gives tokens per second and the speed-up over plain per (workload,
-concurrency).
+runs on the same engine with the drafter set aside. --token-map FILE (EAGLE / EAGLE3) runs
+every config again with that FR-Spec map (speculative_token_map), to compare the draft step
+time and the accept length with and without it. Rows go to model_drafters.jsonl;
+model_drafters_table.md gives tokens per second, the speed-up over plain, the accept length
+and the draft step time per (workload, concurrency).
 """
 from __future__ import annotations
 
@@ -40,6 +42,33 @@ def set_mode(engine, drafter, mode: str) -> None:
     core.stats.speculative = True
 
 
+class DraftTimer:
+    """Wall time of the drafter's propose calls: a step's drafting, the head's or draft
+    model's forwards and their one host sync included (the verify before it has synced)."""
+
+    def __init__(self, drafter):
+        self.drafter, self._propose = drafter, drafter.propose
+        drafter.propose = self._timed_propose
+        self.reset()
+
+    def reset(self) -> None:
+        self.seconds, self.calls = 0.0, 0
+
+    def summary(self) -> dict:
+        return {"draft_steps": self.calls, "draft_ms_per_step": 1e3 * self.seconds / self.calls if self.calls else None}
+
+    def close(self) -> None:
+        self.drafter.propose = self._propose
+
+    def _timed_propose(self, reqs, max_nodes):
+        start = time.perf_counter()
+        try:
+            return self._propose(reqs, max_nodes)
+        finally:
+            self.seconds += time.perf_counter() - start
+            self.calls += 1
+
+
 def greedy_match_rate(engine, drafter, prompts: list[list[int]], max_new_tokens: int) -> float:
     params = {"temperature": 0, "max_new_tokens": max_new_tokens}
     set_mode(engine, drafter, "plain")
@@ -49,24 +78,28 @@ def greedy_match_rate(engine, drafter, prompts: list[list[int]], max_new_tokens:
     return sum(a == b for a, b in zip(plain, drafted)) / len(prompts)
 
 
-def bench(ns, num_steps: int, topk: int, bandwidth: float, write) -> None:
+def bench(ns, num_steps: int, topk: int, token_map: str | None, bandwidth: float, write) -> None:
     from specserve.engine.engine import Engine
     start = time.perf_counter()
     engine = Engine(model_path=ns.target, speculative_algorithm=ns.algorithm, speculative_draft_model_path=ns.draft,
                     speculative_num_steps=num_steps, speculative_eagle_topk=topk,
-                    speculative_num_draft_tokens=ns.num_draft_tokens, cuda_graph_max_bs=64, log_level="warning",
-                    dtype=ns.dtype, device=ns.device, mem_fraction_static=ns.mem_fraction_static)
+                    speculative_num_draft_tokens=ns.num_draft_tokens, speculative_token_map=token_map,
+                    cuda_graph_max_bs=64, log_level="warning", dtype=ns.dtype, device=ns.device,
+                    mem_fraction_static=ns.mem_fraction_static)
     drafter = engine.core.drafter
-    name = f"{ns.algorithm.lower()}-{num_steps}" + (f"-top{topk}-{ns.num_draft_tokens}" if topk > 1 else "")
     draft_model = getattr(drafter.runner, "model", None) or drafter.runner.head
+    name = f"{ns.algorithm.lower()}-{num_steps}" + (f"-top{topk}-{ns.num_draft_tokens}" if topk > 1 else "")
+    if token_map is not None:
+        name += f"-map{draft_model.config.draft_vocab_size}"      # the draft vocabulary the map leaves
     own_weights = [p for name, p in draft_model.named_parameters() if not name.startswith("embed_tokens.")
                    or draft_model is getattr(drafter.runner, "model", None)]   # a head borrows the target's embedding
     write({"kind": "engine", "config": name, "start_s": time.perf_counter() - start,
            "kv_tokens": engine.core.runner.pool.size, "target_weight_bytes": weight_bytes(engine),
-           "draft_weight_bytes": sum(p.numel() * p.element_size() for p in own_weights)})
+           "draft_weight_bytes": sum(p.numel() * p.element_size() for p in own_weights),
+           "draft_vocab_size": getattr(draft_model.config, "draft_vocab_size", None)})   # an EAGLE head's
     roofline = bandwidth / weight_bytes(engine)
     workloads = suite_workloads(engine, ns)
-    watch = RunWatch(engine)
+    watch, timer = RunWatch(engine), DraftTimer(drafter)
     # EAGLE heads need the target's state of every token: the engine does not run them adaptively
     modes = (["plain"] if ns.plain else []) + (["pinned", "adaptive"] if ns.algorithm == "STANDALONE" else ["pinned"])
     for concurrency in ns.concurrency:
@@ -78,11 +111,13 @@ def bench(ns, num_steps: int, topk: int, bandwidth: float, write) -> None:
                 label = "plain" if mode == "plain" else f"{name}-{mode}"
                 set_mode(engine, drafter, mode)
                 run(engine, warm_prompts[:count], concurrency, ns.max_new_tokens // 2, f"warm-up {label}")
+                timer.reset()
                 for summary in run(engine, prompts[:count], concurrency, ns.max_new_tokens, label, 1, watch):
                     write({"kind": "specserve", "workload": workload, "concurrency": concurrency, "config": label,
-                           **summary, "roofline_fraction": summary["output_tokens_per_s"] / roofline
+                           **summary, **timer.summary(), "roofline_fraction": summary["output_tokens_per_s"] / roofline
                            if concurrency == 1 else None})
     watch.close()
+    timer.close()
     code, chat = workloads["code-types"][0], workloads["sharegpt-multiturn"][0]
     write({"kind": "greedy_match_rate", "config": name, "dtype": ns.dtype,
            "rate": greedy_match_rate(engine, drafter, code[:8] + chat[:8], ns.max_new_tokens)})
@@ -94,16 +129,19 @@ def bench(ns, num_steps: int, topk: int, bandwidth: float, write) -> None:
 
 
 def write_table(rows: list[dict], path: str) -> None:
-    """Tokens per second per (workload, concurrency, config), the speed-up over plain and the accept length."""
+    """Tokens per second per (workload, concurrency, config), the speed-up over plain, the
+    accept length and the mean draft step time."""
     runs = [r for r in rows if r.get("kind") == "specserve"]
     plain = {(r["workload"], r["concurrency"]): r["output_tokens_per_s"] for r in runs if r["config"] == "plain"}
-    lines = ["| workload | concurrency | config | tok/s | vs plain | accept length |", "|---|---|---|---|---|---|"]
+    lines = ["| workload | concurrency | config | tok/s | vs plain | accept length | draft ms/step |",
+             "|---|---|---|---|---|---|---|"]
     for r in sorted(runs, key=lambda r: (r["workload"], r["concurrency"], r["config"])):
         base = plain.get((r["workload"], r["concurrency"]))
         speedup = f"{r['output_tokens_per_s'] / base:.2f}x" if base else ""
         accept = f"{r['accept_length']:.2f}" if "accept_length" in r else ""
+        draft_ms = f"{r['draft_ms_per_step']:.2f}" if r.get("draft_ms_per_step") is not None else ""
         lines.append(f"| {r['workload']} | {r['concurrency']} | {r['config']} | {r['output_tokens_per_s']:.1f} | "
-                     f"{speedup} | {accept} |")
+                     f"{speedup} | {accept} | {draft_ms} |")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -118,6 +156,9 @@ def main(argv=None) -> None:
     parser.add_argument("--topk", type=int, nargs="*", default=[1],
                         help="EAGLE: 1 (chains) and/or k > 1 (EAGLE-2 trees), one engine each per draft length")
     parser.add_argument("--num-draft-tokens", type=int, default=8, help="nodes of an EAGLE-2 tree")
+    parser.add_argument("--token-map", default=None,
+                        help="EAGLE / EAGLE3: an FR-Spec map (python -m specserve.build_token_map); every config "
+                             "runs without and then with it")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="cuda")
@@ -144,10 +185,13 @@ def main(argv=None) -> None:
     bandwidth = measure_copy_bandwidth(ns.device)
     write({"kind": "device", "name": torch.cuda.get_device_name() if ns.device == "cuda" else "cpu",
            "copy_bandwidth_GBps": bandwidth / 1e9, "target": ns.target, "algorithm": ns.algorithm, "draft": ns.draft})
-    configs = [(steps, topk) for steps in ns.num_steps for topk in ns.topk]
-    for index, (num_steps, topk) in enumerate(configs):   # plain decoding is measured with the first engine only
-        bench(ns if index == 0 else argparse.Namespace(**{**vars(ns), "plain": False}), num_steps, topk, bandwidth,
-              write)
+    if ns.token_map is not None and ns.algorithm == "STANDALONE":
+        parser.error("--token-map restricts an EAGLE head: it needs --algorithm EAGLE or EAGLE3")
+    maps = [None, ns.token_map] if ns.token_map is not None else [None]
+    configs = [(steps, topk, token_map) for steps in ns.num_steps for topk in ns.topk for token_map in maps]
+    for index, (num_steps, topk, token_map) in enumerate(configs):   # plain decoding: with the first engine only
+        bench(ns if index == 0 else argparse.Namespace(**{**vars(ns), "plain": False}), num_steps, topk, token_map,
+              bandwidth, write)
     write_table(rows, os.path.join(ns.out, "model_drafters_table.md"))
 
 
