@@ -172,6 +172,8 @@ def main(argv=None) -> None:
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 32, 64])
     parser.add_argument("--no-plain", dest="plain", action="store_false", help="skip plain decoding (measured once)")
     ns = parser.parse_args(argv)
+    if ns.token_map is not None and ns.algorithm == "STANDALONE":
+        parser.error("--token-map restricts an EAGLE head: it needs --algorithm EAGLE or EAGLE3")
     os.makedirs(ns.out, exist_ok=True)
     results_path = os.path.join(ns.out, "model_drafters.jsonl")
     rows: list[dict] = []
@@ -185,8 +187,6 @@ def main(argv=None) -> None:
     bandwidth = measure_copy_bandwidth(ns.device)
     write({"kind": "device", "name": torch.cuda.get_device_name() if ns.device == "cuda" else "cpu",
            "copy_bandwidth_GBps": bandwidth / 1e9, "target": ns.target, "algorithm": ns.algorithm, "draft": ns.draft})
-    if ns.token_map is not None and ns.algorithm == "STANDALONE":
-        parser.error("--token-map restricts an EAGLE head: it needs --algorithm EAGLE or EAGLE3")
     maps = [None, ns.token_map] if ns.token_map is not None else [None]
     configs = [(steps, topk, token_map) for steps in ns.num_steps for topk in ns.topk for token_map in maps]
     for index, (num_steps, topk, token_map) in enumerate(configs):   # plain decoding: with the first engine only
