@@ -19,15 +19,16 @@ from dataclasses import dataclass, field, fields
 from specserve import sglang_compat
 from specserve.errors import ArgumentError, NotSupportedError, UnknownArgumentError, did_you_mean
 
-SPECULATIVE_ALGORITHMS = ("NGRAM", "LOOKAHEAD", "STANDALONE", "EAGLE", "EAGLE3")
-# Algorithms SGLang has that later work adds; naming one is a clear NotSupportedError.
-PLANNED_SPECULATIVE_ALGORITHMS = ("NAIVE_EAGLE",)
-# draft with a model (a draft model, an EAGLE head) at speculative_draft_model_path: a chain
-# of speculative_num_steps tokens per step
-MODEL_ALGORITHMS = ("STANDALONE", "EAGLE", "EAGLE3")
+SPECULATIVE_ALGORITHMS = ("NGRAM", "LOOKAHEAD", "STANDALONE", "EAGLE", "EAGLE3", "NAIVE_EAGLE", "MTP")
+# draft with a model (a draft model, an EAGLE head, an MTP layer) at speculative_draft_model_path:
+# a chain of speculative_num_steps tokens per step
+MODEL_ALGORITHMS = ("STANDALONE", "EAGLE", "EAGLE3", "NAIVE_EAGLE", "MTP")
+# one draft per step, verified and drafted again in one CUDA graph (SGLang's NAIVE_EAGLE)
+FUSED_CHAIN_ALGORITHMS = ("NAIVE_EAGLE", "MTP")
 # draft with an EAGLE head, whose lm_head an FR-Spec token map (speculative_token_map) restricts
 TOKEN_MAP_ALGORITHMS = ("EAGLE", "EAGLE3")
 DEFAULT_NUM_STEPS = 3                # SGLang's choice when --speculative-num-steps is not given
+DEFAULT_NUM_DRAFT_TOKENS = 8
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp32", "fp16")
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -83,9 +84,12 @@ class ServerArgs:
     tp_size: int = _kernels(1, "tensor parallelism: only 1 (one device) is supported")
     # --- speculative decoding ---
     speculative_algorithm: str | None = _spec(None, "NGRAM (alias LOOKAHEAD), STANDALONE (a draft model), EAGLE "
-                                                    "(an EAGLE-2 head) or EAGLE3; NAIVE_EAGLE is not implemented yet")
-    speculative_num_draft_tokens: int = _spec(8, "tree nodes per verify step, the root included (a chain "
-                                                 "of STANDALONE / EAGLE: speculative_num_steps + 1)")
+                                                    "(an EAGLE-2 head), EAGLE3, NAIVE_EAGLE (an EAGLE head drafting "
+                                                    "one token, verified and drafted again in one CUDA graph) or MTP "
+                                                    "(the same with an MTP layer)")
+    speculative_num_draft_tokens: int = _spec(DEFAULT_NUM_DRAFT_TOKENS, "tree nodes per verify step, the root "
+                                              "included (a chain of STANDALONE / EAGLE: speculative_num_steps + 1; "
+                                              "NAIVE_EAGLE / MTP: 2, the default is read as 2)")
     speculative_one_branch: bool = _spec(False, "draft a single chain instead of a tree")
     speculative_disable_adaptive: bool = _spec(False, "verify speculative_num_draft_tokens nodes every step, as "
                                                       "SGLang does (by default each step picks the draft size, down to "
@@ -146,9 +150,6 @@ class ServerArgs:
         algorithm = self.speculative_algorithm
         if algorithm is None:
             return
-        if algorithm.upper() in PLANNED_SPECULATIVE_ALGORITHMS:
-            raise NotSupportedError(f"speculative_algorithm={algorithm!r} is not implemented yet; "
-                                    f"available: {', '.join(SPECULATIVE_ALGORITHMS)}")
         if algorithm.upper() not in SPECULATIVE_ALGORITHMS:
             raise ArgumentError(f"speculative_algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)}; "
                                 f"got {algorithm!r}")
@@ -175,6 +176,8 @@ class ServerArgs:
             raise ArgumentError(f"speculative_algorithm={self.speculative_algorithm!r} needs "
                                 "speculative_draft_model_path (--speculative-draft-model-path)")
         _check_positive(self, "speculative_num_steps", "speculative_eagle_topk")
+        if self.speculative in FUSED_CHAIN_ALGORITHMS:
+            self._check_fused_chain()
         topk = self.speculative_eagle_topk or 1
         if topk > 1 and self.speculative == "STANDALONE":
             raise NotSupportedError(f"speculative_eagle_topk={topk}: STANDALONE drafts a chain (top-k 1); "
@@ -185,9 +188,21 @@ class ServerArgs:
                                 f"speculative_num_steps={self.speculative_steps} and speculative_eagle_topk={topk} "
                                 f"(the root and the candidates it drafts), got {self.speculative_num_draft_tokens}")
 
+    def _check_fused_chain(self) -> None:
+        """NAIVE_EAGLE / MTP verify the root and one draft: SGLang's num_steps 1, topk 1, num_draft_tokens 2."""
+        allowed = {"speculative_num_steps": (None, 1), "speculative_eagle_topk": (None, 1),
+                   "speculative_num_draft_tokens": (2, DEFAULT_NUM_DRAFT_TOKENS)}
+        for name, values in allowed.items():
+            if getattr(self, name) not in values:
+                raise ArgumentError(f"{name}={getattr(self, name)}: speculative_algorithm {self.speculative} drafts "
+                                    "one token per step (speculative_num_steps 1, speculative_eagle_topk 1, "
+                                    "speculative_num_draft_tokens 2)")
+
     @property
     def speculative_steps(self) -> int:
         """Draft tokens a chain drafter drafts per step."""
+        if self.speculative in FUSED_CHAIN_ALGORITHMS:
+            return 1
         return self.speculative_num_steps or DEFAULT_NUM_STEPS
 
     @property

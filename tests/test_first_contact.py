@@ -44,7 +44,7 @@ USER_ERRORS = {
     "corrupt GGUF": (["--model-path", "<tmp>/corrupt.gguf"], ["corrupt.gguf", "GGUF"]),
     "not a GGUF file": (["--model-path", "<tmp>/weights.bin"], ["weights.bin", ".gguf"]),
     "hub id offline": (["--model-path", "no-such-org/no-such-model"], ["no-such-org/no-such-model", "hub"]),
-    "NAIVE_EAGLE": (["--speculative-algorithm", "NAIVE_EAGLE"], ["NAIVE_EAGLE", "not implemented"]),
+    "NAIVE_EAGLE without a head": (["--speculative-algorithm", "NAIVE_EAGLE"], ["NAIVE_EAGLE", "speculative_draft_model_path"]),
     "tensor parallelism": (["--tp-size", "2"], ["tp_size", "one device"]),
     "a device that is not there": (["--device", "cuda:99"], ["cuda:99"]),
     "bad device name": (["--device", "gpu"], ["device", "'gpu'"]),
@@ -87,8 +87,8 @@ def test_benchmark_mistakes_are_one_line_before_any_work(capfd):
 
 
 def test_log_level_debug_shows_the_traceback():
-    with pytest.raises(errors.NotSupportedError, match="NAIVE_EAGLE"):
-        run_cli(generate_main, ["--speculative-algorithm", "NAIVE_EAGLE", "--log-level", "debug"])
+    with pytest.raises(errors.NotSupportedError, match="tp_size"):
+        run_cli(generate_main, ["--tp-size", "2", "--log-level", "debug"])
 
 
 def test_a_port_in_use_is_reported_before_the_model_loads(capfd):
@@ -107,9 +107,9 @@ def test_a_port_in_use_is_reported_before_the_model_loads(capfd):
 # ---- the Python API: one type per kind, the CLI's message ----
 def test_the_api_raises_the_cli_message_with_one_type_per_kind(capfd):
     with pytest.raises(errors.NotSupportedError) as api_error:
-        ServerArgs.from_kwargs(speculative_algorithm="NAIVE_EAGLE")
+        ServerArgs.from_kwargs(tp_size=2)
     assert isinstance(api_error.value, NotImplementedError)
-    _, lines, _ = cli_error(capfd, generate_main, ["--speculative-algorithm", "NAIVE_EAGLE"])
+    _, lines, _ = cli_error(capfd, generate_main, ["--tp-size", "2"])
     assert lines == [f"specserve: error: {api_error.value}"]
     with pytest.raises(errors.ArgumentError) as bad_value:
         ServerArgs.from_kwargs(mem_fraction_static=2.0)
