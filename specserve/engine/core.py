@@ -152,7 +152,11 @@ class EngineCore:
         verified on the device, which also writes the accepted slots into the KV table
         (returned True): one copy of the outcome comes back. Other steps go through the
         sampler (penalties, sampling, logprobs). Also returns the nodes' hidden states
-        (bs, n, features) when the runner keeps them (an EAGLE drafter reads them)."""
+        (bs, n, features) when the runner keeps them (an EAGLE drafter reads them). A fused
+        drafter (NAIVE_EAGLE, MTP) may run the whole step itself, its next drafts included."""
+        fused = self.drafter.verify_fused(reqs, proposal, slots, self.sampler) if self.drafter is not None else None
+        if fused is not None:
+            return fused, True, None
         greedy = proposal.num_slots > 1 and self.sampler.argmax_is_enough(reqs)
         if not greedy:  # the sampler's tensors are sent before the forward: a copy after it would wait for it
             host_trees = proposal.trees()

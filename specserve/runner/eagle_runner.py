@@ -32,6 +32,7 @@ from specserve.runner.draft_tree import run_tree
 from specserve.runner.draft_runner import chain_context, drafter_backend
 from specserve.speculative.eagle_checkpoint import load_head
 from specserve.speculative.eagle_head import EagleHead
+from specserve.speculative.mtp_head import MtpChainModel, MtpHead
 from specserve.speculative.token_map import apply_token_map
 
 logger = logging.getLogger("specserve")
@@ -50,7 +51,7 @@ def load_eagle_head(args: ServerArgs, target: ModelConfig, device: torch.device,
         raise ArgumentError(f"{field}: the EAGLE head is for a target of vocabulary {config.vocab_size} and "
                             f"hidden size {config.target_hidden_size}; this target has {target.vocab_size} and "
                             f"{target.hidden_size}")
-    if config.algorithm != args.speculative:
+    if config.algorithm != args.speculative and args.speculative != "NAIVE_EAGLE":   # it takes either kind
         raise ArgumentError(f"{field}: an {config.algorithm} head (it reads "
                             f"{'three target layers' if config.aux_layers else 'the final state'}), "
                             f"but speculative_algorithm is {args.speculative}")
@@ -115,7 +116,8 @@ class EagleHeadRunner:
                            (target_pool.max_requests + 1) * self.topk,
                            chain_context(target_pool.max_context, self.num_steps), self.dtype, self.device)
         self.backend = drafter_backend(args, self.device, config.num_heads, config.num_kv_heads, config.head_dim)
-        self.chain_model = HeadChainModel(head, self.backend)
+        self.chain_model = MtpChainModel(head, self.backend) if isinstance(head, MtpHead) \
+            else HeadChainModel(head, self.backend)
         self.graphs = None
         if self.device.type == "cuda" and not args.disable_cuda_graph and self.backend.supports_cuda_graph:
             max_bs = batch_size_buckets(min(args.cuda_graph_max_bs or 64, target_pool.max_requests))[-1]

@@ -25,7 +25,7 @@ from specserve.attention.base import ForwardBatch, ForwardMode
 from specserve.kv.pool import PADDING_SLOT, KVPool
 from specserve.model.hidden_capture import HiddenCapture
 from specserve.speculative.tree import DraftTrees, TreeProposal
-from specserve.speculative.verify import verify_greedy
+from specserve.speculative.verify import VerifyResult, verify_greedy
 
 
 @dataclass
@@ -92,7 +92,7 @@ class TreeStepOutputs:
     until the same graph runs again)."""
     logits: torch.Tensor            # (bs, n, vocab) fp32
     trees: DraftTrees | None        # None for n = 1 (root-only trees are not built)
-    outcome: torch.Tensor | None    # (bs, 1 + 2n) int64 greedy outcome, see greedy_commit; None for n = 1
+    outcome: torch.Tensor | None    # (bs, 1 + 2n) int64 greedy outcome, see commit_path; None for n = 1
     hidden: torch.Tensor | None = None   # (bs, n, features) the states `capture` asked for (an EAGLE drafter's)
 
 
@@ -127,15 +127,19 @@ def forward_tree(model, backend, pool: KVPool, inputs: TreeStepInputs,
 
 
 def greedy_commit(trees: DraftTrees, logits: torch.Tensor, inputs: TreeStepInputs, pool: KVPool) -> torch.Tensor:
-    """Greedy verification, and req_to_token[row, prefix + d] = the KV slot of the accepted
-    path's node at depth d, for d < accept length (the other writes go to the scratch row:
-    positions past a request's committed length are never read before they are rewritten).
+    """Greedy verification and its KV-table commit (commit_path)."""
+    return commit_path(verify_greedy(trees, logits), inputs, pool)
+
+
+def commit_path(result: VerifyResult, inputs: TreeStepInputs, pool: KVPool) -> torch.Tensor:
+    """req_to_token[row, prefix + d] = the KV slot of the accepted path's node at depth d,
+    for d < accept length (the other writes go to the scratch row: positions past a
+    request's committed length are never read before they are rewritten).
 
     Returns (bs, 1 + 2n) int64: the accept length k, the accepted nodes (root first, -1
     after), the committed tokens (k of them, -1 after): one copy brings it all to the host."""
-    result = verify_greedy(trees, logits)
-    bs, n = trees.tokens.shape
-    depth = torch.arange(n, device=logits.device).expand(bs, n)
+    bs, n = result.accepted_nodes.shape
+    depth = torch.arange(n, device=result.accepted_nodes.device).expand(bs, n)
     on_path = depth < result.accept_lens.unsqueeze(1)
     path_slots = inputs.out_slots.gather(1, result.accepted_nodes.clamp(min=0))
     rows = torch.where(on_path, inputs.req_rows.unsqueeze(1), pool.scratch_row)
@@ -152,7 +156,7 @@ class GreedyOutcome:
 
     @classmethod
     def parse(cls, packed: torch.Tensor) -> GreedyOutcome:
-        """packed: greedy_commit's (bs, 1 + 2n) outcome, on the host."""
+        """packed: commit_path's (bs, 1 + 2n) outcome, on the host."""
         n = (packed.shape[1] - 1) // 2
         rows = packed.tolist()
         accepted = [row[1:1 + row[0]] for row in rows]

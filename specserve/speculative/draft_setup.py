@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from specserve.args import ServerArgs
+from specserve.args import FUSED_CHAIN_ALGORITHMS, ServerArgs
 from specserve.errors import ArgumentError
 from specserve.model.config import ModelConfig
 from specserve.model.hidden_capture import HiddenCapture
@@ -43,14 +43,14 @@ class DraftSetup:
 
 
 def check_draft_path(args: ServerArgs) -> None:
-    """A draft model's path resolves (STANDALONE), an EAGLE head's directory has its config,
-    a token map file reads."""
+    """A draft model's path resolves (STANDALONE), an EAGLE head's (or MTP layer's) directory
+    has its config, a token map file reads."""
     path = args.speculative_draft_model_path
     if args.speculative == "STANDALONE":
         resolve_model_path(path)
     elif not os.path.isfile(os.path.join(path, "config.json")):
-        raise ArgumentError(f"speculative_draft_model_path={path!r}: an EAGLE head directory needs config.json "
-                            "and model.safetensors (the layout SGLang and SpecForge use)")
+        raise ArgumentError(f"speculative_draft_model_path={path!r}: an EAGLE head (or MTP layer) directory needs "
+                            "config.json and safetensors weights (the layout SGLang and SpecForge use)")
     if args.speculative_token_map is not None:
         read_token_map(args.speculative_token_map)   # the file's form; its ids meet the vocabulary at load
 
@@ -63,8 +63,34 @@ def prepare_draft(args: ServerArgs, target: ModelConfig, device: torch.device, d
         model = draft_runner.load_draft_model(args, target, device, dtype, context_length)
         return DraftSetup(draft_runner.kv_bytes_per_token(model, dtype), None,
                           lambda runner: StandaloneDrafter(draft_runner.DraftModelRunner(args, model, runner.pool)))
+    if args.speculative in FUSED_CHAIN_ALGORITHMS:
+        return prepare_fused_chain(args, target, device, dtype, context_length)
     from specserve.runner import eagle_runner
     from specserve.speculative.eagle import EagleDrafter
     head = eagle_runner.load_eagle_head(args, target, device, dtype, context_length)
     return DraftSetup(eagle_runner.kv_bytes_per_token(head, dtype), eagle_runner.target_capture(head),
                       lambda runner: EagleDrafter(eagle_runner.EagleHeadRunner(args, head, runner.model, runner.pool)))
+
+
+def prepare_fused_chain(args: ServerArgs, target: ModelConfig, device: torch.device, dtype: torch.dtype,
+                        context_length: int) -> DraftSetup:
+    """NAIVE_EAGLE (an EAGLE head of either kind) or MTP (an MTP layer): the head drafts one
+    token per step, verified and drafted again in one fused step (naive_eagle.py)."""
+    from specserve.runner import eagle_runner
+    from specserve.runner.draft_runner import chain_context
+    from specserve.runner.fused_chain import FusedChainRunner
+    from specserve.speculative.mtp_checkpoint import load_mtp_head
+    from specserve.speculative.naive_eagle import NaiveEagleDrafter
+    if args.speculative == "MTP":
+        head = load_mtp_head(args.speculative_draft_model_path, target, device, dtype,
+                             chain_context(context_length, args.speculative_steps))
+    else:
+        head = eagle_runner.load_eagle_head(args, target, device, dtype, context_length)
+
+    def make_drafter(runner: "ModelRunner") -> Drafter:
+        if args.speculative == "MTP":
+            head.share_target(runner.model)
+        head_runner = eagle_runner.EagleHeadRunner(args, head, runner.model, runner.pool)
+        return NaiveEagleDrafter(head_runner, FusedChainRunner(runner, head_runner))
+
+    return DraftSetup(eagle_runner.kv_bytes_per_token(head, dtype), eagle_runner.target_capture(head), make_drafter)

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     import torch
 
     from specserve.engine.request import Req
+    from specserve.sampling.sampler import Sampler, SampledStep
 
 
 class Drafter:
@@ -43,6 +44,16 @@ class Drafter:
         """The target's hidden states (when the runner keeps them: see ModelRunner's
         hidden_capture) of the tokens a step put in the KV cache: request i's tokens at
         positions starts[i], starts[i] + 1, ... have states[rows[i]]."""
+
+    def verify_fused(self, reqs: list["Req"], proposal: TreeProposal, slots: list[int],
+                     sampler: "Sampler") -> "SampledStep | None":
+        """A drafter whose next drafts come out of the verify step itself (NAIVE_EAGLE, MTP:
+        the target's forward, verification and the head's next draft in one device function)
+        runs the step: returns what each request commits, the accepted nodes' KV slots
+        written into the target's table. slots: the nodes' KV slots, request after request.
+        None: the engine verifies this batch itself (every other drafter, and batches the
+        fused step does not serve)."""
+        return None
 
     def flush(self, busy: "Callable[[], bool] | None" = None) -> None:
         """Deferred bookkeeping (e.g. indexing observed tokens). The engine calls it right

@@ -11,9 +11,9 @@ if TYPE_CHECKING:
     from specserve.args import ServerArgs
     from specserve.speculative.drafter import Drafter
 
-# algorithms that run a draft model or an EAGLE head: draft_setup.prepare_draft loads it
-# before the target's runner and makes the drafter after it
-MODEL_DRAFTERS = ("STANDALONE", "EAGLE", "EAGLE3")
+# algorithms that run a draft model, an EAGLE head or an MTP layer: draft_setup.prepare_draft
+# loads it before the target's runner and makes the drafter after it
+MODEL_DRAFTERS = ("STANDALONE", "EAGLE", "EAGLE3", "NAIVE_EAGLE", "MTP")
 
 
 def needs_draft_model(args: "ServerArgs") -> bool:
