@@ -1,8 +1,10 @@
 """Model drafters against plain decoding, in one call: STANDALONE (a draft model, e.g.
-Qwen2.5-Coder-0.5B drafting for the 1.5B) or EAGLE / EAGLE3 (a head, e.g. one
-`python -m specserve.train_eagle` made), on the suite's workloads (gpu_suite.py) at batch 1
+Qwen2.5-Coder-0.5B drafting for the 1.5B), EAGLE / EAGLE3 (a head, e.g. one
+`python -m specserve.train_eagle` made) or NAIVE_EAGLE / MTP (one draft per step, verified
+and drafted again in one CUDA graph), on the suite's workloads (gpu_suite.py) at batch 1
 and concurrency 8/32/64, with the draft length pinned and (STANDALONE) with the adaptive
 policy; accept lengths, the target's roofline, and the greedy match rate in the run dtype.
+Several --algorithm values compare them in one call (e.g. EAGLE3 NAIVE_EAGLE with the same head).
 
     python -m specserve.bench.model_drafters --target /root/models/qwen2.5-coder-1.5b-instruct.gguf \\
         --algorithm STANDALONE --draft /root/models/qwen2.5-coder-0.5b-instruct.gguf \\
@@ -13,7 +15,8 @@ runs on the same engine with the drafter set aside. --token-map FILE (EAGLE / EA
 every config again with that FR-Spec map (speculative_token_map), to compare the draft step
 time and the accept length with and without it. Rows go to model_drafters.jsonl;
 model_drafters_table.md gives tokens per second, the speed-up over plain, the accept length
-and the draft step time per (workload, concurrency).
+and the draft step time per (workload, concurrency); for NAIVE_EAGLE / MTP that time is the
+host's share only (first drafts of new requests): their drafting runs inside the verify graph.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import time
 
 import torch
 
+from specserve.args import FUSED_CHAIN_ALGORITHMS
 from specserve.bench.gpu_suite import RunWatch, measure_copy_bandwidth, run, suite_workloads, weight_bytes
 from specserve.speculative.adaptive import AdaptiveDraftLength, tiers_for
 
@@ -78,17 +82,19 @@ def greedy_match_rate(engine, drafter, prompts: list[list[int]], max_new_tokens:
     return sum(a == b for a, b in zip(plain, drafted)) / len(prompts)
 
 
-def bench(ns, num_steps: int, topk: int, token_map: str | None, bandwidth: float, write) -> None:
+def bench(ns, algorithm: str, num_steps: int, topk: int, token_map: str | None, bandwidth: float, write) -> None:
     from specserve.engine.engine import Engine
     start = time.perf_counter()
-    engine = Engine(model_path=ns.target, speculative_algorithm=ns.algorithm, speculative_draft_model_path=ns.draft,
+    fused = algorithm in FUSED_CHAIN_ALGORITHMS
+    engine = Engine(model_path=ns.target, speculative_algorithm=algorithm, speculative_draft_model_path=ns.draft,
                     speculative_num_steps=num_steps, speculative_eagle_topk=topk,
-                    speculative_num_draft_tokens=ns.num_draft_tokens, speculative_token_map=token_map,
+                    speculative_num_draft_tokens=2 if fused else ns.num_draft_tokens, speculative_token_map=token_map,
                     cuda_graph_max_bs=64, log_level="warning", dtype=ns.dtype, device=ns.device,
                     mem_fraction_static=ns.mem_fraction_static)
     drafter = engine.core.drafter
     draft_model = getattr(drafter.runner, "model", None) or drafter.runner.head
-    name = f"{ns.algorithm.lower()}-{num_steps}" + (f"-top{topk}-{ns.num_draft_tokens}" if topk > 1 else "")
+    name = algorithm.lower() if fused else \
+        f"{algorithm.lower()}-{num_steps}" + (f"-top{topk}-{ns.num_draft_tokens}" if topk > 1 else "")
     if token_map is not None:
         name += f"-map{draft_model.config.draft_vocab_size}"      # the draft vocabulary the map leaves
     own_weights = [p for name, p in draft_model.named_parameters() if not name.startswith("embed_tokens.")
@@ -101,7 +107,7 @@ def bench(ns, num_steps: int, topk: int, token_map: str | None, bandwidth: float
     workloads = suite_workloads(engine, ns)
     watch, timer = RunWatch(engine), DraftTimer(drafter)
     # EAGLE heads need the target's state of every token: the engine does not run them adaptively
-    modes = (["plain"] if ns.plain else []) + (["pinned", "adaptive"] if ns.algorithm == "STANDALONE" else ["pinned"])
+    modes = (["plain"] if ns.plain else []) + (["pinned", "adaptive"] if algorithm == "STANDALONE" else ["pinned"])
     for concurrency in ns.concurrency:
         count = ns.bs1_prompts if concurrency == 1 else min(ns.num_prompts, max(concurrency * 2, 16))
         for workload, (prompts, warm_prompts) in workloads.items():
@@ -149,9 +155,12 @@ def write_table(rows: list[dict], path: str) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="/root/models/qwen2.5-coder-1.5b-instruct.gguf")
-    parser.add_argument("--algorithm", default="STANDALONE", choices=("STANDALONE", "EAGLE", "EAGLE3"))
+    parser.add_argument("--algorithm", nargs="+", default=["STANDALONE"],
+                        choices=("STANDALONE", "EAGLE", "EAGLE3", "NAIVE_EAGLE", "MTP"),
+                        help="one engine per algorithm (and draft length); plain decoding on the first")
     parser.add_argument("--draft", default="/root/models/qwen2.5-coder-0.5b-instruct.gguf",
-                        help="STANDALONE: the draft model; EAGLE / EAGLE3: the head's directory")
+                        help="STANDALONE: the draft model; EAGLE / EAGLE3 / NAIVE_EAGLE: the head's directory; "
+                             "MTP: the MTP layer's")
     parser.add_argument("--num-steps", type=int, nargs="*", default=[4], help="draft lengths, one engine each")
     parser.add_argument("--topk", type=int, nargs="*", default=[1],
                         help="EAGLE: 1 (chains) and/or k > 1 (EAGLE-2 trees), one engine each per draft length")
@@ -172,7 +181,7 @@ def main(argv=None) -> None:
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 32, 64])
     parser.add_argument("--no-plain", dest="plain", action="store_false", help="skip plain decoding (measured once)")
     ns = parser.parse_args(argv)
-    if ns.token_map is not None and ns.algorithm == "STANDALONE":
+    if ns.token_map is not None and "STANDALONE" in ns.algorithm:
         parser.error("--token-map restricts an EAGLE head: it needs --algorithm EAGLE or EAGLE3")
     os.makedirs(ns.out, exist_ok=True)
     results_path = os.path.join(ns.out, "model_drafters.jsonl")
@@ -188,10 +197,12 @@ def main(argv=None) -> None:
     write({"kind": "device", "name": torch.cuda.get_device_name() if ns.device == "cuda" else "cpu",
            "copy_bandwidth_GBps": bandwidth / 1e9, "target": ns.target, "algorithm": ns.algorithm, "draft": ns.draft})
     maps = [None, ns.token_map] if ns.token_map is not None else [None]
-    configs = [(steps, topk, token_map) for steps in ns.num_steps for topk in ns.topk for token_map in maps]
-    for index, (num_steps, topk, token_map) in enumerate(configs):   # plain decoding: with the first engine only
-        bench(ns if index == 0 else argparse.Namespace(**{**vars(ns), "plain": False}), num_steps, topk, token_map,
-              bandwidth, write)
+    configs = [(algorithm, 1, 1, None) if algorithm in FUSED_CHAIN_ALGORITHMS else (algorithm, steps, topk, token_map)
+               for algorithm in ns.algorithm for steps in ns.num_steps for topk in ns.topk for token_map in maps]
+    configs = list(dict.fromkeys(configs))      # a fused chain has one shape: once
+    for index, (algorithm, num_steps, topk, token_map) in enumerate(configs):   # plain: with the first engine only
+        bench(ns if index == 0 else argparse.Namespace(**{**vars(ns), "plain": False}), algorithm, num_steps, topk,
+              token_map, bandwidth, write)
     write_table(rows, os.path.join(ns.out, "model_drafters_table.md"))
 
 
