@@ -189,6 +189,8 @@ def test_server_args_reject_the_same_values_directly():
     """ServerArgs (what the CLI builds) validates on construction too, not only Engine."""
     with pytest.raises(ValueError, match="mem_fraction_static"):
         ServerArgs(mem_fraction_static=2.0)
-    with pytest.raises(NotImplementedError, match="(?i)naive_eagle"):
+    with pytest.raises(NotImplementedError, match="tp_size"):
+        ServerArgs(tp_size=2)
+    with pytest.raises(ValueError, match="(?i)naive_eagle.*speculative_draft_model_path"):
         ServerArgs(speculative_algorithm="naive_eagle")
     assert ServerArgs(speculative_algorithm="lookahead").speculative == "NGRAM"

@@ -178,7 +178,8 @@ def test_help_shows_defaults_and_marks_what_is_not_implemented(capsys):
         generate_main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert ("--speculative-num-draft-tokens INT tree nodes per verify step, the root included (a chain of "
-            "STANDALONE / EAGLE: speculative_num_steps + 1) (default: 8)") in text
+            "STANDALONE / EAGLE: speculative_num_steps + 1; NAIVE_EAGLE / MTP: 2, the default is read as 2) "
+            "(default: 8)") in text
     assert f"{CPU_DEFAULT_KV_TOKENS} on a CPU" in text
     assert "--speculative-token-map STR FR-Spec hot-token map; not implemented yet" in text
     assert "--radix-eviction-policy" in text and "ignored with a warning" in text   # named in the SGLang section only
