@@ -1,4 +1,4 @@
-"""NAIVE_EAGLE through the Engine: one draft per step, verified and drafted again in one
+"""NAIVE_EAGLE (and, for sampling, MTP) through the Engine: one draft per step, verified and drafted again in one
 fused step (runner/fused_chain.py). With heads our trainer made (tests/test_eagle_drafter.py's
 fixtures, both kinds), greedy output equals plain decoding and every request's verify steps
 are exactly those the trainer's accept-length replay predicts for chains of one draft,
@@ -21,7 +21,8 @@ from specserve.errors import ArgumentError
 from specserve.speculative import verify
 from specserve.speculative.eagle_batches import BatchBuilder
 from specserve.speculative.eagle_eval import accepted_runs, replay_decoding
-from tests.fused_fixtures import FusedSpy, fused_args, save_random_eagle_head, wait_until_fused_state_is_free
+from tests.fused_fixtures import (FusedSpy, fused_args, save_random_eagle_head, save_random_mtp_head,
+                                  wait_until_fused_state_is_free)
 from tests.spec_fixtures import make_tiny_directory, plain_greedy_outputs, tiny_engine, truncated_mid_path
 from tests.test_eagle_drafter import head_dir, target  # noqa: F401  (a target and heads trained on it)
 from tests.test_spec_sampling import PROMPT, SAMPLES, chi_square_p, exact_joint, exact_step_logits
@@ -102,15 +103,26 @@ def test_an_untrained_head_keeps_greedy_output_and_frees_everything(tmp_path):
 
 # ---- sampling ----
 @pytest.fixture(scope="module")
-def sampling_models(tmp_path_factory):
-    """test_spec_sampling's 16-token target (its exact joint distribution of four tokens) and
-    a random head for it."""
+def sampling_target(tmp_path_factory):
+    """test_spec_sampling's 16-token target and its exact joint distribution of four tokens."""
     target_path = tmp_path_factory.mktemp("naive-v16")
     hf_target = make_tiny_directory(target_path, "llama", vocab_size=SAMPLING_VOCAB, tokenizer="letters",
                                     weight_std=None, logit_scale=20.0)
-    head_path = tmp_path_factory.mktemp("naive-v16-head")
-    save_random_eagle_head(target_path, head_path, algorithm="EAGLE", seed=3)
-    return target_path, head_path, exact_step_logits(hf_target.double())
+    return target_path, exact_step_logits(hf_target.double())
+
+
+@pytest.fixture(scope="module", params=["NAIVE_EAGLE", "MTP"])
+def sampling_models(request, sampling_target, tmp_path_factory):
+    """(target, algorithm, a random head for it, the target's step logits): an EAGLE head
+    drafts over a subset of ids mapped to the target's (d2t), an MTP layer over all of them."""
+    target_path, step_logits = sampling_target
+    head_path = tmp_path_factory.mktemp(f"v16-{request.param}")
+    if request.param == "MTP":
+        save_random_mtp_head(target_path, head_path, seed=3, std=0.1)
+    else:
+        save_random_eagle_head(target_path, head_path, algorithm="EAGLE", seed=3,
+                               draft_vocab=torch.arange(1, SAMPLING_VOCAB))
+    return target_path, request.param, head_path, step_logits
 
 
 class FusedVerifySpy:
@@ -127,10 +139,10 @@ class FusedVerifySpy:
 
 
 def sample(models, config: dict, seeded: bool = False) -> list[dict]:
-    target_path, head_path, _ = models
+    target_path, algorithm, head_path, _ = models
     params = [{**config, "max_new_tokens": 5, "ignore_eos": True, **({"seed": i} if seeded else {})}
               for i in range(SAMPLES)]
-    with tiny_engine(target_path, max_running_requests=1024, **fused_args("NAIVE_EAGLE", head_path)) as engine:
+    with tiny_engine(target_path, max_running_requests=1024, **fused_args(algorithm, head_path)) as engine:
         spy = FusedSpy(engine.core.drafter)
         outputs = engine.generate(input_ids=[PROMPT] * SAMPLES, sampling_params=params)
         wait_until_fused_state_is_free(engine)
@@ -147,7 +159,7 @@ def test_samples_follow_the_exact_distribution(sampling_models, monkeypatch, con
     for output in outputs:
         histogram.update(output["meta_info"]["spec_accept_histogram"])
     assert histogram[2] > 0.1 * sum(histogram.values()), histogram      # drafts get accepted
-    p = chi_square_p(outputs, exact_joint(sampling_models[2], **config))
+    p = chi_square_p(outputs, exact_joint(sampling_models[3], **config))
     assert p > 1e-4, f"{config}: chi-square p = {p:.3g}"
 
 
@@ -156,19 +168,19 @@ def test_chi_square_catches_an_accept_rule_that_ignores_q(sampling_models, monke
         return u * residual_mass < residual_x
     monkeypatch.setattr(verify, "_accept", ignores_q)
     outputs = sample(sampling_models, {"temperature": 1.0})
-    p = chi_square_p(outputs, exact_joint(sampling_models[2], temperature=1.0))
+    p = chi_square_p(outputs, exact_joint(sampling_models[3], temperature=1.0))
     assert p < 1e-6, f"p = {p:.3g}: a verifier that ignores q went unnoticed"
 
 
 def test_seeded_requests_get_the_tokens_of_plain_decoding(sampling_models, monkeypatch):
     """A seed asks for plain decoding's tokens: argmax drafts and the coupled rule."""
-    target_path, head_path, _ = sampling_models
+    target_path, algorithm, head_path, _ = sampling_models
     prompts = [PROMPT[i:] for i in range(8)]
     params = [{"temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True, "seed": 100 + i} for i in range(8)]
     with tiny_engine(target_path) as plain:
         expected = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=params)]
     spy = FusedVerifySpy(monkeypatch)
-    with tiny_engine(target_path, **fused_args("NAIVE_EAGLE", head_path)) as engine:
+    with tiny_engine(target_path, **fused_args(algorithm, head_path)) as engine:
         outputs = engine.generate(input_ids=prompts, sampling_params=params)
         wait_until_fused_state_is_free(engine)
     assert [o["output_ids"] for o in outputs] == expected
