@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specserve.runner.tree_step import GreedyOutcome
+from specserve.sampling.sampler import SampledStep
 from specserve.speculative.draft_kv import UNSET
 from specserve.speculative.eagle import EagleDrafter
 from specserve.speculative.model_proposals import chain_proposal, draft_temperature
@@ -38,12 +39,14 @@ if TYPE_CHECKING:
     from specserve.engine.request import Req
     from specserve.runner.eagle_runner import EagleHeadRunner
     from specserve.runner.fused_chain import FusedChainRunner
-    from specserve.sampling.sampler import Sampler, SampledStep
+    from specserve.sampling.sampler import Sampler
 
 FUSED_ROWS = 2   # the head rows a fused step feeds: L - 1 and L (L = the request's tokens)
 
 
 class NaiveEagleDrafter(EagleDrafter):
+    """EAGLE's drafter with one draft per step whose verify steps it runs itself (verify_fused)."""
+
     def __init__(self, runner: "EagleHeadRunner", fused: "FusedChainRunner"):
         super().__init__(runner)
         self.fused = fused
@@ -106,14 +109,13 @@ class NaiveEagleDrafter(EagleDrafter):
                      sampler: "Sampler") -> "SampledStep | None":
         if not self._fuses(reqs):
             return None
-        from specserve.sampling.sampler import SampledStep
         head_slots = []
         for req in reqs:
             first = self.kv.rows_of(req)
             head_slots.extend(self.kv.sequences[req.rid].slots[first:first + FUSED_ROWS])
         kind = verification_kind(reqs, sampler.sampling_rule)
         outcome = self.fused.launch(reqs, proposal, slots, head_slots, kind).wait()   # the step's one sync
-        parsed = GreedyOutcome.parse(outcome[:, :-1])
+        parsed = GreedyOutcome.parse(outcome[:, :-1])     # commit_path's layout, whatever the verification
         for req, tokens, draft in zip(reqs, parsed.tokens, outcome[:, -1].tolist()):
             # rows L - 1 and L now hold the tokens at L and L + 1; row L's is junk unless d1 was accepted
             self.kv.record_drafts(req, [tokens[0], tokens[1] if len(tokens) == FUSED_ROWS else UNSET])
