@@ -181,7 +181,8 @@ def test_help_shows_defaults_and_marks_what_is_not_implemented(capsys):
             "STANDALONE / EAGLE: speculative_num_steps + 1; NAIVE_EAGLE / MTP: 2, the default is read as 2) "
             "(default: 8)") in text
     assert f"{CPU_DEFAULT_KV_TOKENS} on a CPU" in text
-    assert "--speculative-token-map STR FR-Spec hot-token map; not implemented yet" in text
+    assert "--tp-size INT, --tensor-parallel-size INT tensor parallelism: only 1 (one device) is supported" in text
+    assert "--speculative-token-map STR EAGLE / EAGLE3: FR-Spec hot-token map" in text
     assert "--radix-eviction-policy" in text and "ignored with a warning" in text   # named in the SGLang section only
     assert "--disable-radix-cache recompute every prompt" in text
     assert "--enable-lora" not in text

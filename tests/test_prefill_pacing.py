@@ -27,14 +27,47 @@ def test_pacer_starts_small_and_converges_to_the_share_of_a_decode_step():
     assert abs(step_s - PREFILL_SHARE * decode_s) < 0.05 * decode_s
 
 
+def test_pacer_amortizes_a_fixed_cost_above_the_target():
+    """The GPU's shape: an eager prefill step costs more than the target whatever its size.
+    The chunk must not shrink to MIN_CHUNK (requests then took seconds to start); it grows,
+    at most doubling per step, to where its tokens cost about as much as the fixed part."""
+    decode_s, fixed_s, per_token_s = 0.002, 0.030, 15e-6
+    pacer = PrefillPacer(max_chunk=8192)
+    pacer.record(decode_s, prefill_tokens=0, decode_reqs=32)
+    chunks = []
+    for _ in range(40):
+        chunks.append(pacer.budget(decoding=True))
+        pacer.record(fixed_s + per_token_s * chunks[-1], prefill_tokens=chunks[-1], decode_reqs=0)
+    assert all(b <= 2 * a for a, b in zip(chunks, chunks[1:]))
+    assert abs(chunks[-1] - fixed_s / per_token_s) < 0.05 * fixed_s / per_token_s
+    assert sum(chunks[-10:]) / (10 * fixed_s + per_token_s * sum(chunks[-10:])) > 0.45 / per_token_s
+
+
+def test_pacer_follows_costs_that_drift_at_one_chunk_size():
+    decode_s, per_token_s = 0.040, 0.002
+    pacer = PrefillPacer(max_chunk=2048)
+    pacer.record(decode_s, prefill_tokens=0, decode_reqs=4)
+    for _ in range(20):
+        chunk = pacer.budget(decoding=True)
+        pacer.record(per_token_s * chunk, prefill_tokens=chunk, decode_reqs=0)
+    steady = pacer.budget(decoding=True)
+    for _ in range(20):   # deep into the prompt: each chunk also attends to a long prefix
+        chunk = pacer.budget(decoding=True)
+        pacer.record(0.030 + per_token_s * chunk, prefill_tokens=chunk, decode_reqs=0)
+    assert pacer.budget(decoding=True) < steady
+    assert abs(0.030 + per_token_s * pacer.budget(decoding=True) - PREFILL_SHARE * decode_s) < 0.1 * decode_s
+
+
 def test_pacer_mixed_steps_count_only_the_prefill_part_and_respect_the_bounds():
     pacer = PrefillPacer(max_chunk=1024)
     pacer.record(0.040, prefill_tokens=0, decode_reqs=4)
     pacer.record(0.040 + 100 * 0.0001, prefill_tokens=100, decode_reqs=4)    # 0.1 ms per prompt token
     assert abs(pacer.budget(decoding=True) - PREFILL_SHARE * 0.040 / 0.0001) <= 1
-    pacer.record(0.040 + 2.0, prefill_tokens=10, decode_reqs=4)              # dreadfully slow tokens
-    pacer.record(0.040 + 2.0, prefill_tokens=10, decode_reqs=4)
-    assert pacer.budget(decoding=True) == MIN_CHUNK
+    slow = PrefillPacer(max_chunk=1024)
+    slow.record(0.040, prefill_tokens=0, decode_reqs=4)
+    slow.record(0.040 + 2.0, prefill_tokens=10, decode_reqs=4)               # dreadfully slow tokens
+    slow.record(0.040 + 4.0, prefill_tokens=20, decode_reqs=4)
+    assert slow.budget(decoding=True) == MIN_CHUNK
     fast = PrefillPacer(max_chunk=512)
     fast.record(1.0, prefill_tokens=0, decode_reqs=1)
     fast.record(1e-9, prefill_tokens=10, decode_reqs=0)
@@ -69,7 +102,8 @@ def _decoding_scheduler(mixed: bool) -> tuple[Scheduler, list[Req], Req]:
         scheduler.add(req)
     _run(scheduler, scheduler.schedule())                      # nobody decodes: one prefill for all four
     assert all(len(r.output_ids) == 1 for r in streams)
-    scheduler.pacer.decode_step_s, scheduler.pacer.prefill_token_s = 0.040, 0.002
+    scheduler.pacer.record(0.040, prefill_tokens=0, decode_reqs=4)
+    scheduler.pacer.record(0.002 * 100, prefill_tokens=100, decode_reqs=0)     # 2 ms per prompt token
     long_prompt = _req("long", 4000)
     scheduler.add(long_prompt)
     return scheduler, streams, long_prompt
@@ -108,7 +142,9 @@ def test_mixed_chunks_decode_in_every_prefill_step():
 
 def test_a_prompt_with_one_token_left_is_in_a_mixed_step_once():
     scheduler, streams, long_prompt = _decoding_scheduler(mixed=True)
-    scheduler.pacer.max_chunk, scheduler.pacer.prefill_token_s = 3999, 1e-9   # a chunk one token short
+    scheduler.pacer = PrefillPacer(max_chunk=3999)                          # a chunk one token short
+    scheduler.pacer.record(0.040, prefill_tokens=0, decode_reqs=4)
+    scheduler.pacer.record(1e-6, prefill_tokens=1000, decode_reqs=0)
     _run(scheduler, scheduler.schedule())
     assert long_prompt.kv_len == long_prompt.num_tokens - 1 and not long_prompt.output_ids
     batch = scheduler.schedule()

@@ -3,39 +3,45 @@
 A prefill chunk delays the next token of every decoding request by its own duration, so a
 4k-token prompt prefilled in one go stalls every stream for as long as that takes (tens of
 seconds on a CPU). While requests decode, chunks are sized so that the prefill part of a
-step costs at most PREFILL_SHARE times a plain decode step: a stream then waits at most
-(1 + PREFILL_SHARE) times its usual inter-token time, whether prefill steps alternate with
-decode steps or ride inside them (mixed chunks).
+step costs at most a target: PREFILL_SHARE times a plain decode step, and never less than
+MIN_PREFILL_S. A stream then waits at most (1 + PREFILL_SHARE) times its usual inter-token
+time, whether prefill steps alternate with decode steps or ride inside them (mixed chunks).
 
 The size comes from measured step times, not from a guess: prefill and decode costs differ
-by orders of magnitude between a CPU and a GPU, and with the prompt's length. The
-estimate is the measured seconds per prefill token at the chunk size last used (for a
-prefill-only step its fixed cost is spread over its tokens, for a mixed step the decode
-part is subtracted). Sizing the next chunk as share * decode_time / seconds_per_token
-converges to the largest chunk that keeps to the share: with t(c) = a + b*c, the update
-c' = share*d*c / t(c) has the fixed point t(c) = share*d, and is increasing and concave, so
-it converges from any start (to MIN_CHUNK where even a tiny chunk costs more than the
-share). Until both times are known it starts at MIN_CHUNK.
+by orders of magnitude between a CPU and a GPU, and with the prompt's length. The pacer
+fits the prefill part's cost as fixed + per_token * chunk to the recent steps (the fixed
+part: every weight read once, and on a GPU the launches of an eager, uncaptured forward),
+and takes the largest chunk within the target. Where the fixed cost alone exceeds the
+target, no chunk keeps to it, and a small chunk only makes the stall more frequent: the
+chunk is then the one whose tokens cost as much as the fixed cost, so a stall is at most
+twice the unavoidable one and prompts move at least half as fast as in whole chunks.
+(Measured before this rule: 1.5B on an H100, an eager prefill step costs ~25-35 ms, more
+than the target; chunks shrank to MIN_CHUNK tokens, and a request arriving while 31 others
+decoded waited seconds to start: plain decoding at concurrency 32 ran at 450 tok/s instead
+of ~4000.)
 
-On a CPU a prefill step has a fixed cost about that of a decode step (every weight is
-read once per forward), so alternating steps leave little room under 3x; mixed steps
-(--enable-mixed-chunk), whose weight reads serve both, leave more. Their prefill part is
-measured against a plain decode step, so one runs first when none was timed. Deep into a
-long prompt a chunk has a fixed cost of its own (attending to the whole prefix: ~150 ms at
-4k tokens on one CPU core with torch_native), which no chunk size removes; MIN_CHUNK keeps
-the prompt moving by more than a token per such step (at 1, a 4k prompt took 8x longer).
+Until the recent chunks differ enough in size to separate the two costs, the whole cost is
+taken per token (the chunk grows from MIN_CHUNK while a step is cheap); a chunk stuck at
+MIN_CHUNK with no fit yet doubles to find the slope. A fit reaches at most twice beyond the
+largest chunk measured. When recent chunks all have one size, the last slope is kept and
+the fixed part re-anchored to them, so costs that drift (attention deep into a long
+prompt) still move the size. Mixed steps count only what they took beyond a plain decode
+step, so one runs first when none was timed.
 """
 from __future__ import annotations
+
+from collections import deque
 
 PREFILL_SHARE = 1.5      # the prefill part of a step, in decode steps: gaps stay within 2.5x the usual one
 MIN_CHUNK = 4            # a long prompt always moves forward, however slow a prefill token is
 # A prefill part may always take this long. On a GPU a decode step takes ~1-3 ms, and
 # pacing prefill to 1.5 of that cuts chunks to ~100 tokens: new requests then take hundreds
-# of steps to start and throughput at concurrency collapses (measured: 1.5B on an H100,
-# plain decoding at concurrency 32 fell below its batch-1 rate). A 25 ms stall is below
-# what a streaming reader notices; on a CPU, where steps take ~50-100 ms, the share rules.
+# of steps to start and throughput at concurrency collapses. A 25 ms stall is below what a
+# streaming reader notices; on a CPU, where steps take ~50-100 ms, the share rules.
 MIN_PREFILL_S = 0.025
-_SMOOTHING = 0.5         # weight of the newest measurement in the moving averages
+FIT_WINDOW = 8           # recent prefill parts the cost model is fitted to
+MIN_SPREAD = 1.5         # chunk sizes must differ by this factor to separate fixed and per-token cost
+_SMOOTHING = 0.5         # weight of the newest decode step in its moving average
 
 
 class PrefillPacer:
@@ -43,32 +49,66 @@ class PrefillPacer:
         self.max_chunk = max_chunk
         self.share = share
         self.min_chunk = min(min_chunk, max_chunk)
-        self.decode_step_s: float | None = None          # a plain decode step
-        self.prefill_token_s: float | None = None        # the prefill part of a step, per token
+        self.decode_step_s: float | None = None               # a plain decode step
+        self._parts: deque[tuple[int, float]] = deque(maxlen=FIT_WINDOW)   # (prompt tokens, seconds)
+        self._slope: float | None = None                      # seconds per prompt token, from the last fit
 
     def budget(self, decoding: bool) -> int:
         """Prompt tokens the next step may carry: all that fit one chunk when nobody decodes."""
         if not decoding:
             return self.max_chunk
-        if self.decode_step_s is None or self.prefill_token_s is None:
+        if self.decode_step_s is None or not self._parts:
             return self.min_chunk
-        tokens = max(self.share * self.decode_step_s, MIN_PREFILL_S) / self.prefill_token_s
-        return max(self.min_chunk, min(self.max_chunk, int(min(tokens, self.max_chunk))))
+        target = max(self.share * self.decode_step_s, MIN_PREFILL_S)
+        if self._slope is None:
+            tokens = self._proportional(target)
+        else:
+            tokens = self._from_fit(target)
+        return max(self.min_chunk, min(self.max_chunk, tokens))
 
     def record(self, seconds: float, prefill_tokens: int, decode_reqs: int) -> None:
         """A step's wall time, with the prompt tokens it carried and the requests it decoded."""
         if prefill_tokens == 0:
             if decode_reqs:
-                self.decode_step_s = _average(self.decode_step_s, seconds)
+                self.decode_step_s = seconds if self.decode_step_s is None else (
+                    (1 - _SMOOTHING) * self.decode_step_s + _SMOOTHING * seconds)
             return
         if decode_reqs:   # a mixed step: its prefill part is what it took beyond a decode step
             if self.decode_step_s is None:
                 return
             seconds -= self.decode_step_s
-        # a step can never be free; a floor keeps noise from promising huge chunks
-        per_token = max(seconds, 1e-6) / prefill_tokens
-        self.prefill_token_s = _average(self.prefill_token_s, per_token)
+        self._parts.append((prefill_tokens, max(seconds, 1e-9)))   # a step is never free
+        self._refit()
 
+    # --- the cost model ---
+    def _refit(self) -> None:
+        sizes = [tokens for tokens, _ in self._parts]
+        if max(sizes) < MIN_SPREAD * min(sizes):
+            return   # one size: the last slope stands (the fixed part re-anchors in _fixed_cost)
+        mean_c = sum(sizes) / len(sizes)
+        mean_t = sum(t for _, t in self._parts) / len(self._parts)
+        covariance = sum((c - mean_c) * (t - mean_t) for c, t in self._parts)
+        variance = sum((c - mean_c) ** 2 for c in sizes)
+        self._slope = max(covariance / variance, 0.0)
 
-def _average(current: float | None, new: float) -> float:
-    return new if current is None else (1 - _SMOOTHING) * current + _SMOOTHING * new
+    def _fixed_cost(self) -> float:
+        """The fixed part that, with the slope, matches the recent steps on average."""
+        mean_c = sum(c for c, _ in self._parts) / len(self._parts)
+        mean_t = sum(t for _, t in self._parts) / len(self._parts)
+        return max(mean_t - self._slope * mean_c, 0.0)
+
+    def _from_fit(self, target: float) -> int:
+        fixed = self._fixed_cost()
+        reach = 2 * max(c for c, _ in self._parts)   # the fit is trusted near the sizes it saw
+        if self._slope <= 0:
+            return reach
+        return int(min(max(target - fixed, fixed) / self._slope, reach))
+
+    def _proportional(self, target: float) -> int:
+        """No slope yet: the whole cost per token. Stuck at the floor, double to find the slope."""
+        last_tokens, last_s = self._parts[-1]
+        per_token = sum(t for _, t in self._parts) / sum(c for c, _ in self._parts)
+        tokens = int(min(target / per_token, self.max_chunk))
+        if tokens <= self.min_chunk and last_tokens <= self.min_chunk:
+            return 2 * last_tokens
+        return tokens
