@@ -172,19 +172,18 @@ def test_abort_while_preempted_or_queued_frees_every_slot(model_dir, plain_outpu
             assert time.monotonic() < deadline
             time.sleep(0.001)
         engine.abort_request(rids[-1])                  # behind three running requests
-        preempted = None
-        while preempted is None:
-            assert time.monotonic() < deadline, "no request was preempted"
-            try:
-                waiting = list(engine.core.scheduler.waiting)
-            except RuntimeError:                        # the core thread changed the deque meanwhile
-                continue
-            preempted = next((r.rid for r in waiting if r.preemptions and r.output_ids), None)
-        engine.abort_request(preempted)
+        preempted = []
+
+        def abort_once_preempted(req):                 # on the core's thread, inside a step: the abort
+            if not preempted and req.output_ids:       # is read before the next one, while req waits
+                preempted.append(req.rid)
+                engine.abort_request(req.rid)
+        engine.core.scheduler.preempt_listeners.append(abort_once_preempted)
         thread.join(timeout=60)
         assert not thread.is_alive()
         wait_until_all_kv_is_free(engine)
-    assert sorted(spy.aborted) == sorted([rids[-1], preempted])
+    assert preempted, "no request was preempted"
+    assert sorted(spy.aborted) == sorted([rids[-1], *preempted])
     for rid, out, want in zip(rids, result["out"], plain_outputs):
         if rid in spy.aborted:
             assert out["meta_info"]["finish_reason"]["type"] == "abort"
