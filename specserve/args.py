@@ -81,7 +81,9 @@ class ServerArgs:
         "launch plain greedy decode steps only after the previous step's tokens reached the host "
         "(by default, on CUDA graphs, the next step is queued before waiting for this one)")
     cuda_graph_max_bs: int | None = _kernels(None, "largest batch captured in a CUDA graph")
-    tp_size: int = _kernels(1, "tensor parallelism: only 1 (one device) is supported")
+    tp_size: int = _kernels(1, "tensor parallelism: one process per rank, each holding 1/tp_size of the heads, "
+                               "MLP and vocabulary (gloo on a CPU, NCCL on GPUs: cuda:0..tp_size-1); "
+                               "NGRAM speculation only, no CUDA graphs yet")
     # --- speculative decoding ---
     speculative_algorithm: str | None = _spec(None, "NGRAM (alias LOOKAHEAD), STANDALONE (a draft model), EAGLE "
                                                     "(an EAGLE-2 head), EAGLE3, NAIVE_EAGLE (an EAGLE head drafting "
@@ -135,12 +137,13 @@ class ServerArgs:
                 raise ArgumentError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
         if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ArgumentError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
-        if self.tp_size != 1:
-            raise NotSupportedError(f"tp_size={self.tp_size}: tensor parallelism is not supported; "
-                                    "specserve runs a model on one device")
+        _check_positive(self, "tp_size")
         if self.log_interval_s <= 0:
             raise ArgumentError(f"log_interval_s must be positive, got {self.log_interval_s}")
         self._check_speculative()
+        if self.tp_size > 1 and self.speculative in MODEL_ALGORITHMS:
+            raise NotSupportedError(f"tp_size={self.tp_size} with speculative_algorithm {self.speculative}: "
+                                    "draft models and heads do not run tensor-parallel yet (NGRAM does)")
         if self.speculative_token_map is not None and self.speculative not in TOKEN_MAP_ALGORITHMS:
             raise ArgumentError(f"speculative_token_map restricts an EAGLE head's vocabulary: it needs "
                                 f"speculative_algorithm {' or '.join(TOKEN_MAP_ALGORITHMS)}, "

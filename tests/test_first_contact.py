@@ -45,7 +45,8 @@ USER_ERRORS = {
     "not a GGUF file": (["--model-path", "<tmp>/weights.bin"], ["weights.bin", ".gguf"]),
     "hub id offline": (["--model-path", "no-such-org/no-such-model"], ["no-such-org/no-such-model", "hub"]),
     "NAIVE_EAGLE without a head": (["--speculative-algorithm", "NAIVE_EAGLE"], ["NAIVE_EAGLE", "speculative_draft_model_path"]),
-    "tensor parallelism": (["--tp-size", "2"], ["tp_size", "one device"]),
+    "tensor parallelism that does not split the heads": (["--tp-size", "2", "--log-level", "warning"],
+                                                         ["tp_size=2", "9 attention heads"]),
     "a device that is not there": (["--device", "cuda:99"], ["cuda:99"]),
     "bad device name": (["--device", "gpu"], ["device", "'gpu'"]),
     "bad sampling value": (["--temperature", "-1"], ["temperature"]),
@@ -87,7 +88,7 @@ def test_benchmark_mistakes_are_one_line_before_any_work(capfd):
 
 
 def test_log_level_debug_shows_the_traceback():
-    with pytest.raises(errors.NotSupportedError, match="tp_size"):
+    with pytest.raises(errors.ArgumentError, match="tp_size"):
         run_cli(generate_main, ["--tp-size", "2", "--log-level", "debug"])
 
 
@@ -107,9 +108,10 @@ def test_a_port_in_use_is_reported_before_the_model_loads(capfd):
 # ---- the Python API: one type per kind, the CLI's message ----
 def test_the_api_raises_the_cli_message_with_one_type_per_kind(capfd):
     with pytest.raises(errors.NotSupportedError) as api_error:
-        ServerArgs.from_kwargs(tp_size=2)
+        ServerArgs.from_kwargs(tp_size=2, speculative_algorithm="STANDALONE", speculative_draft_model_path="x")
     assert isinstance(api_error.value, NotImplementedError)
-    _, lines, _ = cli_error(capfd, generate_main, ["--tp-size", "2"])
+    _, lines, _ = cli_error(capfd, generate_main, ["--tp-size", "2", "--speculative-algorithm", "STANDALONE",
+                                                   "--speculative-draft-model-path", "x"])
     assert lines == [f"specserve: error: {api_error.value}"]
     with pytest.raises(errors.ArgumentError) as bad_value:
         ServerArgs.from_kwargs(mem_fraction_static=2.0)
@@ -181,7 +183,9 @@ def test_help_shows_defaults_and_marks_what_is_not_implemented(capsys):
             "STANDALONE / EAGLE: speculative_num_steps + 1; NAIVE_EAGLE / MTP: 2, the default is read as 2) "
             "(default: 8)") in text
     assert f"{CPU_DEFAULT_KV_TOKENS} on a CPU" in text
-    assert "--tp-size INT, --tensor-parallel-size INT tensor parallelism: only 1 (one device) is supported" in text
+    assert ("--tp-size INT, --tensor-parallel-size INT tensor parallelism: one process per rank, each holding "
+            "1/tp_size of the heads, MLP and vocabulary (gloo on a CPU, NCCL on GPUs: cuda:0..tp_size-1); NGRAM "
+            "speculation only, no CUDA graphs yet") in text
     assert "--speculative-token-map STR EAGLE / EAGLE3: FR-Spec hot-token map" in text
     assert "--radix-eviction-policy" in text and "ignored with a warning" in text   # named in the SGLang section only
     assert "--disable-radix-cache recompute every prompt" in text

@@ -17,8 +17,10 @@ from specserve.engine.core import EngineCore
 from specserve.engine.scheduler import Scheduler
 from specserve.engine import warmup
 from specserve.errors import DeviceError
+from specserve.distributed.sharding import check_tensor_parallel
+from specserve.model.config import ModelConfig
 from specserve.model.loader import (check_tokenizer_path, default_model_path, load_checkpoint, load_tokenizer,
-                                    resolve_model_path)
+                                    read_model_config, resolve_model_path)
 from specserve.runner.model_runner import ModelRunner, resolve_device, resolve_dtype
 from specserve.sampling.sampler import Sampler
 from specserve.speculative.adaptive import AdaptiveDraftLength, tiers_for
@@ -36,6 +38,7 @@ class Preflight:
     device: torch.device
     dtype: torch.dtype
     drafter: Drafter | None
+    tp_config: ModelConfig | None   # with tp_size > 1: the model's config, checked to split tp_size ways
 
 
 def preflight(args: ServerArgs) -> Preflight:
@@ -49,12 +52,24 @@ def preflight(args: ServerArgs) -> Preflight:
         model_path = resolve_model_path(model_path)
     if args.tokenizer_path is not None:
         check_tokenizer_path(args.tokenizer_path)
+    tp_config = check_tensor_parallel_fits(args, model_path, device) if args.tp_size > 1 else None
     if needs_draft_model(args):
         check_draft_path(args)   # a wrong path fails before the target loads
         drafter = None           # made in build_core, once its model is loaded
     else:
         drafter = create_drafter(args)
-    return Preflight(model_path, device, resolve_dtype(args.dtype, device), drafter)
+    return Preflight(model_path, device, resolve_dtype(args.dtype, device), drafter, tp_config)
+
+
+def check_tensor_parallel_fits(args: ServerArgs, model_path: str, device: torch.device) -> ModelConfig:
+    """Before any process starts: the heads split tp_size ways, and there are tp_size GPUs."""
+    config = read_model_config(model_path)
+    check_tensor_parallel(config, args.tp_size)
+    first = device.index or 0
+    if device.type == "cuda" and first + args.tp_size > torch.cuda.device_count():
+        raise DeviceError(f"tp_size={args.tp_size} needs cuda:{first}..cuda:{first + args.tp_size - 1}, "
+                          f"but {torch.cuda.device_count()} CUDA device(s) are visible")
+    return config
 
 
 def check_device(name: str) -> torch.device:
@@ -71,11 +86,32 @@ def check_device(name: str) -> torch.device:
 def build_core(args: ServerArgs):
     """Returns (core, tokenizer, model_path)."""
     checked = preflight(args)
+    warmup.prepare_kernel_cache(checked.device)  # Triton's cache persists across starts; before anything compiles
+    tp = start_ranks(args, checked) if checked.tp_config is not None else None
+    try:
+        return _build_core(args, checked, tp)
+    except BaseException:
+        if tp is not None:
+            tp.shutdown()
+        raise
+
+
+def start_ranks(args: ServerArgs, checked: Preflight):
+    """Rank 0's tensor-parallel group; the worker ranks start loading their shards now."""
+    from specserve.distributed.launcher import start_tensor_parallel   # imported only for tp_size > 1
+    context_length = args.context_length or checked.tp_config.max_position_embeddings
+    logger.info("starting %d tensor-parallel ranks ...", args.tp_size)
+    return start_tensor_parallel(args, checked.model_path, checked.device, checked.dtype, context_length)
+
+
+def _build_core(args: ServerArgs, checked: Preflight, tp):
     model_path, device, dtype = checked.model_path, checked.device, checked.dtype
-    warmup.prepare_kernel_cache(device)  # Triton's cache persists across starts; before anything compiles
     start = time.perf_counter()
     logger.info("loading %s on %s in %s ...", model_path, device, str(dtype).removeprefix("torch."))
-    checkpoint = load_checkpoint(model_path, dtype=dtype, device=device)
+    if tp is None:
+        checkpoint = load_checkpoint(model_path, dtype=dtype, device=device)
+    else:
+        checkpoint = load_checkpoint(model_path, dtype=dtype, device=device, tp_rank=0, tp_size=tp.size)
     config = checkpoint.config
     tokenizer = checkpoint.tokenizer if args.tokenizer_path is None else load_tokenizer(args.tokenizer_path)
     context_length = args.context_length or config.max_position_embeddings
@@ -87,7 +123,7 @@ def build_core(args: ServerArgs):
                 ", CUDA graphs" if device.type == "cuda" and not args.disable_cuda_graph else "")
     runner = ModelRunner(args, config, checkpoint.state_dict, device, dtype, context_length,
                          draft_kv_bytes_per_token=draft.kv_bytes_per_token if draft else 0,
-                         hidden_capture=draft.hidden_capture if draft else None)
+                         hidden_capture=draft.hidden_capture if draft else None, tp=tp)
     del checkpoint.state_dict
     logger.info("runner ready in %.1f s", time.perf_counter() - start)
     scheduler = Scheduler(runner.pool, runner.max_running_requests,

@@ -94,6 +94,7 @@ class Engine:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=30)
+        self.core.runner.shutdown()   # tensor-parallel worker processes, if any
 
     def __enter__(self) -> "Engine":
         return self

@@ -1,21 +1,29 @@
 """One decoder for Llama, Qwen2 and Qwen3: the differences are flags of ModelConfig
-(qkv bias for Qwen2, q/k RMSNorm for Qwen3, tied embeddings, rope scaling)."""
+(qkv bias for Qwen2, q/k RMSNorm for Qwen3, tied embeddings, rope scaling).
+
+With a tensor-parallel group the same modules hold one rank's shard (distributed/sharding.py):
+its heads, MLP columns and vocabulary rows; the layer all-reduces after attention and after
+the MLP, and the logits' vocabulary shards are gathered on rank 0."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from specserve.attention.base import AttentionBackend, ForwardBatch
+from specserve.distributed.parallel_state import TensorParallelGroup
+from specserve.distributed.sharding import ModelShard
+from specserve.distributed.vocab_parallel import VocabParallelEmbedding
 from specserve.model.config import ModelConfig
 from specserve.model.layers import GatedMLP, RMSNorm, fused, gemv_ops, linear, takes_one_row_kernels
 from specserve.model.rope import RotaryEmbedding
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int):
+    def __init__(self, config: ModelConfig, layer: int, shard: ModelShard | None = None):
         super().__init__()
+        shard = shard or ModelShard.whole(config)
         self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
@@ -65,12 +73,19 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int):
+    def __init__(self, config: ModelConfig, layer: int, shard: ModelShard | None = None,
+                 tp: TensorParallelGroup | None = None):
         super().__init__()
+        shard = shard or ModelShard.whole(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer)
+        self.self_attn = Attention(config, layer, shard)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.mlp = GatedMLP(config.hidden_size, shard.intermediate_size)
+        self.tp = tp
+
+    def _sum_over_ranks(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel output (o_proj's, down_proj's) summed over the ranks' shards."""
+        return partial if self.tp is None else self.tp.all_reduce(partial)
 
     def forward(self, x, residual, batch, backend, rope) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual-stream form: returns (mlp output, residual); the caller adds them."""
@@ -80,9 +95,9 @@ class DecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.add_and_norm(x, residual)
-        h = self.self_attn(h, batch, backend, rope)
+        h = self._sum_over_ranks(self.self_attn(h, batch, backend, rope))
         h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
-        return self.mlp(h), residual
+        return self._sum_over_ranks(self.mlp(h)), residual
 
     def _forward_one_row(self, x, residual, batch, backend, rope) -> tuple[torch.Tensor, torch.Tensor]:
         """Batch-1 decode on a GPU: each pre-norm runs inside the GEMV that consumes it, and
@@ -99,25 +114,36 @@ class DecoderLayer(nn.Module):
         else:
             qkv, residual = gemv.one_row_linear(x, qkv_weight, qkv_bias, add_norm=pre_norm)
             h = attn.attend(qkv, batch, backend, rope)
+        h = self._sum_over_ranks(h)
         norm = self.post_attention_layernorm
         act, residual = gemv.one_row_linear(h, mlp.gate_up_proj.weight, silu_mul=True,
                                             add_norm=gemv.AddNorm(residual, norm.weight, norm.eps))
-        return linear(mlp.down_proj, act), residual
+        return self._sum_over_ranks(linear(mlp.down_proj, act)), residual
 
 
 class DecoderLM(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int):
+    def __init__(self, config: ModelConfig, max_positions: int, tp: TensorParallelGroup | None = None):
+        """tp: the tensor-parallel group this model is one rank's shard of (None: the whole model)."""
         super().__init__()
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.config, self.tp = config, tp
+        self.shard = shard = ModelShard.whole(config) if tp is None else ModelShard.for_rank(config, tp.rank, tp.size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if tp is None else \
+            VocabParallelEmbedding(shard.vocab_start, shard.vocab_per_rank, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, shard, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rope = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = None if config.tie_word_embeddings else \
+            nn.Linear(config.hidden_size, shard.vocab_per_rank, bias=False)
 
-    def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor | None:
         """Returns fp32 logits (num_logits, vocab) for the rows in batch.logits_indices, and
-        fills batch.hidden_capture's states when the batch carries one."""
+        fills batch.hidden_capture's states when the batch carries one. A tensor-parallel
+        rank other than 0 returns None (the logits are gathered on rank 0)."""
+        logits = self._local_logits(batch, backend)
+        return logits if self.tp is None else self.tp.gather_vocab(logits, self.config.vocab_size)
+
+    def _local_logits(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
+        """The logits of this rank's vocabulary rows (all of them without tensor parallelism)."""
         capture = batch.hidden_capture
         if capture is not None:
             capture.check(len(self.layers))
@@ -143,7 +169,7 @@ class DecoderLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in state_dict.items():
-            target, offset = _fused_target(name, self.config)
+            target, offset = _fused_target(name, self.config, self.shard)
             target = target.removeprefix("model.")
             if target not in params:
                 if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
@@ -157,16 +183,18 @@ class DecoderLM(nn.Module):
             raise ValueError(f"checkpoint lacks weights: {sorted(missing)[:5]}...")
 
 
-def _fused_target(name: str, config: ModelConfig) -> tuple[str, int]:
-    """Maps an HF weight name to (our parameter name, row offset inside a fused matrix)."""
-    q_rows = config.num_heads * config.head_dim
-    kv_rows = config.num_kv_heads * config.head_dim
+def _fused_target(name: str, config: ModelConfig, shard: ModelShard | None = None) -> tuple[str, int]:
+    """Maps an HF weight name to (our parameter name, row offset inside a fused matrix);
+    with a shard, the weights are the shard's (ModelShard.select) and so are the offsets."""
+    shard = shard or ModelShard.whole(config)
+    q_rows = shard.num_heads * config.head_dim
+    kv_rows = shard.num_kv_heads * config.head_dim
     fused_rows = {
         "self_attn.q_proj.": ("self_attn.qkv_proj.", 0),
         "self_attn.k_proj.": ("self_attn.qkv_proj.", q_rows),
         "self_attn.v_proj.": ("self_attn.qkv_proj.", q_rows + kv_rows),
         "mlp.gate_proj.": ("mlp.gate_up_proj.", 0),
-        "mlp.up_proj.": ("mlp.gate_up_proj.", config.intermediate_size),
+        "mlp.up_proj.": ("mlp.gate_up_proj.", shard.intermediate_size),
     }
     for part, (replacement, offset) in fused_rows.items():
         if part in name:

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from specserve.distributed.sharding import ModelShard
 from specserve.errors import ModelFormatError, ModelNotFoundError
 from specserve.model.config import ModelConfig
 
@@ -97,14 +98,18 @@ def default_model_path() -> str:
     return path
 
 
-def load_checkpoint(model_path: str, dtype: torch.dtype, device: str | torch.device = "cpu") -> LoadedCheckpoint:
-    """Load a GGUF file, a Hugging Face directory, or a hub id (downloaded into the HF cache)."""
+def load_checkpoint(model_path: str, dtype: torch.dtype, device: str | torch.device = "cpu",
+                    tp_rank: int = 0, tp_size: int = 1) -> LoadedCheckpoint:
+    """Load a GGUF file, a Hugging Face directory, or a hub id (downloaded into the HF cache).
+    With tp_size > 1 the state dict holds tensor-parallel rank tp_rank's shard only (each
+    tensor is read whole, cut, and only the cut is moved to `device`)."""
     local_path = resolve_model_path(model_path)
+    shard_of = lambda config: ModelShard.for_rank(config, tp_rank, tp_size)
     if os.path.isfile(local_path):
-        checkpoint = _load_gguf(local_path, dtype, device)
+        checkpoint = _load_gguf(local_path, dtype, device, shard_of)
     else:
-        checkpoint = _load_hf_directory(local_path, dtype, device)
-    _check_shapes(checkpoint.config, checkpoint.state_dict)
+        checkpoint = _load_hf_directory(local_path, dtype, device, shard_of)
+    _check_shapes(checkpoint.config, checkpoint.state_dict, shard_of(checkpoint.config))
     return checkpoint
 
 
@@ -161,8 +166,9 @@ def read_model_config(model_path: str) -> ModelConfig:
     return _read_gguf(local_path)[0] if os.path.isfile(local_path) else _read_hf_config(local_path)[0]
 
 
-def _load_gguf(path: str, dtype: torch.dtype, device: str | torch.device) -> LoadedCheckpoint:
+def _load_gguf(path: str, dtype: torch.dtype, device: str | torch.device, shard_of) -> LoadedCheckpoint:
     config, tensors = _read_gguf(path)
+    shard = shard_of(config)
     state_dict = {}
     for gguf_name, tensor in tensors.items():
         hf_name = _hf_name(gguf_name)
@@ -170,7 +176,7 @@ def _load_gguf(path: str, dtype: torch.dtype, device: str | torch.device) -> Loa
         if config.architecture == "LlamaForCausalLM" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             num_heads = config.num_heads if "q_proj" in hf_name else config.num_kv_heads
             weight = _unpermute_rope_rows(weight, num_heads)
-        state_dict[hf_name] = weight.to(device=device, dtype=dtype)
+        state_dict[hf_name] = shard.select(hf_name, weight).to(device=device, dtype=dtype)
 
     return LoadedCheckpoint(config, state_dict, _load_gguf_tokenizer(path), path, config.to_hf())
 
@@ -269,9 +275,9 @@ def _unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 # ---------------------------------------------------------------- Hugging Face directory
 
 
-def _load_hf_directory(path: str, dtype: torch.dtype, device: str | torch.device) -> LoadedCheckpoint:
+def _load_hf_directory(path: str, dtype: torch.dtype, device: str | torch.device, shard_of) -> LoadedCheckpoint:
     config, hf_config = _read_hf_config(path)
-    state_dict = _read_weight_files(path, dtype, device)
+    state_dict = _read_weight_files(path, dtype, device, shard_of(config))
     # Old checkpoints saved rope tables as buffers; they are recomputed, not loaded.
     state_dict = {name: w for name, w in state_dict.items() if not name.endswith("rotary_emb.inv_freq")}
     if config.tie_word_embeddings:
@@ -291,7 +297,8 @@ def _read_hf_config(path: str) -> tuple[ModelConfig, Any]:
         return ModelConfig.from_hf(hf_config, generation_config), hf_config
 
 
-def _read_weight_files(path: str, dtype: torch.dtype, device: str | torch.device) -> dict[str, torch.Tensor]:
+def _read_weight_files(path: str, dtype: torch.dtype, device: str | torch.device,
+                       shard: ModelShard) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
     def listed(index_name: str) -> list[str] | None:
@@ -309,7 +316,7 @@ def _read_weight_files(path: str, dtype: torch.dtype, device: str | torch.device
         for file_name in safetensors_files:
             with safe_open(os.path.join(path, file_name), framework="pt", device="cpu") as weights:
                 for name in weights.keys():
-                    state_dict[name] = weights.get_tensor(name).to(device=device, dtype=dtype)
+                    state_dict[name] = shard.select(name, weights.get_tensor(name)).to(device=device, dtype=dtype)
         return state_dict
 
     bin_files = listed("pytorch_model.bin.index.json")
@@ -319,7 +326,7 @@ def _read_weight_files(path: str, dtype: torch.dtype, device: str | torch.device
         raise ModelNotFoundError(f"{path} has no model.safetensors, sharded safetensors or pytorch_model.bin")
     for file_name in bin_files:
         weights = torch.load(os.path.join(path, file_name), map_location="cpu", weights_only=True, mmap=True)
-        state_dict.update({name: w.to(device=device, dtype=dtype) for name, w in weights.items()})
+        state_dict.update({name: shard.select(name, w).to(device=device, dtype=dtype) for name, w in weights.items()})
     return state_dict
 
 
@@ -351,9 +358,9 @@ def _load_tokenizer(path: str) -> Any:
 # ---------------------------------------------------------------- validation
 
 
-def _check_shapes(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> None:
+def _check_shapes(config: ModelConfig, state_dict: dict[str, torch.Tensor], shard: ModelShard) -> None:
     """Fail at load time, naming the tensor, rather than deep inside the first forward."""
-    expected = config.parameter_shapes()
+    expected = {name: shard.shape(name, shape) for name, shape in config.parameter_shapes().items()}
     missing = sorted(expected.keys() - state_dict.keys())
     unexpected = sorted(state_dict.keys() - expected.keys())
     problems = [

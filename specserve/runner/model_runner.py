@@ -10,6 +10,8 @@ import torch
 from specserve.args import ServerArgs
 from specserve.attention.base import ForwardBatch, ForwardMode
 from specserve.attention.registry import create_attention_backend
+from specserve.distributed.parallel_state import TensorParallelGroup
+from specserve.distributed.step_broadcast import BroadcastingModel
 from specserve.engine.request import Req
 from specserve.kv.pool import KVPool
 from specserve.model.config import ModelConfig
@@ -46,28 +48,37 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class ModelRunner:
     def __init__(self, args: ServerArgs, config: ModelConfig, state_dict: dict[str, torch.Tensor],
                  device: torch.device, dtype: torch.dtype, context_length: int, draft_kv_bytes_per_token: int = 0,
-                 hidden_capture: HiddenCapture | None = None):
+                 hidden_capture: HiddenCapture | None = None, tp: TensorParallelGroup | None = None):
         """draft_kv_bytes_per_token: a draft model's KV cost per token; its cache holds as many
         tokens as the target's, from the same memory budget. hidden_capture: the hidden states
-        every forward also keeps (an EAGLE drafter reads them), a template."""
+        every forward also keeps (an EAGLE drafter reads them), a template. tp: the
+        tensor-parallel group whose rank this runner is (state_dict: the rank's shard); every
+        rank builds the same runner, rank 0's model also sends each forward's inputs."""
         self.args, self.config, self.device, self.dtype = args, config, device, dtype
         self.hidden_capture = hidden_capture
         self.draft_kv_bytes_per_token = draft_kv_bytes_per_token
         self.context_length = context_length
-        self.model = build_model(config, state_dict, device, dtype, context_length)
+        self.tp = tp
+        self.model = build_model(config, state_dict, device, dtype, context_length, tp)
+        shard = self.model.shard   # this rank's heads (all of them without tensor parallelism)
         self.max_running_requests = args.max_running_requests or (256 if device.type == "cuda" else 64)
-        self.pool = KVPool(config.num_layers, config.num_kv_heads, config.head_dim, self._kv_tokens(),
+        self.pool = KVPool(config.num_layers, shard.num_kv_heads, config.head_dim, self._kv_tokens(shard.num_kv_heads),
                            self.max_running_requests + 1, context_length, dtype, device)
         backend = args.attention_backend
         if backend == "auto":
             backend = "triton" if device.type == "cuda" else "torch_native"
-        self.attn_backend = create_attention_backend(backend, config.num_heads, config.num_kv_heads, config.head_dim)
+        self.attn_backend = create_attention_backend(backend, shard.num_heads, shard.num_kv_heads, config.head_dim)
         logger.info("KV cache: %d tokens, attention backend %s", self.pool.size, backend)
         self.graphs = self._capture_graphs()
+        if tp is not None and tp.is_driver:
+            self.model = BroadcastingModel(self.model, tp)
 
     def _capture_graphs(self):
         args = self.args
         if self.device.type != "cuda" or args.disable_cuda_graph or not self.attn_backend.supports_cuda_graph:
+            return None
+        if self.tp is not None:   # what graphs with collectives need: distributed/parallel_state.py
+            logger.info("tp_size=%d: decode and verify steps run eagerly (no CUDA graphs yet)", self.tp.size)
             return None
         from specserve.runner.cuda_graph import CudaGraphRunner
         max_bs = min(args.cuda_graph_max_bs or 64, self.max_running_requests)
@@ -76,7 +87,13 @@ class ModelRunner:
         sizes = sorted({1, n} | {size for size in (4, 8) if size < n})
         return CudaGraphRunner(self.model, self.attn_backend, self.pool, max_bs, sizes, self.hidden_capture)
 
-    def _kv_tokens(self) -> int:
+    def _kv_tokens(self, num_kv_heads: int) -> int:
+        """The KV pool's size: every tensor-parallel rank holds the same slots, so the ranks
+        agree on the smallest size any of them has memory for."""
+        tokens = self._kv_tokens_here(num_kv_heads)
+        return tokens if self.tp is None else self.tp.min_over_ranks(tokens)
+
+    def _kv_tokens_here(self, num_kv_heads: int) -> int:
         if self.args.max_total_tokens is not None:
             return self.args.max_total_tokens
         if self.device.type != "cuda":
@@ -85,7 +102,7 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         used_by_others = total - free - torch.cuda.memory_allocated(self.device)
         budget = total * fraction - torch.cuda.memory_allocated(self.device) - used_by_others
-        per_token = KVPool.bytes_per_token(self.config.num_layers, self.config.num_kv_heads, self.config.head_dim,
+        per_token = KVPool.bytes_per_token(self.config.num_layers, num_kv_heads, self.config.head_dim,
                                            self.dtype) + self.draft_kv_bytes_per_token
         # leave room for activations and logits of the largest step
         activation_reserve = 2 * 1024 ** 3
@@ -143,6 +160,11 @@ class ModelRunner:
         step = self.run_trees(reqs, proposal, slots, kv_lens, roots if on_device else None)
         return InFlight.launch(step.logits[:, 0].argmax(-1))
 
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel worker processes (nothing to do without them)."""
+        if self.tp is not None:
+            self.tp.shutdown()
+
     def _forward_batch(self, mode, reqs, input_ids, positions, slots, extend_lens, logits_rows) -> ForwardBatch:
         device = self.device
         prefix_host = [r.kv_len for r in reqs]
@@ -180,10 +202,11 @@ class InFlight:
         return self.host
 
 
-def build_model(config: ModelConfig, state_dict, device, dtype, context_length: int) -> DecoderLM:
+def build_model(config: ModelConfig, state_dict, device, dtype, context_length: int,
+                tp: TensorParallelGroup | None = None) -> DecoderLM:
     # build on the meta device: random initialisation of weights that are overwritten anyway is slow
     with torch.device("meta"):
-        model = DecoderLM(config, max_positions=1)
+        model = DecoderLM(config, max_positions=1, tp=tp)
     model = model.to_empty(device=device).to(dtype)
     model.rope = RotaryEmbedding(config.head_dim, context_length, config.rope_theta, config.rope_scaling).to(device)
     model.load_weights(state_dict)

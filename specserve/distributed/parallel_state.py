@@ -1,0 +1,137 @@
+"""`TensorParallelGroup`: one rank's view of the tensor-parallel group and the collectives the
+sharded model and the step broadcast use (all-reduce, gather of the vocabulary shards,
+broadcast from rank 0, a minimum over ranks).
+
+The group is an explicit object handed to the model and the runner, built on its own
+ProcessGroup (gloo on a CPU, NCCL on GPUs) rather than torch.distributed's process-wide
+default group: nothing global, so a process may build, shut down and rebuild engines.
+
+A collective that fails (a peer died: gloo reports a closed connection at once; NCCL's
+blocked kernels are aborted by rank 0's watchdog, launcher.py) raises TensorParallelError
+with the reason the group knows (which rank died, and how), never a bare transport error.
+
+CUDA graphs: on a CPU there are none. On GPUs the all-reduces and the gather sit inside the
+forward a graph would capture; NCCL collectives can be captured (NCCL >= 2.9.6, the group's
+communicator created before capture, e.g. by one warm-up all-reduce, and every rank
+replaying the same graph in the same order), which the worker loop would then have to do
+too: it replays the graph of the bucket named in the step header. Until that exists the
+runner runs tp > 1 eagerly.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from specserve.distributed.launcher import WorkerSet
+
+COLLECTIVE_TIMEOUT_S = 600.0   # a live rank that stops answering; a dead one is reported at once
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank died or stopped answering: the engine cannot go on."""
+
+
+def create_process_group(store: dist.Store, rank: int, size: int, device: torch.device,
+                         timeout_s: float = COLLECTIVE_TIMEOUT_S) -> dist.ProcessGroup:
+    """Gloo for CPU tensors, NCCL for CUDA ones; blocks until every rank has joined."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.PrefixStore("specserve-tp", store)
+    if device.type != "cuda":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    # NVLink SHARP (multicast) needs fabric-manager state the lent machines do not keep
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    torch.cuda.set_device(device)
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = False
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, size, options)
+
+
+class TensorParallelGroup:
+    def __init__(self, rank: int, size: int, process_group: dist.ProcessGroup, device: torch.device,
+                 workers: "WorkerSet | None" = None):
+        """workers: on rank 0, the worker processes it started (their failures are this group's)."""
+        self.rank, self.size, self.device = rank, size, device
+        self.process_group = process_group
+        self.workers = workers
+        self.failure: str | None = None   # set once the group is broken; every later call raises it
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0: runs the scheduler and the step loop and sends each forward's inputs."""
+        return self.rank == 0
+
+    # --- collectives ---
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sums x over the ranks, in place (the row-parallel linears' partial outputs)."""
+        self._run(lambda: self.process_group.allreduce([x]))
+        return x
+
+    def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+        """(rows, vocab_per_rank) shards -> (rows, vocab_size) logits on rank 0, None elsewhere.
+
+        Gathered on rank 0 only: the sampler, verification and the KV commit run there once,
+        on the full logits, exactly as with tp_size 1 (the other ranks need no logits)."""
+        options = dist.GatherOptions()
+        options.rootRank = 0
+        logits = logits.contiguous()
+        if not self.is_driver:
+            self._run(lambda: self.process_group.gather([], [logits], options))
+            return None
+        shards = [torch.empty_like(logits) for _ in range(self.size)]
+        self._run(lambda: self.process_group.gather([shards], [logits], options))
+        return torch.cat(shards, dim=-1)[..., :vocab_size]
+
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0's tensor into every rank's `tensor`, in place."""
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        self._run(lambda: self.process_group.broadcast([tensor], options))
+        return tensor
+
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest of every rank's value (e.g. the KV tokens each rank's memory holds)."""
+        x = torch.tensor([value], dtype=torch.long, device=self.device)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN
+        self._run(lambda: self.process_group.allreduce([x], options))
+        return int(x.item())
+
+    def _run(self, launch: Callable[[], dist.Work]) -> None:
+        if self.failure is not None:
+            raise TensorParallelError(self.failure)
+        try:
+            launch().wait()
+        except RuntimeError as error:
+            self.fail(self._reason(error))
+            raise TensorParallelError(self.failure) from error
+
+    # --- failure and shutdown ---
+    def _reason(self, error: RuntimeError) -> str:
+        if self.workers is not None:
+            died = self.workers.failure()
+            if died is not None:
+                return died
+        who = "a tensor-parallel rank" if self.is_driver else "rank 0 (the engine's process)"
+        return f"{who} stopped answering a collective: {' '.join(str(error).split())[:300]}"
+
+    def fail(self, reason: str) -> None:
+        """Marks the group broken (first reason kept); NCCL kernels waiting on a dead peer are
+        aborted so that the thread blocked behind them gets its error instead of hanging."""
+        if self.failure is None:
+            self.failure = reason
+            abort = getattr(self.process_group, "abort", None)
+            if self.device.type == "cuda" and abort is not None:
+                abort()
+
+    def shutdown(self) -> None:
+        """Stops the worker processes (rank 0) and marks the group closed."""
+        if self.workers is not None:
+            self.workers.shutdown()
+        if self.failure is None:
+            self.failure = "the tensor-parallel group was shut down"
