@@ -17,6 +17,7 @@ import transformers
 from model_fixtures import TINY, RunnerDriver
 from spec_fixtures import make_tiny_directory, ngram_args, save_bpe_tokenizer, tiny_engine
 from specserve.args import ServerArgs
+from specserve.distributed.check_identity import compare
 from specserve.distributed.launcher import start_tensor_parallel
 from specserve.distributed.sharding import ModelShard
 from specserve.errors import ArgumentError, NotSupportedError
@@ -83,6 +84,13 @@ def test_heads_that_do_not_split_are_refused_before_any_process_starts(qwen2_pat
 def test_model_drafters_are_refused_with_tensor_parallelism():
     with pytest.raises(NotSupportedError, match="tp_size=2 with speculative_algorithm STANDALONE"):
         ServerArgs(tp_size=2, speculative_algorithm="STANDALONE", speculative_draft_model_path="x")
+
+
+def test_identity_report_names_each_divergence():
+    report = compare([[1, 2, 3], [4, 5, 6, 7]], [[1, 2, 3], [4, 9, 6]])
+    assert report["requests_identical"] == 0.5 and report["tokens_before_divergence"] == 4 / 7
+    assert report["divergences"] == [{"request": 1, "first_difference": 1, "lengths": [4, 3]}]
+    assert compare([[1, 2]], [[1, 2, 3]])["divergences"][0]["first_difference"] == 2
 
 
 # ---- the forward ----

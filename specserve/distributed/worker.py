@@ -13,6 +13,8 @@ import datetime
 import logging
 import multiprocessing.connection
 import os
+import threading
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -50,6 +52,7 @@ def run_worker(spec: WorkerSpec, conn: multiprocessing.connection.Connection) ->
     logging.basicConfig(level=spec.args.log_level.upper(), format=f"[specserve tp{spec.rank} %(asctime)s] %(message)s")
     if spec.device == "cpu":   # the ranks share the host's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.size))
+    _exit_with_parent()
     try:
         runner = _build_runner(spec, conn)
         serve_steps(runner, conn)
@@ -91,6 +94,20 @@ def serve_steps(runner, conn: multiprocessing.connection.Connection) -> None:
             batch = unpack_step(header, packed, runner.pool)
             runner.attn_backend.plan(batch)
             runner.model(batch, runner.attn_backend)
+
+
+def _exit_with_parent() -> None:
+    """Exits when rank 0's process is gone. Its pipe closing ends a worker waiting for a step,
+    and gloo reports the closed connection; but on GPUs a worker inside an NCCL collective
+    would wait for NCCL's timeout, holding its GPU, if rank 0 was killed mid-step."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="specserve-tp-parent-watch", daemon=True).start()
 
 
 def _send(conn: multiprocessing.connection.Connection, message: tuple) -> None:
