@@ -58,3 +58,8 @@ def did_you_mean(name: str, candidates: Iterable[str], prefix: str = "") -> str:
 def one_line(error: BaseException) -> str:
     """The error's message with its whitespace (newlines of a compiler's output, ...) collapsed."""
     return " ".join(str(error).split()) or type(error).__name__
+
+
+class EngineFatalError(RuntimeError):
+    """The engine cannot take another step (a tensor-parallel rank died, say): every request
+    fails with it and the engine refuses new ones, instead of failing them one by one."""

@@ -20,7 +20,7 @@ from specserve.args import ServerArgs
 from specserve.distributed.check_identity import compare
 from specserve.distributed.launcher import start_tensor_parallel
 from specserve.distributed.sharding import ModelShard
-from specserve.errors import ArgumentError, NotSupportedError
+from specserve.errors import ArgumentError, EngineFatalError, NotSupportedError
 from specserve.model.config import ModelConfig
 from specserve.model.loader import load_checkpoint
 from specserve.runner.model_runner import ModelRunner
@@ -167,7 +167,7 @@ def test_a_killed_worker_fails_the_engine_within_seconds(qwen2_path):
         assert not consumer.is_alive(), "the request hung after its tensor-parallel worker died"
         assert time.monotonic() - start < 10
         assert errors and f"tensor-parallel rank 1 (pid {worker.pid}) was killed by SIGKILL" in str(errors[0])
-        with pytest.raises(RuntimeError, match="tensor-parallel rank 1"):   # later requests fail at once too
+        with pytest.raises(EngineFatalError, match="the engine stopped: tensor-parallel rank 1"):   # and later ones at once
             engine.generate(input_ids=PROMPTS[1], sampling_params={"max_new_tokens": 3})
     finally:
         engine.shutdown()

@@ -26,13 +26,15 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.distributed as dist
 
+from specserve.errors import EngineFatalError
+
 if TYPE_CHECKING:
     from specserve.distributed.launcher import WorkerSet
 
 COLLECTIVE_TIMEOUT_S = 600.0   # a live rank that stops answering; a dead one is reported at once
 
 
-class TensorParallelError(RuntimeError):
+class TensorParallelError(EngineFatalError):
     """A tensor-parallel rank died or stopped answering: the engine cannot go on."""
 
 

@@ -21,6 +21,7 @@ from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.failure_isolation import FailureIsolation
 from specserve.engine.output import OutputTracker
 from specserve.engine.request import Req, ReqState
+from specserve.errors import EngineFatalError
 from specserve.sampling.params import SamplingParams
 
 logger = logging.getLogger("specserve")
@@ -37,6 +38,7 @@ class Engine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopped = False
+        self._fatal: EngineFatalError | None = None   # set once a step says no further step can run
         self._thread = threading.Thread(target=self._loop, name="specserve-core", daemon=True)
         self._thread.start()
 
@@ -159,6 +161,8 @@ class Engine:
             return_logprob=return_logprob or top_logprobs_num > 0, top_logprobs_num=top_logprobs_num)
 
     def _submit(self, req: Req, sink: Callable[[Any], None], stream: bool) -> None:
+        if self._fatal is not None:
+            raise EngineFatalError(f"the engine stopped: {self._fatal}")
         if self._stopped:
             raise RuntimeError("the engine has been shut down")
         self._inbox.put(("add", req, sink, stream))
@@ -208,7 +212,15 @@ class Engine:
                 self._wake.wait(timeout=0.1)
                 self._wake.clear()
                 continue
-            isolation.step()
+            try:
+                isolation.step()
+            except EngineFatalError as error:
+                logger.error("the engine cannot go on: %s", error)
+                self._fatal = error
+                self._stopped = True
+                self._drain_inbox(tracker)   # requests submitted meanwhile fail with the rest
+                tracker.fail_all(error)
+                return
         tracker.fail_all(RuntimeError("the engine was shut down"))
 
     def _drain_inbox(self, tracker: OutputTracker) -> None:

@@ -19,6 +19,7 @@ import time
 from specserve.engine.core import EngineCore
 from specserve.engine.output import OutputTracker
 from specserve.engine.request import Req
+from specserve.errors import EngineFatalError
 
 logger = logging.getLogger("specserve")
 
@@ -37,6 +38,8 @@ class FailureIsolation:
         start = time.perf_counter()
         try:
             outputs = self.core.step()
+        except EngineFatalError:
+            raise   # no request is to blame and no later step can run: the engine stops
         except Exception as error:
             self._after_failure(error, alone=suspect is not None)
             return
