@@ -324,6 +324,25 @@ def test_internal_failure_is_a_500_for_that_request_only():
         assert 'finish_reason="error"' in metrics
 
 
+def test_a_stopped_engine_answers_503_and_fails_its_health_check():
+    from fastapi.testclient import TestClient
+
+    from specserve.errors import EngineFatalError
+    from specserve.server.http import create_app
+    engine = _FakeEngine()
+    with TestClient(create_app(engine, served_model_name="fake"), raise_server_exceptions=False) as http:
+        assert http.get("/health").status_code == 200
+        engine.fatal_error = EngineFatalError("tensor-parallel rank 1 (pid 7) was killed by SIGKILL")
+
+        async def refuse(*args, **kwargs):
+            raise EngineFatalError(f"the engine stopped: {engine.fatal_error}")
+        engine.async_generate = refuse
+        health = http.get("/health")
+        assert health.status_code == 503 and "rank 1" in health.json()["error"]["message"]
+        refused = http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 8})
+        assert refused.status_code == 503 and "the engine stopped" in refused.json()["error"]["message"]
+
+
 def test_api_key():
     from fastapi.testclient import TestClient
 

@@ -90,6 +90,11 @@ class Engine:
         return {**{k: v for k, v in vars(self.args).items()}, "model_path": self.model_path,
                 "context_length": self.context_length, "max_total_tokens": self.core.runner.pool.size}
 
+    @property
+    def fatal_error(self) -> EngineFatalError | None:
+        """Why the engine stopped taking steps (a tensor-parallel rank died, say), if it did."""
+        return self._fatal
+
     def shutdown(self) -> None:
         if self._stopped:
             return

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from specserve.errors import EngineFatalError
 from specserve.server import openai_api
 from specserve.server.disconnect import ClientDisconnected, gather_all
 from specserve.server.metrics import engine_load
@@ -70,6 +71,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def _gone(request: Request, error: Exception):
         return Response(status_code=499)
 
+    @app.exception_handler(EngineFatalError)
+    async def _engine_stopped(request: Request, error: EngineFatalError):
+        return JSONResponse(APIError(str(error), 503, type="server_error").body(), status_code=503)
+
     @app.exception_handler(Exception)
     async def _internal(request: Request, error: Exception):
         logger.exception("request to %s failed", request.url.path, exc_info=error)
@@ -82,6 +87,10 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/health")
     async def health():
+        fatal = getattr(engine, "fatal_error", None)
+        if fatal is not None:   # the engine stopped: load balancers should take this server out
+            return JSONResponse(APIError(f"the engine stopped: {fatal}", 503, type="server_error").body(),
+                                status_code=503)
         return Response(status_code=200)
 
     @app.get("/health_generate")
