@@ -121,7 +121,12 @@ def main(argv: list[str] | None = None) -> None:
                                        max_sequences=max(1, settings.batch_tokens // min(lengths)),
                                        max_sequence_len=max(lengths))
     builder = BatchBuilder(extractor, target_lm_head(target)[head.draft_vocab()], bool(head.config.aux_layers))
+    started = time.perf_counter()
     trainer = EagleTrainer(head, builder, train_data, settings, args.output_dir)
+    store = trainer.store
+    print(f"target states: {sum(len(c.tokens) for c in train_data)} tokens in "
+          f"{time.perf_counter() - started:.1f} s ({store.nbytes / 2 ** 30:.2f} GiB, kept on {store.device.type})",
+          flush=True)
     resumed = args.resume and trainer.resume()
     eval_steps = args.eval_draft_steps or args.ttt_steps
     if not resumed:

@@ -163,3 +163,32 @@ def test_unrolled_steps_equal_chain_drafting():
                     token = tokens[row, root + step:root + step + 1]
                     feature = head.step(token, feature, torch.tensor([root - 1 + step]), chain)
                 torch.testing.assert_close(feature[0], outputs[step][row, root - 1], atol=1e-5, rtol=1e-5)
+
+
+def test_unrolled_learning_rows_equal_the_full_unroll_with_its_gradients():
+    """The later steps run only at the rows some step learns from: there they compute what
+    every row computes when all run (outputs and the gradients of a loss over them)."""
+    head = random_head(tiny_config())
+    steps, lengths, prompt_lens = 4, torch.tensor([14, 9, 6]), torch.tensor([6, 2, 4])
+    tokens = torch.randint(0, VOCAB, (3, 14))
+    batch = ConversationBatch(tokens, lengths, prompt_lens, torch.randn(3, 14, head.config.feature_size))
+    rows = batch.learning_rows(steps)
+    # rows 2..11 (prompt 6, length 14), 0..6 and 0..3: where one of 4 steps predicts an answer token after the first
+    assert rows.tolist() == list(range(2, 12)) + list(range(14, 21)) + list(range(28, 32))
+
+    def loss_and_grads(outputs):
+        head.zero_grad()
+        loss = sum((step + 1) * output.square().sum() for step, output in enumerate(outputs))
+        loss.backward()
+        return loss.detach(), {name: p.grad.clone() for name, p in head.named_parameters() if p.grad is not None}
+
+    full = [output.reshape(3 * 14, -1)[rows] for output in unroll(head, batch, steps)]
+    subset = unroll(head, batch, steps, rows)
+    for want, got in zip(full, subset):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    want_loss, want_grads = loss_and_grads(full)
+    got_loss, got_grads = loss_and_grads(subset)
+    torch.testing.assert_close(got_loss, want_loss)
+    assert want_grads.keys() == got_grads.keys() and "midlayer.self_attn.k_proj.weight" in got_grads
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)

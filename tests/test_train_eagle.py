@@ -1,7 +1,9 @@
 """Training an EAGLE head: the loss falls and the held-out accept length beats the untrained
 head's (a tiny random target whose greedy answers fall into cycles); a resumed run ends
 where an uninterrupted one does; `python -m specserve.train_eagle` end to end on the CPU;
-the accept-length replay, batch planning and draft vocabulary on hand-made inputs."""
+the accept-length replay, batch planning and draft vocabulary on hand-made inputs; the rows,
+teachers and tokens each draft step learns from; the target's states kept once equal those
+computed per batch; the soft cross-entropy's gradient."""
 from __future__ import annotations
 
 import json
@@ -13,8 +15,9 @@ from specserve.speculative.draft_vocab import most_frequent_tokens
 from specserve.speculative.eagle_batches import BatchBuilder, plan_batches
 from specserve.speculative.eagle_data import generate_conversations
 from specserve.speculative.eagle_eval import accept_length, replay_decoding
-from specserve.speculative.eagle_trainer import EagleTrainer, TrainSettings, build_head, target_lm_head
-from specserve.speculative.target_features import TargetFeatureExtractor
+from specserve.speculative.eagle_trainer import (EagleTrainer, SoftCrossEntropy, TrainSettings, build_head,
+                                                  target_lm_head)
+from specserve.speculative.target_features import StateStore, TargetFeatureExtractor
 from tests.spec_fixtures import make_tiny_directory, tiny_engine
 
 VOCAB = 16
@@ -36,12 +39,18 @@ def tiny_target(tmp_path_factory):
     return model, conversations[8:], conversations[:8]
 
 
-def make_trainer(model, train, algorithm="EAGLE3", **settings) -> tuple[EagleTrainer, BatchBuilder]:
+def make_builder(model, train, algorithm="EAGLE3"):
+    """(a fresh head, a BatchBuilder with its teacher)."""
     torch.manual_seed(0)
     draft_vocab = most_frequent_tokens((c.tokens[c.prompt_len:] for c in train), VOCAB, VOCAB // 2)
     head = build_head(model, algorithm, draft_vocab, max_positions=64)
     extractor = TargetFeatureExtractor(model, head.config.aux_layers, 512, 64, 64)
-    builder = BatchBuilder(extractor, target_lm_head(model)[head.draft_vocab()], bool(head.config.aux_layers))
+    return head, BatchBuilder(extractor, target_lm_head(model)[head.draft_vocab()], bool(head.config.aux_layers))
+
+
+def make_trainer(model, train, algorithm="EAGLE3", **settings) -> tuple[EagleTrainer, BatchBuilder]:
+    head, builder = make_builder(model, train, algorithm)
+    extractor = builder.extractor
     settings = TrainSettings(**{"ttt_steps": 3, "epochs": 3, "batch_tokens": 256, "lr": 3e-3, **settings})
     return EagleTrainer(head, builder, train, settings), BatchBuilder(extractor, None, bool(head.config.aux_layers))
 
@@ -147,3 +156,51 @@ def test_benchmark_prompts_are_excluded(tmp_path):
     write(tmp_path / "bench.json", ["two"])
     assert prompt_texts(str(tmp_path / "all.json"), str(tmp_path / "bench.json")) == ["one", "three"]
     assert prompt_texts(str(tmp_path / "all.json"), None) == ["one", "two", "three"]
+
+
+def test_draft_targets_name_each_steps_rows_teacher_and_tokens(tiny_target):
+    model, train, _ = tiny_target
+    head, builder = make_builder(model, train)
+    conversations = train[:3]
+    batch = builder(conversations)
+    rows, targets = batch.draft_targets(3)
+    padded = batch.conversations
+    width = padded.shape[1]
+    assert torch.equal(rows, padded.learning_rows(3))
+    final = builder.extractor([c.tokens for c in conversations]).final
+    starts = torch.tensor([0, len(conversations[0].tokens), len(conversations[0].tokens) + len(conversations[1].tokens)])
+    for step, target in enumerate(targets):
+        flat = rows[target.rows]   # b * T + t
+        assert torch.equal(flat, padded.predicts_answer(step).flatten().nonzero().squeeze(1))
+        assert torch.equal(target.tokens, padded.shifted_tokens(2 + step).flatten()[flat])
+        # the teacher of row t at `step`: the target's distribution after token t + 1 + step, which predicted t + 2 + step
+        teacher_logits = final[starts[flat // width] + flat % width + 1 + step] @ builder.draft_lm_head.t()
+        torch.testing.assert_close(batch.teacher_probs[target.teacher_rows], teacher_logits.softmax(-1))
+
+
+def test_state_store_keeps_what_the_target_computes(tiny_target):
+    model, train, _ = tiny_target
+    _, builder = make_builder(model, train)
+    lengths = [len(c.tokens) for c in train]
+    store = StateStore(builder.extractor, [c.tokens for c in train], plan_batches(lengths, 128, seed=0))
+    assert store.device.type == "cpu" and store.final.shape[0] == sum(lengths)
+    for index in (0, 7, len(train) - 1):
+        alone = builder.extractor([train[index].tokens])
+        rows = slice(store.starts[index], store.starts[index] + lengths[index])
+        torch.testing.assert_close(store.layers[rows], alone.layers)
+        torch.testing.assert_close(store.final[rows], alone.final)
+    group = plan_batches(lengths, 256, seed=1)[0]
+    live, stored = builder([train[i] for i in group]), builder.from_store(store, group, [train[i] for i in group])
+    torch.testing.assert_close(stored.conversations.target_states, live.conversations.target_states)
+    torch.testing.assert_close(stored.teacher_probs, live.teacher_probs)
+
+
+def test_soft_cross_entropy_and_its_gradient():
+    logits = torch.randn(5, 7, requires_grad=True)
+    teacher_probs, teacher_rows = torch.randn(9, 7).softmax(-1), torch.tensor([3, 0, 8, 3, 1])
+    SoftCrossEntropy.apply(logits, teacher_probs, teacher_rows).backward()
+    reference = logits.detach().clone().requires_grad_()
+    want = -(teacher_probs[teacher_rows] * reference.log_softmax(-1)).sum(-1).mean()
+    want.backward()
+    torch.testing.assert_close(SoftCrossEntropy.apply(logits.detach(), teacher_probs, teacher_rows), want.detach())
+    torch.testing.assert_close(logits.grad, reference.grad)

@@ -1,37 +1,71 @@
 """Training batches for an EAGLE head: conversations grouped by length, the target's
 states for their tokens, and the target's distribution the head learns to match.
 
-The teacher is the target's own logits over the draft vocabulary (its lm_head rows of
-those tokens applied to its final-normed state), kept only at the positions some draft
-step predicts from: the answer, less its last token. Soft labels carry more than the one
-token the target picked, and on self-generated greedy data their argmax is that token.
+The teacher is the target's own distribution over the draft vocabulary (softmax of its
+lm_head rows of those tokens applied to its final-normed state), kept only at the
+positions some draft step predicts from: the answer, less its last token. Soft labels
+carry more than the one token the target picked, and on self-generated greedy data their
+argmax is that token.
+
+Everything a step indexes by (which rows run the later draft steps, which of them each
+step learns from, their teacher rows and tokens) is worked out on the host from the
+conversations' lengths and sent to the device at once, so a training step never waits
+for the device to say which rows are which.
 """
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from specserve.speculative.eagle_data import Conversation
 from specserve.speculative.eagle_ttt import ConversationBatch
-from specserve.speculative.target_features import TargetFeatureExtractor
+from specserve.speculative.target_features import StateStore, TargetFeatureExtractor, TargetStates
+
+
+@dataclass
+class StepTargets:
+    """What one draft step learns: at which of the unrolled rows, from which teacher rows,
+    and the target's tokens there (for its accuracy)."""
+    rows: torch.Tensor           # (n,) indices into the step's output (the batch's learning rows)
+    teacher_rows: torch.Tensor   # (n,) rows of TrainingBatch.teacher_probs
+    tokens: torch.Tensor         # (n,) the target's token each of them predicts
 
 
 @dataclass
 class TrainingBatch:
     conversations: ConversationBatch
-    teacher_logits: torch.Tensor | None  # (num_rows, draft_vocab): the target's logits at the rows below
-    teacher_index: torch.Tensor | None   # (B, T) row of teacher_logits for position t, -1 where none
+    teacher_probs: torch.Tensor | None   # (num_taught, draft_vocab) fp32: the target's distribution there
+    host: ConversationBatch              # the same conversations on the host (no states): indices come from it
+    teacher_index: torch.Tensor | None   # (B * T,) host: teacher row of each flat position, -1 where none
+    _targets: dict[int, tuple[torch.Tensor, list[StepTargets]]] = field(default_factory=dict)
 
-    def teacher_for(self, step: int, rows: torch.Tensor) -> torch.Tensor:
-        """The teacher of the draft at (B, T) mask `rows` of `step`: the target's logits at
-        position t + 1 + step, which predict the same token t + 2 + step."""
-        index = F.pad(self.teacher_index[:, 1 + step:], (0, 1 + step), value=-1)[rows]
-        if bool((index < 0).any()):
-            raise AssertionError("a draft row without a teacher: predicts_answer and the teacher rows disagree")
-        return self.teacher_logits[index]
+    def draft_targets(self, steps: int) -> tuple[torch.Tensor, list[StepTargets]]:
+        """(learning rows (n,) flat b * T + t: where `unroll` runs the later steps; each
+        step's targets among them)."""
+        if steps not in self._targets:
+            self._targets[steps] = self._plan(steps)
+        return self._targets[steps]
+
+    def _plan(self, steps: int) -> tuple[torch.Tensor, list[StepTargets]]:
+        if self.teacher_index is None:
+            raise ValueError("this batch has no teacher (built without draft_lm_head)")
+        host = self.host
+        learning = host.learns_from(steps).flatten()
+        index_among_learning = learning.cumsum(0) - 1
+        tokens = host.tokens.flatten()
+        parts = [learning.nonzero().squeeze(1)]
+        for step in range(steps):
+            rows = host.predicts_answer(step).flatten().nonzero().squeeze(1)
+            # row t at `step` predicts token t+2+step, which the target's logits at t+1+step predicted
+            teacher_rows = self.teacher_index[rows + 1 + step]
+            if bool((teacher_rows < 0).any()):
+                raise AssertionError("a draft row without a teacher: predicts_answer and the teacher rows disagree")
+            parts += [index_among_learning[rows], teacher_rows, tokens[rows + 2 + step]]
+        sizes = [len(part) for part in parts]
+        on_device = list(_to_device(torch.cat(parts), self.conversations.tokens.device).split(sizes))
+        return on_device[0], [StepTargets(*on_device[1 + 3 * step:4 + 3 * step]) for step in range(steps)]
 
 
 def plan_batches(lengths: list[int], batch_tokens: int, seed: int) -> list[list[int]]:
@@ -55,24 +89,56 @@ class BatchBuilder:
         self.extractor, self.draft_lm_head, self.uses_aux_layers = extractor, draft_lm_head, uses_aux_layers
 
     def __call__(self, conversations: list[Conversation]) -> TrainingBatch:
+        """A batch whose states the target computes now."""
         states = self.extractor([c.tokens for c in conversations])
-        device = states.final.device
-        lengths = torch.tensor([len(c.tokens) for c in conversations], device=device)
-        prompt_lens = torch.tensor([c.prompt_len for c in conversations], device=device)
-        width = int(lengths.max())
-        tokens = torch.zeros((len(conversations), width), dtype=torch.long, device=device)
-        positions = torch.arange(width, device=device).unsqueeze(0)
-        in_sequence = positions < lengths.unsqueeze(1)                        # (B, T), row-major = extractor order
-        tokens[in_sequence] = torch.tensor([t for c in conversations for t in c.tokens], device=device)
-        flat = states.layers if self.uses_aux_layers else states.final
-        target_states = flat.new_zeros((*tokens.shape, flat.shape[-1]))
-        target_states[in_sequence] = flat
-        batch = ConversationBatch(tokens, lengths, prompt_lens, target_states)
-        if self.draft_lm_head is None:
-            return TrainingBatch(batch, None, None)
+        starts = [0]
+        for conversation in conversations[:-1]:
+            starts.append(starts[-1] + len(conversation.tokens))
+        return self._build(conversations, states, starts)
+
+    def from_store(self, store: StateStore, indices: list[int], conversations: list[Conversation]) -> TrainingBatch:
+        """A batch of the store's sequences `indices` (those of `conversations`)."""
+        return self._build(conversations, store.states(), [store.starts[i] for i in indices])
+
+    def _build(self, conversations: list[Conversation], states: TargetStates, starts: list[int]) -> TrainingBatch:
+        """states: rows of flat per-token states; conversation i's tokens are rows starts[i]..."""
+        device = self.extractor.device
+        lengths = torch.tensor([len(c.tokens) for c in conversations])
+        prompt_lens = torch.tensor([c.prompt_len for c in conversations])
+        b, t = len(conversations), int(lengths.max())
+        positions = torch.arange(t)
+        in_sequence = positions < lengths.unsqueeze(1)                           # (B, T)
+        tokens = torch.zeros((b, t), dtype=torch.long)
+        tokens[in_sequence] = torch.tensor([token for c in conversations for token in c.tokens])
+        host = ConversationBatch(tokens, lengths, prompt_lens, None)
+        # the state of every padded position: the conversation's own rows (padding repeats its
+        # last one: finite, and no row that counts attends to it)
+        state_rows = torch.tensor(starts).unsqueeze(1) + torch.minimum(positions, lengths.unsqueeze(1) - 1)
         # positions whose logits some step learns from: from the prompt's end to the answer's second-last token
         taught = in_sequence & (positions >= prompt_lens.unsqueeze(1)) & (positions < lengths.unsqueeze(1) - 1)
-        teacher_logits = states.final[taught[in_sequence]] @ self.draft_lm_head.t()
-        teacher_index = torch.full(tokens.shape, -1, dtype=torch.long, device=device)
-        teacher_index[taught] = torch.arange(teacher_logits.shape[0], device=device)
-        return TrainingBatch(batch, teacher_logits, teacher_index)
+        taught_rows = state_rows[taught]
+        parts = [tokens.flatten(), lengths, prompt_lens]
+        tokens_d, lengths_d, prompt_lens_d = _to_device(torch.cat(parts), device).split([len(p) for p in parts])
+        flat = states.layers if self.uses_aux_layers else states.final
+        target_states = _gather(flat, state_rows.flatten(), device).view(b, t, -1)
+        batch = ConversationBatch(tokens_d.view(b, t), lengths_d, prompt_lens_d, target_states)
+        if self.draft_lm_head is None:
+            return TrainingBatch(batch, None, host, None)
+        teacher_logits = _gather(states.final, taught_rows, device) @ self.draft_lm_head.t()
+        teacher_index = torch.full((b * t,), -1, dtype=torch.long)
+        teacher_index[taught.flatten()] = torch.arange(len(taught_rows))
+        return TrainingBatch(batch, teacher_logits.float().softmax(-1), host, teacher_index)
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`, without waiting for the device's queued work."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _gather(rows: torch.Tensor, index: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """rows[index] on `device` (rows on the device, or a store in host memory)."""
+    if rows.device.type == "cpu" and device.type == "cuda":
+        return _to_device(rows.index_select(0, index), device)
+    return rows.index_select(0, _to_device(index, rows.device))

@@ -48,16 +48,15 @@ def accept_length(head: EagleHead, batches: Iterable[ConversationBatch], draft_s
 
 def accepted_runs(head: EagleHead, batch: ConversationBatch, draft_steps: int) -> torch.Tensor:
     """(B, T): drafts a verify step would accept from a chain rooted after row t."""
-    alive = torch.ones(batch.shape, dtype=torch.bool, device=batch.tokens.device)
-    run = torch.zeros(batch.shape, dtype=torch.long, device=batch.tokens.device)
-    for step, output in enumerate(unroll(head, batch, draft_steps)):
-        rows = batch.predicts_answer(step)
-        correct = torch.zeros_like(alive)
-        draft = head.to_target_ids(head.logits(output[rows]).argmax(-1))
-        correct[rows] = draft == batch.shifted_tokens(2 + step)[rows]
-        alive &= correct
+    rows = batch.learning_rows(draft_steps)   # elsewhere no step drafts an answer token: 0 accepted
+    alive = torch.ones(rows.shape, dtype=torch.bool, device=rows.device)
+    run = torch.zeros(rows.shape, dtype=torch.long, device=rows.device)
+    for step, output in enumerate(unroll(head, batch, draft_steps, rows)):
+        draft = head.to_target_ids(head.logits(output).argmax(-1))
+        target = batch.shifted_tokens(2 + step).flatten()[rows]
+        alive &= batch.predicts_answer(step).flatten()[rows] & (draft == target)
         run += alive
-    return run
+    return torch.zeros(batch.shape, dtype=torch.long, device=rows.device).view(-1).index_copy(0, rows, run).view(batch.shape)
 
 
 def replay_decoding(runs: torch.Tensor, lengths: list[int], prompt_lens: list[int]) -> AcceptStats:

@@ -6,7 +6,11 @@ cross-entropy between the head's draft-vocabulary distribution and the target's,
 linear warm-up then cosine decay, where progress is the larger of steps done and time
 spent (so a --max-train-seconds budget ends on a decayed learning rate). Checkpoints are
 the head in SGLang's layout plus the optimizer state; a resumed run continues the same
-seeded batch order where it stopped.
+seeded batch order where it stopped. The target's states of the training conversations
+are computed once, when the trainer is made, and read back every epoch (StateStore).
+
+A step waits for the device once, to read its loss and accuracies: every row index it
+needs was worked out on the host (eagle_batches.py).
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from specserve.speculative.eagle_config import EagleHeadConfig
 from specserve.speculative.eagle_data import Conversation
 from specserve.speculative.eagle_head import EagleHead
 from specserve.speculative.eagle_ttt import unroll
+from specserve.speculative.target_features import StateStore
 
 TRAINER_STATE_FILE = "trainer_state.pt"
 
@@ -63,33 +68,39 @@ def target_lm_head(target: DecoderLM) -> torch.Tensor:
 
 
 class SoftCrossEntropy(torch.autograd.Function):
-    """Mean over rows of -sum(p * log q), p = softmax(teacher), q = softmax(logits). Keeps
-    only the (half-precision) inputs for backward, where the gradient softmax(logits) - p is
-    recomputed: with a 32k vocabulary and 7 steps, saved fp32 softmaxes would dominate memory."""
+    """Mean over rows of -sum(p * log q), q = softmax(logits), p = the teacher's
+    probabilities at `teacher_rows`; computed as logsumexp(logits) - sum(p * logits)
+    (sum(p) = 1). Keeps only the (half-precision) logits and the row indices for backward,
+    where the gradient softmax(logits) - p is recomputed: with a 32k vocabulary and 7 steps,
+    saved fp32 softmaxes (or gathered teacher rows) would dominate memory."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(logits, teacher_logits)
-        teacher = teacher_logits.float().softmax(-1)
-        return -(teacher * logits.float().log_softmax(-1)).sum(-1).mean()
+    def forward(ctx, logits: torch.Tensor, teacher_probs: torch.Tensor, teacher_rows: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(logits, teacher_probs, teacher_rows)
+        logits32 = logits.float()
+        return (logits32.logsumexp(-1) - (teacher_probs[teacher_rows] * logits32).sum(-1)).mean()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        logits, teacher_logits = ctx.saved_tensors
-        difference = logits.float().softmax(-1) - teacher_logits.float().softmax(-1)
-        return (difference * (grad / logits.shape[0])).to(logits.dtype), None
+        logits, teacher_probs, teacher_rows = ctx.saved_tensors
+        difference = logits.float().softmax(-1).sub_(teacher_probs[teacher_rows])
+        return difference.mul_(grad / logits.shape[0]).to(logits.dtype), None, None
 
 
-def ttt_loss(head: EagleHead, batch: TrainingBatch, steps: int, step_weight: float) -> tuple[torch.Tensor, list[float]]:
-    """The weighted loss over `steps` draft steps, and each step's draft accuracy."""
-    conversations = batch.conversations
-    total, accuracies = 0.0, []
-    for step, output in enumerate(unroll(head, conversations, steps)):
-        rows = conversations.predicts_answer(step)
-        logits = head.logits(output[rows])
-        total = total + step_weight ** step * SoftCrossEntropy.apply(logits, batch.teacher_for(step, rows))
+def ttt_loss(head: EagleHead, batch: TrainingBatch, steps: int,
+             step_weight: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The weighted loss over `steps` draft steps, and each step's draft accuracy (0-dim
+    tensors: read together, once per optimizer step)."""
+    rows, targets = batch.draft_targets(steps)
+    total, accuracies = batch.teacher_probs.new_zeros(()), []
+    for step, (output, target) in enumerate(zip(unroll(head, batch.conversations, steps, rows), targets)):
+        if len(target.rows) == 0:   # no conversation of the batch has an answer this long
+            accuracies.append(total.new_tensor(float("nan")))
+            continue
+        logits = head.logits(output.index_select(0, target.rows))
+        total = total + step_weight ** step * SoftCrossEntropy.apply(logits, batch.teacher_probs, target.teacher_rows)
         draft = head.to_target_ids(logits.detach().argmax(-1))
-        accuracies.append((draft == conversations.shifted_tokens(2 + step)[rows]).float().mean().item())
+        accuracies.append((draft == target.tokens).float().mean())
     return total, accuracies
 
 
@@ -103,6 +114,9 @@ class EagleTrainer:
         lengths = [len(c.tokens) for c in conversations]
         self.plan = [group for epoch in range(settings.epochs)
                      for group in plan_batches(lengths, settings.batch_tokens, settings.seed + epoch)]
+        # the target's states, once for every epoch (in the first epoch's batches: they fit the extractor)
+        self.store = StateStore(builder.extractor, [c.tokens for c in conversations],
+                                plan_batches(lengths, settings.batch_tokens, settings.seed))
         self.step, self.elapsed = 0, 0.0
         self.history: list[float] = []   # loss per optimizer step
 
@@ -128,15 +142,17 @@ class EagleTrainer:
         settings = self.settings
         for param_group in self.optimizer.param_groups:
             param_group["lr"] = self.learning_rate()
-        batch = self.builder([self.conversations[i] for i in group])
+        batch = self.builder.from_store(self.store, group, [self.conversations[i] for i in group])
         device_type = batch.conversations.tokens.device.type
         with torch.autocast(device_type, dtype=settings.autocast_dtype, enabled=settings.autocast_dtype is not None):
             loss, accuracies = ttt_loss(self.head, batch, settings.ttt_steps, settings.step_weight)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.parameters, settings.grad_clip)
-        self.optimizer.step()
-        return loss.item(), accuracies
+        if loss.requires_grad:   # else no step had a row to learn from
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.parameters, settings.grad_clip)
+            self.optimizer.step()
+        values = torch.stack([loss.detach().float()] + accuracies).tolist()   # the step's one wait for the device
+        return values[0], values[1:]
 
     def learning_rate(self) -> float:
         settings = self.settings
