@@ -58,7 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     data.add_argument("--temperature", type=float, default=0.0, help="of the training answers (held-out: greedy)")
     data.add_argument("--mem-fraction-static", type=float, default=0.5,
                       help="GPU memory for the generating engine's weights and KV cache (freed for training)")
-    data.add_argument("--max-running-requests", type=int, default=None)
+    data.add_argument("--max-running-requests", type=int, default=None,
+                      help="answers generated at once (on a GPU each batch size up to it decodes in a CUDA graph)")
     train = p.add_argument_group("training")
     train.add_argument("--ttt-steps", type=int, default=None, help="draft steps unrolled per batch (training-time test)")
     train.add_argument("--eval-draft-steps", type=int, default=None, help="chain length for the accept length; "
@@ -84,10 +85,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # draft token 27% right (held-out accept length 1.34 of 7); so smaller batches and as many
 # epochs as the time allows (the learning-rate schedule follows the time budget)
 DEVICE_DEFAULTS = {
-    "cuda": dict(num_prompts=3000, held_out=64, max_prompt_len=1024, max_new_tokens=384, ttt_steps=7,
-                 batch_tokens=8192, draft_vocab_size=DEFAULT_DRAFT_VOCAB_SIZE, epochs=40),
-    "cpu": dict(num_prompts=48, held_out=8, max_prompt_len=256, max_new_tokens=96, ttt_steps=4,
-                batch_tokens=1024, draft_vocab_size=8192, epochs=2),
+    "cuda": dict(num_prompts=3000, held_out=64, max_prompt_len=1024, max_new_tokens=384, max_running_requests=256,
+                 ttt_steps=7, batch_tokens=8192, draft_vocab_size=DEFAULT_DRAFT_VOCAB_SIZE, epochs=40),
+    "cpu": dict(num_prompts=48, held_out=8, max_prompt_len=256, max_new_tokens=96, max_running_requests=64,
+                ttt_steps=4, batch_tokens=1024, draft_vocab_size=8192, epochs=2),
 }
 
 
@@ -149,6 +150,10 @@ def _engine(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
                   max_running_requests=args.max_running_requests)
     if device.type == "cuda":
         kwargs["mem_fraction_static"] = args.mem_fraction_static
+        # generation is all throughput: every batch size it runs at decodes in a CUDA graph (by
+        # default graphs stop at 64 and larger steps run eagerly: ~25-35 ms of launches on an
+        # H100 for the 1.5B, prefill_pacer.py, against a few ms replayed)
+        kwargs["cuda_graph_max_bs"] = args.max_running_requests
     return Engine(model_path=args.model_path, **kwargs)
 
 
@@ -160,10 +165,12 @@ def _conversations(args: argparse.Namespace, engine) -> tuple[list[Conversation]
         return conversations[args.held_out:], conversations[:args.held_out]
     prompts = chat_prompt_ids(prompt_texts(args.dataset_path, args.exclude_dataset_path), engine.tokenizer, args.held_out + args.num_prompts, args.max_prompt_len, args.seed)
     started = time.perf_counter()
+    in_flight = engine.core.runner.max_running_requests
     with _progress(len(prompts), "generating answers") as bar:
-        held_out = generate_conversations(engine, prompts[:args.held_out], args.max_new_tokens, 0.0, bar.update)
+        held_out = generate_conversations(engine, prompts[:args.held_out], args.max_new_tokens, 0.0, bar.update,
+                                          max_in_flight=in_flight)
         train_data = generate_conversations(engine, prompts[args.held_out:], args.max_new_tokens, args.temperature,
-                                            bar.update, seed=args.seed)
+                                            bar.update, seed=args.seed, max_in_flight=in_flight)
     answer_tokens = sum(c.answer_len for c in held_out + train_data)
     elapsed = time.perf_counter() - started
     print(f"generated {answer_tokens} answer tokens in {elapsed:.1f} s ({answer_tokens / elapsed:.0f} tok/s)")

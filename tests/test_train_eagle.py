@@ -3,9 +3,10 @@ head's (a tiny random target whose greedy answers fall into cycles); a resumed r
 where an uninterrupted one does; `python -m specserve.train_eagle` end to end on the CPU;
 the accept-length replay, batch planning and draft vocabulary on hand-made inputs; the rows,
 teachers and tokens each draft step learns from; the target's states kept once equal those
-computed per batch; the soft cross-entropy's gradient."""
+computed per batch; the soft cross-entropy's gradient; answers generated in waves."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -204,3 +205,32 @@ def test_soft_cross_entropy_and_its_gradient():
     want.backward()
     torch.testing.assert_close(SoftCrossEntropy.apply(logits.detach(), teacher_probs, teacher_rows), want.detach())
     torch.testing.assert_close(logits.grad, reference.grad)
+
+
+class CountingEngine:
+    """Answers [i] with [i + 100] after a short wait; logs when requests start and finish."""
+
+    def __init__(self):
+        self.events: list[str] = []
+        self.in_flight = self.most_in_flight = 0
+
+    async def async_generate(self, input_ids, sampling_params):
+        self.events.append("start")
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        await asyncio.sleep(0.001 * (input_ids[0] % 4))
+        self.in_flight -= 1
+        self.events.append("finish")
+        return {"output_ids": [input_ids[0] + 100]}
+
+
+def test_generate_conversations_keeps_order_and_sends_prompts_in_waves():
+    engine = CountingEngine()
+    prompts = [[i] for i in range(30)]
+    conversations = generate_conversations(engine, prompts, max_new_tokens=1, temperature=0.0, max_in_flight=8)
+    assert [c.tokens for c in conversations] == [[i, i + 100] for i in range(30)]
+    assert all(c.prompt_len == 1 for c in conversations)
+    assert engine.most_in_flight == 8
+    # requests start in runs (waves): all 8 at first, then at least a quarter of 8 at a time (the last may be short)
+    runs = [len(run) for run in "".join("s" if e == "start" else " " for e in engine.events).split()]
+    assert runs[0] == 8 and all(run >= 2 for run in runs[:-1]) and sum(runs) == 30, runs
