@@ -110,3 +110,65 @@ def test_adaptive_ngram_overlaps_its_plain_steps(engine_factory, plain):
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in expected]
     assert used["ahead"] > 10 and drafted["steps"] > 2
     wait_until_all_kv_is_free(engine)
+
+
+def test_plain_steps_index_and_probe_only_every_kth_step(engine_factory, plain, monkeypatch):
+    """In plain mode the adaptive engine probes every k-th plain step of a batch bucket (the
+    first at once, k then from measured costs: forced to 4 here) and indexes committed tokens
+    into the trie on those steps only: each probe proposes from a trie holding every token
+    committed before its step. Outputs stay those of plain decoding."""
+    from specserve.speculative import adaptive as adaptive_module
+    from tests.spec_fixtures import ngram_args
+    monkeypatch.setattr(adaptive_module, "PROBE_BUDGET", 1e-12)   # every probe is dear: k = MAX_PROBE_EVERY
+    monkeypatch.setattr(adaptive_module, "MAX_PROBE_EVERY", 4)
+    engine = engine_factory(max_total_tokens=4096, **ngram_args(8, adaptive=True))
+    used = overlapped(engine)
+    core, drafter = engine.core, engine.core.drafter
+    adaptive = core.adaptive
+    for batch_size in (1, 2, 4, 8):      # verifying drafts priced far above plain steps: plain wins
+        for tier in adaptive.tiers:
+            adaptive.record_step(batch_size, tier, 0.001 if tier == 1 else 10.0)
+    steps = []   # per decode step: what it did
+
+    def spy(owner, name, note):
+        original = getattr(owner, name)
+
+        def spied(*args, **kwargs):
+            result = original(*args, **kwargs)
+            if steps:
+                note(steps[-1], result)
+            return result
+        setattr(owner, name, spied)
+    run_decode = core._run_decode
+
+    def decode(batch):
+        steps.append({"batch_size": len(batch.reqs), "events": []})
+        return run_decode(batch)
+    core._run_decode = decode
+    spy(adaptive, "probe_due", lambda step, due: step["events"].append("due" if due else "skip"))
+    spy(core, "_index_drafts", lambda step, _: step["events"].append("index"))
+    probe = core._probe
+
+    def probing(reqs):
+        steps[-1]["events"].append(("probe", drafter._pending_tokens))
+        probe(reqs)
+    core._probe = probing
+    prompts = (SAMPLE_PROMPTS * 2)[:8]
+    params = [dict(GREEDY, max_new_tokens=20 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
+    expected = plain.generate(prompts, params)
+    got = engine.generate(prompts, params)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in expected]
+    assert used["ahead"] > 10
+    by_bucket: dict[int, list[list]] = {}
+    for step in steps:
+        bucket = 1 << (step["batch_size"] - 1).bit_length()
+        by_bucket.setdefault(bucket, []).append(step["events"])
+    for bucket, events in by_bucket.items():
+        probed = [i for i, e in enumerate(events) if e and e[0] == "due"]
+        assert probed == list(range(0, len(events), 4)), (bucket, events)
+        for e in events:
+            if e[0] == "due":   # indexed while the GPU computes, then the probe: only this step's tokens queued
+                assert e[1] == "index" and e[2][0] == "probe" and e[2][1] <= bucket, e
+            else:
+                assert e == ["skip"], e
+    wait_until_all_kv_is_free(engine)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from specserve.speculative.adaptive import (
-    GUARD_STEPS, MAX_PLAIN_HOLD, PLAIN_HOLD, REFRESH_EVERY, SWITCH_MARGIN, AdaptiveDraftLength, tiers_for)
+    GUARD_STEPS, MAX_PLAIN_HOLD, MAX_PROBE_EVERY, PLAIN_HOLD, PROBE_BUDGET, REFRESH_EVERY, SWITCH_MARGIN,
+    AdaptiveDraftLength, tiers_for)
 from specserve.speculative.tree import DraftTrees, TreeProposal
 
 from tests.spec_fixtures import CODE_PROMPT, SmolEngines, ngram_args, wait_until_all_kv_is_free
@@ -227,6 +228,26 @@ def test_costs_are_per_batch_bucket_and_contenders_refreshed(plain_cost, plain_r
         refreshed.append(tier)
         adaptive.record_step(1, tier, plain_cost if tier == 1 else 0.06)
     assert (refreshed.count(1) >= 1) == plain_refreshed and refreshed.count(4) > REFRESH_EVERY
+
+
+def test_probes_come_every_kth_plain_step_with_k_from_measured_costs():
+    """A probe's host time is not hidden where plain steps are short: a bucket probes every
+    k-th plain step, k the smallest keeping probes within PROBE_BUDGET of a plain step."""
+    adaptive = AdaptiveDraftLength([1, 4])
+    assert all(adaptive.probe_due(1) for _ in range(3))      # nothing timed yet: every plain step
+    adaptive.record_step(1, 1, 0.001)                         # a plain step: 1 ms
+    adaptive.record_probe(1, 2.5 * PROBE_BUDGET * 0.001)      # a probe: 2.5 budgets
+    assert adaptive.probe_every(1) == 3
+    assert [adaptive.probe_due(1) for _ in range(9)] == [False, False, True] * 3
+    assert adaptive.probe_due(64) and adaptive.probe_every(64) == 1   # per bucket
+    # a drafter whose proposals cost forwards keeps its own floor
+    assert [adaptive.probe_due(1, every_at_least=8) for _ in range(16)] == ([False] * 7 + [True]) * 2
+    adaptive.record_probe(1, 1.0)                             # dear probes: capped, the policy keeps looking
+    assert adaptive.probe_every(1) == MAX_PROBE_EVERY
+    cheap = AdaptiveDraftLength([1, 4])
+    cheap.record_step(8, 1, 0.001)
+    cheap.record_probe(8, 0.1 * PROBE_BUDGET * 0.001)
+    assert cheap.probe_every(8) == 1 and all(cheap.probe_due(8) for _ in range(5))
 
 
 def test_tiers_are_the_graph_sizes_or_powers_of_two():

@@ -356,7 +356,7 @@ def test_ngram_flush_indexes_chunks_while_the_gpu_is_busy():
     assert writer_owner in drafter.trie._streams
     drafter.flush(busy=lambda: False)                  # one chunk: the writer's last
     assert writer_owner not in drafter.trie._streams   # released once its tokens are in
-    assert list(drafter._pending) == [(drafter._owners["o"], [7, 8, 9])]
+    assert drafter._pending == {drafter._owners["o"]: [7, 8, 9]}
     reader = fake_req("r", [1, 100, 101])
     trees, num_nodes = drafter.propose([reader], [4])
     assert trees.tokens[0, :num_nodes[0]].tolist() == [101, 102, 103, 104]
@@ -364,4 +364,34 @@ def test_ngram_flush_indexes_chunks_while_the_gpu_is_busy():
     assert drafter._pending_tokens == 0 and not drafter._pending
     for req in (other, reader):
         drafter.release(req)
-    assert not drafter.trie._streams and not drafter._queued_items and not drafter._finished
+    assert not drafter.trie._streams and not drafter._pending and not drafter._finished
+
+
+def test_ngram_tokens_queued_over_steps_are_indexed_in_one_call_per_request():
+    """Plain steps that do not probe leave the flush to the next probe: a request's tokens
+    of those steps reach the trie in one insert, in order, and (no two continuations tie
+    here) the trie proposes what it does when they are indexed step by step."""
+    stepwise, deferred = (NgramDrafter(NgramConfig(), one_branch=False) for _ in range(2))
+    a, b = fake_req("a", [5, 6, 7]), fake_req("b", [20, 21])
+    steps = [([8, 9], [22]), ([5], [23]), ([6, 7], [20, 21]), ([8, 10], [22])]
+    inserts = []
+    insert = deferred.trie.insert
+    deferred.trie.insert = lambda tokens, owner=None: (inserts.append((owner, list(tokens))), insert(tokens, owner))
+    for drafter in (stepwise, deferred):
+        for req in (a, b):
+            drafter.add_prompt(req)
+        for tokens_a, tokens_b in steps:
+            drafter.observe(a, tokens_a)
+            drafter.observe(b, tokens_b)
+            if drafter is stepwise:
+                drafter.flush()
+        drafter.flush()
+    owner_a, owner_b = deferred._owners["a"], deferred._owners["b"]
+    assert inserts == [(owner_a, [5, 6, 7, 8, 9, 5, 6, 7, 8, 10]), (owner_b, [20, 21, 22, 23, 20, 21, 22])]
+    a.output_ids, b.output_ids = [8, 9, 5, 6, 7, 8, 10], [22, 23, 20, 21, 22]
+    reader = fake_req("r", [1, 5, 6, 7])
+    for req, limit in ((a, 8), (b, 8), (reader, 8)):
+        got = [drafter.propose([req], [limit]) for drafter in (stepwise, deferred)]
+        assert got[0][1] == got[1][1]
+        assert got[0][0].tokens.tolist() == got[1][0].tokens.tolist()
+        assert got[0][0].parents.tolist() == got[1][0].parents.tolist()

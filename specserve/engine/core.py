@@ -50,7 +50,7 @@ class EngineCore:
         self.requests: dict[str, Req] = {}
         self.last_batch_reqs: list[Req] = []   # the requests of the step in flight, failed together if it raises
         scheduler.preempt_listeners.append(self._preempted)
-        self._plain_steps_unprobed = 0   # plain steps since the adaptive policy's last probe
+        self._indexing_s = 0.0   # host seconds of the drafter's last flush: part of a probe's cost
 
     # --- public surface ---
     def add_request(self, req: Req) -> None:
@@ -123,13 +123,14 @@ class EngineCore:
         if not draft and self.overlap is not None and self.sampler.argmax_is_enough(reqs):
             return self._run_decode_ahead(reqs, start)
         self._drop_ahead()
+        probing = not draft and self._probe_due(reqs)
         proposal, num_nodes = self._propose(reqs) if draft else self._no_drafts(reqs)
         slots = self.scheduler.alloc_slots(sum(num_nodes))
         if slots is None:  # the cache fits one token per request (the scheduler made sure), not the drafts
             proposal, num_nodes = self._no_drafts(reqs)
             slots = self.scheduler.alloc_slots(len(reqs))
         try:
-            sampled, table_written, hidden = self._verify(reqs, proposal, slots)
+            sampled, table_written, hidden = self._verify(reqs, proposal, slots, index=draft or probing)
         except BaseException:
             self.scheduler.free_slots(slots)  # no request holds them until commit
             raise
@@ -140,20 +141,22 @@ class EngineCore:
         self._commit_kv(reqs, sampled, _split(slots, num_nodes), table_written)
         outputs = [self._commit(req, sampled, i) for i, req in enumerate(reqs)]
         if self.adaptive is not None:
-            if not draft:
+            if probing:
                 self._probe(reqs)  # its host time is part of what plain steps cost
             self.adaptive.record_step(len(reqs), proposal.num_slots, time.perf_counter() - start,
                                       _committed(outputs))
         return outputs
 
-    def _verify(self, reqs: list[Req], proposal: TreeProposal,
-                slots: list[int]) -> tuple[SampledStep, bool, torch.Tensor | None]:
+    def _verify(self, reqs: list[Req], proposal: TreeProposal, slots: list[int],
+                index: bool = True) -> tuple[SampledStep, bool, torch.Tensor | None]:
         """Runs the step's forward and decides what each request commits. Greedy trees are
         verified on the device, which also writes the accepted slots into the KV table
         (returned True): one copy of the outcome comes back. Other steps go through the
         sampler (penalties, sampling, logprobs). Also returns the nodes' hidden states
         (bs, n, features) when the runner keeps them (an EAGLE drafter reads them). A fused
-        drafter (NAIVE_EAGLE, MTP) may run the whole step itself, its next drafts included."""
+        drafter (NAIVE_EAGLE, MTP) may run the whole step itself, its next drafts included.
+        `index`: the drafter's deferred indexing runs while the GPU computes (plain steps
+        that do not probe leave it to the next probe)."""
         fused = self.drafter.verify_fused(reqs, proposal, slots, self.sampler) if self.drafter is not None else None
         if fused is not None:
             return fused, True, None
@@ -163,8 +166,8 @@ class EngineCore:
             prepared = self.sampler.prepare(host_trees, reqs, proposal.draft_probs)
         step = self.runner.run_trees(reqs, proposal, slots)
         outcome = InFlight.launch(step.outcome) if greedy else None
-        if self.drafter is not None:
-            self.drafter.flush(self._gpu_busy())  # host work while the GPU computes the step
+        if self.drafter is not None and index:
+            self._index_drafts()  # host work while the GPU computes the step
         if greedy:
             parsed = GreedyOutcome.parse(outcome.wait())
             return SampledStep(parsed.tokens, parsed.accepted_nodes, None, None), True, step.hidden
@@ -173,12 +176,13 @@ class EngineCore:
     # --- plain greedy decoding, one step ahead (overlap.py) ---
     def _run_decode_ahead(self, reqs: list[Req], start: float) -> list[StepOutput]:
         current = None
+        probing = self._probe_due(reqs)
         try:
             current = self.overlap.current_step(reqs, lambda: self._last_tokens(reqs))
             if self._next_step_is_plain(reqs):
                 self.overlap.launch_next(current)
-            if self.drafter is not None:
-                self.drafter.flush(self._gpu_busy())  # host work while the GPU computes
+            if probing:
+                self._index_drafts()  # host work while the GPU computes: what the probe proposes from
             tokens = current.launched.wait().tolist()
         except BaseException:
             self.overlap.release(current)
@@ -190,26 +194,38 @@ class EngineCore:
         if any(out.finished for out in outputs):
             self.overlap.drop()  # computed for a batch that no longer exists
         if self.adaptive is not None:
-            self._probe(reqs)  # while the GPU runs the step launched ahead
+            if probing:
+                self._probe(reqs)  # while the GPU runs the step launched ahead
             self.adaptive.record_step(len(reqs), 1, time.perf_counter() - start, _committed(outputs))
         return outputs
 
+    def _probe_due(self, reqs: list[Req]) -> bool:
+        """Whether this plain step probes (adaptive.py: every k-th plain step, k from the
+        probes' measured host time; at least every `drafter.probe_every`-th for a model
+        drafter, whose proposals cost draft forwards)."""
+        return self.adaptive is not None and self.adaptive.probe_due(len(reqs), self.drafter.probe_every)
+
     def _probe(self, reqs: list[Req]) -> None:
         """A plain step's look at whether drafting would pay now: proposals for a few of its
-        requests, kept as the adaptive policy's shadows only (nothing is verified); every
-        `drafter.probe_every`-th plain step (a model drafter pays a draft forward for it)."""
-        self._plain_steps_unprobed += 1
-        if self._plain_steps_unprobed < self.drafter.probe_every:
-            return
-        self._plain_steps_unprobed = 0
+        requests, kept as the adaptive policy's shadows only (nothing is verified). Its host
+        time, with the indexing it needed, is the probe's cost."""
+        start = time.perf_counter()
         window = self.adaptive.probe_requests(len(reqs))   # at most the batch: no request twice
         sample = [reqs[i % len(reqs)] for i in window if not reqs[i % len(reqs)].finished]
-        if not sample:
-            return
-        proposal, num_nodes = self.drafter.propose(sample, self._draft_limits(sample))
-        rids, keys = [r.rid for r in sample], self.drafter.proposal_keys()
-        self.adaptive.record_proposals(rids, proposal, num_nodes, keys)
-        self.adaptive.probe(len(reqs), rids, num_nodes, keys)
+        if sample:
+            proposal, num_nodes = self.drafter.propose(sample, self._draft_limits(sample))
+            rids, keys = [r.rid for r in sample], self.drafter.proposal_keys()
+            self.adaptive.record_proposals(rids, proposal, num_nodes, keys)
+            self.adaptive.probe(len(reqs), rids, num_nodes, keys)
+        self.adaptive.record_probe(len(reqs), time.perf_counter() - start + self._indexing_s)
+        self._indexing_s = 0.0
+
+    def _index_drafts(self) -> None:
+        """The drafter's deferred indexing (NGRAM: committed tokens into the trie), for as
+        long as the GPU is busy; its host time is kept for the probe that needs it."""
+        start = time.perf_counter()
+        self.drafter.flush(self._gpu_busy())
+        self._indexing_s = time.perf_counter() - start
 
     def _next_step_is_plain(self, reqs: list[Req]) -> bool:
         """Whether the step after this one can be launched before this one's tokens are read."""

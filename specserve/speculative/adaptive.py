@@ -14,11 +14,8 @@ Both factors are measured, not assumed:
 - E[tokens_i | t]: a moving average over past proposals of how many tokens a proposal, cut
   to its first t nodes, would have committed: per evidence class when the drafter gives one
   (NGRAM: the length of the matched suffix, so that one-token matches, which rarely pay,
-  are told apart from long ones), else per request. The drafter always proposes the full
-  tree and only the verified part is cut, so this is known for every tier: a "shadow" walk
-  follows the tokens the request commits over the next steps down the full proposal. In
-  greedy decoding the committed stream does not depend on the drafts, so the
-  counterfactual is exact.
+  are told apart from long ones), else per request; learned from "shadow" walks of the
+  full proposals (acceptance.py).
 
 Two modes per batch bucket, which starts plain. Drafting: every step proposes and picks its tier; a step that
 picks 1 switches the bucket to plain. Plain: steps run on the overlapped plain path (the
@@ -26,6 +23,17 @@ next step queued before this one's tokens are read), and after the tokens are co
 while the GPU runs the next step, the engine proposes for up to PROBE_REQUESTS requests of
 the batch as shadows only (`probe`): no verify is paid for, yet the evidence keeps coming,
 and the bucket switches back to drafting as soon as a tier above 1 is expected to win.
+
+A probe is host time a plain step would not spend (the proposals, their shadows, and the
+drafter's indexing of the tokens committed since the last probe, which plain steps leave
+to the probes), and where a plain step is short that time is not hidden: on an H100 a
+0.5B at batch 1 (plain steps ~0.9 ms) ran 0.70-0.79x of a plain engine in plain mode, and
+on the CPU (bench/plain_step_host.py) probing and indexing on every plain step were
+nearly all of the host time a plain step of the speculative engine added. So a bucket
+probes every k-th plain step (`probe_due`), k the smallest that keeps the probes' measured
+host time within PROBE_BUDGET of its plain step's measured cost (at most MAX_PROBE_EVERY).
+The budget is 1%: what a probe step costs beyond its timed part (colder caches) measured
+up to as much again.
 
 The model above can be wrong (a class's history may not transfer to new text, a probe sees
 a sample), so measured outcomes have the last word: the engine reports the tokens every
@@ -42,15 +50,19 @@ and the tiers are sizes the CUDA graphs were captured for, so replay stays valid
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass
 
+from specserve.speculative.acceptance import AcceptanceEvidence
 from specserve.speculative.tree import TreeProposal
 
-COST_EMA = 0.2       # step times are noisy; tokens per proposal change with the text
-ACCEPT_EMA = 0.3
+COST_EMA = 0.2       # step times are noisy
 REFRESH_EVERY = 50
 REFRESH_MARGIN = 0.8   # re-measure tiers expected to reach this fraction of the best rate
-PROBE_REQUESTS = 16    # proposals per plain step (host time, hidden behind the next step)
+PROBE_REQUESTS = 16    # proposals per probe
+PROBE_BUDGET = 0.01    # probes' timed host work may add this fraction to a plain step, on average
+MAX_PROBE_EVERY = 32   # ... but a plain bucket is probed at least every this many steps
+PROBE_COST_EMA = 0.3
 # a plain bucket drafts again only when drafting is expected to beat plain by this much:
 # a switch costs a step that is not launched ahead, and a probe sees only a sample, so
 # without a margin the two modes can alternate step by step
@@ -73,15 +85,6 @@ class _Episode:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-@dataclass
-class _Shadow:
-    """One past proposal being walked down by the tokens committed since."""
-    children: dict[tuple[int, int], int]   # (parent node, token) -> node
-    key: int | None                        # the drafter's evidence class, if any
-    node: int = 0                          # deepest node matched so far
-    path: list[int] = field(default_factory=list)  # matched nodes below the root
-
-
 class AdaptiveDraftLength:
     def __init__(self, tiers: list[int]):
         self.tiers = sorted(set(tiers) | {1})
@@ -95,10 +98,12 @@ class AdaptiveDraftLength:
         self._plain_rate: dict[int, float] = {}             # bucket -> realized tokens/s of plain steps
         self._episodes: dict[int, _Episode] = {}            # bucket -> its current drafting episode
         self._probe_offset = 0                              # rotates the requests a probe drafts for
-        self._prior = {t: float(t) for t in self.tiers}  # before any evidence: every draft node accepted
-        self._expected: dict[str, dict[int, float]] = {}    # per request
-        self._by_key: dict[int, dict[int, float]] = {}      # per evidence class
-        self._shadows: dict[str, list[_Shadow]] = {}
+        self._probe_cost: dict[int, float] = {}             # bucket -> host seconds of a probe
+        self._unprobed: dict[int, int] = {}                 # bucket -> plain steps since its last probe
+        self._probe_every: dict[int, int] = {}              # bucket -> k, set when a probe is timed
+        # the tier that prices a step whose largest tree has `size` nodes: _tier_of[size]
+        self._tier_of = [next(t for t in self.tiers if t >= size) for size in range(self.tiers[-1] + 1)]
+        self.evidence = AcceptanceEvidence(self.tiers)
         self.steps_per_tier = {t: 0 for t in self.tiers}
 
     # --- the choice ---
@@ -142,6 +147,32 @@ class AdaptiveDraftLength:
         start = self._probe_offset % batch_size
         self._probe_offset += count
         return range(start, start + count)
+
+    def probe_due(self, batch_size: int, every_at_least: int = 1) -> bool:
+        """Whether this plain step probes: every k-th plain step of its bucket (counted here),
+        k the smallest that keeps the probes' host time within PROBE_BUDGET of the plain
+        step's cost, never below `every_at_least` (a drafter whose proposals cost forwards)."""
+        bucket = _bucket(batch_size)
+        waited = self._unprobed.get(bucket, 0) + 1
+        if waited < every_at_least or waited < self._probe_every.get(bucket, 1):
+            self._unprobed[bucket] = waited
+            return False
+        self._unprobed[bucket] = 0
+        return True
+
+    def probe_every(self, batch_size: int) -> int:
+        """k for the bucket: 1 until a probe and a plain step have been timed."""
+        return self._probe_every.get(_bucket(batch_size), 1)
+
+    def record_probe(self, batch_size: int, seconds: float) -> None:
+        """The host time of a probe (its proposals, shadows and the indexing they needed);
+        sets the bucket's k against its plain step's current cost."""
+        bucket = _bucket(batch_size)
+        old = self._probe_cost.get(bucket)
+        probe = self._probe_cost[bucket] = seconds if old is None else old + PROBE_COST_EMA * (seconds - old)
+        step = self._cost.get((bucket, 1))
+        if step:
+            self._probe_every[bucket] = min(MAX_PROBE_EVERY, max(1, math.ceil(probe / (PROBE_BUDGET * step))))
 
     def probe(self, batch_size: int, rids: list[str], num_nodes: list[int], keys: list[int] | None = None) -> None:
         """After a plain step: the sampled requests' proposals (recorded as shadows) say
@@ -211,16 +242,14 @@ class AdaptiveDraftLength:
     def expected_tokens(self, rid: str, tier: int, key: int | None = None) -> float:
         """Tokens a step at this tier is expected to commit for the request (given a draft
         of evidence class `key`, when the drafter gives classes)."""
-        if key is not None:
-            return self._by_key.get(key, self._prior)[tier]
-        return self._expected.get(rid, self._prior)[tier]
+        return self.evidence.expected_tokens(rid, tier, key)
 
     # --- evidence ---
     def record_step(self, batch_size: int, tree_size: int, seconds: float, tokens: int | None = None) -> None:
         """A step whose largest tree had tree_size nodes: it is priced as the smallest tier
         that holds it (the forward a GPU graph runs for it). `tokens`: what it committed,
         for the realized rates of the bucket's modes."""
-        tier = next((t for t in self.tiers if t >= tree_size), self.tiers[-1])
+        tier = self._tier_of[tree_size] if tree_size < len(self._tier_of) else self.tiers[-1]
         bucket = _bucket(batch_size)
         key = (bucket, tier)
         old = self._cost.get(key)
@@ -250,52 +279,14 @@ class AdaptiveDraftLength:
     def record_proposals(self, rids: list[str], trees: TreeProposal, num_nodes: list[int],
                          keys: list[int] | None = None) -> None:
         """Full proposals (before any cut, verified or probes), one shadow per real draft."""
-        tokens, parents = trees.tokens.tolist(), trees.parents.tolist()
-        for row, (rid, count) in enumerate(zip(rids, num_nodes)):
-            if count > 1:
-                children = {(parents[row][i], tokens[row][i]): i for i in range(1, count)}
-                self._shadows.setdefault(rid, []).append(_Shadow(children, keys[row] if keys else None))
+        self.evidence.record(rids, trees, num_nodes, keys)
 
     def observe(self, rid: str, committed: list[int]) -> None:
         """Walks every pending proposal of `rid` down the tokens it just committed."""
-        shadows = self._shadows.get(rid)
-        if not shadows:
-            return
-        pending = []
-        for shadow in shadows:
-            if self._walk(shadow, committed):
-                pending.append(shadow)
-            else:
-                self._resolve(rid, shadow)
-        self._shadows[rid] = pending
+        self.evidence.observe(rid, committed)
 
     def release(self, rid: str) -> None:
-        self._shadows.pop(rid, None)
-        self._expected.pop(rid, None)
-
-    @staticmethod
-    def _walk(shadow: _Shadow, committed: list[int]) -> bool:
-        """Follows committed tokens down the tree; False once the walk has ended."""
-        for token in committed:
-            child = shadow.children.get((shadow.node, token))
-            if child is None:
-                return False
-            shadow.node = child
-            shadow.path.append(child)
-        return any(parent == shadow.node for parent, _ in shadow.children)
-
-    def _resolve(self, rid: str, shadow: _Shadow) -> None:
-        """Tokens the proposal cut to t nodes would have committed: the accepted path runs
-        through increasing node indices, so it is the matched nodes below t, plus the bonus."""
-        outcome = {t: 1.0 + sum(1 for node in shadow.path if node < t) for t in self.tiers}
-        # the estimate `expected_tokens` reads for such a proposal: its class's, else its request's
-        if shadow.key is not None:
-            expected = self._by_key.setdefault(shadow.key, dict(self._prior))
-        else:
-            expected = self._expected.setdefault(rid, dict(self._prior))
-        for t, tokens in outcome.items():
-            expected[t] += ACCEPT_EMA * (tokens - expected[t])
-            self._prior[t] += ACCEPT_EMA * ACCEPT_EMA * (tokens - self._prior[t])
+        self.evidence.release(rid)
 
 
 def _bucket(batch_size: int) -> int:

@@ -58,7 +58,7 @@ class Drafter:
     def flush(self, busy: "Callable[[], bool] | None" = None) -> None:
         """Deferred bookkeeping (e.g. indexing observed tokens). The engine calls it right
         after launching a forward, with `busy` telling whether the GPU is still computing
-        (None: do it all now)."""
+        (None: do it all now); on plain steps of the adaptive policy only before a probe."""
 
     def release(self, req: "Req") -> None:
         """The request finished or was aborted."""

@@ -8,11 +8,12 @@ requests, milliseconds per step; a batch of long prompts, more than their prefil
 runs while the GPU computes, in chunks, for as long as the GPU is busy, and what is left
 waits for the next step (a finished request's stream is let go once its tokens are in). A
 proposal therefore misses at least the tokens of the step just before it, which have no
-continuation to offer yet anyway.
+continuation to offer yet anyway. Plain steps that do not probe skip the flush (adaptive.py),
+so a request's tokens queue up over several steps: they are queued per request and indexed
+in one trie call each (one call costs about as much as indexing a few tokens).
 """
 from __future__ import annotations
 
-import collections
 import itertools
 from typing import TYPE_CHECKING, Callable
 
@@ -40,10 +41,10 @@ class NgramDrafter(Drafter):
         self.window = config.max_match_window
         self._owners: dict[str, int] = {}
         self._next_owner = itertools.count()
-        # (owner, tokens) not indexed yet, in order: an owner's stream must be fed in order
-        self._pending: collections.deque[tuple[int, list[int]]] = collections.deque()
+        # owner -> its tokens not indexed yet, in order (an owner's stream must be fed in
+        # order); owners in the order their oldest queued token arrived
+        self._pending: dict[int, list[int]] = {}
         self._pending_tokens = 0
-        self._queued_items: collections.Counter[int] = collections.Counter()  # per owner
         self._finished: set[int] = set()    # owners released while tokens of theirs were queued
         self._keys: list[int] = []
 
@@ -87,40 +88,43 @@ class NgramDrafter(Drafter):
         self._queue(self._owner(req), committed)
 
     def _queue(self, owner: int, tokens: list[int]) -> None:
-        self._pending.append((owner, tokens))
+        if not tokens:
+            return
+        queued = self._pending.get(owner)
+        if queued is None:
+            self._pending[owner] = list(tokens)   # a copy: the caller's list may grow (a prompt's)
+        else:
+            queued.extend(tokens)
         self._pending_tokens += len(tokens)
-        self._queued_items[owner] += 1
 
     def flush(self, busy: Callable[[], bool] | None = None) -> None:
         """Indexes queued tokens: all of them, or, given `busy`, chunk by chunk until it
         returns False (at least one chunk, and all once the backlog grows too long)."""
         while self._pending:
-            owner, tokens = self._pending[0]
-            chunk = tokens if busy is None else tokens[:FLUSH_CHUNK]
+            owner, tokens = next(iter(self._pending.items()))
+            chunk = tokens if busy is None or len(tokens) <= FLUSH_CHUNK else tokens[:FLUSH_CHUNK]
             self.trie.insert(chunk, owner=owner)
             self._pending_tokens -= len(chunk)
             if len(chunk) < len(tokens):
-                self._pending[0] = (owner, tokens[len(chunk):])
+                del tokens[:len(chunk)]   # the owner keeps its place in the queue
             else:
-                self._pending.popleft()
-                self._indexed_item(owner)
+                del self._pending[owner]
+                self._indexed_all(owner)
             if busy is not None and not busy() and self._pending_tokens < MAX_BACKLOG:
                 return
 
-    def _indexed_item(self, owner: int) -> None:
-        self._queued_items[owner] -= 1
-        if not self._queued_items[owner]:
-            del self._queued_items[owner]
-            if owner in self._finished:
-                self._finished.discard(owner)
-                self.trie.release(owner)
+    def _indexed_all(self, owner: int) -> None:
+        """The owner's queued tokens are in: a finished owner's stream can go."""
+        if owner in self._finished:
+            self._finished.discard(owner)
+            self.trie.release(owner)
 
     def release(self, req: "Req") -> None:
         """Its stream is let go now, or once its queued tokens are indexed (they continue it)."""
         owner = self._owners.pop(req.rid, None)
         if owner is None:
             return
-        if self._queued_items.get(owner):
+        if owner in self._pending:
             self._finished.add(owner)
         else:
             self.trie.release(owner)
