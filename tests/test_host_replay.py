@@ -9,6 +9,8 @@ import torch
 
 from specserve.bench.gpu_suite import set_drafter
 from specserve.bench.host_replay import ReplayForward, parse_config, replay
+from specserve.bench.plain_step_host import PREFILL_MARGIN, DeviceTimeReplay, time_plain_steps
+from specserve.engine.overlap import OverlapSchedule
 from tests.spec_fixtures import make_tiny_directory, ngram_args, tiny_engine
 
 PROMPTS = [[5, 6, 7, 8, 9] * 6, [20, 21, 22, 23] * 5, list(range(30, 60)), [200, 201, 202] * 8]
@@ -62,3 +64,44 @@ def test_replay_reports_host_time_per_configuration(engine, recorded):
     assert by_run[("plain", 1)]["accept_length"] == 1.0
     assert by_run[("8-multi", 2)]["accept_length"] > 2          # the trie knows the first turn's outputs
     assert by_run[("8-multi", 2)]["decode_steps"] < by_run[("plain", 2)]["decode_steps"]
+
+
+def test_stand_in_follows_steps_launched_ahead(engine, recorded):
+    """On the overlap schedule a step is launched before the previous one's tokens are
+    committed: the stand-in reads its position from the KV length, not the output so far."""
+    config = engine.core.runner.config
+    stand_in = ReplayForward(PROMPTS, recorded, config.eos_token_ids[0], config.vocab_size)
+    params = {"temperature": 0, "max_new_tokens": NEW_TOKENS}
+    engine.core.overlap = OverlapSchedule(engine.core.runner, engine.core.scheduler)
+    try:
+        with stand_in.installed(engine.core.runner):
+            for spec in (None, (8, False, True)):
+                set_drafter(engine, *(spec or (None,)))
+                assert [o["output_ids"] for o in engine.generate(input_ids=PROMPTS, sampling_params=params)] == recorded
+    finally:
+        engine.core.overlap = None
+
+
+def test_plain_step_host_times_the_plain_steps_of_both_engines(tmp_path_factory):
+    """bench.plain_step_host: the batch stays whole while timed, the plain engine's steps are
+    all plain, the speculative one probes (and says how often), and everything is put back."""
+    path = tmp_path_factory.mktemp("tiny-plain-host")
+    make_tiny_directory(path, "llama", seed=5)
+    warm, steps = 4, 12
+    with tiny_engine(path, **ngram_args(16)) as engine:
+        set_drafter(engine, None)
+        long = {"temperature": 0, "max_new_tokens": PREFILL_MARGIN + warm + steps + 1, "ignore_eos": True}
+        outputs = [o["output_ids"] for o in engine.generate(input_ids=PROMPTS[:2], sampling_params=long)]
+        engine.shutdown()   # the bench steps the core itself
+        config = engine.core.runner.config
+        stand_in = DeviceTimeReplay(PROMPTS[:2], outputs, config.eos_token_ids[0], config.vocab_size, step_s=1e-4)
+        with stand_in.installed(engine.core.runner), torch.inference_mode():
+            rows = [time_plain_steps(engine, stand_in, PROMPTS[:2], spec, warm, steps) for spec in (None, (8, False, True))]
+        assert engine.core.overlap is None and not engine.core.has_work()
+        assert stand_in.cpu_seconds > 0
+    plain, spec = rows
+    assert plain["engine"] == "plain" and plain["plain_steps"] == steps and plain["other_steps"] == 0
+    assert spec["engine"] == "ngram-8-multi-adaptive" and spec["plain_steps"] + spec["other_steps"] == steps
+    assert spec["probes"] >= 1 and spec["probe_every"] >= 1
+    for row in rows:
+        assert row["batch_size"] == 2 and row["host_us_per_plain_step_median"] > 0

@@ -30,13 +30,15 @@ from specserve.runner.tree_step import TreeStepInputs, TreeStepOutputs, greedy_c
 
 class ReplayForward:
     """Stands in for `runner.extend` / `runner.verify`: the logits of each request at each
-    tree node (depth d) are one-hot at its recorded greedy token number len(output) + d, so
-    greedy verification accepts exactly what the real model would (past the recording: eos)."""
+    tree node (depth d) are one-hot at its recorded greedy token number len(output) + d (one
+    more for a step launched ahead on the overlap schedule), so greedy verification accepts
+    exactly what the real model would (past the recording: eos)."""
 
     def __init__(self, prompts: list[list[int]], outputs: list[list[int]], eos: int, vocab_size: int):
         self.greedy = {tuple(p): o for p, o in zip(prompts, outputs)}
         self.eos, self.vocab_size = eos, vocab_size
         self.seconds = 0.0                    # in the stand-in forwards and the vocabulary argmax
+        self.cpu_seconds = 0.0                # the same, as this thread's CPU time
         self._buffer = torch.zeros((0, vocab_size))
         self._hot: torch.Tensor | None = None
 
@@ -57,28 +59,42 @@ class ReplayForward:
         flat[self._hot] = 1.0
         return self._buffer[:rows * n].view(rows, n, self.vocab_size)
 
+    @contextlib.contextmanager
+    def timed(self):
+        """Counts what runs inside as the stand-in's: wall time and this thread's CPU time."""
+        start, cpu_start = time.perf_counter(), time.thread_time()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - start
+            self.cpu_seconds += time.thread_time() - cpu_start
+
     def extend(self, reqs, extend_lens, slots, samples, capture=None) -> torch.Tensor:
-        start = time.perf_counter()
-        ids = [[self._target(r, len(r.output_ids))] for r, s in zip(reqs, samples) if s]
-        logits = self._logits(ids) if ids else torch.zeros((0, 1, self.vocab_size))
-        self.seconds += time.perf_counter() - start
-        return logits
+        with self.timed():
+            ids = [[self._target(r, len(r.output_ids))] for r, s in zip(reqs, samples) if s]
+            return self._logits(ids) if ids else torch.zeros((0, 1, self.vocab_size))
 
     def run_trees(self, runner, reqs, proposal, slots, kv_lens=None, roots=None) -> TreeStepOutputs:
         """The runner's step with the model's logits replaced: tree metadata, greedy
         verification and the table commit are the real ones (device work on a GPU, timed apart)."""
-        start = time.perf_counter()
+        with self.timed():
+            return self._run_trees(runner, reqs, proposal, slots, kv_lens, roots)
+
+    def _run_trees(self, runner, reqs, proposal, slots, kv_lens, roots) -> TreeStepOutputs:
         bs, n = proposal.tokens.shape
         inputs = TreeStepInputs.allocate(bs, n, "cpu")
+        kv_lens = kv_lens if kv_lens is not None else [r.kv_len for r in reqs]
         inputs.fill(proposal, pad_node_slots(slots, proposal.num_nodes.tolist(), n), [r.row for r in reqs],
-                    kv_lens if kv_lens is not None else [r.kv_len for r in reqs], runner.pool.scratch_row)
+                    kv_lens, runner.pool.scratch_row)
         if roots is not None:
             inputs.tokens[:, 0] = roots
         trees = proposal.trees() if n > 1 else None
         depth = trees.depth.tolist() if trees is not None else [[0]] * bs
-        logits = self._logits([[self._target(r, len(r.output_ids) + d) for d in depth[b]] for b, r in enumerate(reqs)])
+        # the root sits at position kv_len: its target is output token kv_len - prompt + 1 (a
+        # step launched ahead, on the overlap schedule, is one past the committed output)
+        first = [kv - len(r.prompt_ids) + 1 for kv, r in zip(kv_lens, reqs)]
+        logits = self._logits([[self._target(r, first[b] + d) for d in depth[b]] for b, r in enumerate(reqs)])
         outcome = greedy_commit(trees, logits, inputs, runner.pool) if trees is not None else None
-        self.seconds += time.perf_counter() - start
         return TreeStepOutputs(logits, trees, outcome)
 
     @contextlib.contextmanager
@@ -87,11 +103,8 @@ class ReplayForward:
         extend, run_trees, argmax = runner.extend, runner.run_trees, torch.Tensor.argmax
 
         def timed_argmax(tensor, *args, **kwargs):
-            start = time.perf_counter()
-            try:
+            with self.timed():
                 return argmax(tensor, *args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - start
 
         stand_in = lambda *args, **kwargs: self.run_trees(runner, *args, **kwargs)
         runner.extend, runner.run_trees, torch.Tensor.argmax = self.extend, stand_in, timed_argmax
