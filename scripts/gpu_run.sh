@@ -20,6 +20,10 @@ OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+# benchmarks sample the subset's first 1000 conversations; EAGLE heads and token maps learn from the other
+# 3000, so no benchmark prompt was trained on
+[ -f .gpu/sharegpt_bench.json ] || python3 -c "import json; d = json.load(open('.gpu/sharegpt_subset.json')); \
+json.dump(d[:1000], open('.gpu/sharegpt_bench.json', 'w')); json.dump(d[1000:], open('.gpu/sharegpt_train.json', 'w'))"
 if [ "$mode" = checks ] || [ "$mode" = all ]; then
   # Triton kernels compiled for real, against torch_native, at test and at real sizes (test_fused_ops
   # compares CPU tensors with the interpreter; on the GPU the fused kernels are covered by gpu_checks)
@@ -38,28 +42,27 @@ if [ "$mode" = standalone ]; then
     | tee "$OUT/pytest_standalone.txt"
   python3 -m specserve.bench.model_drafters --algorithm STANDALONE --target /root/models/qwen2.5-coder-1.5b-instruct.gguf \
     --draft /root/models/qwen2.5-coder-0.5b-instruct.gguf --num-steps "${steps[@]}" \
-    --dataset-path .gpu/sharegpt_subset.json --out "$OUT" 2>&1 | grep -v '%|' | tail -60
+    --dataset-path .gpu/sharegpt_bench.json --out "$OUT" 2>&1 | grep -v '%|' | tail -60
 fi
 if [ "$mode" = eagle ]; then
   steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(3)
   TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_eagle_cuda.py 2>&1 | tail -5 \
     | tee "$OUT/pytest_eagle.txt"
-  # the head trains on the subset's prompts (a few of which the benchmark also samples)
   python3 -m specserve.train_eagle --model-path /root/models/qwen2.5-coder-1.5b-instruct.gguf \
-    --output-dir /root/eagle3-1.5b --dataset-path .gpu/sharegpt_subset.json --max-train-seconds 240 \
+    --output-dir /root/eagle3-1.5b --dataset-path .gpu/sharegpt_train.json --max-train-seconds 240 --num-prompts 2700 --checkpoint-every 0 \
     2>&1 | grep -v '%|' | tail -20 | tee "$OUT/train_eagle.txt"
   python3 -m specserve.bench.model_drafters --algorithm EAGLE3 --target /root/models/qwen2.5-coder-1.5b-instruct.gguf \
     --draft /root/eagle3-1.5b --num-steps "${steps[@]}" --topk 1 4 --num-draft-tokens 8 \
-    --dataset-path .gpu/sharegpt_subset.json --out "$OUT" 2>&1 | grep -v '%|' | tail -60
+    --dataset-path .gpu/sharegpt_bench.json --out "$OUT" 2>&1 | grep -v '%|' | tail -60
 fi
 if [ "$mode" = naive ]; then
   # the numbers first (about 8 minutes), the test last: a run cut at the device's 10 minutes keeps them
   python3 -m specserve.train_eagle --model-path /root/models/qwen2.5-coder-1.5b-instruct.gguf \
-    --output-dir /root/eagle3-1.5b --dataset-path .gpu/sharegpt_subset.json --max-train-seconds 150 \
+    --output-dir /root/eagle3-1.5b --dataset-path .gpu/sharegpt_train.json --max-train-seconds 150 --num-prompts 2700 --checkpoint-every 0 \
     2>&1 | grep -v '%|' | tail -20 | tee "$OUT/train_eagle.txt"
   python3 -m specserve.bench.model_drafters --algorithm NAIVE_EAGLE EAGLE3 --target /root/models/qwen2.5-coder-1.5b-instruct.gguf \
     --draft /root/eagle3-1.5b --num-steps 3 --topk 1 --workloads sharegpt-multiturn code-types \
-    --dataset-path .gpu/sharegpt_subset.json --out "$OUT/naive" 2>&1 | grep -v '%|' | tail -40
+    --dataset-path .gpu/sharegpt_bench.json --out "$OUT/naive" 2>&1 | grep -v '%|' | tail -40
   TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_naive_eagle_cuda.py 2>&1 | tail -5 \
     | tee "$OUT/pytest_naive_eagle.txt"
 fi
@@ -69,20 +72,20 @@ if [ "$mode" = eagle ] || [ "$mode" = frspec ]; then
   TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_token_map_cuda.py 2>&1 | tail -5 \
     | tee "$OUT/pytest_token_map.txt"
   python3 -m specserve.build_token_map --model /root/models/qwen2.5-coder-1.5b-instruct.gguf --size 32768 \
-    --dataset-path .gpu/sharegpt_subset.json --out /root/token_map_32768.pt 2>&1 | grep -v '%|' \
+    --dataset-path .gpu/sharegpt_train.json --out /root/token_map_32768.pt 2>&1 | grep -v '%|' \
     | tee "$OUT/build_token_map.txt"
   mkdir -p /root/eagle3-1.5b-fullvocab
   [ -f /root/eagle3-1.5b/conversations.json ] && cp -n /root/eagle3-1.5b/conversations.json /root/eagle3-1.5b-fullvocab/
   python3 -m specserve.train_eagle --model-path /root/models/qwen2.5-coder-1.5b-instruct.gguf --resume \
-    --output-dir /root/eagle3-1.5b-fullvocab --dataset-path .gpu/sharegpt_subset.json --num-prompts 1000 \
-    --draft-vocab-size 151936 --batch-tokens 8192 --max-train-seconds 120 \
+    --output-dir /root/eagle3-1.5b-fullvocab --dataset-path .gpu/sharegpt_train.json --num-prompts 1000 \
+    --draft-vocab-size 151936 --batch-tokens 8192 --max-train-seconds 120 --checkpoint-every 0 \
     2>&1 | grep -v '%|' | tail -20 | tee "$OUT/train_eagle_fullvocab.txt"
   python3 -m specserve.bench.model_drafters --algorithm EAGLE3 --target /root/models/qwen2.5-coder-1.5b-instruct.gguf \
     --draft /root/eagle3-1.5b-fullvocab --token-map /root/token_map_32768.pt --num-steps 3 --topk 1 \
     --workloads code-types sharegpt-multiturn --concurrency 1 32 \
-    --dataset-path .gpu/sharegpt_subset.json --out "$OUT/frspec" 2>&1 | grep -v '%|' | tail -30
+    --dataset-path .gpu/sharegpt_bench.json --out "$OUT/frspec" 2>&1 | grep -v '%|' | tail -30
 fi
 if [ "$mode" = bench ] || [ "$mode" = all ]; then
   python3 -m specserve.bench.gpu_suite --models-dir /root/models --models "${models[@]}" \
-    --dataset-path .gpu/sharegpt_subset.json --out "$OUT" 2>&1 | grep -v '%|' | tail -40
+    --dataset-path .gpu/sharegpt_bench.json --out "$OUT" 2>&1 | grep -v '%|' | tail -40
 fi
