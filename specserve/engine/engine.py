@@ -221,8 +221,7 @@ class Engine:
                 isolation.step()
             except EngineFatalError as error:
                 logger.error("the engine cannot go on: %s", error)
-                self._fatal = error
-                self._stopped = True
+                self._fatal = error   # new requests are refused; shutdown() still reaps the runner's processes
                 self._drain_inbox(tracker)   # requests submitted meanwhile fail with the rest
                 tracker.fail_all(error)
                 return
