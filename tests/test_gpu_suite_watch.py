@@ -4,12 +4,13 @@ a per-step cost), and the report shows both. Runs on the CPU with a tiny random 
 stand-in for Triton's `knobs.runtime`."""
 from __future__ import annotations
 
+import argparse
 import time
 from types import SimpleNamespace
 
 import pytest
 
-from specserve.bench.gpu_suite import RunWatch, run
+from specserve.bench.gpu_suite import RunWatch, run, set_drafter, timed_runs
 from specserve.bench.report import markdown, speed_rows
 from tests.spec_fixtures import make_tiny_directory, tiny_engine
 
@@ -76,6 +77,38 @@ def test_watch_leaves_someone_elses_hooks_alone(engine):
     assert runtime.jit_cache_hook is theirs and runtime.jit_post_compile_hook is None
     assert summary["jit_compiles"] is None and summary["longest_step_s"] > 0
     assert engine.core.step == step
+
+
+def test_watch_splits_the_run_into_prefill_plain_and_drafting_steps(engine):
+    watch = RunWatch(engine)
+    try:
+        [plain] = run(engine, PROMPTS, 3, 12, "plain", watch=watch)
+        set_drafter(engine, 4, True, False)   # drafts of 4 nodes on every step: the prompts repeat
+        [drafted] = run(engine, PROMPTS, 3, 12, "ngram", watch=watch)
+    finally:
+        set_drafter(engine, None)
+        watch.close()
+    mix = plain["step_mix"]
+    assert mix["prefill"]["steps"] >= 1 and mix["plain"]["steps"] >= 11 and mix["draft"]["steps"] == 0
+    assert plain["draft_nodes_mean"] is None
+    assert drafted["step_mix"]["draft"]["steps"] >= 1 and drafted["step_mix"]["draft"]["ms"] > 0
+    assert 1 < drafted["draft_nodes_mean"] <= 4
+    assert engine.core.runner.run_trees == watch._run_trees
+
+
+def test_repeated_cells_report_their_median_run(engine):
+    watch = RunWatch(engine)
+    try:
+        ns = argparse.Namespace(repeats=3, max_new_tokens=4)
+        [median] = timed_runs(engine, PROMPTS, 3, ns, "plain", 1, watch)
+        assert len(median["repeat_tok_s"]) == 3
+        assert round(median["output_tokens_per_s"], 1) == sorted(median["repeat_tok_s"])[1]
+        once = timed_runs(engine, PROMPTS, 3, ns, "plain", 2, watch)   # two turns: not repeated
+        assert len(once) == 2 and "repeat_tok_s" not in once[0]
+        [single] = timed_runs(engine, PROMPTS[:1], 1, ns, "plain", 1, watch)   # batch 1: not repeated
+        assert "repeat_tok_s" not in single
+    finally:
+        watch.close()
 
 
 def test_report_shows_longest_step_and_compile_time():

