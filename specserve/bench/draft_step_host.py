@@ -1,0 +1,262 @@
+"""Host time of a drafting (verify) step, by phase, at batch 1 and 64.
+
+A drafting step is synchronous: the host proposes, packs and launches, waits for the GPU,
+then commits, and only the drafter's indexing runs while the GPU computes. At concurrency
+64 on an H100 that host time made a step of 8-node trees cost 9-15 ms where its GPU work
+is ~3 ms more than a plain step's (issue 10). This bench prices it on the CPU: forwards
+are host_replay's stand-ins (the logits' argmax replays a recorded continuation, so
+drafts, accept lengths and every bit of host work are the real ones), installed behind the
+runner's CUDA-graph interface, so the runner's own packing (TreeStepInputs.fill into a
+reused buffer) is host work as on a GPU, and the forward, tree build, greedy verification
+and KV-table commit (device work) are the stand-in's, not counted.
+
+Phases (exclusive host microseconds per timed step): schedule, propose (drafter.propose),
+adaptive (the policy's record_proposals / choose / observe / record_step / should_draft),
+launch (runner.run_trees: packing and launching), index (drafter.flush: hidden behind the
+GPU on a GPU, up to its step time), wait_parse (the outcome read back and parsed), commit_kv,
+commit (per-request token commits), observe (drafter.observe), detokenize, other (the rest
+of the step). Each wrapped call costs ~0.3 us of its own: `--no-phases` times whole steps
+only (the headline); host_us is the step's wall time less the stand-in's, cpu_us its
+thread CPU time less the stand-in's (what other processes take does not count).
+
+`python -m specserve.bench.draft_step_host --batch-sizes 1 64 --configs 8-multi 16-one
+ 8-multi-adaptive --workloads code-types code-rename sharegpt --rounds 2`
+prints one JSON line per (workload, batch size, config, round). Configs: host_replay's names;
+`-adaptive` runs the default policy pinned to drafting (its tier choice and bookkeeping, but
+never the plain mode: only drafting steps are priced here).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+from specserve.bench.draft_step_workloads import WORKLOADS, code_edit_streams
+from specserve.bench.gpu_suite import set_drafter
+from specserve.bench.host_replay import ReplayForward, parse_config
+from specserve.bench.plain_step_host import MAX_PROMPT, sharegpt_streams
+from specserve.engine.detokenizer import IncrementalDetokenizer
+from specserve.runner.tree_step import GreedyOutcome, TreeStepInputs, TreeStepOutputs, greedy_commit
+
+GRAPH_SIZES = [1, 4, 8, 16]   # what a GPU engine with 16 draft tokens captures
+
+
+class PhaseClock:
+    """Exclusive wall time per phase: a phase's time less that of the phases inside it."""
+
+    def __init__(self):
+        self.totals: dict[str, float] = defaultdict(float)
+        self._stack: list[list] = []     # [phase, start, time of phases inside]
+
+    def enter(self, phase: str) -> None:
+        self._stack.append([phase, time.perf_counter(), 0.0])
+
+    def exit(self) -> float:
+        phase, start, inner = self._stack.pop()
+        elapsed = time.perf_counter() - start
+        self.totals[phase] += elapsed - inner
+        if self._stack:
+            self._stack[-1][2] += elapsed
+        return elapsed
+
+    def wrap(self, function, phase: str):
+        def timed(*args, **kwargs):
+            self.enter(phase)
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.exit()
+        return timed
+
+
+class GraphStandIn(ReplayForward):
+    """Stands in for the runner's CudaGraphRunner: `replay` fills a reused packed buffer as a
+    graph replay does (host work), then runs the stand-in forward, the tree build, greedy
+    verification and the table commit (device work on a GPU: the `device` phase)."""
+
+    def __init__(self, prompts, outputs, eos, vocab_size, runner, clock: PhaseClock):
+        super().__init__(prompts, outputs, eos, vocab_size)
+        self.runner, self.clock, self.sizes = runner, clock, GRAPH_SIZES
+        self.host_inputs: dict[tuple[int, int], TreeStepInputs] = {}
+        self.reqs_by_row: dict[int, object] = {}
+        self.replays = 0
+        self._depth = 0
+
+    @contextlib.contextmanager
+    def timed(self):
+        """Counted once when nested (the argmax inside a replay)."""
+        if self._depth:
+            yield
+            return
+        self._depth += 1
+        self.clock.enter("device")
+        try:
+            with super().timed():
+                yield
+        finally:
+            self.clock.exit()
+            self._depth -= 1
+
+    def can_run(self, bs: int, n: int) -> bool:
+        return True
+
+    def replay(self, proposal, node_slots, req_rows, kv_lens, roots=None) -> TreeStepOutputs:
+        self.replays += 1
+        bs, n = proposal.tokens.shape
+        host = self.host_inputs.get((bs, n))
+        if host is None:
+            host = self.host_inputs[(bs, n)] = TreeStepInputs.allocate(bs, n, "cpu")
+        host.fill(proposal, node_slots, req_rows, kv_lens, self.runner.pool.scratch_row)
+        with self.timed():
+            inputs = TreeStepInputs.view(host.packed.clone(), bs, n)   # the device's copy
+            if roots is not None:
+                inputs.tokens[:, 0] = roots
+            reqs = [self.reqs_by_row[row] for row in req_rows]
+            trees = proposal.trees() if n > 1 else None
+            depth = trees.depth.tolist() if trees is not None else [[0]] * bs
+            first = [kv - len(r.prompt_ids) + 1 for kv, r in zip(kv_lens, reqs)]
+            logits = self._logits([[self._target(r, first[b] + d) for d in depth[b]] for b, r in enumerate(reqs)])
+            outcome = greedy_commit(trees, logits, inputs, self.runner.pool) if trees is not None else None
+            return TreeStepOutputs(logits, trees, outcome)
+
+
+def _pin_drafting(adaptive) -> None:
+    """The policy's choice among drafting tiers, its bookkeeping included, but no plain mode:
+    the bucket always drafts, and plain decoding is priced out of reach (never measured
+    here, since no step is plain)."""
+    adaptive.should_draft = lambda batch_size: True
+    for bucket in (1, 2, 4, 8, 16, 32, 64):
+        adaptive._cost[(bucket, 1)] = 1.0
+        adaptive._measured_at[(bucket, 1)] = 0
+
+
+def instrument(core, clock: PhaseClock, phases: bool) -> contextlib.ExitStack:
+    """Wraps what each phase runs (instance attributes, and the detokenizer's class method);
+    the stack puts everything back."""
+    stack = contextlib.ExitStack()
+
+    def patch(owner, name: str, phase: str) -> None:
+        if owner is None or not hasattr(owner, name):
+            return
+        original = owner.__dict__.get(name) if isinstance(owner, type) else None
+        setattr(owner, name, clock.wrap(getattr(owner, name), phase))
+        if isinstance(owner, type):
+            stack.callback(setattr, owner, name, original)
+        else:
+            stack.callback(owner.__dict__.pop, name, None)
+
+    patch(core, "step", "other")
+    if not phases:
+        return stack
+    patch(core.scheduler, "schedule", "schedule")
+    patch(core.drafter, "propose", "propose")
+    patch(core.drafter, "flush", "index")
+    patch(core.drafter, "observe", "observe")
+    for name in ("record_proposals", "choose", "observe", "record_step", "should_draft", "would_draft"):
+        patch(core.adaptive, name, "adaptive")
+    patch(core.runner, "run_trees", "launch")
+    patch(core, "_commit_kv", "commit_kv")
+    patch(core, "_commit", "commit")
+    patch(GreedyOutcome, "parse", "wait_parse")
+    patch(IncrementalDetokenizer, "add", "detokenize")
+    return stack
+
+
+def time_drafting_steps(engine, stand_in: GraphStandIn, prompts, spec: tuple, phases: bool, max_steps: int) -> dict:
+    """Runs the batch from prefill until its first request finishes (or max_steps decode
+    steps), timing every decode step that has the whole batch."""
+    core, clock = engine.core, stand_in.clock
+    set_drafter(engine, *spec)
+    if core.adaptive is not None:
+        _pin_drafting(core.adaptive)
+    params = {"temperature": 0, "max_new_tokens": 4096, "ignore_eos": True}
+    reqs = [engine._make_request(p, params, False, 0, f"draft-host-{i}") for i, p in enumerate(prompts)]
+    for req in reqs:
+        core.add_request(req)
+    steps, committed = [], 0
+    with instrument(core, clock, phases):
+        while not any(r.finished or len(r.output_ids) >= len(stand_in.greedy[tuple(r.prompt_ids)]) for r in reqs):
+            stand_in.reqs_by_row = {r.row: r for r in reqs if r.row is not None}
+            clock.totals.clear()
+            replays, before_cpu, cpu_start, start = stand_in.replays, stand_in.cpu_seconds, time.thread_time(), time.perf_counter()
+            outputs = core.step()
+            cpu = time.thread_time() - cpu_start - (stand_in.cpu_seconds - before_cpu)
+            core.scheduler.record_step_time(time.perf_counter() - start)   # the prefill pacer's, as in the engine
+            if stand_in.replays > replays and len(outputs) == len(reqs):   # a decode step of the whole batch
+                totals = dict(clock.totals)
+                totals.pop("device", None)
+                steps.append((sum(totals.values()), cpu, totals))
+                committed += sum(len(o.new_token_ids) for o in outputs)
+                if len(steps) >= max_steps:
+                    break
+    for req in reqs:
+        core.abort(req.rid)
+    return _summary(steps, committed, len(prompts), phases)
+
+
+def _summary(steps, committed: int, batch_size: int, phases: bool) -> dict:
+    if not steps:
+        raise RuntimeError("no decode step had the whole batch")
+    row = {"batch_size": batch_size, "steps": len(steps), "accept_length": committed / len(steps) / batch_size,
+           "host_us_median": 1e6 * statistics.median(s[0] for s in steps),
+           "cpu_us_median": 1e6 * statistics.median(s[1] for s in steps)}
+    if phases:
+        names = sorted({name for _, _, totals in steps for name in totals})
+        row["phases_us_mean"] = {name: round(1e6 * statistics.fmean(t.get(name, 0.0) for _, _, t in steps), 1)
+                                 for name in names}
+    return row
+
+
+def load_workload(engine, name: str, count: int, min_output: int):
+    if name == "sharegpt":
+        return sharegpt_streams(engine, count, min_output)
+    return code_edit_streams(engine.tokenizer, lambda m: engine.apply_chat_template(m), count,
+                             name.removeprefix("code-"), min_output)
+
+
+def main(argv=None) -> None:
+    from specserve.engine.engine import Engine
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-path", default=None, help="only its tokenizer and vocabulary matter")
+    parser.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 64])
+    parser.add_argument("--configs", nargs="*", default=["8-multi", "16-one", "8-multi-adaptive"])
+    parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--max-steps", type=int, default=40, help="timed decode steps per run at most")
+    parser.add_argument("--min-output", type=int, default=160, help="tokens of each continuation at least")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--no-phases", action="store_true", help="whole steps only (no per-call timers)")
+    ns = parser.parse_args(argv)
+    most = max(ns.batch_sizes)
+    engine = Engine(model_path=ns.model_path, speculative_algorithm="NGRAM", speculative_num_draft_tokens=16,
+                    log_level="warning", device="cpu", dtype="bfloat16", max_running_requests=most,
+                    max_total_tokens=most * (MAX_PROMPT + 4 * ns.min_output + 64))
+    engine.shutdown()   # stops the engine's step loop only: this bench steps the core itself
+    config = engine.core.runner.config
+    runner = engine.core.runner
+    for workload in ns.workloads:
+        prompts, outputs = load_workload(engine, workload, most, ns.min_output)
+        stand_in = GraphStandIn(prompts, outputs, (config.eos_token_ids or (0,))[0], config.vocab_size, runner,
+                                PhaseClock())
+        graphs, runner.graphs = runner.graphs, stand_in
+        try:
+            with stand_in.installed(runner), torch.inference_mode():
+                runner.run_trees = type(runner).run_trees.__get__(runner)   # the real one, over the stand-in graphs
+                for batch_size in ns.batch_sizes:
+                    for round_ in range(ns.rounds):
+                        for name in ns.configs:
+                            row = time_drafting_steps(engine, stand_in, prompts[:batch_size], parse_config(name),
+                                                      not ns.no_phases, ns.max_steps)
+                            print(json.dumps({"workload": workload, "config": name, "round": round_ + 1, **row}),
+                                  flush=True)
+        finally:
+            runner.graphs = graphs
+            runner.__dict__.pop("run_trees", None)
+
+
+if __name__ == "__main__":
+    main()
