@@ -107,8 +107,9 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N_OUT, K, res_ptr, norm_w_ptr,
     y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
     y_second = y_second.to(out_ptr.dtype.element_ty).to(tl.float32)
     if ROPE:
-        _rope_epilogue(y, y_second, lanes, lane_ok, out_ptr, cos_ptr, sin_ptr, positions_ptr, slots_ptr,
-                       k_buf_ptr, v_buf_ptr, num_q_heads, num_kv_heads, HALF)
+        rope_epilogue(y, y_second, lanes, lane_ok, out_ptr, tl.load(positions_ptr).to(tl.int64),
+                      tl.load(slots_ptr).to(tl.int64), cos_ptr, sin_ptr, k_buf_ptr, v_buf_ptr,
+                      num_q_heads, num_kv_heads, HALF)
     else:
         if SILU_MUL:
             y = (y / (1.0 + tl.exp(-y))).to(out_ptr.dtype.element_ty).to(tl.float32) * y_second
@@ -131,30 +132,31 @@ def _gemv_input(x_ptr, res_ptr, norm_w_ptr, cols, col_ok, ADD_NORM: tl.constexpr
 
 
 @triton.jit
-def _rope_epilogue(first, second, lanes, lane_ok, q_ptr, cos_ptr, sin_ptr, positions_ptr, slots_ptr,
-                   k_buf_ptr, v_buf_ptr, num_q_heads, num_kv_heads, HALF: tl.constexpr):
+def rope_epilogue(first, second, lanes, ok, q_ptr, position, slot, cos_ptr, sin_ptr, k_buf_ptr, v_buf_ptr,
+                  num_q_heads, num_kv_heads, HALF: tl.constexpr):
     """Lane (head h, dim d) holds qkv[h, d] and qkv[h, d + HALF]: rotate q and k heads as
-    fused_ops.rope_and_store does, then write q heads to q_ptr, k and v heads to the pool."""
+    fused_ops.rope_and_store does, then write q heads to q_ptr, k and v heads to the pool.
+    One token: first, second (BLOCK_N,), position and slot scalars, q_ptr its q row. Several
+    (gemv_rows.py): (BLOCK_M, BLOCK_N) values, and position, slot and q_ptr (BLOCK_M, 1)
+    columns, one per token; ok masks lanes (and tokens) outside the output."""
     head = lanes // HALF
     dim = lanes % HALF
-    position = tl.load(positions_ptr).to(tl.int64)
-    cos = tl.load(cos_ptr + position * HALF + dim)
-    sin = tl.load(sin_ptr + position * HALF + dim)
+    cos = tl.load(cos_ptr + position * HALF + dim, mask=ok, other=1.0)
+    sin = tl.load(sin_ptr + position * HALF + dim, mask=ok, other=0.0)
     is_q = head < num_q_heads
     is_v = head >= num_q_heads + num_kv_heads
     is_k = ~is_q & ~is_v
     rotated_first = tl.where(is_v, first, first * cos - second * sin)
     rotated_second = tl.where(is_v, second, second * cos + first * sin)
     q_dest = q_ptr + head * (2 * HALF) + dim
-    tl.store(q_dest, rotated_first.to(q_ptr.dtype.element_ty), mask=lane_ok & is_q)
-    tl.store(q_dest + HALF, rotated_second.to(q_ptr.dtype.element_ty), mask=lane_ok & is_q)
+    tl.store(q_dest, rotated_first.to(q_ptr.dtype.element_ty), mask=ok & is_q)
+    tl.store(q_dest + HALF, rotated_second.to(q_ptr.dtype.element_ty), mask=ok & is_q)
     kv_head = tl.where(is_v, head - num_q_heads - num_kv_heads, head - num_q_heads)
-    slot = tl.load(slots_ptr).to(tl.int64)
     offset = (slot * num_kv_heads + kv_head) * (2 * HALF) + dim
-    tl.store(k_buf_ptr + offset, rotated_first.to(k_buf_ptr.dtype.element_ty), mask=lane_ok & is_k)
-    tl.store(k_buf_ptr + offset + HALF, rotated_second.to(k_buf_ptr.dtype.element_ty), mask=lane_ok & is_k)
-    tl.store(v_buf_ptr + offset, rotated_first.to(v_buf_ptr.dtype.element_ty), mask=lane_ok & is_v)
-    tl.store(v_buf_ptr + offset + HALF, rotated_second.to(v_buf_ptr.dtype.element_ty), mask=lane_ok & is_v)
+    tl.store(k_buf_ptr + offset, rotated_first.to(k_buf_ptr.dtype.element_ty), mask=ok & is_k)
+    tl.store(k_buf_ptr + offset + HALF, rotated_second.to(k_buf_ptr.dtype.element_ty), mask=ok & is_k)
+    tl.store(v_buf_ptr + offset, rotated_first.to(v_buf_ptr.dtype.element_ty), mask=ok & is_v)
+    tl.store(v_buf_ptr + offset + HALF, rotated_second.to(v_buf_ptr.dtype.element_ty), mask=ok & is_v)
 
 
 @dataclass(frozen=True)
@@ -172,8 +174,8 @@ class RopeStore:
     token's KV-pool slot, as fused_ops.rope_and_store does after an unfused matmul."""
     cos: torch.Tensor        # (max_positions, head_dim / 2) fp32
     sin: torch.Tensor
-    positions: torch.Tensor  # (1,)
-    slots: torch.Tensor      # (1,)
+    positions: torch.Tensor  # (rows,) one per input row
+    slots: torch.Tensor      # (rows,)
     k_buffer: torch.Tensor   # (pool slots, num_kv_heads, head_dim)
     v_buffer: torch.Tensor
     num_q_heads: int
@@ -188,7 +190,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
          config: tuple[int, int, int, int] = CANDIDATES[0], add_norm: AddNorm | None = None,
          rope: RopeStore | None = None):
     """x: (1, K), weight: (N, K) contiguous; returns (1, N), (1, N / 2) with silu_mul, or
-    q (1, num_q_heads * head_dim) with rope. With add_norm, returns (output, residual + x)."""
+    q (1, num_q_heads * head_dim) with rope. With add_norm, returns (output, residual + x).
+    (gemv_rows.gemm_rows is the same for up to 16 rows.)"""
     n, k = weight.shape
     lanes = n // 2 if silu_mul or rope is not None else n
     block_n, block_k, warps, stages = config
@@ -219,7 +222,8 @@ def prefetch_columns(k: int, rows: int, warps: int) -> int:
 
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
               add_norm: AddNorm | None = None, rope: RopeStore | None = None):
-    """The unfused torch computation gemv replaces (same return convention)."""
+    """The unfused torch computation gemv (and gemv_rows.gemm_rows) replaces, for any number
+    of rows (same return convention)."""
     from specserve.model.rope import rotate_half
     residual_out = None
     if add_norm is not None:
@@ -233,11 +237,11 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
         y = F.silu(gate) * up
     if rope is not None:
         num_q, num_kv, head_dim = rope.heads
-        q, k, v = y.view(num_q + 2 * num_kv, head_dim).split([num_q, num_kv, num_kv])
-        cos, sin = rope.cos[rope.positions], rope.sin[rope.positions]
-        rope.k_buffer[rope.slots] = rotate_half(k, cos, sin).unsqueeze(0)
-        rope.v_buffer[rope.slots] = v.unsqueeze(0)
-        y = rotate_half(q, cos, sin).reshape(1, -1)
+        q, k, v = y.view(len(y), num_q + 2 * num_kv, head_dim).split([num_q, num_kv, num_kv], dim=1)
+        cos, sin = rope.cos[rope.positions].unsqueeze(1), rope.sin[rope.positions].unsqueeze(1)
+        rope.k_buffer[rope.slots] = rotate_half(k, cos, sin)
+        rope.v_buffer[rope.slots] = v
+        y = rotate_half(q, cos, sin).reshape(len(y), -1)
     return y if add_norm is None else (y, residual_out)
 
 
@@ -264,8 +268,11 @@ def best_config(shape: tuple[int, int], dtype: torch.dtype, has_bias: bool, silu
 
 
 def candidate_times(shape: tuple[int, int], dtype: torch.dtype, has_bias: bool, silu_mul: bool, add_norm: bool,
-                    device: torch.device, rope_heads: tuple[int, int, int] | None = None) -> dict:
-    """GPU microseconds per call of cuBLAS (key None) and of each GEMV config.
+                    device: torch.device, rope_heads: tuple[int, int, int] | None = None, rows: int = 1,
+                    kernel=None, configs: tuple = CANDIDATES) -> dict:
+    """GPU microseconds per call of cuBLAS (key None) and of each config of `kernel` (this
+    file's `gemv` by default; gemv_rows.py times its multi-row kernel here too) for `rows`
+    input rows.
 
     Timed over enough weight copies to overflow the L2 cache: in a decode step every
     weight comes from HBM, and a small matrix re-read from L2 would look several times
@@ -274,25 +281,26 @@ def candidate_times(shape: tuple[int, int], dtype: torch.dtype, has_bias: bool, 
     copies = max(2, min(32, -(-3 * l2_bytes // (shape[0] * shape[1] * torch.finfo(dtype).bits // 8))))
     weights = [torch.randn(shape, dtype=dtype, device=device) for _ in range(copies)]
     bias = torch.randn(shape[0], dtype=dtype, device=device) if has_bias else None
-    x = torch.randn((1, shape[1]), dtype=dtype, device=device)
+    x = torch.randn((rows, shape[1]), dtype=dtype, device=device)
     norm = AddNorm(torch.randn_like(x), torch.randn(shape[1], dtype=dtype, device=device), 1e-6) if add_norm else None
-    rope = _timing_rope(rope_heads, dtype, device) if rope_heads else None
+    rope = _timing_rope(rope_heads, dtype, device, rows) if rope_heads else None
+    kernel = kernel or gemv
     times = {None: graph_time_us([lambda w=w: _unfused(x, w, bias, silu_mul, norm, rope) for w in weights])}
-    for config in CANDIDATES:
+    for config in configs:
         try:
-            times[config] = graph_time_us([lambda w=w: gemv(x, w, bias, silu_mul, config, norm, rope)
+            times[config] = graph_time_us([lambda w=w: kernel(x, w, bias, silu_mul, config, norm, rope)
                                            for w in weights])
         except Exception as error:  # e.g. a tile that needs more shared memory than this GPU has
             logger.warning("gemv config %s failed on %s: %s", config, shape, error)
     return times
 
 
-def _timing_rope(heads: tuple[int, int, int], dtype: torch.dtype, device: torch.device) -> RopeStore:
-    """A small stand-in cache and position for timing the RoPE epilogue."""
+def _timing_rope(heads: tuple[int, int, int], dtype: torch.dtype, device: torch.device, rows: int = 1) -> RopeStore:
+    """A small stand-in cache and a position and slot per row for timing the RoPE epilogue."""
     num_q, num_kv, head_dim = heads
-    table = torch.rand((8, head_dim // 2), dtype=torch.float32, device=device)
-    index = torch.ones(1, dtype=torch.int64, device=device)
-    pool = torch.zeros((4, num_kv, head_dim), dtype=dtype, device=device)
+    table = torch.rand((rows + 8, head_dim // 2), dtype=torch.float32, device=device)
+    index = torch.arange(1, rows + 1, dtype=torch.int64, device=device)
+    pool = torch.zeros((rows + 4, num_kv, head_dim), dtype=dtype, device=device)
     return RopeStore(table, table, index, index, pool, pool.clone(), num_q)
 
 
@@ -309,9 +317,9 @@ def _unfused(x, weight, bias, silu_mul: bool, add_norm: AddNorm | None, rope: Ro
     y = fused_ops.silu_mul(y) if silu_mul else y
     if rope is not None:
         num_q, num_kv, head_dim = rope.heads
-        q, k, v = y.view(1, num_q + 2 * num_kv, head_dim).split([num_q, num_kv, num_kv], dim=1)
+        q, k, v = y.view(len(y), num_q + 2 * num_kv, head_dim).split([num_q, num_kv, num_kv], dim=1)
         fused_ops.rope_and_store(q, k, v, rope.cos, rope.sin, rope.positions, rope.slots, rope.k_buffer, rope.v_buffer)
-        y = q.reshape(1, -1)
+        y = q.reshape(len(y), -1)
     return y if add_norm is None else (y, residual)
 
 
