@@ -83,7 +83,7 @@ class ServerArgs:
     cuda_graph_max_bs: int | None = _kernels(None, "largest batch captured in a CUDA graph")
     tp_size: int = _kernels(1, "tensor parallelism: one process per rank, each holding 1/tp_size of the heads, "
                                "MLP and vocabulary (gloo on a CPU, NCCL on GPUs: cuda:0..tp_size-1); "
-                               "NGRAM speculation only, no CUDA graphs yet")
+                               "a model drafter runs once, on rank 0, with whole weights")
     # --- speculative decoding ---
     speculative_algorithm: str | None = _spec(None, "NGRAM (alias LOOKAHEAD), STANDALONE (a draft model), EAGLE "
                                                     "(an EAGLE-2 head), EAGLE3, NAIVE_EAGLE (an EAGLE head drafting "
@@ -141,9 +141,6 @@ class ServerArgs:
         if self.log_interval_s <= 0:
             raise ArgumentError(f"log_interval_s must be positive, got {self.log_interval_s}")
         self._check_speculative()
-        if self.tp_size > 1 and self.speculative in MODEL_ALGORITHMS:
-            raise NotSupportedError(f"tp_size={self.tp_size} with speculative_algorithm {self.speculative}: "
-                                    "draft models and heads do not run tensor-parallel yet (NGRAM does)")
         if self.speculative_token_map is not None and self.speculative not in TOKEN_MAP_ALGORITHMS:
             raise ArgumentError(f"speculative_token_map restricts an EAGLE head's vocabulary: it needs "
                                 f"speculative_algorithm {' or '.join(TOKEN_MAP_ALGORITHMS)}, "

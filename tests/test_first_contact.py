@@ -108,9 +108,9 @@ def test_a_port_in_use_is_reported_before_the_model_loads(capfd):
 # ---- the Python API: one type per kind, the CLI's message ----
 def test_the_api_raises_the_cli_message_with_one_type_per_kind(capfd):
     with pytest.raises(errors.NotSupportedError) as api_error:
-        ServerArgs.from_kwargs(tp_size=2, speculative_algorithm="STANDALONE", speculative_draft_model_path="x")
+        ServerArgs.from_kwargs(speculative_algorithm="NGRAM", speculative_draft_model_path="x")
     assert isinstance(api_error.value, NotImplementedError)
-    _, lines, _ = cli_error(capfd, generate_main, ["--tp-size", "2", "--speculative-algorithm", "STANDALONE",
+    _, lines, _ = cli_error(capfd, generate_main, ["--speculative-algorithm", "NGRAM",
                                                    "--speculative-draft-model-path", "x"])
     assert lines == [f"specserve: error: {api_error.value}"]
     with pytest.raises(errors.ArgumentError) as bad_value:
@@ -184,8 +184,8 @@ def test_help_shows_defaults_and_marks_what_is_not_implemented(capsys):
             "(default: 8)") in text
     assert f"{CPU_DEFAULT_KV_TOKENS} on a CPU" in text
     assert ("--tp-size INT, --tensor-parallel-size INT tensor parallelism: one process per rank, each holding "
-            "1/tp_size of the heads, MLP and vocabulary (gloo on a CPU, NCCL on GPUs: cuda:0..tp_size-1); NGRAM "
-            "speculation only, no CUDA graphs yet") in text
+            "1/tp_size of the heads, MLP and vocabulary (gloo on a CPU, NCCL on GPUs: cuda:0..tp_size-1); a model "
+            "drafter runs once, on rank 0, with whole weights") in text
     assert "--speculative-token-map STR EAGLE / EAGLE3: FR-Spec hot-token map" in text
     assert "--radix-eviction-policy" in text and "ignored with a warning" in text   # named in the SGLang section only
     assert "--disable-radix-cache recompute every prompt" in text

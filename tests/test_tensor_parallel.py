@@ -16,11 +16,10 @@ import transformers
 
 from model_fixtures import TINY, RunnerDriver
 from spec_fixtures import make_tiny_directory, ngram_args, save_bpe_tokenizer, tiny_engine
-from specserve.args import ServerArgs
 from specserve.distributed.check_identity import compare
 from specserve.distributed.launcher import start_tensor_parallel
 from specserve.distributed.sharding import ModelShard
-from specserve.errors import ArgumentError, EngineFatalError, NotSupportedError
+from specserve.errors import ArgumentError, EngineFatalError
 from specserve.model.config import ModelConfig
 from specserve.model.loader import load_checkpoint
 from specserve.runner.model_runner import ModelRunner
@@ -79,11 +78,6 @@ def test_heads_that_do_not_split_are_refused_before_any_process_starts(qwen2_pat
     with pytest.raises(ArgumentError, match=r"tp_size=2 and the model's 3 KV heads"):
         ModelShard.for_rank(config, 0, 2)
     assert not tp_children()
-
-
-def test_model_drafters_are_refused_with_tensor_parallelism():
-    with pytest.raises(NotSupportedError, match="tp_size=2 with speculative_algorithm STANDALONE"):
-        ServerArgs(tp_size=2, speculative_algorithm="STANDALONE", speculative_draft_model_path="x")
 
 
 def test_identity_report_names_each_divergence():

@@ -1,6 +1,6 @@
 """`TensorParallelGroup`: one rank's view of the tensor-parallel group and the collectives the
 sharded model and the step broadcast use (all-reduce, gather of the vocabulary shards,
-broadcast from rank 0, a minimum over ranks).
+broadcast from rank 0, a minimum over ranks, a check that every rank holds the same value).
 
 The group is an explicit object handed to the model and the runner, built on its own
 ProcessGroup (gloo on a CPU, NCCL on GPUs) rather than torch.distributed's process-wide
@@ -10,12 +10,14 @@ A collective that fails (a peer died: gloo reports a closed connection at once; 
 blocked kernels are aborted by rank 0's watchdog, launcher.py) raises TensorParallelError
 with the reason the group knows (which rank died, and how), never a bare transport error.
 
-CUDA graphs: on a CPU there are none. On GPUs the all-reduces and the gather sit inside the
-forward a graph would capture; NCCL collectives can be captured (NCCL >= 2.9.6, the group's
-communicator created before capture, e.g. by one warm-up all-reduce, and every rank
-replaying the same graph in the same order), which the worker loop would then have to do
-too: it replays the graph of the bucket named in the step header. Until that exists the
-runner runs tp > 1 eagerly.
+CUDA graphs (GPUs only; a CPU has none): the all-reduces and the vocabulary all-gather sit
+inside the forward every rank captures, one graph per (batch bucket, tokens per request),
+in the same order on every rank (`agree` checks the plan first: collectives captured in a
+different order would pair wrong ops). NCCL collectives can be captured (NCCL >= 2.9.6)
+once the communicator exists: the KV size's `min_over_ranks` creates it, and capture_graph's
+two warm-up runs use every collective eagerly before capture; torch's ProcessGroupNCCL
+keeps captured work away from its watchdog. Rank 0 replays by announcing the graph
+(graph_steps.py): each worker replays the same graph on the same inputs.
 """
 from __future__ import annotations
 
@@ -75,10 +77,15 @@ class TensorParallelGroup:
         return x
 
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
-        """(rows, vocab_per_rank) shards -> (rows, vocab_size) logits on rank 0, None elsewhere.
+        """(rows, vocab_per_rank) shards -> (rows, vocab_size) logits on rank 0 (gloo) or on
+        every rank (NCCL), None on the others.
 
-        Gathered on rank 0 only: the sampler, verification and the KV commit run there once,
-        on the full logits, exactly as with tp_size 1 (the other ranks need no logits)."""
+        The sampler, verification and the KV commit need the full logits on rank 0 only.
+        On GPUs every rank gets them through one all-gather: a CUDA graph holds it (as it
+        does an all-reduce), and each rank's graph of a verify step then verifies and commits
+        exactly as rank 0's does, so every rank captures the same function."""
+        if self.device.type == "cuda":
+            return self.all_gather_vocab(logits, vocab_size)
         options = dist.GatherOptions()
         options.rootRank = 0
         logits = logits.contiguous()
@@ -89,6 +96,28 @@ class TensorParallelGroup:
         self._run(lambda: self.process_group.gather([shards], [logits], options))
         return torch.cat(shards, dim=-1)[..., :vocab_size]
 
+    def all_gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """(rows, vocab_per_rank) shards -> (rows, vocab_size) logits on every rank."""
+        flat = logits.reshape(-1, logits.shape[-1]).contiguous()        # (rows, vocab_per_rank)
+        shards = flat.new_empty((self.size * flat.shape[0], flat.shape[1]))   # rank after rank
+        self._run(lambda: self.process_group._allgather_base(shards, flat))
+        whole = shards.view(self.size, *flat.shape).transpose(0, 1).reshape(flat.shape[0], -1)
+        return whole[:, :vocab_size].view(*logits.shape[:-1], vocab_size)
+
+    def gather_rows_into(self, shard: torch.Tensor, full: torch.Tensor | None) -> None:
+        """Rank r's (rows, ...) shard into rows r * rows .. of rank 0's `full` (None on the
+        other ranks): a vocabulary-parallel weight made whole on rank 0."""
+        options = dist.GatherOptions()
+        options.rootRank = 0
+        shard = shard.contiguous()
+        if not self.is_driver:
+            self._run(lambda: self.process_group.gather([], [shard], options))
+            return
+        parts = list(full.split(shard.shape[0]))   # contiguous row blocks of a contiguous tensor
+        if len(parts) != self.size:
+            raise ValueError(f"{tuple(full.shape)} rows are not {self.size} shards of {tuple(shard.shape)}")
+        self._run(lambda: self.process_group.gather([parts], [shard], options))
+
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         """Rank 0's tensor into every rank's `tensor`, in place."""
         options = dist.BroadcastOptions()
@@ -98,9 +127,22 @@ class TensorParallelGroup:
 
     def min_over_ranks(self, value: int) -> int:
         """The smallest of every rank's value (e.g. the KV tokens each rank's memory holds)."""
+        return self._reduce(value, dist.ReduceOp.MIN)
+
+    def agree(self, value: int, what: str) -> None:
+        """A TensorParallelError on every rank unless every rank holds the same `value` (e.g. a
+        fingerprint of the CUDA graphs it is about to capture): ranks whose collectives would
+        pair up wrong stop with a reason instead of hanging or mixing data."""
+        low, high = self._reduce(value, dist.ReduceOp.MIN), self._reduce(value, dist.ReduceOp.MAX)
+        if low != high:
+            self.fail(f"the tensor-parallel ranks disagree on {what} (this rank: {value}, "
+                      f"the others range over {low}..{high})")
+            raise TensorParallelError(self.failure)
+
+    def _reduce(self, value: int, op: dist.ReduceOp) -> int:
         x = torch.tensor([value], dtype=torch.long, device=self.device)
         options = dist.AllreduceOptions()
-        options.reduceOp = dist.ReduceOp.MIN
+        options.reduceOp = op
         self._run(lambda: self.process_group.allreduce([x], options))
         return int(x.item())
 

@@ -96,13 +96,18 @@ class BroadcastingModel(nn.Module):
 
     def __init__(self, model: nn.Module, group: TensorParallelGroup):
         super().__init__()
-        self.model = model
+        self.model = model   # rank 0's shard (a DecoderLM)
         self.group = group
 
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
-        if batch.hidden_capture is not None:
-            raise NotImplementedError("hidden-state capture (EAGLE) is not supported with tp_size > 1")
+        """The workers' batches keep no hidden states: the residual stream is whole on every
+        rank after each all-reduce, so rank 0's capture (an EAGLE head's input) is complete."""
         header, packed = pack_step(batch)
         self.group.workers.send_step(header)
         self.group.broadcast(packed)
         return self.model(batch, backend)
+
+
+def sharded_model(model: nn.Module) -> nn.Module:
+    """The rank's own shard behind a runner's model (rank 0's wraps it in BroadcastingModel)."""
+    return model.model if isinstance(model, BroadcastingModel) else model

@@ -1,11 +1,11 @@
 """A worker rank's process: join the group, load this rank's shard, build the same runner as
-rank 0, then run every forward rank 0 announces until told to stop.
+rank 0, then run every step rank 0 announces until told to stop.
 
 The worker holds no scheduler, sampler or drafter: each step's inputs arrive whole (the
-header through the pipe, the tensors by broadcast; step_broadcast.py), so its state is its
-weights and its heads' KV pool. It exits when rank 0 says stop, when rank 0's process is gone
-(the pipe closes) or when a collective fails; any other error is sent to rank 0 first, so
-that the engine's message names it.
+header through the pipe, the tensors by broadcast; step_broadcast.py, graph_steps.py), so
+its state is its weights, its heads' KV pool and, on GPUs, its CUDA graphs. It exits when
+rank 0 says stop, when rank 0's process is gone (the pipe closes) or when a collective
+fails; any other error is sent to rank 0 first, so that the engine's message names it.
 """
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ import torch.distributed as dist
 
 from specserve.args import ServerArgs
 from specserve.distributed.parallel_state import TensorParallelError, TensorParallelGroup, create_process_group
-from specserve.distributed.step_broadcast import unpack_step
+from specserve.distributed.graph_steps import GraphStepHeader
+from specserve.distributed.step_broadcast import StepHeader, unpack_step
+from specserve.distributed.vocab_weights import send_vocabulary_shard
 
 STORE_TIMEOUT_S = 300.0
 
@@ -79,8 +81,8 @@ def _build_runner(spec: WorkerSpec, conn: multiprocessing.connection.Connection)
 
 
 def serve_steps(runner, conn: multiprocessing.connection.Connection) -> None:
-    """Runs each announced forward on this rank's shard (its logits stay on rank 0)."""
-    group = runner.tp
+    """Runs each collective step rank 0 announces: an eager forward, a CUDA graph replay, or
+    the gather of a vocabulary weight for rank 0's drafter."""
     while True:
         try:
             message = conn.recv()
@@ -89,11 +91,22 @@ def serve_steps(runner, conn: multiprocessing.connection.Connection) -> None:
         if message[0] == "stop":
             return
         header = message[1]
-        packed = group.broadcast(torch.empty(sum(header.part_sizes()), dtype=torch.long, device=group.device))
         with torch.inference_mode():
-            batch = unpack_step(header, packed, runner.pool)
-            runner.attn_backend.plan(batch)
-            runner.model(batch, runner.attn_backend)
+            if isinstance(header, StepHeader):
+                run_eager_step(runner, header)
+            elif isinstance(header, GraphStepHeader):
+                runner.graphs.replay_announced(header)
+            else:
+                send_vocabulary_shard(runner.tp, runner.model, header)
+
+
+def run_eager_step(runner, header: StepHeader) -> None:
+    """This rank's shard of an eager forward (its logits, if any, are not needed here)."""
+    group = runner.tp
+    packed = group.broadcast(torch.empty(sum(header.part_sizes()), dtype=torch.long, device=group.device))
+    batch = unpack_step(header, packed, runner.pool)
+    runner.attn_backend.plan(batch)
+    runner.model(batch, runner.attn_backend)
 
 
 def _exit_with_parent() -> None:

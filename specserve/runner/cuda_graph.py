@@ -10,17 +10,24 @@ Real requests with smaller trees get padding nodes, and padding requests fill th
 Each graph's integer inputs live in one packed int64 buffer, filled on the host (pinned,
 written through numpy views) and sent with a single copy per step, so a replay launches
 nothing but the copy and the graph.
+
+With tensor parallelism every rank captures the same plan (`capture_plan`, agreed on before
+the first capture: the graphs hold collectives) and rank 0 announces each replay to the
+workers, which replay the same graph on its inputs (distributed/graph_steps.py).
 """
 from __future__ import annotations
 
 import bisect
 import logging
 import time
+import zlib
 from typing import Callable, TypeVar
 
 import torch
 
 from specserve.attention.base import AttentionBackend
+from specserve.distributed.graph_steps import GraphStepHeader, announce_graph_step, replay_announced_step
+from specserve.distributed.parallel_state import TensorParallelGroup
 from specserve.kv.pool import KVPool
 from specserve.model.hidden_capture import HiddenCapture
 from specserve.runner.tree_step import TreeStepInputs, TreeStepOutputs, forward_tree
@@ -33,6 +40,12 @@ T = TypeVar("T")
 def batch_size_buckets(max_bs: int) -> list[int]:
     small = [1, 2, 4, 8]
     return sorted({b for b in small if b <= max_bs} | set(range(16, max_bs + 1, 16)) | {max_bs})
+
+
+def capture_plan(buckets: list[int], sizes: list[int]) -> list[tuple[int, int]]:
+    """The (batch bucket, tokens per request) graphs in capture order: for each size, the
+    largest bucket first (later graphs reuse its pool memory)."""
+    return [(bs, n) for n in sizes for bs in reversed(buckets)]
 
 
 def capture_graph(run: Callable[[], T], memory_pool) -> tuple[torch.cuda.CUDAGraph, T]:
@@ -55,9 +68,12 @@ class CudaGraphRunner:
     """Captures `forward_tree` for every bucket and each tokens-per-request size."""
 
     def __init__(self, model, backend: AttentionBackend, pool: KVPool, max_bs: int, tokens_per_req: list[int],
-                 capture: HiddenCapture | None = None):
+                 capture: HiddenCapture | None = None, tp: TensorParallelGroup | None = None):
+        """tp: the tensor-parallel group whose rank this is (model: the rank's shard, whose
+        forward holds the collectives); rank 0 announces its replays to the other ranks."""
         self.model, self.backend, self.pool = model, backend, pool
-        self.capture = capture   # hidden states every graph also outputs (an EAGLE drafter's)
+        self.capture = capture   # hidden states every graph also outputs (an EAGLE drafter's, rank 0's only)
+        self.tp = tp
         self.buckets = batch_size_buckets(max_bs)
         self.max_bs = self.buckets[-1]
         self.sizes = sorted(set(tokens_per_req))
@@ -70,10 +86,12 @@ class CudaGraphRunner:
         self._copied: dict[tuple[int, int], torch.cuda.Event] = {}
         self.memory_pool = None
         backend.init_cuda_graph_state(self.max_bs, max(self.sizes), pool)
+        plan = capture_plan(self.buckets, self.sizes)
+        if tp is not None:
+            tp.agree(zlib.crc32(repr(plan).encode()), "the CUDA graphs to capture (cuda_graph_max_bs, draft sizes)")
         start = time.perf_counter()
-        for n in self.sizes:
-            for bs in reversed(self.buckets):  # largest first: later graphs reuse its pool memory
-                self._capture(bs, n)
+        for bs, n in plan:
+            self._capture(bs, n)
         logger.info("captured %d CUDA graphs (batch sizes %s, tokens per request %s) in %.1f s",
                     len(self.graphs), self.buckets, self.sizes, time.perf_counter() - start)
 
@@ -114,8 +132,17 @@ class CudaGraphRunner:
         if roots is not None:
             device.tokens[:bs, 0].copy_(roots)
         self._copied.setdefault(key, torch.cuda.Event()).record()
+        if self.tp is not None:
+            announce_graph_step(self.tp, GraphStepHeader(key, bs, max(kv_lens)), device.packed, device.req_rows,
+                                self.pool)
         self.graphs[key].replay()
         out = self.outputs[key]
         return TreeStepOutputs(out.logits[:bs, :m], out.trees.head(bs, m) if out.trees is not None else None,
                                out.outcome[:bs] if out.outcome is not None else None,
                                out.hidden[:bs, :m] if out.hidden is not None else None)
+
+    @torch.inference_mode()
+    def replay_announced(self, header: GraphStepHeader) -> None:
+        """A tensor-parallel worker: the graph rank 0 announced, on rank 0's inputs."""
+        inputs = self.device_inputs[header.key]
+        replay_announced_step(self.tp, header, inputs.packed, inputs.req_rows, self.pool, self.graphs[header.key].replay)

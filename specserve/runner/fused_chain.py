@@ -165,7 +165,11 @@ class FusedChainRunner:
         self.scratch_rows = (target.pool.scratch_row, head.padding_row)
         self.graphs = None
         if target.graphs is not None and head.graphs is not None:
-            self.graphs = FusedGraphs(self, min(target.graphs.max_bs, head.graphs.max_bs))
+            if target.tp is None:
+                self.graphs = FusedGraphs(self, min(target.graphs.max_bs, head.graphs.max_bs))
+            else:   # its target part would hold collectives each worker must replay in step: not built
+                logger.info("tp_size=%d: fused verify-and-draft steps run eagerly (the target's forward in them "
+                            "still runs on every rank)", target.tp.size)
 
     @torch.inference_mode()
     def launch(self, reqs: list["Req"], proposal: TreeProposal, slots: list[int], head_slots: list[int],

@@ -77,15 +77,12 @@ class ModelRunner:
         args = self.args
         if self.device.type != "cuda" or args.disable_cuda_graph or not self.attn_backend.supports_cuda_graph:
             return None
-        if self.tp is not None:   # what graphs with collectives need: distributed/parallel_state.py
-            logger.info("tp_size=%d: decode and verify steps run eagerly (no CUDA graphs yet)", self.tp.size)
-            return None
         from specserve.runner.cuda_graph import CudaGraphRunner
         max_bs = min(args.cuda_graph_max_bs or 64, self.max_running_requests)
         n = args.speculative_verify_size if args.speculative else 1
         # smaller trees (the batch's largest draft decides) replay a smaller, cheaper graph
         sizes = sorted({1, n} | {size for size in (4, 8) if size < n})
-        return CudaGraphRunner(self.model, self.attn_backend, self.pool, max_bs, sizes, self.hidden_capture)
+        return CudaGraphRunner(self.model, self.attn_backend, self.pool, max_bs, sizes, self.hidden_capture, self.tp)
 
     def _kv_tokens(self, num_kv_heads: int) -> int:
         """The KV pool's size: every tensor-parallel rank holds the same slots, so the ranks

@@ -5,6 +5,13 @@ the memory budget the target's KV cache is sized from, its own KV cache's cost p
 joins the target's (both caches hold as many tokens), and an EAGLE head names the target
 hidden states every forward must keep (the runner's CUDA graphs are captured with them).
 The drafter itself is made once the target's runner exists (its pool, its embedding).
+
+With tensor parallelism (tp_size > 1) the drafter runs once, on rank 0, with whole weights:
+the draft model or head is loaded unsharded; an EAGLE head reads rank 0's captured target
+states, which are whole (the residual stream is all-reduced); a head that borrows the
+target's embedding or lm_head gets whole copies gathered from the ranks' vocabulary shards
+(distributed/vocab_weights.py says why not the vocabulary-parallel path). The workers never
+see the drafter: they verify the same trees through rank 0's broadcast steps.
 """
 from __future__ import annotations
 
@@ -16,6 +23,8 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from specserve.args import FUSED_CHAIN_ALGORITHMS, ServerArgs
+from specserve.distributed.step_broadcast import sharded_model
+from specserve.distributed.vocab_weights import EMBEDDING, LM_HEAD, VocabularyCopies
 from specserve.errors import ArgumentError
 from specserve.model.config import ModelConfig
 from specserve.model.hidden_capture import HiddenCapture
@@ -68,8 +77,13 @@ def prepare_draft(args: ServerArgs, target: ModelConfig, device: torch.device, d
     from specserve.runner import eagle_runner
     from specserve.speculative.eagle import EagleDrafter
     head = eagle_runner.load_eagle_head(args, target, device, dtype, context_length)
-    return DraftSetup(eagle_runner.kv_bytes_per_token(head, dtype), eagle_runner.target_capture(head),
-                      lambda runner: EagleDrafter(eagle_runner.EagleHeadRunner(args, head, runner.model, runner.pool)))
+    copies = whole_vocabulary_copies(args, target, head, device, dtype)
+
+    def make_drafter(runner: "ModelRunner") -> Drafter:
+        lend_vocabulary(head, runner, copies)
+        return EagleDrafter(eagle_runner.EagleHeadRunner(args, head, runner.model, runner.pool))
+
+    return DraftSetup(eagle_runner.kv_bytes_per_token(head, dtype), eagle_runner.target_capture(head), make_drafter)
 
 
 def prepare_fused_chain(args: ServerArgs, target: ModelConfig, device: torch.device, dtype: torch.dtype,
@@ -86,11 +100,50 @@ def prepare_fused_chain(args: ServerArgs, target: ModelConfig, device: torch.dev
                              chain_context(context_length, args.speculative_steps))
     else:
         head = eagle_runner.load_eagle_head(args, target, device, dtype, context_length)
+    copies = whole_vocabulary_copies(args, target, head, device, dtype)
 
     def make_drafter(runner: "ModelRunner") -> Drafter:
         if args.speculative == "MTP":
-            head.share_target(runner.model)
+            head.share_target(sharded_model(runner.model))   # its norm; shards of the rest are replaced next
+        lend_vocabulary(head, runner, copies)
         head_runner = eagle_runner.EagleHeadRunner(args, head, runner.model, runner.pool)
         return NaiveEagleDrafter(head_runner, FusedChainRunner(runner, head_runner))
 
     return DraftSetup(eagle_runner.kv_bytes_per_token(head, dtype), eagle_runner.target_capture(head), make_drafter)
+
+
+def whole_vocabulary_copies(args: ServerArgs, target: ModelConfig, head, device: torch.device,
+                            dtype: torch.dtype) -> VocabularyCopies | None:
+    """With tp_size > 1, rank 0's whole copies of the target weights the head borrows,
+    allocated now (before the target's KV cache is sized from what memory is left) and
+    filled by lend_vocabulary; None when nothing is borrowed or nothing is split."""
+    parts = list(dict.fromkeys(borrowed_parts(head, target.tie_word_embeddings).values()))
+    if args.tp_size == 1 or not parts:
+        return None
+    return VocabularyCopies(target, parts, args.tp_size, device, dtype)
+
+
+def lend_vocabulary(head, runner: "ModelRunner", copies: VocabularyCopies | None) -> None:
+    """Gathers the copies from the ranks and hands them to the head, in place of the
+    target's own weights (which EagleHeadRunner or share_target lend without tensor
+    parallelism, and which are vocabulary shards with it)."""
+    if copies is None:
+        return
+    copies.gather(runner.tp, sharded_model(runner.model))
+    for role, part in borrowed_parts(head, runner.config.tie_word_embeddings).items():
+        if role == "embedding":
+            head.share_embedding(copies[part])
+        else:
+            head.borrowed.lm_head = copies[part]
+
+
+def borrowed_parts(head, tie_word_embeddings: bool) -> dict[str, str]:
+    """What the head borrows from the target ("embedding", "lm_head") -> the target's
+    vocabulary-parallel weight that holds it (vocab_weights.EMBEDDING or LM_HEAD)."""
+    from specserve.speculative.mtp_head import MtpHead
+    if not isinstance(head, MtpHead):   # an EAGLE head: its own lm_head, perhaps the target's embedding
+        return {"embedding": EMBEDDING} if head.embed_tokens is None else {}
+    borrowed = {} if head.own_embedding else {"embedding": EMBEDDING}
+    if head.lm_head is None:
+        borrowed["lm_head"] = EMBEDDING if tie_word_embeddings else LM_HEAD
+    return borrowed
