@@ -12,6 +12,7 @@ and embedding gathered whole.
 """
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import pytest
@@ -99,3 +100,16 @@ def test_mtp_layer_borrows_whole_vocabulary_weights_and_gets_drafts_accepted(tar
     for output in outputs:
         histogram.update(output["meta_info"]["spec_accept_histogram"])
     assert spy.fused > 0 and histogram[2] > 0 and histogram[1] > 0   # drafts accepted and rejected
+
+
+def test_check_identity_runs_every_case_it_names(tmp_path, capsys):
+    """The 2-GPU command's own code path (on the CPU: no graphs), a random EAGLE3 head made for
+    the target; the sample prompts are text (a vocabulary that holds the tokenizer's ids)."""
+    from specserve.distributed.check_identity import main
+    make_tiny_directory(tmp_path, "qwen2", vocab_size=288)
+    main(["--model-path", str(tmp_path), "--device", "cpu", "--dtype", "float32", "--log-level", "warning",
+          "--tp-size", "2", "--max-new-tokens", "8", "--cases", "plain,ngram,standalone,eagle3"])
+    reports = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["case"], r["speculative_algorithm"]) for r in reports] == [
+        ("plain", None), ("ngram", "NGRAM"), ("standalone", "STANDALONE"), ("eagle3", "EAGLE3")]
+    assert all(r["requests_identical"] == 1.0 and r["divergences"] == [] for r in reports), reports
