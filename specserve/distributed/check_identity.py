@@ -1,7 +1,8 @@
 """Greedy identity of tensor parallelism against one device, for a GPU run:
 
   NCCL_NVLS_ENABLE=0 python -m specserve.distributed.check_identity --model-path M --device cuda \\
-      --dtype float32 --tp-size 2 [--cases plain,eager,ngram,standalone,eagle3] [--eagle-head DIR]
+      --dtype float32 --tp-size 2 [--cases plain,eager,ngram,standalone,eagle3,naive_eagle]
+      [--eagle-head DIR]
       [--max-new-tokens 128]
 
 generates greedily from the shared sample prompts with tp_size 1 (plain decoding, once) and
@@ -16,6 +17,8 @@ The cases:
               multi-token commits on every rank)
   eagle3      EAGLE3 with --eagle-head, or a random head written to a temporary directory
               (drafts mostly rejected; the target states captured on rank 0 feed it)
+  naive_eagle NAIVE_EAGLE with the same head: rank 0's fused verify-and-draft graphs, each
+              replay announced to the workers, which replay their own verify graph
   given       the --speculative-* flags on the command line (added when they name one)
 In fp32 the row-parallel all-reduces only change the order of a sum, so every case should
 agree token for token; in bf16 a near-tie may flip late in a long output.
@@ -25,13 +28,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import tempfile
 
 from specserve.args import ServerArgs
 from specserve.bench.prompts import SAMPLE_PROMPTS
 from specserve.cli import ArgumentParser
 
-CASES = ("plain", "eager", "ngram", "standalone", "eagle3")
+CASES = ("plain", "eager", "ngram", "standalone", "eagle3", "naive_eagle")
 # the speculative settings at their defaults: the reference and the cases start from no speculation
 PLAIN = {field.name: field.default for field in dataclasses.fields(ServerArgs) if field.name.startswith("speculative_")}
 
@@ -55,14 +59,13 @@ def compare(reference: list[list[int]], candidate: list[list[int]]) -> dict:
             "divergences": divergences}
 
 
-def write_random_eagle_head(model_path: str, directory: str, algorithm: str = "EAGLE3") -> str:
+def write_random_eagle_head(model_path: str, directory: str, algorithm: str = "EAGLE3") -> None:
     """An untrained head shaped for the target (it borrows the target's embedding)."""
     from specserve.model.loader import read_model_config
     from specserve.speculative.eagle_checkpoint import save_head
     from specserve.speculative.eagle_config import EagleHeadConfig
     from specserve.speculative.eagle_head import EagleHead
     save_head(EagleHead(EagleHeadConfig.for_target(read_model_config(model_path), algorithm)), directory)
-    return directory
 
 
 def case_args(case: str, base: dict, model_path: str, eagle_head: str | None, scratch: str) -> dict:
@@ -75,9 +78,11 @@ def case_args(case: str, base: dict, model_path: str, eagle_head: str | None, sc
         return {**base, "speculative_algorithm": "NGRAM"}
     if case == "standalone":
         return {**base, "speculative_algorithm": "STANDALONE", "speculative_draft_model_path": model_path}
-    if case == "eagle3":
-        head = eagle_head or write_random_eagle_head(model_path, f"{scratch}/eagle3-head")
-        return {**base, "speculative_algorithm": "EAGLE3", "speculative_draft_model_path": head}
+    if case in ("eagle3", "naive_eagle"):
+        head = eagle_head or f"{scratch}/eagle3-head"
+        if not os.path.isdir(head):
+            write_random_eagle_head(model_path, head)
+        return {**base, "speculative_algorithm": case.upper(), "speculative_draft_model_path": head}
     raise ValueError(f"--cases: unknown case {case!r}; the cases are {', '.join(CASES)}")
 
 

@@ -48,14 +48,20 @@ def capture_plan(buckets: list[int], sizes: list[int]) -> list[tuple[int, int]]:
     return [(bs, n) for n in sizes for bs in reversed(buckets)]
 
 
-def capture_graph(run: Callable[[], T], memory_pool) -> tuple[torch.cuda.CUDAGraph, T]:
+def capture_graph(run: Callable[[], T], memory_pool,
+                  before_warmup: Callable[[], None] | None = None) -> tuple[torch.cuda.CUDAGraph, T]:
     """`run` captured in a CUDA graph (sharing `memory_pool`, None for a new one), after two
-    runs on a side stream: autotuning and lazy initialisation stay out of the graph.
+    runs on a side stream: autotuning and lazy initialisation stay out of the graph (and, with
+    tensor parallelism, every collective's first use: NCCL connects lazily).
+    before_warmup: called before each of those runs, not before the capture (rank 0 announcing
+    a graph whose collectives the other ranks run from a graph they already hold).
     Returns the graph and what the captured run returned (its outputs live in the graph's memory)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(2):
+            if before_warmup is not None:
+                before_warmup()
             run()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()

@@ -21,6 +21,12 @@ Per request, with L tokens (the root at position L - 1, the pending draft d1 at 
    SALT_DRAFT), whose q is kept in q_table for the next step's rejection test.
 4. The outcome, (bs, 6) int64: accept length, accepted nodes (2), committed tokens (2), the
    next draft.
+
+With tensor parallelism the step runs on rank 0 (the head, verification and the commit are
+its alone); a graph of it holds rank 0's shard of the target forward, and each replay is
+announced to the workers, which replay their own (bucket, 2) verify graph: the same
+collectives in the same order (their greedy commit into their table is overwritten by the
+next step's table rows, graph_steps.py). Eager steps broadcast as every eager forward does.
 """
 from __future__ import annotations
 
@@ -34,6 +40,8 @@ import numpy as np
 import torch
 
 from specserve.attention.base import ForwardBatch
+from specserve.distributed.graph_steps import GraphStepHeader, announce_graph_step
+from specserve.distributed.step_broadcast import sharded_model
 from specserve.kv.pool import PADDING_SLOT
 from specserve.runner.cuda_graph import batch_size_buckets, capture_graph
 from specserve.runner.draft_chain import ChainInputs, fed_rows_batch, pick
@@ -106,12 +114,13 @@ class FusedStepInputs:
 def run_fused_step(target: "ModelRunner", head: "EagleHeadRunner", inputs: FusedStepInputs, kind: str,
                    q_table: torch.Tensor, plan_target: Callable[[ForwardBatch], None],
                    plan_head: Callable[[ForwardBatch], None], probs_out: torch.Tensor | None,
-                   kv_lens_host: list[int] | None = None) -> torch.Tensor:
+                   kv_lens_host: list[int] | None = None, target_model=None) -> torch.Tensor:
     """The whole step on the device: (bs, OUTCOME_COLUMNS) int64 (see the module docstring).
     probs_out: (>= bs, vocab) float32 for the next drafts' q (sampling kinds), else None.
-    kv_lens_host: the prefix lengths on the host, for eager planning (graphs plan without)."""
-    step = forward_tree(target.model, target.attn_backend, target.pool, inputs.tree, plan_target, kv_lens_host,
-                        commit=False, capture=target.hidden_capture)
+    kv_lens_host: the prefix lengths on the host, for eager planning (graphs plan without).
+    target_model: the target's forward (default: the runner's, which broadcasts with tp > 1)."""
+    step = forward_tree(target_model or target.model, target.attn_backend, target.pool, inputs.tree, plan_target,
+                        kv_lens_host, commit=False, capture=target.hidden_capture)
     result = _verify(kind, step.trees, step.logits, inputs, q_table)
     outcome = commit_path(result, inputs.tree, target.pool)
     bs = inputs.tree.shape[0]
@@ -165,11 +174,12 @@ class FusedChainRunner:
         self.scratch_rows = (target.pool.scratch_row, head.padding_row)
         self.graphs = None
         if target.graphs is not None and head.graphs is not None:
-            if target.tp is None:
-                self.graphs = FusedGraphs(self, min(target.graphs.max_bs, head.graphs.max_bs))
-            else:   # its target part would hold collectives each worker must replay in step: not built
-                logger.info("tp_size=%d: fused verify-and-draft steps run eagerly (the target's forward in them "
-                            "still runs on every rank)", target.tp.size)
+            max_bs = min(target.graphs.max_bs, head.graphs.max_bs)
+            if target.tp is None or all((bs, NODES) in target.graphs.graphs for bs in batch_size_buckets(max_bs)):
+                self.graphs = FusedGraphs(self, max_bs)
+            else:   # a worker replays its own verify graph of the bucket: it must hold one
+                logger.info("tp_size=%d: fused steps run eagerly (no target graph of 2 tokens per request for "
+                            "each batch bucket)", target.tp.size)
 
     @torch.inference_mode()
     def launch(self, reqs: list["Req"], proposal: TreeProposal, slots: list[int], head_slots: list[int],
@@ -231,10 +241,18 @@ class FusedGraphs:
         inputs.head_rows.fill_(runner.scratch_rows[1])
         probs = None if kind == "greedy" else self.probs
         target, head = runner.target, runner.head
+        shard = sharded_model(target.model)   # replays are announced, not broadcast from inside
+        announce = None if target.tp is None else lambda: self._announce(bs, inputs, 0, 0)
         self.graphs[bs, kind], self.outcomes[bs, kind] = capture_graph(
             lambda: run_fused_step(target, head, inputs, kind, runner.q_table, target.attn_backend.plan_for_capture,
-                                   head.backend.plan_for_capture, probs),
-            memory_pool)
+                                   head.backend.plan_for_capture, probs, target_model=shard),
+            memory_pool, before_warmup=announce)
+
+    def _announce(self, bucket: int, inputs: FusedStepInputs, batch_size: int, table_columns: int) -> None:
+        """Tensor parallelism: the workers replay their verify graph of the bucket on these inputs."""
+        target = self.runner.target
+        announce_graph_step(target.tp, GraphStepHeader((bucket, NODES), batch_size, table_columns),
+                            inputs.tree.packed, inputs.tree.req_rows, target.pool)
 
     @torch.inference_mode()
     def replay(self, reqs: list["Req"], proposal: TreeProposal, node_slots: list[int], head_slots: list[int],
@@ -248,5 +266,7 @@ class FusedGraphs:
         host.fill(reqs, proposal, node_slots, head_slots, head_rows, self.runner.scratch_rows, self.runner.vocab_size)
         device.packed.copy_(host.packed, non_blocking=True)
         self._copied.setdefault(bucket, torch.cuda.Event()).record()
+        if self.runner.target.tp is not None:
+            self._announce(bucket, device, bs, max(r.kv_len for r in reqs))
         self.graphs[bucket, kind].replay()
         return self.outcomes[bucket, kind][:bs]
