@@ -10,14 +10,17 @@ runner's CUDA-graph interface, so the runner's own packing (TreeStepInputs.fill 
 reused buffer) is host work as on a GPU, and the forward, tree build, greedy verification
 and KV-table commit (device work) are the stand-in's, not counted.
 
-Phases (exclusive host microseconds per timed step): schedule, propose (drafter.propose),
-adaptive (the policy's record_proposals / choose / observe / record_step / should_draft),
-launch (runner.run_trees: packing and launching), index (drafter.flush: hidden behind the
-GPU on a GPU, up to its step time), wait_parse (the outcome read back and parsed), commit_kv,
-commit (per-request token commits), observe (drafter.observe), detokenize, other (the rest
-of the step). Each wrapped call costs ~0.3 us of its own: `--no-phases` times whole steps
-only (the headline); host_us is the step's wall time less the stand-in's, cpu_us its
-thread CPU time less the stand-in's (what other processes take does not count).
+Phases (exclusive host microseconds per timed step, the median over steps: the machine is
+shared): schedule, propose (drafter.propose), adaptive (the policy's record_proposals /
+choose / observe / record_step / should_draft), launch (runner.run_trees: packing and
+launching), index (drafter.flush), text (the previous step's deferred detokenizing),
+wait_parse (the outcome read back and parsed), commit_kv, commit (per-request token
+commits), observe (drafter.observe), detokenize, other (the rest of the step). Each
+wrapped call costs ~0.3 us of its own: `--no-phases` times whole steps only (the
+headline). host_us is a step's wall time less the stand-in's, cpu_us its thread CPU time
+less the stand-in's (what other processes take does not count), exposed_us the host time
+less what runs while a GPU computes the step (index and text, inclusive): what the host
+adds to a GPU step's own time.
 
 `python -m specserve.bench.draft_step_host --batch-sizes 1 64 --configs 8-multi 16-one
  8-multi-adaptive --workloads code-types code-rename sharegpt --rounds 2`
@@ -51,6 +54,7 @@ class PhaseClock:
 
     def __init__(self):
         self.totals: dict[str, float] = defaultdict(float)
+        self.inclusive: dict[str, float] = defaultdict(float)   # phases inside included
         self._stack: list[list] = []     # [phase, start, time of phases inside]
 
     def enter(self, phase: str) -> None:
@@ -60,6 +64,7 @@ class PhaseClock:
         phase, start, inner = self._stack.pop()
         elapsed = time.perf_counter() - start
         self.totals[phase] += elapsed - inner
+        self.inclusive[phase] += elapsed
         if self._stack:
             self._stack[-1][2] += elapsed
         return elapsed
@@ -151,11 +156,12 @@ def instrument(core, clock: PhaseClock, phases: bool) -> contextlib.ExitStack:
             stack.callback(owner.__dict__.pop, name, None)
 
     patch(core, "step", "other")
+    patch(core.drafter, "flush", "index")
+    patch(core.text, "run", "text")
     if not phases:
         return stack
     patch(core.scheduler, "schedule", "schedule")
     patch(core.drafter, "propose", "propose")
-    patch(core.drafter, "flush", "index")
     patch(core.drafter, "observe", "observe")
     for name in ("record_proposals", "choose", "observe", "record_step", "should_draft", "would_draft"):
         patch(core.adaptive, name, "adaptive")
@@ -183,6 +189,7 @@ def time_drafting_steps(engine, stand_in: GraphStandIn, prompts, spec: tuple, ph
         while not any(r.finished or len(r.output_ids) >= len(stand_in.greedy[tuple(r.prompt_ids)]) for r in reqs):
             stand_in.reqs_by_row = {r.row: r for r in reqs if r.row is not None}
             clock.totals.clear()
+            clock.inclusive.clear()
             replays, before_cpu, cpu_start, start = stand_in.replays, stand_in.cpu_seconds, time.thread_time(), time.perf_counter()
             outputs = core.step()
             cpu = time.thread_time() - cpu_start - (stand_in.cpu_seconds - before_cpu)
@@ -190,7 +197,9 @@ def time_drafting_steps(engine, stand_in: GraphStandIn, prompts, spec: tuple, ph
             if stand_in.replays > replays and len(outputs) == len(reqs):   # a decode step of the whole batch
                 totals = dict(clock.totals)
                 totals.pop("device", None)
-                steps.append((sum(totals.values()), cpu, totals))
+                host = sum(totals.values())
+                hidden = clock.inclusive["index"] + clock.inclusive["text"]
+                steps.append((host, cpu, totals, host - hidden))
                 committed += sum(len(o.new_token_ids) for o in outputs)
                 if len(steps) >= max_steps:
                     break
@@ -204,10 +213,11 @@ def _summary(steps, committed: int, batch_size: int, phases: bool) -> dict:
         raise RuntimeError("no decode step had the whole batch")
     row = {"batch_size": batch_size, "steps": len(steps), "accept_length": committed / len(steps) / batch_size,
            "host_us_median": 1e6 * statistics.median(s[0] for s in steps),
-           "cpu_us_median": 1e6 * statistics.median(s[1] for s in steps)}
+           "cpu_us_median": 1e6 * statistics.median(s[1] for s in steps),
+           "exposed_us_median": 1e6 * statistics.median(s[3] for s in steps)}
     if phases:
-        names = sorted({name for _, _, totals in steps for name in totals})
-        row["phases_us_mean"] = {name: round(1e6 * statistics.fmean(t.get(name, 0.0) for _, _, t in steps), 1)
+        names = sorted({name for _, _, totals, _ in steps for name in totals})
+        row["phases_us_median"] = {name: round(1e6 * statistics.median(s[2].get(name, 0.0) for s in steps), 1)
                                  for name in names}
     return row
 

@@ -11,12 +11,14 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.engine.commit import (DeferredText, StepOutcome, can_defer_text, commit_accepted_kv, ends_within,
+                                     finish_reason)
 from specserve.engine.request import Batch, Req, ReqState
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.stats import StepLogger
 from specserve.engine.overlap import OverlapSchedule
 from specserve.runner.model_runner import InFlight, ModelRunner
-from specserve.runner.tree_step import GreedyOutcome
+from specserve.runner.tree_step import GreedyOutcome, pad_node_slots
 from specserve.sampling.sampler import Sampler, SampledStep
 from specserve.speculative.adaptive import AdaptiveDraftLength
 from specserve.speculative.drafter import Drafter
@@ -51,6 +53,7 @@ class EngineCore:
         self.last_batch_reqs: list[Req] = []   # the requests of the step in flight, failed together if it raises
         scheduler.preempt_listeners.append(self._preempted)
         self._indexing_s = 0.0   # host seconds of the drafter's last flush: part of a probe's cost
+        self.text = DeferredText()   # a drafting step's detokenizing, done while the GPU runs the next step
 
     # --- public surface ---
     def add_request(self, req: Req) -> None:
@@ -71,6 +74,7 @@ class EngineCore:
         if req is None or req.finished:
             return None
         self._drop_ahead()  # a step launched ahead may hold a slot for this request
+        self.text.drain(req)
         self.scheduler.abort(req)
         req.state = ReqState.FINISHED
         req.finish_reason = {"type": "abort", "message": "aborted"}
@@ -86,6 +90,7 @@ class EngineCore:
         if batch is None or batch.is_extend:
             self._drop_ahead()
         if batch is None:
+            self.text.run()
             return []
         self.last_batch_reqs = batch.reqs
         outputs = self._run_extend(batch) if batch.is_extend else self._run_decode(batch)
@@ -100,6 +105,7 @@ class EngineCore:
         starts = [req.kv_len for req in batch.reqs]
         try:
             logits = self.runner.extend(batch.reqs, batch.extend_lens, slots, batch.samples, capture)
+            self.text.run()   # while the GPU runs the prefill
             if self.drafter is not None:
                 self.drafter.flush(self._gpu_busy())  # e.g. index new prompts while the GPU runs the prefill
         except BaseException:
@@ -130,16 +136,15 @@ class EngineCore:
             proposal, num_nodes = self._no_drafts(reqs)
             slots = self.scheduler.alloc_slots(len(reqs))
         try:
-            sampled, table_written, hidden = self._verify(reqs, proposal, slots, index=draft or probing)
+            outcome = self._verify(reqs, proposal, slots, index=draft or probing)
         except BaseException:
             self.scheduler.free_slots(slots)  # no request holds them until commit
             raise
-        if hidden is not None and self.drafter is not None:   # the states of the accepted nodes
-            n = proposal.num_slots
-            self.drafter.observe_hidden(reqs, [r.kv_len for r in reqs], hidden.reshape(len(reqs) * n, -1),
-                                        [[i * n + node for node in nodes] for i, nodes in enumerate(sampled.accepted_nodes)])
-        self._commit_kv(reqs, sampled, _split(slots, num_nodes), table_written)
-        outputs = [self._commit(req, sampled, i) for i, req in enumerate(reqs)]
+        if outcome.hidden is not None and self.drafter is not None:   # the states of the accepted nodes
+            self.drafter.observe_hidden(reqs, [r.kv_len for r in reqs],
+                                        outcome.hidden.reshape(len(reqs) * proposal.num_slots, -1), outcome.hidden_rows())
+        self._commit_kv(reqs, outcome, pad_node_slots(slots, proposal.num_nodes, proposal.num_slots), proposal.num_nodes)
+        outputs = [self._commit(req, outcome, i, defer_text=True) for i, req in enumerate(reqs)]
         if self.adaptive is not None:
             if probing:
                 self._probe(reqs)  # its host time is part of what plain steps cost
@@ -147,31 +152,35 @@ class EngineCore:
                                       _committed(outputs))
         return outputs
 
-    def _verify(self, reqs: list[Req], proposal: TreeProposal, slots: list[int],
-                index: bool = True) -> tuple[SampledStep, bool, torch.Tensor | None]:
+    def _verify(self, reqs: list[Req], proposal: TreeProposal, slots: list[int], index: bool = True) -> StepOutcome:
         """Runs the step's forward and decides what each request commits. Greedy trees are
-        verified on the device, which also writes the accepted slots into the KV table
-        (returned True): one copy of the outcome comes back. Other steps go through the
-        sampler (penalties, sampling, logprobs). Also returns the nodes' hidden states
-        (bs, n, features) when the runner keeps them (an EAGLE drafter reads them). A fused
+        verified on the device, which also writes the accepted slots into the KV table: one
+        copy of the outcome comes back. Other steps go through the sampler (penalties,
+        sampling, logprobs). The outcome also holds the nodes' hidden states (bs, n,
+        features) when the runner keeps them (an EAGLE drafter reads them). A fused
         drafter (NAIVE_EAGLE, MTP) may run the whole step itself, its next drafts included.
-        `index`: the drafter's deferred indexing runs while the GPU computes (plain steps
-        that do not probe leave it to the next probe)."""
+        While the GPU computes, the host detokenizes the previous step's tokens and runs
+        the drafter's deferred indexing (`index`: plain steps that do not probe leave it to
+        the next probe)."""
+        n = proposal.num_slots
         fused = self.drafter.verify_fused(reqs, proposal, slots, self.sampler) if self.drafter is not None else None
         if fused is not None:
-            return fused, True, None
-        greedy = proposal.num_slots > 1 and self.sampler.argmax_is_enough(reqs)
+            self.text.run()
+            return StepOutcome.from_sampled(fused, n, table_written=True)
+        greedy = n > 1 and self.sampler.argmax_is_enough(reqs)
         if not greedy:  # the sampler's tensors are sent before the forward: a copy after it would wait for it
             host_trees = proposal.trees()
             prepared = self.sampler.prepare(host_trees, reqs, proposal.draft_probs)
         step = self.runner.run_trees(reqs, proposal, slots)
-        outcome = InFlight.launch(step.outcome) if greedy else None
+        launched = InFlight.launch(step.outcome) if greedy else None
+        self.text.run()
         if self.drafter is not None and index:
             self._index_drafts()  # host work while the GPU computes the step
         if greedy:
-            parsed = GreedyOutcome.parse(outcome.wait())
-            return SampledStep(parsed.tokens, parsed.accepted_nodes, None, None), True, step.hidden
-        return self.sampler.sample(step.logits, host_trees, reqs, prepared), False, step.hidden
+            parsed = GreedyOutcome.parse(launched.wait())
+            return StepOutcome(parsed.tokens, parsed.accepted, parsed.accept_lens, True, step.hidden)
+        sampled = self.sampler.sample(step.logits, host_trees, reqs, prepared)
+        return StepOutcome.from_sampled(sampled, n, table_written=False, hidden=step.hidden)
 
     # --- plain greedy decoding, one step ahead (overlap.py) ---
     def _run_decode_ahead(self, reqs: list[Req], start: float) -> list[StepOutput]:
@@ -181,6 +190,7 @@ class EngineCore:
             current = self.overlap.current_step(reqs, lambda: self._last_tokens(reqs))
             if self._next_step_is_plain(reqs):
                 self.overlap.launch_next(current)
+            self.text.run()   # a drafting step's, before this step's tokens reach the detokenizers
             if probing:
                 self._index_drafts()  # host work while the GPU computes: what the probe proposes from
             tokens = current.launched.wait().tolist()
@@ -268,40 +278,26 @@ class EngineCore:
         return [r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs]
 
     # --- commit ---
-    def _commit_kv(self, reqs: list[Req], sampled: SampledStep, node_slots: list[list[int]],
-                   table_written: bool = False) -> None:
-        """Each request keeps the KV slots of its accepted nodes (in path order), the others
-        go back to the allocator; one req_to_token write for the whole batch, unless the
-        step wrote the table itself. Runs before the token commits, which may finish a
-        request and release its slots."""
-        kept, rejected = [], []
-        for req_slots, accepted in zip(node_slots, sampled.accepted_nodes):
-            kept.append([req_slots[node] for node in accepted])
-            if len(accepted) < len(req_slots):
-                accepted_set = set(accepted)
-                rejected.extend(s for node, s in enumerate(req_slots) if node not in accepted_set)
-        self.scheduler.free_slots(rejected)
-        self.scheduler.append_kv(reqs, kept, write_table=not table_written)
+    def _commit_kv(self, reqs: list[Req], outcome: StepOutcome, node_slots, num_nodes) -> None:
+        commit_accepted_kv(self.scheduler, reqs, outcome, node_slots, num_nodes)
 
-    def _commit(self, req: Req, sampled: SampledStep, index: int, verified: bool = True) -> StepOutput:
+    def _commit(self, req: Req, sampled: SampledStep | StepOutcome, index: int, verified: bool = True,
+                defer_text: bool = False) -> StepOutput:
         """Appends the request's committed tokens (its KV slots were committed before) and
-        checks for its end. `verified`: a decode/verify step, not the first token of a prefill."""
+        checks for its end. `verified`: a decode/verify step, not the first token of a
+        prefill. `defer_text`: detokenizing waits for the next step's GPU time (commit.py)."""
+        tokens = sampled.tokens[index]
         if self.drafter is not None and verified:
-            req.spec.record(len(sampled.tokens[index]))
-        new_tokens = []
+            req.spec.record(len(tokens))
         if req.first_token_time is None:
             req.first_token_time = time.perf_counter()
-        for position, token in enumerate(sampled.tokens[index]):
-            new_tokens.append(token)
-            req.output_ids.append(token)
-            if sampled.logprobs is not None and req.return_logprob:
-                req.output_logprobs.append(sampled.logprobs[index][position])
-                if sampled.top_logprobs is not None:
-                    req.output_top_logprobs.append(sampled.top_logprobs[index][position])
-            reason = self._finish_reason(req, token)
-            if reason is not None:
-                self._finish(req, reason)
-                break
+        text = self.text if defer_text and can_defer_text(req) else None
+        if text is not None and sampled.logprobs is None and not ends_within(req, tokens):
+            req.output_ids.extend(tokens)   # no token ends it: no per-token checks
+            text.defer(req, tokens)
+            new_tokens = tokens
+        else:
+            new_tokens = self._commit_tokens(req, sampled, index, text)
         if self.drafter is not None and not req.finished:
             self.drafter.observe(req, new_tokens)
             if self.adaptive is not None:
@@ -309,20 +305,24 @@ class EngineCore:
         self.stats.count_tokens(len(new_tokens))
         return StepOutput(req=req, new_token_ids=new_tokens, finished=req.finished)
 
-    def _finish_reason(self, req: Req, token: int) -> dict | None:
-        if token in req.stop_ids and len(req.output_ids) > req.params.min_new_tokens:
-            # as in SGLang and vLLM, the matched stop token's text is trimmed unless no_stop_trim
-            if req.params.no_stop_trim:
-                req.detokenizer.add(token)
-            return {"type": "stop", "matched": token}
-        stop_string = req.detokenizer.add(token)
-        if stop_string is not None:
-            return {"type": "stop", "matched": stop_string}
-        if len(req.output_ids) >= req.max_new_tokens:
-            return {"type": "length", "length": len(req.output_ids)}
-        return None
+    def _commit_tokens(self, req: Req, sampled: SampledStep | StepOutcome, index: int, text: DeferredText | None) -> list[int]:
+        """The tokens one by one, up to the one that ends the request."""
+        new_tokens = []
+        for position, token in enumerate(sampled.tokens[index]):
+            new_tokens.append(token)
+            req.output_ids.append(token)
+            if sampled.logprobs is not None and req.return_logprob:
+                req.output_logprobs.append(sampled.logprobs[index][position])
+                if sampled.top_logprobs is not None:
+                    req.output_top_logprobs.append(sampled.top_logprobs[index][position])
+            reason = finish_reason(req, token, text)
+            if reason is not None:
+                self._finish(req, reason)
+                break
+        return new_tokens
 
     def _finish(self, req: Req, reason: dict) -> None:
+        self.text.drain(req)
         if reason["type"] != "stop" or not isinstance(reason.get("matched"), str):
             req.detokenizer.flush()
         self.scheduler.finish(req, reason)

@@ -245,7 +245,11 @@ class Scheduler:
         with one req_to_token write for the whole batch: a write per request costs a
         host-to-device copy and a kernel launch each, host time that grows with the batch
         (a millisecond or more per step at 64 requests). write_table=False: the entries are
-        in the table already (a step launched ahead wrote them)."""
+        in the table already (a step launched ahead wrote them, or a verify step on the device)."""
+        if not write_table:
+            for req, kept in zip(reqs, slot_lists):
+                req.kv_slots.extend(kept)
+            return
         rows: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

@@ -1116,6 +1116,40 @@ int64_t ngt_propose(Trie *t, const int32_t *context, int32_t n, int32_t budget, 
     return have | ((int64_t)match_length << 32);
 }
 
+/* ngt_propose for a whole batch, in one call (a call per request costs more in Python than
+ * the proposal itself). Request b's context is contexts[offsets[b] .. offsets[b + 1]), its
+ * budget and mode as ngt_propose's. Row b of the (batch, width) int64 outputs gets its tree
+ * with the root first (the context's last token, parent -1), the drafts after it (parents
+ * shifted by one) and padding (token 0, parent -1); num_nodes[b] counts the root,
+ * match_lengths[b] is the longest suffix with a continuation. Needs width > every budget
+ * and an output buffer (ngt_set_output) of the largest budget. */
+int64_t ngt_propose_batch(Trie *t, const int32_t *contexts, const int64_t *offsets, int32_t batch,
+                          const int32_t *budgets, const int32_t *modes, int32_t width, int64_t *tokens,
+                          int64_t *parents, int64_t *num_nodes, int64_t *match_lengths) {
+    if (batch < 0 || width < 1) return BAD_ARGUMENT;
+    for (int32_t b = 0; b < batch; b++) {
+        const int64_t start = offsets[b], n = offsets[b + 1] - start;
+        if (n < 1 || n > INT32_MAX || budgets[b] >= width) return BAD_ARGUMENT;
+        const int64_t result = ngt_propose(t, contexts + start, (int32_t)n, budgets[b], modes[b]);
+        if (result < 0) return result;
+        const int64_t count = result & 0xFFFFFFFF;
+        int64_t *row_tokens = tokens + (int64_t)b * width, *row_parents = parents + (int64_t)b * width;
+        row_tokens[0] = contexts[start + n - 1];
+        row_parents[0] = -1;
+        for (int64_t i = 0; i < count; i++) {
+            row_tokens[1 + i] = t->out[i];
+            row_parents[1 + i] = (int64_t)t->out[count + i] + 1;
+        }
+        for (int64_t i = 1 + count; i < width; i++) {
+            row_tokens[i] = 0;
+            row_parents[i] = -1;
+        }
+        num_nodes[b] = 1 + count;
+        match_lengths[b] = result >> 32;
+    }
+    return 0;
+}
+
 /* ------------------------------------------------------------------ life cycle */
 
 void ngt_free(Trie *t) {

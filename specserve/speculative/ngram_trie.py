@@ -51,6 +51,8 @@ from array import array
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
+
 from specserve.speculative.ngram_config import NgramConfig
 from specserve.speculative.ngram_trie_py import PythonNgramTrie
 
@@ -147,6 +149,34 @@ class NgramTrie:
         self.last_match_length = result >> 32
         values = self._out[:2 * count].tolist()  # the tokens, then their parents
         return values[:count], values[count:]
+
+    def propose_batch(self, contexts: Sequence[Sequence[int]], budgets: Sequence[int], one_branch: bool,
+                      owners: Sequence[int | None]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``propose`` for every request in one C call. budgets[b]: its num_draft_tokens
+        (root included). Returns (tokens, parents, num_nodes, match_lengths): the (batch,
+        max budget) int64 trees with the root (the context's last token) first, drafts'
+        parents counted from it, padding token 0 / parent -1, and per request its real nodes
+        and the length of its matched suffix."""
+        batch, width = len(contexts), max(budgets)
+        if width > self._out_capacity:
+            if width > _MAX_DRAFT:
+                raise ValueError(f"num_draft_tokens is at most {_MAX_DRAFT + 1}")
+            self._grow_output(width)
+        joined, offsets = array("i"), [0]
+        for context in contexts:   # each context's window only
+            joined.extend(_as_list(context[-self._max_window:]))
+            offsets.append(len(joined))
+        streams, branch = self._streams, int(one_branch)
+        modes = array("i", [(streams.get(owner, -1) + 1) * 2 + branch for owner in owners])   # as propose's
+        drafts = array("i", [b - 1 for b in budgets])
+        tokens, parents = np.empty((batch, width), dtype=np.int64), np.empty((batch, width), dtype=np.int64)
+        num_nodes, match_lengths = np.empty(batch, dtype=np.int64), np.empty(batch, dtype=np.int64)
+        offsets_array = np.array(offsets, dtype=np.int64)
+        _checked(self._lib.ngt_propose_batch(
+            self._handle, joined.buffer_info()[0], offsets_array.ctypes.data, batch, drafts.buffer_info()[0],
+            modes.buffer_info()[0], width, tokens.ctypes.data, parents.ctypes.data, num_nodes.ctypes.data,
+            match_lengths.ctypes.data))
+        return tokens, parents, num_nodes, match_lengths
 
     def release(self, owner: int) -> None:
         """A request finished: drop its stream (frontier and owner priority data). Its
@@ -266,6 +296,7 @@ _SIGNATURES = {  # name: (restype, argtypes)
     "ngt_insert": (_I64, None),
     "ngt_propose": (_I64, None),
     "ngt_set_output": (_I64, [_P, _P, _I64]),
+    "ngt_propose_batch": (_I64, [_P, _P, _P, _I32, _P, _P, _I32, _P, _P, _P, _P]),
     "ngt_stream_new": (_I64, [_P, _I32]),
     "ngt_stream_release": (_I64, [_P, _I32]),
     "ngt_num_nodes": (_I64, [_P]),

@@ -21,6 +21,8 @@ import itertools
 from collections import deque
 from collections.abc import Sequence
 
+import numpy as np
+
 from specserve.speculative.ngram_config import NgramConfig
 
 _ROOT = 0
@@ -182,6 +184,21 @@ class PythonNgramTrie:
                                     key=lambda child: (count[child], stamp[child])))
 
     # ---------------------------------------------------------------- proposal
+    def propose_batch(self, contexts: Sequence[Sequence[int]], budgets: Sequence[int], one_branch: bool,
+                      owners: Sequence[int | None]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """As ``NgramTrie.propose_batch`` (ngram_trie.py): ``propose`` per request."""
+        batch, width = len(contexts), max(budgets)
+        tokens, parents = np.zeros((batch, width), dtype=np.int64), np.full((batch, width), -1, dtype=np.int64)
+        num_nodes, match_lengths = np.ones(batch, dtype=np.int64), np.zeros(batch, dtype=np.int64)
+        for row, (context, budget, owner) in enumerate(zip(contexts, budgets, owners)):
+            drafts, draft_parents = self.propose(context, budget, one_branch, owner)
+            tokens[row, 0] = context[-1]
+            tokens[row, 1:1 + len(drafts)] = drafts
+            parents[row, 1:1 + len(drafts)] = np.asarray(draft_parents, dtype=np.int64) + 1
+            num_nodes[row] += len(drafts)
+            match_lengths[row] = self.last_match_length
+        return tokens, parents, num_nodes, match_lengths
+
     def propose(self, context: Sequence[int], num_draft_tokens: int, one_branch: bool,
                 owner: int | None = None) -> tuple[list[int], list[int]]:
         """As ``NgramTrie.propose`` (ngram_trie.py)."""
