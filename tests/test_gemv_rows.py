@@ -10,17 +10,20 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 import pytest
 import torch
 
-from specserve.model import gemv, gemv_rows
+from specserve.model import gemv, gemv_dispatch, gemv_rows
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ROWS = (1, 2, 7, 8, 16)
-# one FMA config per row block and two dot configs (a narrow and a wide weight tile)
-CONFIGS = {rows: (gemv_rows.configs_for(rows)[0], gemv_rows.DOT_CANDIDATES[0], gemv_rows.DOT_CANDIDATES[2])
-           for rows in ROWS}
+# per row count: its row block's first FMA config, then rows-as-M and weight-as-M dots, each
+# whole and split over K (4 and 8 ways: some splits get no columns at these sizes)
+DOTS = (("dot", 16, 256, 1, 4, 4), ("wdot", 64, 128, 1, 4, 4), ("dot", 16, 256, 4, 4, 4), ("wdot", 64, 128, 8, 4, 6))
+CONFIGS = {rows: (gemv_rows.configs_for(rows)[0],) + DOTS for rows in ROWS}
 
 
 def close(got, expected):
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    workspace, counters = gemv_rows.split_k_workspace(got.device)
+    assert not workspace.any() and not counters.any(), "split-K left partial sums behind for the next call"
 
 
 def each_config():
@@ -107,7 +110,7 @@ def test_row_blocks_and_limits():
     assert [gemv_rows.row_block(rows) for rows in (1, 2, 3, 5, 8, 9, 16)] == [2, 2, 4, 8, 8, 16, 16]
     with pytest.raises(ValueError, match="rows=17"):
         gemv_rows.row_block(17)
-    assert gemv_rows.takes_rows(1) and gemv_rows.takes_rows(16) and not gemv_rows.takes_rows(17)
+    assert gemv_dispatch.takes_rows(1) and gemv_dispatch.takes_rows(16) and not gemv_dispatch.takes_rows(17)
 
 
 def force_gemv_path(monkeypatch, rows_config) -> None:
@@ -116,8 +119,8 @@ def force_gemv_path(monkeypatch, rows_config) -> None:
     from specserve.model import layers, llama
     for module in (layers, llama):
         monkeypatch.setattr(module, "takes_gemv_kernels", lambda x: x.shape[0] <= gemv_rows.MAX_ROWS)
-    monkeypatch.setattr(gemv, "best_config", lambda *args: gemv.CANDIDATES[0])
-    monkeypatch.setattr(gemv_rows, "best_config", lambda *args: rows_config)
+    monkeypatch.setattr(gemv_dispatch, "one_row_config", lambda *args: gemv.CANDIDATES[0])
+    monkeypatch.setattr(gemv_dispatch, "best_config", lambda *args: rows_config)
 
 
 # node i's parent; depths 0, 1, 1, 2, 2, 2, 3: positions repeat across branches
@@ -125,11 +128,12 @@ TREE_7 = [-1, 0, 0, 1, 1, 2, 5]
 CHAIN_16 = list(range(-1, 15))
 
 
-DOT, FMA = gemv_rows.DOT_CANDIDATES[0], gemv_rows.FMA_CANDIDATES[8][1]
+DOT, FMA, WDOT_SPLIT = DOTS[0], gemv_rows.FMA_CANDIDATES[8][1], DOTS[3]
 
 
-@pytest.mark.parametrize("arch,rows_config", [("qwen2", DOT), ("llama", FMA), ("llama3-rope-tied", DOT),
-                                              ("qwen3", FMA)], ids=["qwen2-dot", "llama-fma", "llama3-dot", "qwen3-fma"])
+@pytest.mark.parametrize("arch,rows_config", [("qwen2", WDOT_SPLIT), ("llama", FMA), ("llama3-rope-tied", DOT),
+                                              ("qwen3", WDOT_SPLIT)],
+                         ids=["qwen2-wdot-split", "llama-fma", "llama3-dot", "qwen3-wdot-split"])
 def test_verify_steps_through_the_rows_path_match_the_reference_path(arch, rows_config, monkeypatch):
     """A prefill (6 rows), a 7-node draft tree, a one-row decode and a 16-node chain through
     DecoderLM with the GEMV kernels forced give the batched torch path's logits and leave
@@ -156,3 +160,20 @@ def test_verify_steps_through_the_rows_path_match_the_reference_path(arch, rows_
     for pools in zip(reference.runner.pool.k_buffers + reference.runner.pool.v_buffers,
                      fused.runner.pool.k_buffers + fused.runner.pool.v_buffers):
         torch.testing.assert_close(*pools, rtol=1e-5, atol=1e-5)
+
+
+def test_tuning_drops_a_config_whose_output_disagrees():
+    """gemv_tuning.agrees: rounding passes; a wrong lane, a missing split, a NaN or a wrong
+    shape does not (such a config is never timed, so never chosen)."""
+    from specserve.model.gemv_tuning import agrees
+    torch.manual_seed(9)
+    expected = torch.randn(8, 64)
+    assert agrees(expected.to(torch.bfloat16).float(), expected)
+    assert agrees((expected * 1.001, expected[:1]), (expected, expected))  # only the first output counts
+    wrong_lane, nan = expected.clone(), expected.clone()
+    wrong_lane[3, 5] += 1.0
+    nan[0, 0] = float("nan")
+    assert not agrees(wrong_lane, expected)
+    assert not agrees(expected * 0.75, expected)
+    assert not agrees(nan, expected)
+    assert not agrees(expected[:7], expected)

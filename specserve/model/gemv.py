@@ -15,12 +15,11 @@ needs two rows (gate and up; dims d and d + head_dim / 2 of a head for RoPE) kee
 
 Tile sizes are chosen per weight shape by timing a few candidates, cuBLAS included,
 inside a CUDA graph the first time a shape is seen (before the engine captures its own
-graphs), so the fastest path wins on every GPU and model.
+graphs), so the fastest path wins on every GPU and model: gemv_tuning.py times them,
+gemv_dispatch.py picks the path; gemv_rows.py is the same kernel for 2..16 rows.
 """
 from __future__ import annotations
 
-import functools
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -29,8 +28,6 @@ import triton
 import triton.language as tl
 
 from specserve.pdl import uses_pdl
-
-logger = logging.getLogger(__name__)
 
 ENABLED = True  # False: one-row matmuls go to cuBLAS like any other (the A/B of bench.decode_profile)
 
@@ -53,12 +50,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N_OUT, K, res_ptr, norm_w_ptr,
     pid = tl.program_id(0)
     if USE_PDL:  # the next kernel may start (and fetch its own weights) as SMs free up
         tl.extra.cuda.gdc_launch_dependents()
-    lanes = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    lane_ok = lanes < N_OUT
-    rows = lanes
-    if ROPE:
-        rows = (lanes // HALF) * (2 * HALF) + lanes % HALF
-    second_rows = rows + (HALF if ROPE else N_OUT)
+    lanes, lane_ok, rows, second_rows = lane_rows(pid, N_OUT, ROPE, HALF, BLOCK_N)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
     w_second = w_ptr + second_rows.to(tl.int64)[:, None] * K
     # The first PREFETCH_K weight columns are loaded before waiting for the previous kernel:
@@ -114,6 +106,17 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N_OUT, K, res_ptr, norm_w_ptr,
         if SILU_MUL:
             y = (y / (1.0 + tl.exp(-y))).to(out_ptr.dtype.element_ty).to(tl.float32) * y_second
         tl.store(out_ptr + lanes, y.to(out_ptr.dtype.element_ty), mask=lane_ok)
+
+
+@triton.jit
+def lane_rows(pid, N_OUT, ROPE: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program pid's output lanes, which are valid, and the weight row each reads (and its
+    second row: the up row N_OUT further with SILU_MUL, dim d + HALF of the head with ROPE)."""
+    lanes = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = lanes
+    if ROPE:
+        rows = (lanes // HALF) * (2 * HALF) + lanes % HALF
+    return lanes, lanes < N_OUT, rows, rows + (HALF if ROPE else N_OUT)
 
 
 @triton.jit
@@ -243,103 +246,3 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
         rope.v_buffer[rope.slots] = v
         y = rotate_half(q, cos, sin).reshape(len(y), -1)
     return y if add_norm is None else (y, residual_out)
-
-
-def one_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                   silu_mul: bool = False, add_norm: AddNorm | None = None, rope: RopeStore | None = None):
-    """x @ W^T (+ bias) (then silu_mul or rope) for one CUDA row, by the fastest measured
-    path; with add_norm the input is normalised first and (output, residual + x) is returned."""
-    config = best_config(tuple(weight.shape), weight.dtype, bias is not None, silu_mul, add_norm is not None,
-                         rope.heads if rope is not None else None, weight.device)
-    if config is None:
-        return _unfused(x, weight, bias, silu_mul, add_norm, rope)
-    return gemv(x, weight, bias, silu_mul, config, add_norm, rope)
-
-
-@functools.lru_cache(maxsize=None)
-def best_config(shape: tuple[int, int], dtype: torch.dtype, has_bias: bool, silu_mul: bool, add_norm: bool,
-                rope_heads: tuple[int, int, int] | None, device: torch.device) -> tuple[int, int, int, int] | None:
-    """The fastest GEMV tile config for this weight shape, or None when cuBLAS is faster."""
-    times = candidate_times(shape, dtype, has_bias, silu_mul, add_norm, device, rope_heads)
-    logger.info("one-row matmul %s%s%s%s: %s", shape, " + add_norm" if add_norm else "",
-                " + silu_mul" if silu_mul else "", " + rope" if rope_heads else "",
-                ", ".join(f"{'cublas' if k is None else k} {v:.1f} us" for k, v in times.items()))
-    return min(times, key=times.get)
-
-
-def candidate_times(shape: tuple[int, int], dtype: torch.dtype, has_bias: bool, silu_mul: bool, add_norm: bool,
-                    device: torch.device, rope_heads: tuple[int, int, int] | None = None, rows: int = 1,
-                    kernel=None, configs: tuple = CANDIDATES) -> dict:
-    """GPU microseconds per call of cuBLAS (key None) and of each config of `kernel` (this
-    file's `gemv` by default; gemv_rows.py times its multi-row kernel here too) for `rows`
-    input rows.
-
-    Timed over enough weight copies to overflow the L2 cache: in a decode step every
-    weight comes from HBM, and a small matrix re-read from L2 would look several times
-    faster than it is (H200: o_proj 2.6 us from L2, ~6 us from HBM)."""
-    l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
-    copies = max(2, min(32, -(-3 * l2_bytes // (shape[0] * shape[1] * torch.finfo(dtype).bits // 8))))
-    weights = [torch.randn(shape, dtype=dtype, device=device) for _ in range(copies)]
-    bias = torch.randn(shape[0], dtype=dtype, device=device) if has_bias else None
-    x = torch.randn((rows, shape[1]), dtype=dtype, device=device)
-    norm = AddNorm(torch.randn_like(x), torch.randn(shape[1], dtype=dtype, device=device), 1e-6) if add_norm else None
-    rope = _timing_rope(rope_heads, dtype, device, rows) if rope_heads else None
-    kernel = kernel or gemv
-    times = {None: graph_time_us([lambda w=w: _unfused(x, w, bias, silu_mul, norm, rope) for w in weights])}
-    for config in configs:
-        try:
-            times[config] = graph_time_us([lambda w=w: kernel(x, w, bias, silu_mul, config, norm, rope)
-                                           for w in weights])
-        except Exception as error:  # e.g. a tile that needs more shared memory than this GPU has
-            logger.warning("gemv config %s failed on %s: %s", config, shape, error)
-    return times
-
-
-def _timing_rope(heads: tuple[int, int, int], dtype: torch.dtype, device: torch.device, rows: int = 1) -> RopeStore:
-    """A small stand-in cache and a position and slot per row for timing the RoPE epilogue."""
-    num_q, num_kv, head_dim = heads
-    table = torch.rand((rows + 8, head_dim // 2), dtype=torch.float32, device=device)
-    index = torch.arange(1, rows + 1, dtype=torch.int64, device=device)
-    pool = torch.zeros((rows + 4, num_kv, head_dim), dtype=dtype, device=device)
-    return RopeStore(table, table, index, index, pool, pool.clone(), num_q)
-
-
-def _unfused(x, weight, bias, silu_mul: bool, add_norm: AddNorm | None, rope: RopeStore | None = None):
-    """The same result through the other GPU kernels: add+RMSNorm, cuBLAS, silu_mul or
-    rope_and_store (for shapes where cuBLAS wins, and as the baseline the GEMV is timed
-    against)."""
-    from specserve.model import fused_ops
-    residual = None
-    if add_norm is not None:
-        residual = add_norm.residual.clone()  # add_rmsnorm updates it in place; the input stays
-        x = fused_ops.add_rmsnorm(x, add_norm.weight, add_norm.eps, residual=residual)
-    y = F.linear(x, weight, bias)
-    y = fused_ops.silu_mul(y) if silu_mul else y
-    if rope is not None:
-        num_q, num_kv, head_dim = rope.heads
-        q, k, v = y.view(len(y), num_q + 2 * num_kv, head_dim).split([num_q, num_kv, num_kv], dim=1)
-        fused_ops.rope_and_store(q, k, v, rope.cos, rope.sin, rope.positions, rope.slots, rope.k_buffer, rope.v_buffer)
-        y = q.reshape(len(y), -1)
-    return y if add_norm is None else (y, residual)
-
-
-def graph_time_us(calls: list, rounds: int = 3) -> float:
-    """Microseconds per call on the GPU, launch cost excluded: the calls are captured in
-    one CUDA graph and replayed `rounds` times."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        calls[0]()  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(rounds):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (rounds * len(calls))

@@ -16,10 +16,10 @@ def fused():
 
 
 def gemv_ops():
-    """The GEMV kernels for 1..16 rows (gemv_rows.py, which hands one row to gemv.py),
-    imported on first GPU use like `fused`."""
-    from specserve.model import gemv_rows
-    return gemv_rows
+    """The GEMV kernels' dispatch for 1..16 rows (gemv_dispatch.py), imported on first GPU
+    use like `fused`."""
+    from specserve.model import gemv_dispatch
+    return gemv_dispatch
 
 
 def takes_gemv_kernels(x: torch.Tensor) -> bool:
