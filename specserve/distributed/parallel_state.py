@@ -135,8 +135,8 @@ class TensorParallelGroup:
         pair up wrong stop with a reason instead of hanging or mixing data."""
         low, high = self._reduce(value, dist.ReduceOp.MIN), self._reduce(value, dist.ReduceOp.MAX)
         if low != high:
-            self.fail(f"the tensor-parallel ranks disagree on {what} (this rank: {value}, "
-                      f"the others range over {low}..{high})")
+            self.fail(f"the tensor-parallel ranks disagree on {what} (values {low} to {high} over the ranks, "
+                      f"rank {self.rank}'s {value})")
             raise TensorParallelError(self.failure)
 
     def _reduce(self, value: int, op: dist.ReduceOp) -> int:
@@ -169,13 +169,19 @@ class TensorParallelGroup:
         aborted so that the thread blocked behind them gets its error instead of hanging."""
         if self.failure is None:
             self.failure = reason
-            abort = getattr(self.process_group, "abort", None)
-            if self.device.type == "cuda" and abort is not None:
-                abort()
+            self._abort_nccl()
 
     def shutdown(self) -> None:
-        """Stops the worker processes (rank 0) and marks the group closed."""
+        """Stops the worker processes (rank 0) and marks the group closed; on GPUs the
+        communicator is aborted, not destroyed: once CUDA graphs captured collectives, a
+        destroy can wait on peers (pytorch#115388) and abort is local."""
         if self.workers is not None:
             self.workers.shutdown()
         if self.failure is None:
             self.failure = "the tensor-parallel group was shut down"
+            self._abort_nccl()
+
+    def _abort_nccl(self) -> None:
+        abort = getattr(self.process_group, "abort", None)
+        if self.device.type == "cuda" and abort is not None:
+            abort()

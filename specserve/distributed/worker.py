@@ -58,6 +58,7 @@ def run_worker(spec: WorkerSpec, conn: multiprocessing.connection.Connection) ->
     try:
         runner = _build_runner(spec, conn)
         serve_steps(runner, conn)
+        runner.tp.shutdown()
     except TensorParallelError:
         raise SystemExit(1)   # rank 0 is gone or failed: it reports the cause itself
     except BaseException:

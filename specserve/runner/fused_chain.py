@@ -119,8 +119,9 @@ def run_fused_step(target: "ModelRunner", head: "EagleHeadRunner", inputs: Fused
     probs_out: (>= bs, vocab) float32 for the next drafts' q (sampling kinds), else None.
     kv_lens_host: the prefix lengths on the host, for eager planning (graphs plan without).
     target_model: the target's forward (default: the runner's, which broadcasts with tp > 1)."""
-    step = forward_tree(target_model or target.model, target.attn_backend, target.pool, inputs.tree, plan_target,
-                        kv_lens_host, commit=False, capture=target.hidden_capture)
+    model = target.model if target_model is None else target_model
+    step = forward_tree(model, target.attn_backend, target.pool, inputs.tree, plan_target, kv_lens_host,
+                        commit=False, capture=target.hidden_capture)
     result = _verify(kind, step.trees, step.logits, inputs, q_table)
     outcome = commit_path(result, inputs.tree, target.pool)
     bs = inputs.tree.shape[0]
