@@ -83,7 +83,8 @@ def graph_step(group: TensorParallelGroup, rank: int) -> dict:
     def replay() -> None:
         seen["packed"] = inputs.packed.clone()
         seen["table"] = pool.req_to_token[TABLE_ROWS, :5].clone()
-        seen["untouched"] = pool.req_to_token[[0, 2], :].abs().sum().item() + pool.req_to_token[:, 5:].abs().sum().item()
+        table = pool.req_to_token
+        seen["untouched"] = table[[0, 2], :].abs().sum().item() + table[:, 5:].abs().sum().item()
 
     replay_announced_step(group, GRAPH, inputs.packed, inputs.req_rows, pool, replay)
     return seen

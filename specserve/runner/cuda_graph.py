@@ -150,5 +150,5 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def replay_announced(self, header: GraphStepHeader) -> None:
         """A tensor-parallel worker: the graph rank 0 announced, on rank 0's inputs."""
-        inputs = self.device_inputs[header.key]
-        replay_announced_step(self.tp, header, inputs.packed, inputs.req_rows, self.pool, self.graphs[header.key].replay)
+        inputs, graph = self.device_inputs[header.key], self.graphs[header.key]
+        replay_announced_step(self.tp, header, inputs.packed, inputs.req_rows, self.pool, graph.replay)
