@@ -100,9 +100,14 @@ def ranks() -> dict[int, dict]:
     processes = [context.Process(target=run_rank, args=(rank, port, results), daemon=True) for rank in range(2)]
     for process in processes:
         process.start()
-    outcome = dict(results.get(timeout=120) for _ in processes)
-    for process in processes:
-        process.join(10)
+    try:
+        outcome = dict(results.get(timeout=120) for _ in processes)
+    finally:
+        for process in processes:
+            process.join(10)
+            if process.exitcode is None:
+                process.kill()
+                process.join(5)
     for rank, out in outcome.items():
         assert isinstance(out, dict), f"rank {rank} failed:\n{out}"
     return outcome
