@@ -157,7 +157,7 @@ def instrument(core, clock: PhaseClock, phases: bool) -> contextlib.ExitStack:
 
     patch(core, "step", "other")
     patch(core.drafter, "flush", "index")
-    patch(core.text, "run", "text")
+    patch(getattr(core, "text", None), "run", "text")   # None before deferred text existed
     if not phases:
         return stack
     patch(core.scheduler, "schedule", "schedule")

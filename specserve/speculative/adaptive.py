@@ -51,6 +51,7 @@ and the tiers are sizes the CUDA graphs were captured for, so replay stays valid
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 from specserve.speculative.acceptance import AcceptanceEvidence
@@ -219,16 +220,27 @@ class AdaptiveDraftLength:
         if unpriced:  # each tier is priced once per bucket, cheapest first
             return unpriced[0], unpriced[0], {}
         scale = batch_size / len(rids)   # a probe sees a sample of the batch
-        keys = keys or [None] * len(rids)
-        rates = {t: scale * sum(self.expected_tokens(rid, t, key) if n > 1 else 1.0
-                                for rid, n, key in zip(rids, num_nodes, keys)) / self._cost[(bucket, t)]
-                 for t in tiers}
+        rates = {t: scale * tokens / self._cost[(bucket, t)]
+                 for t, tokens in self._expected_batch_tokens(tiers, rids, num_nodes, keys).items()}
         best = max(tiers, key=rates.get)
         steps = self._bucket_steps.get(bucket, 0)
         if measure and steps % REFRESH_EVERY == REFRESH_EVERY - 1:
             contenders = [t for t in tiers if rates[t] >= REFRESH_MARGIN * rates[best]]
             return min(contenders, key=lambda t: self._measured_at[(bucket, t)]), best, rates
         return best, best, rates
+
+    def _expected_batch_tokens(self, tiers: list[int], rids: list[str], num_nodes: list[int],
+                               keys: list[int] | None) -> dict[int, float]:
+        """Per tier: the tokens the batch is expected to commit (1 for a request without a
+        draft). With evidence classes, requests of one class expect the same: summed per
+        class (a handful), not per request."""
+        if keys is None:
+            return {t: sum(self.expected_tokens(rid, t) if n > 1 else 1.0 for rid, n in zip(rids, num_nodes))
+                    for t in tiers}
+        per_class = Counter(key for key, n in zip(keys, num_nodes) if n > 1)
+        undrafted = len(rids) - sum(per_class.values())
+        return {t: undrafted + sum(count * self.evidence.expected_tokens("", t, key) for key, count in per_class.items())
+                for t in tiers}
 
     def _useful_tiers(self, largest: int) -> list[int]:
         """Tiers up to the first that holds every proposal (larger ones run the same forward)."""

@@ -75,7 +75,8 @@ class NgramDrafter(Drafter):
         tokens, parents, num_nodes, match_lengths = self.trie.propose_batch(contexts, max_nodes, self.one_branch, owners)
         self._keys = np.minimum(match_lengths, MATCH_KEY_CAP).tolist()
         n = int(num_nodes.max())
-        proposal = TreeProposal(np.ascontiguousarray(tokens[:, :n]), np.ascontiguousarray(parents[:, :n]), num_nodes)
+        # copies: the trie reuses its output buffers
+        proposal = TreeProposal(tokens[:, :n].copy(), parents[:, :n].copy(), num_nodes.copy())
         return proposal, num_nodes.tolist()
 
     def proposal_keys(self) -> list[int]:

@@ -97,8 +97,10 @@ class NgramTrie:
         self._finalizer = weakref.finalize(self, lib.ngt_free, self._handle)
         # The two hot calls skip ctypes' per-argument conversion (see _SIGNATURES).
         self._handle_arg = ctypes.c_void_p(self._handle)
-        self._insert_c, self._propose_c = lib.ngt_insert, lib.ngt_propose
+        self._insert_c, self._propose_c, self._propose_batch_c = lib.ngt_insert, lib.ngt_propose, lib.ngt_propose_batch
         self._grow_output(64)
+        self._batch_capacity = (0, 0)
+        self._grow_batch_output(64 * 16, 64)
 
     def insert(self, tokens: Sequence[int], owner: int | None = None) -> None:
         """Index every n-gram (up to max_trie_depth long) that ends in ``tokens``.
@@ -156,27 +158,40 @@ class NgramTrie:
         (root included). Returns (tokens, parents, num_nodes, match_lengths): the (batch,
         max budget) int64 trees with the root (the context's last token) first, drafts'
         parents counted from it, padding token 0 / parent -1, and per request its real nodes
-        and the length of its matched suffix."""
+        and the length of its matched suffix (views of reused buffers: valid until the next
+        call)."""
         batch, width = len(contexts), max(budgets)
         if width > self._out_capacity:
             if width > _MAX_DRAFT:
                 raise ValueError(f"num_draft_tokens is at most {_MAX_DRAFT + 1}")
             self._grow_output(width)
-        joined, offsets = array("i"), [0]
+        if batch * width > self._batch_capacity[0] or batch > self._batch_capacity[1]:
+            self._grow_batch_output(batch * width, batch)
+        joined, offsets = array("i"), array("q", [0])
+        window = self._max_window
         for context in contexts:   # each context's window only
-            joined.extend(_as_list(context[-self._max_window:]))
+            joined.extend(_as_list(context[-window:]))
             offsets.append(len(joined))
         streams, branch = self._streams, int(one_branch)
         modes = array("i", [(streams.get(owner, -1) + 1) * 2 + branch for owner in owners])   # as propose's
         drafts = array("i", [b - 1 for b in budgets])
-        tokens, parents = np.empty((batch, width), dtype=np.int64), np.empty((batch, width), dtype=np.int64)
-        num_nodes, match_lengths = np.empty(batch, dtype=np.int64), np.empty(batch, dtype=np.int64)
-        offsets_array = np.array(offsets, dtype=np.int64)
-        _checked(self._lib.ngt_propose_batch(
-            self._handle, joined.buffer_info()[0], offsets_array.ctypes.data, batch, drafts.buffer_info()[0],
-            modes.buffer_info()[0], width, tokens.ctypes.data, parents.ctypes.data, num_nodes.ctypes.data,
-            match_lengths.ctypes.data))
-        return tokens, parents, num_nodes, match_lengths
+        pointers = [ctypes.c_void_p(a.buffer_info()[0]) for a in (joined, offsets, drafts, modes)]
+        result = self._propose_batch_c(self._handle_arg, pointers[0], pointers[1], batch, pointers[2], pointers[3],
+                                       width, *self._batch_pointers)
+        if result < 0:
+            _checked(result)
+        tokens, parents, num_nodes, match_lengths = self._batch_out
+        return (tokens[:batch * width].reshape(batch, width), parents[:batch * width].reshape(batch, width),
+                num_nodes[:batch], match_lengths[:batch])
+
+    def _grow_batch_output(self, cells: int, rows: int) -> None:
+        """propose_batch's outputs, reused from call to call (allocating four arrays per
+        step costs more than a batch-1 proposal)."""
+        cells, rows = max(cells, 2 * self._batch_capacity[0]), max(rows, 2 * self._batch_capacity[1])
+        self._batch_out = (np.empty(cells, dtype=np.int64), np.empty(cells, dtype=np.int64),
+                           np.empty(rows, dtype=np.int64), np.empty(rows, dtype=np.int64))
+        self._batch_pointers = [ctypes.c_void_p(a.ctypes.data) for a in self._batch_out]
+        self._batch_capacity = (cells, rows)
 
     def release(self, owner: int) -> None:
         """A request finished: drop its stream (frontier and owner priority data). Its
@@ -296,7 +311,7 @@ _SIGNATURES = {  # name: (restype, argtypes)
     "ngt_insert": (_I64, None),
     "ngt_propose": (_I64, None),
     "ngt_set_output": (_I64, [_P, _P, _I64]),
-    "ngt_propose_batch": (_I64, [_P, _P, _P, _I32, _P, _P, _I32, _P, _P, _P, _P]),
+    "ngt_propose_batch": (_I64, None),
     "ngt_stream_new": (_I64, [_P, _I32]),
     "ngt_stream_release": (_I64, [_P, _I32]),
     "ngt_num_nodes": (_I64, [_P]),
