@@ -9,7 +9,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 import pytest
 import torch
 
-from specserve.model import gemv, gemv_dispatch
+from specserve.model import gemv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -95,8 +95,8 @@ def test_batch1_decoder_path_matches_the_batched_path(arch, monkeypatch):
         driver.prefill([5, 17, 3, 9, 44, 2])
     expected = drivers[0].decode(11)
     for module in (layers, llama):
-        monkeypatch.setattr(module, "takes_gemv_kernels", lambda x: x.shape[0] == 1)
-    monkeypatch.setattr(gemv_dispatch, "one_row_config", lambda *args: gemv.CANDIDATES[0])
+        monkeypatch.setattr(module, "takes_one_row_kernels", lambda x: x.shape[0] == 1)
+    monkeypatch.setattr(gemv, "best_config", lambda *args: gemv.CANDIDATES[0])
     got = drivers[1].decode(11)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     for pools in zip(drivers[0].runner.pool.k_buffers + drivers[0].runner.pool.v_buffers,

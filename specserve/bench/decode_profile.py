@@ -35,7 +35,7 @@ def events_time_us(fn, reps: int = 50) -> float:
 
 def bench_linears(config: dict, write) -> None:
     """One-row matmul time per weight shape, read from HBM: cuBLAS vs each GEMV config."""
-    from specserve.model.gemv_tuning import candidate_times
+    from specserve.model.gemv import candidate_times
     hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     num_q, num_kv = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = hidden // num_q

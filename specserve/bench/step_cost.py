@@ -8,17 +8,10 @@ and the bench reports per step: the wall time, the GPU time of the same graph re
 its own, and the difference (host time the GPU did not hide), plus the ratio to a plain
 step at the same batch size. Random weights accept almost nothing, which does not change
 what a step costs.
-
-`--rows-gemv off on` repeats everything with a fresh engine per setting of the multi-row
-GEMV (gemv_dispatch.ROWS_ENABLED: 2..16-row matmuls through gemv_rows.py, or cuBLAS + the
-unfused kernels), and lists what its tuning chose per (shape, epilogue, row block). The
-issue-10 target, batch 1: an 8-node verify step <= 1.25x a plain step, 16 nodes <= 1.4x:
-`python -m specserve.bench.step_cost --shape qwen2.5-coder-0.5b qwen2.5-coder-1.5b --batch-sizes 1 --sizes 1 8 16 --rows-gemv off on --kernels 12`
 """
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import random
@@ -96,51 +89,28 @@ def main(argv=None) -> None:
     parser.add_argument("--sizes", type=int, nargs="*", default=[1, 4, 8, 16])
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--kernels", type=int, default=0, help="also list the N slowest kernels of each step's graph")
-    parser.add_argument("--rows-gemv", nargs="*", choices=["on", "off"], default=["on"],
-                        help="run with the multi-row GEMV on and/or off (a fresh engine for each)")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     ns = parser.parse_args(argv)
     os.makedirs(ns.out, exist_ok=True)
+    from specserve.engine.engine import Engine
     for shape in ns.shape:
         path = write_random_model(f"/tmp/random-{shape}", shape)
-        for setting in ns.rows_gemv:
-            rows = measure_engine(path, ns, rows_gemv=setting == "on")
-            for row in rows:
-                write(ns.out, {"shape": shape, "rows_gemv": setting == "on", **row})
-
-
-def measure_engine(path: str, ns: argparse.Namespace, rows_gemv: bool) -> list[dict]:
-    """Step-cost rows of one engine (and, with the multi-row GEMV on, its tuning choices).
-    The switch is set before the engine starts: its CUDA graphs capture whichever path it picks."""
-    from specserve.engine.engine import Engine
-    from specserve.model import gemv_dispatch
-    gemv_dispatch.ROWS_ENABLED = rows_gemv
-    gemv_dispatch.TUNING_LOG.clear()
-    engine = Engine(model_path=path, log_level="warning", speculative_algorithm="NGRAM",
-                    speculative_num_draft_tokens=max(ns.sizes), cuda_graph_max_bs=max(ns.batch_sizes),
-                    max_total_tokens=200_000, skip_server_warmup=True)
-    engine.shutdown()  # the step loop is driven from this thread
-    rows = [{"kind": "rows_tuning", **choice} for choice in gemv_dispatch.TUNING_LOG]
-    for bs in ns.batch_sizes:
-        plain = None
-        for size in sorted(ns.sizes):
-            row = {"kind": "step_cost", **time_steps(engine, bs, size, ns.steps, ns.kernels),
-                   "device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
-            plain = row if size == 1 else plain
-            row["vs_plain"] = row["wall_ms"] / plain["wall_ms"] if plain else None
-            row["gpu_vs_plain"] = row["graph_gpu_ms"] / plain["graph_gpu_ms"] if plain else None
-            rows.append(row)
-    del engine
-    gc.collect()
-    torch.cuda.empty_cache()
-    return rows
-
-
-def write(out: str, row: dict) -> None:
-    row = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}
-    print(json.dumps(row), flush=True)
-    with open(os.path.join(out, "step_cost.jsonl"), "a") as f:
-        f.write(json.dumps(row) + "\n")
+        engine = Engine(model_path=path, log_level="warning", speculative_algorithm="NGRAM",
+                        speculative_num_draft_tokens=max(ns.sizes), cuda_graph_max_bs=max(ns.batch_sizes),
+                        max_total_tokens=200_000, skip_server_warmup=True)
+        engine.shutdown()  # the step loop is driven from this thread
+        for bs in ns.batch_sizes:
+            plain_ms = None
+            for size in sorted(ns.sizes):
+                row = {"kind": "step_cost", "shape": shape, **time_steps(engine, bs, size, ns.steps, ns.kernels),
+                       "device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
+                plain_ms = row["wall_ms"] if size == 1 else plain_ms
+                row["vs_plain"] = row["wall_ms"] / plain_ms if plain_ms else None
+                row = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}
+                print(json.dumps(row), flush=True)
+                with open(os.path.join(ns.out, "step_cost.jsonl"), "a") as f:
+                    f.write(json.dumps(row) + "\n")
+        del engine
 
 
 if __name__ == "__main__":

@@ -15,11 +15,12 @@ needs two rows (gate and up; dims d and d + head_dim / 2 of a head for RoPE) kee
 
 Tile sizes are chosen per weight shape by timing a few candidates, cuBLAS included,
 inside a CUDA graph the first time a shape is seen (before the engine captures its own
-graphs), so the fastest path wins on every GPU and model: gemv_tuning.py times them,
-gemv_dispatch.py picks the path; gemv_rows.py is the same kernel for 2..16 rows.
+graphs), so the fastest path wins on every GPU and model.
 """
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,8 @@ import triton
 import triton.language as tl
 
 from specserve.pdl import uses_pdl
+
+logger = logging.getLogger(__name__)
 
 ENABLED = True  # False: one-row matmuls go to cuBLAS like any other (the A/B of bench.decode_profile)
 
@@ -50,7 +53,12 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N_OUT, K, res_ptr, norm_w_ptr,
     pid = tl.program_id(0)
     if USE_PDL:  # the next kernel may start (and fetch its own weights) as SMs free up
         tl.extra.cuda.gdc_launch_dependents()
-    lanes, lane_ok, rows, second_rows = lane_rows(pid, N_OUT, ROPE, HALF, BLOCK_N)
+    lanes = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    lane_ok = lanes < N_OUT
+    rows = lanes
+    if ROPE:
+        rows = (lanes // HALF) * (2 * HALF) + lanes % HALF
+    second_rows = rows + (HALF if ROPE else N_OUT)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
     w_second = w_ptr + second_rows.to(tl.int64)[:, None] * K
     # The first PREFETCH_K weight columns are loaded before waiting for the previous kernel:
@@ -99,24 +107,12 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N_OUT, K, res_ptr, norm_w_ptr,
     y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
     y_second = y_second.to(out_ptr.dtype.element_ty).to(tl.float32)
     if ROPE:
-        rope_epilogue(y, y_second, lanes, lane_ok, out_ptr, tl.load(positions_ptr).to(tl.int64),
-                      tl.load(slots_ptr).to(tl.int64), cos_ptr, sin_ptr, k_buf_ptr, v_buf_ptr,
-                      num_q_heads, num_kv_heads, HALF)
+        _rope_epilogue(y, y_second, lanes, lane_ok, out_ptr, cos_ptr, sin_ptr, positions_ptr, slots_ptr,
+                       k_buf_ptr, v_buf_ptr, num_q_heads, num_kv_heads, HALF)
     else:
         if SILU_MUL:
             y = (y / (1.0 + tl.exp(-y))).to(out_ptr.dtype.element_ty).to(tl.float32) * y_second
         tl.store(out_ptr + lanes, y.to(out_ptr.dtype.element_ty), mask=lane_ok)
-
-
-@triton.jit
-def lane_rows(pid, N_OUT, ROPE: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Program pid's output lanes, which are valid, and the weight row each reads (and its
-    second row: the up row N_OUT further with SILU_MUL, dim d + HALF of the head with ROPE)."""
-    lanes = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = lanes
-    if ROPE:
-        rows = (lanes // HALF) * (2 * HALF) + lanes % HALF
-    return lanes, lanes < N_OUT, rows, rows + (HALF if ROPE else N_OUT)
 
 
 @triton.jit
@@ -135,31 +131,30 @@ def _gemv_input(x_ptr, res_ptr, norm_w_ptr, cols, col_ok, ADD_NORM: tl.constexpr
 
 
 @triton.jit
-def rope_epilogue(first, second, lanes, ok, q_ptr, position, slot, cos_ptr, sin_ptr, k_buf_ptr, v_buf_ptr,
-                  num_q_heads, num_kv_heads, HALF: tl.constexpr):
+def _rope_epilogue(first, second, lanes, lane_ok, q_ptr, cos_ptr, sin_ptr, positions_ptr, slots_ptr,
+                   k_buf_ptr, v_buf_ptr, num_q_heads, num_kv_heads, HALF: tl.constexpr):
     """Lane (head h, dim d) holds qkv[h, d] and qkv[h, d + HALF]: rotate q and k heads as
-    fused_ops.rope_and_store does, then write q heads to q_ptr, k and v heads to the pool.
-    One token: first, second (BLOCK_N,), position and slot scalars, q_ptr its q row. Several
-    (gemv_rows.py): (BLOCK_M, BLOCK_N) values, and position, slot and q_ptr (BLOCK_M, 1)
-    columns, one per token; ok masks lanes (and tokens) outside the output."""
+    fused_ops.rope_and_store does, then write q heads to q_ptr, k and v heads to the pool."""
     head = lanes // HALF
     dim = lanes % HALF
-    cos = tl.load(cos_ptr + position * HALF + dim, mask=ok, other=1.0)
-    sin = tl.load(sin_ptr + position * HALF + dim, mask=ok, other=0.0)
+    position = tl.load(positions_ptr).to(tl.int64)
+    cos = tl.load(cos_ptr + position * HALF + dim)
+    sin = tl.load(sin_ptr + position * HALF + dim)
     is_q = head < num_q_heads
     is_v = head >= num_q_heads + num_kv_heads
     is_k = ~is_q & ~is_v
     rotated_first = tl.where(is_v, first, first * cos - second * sin)
     rotated_second = tl.where(is_v, second, second * cos + first * sin)
     q_dest = q_ptr + head * (2 * HALF) + dim
-    tl.store(q_dest, rotated_first.to(q_ptr.dtype.element_ty), mask=ok & is_q)
-    tl.store(q_dest + HALF, rotated_second.to(q_ptr.dtype.element_ty), mask=ok & is_q)
+    tl.store(q_dest, rotated_first.to(q_ptr.dtype.element_ty), mask=lane_ok & is_q)
+    tl.store(q_dest + HALF, rotated_second.to(q_ptr.dtype.element_ty), mask=lane_ok & is_q)
     kv_head = tl.where(is_v, head - num_q_heads - num_kv_heads, head - num_q_heads)
+    slot = tl.load(slots_ptr).to(tl.int64)
     offset = (slot * num_kv_heads + kv_head) * (2 * HALF) + dim
-    tl.store(k_buf_ptr + offset, rotated_first.to(k_buf_ptr.dtype.element_ty), mask=ok & is_k)
-    tl.store(k_buf_ptr + offset + HALF, rotated_second.to(k_buf_ptr.dtype.element_ty), mask=ok & is_k)
-    tl.store(v_buf_ptr + offset, rotated_first.to(v_buf_ptr.dtype.element_ty), mask=ok & is_v)
-    tl.store(v_buf_ptr + offset + HALF, rotated_second.to(v_buf_ptr.dtype.element_ty), mask=ok & is_v)
+    tl.store(k_buf_ptr + offset, rotated_first.to(k_buf_ptr.dtype.element_ty), mask=lane_ok & is_k)
+    tl.store(k_buf_ptr + offset + HALF, rotated_second.to(k_buf_ptr.dtype.element_ty), mask=lane_ok & is_k)
+    tl.store(v_buf_ptr + offset, rotated_first.to(v_buf_ptr.dtype.element_ty), mask=lane_ok & is_v)
+    tl.store(v_buf_ptr + offset + HALF, rotated_second.to(v_buf_ptr.dtype.element_ty), mask=lane_ok & is_v)
 
 
 @dataclass(frozen=True)
@@ -177,8 +172,8 @@ class RopeStore:
     token's KV-pool slot, as fused_ops.rope_and_store does after an unfused matmul."""
     cos: torch.Tensor        # (max_positions, head_dim / 2) fp32
     sin: torch.Tensor
-    positions: torch.Tensor  # (rows,) one per input row
-    slots: torch.Tensor      # (rows,)
+    positions: torch.Tensor  # (1,)
+    slots: torch.Tensor      # (1,)
     k_buffer: torch.Tensor   # (pool slots, num_kv_heads, head_dim)
     v_buffer: torch.Tensor
     num_q_heads: int
@@ -193,8 +188,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
          config: tuple[int, int, int, int] = CANDIDATES[0], add_norm: AddNorm | None = None,
          rope: RopeStore | None = None):
     """x: (1, K), weight: (N, K) contiguous; returns (1, N), (1, N / 2) with silu_mul, or
-    q (1, num_q_heads * head_dim) with rope. With add_norm, returns (output, residual + x).
-    (gemv_rows.gemm_rows is the same for up to 16 rows.)"""
+    q (1, num_q_heads * head_dim) with rope. With add_norm, returns (output, residual + x)."""
     n, k = weight.shape
     lanes = n // 2 if silu_mul or rope is not None else n
     block_n, block_k, warps, stages = config
@@ -225,8 +219,7 @@ def prefetch_columns(k: int, rows: int, warps: int) -> int:
 
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
               add_norm: AddNorm | None = None, rope: RopeStore | None = None):
-    """The unfused torch computation gemv (and gemv_rows.gemm_rows) replaces, for any number
-    of rows (same return convention)."""
+    """The unfused torch computation gemv replaces (same return convention)."""
     from specserve.model.rope import rotate_half
     residual_out = None
     if add_norm is not None:
@@ -240,9 +233,105 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
         y = F.silu(gate) * up
     if rope is not None:
         num_q, num_kv, head_dim = rope.heads
-        q, k, v = y.view(len(y), num_q + 2 * num_kv, head_dim).split([num_q, num_kv, num_kv], dim=1)
-        cos, sin = rope.cos[rope.positions].unsqueeze(1), rope.sin[rope.positions].unsqueeze(1)
-        rope.k_buffer[rope.slots] = rotate_half(k, cos, sin)
-        rope.v_buffer[rope.slots] = v
-        y = rotate_half(q, cos, sin).reshape(len(y), -1)
+        q, k, v = y.view(num_q + 2 * num_kv, head_dim).split([num_q, num_kv, num_kv])
+        cos, sin = rope.cos[rope.positions], rope.sin[rope.positions]
+        rope.k_buffer[rope.slots] = rotate_half(k, cos, sin).unsqueeze(0)
+        rope.v_buffer[rope.slots] = v.unsqueeze(0)
+        y = rotate_half(q, cos, sin).reshape(1, -1)
     return y if add_norm is None else (y, residual_out)
+
+
+def one_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   silu_mul: bool = False, add_norm: AddNorm | None = None, rope: RopeStore | None = None):
+    """x @ W^T (+ bias) (then silu_mul or rope) for one CUDA row, by the fastest measured
+    path; with add_norm the input is normalised first and (output, residual + x) is returned."""
+    config = best_config(tuple(weight.shape), weight.dtype, bias is not None, silu_mul, add_norm is not None,
+                         rope.heads if rope is not None else None, weight.device)
+    if config is None:
+        return _unfused(x, weight, bias, silu_mul, add_norm, rope)
+    return gemv(x, weight, bias, silu_mul, config, add_norm, rope)
+
+
+@functools.lru_cache(maxsize=None)
+def best_config(shape: tuple[int, int], dtype: torch.dtype, has_bias: bool, silu_mul: bool, add_norm: bool,
+                rope_heads: tuple[int, int, int] | None, device: torch.device) -> tuple[int, int, int, int] | None:
+    """The fastest GEMV tile config for this weight shape, or None when cuBLAS is faster."""
+    times = candidate_times(shape, dtype, has_bias, silu_mul, add_norm, device, rope_heads)
+    logger.info("one-row matmul %s%s%s%s: %s", shape, " + add_norm" if add_norm else "",
+                " + silu_mul" if silu_mul else "", " + rope" if rope_heads else "",
+                ", ".join(f"{'cublas' if k is None else k} {v:.1f} us" for k, v in times.items()))
+    return min(times, key=times.get)
+
+
+def candidate_times(shape: tuple[int, int], dtype: torch.dtype, has_bias: bool, silu_mul: bool, add_norm: bool,
+                    device: torch.device, rope_heads: tuple[int, int, int] | None = None) -> dict:
+    """GPU microseconds per call of cuBLAS (key None) and of each GEMV config.
+
+    Timed over enough weight copies to overflow the L2 cache: in a decode step every
+    weight comes from HBM, and a small matrix re-read from L2 would look several times
+    faster than it is (H200: o_proj 2.6 us from L2, ~6 us from HBM)."""
+    l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
+    copies = max(2, min(32, -(-3 * l2_bytes // (shape[0] * shape[1] * torch.finfo(dtype).bits // 8))))
+    weights = [torch.randn(shape, dtype=dtype, device=device) for _ in range(copies)]
+    bias = torch.randn(shape[0], dtype=dtype, device=device) if has_bias else None
+    x = torch.randn((1, shape[1]), dtype=dtype, device=device)
+    norm = AddNorm(torch.randn_like(x), torch.randn(shape[1], dtype=dtype, device=device), 1e-6) if add_norm else None
+    rope = _timing_rope(rope_heads, dtype, device) if rope_heads else None
+    times = {None: graph_time_us([lambda w=w: _unfused(x, w, bias, silu_mul, norm, rope) for w in weights])}
+    for config in CANDIDATES:
+        try:
+            times[config] = graph_time_us([lambda w=w: gemv(x, w, bias, silu_mul, config, norm, rope)
+                                           for w in weights])
+        except Exception as error:  # e.g. a tile that needs more shared memory than this GPU has
+            logger.warning("gemv config %s failed on %s: %s", config, shape, error)
+    return times
+
+
+def _timing_rope(heads: tuple[int, int, int], dtype: torch.dtype, device: torch.device) -> RopeStore:
+    """A small stand-in cache and position for timing the RoPE epilogue."""
+    num_q, num_kv, head_dim = heads
+    table = torch.rand((8, head_dim // 2), dtype=torch.float32, device=device)
+    index = torch.ones(1, dtype=torch.int64, device=device)
+    pool = torch.zeros((4, num_kv, head_dim), dtype=dtype, device=device)
+    return RopeStore(table, table, index, index, pool, pool.clone(), num_q)
+
+
+def _unfused(x, weight, bias, silu_mul: bool, add_norm: AddNorm | None, rope: RopeStore | None = None):
+    """The same result through the other GPU kernels: add+RMSNorm, cuBLAS, silu_mul or
+    rope_and_store (for shapes where cuBLAS wins, and as the baseline the GEMV is timed
+    against)."""
+    from specserve.model import fused_ops
+    residual = None
+    if add_norm is not None:
+        residual = add_norm.residual.clone()  # add_rmsnorm updates it in place; the input stays
+        x = fused_ops.add_rmsnorm(x, add_norm.weight, add_norm.eps, residual=residual)
+    y = F.linear(x, weight, bias)
+    y = fused_ops.silu_mul(y) if silu_mul else y
+    if rope is not None:
+        num_q, num_kv, head_dim = rope.heads
+        q, k, v = y.view(1, num_q + 2 * num_kv, head_dim).split([num_q, num_kv, num_kv], dim=1)
+        fused_ops.rope_and_store(q, k, v, rope.cos, rope.sin, rope.positions, rope.slots, rope.k_buffer, rope.v_buffer)
+        y = q.reshape(1, -1)
+    return y if add_norm is None else (y, residual)
+
+
+def graph_time_us(calls: list, rounds: int = 3) -> float:
+    """Microseconds per call on the GPU, launch cost excluded: the calls are captured in
+    one CUDA graph and replayed `rounds` times."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        calls[0]()  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(rounds):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (rounds * len(calls))

@@ -1,5 +1,5 @@
-"""Building blocks of the decoder: RMSNorm, the gated MLP, and the dispatch of matmuls of
-up to 16 rows to the GEMV kernels (gemv_rows.py, gemv.py); rotary embeddings are in rope.py."""
+"""Building blocks of the decoder: RMSNorm, the gated MLP, and the dispatch of one-row
+matmuls to gemv.py (rotary embeddings are in rope.py)."""
 from __future__ import annotations
 
 import torch
@@ -16,22 +16,20 @@ def fused():
 
 
 def gemv_ops():
-    """The GEMV kernels' dispatch for 1..16 rows (gemv_dispatch.py), imported on first GPU
-    use like `fused`."""
-    from specserve.model import gemv_dispatch
-    return gemv_dispatch
+    """The one-row GEMV kernels (gemv.py), imported on first GPU use like `fused`."""
+    from specserve.model import gemv
+    return gemv
 
 
-def takes_gemv_kernels(x: torch.Tensor) -> bool:
-    """Up to 16 rows on a GPU (a batch-1 decode step, a small verify or decode batch) go
-    through the GEMV kernels: each weight is read once for all rows, the small ops fused in."""
-    return x.is_cuda and gemv_ops().takes_rows(x.shape[0])
+def takes_one_row_kernels(x: torch.Tensor) -> bool:
+    """One row on a GPU (a batch-1 decode step) goes through gemv.py's kernels."""
+    return x.is_cuda and x.shape[0] == 1 and gemv_ops().ENABLED
 
 
 def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """layer(x); up to 16 CUDA rows take the fastest measured GEMV."""
-    if takes_gemv_kernels(x):
-        return gemv_ops().rows_linear(x, layer.weight, layer.bias)
+    """layer(x); one CUDA row takes the fastest measured GEMV."""
+    if takes_one_row_kernels(x):
+        return gemv_ops().one_row_linear(x, layer.weight, layer.bias)
     return layer(x)
 
 
