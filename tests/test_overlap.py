@@ -146,11 +146,11 @@ def test_plain_steps_index_and_probe_only_every_kth_step(engine_factory, plain, 
         return run_decode(batch)
     core._run_decode = decode
     spy(adaptive, "probe_due", lambda step, due: step["events"].append("due" if due else "skip"))
-    spy(core, "_index_drafts", lambda step, _: step["events"].append("index"))
+    spy(drafter, "flush", lambda step, _: step["events"].append("index"))
     probe = core._probe
 
     def probing(reqs):
-        steps[-1]["events"].append(("probe", drafter._pending_tokens))
+        steps[-1]["events"].append(("probe", sum(map(len, drafter._pending.values()))))
         probe(reqs)
     core._probe = probing
     prompts = (SAMPLE_PROMPTS * 2)[:8]
@@ -167,7 +167,7 @@ def test_plain_steps_index_and_probe_only_every_kth_step(engine_factory, plain, 
         probed = [i for i, e in enumerate(events) if e and e[0] == "due"]
         assert probed == list(range(0, len(events), 4)), (bucket, events)
         for e in events:
-            if e[0] == "due":   # indexed while the GPU computes, then the probe: only this step's tokens queued
+            if e[0] == "due":   # handed to the writer while the GPU computes, then the probe: only this step's tokens queued
                 assert e[1] == "index" and e[2][0] == "probe" and e[2][1] <= bucket, e
             else:
                 assert e == ["skip"], e

@@ -321,7 +321,8 @@ def test_ngram_drafter_random_histories_stay_within_limits(one_branch):
 
 
 def test_ngram_drafter_indexes_prompts_and_outputs_at_flush():
-    """add_prompt and observe only queue tokens; flush (run while the GPU computes) indexes them."""
+    """add_prompt and observe only queue tokens; flush (run while the GPU computes) hands them
+    to the trie's writer, and a proposal sees what was flushed before it."""
     drafter = NgramDrafter(NgramConfig(), one_branch=True)
     writer, reader = fake_req("w", [5, 6, 7, 8]), fake_req("r", [40, 5, 6])
     drafter.add_prompt(writer)
@@ -336,35 +337,6 @@ def test_ngram_drafter_indexes_prompts_and_outputs_at_flush():
     assert drafter.propose([reader], [8])[1] == [5]          # 6 -> 7 8 9 10
     drafter.release(writer)
     drafter.release(reader)
-
-
-def test_ngram_flush_indexes_chunks_while_the_gpu_is_busy():
-    """With a `busy` probe, flush indexes FLUSH_CHUNK tokens at a time until the GPU is done;
-    the rest waits, in order. A finished request's stream is let go once its queued tokens
-    are in (they continue it), not before."""
-    from specserve.speculative import ngram
-    drafter = NgramDrafter(NgramConfig(), one_branch=True)
-    long_prompt = [100 + (i % 50) for i in range(3 * ngram.FLUSH_CHUNK)]
-    writer, other = fake_req("w", long_prompt), fake_req("o", [7, 8, 9])
-    drafter.add_prompt(writer)
-    drafter.add_prompt(other)
-    writer_owner = drafter._owners["w"]
-    checks = iter([True, False])                       # busy for one more chunk, then done
-    drafter.flush(busy=lambda: next(checks))
-    assert drafter._pending_tokens == ngram.FLUSH_CHUNK + 3
-    drafter.release(writer)                            # finished with a chunk still queued
-    assert writer_owner in drafter.trie._streams
-    drafter.flush(busy=lambda: False)                  # one chunk: the writer's last
-    assert writer_owner not in drafter.trie._streams   # released once its tokens are in
-    assert drafter._pending == {drafter._owners["o"]: [7, 8, 9]}
-    reader = fake_req("r", [1, 100, 101])
-    trees, num_nodes = drafter.propose([reader], [4])
-    assert trees.tokens[0, :num_nodes[0]].tolist() == [101, 102, 103, 104]
-    drafter.flush()
-    assert drafter._pending_tokens == 0 and not drafter._pending
-    for req in (other, reader):
-        drafter.release(req)
-    assert not drafter.trie._streams and not drafter._pending and not drafter._finished
 
 
 def test_ngram_tokens_queued_over_steps_are_indexed_in_one_call_per_request():
@@ -386,6 +358,7 @@ def test_ngram_tokens_queued_over_steps_are_indexed_in_one_call_per_request():
             if drafter is stepwise:
                 drafter.flush()
         drafter.flush()
+        drafter.writer.drain()   # the writer thread's inserts are done
     owner_a, owner_b = deferred._owners["a"], deferred._owners["b"]
     assert inserts == [(owner_a, [5, 6, 7, 8, 9, 5, 6, 7, 8, 10]), (owner_b, [20, 21, 22, 23, 20, 21, 22])]
     a.output_ids, b.output_ids = [8, 9, 5, 6, 7, 8, 10], [22, 23, 20, 21, 22]

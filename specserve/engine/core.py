@@ -52,7 +52,6 @@ class EngineCore:
         self.requests: dict[str, Req] = {}
         self.last_batch_reqs: list[Req] = []   # the requests of the step in flight, failed together if it raises
         scheduler.preempt_listeners.append(self._preempted)
-        self._indexing_s = 0.0   # host seconds of the drafter's last flush: part of a probe's cost
         self.text = DeferredText()   # a drafting step's detokenizing, done while the GPU runs the next step
 
     # --- public surface ---
@@ -107,7 +106,7 @@ class EngineCore:
             logits = self.runner.extend(batch.reqs, batch.extend_lens, slots, batch.samples, capture)
             self.text.run()   # while the GPU runs the prefill
             if self.drafter is not None:
-                self.drafter.flush(self._gpu_busy())  # e.g. index new prompts while the GPU runs the prefill
+                self.drafter.flush()  # e.g. new prompts indexed in the background while the GPU runs the prefill
         except BaseException:
             self.scheduler.free_slots(slots)  # no request holds them yet
             raise
@@ -159,9 +158,9 @@ class EngineCore:
         sampling, logprobs). The outcome also holds the nodes' hidden states (bs, n,
         features) when the runner keeps them (an EAGLE drafter reads them). A fused
         drafter (NAIVE_EAGLE, MTP) may run the whole step itself, its next drafts included.
-        While the GPU computes, the host detokenizes the previous step's tokens and runs
-        the drafter's deferred indexing (`index`: plain steps that do not probe leave it to
-        the next probe)."""
+        While the GPU computes, the host detokenizes the previous step's tokens and hands
+        the drafter's deferred indexing to its writer (`index`: plain steps that do not
+        probe leave it to the next probe)."""
         n = proposal.num_slots
         fused = self.drafter.verify_fused(reqs, proposal, slots, self.sampler) if self.drafter is not None else None
         if fused is not None:
@@ -175,7 +174,7 @@ class EngineCore:
         launched = InFlight.launch(step.outcome) if greedy else None
         self.text.run()
         if self.drafter is not None and index:
-            self._index_drafts()  # host work while the GPU computes the step
+            self.drafter.flush()  # indexed in the background while the GPU computes the step
         if greedy:
             parsed = GreedyOutcome.parse(launched.wait())
             return StepOutcome(parsed.tokens, parsed.accepted, parsed.accept_lens, True, step.hidden)
@@ -192,7 +191,7 @@ class EngineCore:
                 self.overlap.launch_next(current)
             self.text.run()   # a drafting step's, before this step's tokens reach the detokenizers
             if probing:
-                self._index_drafts()  # host work while the GPU computes: what the probe proposes from
+                self.drafter.flush()  # what the probe proposes from, indexed in the background meanwhile
             tokens = current.launched.wait().tolist()
         except BaseException:
             self.overlap.release(current)
@@ -218,7 +217,8 @@ class EngineCore:
     def _probe(self, reqs: list[Req]) -> None:
         """A plain step's look at whether drafting would pay now: proposals for a few of its
         requests, kept as the adaptive policy's shadows only (nothing is verified). Its host
-        time, with the indexing it needed, is the probe's cost."""
+        time is the probe's cost: the proposals include the wait for the indexing they need
+        (what the drafter's writer has not finished while the GPU computed)."""
         start = time.perf_counter()
         window = self.adaptive.probe_requests(len(reqs))   # at most the batch: no request twice
         sample = [reqs[i % len(reqs)] for i in window if not reqs[i % len(reqs)].finished]
@@ -227,30 +227,13 @@ class EngineCore:
             rids, keys = [r.rid for r in sample], self.drafter.proposal_keys()
             self.adaptive.record_proposals(rids, proposal, num_nodes, keys)
             self.adaptive.probe(len(reqs), rids, num_nodes, keys)
-        self.adaptive.record_probe(len(reqs), time.perf_counter() - start + self._indexing_s)
-        self._indexing_s = 0.0
-
-    def _index_drafts(self) -> None:
-        """The drafter's deferred indexing (NGRAM: committed tokens into the trie), for as
-        long as the GPU is busy; its host time is kept for the probe that needs it."""
-        start = time.perf_counter()
-        self.drafter.flush(self._gpu_busy())
-        self._indexing_s = time.perf_counter() - start
+        self.adaptive.record_probe(len(reqs), time.perf_counter() - start)
 
     def _next_step_is_plain(self, reqs: list[Req]) -> bool:
         """Whether the step after this one can be launched before this one's tokens are read."""
         if any(len(r.output_ids) + 1 >= r.max_new_tokens or r.kv_len + 2 > self.runner.context_length for r in reqs):
             return False  # a request ends with this step: the next one would be thrown away
         return self.adaptive is None or not self.adaptive.would_draft(len(reqs))
-
-    def _gpu_busy(self):
-        """A probe of whether the work queued so far is still running (None on a CPU, where
-        the forward has already run: the drafter's deferred work then happens at once)."""
-        if self.runner.device.type != "cuda":
-            return None
-        queued = torch.cuda.Event()
-        queued.record()
-        return lambda: not queued.query()
 
     def _drop_ahead(self) -> None:
         if self.overlap is not None:

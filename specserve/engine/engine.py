@@ -102,6 +102,8 @@ class Engine:
         self._wake.set()
         self._thread.join(timeout=30)
         self.core.runner.shutdown()   # tensor-parallel worker processes, if any
+        if self.core.drafter is not None:
+            self.core.drafter.close()   # e.g. the n-gram trie's writer thread
 
     def __enter__(self) -> "Engine":
         return self

@@ -7,7 +7,7 @@ from a distribution come with it (TreeProposal.draft_probs) for residual rejecti
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from specserve.speculative.tree import TreeProposal
 
@@ -55,10 +55,10 @@ class Drafter:
         fused step does not serve)."""
         return None
 
-    def flush(self, busy: "Callable[[], bool] | None" = None) -> None:
-        """Deferred bookkeeping (e.g. indexing observed tokens). The engine calls it right
-        after launching a forward, with `busy` telling whether the GPU is still computing
-        (None: do it all now); on plain steps of the adaptive policy only before a probe."""
+    def flush(self) -> None:
+        """Deferred bookkeeping (e.g. indexing observed tokens), started in the background
+        or done at once. The engine calls it right after launching a forward; on plain steps
+        of the adaptive policy only before a probe."""
 
     def release(self, req: "Req") -> None:
         """The request finished or was aborted."""
@@ -66,6 +66,9 @@ class Drafter:
     def preempted(self, req: "Req") -> None:
         """The request lost its KV cache (preempted; it recomputes it when it resumes): what
         the drafter keeps per position of the cache goes too. Its tokens are still its own."""
+
+    def close(self) -> None:
+        """The engine shuts down: threads the drafter started stop and are joined."""
 
     def scratch(self) -> "Drafter":
         """A drafter of the same kind whose learned state is thrown away afterwards (the

@@ -2,25 +2,32 @@
 
 The trie is fed every prompt when it arrives and every committed token; each request is an
 owner of its own stream, so its own prompt and output rank first when it is drafted for.
-Prompts and committed tokens are queued and indexed in `flush`, which the engine calls
-right after launching a forward: indexing costs ~2-5 us per token of host time (at 64
-requests, milliseconds per step; a batch of long prompts, more than their prefill), so it
-runs while the GPU computes, in chunks, for as long as the GPU is busy, and what is left
-waits for the next step (a finished request's stream is let go once its tokens are in). A
-proposal therefore misses at least the tokens of the step just before it, which have no
-continuation to offer yet anyway. Plain steps that do not probe skip the flush (adaptive.py),
-so a request's tokens queue up over several steps: they are queued per request and indexed
-in one trie call each (one call costs about as much as indexing a few tokens).
+Indexing costs ~2-5 us per token (a batch of 64 long prompts: ~200 ms), so it runs on the
+trie's writer thread (ngram_writer.py) in parallel with the step loop: `add_prompt` and
+`observe` queue tokens per request (cheap list appends; a request's tokens of several steps
+reach the trie in one call), and `flush`, which the engine calls right after launching a
+forward, hands the queue to the writer and returns. `propose` first waits until the writer
+has indexed everything handed over before it (normally long done: it had the GPU's time),
+so a proposal sees exactly the tokens flushed before it, whatever the timing: drafted trees
+are the same from run to run and on every tensor-parallel rank. It therefore misses the
+tokens committed since the last flush (at least the step just before it), which have no
+continuation to offer yet anyway. Plain steps that do not probe skip the flush
+(adaptive.py). A finished request's stream is let go after its last queued tokens.
+
+With the pure-Python trie (no C compiler) the writes run at once on the caller's thread
+in `flush`: that trie holds the GIL, so a thread would gain nothing.
 """
 from __future__ import annotations
 
+import functools
 import itertools
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from specserve.speculative.drafter import Drafter
 from specserve.speculative.ngram_trie import NgramConfig, NgramTrie
+from specserve.speculative.ngram_writer import TrieWriter
 from specserve.speculative.tree import TreeProposal
 
 if TYPE_CHECKING:
@@ -29,24 +36,26 @@ if TYPE_CHECKING:
 
 
 MATCH_KEY_CAP = 6         # suffix matches this long or longer count as one evidence class
-FLUSH_CHUNK = 32          # tokens indexed between two checks of whether the GPU is still busy
-MAX_BACKLOG = 65536       # queued tokens beyond which flush indexes everything at once
+WRITE_CHUNK = 256         # tokens per insert call under the lock (~0.5-1.3 ms at max_trie_depth 18)
 
 
 class NgramDrafter(Drafter):
-    def __init__(self, config: NgramConfig, one_branch: bool):
+    def __init__(self, config: NgramConfig, one_branch: bool, background: bool | None = None):
+        """background: index on a writer thread (default: with the compiled trie only)."""
         self.config = config
         self.trie = NgramTrie(config)
         self.one_branch = one_branch
         self.window = config.max_match_window
         self._owners: dict[str, int] = {}
         self._next_owner = itertools.count()
-        # owner -> its tokens not indexed yet, in order (an owner's stream must be fed in
-        # order); owners in the order their oldest queued token arrived
+        # owner -> its tokens not handed to the writer yet, in order (an owner's stream must
+        # be fed in order); owners in the order their oldest queued token arrived
         self._pending: dict[int, list[int]] = {}
-        self._pending_tokens = 0
-        self._finished: set[int] = set()    # owners released while tokens of theirs were queued
+        self._released: list[int] = []   # owners finished since the last flush
         self._keys: list[int] = []
+        if background is None:
+            background = isinstance(self.trie, NgramTrie)
+        self.writer = TrieWriter(background)
 
     @classmethod
     def from_args(cls, args: "ServerArgs") -> "NgramDrafter":
@@ -61,8 +70,9 @@ class NgramDrafter(Drafter):
         return cls(config, args.speculative_one_branch)
 
     def scratch(self) -> "NgramDrafter":
-        """An empty trie of the same configuration."""
-        return NgramDrafter(self.config, self.one_branch)
+        """An empty trie of the same configuration (its writer thread stops when it is closed
+        or collected)."""
+        return NgramDrafter(self.config, self.one_branch, self.writer.background)
 
     def add_prompt(self, req: "Req") -> None:
         self._queue(self._owner(req), req.prompt_ids)
@@ -72,7 +82,10 @@ class NgramDrafter(Drafter):
         window = self.window
         contexts = [_tail(req, window) for req in reqs]
         owners = [self._owner(req) for req in reqs]
-        tokens, parents, num_nodes, match_lengths = self.trie.propose_batch(contexts, max_nodes, self.one_branch, owners)
+        self.writer.drain()   # everything flushed before this proposal is in: no timing in what it sees
+        with self.writer.lock:
+            tokens, parents, num_nodes, match_lengths = self.trie.propose_batch(
+                contexts, max_nodes, self.one_branch, owners)
         self._keys = np.minimum(match_lengths, MATCH_KEY_CAP).tolist()
         n = int(num_nodes.max())
         # copies: the trie reuses its output buffers
@@ -95,39 +108,39 @@ class NgramDrafter(Drafter):
             self._pending[owner] = list(tokens)   # a copy: the caller's list may grow (a prompt's)
         else:
             queued.extend(tokens)
-        self._pending_tokens += len(tokens)
 
-    def flush(self, busy: Callable[[], bool] | None = None) -> None:
-        """Indexes queued tokens: all of them, or, given `busy`, chunk by chunk until it
-        returns False (at least one chunk, and all once the backlog grows too long)."""
-        while self._pending:
-            owner, tokens = next(iter(self._pending.items()))
-            chunk = tokens if busy is None or len(tokens) <= FLUSH_CHUNK else tokens[:FLUSH_CHUNK]
-            self.trie.insert(chunk, owner=owner)
-            self._pending_tokens -= len(chunk)
-            if len(chunk) < len(tokens):
-                del tokens[:len(chunk)]   # the owner keeps its place in the queue
-            else:
-                del self._pending[owner]
-                self._indexed_all(owner)
-            if busy is not None and not busy() and self._pending_tokens < MAX_BACKLOG:
-                return
+    def flush(self) -> None:
+        """Hands the queued tokens and finished streams to the writer (indexed in the
+        background with the compiled trie, at once with the Python one). Raises if an
+        earlier write failed."""
+        self.writer.check()
+        if not self._pending and not self._released:
+            return
+        job = functools.partial(self._write, list(self._pending.items()), self._released)
+        self._pending, self._released = {}, []
+        self.writer.submit(job)
 
-    def _indexed_all(self, owner: int) -> None:
-        """The owner's queued tokens are in: a finished owner's stream can go."""
-        if owner in self._finished:
-            self._finished.discard(owner)
-            self.trie.release(owner)
+    def _write(self, queued: list[tuple[int, list[int]]], released: list[int]) -> None:
+        """The writer's job: each owner's tokens in chunks (a reader waits for one chunk at
+        most), then the finished owners' streams (after their last tokens, which continue them)."""
+        trie, lock = self.trie, self.writer.lock
+        for owner, tokens in queued:
+            for start in range(0, len(tokens), WRITE_CHUNK):
+                with lock:
+                    trie.insert(tokens[start:start + WRITE_CHUNK], owner=owner)
+        for owner in released:
+            with lock:
+                trie.release(owner)
 
     def release(self, req: "Req") -> None:
-        """Its stream is let go now, or once its queued tokens are indexed (they continue it)."""
+        """Its stream is let go at the next flush, after its queued tokens (they continue it)."""
         owner = self._owners.pop(req.rid, None)
-        if owner is None:
-            return
-        if owner in self._pending:
-            self._finished.add(owner)
-        else:
-            self.trie.release(owner)
+        if owner is not None:
+            self._released.append(owner)
+
+    def close(self) -> None:
+        """Stops and joins the writer thread; the drafter proposes no more."""
+        self.writer.close()
 
     def _owner(self, req: "Req") -> int:
         owner = self._owners.get(req.rid)

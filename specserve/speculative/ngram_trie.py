@@ -10,7 +10,9 @@ through ctypes, one call per ``insert`` or ``propose``: ~2-5 us per token indexe
 pure-Python original (``ngram_trie_py.py``) takes ~20-70, and proposals several times
 cheaper (``python -m specserve.speculative.bench_ngram``). This file is the Python face:
 the build, and the conversions. On a machine without a working C compiler, ``NgramTrie(config)``
-gives the pure-Python trie instead (same behaviour, one warning).
+gives the pure-Python trie instead (same behaviour, one warning). A trie is not thread-safe:
+its caller keeps calls from overlapping (NgramDrafter: ngram_writer.py's lock); ``insert``
+releases the GIL, the other calls keep it.
 
 - Insertion is incremental: a stream (one request, keyed by ``owner``) keeps its frontier,
   the nodes of the n-grams ending at its last token. A new token adds one child to each,
@@ -97,7 +99,10 @@ class NgramTrie:
         self._finalizer = weakref.finalize(self, lib.ngt_free, self._handle)
         # The two hot calls skip ctypes' per-argument conversion (see _SIGNATURES).
         self._handle_arg = ctypes.c_void_p(self._handle)
-        self._insert_c, self._propose_c, self._propose_batch_c = lib.ngt_insert, lib.ngt_propose, lib.ngt_propose_batch
+        self._propose_c, self._propose_batch_c = lib.ngt_propose, lib.ngt_propose_batch
+        # Inserts release the GIL (a prompt's take milliseconds): a writer thread runs them in
+        # parallel with Python; the caller keeps other calls out meanwhile (NgramDrafter's lock).
+        self._insert_c = _library_without_gil().ngt_insert
         self._grow_output(64)
         self._batch_capacity = (0, 0)
         self._grow_batch_output(64 * 16, 64)
@@ -342,13 +347,25 @@ def compiled_trie_unavailable() -> str | None:
 @functools.cache
 def _library() -> ctypes.PyDLL:
     """The compiled trie, built once per source version and flags. PyDLL: calls keep the GIL
-    (they take microseconds; no other thread can enter the trie meanwhile)."""
+    (a proposal takes microseconds: releasing and taking back the GIL would add to it)."""
     if array("i").itemsize != 4:
         raise RuntimeError("the n-gram trie needs a 4-byte C int")
     path, flags = _library_path()
     if not path.exists():
         _compile(path, flags)
-    lib = ctypes.PyDLL(str(path))
+    return _load(ctypes.PyDLL, path)
+
+
+@functools.cache
+def _library_without_gil() -> ctypes.CDLL:
+    """The same library through CDLL, whose calls release the GIL: inserts, which run on the
+    drafter's writer thread (ngram_writer.py) in parallel with the engine's step loop."""
+    _library()   # built
+    return _load(ctypes.CDLL, _library_path()[0])
+
+
+def _load(kind: type[ctypes.CDLL], path: Path) -> ctypes.CDLL:
+    lib = kind(str(path))
     for name, (restype, argtypes) in _SIGNATURES.items():
         function = getattr(lib, name)
         function.restype = restype
