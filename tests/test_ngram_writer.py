@@ -203,3 +203,20 @@ def test_engine_shutdown_joins_the_writer_threads(engine_factory):
     while set(writer_threads()) - before and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not thread.is_alive() and not set(writer_threads()) - before
+
+
+def test_a_failed_write_fails_the_engines_requests_instead_of_hanging(engine_factory):
+    from tests.spec_fixtures import ngram_args
+    engine = engine_factory(max_total_tokens=2048, **ngram_args(8))
+
+    def failing(tokens, owner=None):
+        raise MemoryError("the n-gram trie is out of memory")
+    engine.core.drafter.trie.insert = failing
+    params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    with pytest.raises(RuntimeError, match="n-gram trie failed on its writer thread: MemoryError"):
+        engine.generate("def add(a, b):", params)
+    assert isinstance(engine.fatal_error, TrieWriterError)
+    with pytest.raises(RuntimeError):   # the engine stopped: refused, not left waiting
+        engine.generate("def sub(a, b):", params)
+    engine.shutdown()
+    assert not engine.core.drafter.writer.thread.is_alive()

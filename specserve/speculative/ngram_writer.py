@@ -12,7 +12,7 @@ held around every call into the trie by jobs and readers alike, so they never ov
 
 A job that raises stops the writer: the trie may hold part of that job's tokens, so later
 jobs are skipped and `drain()` / `check()` raise on the caller's thread, every time, naming
-the original error. Nothing waits forever: a closed writer refuses jobs and drains at once.
+the original error (an EngineFatalError: the engine fails every request with it). Nothing waits forever: a closed writer refuses jobs and drains at once.
 
 `TrieWriter(background=False)` runs each job at once on the caller's thread (the pure-Python
 trie, which holds the GIL throughout: a thread would only add switching).
@@ -24,13 +24,17 @@ import weakref
 from collections import deque
 from typing import Callable
 
+from specserve.errors import EngineFatalError
+
 Job = Callable[[], None]
 _STOP = object()
 JOIN_TIMEOUT_S = 10.0   # close() waits this long for a job in progress (the longest: one chunk's insert)
 
 
-class TrieWriterError(RuntimeError):
-    """A write into the n-gram trie failed on the writer thread."""
+class TrieWriterError(EngineFatalError):
+    """A write into the n-gram trie failed on the writer thread (or the writer was closed).
+    Fatal: every later proposal would fail too, so the engine fails all its requests at
+    once instead of one by one."""
 
 
 class TrieWriter:
