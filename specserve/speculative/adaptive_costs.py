@@ -1,0 +1,56 @@
+"""StepCosts: the price of a step per (batch-size bucket, tier), measured, not assumed.
+
+A price is the wall time of whole steps (drafting, forward, verification, commit), an
+exponential moving average per (bucket, tier). Each tier is tried once per bucket (a few
+steps in a run); after that, one drafting step in REFRESH_EVERY re-measures the contender
+measured longest ago (the policy says which tiers contend), so a price taken during a
+one-off stall does not stick, and a tier far from winning is not paid for again.
+"""
+from __future__ import annotations
+
+COST_EMA = 0.2       # step times are noisy
+REFRESH_EVERY = 50
+
+
+class StepCosts:
+    def __init__(self, tiers: list[int]):
+        self.tiers = tiers
+        self.seconds: dict[tuple[int, int], float] = {}      # (bucket, tier) -> a step's wall time
+        self.measured_at: dict[tuple[int, int], int] = {}    # the bucket's step count at the last measurement
+        self._bucket_steps: dict[int, int] = {}
+        # the tier that prices a step whose largest tree has `size` nodes: _tier_of[size]
+        self._tier_of = [next(t for t in tiers if t >= size) for size in range(tiers[-1] + 1)]
+
+    def record(self, bucket: int, tree_size: int, seconds: float) -> int:
+        """A step whose largest tree had tree_size nodes: it is priced as the smallest tier
+        that holds it (the forward a GPU graph runs for it). Returns that tier."""
+        tier = self._tier_of[tree_size] if tree_size < len(self._tier_of) else self.tiers[-1]
+        key = (bucket, tier)
+        old = self.seconds.get(key)
+        self.seconds[key] = seconds if old is None else old + COST_EMA * (seconds - old)
+        self._bucket_steps[bucket] = self.steps(bucket) + 1
+        self.measured_at[key] = self._bucket_steps[bucket]
+        return tier
+
+    def steps(self, bucket: int) -> int:
+        """Steps of the bucket recorded so far: the clock that plain holds and refreshes count in."""
+        return self._bucket_steps.get(bucket, 0)
+
+    def unpriced(self, bucket: int, tiers: list[int]) -> list[int]:
+        return [t for t in tiers if (bucket, t) not in self.seconds]
+
+    def cost(self, bucket: int, tier: int) -> float:
+        return self.seconds[(bucket, tier)]
+
+    def refresh_due(self, bucket: int) -> bool:
+        """Whether this drafting step of the bucket re-measures a contender."""
+        return self.steps(bucket) % REFRESH_EVERY == REFRESH_EVERY - 1
+
+    def stalest(self, bucket: int, tiers: list[int]) -> int:
+        """Of these (priced) tiers, the one measured longest ago."""
+        return min(tiers, key=lambda t: self.measured_at[(bucket, t)])
+
+
+def batch_bucket(batch_size: int) -> int:
+    """Batch sizes grouped by powers of two: step cost grows smoothly with the batch."""
+    return 1 << (batch_size - 1).bit_length()

@@ -1,0 +1,121 @@
+"""BucketModes: whether each batch-size bucket drafts or decodes plainly, how long it is
+held plain, and the guard that stops drafting which realizes less than plain decoding.
+
+Two modes per batch bucket, which starts plain. Drafting: every step proposes and picks its
+tier; a step that picks 1 switches the bucket to plain. Plain: steps run on the overlapped
+plain path (the next step queued before this one's tokens are read), probes keep the
+evidence coming (adaptive_probes.py), and the bucket switches back to drafting as soon as a
+tier above 1 is expected to win.
+
+The policy's model can be wrong (a class's history may not transfer to new text, a probe
+sees a sample), so measured outcomes have the last word: the engine reports the tokens
+every step committed, a bucket keeps the realized rate (tokens per second) of its plain
+steps, and each drafting episode (from a switch to drafting until the next switch back) is
+compared with it. An episode that falls below GUARD_RATIO of the plain rate after
+GUARD_STEPS steps is stopped; an episode that lost doubles how long the bucket then stays
+plain before probes may switch it again (PLAIN_HOLD .. MAX_PLAIN_HOLD steps); one that won
+resets it. A probe's switch waits for the step already launched ahead to finish instead
+of throwing it away.
+
+Holds count in the bucket's recorded steps (StepCosts.steps), which callers pass in.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+REALIZED_EMA = 0.1     # realized plain-mode rate: a smooth reference for the episodes
+GUARD_STEPS = 8        # a drafting episode is judged on its realized rate after this many steps
+GUARD_RATIO = 0.97     # ... and stopped below this fraction of the plain rate
+PLAIN_HOLD = 16        # steps a bucket stays plain after a drafting episode that won (or its first)
+MAX_PLAIN_HOLD = 1024  # after episodes that lost the hold doubles, up to this
+
+
+@dataclass
+class _Episode:
+    """A bucket's drafting run since it last switched to drafting."""
+    tokens: int = 0
+    seconds: float = 0.0
+    steps: int = 0
+
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class BucketModes:
+    def __init__(self) -> None:
+        self.plain: set[int] = set()                       # buckets in plain mode
+        self.switching: dict[int, bool] = {}               # bucket -> a probe's switch waits (True: next step)
+        self.hold: dict[int, int] = {}                     # bucket -> steps to stay plain after an episode
+        self.plain_until: dict[int, int] = {}              # bucket -> step count before which probes wait
+        self.plain_rate: dict[int, float] = {}             # bucket -> realized tokens/s of plain steps
+        self._episodes: dict[int, _Episode] = {}           # bucket -> its current drafting episode
+
+    def should_draft(self, bucket: int, steps: int) -> bool:
+        """Whether this step drafts: False while the bucket is in plain mode. A switch a
+        probe asked for takes effect the step after next (see would_draft)."""
+        self._enter(bucket, steps)
+        if bucket in self.switching:
+            if not self.switching[bucket]:
+                self.switching[bucket] = True   # this step still decodes plainly (e.g. one launched ahead)
+                return False
+            del self.switching[bucket]
+            self.plain.discard(bucket)
+            self._episodes[bucket] = _Episode()
+        return bucket not in self.plain
+
+    def would_draft(self, bucket: int, steps: int) -> bool:
+        """Whether the step after this one may draft: no plain step is launched ahead then
+        (a step launched ahead and not used is a GPU step thrown away)."""
+        self._enter(bucket, steps)
+        if bucket in self.switching:
+            self.switching[bucket] = True
+            return True
+        return bucket not in self.plain
+
+    def _enter(self, bucket: int, steps: int) -> None:
+        """A bucket seen for the first time starts plain, held for PLAIN_HOLD steps: its
+        plain rate is the reference drafting must beat (at large batches a verify step
+        costs several plain ones, and optimistic priors would otherwise draft first and
+        learn later)."""
+        if bucket not in self.hold:
+            self.hold[bucket] = PLAIN_HOLD
+            self.plain_until[bucket] = steps + PLAIN_HOLD
+            self.plain.add(bucket)
+
+    def may_switch(self, bucket: int, steps: int) -> bool:
+        """Whether a probe may ask this bucket to draft: it is plain, no switch waits, and
+        its hold has passed (while held, the probes' shadows still gather evidence)."""
+        if bucket not in self.plain or bucket in self.switching:
+            return False
+        return steps >= self.plain_until.get(bucket, 0)
+
+    def request_switch(self, bucket: int) -> None:
+        """The bucket drafts again once the step launched ahead of it has run."""
+        self.switching[bucket] = False
+
+    def go_plain(self, bucket: int, steps: int) -> None:
+        """Ends the bucket's drafting episode; how long it now stays plain depends on
+        whether the episode beat plain decoding's realized rate."""
+        episode = self._episodes.pop(bucket, _Episode())
+        plain_rate = self.plain_rate.get(bucket)
+        hold = self.hold.get(bucket, PLAIN_HOLD)
+        lost = plain_rate is not None and episode.rate() < plain_rate
+        self.hold[bucket] = min(2 * hold, MAX_PLAIN_HOLD) if lost else PLAIN_HOLD
+        self.plain_until[bucket] = steps + self.hold[bucket]
+        self.plain.add(bucket)
+
+    def record_outcome(self, bucket: int, tokens: int, seconds: float, steps: int) -> None:
+        """Plain mode: the reference rate. Drafting: the episode, stopped once it is
+        clearly below the reference."""
+        if bucket in self.plain:
+            old = self.plain_rate.get(bucket)
+            rate = tokens / seconds
+            self.plain_rate[bucket] = rate if old is None else old + REALIZED_EMA * (rate - old)
+            return
+        episode = self._episodes.setdefault(bucket, _Episode())
+        episode.tokens += tokens
+        episode.seconds += seconds
+        episode.steps += 1
+        plain_rate = self.plain_rate.get(bucket)
+        if episode.steps >= GUARD_STEPS and plain_rate is not None and episode.rate() < GUARD_RATIO * plain_rate:
+            self.go_plain(bucket, steps)

@@ -1,0 +1,64 @@
+"""ProbeSchedule: which plain steps probe, and for which requests of the batch.
+
+After a plain step's tokens are committed, while the GPU runs the next step, the engine
+proposes for up to PROBE_REQUESTS requests of the batch as shadows only (`probe`): no
+verify is paid for, yet the evidence keeps coming.
+
+A probe is host time a plain step would not spend (the proposals, their shadows, and the
+drafter's indexing of the tokens committed since the last probe, which plain steps leave
+to the probes), and where a plain step is short that time is not hidden: on an H100 a
+0.5B at batch 1 (plain steps ~0.9 ms) ran 0.70-0.79x of a plain engine in plain mode, and
+on the CPU (bench/plain_step_host.py) probing and indexing on every plain step were
+nearly all of the host time a plain step of the speculative engine added. So a bucket
+probes every k-th plain step (`due`), k the smallest that keeps the probes' measured
+host time within PROBE_BUDGET of its plain step's measured cost (at most MAX_PROBE_EVERY).
+The budget is 1%: what a probe step costs beyond its timed part (colder caches) measured
+up to as much again.
+"""
+from __future__ import annotations
+
+import math
+
+PROBE_REQUESTS = 16    # proposals per probe
+PROBE_BUDGET = 0.01    # probes' timed host work may add this fraction to a plain step, on average
+MAX_PROBE_EVERY = 32   # ... but a plain bucket is probed at least every this many steps
+PROBE_COST_EMA = 0.3
+
+
+class ProbeSchedule:
+    def __init__(self, budget: float = PROBE_BUDGET, max_every: int = MAX_PROBE_EVERY):
+        self.budget = budget
+        self.max_every = max_every
+        self._offset = 0                          # rotates the requests a probe drafts for
+        self._cost: dict[int, float] = {}         # bucket -> host seconds of a probe
+        self._unprobed: dict[int, int] = {}       # bucket -> plain steps since its last probe
+        self._every: dict[int, int] = {}          # bucket -> k, set when a probe is timed
+
+    def requests(self, batch_size: int) -> range:
+        """Which requests of a plain step to propose for, as shadows (a rotating window)."""
+        count = min(batch_size, PROBE_REQUESTS)
+        start = self._offset % batch_size
+        self._offset += count
+        return range(start, start + count)
+
+    def due(self, bucket: int, every_at_least: int = 1) -> bool:
+        """Whether this plain step probes: every k-th plain step of its bucket (counted here),
+        never below `every_at_least` (a drafter whose proposals cost forwards)."""
+        waited = self._unprobed.get(bucket, 0) + 1
+        if waited < every_at_least or waited < self._every.get(bucket, 1):
+            self._unprobed[bucket] = waited
+            return False
+        self._unprobed[bucket] = 0
+        return True
+
+    def every(self, bucket: int) -> int:
+        """k for the bucket: 1 until a probe and a plain step have been timed."""
+        return self._every.get(bucket, 1)
+
+    def record(self, bucket: int, seconds: float, plain_step_seconds: float | None) -> None:
+        """The host time of a probe; sets the bucket's k against its plain step's current
+        cost (None while no plain step of the bucket has been timed)."""
+        old = self._cost.get(bucket)
+        probe = self._cost[bucket] = seconds if old is None else old + PROBE_COST_EMA * (seconds - old)
+        if plain_step_seconds:
+            self._every[bucket] = min(self.max_every, max(1, math.ceil(probe / (self.budget * plain_step_seconds))))
