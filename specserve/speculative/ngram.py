@@ -121,8 +121,8 @@ class NgramDrafter(Drafter):
         self.writer.submit(job)
 
     def _write(self, queued: list[tuple[int, list[int]]], released: list[int]) -> None:
-        """The writer's job: each owner's tokens in chunks (a reader waits for one chunk at
-        most), then the finished owners' streams (after their last tokens, which continue them)."""
+        """The writer's job: each owner's tokens in chunks (the lock is held for one chunk at
+        a time), then the finished owners' streams (after their last tokens, which continue them)."""
         trie, lock = self.trie, self.writer.lock
         for owner, tokens in queued:
             for start in range(0, len(tokens), WRITE_CHUNK):
