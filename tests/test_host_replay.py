@@ -11,6 +11,7 @@ from specserve.bench.gpu_suite import set_drafter
 from specserve.bench.host_replay import ReplayForward, parse_config, replay
 from specserve.bench.plain_step_host import PREFILL_MARGIN, DeviceTimeReplay, time_plain_steps
 from specserve.engine.overlap import OverlapSchedule
+from specserve.speculative.adaptive import MAX_PROBE_EVERY
 from tests.spec_fixtures import make_tiny_directory, ngram_args, tiny_engine
 
 PROMPTS = [[5, 6, 7, 8, 9] * 6, [20, 21, 22, 23] * 5, list(range(30, 60)), [200, 201, 202] * 8]
@@ -87,7 +88,7 @@ def test_plain_step_host_times_the_plain_steps_of_both_engines(tmp_path_factory)
     all plain, the speculative one probes (and says how often), and everything is put back."""
     path = tmp_path_factory.mktemp("tiny-plain-host")
     make_tiny_directory(path, "llama", seed=5)
-    warm, steps = 4, 12
+    warm, steps = 4, MAX_PROBE_EVERY + 4   # k comes from measured host times (up to MAX_PROBE_EVERY): one probe at least
     with tiny_engine(path, **ngram_args(16)) as engine:
         set_drafter(engine, None)
         long = {"temperature": 0, "max_new_tokens": PREFILL_MARGIN + warm + steps + 1, "ignore_eos": True}

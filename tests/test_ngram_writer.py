@@ -220,3 +220,23 @@ def test_a_failed_write_fails_the_engines_requests_instead_of_hanging(engine_fac
         engine.generate("def sub(a, b):", params)
     engine.shutdown()
     assert not engine.core.drafter.writer.thread.is_alive()
+
+
+def test_committed_tokens_reach_the_writer_once_enough_are_queued():
+    """Plain steps that do not probe do not flush; observe hands the queue over itself once
+    AUTO_FLUSH_TOKENS committed tokens wait, so a later probe does not wait for thousands."""
+    drafter = NgramDrafter(NgramConfig(capacity=10_000), one_branch=True, background=True)
+    try:
+        req = fake_req("a", [1, 2, 3])
+        drafter.add_prompt(req)
+        drafter.flush()
+        gate = gated_inserts(drafter)
+        for _ in range(ngram.AUTO_FLUSH_TOKENS // 4 - 1):
+            drafter.observe(req, [7, 8, 9, 10])
+        assert drafter._pending                       # below the threshold: still queued here
+        drafter.observe(req, [7, 8, 9, 10])
+        assert not drafter._pending                   # handed to the writer without a flush
+        gate.set()
+        drafter.writer.drain()
+    finally:
+        drafter.close()

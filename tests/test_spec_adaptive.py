@@ -152,8 +152,9 @@ def test_a_drafting_episode_below_the_plain_rate_is_stopped_and_the_hold_doubles
     for _ in range(8):
         adaptive.probe(1, ["r"], [4])
         assert switches(adaptive, 1)
-        for step in range(GUARD_STEPS):                # drafting realizes 1.1 tokens per 0.06 s
+        for step in range(GUARD_STEPS):                # drafting realizes 1 token per 0.06 s
             assert adaptive.should_draft(1), step
+            assert adaptive.choose(["r"], [4]) == 4
             adaptive.record_step(1, 4, 0.06, tokens=1)
         assert not adaptive.should_draft(1)
         holds.append(adaptive._hold[1])
@@ -171,6 +172,63 @@ def test_a_drafting_episode_below_the_plain_rate_is_stopped_and_the_hold_doubles
         adaptive.observe("r", [7])
     assert adaptive.choose(["r"], [4]) == 1
     assert adaptive._hold[1] == PLAIN_HOLD             # the episode won: back to the short hold
+
+
+def lose_an_episode(adaptive: AdaptiveDraftLength, rid: str) -> None:
+    """Batch 1: the bucket drafts for `rid` (the prior expects every node accepted) and
+    realizes 1 token per 0.06 s step against plain's 20 tokens/s: the guard stops it."""
+    adaptive.probe(1, [rid], [4])
+    assert switches(adaptive, 1)
+    for _ in range(GUARD_STEPS):
+        assert adaptive.choose([rid], [4]) == 4
+        adaptive.record_step(1, 4, 0.06, tokens=1)
+    assert not adaptive.should_draft(1)
+
+
+def test_a_hold_is_about_the_requests_that_lost_not_the_next_ones():
+    """A bucket held plain after an episode that lost keeps the hold for the requests of
+    that episode; a probe of a new request (the next conversation at batch 1) may switch
+    at once."""
+    adaptive = AdaptiveDraftLength([1, 4])
+    measured(adaptive, {1: 0.05, 4: 0.06})
+    adaptive._plain.add(1)
+    hold_out(adaptive, 1)
+    lose_an_episode(adaptive, "old")
+    assert adaptive._hold[1] == 2 * PLAIN_HOLD
+    adaptive.probe(1, ["old"], [4])
+    assert not adaptive.would_draft(1)                 # held against the request that lost
+    adaptive.probe(1, ["new"], [4])
+    assert switches(adaptive, 1)                       # a new request is not held against
+    # a batch judged on a sample: mostly requests of the lost episode keeps the hold
+    wide = AdaptiveDraftLength([1, 4])
+    measured(wide, {1: 0.05, 4: 0.06}, batch_size=4)
+    wide._plain.add(4)
+    hold_out(wide, 4)
+    wide.probe(4, ["a", "b", "c", "d"], [4] * 4)
+    assert switches(wide, 4)
+    for _ in range(GUARD_STEPS):
+        wide.choose(["a", "b", "c", "d"], [4] * 4)
+        wide.record_step(4, 4, 0.06, tokens=4)
+    assert not wide.should_draft(4)
+    wide.probe(4, ["a", "b", "c", "e"], [4] * 4)
+    assert not wide.would_draft(4)
+    wide.probe(4, ["a", "b", "e", "f"], [4] * 4)       # half new: still held
+    assert not wide.would_draft(4)
+    wide.probe(4, ["a", "e", "f", "g"], [4] * 4)
+    assert switches(wide, 4)
+
+
+def test_requests_that_finish_their_prefill_are_probed_at_the_next_plain_step():
+    adaptive = AdaptiveDraftLength([1, 4])
+    adaptive.record_step(1, 1, 0.001)
+    adaptive.record_probe(1, 10 * PROBE_BUDGET * 0.001)      # k = 10
+    assert adaptive.probe_every(1) == 10
+    assert [adaptive.probe_due(1) for _ in range(10)] == [False] * 9 + [True]
+    adaptive.admit()                                          # a prefill completed
+    assert [adaptive.probe_due(1) for _ in range(11)] == [True] + [False] * 9 + [True]
+    # a floor set by the drafter (proposals that cost forwards) still holds
+    adaptive.admit()
+    assert [adaptive.probe_due(1, every_at_least=3) for _ in range(3)] == [False, False, True]
 
 
 def test_a_probe_switches_back_only_with_a_margin():

@@ -117,6 +117,8 @@ class EngineCore:
         sampling = [req for req, samples in zip(batch.reqs, batch.samples) if samples]
         if not sampling:
             return []
+        if self.adaptive is not None:
+            self.adaptive.admit()   # they decode from the next step: a probe looks at them first
         trees = DraftTrees.root_only(torch.tensor(self._last_tokens(sampling)))
         sampled = self.sampler.sample(logits, trees, sampling, self.sampler.prepare(trees, sampling))
         return [self._commit(req, sampled, i, verified=False) for i, req in enumerate(sampling)]

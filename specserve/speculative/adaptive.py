@@ -115,7 +115,7 @@ class AdaptiveDraftLength:
         """After a plain step: the sampled requests' proposals (recorded as shadows) say
         whether drafting is expected to win now; if so the bucket drafts again."""
         bucket = batch_bucket(batch_size)
-        if max(num_nodes) == 1 or not self.modes.may_switch(bucket, self.costs.steps(bucket)):
+        if max(num_nodes) == 1 or not self.modes.may_switch(bucket, self.costs.steps(bucket), rids):
             return
         _, best, rates = self._best_tier(bucket, batch_size, rids, num_nodes, keys)
         if best > 1 and (not rates or rates[best] >= SWITCH_MARGIN * rates[1]):
@@ -126,6 +126,7 @@ class AdaptiveDraftLength:
         """The tier to verify this drafting step, given each request's proposal size (and
         class); choosing 1 puts the bucket in plain mode."""
         bucket = batch_bucket(len(rids))
+        self.modes.drafted[bucket] = rids   # who a hold that this episode ends with is about
         if max(num_nodes) == 1:
             return 1  # nothing to verify: says nothing about whether drafting pays
         choice, best, _ = self._best_tier(bucket, len(rids), rids, num_nodes, keys, measure=True)
@@ -198,6 +199,11 @@ class AdaptiveDraftLength:
     def observe(self, rid: str, committed: list[int]) -> None:
         """Walks every pending proposal of `rid` down the tokens it just committed."""
         self.evidence.observe(rid, committed)
+
+    def admit(self) -> None:
+        """Requests finished their prefill: the next plain step probes them (their drafts
+        may match from the first token whatever the batch's history says)."""
+        self.probes.admit()
 
     def release(self, rid: str) -> None:
         self.evidence.release(rid)

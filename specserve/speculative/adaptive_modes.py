@@ -17,6 +17,13 @@ plain before probes may switch it again (PLAIN_HOLD .. MAX_PLAIN_HOLD steps); on
 resets it. A probe's switch waits for the step already launched ahead to finish instead
 of throwing it away.
 
+A hold is a verdict on the requests that lost, not on the bucket forever: the episode's
+requests are kept with it, and a probe whose sample is mostly other requests (a new
+conversation at batch 1, a batch that has turned over) may switch before the hold ends.
+Without this, one chat that drafted badly kept a batch-1 server plain for up to
+MAX_PLAIN_HOLD steps, through the next requests whose drafts matched in full (an H100
+"repeated turn" at batch 1: 196 plain steps beside 35 drafting ones, 1.42x).
+
 Holds count in the bucket's recorded steps (StepCosts.steps), which callers pass in.
 """
 from __future__ import annotations
@@ -49,6 +56,8 @@ class BucketModes:
         self.plain_until: dict[int, int] = {}              # bucket -> step count before which probes wait
         self.plain_rate: dict[int, float] = {}             # bucket -> realized tokens/s of plain steps
         self._episodes: dict[int, _Episode] = {}           # bucket -> its current drafting episode
+        self.drafted: dict[int, list[str]] = {}            # bucket -> the requests of its last drafting step
+        self._held_for: dict[int, frozenset[str]] = {}     # bucket -> the requests its hold is about
 
     def should_draft(self, bucket: int, steps: int) -> bool:
         """Whether this step drafts: False while the bucket is in plain mode. A switch a
@@ -82,12 +91,16 @@ class BucketModes:
             self.plain_until[bucket] = steps + PLAIN_HOLD
             self.plain.add(bucket)
 
-    def may_switch(self, bucket: int, steps: int) -> bool:
-        """Whether a probe may ask this bucket to draft: it is plain, no switch waits, and
-        its hold has passed (while held, the probes' shadows still gather evidence)."""
+    def may_switch(self, bucket: int, steps: int, rids: list[str]) -> bool:
+        """Whether a probe of these requests may ask this bucket to draft: it is plain, no
+        switch waits, and its hold has passed or the probed requests are mostly not the
+        ones it holds against (while held, the probes' shadows still gather evidence)."""
         if bucket not in self.plain or bucket in self.switching:
             return False
-        return steps >= self.plain_until.get(bucket, 0)
+        if steps >= self.plain_until.get(bucket, 0):
+            return True
+        held = self._held_for.get(bucket, frozenset())
+        return 2 * sum(rid not in held for rid in rids) > len(rids)
 
     def request_switch(self, bucket: int) -> None:
         """The bucket drafts again once the step launched ahead of it has run."""
@@ -102,6 +115,7 @@ class BucketModes:
         lost = plain_rate is not None and episode.rate() < plain_rate
         self.hold[bucket] = min(2 * hold, MAX_PLAIN_HOLD) if lost else PLAIN_HOLD
         self.plain_until[bucket] = steps + self.hold[bucket]
+        self._held_for[bucket] = frozenset(self.drafted.get(bucket, ()))
         self.plain.add(bucket)
 
     def record_outcome(self, bucket: int, tokens: int, seconds: float, steps: int) -> None:

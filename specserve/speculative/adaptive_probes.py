@@ -13,7 +13,10 @@ nearly all of the host time a plain step of the speculative engine added. So a b
 probes every k-th plain step (`due`), k the smallest that keeps the probes' measured
 host time within PROBE_BUDGET of its plain step's measured cost (at most MAX_PROBE_EVERY).
 The budget is 1%: what a probe step costs beyond its timed part (colder caches) measured
-up to as much again.
+up to as much again. New requests are the exception: the first plain step after a
+prefill completes probes (`admit`), since a new request's drafts may match from its first
+token (a repeated or edited prompt) where the batch's history says nothing about it; one
+probe per prefill step, whatever the number of requests it completed.
 """
 from __future__ import annotations
 
@@ -33,6 +36,11 @@ class ProbeSchedule:
         self._cost: dict[int, float] = {}         # bucket -> host seconds of a probe
         self._unprobed: dict[int, int] = {}       # bucket -> plain steps since its last probe
         self._every: dict[int, int] = {}          # bucket -> k, set when a probe is timed
+        self._admitted = False                    # requests started decoding since the last probe
+
+    def admit(self) -> None:
+        """Requests finished their prefill: the next plain step probes."""
+        self._admitted = True
 
     def requests(self, batch_size: int) -> range:
         """Which requests of a plain step to propose for, as shadows (a rotating window)."""
@@ -43,12 +51,14 @@ class ProbeSchedule:
 
     def due(self, bucket: int, every_at_least: int = 1) -> bool:
         """Whether this plain step probes: every k-th plain step of its bucket (counted here),
-        never below `every_at_least` (a drafter whose proposals cost forwards)."""
+        or the first after requests were admitted, never below `every_at_least` (a drafter
+        whose proposals cost forwards)."""
         waited = self._unprobed.get(bucket, 0) + 1
-        if waited < every_at_least or waited < self._every.get(bucket, 1):
+        if waited < every_at_least or (waited < self._every.get(bucket, 1) and not self._admitted):
             self._unprobed[bucket] = waited
             return False
         self._unprobed[bucket] = 0
+        self._admitted = False
         return True
 
     def every(self, bucket: int) -> int:

@@ -12,7 +12,10 @@ so a proposal sees exactly the tokens flushed before it, whatever the timing: dr
 are the same from run to run and on every tensor-parallel rank. It therefore misses the
 tokens committed since the last flush (at least the step just before it), which have no
 continuation to offer yet anyway. Plain steps that do not probe skip the flush
-(adaptive.py). A finished request's stream is let go after its last queued tokens.
+(adaptive.py), but once AUTO_FLUSH_TOKENS committed tokens are queued `observe` flushes
+them itself: at batch 64 a probe every 32 steps would otherwise hand over ~2000 tokens
+(~6 ms of indexing) that its proposal then waits for, in the open. A finished request's
+stream is let go after its last queued tokens.
 
 With the pure-Python trie (no C compiler) the writes run at once on the caller's thread
 in `flush`: that trie holds the GIL, so a thread would gain nothing.
@@ -36,6 +39,7 @@ if TYPE_CHECKING:
 
 
 MATCH_KEY_CAP = 6         # suffix matches this long or longer count as one evidence class
+AUTO_FLUSH_TOKENS = 256   # committed tokens queued that observe hands to the writer without waiting for a flush
 WRITE_CHUNK = 256         # tokens per insert call under the lock (~0.5-1.3 ms at max_trie_depth 18)
 
 
@@ -51,6 +55,7 @@ class NgramDrafter(Drafter):
         # owner -> its tokens not handed to the writer yet, in order (an owner's stream must
         # be fed in order); owners in the order their oldest queued token arrived
         self._pending: dict[int, list[int]] = {}
+        self._observed = 0   # committed tokens queued since the last flush
         self._released: list[int] = []   # owners finished since the last flush
         self._keys: list[int] = []
         if background is None:
@@ -99,6 +104,9 @@ class NgramDrafter(Drafter):
 
     def observe(self, req: "Req", committed: list[int]) -> None:
         self._queue(self._owner(req), committed)
+        self._observed += len(committed)
+        if self._observed >= AUTO_FLUSH_TOKENS:
+            self.flush()
 
     def _queue(self, owner: int, tokens: list[int]) -> None:
         if not tokens:
@@ -117,7 +125,7 @@ class NgramDrafter(Drafter):
         if not self._pending and not self._released:
             return
         job = functools.partial(self._write, list(self._pending.items()), self._released)
-        self._pending, self._released = {}, []
+        self._pending, self._released, self._observed = {}, [], 0
         self.writer.submit(job)
 
     def _write(self, queued: list[tuple[int, list[int]]], released: list[int]) -> None:
