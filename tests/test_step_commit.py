@@ -55,7 +55,24 @@ def test_accepted_slots_are_kept_in_path_order_and_the_rest_freed():
     assert [r.kv_slots for r in reqs] == [[10, 12, 13], [20], [30]]
     assert sorted(scheduler.freed) == [11, 21]
     assert scheduler.table_writes == 1
-    assert outcome.hidden_rows() == [[0, 2, 3], [4], [8]]
+    assert outcome.hidden_rows(4) == [[0, 2, 3], [4], [8]]
+
+
+def test_a_graph_outcome_wider_than_the_proposal_commits_the_same_slots():
+    """A CUDA graph runs the step at its tier's width (16) for a proposal of 3 nodes: the
+    outcome's paths are padded with -1 past the proposal (the GPU case that CPU steps,
+    whose outcome has the proposal's width, did not reach)."""
+    reqs = [FakeReq("a"), FakeReq("b")]
+    sampled = SampledStep(tokens=[[7, 8], [5]], accepted_nodes=[[0, 2], [0]], logprobs=None, top_logprobs=None)
+    outcome = StepOutcome.from_sampled(sampled, 16, table_written=True)
+    assert outcome.accepted.shape == (2, 16)
+    node_slots = np.array([[10, 11, 12], [20, 21, PADDING_SLOT]])
+    scheduler = FakeScheduler()
+    commit_accepted_kv(scheduler, reqs, outcome, node_slots, np.array([3, 2]))
+    assert [r.kv_slots for r in reqs] == [[10, 12], [20]]
+    assert sorted(scheduler.freed) == [11, 21]
+    assert scheduler.table_writes == 0
+    assert outcome.hidden_rows(3) == [[0, 2], [3]]   # rows of the proposal-wide hidden states
 
 
 def test_deferred_text_keeps_each_request_in_order():

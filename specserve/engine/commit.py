@@ -42,9 +42,9 @@ class StepOutcome:
         lens = np.array([len(nodes) for nodes in sampled.accepted_nodes], dtype=np.int64)
         return cls(sampled.tokens, accepted, lens, table_written, hidden, sampled.logprobs, sampled.top_logprobs)
 
-    def hidden_rows(self) -> list[list[int]]:
-        """Per request: the rows of its accepted nodes in `hidden` flattened to (bs * n, features)."""
-        n = self.accepted.shape[1]
+    def hidden_rows(self, n: int) -> list[list[int]]:
+        """Per request: the rows of its accepted nodes in `hidden` flattened to (bs * n,
+        features), n the proposal's width (a graph's outcome may be wider)."""
         return [[i * n + node for node in row[:k]]
                 for i, (row, k) in enumerate(zip(self.accepted.tolist(), self.accept_lens.tolist()))]
 
@@ -53,10 +53,12 @@ def commit_accepted_kv(scheduler: Scheduler, reqs: list[Req], outcome: StepOutco
                        num_nodes: np.ndarray) -> None:
     """Each request keeps the KV slots of its accepted nodes (in path order); the other
     real nodes' slots go back to the allocator. node_slots: (bs, n) the step's slots
-    (padding nodes: anything). Runs before the token commits, which may finish a request
+    (padding nodes: anything); the outcome's paths may be wider (a CUDA graph's tier). Runs before the token commits, which may finish a request
     and release its slots."""
-    bs, n = outcome.accepted.shape
-    rows, nodes = np.arange(bs)[:, None], np.maximum(outcome.accepted, 0)   # -1 -> the root: accepted anyway
+    bs, n = node_slots.shape
+    # a graph's outcome is as wide as its tier, which may exceed the proposal (padding: -1)
+    paths = outcome.accepted[:, :n]
+    rows, nodes = np.arange(bs)[:, None], np.maximum(paths, 0)   # -1 -> the root: accepted anyway
     kept = node_slots[rows, nodes]
     accepted = np.zeros((bs, n), dtype=bool)
     accepted[rows, nodes] = True

@@ -143,7 +143,8 @@ class EngineCore:
             raise
         if outcome.hidden is not None and self.drafter is not None:   # the states of the accepted nodes
             self.drafter.observe_hidden(reqs, [r.kv_len for r in reqs],
-                                        outcome.hidden.reshape(len(reqs) * proposal.num_slots, -1), outcome.hidden_rows())
+                                        outcome.hidden.reshape(len(reqs) * proposal.num_slots, -1),
+                                        outcome.hidden_rows(proposal.num_slots))
         self._commit_kv(reqs, outcome, pad_node_slots(slots, proposal.num_nodes, proposal.num_slots), proposal.num_nodes)
         outputs = [self._commit(req, outcome, i, defer_text=True) for i, req in enumerate(reqs)]
         if self.adaptive is not None:
