@@ -199,7 +199,7 @@ def test_a_hold_is_about_the_requests_that_lost_not_the_next_ones():
     assert not adaptive.would_draft(1)                 # held against the request that lost
     adaptive.probe(1, ["new"], [4])
     assert switches(adaptive, 1)                       # a new request is not held against
-    # a batch judged on a sample: mostly requests of the lost episode keeps the hold
+    # a batch judged on a sample: any request of the lost episode keeps the hold
     wide = AdaptiveDraftLength([1, 4])
     measured(wide, {1: 0.05, 4: 0.06}, batch_size=4)
     wide._plain.add(4)
@@ -212,9 +212,9 @@ def test_a_hold_is_about_the_requests_that_lost_not_the_next_ones():
     assert not wide.should_draft(4)
     wide.probe(4, ["a", "b", "c", "e"], [4] * 4)
     assert not wide.would_draft(4)
-    wide.probe(4, ["a", "b", "e", "f"], [4] * 4)       # half new: still held
+    wide.probe(4, ["a", "e", "f", "g"], [4] * 4)       # one request of the lost episode: still held
     assert not wide.would_draft(4)
-    wide.probe(4, ["a", "e", "f", "g"], [4] * 4)
+    wide.probe(4, ["e", "f", "g", "h"], [4] * 4)       # a batch that has turned over
     assert switches(wide, 4)
 
 
