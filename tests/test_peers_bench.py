@@ -101,3 +101,44 @@ def test_specserve_engines_run_and_a_peer_without_wheels_is_reported(converted_s
     assert "| specserve-ngram | 100% | 10 |" in text      # fp32 greedy: speculation changes no token
     assert text.count("| tiny |") == 10 and "no wheels for vllm" in text
     assert os.path.exists(out / "logs" / "tiny-specserve-ngram.log")
+
+
+def test_each_engine_gets_its_fair_share_of_the_time_left():
+    assert peers.engine_budget_end(0.0, 540.0, 6, 240.0) == 90.0        # 6 engines in 9 minutes
+    assert peers.engine_budget_end(300.0, 540.0, 2, 240.0) == 420.0     # early finishers leave their rest
+    assert peers.engine_budget_end(0.0, 540.0, 1, 240.0) == 240.0       # --engine-budget-s caps it
+    assert peers.engine_budget_end(530.0, 540.0, 3, 240.0) < 540.0
+
+
+def test_an_unreadable_wheel_archive_is_the_engines_row_not_a_crash(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "vllm.tar").write_bytes(b"not a tar archive")
+    ns = peers.parse_args(["run", "--wheels", str(wheels), "--envs-root", str(tmp_path / "envs"),
+                           "--out", str(tmp_path / "out")])
+    rows = []
+    peers.run_engine(peers.ENGINES["vllm-plain"], "m", str(tmp_path), {}, ns, rows.append, 0.0)
+    assert len(rows) == 1 and rows[0]["engine"] == "vllm-plain"
+    assert rows[0]["error"].startswith("installing its wheels: ReadError")
+
+
+def test_peer_servers_get_the_flags_that_keep_flashinfer_out_of_the_way(tmp_path):
+    """vLLM 0.26 imports flashinfer for its sampler unless VLLM_USE_FLASHINFER_SAMPLER=0 (it is
+    not carried); SGLang imports it whatever the flags, so it is carried but none of its
+    kernels may run (they JIT-compile)."""
+    from specserve.bench.peers_engines import ENGINES
+    from specserve.bench.peers_install import server_env
+    for name in ("vllm-plain", "vllm-ngram", "vllm-suffix"):
+        config = ENGINES[name]
+        env = server_env(str(tmp_path), "/repo", config.env)
+        assert env["VLLM_USE_FLASHINFER_SAMPLER"] == "0" and env["PYTHONPATH"].startswith(f"{tmp_path}:/repo")
+        command = config.command("/hf/m", "m", 8000)
+        assert command[command.index("--attention-backend") + 1] == "FLASH_ATTN"
+    for name in ("sglang-plain", "sglang-ngram"):
+        command = " ".join(ENGINES[name].command("/hf/m", "m", 8000))
+        assert "--attention-backend fa3 --sampling-backend pytorch --disable-flashinfer-autotune" in command
+        assert "--cuda-graph-max-bs-decode 64" in command
+    wheels = open(os.path.join(os.path.dirname(peers.__file__), "peers_wheels", "sglang.txt")).read().split()
+    assert "flashinfer-python==0.6.15.post1" in wheels and "sglang==0.5.17" in wheels
+    assert not [w for w in open(os.path.join(os.path.dirname(peers.__file__), "peers_wheels", "vllm.txt"))
+                if w.startswith("flashinfer")]

@@ -12,8 +12,9 @@ killed call keeps what it measured); the table to $OUT/peers_table.md (peers_rep
 
 A peer that fails (no wheels, a crash, a timeout) gets rows saying so and the run goes on.
 A GPU call lasts at most 10 minutes: `--deadline-s` ends the whole run in time to write the
-table, `--engine-budget-s` bounds one engine (start-up included), `--quick` measures one
-wave of requests per cell. Results of several calls merge with `peers report`.
+table, each engine gets its fair share of the time left (`--engine-budget-s` at most, install
+and start-up included), `--quick` measures one wave of requests per cell. Results of several
+calls merge with `peers report`.
 
   python -m specserve.bench.peers run --quick --models qwen2.5-coder-1.5b-instruct \
       --engines specserve-plain specserve-ngram vllm-plain vllm-ngram
@@ -61,7 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     run.add_argument("--max-new-tokens", type=int, default=128, help="every request's output length")
     run.add_argument("--quick", action="store_true", help="one wave per cell (as many prompts as the concurrency, "
                      "at least 8), 2 prompts at concurrency 1")
-    run.add_argument("--engine-budget-s", type=float, default=240.0, help="most seconds for one engine, start-up included")
+    run.add_argument("--engine-budget-s", type=float, default=240.0,
+                     help="most seconds for one engine, install and start-up included; each engine gets at most "
+                     "its fair share of the time left (the time left over the engines left)")
     run.add_argument("--deadline-s", type=float, default=560.0, help="most seconds for the whole run")
     run.add_argument("--specserve-args", default="", help="extra flags for specserve's servers, e.g. '--device cpu'")
     run.add_argument("--out", default=os.environ.get("OUT", "peers-out"))
@@ -118,15 +121,25 @@ def model_directory(model: str, ns: argparse.Namespace) -> str:
 
 
 # --- one engine ---
+def engine_budget_end(now: float, deadline: float, engines_left: int, cap_s: float) -> float:
+    """When an engine's turn ends: its fair share of the time left before `deadline` (the
+    engines after it get theirs; one that finishes early leaves its rest to them), at most
+    `cap_s` seconds."""
+    return min(deadline, now + min(cap_s, (deadline - now) / max(1, engines_left)))
+
+
 def run_engine(config: EngineConfig, model: str, model_dir: str, workloads: dict, ns: argparse.Namespace,
-               write, deadline: float) -> None:
-    """Starts the engine's server, measures every cell it has time for, stops it."""
+               write, budget_end: float) -> None:
+    """Installs the engine's wheels, starts its server, measures every cell it has time for
+    before `budget_end` (a time.monotonic() value), stops it. Whatever fails is a row."""
     base = {"model": model, "engine": config.name, "engine_family": config.engine, "algorithm": config.algorithm}
-    budget_end = min(deadline, time.monotonic() + ns.engine_budget_s)
     try:
         site = install(config.engine, ns.wheels, ns.envs_root, required=config.engine != "specserve")
     except WheelsMissing as error:
         write({"kind": "engine", **base, "error": str(error)})
+        return
+    except Exception as error:   # an unreadable archive, a full disk: this engine's result
+        write({"kind": "engine", **base, "error": f"installing its wheels: {type(error).__name__}: {error}"})
         return
     port = _free_port()
     command = config.command(model_dir, model, port)
@@ -134,7 +147,11 @@ def run_engine(config: EngineConfig, model: str, model_dir: str, workloads: dict
         command += ns.specserve_args.split()
     os.makedirs(os.path.join(ns.out, "logs"), exist_ok=True)
     log_path = os.path.join(ns.out, "logs", f"{model}-{config.name}.log")
-    server = ServerProcess(command, server_env(site, REPO_ROOT, config.env), log_path, port)
+    try:
+        server = ServerProcess(command, server_env(site, REPO_ROOT, config.env), log_path, port)
+    except OSError as error:   # no interpreter, no log file: this engine's result
+        write({"kind": "engine", **base, "error": f"starting its server: {type(error).__name__}: {error}"})
+        return
     try:
         startup_s = server.wait_ready(budget_end)
         write({"kind": "engine", **base, "version": engine_version(config.engine, site, REPO_ROOT),
@@ -159,7 +176,7 @@ async def measure_engine(server: ServerProcess, model: str, workloads: dict, ns:
                 await _time_left(_run_prompts(session, server.base_url, model, warm[:WARM_PROMPTS],
                                               WARM_CONCURRENCY, WARM_TOKENS), budget_end)
         except TimeoutError:
-            return _not_run(cells, ns, write)
+            return _not_run(cells, write)
         for index, (workload, concurrency) in enumerate(cells):
             prompts = workloads[workload][0][:prompts_per_cell(ns, concurrency)]
             for turn in (1, 2) if workload == "sharegpt-repeat" else (1,):
@@ -169,18 +186,19 @@ async def measure_engine(server: ServerProcess, model: str, workloads: dict, ns:
                         _run_prompts(session, server.base_url, model, prompts, concurrency, ns.max_new_tokens),
                         budget_end)
                 except TimeoutError:
-                    return _not_run(cells[index:], ns, write)
+                    return _not_run(cells[index:], write)
                 write({**cell, **cell_summary(results, duration, server)})
                 if not server.alive():
                     raise ServerFailed(f"the server died during {workload} at concurrency {concurrency}: "
                                        f"{server.log_tail()}")
 
 
-def _not_run(cells: list[tuple[str, int]], ns: argparse.Namespace, write) -> None:
+def _not_run(cells: list[tuple[str, int]], write) -> None:
     for workload, concurrency in cells:
         for turn in (1, 2) if workload == "sharegpt-repeat" else (1,):
             write({"kind": "cell", "workload": workload, "turn": turn, "concurrency": concurrency,
-                   "error": f"not run: the engine's time ran out (budget {ns.engine_budget_s:.0f} s, or the deadline)"})
+                   "error": "not run: the engine's time ran out (its share of the run's time, "
+                            "--engine-budget-s at most, ended)"})
 
 
 async def _time_left(work, budget_end: float):
@@ -236,19 +254,22 @@ def run(ns: argparse.Namespace) -> str:
 
     write({"kind": "device", "name": _device_name(), "date": time.strftime("%Y-%m-%d"),
            "args": {k: v for k, v in vars(ns).items() if k != "command"}})
-    for model in ns.models:
+    for model_index, model in enumerate(ns.models):
         try:
             model_dir = model_directory(model, ns)
             workloads = build_workloads(model_dir, ns)
         except Exception as error:   # a model that cannot be prepared: said, and the next one runs
             write({"kind": "model", "model": model, "error": f"{type(error).__name__}: {error}"})
             continue
-        for name in ns.engines:
-            if time.monotonic() >= deadline:
+        for index, name in enumerate(ns.engines):
+            now = time.monotonic()
+            if now >= deadline:
                 write({"kind": "engine", "model": model, "engine": name, "engine_family": ENGINES[name].engine,
                        "error": f"not run: the run's deadline ({ns.deadline_s:.0f} s) passed"})
                 continue
-            run_engine(ENGINES[name], model, model_dir, workloads, ns, write, deadline)
+            engines_left = (len(ns.models) - model_index) * len(ns.engines) - index
+            run_engine(ENGINES[name], model, model_dir, workloads, ns, write,
+                       engine_budget_end(now, deadline, engines_left, ns.engine_budget_s))
     return write_report([results_path], ns.out)
 
 

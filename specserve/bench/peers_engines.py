@@ -50,23 +50,32 @@ def _vllm(model_dir: str, served_name: str, port: int) -> list[str]:
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name",
             served_name, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
             "--gpu-memory-utilization", str(MEMORY_FRACTION), "--max-num-seqs", str(MAX_RUNNING),
-            "--max-model-len", str(CONTEXT_LENGTH), "--seed", "0", "--disable-uvicorn-access-log"]
+            "--max-model-len", str(CONTEXT_LENGTH), "--seed", "0", "--disable-uvicorn-access-log",
+            # vLLM's own choice on an H100 (its vllm_flash_attn, FA3), named so that a failure is an error
+            # rather than a silent fall-back to Triton attention
+            "--attention-backend", "FLASH_ATTN"]
 
 
 def _sglang(model_dir: str, served_name: str, port: int) -> list[str]:
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", model_dir, "--served-model-name",
             served_name, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
             "--mem-fraction-static", str(MEMORY_FRACTION), "--max-running-requests", str(MAX_RUNNING),
-            "--cuda-graph-max-bs", str(MAX_RUNNING), "--context-length", str(CONTEXT_LENGTH), "--log-level", "warning",
-            # FlashAttention-3 from sgl-kernel (SGLang's H100 default) and torch sampling: flashinfer is not
-            # carried, as it compiles its kernels on first use (minutes, and nvcc)
-            "--attention-backend", "fa3", "--sampling-backend", "pytorch"]
+            "--cuda-graph-max-bs-decode", str(MAX_RUNNING), "--context-length", str(CONTEXT_LENGTH),
+            "--log-level", "warning",
+            # FlashAttention-3 from sgl-kernel (SGLang's H100 default), torch sampling and no autotuning:
+            # flashinfer is carried only because SGLang's sampler module imports it; its kernels compile on
+            # first use (minutes, nvcc), so none of them may run
+            "--attention-backend", "fa3", "--sampling-backend", "pytorch", "--disable-flashinfer-autotune"]
 
 
 BASE_COMMANDS = {"specserve": _specserve, "vllm": _vllm, "sglang": _sglang}
 # no vLLM plugin loads (the arctic-inference wheel registers one that patches vLLM; suffix
-# decoding needs only its suffix tree); no usage reports from a machine without network
-_VLLM_ENV = {"VLLM_PLUGINS": "", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+# decoding needs only its suffix tree); no usage reports from a machine without network; no
+# FlashInfer sampler: flashinfer is not carried, and vLLM 0.26.0 imports it at engine start-up
+# for its top-k/top-p sampler unless told not to (v1/sample/ops/topk_topp_sampler.py,
+# flashinfer_sampler_supported: the ModuleNotFoundError of the first H100 attempt). Greedy
+# requests never sample; every other flashinfer use in vLLM is behind has_flashinfer()
+_VLLM_ENV = {"VLLM_PLUGINS": "", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
 ENGINES = {c.name: c for c in [
     EngineConfig("specserve-plain", "specserve", "plain"),
     EngineConfig("specserve-ngram", "specserve", "ngram", ("--speculative-algorithm", "NGRAM")),   # default flags
