@@ -3,13 +3,15 @@ committed, the choice follows measured cost and acceptance (plain decoding inclu
 an adaptive engine's greedy output equals plain decoding while it switches draft sizes."""
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 import torch
 
+from specserve.bench.policy_sim import SCENARIOS, simulate
 from specserve.speculative.adaptive import (
-    GUARD_STEPS, MAX_PLAIN_HOLD, MAX_PROBE_EVERY, PLAIN_HOLD, PROBE_BUDGET, REFRESH_EVERY, SWITCH_MARGIN,
+    BYPASS_BUDGET, GUARD_STEPS, MAX_PLAIN_HOLD, MAX_PROBE_EVERY, PLAIN_HOLD, PROBE_BUDGET, REFRESH_EVERY, SWITCH_MARGIN,
     AdaptiveDraftLength, tiers_for)
 from specserve.speculative.tree import DraftTrees, TreeProposal
 
@@ -179,6 +181,11 @@ def lose_an_episode(adaptive: AdaptiveDraftLength, rid: str) -> None:
     realizes 1 token per 0.06 s step against plain's 20 tokens/s: the guard stops it."""
     adaptive.probe(1, [rid], [4])
     assert switches(adaptive, 1)
+    draft_and_lose(adaptive, rid)
+
+
+def draft_and_lose(adaptive: AdaptiveDraftLength, rid: str) -> None:
+    """A drafting episode of `rid` at batch 1 that the guard stops: 1 token per 0.06 s."""
     for _ in range(GUARD_STEPS):
         assert adaptive.choose([rid], [4]) == 4
         adaptive.record_step(1, 4, 0.06, tokens=1)
@@ -197,6 +204,9 @@ def test_a_hold_is_about_the_requests_that_lost_not_the_next_ones():
     assert adaptive._hold[1] == 2 * PLAIN_HOLD
     adaptive.probe(1, ["old"], [4])
     assert not adaptive.would_draft(1)                 # held against the request that lost
+    hold_out(adaptive, 1, bypass_wait(0.06, 1, 0.05))  # the old chat decodes on, plainly
+    adaptive.probe(1, ["old"], [4])
+    assert not adaptive.would_draft(1)
     adaptive.probe(1, ["new"], [4])
     assert switches(adaptive, 1)                       # a new request is not held against
     # a batch judged on a sample: any request of the lost episode keeps the hold
@@ -214,8 +224,95 @@ def test_a_hold_is_about_the_requests_that_lost_not_the_next_ones():
     assert not wide.would_draft(4)
     wide.probe(4, ["a", "e", "f", "g"], [4] * 4)       # one request of the lost episode: still held
     assert not wide.would_draft(4)
+    hold_out(wide, 4, bypass_wait(0.06, 4, 0.05, batch_size=4))
     wide.probe(4, ["e", "f", "g", "h"], [4] * 4)       # a batch that has turned over
     assert switches(wide, 4)
+
+
+def bypass_wait(drafting_seconds: float, tokens: int, plain_seconds: float, batch_size: int = 1,
+                budget: float = BYPASS_BUDGET) -> int:
+    """Plain steps after a lost GUARD_STEPS-step episode (`tokens` per step) before a probe
+    may bypass the hold: until the episode's loss is `budget` of the time since."""
+    loss = GUARD_STEPS * (drafting_seconds - tokens * plain_seconds / batch_size)
+    return math.ceil(loss / budget / plain_seconds - 1e-9)
+
+
+def test_after_a_losing_episode_a_bypass_waits_until_the_loss_is_paid_for():
+    """Whatever the model expects of new requests, episodes that lose cost at most about
+    BYPASS_BUDGET of the bucket's time: a new request's probe waits that long."""
+    adaptive = AdaptiveDraftLength([1, 4])
+    measured(adaptive, {1: 0.05, 4: 0.06})
+    adaptive._plain.add(1)
+    hold_out(adaptive, 1)
+    lose_an_episode(adaptive, "chat0")
+    waits = []
+    for i in range(1, 4):                              # each new chat drafts (the prior) and loses
+        steps = 0
+        while True:
+            adaptive.probe(1, [f"chat{i}"], [4])
+            if adaptive.would_draft(1):
+                break
+            hold_out(adaptive, 1, 1)
+            steps += 1
+        waits.append(steps)
+        assert adaptive.should_draft(1)
+        draft_and_lose(adaptive, f"chat{i}")
+    # 8 steps of 0.06 s for 8 tokens plain decodes in 0.4 s: 0.08 s lost, 0.8 s (16 plain steps) to wait
+    assert bypass_wait(0.06, 1, 0.05) == 16
+    assert all(16 <= wait <= 17 for wait in waits), waits   # 17: float sums of the clock
+    assert all(hold > w for hold, w in zip([2 * PLAIN_HOLD, 4 * PLAIN_HOLD, 8 * PLAIN_HOLD], waits))
+
+
+def test_a_busy_bucket_where_drafts_do_not_pay_stays_plain():
+    """ShareGPT first turns at concurrency 64 (H100, 1.5B): new requests arrive every few
+    steps and each completed prefill makes the next plain step probe; the probes' newest
+    requests are expected (the prior) to match in full, while drafting steps commit 1.6
+    tokens per request for 7.3 ms against 64 tokens per 2.6 ms plain. Only a small
+    fraction of the steps may draft (before the fix: every few steps a new episode, 266 of 400)."""
+    adaptive = AdaptiveDraftLength([1, 8])
+    measured(adaptive, {1: 0.0026, 8: 0.0073}, batch_size=64)
+    admitted, steps, drafting = 64, 400, 0
+    for step in range(steps):
+        batch = [f"r{i}" for i in range(admitted - 64, admitted)]
+        if adaptive.should_draft(64):
+            drafting += adaptive.choose(batch, [8] * 64) > 1
+            adaptive.record_step(64, 8, 0.0073, tokens=102)
+            continue
+        probing = adaptive.probe_due(64)
+        adaptive.would_draft(64)
+        adaptive.record_step(64, 1, 0.0026, tokens=64)
+        if probing:
+            adaptive.probe(64, batch[-16:], [8] * 16)
+        if step % 3 == 2:                              # a prefill: 16 requests replace 16 that ended
+            admitted += 16
+            adaptive.admit()
+    assert drafting / steps < 0.12, drafting
+
+
+@pytest.mark.parametrize("name, at_most, at_least", [
+    ("chat first turns, concurrency 64", 0.08, 0.0),
+    ("chat first turns, concurrency 32", 0.08, 0.0),
+    ("repeated turn, concurrency 64", 1.0, 0.85),
+    ("repeated turn, concurrency 32", 1.0, 0.85),
+])
+def test_simulated_servers_draft_where_it_pays(name, at_most, at_least):
+    """policy_sim: a server of the policy with H100-like step costs and drafts whose
+    matches are known. Chats whose drafts rarely match decode plainly; repeated turns draft."""
+    profiles, concurrency = SCENARIOS[name]
+    result, vs_plain = simulate(profiles(0), concurrency)
+    assert at_least <= result.drafting_fraction <= at_most, result
+    assert vs_plain > (2.0 if at_least else 0.9), vs_plain
+
+
+def test_simulated_batch_1_drafts_for_a_good_request_right_after_a_bad_one():
+    """A chat whose drafts all miss (it drafts first: the prior), then repeated turns whose
+    drafts match in full: those draft from their first steps."""
+    profiles, concurrency = SCENARIOS["batch 1: a chat that misses, then repeated turns"]
+    result, vs_plain = simulate(profiles(0), concurrency)
+    good = ["r1", "r2", "r3"]   # the first also pays for pricing the tiers at batch 1
+    drafted = sum(result.drafting_by_request[rid] for rid in good)
+    assert drafted >= 0.8 * sum(result.steps_by_request[rid] for rid in good), result
+    assert result.drafting_by_request.get("r0", 0) <= GUARD_STEPS and vs_plain > 1.5
 
 
 def test_requests_that_finish_their_prefill_are_probed_at_the_next_plain_step():

@@ -16,7 +16,11 @@ Both factors are measured, not assumed:
 A bucket whose best tier is 1 decodes plainly, on the overlapped plain path, until a probe
 (proposals made on some plain steps, shadows only: adaptive_probes.py) says drafting is
 expected to win by SWITCH_MARGIN; realized rates guard against the model being wrong
-(adaptive_modes.py). This file makes the choice and wires the parts together.
+(adaptive_modes.py). A probe of new requests may switch a bucket held plain after a
+losing episode, but only once that episode's loss is BYPASS_BUDGET of the bucket's time
+since (ShareGPT first turns at 64 on an H100: each completed prefill started another
+losing episode, 144 drafting steps at accept 1.6, 0.65x). This file makes the choice and
+wires the parts together.
 
 Cutting a tree to its first t nodes keeps a valid tree (parents come before children),
 and the tiers are sizes the CUDA graphs were captured for, so replay stays valid.
@@ -28,14 +32,14 @@ from collections import Counter
 from specserve.speculative.acceptance import AcceptanceEvidence
 from specserve.speculative.adaptive_costs import COST_EMA, REFRESH_EVERY, StepCosts, batch_bucket
 from specserve.speculative.adaptive_modes import (
-    GUARD_RATIO, GUARD_STEPS, MAX_PLAIN_HOLD, PLAIN_HOLD, REALIZED_EMA, BucketModes)
+    BYPASS_BUDGET, GUARD_RATIO, GUARD_STEPS, MAX_PLAIN_HOLD, PLAIN_HOLD, REALIZED_EMA, BucketModes)
 from specserve.speculative.adaptive_probes import (
     MAX_PROBE_EVERY, PROBE_BUDGET, PROBE_COST_EMA, PROBE_REQUESTS, ProbeSchedule)
 from specserve.speculative.tree import TreeProposal
 
 __all__ = [
     "AdaptiveDraftLength", "tiers_for", "COST_EMA", "REFRESH_EVERY", "REFRESH_MARGIN", "SWITCH_MARGIN",
-    "GUARD_RATIO", "GUARD_STEPS", "MAX_PLAIN_HOLD", "PLAIN_HOLD", "REALIZED_EMA",
+    "BYPASS_BUDGET", "GUARD_RATIO", "GUARD_STEPS", "MAX_PLAIN_HOLD", "PLAIN_HOLD", "REALIZED_EMA",
     "MAX_PROBE_EVERY", "PROBE_BUDGET", "PROBE_COST_EMA", "PROBE_REQUESTS"]
 
 REFRESH_MARGIN = 0.8   # re-measure tiers expected to reach this fraction of the best rate

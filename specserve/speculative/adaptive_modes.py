@@ -20,12 +20,20 @@ of throwing it away.
 A hold is a verdict on the requests that lost, not on the bucket forever: the episode's
 requests are kept with it, and a probe whose sample holds none of them (a new
 conversation at batch 1, a batch that has turned over) may switch before the hold ends.
-Only none: with "mostly new" (H100, 1.5B, ShareGPT first turns at concurrency 64, where the
-batch turns over every few steps) every few new requests started another losing episode
-(0.63x, 118 drafting steps at accept 1.75).
-Without this, one chat that drafted badly kept a batch-1 server plain for up to
+Without the bypass, one chat that drafted badly kept a batch-1 server plain for up to
 MAX_PLAIN_HOLD steps, through the next requests whose drafts matched in full (an H100
 "repeated turn" at batch 1: 196 plain steps beside 35 drafting ones, 1.42x).
+Only none: with "mostly new" (H100, 1.5B, ShareGPT first turns at concurrency 64, where the
+batch turns over every few steps) every few new requests started another losing episode
+(0.63x, 118 drafting steps at accept 1.75); and with "none" still 144 at accept 1.6 (0.65x):
+at 64 prefills complete every few steps, each makes the next plain step probe (`admit`),
+and its sample of new requests, expected to match, switched the batch of 64 again.
+So bypasses are paid for: after an episode that lost, none comes before the bucket has
+decoded for BYPASS_BUDGET^-1 times what the episode lost (its time minus what plain steps
+would have taken for its tokens), so episodes that lose, whatever the model expected, cost
+at most about BYPASS_BUDGET of a bucket's time. At batch 1 a losing episode (8 verify steps)
+loses ~15 ms on an H100 1.5B: the next request may bypass ~100 plain steps later, about when
+a 128-token chat ends; at 64 (~25 ms) about 100 steps pass between bypasses, not 3.
 
 Holds count in the bucket's recorded steps (StepCosts.steps), which callers pass in.
 """
@@ -38,6 +46,7 @@ GUARD_STEPS = 8        # a drafting episode is judged on its realized rate after
 GUARD_RATIO = 0.97     # ... and stopped below this fraction of the plain rate
 PLAIN_HOLD = 16        # steps a bucket stays plain after a drafting episode that won (or its first)
 MAX_PLAIN_HOLD = 1024  # after episodes that lost the hold doubles, up to this
+BYPASS_BUDGET = 0.1    # the time losing episodes lose may be this fraction of the time before a bypass
 
 
 @dataclass
@@ -61,6 +70,8 @@ class BucketModes:
         self._episodes: dict[int, _Episode] = {}           # bucket -> its current drafting episode
         self.drafted: dict[int, list[str]] = {}            # bucket -> the requests of its last drafting step
         self._held_for: dict[int, frozenset[str]] = {}     # bucket -> the requests its hold is about
+        self.clock: dict[int, float] = {}                  # bucket -> seconds of its steps so far
+        self.bypass_after: dict[int, float] = {}           # bucket -> clock before which no probe bypasses
 
     def should_draft(self, bucket: int, steps: int) -> bool:
         """Whether this step drafts: False while the bucket is in plain mode. A switch a
@@ -102,6 +113,8 @@ class BucketModes:
             return False
         if steps >= self.plain_until.get(bucket, 0):
             return True
+        if self.clock.get(bucket, 0.0) < self.bypass_after.get(bucket, 0.0):
+            return False
         held = self._held_for.get(bucket, frozenset())
         return not any(rid in held for rid in rids)
 
@@ -116,6 +129,9 @@ class BucketModes:
         plain_rate = self.plain_rate.get(bucket)
         hold = self.hold.get(bucket, PLAIN_HOLD)
         lost = plain_rate is not None and episode.rate() < plain_rate
+        if lost:   # what it lost: its time minus what plain steps would have taken for its tokens
+            loss = episode.seconds - episode.tokens / plain_rate
+            self.bypass_after[bucket] = self.clock.get(bucket, 0.0) + loss / BYPASS_BUDGET
         self.hold[bucket] = min(2 * hold, MAX_PLAIN_HOLD) if lost else PLAIN_HOLD
         self.plain_until[bucket] = steps + self.hold[bucket]
         self._held_for[bucket] = frozenset(self.drafted.get(bucket, ()))
@@ -124,6 +140,7 @@ class BucketModes:
     def record_outcome(self, bucket: int, tokens: int, seconds: float, steps: int) -> None:
         """Plain mode: the reference rate. Drafting: the episode, stopped once it is
         clearly below the reference."""
+        self.clock[bucket] = self.clock.get(bucket, 0.0) + seconds
         if bucket in self.plain:
             old = self.plain_rate.get(bucket)
             rate = tokens / seconds
