@@ -14,24 +14,33 @@ cache, on three workloads:
 python -m specserve.bench.prefix_cache [--workloads multiturn,system-prompt,unique]
     [--num-requests 16] [--max-concurrency 4] [--output-len 256] [ServerArgs flags: --model M --device cuda ...]
 
-Each mode (cache on, then --disable-radix-cache) gets its own engine; its workloads run one
-after another, the cache flushed before each. Greedy outputs must agree between the modes
-(reported). `ledger ms` is the host time the scheduler spent in the KV ledger (allocation,
-prefix matching, inserts, eviction): on minus off is what the tree costs.
+One engine runs both modes: cache off is its scheduler with the prefix cache set aside
+(what --disable-radix-cache does), so the modes share the process's warm state (two engines
+one after the other did not: the second found kernels, allocator pools and cuBLAS choices
+warm, and on/off ratios of workloads the cache cannot help spread over 0.8-1.5x on the
+H100). Each workload runs --rounds times per mode, the modes' order alternating, the cache
+flushed before each run. Greedy outputs must agree between the modes (reported).
+`ledger ms` is the host time the scheduler spent in the KV ledger (allocation, prefix
+matching, inserts, eviction): on minus off is what the tree costs. Each phase's TTFT is
+broken down (ttft_breakdown.py) into the queue wait before its first prompt chunk's step
+and the prefill: the steps that carry its chunks and those in between.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
 from specserve.args import ServerArgs
+from specserve.bench.ttft_breakdown import StepTrace, fit_prefill_cost, format_breakdown, format_prefill_cost
 from specserve.cli import ArgumentParser, check_file, setup_logging, stage
 
 WORKLOADS = ("multiturn", "system-prompt", "unique")
@@ -42,6 +51,7 @@ _LEDGER_METHODS = ("alloc", "attach", "cache_prefill", "release", "cached_prefix
 class Phase:
     """The requests of one workload phase (e.g. turn 2), in a fixed order."""
     outputs: list[dict] = field(default_factory=list)
+    breakdown: dict = field(default_factory=dict)   # ttft_breakdown.StepTrace.summary of its requests
 
     def summary(self) -> dict:
         metas = [o["meta_info"] for o in self.outputs]
@@ -49,7 +59,12 @@ class Phase:
         prompt = sum(m["prompt_tokens"] for m in metas)
         return {"requests": len(metas), "mean_ttft_s": statistics.mean(ttfts),
                 "p90_ttft_s": _percentile(ttfts, 90), "prompt_tokens": prompt,
-                "cache_hit_rate": sum(m["cached_tokens"] for m in metas) / prompt}
+                "mean_prompt_tokens": prompt / len(metas),
+                "cache_hit_rate": sum(m["cached_tokens"] for m in metas) / prompt,
+                **{f"ttft_{key}": value for key, value in self.breakdown.items()}}
+
+    def rids(self) -> list[str]:
+        return [o["meta_info"]["id"] for o in self.outputs]
 
 
 @dataclass
@@ -59,6 +74,7 @@ class Run:
     phases: dict[str, Phase]
     duration_s: float
     ledger_s: float
+    prefill_steps: list[tuple[int, float]] = field(default_factory=list)   # (prompt tokens, seconds) per step
 
     def rows(self) -> list[dict]:
         tokens = sum(m["meta_info"]["completion_tokens"] for p in self.phases.values() for m in p.outputs)
@@ -68,6 +84,26 @@ class Run:
 
     def output_ids(self) -> list[list[int]]:
         return [o["output_ids"] for p in self.phases.values() for o in p.outputs]
+
+    def attach_breakdown(self, trace: StepTrace, prefill_steps: list[tuple[int, float]]) -> None:
+        for phase in self.phases.values():
+            phase.breakdown = trace.summary(phase.rids())
+        self.prefill_steps = list(prefill_steps)
+
+    def merge(self, other: Run) -> Run:
+        """This run and a later round of it, as one run (requests and times added up)."""
+        phases = {name: Phase(phase.outputs + other.phases[name].outputs, _weighted(
+            phase.breakdown, len(phase.outputs), other.phases[name].breakdown, len(other.phases[name].outputs)))
+            for name, phase in self.phases.items()}
+        return Run(self.workload, self.mode, phases, self.duration_s + other.duration_s, self.ledger_s + other.ledger_s,
+                   self.prefill_steps + other.prefill_steps)
+
+
+def _weighted(a: dict, count_a: int, b: dict, count_b: int) -> dict:
+    """Two breakdowns' means, weighted by their request counts (own_step_s: close enough)."""
+    if not a or not b:
+        return a or b
+    return {key: (a[key] * count_a + b[key] * count_b) / (count_a + count_b) for key in a}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -85,7 +121,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-conversation-chars", type=int, default=6000,
                         help="multiturn: longest first three ShareGPT turns, in characters")
     parser.add_argument("--first", choices=("on", "off"), default="on",
-                        help="which mode runs first (the first engine of a process may pay one-time costs)")
+                        help="which mode runs first in the first round (rounds alternate it)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="each workload runs this many times per mode, the modes' order alternating; "
+                             "rows are over all rounds")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--output-file", default=None, help="append one JSON line per row")
     ServerArgs.add_cli_args(parser)
@@ -93,6 +132,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = set(ns.workloads.split(",")) - set(WORKLOADS)
     if unknown:
         parser.error(f"--workloads: unknown {', '.join(sorted(unknown))}; choose from {', '.join(WORKLOADS)}")
+    if ns.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {ns.rounds}")
     return ns
 
 
@@ -110,6 +151,10 @@ class Workloads:
         self.pairs = datasets.load_sharegpt_pairs(ns.dataset_path)
         self.conversations = datasets.load_sharegpt_second_turns(
             ns.dataset_path, ns.num_requests, ns.seed, ns.max_conversation_chars)
+        # tokenized ahead: the first turns then arrive together, not a tokenization (~1 ms) apart
+        self.first_turns = [self._chat(turns[:1]) for turns in self.conversations]
+        self.reply_lens = [len(self.tokenizer(turns[1]["content"], add_special_tokens=False).input_ids)
+                           for turns in self.conversations]
         questions = [q for q, _ in self.pairs if 8 <= len(q) <= 600][:ns.num_requests]
         system = self._system_prompt(ns.system_prompt_len)
         self.system_prompts = [self._chat([{"role": "system", "content": system}, {"role": "user", "content": q}])
@@ -135,17 +180,19 @@ class Workloads:
     async def run(self, engine, workload: str) -> dict[str, Phase]:
         limit = asyncio.Semaphore(self.ns.max_concurrency)
         if workload == "multiturn":
-            pairs = await asyncio.gather(*(self._conversation(engine, c, limit) for c in self.conversations))
+            turns = zip(self.conversations, self.first_turns, self.reply_lens)
+            pairs = await asyncio.gather(*(self._conversation(engine, c, first, reply_len, limit)
+                                           for c, first, reply_len in turns))
             return {"turn 1": Phase([a for a, _ in pairs]), "turn 2": Phase([b for _, b in pairs])}
         prompts, params = ((self.system_prompts, self.params) if workload == "system-prompt"
                            else (self.unique_prompts, self.unique_params))
         return {"all": Phase(list(await asyncio.gather(*(self._send(engine, p, params, limit) for p in prompts))))}
 
-    async def _conversation(self, engine, turns: list[dict], limit: asyncio.Semaphore) -> tuple[dict, dict]:
+    async def _conversation(self, engine, turns: list[dict], first_turn: list[int], reply_len: int,
+                            limit: asyncio.Semaphore) -> tuple[dict, dict]:
         async with limit:
-            reply_len = len(self.tokenizer(turns[1]["content"], add_special_tokens=False).input_ids)
             params = {**self.params, "max_new_tokens": max(1, min(reply_len, self.ns.output_len))}
-            first = await engine.async_generate(input_ids=self._chat(turns[:1]), sampling_params=params)
+            first = await engine.async_generate(input_ids=first_turn, sampling_params=params)
             reply = {"role": "assistant", "content": first["text"]}
             second = await engine.async_generate(input_ids=self._chat([turns[0], reply, turns[2]]),
                                                  sampling_params=self.params)
@@ -158,11 +205,11 @@ class Workloads:
 
 
 # ---- measuring ----
-def time_ledger(scheduler) -> list[float]:
-    """Wraps the scheduler's KV ledger methods with a timer; returns the running total (seconds)."""
-    spent = [0.0]
+@contextlib.contextmanager
+def time_ledger(ledger, spent: list[float]) -> Iterator[None]:
+    """Times a KV ledger's methods, adding to spent[0] (seconds), until the block ends."""
     for name in _LEDGER_METHODS:
-        method = getattr(scheduler.kv, name)
+        method = getattr(ledger, name)
 
         def timed(*args, _method=method, **kwargs):
             start = time.perf_counter()
@@ -170,35 +217,66 @@ def time_ledger(scheduler) -> list[float]:
                 return _method(*args, **kwargs)
             finally:
                 spent[0] += time.perf_counter() - start
-        setattr(scheduler.kv, name, timed)
-    return spent
+        setattr(ledger, name, timed)
+    try:
+        yield
+    finally:
+        for name in _LEDGER_METHODS:
+            delattr(ledger, name)   # the class's methods again
 
 
-def run_mode(ns: argparse.Namespace, args: ServerArgs, workloads: list[str], cache: bool,
-             requests: Workloads | None) -> tuple[list[Run], Workloads]:
-    """Runs the workloads on a new engine; builds them first unless given (by the other mode's run)."""
+def mode_schedule(rounds: int, first: str) -> list[str]:
+    """The order the modes run in: each round runs both, and the first of a round alternates,
+    so neither mode always follows the other (whatever the previous run leaves behind, e.g.
+    the allocator's or the GPU's warm state, falls on both)."""
+    other = "off" if first == "on" else "on"
+    return [mode for r in range(rounds) for mode in ((first, other) if r % 2 == 0 else (other, first))]
+
+
+def run_all(ns: argparse.Namespace, args: ServerArgs, workloads: list[str]) -> dict[str, list[Run]]:
+    """Runs every workload in both modes on one engine: cache off is the same engine's
+    scheduler with the prefix cache set aside (as --disable-radix-cache), so both modes
+    share one process state and one warm-up. Returns the runs per mode, in workload order,
+    each the sum of its rounds."""
     from specserve.engine.engine import Engine
-    mode = "on" if cache else "off"
-    runs = []
-    with Engine(**vars(args.replace(disable_radix_cache=not cache))) as engine:
-        if requests is None:
-            with stage("preparing the workloads from ShareGPT"):
-                requests = Workloads(ns, engine.tokenizer)
-        with stage(f"warm-up, cache {mode}"):   # a batch of the concurrency's size: first-use costs are paid here
-            engine.generate(input_ids=requests.unique_prompts[:ns.max_concurrency], sampling_params={"max_new_tokens": 8})
-        spent = time_ledger(engine.core.scheduler)
+    if args.disable_radix_cache:
+        raise SystemExit("--disable-radix-cache: the benchmark runs both modes itself (leave the flag out)")
+    runs: dict[str, dict[str, Run]] = {"on": {}, "off": {}}
+    with Engine(**vars(args)) as engine:
+        with stage("preparing the workloads from ShareGPT"):
+            requests = Workloads(ns, engine.tokenizer)
+        scheduler = engine.core.scheduler
+        trace = StepTrace(engine.core)
+        for mode in ("on", "off"):   # a batch of the concurrency's size: first-use costs are paid here
+            with stage(f"warm-up, cache {mode}"), _cache_mode(scheduler, mode):
+                engine.generate(input_ids=requests.unique_prompts[:ns.max_concurrency],
+                                sampling_params={"max_new_tokens": 8})
         for workload in workloads:
-            engine.flush_cache()
-            spent[0] = 0.0
-            with stage(f"{workload}, cache {mode}"):
-                start = time.perf_counter()
-                phases = asyncio.run(requests.run(engine, workload))
-                runs.append(Run(workload, mode, phases, time.perf_counter() - start, spent[0]))
-    del engine   # its GPU memory goes before the other mode's engine starts
+            for round_index, mode in enumerate(mode_schedule(ns.rounds, ns.first)):
+                engine.flush_cache()
+                spent, steps_before = [0.0], len(trace.prefill_steps)
+                label = f"{workload}, cache {mode} (round {round_index // 2 + 1})"
+                with stage(label), _cache_mode(scheduler, mode), time_ledger(scheduler.kv, spent):
+                    start = time.perf_counter()
+                    phases = asyncio.run(requests.run(engine, workload))
+                    run = Run(workload, mode, phases, time.perf_counter() - start, spent[0])
+                run.attach_breakdown(trace, trace.prefill_steps[steps_before:])
+                runs[mode][workload] = runs[mode][workload].merge(run) if workload in runs[mode] else run
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return runs, requests
+    return {mode: [by_workload[w] for w in workloads] for mode, by_workload in runs.items()}
+
+
+@contextlib.contextmanager
+def _cache_mode(scheduler, mode: str) -> Iterator[None]:
+    """Cache on: the engine as built. Off: its scheduler without the prefix cache (a ledger of
+    its own, restored afterwards; the cache was flushed, so no slot is held by the tree)."""
+    if mode == "on":
+        yield
+    else:
+        with scheduler.without_prefix_cache():
+            yield
 
 
 def report(on: list[Run], off: list[Run]) -> list[dict]:
@@ -212,6 +290,12 @@ def report(on: list[Run], off: list[Run]) -> list[dict]:
                 print(f"{row['workload']:>14} {row['phase']:>7} {row['cache']:>5} | {row['mean_ttft_s']:8.3f}s "
                       f"{row['p90_ttft_s']:8.3f}s | {row['cache_hit_rate']:8.1%} | {row['output_tokens_per_s']:9.1f} | "
                       f"{row['ledger_ms']:9.1f} | {row['duration_s']:7.1f}")
+        for run in (run_on, run_off):
+            for name, phase in run.phases.items():
+                print(f"{run.workload:>14} {name:>7} {run.mode:>5} | {phase.summary()['mean_prompt_tokens']:6.0f} "
+                      f"prompt tokens, TTFT = {format_breakdown(phase.breakdown)}")
+            prefill_cost = format_prefill_cost(fit_prefill_cost(run.prefill_steps))
+            print(f"{run.workload:>14} {'':>7} {run.mode:>5} | {prefill_cost}")
         same = sum(a == b for a, b in zip(run_on.output_ids(), run_off.output_ids()))
         print(f"{run_on.workload}: greedy outputs identical with and without the cache: {same}/{len(run_on.output_ids())}")
         for name in run_on.phases:
@@ -234,10 +318,8 @@ def main(argv=None) -> list[dict]:
     check_file("--dataset-path", ns.dataset_path)
     args = ServerArgs.from_cli_args(ns)
     workloads = ns.workloads.split(",")
-    first, requests = run_mode(ns, args, workloads, cache=ns.first == "on", requests=None)
-    second, _ = run_mode(ns, args, workloads, cache=ns.first != "on", requests=requests)
-    on, off = (first, second) if ns.first == "on" else (second, first)
-    rows = report(on, off)
+    runs = run_all(ns, args, workloads)
+    rows = report(runs["on"], runs["off"])
     if ns.output_file:
         with open(ns.output_file, "a") as f:
             for row in rows:
