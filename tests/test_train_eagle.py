@@ -2,8 +2,9 @@
 head's (a tiny random target whose greedy answers fall into cycles); a resumed run ends
 where an uninterrupted one does; `python -m specserve.train_eagle` end to end on the CPU;
 the accept-length replay, batch planning and draft vocabulary on hand-made inputs; the rows,
-teachers and tokens each draft step learns from; the target's states kept once equal those
-computed per batch; the soft cross-entropy's gradient; answers generated in waves."""
+teachers and labels each draft step learns from; the target's states kept once equal those
+computed per batch; the soft cross-entropy's gradient; answers generated in waves, and
+until a deadline; benchmark chats left out of the training chats."""
 from __future__ import annotations
 
 import asyncio
@@ -147,19 +148,23 @@ def test_most_frequent_tokens():
         most_frequent_tokens([[12]], vocab_size=12, size=4)
 
 
-def test_benchmark_prompts_are_excluded(tmp_path):
-    from specserve.train_eagle import prompt_texts
+def test_benchmark_chats_are_excluded(tmp_path):
+    from specserve.speculative.eagle_chats import training_chats
 
     def write(path, prompts):
-        path.write_text(json.dumps([{"conversations": [{"from": "human", "value": p}, {"from": "gpt", "value": "ok"}]}
+        path.write_text(json.dumps([{"conversations": [{"from": "human", "value": p}, {"from": "gpt", "value": "ok"},
+                                                       {"from": "human", "value": p + " again"}]}
                                     for p in prompts]))
     write(tmp_path / "all.json", ["one", "two", "three"])
     write(tmp_path / "bench.json", ["two"])
-    assert prompt_texts(str(tmp_path / "all.json"), str(tmp_path / "bench.json")) == ["one", "three"]
-    assert prompt_texts(str(tmp_path / "all.json"), None) == ["one", "two", "three"]
+    first_turns = lambda chats: [chat[0]["content"] for chat in chats]  # noqa: E731
+    assert first_turns(training_chats(str(tmp_path / "all.json"), str(tmp_path / "bench.json"))) == ["one", "three"]
+    chats = training_chats(str(tmp_path / "all.json"), None)
+    assert first_turns(chats) == ["one", "two", "three"]
+    assert [m["role"] for m in chats[0]] == ["user", "assistant", "user"]   # every turn, not only the first
 
 
-def test_draft_targets_name_each_steps_rows_teacher_and_tokens(tiny_target):
+def test_draft_targets_name_each_steps_rows_teacher_and_label(tiny_target):
     model, train, _ = tiny_target
     head, builder = make_builder(model, train)
     conversations = train[:3]
@@ -173,10 +178,15 @@ def test_draft_targets_name_each_steps_rows_teacher_and_tokens(tiny_target):
     for step, target in enumerate(targets):
         flat = rows[target.rows]   # b * T + t
         assert torch.equal(flat, padded.predicts_answer(step).flatten().nonzero().squeeze(1))
-        assert torch.equal(target.tokens, padded.shifted_tokens(2 + step).flatten()[flat])
         # the teacher of row t at `step`: the target's distribution after token t + 1 + step, which predicted t + 2 + step
         teacher_logits = final[starts[flat // width] + flat % width + 1 + step] @ builder.draft_lm_head.t()
         torch.testing.assert_close(batch.teacher_probs[target.teacher_rows], teacher_logits.softmax(-1))
+        # the label: the target's top draft-vocabulary choice, which on its own greedy answers is the answer's token
+        assert torch.equal(target.labels, teacher_logits.argmax(-1))
+        tokens = padded.shifted_tokens(2 + step).flatten()[flat]
+        in_vocab = torch.isin(tokens, head.draft_vocab())
+        assert bool(in_vocab.any())
+        assert torch.equal(head.to_target_ids(target.labels)[in_vocab], tokens[in_vocab])
 
 
 def test_state_store_keeps_what_the_target_computes(tiny_target):
@@ -234,3 +244,25 @@ def test_generate_conversations_keeps_order_and_sends_prompts_in_waves():
     # requests start in runs (waves): all 8 at first, then at least a quarter of 8 at a time (the last may be short)
     runs = [len(run) for run in "".join("s" if e == "start" else " " for e in engine.events).split()]
     assert runs[0] == 8 and all(run >= 2 for run in runs[:-1]) and sum(runs) == 30, runs
+
+
+class SlowEngine(CountingEngine):
+    """Every answer takes 10 ms."""
+
+    async def async_generate(self, input_ids, sampling_params):
+        self.events.append("start")
+        await asyncio.sleep(0.01)
+        return {"output_ids": [input_ids[0] + 100]}
+
+
+def test_generation_sends_no_prompt_after_its_deadline():
+    import time
+    prompts = [[i] for i in range(30)]
+    engine = SlowEngine()
+    assert generate_conversations(engine, prompts, 1, 0.0, max_in_flight=8, deadline=time.perf_counter()) == []
+    assert engine.events == []
+    # the first wave of 8 goes at once; waves that start after 15 ms never do
+    conversations = generate_conversations(engine, prompts, 1, 0.0, max_in_flight=8,
+                                           deadline=time.perf_counter() + 0.015)
+    assert 8 <= len(conversations) < 30 and len(engine.events) == len(conversations)
+    assert [c.tokens for c in conversations] == [[i, i + 100] for i in range(len(conversations))]

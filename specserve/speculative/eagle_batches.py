@@ -3,9 +3,11 @@ states for their tokens, and the target's distribution the head learns to match.
 
 The teacher is the target's own distribution over the draft vocabulary (softmax of its
 lm_head rows of those tokens applied to its final-normed state), kept only at the
-positions some draft step predicts from: the answer, less its last token. Soft labels
+positions some draft step predicts from: each answer, less its last token. Soft labels
 carry more than the one token the target picked, and on self-generated greedy data their
-argmax is that token.
+argmax is that token. On fixed text (a dataset's replies) the text is only where the
+target is asked: the head learns the target's distribution there, and its accuracy is
+agreement with the target's top choice, not with the text.
 
 Everything a step indexes by (which rows run the later draft steps, which of them each
 step learns from, their teacher rows and tokens) is worked out on the host from the
@@ -18,6 +20,7 @@ import random
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from specserve.speculative.eagle_data import Conversation
 from specserve.speculative.eagle_ttt import ConversationBatch
@@ -27,10 +30,10 @@ from specserve.speculative.target_features import StateStore, TargetFeatureExtra
 @dataclass
 class StepTargets:
     """What one draft step learns: at which of the unrolled rows, from which teacher rows,
-    and the target's tokens there (for its accuracy)."""
+    and the target's top choice there (for its accuracy)."""
     rows: torch.Tensor           # (n,) indices into the step's output (the batch's learning rows)
     teacher_rows: torch.Tensor   # (n,) rows of TrainingBatch.teacher_probs
-    tokens: torch.Tensor         # (n,) the target's token each of them predicts
+    labels: torch.Tensor         # (n,) the draft-vocabulary index of the teacher's argmax there
 
 
 @dataclass
@@ -54,7 +57,6 @@ class TrainingBatch:
         host = self.host
         learning = host.learns_from(steps).flatten()
         index_among_learning = learning.cumsum(0) - 1
-        tokens = host.tokens.flatten()
         parts = [learning.nonzero().squeeze(1)]
         for step in range(steps):
             rows = host.predicts_answer(step).flatten().nonzero().squeeze(1)
@@ -62,10 +64,22 @@ class TrainingBatch:
             teacher_rows = self.teacher_index[rows + 1 + step]
             if bool((teacher_rows < 0).any()):
                 raise AssertionError("a draft row without a teacher: predicts_answer and the teacher rows disagree")
-            parts += [index_among_learning[rows], teacher_rows, tokens[rows + 2 + step]]
+            parts += [index_among_learning[rows], teacher_rows]
         sizes = [len(part) for part in parts]
         on_device = list(_to_device(torch.cat(parts), self.conversations.tokens.device).split(sizes))
-        return on_device[0], [StepTargets(*on_device[1 + 3 * step:4 + 3 * step]) for step in range(steps)]
+        teacher_choice = self.teacher_probs.argmax(-1)
+        return on_device[0], [StepTargets(rows, teacher_rows, teacher_choice[teacher_rows])
+                              for rows, teacher_rows in zip(on_device[1::2], on_device[2::2])]
+
+
+def learned_tokens(conversations: list[Conversation], width: int) -> torch.Tensor:
+    """(B, width) bool: the tokens a draft step predicts: every answer token but each
+    answer's first (at serving time prefill makes it, and drafting starts after it)."""
+    learned = torch.zeros((len(conversations), width), dtype=torch.bool)
+    for row, conversation in enumerate(conversations):
+        for start, end in conversation.answers():
+            learned[row, start + 1:end] = True
+    return learned
 
 
 def plan_batches(lengths: list[int], batch_tokens: int, seed: int) -> list[list[int]]:
@@ -110,18 +124,21 @@ class BatchBuilder:
         in_sequence = positions < lengths.unsqueeze(1)                           # (B, T)
         tokens = torch.zeros((b, t), dtype=torch.long)
         tokens[in_sequence] = torch.tensor([token for c in conversations for token in c.tokens])
-        host = ConversationBatch(tokens, lengths, prompt_lens, None)
+        learned = learned_tokens(conversations, t)
+        host = ConversationBatch(tokens, lengths, prompt_lens, None, learned)
         # the state of every padded position: the conversation's own rows (padding repeats its
         # last one: finite, and no row that counts attends to it)
         state_rows = torch.tensor(starts).unsqueeze(1) + torch.minimum(positions, lengths.unsqueeze(1) - 1)
-        # positions whose logits some step learns from: from the prompt's end to the answer's second-last token
-        taught = in_sequence & (positions >= prompt_lens.unsqueeze(1)) & (positions < lengths.unsqueeze(1) - 1)
+        # positions whose logits some step learns from: those just before a learned token
+        taught = F.pad(learned[:, 1:], (0, 1))
         taught_rows = state_rows[taught]
-        parts = [tokens.flatten(), lengths, prompt_lens]
-        tokens_d, lengths_d, prompt_lens_d = _to_device(torch.cat(parts), device).split([len(p) for p in parts])
+        parts = [tokens.flatten(), lengths, prompt_lens, learned.flatten().long()]
+        tokens_d, lengths_d, prompt_lens_d, learned_d = _to_device(torch.cat(parts), device).split(
+            [len(p) for p in parts])
         flat = states.layers if self.uses_aux_layers else states.final
         target_states = _gather(flat, state_rows.flatten(), device).view(b, t, -1)
-        batch = ConversationBatch(tokens_d.view(b, t), lengths_d, prompt_lens_d, target_states)
+        batch = ConversationBatch(tokens_d.view(b, t), lengths_d, prompt_lens_d, target_states,
+                                  learned_d.view(b, t).bool())
         if self.draft_lm_head is None:
             return TrainingBatch(batch, None, host, None)
         teacher_logits = _gather(states.final, taught_rows, device) @ self.draft_lm_head.t()

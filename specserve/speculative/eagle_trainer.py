@@ -7,7 +7,13 @@ linear warm-up then cosine decay, where progress is the larger of steps done and
 spent (so a --max-train-seconds budget ends on a decayed learning rate). Checkpoints are
 the head in SGLang's layout plus the optimizer state; a resumed run continues the same
 seeded batch order where it stopped. The target's states of the training conversations
-are computed once, when the trainer is made, and read back every epoch (StateStore).
+are computed once, when the trainer is made, and read back every epoch (StateStore), when
+they fit on the device beside training; more data than that is seen about once in a run,
+and each batch's states are computed when it trains.
+
+With an `evaluate` callable (the held-out accept length) the trainer scores the head every
+`eval_every` steps and at the end, and keeps the best head it saw: a head that starts to
+memorize its data is not the one that comes out.
 
 A step waits for the device once, to read its loss and accuracies: every row index it
 needs was worked out on the host (eagle_batches.py).
@@ -29,7 +35,7 @@ from specserve.speculative.eagle_config import EagleHeadConfig
 from specserve.speculative.eagle_data import Conversation
 from specserve.speculative.eagle_head import EagleHead
 from specserve.speculative.eagle_ttt import unroll
-from specserve.speculative.target_features import StateStore
+from specserve.speculative.target_features import StateStore, states_fit_device
 
 TRAINER_STATE_FILE = "trainer_state.pt"
 
@@ -46,6 +52,8 @@ class TrainSettings:
     grad_clip: float = 0.5
     step_weight: float = 0.8            # the loss of draft step k counts step_weight ** k
     checkpoint_every: int = 0           # optimizer steps between checkpoints; 0: at the end only
+    weight_decay: float = 0.0           # AdamW's, decoupled
+    eval_every: int = 0                 # optimizer steps between held-out scores (keep the best); 0: never
     seed: int = 0
     autocast_dtype: torch.dtype | None = None  # bfloat16 on a GPU: the head's weights stay fp32
 
@@ -99,26 +107,31 @@ def ttt_loss(head: EagleHead, batch: TrainingBatch, steps: int,
             continue
         logits = head.logits(output.index_select(0, target.rows))
         total = total + step_weight ** step * SoftCrossEntropy.apply(logits, batch.teacher_probs, target.teacher_rows)
-        draft = head.to_target_ids(logits.detach().argmax(-1))
-        accuracies.append((draft == target.tokens).float().mean())
+        accuracies.append((logits.detach().argmax(-1) == target.labels).float().mean())
     return total, accuracies
 
 
 class EagleTrainer:
     def __init__(self, head: EagleHead, builder: BatchBuilder, conversations: list[Conversation],
-                 settings: TrainSettings, output_dir: str | None = None):
+                 settings: TrainSettings, output_dir: str | None = None,
+                 evaluate: Callable[[EagleHead], float] | None = None):
+        """evaluate(head) -> a score, higher is better (the held-out accept length)."""
         self.head, self.builder, self.conversations, self.settings = head, builder, conversations, settings
-        self.output_dir = output_dir
+        self.output_dir, self.evaluate = output_dir, evaluate
         self.parameters = [p for p in head.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.parameters, lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        self.optimizer = torch.optim.AdamW(self.parameters, lr=settings.lr, betas=(0.9, 0.95),
+                                           weight_decay=settings.weight_decay)
         lengths = [len(c.tokens) for c in conversations]
         self.plan = [group for epoch in range(settings.epochs)
                      for group in plan_batches(lengths, settings.batch_tokens, settings.seed + epoch)]
         # the target's states, once for every epoch (in the first epoch's batches: they fit the extractor)
+        keep = states_fit_device(builder.extractor, sum(lengths))
         self.store = StateStore(builder.extractor, [c.tokens for c in conversations],
-                                plan_batches(lengths, settings.batch_tokens, settings.seed))
+                                plan_batches(lengths, settings.batch_tokens, settings.seed)) if keep else None
         self.step, self.elapsed = 0, 0.0
         self.history: list[float] = []   # loss per optimizer step
+        self.scores: list[tuple[int, float]] = []   # (step, held-out score) of each evaluation
+        self._best: tuple[float, dict[str, torch.Tensor]] | None = None
 
     def train(self, on_step: Callable[[int, float, list[float]], None] = lambda *_: None) -> None:
         """Runs the remaining batches of the plan (or until max_seconds); on_step(step, loss, accuracies)."""
@@ -128,12 +141,37 @@ class EagleTrainer:
             started = time.perf_counter()
             loss, accuracies = self._train_batch(self.plan[self.step])
             self.step += 1
-            self.elapsed += time.perf_counter() - started
             self.history.append(loss)
+            if settings.eval_every and self.step % settings.eval_every == 0:
+                self._score()
+            self.elapsed += time.perf_counter() - started
             if settings.checkpoint_every and self.step % settings.checkpoint_every == 0:
                 self.save_checkpoint()
             on_step(self.step, loss, accuracies)
         self.head.eval()
+        if settings.eval_every and self.evaluate is not None:
+            if not self.scores or self.scores[-1][0] != self.step:
+                self._score()
+            self.head.eval()
+            best_score, best_state = self._best
+            if best_score > self.scores[-1][1]:
+                self.head.load_state_dict(best_state)
+
+    def _score(self) -> None:
+        """Scores the head on the held-out data; remembers its weights when it is the best yet."""
+        if self.evaluate is None:
+            return
+        self.head.eval()
+        score = self.evaluate(self.head)
+        self.head.train()
+        self.scores.append((self.step, score))
+        if self._best is None or score > self._best[0]:
+            self._best = (score, {name: value.detach().clone() for name, value in self.head.state_dict().items()})
+
+    @property
+    def best_score(self) -> tuple[int, float] | None:
+        """(step, score) of the best evaluation, None before any."""
+        return max(self.scores, key=lambda item: item[1]) if self.scores else None
 
     def _out_of_time(self) -> bool:
         return self.settings.max_seconds is not None and self.elapsed >= self.settings.max_seconds
@@ -142,7 +180,9 @@ class EagleTrainer:
         settings = self.settings
         for param_group in self.optimizer.param_groups:
             param_group["lr"] = self.learning_rate()
-        batch = self.builder.from_store(self.store, group, [self.conversations[i] for i in group])
+        conversations = [self.conversations[i] for i in group]
+        batch = (self.builder.from_store(self.store, group, conversations) if self.store is not None
+                 else self.builder(conversations))
         device_type = batch.conversations.tokens.device.type
         with torch.autocast(device_type, dtype=settings.autocast_dtype, enabled=settings.autocast_dtype is not None):
             loss, accuracies = ttt_loss(self.head, batch, settings.ttt_steps, settings.step_weight)

@@ -42,6 +42,9 @@ class ConversationBatch:
     lengths: torch.Tensor          # (B,) tokens of each conversation
     prompt_lens: torch.Tensor      # (B,) the answer starts at this index
     target_states: torch.Tensor | None  # (B, T, feature_size): what the head's first step reads
+    # (B, T) bool: the tokens a draft step predicts (eagle_batches.learned_tokens); None:
+    # every token after each answer's first, the answer running from prompt_lens to the end
+    learned: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -54,6 +57,8 @@ class ConversationBatch:
     def predicts_answer(self, step: int) -> torch.Tensor:
         """(B, T) bool: row t at `step` predicts token t+2+step, an answer token after the
         first (the first comes from prefill: drafting starts after it)."""
+        if self.learned is not None:
+            return F.pad(self.learned[:, 2 + step:], (0, 2 + step))
         predicted = torch.arange(self.shape[1], device=self.tokens.device) + 2 + step
         return (predicted > self.prompt_lens.unsqueeze(1)) & (predicted < self.lengths.unsqueeze(1))
 

@@ -8,9 +8,10 @@ them for a batch of sequences; its K/V go to a scratch pool that the next batch 
 
 A head trains over the same conversations for many epochs, and the target's forward costs
 about as much as the head's whole training step (1.5B target, 8k tokens: ~21 TFLOP, the
-head's 7-step step ~25): `StateStore` computes the states once and keeps them, on the GPU
-when they fit beside training (~12 KB a token for a 1.5B's EAGLE-3 head), else in pinned
-host memory.
+head's 7-step step ~25): `StateStore` computes the states once and keeps them on the
+device, when they fit beside training (~12 KB a token for a 1.5B's EAGLE-3 head); data
+larger than that (millions of tokens) is seen about once, each batch's states computed
+when it trains (a host copy would need as much host memory, pinned).
 """
 from __future__ import annotations
 
@@ -96,10 +97,8 @@ class StateStore:
             self.starts.append(self.starts[-1] + length)
         total = sum(lengths)
         dtype, feature_size = extractor.model.embed_tokens.weight.dtype, len(extractor.aux_layers) * config.hidden_size
-        row_bytes = (feature_size + config.hidden_size) * dtype.itemsize
-        self.device = _store_device(extractor.device, total * row_bytes)
-        pin = self.device.type == "cpu" and extractor.device.type == "cuda"
-        new = lambda size: torch.empty((total, size), dtype=dtype, device=self.device, pin_memory=pin)  # noqa: E731
+        self.device = extractor.device
+        new = lambda size: torch.empty((total, size), dtype=dtype, device=self.device)  # noqa: E731
         self.final = new(config.hidden_size)
         self.layers = new(feature_size) if extractor.aux_layers else None
         for group in groups:
@@ -119,9 +118,19 @@ class StateStore:
         return TargetStates(self.layers, self.final)
 
 
-def _store_device(device: torch.device, nbytes: int) -> torch.device:
+def state_bytes(extractor: TargetFeatureExtractor, num_tokens: int) -> int:
+    """What a StateStore of num_tokens tokens takes."""
+    config = extractor.model.config
+    feature_size = len(extractor.aux_layers) * config.hidden_size
+    return num_tokens * (feature_size + config.hidden_size) * extractor.model.embed_tokens.weight.dtype.itemsize
+
+
+def states_fit_device(extractor: TargetFeatureExtractor, num_tokens: int) -> bool:
+    """Whether the states of num_tokens tokens fit DEVICE_SHARE of the GPU memory free for
+    them (always on a CPU: the states are a small part of what a CPU run holds)."""
+    device = extractor.device
     if device.type != "cuda":
-        return device
+        return True
     free, _ = torch.cuda.mem_get_info(device)
     free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # PyTorch's cache is free to it
-    return device if nbytes <= DEVICE_SHARE * free else torch.device("cpu")
+    return state_bytes(extractor, num_tokens) <= DEVICE_SHARE * free
