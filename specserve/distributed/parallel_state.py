@@ -49,7 +49,8 @@ def create_process_group(store: dist.Store, rank: int, size: int, device: torch.
         return dist.ProcessGroupGloo(store, rank, size, timeout)
     # NVLink SHARP (multicast) needs fabric-manager state the lent machines do not keep
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    torch.cuda.set_device(device)
+    # rank 0's device may be a bare "cuda" (the current device); set_device wants an index
+    torch.cuda.set_device(device.index if device.index is not None else torch.cuda.current_device())
     options = dist.ProcessGroupNCCL.Options()
     options.is_high_priority_stream = False
     options._timeout = timeout
@@ -101,7 +102,8 @@ class TensorParallelGroup:
         flat = logits.reshape(-1, logits.shape[-1]).contiguous()        # (rows, vocab_per_rank)
         shards = flat.new_empty((self.size * flat.shape[0], flat.shape[1]))   # rank after rank
         self._run(lambda: self.process_group._allgather_base(shards, flat))
-        whole = shards.view(self.size, *flat.shape).transpose(0, 1).reshape(flat.shape[0], -1)
+        # explicit widths: a step whose chunks end no prompt samples no rows (0 elements, -1 ambiguous)
+        whole = shards.view(self.size, *flat.shape).transpose(0, 1).reshape(flat.shape[0], self.size * flat.shape[1])
         return whole[:, :vocab_size].view(*logits.shape[:-1], vocab_size)
 
     def gather_rows_into(self, shard: torch.Tensor, full: torch.Tensor | None) -> None:

@@ -97,7 +97,8 @@ class ModelRunner:
             return CPU_DEFAULT_KV_TOKENS
         fraction = self.args.mem_fraction_static or 0.85
         free, total = torch.cuda.mem_get_info(self.device)
-        used_by_others = total - free - torch.cuda.memory_allocated(self.device)
+        # memory this process's allocator keeps cached (an engine closed before this one) is ours to reuse
+        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
         budget = total * fraction - torch.cuda.memory_allocated(self.device) - used_by_others
         per_token = KVPool.bytes_per_token(self.config.num_layers, num_kv_heads, self.config.head_dim,
                                            self.dtype) + self.draft_kv_bytes_per_token
