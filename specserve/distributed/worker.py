@@ -13,6 +13,7 @@ import datetime
 import logging
 import multiprocessing.connection
 import os
+import sys
 import threading
 import time
 import traceback
@@ -60,11 +61,22 @@ def run_worker(spec: WorkerSpec, conn: multiprocessing.connection.Connection) ->
         serve_steps(runner, conn)
         runner.tp.shutdown()
     except TensorParallelError:
-        raise SystemExit(1)   # rank 0 is gone or failed: it reports the cause itself
+        _exit_now()   # rank 0 is gone or failed: it reports the cause itself
     except BaseException:
         _send(conn, ("error", traceback.format_exc(limit=-3).strip().splitlines()[-1]))
         logging.getLogger("specserve").exception("tensor-parallel rank %d failed", spec.rank)
-        raise SystemExit(1)
+        _exit_now()
+
+
+def _exit_now() -> None:
+    """Exits at once with status 1. A normal interpreter exit destroys the NCCL communicator,
+    which can wait on the peers; rank 0, blocked in a collective this rank never joins, is
+    only released by the watchdog seeing this process end (H200 x2: a worker that raised
+    stayed alive and both ranks hung until the call's timeout)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def _build_runner(spec: WorkerSpec, conn: multiprocessing.connection.Connection):
