@@ -69,5 +69,5 @@ def test_reply_text_spans_are_the_assistant_turns(tokenizer):
     second_start = conversation.reply_spans[1][0]
     cut = reply_text_conversation(CHAT, tokenizer, max_tokens=second_start + 3)
     assert cut.reply_spans == [conversation.reply_spans[0], [second_start, second_start + 3]]
-    # no reply: nothing to learn
-    assert reply_text_conversations([CHAT[:1], CHAT], tokenizer, 1024) == [conversation]
+    # no reply (or one that answers no user turn): nothing to learn
+    assert reply_text_conversations([CHAT[:1], CHAT[1:2], CHAT], tokenizer, 1024) == [conversation]

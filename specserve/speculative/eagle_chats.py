@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from specserve.speculative.eagle_data import Conversation
@@ -36,59 +37,98 @@ def render(messages: Messages, tokenizer: Any, add_generation_prompt: bool) -> s
 def turn_prompts(chats: Sequence[Messages], tokenizer: Any, max_prompt_tokens: int,
                  limit: int | None = None) -> list[list[int]]:
     """Token ids of the prompts of every user turn of `chats`, in order (chat by chat, turn
-    by turn), the first `limit` of them; a turn that does not fit even alone is left out."""
+    by turn), the first `limit` of them; a turn that does not fit even alone is left out.
+    A turn the chat answers, within max_prompt_tokens, is the chat's own tokens up to the
+    reply (one tokenization per chat: rendering and tokenizing every turn's prompt apart
+    took ~3 ms a prompt); the others are rendered and tokenized alone."""
     prompts: list[list[int]] = []
     for messages in chats:
+        tokenized = _tokenize_chat(messages, tokenizer, max_prompt_tokens)
+        ids, replies = tokenized if tokenized is not None else ([], {})
         for index in (i for i, message in enumerate(messages) if message["role"] == "user"):
             if limit is not None and len(prompts) >= limit:
                 return prompts
-            ids = _fitting_prompt(messages[:index + 1], tokenizer, max_prompt_tokens)
-            if ids is not None:
-                prompts.append(ids)
+            reply = replies.get(index + 1)
+            if reply is not None and reply.exact_start and 2 <= reply.start <= min(max_prompt_tokens, len(ids) - 1):
+                prompts.append(ids[:reply.start])
+                continue
+            prompt = _fitting_prompt(messages[:index + 1], tokenizer, max_prompt_tokens)
+            if prompt is not None:
+                prompts.append(prompt)
     return prompts
 
 
 def _fitting_prompt(messages: Messages, tokenizer: Any, max_tokens: int) -> list[int] | None:
     """The prompt of the chat `messages` (ending with a user turn), without its oldest turns
-    while it is longer than max_tokens; None when the last user turn alone is too long."""
+    while it is longer than max_tokens; None when the last user turn alone is too long.
+    A prompt that starts at a later turn is shorter: the first that fits is binary-searched."""
     system = messages[:1] if messages[0]["role"] == "system" else []
     turn_starts = [i for i, message in enumerate(messages) if message["role"] == "user"]
-    for start in turn_starts:
+
+    def prompt_from(start: int) -> list[int] | None:
         text = render(system + messages[start:], tokenizer, True)
         if len(text) > 16 * max_tokens:   # no real text has 16 characters a token: skip tokenizing it
+            return None
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        return ids if len(ids) <= max_tokens else None
+
+    low, high, found = 0, len(turn_starts) - 1, None
+    while low <= high:
+        middle = (low + high) // 2
+        ids = prompt_from(turn_starts[middle])
+        if ids is None:
+            low = middle + 1
+        else:
+            found, high = ids, middle - 1
+    return found if found is not None and len(found) >= 2 else None
+
+
+@dataclass(frozen=True)
+class _Reply:
+    start: int          # first token of the reply
+    end: int            # past its last (end-of-turn marks included)
+    exact_start: bool   # a token starts exactly where the reply's text does (the tokens before it are its prompt)
+
+
+def _tokenize_chat(messages: Messages, tokenizer: Any, max_tokens: int) -> tuple[list[int], dict[int, _Reply]] | None:
+    """(the chat's token ids, the token span of each assistant message by its index), of
+    about the chat's first max_tokens tokens or more (the text is cut at 8 characters a
+    token: tokenizing whole long chats was most of the time); None when the template does
+    not render the chat as a sequence of its turns (a reply's text must extend the text
+    before it)."""
+    full = render(messages, tokenizer, False)
+    char_spans = {}
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant" or index == 0:   # a chat's opening reply answers no one
             continue
-        ids = _encode(tokenizer, text)
-        if 2 <= len(ids) <= max_tokens:
-            return ids
-    return None
+        before, through = render(messages[:index], tokenizer, True), render(messages[:index + 1], tokenizer, False)
+        if not (through.startswith(before) and full.startswith(through)):
+            return None
+        char_spans[index] = (len(before), len(through))
+    encoded = tokenizer(full[:8 * max_tokens], add_special_tokens=False, return_offsets_mapping=True)
+    starts, ends = [start for start, _ in encoded.offset_mapping], [end for _, end in encoded.offset_mapping]
+    replies = {}
+    for index, (start_char, end_char) in char_spans.items():
+        start, end = bisect.bisect_left(starts, start_char), bisect.bisect_right(ends, end_char)
+        exact = start < len(starts) and starts[start] == start_char and (start == 0 or ends[start - 1] <= start_char)
+        replies[index] = _Reply(start, end, exact)
+    return list(encoded.input_ids), replies
 
 
 def reply_text_conversation(messages: Messages, tokenizer: Any, max_tokens: int) -> Conversation | None:
     """The chat as fixed text whose assistant replies (each with the end-of-turn marks the
     template puts after it) are the spans to learn; cut after max_tokens tokens. None when
-    no reply starts within them, or the template does not render the chat as a sequence of
-    its turns (a reply's text must extend the text before it)."""
-    full = render(messages, tokenizer, False)
-    char_spans = []
-    for index, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        before, through = render(messages[:index], tokenizer, True), render(messages[:index + 1], tokenizer, False)
-        if not (through.startswith(before) and full.startswith(through)):
-            return None
-        char_spans.append((len(before), len(through)))
-    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = encoded.input_ids[:max_tokens], encoded.offset_mapping[:max_tokens]
-    starts, ends = [start for start, _ in offsets], [end for _, end in offsets]
-    spans = [(bisect.bisect_left(starts, start), bisect.bisect_right(ends, end)) for start, end in char_spans]
-    spans = [span for span in spans if span[1] - span[0] >= 2]   # a reply's first token is not learned: 2 or more
+    no reply of 2 tokens or more starts within them (a reply's first token is not learned),
+    or the template does not render the chat as a sequence of its turns."""
+    tokenized = _tokenize_chat(messages, tokenizer, max_tokens)
+    if tokenized is None:
+        return None
+    ids, replies = tokenized
+    spans = [[reply.start, min(reply.end, max_tokens)] for reply in replies.values()]
+    spans = [span for span in spans if span[1] - span[0] >= 2]
     if not spans:
         return None
-    return Conversation(list(ids), spans[0][0], reply_spans=[list(span) for span in spans])
-
-
-def _encode(tokenizer: Any, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False).input_ids
+    return Conversation(ids[:max_tokens], spans[0][0], reply_spans=spans)
 
 
 def reply_text_conversations(chats: Sequence[Messages], tokenizer: Any, max_tokens: int) -> list[Conversation]:
