@@ -2,9 +2,9 @@
 # Every GPU test and benchmark, run on the device machine from the repo root:
 #   scripts/gpu_run.sh checks|bench|all [MODEL...]
 #   scripts/gpu_run.sh standalone [NUM_STEPS...]   (STANDALONE 0.5B -> 1.5B against plain; tests/gpu/test_standalone_cuda.py)
-#   scripts/gpu_run.sh eagle [NUM_STEPS...]        (trains an EAGLE-3 head for the 1.5B in 4 minutes, then EAGLE3
+#   scripts/gpu_run.sh eagle [NUM_STEPS...]        (trains an EAGLE-3 head for the 1.5B in 7.5 minutes, then EAGLE3
 #                                                   chains and top-4 trees of 8 nodes against plain; then frspec)
-#   scripts/gpu_run.sh naive                       (trains an EAGLE-3 head for the 1.5B in 150 s, then NAIVE_EAGLE
+#   scripts/gpu_run.sh naive                       (trains an EAGLE-3 head for the 1.5B in 5 minutes, then NAIVE_EAGLE
 #                                                   (one draft, verify and draft fused in one CUDA graph) and EAGLE3
 #                                                   chains of 3 with that head against plain; tests/gpu/test_naive_eagle_cuda.py)
 #   scripts/gpu_run.sh frspec                      (FR-Spec: a 32768-token map for the 1.5B, an EAGLE-3 head over
@@ -49,7 +49,7 @@ if [ "$mode" = eagle ]; then
   TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_eagle_cuda.py 2>&1 | tail -5 \
     | tee "$OUT/pytest_eagle.txt"
   python3 -m specserve.train_eagle --model-path /root/models/qwen2.5-coder-1.5b-instruct.gguf \
-    --output-dir /root/eagle3-1.5b --dataset-path .gpu/sharegpt_train.json --max-train-seconds 240 --num-prompts 2700 --checkpoint-every 0 \
+    --output-dir /root/eagle3-1.5b --dataset-path .gpu/sharegpt_train.json --time-budget 450 --exclude-dataset-path .gpu/sharegpt_bench.json --checkpoint-every 0 \
     2>&1 | grep -v '%|' | tail -20 | tee "$OUT/train_eagle.txt"
   python3 -m specserve.bench.model_drafters --algorithm EAGLE3 --target /root/models/qwen2.5-coder-1.5b-instruct.gguf \
     --draft /root/eagle3-1.5b --num-steps "${steps[@]}" --topk 1 4 --num-draft-tokens 8 \
@@ -58,7 +58,7 @@ fi
 if [ "$mode" = naive ]; then
   # the numbers first (about 8 minutes), the test last: a run cut at the device's 10 minutes keeps them
   python3 -m specserve.train_eagle --model-path /root/models/qwen2.5-coder-1.5b-instruct.gguf \
-    --output-dir /root/eagle3-1.5b --dataset-path .gpu/sharegpt_train.json --max-train-seconds 150 --num-prompts 2700 --checkpoint-every 0 \
+    --output-dir /root/eagle3-1.5b --dataset-path .gpu/sharegpt_train.json --time-budget 300 --exclude-dataset-path .gpu/sharegpt_bench.json --checkpoint-every 0 \
     2>&1 | grep -v '%|' | tail -20 | tee "$OUT/train_eagle.txt"
   python3 -m specserve.bench.model_drafters --algorithm NAIVE_EAGLE EAGLE3 --target /root/models/qwen2.5-coder-1.5b-instruct.gguf \
     --draft /root/eagle3-1.5b --num-steps 3 --topk 1 --workloads sharegpt-multiturn code-types \

@@ -137,8 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     os.makedirs(args.output_dir, exist_ok=True)
     engine = _engine(args, device, dtype)
     held_out_chats, train_chats = _split_chats(args, engine.tokenizer)
-    generation_deadline = started + args.generation_share * args.time_budget if args.time_budget else None
-    generated, held_out = _conversations(args, engine, held_out_chats, train_chats, generation_deadline)
+    generated, held_out = _conversations(args, engine, held_out_chats, train_chats, started)
     reply_text = _reply_text(args, engine.tokenizer, train_chats)
     target = engine.core.runner.model   # the engine's loaded weights, reused for the hidden states
     engine.shutdown()
@@ -227,8 +226,11 @@ def _split_chats(args: argparse.Namespace, tokenizer) -> tuple[list[Messages], l
 
 
 def _conversations(args: argparse.Namespace, engine, held_out_chats: list[Messages], train_chats: list[Messages],
-                   deadline: float | None) -> tuple[list[Conversation], list[Conversation]]:
-    """(training, held-out) answers of the target: generated, or read back from --output-dir on --resume."""
+                   run_started: float) -> tuple[list[Conversation], list[Conversation]]:
+    """(training, held-out) answers of the target: generated, or read back from --output-dir on --resume.
+    With --time-budget, generation stops at --generation-share of the time left once the
+    prompts are ready (H100, 1.5B: loading and tokenizing 9.5k prompts took 75 s, past a
+    deadline counted from the start: the head trained on no generated answer)."""
     path = os.path.join(args.output_dir, DATA_FILE)
     if args.resume and os.path.isfile(path):
         conversations = load_conversations(path)
@@ -240,6 +242,9 @@ def _conversations(args: argparse.Namespace, engine, held_out_chats: list[Messag
     print(f"prompts: {len(prompts)} for training from {len(train_chats)} chats, {len(held_out_prompts)} held out "
           f"({time.perf_counter() - started:.1f} s to tokenize)", flush=True)
     started = time.perf_counter()
+    deadline = None
+    if args.time_budget:
+        deadline = started + args.generation_share * (args.time_budget - (started - run_started))
     in_flight = engine.core.runner.max_running_requests
     with _progress(len(held_out_prompts) + len(prompts), "generating answers") as bar:
         held_out = generate_conversations(engine, held_out_prompts, args.max_new_tokens, 0.0, bar.update,

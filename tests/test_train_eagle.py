@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 import torch
@@ -256,7 +257,6 @@ class SlowEngine(CountingEngine):
 
 
 def test_generation_sends_no_prompt_after_its_deadline():
-    import time
     prompts = [[i] for i in range(30)]
     engine = SlowEngine()
     assert generate_conversations(engine, prompts, 1, 0.0, max_in_flight=8, deadline=time.perf_counter()) == []
@@ -266,3 +266,33 @@ def test_generation_sends_no_prompt_after_its_deadline():
                                            deadline=time.perf_counter() + 0.015)
     assert 8 <= len(conversations) < 30 and len(engine.events) == len(conversations)
     assert [c.tokens for c in conversations] == [[i, i + 100] for i in range(len(conversations))]
+
+
+def test_generation_share_counts_from_when_the_prompts_are_ready(monkeypatch, tmp_path):
+    """--generation-share of the time left after loading and tokenizing, not of the whole budget
+    (on an H100 those took 75 s of 233 and a deadline from the start left generation 2.6 s)."""
+    import argparse
+    import types
+
+    from specserve import train_eagle
+    deadlines = []
+
+    def slow_turn_prompts(*args, **kwargs):
+        time.sleep(0.05)
+        return []
+
+    def recording_generate(*args, deadline=None, **kwargs):
+        deadlines.append((deadline, time.perf_counter()))
+        return []
+
+    monkeypatch.setattr(train_eagle, "turn_prompts", slow_turn_prompts)
+    monkeypatch.setattr(train_eagle, "generate_conversations", recording_generate)
+    monkeypatch.setattr(train_eagle, "save_conversations", lambda *args: None)
+    args = argparse.Namespace(output_dir=str(tmp_path), resume=False, max_prompt_len=64, held_out=2, num_prompts=4,
+                              max_new_tokens=4, temperature=0.0, seed=0, time_budget=10.0, generation_share=0.5)
+    engine = types.SimpleNamespace(tokenizer=None, core=types.SimpleNamespace(
+        runner=types.SimpleNamespace(max_running_requests=8)))
+    train_eagle._conversations(args, engine, [], [], run_started=time.perf_counter() - 4.0)
+    (none, _), (deadline, called) = deadlines   # the held-out answers have no deadline
+    assert none is None
+    assert abs((deadline - called) - 0.5 * (10.0 - 4.05)) < 0.15

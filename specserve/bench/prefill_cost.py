@@ -1,0 +1,101 @@
+"""What a prefill step costs, by prompt length, on a real model's shapes with random weights
+(no checkpoint to stage): `python -m specserve.bench.prefill_cost --shape qwen2.5-coder-1.5b
+--lengths 16 100 300 1000 2000`.
+
+For each length one request of that many tokens is prefilled by the engine's own step loop
+(plain decoding, CUDA graphs on for the decode steps); the bench reports the median wall time
+of the prefill step, a "fixed + per token" fit over the lengths, and, for the lengths given
+to --profile, the torch profiler's top entries by device time and by host time: where a
+step of a few hundred tokens spends its time when its GPU work should take a few ms.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from specserve.bench.random_model import SHAPES, write_random_model
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        synchronize()
+
+
+def prefill_step_ms(core, engine, length: int, rng: random.Random, tag: str) -> float:
+    """Wall time of the step that prefills one request of `length` tokens (synchronized)."""
+    prompt = [rng.randrange(10, 4000) for _ in range(length)]
+    req = engine._make_request(prompt, {"temperature": 0, "max_new_tokens": 1, "ignore_eos": True}, False, 0, tag)
+    core.add_request(req)
+    synchronize()
+    start = time.perf_counter()
+    core.step()
+    synchronize()
+    elapsed = (time.perf_counter() - start) * 1e3
+    while core.has_work():
+        core.step()
+    return elapsed
+
+
+def fit(lengths: list[int], ms: list[float]) -> tuple[float, float]:
+    """Least-squares fixed ms + us per token."""
+    slope, intercept = np.polyfit(np.asarray(lengths, dtype=float), np.asarray(ms), 1)
+    return float(intercept), float(slope * 1e3)
+
+
+def profile_table(core, engine, length: int, rng: random.Random, rows: int) -> str:
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        prefill_step_ms(core, engine, length, rng, f"profile-{length}")
+    averages = prof.key_averages()
+    return (f"--- length {length}: by device time ---\n"
+            + averages.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=60)
+            + f"\n--- length {length}: by host time ---\n"
+            + averages.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="qwen2.5-coder-1.5b", choices=sorted(SHAPES))
+    parser.add_argument("--lengths", type=int, nargs="+", default=[16, 100, 300, 1000, 2000])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--profile", type=int, nargs="*", default=[100], help="lengths to profile")
+    parser.add_argument("--rows", type=int, default=20)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
+    ns = parser.parse_args(argv)
+    os.makedirs(ns.out, exist_ok=True)
+    from specserve.engine.engine import Engine
+    path = write_random_model(f"/tmp/random-{ns.shape}", ns.shape, device=ns.device)
+    engine = Engine(model_path=path, device=ns.device, log_level="warning", max_total_tokens=200_000, skip_server_warmup=True)
+    engine.shutdown()  # the step loop is driven from this thread
+    core, rng = engine.core, random.Random(0)
+    for length in ns.lengths:   # warm: Triton compiles, allocator
+        prefill_step_ms(core, engine, length, rng, f"warm-{length}")
+    medians = []
+    for length in ns.lengths:
+        times = [prefill_step_ms(core, engine, length, rng, f"p-{length}-{i}") for i in range(ns.repeats)]
+        medians.append(statistics.median(times))
+        row = {"kind": "prefill_cost", "shape": ns.shape, "length": length, "median_ms": round(medians[-1], 3),
+               "min_ms": round(min(times), 3), "device": torch.cuda.get_device_name() if ns.device == "cuda" else ns.device, "date": time.strftime("%Y-%m-%d")}
+        print(json.dumps(row), flush=True)
+        with open(os.path.join(ns.out, "prefill_cost.jsonl"), "a") as f:
+            f.write(json.dumps(row) + "\n")
+    fixed, per_token = fit(ns.lengths, medians)
+    print(f"prefill step: {fixed:.2f} ms fixed + {per_token:.2f} us per token", flush=True)
+    for length in ns.profile:
+        table = profile_table(core, engine, length, rng, ns.rows)
+        print(table, flush=True)
+        with open(os.path.join(ns.out, f"prefill_profile_{length}.txt"), "w") as f:
+            f.write(table)
+
+
+if __name__ == "__main__":
+    main()
