@@ -5,6 +5,7 @@ stand-in for Triton's `knobs.runtime`."""
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from types import SimpleNamespace
 
@@ -122,3 +123,26 @@ def test_report_shows_longest_step_and_compile_time():
     table = markdown(rows)
     assert "| 0.25x |  | 1500.0 | 1.45 |" in table
     assert "| ngram-4-one | 75.0 |  | 0.75x |  |  |  |" in table
+
+
+def test_watch_traces_the_adaptive_policy_of_each_run(engine, tmp_path):
+    watch = RunWatch(engine, trace_dir=str(tmp_path))
+    try:
+        set_drafter(engine, 4, True, True)    # adaptive: the policy decides every decode step
+        policy = engine.core.adaptive
+        watch.cell = "repeat c3"
+        [summary] = run(engine, PROMPTS, 3, 24, "adaptive", watch=watch)
+        assert "_best_tier" in vars(policy) and "go_plain" in vars(policy.modes)   # wrapped during the run
+    finally:
+        set_drafter(engine, None)
+        watch.close()
+    assert "_best_tier" not in vars(policy) and "request_switch" not in vars(policy.modes)   # unwrapped
+    mix, buckets = summary["step_mix"], summary["policy"]
+    decode_steps = mix["plain"]["steps"] + mix["draft"]["steps"]
+    assert sum(b["plain_steps"] + b["draft_steps"] for b in buckets.values()) == decode_steps
+    assert sum(b["draft_steps"] for b in buckets.values()) == mix["draft"]["steps"]
+    [trace_file] = tmp_path.iterdir()
+    assert trace_file.name == "repeat_c3_adaptive_t1.jsonl"
+    events = [json.loads(line) for line in trace_file.read_text().splitlines()]
+    assert sum(e["e"] == "step" for e in events) == decode_steps
+    assert any(e["e"] == "rates" for e in events), "the policy priced tiers during the run"

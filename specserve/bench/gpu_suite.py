@@ -30,6 +30,7 @@ import time
 import torch
 
 from specserve.bench.offline import run_turn
+from specserve.bench.policy_trace import PolicyTrace
 from specserve.engine.kernel_cache import TritonCompileCounter
 from specserve.speculative.adaptive import AdaptiveDraftLength, tiers_for
 from specserve.speculative.ngram import NgramDrafter
@@ -92,8 +93,10 @@ class RunWatch:
     scheduler's `schedule` and the runner's `run_trees`, and sets Triton's JIT hooks;
     `close` puts them back."""
 
-    def __init__(self, engine, triton_runtime=None):
-        self.core = engine.core
+    def __init__(self, engine, triton_runtime=None, trace_dir: str | None = None):
+        """trace_dir: where each run's adaptive-policy trace goes (policy_trace.py), if anywhere."""
+        self.core, self.trace_dir, self.trace = engine.core, trace_dir, None
+        self.cell = "run"   # the benchmark cell the next runs belong to: names their trace files
         self._step, self._schedule, self._run_trees = self.core.step, self.core.scheduler.schedule, self.core.runner.run_trees
         self.core.step, self.core.scheduler.schedule, self.core.runner.run_trees = (
             self._timed_step, self._watched_schedule, self._watched_run_trees)
@@ -105,6 +108,9 @@ class RunWatch:
         self.mix = {kind: {"steps": 0, "s": 0.0} for kind in ("prefill", "plain", "draft")}
         self._draft_nodes = 0
         self._compiles.reset()
+        if self.trace is not None:
+            self.trace.close()
+        self.trace = PolicyTrace(self.core.adaptive) if self.core.adaptive is not None else None
 
     def summary(self) -> dict:
         counted = self._compiles.compiles is not None  # None: hooks someone else set are left alone
@@ -112,9 +118,24 @@ class RunWatch:
         return {"longest_step_s": self.longest_step_s, "jit_compiles": self._compiles.compiles,
                 "jit_compile_s": self._compiles.seconds if counted else None,
                 "step_mix": {kind: {"steps": m["steps"], "ms": round(m["s"] * 1e3, 1)} for kind, m in self.mix.items()},
-                "draft_nodes_mean": self._draft_nodes / drafts if drafts else None}
+                "draft_nodes_mean": self._draft_nodes / drafts if drafts else None,
+                "policy": self.trace.summary() if self.trace is not None else None}
+
+    def dump_trace(self, name: str) -> None:
+        """The run's policy events as trace_dir/NAME.jsonl (NAME-2, -3 ... for repeats)."""
+        if self.trace is None or self.trace_dir is None:
+            return
+        os.makedirs(self.trace_dir, exist_ok=True)
+        stem = os.path.join(self.trace_dir, name.replace(" ", "_"))
+        path, repeat = stem + ".jsonl", 1
+        while os.path.exists(path):
+            repeat += 1
+            path = f"{stem}-{repeat}.jsonl"
+        self.trace.dump(path)
 
     def close(self) -> None:
+        if self.trace is not None:
+            self.trace.close()
         self.core.step, self.core.scheduler.schedule, self.core.runner.run_trees = (
             self._step, self._schedule, self._run_trees)
         self._compiles.__exit__(None, None, None)
@@ -155,6 +176,7 @@ def run(engine, prompts, concurrency: int, max_new_tokens: int, label: str, turn
         summary["turn"] = turn + 1
         if watch is not None:
             summary.update(watch.summary())
+            watch.dump_trace(f"{watch.cell} {label} t{turn + 1}")
         out.append(summary)
     return out
 
@@ -214,7 +236,7 @@ def bench_model(path: str, ns, bandwidth: float, write) -> None:
     write({"model": name, "kind": "roofline", "weight_bytes": weight_bytes(engine), "bandwidth_GBps": bandwidth / 1e9,
            "roofline_tok_s_bs1": roofline})
     workloads = suite_workloads(engine, ns)
-    watch = RunWatch(engine)
+    watch = RunWatch(engine, trace_dir=ns.policy_trace_dir and os.path.join(ns.policy_trace_dir, name))
     for concurrency in ns.concurrency:
         count = ns.bs1_prompts if concurrency == 1 else min(ns.num_prompts, max(concurrency * 2, 16))
         for workload, (prompts, warm_prompts) in workloads.items():
@@ -227,6 +249,7 @@ def bench_model(path: str, ns, bandwidth: float, write) -> None:
                 # the adaptive policy's prices): the timed run then starts with that trie
                 set_drafter(engine, *(spec or (None,)))
                 run(engine, warm_prompts[:count], concurrency, ns.max_new_tokens // 2, f"warm-up {label}")
+                watch.cell = f"{workload} c{concurrency}"
                 for summary in timed_runs(engine, prompts[:count], concurrency, ns, label, turns, watch):
                     write({"model": name, "kind": "specserve", "workload": workload, "concurrency": concurrency,
                            "config": label, **summary, "roofline_fraction": summary["output_tokens_per_s"] / roofline
@@ -270,6 +293,8 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=1,
                         help="timed runs per concurrent single-turn cell (the median is reported)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--policy-trace-dir", default=None,
+                        help="write each run's adaptive-policy events here (bench/policy_trace.py)")
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 32, 64])
     parser.add_argument("--configs", choices=["all", "default"], default="all",
                         help="NGRAM configurations beside plain: the fixed ones too, or only default flags")

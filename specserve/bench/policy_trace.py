@@ -1,0 +1,111 @@
+"""PolicyTrace: what the adaptive draft-length policy believed and what happened, step by
+step, during one benchmark run.
+
+The GPU suite's step mix says how many steps drafted and what they cost, not why: at
+concurrency 32/64 on ShareGPT first turns an H100 run drafted 126-128 steps at accept 1.6
+(5.9-8.5 ms each against 2.1-2.7 ms plain steps), and neither the hold schedule nor the
+losing-episode budget explained them. The trace records, per event:
+
+- `rates`: each tier's expected tokens per second as the policy computed them (a drafting
+  step's choice, `measure`, or a probe's), with the batch size, the requests sampled and
+  how many of them had a draft;
+- `switch`: a probe switching a plain bucket to drafting, and whether it bypassed a hold;
+- `episode`: a drafting episode's end, its realized rate against the bucket's plain rate;
+- `step`: every decode step's batch size, tier, wall ms, committed tokens and mode.
+
+`summary()` condenses them per bucket: switches and bypasses, episodes won and lost,
+drafting steps, and how far the rate expected at the chosen tier was from the realized
+one (the model's optimism). It wraps the policy instance's methods and `close()` removes
+the wrappers (the class's methods show through again).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+
+from specserve.speculative.adaptive_costs import batch_bucket
+
+
+class PolicyTrace:
+    def __init__(self, policy):
+        self.policy = policy
+        self.events: list[dict] = []
+        self._expected: dict[int, float] = {}     # bucket -> rate expected at the last drafting choice
+        self._wrapped: list[tuple[object, str]] = []
+        self._wrap(policy, "_best_tier", self._on_rates)
+        self._wrap(policy, "record_step", self._on_step)
+        self._wrap(policy.modes, "request_switch", self._on_switch)
+        self._wrap(policy.modes, "go_plain", self._on_go_plain)
+
+    def close(self) -> None:
+        for owner, name in self._wrapped:
+            delattr(owner, name)
+        self._wrapped.clear()
+
+    def dump(self, path: str) -> None:
+        with open(path, "w") as f:
+            for event in self.events:
+                f.write(json.dumps(event) + "\n")
+
+    # --- the hooks ---
+    def _wrap(self, owner, name: str, hook) -> None:
+        original = getattr(owner, name)
+        setattr(owner, name, lambda *args, **kwargs: hook(original, *args, **kwargs))
+        self._wrapped.append((owner, name))
+
+    def _on_rates(self, original, bucket, batch_size, rids, num_nodes, keys, measure=False):
+        choice, best, rates = result = original(bucket, batch_size, rids, num_nodes, keys, measure=measure)
+        self.events.append({"e": "rates", "bucket": bucket, "bs": batch_size, "sampled": len(rids),
+                            "with_draft": sum(n > 1 for n in num_nodes), "choose": measure, "choice": choice,
+                            "rates": {t: round(r) for t, r in rates.items()}})
+        if measure and rates:
+            self._expected[bucket] = rates[choice]
+        return result
+
+    def _on_step(self, original, batch_size, tree_size, seconds, tokens=None):
+        bucket = batch_bucket(batch_size)
+        self.events.append({"e": "step", "bucket": bucket, "bs": batch_size, "tree": tree_size,
+                            "ms": round(seconds * 1e3, 3), "tokens": tokens,
+                            "plain": bucket in self.policy.modes.plain,
+                            "expected": self._expected.pop(bucket, None) if tree_size > 1 else None})
+        return original(batch_size, tree_size, seconds, tokens)
+
+    def _on_switch(self, original, bucket):
+        modes = self.policy.modes
+        held = self.policy.costs.steps(bucket) < modes.plain_until.get(bucket, 0)
+        self.events.append({"e": "switch", "bucket": bucket, "bypass": held})
+        return original(bucket)
+
+    def _on_go_plain(self, original, bucket, steps):
+        modes = self.policy.modes
+        episode, plain_rate = modes._episodes.get(bucket), modes.plain_rate.get(bucket)
+        if episode is not None:
+            self.events.append({"e": "episode", "bucket": bucket, "steps": episode.steps, "tokens": episode.tokens,
+                                "ms": round(episode.seconds * 1e3, 3), "rate": round(episode.rate()),
+                                "plain_rate": None if plain_rate is None else round(plain_rate)})
+        return original(bucket, steps)
+
+    # --- the condensed view ---
+    def summary(self) -> dict:
+        per_bucket: dict[int, dict] = defaultdict(lambda: {
+            "switches": 0, "bypasses": 0, "episodes": 0, "episodes_lost": 0, "draft_steps": 0, "plain_steps": 0,
+            "_optimism": []})
+        for event in self.events:
+            row = per_bucket[event["bucket"]]
+            if event["e"] == "switch":
+                row["switches"] += 1
+                row["bypasses"] += event["bypass"]
+            elif event["e"] == "episode":
+                row["episodes"] += 1
+                row["episodes_lost"] += event["plain_rate"] is not None and event["rate"] < event["plain_rate"]
+            elif event["e"] == "step":
+                row["draft_steps" if event["tree"] > 1 else "plain_steps"] += 1
+                if event["expected"] and event["tokens"] and event["ms"] > 0:
+                    row["_optimism"].append(event["expected"] / (event["tokens"] / event["ms"] * 1e3))
+        out = {}
+        for bucket, row in sorted(per_bucket.items()):
+            optimism = row.pop("_optimism")
+            row["expected_over_realized"] = round(statistics.median(optimism), 2) if optimism else None
+            out[bucket] = row
+        return out
