@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 
 from tests.fused_fixtures import fused_args, save_random_eagle_head
-from tests.spec_fixtures import make_tiny_directory, ngram_args, tiny_engine
+from tests.spec_fixtures import ngram_args, tiny_engine
+from tests.test_tp_drafters import target  # noqa: F401  (fixture: the tiny Qwen2 the CPU TP tests use)
 from tests.standalone_fixtures import make_noisy_draft, standalone_args
 
 PROMPTS = [[5, 9, 13, 40, 2, 77], [7, 7, 8, 100, 3, 200, 7, 7, 8], [30, 31, 32, 33, 30, 31, 32],
@@ -22,13 +23,6 @@ PROMPTS = [[5, 9, 13, 40, 2, 77], [7, 7, 8, 100, 3, 200, 7, 7, 8], [30, 31, 32, 
 GREEDY = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
 GRAPH_MAX_BS = 4   # the 5 prompts together run eagerly, fewer replay graphs
 CUDA = {"device": "cuda", "cuda_graph_max_bs": GRAPH_MAX_BS, "max_total_tokens": 4096}
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tp-cuda-target")
-    make_tiny_directory(path, "qwen2", vocab_size=255)
-    return str(path)
 
 
 @pytest.fixture(scope="module")
