@@ -136,6 +136,7 @@ def test_a_probe_switch_waits_for_the_step_launched_ahead():
     adaptive = AdaptiveDraftLength([1, 4])
     measured(adaptive, {1: 0.05, 4: 0.06})
     adaptive._plain.add(1)
+    adaptive.record_step(1, 1, 0.05, tokens=1)         # a plain step: the rate drafting is judged against
     adaptive.probe(1, ["r"], [4])                      # the prior: every draft node accepted
     assert not adaptive.should_draft(1)                # this step runs the one launched ahead
     assert adaptive.would_draft(1)                     # ... and launches none after it
@@ -187,8 +188,9 @@ def lose_an_episode(adaptive: AdaptiveDraftLength, rid: str) -> None:
 def draft_and_lose(adaptive: AdaptiveDraftLength, rid: str) -> None:
     """A drafting episode of `rid` at batch 1 that the guard stops: 1 token per 0.06 s."""
     for _ in range(GUARD_STEPS):
-        assert adaptive.choose([rid], [4]) == 4
-        adaptive.record_step(1, 4, 0.06, tokens=1)
+        tier = adaptive.choose([rid], [4])
+        assert tier in (1, 4)   # 1: plain decoding re-priced now and then (it always contends)
+        adaptive.record_step(1, tier, 0.06 if tier == 4 else 0.05, tokens=1)
     assert not adaptive.should_draft(1)
 
 
@@ -259,7 +261,8 @@ def test_after_a_losing_episode_a_bypass_waits_until_the_loss_is_paid_for():
         draft_and_lose(adaptive, f"chat{i}")
     # 8 steps of 0.06 s for 8 tokens plain decodes in 0.4 s: 0.08 s lost, 0.8 s (16 plain steps) to wait
     assert bypass_wait(0.06, 1, 0.05) == 16
-    assert all(16 <= wait <= 17 for wait in waits), waits   # 17: float sums of the clock
+    # 17: float sums of the clock; 15: an episode whose step re-priced plain decoding lost less
+    assert all(15 <= wait <= 17 for wait in waits), waits
     assert all(hold > w for hold, w in zip([2 * PLAIN_HOLD, 4 * PLAIN_HOLD, 8 * PLAIN_HOLD], waits))
 
 
@@ -370,10 +373,11 @@ def test_long_accepted_paths_pick_the_largest_tier():
     assert adaptive.choose(["r"], [8]) == 8
 
 
-@pytest.mark.parametrize("plain_cost, plain_refreshed", [(0.016, True), (0.05, False)])
-def test_costs_are_per_batch_bucket_and_contenders_refreshed(plain_cost, plain_refreshed):
-    """Tier 4 commits 4 tokens (the prior) for 0.06 s: plain at 0.016 s is a close contender
-    and gets re-measured now and then; at 0.05 s it is far behind and is not paid for again."""
+@pytest.mark.parametrize("plain_cost", [0.016, 0.05])
+def test_costs_are_per_batch_bucket_and_contenders_refreshed(plain_cost):
+    """Tier 4 commits 4 tokens (the prior) for 0.06 s. Plain decoding is re-measured now and
+    then, whether it is a close contender (0.016 s) or far behind (0.05 s): it is what
+    drafting must beat, and one slow step must not price it for good."""
     adaptive = AdaptiveDraftLength([1, 4])
     measured(adaptive, {1: plain_cost, 4: 0.06}, batch_size=1)
     assert adaptive.choose(["a", "b", "c"], [4, 4, 4]) == 1   # bucket 4 not measured yet: try 1 first
@@ -382,7 +386,7 @@ def test_costs_are_per_batch_bucket_and_contenders_refreshed(plain_cost, plain_r
         tier = adaptive.choose(["r"], [4])
         refreshed.append(tier)
         adaptive.record_step(1, tier, plain_cost if tier == 1 else 0.06)
-    assert (refreshed.count(1) >= 1) == plain_refreshed and refreshed.count(4) > REFRESH_EVERY
+    assert 1 <= refreshed.count(1) <= 4 and refreshed.count(4) > REFRESH_EVERY
 
 
 def test_probes_come_every_kth_plain_step_with_k_from_measured_costs():

@@ -135,6 +135,7 @@ def _pin_drafting(adaptive) -> None:
     the bucket always drafts, and plain decoding is priced out of reach (never measured
     here, since no step is plain)."""
     adaptive.should_draft = lambda batch_size: True
+    adaptive.costs.refresh_due = lambda bucket: False   # plain decoding always contends for a refresh
     for bucket in (1, 2, 4, 8, 16, 32, 64):
         adaptive._cost[(bucket, 1)] = 1.0
         adaptive._measured_at[(bucket, 1)] = 0

@@ -30,16 +30,16 @@ from __future__ import annotations
 from collections import Counter
 
 from specserve.speculative.acceptance import AcceptanceEvidence
-from specserve.speculative.adaptive_costs import COST_EMA, REFRESH_EVERY, StepCosts, batch_bucket
+from specserve.speculative.adaptive_costs import COST_WINDOW, REFRESH_EVERY, StepCosts, batch_bucket
 from specserve.speculative.adaptive_modes import (
-    BYPASS_BUDGET, GUARD_RATIO, GUARD_STEPS, MAX_PLAIN_HOLD, PLAIN_HOLD, REALIZED_EMA, BucketModes)
+    BYPASS_BUDGET, GUARD_RATIO, GUARD_STEPS, MAX_PLAIN_HOLD, PLAIN_HOLD, REALIZED_WINDOW, BucketModes)
 from specserve.speculative.adaptive_probes import (
     MAX_PROBE_EVERY, PROBE_BUDGET, PROBE_COST_EMA, PROBE_REQUESTS, ProbeSchedule)
 from specserve.speculative.tree import TreeProposal
 
 __all__ = [
-    "AdaptiveDraftLength", "tiers_for", "COST_EMA", "REFRESH_EVERY", "REFRESH_MARGIN", "SWITCH_MARGIN",
-    "BYPASS_BUDGET", "GUARD_RATIO", "GUARD_STEPS", "MAX_PLAIN_HOLD", "PLAIN_HOLD", "REALIZED_EMA",
+    "AdaptiveDraftLength", "tiers_for", "COST_WINDOW", "REFRESH_EVERY", "REFRESH_MARGIN", "SWITCH_MARGIN",
+    "BYPASS_BUDGET", "GUARD_RATIO", "GUARD_STEPS", "MAX_PLAIN_HOLD", "PLAIN_HOLD", "REALIZED_WINDOW",
     "MAX_PROBE_EVERY", "PROBE_BUDGET", "PROBE_COST_EMA", "PROBE_REQUESTS"]
 
 REFRESH_MARGIN = 0.8   # re-measure tiers expected to reach this fraction of the best rate
@@ -153,7 +153,10 @@ class AdaptiveDraftLength:
                  for t, tokens in self._expected_batch_tokens(tiers, rids, num_nodes, keys).items()}
         best = max(tiers, key=rates.get)
         if measure and self.costs.refresh_due(bucket):
-            contenders = [t for t in tiers if rates[t] >= REFRESH_MARGIN * rates[best]]
+            # plain decoding always contends: it is what drafting must beat, and a price taken
+            # in a slow step would otherwise stand while the bucket drafts (a CPU replay with
+            # H100-like costs: tier 1 priced at 41 ms a step, 5x its real cost)
+            contenders = [t for t in tiers if t == 1 or rates[t] >= REFRESH_MARGIN * rates[best]]
             return self.costs.stalest(bucket, contenders), best, rates
         return best, best, rates
 

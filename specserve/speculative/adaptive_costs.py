@@ -1,14 +1,21 @@
 """StepCosts: the price of a step per (batch-size bucket, tier), measured, not assumed.
 
-A price is the wall time of whole steps (drafting, forward, verification, commit), an
-exponential moving average per (bucket, tier). Each tier is tried once per bucket (a few
-steps in a run); after that, one drafting step in REFRESH_EVERY re-measures the contender
-measured longest ago (the policy says which tiers contend), so a price taken during a
-one-off stall does not stick, and a tier far from winning is not paid for again.
+A price is the wall time of whole steps (drafting, forward, verification, commit), the
+median of the last COST_WINDOW per (bucket, tier). Each tier is tried once per bucket (a
+few steps in a run); after that, one drafting step in REFRESH_EVERY re-measures the
+contender measured longest ago (the policy says which tiers contend), so a price taken
+during a one-off stall does not stick, and a tier far from winning is not paid for again.
+A median, not a moving average: a tier a drafting bucket measures once in REFRESH_EVERY
+steps kept an outlier for hundreds of steps (a CPU replay with H100-like step costs: plain
+decoding priced at 92 ms a step, its steps taking 9.7 ms, from a plain step that waited
+for the indexing of 64 new prompts).
 """
 from __future__ import annotations
 
-COST_EMA = 0.2       # step times are noisy
+import statistics
+from collections import deque
+
+COST_WINDOW = 5      # step times are noisy, and a stall is one step: the median of a few
 REFRESH_EVERY = 50
 
 
@@ -16,6 +23,7 @@ class StepCosts:
     def __init__(self, tiers: list[int]):
         self.tiers = tiers
         self.seconds: dict[tuple[int, int], float] = {}      # (bucket, tier) -> a step's wall time
+        self._recent: dict[tuple[int, int], deque[float]] = {}   # ... the last COST_WINDOW of them
         self.measured_at: dict[tuple[int, int], int] = {}    # the bucket's step count at the last measurement
         self._bucket_steps: dict[int, int] = {}
         # the tier that prices a step whose largest tree has `size` nodes: _tier_of[size]
@@ -26,8 +34,9 @@ class StepCosts:
         that holds it (the forward a GPU graph runs for it). Returns that tier."""
         tier = self._tier_of[tree_size] if tree_size < len(self._tier_of) else self.tiers[-1]
         key = (bucket, tier)
-        old = self.seconds.get(key)
-        self.seconds[key] = seconds if old is None else old + COST_EMA * (seconds - old)
+        recent = self._recent.setdefault(key, deque(maxlen=COST_WINDOW))
+        recent.append(seconds)
+        self.seconds[key] = statistics.median(recent)
         self._bucket_steps[bucket] = self.steps(bucket) + 1
         self.measured_at[key] = self._bucket_steps[bucket]
         return tier

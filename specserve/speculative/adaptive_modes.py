@@ -10,8 +10,9 @@ tier above 1 is expected to win.
 The policy's model can be wrong (a class's history may not transfer to new text, a probe
 sees a sample), so measured outcomes have the last word: the engine reports the tokens
 every step committed, a bucket keeps the realized rate (tokens per second) of its plain
-steps, and each drafting episode (from a switch to drafting until the next switch back) is
-compared with it. An episode that falls below GUARD_RATIO of the plain rate after
+steps (the median of the last REALIZED_WINDOW), and each drafting episode (from a switch to
+drafting until the next switch back) is compared with it; a bucket with no plain rate yet
+does not switch. An episode that falls below GUARD_RATIO of the plain rate after
 GUARD_STEPS steps is stopped; an episode that lost doubles how long the bucket then stays
 plain before probes may switch it again (PLAIN_HOLD .. MAX_PLAIN_HOLD steps); one that won
 resets it. A probe's switch waits for the step already launched ahead to finish instead
@@ -39,9 +40,13 @@ Holds count in the bucket's recorded steps (StepCosts.steps), which callers pass
 """
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass
 
-REALIZED_EMA = 0.1     # realized plain-mode rate: a smooth reference for the episodes
+# realized plain-mode rate: the median over this many plain steps is the episodes' reference
+# (a median: plain steps that probe wait for the indexing of new prompts, tens of ms at 64)
+REALIZED_WINDOW = 16
 GUARD_STEPS = 8        # a drafting episode is judged on its realized rate after this many steps
 GUARD_RATIO = 0.97     # ... and stopped below this fraction of the plain rate
 PLAIN_HOLD = 16        # steps a bucket stays plain after a drafting episode that won (or its first)
@@ -67,6 +72,7 @@ class BucketModes:
         self.hold: dict[int, int] = {}                     # bucket -> steps to stay plain after an episode
         self.plain_until: dict[int, int] = {}              # bucket -> step count before which probes wait
         self.plain_rate: dict[int, float] = {}             # bucket -> realized tokens/s of plain steps
+        self._plain_rates: dict[int, deque[float]] = {}    # bucket -> its last plain steps' rates
         self._episodes: dict[int, _Episode] = {}           # bucket -> its current drafting episode
         self.drafted: dict[int, list[str]] = {}            # bucket -> the requests of its last drafting step
         self._held_for: dict[int, frozenset[str]] = {}     # bucket -> the requests its hold is about
@@ -115,6 +121,12 @@ class BucketModes:
         holds against (while held, the probes' shadows still gather evidence)."""
         if bucket not in self.plain or bucket in self.switching:
             return False
+        if bucket not in self.plain_rate:
+            # no realized plain rate yet: an episode would have nothing to be judged against,
+            # and its guard could never stop it (a CPU replay with H100-like step costs:
+            # bucket 64, switched by a bypass of its first hold before any plain step was
+            # recorded, drafted all of its 131 steps at a loss)
+            return False
         if steps >= self.plain_until.get(bucket, 0):
             return True
         if self.clock.get(bucket, 0.0) < self.bypass_after.get(bucket, 0.0):
@@ -146,9 +158,9 @@ class BucketModes:
         clearly below the reference."""
         self.clock[bucket] = self.clock.get(bucket, 0.0) + seconds
         if bucket in self.plain:
-            old = self.plain_rate.get(bucket)
-            rate = tokens / seconds
-            self.plain_rate[bucket] = rate if old is None else old + REALIZED_EMA * (rate - old)
+            recent = self._plain_rates.setdefault(bucket, deque(maxlen=REALIZED_WINDOW))
+            recent.append(tokens / seconds)
+            self.plain_rate[bucket] = statistics.median(recent)
             return
         episode = self._episodes.setdefault(bucket, _Episode())
         episode.tokens += tokens
