@@ -83,6 +83,8 @@ def test_benchmark_mistakes_are_one_line_before_any_work(capfd):
     assert status == 1 and out == "" and len(lines) == 1 and f"no server answers at http://127.0.0.1:{port}" in lines[0]
     status, lines, _ = cli_error(capfd, offline_main, ["--dataset-path", "/no/such.json"])
     assert status == 1 and lines == ["specserve: error: --dataset-path: /no/such.json is not a file"]
+    status, lines, _ = cli_error(capfd, offline_main, ["--max-concurrency", "1", "0"])
+    assert status == 2 and len(lines) == 1 and "--max-concurrency: distinct values of at least 1, got 1 0" in lines[0]
     status, lines, _ = cli_error(capfd, serving_main, ["--num-promts", "2"])
     assert status == 2 and len(lines) == 1 and "did you mean --num-prompts?" in lines[0]
 

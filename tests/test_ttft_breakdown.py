@@ -76,6 +76,9 @@ def test_prefill_cost_fit_separates_fixed_and_per_token_cost():
     fit = fit_prefill_cost(steps)
     assert fit["fixed_s"] == pytest.approx(0.020) and fit["per_token_s"] == pytest.approx(1e-5)
     assert fit_prefill_cost([(100, 0.02), (100, 0.03)]) == {}
+    lengths = [16, 100, 300, 1000, 2000]   # bench.prefill_cost's default lengths: 20 ms + 6 us per token
+    fit = fit_prefill_cost([(n, 0.020 + 6e-6 * n) for n in lengths])
+    assert fit["fixed_s"] == pytest.approx(0.020) and fit["per_token_s"] == pytest.approx(6e-6)
 
 
 def test_modes_alternate_which_runs_first():

@@ -41,7 +41,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="also time transformers.generate on the same prompts (first turn only)")
     parser.add_argument("--output-file", default=None, help="append one JSON line per turn")
     ServerArgs.add_cli_args(parser)
-    return parser.parse_args(argv)
+    ns = parser.parse_args(argv)
+    if min(ns.max_concurrency) < 1 or len(set(ns.max_concurrency)) < len(ns.max_concurrency):
+        parser.error(f"--max-concurrency: distinct values of at least 1, got {' '.join(map(str, ns.max_concurrency))}")
+    if ns.warmup_prompts < 0 or ns.num_prompts < 1:
+        parser.error("--num-prompts must be at least 1 and --warmup-prompts at least 0")
+    return ns
 
 
 def build_prompts(ns, engine, count: int) -> list[list[int]]:

@@ -17,10 +17,10 @@ import random
 import statistics
 import time
 
-import numpy as np
 import torch
 
 from specserve.bench.random_model import SHAPES, write_random_model
+from specserve.bench.ttft_breakdown import fit_prefill_cost, format_prefill_cost
 
 
 def synchronize() -> None:
@@ -41,12 +41,6 @@ def prefill_step_ms(core, engine, length: int, rng: random.Random, tag: str) -> 
     while core.has_work():
         core.step()
     return elapsed
-
-
-def fit(lengths: list[int], ms: list[float]) -> tuple[float, float]:
-    """Least-squares fixed ms + us per token."""
-    slope, intercept = np.polyfit(np.asarray(lengths, dtype=float), np.asarray(ms), 1)
-    return float(intercept), float(slope * 1e3)
 
 
 def profile_table(core, engine, length: int, rng: random.Random, rows: int) -> str:
@@ -88,8 +82,7 @@ def main(argv=None) -> None:
         print(json.dumps(row), flush=True)
         with open(os.path.join(ns.out, "prefill_cost.jsonl"), "a") as f:
             f.write(json.dumps(row) + "\n")
-    fixed, per_token = fit(ns.lengths, medians)
-    print(f"prefill step: {fixed:.2f} ms fixed + {per_token:.2f} us per token", flush=True)
+    print(format_prefill_cost(fit_prefill_cost([(n, ms / 1e3) for n, ms in zip(ns.lengths, medians)])), flush=True)
     for length in ns.profile:
         table = profile_table(core, engine, length, rng, ns.rows)
         print(table, flush=True)

@@ -19,11 +19,26 @@ COST_WINDOW = 5      # step times are noisy, and a stall is one step: the median
 REFRESH_EVERY = 50
 
 
+class RecentMedians:
+    """Per key, the median of the last `window` values added: a measurement robust to the
+    one slow step a stall or a wait for indexing makes (a moving average keeps it)."""
+
+    def __init__(self, window: int):
+        self.window = window
+        self._recent: dict = {}
+
+    def add(self, key, value: float) -> float:
+        """Adds `value` under `key`; returns the key's median now."""
+        recent = self._recent.setdefault(key, deque(maxlen=self.window))
+        recent.append(value)
+        return statistics.median(recent)
+
+
 class StepCosts:
     def __init__(self, tiers: list[int]):
         self.tiers = tiers
         self.seconds: dict[tuple[int, int], float] = {}      # (bucket, tier) -> a step's wall time
-        self._recent: dict[tuple[int, int], deque[float]] = {}   # ... the last COST_WINDOW of them
+        self._recent = RecentMedians(COST_WINDOW)
         self.measured_at: dict[tuple[int, int], int] = {}    # the bucket's step count at the last measurement
         self._bucket_steps: dict[int, int] = {}
         # the tier that prices a step whose largest tree has `size` nodes: _tier_of[size]
@@ -34,9 +49,7 @@ class StepCosts:
         that holds it (the forward a GPU graph runs for it). Returns that tier."""
         tier = self._tier_of[tree_size] if tree_size < len(self._tier_of) else self.tiers[-1]
         key = (bucket, tier)
-        recent = self._recent.setdefault(key, deque(maxlen=COST_WINDOW))
-        recent.append(seconds)
-        self.seconds[key] = statistics.median(recent)
+        self.seconds[key] = self._recent.add(key, seconds)
         self._bucket_steps[bucket] = self.steps(bucket) + 1
         self.measured_at[key] = self._bucket_steps[bucket]
         return tier

@@ -40,9 +40,9 @@ Holds count in the bucket's recorded steps (StepCosts.steps), which callers pass
 """
 from __future__ import annotations
 
-import statistics
-from collections import deque
 from dataclasses import dataclass
+
+from specserve.speculative.adaptive_costs import RecentMedians
 
 # realized plain-mode rate: the median over this many plain steps is the episodes' reference
 # (a median: plain steps that probe wait for the indexing of new prompts, tens of ms at 64)
@@ -72,7 +72,7 @@ class BucketModes:
         self.hold: dict[int, int] = {}                     # bucket -> steps to stay plain after an episode
         self.plain_until: dict[int, int] = {}              # bucket -> step count before which probes wait
         self.plain_rate: dict[int, float] = {}             # bucket -> realized tokens/s of plain steps
-        self._plain_rates: dict[int, deque[float]] = {}    # bucket -> its last plain steps' rates
+        self._plain_rates = RecentMedians(REALIZED_WINDOW)  # bucket -> its last plain steps' rates
         self._episodes: dict[int, _Episode] = {}           # bucket -> its current drafting episode
         self.drafted: dict[int, list[str]] = {}            # bucket -> the requests of its last drafting step
         self._held_for: dict[int, frozenset[str]] = {}     # bucket -> the requests its hold is about
@@ -105,11 +105,9 @@ class BucketModes:
         """A bucket seen for the first time starts plain, held for PLAIN_HOLD steps: its
         plain rate is the reference drafting must beat (at large batches a verify step
         costs several plain ones, and optimistic priors would otherwise draft first and
-        learn later). This first hold is about no request, so a probe may bypass it: its
-        first plain step sets the reference, and the switch then prices the tiers (a
-        trace of a CPU run shows it, tests/test_gpu_suite_watch.py; holding every new
-        bucket for its PLAIN_HOLD steps cut the simulated repeated turn at 32/64 from
-        >= 85% drafting steps to 61%)."""
+        learn later). This first hold is about no request, so once its first plain step has
+        set the reference a probe may bypass it (holding every new bucket for all PLAIN_HOLD
+        steps cut the simulated repeated turn at 32/64 from >= 85% drafting steps to 61%)."""
         if bucket not in self.hold:
             self.hold[bucket] = PLAIN_HOLD
             self.plain_until[bucket] = steps + PLAIN_HOLD
@@ -158,9 +156,7 @@ class BucketModes:
         clearly below the reference."""
         self.clock[bucket] = self.clock.get(bucket, 0.0) + seconds
         if bucket in self.plain:
-            recent = self._plain_rates.setdefault(bucket, deque(maxlen=REALIZED_WINDOW))
-            recent.append(tokens / seconds)
-            self.plain_rate[bucket] = statistics.median(recent)
+            self.plain_rate[bucket] = self._plain_rates.add(bucket, tokens / seconds)
             return
         episode = self._episodes.setdefault(bucket, _Episode())
         episode.tokens += tokens
