@@ -81,6 +81,9 @@ class ServerArgs:
         "launch plain greedy decode steps only after the previous step's tokens reached the host "
         "(by default, on CUDA graphs, the next step is queued before waiting for this one)")
     cuda_graph_max_bs: int | None = _kernels(None, "largest batch captured in a CUDA graph")
+    prefill_cuda_graph_max_tokens: int = _kernels(
+        2048, "prefill steps of up to this many tokens (and 64 requests) replay a CUDA graph, one per size bucket "
+              "(capped by --chunked-prefill-size); 0 runs prefill eagerly")
     tp_size: int = _kernels(1, "tensor parallelism: one process per rank, each holding 1/tp_size of the heads, "
                                "MLP and vocabulary (gloo on a CPU, NCCL on GPUs: cuda:0..tp_size-1); "
                                "a model drafter runs once, on rank 0, with whole weights")
@@ -129,6 +132,8 @@ class ServerArgs:
         _check_positive(self, "max_total_tokens", "context_length", "max_running_requests", "cuda_graph_max_bs")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ArgumentError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.prefill_cuda_graph_max_tokens < 0:
+            raise ArgumentError(f"prefill_cuda_graph_max_tokens must be 0 or more, got {self.prefill_cuda_graph_max_tokens}")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ArgumentError(f"chunked_prefill_size must be positive or -1, got {self.chunked_prefill_size}")
         for name, choices in (("dtype", DTYPES), ("attention_backend", ATTENTION_BACKENDS),

@@ -90,3 +90,10 @@ class AttentionBackend:
     def plan_for_replay(self, batch: ForwardBatch) -> None:
         raise NotImplementedError
 
+    supports_prefill_graph = False
+
+    def plan_ragged_extend(self, batch: ForwardBatch) -> None:
+        """EXTEND metadata from the batch's device tensors alone (a prefill CUDA graph's: any
+        split of batch.num_tokens tokens over batch.batch_size requests, some of them empty)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support prefill CUDA graphs")
+

@@ -28,7 +28,8 @@ import triton
 
 from specserve.attention.base import AttentionBackend, ForwardBatch, ForwardMode
 from specserve.attention.kernels.decode import decode_attention
-from specserve.attention.kernels.extend import extend_attention, num_row_blocks
+from specserve.attention.kernels.extend import (extend_attention, num_row_blocks, ragged_block_table,
+                                                ragged_blocks_bound)
 from specserve.attention.kernels.online_softmax import MAX_SPLITS
 from specserve.kv.pool import KVPool
 
@@ -45,6 +46,7 @@ class TritonMetadata:
     partial_lse: torch.Tensor | None    # (num_tokens, num_heads, splits) fp32
     split_counters: torch.Tensor | None  # (>= bs * num_kv_heads,) int32 zeros: DECODE's in-kernel merge
     split_counts: torch.Tensor | None = None  # (>= num_tokens,) int32 scratch: EXTEND/VERIFY splits used per token
+    block_table: tuple[torch.Tensor, torch.Tensor] | None = None  # ragged EXTEND: (request, row block) per program
 
 
 @dataclass
@@ -121,8 +123,33 @@ class TritonBackend(AttentionBackend):
         else:
             extend_attention(q, *buffers, meta.qo_indptr, batch.out_slots, out, self.scale, meta.row_blocks,
                              tree_mask=meta.tree_mask, partial_out=meta.partial_out, partial_lse=meta.partial_lse,
-                             split_counts=meta.split_counts)
+                             split_counts=meta.split_counts, block_table=meta.block_table)
         return out
+
+    # --- prefill CUDA graphs ---
+    supports_prefill_graph = True
+
+    def plan_ragged_extend(self, batch: ForwardBatch) -> None:
+        """The grid is fixed by the token and request counts (padding included) and the
+        pool's longest context; the programs each request gets come from a block table
+        computed on the device, so one captured graph serves every prompt mix that fits.
+        Tokens of no request (padding) keep a split count of 1: the merge leaves them alone."""
+        device, bs, num_tokens = batch.input_ids.device, batch.batch_size, batch.num_tokens
+        qo_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=device)
+        qo_indptr[1:] = torch.cumsum(batch.extend_lens, 0)
+        programs = ragged_blocks_bound(num_tokens, bs, self.group)
+        splits = self._splits(programs, batch.kv_pool.max_context, MAX_SPLITS, device)
+        partial_out = partial_lse = split_counts = None
+        if splits > 1:
+            split_counts = torch.ones(num_tokens, dtype=torch.int32, device=device)
+            partial_out = torch.empty((num_tokens, self.num_heads, splits, self.head_dim), dtype=torch.float32,
+                                      device=device)
+            partial_lse = torch.empty((num_tokens, self.num_heads, splits), dtype=torch.float32, device=device)
+        batch.attn_metadata = TritonMetadata(
+            mode=ForwardMode.EXTEND, req_rows=batch.req_rows.to(torch.int32),
+            prefix_lens=batch.prefix_lens.to(torch.int32), qo_indptr=qo_indptr, tree_mask=None, row_blocks=0,
+            partial_out=partial_out, partial_lse=partial_lse, split_counters=None, split_counts=split_counts,
+            block_table=ragged_block_table(qo_indptr, self.group, programs))
 
     # --- CUDA graphs ---
     def init_cuda_graph_state(self, max_bs: int, max_tokens_per_req: int, kv_pool: KVPool) -> None:
@@ -187,11 +214,15 @@ class TritonBackend(AttentionBackend):
         """(row blocks per request, kv splits): split a request's keys only as far as
         needed to give the GPU about `target_programs` programs."""
         row_blocks = 1 if mode is ForwardMode.DECODE else num_row_blocks(tokens_per_req, self.group)
-        programs = max(bs * self.num_kv_heads * row_blocks, 1)
-        target = self.target_programs or _default_target_programs(device)
         most = self.max_decode_splits if mode is ForwardMode.DECODE else MAX_SPLITS
+        return row_blocks, self._splits(bs * row_blocks, max_kv_len, most, device)
+
+    def _splits(self, row_programs: int, max_kv_len: int, most: int, device: torch.device) -> int:
+        """Key splits for `row_programs` query blocks per kv head: no more than fill the GPU."""
+        programs = max(row_programs * self.num_kv_heads, 1)
+        target = self.target_programs or _default_target_programs(device)
         splits = min(triton.cdiv(max_kv_len, self.min_keys_per_split), triton.cdiv(target, programs), most)
-        return row_blocks, max(splits, 1)
+        return max(splits, 1)
 
 
 @functools.lru_cache(maxsize=None)

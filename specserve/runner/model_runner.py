@@ -70,6 +70,7 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(backend, shard.num_heads, shard.num_kv_heads, config.head_dim)
         logger.info("KV cache: %d tokens, attention backend %s", self.pool.size, backend)
         self.graphs = self._capture_graphs()
+        self.prefill_graphs = self._capture_prefill_graphs()
         if tp is not None and tp.is_driver:
             self.model = BroadcastingModel(self.model, tp)
 
@@ -83,6 +84,17 @@ class ModelRunner:
         # smaller trees (the batch's largest draft decides) replay a smaller, cheaper graph
         sizes = sorted({1, n} | {size for size in (4, 8) if size < n})
         return CudaGraphRunner(self.model, self.attn_backend, self.pool, max_bs, sizes, self.hidden_capture, self.tp)
+
+    def _capture_prefill_graphs(self):
+        args = self.args
+        max_tokens = args.prefill_cuda_graph_max_tokens
+        if args.chunked_prefill_size > 0:
+            max_tokens = min(max_tokens, args.chunked_prefill_size)
+        if self.graphs is None or self.tp is not None or max_tokens == 0 or not self.attn_backend.supports_prefill_graph:
+            return None
+        from specserve.runner.prefill_graph import MAX_REQUESTS, PrefillGraphRunner
+        return PrefillGraphRunner(self.model, self.attn_backend, self.pool, max_tokens,
+                                  min(MAX_REQUESTS, self.max_running_requests))
 
     def _kv_tokens(self, num_kv_heads: int) -> int:
         """The KV pool's size: every tensor-parallel rank holds the same slots, so the ranks
@@ -119,6 +131,10 @@ class ModelRunner:
         for req, length in zip(reqs, extend_lens):
             input_ids.extend(req.all_ids[req.kv_len:req.kv_len + length])
             positions.extend(range(req.kv_len, req.kv_len + length))
+        graphs = self.prefill_graphs
+        if graphs is not None and capture is None and graphs.can_run(len(input_ids), len(reqs)):
+            return graphs.run(input_ids, positions, slots, [r.row for r in reqs], [r.kv_len for r in reqs],
+                              extend_lens, samples).unsqueeze(1)
         ends = torch.tensor(extend_lens).cumsum(0) - 1
         logits_rows = ends[torch.tensor(samples, dtype=torch.bool)]
         batch = self._forward_batch(ForwardMode.EXTEND, reqs, input_ids, positions, slots, extend_lens, logits_rows)

@@ -62,16 +62,20 @@ def _attend_keys(q, m_i, l_i, acc, k_buffer, v_buffer, slot_ptr, lo, hi, kv_head
 @triton.jit(do_not_specialize=["stride_tree_b", "stride_tree_i", "stride_ot", "stride_oh", "stride_os",
                                "stride_lt", "stride_lh", "stride_ft", "stride_fh", "row_blocks"])
 def _extend_kernel(q_ptr, k_buffer, v_buffer, req_to_token, req_rows, prefix_lens, qo_indptr, out_slots,
-                   tree_mask, out_ptr, lse_ptr, final_ptr, split_counts,
+                   tree_mask, out_ptr, lse_ptr, final_ptr, split_counts, block_reqs, block_rows,
                    stride_qt, stride_qh, stride_slot, stride_kv_head, stride_table,
                    stride_tree_b, stride_tree_i,
                    stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ft, stride_fh,
                    row_blocks, qk_scale,
                    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, TREE_MASK: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   STORE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    req = tl.program_id(0) // row_blocks
-    row_block = tl.program_id(0) % row_blocks
+                   STORE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_TABLE: tl.constexpr):
+    if BLOCK_TABLE:  # ragged: program i is the row block block_rows[i] of request block_reqs[i]
+        req = tl.load(block_reqs + tl.program_id(0))
+        row_block = tl.load(block_rows + tl.program_id(0))
+    else:            # every request gets row_blocks programs
+        req = tl.program_id(0) // row_blocks
+        row_block = tl.program_id(0) % row_blocks
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
@@ -115,7 +119,7 @@ def _extend_kernel(q_ptr, k_buffer, v_buffer, req_to_token, req_rows, prefix_len
     if STORE_LSE:
         # Graphs launch splits for the longest context a pool allows; a request uses only
         # the first `splits` of them, and the merge reads no more (its count per token).
-        splits = nonempty_splits(prefix_len + extend_len, num_splits, BLOCK_N)
+        splits = nonempty_splits(tl.maximum(prefix_len + extend_len, 1), num_splits, BLOCK_N)  # 0: an empty request
         if split == 0:
             tl.store(split_counts + qo_start + token, splits, mask=row_ok)
         if splits == 1:  # one split holds every key: it writes the output, nothing to merge
@@ -134,13 +138,17 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
                      qo_indptr: torch.Tensor, out_slots: torch.Tensor, out: torch.Tensor, scale: float,
                      row_blocks: int, tree_mask: torch.Tensor | None = None,
                      partial_out: torch.Tensor | None = None, partial_lse: torch.Tensor | None = None,
-                     split_counts: torch.Tensor | None = None) -> None:
+                     split_counts: torch.Tensor | None = None,
+                     block_table: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """q, out: (num_tokens, num_heads, head_dim), request b's tokens are
     qo_indptr[b]:qo_indptr[b+1] (int32, (bs+1,)); req_rows, prefix_lens: (bs,) int32;
     out_slots: (num_tokens,) int64; row_blocks: `num_row_blocks` of the longest request
     (or more: extra blocks do nothing). tree_mask (bs, n, n) uint8/bool selects the tree
     mode, else causal. partial_out/partial_lse as in `decode_attention`, with split_counts
-    (>= num_tokens,) int32 scratch: how many splits each token's request uses."""
+    (>= num_tokens,) int32 scratch: how many splits each token's request uses.
+    block_table: (request, row block) int32 pairs, one program each (`ragged_block_table`),
+    replacing the bs x row_blocks grid: prompts of different lengths launch only the blocks
+    they fill (row_blocks is then ignored)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     bs = req_rows.shape[0]
@@ -156,15 +164,38 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         assert tree_mask.stride(-1) == 1 and tree_mask.dtype in (torch.uint8, torch.int8, torch.bool)
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
-    _extend_kernel[(bs * row_blocks, num_kv_heads, num_splits)](
+    block_reqs, block_rows = block_table if block_table is not None else (qo_indptr, qo_indptr)  # dummies
+    programs = block_reqs.shape[0] if block_table is not None else bs * row_blocks
+    _extend_kernel[(programs, num_kv_heads, num_splits)](
         q, k_buffer, v_buffer, req_to_token, req_rows, prefix_lens, qo_indptr, out_slots, tree, target, lse, out,
-        split_counts if split_out else qo_indptr,
+        split_counts if split_out else qo_indptr, block_reqs, block_rows,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), req_to_token.stride(0),
         tree.stride(0) if tree_mask is not None else 0, tree.stride(1) if tree_mask is not None else 0,
         target.stride(0), target.stride(1), target.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
         row_blocks, scale * LOG2_E,
         HEAD_DIM=head_dim, GROUP=group, TREE_MASK=tree_mask is not None, BLOCK_M=CONFIG["BLOCK_M"],
         BLOCK_N=CONFIG["BLOCK_N"], BLOCK_D=block_d, STORE_LSE=split_out, DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"])
+        BLOCK_TABLE=block_table is not None, num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"])
     if split_out:
         merge_splits(partial_out, partial_lse, out, split_counts)
+
+
+def ragged_block_table(qo_indptr: torch.Tensor, group: int, num_programs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(request, row block) of each of `num_programs` programs for requests whose new tokens
+    are qo_indptr's ranges: request b gets cdiv(tokens_b * group, BLOCK_M) blocks, request
+    after request; programs past the last block get a block past their request's rows
+    (they read and write nothing). Device ops only, no host sync: a CUDA graph computes it
+    for whatever lengths each replay brings. Blocks needed: at most
+    `ragged_blocks_bound(tokens, bs, group)`."""
+    lens = (qo_indptr[1:] - qo_indptr[:-1]).long()
+    blocks = (lens * group + CONFIG["BLOCK_M"] - 1) // CONFIG["BLOCK_M"]
+    ends = torch.cumsum(blocks, 0)
+    program = torch.arange(num_programs, device=qo_indptr.device)
+    reqs = torch.searchsorted(ends, program, right=True).clamp_(max=lens.shape[0] - 1)
+    starts = ends - blocks
+    return reqs.to(torch.int32), (program - starts[reqs]).to(torch.int32)
+
+
+def ragged_blocks_bound(num_tokens: int, bs: int, group: int) -> int:
+    """The most row blocks `num_tokens` new tokens split over bs requests can need."""
+    return triton.cdiv(num_tokens * group, CONFIG["BLOCK_M"]) + bs
