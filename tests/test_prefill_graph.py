@@ -77,8 +77,8 @@ def test_padded_prefill_forward_matches_the_eager_prefill():
     a 32-token, 4-request graph batch: same logits for the sampled request, same KV."""
     hf = tiny_hf_model("qwen2", seed=4)
     config = ModelConfig.from_hf(hf.config)
-    runners = [ModelRunner(ServerArgs(max_total_tokens=256, attention_backend="triton", max_running_requests=4),
-                           config, hf.state_dict(), torch.device("cpu"), torch.float32, 128) for _ in range(2)]
+    args = ServerArgs(max_total_tokens=256, attention_backend="triton", max_running_requests=4, disable_cuda_graph=True)
+    runners = [ModelRunner(args, config, hf.state_dict(), DEVICE, torch.float32, 128) for _ in range(2)]
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (12, 9)]
     prefix = 5   # the first request's first 5 tokens are already cached
@@ -87,16 +87,17 @@ def test_padded_prefill_forward_matches_the_eager_prefill():
         reqs = [SimpleNamespace(all_ids=p, kv_len=0, row=runner.pool.alloc_row()) for p in prompts]
         first = runner.pool.slots.alloc(prefix)
         runner.extend(reqs[:1], [prefix], first, [False])
-        runner.pool.write_positions(reqs[0].row, 0, torch.tensor(first, dtype=torch.int32))
+        runner.pool.write_positions(reqs[0].row, 0, torch.tensor(first, dtype=torch.int32, device=DEVICE))
         reqs[0].kv_len = prefix
         lens = [len(prompts[0]) - prefix, len(prompts[1])]
         slots = runner.pool.slots.alloc(sum(lens))
         if not padded:
             logits = runner.extend(reqs, lens, slots, [False, True])[:, 0]
         else:
-            inputs = PrefillInputs.allocate(32, 4, "cpu")
-            inputs.fill(prompts[0][prefix:] + prompts[1], list(range(prefix, 12)) + list(range(9)), slots,
-                        [r.row for r in reqs], [prefix, 0], lens, [sum(lens) - 1], runner.pool.scratch_row)
+            host, inputs = PrefillInputs.allocate(32, 4, "cpu"), PrefillInputs.allocate(32, 4, DEVICE)
+            host.fill(prompts[0][prefix:] + prompts[1], list(range(prefix, 12)) + list(range(9)), slots,
+                      [r.row for r in reqs], [prefix, 0], lens, [sum(lens) - 1], runner.pool.scratch_row)
+            inputs.packed.copy_(host.packed)
             logits = forward_prefill(runner.model, runner.attn_backend, runner.pool, inputs)[:1]
         outputs.append((logits, runner.pool.k_buffers[1][slots], runner.pool.v_buffers[1][slots]))
     for eager, graphed in zip(*outputs):
