@@ -110,6 +110,21 @@ def test_flush_returns_while_the_writer_indexes_and_a_later_proposal_sees_the_pr
     drafter.close()
 
 
+def test_probes_are_put_off_while_a_large_backlog_is_indexed():
+    drafter = NgramDrafter(NgramConfig(), one_branch=True)
+    gate = gated_inserts(drafter)
+    drafter.add_prompt(fake_req("small", list(range(10, 10 + ngram.PROBE_BACKLOG_TOKENS))))
+    drafter.flush()
+    assert drafter.ready_to_probe()        # a backlog a probe may wait for
+    drafter.add_prompt(fake_req("large", list(range(20))))
+    drafter.flush()
+    assert not drafter.ready_to_probe()    # over the limit until the writer catches up
+    gate.set()
+    drafter.writer.drain()
+    assert drafter.ready_to_probe() and drafter._backlog == 0
+    drafter.close()
+
+
 def test_a_finished_requests_stream_goes_after_its_queued_tokens():
     drafter = NgramDrafter(NgramConfig(), one_branch=True)
     writer = fake_req("w", [5, 6, 7])

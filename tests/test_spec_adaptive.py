@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import math
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from specserve.bench.policy_sim import SCENARIOS, simulate
+from specserve.engine.core import EngineCore
 from specserve.speculative.adaptive import (
     BYPASS_BUDGET, GUARD_STEPS, MAX_PLAIN_HOLD, MAX_PROBE_EVERY, PLAIN_HOLD, PROBE_BUDGET, REFRESH_EVERY, SWITCH_MARGIN,
     AdaptiveDraftLength, tiers_for)
@@ -440,3 +442,13 @@ def test_adaptive_engine_equals_plain_and_switches_draft_sizes(smol):
     assert len(used) >= 2 and 8 in used, used
     wait_until_all_kv_is_free(engine)
     smol.close(engine)
+
+
+def test_a_drafter_behind_on_its_indexing_puts_the_probe_off():
+    asked = []
+    adaptive = SimpleNamespace(probe_due=lambda batch_size, every: asked.append(batch_size) or True)
+    core = SimpleNamespace(adaptive=adaptive, drafter=SimpleNamespace(ready_to_probe=lambda: False, probe_every=1))
+    assert not EngineCore._probe_due(core, ["a", "b"])
+    assert asked == []   # the probe counters did not move: the first step the drafter is ready for probes
+    core.drafter.ready_to_probe = lambda: True
+    assert EngineCore._probe_due(core, ["a", "b"]) and asked == [2]

@@ -214,8 +214,10 @@ class EngineCore:
     def _probe_due(self, reqs: list[Req]) -> bool:
         """Whether this plain step probes (adaptive.py: every k-th plain step, k from the
         probes' measured host time; at least every `drafter.probe_every`-th for a model
-        drafter, whose proposals cost draft forwards)."""
-        return self.adaptive is not None and self.adaptive.probe_due(len(reqs), self.drafter.probe_every)
+        drafter, whose proposals cost draft forwards); put off while the drafter's background
+        bookkeeping is far behind (the probe would wait for it)."""
+        return (self.adaptive is not None and self.drafter.ready_to_probe()
+                and self.adaptive.probe_due(len(reqs), self.drafter.probe_every))
 
     def _probe(self, reqs: list[Req]) -> None:
         """A plain step's look at whether drafting would pay now: proposals for a few of its

@@ -60,6 +60,12 @@ class Drafter:
         or done at once. The engine calls it right after launching a forward; on plain steps
         of the adaptive policy only before a probe."""
 
+    def ready_to_probe(self) -> bool:
+        """Whether a probe's proposals would start at once: False while the background
+        bookkeeping handed over earlier (e.g. indexing a batch of new prompts) is far
+        behind, which a proposal would wait for while the GPU idles."""
+        return True
+
     def release(self, req: "Req") -> None:
         """The request finished or was aborted."""
 

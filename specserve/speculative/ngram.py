@@ -17,6 +17,12 @@ them itself: at batch 64 a probe every 32 steps would otherwise hand over ~2000 
 (~6 ms of indexing) that its proposal then waits for, in the open. A finished request's
 stream is let go after its last queued tokens.
 
+A probe (a plain step's proposals for a few requests, adaptive.py) waits for the same
+indexing, so it is put off while more than PROBE_BACKLOG_TOKENS handed-over tokens are not
+indexed yet: the first probe after 64 multi-turn prompts arrived waited ~85 ms for them
+(H100, 1.5B, concurrency 64: 7% of the run; `ready_to_probe`). Which step probes then
+depends on the writer's timing; what is drafted from a given trie does not.
+
 With the pure-Python trie (no C compiler) the writes run at once on the caller's thread
 in `flush`: that trie holds the GIL, so a thread would gain nothing.
 """
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import threading
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -41,6 +48,7 @@ if TYPE_CHECKING:
 MATCH_KEY_CAP = 6         # suffix matches this long or longer count as one evidence class
 AUTO_FLUSH_TOKENS = 256   # committed tokens queued that observe hands to the writer without waiting for a flush
 WRITE_CHUNK = 256         # tokens per insert call under the lock (~0.5-1.3 ms at max_trie_depth 18)
+PROBE_BACKLOG_TOKENS = 2048   # handed-over tokens not indexed yet above which a probe is put off (~3-5 ms of indexing)
 
 
 class NgramDrafter(Drafter):
@@ -61,6 +69,8 @@ class NgramDrafter(Drafter):
         if background is None:
             background = isinstance(self.trie, NgramTrie)
         self.writer = TrieWriter(background)
+        self._backlog = 0    # tokens handed to the writer and not indexed yet
+        self._backlog_lock = threading.Lock()   # the engine's thread adds, the writer's subtracts
 
     @classmethod
     def from_args(cls, args: "ServerArgs") -> "NgramDrafter":
@@ -124,9 +134,18 @@ class NgramDrafter(Drafter):
         self.writer.check()
         if not self._pending and not self._released:
             return
-        job = functools.partial(self._write, list(self._pending.items()), self._released)
+        queued = list(self._pending.items())
+        job = functools.partial(self._write, queued, self._released)
         self._pending, self._released, self._observed = {}, [], 0
+        self._add_backlog(sum(len(tokens) for _, tokens in queued))
         self.writer.submit(job)
+
+    def ready_to_probe(self) -> bool:
+        return self._backlog <= PROBE_BACKLOG_TOKENS
+
+    def _add_backlog(self, tokens: int) -> None:
+        with self._backlog_lock:
+            self._backlog += tokens
 
     def _write(self, queued: list[tuple[int, list[int]]], released: list[int]) -> None:
         """The writer's job: each owner's tokens in chunks (the lock is held for one chunk at
@@ -136,6 +155,7 @@ class NgramDrafter(Drafter):
             for start in range(0, len(tokens), WRITE_CHUNK):
                 with lock:
                     trie.insert(tokens[start:start + WRITE_CHUNK], owner=owner)
+            self._add_backlog(-len(tokens))
         for owner in released:
             with lock:
                 trie.release(owner)
