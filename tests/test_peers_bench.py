@@ -142,3 +142,11 @@ def test_peer_servers_get_the_flags_that_keep_flashinfer_out_of_the_way(tmp_path
     assert "flashinfer-python==0.6.15.post1" in wheels and "sglang==0.5.17" in wheels
     assert not [w for w in open(os.path.join(os.path.dirname(peers.__file__), "peers_wheels", "vllm.txt"))
                 if w.startswith("flashinfer")]
+
+
+def test_specserve_version_comes_from_the_environment_where_git_may_be_stale(monkeypatch):
+    from specserve.bench.peers_install import engine_version
+    monkeypatch.setenv("SPECSERVE_COMMIT", "abc1234")
+    assert engine_version("specserve", None, ".") == "specserve abc1234"
+    monkeypatch.delenv("SPECSERVE_COMMIT")
+    assert engine_version("specserve", None, ".").startswith("specserve ")

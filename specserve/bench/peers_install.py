@@ -78,8 +78,11 @@ def server_env(site_dir: str | None, repo_root: str, extra: dict[str, str]) -> d
 
 
 def engine_version(engine: str, site_dir: str | None, repo_root: str) -> str:
-    """`vllm 0.26.0`, `sglang 0.5.17`, or specserve's commit."""
+    """`vllm 0.26.0`, `sglang 0.5.17`, or specserve's commit: $SPECSERVE_COMMIT where the
+    tree's git metadata may be stale (a device machine's copy of a working tree), else git's."""
     if engine == "specserve":
+        if os.environ.get("SPECSERVE_COMMIT"):
+            return f"specserve {os.environ['SPECSERVE_COMMIT']}"
         done = subprocess.run(["git", "-C", repo_root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
         return f"specserve {done.stdout.strip() or 'unknown'}"
     for info in glob.glob(os.path.join(site_dir or "", f"{engine}-*.dist-info")):
