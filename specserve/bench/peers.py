@@ -32,7 +32,7 @@ import sys
 import time
 from types import SimpleNamespace
 
-from specserve.bench.peers_engines import ENGINES, EngineConfig, ServerFailed, ServerProcess
+from specserve.bench.peers_engines import ENGINES, EngineConfig, ServerFailed, ServerProcess, server_settings
 from specserve.bench.peers_install import WheelsMissing, engine_version, install, server_env
 from specserve.bench.peers_report import write_report
 
@@ -155,7 +155,8 @@ def run_engine(config: EngineConfig, model: str, model_dir: str, workloads: dict
     try:
         startup_s = server.wait_ready(budget_end)
         write({"kind": "engine", **base, "version": engine_version(config.engine, site, REPO_ROOT),
-               "startup_s": round(startup_s, 1), "command": " ".join(command[1:])})
+               "startup_s": round(startup_s, 1), "command": " ".join(command[1:]),
+               "settings": server_settings(server.base_url)})
         asyncio.run(measure_engine(server, model, workloads, ns, budget_end, lambda row: write({**base, **row})))
     except ServerFailed as error:
         write({"kind": "engine", **base, "error": str(error)})

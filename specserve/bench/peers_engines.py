@@ -149,6 +149,23 @@ def _signal_group(pid: int, sig: int) -> None:
         pass
 
 
+# what decides time to first token and batch shapes, as /get_server_info reports it (SGLang, specserve)
+SETTINGS_KEYS = ("chunked_prefill_size", "max_prefill_tokens", "schedule_policy", "schedule_conservativeness",
+                 "enable_mixed_chunk", "max_running_requests", "cuda_graph_max_bs", "attention_backend",
+                 "speculative_num_draft_tokens")
+
+
+def server_settings(base_url: str) -> dict:
+    """The scheduling settings a ready server reports at /get_server_info ({} where it has no
+    such route, like vLLM's): a peer's defaults are part of what the table compares."""
+    try:
+        with urllib.request.urlopen(base_url + "/get_server_info", timeout=5) as response:
+            info = json.load(response)
+    except (urllib.error.URLError, OSError, ValueError):
+        return {}
+    return {key: info[key] for key in SETTINGS_KEYS if isinstance(info, dict) and key in info}
+
+
 def _answers(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=5) as response:
