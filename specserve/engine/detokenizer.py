@@ -3,8 +3,15 @@
 Decoding the whole output every step costs O(length); instead (as vLLM does) keep two
 offsets into the ids: text is re-decoded from `prefix_offset` only, and a new piece is
 emitted once it no longer ends in an incomplete UTF-8 sequence ("\ufffd").
+
+Each token costs two decodes of a few ids; transformers' `decode` wraps the Rust one in
+~5 us of Python (argument conversion, batch checks, the clean-up switch), more than the
+decode itself, so where that wrapper adds nothing the Rust tokenizer is called directly.
 """
 from __future__ import annotations
+
+import functools
+from typing import Callable
 
 _CONTEXT_TOKENS = 4   # prompt tokens decoded with the first piece, so its leading space is right
 
@@ -22,6 +29,7 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._stop_window = max((len(s) for s in stop_strings), default=0)
+        self._decode_ids = _direct_decode(tokenizer, skip_special_tokens)
 
     def add(self, token_id: int) -> str | None:
         """Appends one token; returns the stop string this token completed, if any.
@@ -58,4 +66,21 @@ class IncrementalDetokenizer:
         return stop
 
     def _decode(self, ids: list[int]) -> str:
+        if self._decode_ids is not None:
+            return self._decode_ids(ids)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+
+def _direct_decode(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]], str] | None:
+    """The Rust tokenizer's decode where transformers' decode returns exactly what it does: a
+    fast tokenizer whose class keeps the stock `_decode` and that cleans up no spaces."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:
+        return None
+    if not isinstance(tokenizer, PreTrainedTokenizerFast) or tokenizer.clean_up_tokenization_spaces:
+        return None
+    if type(tokenizer)._decode is not PreTrainedTokenizerFast._decode:
+        return None
+    backend = tokenizer.backend_tokenizer
+    return functools.partial(backend.decode, skip_special_tokens=skip_special_tokens)

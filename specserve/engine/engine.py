@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import queue
 import random
@@ -19,6 +20,7 @@ from specserve.args import ServerArgs
 from specserve.engine.builder import build_core
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.failure_isolation import FailureIsolation
+from specserve.engine.loop_mailbox import LoopMailboxes
 from specserve.engine.output import OutputTracker
 from specserve.engine.request import Req, ReqState
 from specserve.errors import EngineFatalError
@@ -37,6 +39,7 @@ class Engine:
         self._rng = random.Random(self.args.random_seed)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
+        self._mailboxes = LoopMailboxes()   # async callers' outputs, delivered once per step
         self._stopped = False
         self._fatal: EngineFatalError | None = None   # set once a step says no further step can run
         self._thread = threading.Thread(target=self._loop, name="specserve-core", daemon=True)
@@ -194,9 +197,9 @@ class Engine:
         return _last_result([result])
 
     async def _async_stream(self, req: Req, stream: bool = True) -> AsyncIterator[dict]:
-        loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
-        self._submit(req, lambda item: loop.call_soon_threadsafe(sink.put_nowait, item), stream)
+        mailbox = self._mailboxes.of(asyncio.get_running_loop())   # one loop wake-up per step, not per request
+        self._submit(req, functools.partial(mailbox.post, sink), stream)
         try:
             while True:
                 item = await sink.get()
@@ -212,9 +215,15 @@ class Engine:
     # --- the step loop (its own thread) ---
     def _loop(self) -> None:
         tracker = OutputTracker(self, _DONE)
-        isolation = FailureIsolation(self.core, tracker)
+        try:
+            self._run_steps(tracker, FailureIsolation(self.core, tracker))
+        finally:
+            self._mailboxes.wake_all()   # the last outputs (failures, the shutdown's)
+
+    def _run_steps(self, tracker: OutputTracker, isolation: FailureIsolation) -> None:
         while not self._stopped:
             self._drain_inbox(tracker)
+            self._mailboxes.wake_all()   # the last step's outputs and the inbox's: one wake-up per loop
             if not self.core.has_work():
                 self._wake.wait(timeout=0.1)
                 self._wake.clear()
