@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from specserve.bench.prompts import SAMPLE_PROMPTS
+from specserve.engine.engine import core_load
 from specserve.server.metrics import ServerMetrics
 from specserve.server.openai_api import _usage
 from tests.spec_fixtures import CODE_PROMPT, ngram_args, wait_until_all_kv_is_free
@@ -141,7 +142,8 @@ def test_metrics_report_cached_tokens():
                    {"prompt_tokens": 5, "completion_tokens": 1, "cached_tokens": 0}]) == {
         "prompt_tokens": 15, "completion_tokens": 3, "total_tokens": 18, "prompt_tokens_details": {"cached_tokens": 7}}
     scheduler = SimpleNamespace(running=[], waiting=[], available_slots=lambda: 75, cached_slots=lambda: 30)
-    engine = SimpleNamespace(core=SimpleNamespace(scheduler=scheduler, runner=SimpleNamespace(pool=SimpleNamespace(size=100))))
+    core = SimpleNamespace(scheduler=scheduler, runner=SimpleNamespace(pool=SimpleNamespace(size=100)))
+    engine = SimpleNamespace(load=lambda: core_load(core))
     metrics = ServerMetrics(engine, "m")
     for cached_tokens in (30, 0):
         metrics.track(prompt_tokens=40).finish({"completion_tokens": 1, "cached_tokens": cached_tokens,

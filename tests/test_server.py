@@ -266,11 +266,12 @@ class _FakeEngine:
         self.tokenizer = _FakeTokenizer()
         self.context_length = 256
         self.model_path = "/models/fake"
+        self.vocab_size = 0x110000
         self.aborted = []
-        pool = SimpleNamespace(size=100, slots=SimpleNamespace(available=lambda: 100))
-        runner = SimpleNamespace(pool=pool, config=SimpleNamespace(vocab_size=0x110000))
-        scheduler = SimpleNamespace(running=[], waiting=[], available_slots=lambda: 100, cached_slots=lambda: 0)
-        self.core = SimpleNamespace(scheduler=scheduler, runner=runner)
+
+    def load(self):
+        return {"num_running": 0, "num_waiting": 0, "kv_free_slots": 100, "kv_total_slots": 100, "kv_usage": 0.0,
+                "kv_cached_slots": 0}
 
     def apply_chat_template(self, messages):
         return "".join(m["content"] for m in messages)

@@ -4,9 +4,10 @@ HTTP server, on the same prompts at the same concurrency (greedy, fixed output l
     python -m specserve.bench.server_overhead [--num-prompts 32] [--output-len 64]
         [--concurrency 8] [--rounds 2] [ServerArgs flags, e.g. --dtype float32]
 
-The server starts in a subprocess while the offline engine loads here; then the modes run
-in turn, `--rounds` times, and each is compared with the offline run of its own round, so
-that drift in a shared machine's load hits every mode alike.
+The server starts in a subprocess (launch_server: HTTP in that process, its engine in a child
+process) while the offline engine loads here; then the modes run in turn, `--rounds` times,
+and each is compared with the offline run of its own round, so that drift in a shared
+machine's load hits every mode alike.
 The server is measured streaming through /generate and /v1/completions (one event per
 token) and without streaming.
 """
@@ -161,8 +162,9 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
         per_round = " ".join(f"{rate:.1f}" for rate in rates[mode])
         cpu = f"{sum(loop_cpu[mode]) / len(loop_cpu[mode]):.1%}" if loop_cpu.get(mode) else "-"
         print(f"{mode:<26} {per_round:<24} {ratios[len(ratios) // 2]:>20.1%} {cpu:>15}")
-    print("event-loop CPU: CPU time of the server's HTTP thread (uvicorn, handlers) over wall time;\n"
-          "it is what serving takes from the step loop's cores, independent of the machine's load.")
+    print("event-loop CPU: CPU time of the server's HTTP thread (uvicorn, handlers) over wall time, independent\n"
+          "of the machine's load; the server's engine runs in its own process, so this is no longer GIL time\n"
+          "taken from the step loop, but a core it needs for itself.")
     return rates
 
 

@@ -8,9 +8,11 @@ makes the forward cheap, so what a step costs on top of it is host work: the ste
 bookkeeping, detokenizing, handing outputs to the HTTP handlers, building each SSE chunk
 and writing it. The same prompts run through the offline Engine (one async_generate per
 request, all at once) and through the server's streaming /v1/completions, `--concurrency`
-at a time. Each round prints the server threads' CPU time per streamed token (robust to a
-shared machine's load, unlike tok/s); with `--py-spy`, the server process is sampled during its last round and the
-samples are split by stage (`STAGES`) into host microseconds per streamed token.
+at a time. The server runs its engine in a child process (launch_server's split): each
+round prints the CPU time per streamed token of the HTTP process's event loop, of its other
+threads (the engine reader, tokenizing) and of the engine process (robust to a shared
+machine's load, unlike tok/s); with `--py-spy`, both processes are sampled during the last
+round and the samples are split by stage (`STAGES`) into host microseconds per streamed token.
 """
 from __future__ import annotations
 
@@ -42,6 +44,9 @@ STAGES = [
     ("hand-off to the event loop", "call_soon_threadsafe"),
     ("hand-off to the event loop", "_write_to_self"),
     ("hand-off to the event loop", "loop_mailbox.py"),
+    ("pipe between the processes (pickle, send, recv)", "multiprocessing/connection"),
+    ("pipe between the processes (pickle, send, recv)", "engine_worker.py"),
+    ("pipe between the processes (pickle, send, recv)", "engine_process.py"),
     ("engine loop", "specserve/engine/engine.py"),
     ("handlers (openai_api, state, metrics)", "specserve/server/"),
     ("SSE JSON encode", "json/"),
@@ -69,27 +74,46 @@ def make_model_dir(directory: str = MODEL_DIR) -> str:
 
 
 def thread_cpu_s(pid: int) -> dict[str, float]:
-    """CPU seconds (user + system) of `pid`'s main thread (uvicorn's event loop) and of all its
-    other threads together: the step loop, torch's and the tokenizers' (Linux; Python does not
-    name OS threads, so the step loop cannot be told apart)."""
+    """CPU seconds (user + system) of the server `pid`'s main thread (uvicorn's event loop), of
+    its other threads together (the engine reader, tokenizing), and of its child processes
+    (the engine: step loop, torch's threads; Linux only)."""
     totals: collections.Counter[str] = collections.Counter()
     for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1]
-        except OSError:   # the thread ended meanwhile
-            continue
-        parts = fields.split()
-        name = "event loop" if tid == str(pid) else "other threads"
-        totals[name] += (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+        name = "event loop" if tid == str(pid) else "http other threads"
+        totals[name] += _cpu_s(f"/proc/{pid}/task/{tid}/stat")
+    for child in _child_pids(pid):
+        totals["engine process"] += _cpu_s(f"/proc/{child}/stat")
     return totals
+
+
+def _cpu_s(stat_path: str) -> float:
+    try:
+        with open(stat_path) as f:
+            parts = f.read().rsplit(")", 1)[1].split()
+    except OSError:   # it ended meanwhile
+        return 0.0
+    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _child_pids(pid: int) -> list[int]:
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            if ppid == pid:
+                children.append(int(entry))
+    return children
 
 
 def stage_of(frames: list[str]) -> str:
     """"thread: stage" for one sample's frames (root first)."""
     stack = ";".join(frames)
-    # py-spy cannot always walk the event loop's stack to its root: whatever is not the step loop's
-    thread = "engine" if "Engine._loop" in stack else "http"
+    # py-spy cannot always walk the event loop's stack to its root: whatever is not the engine process's
+    thread = "engine" if "Engine._loop" in stack or "serve_engine" in stack else "http"
     for frame in reversed(frames):
         for stage, marker in STAGES:
             if marker in frame:
@@ -137,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
             spy = None
             if ns.py_spy and round_index == ns.rounds - 1:
                 spy = subprocess.Popen([ns.py_spy, "record", "--pid", str(proc.pid), "--rate", str(SAMPLE_RATE),
-                                        "--format", "raw", "--nonblocking", "-o", ns.profile_out],
+                                        "--format", "raw", "--nonblocking", "--subprocesses", "-o", ns.profile_out],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 time.sleep(1.0)   # py-spy attaches
             cpu_before = thread_cpu_s(proc.pid)
@@ -154,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
         proc.terminate()
         proc.wait(timeout=30)
     if ns.py_spy:
-        print(f"\nserver process, host us per streamed token ({tokens} tokens; py-spy at {SAMPLE_RATE} Hz, "
+        print(f"\nserver and engine processes, host us per streamed token ({tokens} tokens; py-spy at {SAMPLE_RATE} Hz, "
               f"non-idle samples of all threads):")
         for stage, us in breakdown(ns.profile_out, tokens).items():
             print(f"  {stage:<42} {us:8.1f}")

@@ -1,8 +1,9 @@
 """The HTTP server: `create_app(engine)` builds the FastAPI app.
 
-Handlers only await the engine (`async_generate`), so serving never blocks the engine's
-step loop, which runs in its own thread, and costly request preparation runs off the event
-loop (state.py). This file owns the app, the error handlers and the native endpoints
+The engine is an Engine (step loop in a thread of this process: tests, scripts) or an
+EngineProcess (the engine in a child process: launch_server); both have the same surface
+(engine/front.py). Handlers only await the engine (`async_generate`), so serving never
+blocks its step loop, and costly request preparation runs off the event loop (state.py). This file owns the app, the error handlers and the native endpoints
 (SGLang's /generate and info routes); the OpenAI routes live in openai_api.py.
 """
 from __future__ import annotations
@@ -21,7 +22,6 @@ from starlette.requests import ClientDisconnect
 from specserve.errors import EngineFatalError
 from specserve.server import openai_api
 from specserve.server.disconnect import ClientDisconnected, gather_all
-from specserve.server.metrics import engine_load
 from specserve.server.protocol import SSE_DONE, APIError, GenerateRequest, error_event, sse
 from specserve.server.state import ServerState
 
@@ -111,7 +111,7 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
         info = engine.get_server_info()
         if info.get("api_key"):
             info["api_key"] = "<hidden>"
-        return {**info, **engine_load(engine), "served_model_name": state.model_name,
+        return {**info, **engine.load(), "served_model_name": state.model_name,
                 "spec_verify_steps_total": m.spec_verify_steps, "spec_accepted_tokens_total": m.spec_accepted_tokens,
                 "internal_states": [{"avg_spec_accept_length": m.avg_spec_accept_length}]}
 

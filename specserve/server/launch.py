@@ -1,37 +1,47 @@
-"""`python -m specserve.launch_server`: build the Engine from ServerArgs flags, warm it
-up, and serve `create_app(engine)` with uvicorn until interrupted."""
+"""`python -m specserve.launch_server`: start the engine in its own process (built and warmed
+up there), and serve `create_app(engine)` with uvicorn in this one until interrupted.
+
+The split keeps the HTTP event loop off the step loop's GIL (engine_process.py says why)."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import logging
-import time
+import contextlib
+import signal
+from typing import Iterator
 
 from specserve.args import ServerArgs
-
-logger = logging.getLogger("specserve")
 
 
 def launch_server(args: ServerArgs) -> None:
     import uvicorn
 
-    from specserve.engine.engine import Engine
+    from specserve.engine.engine_process import EngineProcess
     from specserve.server.http import create_app
 
-    engine = Engine(**dataclasses.asdict(args))
+    with _sigterm_raises_system_exit():
+        engine = EngineProcess(args)   # a start-up failure (bad model path, ...) is raised here, before uvicorn
+        try:
+            app = create_app(engine)
+            config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                    # one line per request (method, path, status) at info and debug, as uvicorn's default
+                                    access_log=args.log_level in ("debug", "info"), timeout_keep_alive=30)
+            uvicorn.Server(config).run()
+        finally:
+            engine.shutdown()
+
+
+@contextlib.contextmanager
+def _sigterm_raises_system_exit() -> Iterator[None]:
+    """uvicorn shuts down gracefully on SIGTERM, then raises it again under the handler it
+    found: an exception (where the default handler would kill) lets the engine process be stopped."""
+    def exit_on_signal(signum: int, frame) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, exit_on_signal)
     try:
-        if not args.skip_server_warmup:
-            start = time.perf_counter()
-            engine.generate(input_ids=engine.tokenizer("The").input_ids or [0],
-                            sampling_params={"max_new_tokens": 2, "temperature": 0.0})
-            logger.info("warmup request done in %.2f s", time.perf_counter() - start)
-        app = create_app(engine)
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                # one line per request (method, path, status) at info and debug, as uvicorn's default
-                                access_log=args.log_level in ("debug", "info"), timeout_keep_alive=30)
-        uvicorn.Server(config).run()
+        yield
     finally:
-        engine.shutdown()
+        signal.signal(signal.SIGTERM, previous)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,8 +1,8 @@
 """Server-side metrics: per-request timing measured in the HTTP layer from chunk arrival
 times, totals kept as plain counters, and engine load read at scrape time.
 
-Everything here runs on the event loop; the engine is only read (queue lengths, free KV
-slots), never locked, so a scrape cannot slow the step loop.
+Everything here runs on the event loop; the engine's load (queue lengths, free KV slots) is
+only read, never locked (`engine.load()`), so a scrape cannot slow the step loop.
 """
 from __future__ import annotations
 
@@ -15,16 +15,6 @@ PREFIX = "specserve:"
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _ITL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
-
-
-def engine_load(engine) -> dict:
-    """Queue lengths and KV cache occupancy; plain reads of engine state from another thread.
-    Cached prefixes no running request holds count as free (they are evicted on demand)."""
-    core = engine.core
-    free, total = core.scheduler.available_slots(), core.runner.pool.size
-    return {"num_running": len(core.scheduler.running), "num_waiting": len(core.scheduler.waiting),
-            "kv_free_slots": free, "kv_total_slots": total, "kv_usage": 1.0 - free / total if total else 0.0,
-            "kv_cached_slots": core.scheduler.cached_slots()}
 
 
 class ServerMetrics:
@@ -146,7 +136,7 @@ class _TotalsCollector:
             counter = CounterMetricFamily(PREFIX + name, help_text, labels=["model_name"])
             counter.add_metric(labels, value)
             yield counter
-        load = engine_load(m.engine)
+        load = m.engine.load()
         for name, help_text, value in (
                 ("num_running_reqs", "Requests running in the engine.", load["num_running"]),
                 ("num_queue_reqs", "Requests waiting in the engine's queue.", load["num_waiting"]),

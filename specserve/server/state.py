@@ -37,7 +37,7 @@ class ServerState:
         self.engine = engine
         self.tokenizers = _ThreadTokenizers(engine.tokenizer)
         self.context_length: int = engine.context_length
-        self.vocab_size: int = engine.core.runner.config.vocab_size
+        self.vocab_size: int = engine.vocab_size
         # a text this long cannot fit the context whatever it says: refused without tokenizing it
         self.max_prompt_chars = self.tokenizers.max_chars_for(self.context_length)
         self.model_path: str = getattr(engine, "model_path", None) or "default"
