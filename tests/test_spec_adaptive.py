@@ -322,15 +322,30 @@ def test_simulated_batch_1_drafts_for_a_good_request_right_after_a_bad_one():
 
 def test_requests_that_finish_their_prefill_are_probed_at_the_next_plain_step():
     adaptive = AdaptiveDraftLength([1, 4])
-    adaptive.record_step(1, 1, 0.001)
-    adaptive.record_probe(1, 10 * PROBE_BUDGET * 0.001)      # k = 10
-    assert adaptive.probe_every(1) == 10
-    assert [adaptive.probe_due(1) for _ in range(10)] == [False] * 9 + [True]
+    adaptive.record_step(64, 1, 0.001)
+    adaptive.record_probe(64, 10 * PROBE_BUDGET * 0.001)      # k = 10
+    assert adaptive.probe_every(64) == 10
+    assert [adaptive.probe_due(64) for _ in range(10)] == [False] * 9 + [True]
     adaptive.admit()                                          # a prefill completed
-    assert [adaptive.probe_due(1) for _ in range(11)] == [True] + [False] * 9 + [True]
+    assert [adaptive.probe_due(64) for _ in range(11)] == [True] + [False] * 9 + [True]
     # a floor set by the drafter (proposals that cost forwards) still holds
     adaptive.admit()
-    assert [adaptive.probe_due(1, every_at_least=3) for _ in range(3)] == [False, False, True]
+    assert [adaptive.probe_due(64, every_at_least=3) for _ in range(3)] == [False, False, True]
+
+
+def test_a_small_batch_probes_again_in_the_first_steps_after_an_admission():
+    """Where a probe covers the whole batch, the 2nd/4th/8th/16th plain steps after an
+    admission probe as well (an answer's first tokens rarely match what it copies later);
+    past them the bucket's k holds again, and a large batch gets the one probe only."""
+    adaptive = AdaptiveDraftLength([1, 4])
+    for batch_size in (1, 64):
+        adaptive.record_step(batch_size, 1, 0.001)
+        adaptive.record_probe(batch_size, 32 * PROBE_BUDGET * 0.001)   # k = 32
+    adaptive.admit()
+    due = [step for step in range(1, 33) if adaptive.probe_due(1)]
+    assert due == [1, 2, 4, 8, 16]
+    adaptive.admit()
+    assert [step for step in range(1, 33) if adaptive.probe_due(64)] == [1]
 
 
 def test_a_probe_switches_back_only_with_a_margin():
