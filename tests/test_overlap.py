@@ -113,10 +113,11 @@ def test_adaptive_ngram_overlaps_its_plain_steps(engine_factory, plain):
 
 
 def test_plain_steps_index_and_probe_only_every_kth_step(engine_factory, plain, monkeypatch):
-    """In plain mode the adaptive engine probes every k-th plain step of a batch bucket (the
-    first at once, k then from measured costs: forced to 4 here) and indexes committed tokens
-    into the trie on those steps only: each probe proposes from a trie holding every token
-    committed before its step. Outputs stay those of plain decoding."""
+    """In plain mode the adaptive engine probes a batch bucket's first step, then at least
+    every k-th plain step (k from measured costs: forced to 4 here; a small batch also probes
+    a few steps after an admission) and indexes committed tokens into the trie on those steps
+    only: each probe proposes from a trie holding every token committed before its step.
+    Outputs stay those of plain decoding."""
     from specserve.speculative import adaptive as adaptive_module
     from tests.spec_fixtures import ngram_args
     monkeypatch.setattr(adaptive_module, "PROBE_BUDGET", 1e-12)   # every probe is dear: k = MAX_PROBE_EVERY
@@ -165,7 +166,10 @@ def test_plain_steps_index_and_probe_only_every_kth_step(engine_factory, plain, 
         by_bucket.setdefault(bucket, []).append(step["events"])
     for bucket, events in by_bucket.items():
         probed = [i for i, e in enumerate(events) if e and e[0] == "due"]
-        assert probed == list(range(0, len(events), 4)), (bucket, events)
+        gaps = [b - a for a, b in zip(probed, probed[1:] + [len(events)])]
+        assert probed[0] == 0 and max(gaps) <= 4, (bucket, events)
+        if len(events) > 16:
+            assert len(probed) < len(events) / 2, (bucket, events)   # most plain steps do not probe
         for e in events:
             if e[0] == "due":   # handed to the writer while the GPU computes, then the probe: only this step's tokens queued
                 assert e[1] == "index" and e[2][0] == "probe" and e[2][1] <= bucket, e

@@ -341,11 +341,34 @@ def test_a_small_batch_probes_again_in_the_first_steps_after_an_admission():
     for batch_size in (1, 64):
         adaptive.record_step(batch_size, 1, 0.001)
         adaptive.record_probe(batch_size, 32 * PROBE_BUDGET * 0.001)   # k = 32
+
+    def probed_steps(batch_size: int) -> list[int]:
+        due = []
+        for step in range(1, 33):
+            if adaptive.probe_due(batch_size):
+                due.append(step)
+            adaptive.record_step(batch_size, 1, 0.001)
+        return due
+
     adaptive.admit()
-    due = [step for step in range(1, 33) if adaptive.probe_due(1)]
-    assert due == [1, 2, 4, 8, 16]
+    assert probed_steps(1) == [1, 2, 4, 8, 16]
     adaptive.admit()
-    assert [step for step in range(1, 33) if adaptive.probe_due(64)] == [1]
+    assert probed_steps(64) == [1]
+
+
+def test_a_small_batch_probes_at_once_when_it_enters_another_bucket():
+    """The last requests of a drained wave carry their evidence into a smaller bucket: its
+    first plain step probes them, whatever that bucket's k; large buckets keep their k."""
+    adaptive = AdaptiveDraftLength([1, 4])
+    for batch_size in (2, 8, 32, 64):
+        adaptive.record_step(batch_size, 1, 0.001)
+        adaptive.record_probe(batch_size, 32 * PROBE_BUDGET * 0.001)   # k = 32
+    adaptive.record_step(8, 4, 0.002)             # the wave drafts at 8 ...
+    assert adaptive.probe_due(2)                  # ... two requests are left: probed at once
+    adaptive.record_step(2, 1, 0.001)
+    assert not any(adaptive.probe_due(2) for _ in range(10))   # then every k-th step again
+    adaptive.record_step(64, 4, 0.002)
+    assert not adaptive.probe_due(32)             # a large bucket entered: no extra probe
 
 
 def test_a_probe_switches_back_only_with_a_margin():

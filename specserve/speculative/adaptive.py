@@ -193,6 +193,7 @@ class AdaptiveDraftLength:
         """A step whose largest tree had tree_size nodes, priced as the smallest tier that
         holds it. `tokens`: what it committed, for the realized rates of the bucket's modes."""
         bucket = batch_bucket(batch_size)
+        self.probes.note_step(bucket)
         tier = self.costs.record(bucket, tree_size, seconds)
         self.steps_per_tier[tier] += 1
         if tokens is not None and seconds > 0:
