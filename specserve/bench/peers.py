@@ -2,7 +2,10 @@
 checkpoints converted to bf16 safetensors), the same prompts, one client for all.
 
 For every model and engine configuration (peers_engines.ENGINES: specserve plain and NGRAM
-with default flags; vLLM plain, `ngram` and `suffix`; SGLang plain and NGRAM) it installs
+with default flags; vLLM plain, `ngram` and `suffix`; SGLang plain and NGRAM; and EAGLE-3
+chains of 3 on all three, drafting with a head our trainer made for the model, named with
+`--eagle-head MODEL=DIR`, e.g. `--eagle-head qwen2.5-coder-1.5b-instruct=/root/eagle3-1.5b`;
+a model without one gets an error row for those three, peers_heads.py) it installs
 the engine's carried wheels (peers_install.py), starts its OpenAI-compatible server, warms
 it on other prompts of every workload, then times the suite's workloads (gpu_suite:
 code-types, code-rename, sharegpt-multiturn second turns, sharegpt-repeat = first turns then
@@ -18,6 +21,8 @@ calls merge with `peers report`.
 
   python -m specserve.bench.peers run --quick --models qwen2.5-coder-1.5b-instruct \
       --engines specserve-plain specserve-ngram vllm-plain vllm-ngram
+  python -m specserve.bench.peers run --quick --models qwen2.5-coder-1.5b-instruct \
+      --engines specserve-eagle3 sglang-eagle3 vllm-eagle3 --eagle-head qwen2.5-coder-1.5b-instruct=/root/eagle3-1.5b
   python -m specserve.bench.peers report out1/peers.jsonl out2/peers.jsonl --out docs/bench/peers
 """
 from __future__ import annotations
@@ -33,6 +38,7 @@ import time
 from types import SimpleNamespace
 
 from specserve.bench.peers_engines import ENGINES, EngineConfig, ServerFailed, ServerProcess, server_settings
+from specserve.bench.peers_heads import HeadMissing, head_for_engine, parse_eagle_heads
 from specserve.bench.peers_install import WheelsMissing, engine_version, install, server_env
 from specserve.bench.peers_report import write_report
 
@@ -66,12 +72,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      help="most seconds for one engine, install and start-up included; each engine gets at most "
                      "its fair share of the time left (the time left over the engines left)")
     run.add_argument("--deadline-s", type=float, default=560.0, help="most seconds for the whole run")
+    run.add_argument("--eagle-head", nargs="+", default=[], metavar="MODEL=DIR",
+                     help="the EAGLE-3 head (python -m specserve.train_eagle's --output-dir) that the *-eagle3 "
+                     "engines draft with for MODEL; a model without one gets an error row for them")
     run.add_argument("--specserve-args", default="", help="extra flags for specserve's servers, e.g. '--device cpu'")
     run.add_argument("--out", default=os.environ.get("OUT", "peers-out"))
     report = commands.add_parser("report", help="merge peers.jsonl files into one table")
     report.add_argument("results", nargs="+")
     report.add_argument("--out", required=True)
     ns = parser.parse_args(argv)
+    if ns.command == "run":
+        try:
+            ns.eagle_heads = parse_eagle_heads(ns.eagle_head)
+        except ValueError as error:
+            parser.error(str(error))
     if ns.command == "run" and ns.quick:
         ns.bs1_prompts = min(ns.bs1_prompts, 2)
         ns.num_prompts = max(min(ns.num_prompts, 64), max(ns.concurrency))
@@ -128,21 +142,36 @@ def engine_budget_end(now: float, deadline: float, engines_left: int, cap_s: flo
     return min(deadline, now + min(cap_s, (deadline - now) / max(1, engines_left)))
 
 
+class NotStartable(RuntimeError):
+    """An engine configuration that cannot start here (no wheels, no EAGLE-3 head): its row says why."""
+
+
+def _prepare(config: EngineConfig, model: str, ns: argparse.Namespace) -> tuple[str | None, str | None]:
+    """(the EAGLE-3 head directory it drafts with or None, its installed wheels' directory or None)."""
+    try:
+        eagle_head = head_for_engine(config, model, ns.eagle_heads, os.path.join(ns.out, "heads"))
+    except (HeadMissing, OSError, ValueError) as error:   # none, or an unreadable one
+        raise NotStartable(str(error)) from error
+    try:
+        return eagle_head, install(config.engine, ns.wheels, ns.envs_root, required=config.engine != "specserve")
+    except WheelsMissing as error:
+        raise NotStartable(str(error)) from error
+    except Exception as error:   # an unreadable archive, a full disk: this engine's result
+        raise NotStartable(f"installing its wheels: {type(error).__name__}: {error}") from error
+
+
 def run_engine(config: EngineConfig, model: str, model_dir: str, workloads: dict, ns: argparse.Namespace,
                write, budget_end: float) -> None:
     """Installs the engine's wheels, starts its server, measures every cell it has time for
     before `budget_end` (a time.monotonic() value), stops it. Whatever fails is a row."""
     base = {"model": model, "engine": config.name, "engine_family": config.engine, "algorithm": config.algorithm}
     try:
-        site = install(config.engine, ns.wheels, ns.envs_root, required=config.engine != "specserve")
-    except WheelsMissing as error:
+        eagle_head, site = _prepare(config, model, ns)
+    except NotStartable as error:
         write({"kind": "engine", **base, "error": str(error)})
         return
-    except Exception as error:   # an unreadable archive, a full disk: this engine's result
-        write({"kind": "engine", **base, "error": f"installing its wheels: {type(error).__name__}: {error}"})
-        return
     port = _free_port()
-    command = config.command(model_dir, model, port)
+    command = config.command(model_dir, model, port, eagle_head)
     if config.engine == "specserve":
         command += ns.specserve_args.split()
     os.makedirs(os.path.join(ns.out, "logs"), exist_ok=True)

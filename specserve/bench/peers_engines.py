@@ -2,7 +2,9 @@
 
 Each `EngineConfig` names an engine (specserve, vLLM, SGLang), a speculation algorithm and
 the command line of its OpenAI-compatible server; all serve the same HF directory in bf16
-with CUDA graphs on, at most 64 running requests and the same memory share. A server runs
+with CUDA graphs on, at most 64 running requests and the same memory share. The EAGLE-3
+configurations draft with a head our trainer made (`EAGLE_HEAD` in their flags stands for
+its directory, peers_heads.py finds it), a chain of 3 tokens on every engine. A server runs
 with its engine's carried wheels first on PYTHONPATH (`peers_install.py`), logs to a file,
 and is killed (its whole process group) when its turn is over.
 """
@@ -25,18 +27,33 @@ CONTEXT_LENGTH = 4096      # prompts of the suite stay under 2k tokens, outputs 
 VLLM_NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}
 # vLLM's suffix decoding with its defaults (tree depth 24 = the most tokens drafted per step)
 VLLM_SUFFIX = {"method": "suffix"}
+EAGLE_HEAD = "{eagle_head}"   # in an EngineConfig's flags: the EAGLE-3 head's directory, filled in by command()
+# a chain of 3 drafted tokens, verified with the token before them: SGLang's documented chain settings
+# (num-steps 3, topk 1, num-draft-tokens 4); specserve takes the same flags
+EAGLE3_CHAIN = ("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", EAGLE_HEAD,
+                "--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4")
+# vLLM's EAGLE-3 with the same chain (docs: features/speculative_decoding/eagle)
+VLLM_EAGLE3 = {"method": "eagle3", "model": EAGLE_HEAD, "num_speculative_tokens": 3}
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     name: str                  # the column of the table: "<engine>-<algorithm>"
     engine: str                # specserve | vllm | sglang: which carried wheels it runs on
-    algorithm: str             # plain | ngram | suffix
+    algorithm: str             # plain | ngram | suffix | eagle3
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
 
-    def command(self, model_dir: str, served_name: str, port: int) -> list[str]:
-        return BASE_COMMANDS[self.engine](model_dir, served_name, port) + list(self.extra_args)
+    @property
+    def needs_eagle_head(self) -> bool:
+        return any(EAGLE_HEAD in arg for arg in self.extra_args)
+
+    def command(self, model_dir: str, served_name: str, port: int, eagle_head: str | None = None) -> list[str]:
+        """The server's command line; `eagle_head` (a directory) replaces EAGLE_HEAD in the flags."""
+        if self.needs_eagle_head and not eagle_head:
+            raise ValueError(f"{self.name} drafts with an EAGLE-3 head: eagle_head must name its directory")
+        extra = [arg.replace(EAGLE_HEAD, eagle_head) if eagle_head else arg for arg in self.extra_args]
+        return BASE_COMMANDS[self.engine](model_dir, served_name, port) + extra
 
 
 def _specserve(model_dir: str, served_name: str, port: int) -> list[str]:
@@ -79,12 +96,15 @@ _VLLM_ENV = {"VLLM_PLUGINS": "", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"
 ENGINES = {c.name: c for c in [
     EngineConfig("specserve-plain", "specserve", "plain"),
     EngineConfig("specserve-ngram", "specserve", "ngram", ("--speculative-algorithm", "NGRAM")),   # default flags
+    EngineConfig("specserve-eagle3", "specserve", "eagle3", EAGLE3_CHAIN),
     EngineConfig("vllm-plain", "vllm", "plain", env=_VLLM_ENV),
     EngineConfig("vllm-ngram", "vllm", "ngram", ("--speculative-config", json.dumps(VLLM_NGRAM)), env=_VLLM_ENV),
     EngineConfig("vllm-suffix", "vllm", "suffix", ("--speculative-config", json.dumps(VLLM_SUFFIX)), env=_VLLM_ENV),
+    EngineConfig("vllm-eagle3", "vllm", "eagle3", ("--speculative-config", json.dumps(VLLM_EAGLE3)), env=_VLLM_ENV),
     EngineConfig("sglang-plain", "sglang", "plain"),
     EngineConfig("sglang-ngram", "sglang", "ngram",
                  ("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8")),
+    EngineConfig("sglang-eagle3", "sglang", "eagle3", EAGLE3_CHAIN),
 ]}
 REFERENCE = "specserve-plain"   # greedy agreement is measured against its outputs
 

@@ -1,0 +1,80 @@
+"""The EAGLE-3 heads of the peer benchmark: which head each model drafts with, and the view
+of it that vLLM reads.
+
+`peers run --eagle-head MODEL=DIR ...` names, per model, a head directory our trainer wrote
+(`python -m specserve.train_eagle`: config.json for `LlamaForCausalLMEagle3` and
+model.safetensors with fc, midlayer, norm, lm_head, d2t, t2d; no embedding, the target's is
+shared). specserve and SGLang read that directory as it is. vLLM 0.26 reads the same weights
+and architecture name, but not the same layer numbers: the ids in
+`eagle_config.eagle_aux_hidden_state_layer_ids` count decoder layers whose *output* the head
+fuses (SGLang adds 1 before capturing; so do we), while vLLM's V1 runner takes them as the
+number of layers run before the capture, one layer early. A top-level
+`eagle_aux_hidden_state_layer_ids` in vLLM's numbering comes first in both of its model
+runners, so vLLM gets a view of the head: that config.json, links to the other files.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from specserve.bench.peers_engines import EngineConfig
+
+
+class HeadMissing(RuntimeError):
+    """An EAGLE-3 configuration has no usable head for the model: its row says why."""
+
+
+def parse_eagle_heads(specs: list[str]) -> dict[str, str]:
+    """`MODEL=DIR` items -> {model: DIR}; ValueError naming --eagle-head on a malformed item."""
+    heads: dict[str, str] = {}
+    for spec in specs:
+        model, sep, directory = spec.partition("=")
+        if not sep or not model or not directory:
+            raise ValueError(f"--eagle-head {spec!r}: expected MODEL=DIR, "
+                             f"e.g. qwen2.5-coder-1.5b-instruct=/root/eagle3-1.5b")
+        if model in heads:
+            raise ValueError(f"--eagle-head names {model!r} twice")
+        if '"' in directory or "\\" in directory:   # the path goes into vLLM's JSON flag as it is
+            raise ValueError(f"--eagle-head {spec!r}: DIR may not contain quotes or backslashes")
+        heads[model] = directory
+    return heads
+
+
+def head_for_engine(config: EngineConfig, model: str, heads: dict[str, str], view_root: str) -> str | None:
+    """The head directory `config` serves `model` with (None where it drafts without one);
+    for vLLM, its view under `view_root`. HeadMissing when there is none to give."""
+    if not config.needs_eagle_head:
+        return None
+    head = heads.get(model)
+    if head is None:
+        named = ", ".join(sorted(heads)) or "none"
+        raise HeadMissing(f"no EAGLE-3 head for {model}: pass --eagle-head {model}=DIR "
+                          f"(a directory of python -m specserve.train_eagle; heads given for: {named})")
+    if not os.path.isfile(os.path.join(head, "config.json")):
+        raise HeadMissing(f"no EAGLE-3 head for {model}: {head} has no config.json")
+    if config.engine == "vllm":
+        return vllm_head_view(head, os.path.join(view_root, f"{model}-vllm"))
+    return head
+
+
+def vllm_head_view(head: str, view_dir: str) -> str:
+    """`view_dir`: the head's config.json with the fused layers in vLLM's numbering (the
+    number of decoder layers run before each capture, SGLang's id + 1), every other file a
+    link to the head's. A head without aux layers (EAGLE on the final state) is left as it is."""
+    with open(os.path.join(head, "config.json")) as f:
+        config = json.load(f)
+    eagle = config.get("eagle_config") or {}
+    layers = eagle.get("eagle_aux_hidden_state_layer_ids")
+    if not eagle.get("use_aux_hidden_state", True) or not layers:
+        return head   # vLLM's defaults (2, N // 2, N - 3) are SGLang's and ours, in its numbering
+    os.makedirs(view_dir, exist_ok=True)
+    for name in os.listdir(head):
+        link = os.path.join(view_dir, name)
+        if name == "config.json":
+            continue
+        if os.path.lexists(link):   # a view of an earlier head: point it at this one
+            os.remove(link)
+        os.symlink(os.path.abspath(os.path.join(head, name)), link)
+    with open(os.path.join(view_dir, "config.json"), "w") as f:
+        json.dump({**config, "eagle_aux_hidden_state_layer_ids": [int(layer) + 1 for layer in layers]}, f, indent=2)
+    return view_dir
