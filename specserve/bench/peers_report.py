@@ -4,7 +4,8 @@ agreement with specserve plain; every error a peer met, by name.
 
 Rows come from one or more peers.jsonl files (one GPU call cannot run every engine, so the
 results of several calls are merged here):
-`python -m specserve.bench.peers report RESULTS.jsonl... --out DIR`.
+`python -m specserve.bench.peers report RESULTS.jsonl... --out DIR` (peers_table.md, and
+peers_ratio.png where matplotlib exists: peers_plot.py).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import os
 from collections import defaultdict
 
 from specserve.bench.peers_engines import ENGINES, REFERENCE
+from specserve.bench.peers_plot import plot_ratios
 
 CellKey = tuple[str, str, int, int]     # (model, workload, turn, concurrency)
 
@@ -138,8 +140,11 @@ def render(rows: list[dict]) -> str:
 
 
 def write_report(paths: list[str], out_dir: str) -> str:
+    """peers_table.md, and peers_ratio.png beside it where matplotlib exists."""
     os.makedirs(out_dir, exist_ok=True)
+    rows = load_rows(paths)
     path = os.path.join(out_dir, "peers_table.md")
     with open(path, "w") as f:
-        f.write(render(load_rows(paths)))
+        f.write(render(rows))
+    plot_ratios(ratio_rows(collect(rows)[0]), cell_label, os.path.join(out_dir, "peers_ratio.png"))
     return path
