@@ -41,6 +41,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--draft-vocab-size", type=int, default=8192)
     p.add_argument("--steps", type=int, default=6, help="timed optimizer steps (after one untimed)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--states", default="auto", choices=("auto", "per-batch"),
+                   help="per-batch: compute the target's states in every step (as a run whose data does not "
+                        "fit the device does), not once before training")
     p.add_argument("--profile", action="store_true")
     return p.parse_args(argv)
 
@@ -89,6 +92,9 @@ def main(argv: list[str] | None = None) -> None:
     started, started_cpu = time.perf_counter(), time.process_time()
     trainer = EagleTrainer(head, builder, conversations, settings)
     setup_s, setup_cpu_s = time.perf_counter() - started, time.process_time() - started_cpu
+    if ns.states == "per-batch":
+        trainer.store = None
+    extract_rate = extractor_rate(extractor, conversations, trainer.plan[:8])
     stamps: list[tuple[float, float]] = []
     run_steps(trainer, 1 + ns.steps, stamps)
     times = [b[0] - a[0] for a, b in zip(stamps[1:], stamps[2:])]          # the first step untimed
@@ -96,12 +102,26 @@ def main(argv: list[str] | None = None) -> None:
     padded = sum(len(g) * max(lengths[i] for i in g) for g in trainer.plan[1:1 + ns.steps]) / ns.steps
     print(json.dumps({"device": str(device), "target": ns.shape or ns.model_path or "smollm2-135m",
                       "batch_tokens": ns.batch_tokens, "ttt_steps": ns.ttt_steps, "setup_s": round(setup_s, 3),
-                      "setup_process_cpu_s": round(setup_cpu_s, 3), "tokens": sum(lengths),
+                      "setup_process_cpu_s": round(setup_cpu_s, 3), "tokens": sum(lengths), "states": ns.states,
+                      "extractor_tokens_per_s": round(extract_rate),
                       "step_s_median": round(statistics.median(times), 4), "step_s_mean": round(statistics.mean(times), 4),
                       "step_process_cpu_s_median": round(statistics.median(cpu_times), 4),
                       "padded_tokens_per_s": round(padded / statistics.mean(times)), "losses": [round(x, 5) for x in trainer.history]}))
     if ns.profile:
         profile(trainer)
+
+
+def extractor_rate(extractor: TargetFeatureExtractor, conversations: list[Conversation],
+                   groups: list[list[int]]) -> float:
+    """Tokens per second of the target's forward over the batches `groups` (after one untimed pass)."""
+    synchronize = torch.cuda.synchronize if extractor.device.type == "cuda" else (lambda: None)
+    for timed in (False, True):
+        synchronize()
+        started = time.perf_counter()
+        for group in groups:
+            extractor([conversations[i].tokens for i in group])
+        synchronize()
+    return sum(len(conversations[i].tokens) for g in groups for i in g) / (time.perf_counter() - started)
 
 
 def run_steps(trainer: EagleTrainer, count: int, stamps: list[tuple[float, float]]) -> None:

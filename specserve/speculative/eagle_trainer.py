@@ -129,6 +129,9 @@ class EagleTrainer:
         self.store = StateStore(builder.extractor, [c.tokens for c in conversations],
                                 plan_batches(lengths, settings.batch_tokens, settings.seed)) if keep else None
         self.step, self.elapsed = 0, 0.0
+        # where a step's time goes: the host (building the batch, launching its kernels) and
+        # the wait for the device at its end (the device's share of the step)
+        self.host_seconds, self.wait_seconds, self.timed_steps = 0.0, 0.0, 0
         self.history: list[float] = []   # loss per optimizer step
         self.scores: list[tuple[int, float]] = []   # (step, held-out score) of each evaluation
         self._best: tuple[float, dict[str, torch.Tensor]] | None = None
@@ -177,7 +180,7 @@ class EagleTrainer:
         return self.settings.max_seconds is not None and self.elapsed >= self.settings.max_seconds
 
     def _train_batch(self, group: list[int]) -> tuple[float, list[float]]:
-        settings = self.settings
+        settings, started = self.settings, time.perf_counter()
         for param_group in self.optimizer.param_groups:
             param_group["lr"] = self.learning_rate()
         conversations = [self.conversations[i] for i in group]
@@ -191,7 +194,12 @@ class EagleTrainer:
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.parameters, settings.grad_clip)
             self.optimizer.step()
-        values = torch.stack([loss.detach().float()] + accuracies).tolist()   # the step's one wait for the device
+        values = torch.stack([loss.detach().float()] + accuracies)
+        launched = time.perf_counter()
+        values = values.tolist()   # the step's one wait for the device
+        self.wait_seconds += time.perf_counter() - launched
+        self.host_seconds += launched - started
+        self.timed_steps += 1
         return values[0], values[1:]
 
     def learning_rate(self) -> float:

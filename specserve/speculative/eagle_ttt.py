@@ -27,8 +27,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specserve.speculative.eagle_head import EagleHead
+
+# every batch has a shape of its own: cuDNN's attention builds an execution plan per new
+# shape on the host (forward and backward), the flash and memory-efficient kernels do not
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 # extra head dims of the sink attention: two carry the sink's score (bf16 high and low
 # parts), one its value; 8 keep the head dim a multiple of 8 for the fused kernels
@@ -108,8 +113,8 @@ class TrainingTimeTestAttention:
         keys, values = as_heads(k), as_heads(v)
         group = num_heads // k.shape[1]
         # k/v heads repeated: every SDPA kernel takes them so, whatever the torch version
-        out = F.scaled_dot_product_attention(as_heads(q), keys.repeat_interleave(group, dim=1),
-                                             values.repeat_interleave(group, dim=1), is_causal=True)
+        out = _causal_attention(as_heads(q), keys.repeat_interleave(group, dim=1),
+                                values.repeat_interleave(group, dim=1))
         rows = self.rows if self.rows is not None else torch.arange(b * t, device=q.device)
         self.chain = _ChainAttention(keys, values, rows, group)
         return out.transpose(1, 2).reshape(b * t, num_heads, head_dim)
@@ -173,6 +178,10 @@ class _ChainAttention:
         # every other place (each conversation's first, rows not asked for) is a zero query: its output is dropped
         queries = q.new_zeros(b * (1 + t), num_heads, d + SINK_DIMS).index_copy(0, self.slots, rows)
         queries = queries.view(b, 1 + t, num_heads, -1).transpose(1, 2)
-        out = F.scaled_dot_product_attention(queries, self.prefix_keys.to(q.dtype), self.prefix_values.to(q.dtype),
-                                             is_causal=True, scale=scale)
+        out = _causal_attention(queries, self.prefix_keys.to(q.dtype), self.prefix_values.to(q.dtype), scale)
         return out.transpose(1, 2).reshape(b * (1 + t), num_heads, -1).index_select(0, self.slots)
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    with sdpa_kernel(SDPA_BACKENDS):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
