@@ -1,7 +1,10 @@
 """Host time of a drafting (verify) step, by phase, at batch 1 and 64.
 
-A drafting step is synchronous: the host proposes, packs and launches, waits for the GPU,
-then commits, and only the drafter's indexing runs while the GPU computes. At concurrency
+A drafting step used to be synchronous: the host proposed, packed and launched, waited for
+the GPU, then committed, and only the drafter's indexing and the last step's text ran
+while the GPU computed. Now a GPU engine launches the next drafting step right after
+reading and committing this one (engine/draft_ahead.py), and this bench runs it so
+(`--sync`: the synchronous schedule, for comparison). At concurrency
 64 on an H100 that host time made a step of 8-node trees cost 9-15 ms where its GPU work
 is ~3 ms more than a plain step's (issue 10). This bench prices it on the CPU: forwards
 are host_replay's stand-ins (the logits' argmax replays a recorded continuation, so
@@ -18,9 +21,13 @@ wait_parse (the outcome read back and parsed), commit_kv, commit (per-request to
 commits), observe (drafter.observe), detokenize, other (the rest of the step). Each
 wrapped call costs ~0.3 us of its own: `--no-phases` times whole steps only (the
 headline). host_us is a step's wall time less the stand-in's, cpu_us its thread CPU time
-less the stand-in's (what other processes take does not count), exposed_us the host time
-less what runs while a GPU computes the step (index and text, inclusive): what the host
-adds to a GPU step's own time.
+less the stand-in's (what other processes take does not count), exposed_us what the host
+adds to a GPU step's own time: with a step launched ahead, the time from reading one
+step's outcome (DraftStep.read) to the end of launching the next (the stand-in's time
+less); in a synchronous step, the host time less what runs while a GPU computes the step
+(index and text, inclusive). Neither counts `drain`, a proposal's wait for the drafter's
+writer thread to index what was handed over to it: here that indexing competes with
+this thread for two cores, on a GPU it has a whole step's GPU time to finish.
 
 `python -m specserve.bench.draft_step_host --batch-sizes 1 64 --configs 8-multi 16-one
  8-multi-adaptive --workloads code-types code-rename sharegpt --rounds 2`
@@ -44,6 +51,7 @@ from specserve.bench.gpu_suite import set_drafter
 from specserve.bench.host_replay import ReplayForward, parse_config
 from specserve.bench.plain_step_host import MAX_PROMPT, sharegpt_streams
 from specserve.engine.detokenizer import IncrementalDetokenizer
+from specserve.engine.draft_ahead import DraftAhead, DraftStep
 from specserve.runner.tree_step import GreedyOutcome, TreeStepInputs, TreeStepOutputs, greedy_commit
 
 GRAPH_SIZES = [1, 4, 8, 16]   # what a GPU engine with 16 draft tokens captures
@@ -56,6 +64,27 @@ class PhaseClock:
         self.totals: dict[str, float] = defaultdict(float)
         self.inclusive: dict[str, float] = defaultdict(float)   # phases inside included
         self._stack: list[list] = []     # [phase, start, time of phases inside]
+        self.read_at: tuple[float, float] | None = None     # (time, device total) at the step's first outcome read
+        self.launch_at: tuple[float, float] | None = None   # the same at the end of its last launch
+
+    def reset(self) -> None:
+        self.totals.clear()
+        self.inclusive.clear()
+        self.read_at = self.launch_at = None
+
+    def mark(self, name: str) -> None:
+        now = (time.perf_counter(), self.totals["device"] + self.inclusive["drain"])
+        if name == "read" and self.read_at is None:
+            self.read_at = now
+        elif name == "launch":
+            self.launch_at = now
+
+    def exposed_ahead(self) -> float | None:
+        """Read to launch, less the device's time and the waits for indexing in between, when
+        a launch followed a read."""
+        if self.read_at is None or self.launch_at is None or self.launch_at[0] < self.read_at[0]:
+            return None
+        return (self.launch_at[0] - self.read_at[0]) - (self.launch_at[1] - self.read_at[1])
 
     def enter(self, phase: str) -> None:
         self._stack.append([phase, time.perf_counter(), 0.0])
@@ -136,9 +165,29 @@ def _pin_drafting(adaptive) -> None:
     here, since no step is plain)."""
     adaptive.should_draft = lambda batch_size: True
     adaptive.costs.refresh_due = lambda bucket: False   # plain decoding always contends for a refresh
+    record = adaptive.costs.record
+
+    def record_keeping_plain_dear(bucket: int, tree_size: int, seconds: float) -> int:
+        # a drafting step without drafts (tier 1) would price plain decoding at its host time
+        # and make the tier choice, and with it the accept length, vary from run to run
+        tier = record(bucket, tree_size, seconds)
+        adaptive.costs.seconds[(bucket, 1)] = 1.0
+        return tier
+    adaptive.costs.record = record_keeping_plain_dear
     for bucket in (1, 2, 4, 8, 16, 32, 64):
         adaptive._cost[(bucket, 1)] = 1.0
         adaptive._measured_at[(bucket, 1)] = 0
+
+
+def _marking(clock: PhaseClock, function, name: str, after: bool):
+    def marked(*args, **kwargs):
+        if not after:
+            clock.mark(name)
+        result = function(*args, **kwargs)
+        if after:
+            clock.mark(name)
+        return result
+    return marked
 
 
 def instrument(core, clock: PhaseClock, phases: bool) -> contextlib.ExitStack:
@@ -156,8 +205,14 @@ def instrument(core, clock: PhaseClock, phases: bool) -> contextlib.ExitStack:
         else:
             stack.callback(owner.__dict__.pop, name, None)
 
+    runner, read = core.runner, DraftStep.read
+    runner.run_trees = _marking(clock, runner.run_trees, "launch", after=True)
+    DraftStep.read = _marking(clock, read, "read", after=False)
+    stack.callback(setattr, DraftStep, "read", read)
+    stack.callback(runner.__dict__.pop, "run_trees", None)
     patch(core, "step", "other")
     patch(core.drafter, "flush", "index")
+    patch(getattr(core.drafter, "writer", None), "drain", "drain")
     patch(getattr(core, "text", None), "run", "text")   # None before deferred text existed
     if not phases:
         return stack
@@ -170,15 +225,19 @@ def instrument(core, clock: PhaseClock, phases: bool) -> contextlib.ExitStack:
     patch(core, "_commit_kv", "commit_kv")
     patch(core, "_commit", "commit")
     patch(GreedyOutcome, "parse", "wait_parse")
+    patch(DraftStep, "read", "wait_parse")
     patch(IncrementalDetokenizer, "add", "detokenize")
     return stack
 
 
-def time_drafting_steps(engine, stand_in: GraphStandIn, prompts, spec: tuple, phases: bool, max_steps: int) -> dict:
+def time_drafting_steps(engine, stand_in: GraphStandIn, prompts, spec: tuple, phases: bool, max_steps: int,
+                        ahead: bool = True) -> dict:
     """Runs the batch from prefill until its first request finishes (or max_steps decode
-    steps), timing every decode step that has the whole batch."""
+    steps), timing every decode step that has the whole batch. ahead: the next drafting
+    step is launched before this one's bookkeeping, as on a GPU (else synchronously)."""
     core, clock = engine.core, stand_in.clock
     set_drafter(engine, *spec)
+    core.draft_ahead = DraftAhead(core.scheduler) if ahead else None
     if core.adaptive is not None:
         _pin_drafting(core.adaptive)
     params = {"temperature": 0, "max_new_tokens": 4096, "ignore_eos": True}
@@ -189,8 +248,7 @@ def time_drafting_steps(engine, stand_in: GraphStandIn, prompts, spec: tuple, ph
     with instrument(core, clock, phases):
         while not any(r.finished or len(r.output_ids) >= len(stand_in.greedy[tuple(r.prompt_ids)]) for r in reqs):
             stand_in.reqs_by_row = {r.row: r for r in reqs if r.row is not None}
-            clock.totals.clear()
-            clock.inclusive.clear()
+            clock.reset()
             replays, before_cpu, cpu_start, start = stand_in.replays, stand_in.cpu_seconds, time.thread_time(), time.perf_counter()
             outputs = core.step()
             cpu = time.thread_time() - cpu_start - (stand_in.cpu_seconds - before_cpu)
@@ -199,8 +257,9 @@ def time_drafting_steps(engine, stand_in: GraphStandIn, prompts, spec: tuple, ph
                 totals = dict(clock.totals)
                 totals.pop("device", None)
                 host = sum(totals.values())
-                hidden = clock.inclusive["index"] + clock.inclusive["text"]
-                steps.append((host, cpu, totals, host - hidden))
+                hidden = clock.inclusive["index"] + clock.inclusive["text"] + clock.inclusive["drain"]
+                exposed = clock.exposed_ahead()
+                steps.append((host, cpu, totals, host - hidden if exposed is None else exposed))
                 committed += sum(len(o.new_token_ids) for o in outputs)
                 if len(steps) >= max_steps:
                     break
@@ -241,6 +300,7 @@ def main(argv=None) -> None:
     parser.add_argument("--min-output", type=int, default=160, help="tokens of each continuation at least")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--no-phases", action="store_true", help="whole steps only (no per-call timers)")
+    parser.add_argument("--sync", action="store_true", help="synchronous drafting steps (no step launched ahead)")
     ns = parser.parse_args(argv)
     most = max(ns.batch_sizes)
     engine = Engine(model_path=ns.model_path, speculative_algorithm="NGRAM", speculative_num_draft_tokens=16,
@@ -261,9 +321,9 @@ def main(argv=None) -> None:
                     for round_ in range(ns.rounds):
                         for name in ns.configs:
                             row = time_drafting_steps(engine, stand_in, prompts[:batch_size], parse_config(name),
-                                                      not ns.no_phases, ns.max_steps)
-                            print(json.dumps({"workload": workload, "config": name, "round": round_ + 1, **row}),
-                                  flush=True)
+                                                      not ns.no_phases, ns.max_steps, not ns.sync)
+                            print(json.dumps({"workload": workload, "config": name, "round": round_ + 1,
+                                              "schedule": "sync" if ns.sync else "ahead", **row}), flush=True)
         finally:
             runner.graphs = graphs
             runner.__dict__.pop("run_trees", None)

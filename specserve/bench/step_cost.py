@@ -29,6 +29,7 @@ from specserve.speculative.tree import TreeProposal
 
 class ChainDrafter(Drafter):
     """Proposes a chain of `size` nodes (random tokens) for every request, within its limit."""
+    proposes_ahead = True   # reads nothing the step's commit changes: the next step is launched ahead, as NGRAM's
 
     def __init__(self, size: int, seed: int = 0):
         self.size, self.rng = size, np.random.default_rng(seed)

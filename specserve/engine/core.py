@@ -13,6 +13,7 @@ import torch
 
 from specserve.engine.commit import (DeferredText, StepOutcome, can_defer_text, commit_accepted_kv, ends_within,
                                      finish_reason)
+from specserve.engine.draft_ahead import DraftAhead, DraftStep, launch_draft_step
 from specserve.engine.request import Batch, Req, ReqState
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.stats import StepLogger
@@ -48,6 +49,8 @@ class EngineCore:
         # plain greedy decode steps run one step ahead (overlap.py): always without a drafter,
         # and with one while the adaptive draft length says plain decoding wins
         self.overlap = OverlapSchedule(runner, scheduler) if overlap else None
+        # greedy drafting steps: the next one launched before this one's bookkeeping (draft_ahead.py)
+        self.draft_ahead = DraftAhead(scheduler) if overlap else None
         self.stats = StepLogger(log_interval_s, speculative=drafter is not None)
         self.requests: dict[str, Req] = {}
         self.last_batch_reqs: list[Req] = []   # the requests of the step in flight, failed together if it raises
@@ -85,6 +88,9 @@ class EngineCore:
         return self.scheduler.has_work()
 
     def step(self) -> list[StepOutput]:
+        ahead = self.draft_ahead.step if self.draft_ahead is not None else None
+        if ahead is not None and not self.draft_ahead.batch_is_next(ahead.reqs):
+            return self._retire_ahead(ahead.reqs)
         batch = self.scheduler.schedule()
         if batch is None or batch.is_extend:
             self._drop_ahead()
@@ -126,6 +132,9 @@ class EngineCore:
     def _run_decode(self, batch: Batch) -> list[StepOutput]:
         start = time.perf_counter()
         reqs = batch.reqs
+        ahead = self.draft_ahead.take(reqs) if self.draft_ahead is not None else None
+        if ahead is not None:
+            return self._finish_draft_step(reqs, ahead)
         draft = self.drafter is not None and (self.adaptive is None or self.adaptive.should_draft(len(reqs)))
         if not draft and self.overlap is not None and self.sampler.argmax_is_enough(reqs):
             return self._run_decode_ahead(reqs, start)
@@ -136,6 +145,8 @@ class EngineCore:
         if slots is None:  # the cache fits one token per request (the scheduler made sure), not the drafts
             proposal, num_nodes = self._no_drafts(reqs)
             slots = self.scheduler.alloc_slots(len(reqs))
+        if draft and self._drafts_greedily(reqs):
+            return self._finish_draft_step(reqs, self._launch_draft(reqs, proposal, slots, start))
         try:
             outcome = self._verify(reqs, proposal, slots, index=draft or probing)
         except BaseException:
@@ -183,6 +194,88 @@ class EngineCore:
             return StepOutcome(parsed.tokens, parsed.accepted, parsed.accept_lens, True, step.hidden)
         sampled = self.sampler.sample(step.logits, host_trees, reqs, prepared)
         return StepOutcome.from_sampled(sampled, n, table_written=False, hidden=step.hidden)
+
+    # --- greedy drafting steps, the next one launched ahead (draft_ahead.py) ---
+    def _drafts_greedily(self, reqs: list[Req]) -> bool:
+        """Whether a drafting step of these requests takes the greedy path of draft_ahead.py."""
+        return self.drafter.proposes_ahead and self.sampler.argmax_is_enough(reqs)
+
+    def _launch_draft(self, reqs: list[Req], proposal: TreeProposal, slots: list[int], started: float) -> DraftStep:
+        """Launches a drafting step the scheduler asked for; while the GPU computes, the host
+        detokenizes the last step's tokens and hands the drafter's indexing to its writer."""
+        try:
+            step = launch_draft_step(self.runner, reqs, proposal, slots, started)
+        except BaseException:
+            self.scheduler.free_slots(slots)  # no request holds them until commit
+            raise
+        self.text.run()
+        self.drafter.flush()
+        return step
+
+    def _finish_draft_step(self, reqs: list[Req], step: DraftStep) -> list[StepOutput]:
+        """Reads and commits a greedy drafting step; when the same batch drafts next, that step
+        is launched before the bookkeeping it does not need (draft_ahead.py)."""
+        try:
+            outcome = step.read()
+        except BaseException:
+            self.scheduler.free_slots(step.slots)
+            raise
+        if outcome.hidden is not None:   # the states of the accepted nodes
+            self.drafter.observe_hidden(reqs, [r.kv_len for r in reqs],
+                                        outcome.hidden.reshape(len(reqs) * step.num_slots, -1),
+                                        outcome.hidden_rows(step.num_slots))
+        self._commit_kv(reqs, outcome, step.node_slots, step.num_nodes)
+        outputs = [self._commit(req, outcome, i, defer_text=True, observe=False) for i, req in enumerate(reqs)]
+        now = time.perf_counter()
+        adaptive = self.adaptive
+        if adaptive is not None:   # before the next step's choice, as on every path
+            for out in outputs:
+                if not out.finished:
+                    adaptive.observe(out.req.rid, out.new_token_ids)
+            adaptive.record_step(len(reqs), step.num_slots, now - step.started, _committed(outputs))
+        launched = self._launch_ahead(reqs, outputs, now)
+        try:
+            drafter = self.drafter
+            for out in outputs:   # the next proposal reads only what was flushed before it
+                if not out.finished:
+                    drafter.observe(out.req, out.new_token_ids)
+            if launched:   # while the GPU computes the next step
+                self.text.run()
+                drafter.flush()
+        except BaseException:
+            if launched:
+                self.draft_ahead.drop()   # a failed step leaves nothing ahead
+            raise
+        return outputs
+
+    def _launch_ahead(self, reqs: list[Req], outputs: list[StepOutput], now: float) -> bool:
+        """Proposes and launches the next drafting step of the same batch, if it is next;
+        `now`: where its cost starts (this step's was taken at the same time: a whole cycle)."""
+        ahead = self.draft_ahead
+        if (ahead is None or any(out.finished for out in outputs) or not ahead.batch_is_next(reqs)
+                or not self._drafts_greedily(reqs)
+                or (self.adaptive is not None and not self.adaptive.should_draft(len(reqs)))):
+            return False
+        limits = self._draft_limits(reqs)
+        # its slots and one per request to spare: the scheduler preempts nobody while it is ahead
+        if self.scheduler.available_slots() < sum(limits) + len(reqs):
+            return False
+        proposal, num_nodes = self._propose(reqs, limits)
+        slots = self.scheduler.alloc_slots(sum(num_nodes))
+        try:
+            ahead.hold(launch_draft_step(self.runner, reqs, proposal, slots, now))
+        except BaseException:
+            self.scheduler.free_slots(slots)
+            raise
+        return True
+
+    def _retire_ahead(self, reqs: list[Req]) -> list[StepOutput]:
+        """The drafting step launched ahead, read and committed before the scheduler picks
+        another batch (a request arrived)."""
+        self.last_batch_reqs = reqs
+        outputs = self._finish_draft_step(reqs, self.draft_ahead.take(reqs))
+        self.stats.maybe_log(self.scheduler)
+        return outputs
 
     # --- plain greedy decoding, one step ahead (overlap.py) ---
     def _run_decode_ahead(self, reqs: list[Req], start: float) -> list[StepOutput]:
@@ -243,6 +336,8 @@ class EngineCore:
     def _drop_ahead(self) -> None:
         if self.overlap is not None:
             self.overlap.drop()
+        if self.draft_ahead is not None:
+            self.draft_ahead.drop()
 
     def _no_drafts(self, reqs: list[Req]) -> tuple[TreeProposal, list[int]]:
         return TreeProposal.root_only(self._last_tokens(reqs)), [1] * len(reqs)
@@ -252,8 +347,8 @@ class EngineCore:
         return [max(1, min(self.num_draft_tokens, r.max_new_tokens - len(r.output_ids),
                            self.runner.context_length - r.kv_len)) for r in reqs]
 
-    def _propose(self, reqs: list[Req]) -> tuple[TreeProposal, list[int]]:
-        proposal, num_nodes = self.drafter.propose(reqs, self._draft_limits(reqs))
+    def _propose(self, reqs: list[Req], limits: list[int] | None = None) -> tuple[TreeProposal, list[int]]:
+        proposal, num_nodes = self.drafter.propose(reqs, limits if limits is not None else self._draft_limits(reqs))
         if self.adaptive is None:
             return proposal, num_nodes
         rids, keys = [r.rid for r in reqs], self.drafter.proposal_keys()
@@ -270,10 +365,11 @@ class EngineCore:
         commit_accepted_kv(self.scheduler, reqs, outcome, node_slots, num_nodes)
 
     def _commit(self, req: Req, sampled: SampledStep | StepOutcome, index: int, verified: bool = True,
-                defer_text: bool = False) -> StepOutput:
+                defer_text: bool = False, observe: bool = True) -> StepOutput:
         """Appends the request's committed tokens (its KV slots were committed before) and
         checks for its end. `verified`: a decode/verify step, not the first token of a
-        prefill. `defer_text`: detokenizing waits for the next step's GPU time (commit.py)."""
+        prefill. `defer_text`: detokenizing waits for the next step's GPU time (commit.py).
+        `observe`: shows them to the drafter and the policy (else the caller does)."""
         tokens = sampled.tokens[index]
         if self.drafter is not None and verified:
             req.spec.record(len(tokens))
@@ -286,7 +382,7 @@ class EngineCore:
             new_tokens = tokens
         else:
             new_tokens = self._commit_tokens(req, sampled, index, text)
-        if self.drafter is not None and not req.finished:
+        if observe and self.drafter is not None and not req.finished:
             self.drafter.observe(req, new_tokens)
             if self.adaptive is not None:
                 self.adaptive.observe(req.rid, new_tokens)

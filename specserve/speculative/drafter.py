@@ -22,6 +22,10 @@ class Drafter:
     # the adaptive policy probes proposals on every probe_every-th plain step: a model drafter
     # pays draft forwards (and a host sync) for a probe, a trie lookup costs microseconds
     probe_every = 1
+    # whether propose() reads nothing but the requests' committed tokens and what observe()
+    # handed over before the last flush (and verify_fused is never used): the engine then
+    # proposes a greedy batch's next step before showing this step's tokens (engine/draft_ahead.py)
+    proposes_ahead = False
 
     def add_prompt(self, req: "Req") -> None:
         """A request arrived: its prompt may feed the drafter."""

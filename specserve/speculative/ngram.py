@@ -52,6 +52,8 @@ PROBE_BACKLOG_TOKENS = 2048   # handed-over tokens not indexed yet above which a
 
 
 class NgramDrafter(Drafter):
+    proposes_ahead = True   # a proposal reads the trie as of the last flush and the committed tokens
+
     def __init__(self, config: NgramConfig, one_branch: bool, background: bool | None = None):
         """background: index on a writer thread (default: with the compiled trie only)."""
         self.config = config

@@ -1,0 +1,115 @@
+"""Greedy drafting steps, and the next one launched before this one's bookkeeping.
+
+A drafting (verify) step cannot be queued before the previous one's outcome is on the
+host, as a plain step is (overlap.py): its drafts continue the tokens that outcome commits.
+What can move is everything else. Once step N's outcome is read, the host commits its
+tokens and KV slots, updates the adaptive policy, and at once proposes and launches step
+N+1 (`DraftAhead.hold`); only then does it do what N+1 does not depend on: the drafter's
+observe and indexing of N's tokens, N's text, the step's statistics, and, after the step
+returns, streaming its outputs and scheduling the next step. So on a GPU the host time a
+drafting step adds to its forward is the read, the commit and the next proposal and
+launch (issue 10: at batch 1 on an H100 ~0.45 ms of host time sat between two verify
+graphs).
+
+What a proposal sees does not change: the drafter's indexing of N's tokens is handed over
+after N+1 is launched, as it was when N's tokens were observed in N's commit and handed
+over after N+1's launch, and the policy sees N's tokens and cost before choosing N+1's
+draft size, as before. Only drafters whose proposals read nothing but committed tokens
+and what was indexed qualify (`Drafter.proposes_ahead`: NGRAM), and only greedy requests
+(their commit needs the argmax alone).
+
+The step launched ahead is for exactly the batch the scheduler would pick next (nobody
+waiting, nobody else running, no failure being isolated). Should that change before it
+is read (a request arrives), the step is still read and committed first (`retire`);
+an abort drops it (its slots are freed; its device writes land in those slots and in
+table positions past every request's committed length, rewritten before they are read).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specserve.engine.commit import StepOutcome
+from specserve.engine.request import Req
+from specserve.engine.scheduler import Scheduler
+from specserve.runner.model_runner import InFlight, ModelRunner
+from specserve.runner.tree_step import GreedyOutcome, pad_node_slots
+from specserve.speculative.tree import TreeProposal
+
+
+@dataclass
+class DraftStep:
+    """A launched greedy drafting step whose outcome the host has not read yet."""
+    reqs: list[Req]
+    num_nodes: np.ndarray         # (bs,) real nodes per request
+    node_slots: np.ndarray        # (bs, n) the nodes' KV slots, padding nodes PADDING_SLOT
+    slots: list[int]              # the same slots, request after request: held by no request before commit
+    launched: InFlight            # (bs, 1 + 2n) greedy outcome (tree_step.commit_path), or (bs,) argmax for n = 1
+    hidden: torch.Tensor | None   # (bs, n, features) when the runner keeps them
+    started: float                # when the host started the work this step's cost counts from
+
+    @property
+    def num_slots(self) -> int:
+        return self.node_slots.shape[1]
+
+    def read(self) -> StepOutcome:
+        """Waits for the step (the one host sync) and parses its outcome."""
+        packed = self.launched.wait()
+        if self.num_slots == 1:   # no drafts: the argmax is the outcome, the table is written at commit
+            bs = len(self.reqs)
+            return StepOutcome([[token] for token in packed.tolist()], np.zeros((bs, 1), dtype=np.int64),
+                               np.ones(bs, dtype=np.int64), False, self.hidden)
+        parsed = GreedyOutcome.parse(packed)
+        return StepOutcome(parsed.tokens, parsed.accepted, parsed.accept_lens, True, self.hidden)
+
+
+def launch_draft_step(runner: ModelRunner, reqs: list[Req], proposal: TreeProposal, slots: list[int],
+                      started: float) -> DraftStep:
+    """Queues the step's forward, greedy verification and table commit (n > 1), or its
+    argmax (n = 1), and the copy of the outcome to the host, without waiting."""
+    step = runner.run_trees(reqs, proposal, slots)
+    n = proposal.num_slots
+    launched = InFlight.launch(step.outcome if n > 1 else step.logits[:, 0].argmax(-1))
+    return DraftStep(reqs, proposal.num_nodes, pad_node_slots(slots, proposal.num_nodes, n), slots, launched,
+                     step.hidden, started)
+
+
+class DraftAhead:
+    """At most one drafting step launched before the scheduler asked for it."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler = scheduler
+        self.step: DraftStep | None = None
+        self.steps_taken = 0   # steps read from a launch ahead (tests and benches count them)
+
+    def batch_is_next(self, reqs: list[Req]) -> bool:
+        """Whether the scheduler's next batch is exactly `reqs` decoding again: nobody waits
+        for admission, nobody else runs (or prefills), no failure is being isolated."""
+        scheduler = self.scheduler
+        running = scheduler.running
+        return (not scheduler.waiting and scheduler.focus is None and len(running) == len(reqs)
+                and all(a is b for a, b in zip(running, reqs)))
+
+    def hold(self, step: DraftStep) -> None:
+        self.drop()
+        self.step = step
+
+    def take(self, reqs: list[Req]) -> DraftStep | None:
+        """The step launched ahead for exactly these requests (else it is dropped: None)."""
+        step, self.step = self.step, None
+        if step is not None and len(step.reqs) == len(reqs) and all(a is b for a, b in zip(step.reqs, reqs)):
+            self.steps_taken += 1
+            return step
+        self._release(step)
+        return None
+
+    def drop(self) -> None:
+        """Forgets the step launched ahead, if any, and frees its slots."""
+        step, self.step = self.step, None
+        self._release(step)
+
+    def _release(self, step: DraftStep | None) -> None:
+        if step is not None:
+            self.scheduler.free_slots(step.slots)

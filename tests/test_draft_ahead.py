@@ -1,0 +1,168 @@
+"""Greedy drafting steps with the next one launched before this one's bookkeeping
+(engine/draft_ahead.py). It is on with the overlap schedule (CUDA graphs); here (CPU,
+forced on) it must change nothing: plain decoding's outputs whatever ends a request, the
+very drafts a synchronous engine proposes, every KV slot back, and a request that arrives
+while a step is ahead waits for that step to be committed, not thrown away."""
+from __future__ import annotations
+
+import pytest
+
+from specserve.bench.prompts import SAMPLE_PROMPTS
+from specserve.engine.draft_ahead import DraftAhead
+from specserve.engine.overlap import OverlapSchedule
+
+from tests.spec_fixtures import CODE_PROMPT, ngram_args
+from tests.test_kv_accounting import wait_until_all_kv_is_free
+
+GREEDY = {"temperature": 0, "max_new_tokens": 24}
+
+
+def ahead_on(engine):
+    """What a GPU engine has: plain steps and drafting steps launched ahead."""
+    core = engine.core
+    core.overlap = OverlapSchedule(core.runner, core.scheduler)
+    core.draft_ahead = DraftAhead(core.scheduler)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def plain(engine_factory):
+    return engine_factory(max_total_tokens=4096)
+
+
+def requests() -> tuple[list[str], list[dict]]:
+    prompts = [CODE_PROMPT] + SAMPLE_PROMPTS[:5]
+    params = [dict(GREEDY, max_new_tokens=60, ignore_eos=True)]
+    params += [dict(GREEDY, max_new_tokens=8 + 5 * i) for i in range(5)]   # they end at different steps
+    params[2] = dict(GREEDY, stop=[" the"])
+    params[3] = dict(GREEDY, stop_token_ids=[13])
+    params[4] = dict(GREEDY, repetition_penalty=1.3)   # not argmax-only: the batch verifies synchronously
+    return prompts, params
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_outputs_equal_plain_and_steps_are_taken_from_ahead(engine_factory, plain, adaptive):
+    engine = ahead_on(engine_factory(max_total_tokens=4096, **ngram_args(8, adaptive=adaptive)))
+    prompts, params = requests()
+    expected = plain.generate(prompts, params)
+    got = engine.generate(prompts, params)
+    for key in ("output_ids", "text"):
+        assert [o[key] for o in got] == [o[key] for o in expected]
+    assert [o["meta_info"]["finish_reason"] for o in got] == [o["meta_info"]["finish_reason"] for o in expected]
+    solo = engine.generate(CODE_PROMPT, dict(GREEDY, max_new_tokens=80))   # batch 1 all the way
+    assert solo["output_ids"] == plain.generate(CODE_PROMPT, dict(GREEDY, max_new_tokens=80))["output_ids"]
+    assert solo["meta_info"]["spec_accept_length"] > 2
+    assert engine.core.draft_ahead.steps_taken > 10
+    wait_until_all_kv_is_free(engine)
+
+
+def _proposals(engine, prompt: str, max_new_tokens: int) -> tuple[list, list[int]]:
+    drafter, seen = engine.core.drafter, []
+    propose = drafter.propose
+
+    def recording(reqs, max_nodes):
+        proposal, num_nodes = propose(reqs, max_nodes)
+        seen.append((proposal.tokens.tolist(), proposal.parents.tolist(), list(num_nodes)))
+        return proposal, num_nodes
+    drafter.propose = recording
+    out = engine.generate(prompt, dict(GREEDY, max_new_tokens=max_new_tokens))
+    return seen, out["output_ids"]
+
+
+def test_drafts_are_those_of_synchronous_steps(engine_factory):
+    """What a proposal sees (the trie as of the last hand-over, the committed tokens) does
+    not depend on the schedule, so the drafts are the same step by step."""
+    sync = engine_factory(max_total_tokens=4096, **ngram_args(8))
+    ahead = ahead_on(engine_factory(max_total_tokens=4096, **ngram_args(8)))
+    expected, expected_ids = _proposals(sync, CODE_PROMPT, 64)
+    got, ids = _proposals(ahead, CODE_PROMPT, 64)
+    assert ids == expected_ids
+    assert got == expected and len(got) > 5
+    assert ahead.core.draft_ahead.steps_taken > 5
+
+
+def _step_until_ahead(core, reqs, limit: int = 50) -> None:
+    for _ in range(limit):
+        core.step()
+        if core.draft_ahead.step is not None:
+            return
+        assert not any(r.finished for r in reqs)
+    raise AssertionError("no drafting step was launched ahead")
+
+
+def _stepped_by_hand(engine):
+    """The engine's step loop stopped (the test steps the core itself), with a fresh drafter:
+    shutting down closed the engine's."""
+    engine.shutdown()
+    engine.core.drafter = engine.core.drafter.scratch()
+    return engine.core
+
+
+def _drive(engine, prompt: str, params: dict, rid: str):
+    return engine._make_request(engine.tokenizer(prompt).input_ids, params, False, 0, rid)
+
+
+def test_a_request_arriving_while_a_step_is_ahead_waits_for_its_commit(engine_factory, plain):
+    engine = ahead_on(engine_factory(max_total_tokens=4096, **ngram_args(8)))
+    core = _stepped_by_hand(engine)
+    params = dict(GREEDY, max_new_tokens=40, ignore_eos=True)
+    first = _drive(engine, CODE_PROMPT, params, "first")
+    core.add_request(first)
+    _step_until_ahead(core, [first])
+    before = len(first.output_ids)
+    second = _drive(engine, SAMPLE_PROMPTS[0], params, "second")
+    core.add_request(second)
+    outputs = core.step()   # the step ahead, read and committed: no prefill yet
+    assert [o.req for o in outputs] == [first] and len(first.output_ids) > before
+    assert core.draft_ahead.step is None and second.kv_len == 0
+    while core.has_work():
+        core.step()
+    expected = plain.generate([CODE_PROMPT, SAMPLE_PROMPTS[0]], params)
+    assert [first.output_ids, second.output_ids] == [o["output_ids"] for o in expected]
+    core.scheduler.check_kv()
+    assert core.scheduler.available_slots() == core.runner.pool.size
+
+
+def test_abort_while_a_step_is_ahead_frees_its_slots(engine_factory):
+    engine = ahead_on(engine_factory(max_total_tokens=4096, **ngram_args(8)))
+    core = _stepped_by_hand(engine)
+    params = dict(GREEDY, max_new_tokens=40, ignore_eos=True)
+    reqs = [_drive(engine, prompt, params, f"r{i}") for i, prompt in enumerate([CODE_PROMPT, CODE_PROMPT])]
+    for req in reqs:
+        core.add_request(req)
+    _step_until_ahead(core, reqs)
+    core.abort(reqs[0].rid)
+    assert core.draft_ahead.step is None
+    while core.has_work():
+        core.step()
+    assert reqs[1].finished and len(reqs[1].output_ids) == 40
+    core.scheduler.check_kv()
+    assert core.scheduler.available_slots() == core.runner.pool.size
+
+
+def test_a_small_cache_preempts_and_keeps_outputs(engine_factory, plain):
+    small = ahead_on(engine_factory(max_total_tokens=200, max_running_requests=8, **ngram_args(8)))
+    params = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}
+    prompts = [CODE_PROMPT[:120]] + SAMPLE_PROMPTS[:5]
+    expected = plain.generate(prompts, params)
+    got = small.generate(prompts, params)
+    assert sum(o["meta_info"]["preemptions"] for o in got) > 0
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in expected]
+    wait_until_all_kv_is_free(small)
+
+
+@pytest.mark.parametrize("method", ["observe", "propose"])
+def test_a_failure_around_a_step_ahead_fails_its_request_alone(engine_factory, method):
+    """observe runs after the next step is launched (that step is dropped with the failed
+    one), propose while launching it: either way the victim fails alone and nothing leaks."""
+    from tests.test_failure_isolation import assert_all_kv_free, failing_for_victim, run_together
+    engine = ahead_on(engine_factory(max_total_tokens=2048, max_running_requests=8, **ngram_args(4)))
+    expected = run_together(engine)
+    taken = engine.core.draft_ahead.steps_taken
+    with failing_for_victim(engine.core, "drafter", method, 4) as calls:
+        results = run_together(engine)
+    assert calls["failed"] >= 2 and taken > 0
+    assert isinstance(results[1], RuntimeError) and "injected failure" in str(results[1])
+    assert [results[0]["output_ids"], results[2]["output_ids"]] == [expected[0]["output_ids"],
+                                                                    expected[2]["output_ids"]]
+    assert_all_kv_free(engine)
