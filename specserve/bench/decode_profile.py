@@ -2,11 +2,10 @@
 staging a checkpoint: `python -m specserve.bench.decode_profile --shape qwen2.5-coder-1.5b`.
 
 Prints (and writes to $OUT/decode_profile.jsonl): the copy bandwidth; each linear layer's
-one-row matmul time and bandwidth (and at more rows with --linear-rows), cuBLAS against the
-Triton GEMV at several tile sizes (timed inside a CUDA graph, so launch cost is not
-counted); the engine's per-step wall time and forward GPU time; the GPU time per kernel
-name inside one decode step; and end-to-end batch-1 tok/s on 4 random prompts x 128
-tokens against the roofline.
+one-row matmul time and bandwidth, cuBLAS against the Triton GEMV at several tile sizes
+(timed inside a CUDA graph, so launch cost is not counted); the engine's per-step wall
+time and forward GPU time; the GPU time per kernel name inside one decode step; and
+end-to-end batch-1 tok/s on 4 random prompts x 128 tokens against the roofline.
 """
 from __future__ import annotations
 
@@ -34,27 +33,25 @@ def events_time_us(fn, reps: int = 50) -> float:
     return start.elapsed_time(end) * 1e3 / reps
 
 
-def bench_linears(config: dict, write, row_buckets: list[int]) -> None:
-    """Few-row matmul time per weight shape and row bucket, read from HBM: cuBLAS (with the
-    unfused norm / SiLU / RoPE kernels) vs each GEMV config of the bucket."""
-    from specserve.model.gemv_tuning import candidate_times
+def bench_linears(config: dict, write) -> None:
+    """One-row matmul time per weight shape, read from HBM: cuBLAS vs each GEMV config."""
+    from specserve.model.gemv import candidate_times
     hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     num_q, num_kv = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = hidden // num_q
     kv = num_kv * head_dim
-    # name: (weight shape, bias, silu_mul, add_norm, rope heads), as a decode or verify step runs them
+    # name: (weight shape, bias, silu_mul, add_norm, rope heads), as a batch-1 decode step runs them
     shapes = {"add_norm+qkv+rope": ((hidden + 2 * kv, hidden), True, False, True, (num_q, num_kv, head_dim)),
               "o": ((hidden, hidden), False, False, False, None),
               "add_norm+gate_up+silu_mul": ((2 * inter, hidden), False, True, True, None),
               "down": ((hidden, inter), False, False, False, None),
               "add_norm+lm_head": ((vocab, hidden), False, False, True, None)}
-    for rows in row_buckets:
-        for name, (shape, bias, silu_mul, add_norm, rope) in shapes.items():
-            times = candidate_times(shape, torch.bfloat16, bias, silu_mul, add_norm, torch.device("cuda"), rope, rows)
-            mb = shape[0] * shape[1] * 2 / 1e6
-            write({"kind": "linear", "name": name, "rows": rows, "MB": mb,
-                   **{("cublas" if k is None else "gemv_" + k.label) + "_us": v for k, v in times.items()},
-                   "cublas_GBps": mb * 1e3 / times[None], "best_GBps": mb * 1e3 / min(times.values())})
+    for name, (shape, bias, silu_mul, add_norm, rope) in shapes.items():
+        times = candidate_times(shape, torch.bfloat16, bias, silu_mul, add_norm, torch.device("cuda"), rope)
+        mb = shape[0] * shape[1] * 2 / 1e6
+        write({"kind": "linear", "name": name, "MB": mb, **{("cublas" if k is None else "gemv_%dx%dw%ds%d" % k) + "_us": v
+                                                           for k, v in times.items()},
+               "cublas_GBps": mb * 1e3 / times[None], "best_GBps": mb * 1e3 / min(times.values())})
 
 
 def step_profile(engine, write) -> None:
@@ -114,8 +111,6 @@ def main(argv=None) -> None:
     parser.add_argument("--shape", default="qwen2.5-coder-1.5b", choices=sorted(SHAPES))
     parser.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     parser.add_argument("--skip-linears", action="store_true")
-    parser.add_argument("--linear-rows", type=int, nargs="*", default=[1], choices=[1, 2, 4, 8, 16],
-                        help="row buckets to time the matmuls at (1: a batch-1 decode step; 8, 16: small verify steps)")
     ns = parser.parse_args(argv)
     os.makedirs(ns.out, exist_ok=True)
 
@@ -128,11 +123,11 @@ def main(argv=None) -> None:
     bandwidth = measure_copy_bandwidth("cuda")
     write({"kind": "device", "name": torch.cuda.get_device_name(), "copy_bandwidth_GBps": bandwidth / 1e9})
     if not ns.skip_linears:
-        bench_linears(SHAPES[ns.shape], write, ns.linear_rows)
+        bench_linears(SHAPES[ns.shape], write)
     from specserve.engine.engine import Engine
     from specserve.model import gemv
     path = write_random_model(f"/tmp/random-{ns.shape}", ns.shape)
-    # cuBLAS, no overlap (the previous engine) -> + few-row GEMV kernels -> + the overlap schedule
+    # cuBLAS, no overlap (the previous engine) -> + one-row GEMV kernels -> + the overlap schedule
     for use_gemv, overlap in ((False, False), (True, False), (True, True)):
         gemv.ENABLED = use_gemv
         engine = Engine(model_path=path, log_level="warning", cuda_graph_max_bs=8, max_total_tokens=100_000,

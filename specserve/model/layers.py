@@ -1,4 +1,4 @@
-"""Building blocks of the decoder: RMSNorm, the gated MLP, and the dispatch of few-row
+"""Building blocks of the decoder: RMSNorm, the gated MLP, and the dispatch of one-row
 matmuls to gemv.py (rotary embeddings are in rope.py)."""
 from __future__ import annotations
 
@@ -16,23 +16,20 @@ def fused():
 
 
 def gemv_ops():
-    """The few-row GEMV kernels (gemv.py), imported on first GPU use like `fused`."""
+    """The one-row GEMV kernels (gemv.py), imported on first GPU use like `fused`."""
     from specserve.model import gemv
     return gemv
 
 
-def takes_few_rows_kernels(x: torch.Tensor, rows: int | None = None) -> bool:
-    """Up to gemv.FEW_ROWS rows on a GPU (a decode step of a few requests, a small verify
-    tree) go through gemv.py's kernels. rows: how many rows of x the matmul computes (the
-    lm_head's logits rows), all of them by default."""
-    rows = x.shape[0] if rows is None else rows
-    return x.is_cuda and x.dim() == 2 and 0 < rows <= gemv_ops().FEW_ROWS and gemv_ops().ENABLED
+def takes_one_row_kernels(x: torch.Tensor) -> bool:
+    """One row on a GPU (a batch-1 decode step) goes through gemv.py's kernels."""
+    return x.is_cuda and x.shape[0] == 1 and gemv_ops().ENABLED
 
 
 def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """layer(x); a few CUDA rows take the fastest measured GEMV."""
-    if takes_few_rows_kernels(x):
-        return gemv_ops().few_rows_linear(x, layer.weight, layer.bias)
+    """layer(x); one CUDA row takes the fastest measured GEMV."""
+    if takes_one_row_kernels(x):
+        return gemv_ops().one_row_linear(x, layer.weight, layer.bias)
     return layer(x)
 
 
