@@ -166,3 +166,23 @@ def test_a_failure_around_a_step_ahead_fails_its_request_alone(engine_factory, m
     assert [results[0]["output_ids"], results[2]["output_ids"]] == [expected[0]["output_ids"],
                                                                     expected[2]["output_ids"]]
     assert_all_kv_free(engine)
+
+
+def test_a_replayed_graph_s_outputs_cut_to_the_batch_when_read():
+    """A replay's outputs are views of the graph's, made when first read (a greedy step
+    reads only its outcome); they equal the graph's cut to (bs, m)."""
+    import torch
+
+    from specserve.runner.cuda_graph import CutStepOutputs
+    from specserve.runner.tree_step import TreeStepOutputs
+    from specserve.speculative.tree import DraftTrees
+    bucket, n, bs, m = 4, 8, 3, 5
+    trees = DraftTrees.chain(torch.arange(bucket * n).view(bucket, n))
+    full = TreeStepOutputs(torch.randn(bucket, n, 11), trees, torch.arange(bucket * (1 + 2 * n)).view(bucket, -1),
+                           torch.randn(bucket, n, 6))
+    cut = CutStepOutputs(full, bs, m)
+    assert torch.equal(cut.outcome, full.outcome[:bs]) and cut.outcome.data_ptr() == full.outcome.data_ptr()
+    assert torch.equal(cut.logits, full.logits[:bs, :m]) and torch.equal(cut.hidden, full.hidden[:bs, :m])
+    assert torch.equal(cut.trees.ancestor_mask, trees.ancestor_mask[:bs, :m, :m])
+    assert CutStepOutputs(full, bucket, n).outcome is full.outcome
+    assert CutStepOutputs(TreeStepOutputs(full.logits, None, None), bs, m).trees is None

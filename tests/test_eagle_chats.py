@@ -71,3 +71,36 @@ def test_reply_text_spans_are_the_assistant_turns(tokenizer):
     assert cut.reply_spans == [conversation.reply_spans[0], [second_start, second_start + 3]]
     # no reply (or one that answers no user turn): nothing to learn
     assert reply_text_conversations([CHAT[:1], CHAT[1:2], CHAT], tokenizer, 1024) == [conversation]
+
+
+@pytest.fixture(scope="module")
+def sharegpt_chats():
+    """Real chats, of one to many turns, some longer than the prompts' 256 tokens."""
+    from specserve.speculative.eagle_chats import training_chats
+    return training_chats(None, None)[:48]
+
+
+def test_turn_prompts_in_worker_processes_equal_the_serial_ones(tokenizer, sharegpt_chats):
+    serial = turn_prompts(sharegpt_chats, tokenizer, max_prompt_tokens=256, workers=1)
+    assert len(serial) > len(sharegpt_chats)   # later turns too, in 8 chunks of 6 chats
+    assert turn_prompts(sharegpt_chats, tokenizer, max_prompt_tokens=256, workers=2) == serial
+    # a limit: the same first prompts, from the chats that hold them (and more where turns were left out)
+    limit = len(serial) // 3 + 1
+    assert turn_prompts(sharegpt_chats, tokenizer, 256, limit=limit, workers=2) == serial[:limit]
+    assert turn_prompts(sharegpt_chats, tokenizer, 256, limit=limit, workers=1) == serial[:limit]
+
+
+def test_reply_text_in_worker_processes_equals_the_serial_one(tokenizer, sharegpt_chats):
+    serial = reply_text_conversations(sharegpt_chats, tokenizer, max_tokens=256, workers=1)
+    assert len(serial) >= len(sharegpt_chats) // 2
+    assert reply_text_conversations(sharegpt_chats, tokenizer, max_tokens=256, workers=2) == serial
+
+
+def test_few_chats_or_one_core_are_tokenized_serially():
+    from specserve.speculative.chat_pool import pool_workers
+    assert pool_workers(10_000, chat_seconds=0.01, cores=1) == 1
+    assert pool_workers(40, chat_seconds=0.01, cores=16) == 1          # 0.4 s of work: less than a start
+    assert pool_workers(600, chat_seconds=0.006, cores=2) == 1         # saves 1.8 s, starting costs 2.5 s
+    assert pool_workers(600, chat_seconds=0.012, cores=2) == 2
+    assert pool_workers(2800, chat_seconds=0.02, cores=16) == 16       # an H100 machine's 56 s
+    assert pool_workers(320, chat_seconds=0.05, cores=128) == 10       # a worker has 32 chats or more

@@ -1,7 +1,9 @@
 """EngineCore: one step is schedule -> (draft) -> forward -> verify -> commit.
 
 Nothing else talks to the model. A decode step is a verify step whose draft trees hold only
-their root, so plain decoding and every speculative algorithm share one path.
+their root, so plain decoding and every speculative algorithm share one path. Plain greedy
+steps run one step ahead (overlap.py); greedy drafting steps launch the next one right
+after their commit (drafting_steps.py, draft_ahead.py).
 """
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import torch
 
 from specserve.engine.commit import (DeferredText, StepOutcome, can_defer_text, commit_accepted_kv, ends_within,
                                      finish_reason)
-from specserve.engine.draft_ahead import DraftAhead, DraftStep, launch_draft_step
+from specserve.engine.draft_ahead import DraftAhead, OutcomeCopies
+from specserve.engine.drafting_steps import DraftingSteps
 from specserve.engine.request import Batch, Req, ReqState
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.stats import StepLogger
@@ -36,7 +39,7 @@ class StepOutput:
     finished: bool
 
 
-class EngineCore:
+class EngineCore(DraftingSteps):
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler,
                  drafter: Drafter | None, num_draft_tokens: int, log_interval_s: float = 10.0,
                  adaptive: AdaptiveDraftLength | None = None, overlap: bool = False):
@@ -51,6 +54,7 @@ class EngineCore:
         self.overlap = OverlapSchedule(runner, scheduler) if overlap else None
         # greedy drafting steps: the next one launched before this one's bookkeeping (draft_ahead.py)
         self.draft_ahead = DraftAhead(scheduler) if overlap else None
+        self.outcome_copies = OutcomeCopies()   # greedy drafting steps' outcomes on their way to the host
         self.stats = StepLogger(log_interval_s, speculative=drafter is not None)
         self.requests: dict[str, Req] = {}
         self.last_batch_reqs: list[Req] = []   # the requests of the step in flight, failed together if it raises
@@ -140,7 +144,11 @@ class EngineCore:
             return self._run_decode_ahead(reqs, start)
         self._drop_ahead()
         probing = not draft and self._probe_due(reqs)
-        proposal, num_nodes = self._propose(reqs) if draft else self._no_drafts(reqs)
+        if draft:
+            proposal, num_nodes, record_shadows = self._propose(reqs)
+            record_shadows()
+        else:
+            proposal, num_nodes = self._no_drafts(reqs)
         slots = self.scheduler.alloc_slots(sum(num_nodes))
         if slots is None:  # the cache fits one token per request (the scheduler made sure), not the drafts
             proposal, num_nodes = self._no_drafts(reqs)
@@ -194,88 +202,6 @@ class EngineCore:
             return StepOutcome(parsed.tokens, parsed.accepted, parsed.accept_lens, True, step.hidden)
         sampled = self.sampler.sample(step.logits, host_trees, reqs, prepared)
         return StepOutcome.from_sampled(sampled, n, table_written=False, hidden=step.hidden)
-
-    # --- greedy drafting steps, the next one launched ahead (draft_ahead.py) ---
-    def _drafts_greedily(self, reqs: list[Req]) -> bool:
-        """Whether a drafting step of these requests takes the greedy path of draft_ahead.py."""
-        return self.drafter.proposes_ahead and self.sampler.argmax_is_enough(reqs)
-
-    def _launch_draft(self, reqs: list[Req], proposal: TreeProposal, slots: list[int], started: float) -> DraftStep:
-        """Launches a drafting step the scheduler asked for; while the GPU computes, the host
-        detokenizes the last step's tokens and hands the drafter's indexing to its writer."""
-        try:
-            step = launch_draft_step(self.runner, reqs, proposal, slots, started)
-        except BaseException:
-            self.scheduler.free_slots(slots)  # no request holds them until commit
-            raise
-        self.text.run()
-        self.drafter.flush()
-        return step
-
-    def _finish_draft_step(self, reqs: list[Req], step: DraftStep) -> list[StepOutput]:
-        """Reads and commits a greedy drafting step; when the same batch drafts next, that step
-        is launched before the bookkeeping it does not need (draft_ahead.py)."""
-        try:
-            outcome = step.read()
-        except BaseException:
-            self.scheduler.free_slots(step.slots)
-            raise
-        if outcome.hidden is not None:   # the states of the accepted nodes
-            self.drafter.observe_hidden(reqs, [r.kv_len for r in reqs],
-                                        outcome.hidden.reshape(len(reqs) * step.num_slots, -1),
-                                        outcome.hidden_rows(step.num_slots))
-        self._commit_kv(reqs, outcome, step.node_slots, step.num_nodes)
-        outputs = [self._commit(req, outcome, i, defer_text=True, observe=False) for i, req in enumerate(reqs)]
-        now = time.perf_counter()
-        adaptive = self.adaptive
-        if adaptive is not None:   # before the next step's choice, as on every path
-            for out in outputs:
-                if not out.finished:
-                    adaptive.observe(out.req.rid, out.new_token_ids)
-            adaptive.record_step(len(reqs), step.num_slots, now - step.started, _committed(outputs))
-        launched = self._launch_ahead(reqs, outputs, now)
-        try:
-            drafter = self.drafter
-            for out in outputs:   # the next proposal reads only what was flushed before it
-                if not out.finished:
-                    drafter.observe(out.req, out.new_token_ids)
-            if launched:   # while the GPU computes the next step
-                self.text.run()
-                drafter.flush()
-        except BaseException:
-            if launched:
-                self.draft_ahead.drop()   # a failed step leaves nothing ahead
-            raise
-        return outputs
-
-    def _launch_ahead(self, reqs: list[Req], outputs: list[StepOutput], now: float) -> bool:
-        """Proposes and launches the next drafting step of the same batch, if it is next;
-        `now`: where its cost starts (this step's was taken at the same time: a whole cycle)."""
-        ahead = self.draft_ahead
-        if (ahead is None or any(out.finished for out in outputs) or not ahead.batch_is_next(reqs)
-                or not self._drafts_greedily(reqs)
-                or (self.adaptive is not None and not self.adaptive.should_draft(len(reqs)))):
-            return False
-        limits = self._draft_limits(reqs)
-        # its slots and one per request to spare: the scheduler preempts nobody while it is ahead
-        if self.scheduler.available_slots() < sum(limits) + len(reqs):
-            return False
-        proposal, num_nodes = self._propose(reqs, limits)
-        slots = self.scheduler.alloc_slots(sum(num_nodes))
-        try:
-            ahead.hold(launch_draft_step(self.runner, reqs, proposal, slots, now))
-        except BaseException:
-            self.scheduler.free_slots(slots)
-            raise
-        return True
-
-    def _retire_ahead(self, reqs: list[Req]) -> list[StepOutput]:
-        """The drafting step launched ahead, read and committed before the scheduler picks
-        another batch (a request arrived)."""
-        self.last_batch_reqs = reqs
-        outputs = self._finish_draft_step(reqs, self.draft_ahead.take(reqs))
-        self.stats.maybe_log(self.scheduler)
-        return outputs
 
     # --- plain greedy decoding, one step ahead (overlap.py) ---
     def _run_decode_ahead(self, reqs: list[Req], start: float) -> list[StepOutput]:
@@ -341,20 +267,6 @@ class EngineCore:
 
     def _no_drafts(self, reqs: list[Req]) -> tuple[TreeProposal, list[int]]:
         return TreeProposal.root_only(self._last_tokens(reqs)), [1] * len(reqs)
-
-    def _draft_limits(self, reqs: list[Req]) -> list[int]:
-        """Never draft past max_new_tokens or the context: those nodes could not be committed."""
-        return [max(1, min(self.num_draft_tokens, r.max_new_tokens - len(r.output_ids),
-                           self.runner.context_length - r.kv_len)) for r in reqs]
-
-    def _propose(self, reqs: list[Req], limits: list[int] | None = None) -> tuple[TreeProposal, list[int]]:
-        proposal, num_nodes = self.drafter.propose(reqs, limits if limits is not None else self._draft_limits(reqs))
-        if self.adaptive is None:
-            return proposal, num_nodes
-        rids, keys = [r.rid for r in reqs], self.drafter.proposal_keys()
-        self.adaptive.record_proposals(rids, proposal, num_nodes, keys)
-        tier = self.adaptive.choose(rids, num_nodes, keys)
-        return proposal.truncate(tier), [min(n, tier) for n in num_nodes]
 
     @staticmethod
     def _last_tokens(reqs: list[Req]) -> list[int]:

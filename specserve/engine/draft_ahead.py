@@ -65,13 +65,39 @@ class DraftStep:
         return StepOutcome(parsed.tokens, parsed.accepted, parsed.accept_lens, True, self.hidden)
 
 
+class OutcomeCopies:
+    """Where drafting steps' outcomes are copied to the host: a pinned buffer per shape and
+    one event. One drafting step's outcome is on its way at a time, and it is read (copied
+    out: GreedyOutcome.parse, tolist) before the next step is launched, or dropped (a later
+    copy into the same buffer lands after it, and the event then marks the later one); so
+    the buffers and the event serve every step, where a pinned allocation and an event per
+    step cost host time between two verify graphs."""
+
+    def __init__(self):
+        self._buffers: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}
+        self._done: torch.cuda.Event | None = None
+
+    def launch(self, tensor: torch.Tensor) -> InFlight:
+        if not tensor.is_cuda:
+            return InFlight.launch(tensor)
+        key = (tuple(tensor.shape), tensor.dtype)
+        host = self._buffers.get(key)
+        if host is None:
+            host = self._buffers[key] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        if self._done is None:
+            self._done = torch.cuda.Event()
+        self._done.record()
+        return InFlight(tensor, host, self._done)
+
+
 def launch_draft_step(runner: ModelRunner, reqs: list[Req], proposal: TreeProposal, slots: list[int],
-                      started: float) -> DraftStep:
+                      started: float, copies: OutcomeCopies) -> DraftStep:
     """Queues the step's forward, greedy verification and table commit (n > 1), or its
     argmax (n = 1), and the copy of the outcome to the host, without waiting."""
     step = runner.run_trees(reqs, proposal, slots)
     n = proposal.num_slots
-    launched = InFlight.launch(step.outcome if n > 1 else step.logits[:, 0].argmax(-1))
+    launched = copies.launch(step.outcome if n > 1 else step.logits[:, 0].argmax(-1))
     return DraftStep(reqs, proposal.num_nodes, pad_node_slots(slots, proposal.num_nodes, n), slots, launched,
                      step.hidden, started)
 

@@ -18,6 +18,7 @@ workers, which replay the same graph on its inputs (distributed/graph_steps.py).
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 import time
 import zlib
@@ -122,7 +123,7 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def replay(self, proposal: TreeProposal, node_slots: list[int], req_rows: list[int], kv_lens: list[int],
-               roots: torch.Tensor | None = None) -> TreeStepOutputs:
+               roots: torch.Tensor | None = None) -> "CutStepOutputs":
         """Runs the graph of the smallest captured (bucket, n) that holds the batch.
         node_slots: proposal.num_slots slots per request (PADDING_SLOT for padding nodes).
         roots: (bs,) on the device, replacing the proposal's root tokens (a decode step
@@ -137,18 +138,46 @@ class CudaGraphRunner:
         device.packed.copy_(host.packed, non_blocking=True)
         if roots is not None:
             device.tokens[:bs, 0].copy_(roots)
-        self._copied.setdefault(key, torch.cuda.Event()).record()
+        copied = self._copied.get(key)
+        if copied is None:
+            copied = self._copied[key] = torch.cuda.Event()
+        copied.record()
         if self.tp is not None:
             announce_graph_step(self.tp, GraphStepHeader(key, bs, max(kv_lens)), device.packed, device.req_rows,
                                 self.pool)
         self.graphs[key].replay()
-        out = self.outputs[key]
-        return TreeStepOutputs(out.logits[:bs, :m], out.trees.head(bs, m) if out.trees is not None else None,
-                               out.outcome[:bs] if out.outcome is not None else None,
-                               out.hidden[:bs, :m] if out.hidden is not None else None)
+        return CutStepOutputs(self.outputs[key], bs, m)
 
     @torch.inference_mode()
     def replay_announced(self, header: GraphStepHeader) -> None:
         """A tensor-parallel worker: the graph rank 0 announced, on rank 0's inputs."""
         inputs, graph = self.device_inputs[header.key], self.graphs[header.key]
         replay_announced_step(self.tp, header, inputs.packed, inputs.req_rows, self.pool, graph.replay)
+
+
+class CutStepOutputs:
+    """A graph's outputs (TreeStepOutputs) cut to the batch's bs requests of m nodes, each
+    view made when first read: a view costs microseconds of host dispatch, the trees' take
+    fourteen, and a greedy verify step reads only its outcome."""
+
+    def __init__(self, full: TreeStepOutputs, bs: int, m: int):
+        self._full, self._bs, self._m = full, bs, m
+
+    @functools.cached_property
+    def logits(self) -> torch.Tensor:
+        return self._full.logits[:self._bs, :self._m]
+
+    @functools.cached_property
+    def trees(self):
+        return self._full.trees.head(self._bs, self._m) if self._full.trees is not None else None
+
+    @functools.cached_property
+    def outcome(self) -> torch.Tensor | None:
+        outcome = self._full.outcome
+        if outcome is None or outcome.shape[0] == self._bs:
+            return outcome
+        return outcome[:self._bs]
+
+    @functools.cached_property
+    def hidden(self) -> torch.Tensor | None:
+        return self._full.hidden[:self._bs, :self._m] if self._full.hidden is not None else None

@@ -148,10 +148,11 @@ class ModelRunner:
         tree, with no host sync: a graph replay when one fits, else the same computation
         eagerly. slots: the real nodes' KV slots, request after request. kv_lens: tokens in
         each request's cache (default: its kv_len; one more for a step launched ahead).
-        roots: (bs,) root tokens on the device, replacing the proposal's (see replay)."""
+        roots: (bs,) root tokens on the device, replacing the proposal's (see replay).
+        A replay returns cuda_graph.CutStepOutputs: the same fields, views made when read."""
         bs, n = proposal.tokens.shape
         kv_lens = kv_lens if kv_lens is not None else [r.kv_len for r in reqs]
-        node_slots = pad_node_slots(slots, proposal.num_nodes.tolist(), n)
+        node_slots = pad_node_slots(slots, proposal.num_nodes, n)
         rows = [r.row for r in reqs]
         if self.graphs is not None and self.graphs.can_run(bs, n):
             return self.graphs.replay(proposal, node_slots, rows, kv_lens, roots)

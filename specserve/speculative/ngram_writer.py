@@ -60,7 +60,7 @@ class TrieWriter:
 
     def drain(self) -> None:
         """Waits until every job submitted so far is done; raises if one failed."""
-        if self._thread is not None:
+        if self._thread is not None and self._state.unfinished:   # read without the lock: 0 means done
             self._state.wait_idle(self._thread)
         self.check()
 

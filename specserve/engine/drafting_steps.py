@@ -1,0 +1,138 @@
+"""The engine core's greedy drafting steps (a mixin of EngineCore, core.py): propose, launch,
+read and commit, with the next step of the same batch proposed and launched between this
+step's commit and the bookkeeping that step does not need (draft_ahead.py says why and
+what stays the same).
+
+On a GPU the host time between reading one step's outcome and launching the next is what
+a drafting step adds to its forward, so that stretch holds only: the outcome's parse, the
+KV and token commit, the policy's evidence and price of this step (its next choice reads
+them), the proposal, the choice of its size, and the launch. The policy's shadows of the
+proposal, the drafter's observe and indexing, the text and everything after the step
+returns (streaming, the next schedule) run while the GPU computes.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from typing import TYPE_CHECKING, Callable
+
+from specserve.engine.draft_ahead import DraftStep, launch_draft_step
+from specserve.engine.request import Req
+from specserve.speculative.tree import TreeProposal
+
+if TYPE_CHECKING:
+    from specserve.engine.core import StepOutput
+
+
+class DraftingSteps:
+    """EngineCore's drafting-step methods (they read the core's runner, scheduler, sampler,
+    drafter, adaptive policy, text, draft_ahead and outcome_copies)."""
+
+    def _drafts_greedily(self, reqs: list[Req]) -> bool:
+        """Whether a drafting step of these requests takes the greedy path of draft_ahead.py."""
+        return self.drafter.proposes_ahead and self.sampler.argmax_is_enough(reqs)
+
+    def _draft_limits(self, reqs: list[Req]) -> list[int]:
+        """Never draft past max_new_tokens or the context: those nodes could not be committed."""
+        return [max(1, min(self.num_draft_tokens, r.max_new_tokens - len(r.output_ids),
+                           self.runner.context_length - r.kv_len)) for r in reqs]
+
+    def _propose(self, reqs: list[Req], limits: list[int] | None = None
+                 ) -> tuple[TreeProposal, list[int], Callable[[], None]]:
+        """The proposal cut to the policy's choice of size, and the recording of the full
+        proposals as the policy's shadows (nothing without a policy), for the caller to run:
+        no choice reads them before the step's tokens are committed, so it may wait until
+        the step is launched."""
+        proposal, num_nodes = self.drafter.propose(reqs, limits if limits is not None else self._draft_limits(reqs))
+        if self.adaptive is None:
+            return proposal, num_nodes, record_nothing
+        rids, keys = [r.rid for r in reqs], self.drafter.proposal_keys()
+        record = functools.partial(self.adaptive.record_proposals, rids, proposal, num_nodes, keys)
+        tier = self.adaptive.choose(rids, num_nodes, keys)
+        return proposal.truncate(tier), [min(n, tier) for n in num_nodes], record
+
+    def _launch_draft(self, reqs: list[Req], proposal: TreeProposal, slots: list[int], started: float) -> DraftStep:
+        """Launches a drafting step the scheduler asked for; while the GPU computes, the host
+        detokenizes the last step's tokens and hands the drafter's indexing to its writer."""
+        try:
+            step = launch_draft_step(self.runner, reqs, proposal, slots, started, self.outcome_copies)
+        except BaseException:
+            self.scheduler.free_slots(slots)  # no request holds them until commit
+            raise
+        self.text.run()
+        self.drafter.flush()
+        return step
+
+    def _finish_draft_step(self, reqs: list[Req], step: DraftStep) -> list[StepOutput]:
+        """Reads and commits a greedy drafting step; when the same batch drafts next, that step
+        is launched before the bookkeeping it does not need."""
+        try:
+            outcome = step.read()
+        except BaseException:
+            self.scheduler.free_slots(step.slots)
+            raise
+        if outcome.hidden is not None:   # the states of the accepted nodes
+            self.drafter.observe_hidden(reqs, [r.kv_len for r in reqs],
+                                        outcome.hidden.reshape(len(reqs) * step.num_slots, -1),
+                                        outcome.hidden_rows(step.num_slots))
+        self._commit_kv(reqs, outcome, step.node_slots, step.num_nodes)
+        outputs = [self._commit(req, outcome, i, defer_text=True, observe=False) for i, req in enumerate(reqs)]
+        now = time.perf_counter()
+        adaptive = self.adaptive
+        if adaptive is not None:   # before the next step's choice, as on every path
+            for out in outputs:
+                if not out.finished:
+                    adaptive.observe(out.req.rid, out.new_token_ids)
+            adaptive.record_step(len(reqs), step.num_slots, now - step.started,
+                                 sum(len(out.new_token_ids) for out in outputs))
+        record_shadows = self._launch_ahead(reqs, outputs, now)
+        launched = record_shadows is not None
+        try:
+            if launched:
+                record_shadows()
+            drafter = self.drafter
+            for out in outputs:   # the next proposal reads only what was flushed before it
+                if not out.finished:
+                    drafter.observe(out.req, out.new_token_ids)
+            if launched:   # while the GPU computes the next step
+                self.text.run()
+                drafter.flush()
+        except BaseException:
+            if launched:
+                self.draft_ahead.drop()   # a failed step leaves nothing ahead
+            raise
+        return outputs
+
+    def _launch_ahead(self, reqs: list[Req], outputs: list[StepOutput], now: float) -> Callable[[], None] | None:
+        """Proposes and launches the next drafting step of the same batch, if it is next;
+        `now`: where its cost starts (this step's was taken at the same time: a whole cycle).
+        Returns the recording of its shadows (see _propose), None if nothing was launched."""
+        ahead = self.draft_ahead
+        if (ahead is None or any(out.finished for out in outputs) or not ahead.batch_is_next(reqs)
+                or not self._drafts_greedily(reqs)
+                or (self.adaptive is not None and not self.adaptive.should_draft(len(reqs)))):
+            return None
+        limits = self._draft_limits(reqs)
+        # its slots and one per request to spare: the scheduler preempts nobody while it is ahead
+        if self.scheduler.available_slots() < sum(limits) + len(reqs):
+            return None
+        proposal, num_nodes, record_shadows = self._propose(reqs, limits)
+        slots = self.scheduler.alloc_slots(sum(num_nodes))
+        try:
+            ahead.hold(launch_draft_step(self.runner, reqs, proposal, slots, now, self.outcome_copies))
+        except BaseException:
+            self.scheduler.free_slots(slots)
+            raise
+        return record_shadows
+
+    def _retire_ahead(self, reqs: list[Req]) -> list[StepOutput]:
+        """The drafting step launched ahead, read and committed before the scheduler picks
+        another batch (a request arrived)."""
+        self.last_batch_reqs = reqs
+        outputs = self._finish_draft_step(reqs, self.draft_ahead.take(reqs))
+        self.stats.maybe_log(self.scheduler)
+        return outputs
+
+
+def record_nothing() -> None:
+    """The shadows' recording without an adaptive policy."""
