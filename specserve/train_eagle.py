@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     fill_device_defaults(args, device)
     os.makedirs(args.output_dir, exist_ok=True)
     engine = _engine(args, device, dtype)
+    print(f"engine ready in {time.perf_counter() - started:.0f} s", flush=True)
     held_out_chats, train_chats = _split_chats(args, engine.tokenizer)
     generated, held_out = _conversations(args, engine, held_out_chats, train_chats, started)
     reply_text = _reply_text(args, engine.tokenizer, train_chats)
@@ -143,10 +144,11 @@ def main(argv: list[str] | None = None) -> None:
     engine.shutdown()
     del engine                           # its KV cache and CUDA graphs: the memory training needs
     gc.collect()
+    _report_device_memory(device)
     train_data = generated + reply_text
     print(f"data: {len(generated)} answers by the target ({sum(c.answer_len for c in generated)} answer tokens), "
           f"{len(reply_text)} fixed-text chats ({sum(c.answer_len for c in reply_text)} reply tokens); "
-          f"{sum(len(c.tokens) for c in train_data)} tokens in all; {len(held_out)} held out", flush=True)
+          f"{sum(len(c.tokens) for c in train_data)} tokens in all; {len(held_out)} held out (at {time.perf_counter() - started:.0f} s)", flush=True)
 
     settings = _settings(args, device, max_seconds=None)
     draft_vocab = most_frequent_tokens((c.answer_tokens() for c in train_data), target.config.vocab_size,
@@ -175,18 +177,40 @@ def main(argv: list[str] | None = None) -> None:
     if not (args.resume and trainer.resume()):
         print(f"held-out accept length before training: {before:.3f} ({eval_steps} draft steps, greedy chain)")
     train_started = time.perf_counter()
+    print(f"training from {train_started - started:.0f} s, for "
+          f"{'the planned steps' if train_seconds is None else f'{train_seconds:.0f} s'}", flush=True)
     _train_with_progress(trainer)
     save_head(trainer.head, args.output_dir)
     trainer.save_checkpoint()
     after = score(trainer.head)
     print(f"trained {trainer.step} steps in {time.perf_counter() - train_started:.1f} s "
           f"(final loss {trainer.history[-1] if trainer.history else float('nan'):.3f}); head saved to {args.output_dir}")
+    _report_step_split(trainer, device)
     if trainer.scores:
         best_step, best = trainer.best_score
         print("held-out accept length by step: " + " ".join(f"{step}:{value:.3f}" for step, value in trainer.scores)
               + f"; kept step {best_step}")
     print(f"held-out accept length: {after:.3f} ({eval_steps} draft steps, greedy chain); "
           f"{time.perf_counter() - started:.0f} s in all", flush=True)
+
+
+def _report_device_memory(device: torch.device) -> None:
+    """What is free for training once the engine is gone (its KV cache should be)."""
+    if device.type != "cuda":
+        return
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    print(f"GPU memory for training: {free / 2 ** 30:.1f} GiB free of {total / 2 ** 30:.1f}, "
+          f"{torch.cuda.memory_allocated(device) / 2 ** 30:.1f} GiB held by tensors (the target's weights)", flush=True)
+
+
+def _report_step_split(trainer: EagleTrainer, device: torch.device) -> None:
+    """Where the training steps' time went: the host, or waiting for the device."""
+    steps = max(trainer.timed_steps, 1)
+    retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
+    print(f"per training step: {1e3 * trainer.host_seconds / steps:.0f} ms on the host (batch, launches), "
+          f"{1e3 * trainer.wait_seconds / steps:.0f} ms waiting for the device; allocator retries: {retries}",
+          flush=True)
 
 
 def _engine(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
