@@ -17,7 +17,7 @@ Phases (exclusive host microseconds per timed step, the median over steps: the m
 shared): schedule, propose (drafter.propose), adaptive (the policy's record_proposals /
 choose / observe / record_step / should_draft), launch (runner.run_trees: packing and
 launching), index (drafter.flush), text (the previous step's deferred detokenizing),
-wait_parse (the outcome read back and parsed), commit_kv, commit (per-request token
+wait_parse (the outcome read back and parsed), drain (see below), commit_kv, commit (per-request token
 commits), observe (drafter.observe), detokenize, other (the rest of the step). Each
 wrapped call costs ~0.3 us of its own: `--no-phases` times whole steps only (the
 headline). host_us is a step's wall time less the stand-in's, cpu_us its thread CPU time
@@ -28,6 +28,8 @@ less); in a synchronous step, the host time less what runs while a GPU computes 
 (index and text, inclusive). Neither counts `drain`, a proposal's wait for the drafter's
 writer thread to index what was handed over to it: here that indexing competes with
 this thread for two cores, on a GPU it has a whole step's GPU time to finish.
+exposed_cpu_us is the same in this thread's CPU time: steadier where other processes share
+the cores (what it leaves out: the waits for them).
 
 `python -m specserve.bench.draft_step_host --batch-sizes 1 64 --configs 8-multi 16-one
  8-multi-adaptive --workloads code-types code-rename sharegpt --rounds 2`
@@ -58,44 +60,56 @@ GRAPH_SIZES = [1, 4, 8, 16]   # what a GPU engine with 16 draft tokens captures
 
 
 class PhaseClock:
-    """Exclusive wall time per phase: a phase's time less that of the phases inside it."""
+    """Exclusive wall time per phase: a phase's time less that of the phases inside it; and
+    each phase's inclusive wall and thread CPU time."""
 
     def __init__(self):
         self.totals: dict[str, float] = defaultdict(float)
-        self.inclusive: dict[str, float] = defaultdict(float)   # phases inside included
-        self._stack: list[list] = []     # [phase, start, time of phases inside]
-        self.read_at: tuple[float, float] | None = None     # (time, device total) at the step's first outcome read
-        self.launch_at: tuple[float, float] | None = None   # the same at the end of its last launch
+        self.inclusive: dict[str, float] = defaultdict(float)       # phases inside included
+        self.inclusive_cpu: dict[str, float] = defaultdict(float)   # the same, this thread's CPU time
+        self._stack: list[list] = []     # [phase, start, CPU start, time of phases inside]
+        # (wall, CPU, device and drain wall, device and drain CPU) at the step's first outcome
+        # read, and at the end of its last launch
+        self.read_at: tuple[float, float, float, float] | None = None
+        self.launch_at: tuple[float, float, float, float] | None = None
 
     def reset(self) -> None:
         self.totals.clear()
         self.inclusive.clear()
+        self.inclusive_cpu.clear()
         self.read_at = self.launch_at = None
 
     def mark(self, name: str) -> None:
-        now = (time.perf_counter(), self.totals["device"] + self.inclusive["drain"])
+        now = (time.perf_counter(), time.thread_time(), self.totals["device"] + self.inclusive["drain"],
+               self.inclusive_cpu["device"] + self.inclusive_cpu["drain"])
         if name == "read" and self.read_at is None:
             self.read_at = now
         elif name == "launch":
             self.launch_at = now
 
-    def exposed_ahead(self) -> float | None:
+    def exposed_ahead(self) -> tuple[float, float] | None:
         """Read to launch, less the device's time and the waits for indexing in between, when
-        a launch followed a read."""
-        if self.read_at is None or self.launch_at is None or self.launch_at[0] < self.read_at[0]:
+        a launch followed a read: (wall, CPU)."""
+        read, launch = self.read_at, self.launch_at
+        if read is None or launch is None or launch[0] < read[0]:
             return None
-        return (self.launch_at[0] - self.read_at[0]) - (self.launch_at[1] - self.read_at[1])
+        return (launch[0] - read[0]) - (launch[2] - read[2]), (launch[1] - read[1]) - (launch[3] - read[3])
+
+    def hidden(self, phases: tuple[str, ...]) -> tuple[float, float]:
+        """The phases' inclusive (wall, CPU) time."""
+        return sum(self.inclusive[p] for p in phases), sum(self.inclusive_cpu[p] for p in phases)
 
     def enter(self, phase: str) -> None:
-        self._stack.append([phase, time.perf_counter(), 0.0])
+        self._stack.append([phase, time.perf_counter(), time.thread_time(), 0.0])
 
     def exit(self) -> float:
-        phase, start, inner = self._stack.pop()
+        phase, start, cpu_start, inner = self._stack.pop()
         elapsed = time.perf_counter() - start
         self.totals[phase] += elapsed - inner
         self.inclusive[phase] += elapsed
+        self.inclusive_cpu[phase] += time.thread_time() - cpu_start
         if self._stack:
-            self._stack[-1][2] += elapsed
+            self._stack[-1][3] += elapsed
         return elapsed
 
     def wrap(self, function, phase: str):
@@ -257,9 +271,11 @@ def time_drafting_steps(engine, stand_in: GraphStandIn, prompts, spec: tuple, ph
                 totals = dict(clock.totals)
                 totals.pop("device", None)
                 host = sum(totals.values())
-                hidden = clock.inclusive["index"] + clock.inclusive["text"] + clock.inclusive["drain"]
                 exposed = clock.exposed_ahead()
-                steps.append((host, cpu, totals, host - hidden if exposed is None else exposed))
+                if exposed is None:   # synchronous: all but what runs while the step's forward does
+                    hidden, hidden_cpu = clock.hidden(("index", "text", "drain"))
+                    exposed = (host - hidden, cpu - hidden_cpu)
+                steps.append((host, cpu, totals, *exposed))
                 committed += sum(len(o.new_token_ids) for o in outputs)
                 if len(steps) >= max_steps:
                     break
@@ -274,9 +290,10 @@ def _summary(steps, committed: int, batch_size: int, phases: bool) -> dict:
     row = {"batch_size": batch_size, "steps": len(steps), "accept_length": committed / len(steps) / batch_size,
            "host_us_median": 1e6 * statistics.median(s[0] for s in steps),
            "cpu_us_median": 1e6 * statistics.median(s[1] for s in steps),
-           "exposed_us_median": 1e6 * statistics.median(s[3] for s in steps)}
+           "exposed_us_median": 1e6 * statistics.median(s[3] for s in steps),
+           "exposed_cpu_us_median": 1e6 * statistics.median(s[4] for s in steps)}
     if phases:
-        names = sorted({name for _, _, totals, _ in steps for name in totals})
+        names = sorted({name for _, _, totals, _, _ in steps for name in totals})
         row["phases_us_median"] = {name: round(1e6 * statistics.median(s[2].get(name, 0.0) for s in steps), 1)
                                  for name in names}
     return row
