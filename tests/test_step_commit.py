@@ -119,3 +119,29 @@ def test_streamed_text_adds_up_and_equals_plain(tiny_path):
     assert chunks[-1]["meta_info"]["spec_verify_ct"] < 40   # drafting steps ran, several tokens each
     assert sum((c["output_ids"] for c in chunks), []) == expected["output_ids"] == whole["output_ids"]
     assert "".join(c["text"] for c in chunks) == expected["text"] == whole["text"]
+
+
+def test_the_small_batch_split_equals_the_array_split():
+    """commit_accepted_kv splits slots over lists up to SMALL_BATCH requests, with arrays
+    above: both keep each path's slots in order and free the same rejected ones, for random
+    trees, accepted paths and outcomes wider than the proposal."""
+    from specserve.engine.commit import _split_by_arrays, _split_by_rows
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        bs, n = int(rng.integers(1, 12)), int(rng.integers(1, 9))
+        width = n + int(rng.integers(0, 5))
+        num_nodes = rng.integers(1, n + 1, size=bs)
+        accepted = np.full((bs, width), -1, dtype=np.int64)
+        lens = np.zeros(bs, dtype=np.int64)
+        for row, count in enumerate(num_nodes):
+            depth = int(rng.integers(1, count + 1))   # the root, then increasing nodes
+            path = [0] + sorted(rng.choice(np.arange(1, count), size=depth - 1, replace=False).tolist())
+            accepted[row, :depth], lens[row] = path, depth
+        node_slots = np.where(np.arange(n) < num_nodes[:, None], rng.permutation(bs * n).reshape(bs, n) + 100,
+                              PADDING_SLOT)
+        outcome = StepOutcome([[0] * k for k in lens], accepted, lens, True)
+        kept, rejected = _split_by_rows(outcome, node_slots, num_nodes)
+        kept_arrays, rejected_arrays = _split_by_arrays(outcome, node_slots, num_nodes)
+        assert kept == kept_arrays and sorted(rejected) == sorted(rejected_arrays)
+        assert [len(k) for k in kept] == lens.tolist()
+        assert len(rejected) == int((num_nodes - lens).sum())
