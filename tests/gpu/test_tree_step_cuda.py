@@ -1,6 +1,7 @@
 """The device-side verify step on a GPU: greedy NGRAM output equals plain decoding through
 the captured graphs (tree metadata, verification and the KV-table commit inside them) and
-through the eager path (batches larger than the graphs), and every KV slot comes back."""
+through the eager path (batches larger than the graphs), with each drafting step launched
+right after the previous one's commit, and every KV slot comes back."""
 from __future__ import annotations
 
 import pytest
@@ -32,4 +33,5 @@ def test_greedy_ngram_equals_plain_on_cuda(model_dir, one_branch, graph_max_bs):
             accepted = max(accepted, max(max(o["meta_info"]["spec_accept_histogram"]) for o in outputs))
         assert accepted >= 4
         assert all(len(o["output_ids"]) == GREEDY["max_new_tokens"] for o in outputs)
+        assert engine.core.draft_ahead.steps_taken > 10   # steps launched ahead (engine/draft_ahead.py)
         wait_until_all_kv_is_free(engine)
