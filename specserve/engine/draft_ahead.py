@@ -14,7 +14,9 @@ graphs).
 What a proposal sees does not change: the drafter's indexing of N's tokens is handed over
 after N+1 is launched, as it was when N's tokens were observed in N's commit and handed
 over after N+1's launch, and the policy sees N's tokens and cost before choosing N+1's
-draft size, as before. Only drafters whose proposals read nothing but committed tokens
+draft size, as before. A step launched ahead is priced (the policy's step costs) from the
+moment the previous step was priced to its own: one whole cycle of the loop, its hidden
+host work included. Only drafters whose proposals read nothing but committed tokens
 and what was indexed qualify (`Drafter.proposes_ahead`: NGRAM), and only greedy requests
 (their commit needs the argmax alone).
 
