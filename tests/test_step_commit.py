@@ -121,11 +121,21 @@ def test_streamed_text_adds_up_and_equals_plain(tiny_path):
     assert "".join(c["text"] for c in chunks) == expected["text"] == whole["text"]
 
 
-def test_the_small_batch_split_equals_the_array_split():
-    """commit_accepted_kv splits slots over lists up to SMALL_BATCH requests, with arrays
-    above: both keep each path's slots in order and free the same rejected ones, for random
-    trees, accepted paths and outcomes wider than the proposal."""
-    from specserve.engine.commit import _split_by_arrays, _split_by_rows
+def _split_by_rows(outcome, node_slots, num_nodes):
+    """The KV commit's split, request by request: the reference split_slots must equal."""
+    kept, rejected = [], []
+    for slots, path, k, count in zip(node_slots.tolist(), outcome.accepted.tolist(), outcome.accept_lens.tolist(),
+                                     num_nodes.tolist()):
+        path = path[:k]
+        kept.append([slots[node] for node in path])
+        rejected.extend([slots[node] for node in range(count) if node not in path])
+    return kept, rejected
+
+
+def test_the_array_split_equals_the_split_by_rows():
+    """commit_accepted_kv's split keeps each path's slots in order and frees the rejected real
+    nodes' ones, for random trees, accepted paths and outcomes wider than the proposal."""
+    from specserve.engine.commit import split_slots
     rng = np.random.default_rng(0)
     for _ in range(200):
         bs, n = int(rng.integers(1, 12)), int(rng.integers(1, 9))
@@ -141,7 +151,7 @@ def test_the_small_batch_split_equals_the_array_split():
                               PADDING_SLOT)
         outcome = StepOutcome([[0] * k for k in lens], accepted, lens, True)
         kept, rejected = _split_by_rows(outcome, node_slots, num_nodes)
-        kept_arrays, rejected_arrays = _split_by_arrays(outcome, node_slots, num_nodes)
+        kept_arrays, rejected_arrays = split_slots(outcome, node_slots, num_nodes)
         assert kept == kept_arrays and sorted(rejected) == sorted(rejected_arrays)
         assert [len(k) for k in kept] == lens.tolist()
         assert len(rejected) == int((num_nodes - lens).sum())

@@ -19,11 +19,6 @@ from specserve.engine.request import Req
 from specserve.engine.scheduler import Scheduler
 from specserve.sampling.sampler import SampledStep
 
-# Up to this many requests the KV commit splits slots over Python lists: numpy's per-call cost
-# is most of a small batch's (hot, 8-node trees: batch 1 1.9 us against 7.0, batch 8 even,
-# batch 64 69 against 27)
-SMALL_BATCH = 8
-
 
 @dataclass
 class StepOutcome:
@@ -60,29 +55,16 @@ def commit_accepted_kv(scheduler: Scheduler, reqs: list[Req], outcome: StepOutco
     real nodes' slots go back to the allocator. node_slots: (bs, n) the step's slots
     (padding nodes: anything); the outcome's paths may be wider (a CUDA graph's tier). Runs before the token commits, which may finish a request
     and release its slots."""
-    split = _split_by_rows if len(reqs) <= SMALL_BATCH else _split_by_arrays
-    kept, rejected = split(outcome, node_slots, num_nodes)
+    kept, rejected = split_slots(outcome, node_slots, num_nodes)
     if rejected:
         scheduler.free_slots(rejected)
     scheduler.append_kv(reqs, kept, write_table=not outcome.table_written)
 
 
-def _split_by_rows(outcome: StepOutcome, node_slots: np.ndarray,
-                   num_nodes: np.ndarray) -> tuple[list[list[int]], list[int]]:
-    """(each request's kept slots in path order, the rejected real nodes' slots)."""
-    kept, rejected = [], []
-    for slots, path, k, count in zip(node_slots.tolist(), outcome.accepted.tolist(), outcome.accept_lens.tolist(),
-                                     num_nodes.tolist()):
-        path = path[:k]
-        kept.append([slots[node] for node in path])
-        if count > k:
-            rejected.extend([slots[node] for node in range(count) if node not in path])
-    return kept, rejected
-
-
-def _split_by_arrays(outcome: StepOutcome, node_slots: np.ndarray,
-                     num_nodes: np.ndarray) -> tuple[list[list[int]], list[int]]:
-    """_split_by_rows in a few array operations, whatever the batch size."""
+def split_slots(outcome: StepOutcome, node_slots: np.ndarray,
+                num_nodes: np.ndarray) -> tuple[list[list[int]], list[int]]:
+    """(each request's kept slots in path order, the rejected real nodes' slots), in a few
+    array operations whatever the batch size."""
     bs, n = node_slots.shape
     # a graph's outcome is as wide as its tier, which may exceed the proposal (padding: -1)
     paths = outcome.accepted[:, :n]
