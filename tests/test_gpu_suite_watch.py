@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from specserve.bench.gpu_suite import RunWatch, run, set_drafter, timed_runs
-from specserve.bench.report import markdown, speed_rows
+from specserve.bench.report import DEFAULT_LABEL, markdown, speed_rows
 from tests.spec_fixtures import make_tiny_directory, tiny_engine
 
 PROMPTS = [[5, 6, 7, 8, 9] * 4, [20, 21, 22, 23] * 5, list(range(30, 50))]
@@ -146,3 +146,27 @@ def test_watch_traces_the_adaptive_policy_of_each_run(engine, tmp_path):
     events = [json.loads(line) for line in trace_file.read_text().splitlines()]
     assert sum(e["e"] == "step" for e in events) == decode_steps
     assert any(e["e"] == "rates" for e in events), "the policy priced tiers during the run"
+
+
+def test_rounds_are_divided_round_by_round_and_the_median_round_reported():
+    base = {"kind": "specserve", "model": "m", "workload": "w", "concurrency": 1, "turn": 1}
+    speeds = [(100.0, 90.0), (80.0, 100.0), (120.0, 120.0)]   # (plain, ngram) per round: 0.9, 1.25, 1.0
+    rows = [{**base, "config": config, "round": i, "output_tokens_per_s": tok_s}
+            for i, pair in enumerate(speeds) for config, tok_s in zip(("plain", DEFAULT_LABEL), pair)]
+    by_config = {r["config"]: r for r in speed_rows(rows)}
+    ngram = by_config[DEFAULT_LABEL]
+    assert ngram["speedup"] == 1.0 and ngram["tok_s"] == 120.0   # the median round, not a ratio of medians
+    assert ngram["round_speedups"] == [0.9, 1.25, 1.0]
+    assert by_config["plain"]["speedup"] == 1.0 and by_config["plain"]["tok_s"] == 100.0
+    assert "| 1.00x | 0.90 1.25 1.00 |" in markdown(rows)
+
+
+def test_each_run_starts_from_an_empty_prefix_cache(engine):
+    flushed = []
+    original = engine.flush_cache
+    engine.flush_cache = lambda: flushed.append(True) or original()
+    try:
+        run(engine, PROMPTS[:2], 2, 3, "plain", turns=2)
+    finally:
+        engine.flush_cache = original
+    assert flushed == [True]   # once before the first turn: the second turn reuses the first's prefixes

@@ -167,7 +167,10 @@ class RunWatch:
 
 def run(engine, prompts, concurrency: int, max_new_tokens: int, label: str, turns: int = 1,
         watch: RunWatch | None = None) -> list[dict]:
+    """The prompts' turns, from an empty prefix cache: each run prefills its prompts in full,
+    whichever configuration or repeat ran them before (later turns reuse the earlier ones')."""
     params = {"temperature": 0, "max_new_tokens": max_new_tokens}
+    engine.flush_cache()
     out = []
     for turn in range(turns):
         if watch is not None:
@@ -193,6 +196,18 @@ def timed_runs(engine, prompts, concurrency: int, ns, label: str, turns: int, wa
     ordered = sorted((r[0] for r in runs), key=lambda summary: summary["output_tokens_per_s"])
     median = ordered[len(ordered) // 2]
     return [{**median, "repeat_tok_s": [round(r[0]["output_tokens_per_s"], 1) for r in runs]}]
+
+
+def timed_cell(engine, ns, watch: RunWatch, spec: tuple | None, workload: str, concurrency: int,
+               prompts: list[list[int]], warm_prompts: list[list[int]], turns: int) -> list[dict]:
+    """One configuration's timed run(s) of a cell, after a warm-up on other prompts of its kind
+    (compiles, allocator, the adaptive policy's prices; a fresh drafter, so the timed run
+    starts with the warm-up's trie)."""
+    label = config_label(spec)
+    set_drafter(engine, *(spec or (None,)))
+    run(engine, warm_prompts, concurrency, ns.max_new_tokens // 2, f"warm-up {label}")
+    watch.cell = f"{workload} c{concurrency}"
+    return timed_runs(engine, prompts, concurrency, ns, label, turns, watch)
 
 
 def greedy_match_rate(engine, prompts, max_new_tokens: int, spec: tuple[int, bool, bool]) -> float:
@@ -243,17 +258,14 @@ def bench_model(path: str, ns, bandwidth: float, write) -> None:
             turns = 2 if workload == "sharegpt-repeat" else 1
             configs = [None] + ([DEFAULT_CONFIG] if ns.configs == "default"
                                 else SPEC_CONFIGS if concurrency == 1 else CONCURRENT_CONFIGS)
-            for spec in configs:
-                label = config_label(spec)
-                # each configuration warmed on other prompts of this kind (compiles, allocator,
-                # the adaptive policy's prices): the timed run then starts with that trie
-                set_drafter(engine, *(spec or (None,)))
-                run(engine, warm_prompts[:count], concurrency, ns.max_new_tokens // 2, f"warm-up {label}")
-                watch.cell = f"{workload} c{concurrency}"
-                for summary in timed_runs(engine, prompts[:count], concurrency, ns, label, turns, watch):
-                    write({"model": name, "kind": "specserve", "workload": workload, "concurrency": concurrency,
-                           "config": label, **summary, "roofline_fraction": summary["output_tokens_per_s"] / roofline
-                           if concurrency == 1 else None})
+            for round_index in range(ns.rounds):   # odd rounds run the configurations in reverse
+                for spec in configs[::-1] if round_index % 2 else configs:
+                    for summary in timed_cell(engine, ns, watch, spec, workload, concurrency,
+                                              prompts[:count], warm_prompts[:count], turns):
+                        write({"model": name, "kind": "specserve", "workload": workload, "concurrency": concurrency,
+                               "config": config_label(spec), "round": round_index, **summary,
+                               "roofline_fraction": summary["output_tokens_per_s"] / roofline
+                               if concurrency == 1 else None})
     watch.close()
     code, chat = workloads["code-types"][0], workloads["sharegpt-multiturn"][0]
     match = greedy_match_rate(engine, code[:8] + chat[:8], ns.max_new_tokens, DEFAULT_CONFIG)
@@ -292,6 +304,9 @@ def main(argv=None) -> None:
     parser.add_argument("--bs1-prompts", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=1,
                         help="timed runs per concurrent single-turn cell (the median is reported)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure each cell this many times, plain and the configurations alternated (a fresh "
+                             "drafter each time); the report divides round by round and shows the median round")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--policy-trace-dir", default=None,
                         help="write each run's adaptive-policy events here (bench/policy_trace.py)")
