@@ -8,7 +8,9 @@ head learns (one prefill instead of a generation: far more data per second). The
 hidden states are captured by our decoder, and the head learns with EAGLE-3's
 training-time test. With --time-budget the whole run (load, generation, training, the
 held-out scores) fits that many seconds: generation stops at --generation-share of it and
-training takes what is left. The head is written in SGLang/SpecForge's layout
+training takes what is left, so the start-up is kept short: the chats are tokenized while
+the engine starts (on a GPU in a background process, eagle_prep.py), and the engine skips
+what only serving needs (eagle_engine.py; it prints where its start-up went). The head is written in SGLang/SpecForge's layout
 (config.json + model.safetensors), with checkpoints (--checkpoint-every) that --resume
 continues from; with --eval-every the best held-out head is the one kept. At the end it
 prints the held-out accept length of greedy chain drafting, untrained vs trained.
@@ -22,7 +24,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import random
 import sys
 import time
 
@@ -31,13 +32,14 @@ import torch
 from specserve.runner.model_runner import resolve_device, resolve_dtype
 from specserve.speculative.draft_vocab import most_frequent_tokens
 from specserve.speculative.eagle_batches import BatchBuilder, plan_batches
-from specserve.speculative.eagle_chats import Messages, reply_text_conversations, training_chats, turn_prompts
 from specserve.speculative.eagle_checkpoint import save_head
 from specserve.speculative.eagle_config import DEFAULT_DRAFT_VOCAB_SIZE
 from specserve.speculative.eagle_data import (Conversation, generate_conversations, load_conversations,
                                                save_conversations)
+from specserve.speculative.eagle_engine import generating_engine
 from specserve.speculative.eagle_eval import accept_length
 from specserve.speculative.eagle_head import EagleHead
+from specserve.speculative.eagle_prep import PreparedText, TextPreparation, TextSettings
 from specserve.speculative.eagle_trainer import EagleTrainer, TrainSettings, build_head, target_lm_head
 from specserve.speculative.eagle_ttt import ConversationBatch
 from specserve.speculative.target_features import TargetFeatureExtractor, states_fit_device
@@ -135,21 +137,47 @@ def main(argv: list[str] | None = None) -> None:
     dtype = resolve_dtype(args.dtype, device)
     fill_device_defaults(args, device)
     os.makedirs(args.output_dir, exist_ok=True)
-    engine = _engine(args, device, dtype)
-    print(f"engine ready in {time.perf_counter() - started:.0f} s", flush=True)
-    held_out_chats, train_chats = _split_chats(args, engine.tokenizer)
-    generated, held_out = _conversations(args, engine, held_out_chats, train_chats, started)
-    reply_text = _reply_text(args, engine.tokenizer, train_chats)
-    target = engine.core.runner.model   # the engine's loaded weights, reused for the hidden states
-    engine.shutdown()
-    del engine                           # its KV cache and CUDA graphs: the memory training needs
-    gc.collect()
+    target, generated, held_out, reply_text = _prepare_data(args, device, dtype, started)
     _report_device_memory(device)
     train_data = generated + reply_text
     print(f"data: {len(generated)} answers by the target ({sum(c.answer_len for c in generated)} answer tokens), "
           f"{len(reply_text)} fixed-text chats ({sum(c.answer_len for c in reply_text)} reply tokens); "
           f"{sum(len(c.tokens) for c in train_data)} tokens in all; {len(held_out)} held out (at {time.perf_counter() - started:.0f} s)", flush=True)
+    _train(args, device, target, train_data, held_out, started)
 
+
+def _prepare_data(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, run_started: float):
+    """(the target model, its answers for training, its held-out answers, the fixed-text
+    conversations). The text is tokenized while the engine starts (on a GPU, in a background
+    process: eagle_prep.py); the engine is gone at the end, its KV cache and CUDA graphs
+    freed for training, its model kept (the hidden states come from the same weights)."""
+    resuming = args.resume and os.path.isfile(os.path.join(args.output_dir, DATA_FILE))
+    with TextPreparation(_text_settings(args, need_prompts=not resuming), background=device.type == "cuda") as text:
+        with generating_engine(args, device, dtype) as engine:
+            print(f"engine ready in {time.perf_counter() - run_started:.0f} s", flush=True)
+            prepared = text.result()
+            where = (f"; in a background process, {text.waited_seconds:.1f} s waited for it once the engine was "
+                     f"ready" if text.in_background else "")
+            print(f"{prepared.summary()}{where}", flush=True)
+            generated, held_out = _conversations(args, engine, prepared, run_started)
+            target = engine.core.runner.model
+        del engine
+    gc.collect()
+    return target, generated, held_out, prepared.reply_text
+
+
+def _text_settings(args: argparse.Namespace, need_prompts: bool) -> TextSettings:
+    return TextSettings(model_path=args.model_path, dataset_path=args.dataset_path,
+                        exclude_dataset_path=args.exclude_dataset_path, prompt_turns=args.prompt_turns,
+                        seed=args.seed, held_out=args.held_out, max_prompt_len=args.max_prompt_len,
+                        num_prompts=args.num_prompts, text_chats=args.text_chats, max_text_len=args.max_text_len,
+                        need_prompts=need_prompts)
+
+
+def _train(args: argparse.Namespace, device: torch.device, target, train_data: list[Conversation],
+           held_out: list[Conversation], started: float) -> None:
+    """Builds the head, trains it until the plan or the budget ends, saves it and prints
+    the held-out accept length before and after."""
     settings = _settings(args, device, max_seconds=None)
     draft_vocab = most_frequent_tokens((c.answer_tokens() for c in train_data), target.config.vocab_size,
                                        min(args.draft_vocab_size, target.config.vocab_size))
@@ -213,81 +241,31 @@ def _report_step_split(trainer: EagleTrainer, device: torch.device) -> None:
           flush=True)
 
 
-def _engine(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
-    from specserve.engine.engine import Engine
-    kwargs = dict(device=str(device), dtype=str(dtype).removeprefix("torch."), log_level="warning",
-                  context_length=_context_length(args),
-                  max_running_requests=args.max_running_requests)
-    if device.type == "cuda":
-        kwargs["mem_fraction_static"] = args.mem_fraction_static
-        # generation is all throughput: every batch size it runs at decodes in a CUDA graph (by
-        # default graphs stop at 64 and larger steps run eagerly: ~25-35 ms of launches on an
-        # H100 for the 1.5B, prefill_pacer.py, against a few ms replayed)
-        kwargs["cuda_graph_max_bs"] = args.max_running_requests
-    return Engine(model_path=args.model_path, **kwargs)
-
-
-def _context_length(args: argparse.Namespace) -> int:
-    """The target's context: a prompt and its answer, or a fixed-text chat (the target's
-    forward over the training data reuses the engine's model and its RoPE tables)."""
-    return max(args.max_prompt_len + args.max_new_tokens, args.max_text_len) + 8
-
-
-def _split_chats(args: argparse.Namespace, tokenizer) -> tuple[list[Messages], list[Messages]]:
-    """(held-out, training) chats, shuffled by --seed: the held-out chats are the first ones
-    whose prompts make up --held-out; none of their turns or replies is trained on."""
-    chats = training_chats(args.dataset_path, args.exclude_dataset_path)
-    if args.prompt_turns == "first":
-        chats = [chat[:next(i for i, m in enumerate(chat) if m["role"] == "user") + 1]
-                 for chat in chats if any(m["role"] == "user" for m in chat)]
-    random.Random(args.seed).shuffle(chats)
-    held_out_prompts = 0
-    for count, chat in enumerate(chats):
-        if held_out_prompts >= args.held_out:
-            return chats[:count], chats[count:]
-        held_out_prompts += len(turn_prompts([chat], tokenizer, args.max_prompt_len))
-    raise ValueError(f"--held-out {args.held_out}: the dataset has only {held_out_prompts} prompts that fit")
-
-
-def _conversations(args: argparse.Namespace, engine, held_out_chats: list[Messages], train_chats: list[Messages],
+def _conversations(args: argparse.Namespace, engine, text: PreparedText,
                    run_started: float) -> tuple[list[Conversation], list[Conversation]]:
     """(training, held-out) answers of the target: generated, or read back from --output-dir on --resume.
-    With --time-budget, generation stops at --generation-share of the time left once the
-    prompts are ready (H100, 1.5B: loading and tokenizing 9.5k prompts took 75 s, past a
-    deadline counted from the start: the head trained on no generated answer)."""
+    With --time-budget, generation stops at --generation-share of the time left once it
+    starts (H100, 1.5B: loading and tokenizing 9.5k prompts took 75 s, past a deadline
+    counted from the start: the head trained on no generated answer)."""
     path = os.path.join(args.output_dir, DATA_FILE)
     if args.resume and os.path.isfile(path):
         conversations = load_conversations(path)
         return conversations[args.held_out:], conversations[:args.held_out]
     started = time.perf_counter()
-    held_out_prompts = turn_prompts(held_out_chats, engine.tokenizer, args.max_prompt_len, args.held_out)
-    # the chats are shuffled: a deadline stops generation on a sample of them, every turn
-    prompts = turn_prompts(train_chats, engine.tokenizer, args.max_prompt_len, args.num_prompts)
-    print(f"prompts: {len(prompts)} for training from {len(train_chats)} chats, {len(held_out_prompts)} held out "
-          f"({time.perf_counter() - started:.1f} s to tokenize)", flush=True)
-    started = time.perf_counter()
     deadline = None
     if args.time_budget:
         deadline = started + args.generation_share * (args.time_budget - (started - run_started))
     in_flight = engine.core.runner.max_running_requests
-    with _progress(len(held_out_prompts) + len(prompts), "generating answers") as bar:
-        held_out = generate_conversations(engine, held_out_prompts, args.max_new_tokens, 0.0, bar.update,
+    with _progress(len(text.held_out_prompts) + len(text.prompts), "generating answers") as bar:
+        held_out = generate_conversations(engine, text.held_out_prompts, args.max_new_tokens, 0.0, bar.update,
                                           max_in_flight=in_flight)
-        train_data = generate_conversations(engine, prompts, args.max_new_tokens, args.temperature,
+        train_data = generate_conversations(engine, text.prompts, args.max_new_tokens, args.temperature,
                                             bar.update, seed=args.seed, max_in_flight=in_flight, deadline=deadline)
     answer_tokens = sum(c.answer_len for c in held_out + train_data)
     elapsed = time.perf_counter() - started
     print(f"generated {answer_tokens} answer tokens in {elapsed:.1f} s ({answer_tokens / elapsed:.0f} tok/s)")
     save_conversations(path, held_out + train_data)
     return train_data, held_out
-
-
-def _reply_text(args: argparse.Namespace, tokenizer, train_chats: list[Messages]) -> list[Conversation]:
-    started = time.perf_counter()
-    conversations = reply_text_conversations(train_chats[:args.text_chats], tokenizer, args.max_text_len)
-    if conversations:
-        print(f"fixed text: {len(conversations)} chats tokenized in {time.perf_counter() - started:.1f} s")
-    return conversations
 
 
 def _settings(args: argparse.Namespace, device: torch.device, max_seconds: float | None) -> TrainSettings:

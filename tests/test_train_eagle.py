@@ -268,31 +268,29 @@ def test_generation_sends_no_prompt_after_its_deadline():
     assert [c.tokens for c in conversations] == [[i, i + 100] for i in range(len(conversations))]
 
 
-def test_generation_share_counts_from_when_the_prompts_are_ready(monkeypatch, tmp_path):
-    """--generation-share of the time left after loading and tokenizing, not of the whole budget
-    (on an H100 those took 75 s of 233 and a deadline from the start left generation 2.6 s)."""
+def test_generation_share_counts_from_when_generation_starts(monkeypatch, tmp_path):
+    """--generation-share of the time left once generation starts (after loading and
+    tokenizing), not of the whole budget (on an H100 those took 75 s of 233 and a deadline
+    from the start left generation 2.6 s)."""
     import argparse
     import types
 
     from specserve import train_eagle
+    from specserve.speculative.eagle_prep import PreparedText
     deadlines = []
-
-    def slow_turn_prompts(*args, **kwargs):
-        time.sleep(0.05)
-        return []
 
     def recording_generate(*args, deadline=None, **kwargs):
         deadlines.append((deadline, time.perf_counter()))
         return []
 
-    monkeypatch.setattr(train_eagle, "turn_prompts", slow_turn_prompts)
     monkeypatch.setattr(train_eagle, "generate_conversations", recording_generate)
     monkeypatch.setattr(train_eagle, "save_conversations", lambda *args: None)
     args = argparse.Namespace(output_dir=str(tmp_path), resume=False, max_prompt_len=64, held_out=2, num_prompts=4,
                               max_new_tokens=4, temperature=0.0, seed=0, time_budget=10.0, generation_share=0.5)
     engine = types.SimpleNamespace(tokenizer=None, core=types.SimpleNamespace(
         runner=types.SimpleNamespace(max_running_requests=8)))
-    train_eagle._conversations(args, engine, [], [], run_started=time.perf_counter() - 4.0)
+    text = PreparedText(held_out_prompts=[[1, 2]], prompts=[[3, 4]], reply_text=[], train_chats=1)
+    train_eagle._conversations(args, engine, text, run_started=time.perf_counter() - 4.0)
     (none, _), (deadline, called) = deadlines   # the held-out answers have no deadline
     assert none is None
-    assert abs((deadline - called) - 0.5 * (10.0 - 4.05)) < 0.15
+    assert abs((deadline - called) - 0.5 * (10.0 - 4.0)) < 0.1   # from the start: 0.5 * 10 - 4 = 1 s

@@ -41,19 +41,20 @@ def render(messages: Messages, tokenizer: Any, add_generation_prompt: bool) -> s
 
 
 def turn_prompts(chats: Sequence[Messages], tokenizer: Any, max_prompt_tokens: int,
-                 limit: int | None = None, workers: int | None = None) -> list[list[int]]:
+                 limit: int | None = None, workers: int | None = None, cores: int | None = None) -> list[list[int]]:
     """Token ids of the prompts of every user turn of `chats`, in order (chat by chat, turn
     by turn), the first `limit` of them; a turn that does not fit even alone is left out.
     A turn the chat answers, within max_prompt_tokens, is the chat's own tokens up to the
     reply (one tokenization per chat: rendering and tokenizing every turn's prompt apart
     took ~3 ms a prompt); the others are rendered and tokenized alone. Many chats are
-    tokenized in `workers` processes (chat_pool.py; None: as many as pay for their start)."""
+    tokenized in `workers` processes (chat_pool.py; None: as many as pay for their start on
+    `cores`, default every core this process may use)."""
     prompts: list[list[int]] = []
     start = 0
     # with a limit, only the chats with enough user turns for it, and more while turns were left out
     while start < len(chats) and (limit is None or len(prompts) < limit):
         end = len(chats) if limit is None else _end_of_turns(chats, start, limit - len(prompts))
-        count = pool_workers(end - start, TURN_PROMPTS_CHAT_SECONDS) if workers is None else workers
+        count = pool_workers(end - start, TURN_PROMPTS_CHAT_SECONDS, cores) if workers is None else workers
         prompts += run_in_chunks(_turn_prompts, chats[start:end], tokenizer, (max_prompt_tokens,), count)
         start = end
     return prompts[:limit]
@@ -158,11 +159,12 @@ def reply_text_conversation(messages: Messages, tokenizer: Any, max_tokens: int)
 
 
 def reply_text_conversations(chats: Sequence[Messages], tokenizer: Any, max_tokens: int,
-                             workers: int | None = None) -> list[Conversation]:
+                             workers: int | None = None, cores: int | None = None) -> list[Conversation]:
     """reply_text_conversation of each chat that has one, in order; many chats in `workers`
-    processes (chat_pool.py; None: as many as pay for their start)."""
+    processes (chat_pool.py; None: as many as pay for their start on `cores`, default every
+    core this process may use)."""
     if workers is None:
-        workers = pool_workers(len(chats), REPLY_TEXT_CHAT_SECONDS)
+        workers = pool_workers(len(chats), REPLY_TEXT_CHAT_SECONDS, cores)
     return run_in_chunks(_reply_text_conversations, chats, tokenizer, (max_tokens,), workers)
 
 
