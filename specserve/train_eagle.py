@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     _train(args, device, target, train_data, held_out, started)
 
 
-def _prepare_data(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, run_started: float):
+def _prepare_data(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, run_started: float
+                  ) -> tuple[torch.nn.Module, list[Conversation], list[Conversation], list[Conversation]]:
     """(the target model, its answers for training, its held-out answers, the fixed-text
     conversations). The text is tokenized while the engine starts (on a GPU, in a background
     process: eagle_prep.py); the engine is gone at the end, its KV cache and CUDA graphs
@@ -155,15 +156,22 @@ def _prepare_data(args: argparse.Namespace, device: torch.device, dtype: torch.d
     with TextPreparation(_text_settings(args, need_prompts=not resuming), background=device.type == "cuda") as text:
         with generating_engine(args, device, dtype) as engine:
             print(f"engine ready in {time.perf_counter() - run_started:.0f} s", flush=True)
-            prepared = text.result()
-            where = (f"; in a background process, {text.waited_seconds:.1f} s waited for it once the engine was "
-                     f"ready" if text.in_background else "")
-            print(f"{prepared.summary()}{where}", flush=True)
-            generated, held_out = _conversations(args, engine, prepared, run_started)
+            prompts = text.prompts()
+            print(prompts.summary() + _waited(text), flush=True)
+            generated, held_out = _conversations(args, engine, prompts, run_started)
             target = engine.core.runner.model
         del engine
+        whole = text.whole()   # its fixed text, made while the answers were generated
+        print(f"fixed text: {len(whole.reply_text)} chats in {whole.stage_seconds['fixed text']:.1f} s"
+              + _waited(text), flush=True)
     gc.collect()
-    return target, generated, held_out, prepared.reply_text
+    return target, generated, held_out, whole.reply_text
+
+
+def _waited(text: TextPreparation) -> str:
+    if not text.in_background:
+        return ""
+    return f"; in a background process, {text.waited_seconds:.1f} s waited for it in all"
 
 
 def _text_settings(args: argparse.Namespace, need_prompts: bool) -> TextSettings:

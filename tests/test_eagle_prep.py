@@ -27,7 +27,10 @@ def test_text_made_in_the_background_equals_the_text_made_here():
     assert list(here.stage_seconds) == ["tokenizer", "chats", "held-out split", "prompts", "fixed text"]
     with TextPreparation(settings(), background=True) as preparing:
         assert preparing.in_background
-        background = preparing.result()
+        prompts = preparing.prompts()   # sent before the fixed text is made
+        assert prompts.reply_text is None and "fixed text" not in prompts.stage_seconds
+        background = preparing.whole()
+    assert background is prompts and list(background.stage_seconds) == list(here.stage_seconds)
     assert background.held_out_prompts == here.held_out_prompts and background.prompts == here.prompts
     assert background.reply_text == here.reply_text and background.train_chats == here.train_chats
     # the held-out chats are none of the training chats: no held-out prompt is a training prompt
@@ -38,13 +41,15 @@ def test_resumed_runs_make_only_the_fixed_text():
     text = prepare_text(settings(need_prompts=False))
     assert text.prompts == [] and text.held_out_prompts == [] and text.reply_text
     assert "prompts" not in text.stage_seconds
+    with TextPreparation(settings(need_prompts=False), background=True) as preparing:
+        assert preparing.whole().reply_text == text.reply_text
 
 
 def test_a_failure_in_the_background_is_raised_here(tmp_path):
     missing = str(tmp_path / "no-such-chats.json")
     with TextPreparation(settings(dataset_path=missing), background=True) as preparing:
         with pytest.raises(RuntimeError, match="preparing the training text failed(.|\n)*no-such-chats"):
-            preparing.result()
+            preparing.prompts()
 
 
 def test_too_few_prompts_for_the_held_out_ones_names_the_flag(tmp_path):

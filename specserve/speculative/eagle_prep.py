@@ -8,15 +8,20 @@ tokenizer rebuilt 35 s, kernels and CUDA graphs 15 s), while the text took 30 s 
 after it (13.6 s of prompts, 10.8 s of fixed text, the chats and the split). So on a GPU it
 is made in a background process started first (TextPreparation), with its own tokenizer
 (the same files as the engine's) and its own pools of tokenizing workers, and comes back
-pickled when the trainer needs it. On a CPU it is made in this process: there the engine
-is quick and a spawned process's start-up (its imports) would cost more than it hides.
+pickled in two parts: the prompts, which generation needs once the engine is ready, then
+the fixed text, made while the answers are generated and needed only for training. On a
+CPU it is made in this process: there the engine is quick and a spawned process's start-up
+(its imports) would cost more than it hides.
 """
 from __future__ import annotations
 
 import multiprocessing
+import pickle
 import random
+import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specserve.speculative.chat_pool import available_cores
@@ -49,20 +54,22 @@ class TextSettings:
 class PreparedText:
     held_out_prompts: list[list[int]]
     prompts: list[list[int]]              # for the training answers, in the shuffled chats' order
-    reply_text: list[Conversation]        # fixed-text conversations of the first --text-chats training chats
     train_chats: int
     stage_seconds: dict[str, float] = field(default_factory=dict)   # stage -> seconds, in order
+    # fixed-text conversations of the first --text-chats training chats; None until made
+    reply_text: list[Conversation] | None = None
 
     def summary(self) -> str:
         stages = ", ".join(f"{stage} {seconds:.1f} s" for stage, seconds in self.stage_seconds.items())
+        fixed = "" if self.reply_text is None else f", {len(self.reply_text)} fixed-text chats"
         return (f"text: {len(self.prompts)} prompts for training from {self.train_chats} chats, "
-                f"{len(self.held_out_prompts)} held out, {len(self.reply_text)} fixed-text chats ({stages})")
+                f"{len(self.held_out_prompts)} held out{fixed} ({stages})")
 
 
-def prepare_text(settings: TextSettings) -> PreparedText:
-    """The trainer's text, made here."""
+def prepare_text(settings: TextSettings, on_prompts: Callable[[PreparedText], None] | None = None) -> PreparedText:
+    """The trainer's text, made here; on_prompts(the text without its fixed text) is called
+    once the prompts are made (generation needs only them, training the rest)."""
     from specserve.model.loader import default_model_path, load_tokenizer, resolve_model_path
-    seconds: dict[str, float] = {}
     lap = time.perf_counter()
 
     def timed(stage: str) -> None:
@@ -70,6 +77,7 @@ def prepare_text(settings: TextSettings) -> PreparedText:
         now = time.perf_counter()
         seconds[stage], lap = now - lap, now
 
+    seconds: dict[str, float] = {}
     path = resolve_model_path(settings.model_path) if settings.model_path else default_model_path()
     tokenizer = load_tokenizer(path)
     timed("tokenizer")
@@ -77,17 +85,19 @@ def prepare_text(settings: TextSettings) -> PreparedText:
     timed("chats")
     held_out_chats, train_chats = split_chats(chats, tokenizer, settings)
     timed("held-out split")
-    held_out_prompts, prompts = [], []
+    text = PreparedText([], [], len(train_chats), seconds)
     if settings.need_prompts:
-        held_out_prompts = turn_prompts(held_out_chats, tokenizer, settings.max_prompt_len, settings.held_out)
+        text.held_out_prompts = turn_prompts(held_out_chats, tokenizer, settings.max_prompt_len, settings.held_out)
         # the chats are shuffled: a deadline stops generation on a sample of them, every turn
-        prompts = turn_prompts(train_chats, tokenizer, settings.max_prompt_len, settings.num_prompts,
-                               cores=settings.cores)
+        text.prompts = turn_prompts(train_chats, tokenizer, settings.max_prompt_len, settings.num_prompts,
+                                    cores=settings.cores)
         timed("prompts")
-    reply_text = reply_text_conversations(train_chats[:settings.text_chats], tokenizer, settings.max_text_len,
-                                          cores=settings.cores)
+    if on_prompts is not None:
+        on_prompts(text)
+    text.reply_text = reply_text_conversations(train_chats[:settings.text_chats], tokenizer, settings.max_text_len,
+                                               cores=settings.cores)
     timed("fixed text")
-    return PreparedText(held_out_prompts, prompts, reply_text, len(train_chats), seconds)
+    return text
 
 
 def split_chats(chats: list[Messages], tokenizer, settings: TextSettings) -> tuple[list[Messages], list[Messages]]:
@@ -108,12 +118,12 @@ def split_chats(chats: list[Messages], tokenizer, settings: TextSettings) -> tup
 
 class TextPreparation:
     """prepare_text(settings), made at once here or, with background=True, in a spawned
-    process from now on; `result()` returns it. As a context manager, a background process
-    still running at the exit (the engine failed to load) is stopped."""
+    process from now on; `prompts()` returns the text once its prompts are made,
+    `whole()` once its fixed text is too. As a context manager, a background process still
+    running at the exit (the engine failed to load) is stopped."""
 
     def __init__(self, settings: TextSettings, background: bool):
-        self.started = time.perf_counter()
-        self.waited_seconds = 0.0   # how long result() blocked
+        self.waited_seconds = 0.0   # how long prompts() and whole() blocked
         self._text: PreparedText | None = None
         self._process = self._connection = None
         if not background:
@@ -132,19 +142,28 @@ class TextPreparation:
     def in_background(self) -> bool:
         return self._process is not None
 
-    def result(self) -> PreparedText:
+    def prompts(self) -> PreparedText:
         if self._text is None:
-            waiting = time.perf_counter()
-            try:
-                text, error = self._connection.recv()
-            except EOFError:
-                text, error = None, f"the process exited with code {self._process.exitcode} and sent nothing"
-            self.waited_seconds = time.perf_counter() - waiting
-            self._process.join()
-            if error is not None:
-                raise RuntimeError(f"preparing the training text failed:\n{error}")
-            self._text = text
+            self._text = self._receive()
         return self._text
+
+    def whole(self) -> PreparedText:
+        text = self.prompts()
+        if text.reply_text is None:
+            text.reply_text, text.stage_seconds["fixed text"] = self._receive()
+            self._process.join()
+        return text
+
+    def _receive(self):
+        waiting = time.perf_counter()
+        try:
+            message, error = self._connection.recv()
+        except EOFError:
+            message, error = None, f"the process exited with code {self._process.exitcode} and sent nothing more"
+        self.waited_seconds += time.perf_counter() - waiting
+        if error is not None:
+            raise RuntimeError(f"preparing the training text failed:\n{error}")
+        return message
 
     def __enter__(self) -> "TextPreparation":
         return self
@@ -156,10 +175,24 @@ class TextPreparation:
 
 
 def _prepare_and_send(settings: TextSettings, connection) -> None:
-    """The background process: the text, or the traceback of what failed, sent back."""
+    """The background process: the text without its fixed text as soon as the prompts are
+    made, then (the fixed text, its seconds); or the traceback of what failed."""
+    sending: threading.Thread | None = None
+
+    def send_prompts(text: PreparedText) -> None:
+        nonlocal sending
+        payload = pickle.dumps((text, None), protocol=pickle.HIGHEST_PROTOCOL)   # now: `text` changes later
+        # written by a thread: the pipe holds 64 KiB and the parent reads once its engine is
+        # ready, while this process goes on with the fixed text
+        sending = threading.Thread(target=connection.send_bytes, args=(payload,), daemon=True)
+        sending.start()
+
     try:
-        message = (prepare_text(settings), None)
+        text = prepare_text(settings, on_prompts=send_prompts)
+        message = ((text.reply_text, text.stage_seconds["fixed text"]), None)
     except BaseException:
         message = (None, traceback.format_exc())
+    if sending is not None:
+        sending.join()
     connection.send(message)
     connection.close()
