@@ -1,10 +1,10 @@
 """EAGLE / EAGLE3 through the Engine, with heads our trainer made and saved in the SGLang /
-SpecForge layout: greedy output equals plain decoding, and every request's verify steps are
-exactly those the trainer's accept-length replay predicts (eagle_eval.py: the training-time
-test's chains against the target's answers), which holds only if the engine feeds the head
-the same rows, target states, tokens and positions as training does. The head's KV pool
-and the target states it waits for are freed however requests end; sampled drafts are
-drawn from the q handed to verification; the flags are checked.
+SpecForge layout (the fixtures here train them; the greedy identity and the verify steps the
+trainer's replay predicts are checked in test_eagle_fused_chain.py, the chains' default path,
+and test_eagle_drafter_tree.py for trees). Greedy output of an untrained head equals plain
+decoding and the head's KV pool and the target states it waits for are freed however
+requests end; sampled drafts are drawn from the q handed to verification; the flags are
+checked.
 
 The target is a random 16-token model with peaky logits whose greedy answers settle into
 cycles a head learns in seconds (as in tests/test_train_eagle.py).
@@ -19,10 +19,10 @@ import torch
 
 from specserve.errors import ArgumentError, NotSupportedError
 from specserve.speculative.draft_vocab import most_frequent_tokens
+from specserve.speculative.eagle import EagleDrafter
 from specserve.speculative.eagle_batches import BatchBuilder
 from specserve.speculative.eagle_checkpoint import save_head
 from specserve.speculative.eagle_data import generate_conversations
-from specserve.speculative.eagle_eval import accepted_runs, replay_decoding
 from specserve.speculative.eagle_trainer import EagleTrainer, TrainSettings, build_head, target_lm_head
 from specserve.speculative.target_features import TargetFeatureExtractor
 from tests.spec_fixtures import make_tiny_directory, tiny_engine, wait_until_all_kv_is_free
@@ -74,25 +74,6 @@ def wait_until_head_kv_is_free(engine) -> None:
     assert sorted(pool.slots._free) == list(range(1, pool.size + 1))
 
 
-def test_greedy_output_and_verify_steps_are_what_training_predicts(target, head_dir):
-    path, _, _, held_out = target
-    algorithm, head_path, head, extractor = head_dir
-    with tiny_engine(path, **eagle_args(algorithm, head_path)) as engine:
-        outputs = engine.generate(input_ids=[c.tokens[:c.prompt_len] for c in held_out],
-                                  sampling_params={"temperature": 0.0, "max_new_tokens": 32})
-        assert [c.prompt_len + len(o["output_ids"]) for c, o in zip(held_out, outputs)] == [len(c.tokens) for c in held_out]
-        assert [o["output_ids"] for o in outputs] == [c.tokens[c.prompt_len:] for c in held_out]
-        wait_until_head_kv_is_free(engine)
-    batch = BatchBuilder(extractor, None, bool(head.config.aux_layers))(held_out).conversations
-    with torch.no_grad():
-        runs = accepted_runs(head, batch, NUM_STEPS).cpu()
-    for row, (conversation, output) in enumerate(zip(held_out, outputs)):
-        replay = replay_decoding(runs[row:row + 1], [len(conversation.tokens)], [conversation.prompt_len])
-        assert output["meta_info"]["spec_verify_ct"] == replay.verify_steps, f"conversation {row}"
-    accepted = sum(len(o["output_ids"]) - 1 for o in outputs) / sum(o["meta_info"]["spec_verify_ct"] for o in outputs)
-    assert accepted > 1.5      # the trained head drafts well: chains of several tokens get accepted
-
-
 def test_an_untrained_head_keeps_greedy_output_and_frees_everything(tmp_path):
     """A 256-token target, a random head over half its vocabulary; batches, a stop token
     inside a chain, an abort and preemption (a small cache)."""
@@ -123,24 +104,24 @@ def test_an_untrained_head_keeps_greedy_output_and_frees_everything(tmp_path):
         wait_until_head_kv_is_free(engine)
 
 
-def test_sampled_drafts_are_drawn_from_the_q_they_hand_over(target, head_dir):
-    """Many sampled chains: the first drafts' counts follow the sum of their q (chi-square;
-    each request's q differs with its sampled first token), and q is a distribution over
-    the head's draft vocabulary."""
+def test_sampled_drafts_are_drawn_from_the_q_they_hand_over(target, head_dir, monkeypatch):
+    """Many sampled chains (EagleDrafter's: every request's first drafts, which the fused
+    drafter hands to its first fused step): the first drafts' counts follow the sum of
+    their q (chi-square; each request's q differs with its sampled first token), and q is a
+    distribution over the head's draft vocabulary."""
     path, _, _, held_out = target
     algorithm, head_path, _, _ = head_dir
-    with tiny_engine(path, **eagle_args(algorithm, head_path)) as engine:
-        drafter = engine.core.drafter
-        proposals = []
-        propose = drafter.propose
+    proposals = []
+    propose = EagleDrafter.propose
 
-        def spy(reqs, max_nodes):
-            proposal, num_nodes = propose(reqs, max_nodes)
-            drafted = [i for i, n in enumerate(num_nodes) if n > 1]
-            if proposal.draft_probs is not None and drafted:
-                proposals.append((proposal.tokens[drafted, 1].tolist(), proposal.draft_probs[drafted, 0].clone()))
-            return proposal, num_nodes
-        drafter.propose = spy
+    def spy(drafter, reqs, max_nodes):
+        proposal, num_nodes = propose(drafter, reqs, max_nodes)
+        drafted = [i for i, n in enumerate(num_nodes) if n > 1]
+        if proposal.draft_probs is not None and drafted:
+            proposals.append((proposal.tokens[drafted, 1].tolist(), proposal.draft_probs[drafted, 0].clone()))
+        return proposal, num_nodes
+    monkeypatch.setattr(EagleDrafter, "propose", spy)
+    with tiny_engine(path, **eagle_args(algorithm, head_path)) as engine:
         prompt = held_out[0].tokens[:held_out[0].prompt_len]
         # a high temperature: q spreads over several tokens; one verify step each, of a first draft or more
         engine.generate(input_ids=[prompt] * 1500, sampling_params={"temperature": 3.0, "max_new_tokens": 3})

@@ -1,13 +1,9 @@
-"""NAIVE_EAGLE (and, for sampling, MTP) through the Engine: one draft per step, verified and drafted again in one
-fused step (runner/fused_chain.py). With heads our trainer made (tests/test_eagle_drafter.py's
-fixtures, both kinds), greedy output equals plain decoding and every request's verify steps
-are exactly those the trainer's accept-length replay predicts for chains of one draft,
-at several batch sizes: which holds only if the fused step feeds the head the rows, target
-states, tokens and positions training does, after accepted and rejected drafts alike.
-Sampling is lossless (chi-square against the exact distribution, with a control that
-ignores q), seeded requests get plain decoding's tokens, batches the fused step does not
-serve (penalties, logprobs) are verified by the engine, and every target and head KV slot
-comes back however requests end (finish, stop mid-path, abort, preemption).
+"""NAIVE_EAGLE and MTP (fused chains of one draft, runner/fused_chain.py) and, for sampling,
+EAGLE's fused chain of three: stops inside an accepted path are cut, sampling is lossless
+(chi-square against the exact distribution, with a control that ignores q), also when there
+is no q table and sampled drafts take the unfused chain; seeded requests get plain
+decoding's tokens; the flags are checked. Greedy identity, the verify steps training
+predicts and the KV accounting of every fused chain, K = 1 included: test_eagle_fused_chain.py.
 """
 from __future__ import annotations
 
@@ -19,8 +15,6 @@ import torch
 import specserve.runner.fused_chain
 from specserve.errors import ArgumentError
 from specserve.speculative import verify
-from specserve.speculative.eagle_batches import BatchBuilder
-from specserve.speculative.eagle_eval import accepted_runs, replay_decoding
 from tests.fused_fixtures import (FusedSpy, fused_args, save_random_eagle_head, save_random_mtp_head,
                                   wait_until_fused_state_is_free)
 from tests.spec_fixtures import make_tiny_directory, plain_greedy_outputs, tiny_engine, truncated_mid_path
@@ -31,74 +25,26 @@ from tests.test_spec_sampling import VOCAB as SAMPLING_VOCAB
 GREEDY = {"temperature": 0.0, "max_new_tokens": 32}
 
 
-@pytest.mark.parametrize("max_running", [1, 3, 8])
-def test_greedy_verify_steps_are_what_training_predicts(target, head_dir, max_running):  # noqa: F811
-    path, _, _, held_out = target
-    algorithm, head_path, head, extractor = head_dir
-    with tiny_engine(path, max_running_requests=max_running, **fused_args("NAIVE_EAGLE", head_path)) as engine:
-        spy = FusedSpy(engine.core.drafter)
-        outputs = engine.generate(input_ids=[c.tokens[:c.prompt_len] for c in held_out], sampling_params=GREEDY)
-        assert [o["output_ids"] for o in outputs] == [c.tokens[c.prompt_len:] for c in held_out]
-        wait_until_fused_state_is_free(engine)
-    assert spy.engine == 0 and spy.fused == sum(o["meta_info"]["spec_verify_ct"] for o in outputs)
-    # one catch-up per request that decodes at all, then every draft came from a fused step
-    assert spy.first_drafts == sum(o["meta_info"]["spec_verify_ct"] > 0 for o in outputs)
-    batch = BatchBuilder(extractor, None, bool(head.config.aux_layers))(held_out).conversations
-    with torch.no_grad():
-        runs = accepted_runs(head, batch, 1).cpu()
-    for row, (conversation, output) in enumerate(zip(held_out, outputs)):
-        replay = replay_decoding(runs[row:row + 1], [len(conversation.tokens)], [conversation.prompt_len])
-        assert output["meta_info"]["spec_verify_ct"] == replay.verify_steps, f"conversation {row}"
-    histogram = Counter()
-    for output in outputs:
-        histogram.update(output["meta_info"]["spec_accept_histogram"])
-    assert histogram[2] > histogram[1] > 0       # drafts mostly accepted, some rejected
-
-
-def test_stops_inside_an_accepted_path_are_cut(target, head_dir):  # noqa: F811
+@pytest.mark.parametrize("num_steps", [1, 3])
+def test_stops_inside_an_accepted_path_are_cut(target, head_dir, num_steps):  # noqa: F811
     """Each answer stopped at its k-th token for several k (its token a stop token, earlier
-    ones held back by min_new_tokens = k, which the engine verifies until it is reached)."""
+    ones held back by min_new_tokens = k, which the engine verifies until it is reached),
+    with NAIVE_EAGLE's chain of one draft and EAGLE's of three."""
     path, _, _, held_out = target
-    _, head_path, _, _ = head_dir
+    algorithm, head_path, _, _ = head_dir
+    args = fused_args("NAIVE_EAGLE", head_path) if num_steps == 1 else \
+        fused_args(algorithm, head_path, speculative_num_steps=num_steps)
     cases = [(c.tokens[:c.prompt_len], c.tokens[c.prompt_len:], k) for c in held_out for k in range(3, 12)
              if len(c.tokens) - c.prompt_len > k + 1]
     params = [{**GREEDY, "stop_token_ids": [answer[k]], "min_new_tokens": k} for _, answer, k in cases]
     prompts = [prompt for prompt, _, _ in cases]
     expected = plain_greedy_outputs(path, prompts, params)
-    with tiny_engine(path, max_running_requests=1, **fused_args("NAIVE_EAGLE", head_path)) as engine:
+    with tiny_engine(path, max_running_requests=1, **args) as engine:
         spy = FusedSpy(engine.core.drafter)
         outputs = engine.generate(input_ids=prompts, sampling_params=params)
         wait_until_fused_state_is_free(engine)
     assert [o["output_ids"] for o in outputs] == expected
     assert any(truncated_mid_path(o) for o in outputs) and spy.fused > 0 and spy.engine > 0
-
-
-def test_an_untrained_head_keeps_greedy_output_and_frees_everything(tmp_path):
-    """A 256-token target and a random head over half its vocabulary: batches, an abort,
-    preemption (a small cache), sampled and penalised requests in the same batches."""
-    target_path, head_path = tmp_path / "target", tmp_path / "head"
-    make_tiny_directory(target_path, "qwen2", seed=1)
-    save_random_eagle_head(target_path, head_path, draft_vocab=torch.arange(0, 256, 2))
-    prompts = [[5, 6, 7, 8, 9] * 6 + [10, 11], [20, 21, 22, 23] * 5, list(range(30, 72)), [100, 101] * 9]
-    greedy = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
-    penalised = {**greedy, "repetition_penalty": 1.3}
-    with tiny_engine(target_path) as plain:
-        expected = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=greedy)]
-        expected_penalised = plain.generate(input_ids=prompts[0], sampling_params=penalised)["output_ids"]
-    with tiny_engine(target_path, max_total_tokens=120, **fused_args("NAIVE_EAGLE", head_path)) as engine:
-        spy = FusedSpy(engine.core.drafter)
-        outputs = engine.generate(input_ids=prompts, sampling_params=greedy)
-        assert [o["output_ids"] for o in outputs] == expected
-        # (when the head's cache is as full as the target's, a batch goes to the engine: fewer drafts, same output)
-        assert sum(o["meta_info"]["preemptions"] for o in outputs) > 0 and spy.fused > 0
-        stream = engine.generate(input_ids=prompts[1], sampling_params={**greedy, "max_new_tokens": 60}, stream=True)
-        next(iter(stream))
-        stream.close()     # aborts it
-        mixed = engine.generate(input_ids=prompts[:3], sampling_params=[
-            penalised, {"temperature": 1.0, "max_new_tokens": 20, "ignore_eos": True}, greedy])
-        assert mixed[0]["output_ids"] == expected_penalised and mixed[2]["output_ids"] == expected[2]
-        assert len(mixed[1]["output_ids"]) == 20
-        wait_until_fused_state_is_free(engine)
 
 
 # ---- sampling ----
@@ -111,18 +57,20 @@ def sampling_target(tmp_path_factory):
     return target_path, exact_step_logits(hf_target.double())
 
 
-@pytest.fixture(scope="module", params=["NAIVE_EAGLE", "MTP"])
+@pytest.fixture(scope="module", params=["NAIVE_EAGLE", "MTP", "EAGLE-3-steps"])
 def sampling_models(request, sampling_target, tmp_path_factory):
-    """(target, algorithm, a random head for it, the target's step logits): an EAGLE head
-    drafts over a subset of ids mapped to the target's (d2t), an MTP layer over all of them."""
+    """(target, the drafter's engine arguments, the target's step logits): an EAGLE head
+    drafts over a subset of ids mapped to the target's (d2t), one draft per step (NAIVE_EAGLE)
+    or a fused chain of three (EAGLE), an MTP layer over all ids."""
     target_path, step_logits = sampling_target
     head_path = tmp_path_factory.mktemp(f"v16-{request.param}")
     if request.param == "MTP":
         save_random_mtp_head(target_path, head_path, seed=3, std=0.1)
-    else:
-        save_random_eagle_head(target_path, head_path, algorithm="EAGLE", seed=3,
-                               draft_vocab=torch.arange(1, SAMPLING_VOCAB))
-    return target_path, request.param, head_path, step_logits
+        return target_path, fused_args("MTP", head_path), step_logits
+    save_random_eagle_head(target_path, head_path, algorithm="EAGLE", seed=3, draft_vocab=torch.arange(1, SAMPLING_VOCAB))
+    if request.param == "NAIVE_EAGLE":
+        return target_path, fused_args("NAIVE_EAGLE", head_path), step_logits
+    return target_path, fused_args("EAGLE", head_path, speculative_num_steps=3), step_logits
 
 
 class FusedVerifySpy:
@@ -138,16 +86,23 @@ class FusedVerifySpy:
         monkeypatch.setattr(specserve.runner.fused_chain, "verify_sampling", spy)
 
 
-def sample(models, config: dict, seeded: bool = False) -> list[dict]:
-    target_path, algorithm, head_path, _ = models
-    params = [{**config, "max_new_tokens": 5, "ignore_eos": True, **({"seed": i} if seeded else {})}
-              for i in range(SAMPLES)]
-    with tiny_engine(target_path, max_running_requests=1024, **fused_args(algorithm, head_path)) as engine:
+def sample(models, config: dict, fused: bool = True) -> list[dict]:
+    """SAMPLES continuations of PROMPT; fused: every step was a fused one (else none was)."""
+    target_path, args, _ = models
+    params = [{**config, "max_new_tokens": 5, "ignore_eos": True} for _ in range(SAMPLES)]
+    with tiny_engine(target_path, max_running_requests=1024, **args) as engine:
         spy = FusedSpy(engine.core.drafter)
         outputs = engine.generate(input_ids=[PROMPT] * SAMPLES, sampling_params=params)
         wait_until_fused_state_is_free(engine)
-    assert spy.engine == 0 and spy.fused > 0
+    assert (spy.engine == 0 and spy.fused > 0) if fused else (spy.fused == 0 and spy.engine > 0)
     return outputs
+
+
+def accept_histogram(outputs: list[dict]) -> Counter:
+    histogram = Counter()
+    for output in outputs:
+        histogram.update(output["meta_info"]["spec_accept_histogram"])
+    return histogram
 
 
 @pytest.mark.parametrize("config", [{"temperature": 1.0}, {"temperature": 0.8, "top_k": 4}], ids=str)
@@ -155,11 +110,9 @@ def test_samples_follow_the_exact_distribution(sampling_models, monkeypatch, con
     spy = FusedVerifySpy(monkeypatch)
     outputs = sample(sampling_models, config)
     assert set(spy.rules) == {("rejection", True)}      # every step: residual rejection with q
-    histogram = Counter()
-    for output in outputs:
-        histogram.update(output["meta_info"]["spec_accept_histogram"])
+    histogram = accept_histogram(outputs)
     assert histogram[2] > 0.1 * sum(histogram.values()), histogram      # drafts get accepted
-    p = chi_square_p(outputs, exact_joint(sampling_models[3], **config))
+    p = chi_square_p(outputs, exact_joint(sampling_models[2], **config))
     assert p > 1e-4, f"{config}: chi-square p = {p:.3g}"
 
 
@@ -168,23 +121,40 @@ def test_chi_square_catches_an_accept_rule_that_ignores_q(sampling_models, monke
         return u * residual_mass < residual_x
     monkeypatch.setattr(verify, "_accept", ignores_q)
     outputs = sample(sampling_models, {"temperature": 1.0})
-    p = chi_square_p(outputs, exact_joint(sampling_models[3], temperature=1.0))
+    p = chi_square_p(outputs, exact_joint(sampling_models[2], temperature=1.0))
     assert p < 1e-6, f"p = {p:.3g}: a verifier that ignores q went unnoticed"
 
 
 def test_seeded_requests_get_the_tokens_of_plain_decoding(sampling_models, monkeypatch):
     """A seed asks for plain decoding's tokens: argmax drafts and the coupled rule."""
-    target_path, algorithm, head_path, _ = sampling_models
+    target_path, args, _ = sampling_models
     prompts = [PROMPT[i:] for i in range(8)]
     params = [{"temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True, "seed": 100 + i} for i in range(8)]
     with tiny_engine(target_path) as plain:
         expected = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=params)]
     spy = FusedVerifySpy(monkeypatch)
-    with tiny_engine(target_path, **fused_args(algorithm, head_path)) as engine:
+    with tiny_engine(target_path, **args) as engine:
         outputs = engine.generate(input_ids=prompts, sampling_params=params)
         wait_until_fused_state_is_free(engine)
     assert [o["output_ids"] for o in outputs] == expected
     assert set(spy.rules) == {("coupled", False)}
+    assert max(accept_histogram(outputs)) > 1        # drafts were accepted
+
+
+def test_without_a_q_table_sampled_drafts_take_the_unfused_chain(sampling_models, monkeypatch):
+    """A q table over the size limit: batches with sampled drafts are verified by the engine
+    (EagleDrafter's chain hands its q over) and stay exact; seeded ones are still fused."""
+    monkeypatch.setattr(specserve.runner.fused_chain, "Q_TABLE_BYTES", 0)
+    outputs = sample(sampling_models, {"temperature": 1.0}, fused=False)
+    assert chi_square_p(outputs, exact_joint(sampling_models[2], temperature=1.0)) > 1e-4
+    target_path, args, _ = sampling_models
+    with tiny_engine(target_path, **args) as engine:
+        assert engine.core.drafter.fused.q_table is None
+        spy = FusedSpy(engine.core.drafter)
+        engine.generate(input_ids=[PROMPT] * 4, sampling_params=[
+            {"temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True, "seed": i} for i in range(4)])
+        wait_until_fused_state_is_free(engine)
+    assert spy.fused > 0 and spy.engine == 0
 
 
 # ---- flags ----

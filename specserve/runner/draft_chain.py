@@ -11,6 +11,8 @@ writes to the padding slot), and the drafter's state at the last fed row gives d
   the last draft is the one token the draft model never saw; otherwise its slot is
   rewritten with the same K/V.
 - EAGLE: n = K + 1, the rows whose target states the last verify step brought (1 .. K + 1).
+- EAGLE's fused step (fused_chain.py): the same n = K + 1 rows, fed on the device right
+  after the verification that decided how many of them are real (the accept length).
 Draft step j (1 <= j < K) then feeds draft j at row last + j (one DECODE forward) and gives
 draft j + 1. Row = position for a draft model; an EAGLE row r reads the token at r + 1, so
 its drafts sit one position further (`ChainModel.token_offset`).
@@ -27,7 +29,7 @@ prefix 0, one fed row and the padding slot: their writes land in slot PADDING_SL
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -120,18 +122,31 @@ class ChainRow:
     seed: int
     temperature: float
 
+    @property
+    def num_fed(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class FedSpan:
+    """Where a request's fed rows lie, on the host: all eager planning needs (a fused step
+    knows its accept lengths, hence its fed rows, only on the device: see fused_chain.py)."""
+    prefix_len: int
+    num_fed: int
+
 
 def run_chain(model: ChainModel, pool: KVPool, inputs: ChainInputs, plan: Callable[[ForwardBatch], None],
               probs_out: torch.Tensor | None = None, first_features: torch.Tensor | None = None,
-              host_rows: list[ChainRow] | None = None) -> torch.Tensor:
-    """The chain's drafts (bs, K) int64 target ids. probs_out: (>= bs, K+1, V) float32
-    filled with q (sampling chains), or None for argmax drafts. first_features: EAGLE's
-    target states of the fed rows (bs * n, features). host_rows: the batch on the host, for
-    eager planning (a graph plans for the longest context instead)."""
+              host_rows: Sequence[ChainRow | FedSpan] | None = None) -> torch.Tensor:
+    """The chain's drafts (bs, K) int64 target ids. probs_out: (>= bs, >= K, V) float32
+    whose [:, j - 1] gets q of draft j (sampling chains), or None for argmax drafts.
+    first_features: EAGLE's target states of the fed rows (bs * n, features). host_rows:
+    the fed rows on the host, for eager planning (a graph plans for the longest context
+    instead). Draft step j writes its row to slots[:, n + j - 1]."""
     bs, n, num_steps = inputs.batch_size, inputs.rows_per_req, inputs.draft_slots + 1
     device = inputs.tokens.device
     host_prefix = [row.prefix_len for row in host_rows] if host_rows is not None else [0] * bs
-    host_last = [row.prefix_len + len(row.tokens) - 1 for row in host_rows] if host_rows is not None else [0] * bs
+    host_last = [row.prefix_len + row.num_fed - 1 for row in host_rows] if host_rows is not None else [0] * bs
     plan_and = lambda batch, features: (plan(batch), model.forward(batch, features))[1]  # noqa: E731
     state = plan_and(fed_rows_batch(inputs, pool, host_prefix), first_features)
     last = inputs.prefix_lens + inputs.num_fed - 1                  # the last fed row

@@ -64,11 +64,18 @@ def load_eagle_head(args: ServerArgs, target: ModelConfig, device: torch.device,
     if max(config.aux_layers, default=0) >= target.num_layers:
         raise ArgumentError(f"{field}: the head reads target layers {list(config.aux_layers)}, "
                             f"the target has {target.num_layers}")
-    head.rope = RotaryEmbedding(config.head_dim, chain_context(context_length, args.speculative_steps),
-                                config.rope_theta, config.rope_scaling).to(device)
+    head.rope = RotaryEmbedding(config.head_dim, head_context(context_length, args), config.rope_theta,
+                                config.rope_scaling).to(device)
     logger.info("loaded %s head %s (draft vocabulary %d) in %.1f s", config.algorithm, path,
                 config.draft_vocab_size, time.perf_counter() - start)
     return head.eval().requires_grad_(False)
+
+
+def head_context(context_length: int, args: ServerArgs) -> int:
+    """Rows (and RoPE positions) a head's cache spans: a tree's steps reach K rows past the
+    root's, a chain's fused step 2K - 1 (fused_chain.reserved_head_rows)."""
+    steps = args.speculative_steps
+    return chain_context(context_length, 2 * steps - 1 if (args.speculative_eagle_topk or 1) == 1 else steps)
 
 
 def target_capture(head: EagleHead) -> HiddenCapture:
@@ -114,7 +121,7 @@ class EagleHeadRunner:
         self.padding_row = target_pool.max_requests
         self.pool = KVPool(1, config.num_kv_heads, config.head_dim, target_pool.size,
                            (target_pool.max_requests + 1) * self.topk,
-                           chain_context(target_pool.max_context, self.num_steps), self.dtype, self.device)
+                           head_context(target_pool.max_context, args), self.dtype, self.device)
         self.backend = drafter_backend(args, self.device, config.num_heads, config.num_kv_heads, config.head_dim)
         self.chain_model = MtpChainModel(head, self.backend) if isinstance(head, MtpHead) \
             else HeadChainModel(head, self.backend)

@@ -72,7 +72,7 @@ def prepare_draft(args: ServerArgs, target: ModelConfig, device: torch.device, d
         model = draft_runner.load_draft_model(args, target, device, dtype, context_length)
         return DraftSetup(draft_runner.kv_bytes_per_token(model, dtype), None,
                           lambda runner: StandaloneDrafter(draft_runner.DraftModelRunner(args, model, runner.pool)))
-    if args.speculative in FUSED_CHAIN_ALGORITHMS:
+    if fuses_chain(args):
         return prepare_fused_chain(args, target, device, dtype, context_length)
     from specserve.runner import eagle_runner
     from specserve.speculative.eagle import EagleDrafter
@@ -86,18 +86,25 @@ def prepare_draft(args: ServerArgs, target: ModelConfig, device: torch.device, d
     return DraftSetup(eagle_runner.kv_bytes_per_token(head, dtype), eagle_runner.target_capture(head), make_drafter)
 
 
+def fuses_chain(args: ServerArgs) -> bool:
+    """Whether the drafter verifies and drafts in one fused step (fused_drafter.py): NAIVE_EAGLE
+    and MTP always, EAGLE / EAGLE3 when they draft a chain (top-k 1); EAGLE-2's trees do not."""
+    return args.speculative in FUSED_CHAIN_ALGORITHMS or (
+        args.speculative in ("EAGLE", "EAGLE3") and (args.speculative_eagle_topk or 1) == 1)
+
+
 def prepare_fused_chain(args: ServerArgs, target: ModelConfig, device: torch.device, dtype: torch.dtype,
                         context_length: int) -> DraftSetup:
-    """NAIVE_EAGLE (an EAGLE head of either kind) or MTP (an MTP layer): the head drafts one
-    token per step, verified and drafted again in one fused step (naive_eagle.py)."""
+    """An EAGLE head of either kind (EAGLE, EAGLE3, NAIVE_EAGLE) or an MTP layer (MTP): the head
+    drafts a chain of K tokens per step (K = 1 for NAIVE_EAGLE and MTP), verified and drafted
+    again in one fused step (fused_drafter.py)."""
     from specserve.runner import eagle_runner
-    from specserve.runner.draft_runner import chain_context
     from specserve.runner.fused_chain import FusedChainRunner
+    from specserve.speculative.fused_drafter import FusedChainDrafter
     from specserve.speculative.mtp_checkpoint import load_mtp_head
-    from specserve.speculative.naive_eagle import NaiveEagleDrafter
     if args.speculative == "MTP":
         head = load_mtp_head(args.speculative_draft_model_path, target, device, dtype,
-                             chain_context(context_length, args.speculative_steps))
+                             eagle_runner.head_context(context_length, args))
     else:
         head = eagle_runner.load_eagle_head(args, target, device, dtype, context_length)
     copies = whole_vocabulary_copies(args, target, head, device, dtype)
@@ -107,7 +114,7 @@ def prepare_fused_chain(args: ServerArgs, target: ModelConfig, device: torch.dev
             head.share_target(sharded_model(runner.model))   # its norm; shards of the rest are replaced next
         lend_vocabulary(head, runner, copies)
         head_runner = eagle_runner.EagleHeadRunner(args, head, runner.model, runner.pool)
-        return NaiveEagleDrafter(head_runner, FusedChainRunner(runner, head_runner))
+        return FusedChainDrafter(head_runner, FusedChainRunner(runner, head_runner))
 
     return DraftSetup(eagle_runner.kv_bytes_per_token(head, dtype), eagle_runner.target_capture(head), make_drafter)
 

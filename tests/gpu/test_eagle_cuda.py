@@ -1,8 +1,11 @@
-"""EAGLE / EAGLE3 on a GPU (fp32): the target's verify graphs keep the hidden states the head
-reads, so greedy output equals plain decoding and every request's verify steps are the
-ones the trainer's replay predicts (heads trained on the CPU by tests/test_eagle_drafter.py's
-fixtures), through the graphs and eagerly (batches larger than the graphs); EAGLE-2 trees
-built in the graphs equal the CPU reference's (tests/test_eagle_drafter_tree.py)."""
+"""EAGLE / EAGLE3 on a GPU (fp32): chains of K drafts (top-k 1) run through the fused step
+(runner/fused_chain.py), replayed from its CUDA graphs (one per batch bucket and
+verification kind) and eagerly (batches larger than the graphs): greedy output equals plain
+decoding and every request's verify steps are the ones the trainer's replay predicts (heads
+trained on the CPU by tests/test_eagle_drafter.py's fixtures); seeded sampling gives plain
+decoding's tokens through the coupled graphs, unseeded sampling runs through the rejection
+graphs; every target and head KV slot comes back. EAGLE-2 trees (not fused) built in the
+drafting graphs equal the CPU reference's (tests/test_eagle_drafter_tree.py)."""
 from __future__ import annotations
 
 import pytest
@@ -10,26 +13,53 @@ import torch
 
 from specserve.speculative.eagle_batches import BatchBuilder
 from specserve.speculative.eagle_eval import accepted_runs, replay_decoding
+from tests.fused_fixtures import FusedSpy, wait_until_fused_state_is_free
+from tests.gpu.test_naive_eagle_cuda import GraphKinds
 from tests.spec_fixtures import tiny_engine
-from tests.test_eagle_drafter import NUM_STEPS, eagle_args, head_dir, target, wait_until_head_kv_is_free  # noqa: F401
+from tests.test_eagle_drafter import eagle_args, head_dir, target  # noqa: F401
 from tests.test_eagle_drafter_tree import TREES, check_trees
+
+CUDA = {"device": "cuda", "max_total_tokens": 4096}
 
 
 @pytest.mark.parametrize("graph_max_bs", [8, 2])     # 2: the batches of 8 run eagerly
-def test_eagle_verify_steps_match_the_replay_on_cuda(target, head_dir, graph_max_bs):  # noqa: F811
+@pytest.mark.parametrize("num_steps", [1, 3])
+def test_eagle_verify_steps_match_the_replay_on_cuda(target, head_dir, graph_max_bs, num_steps, monkeypatch):  # noqa: F811
     path, _, _, held_out = target
     algorithm, head_path, head, extractor = head_dir
-    with tiny_engine(path, device="cuda", cuda_graph_max_bs=graph_max_bs, max_total_tokens=4096,
-                     **eagle_args(algorithm, head_path)) as engine:
+    graphs = GraphKinds(monkeypatch)
+    with tiny_engine(path, cuda_graph_max_bs=graph_max_bs, **CUDA,
+                     **eagle_args(algorithm, head_path, speculative_num_steps=num_steps)) as engine:
+        assert engine.core.drafter.fused.graphs is not None
+        spy = FusedSpy(engine.core.drafter)
         outputs = engine.generate(input_ids=[c.tokens[:c.prompt_len] for c in held_out],
                                   sampling_params={"temperature": 0.0, "max_new_tokens": 32})
         assert [o["output_ids"] for o in outputs] == [c.tokens[c.prompt_len:] for c in held_out]
-        wait_until_head_kv_is_free(engine)
+        wait_until_fused_state_is_free(engine)
+    assert spy.engine == 0 and graphs.replays["greedy"] > 0
     batch = BatchBuilder(extractor, None, bool(head.config.aux_layers))(held_out).conversations
     with torch.no_grad():
-        runs = accepted_runs(head, batch, NUM_STEPS).cpu()
+        runs = accepted_runs(head, batch, num_steps).cpu()
     steps = [replay_decoding(runs[i:i + 1], [len(c.tokens)], [c.prompt_len]).verify_steps for i, c in enumerate(held_out)]
     assert [o["meta_info"]["spec_verify_ct"] for o in outputs] == steps
+
+
+def test_eagle_sampling_runs_through_the_coupled_and_rejection_graphs(target, head_dir, monkeypatch):  # noqa: F811
+    path, _, _, held_out = target
+    algorithm, head_path, _, _ = head_dir
+    prompts = [c.tokens[:c.prompt_len] for c in held_out[:4]]
+    seeded = [{"temperature": 1.0, "max_new_tokens": 24, "ignore_eos": True, "seed": 3 + i} for i in range(4)]
+    with tiny_engine(path, **CUDA) as plain:
+        expected = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=seeded)]
+    graphs = GraphKinds(monkeypatch)
+    with tiny_engine(path, **CUDA, **eagle_args(algorithm, head_path)) as engine:
+        assert [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=seeded)] == expected
+        sampled = engine.generate(input_ids=prompts, sampling_params={"temperature": 0.8, "max_new_tokens": 24,
+                                                                      "ignore_eos": True})
+        assert [len(o["output_ids"]) for o in sampled] == [24] * 4
+        assert any(k > 1 for o in sampled for k in o["meta_info"]["spec_accept_histogram"])
+        wait_until_fused_state_is_free(engine)
+    assert graphs.replays["coupled"] > 0 and graphs.replays["rejection"] > 0
 
 
 @pytest.mark.parametrize("graph_max_bs", [8, 2])

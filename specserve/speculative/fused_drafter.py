@@ -1,0 +1,157 @@
+"""The fused chain drafter: EAGLE / EAGLE3 with top-k 1 (a chain of K drafts), NAIVE_EAGLE and
+MTP (K = 1), where the target's verification of step N and the head's K drafts for step
+N + 1 run in one device function (one CUDA graph replay, runner/fused_chain.py): no host
+round trip between them, one host sync per step, which reads the committed tokens and the
+next drafts together.
+
+The head is an EAGLE head from our trainer (either kind: EAGLE-2's final state or EAGLE-3's
+three layers), or an MTP layer (mtp_head.py) for MTP; both keep the row layout of eagle.py
+(row r reads the state of position r and the token at r + 1).
+
+Per request, the drafter keeps the drafts the last fused step made (`pending`, with the
+position of the first) and its head cache fed up to the row before the root. A request
+without pending drafts (a prompt just prefilled, a resumed preemption, or a step the engine
+verified itself) first goes through EagleDrafter's chain: the catch-up of its rows from the
+stored target states, then its first K drafts (a host sync, on such steps only). Then every
+request gets its next 2K head rows reserved (fused_chain.reserved_head_rows), and the step
+is fused.
+
+Batches the fused step cannot serve (penalties, logprobs, min_new_tokens still holding stop
+tokens back, a head cache that did not fit) are verified by the engine as usual: the target
+forward keeps its states (observe_hidden) and the next step catches up on them.
+Sampling: drafts are sampled from the head's q (unseeded requests; verified by residual
+rejection with that q) or its argmax (greedy and seeded requests; the coupled rule gives a
+seeded request plain decoding's tokens), as STANDALONE's and EAGLE's chains. Without a q
+table (fused_chain.Q_TABLE_BYTES: too many requests x drafts x vocabulary) a batch with
+sampled drafts takes EagleDrafter's unfused chain, whose q lives for one step only.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+
+from specserve.runner.fused_chain import reserved_head_rows
+from specserve.runner.tree_step import GreedyOutcome
+from specserve.sampling.sampler import SampledStep
+from specserve.speculative.eagle import EagleDrafter
+from specserve.speculative.model_proposals import chain_proposal, draft_temperature
+from specserve.speculative.tree import TreeProposal
+
+if TYPE_CHECKING:
+    from specserve.engine.request import Req
+    from specserve.runner.eagle_runner import EagleHeadRunner
+    from specserve.runner.fused_chain import FusedChainRunner
+    from specserve.sampling.sampler import Sampler
+
+
+class FusedChainDrafter(EagleDrafter):
+    """EAGLE's chain drafter whose verify steps it runs itself (verify_fused)."""
+
+    def __init__(self, runner: "EagleHeadRunner", fused: "FusedChainRunner"):
+        super().__init__(runner)
+        self.fused = fused
+        self.reserved_rows = reserved_head_rows(self.num_steps)
+        self.pending: dict[str, tuple[int, list[int]]] = {}   # rid -> (position of the first draft, K drafts)
+        self._reserved: set[str] = set()                       # requests whose fused rows this step reserved
+
+    def propose(self, reqs: list["Req"], max_nodes: list[int]) -> tuple[TreeProposal, list[int]]:
+        self._reserved = set()
+        sampled = any(draft_temperature(r) > 0 for r in reqs)
+        if sampled and self.fused.q_table is None:
+            return super().propose(reqs, max_nodes)   # the unfused chain, which hands its q over itself
+        lagging = [req for req in reqs if self._drafts_of(req) is None]
+        if lagging:
+            self._first_drafts(lagging)
+        drafted, drafts = [], []
+        for index, (req, limit) in enumerate(zip(reqs, max_nodes)):
+            pending = self._drafts_of(req)
+            if pending is None or self.kv.reserve(req, self.reserved_rows) is None:
+                continue    # no drafts (its states were missing) or no room: the engine verifies this batch
+            self._reserved.add(req.rid)
+            if limit > 1:
+                drafted.append(index)
+                drafts.append(pending)
+        self.kv.write_table()
+        roots = [r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs]
+        proposal, num_nodes = chain_proposal(max_nodes, roots, drafted, drafts, None, self.num_steps)
+        if not self._fuses(reqs) and sampled and drafted:
+            proposal = self._with_q(proposal, reqs)
+        return proposal, num_nodes
+
+    def _fuses(self, reqs: list["Req"]) -> bool:
+        """Whether the fused step serves this batch (else the engine verifies it)."""
+        return all(r.rid in self._reserved and fusable(r) for r in reqs)
+
+    def _with_q(self, proposal: TreeProposal, reqs: list["Req"]) -> TreeProposal:
+        """The proposal with the q its sampled drafts were drawn from, for the engine's
+        residual rejection (the last node has no children: its q stays 0)."""
+        q = self.fused.q_table.index_select(0, torch.tensor([r.row for r in reqs], device=self.fused.device))
+        q = q[:, :proposal.num_slots - 1]       # a batch of root-only trees has no drafts' q
+        return dataclasses.replace(proposal, draft_probs=torch.cat([q, torch.zeros_like(q[:, :1])], dim=1))
+
+    def _drafts_of(self, req: "Req") -> list[int] | None:
+        """The pending drafts, if they start at the request's next position and the head's
+        cache holds every row before the root (a fused step feeds the rows from there)."""
+        pending = self.pending.get(req.rid)
+        if pending is None or pending[0] != req.num_tokens or req.rid not in self.kv.sequences:
+            return None
+        return pending[1] if self.kv.sync(req).committed == self.kv.rows_of(req) else None
+
+    def _first_drafts(self, reqs: list["Req"]) -> None:
+        """EAGLE's catch-up and chain of K drafts, for requests without pending drafts; their
+        q goes where the fused step reads it."""
+        nodes = self.num_steps + 1
+        proposal, num_nodes = super().propose(reqs, [nodes] * len(reqs))
+        drafted = [i for i, count in enumerate(num_nodes) if count == nodes]
+        if not drafted:
+            return
+        drafts = proposal.tokens[drafted, 1:].tolist()
+        for i, chain in zip(drafted, drafts):
+            self.pending[reqs[i].rid] = (reqs[i].num_tokens, chain)
+        probs = None if proposal.draft_probs is None else proposal.draft_probs[drafted]
+        self.fused.set_pending_q([reqs[i].row for i in drafted], probs, drafts)
+
+    def verify_fused(self, reqs: list["Req"], proposal: TreeProposal, slots: list[int],
+                     sampler: "Sampler") -> "SampledStep | None":
+        kind = verification_kind(reqs, sampler.sampling_rule)
+        if not self._fuses(reqs) or kind not in self.fused.kinds:   # (rejection without a q table)
+            return None
+        head_slots = []
+        for req in reqs:
+            first = self.kv.rows_of(req)
+            head_slots.extend(self.kv.sequences[req.rid].slots[first:first + self.reserved_rows])
+        outcome = self.fused.launch(reqs, proposal, slots, head_slots, kind).wait()   # the step's one sync
+        nodes = self.num_steps + 1
+        parsed = GreedyOutcome.parse(outcome[:, :1 + 2 * nodes])   # commit_path's layout, whatever the verification
+        for req, tokens, drafts in zip(reqs, parsed.tokens, outcome[:, 1 + 2 * nodes:].tolist()):
+            # rows L - 1 .. L - 2 + a now hold the committed tokens; the reserved rows after them
+            # stay unset (junk or the draft steps' rows) and are freed by the next sync
+            self.kv.record_drafts(req, tokens)
+            self.pending[req.rid] = (req.num_tokens + len(tokens), drafts)
+        return SampledStep(parsed.tokens, parsed.accepted_nodes, None, None)
+
+    def release(self, req: "Req") -> None:
+        super().release(req)
+        self.pending.pop(req.rid, None)
+
+
+def fusable(req: "Req") -> bool:
+    """What verification inside the fused step handles: the target's filtered distribution,
+    no penalties, no logprobs, no stop tokens held back by min_new_tokens."""
+    params = req.params
+    return not params.has_penalties and not req.return_logprob and params.min_new_tokens <= len(req.output_ids)
+
+
+def verification_kind(reqs: list["Req"], sampling_rule: str) -> str:
+    """fused_chain.KINDS: as the engine's sampler picks its rule (Sampler._rule): sampled
+    drafts are verified by residual rejection with their q unless a seeded request asks for
+    the coupled rule (which stays exact, it only accepts sampled drafts less)."""
+    if all(r.params.greedy for r in reqs):
+        return "greedy"
+    sampled_drafts = any(draft_temperature(r) > 0 for r in reqs)
+    seeded = any(r.params.seed is not None for r in reqs)
+    if sampled_drafts and (sampling_rule == "rejection" or not seeded):
+        return "rejection"
+    return sampling_rule

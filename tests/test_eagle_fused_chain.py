@@ -1,0 +1,149 @@
+"""EAGLE / EAGLE3 chains of K drafts (top-k 1) through the fused step (runner/fused_chain.py):
+one device function verifies the chain, commits the accepted path and drafts the next K
+tokens. With heads our trainer made (tests/test_eagle_drafter.py's fixtures, both kinds),
+greedy output equals plain decoding and every request's verify steps are exactly those the
+trainer's accept-length replay predicts for chains of K, for K = 1 (EAGLE's, and NAIVE_EAGLE,
+the same code), 2 and 3, one request at a
+time and several of different lengths together: which holds only if the fused step feeds
+the head the rows, target states, tokens and positions training does, its draft steps
+included, after any accept length. Every step is fused after each request's first drafts;
+the head's cache and the pending drafts are all freed, also after preemption and aborts
+with an untrained head, whose drafts get rejected at every depth.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from specserve.runner.fused_chain import reserved_head_rows
+from specserve.speculative.eagle_batches import BatchBuilder
+from specserve.speculative.eagle_eval import accepted_runs, replay_decoding
+from tests.fused_fixtures import FusedSpy, fused_args, save_random_eagle_head, wait_until_fused_state_is_free
+from tests.spec_fixtures import make_tiny_directory, tiny_engine
+from tests.test_eagle_drafter import head_dir, target  # noqa: F401  (a target and heads trained on it)
+
+GREEDY = {"temperature": 0.0, "max_new_tokens": 32}
+
+
+def accept_histogram(outputs: list[dict]) -> Counter:
+    histogram = Counter()
+    for output in outputs:
+        histogram.update(output["meta_info"]["spec_accept_histogram"])
+    return histogram
+
+
+def chain_args(algorithm: str, head_path, num_steps: int, naive: bool = False) -> dict:
+    """A fused chain of num_steps drafts: EAGLE / EAGLE3's, or NAIVE_EAGLE's (one draft, a
+    head of either kind)."""
+    if naive:
+        return fused_args("NAIVE_EAGLE", head_path)
+    return fused_args(algorithm, head_path, speculative_num_steps=num_steps)
+
+
+CHAINS = [(1, True), (1, False), (2, False), (3, False)]     # (K, NAIVE_EAGLE)
+CHAIN_IDS = ["naive", "K1", "K2", "K3"]
+
+
+@pytest.mark.parametrize("max_running", [1, 8])
+@pytest.mark.parametrize("num_steps,naive", CHAINS, ids=CHAIN_IDS)
+def test_greedy_verify_steps_are_what_training_predicts(target, head_dir, num_steps, naive, max_running):  # noqa: F811
+    path, _, _, held_out = target
+    algorithm, head_path, head, extractor = head_dir
+    args = chain_args(algorithm, head_path, num_steps, naive)
+    with tiny_engine(path, max_running_requests=max_running, **args) as engine:
+        drafter = engine.core.drafter
+        assert drafter.fused.nodes == num_steps + 1
+        spy = FusedSpy(drafter)
+        outputs = engine.generate(input_ids=[c.tokens[:c.prompt_len] for c in held_out], sampling_params=GREEDY)
+        assert [o["output_ids"] for o in outputs] == [c.tokens[c.prompt_len:] for c in held_out]
+        wait_until_fused_state_is_free(engine)
+    assert spy.engine == 0 and spy.fused == sum(o["meta_info"]["spec_verify_ct"] for o in outputs)
+    # one catch-up per request that decodes at all, then every draft came from a fused step
+    assert spy.first_drafts == sum(o["meta_info"]["spec_verify_ct"] > 0 for o in outputs)
+    batch = BatchBuilder(extractor, None, bool(head.config.aux_layers))(held_out).conversations
+    with torch.no_grad():
+        runs = accepted_runs(head, batch, num_steps).cpu()
+    for row, (conversation, output) in enumerate(zip(held_out, outputs)):
+        replay = replay_decoding(runs[row:row + 1], [len(conversation.tokens)], [conversation.prompt_len])
+        assert output["meta_info"]["spec_verify_ct"] == replay.verify_steps, f"conversation {row}"
+    assert set(accept_histogram(outputs)) == set(range(1, num_steps + 2))     # every accept length
+
+
+@pytest.mark.parametrize("num_steps,naive", [(1, True), (2, False), (3, False)], ids=["naive", "K2", "K3"])
+def test_an_untrained_head_keeps_greedy_output_and_frees_everything(tmp_path, num_steps, naive):
+    """A 256-token target and a random head over half its vocabulary (every draft
+    rejected): batches, preemption (a small cache), an abort, penalised and sampled
+    requests in the same batches (the engine verifies those); the head never holds more
+    than its requests' rows and the fused steps' reserved rows."""
+    target_path, head_path = tmp_path / "target", tmp_path / "head"
+    make_tiny_directory(target_path, "qwen2", seed=1)
+    save_random_eagle_head(target_path, head_path, draft_vocab=torch.arange(0, 256, 2))
+    prompts = [[5, 6, 7, 8, 9] * 6 + [10, 11], [20, 21, 22, 23] * 5, list(range(30, 72)), [100, 101] * 9]
+    greedy = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+    penalised = {**greedy, "repetition_penalty": 1.3}
+    with tiny_engine(target_path) as plain:
+        expected = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=greedy)]
+        expected_penalised = plain.generate(input_ids=prompts[0], sampling_params=penalised)["output_ids"]
+    with tiny_engine(target_path, max_total_tokens=160, **chain_args("EAGLE3", head_path, num_steps, naive)) as engine:
+        drafter = engine.core.drafter
+        spy, held = FusedSpy(drafter), HeadRowsSpy(drafter)
+        outputs = engine.generate(input_ids=prompts, sampling_params=greedy)
+        assert [o["output_ids"] for o in outputs] == expected
+        assert sum(o["meta_info"]["preemptions"] for o in outputs) > 0 and spy.fused > 0
+        stream = engine.generate(input_ids=prompts[1], sampling_params={**greedy, "max_new_tokens": 60}, stream=True)
+        next(iter(stream))
+        stream.close()     # aborts it
+        mixed = engine.generate(input_ids=prompts[:3], sampling_params=[
+            penalised, {"temperature": 1.0, "max_new_tokens": 20, "ignore_eos": True}, greedy])
+        assert mixed[0]["output_ids"] == expected_penalised and mixed[2]["output_ids"] == expected[2]
+        assert len(mixed[1]["output_ids"]) == 20
+        wait_until_fused_state_is_free(engine)
+    assert spy.engine > 0 and held.steps > 0 and not held.excess, held.excess
+    histogram = accept_histogram(outputs)
+    assert set(histogram) == {1}      # every first draft rejected: the junk rows are all but the first
+
+
+def test_preemption_and_aborts_with_every_accept_length(target, head_dir):  # noqa: F811
+    """The trained heads (accept lengths 1 .. K + 1) and a cache too small for the batch:
+    requests are preempted and resumed (their head cache rebuilt from their prefill's
+    states), one is aborted mid-stream; output stays plain decoding's and everything is freed."""
+    path, _, _, held_out = target
+    algorithm, head_path, _, _ = head_dir
+    prompts = [c.tokens[:c.prompt_len] for c in held_out]
+    with tiny_engine(path, max_total_tokens=150, **fused_args(algorithm, head_path, speculative_num_steps=3)) as engine:
+        drafter = engine.core.drafter
+        spy, held = FusedSpy(drafter), HeadRowsSpy(drafter)
+        outputs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert [o["output_ids"] for o in outputs] == [c.tokens[c.prompt_len:] for c in held_out]
+        stream = engine.generate(input_ids=prompts[0], sampling_params={**GREEDY, "ignore_eos": True}, stream=True)
+        next(iter(stream))
+        next(iter(stream))
+        stream.close()     # aborts it between fused steps
+        wait_until_fused_state_is_free(engine)
+    assert sum(o["meta_info"]["preemptions"] for o in outputs) > 0
+    assert spy.fused > 0 and held.steps > 0 and not held.excess, held.excess
+    assert set(accept_histogram(outputs)) == {1, 2, 3, 4}
+
+
+class HeadRowsSpy:
+    """After each fused step: the head's cache holds, per request, its committed rows and the
+    step's reserved rows, nothing more; the rows the step fed count as committed only at the
+    next sync, which keeps those of the committed tokens and frees the others."""
+
+    def __init__(self, drafter):
+        self.steps, self.excess = 0, []
+        verify_fused = drafter.verify_fused
+
+        def verify(reqs, *args):
+            outcome = verify_fused(reqs, *args)
+            if outcome is not None:
+                self.steps += 1
+                for req, tokens in zip(reqs, outcome.tokens):
+                    seq = drafter.kv.sequences[req.rid]
+                    rows = drafter.kv.rows_of(req)     # before the commit: L - 1
+                    if seq.committed != rows or len(seq.slots) != rows + reserved_head_rows(drafter.num_steps):
+                        self.excess.append((req.rid, rows, seq.committed, len(seq.slots)))
+            return outcome
+        drafter.verify_fused = verify
