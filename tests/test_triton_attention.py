@@ -7,7 +7,6 @@ TRITON_INTERPRET=0 on a GPU machine the same tests run the compiled kernels on C
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 
 # must be set before triton is imported anywhere in this process
@@ -19,7 +18,6 @@ import triton  # noqa: E402,F401  -- no triton must fail these tests, never skip
 
 from specserve.attention.base import ForwardBatch, ForwardMode  # noqa: E402
 from specserve.attention.kernels import decode as decode_kernels  # noqa: E402
-from specserve.attention.kernels import extend as extend_kernels  # noqa: E402
 from specserve.attention.torch_native import TorchNativeBackend  # noqa: E402
 from specserve.attention.triton_backend import TritonBackend  # noqa: E402
 from specserve.kv.pool import PADDING_SLOT, KVPool  # noqa: E402
@@ -161,54 +159,6 @@ def test_verify_chain_without_mask_is_causal():
     compare((6, 2, 64), ForwardMode.VERIFY, prefix_lens=[20, 70], extend_lens=[4, 4])
 
 
-def splits_used(backend: TritonBackend, kv_len: int, num_splits: int) -> int:
-    """Splits of the extend kernel that hold keys of a kv_len-key request (keys_per_split)."""
-    block = extend_kernels.CONFIG["BLOCK_N"]
-    per_split = triton.cdiv(max(triton.cdiv(kv_len, num_splits), backend.min_keys_per_split), block) * block
-    return triton.cdiv(kv_len, per_split)
-
-
-def test_verify_merges_in_the_last_split_in_chunks_and_resets_its_counters(monkeypatch):
-    """Uneven contexts and tree sizes (0.5B's GROUP of 7): the long request's two row blocks
-    (16 nodes x 7 heads) are merged in-kernel from 4 splits, read 2 at a time; the short
-    one is written by its one split. The arrival counters are zero again after the launch."""
-    monkeypatch.setattr(extend_kernels, "MERGE_CHUNK", 2)
-    sizes = [8, 3, 16]
-    batch = compare((14, 2, 64), ForwardMode.VERIFY, prefix_lens=[130, 5, 400], extend_lens=sizes,
-                    tree_mask=random_tree_masks(sizes), target_programs=64)
-    meta = batch.attn_metadata
-    assert meta.row_blocks == 2 and meta.partial_out is not None
-    backend = small_splits(TritonBackend(14, 2, 64))
-    assert [splits_used(backend, p + n, meta.partial_out.shape[2]) for p, n in zip([130, 5, 400], sizes)] == [3, 1, 4]
-    assert not meta.split_counters.any()
-
-
-def test_causal_row_blocks_merge_only_the_splits_they_see():
-    """A 130-token prompt with GROUP 1: its first row block sees 64 keys (one split, written
-    directly), its last sees all 130 (three splits, merged); the counters end at zero."""
-    batch = compare((2, 2, 64), ForwardMode.EXTEND, prefix_lens=[0, 40], extend_lens=[130, 3], target_programs=64)
-    meta = batch.attn_metadata
-    assert meta.row_blocks == 3 and meta.partial_out.shape[2] >= 3
-    assert not meta.split_counters.any()
-
-
-def test_second_launch_reuses_the_counters():
-    """Two layers' launches on one plan (as a step runs every layer, and a graph replays):
-    the second merges correctly from the counters the first left at zero."""
-    heads = num_heads, num_kv_heads, head_dim = (6, 2, 64)
-    sizes = [8, 6]
-    pool = make_pool(num_kv_heads, head_dim)
-    batch = make_batch(pool, ForwardMode.VERIFY, [300, 90], sizes, random_tree_masks(sizes))
-    backend = small_splits(TritonBackend(*heads), 64)
-    backend.plan(batch)
-    assert batch.attn_metadata.partial_out is not None
-    for seed in (1, 2):
-        q, k, v = random_qkv(batch.num_tokens, num_heads, num_kv_heads, head_dim, seed=seed)
-        expected = attend(TorchNativeBackend(*heads), dataclasses.replace(batch), q, k, v)  # a batch of its own
-        torch.testing.assert_close(backend.forward(q, k, v, 0, batch), expected, atol=1e-4, rtol=1e-4)
-        assert not batch.attn_metadata.split_counters.any()
-
-
 def padded_graph_batch(pool: KVPool, real: ForwardBatch, bs: int, tokens_per_req: int) -> ForwardBatch:
     """`real` padded to bs requests the way the backend's docstring says a graph batch is."""
     pad = bs - real.batch_size
@@ -253,7 +203,7 @@ def test_static_buffers_match_plan(mode):
     backend.plan_for_replay(graph_batch)
     replayed = graph_batch.attn_metadata
     # a captured graph re-reads the same memory: the replay plan must hand out the same buffers
-    for name in ("req_rows", "prefix_lens", "qo_indptr", "tree_mask", "partial_out", "partial_lse", "split_counters"):
+    for name in ("req_rows", "prefix_lens", "qo_indptr", "tree_mask", "partial_out", "partial_lse"):
         a, b = getattr(captured, name), getattr(replayed, name)
         assert (a is None) == (b is None) and (a is None or a.data_ptr() == b.data_ptr()), name
     assert captured.row_blocks == replayed.row_blocks and replayed.partial_out is not None
@@ -263,29 +213,3 @@ def test_static_buffers_match_plan(mode):
     got = backend.forward(pad_q, pad_k, pad_v, 0, graph_batch)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got[:real.num_tokens], expected, atol=1e-4, rtol=1e-4)
-    assert not replayed.split_counters.any()
-
-
-def test_graph_verify_batch_merges_in_kernel_on_every_replay():
-    """A VERIFY graph batch of 16-node trees (two row blocks at GROUP 7) with two padding
-    requests, splits sized for the pool's longest context: the long request is merged
-    in-kernel, the short and padding ones written by their one split, and a second replay
-    (new q/k/v, same buffers) is right too, the counters back at zero after each."""
-    heads = num_heads, num_kv_heads, head_dim = (14, 2, 64)
-    n, bs = 16, 4
-    pool = make_pool(num_kv_heads, head_dim)
-    backend = small_splits(TritonBackend(*heads), 64)
-    backend.init_cuda_graph_state(max_bs=bs, max_tokens_per_req=n, kv_pool=pool)
-    real = make_batch(pool, ForwardMode.VERIFY, [300, 40], [n, n], random_tree_masks([n, n]))
-    graph_batch = padded_graph_batch(pool, real, bs, n)
-    backend.plan_for_replay(graph_batch)
-    meta = graph_batch.attn_metadata
-    assert meta.row_blocks == 2 and splits_used(backend, 300 + n, meta.partial_out.shape[2]) > 1
-    for seed in (1, 2):
-        q, k, v = random_qkv(real.num_tokens, num_heads, num_kv_heads, head_dim, seed=seed)
-        expected = attend(TorchNativeBackend(*heads), dataclasses.replace(real), q, k, v)
-        padded = [torch.cat([x, torch.zeros(((bs - 2) * n, *x.shape[1:]), device=DEVICE)]) for x in (q, k, v)]
-        got = backend.forward(*padded, 0, graph_batch)
-        assert torch.isfinite(got).all()
-        torch.testing.assert_close(got[:real.num_tokens], expected, atol=1e-4, rtol=1e-4)
-        assert not meta.split_counters.any()

@@ -1,25 +1,20 @@
 """GPU check of the Triton attention backend: numbers against torch_native, time against
 the bytes-moved roofline, and the CUDA-graph path (capture, then replay another batch).
 
-    python -m specserve.attention.check_gpu [--out table.md] [--smoke] [--tree-sizes 8 16]
-        [--max-extend-splits N] [--min-split-keys N]
+    python -m specserve.attention.check_gpu [--out table.md] [--smoke]
 
 Sizes follow Qwen2.5-1.5B (12 q heads, 2 kv heads, head_dim 128) in bf16. Errors are
 measured against torch_native run in fp32 on the same bf16 K/V, next to torch_native's own
 bf16 error. Times are GPU time per layer from CUDA-graph replays over enough layers that
 the K/V never sits in L2. Roofline = bytes the attention must move (K/V of every key, q,
 out, the new K/V) / measured device bandwidth (the better of copy and read); "roof%" =
-roofline time / time. "graph us" times the same batch planned as a CUDA graph plans it:
-the grid sized for a pool of GRAPH_CONTEXT keys per request (its splits, most of them
-empty for these contexts, in "graph splits"), checked against the reference too.
---max-extend-splits / --min-split-keys set the backend's split limits, to compare choices.
+roofline time / time.
 `--smoke` runs tiny sizes on the CPU in Triton's interpreter (no timing of note), to
 check the script itself where there is no GPU. Exit status 1 if any check fails.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import time
@@ -28,7 +23,6 @@ import torch
 
 HEADS = (12, 2, 128)  # num_heads, num_kv_heads, head_dim
 TREE_SIZE = 8
-GRAPH_CONTEXT = 32768  # a serving pool's longest context (Qwen2.5's 32k)
 TIMING_BYTES = 256 * 2**20  # K/V read per timed call: several times the L2 of an H100/H200
 TIMING_MAX_LAYERS = 256
 
@@ -37,20 +31,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="also write the table (markdown) to this file")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU in the Triton interpreter")
-    parser.add_argument("--tree-sizes", type=int, nargs="+", default=[TREE_SIZE], help="VERIFY draft tree sizes")
-    parser.add_argument("--max-extend-splits", type=int, help="TritonBackend.max_extend_splits")
-    parser.add_argument("--min-split-keys", type=int, help="TritonBackend.min_keys_per_split")
     args = parser.parse_args()
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported below
     elif not torch.cuda.is_available():
         print("check_gpu needs a CUDA device (or --smoke)")
         return 1
-    checker = Checker(smoke=args.smoke, tree_sizes=args.tree_sizes)
-    if args.max_extend_splits is not None:
-        checker.triton.max_extend_splits = args.max_extend_splits
-    if args.min_split_keys is not None:
-        checker.triton.min_keys_per_split = args.min_split_keys
+    checker = Checker(smoke=args.smoke)
     rows = checker.run()
     table = format_table(rows)
     print(table)
@@ -63,7 +50,7 @@ def main() -> int:
 
 
 class Checker:
-    def __init__(self, smoke: bool, tree_sizes: list[int] = [TREE_SIZE], time_native: bool = True):
+    def __init__(self, smoke: bool, time_native: bool = True):
         from specserve.attention.torch_native import TorchNativeBackend
         from specserve.attention.triton_backend import TritonBackend
 
@@ -73,8 +60,6 @@ class Checker:
         self.dtype = torch.float32 if smoke else torch.bfloat16  # the interpreter has no bf16 dot
         self.batch_sizes = (1, 3) if smoke else (1, 8, 32, 64)
         self.contexts = (40, 200) if smoke else (512, 2048, 8192)
-        self.tree_sizes = tree_sizes
-        self.graph_context = 512 if smoke else GRAPH_CONTEXT
         self.triton = TritonBackend(*HEADS)
         self.native = TorchNativeBackend(*HEADS)
         self.bandwidth = self._bandwidth()
@@ -83,7 +68,7 @@ class Checker:
         from specserve.attention.base import ForwardMode
 
         rows = []
-        for mode, n in [(ForwardMode.DECODE, 1)] + [(ForwardMode.VERIFY, size) for size in self.tree_sizes]:
+        for mode, n in ((ForwardMode.DECODE, 1), (ForwardMode.VERIFY, TREE_SIZE)):
             for bs in self.batch_sizes:
                 for ctx in self.contexts:
                     rows.append(self._check(mode, [ctx] * bs, [n] * bs))
@@ -146,7 +131,7 @@ class Checker:
     def _check(self, mode, prefix_lens: list[int], extend_lens: list[int]) -> dict:
         layers = self._timing_layers(prefix_lens, extend_lens)
         kv_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
-        pool = self._pool(sum(kv_lens), len(kv_lens), max(max(kv_lens), self.graph_context), layers)
+        pool = self._pool(sum(kv_lens), len(kv_lens), max(kv_lens), layers)
         batch, q, k, v = self._batch(pool, mode, prefix_lens, extend_lens, seed=len(prefix_lens) + prefix_lens[-1])
         exact, native = self._reference(batch, q, k, v)
         self.triton.plan(batch)
@@ -156,12 +141,10 @@ class Checker:
         meta = batch.attn_metadata
         splits = meta.partial_out.shape[2] if meta.partial_out is not None else 1
 
-        def all_layers(backend, planned=batch):
-            return lambda: [backend.forward(q, k, v, layer, planned) for layer in range(layers)]
+        def all_layers(backend):
+            return lambda: [backend.forward(q, k, v, layer, batch) for layer in range(layers)]
 
         triton_ms = self._time(all_layers(self.triton)) / layers
-        graph = self._graph_planned(batch, q, k, v, exact, all_layers, layers) if mode.value != "extend" else {}
-        err = max(err, graph.get("err", 0.0))
         native_ms = None
         if self.time_native:
             self.native.plan(batch)
@@ -171,23 +154,8 @@ class Checker:
         return dict(mode=mode.value, bs=len(prefix_lens), ctx=max(prefix_lens), n=max(extend_lens), splits=splits,
                     err=err, native_err=native_err, triton_us=triton_ms * 1e3,
                     native_us=None if native_ms is None else native_ms * 1e3,
-                    graph_splits=graph.get("splits"), graph_us=graph.get("us"),
                     roof_pct=100 * roof_ms / triton_ms if mode.value != "extend" else None,
                     ok="ok" if err <= max(2 * native_err, 1e-2) and torch.isfinite(out).all() else "FAIL")
-
-    def _graph_planned(self, batch, q, k, v, exact, all_layers, layers: int) -> dict:
-        """The batch planned as a CUDA graph plans it (grid for the pool's longest context):
-        its error against `exact` and its time per layer (eager launches, timed as a graph)."""
-        n = batch.num_tokens // batch.batch_size
-        self.triton.init_cuda_graph_state(max_bs=batch.batch_size, max_tokens_per_req=n, kv_pool=batch.kv_pool)
-        graph_batch = dataclasses.replace(batch, attn_metadata=None)
-        self.triton.plan_for_replay(graph_batch)
-        out = self.triton.forward(q, k, v, 0, graph_batch)
-        meta = graph_batch.attn_metadata
-        counters_zero = meta.split_counters is None or not meta.split_counters.any()
-        err = (out.float() - exact).abs().max().item() if counters_zero and torch.isfinite(out).all() else float("inf")
-        return dict(err=err, splits=meta.partial_out.shape[2] if meta.partial_out is not None else 1,
-                    us=self._time(all_layers(self.triton, graph_batch)) / layers * 1e3)
 
     def _check_graph(self, mode, n: int) -> dict:
         """Capture forward for one batch, replay it for another (other lengths, slots, data)."""
@@ -212,13 +180,9 @@ class Checker:
         first.out_slots.copy_(second.out_slots)  # the runner's static inputs
         for name, value in (("q", q), ("k", k), ("v", v)):
             static[name].copy_(value)
-        errors = []
-        for _ in range(2):  # the second replay merges from the counters the first left at zero
-            graph.replay()
-            torch.cuda.synchronize()
-            errors.append((static_out.float() - exact).abs().max().item())
-        counters_zero = not self.triton._graph.split_counters.any()
-        err = max(errors) if counters_zero else float("inf")
+        graph.replay()
+        torch.cuda.synchronize()
+        err = (static_out.float() - exact).abs().max().item()
         native_err = (native.float() - exact).abs().max().item()
         meta = second.attn_metadata
         return dict(mode=f"{mode.value}+graph", bs=bs, ctx=ctx, n=n,
@@ -282,14 +246,12 @@ def format_table(rows: list[dict]) -> str:
     def cell(value, fmt):
         return "-" if value is None else format(value, fmt)
 
-    lines = ["| mode | bs | ctx | n | splits | max err | native err | triton us | native us | roof% | graph splits "
-             "| graph us | check |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| mode | bs | ctx | n | splits | max err | native err | triton us | native us | roof% | check |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['mode']} | {r['bs']} | {r['ctx']} | {r['n']} | {r['splits']} | {r['err']:.2e} | "
                      f"{r['native_err']:.2e} | {cell(r['triton_us'], '.1f')} | {cell(r['native_us'], '.1f')} | "
-                     f"{cell(r['roof_pct'], '.0f')} | {cell(r.get('graph_splits'), 'd')} | "
-                     f"{cell(r.get('graph_us'), '.1f')} | {r['ok']} |")
+                     f"{cell(r['roof_pct'], '.0f')} | {r['ok']} |")
     return "\n".join(lines)
 
 

@@ -30,6 +30,7 @@ from specserve.attention.base import AttentionBackend, ForwardBatch, ForwardMode
 from specserve.attention.kernels.decode import decode_attention
 from specserve.attention.kernels.extend import (extend_attention, num_row_blocks, ragged_block_table,
                                                 ragged_blocks_bound)
+from specserve.attention.kernels.online_softmax import MAX_SPLITS
 from specserve.kv.pool import KVPool
 
 
@@ -43,7 +44,8 @@ class TritonMetadata:
     row_blocks: int                     # extend grid: query blocks per request
     partial_out: torch.Tensor | None    # (num_tokens, num_heads, splits, head_dim) fp32; None = one split
     partial_lse: torch.Tensor | None    # (num_tokens, num_heads, splits) fp32
-    split_counters: torch.Tensor | None  # (>= programs * num_kv_heads,) int32, zero between launches: merge arrivals
+    split_counters: torch.Tensor | None  # (>= bs * num_kv_heads,) int32 zeros: DECODE's in-kernel merge
+    split_counts: torch.Tensor | None = None  # (>= num_tokens,) int32 scratch: EXTEND/VERIFY splits used per token
     block_table: tuple[torch.Tensor, torch.Tensor] | None = None  # ragged EXTEND: (request, row block) per program
 
 
@@ -59,7 +61,8 @@ class _GraphBuffers:
     tree_mask: torch.Tensor     # (max_bs, max_tokens_per_req, max_tokens_per_req) uint8
     partial_out: torch.Tensor   # flat fp32, viewed per batch size
     partial_lse: torch.Tensor   # flat fp32
-    split_counters: torch.Tensor  # (max_bs * row blocks * num_kv_heads,) int32, zero between launches
+    split_counters: torch.Tensor  # (max_bs * num_kv_heads,) int32, zero between launches
+    split_counts: torch.Tensor    # (max_bs * max_tokens_per_req,) int32
 
 
 class TritonBackend(AttentionBackend):
@@ -71,11 +74,6 @@ class TritonBackend(AttentionBackend):
     # DECODE is merged by its last split, 8 splits at a time: past ~32 splits the merge costs
     # more than the splitting gains (H200, batch 1, 8000 keys: 16 us with 32 splits, 20 with 63)
     max_decode_splits = 32
-    # EXTEND/VERIFY are merged the same way, but the last split reads a whole row block's
-    # partials (an 8-node tree of 1.5B heads: 48 rows, 24 KB per split, 6x decode's) through
-    # one SM: 16 splits are ~400 KB, 64 would be ~1.5 MB, ~10 us at ~150 GB/s per SM
-    # (estimated, not timed: check_gpu --max-extend-splits compares)
-    max_extend_splits = 16
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__(num_heads, num_kv_heads, head_dim)
@@ -94,9 +92,12 @@ class TritonBackend(AttentionBackend):
             tree_mask = batch.tree_mask.to(torch.uint8).contiguous()
         max_kv = max((p + e for p, e in zip(batch.prefix_lens_host, batch.extend_lens_host)), default=0)
         row_blocks, splits = self._grid(batch.mode, bs, max(batch.extend_lens_host, default=0), max_kv, device)
-        partial_out = partial_lse = split_counters = None
+        partial_out = partial_lse = split_counters = split_counts = None
         if splits > 1:
-            split_counters = torch.zeros(bs * row_blocks * self.num_kv_heads, dtype=torch.int32, device=device)
+            if batch.mode is ForwardMode.DECODE:
+                split_counters = torch.zeros(bs * self.num_kv_heads, dtype=torch.int32, device=device)
+            else:
+                split_counts = torch.empty(batch.num_tokens, dtype=torch.int32, device=device)
             partial_out = torch.empty((batch.num_tokens, self.num_heads, splits, self.head_dim),
                                       dtype=torch.float32, device=device)
             partial_lse = torch.empty((batch.num_tokens, self.num_heads, splits), dtype=torch.float32, device=device)
@@ -104,7 +105,7 @@ class TritonBackend(AttentionBackend):
             mode=batch.mode, req_rows=batch.req_rows.to(torch.int32), prefix_lens=batch.prefix_lens.to(torch.int32),
             qo_indptr=qo_indptr, tree_mask=tree_mask, row_blocks=row_blocks,
             partial_out=partial_out, partial_lse=partial_lse,
-            split_counters=split_counters)
+            split_counters=split_counters, split_counts=split_counts)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 batch: ForwardBatch) -> torch.Tensor:
@@ -122,8 +123,7 @@ class TritonBackend(AttentionBackend):
         else:
             extend_attention(q, *buffers, meta.qo_indptr, batch.out_slots, out, self.scale, meta.row_blocks,
                              tree_mask=meta.tree_mask, partial_out=meta.partial_out, partial_lse=meta.partial_lse,
-                             split_counters=meta.split_counters, min_split_keys=self.min_keys_per_split,
-                             block_table=meta.block_table)
+                             split_counts=meta.split_counts, block_table=meta.block_table)
         return out
 
     # --- prefill CUDA graphs ---
@@ -133,23 +133,22 @@ class TritonBackend(AttentionBackend):
         """The grid is fixed by the token and request counts (padding included) and the
         pool's longest context; the programs each request gets come from a block table
         computed on the device, so one captured graph serves every prompt mix that fits.
-        Programs past the last request's blocks read and write nothing (tokens of no request
-        are left unwritten)."""
+        Tokens of no request (padding) keep a split count of 1: the merge leaves them alone."""
         device, bs, num_tokens = batch.input_ids.device, batch.batch_size, batch.num_tokens
         qo_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=device)
         qo_indptr[1:] = torch.cumsum(batch.extend_lens, 0)
         programs = ragged_blocks_bound(num_tokens, bs, self.group)
-        splits = self._splits(programs, batch.kv_pool.max_context, self.max_extend_splits, device)
-        partial_out = partial_lse = split_counters = None
+        splits = self._splits(programs, batch.kv_pool.max_context, MAX_SPLITS, device)
+        partial_out = partial_lse = split_counts = None
         if splits > 1:
-            split_counters = torch.zeros(programs * self.num_kv_heads, dtype=torch.int32, device=device)
+            split_counts = torch.ones(num_tokens, dtype=torch.int32, device=device)
             partial_out = torch.empty((num_tokens, self.num_heads, splits, self.head_dim), dtype=torch.float32,
                                       device=device)
             partial_lse = torch.empty((num_tokens, self.num_heads, splits), dtype=torch.float32, device=device)
         batch.attn_metadata = TritonMetadata(
             mode=ForwardMode.EXTEND, req_rows=batch.req_rows.to(torch.int32),
             prefix_lens=batch.prefix_lens.to(torch.int32), qo_indptr=qo_indptr, tree_mask=None, row_blocks=0,
-            partial_out=partial_out, partial_lse=partial_lse, split_counters=split_counters,
+            partial_out=partial_out, partial_lse=partial_lse, split_counters=None, split_counts=split_counts,
             block_table=ragged_block_table(qo_indptr, self.group, programs))
 
     # --- CUDA graphs ---
@@ -163,7 +162,6 @@ class TritonBackend(AttentionBackend):
                 _, splits = self._grid(mode, bs, n, kv_pool.max_context, device)
                 if splits > 1:
                     partial_rows = max(partial_rows, tokens * self.num_heads * splits)
-        counters = max_bs * max(num_row_blocks(n, self.group), 1) * self.num_kv_heads  # DECODE needs max_bs * heads
         int32 = dict(dtype=torch.int32, device=device)
         self._graph = _GraphBuffers(
             max_bs=max_bs, max_tokens_per_req=n, max_context=kv_pool.max_context,
@@ -172,7 +170,8 @@ class TritonBackend(AttentionBackend):
             tree_mask=torch.zeros((max_bs, n, n), dtype=torch.uint8, device=device),
             partial_out=torch.zeros(partial_rows * self.head_dim, dtype=torch.float32, device=device),
             partial_lse=torch.zeros(partial_rows, dtype=torch.float32, device=device),
-            split_counters=torch.zeros(counters, **int32))
+            split_counters=torch.zeros(max_bs * self.num_kv_heads, **int32),
+            split_counts=torch.zeros(max_bs * n, **int32))
 
     def plan_for_capture(self, batch: ForwardBatch) -> None:
         self._plan_static(batch)
@@ -206,7 +205,8 @@ class TritonBackend(AttentionBackend):
         batch.attn_metadata = TritonMetadata(
             mode=batch.mode, req_rows=g.req_rows[:bs], prefix_lens=g.prefix_lens[:bs],
             qo_indptr=g.qo_indptr[:bs + 1], tree_mask=tree_mask, row_blocks=row_blocks,
-            partial_out=partial_out, partial_lse=partial_lse, split_counters=g.split_counters)
+            partial_out=partial_out, partial_lse=partial_lse, split_counters=g.split_counters,
+            split_counts=g.split_counts)
 
     # --- grid ---
     def _grid(self, mode: ForwardMode, bs: int, tokens_per_req: int, max_kv_len: int,
@@ -214,7 +214,7 @@ class TritonBackend(AttentionBackend):
         """(row blocks per request, kv splits): split a request's keys only as far as
         needed to give the GPU about `target_programs` programs."""
         row_blocks = 1 if mode is ForwardMode.DECODE else num_row_blocks(tokens_per_req, self.group)
-        most = self.max_decode_splits if mode is ForwardMode.DECODE else self.max_extend_splits
+        most = self.max_decode_splits if mode is ForwardMode.DECODE else MAX_SPLITS
         return row_blocks, self._splits(bs * row_blocks, max_kv_len, most, device)
 
     def _splits(self, row_programs: int, max_kv_len: int, most: int, device: torch.device) -> int:

@@ -8,12 +8,10 @@ Grouped-query: the rows of a query block are (token, q head) pairs of one kv hea
 r = token * GROUP + head_in_group, so a K/V block is loaded once for all heads of the
 group — a verify step of n tokens then reads the prefix once per kv head, like decode.
 The keys can be split (grid axis 2) as in decode, so a few long requests still fill the
-GPU, and merged as in decode: the last split of a (row block, kv head) to finish merges
-the splits the block used, so a layer launches one kernel (a verify layer's merge kernel
-cost ~3 us at batch 1, H100, more than it merged). A block whose keys fit one split has
-its output written by that split, and nothing to merge. Each program walks its split in
-two runs: prefix keys (slots from `req_to_token`, no mask to compute) and then new keys
-(slots from `out_slots`, through the mask).
+GPU; `merge_splits` reduces the splits a request used (a request whose keys fit one split
+has its output written by that split, and nothing to merge). Each
+program walks its split in two runs: prefix keys (slots from `req_to_token`, no mask to
+compute) and then new keys (slots from `out_slots`, through the mask).
 """
 from __future__ import annotations
 
@@ -22,13 +20,11 @@ import triton
 import triton.language as tl
 
 from specserve.attention.kernels.online_softmax import (
-    LOG2_E, MERGE_CHUNK, attend_block, check_layout, dot_precision, keys_per_split, last_to_arrive, load_kv_block,
-    merge_head_splits, store_split)
+    LOG2_E, attend_block, check_layout, dot_precision, load_kv_block, merge_splits, nonempty_splits, split_range,
+    store_split)
 
 # launch configuration: BLOCK_M query rows (token x head) and BLOCK_N keys per step
 CONFIG = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
-# rows the in-kernel merge reads at once (x MERGE_CHUNK splits x head_dim fp32); divides BLOCK_M
-MERGE_ROWS = 8
 
 
 def num_row_blocks(tokens_per_req: int, group: int) -> int:
@@ -66,15 +62,14 @@ def _attend_keys(q, m_i, l_i, acc, k_buffer, v_buffer, slot_ptr, lo, hi, kv_head
 @triton.jit(do_not_specialize=["stride_tree_b", "stride_tree_i", "stride_ot", "stride_oh", "stride_os",
                                "stride_lt", "stride_lh", "stride_ft", "stride_fh", "row_blocks"])
 def _extend_kernel(q_ptr, k_buffer, v_buffer, req_to_token, req_rows, prefix_lens, qo_indptr, out_slots,
-                   tree_mask, out_ptr, lse_ptr, final_ptr, counters, block_reqs, block_rows,
+                   tree_mask, out_ptr, lse_ptr, final_ptr, split_counts, block_reqs, block_rows,
                    stride_qt, stride_qh, stride_slot, stride_kv_head, stride_table,
                    stride_tree_b, stride_tree_i,
                    stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ft, stride_fh,
-                   row_blocks, min_split_keys, qk_scale,
+                   row_blocks, qk_scale,
                    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, TREE_MASK: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   STORE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_TABLE: tl.constexpr,
-                   MERGE_ROWS: tl.constexpr, MERGE_CHUNK: tl.constexpr):
+                   STORE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_TABLE: tl.constexpr):
     if BLOCK_TABLE:  # ragged: program i is the row block block_rows[i] of request block_reqs[i]
         req = tl.load(block_reqs + tl.program_id(0))
         row_block = tl.load(block_rows + tl.program_id(0))
@@ -83,6 +78,7 @@ def _extend_kernel(q_ptr, k_buffer, v_buffer, req_to_token, req_rows, prefix_len
         row_block = tl.program_id(0) % row_blocks
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
 
     qo_start = tl.load(qo_indptr + req).to(tl.int64)
     extend_len = tl.load(qo_indptr + req + 1) - qo_start
@@ -95,24 +91,15 @@ def _extend_kernel(q_ptr, k_buffer, v_buffer, req_to_token, req_rows, prefix_len
     row_ok = token < extend_len
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
-
-    # The request's keys are split as in decode; this block of rows sees the first
-    # block_keys of them (causal: up to its last token; none for a block of padding rows),
-    # so only the first `used` splits have work, and they are the ones merged.
-    per_split = keys_per_split(tl.maximum(prefix_len + extend_len, 1), tl.num_programs(2), min_split_keys, BLOCK_N)
-    if TREE_MASK:
-        block_keys = prefix_len + extend_len
-    else:
-        block_keys = prefix_len + tl.minimum((row_block * BLOCK_M + BLOCK_M - 1) // GROUP, extend_len - 1) + 1
-    block_keys = tl.where(row_block * BLOCK_M < extend_len * GROUP, block_keys, 0)
-    used = tl.cdiv(block_keys, per_split)
-    lo = split * per_split
-    hi = tl.minimum(lo + per_split, block_keys)
-
-    # an empty program (graphs launch splits for the pool's longest context) loads no q
     q_rows = (qo_start + token) * stride_qt + heads * stride_qh
-    q_ok = row_ok & (rows * 0 + lo < hi)  # lo < hi as a vector: the interpreter takes no scalar bool in a mask
-    q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=q_ok[:, None] & dim_ok[None, :], other=0.0)
+    q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+
+    # this split's key positions, then the part of them this block of rows may see
+    lo, hi = split_range(prefix_len + extend_len, split, num_splits, BLOCK_N)
+    if not TREE_MASK:  # causal: no row of the block sees past its last token
+        hi = tl.minimum(hi, prefix_len + tl.minimum((row_block * BLOCK_M + BLOCK_M - 1) // GROUP, extend_len - 1) + 1)
+    hi = tl.where(row_block * BLOCK_M < extend_len * GROUP, hi, lo)  # a block of padding rows reads nothing
+
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -127,39 +114,23 @@ def _extend_kernel(q_ptr, k_buffer, v_buffer, req_to_token, req_rows, prefix_len
                                  kv_head, stride_slot, stride_kv_head, dims, dim_ok, qk_scale, token, row_ok,
                                  tree_rows, 2 if TREE_MASK else 1, BLOCK_N, DOT_PRECISION)
 
-    final_rows = (qo_start + token) * stride_ft + heads * stride_fh
+    out_rows = (qo_start + token) * stride_ot + heads * stride_oh + split * stride_os
     lse_ptrs = lse_ptr + (qo_start + token) * stride_lt + heads * stride_lh + split
     if STORE_LSE:
-        if used == 1:  # one split holds every key the block sees: it writes the output
+        # Graphs launch splits for the longest context a pool allows; a request uses only
+        # the first `splits` of them, and the merge reads no more (its count per token).
+        splits = nonempty_splits(tl.maximum(prefix_len + extend_len, 1), num_splits, BLOCK_N)  # 0: an empty request
+        if split == 0:
+            tl.store(split_counts + qo_start + token, splits, mask=row_ok)
+        if splits == 1:  # one split holds every key: it writes the output, nothing to merge
             if split == 0:
+                final_rows = (qo_start + token) * stride_ft + heads * stride_fh
                 store_split(final_ptr + final_rows[:, None] + dims[None, :], lse_ptrs, acc, m_i, l_i, row_ok, dim_ok,
                             False)
-        elif split < used:  # a row that sees none of the split's keys stores lse -inf, weighed 0
-            out_rows = (qo_start + token) * stride_ot + heads * stride_oh + split * stride_os
+        elif split < splits:  # also when this row block sees none of the split's keys (lse -inf)
             store_split(out_ptr + out_rows[:, None] + dims[None, :], lse_ptrs, acc, m_i, l_i, row_ok, dim_ok, True)
-            if last_to_arrive(counters + tl.program_id(0) * tl.num_programs(1) + kv_head, used):
-                _merge_block(out_ptr, lse_ptr, final_ptr, qo_start, row_block * BLOCK_M, extend_len * GROUP, kv_head,
-                             dims, dim_ok, used, stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ft,
-                             stride_fh, GROUP, BLOCK_M, MERGE_ROWS, MERGE_CHUNK)
     else:
-        store_split(final_ptr + final_rows[:, None] + dims[None, :], lse_ptrs, acc, m_i, l_i, row_ok, dim_ok, False)
-
-
-@triton.jit
-def _merge_block(out_ptr, lse_ptr, final_ptr, qo_start, first_row, num_rows, kv_head, dims, dim_ok, splits,
-                 stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ft, stride_fh,
-                 GROUP: tl.constexpr, BLOCK_M: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_CHUNK: tl.constexpr):
-    """Merge the splits of a row block's rows [first_row, first_row + BLOCK_M) (the request
-    has num_rows), MERGE_ROWS rows at a time: a (MERGE_ROWS, MERGE_CHUNK, head_dim) fp32
-    tile, the size of decode's merge, rather than the whole block's (which would spill)."""
-    for start in range(first_row, tl.minimum(first_row + BLOCK_M, num_rows), MERGE_ROWS):
-        rows = start + tl.arange(0, MERGE_ROWS)
-        token = qo_start + rows // GROUP
-        heads = kv_head * GROUP + rows % GROUP
-        merge_head_splits(out_ptr + (token * stride_ot + heads * stride_oh)[:, None] + dims[None, :],
-                          lse_ptr + token * stride_lt + heads * stride_lh,
-                          final_ptr + (token * stride_ft + heads * stride_fh)[:, None] + dims[None, :],
-                          rows < num_rows, dim_ok, stride_os, splits, MERGE_CHUNK)
+        store_split(out_ptr + out_rows[:, None] + dims[None, :], lse_ptrs, acc, m_i, l_i, row_ok, dim_ok, False)
 
 
 def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
@@ -167,16 +138,14 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
                      qo_indptr: torch.Tensor, out_slots: torch.Tensor, out: torch.Tensor, scale: float,
                      row_blocks: int, tree_mask: torch.Tensor | None = None,
                      partial_out: torch.Tensor | None = None, partial_lse: torch.Tensor | None = None,
-                     split_counters: torch.Tensor | None = None, min_split_keys: int = 1,
+                     split_counts: torch.Tensor | None = None,
                      block_table: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """q, out: (num_tokens, num_heads, head_dim), request b's tokens are
     qo_indptr[b]:qo_indptr[b+1] (int32, (bs+1,)); req_rows, prefix_lens: (bs,) int32;
     out_slots: (num_tokens,) int64; row_blocks: `num_row_blocks` of the longest request
     (or more: extra blocks do nothing). tree_mask (bs, n, n) uint8/bool selects the tree
-    mode, else causal. partial_out/partial_lse as in `decode_attention` give the split
-    count; split_counters (>= programs x num_kv_heads,) int32, all zero (and zero again
-    after the call), count each (row block, kv head)'s finished splits for the in-kernel
-    merge. A split reads at least min_split_keys keys (rounded up to whole blocks).
+    mode, else causal. partial_out/partial_lse as in `decode_attention`, with split_counts
+    (>= num_tokens,) int32 scratch: how many splits each token's request uses.
     block_table: (request, row block) int32 pairs, one program each (`ragged_block_table`),
     replacing the bs x row_blocks grid: prompts of different lengths launch only the blocks
     they fill (row_blocks is then ignored)."""
@@ -187,10 +156,7 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         return
     check_layout(q, k_buffer, v_buffer, out)
     split_out = partial_out is not None
-    block_reqs, block_rows = block_table if block_table is not None else (qo_indptr, qo_indptr)  # dummies
-    programs = block_reqs.shape[0] if block_table is not None else bs * row_blocks
-    assert not split_out or (split_counters is not None and split_counters.numel() >= programs * num_kv_heads), \
-        "split_counters: one per (row block, kv head)"
+    assert not split_out or (split_counts is not None and split_counts.numel() >= num_tokens)
     num_splits = partial_out.shape[2] if split_out else 1
     target, lse = (partial_out, partial_lse) if split_out else (out.unsqueeze(2), out)
     tree = tree_mask if tree_mask is not None else qo_indptr  # a dummy pointer in causal mode
@@ -198,17 +164,20 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         assert tree_mask.stride(-1) == 1 and tree_mask.dtype in (torch.uint8, torch.int8, torch.bool)
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
+    block_reqs, block_rows = block_table if block_table is not None else (qo_indptr, qo_indptr)  # dummies
+    programs = block_reqs.shape[0] if block_table is not None else bs * row_blocks
     _extend_kernel[(programs, num_kv_heads, num_splits)](
         q, k_buffer, v_buffer, req_to_token, req_rows, prefix_lens, qo_indptr, out_slots, tree, target, lse, out,
-        split_counters if split_out else qo_indptr, block_reqs, block_rows,
+        split_counts if split_out else qo_indptr, block_reqs, block_rows,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), req_to_token.stride(0),
         tree.stride(0) if tree_mask is not None else 0, tree.stride(1) if tree_mask is not None else 0,
         target.stride(0), target.stride(1), target.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-        row_blocks, min_split_keys, scale * LOG2_E,
+        row_blocks, scale * LOG2_E,
         HEAD_DIM=head_dim, GROUP=group, TREE_MASK=tree_mask is not None, BLOCK_M=CONFIG["BLOCK_M"],
         BLOCK_N=CONFIG["BLOCK_N"], BLOCK_D=block_d, STORE_LSE=split_out, DOT_PRECISION=dot_precision(q.dtype),
-        BLOCK_TABLE=block_table is not None, MERGE_ROWS=MERGE_ROWS, MERGE_CHUNK=MERGE_CHUNK,
-        num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"])
+        BLOCK_TABLE=block_table is not None, num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"])
+    if split_out:
+        merge_splits(partial_out, partial_lse, out, split_counts)
 
 
 def ragged_block_table(qo_indptr: torch.Tensor, group: int, num_programs: int) -> tuple[torch.Tensor, torch.Tensor]:

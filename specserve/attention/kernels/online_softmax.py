@@ -3,8 +3,7 @@
 Both kernels walk one request's keys (prefix slots from `req_to_token`, then the slots of
 the new tokens) in blocks, possibly only a slice of them (a "split"), keeping a running
 max `m`, sum `l` and weighted value sum `acc` per query row (flash attention). A split
-writes `acc / l` and `lse = m + log2(l)`, and the last split of a group of rows to finish
-(`last_to_arrive`) combines the splits of each row (`merge_head_splits`):
+writes `acc / l` and `lse = m + log2(l)`; `merge_splits` combines the splits of a row:
 
     out = sum_s 2^(lse_s - lse_max) * out_s / sum_s 2^(lse_s - lse_max)
 
@@ -18,30 +17,29 @@ import triton
 import triton.language as tl
 
 LOG2_E = 1.4426950408889634
+MAX_SPLITS = 64
 MERGE_CHUNK = 8  # splits a merge reads at once (a running max across chunks)
 
 
 @triton.jit
-def keys_per_split(kv_len, num_splits, min_keys, BLOCK_N: tl.constexpr):
-    """Keys of each split when kv_len keys are spread over num_splits: whole blocks, at least
-    min_keys; split s holds positions [s * keys, (s + 1) * keys) clipped to kv_len, so the
-    last splits may be empty and the first cdiv(kv_len, keys) hold keys. A grid launched
-    for the longest context a pool allows (CUDA graphs) then splits a short one no finer
-    than a plan made for its own length would (min_keys: the backend's min_keys_per_split)."""
-    return tl.cdiv(tl.maximum(tl.cdiv(kv_len, num_splits), min_keys), BLOCK_N) * BLOCK_N
+def split_range(kv_len, split, num_splits, BLOCK_N: tl.constexpr):
+    """Key positions [lo, hi) of one split; splits are whole blocks, and the last ones may
+    be empty (lo >= hi) so that the grid can be fixed while lengths vary."""
+    per_split = _keys_per_split(kv_len, num_splits, BLOCK_N)
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, kv_len)
+    return lo, hi
 
 
 @triton.jit
-def last_to_arrive(counter, arrivals):
-    """Count this program in at `counter` once its partial output is stored. True for the
-    program that brings the count to `arrivals`: every other partial is then written and
-    visible to it (acq_rel), so it merges them; it also puts the counter back to zero for
-    the next launch (CUDA graph replays reuse the counters)."""
-    tl.debug_barrier()  # every thread's stores are issued before the release below
-    last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == arrivals - 1
-    if last:
-        tl.store(counter, 0)
-    return last
+def nonempty_splits(kv_len, num_splits, BLOCK_N: tl.constexpr):
+    """How many splits of split_range hold keys (the first ones); kv_len >= 1."""
+    return tl.cdiv(kv_len, _keys_per_split(kv_len, num_splits, BLOCK_N))
+
+
+@triton.jit
+def _keys_per_split(kv_len, num_splits, BLOCK_N: tl.constexpr):
+    return tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
 
 
 @triton.jit
@@ -83,36 +81,75 @@ def store_split(out_ptrs, lse_ptrs, acc, m_i, l_i, row_ok, dim_ok, STORE_LSE: tl
 
 
 @triton.jit
-def merge_head_splits(partial_ptrs, lse_ptrs, out_ptrs, row_ok, dim_ok, stride_ps, num_splits,
-                      BLOCK_S: tl.constexpr):
-    """Combine the first num_splits splits of a block of query rows (the heads of one token,
-    or (token, head) rows of one kv head), every one of them written by this launch.
+def merge_head_splits(partial_ptrs, lse_ptrs, out_ptrs, head_ok, dim_ok, stride_ps, num_splits,
+                      BLOCK_S: tl.constexpr, MAY_BE_EMPTY: tl.constexpr):
+    """Combine the first num_splits splits of a block of heads of one token.
 
-    partial_ptrs (R, D) / lse_ptrs (R,) point at split 0 of each row (the next split is
-    stride_ps further for partial_ptrs, 1 for lse_ptrs); out_ptrs (R, D). Splits are read
+    partial_ptrs (H, D) / lse_ptrs (H,) point at split 0 of each head (the next split is
+    stride_ps further for partial_ptrs, 1 for lse_ptrs); out_ptrs (H, D). Splits are read
     BLOCK_S at a time (all at once when num_splits <= BLOCK_S: a split-by-split loop would
-    chain load latencies), with a running max across chunks, each partial alongside its
-    lse. Loads bypass L1 (.cg): the partials were just written by other programs."""
+    chain load latencies), with a running max across chunks. Loads bypass L1 (.cg): the
+    decode kernel merges partials that other programs of the same launch just wrote.
+    MAY_BE_EMPTY: some of the splits saw no key (lse -inf, partial never written); else
+    the partials are loaded alongside the lse instead of after it."""
     splits = tl.arange(0, BLOCK_S)
-    m = tl.full(row_ok.shape, float("-inf"), tl.float32)
-    total = tl.zeros(row_ok.shape, tl.float32)
+    m = tl.full(head_ok.shape, float("-inf"), tl.float32)
+    total = tl.zeros(head_ok.shape, tl.float32)
     acc = tl.zeros(partial_ptrs.shape, tl.float32)
     for first in range(0, num_splits, BLOCK_S):
         split_ok = (first + splits) < num_splits
-        lse = tl.load(lse_ptrs[:, None] + first + splits[None, :], mask=row_ok[:, None] & split_ok[None, :],
-                      other=float("-inf"), cache_modifier=".cg")                                   # (R, S)
+        lse = tl.load(lse_ptrs[:, None] + first + splits[None, :], mask=head_ok[:, None] & split_ok[None, :],
+                      other=float("-inf"), cache_modifier=".cg")                                   # (H, S)
         m_new = tl.maximum(m, tl.max(lse, 1))
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        weights = tl.math.exp2(lse - shift[:, None])  # 0 where a row saw no key of the split
-        part_ok = (row_ok[:, None] & split_ok[None, :])[:, :, None] & dim_ok[None, None, :]
+        weights = tl.math.exp2(lse - shift[:, None])  # 0 for empty splits
+        part_ok = (head_ok[:, None] & split_ok[None, :])[:, :, None] & dim_ok[None, None, :]
+        if MAY_BE_EMPTY:  # an empty split's partial output may be stale memory (NaN): never load it
+            part_ok = part_ok & (lse > float("-inf"))[:, :, None]
         partial = tl.load(partial_ptrs[:, None, :] + (first + splits)[None, :, None] * stride_ps,
-                          mask=part_ok, other=0.0, cache_modifier=".cg")                         # (R, S, D)
+                          mask=part_ok, other=0.0, cache_modifier=".cg")                         # (H, S, D)
         alpha = tl.math.exp2(m - shift)
         total = total * alpha + tl.sum(weights, 1)
         acc = acc * alpha[:, None] + tl.sum(weights[:, :, None] * partial, 1)
         m = m_new
     out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
-    tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=head_ok[:, None] & dim_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["stride_pt", "stride_ph", "stride_lt", "stride_lh"])  # see extend.py
+def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, split_counts,
+                         stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh,
+                         num_heads, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    num_splits = tl.load(split_counts + token)
+    if num_splits > 1:  # one split wrote the output itself
+        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        dims = tl.arange(0, BLOCK_D)
+        merge_head_splits(partial_ptr + token * stride_pt + heads[:, None] * stride_ph + dims[None, :],
+                          lse_ptr + token * stride_lt + heads * stride_lh,
+                          out_ptr + token * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+                          heads < num_heads, dims < HEAD_DIM, stride_ps, num_splits, BLOCK_S, True)
+
+
+def merge_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor,
+                 split_counts: torch.Tensor) -> None:
+    """partial_out (num_tokens, num_heads, num_splits, head_dim) fp32, partial_lse
+    (num_tokens, num_heads, num_splits) fp32 -> out (num_tokens, num_heads, head_dim), merging
+    the first split_counts[t] splits of token t (int32; 1: out already holds the result)."""
+    num_tokens, num_heads, num_splits, head_dim = partial_out.shape
+    if num_tokens == 0:
+        return
+    assert num_splits <= MAX_SPLITS
+    assert partial_out.stride(-1) == 1 and partial_lse.stride(-1) == 1 and out.stride(-1) == 1
+    # one compiled variant whatever the split count: MERGE_CHUNK splits at a time
+    block_h = max(min(triton.next_power_of_2(num_heads), MAX_SPLITS // MERGE_CHUNK), 1)  # (H, S, D) tile <= 64 x D
+    _merge_splits_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
+        partial_out, partial_lse, out, split_counts,
+        partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
+        partial_lse.stride(0), partial_lse.stride(1), out.stride(0), out.stride(1),
+        num_heads, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_S=MERGE_CHUNK,
+        BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4)
 
 
 def dot_precision(dtype: torch.dtype) -> str:
