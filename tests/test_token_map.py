@@ -21,6 +21,7 @@ from specserve.args import ServerArgs
 from specserve.build_token_map import conversation_text, count_tokens
 from specserve.build_token_map import main as build_token_map
 from specserve.errors import ArgumentError, NotSupportedError
+from specserve.runner import fused_chain
 from specserve.speculative.eagle_checkpoint import load_head, save_head
 from specserve.speculative.eagle_trainer import build_head
 from specserve.speculative.token_map import hot_token_ids, read_token_map, write_token_map
@@ -176,10 +177,13 @@ def test_a_full_vocabulary_eagle_head_with_the_map_drafts_only_its_tokens(full_v
         assert (drafted <= allowed) == (token_map is not None)
 
 
-def test_sampled_drafts_put_no_probability_outside_the_map(full_vocab_target):
+def test_sampled_drafts_put_no_probability_outside_the_map(full_vocab_target, monkeypatch):
     target_path, head_path, map_path = full_vocab_target
     allowed = torch.zeros(256, dtype=torch.bool)
     allowed[read_token_map(map_path)] = True
+    # no q table for the fused chain: sampled drafts take the unfused chain, whose proposals carry
+    # their q (the fused step draws its drafts with the same draft_chain.pick)
+    monkeypatch.setattr(fused_chain, "Q_TABLE_BYTES", 0)
     with tiny_engine(target_path, **eagle_args("EAGLE", head_path, speculative_token_map=map_path)) as engine:
         drafter, q = engine.core.drafter, []
         propose = drafter.propose

@@ -81,10 +81,6 @@ def reserved_head_rows(num_steps: int) -> int:
     return 2 * num_steps
 
 
-def outcome_columns(nodes: int) -> int:
-    return 1 + 2 * nodes + nodes - 1
-
-
 @dataclass
 class FusedStepInputs:
     """Views into one packed int64 buffer (host, pinned for graphs, or device)."""
@@ -139,7 +135,7 @@ def run_fused_step(target: "ModelRunner", head: "EagleHeadRunner", inputs: Fused
                    q_table: torch.Tensor | None, plan_target: Callable[[ForwardBatch], None],
                    plan_head: Callable[[ForwardBatch], None], probs_out: torch.Tensor | None,
                    kv_lens_host: list[int] | None = None, target_model=None) -> torch.Tensor:
-    """The whole step on the device: (bs, outcome_columns(n)) int64 (see the module docstring).
+    """The whole step on the device: (bs, 1 + 2n + K) int64 (see the module docstring).
     probs_out: (>= bs, K, vocab) float32 for the next drafts' q (sampling kinds), else None.
     kv_lens_host: the prefix lengths on the host, for eager planning (graphs plan without).
     target_model: the target's forward (default: the runner's, which broadcasts with tp > 1)."""
@@ -314,7 +310,7 @@ class FusedGraphs:
     @torch.inference_mode()
     def replay(self, reqs: list["Req"], proposal: TreeProposal, node_slots: np.ndarray, head_slots: list[int],
                head_rows: list[int], kind: str) -> torch.Tensor:
-        """The outcome (bs, outcome_columns(n)), a view of graph memory valid until the next replay."""
+        """The outcome (bs, 1 + 2n + K), a view of graph memory valid until the next replay."""
         bs = len(reqs)
         bucket = self.buckets[bisect.bisect_left(self.buckets, bs)]
         host, device = self.host_inputs[bucket], self.device_inputs[bucket]
