@@ -15,6 +15,7 @@ from specserve.engine.core import EngineCore
 from specserve.speculative.adaptive import (
     BYPASS_BUDGET, GUARD_STEPS, MAX_PLAIN_HOLD, MAX_PROBE_EVERY, PLAIN_HOLD, PROBE_BUDGET, REFRESH_EVERY, SWITCH_MARGIN,
     AdaptiveDraftLength, tiers_for)
+from specserve.speculative.adaptive_costs import StepCosts
 from specserve.speculative.tree import DraftTrees, TreeProposal
 
 from tests.spec_fixtures import CODE_PROMPT, SmolEngines, ngram_args, wait_until_all_kv_is_free
@@ -490,3 +491,37 @@ def test_a_drafter_behind_on_its_indexing_puts_the_probe_off():
     assert asked == []   # the probe counters did not move: the first step the drafter is ready for probes
     core.drafter.ready_to_probe = lambda: True
     assert EngineCore._probe_due(core, ["a", "b"]) and asked == [2]
+
+
+def test_plain_decoding_is_priced_by_the_steps_plain_mode_runs():
+    costs = StepCosts([1, 4, 8])
+    costs.record(64, 1, 0.0035, steady=False)   # a plain step inside a drafting episode: a makeshift price
+    assert costs.cost(64, 1) == 0.0035
+    for seconds in (0.0019, 0.0020, 0.0018):     # overlapped plain steps replace it
+        costs.record(64, 1, seconds)
+    assert costs.cost(64, 1) == 0.0019
+    measured = costs.measured_at[(64, 1)]
+    costs.record(64, 1, 0.0044, steady=False)    # a probing step: counted, not priced
+    assert costs.cost(64, 1) == 0.0019 and costs.measured_at[(64, 1)] == measured
+    assert costs.steps(64) == 5
+
+
+def test_a_bucket_priced_by_overlapped_plain_steps_stays_plain_where_drafts_break_even():
+    """H100 trace (0.5B, ShareGPT second turns at 64): drafting steps of 8 nodes ~5.4 ms;
+    plain steps 1.9 ms overlapped, 3.3-4.4 ms when they probed or followed a drafting step.
+    Priced by the slow ones too, drafting looked faster than plain where it lost end to end."""
+    def choice(slow_steps_price_plain: bool) -> int:
+        adaptive = AdaptiveDraftLength([1, 8])
+        for _ in range(8):
+            adaptive.record_step(64, 1, 0.0019, tokens=64)
+            adaptive.record_step(64, 1, 0.0035, tokens=64, steady=slow_steps_price_plain)
+            adaptive.record_step(64, 8, 0.0054, tokens=128)
+        rids = [f"r{i}" for i in range(64)]
+        chain = ([9, 1, 2, 3, 4, 5, 6, 7], [-1, 0, 1, 2, 3, 4, 5, 6])
+        for _ in range(20):   # a draft of 8 commits 2 tokens: 64 * 2 / 5.4 ms = 23.7k tok/s
+            for rid in rids:
+                propose(adaptive, rid, chain)
+                adaptive.observe(rid, [1, 99])
+        return adaptive.choose(rids, [8] * 64)
+    assert choice(slow_steps_price_plain=True) == 8    # plain at 3.5 ms: 18.3k tok/s
+    assert choice(slow_steps_price_plain=False) == 1   # plain at 1.9 ms: 33.7k tok/s

@@ -169,8 +169,11 @@ class EngineCore(DraftingSteps):
         if self.adaptive is not None:
             if probing:
                 self._probe(reqs)  # its host time is part of what plain steps cost
+            # a plain step here prices plain decoding only where plain mode runs its steps so too
+            overlappable = self.overlap is not None and self.sampler.argmax_is_enough(reqs)
+            steady = proposal.num_slots > 1 or not (overlappable or probing)
             self.adaptive.record_step(len(reqs), proposal.num_slots, time.perf_counter() - start,
-                                      _committed(outputs))
+                                      _committed(outputs), steady)
         return outputs
 
     def _verify(self, reqs: list[Req], proposal: TreeProposal, slots: list[int], index: bool = True) -> StepOutcome:
@@ -207,6 +210,7 @@ class EngineCore(DraftingSteps):
     def _run_decode_ahead(self, reqs: list[Req], start: float) -> list[StepOutput]:
         current = None
         probing = self._probe_due(reqs)
+        launched_ahead = self.overlap.ahead
         try:
             current = self.overlap.current_step(reqs, lambda: self._last_tokens(reqs))
             if self._next_step_is_plain(reqs):
@@ -227,7 +231,9 @@ class EngineCore(DraftingSteps):
         if self.adaptive is not None:
             if probing:
                 self._probe(reqs)  # while the GPU runs the step launched ahead
-            self.adaptive.record_step(len(reqs), 1, time.perf_counter() - start, _committed(outputs))
+            # plain decoding is priced by the steps plain mode runs: launched ahead, no probe
+            steady = current is launched_ahead and not probing
+            self.adaptive.record_step(len(reqs), 1, time.perf_counter() - start, _committed(outputs), steady)
         return outputs
 
     def _probe_due(self, reqs: list[Req]) -> bool:

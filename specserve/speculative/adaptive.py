@@ -189,12 +189,15 @@ class AdaptiveDraftLength:
         return self.evidence.expected_tokens(rid, tier, key)
 
     # --- evidence ---
-    def record_step(self, batch_size: int, tree_size: int, seconds: float, tokens: int | None = None) -> None:
+    def record_step(self, batch_size: int, tree_size: int, seconds: float, tokens: int | None = None,
+                    steady: bool = True) -> None:
         """A step whose largest tree had tree_size nodes, priced as the smallest tier that
-        holds it. `tokens`: what it committed, for the realized rates of the bucket's modes."""
+        holds it. `tokens`: what it committed, for the realized rates of the bucket's modes.
+        `steady`: False for a plain step that plain mode would not have run so (not launched
+        ahead, or probing): it counts, but does not price plain decoding (adaptive_costs.py)."""
         bucket = batch_bucket(batch_size)
         self.probes.note_step(bucket)
-        tier = self.costs.record(bucket, tree_size, seconds)
+        tier = self.costs.record(bucket, tree_size, seconds, steady)
         self.steps_per_tier[tier] += 1
         if tokens is not None and seconds > 0:
             self.modes.record_outcome(bucket, tokens, seconds, self.costs.steps(bucket))

@@ -9,6 +9,13 @@ A median, not a moving average: a tier a drafting bucket measures once in REFRES
 steps kept an outlier for hundreds of steps (a CPU replay with H100-like step costs: plain
 decoding priced at 92 ms a step, its steps taking 9.7 ms, from a plain step that waited
 for the indexing of 64 new prompts).
+
+Plain decoding is priced by what plain mode runs: steps launched one ahead (overlap.py)
+that did not probe. A plain step run any other way (a re-measurement inside a drafting
+episode, the step after one, a probe's host time) prices it only until such a step has
+been seen: on an H100 (0.5B, ShareGPT second turns at 64) those steps took 3.2-4.4 ms where
+overlapped ones took 1.5-2.0, so drafting looked 1.5x faster than plain at a batch where
+it lost 27% end to end.
 """
 from __future__ import annotations
 
@@ -33,6 +40,9 @@ class RecentMedians:
         recent.append(value)
         return statistics.median(recent)
 
+    def clear(self, key) -> None:
+        self._recent.pop(key, None)
+
 
 class StepCosts:
     def __init__(self, tiers: list[int]):
@@ -41,17 +51,24 @@ class StepCosts:
         self._recent = RecentMedians(COST_WINDOW)
         self.measured_at: dict[tuple[int, int], int] = {}    # the bucket's step count at the last measurement
         self._bucket_steps: dict[int, int] = {}
+        self._steady: set[tuple[int, int]] = set()           # keys priced by steady steps (see the docstring)
         # the tier that prices a step whose largest tree has `size` nodes: _tier_of[size]
         self._tier_of = [next(t for t in tiers if t >= size) for size in range(tiers[-1] + 1)]
 
-    def record(self, bucket: int, tree_size: int, seconds: float) -> int:
+    def record(self, bucket: int, tree_size: int, seconds: float, steady: bool = True) -> int:
         """A step whose largest tree had tree_size nodes: it is priced as the smallest tier
-        that holds it (the forward a GPU graph runs for it). Returns that tier."""
+        that holds it (the forward a GPU graph runs for it). Returns that tier. `steady`:
+        whether the step ran as its tier's mode runs its steps; once a key has a steady
+        price, other steps only advance the bucket's clock."""
         tier = self._tier_of[tree_size] if tree_size < len(self._tier_of) else self.tiers[-1]
         key = (bucket, tier)
-        self.seconds[key] = self._recent.add(key, seconds)
         self._bucket_steps[bucket] = self.steps(bucket) + 1
-        self.measured_at[key] = self._bucket_steps[bucket]
+        if steady and key not in self._steady:   # the first steady step replaces the makeshift prices
+            self._steady.add(key)
+            self._recent.clear(key)
+        if steady or key not in self._steady:
+            self.seconds[key] = self._recent.add(key, seconds)
+            self.measured_at[key] = self._bucket_steps[bucket]
         return tier
 
     def steps(self, bucket: int) -> int:
