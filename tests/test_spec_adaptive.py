@@ -16,6 +16,7 @@ from specserve.speculative.adaptive import (
     BYPASS_BUDGET, GUARD_STEPS, MAX_PLAIN_HOLD, MAX_PROBE_EVERY, PLAIN_HOLD, PROBE_BUDGET, REFRESH_EVERY, SWITCH_MARGIN,
     AdaptiveDraftLength, tiers_for)
 from specserve.speculative.adaptive_costs import StepCosts
+from specserve.speculative.adaptive_probes import ADMIT_GAP
 from specserve.speculative.tree import DraftTrees, TreeProposal
 
 from tests.spec_fixtures import CODE_PROMPT, SmolEngines, ngram_args, wait_until_all_kv_is_free
@@ -328,16 +329,26 @@ def test_requests_that_finish_their_prefill_are_probed_at_the_next_plain_step():
     assert adaptive.probe_every(64) == 10
     assert [adaptive.probe_due(64) for _ in range(10)] == [False] * 9 + [True]
     adaptive.admit()                                          # a prefill completed
-    assert [adaptive.probe_due(64) for _ in range(11)] == [True] + [False] * 9 + [True]
+    # a batch larger than a probe covers: at most every ADMIT_GAP plain steps, then k again
+    assert [adaptive.probe_due(64) for _ in range(18)] == [False] * (ADMIT_GAP - 1) + [True] + [False] * 9 + [True]
+    adaptive.admit()
+    assert [adaptive.probe_due(64) for _ in range(ADMIT_GAP)] == [False] * (ADMIT_GAP - 1) + [True]
+    # a batch a probe covers whole probes at the next plain step
+    adaptive.record_step(8, 1, 0.001)
+    adaptive.record_probe(8, 10 * PROBE_BUDGET * 0.001)
+    [adaptive.probe_due(8) for _ in range(3)]
+    adaptive.admit()
+    assert adaptive.probe_due(8)
     # a floor set by the drafter (proposals that cost forwards) still holds
     adaptive.admit()
-    assert [adaptive.probe_due(64, every_at_least=3) for _ in range(3)] == [False, False, True]
+    assert [adaptive.probe_due(8, every_at_least=3) for _ in range(3)] == [False, False, True]
 
 
 def test_a_small_batch_probes_again_in_the_first_steps_after_an_admission():
     """Where a probe covers the whole batch, the 2nd/4th/8th/16th plain steps after an
     admission probe as well (an answer's first tokens rarely match what it copies later);
-    past them the bucket's k holds again, and a large batch gets the one probe only."""
+    past them the bucket's k holds again, and a large batch gets the one probe only (once
+    ADMIT_GAP plain steps have passed since its last)."""
     adaptive = AdaptiveDraftLength([1, 4])
     for batch_size in (1, 64):
         adaptive.record_step(batch_size, 1, 0.001)
@@ -354,7 +365,7 @@ def test_a_small_batch_probes_again_in_the_first_steps_after_an_admission():
     adaptive.admit()
     assert probed_steps(1) == [1, 2, 4, 8, 16]
     adaptive.admit()
-    assert probed_steps(64) == [1]
+    assert probed_steps(64) == [ADMIT_GAP]
 
 
 def test_a_small_batch_probes_at_once_when_it_enters_another_bucket():

@@ -63,14 +63,14 @@ class PolicyTrace:
             self._expected[bucket] = rates[choice]
         return result
 
-    def _on_step(self, original, batch_size, tree_size, seconds, tokens=None):
+    def _on_step(self, original, batch_size, tree_size, seconds, tokens=None, steady=True):
         bucket = batch_bucket(batch_size)
         expected = self._expected.pop(bucket, None)   # the choice this step ran, if it was one
         self.events.append({"e": "step", "bucket": bucket, "bs": batch_size, "tree": tree_size,
                             "ms": round(seconds * 1e3, 3), "tokens": tokens,
                             "plain": bucket in self.policy.modes.plain,
-                            "expected": expected if tree_size > 1 else None})
-        return original(batch_size, tree_size, seconds, tokens)
+                            "expected": expected if tree_size > 1 else None, "steady": steady})
+        return original(batch_size, tree_size, seconds, tokens, steady)
 
     def _on_switch(self, original, bucket):
         modes = self.policy.modes

@@ -25,7 +25,11 @@ for the next 41 steps, at 692 tok/s where its drafting episode had made 1863. Fo
 reason a small batch probes at once when it enters a bucket other than its last step's:
 the requests left when a wave drains carry their evidence into a bucket that may have been
 held plain (H100, 1.5B, repeated turn 2 at concurrency 8: 36 drafting steps at 39 tokens
-each, then 46-54 plain steps for the last one or two requests).
+each, then 46-54 plain steps for the last one or two requests). A batch larger than a
+probe covers probes for admissions at most every ADMIT_GAP plain steps: where prefills
+complete every few steps (ShareGPT at 64 on an H100, 0.5B: ~48 prefill steps in ~260 decode
+steps) admission probes were most of the 92 plain steps of 3.7 ms against 1.7 ms for the
+others, and a probe there samples PROBE_REQUESTS of the batch, often not the new requests.
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ PROBE_REQUESTS = 16    # proposals per probe
 PROBE_BUDGET = 0.01    # probes' timed host work may add this fraction to a plain step, on average
 MAX_PROBE_EVERY = 32   # ... but a plain bucket is probed at least every this many steps
 ADMIT_FOLLOW_UPS = (2, 4, 8, 16)   # plain steps after an admission that probe a small batch again
+ADMIT_GAP = 8          # a larger batch probes for admissions no more often than every this many plain steps
 PROBE_COST_EMA = 0.3
 
 
@@ -76,7 +81,8 @@ class ProbeSchedule:
         self._since_admit += 1
         small = bucket <= PROBE_REQUESTS
         entered = self._last_step_bucket is not None and bucket != self._last_step_bucket
-        news = self._admitted or (small and (entered or self._since_admit in ADMIT_FOLLOW_UPS))
+        admitted = self._admitted and (small or waited >= ADMIT_GAP)
+        news = admitted or (small and (entered or self._since_admit in ADMIT_FOLLOW_UPS))
         if waited < every_at_least or (waited < self._every.get(bucket, 1) and not news):
             self._unprobed[bucket] = waited
             return False
