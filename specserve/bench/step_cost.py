@@ -1,31 +1,43 @@
-"""What one decode or verify step costs, by batch size and draft size, on a real model's
-shapes with random weights (no checkpoint to stage):
+"""What one decode, verify or fused EAGLE-3 step costs, by batch size and draft size, on a
+real model's shapes with random weights (no checkpoint or head to stage):
 `python -m specserve.bench.step_cost --shape qwen2.5-coder-1.5b --batch-sizes 1 8 32 64 --sizes 1 4 8 16`.
 
-For each (batch size, draft size) the engine's own step loop runs requests whose drafter
-always proposes a full chain of that size (size 1: plain decoding, on the overlap schedule),
-and the bench reports per step: the wall time, the GPU time of the same graph replayed on
-its own, and the difference (host time the GPU did not hide), plus the ratio to a plain
-step at the same batch size. Random weights accept almost nothing, which does not change
-what a step costs.
+For each (batch size, step) the engine's own step loop runs requests whose drafter always
+proposes a full chain of that size (size 1: plain decoding, on the overlap schedule), and
+the bench reports per step: the wall time, the GPU time of the same graph replayed on its
+own, and the difference (host time the GPU did not hide), plus the ratio to a plain step
+at the same batch size. Random weights accept almost nothing, which does not change what
+a step costs.
+
+`--algorithm EAGLE3 --num-steps K` adds the fused EAGLE-3 step (runner/fused_chain.py: the
+target's verify of K + 1 chain nodes with three layers' states kept, verification, commit,
+the head's K + 1 fed rows and K - 1 draft steps, one graph) with a random head sized as a
+real one (random_head.py). Rows, in one process: plain and NGRAM-style verify of K + 1
+nodes on a target that keeps no states, the same two on the EAGLE-3 engine's target
+(whose graphs keep the head's states), and the fused step; then a `step_split` row per
+batch size: the fused step's time as target verify + hidden capture + head and
+verification + host (GPU-time differences of those rows). The drafts are the random
+head's: accept lengths are ~1 and are not the point.
 """
 from __future__ import annotations
 
 import argparse
+import bisect
+import gc
 import json
 import os
 import random
 import time
+from typing import Callable
 
 import numpy as np
 import torch
 
 from specserve.bench.decode_profile import events_time_us, kernel_times
-from specserve.bench.gpu_suite import set_drafter
+from specserve.bench.random_head import write_random_eagle3_head
 from specserve.bench.random_model import SHAPES, write_random_model
 from specserve.speculative.drafter import Drafter
 from specserve.speculative.tree import TreeProposal
-
 
 class ChainDrafter(Drafter):
     """Proposes a chain of `size` nodes (random tokens) for every request, within its limit."""
@@ -44,74 +56,192 @@ class ChainDrafter(Drafter):
         return TreeProposal(tokens, parents, np.asarray(counts, dtype=np.int64)), counts
 
 
-def time_steps(engine, bs: int, size: int, steps: int, kernels: int = 0) -> dict:
+# a step's graph of a batch bucket, or None where the step runs eagerly (CPU, no graphs)
+GraphOf = Callable[[int], "torch.cuda.CUDAGraph | None"]
+
+
+def use_step(engine, step: str, size: int, fused_drafter: Drafter | None = None) -> GraphOf:
+    """Sets the core up for `step` ("plain", "verify" of `size` nodes, or "fused": the
+    engine's fused EAGLE drafter, `size` = K + 1); the engine is idle then."""
     core = engine.core
-    if size == 1:
-        set_drafter(engine, None)
-    else:
-        set_drafter(engine, size)
-        core.drafter = ChainDrafter(size)
+    drafter = {"plain": None, "verify": ChainDrafter(size), "fused": fused_drafter}[step]
+    core.drafter, core.adaptive = drafter, None
+    core.num_draft_tokens = size if drafter is not None else 1
+    core.stats.speculative = drafter is not None
+    graphs = fused_drafter.fused.graphs if step == "fused" else core.runner.graphs
+    if graphs is None:
+        return lambda bs: None
+    key = "greedy" if step == "fused" else size
+    return lambda bs: graphs.graphs[graphs.buckets[bisect.bisect_left(graphs.buckets, bs)], key]
+
+
+def start_requests(engine, bs: int, step: str, size: int, steps: int, prompt_len: int, warm_steps: int) -> list:
+    """bs greedy requests of random prompts, prefilled and decoding (warm_steps steps in)."""
+    core = engine.core
     rng = random.Random(bs * 100 + size)
     reqs = []
     for i in range(bs):
-        prompt = [rng.randrange(10, 4000) for _ in range(300)]
+        prompt = [rng.randrange(10, 4000) for _ in range(prompt_len)]
         req = engine._make_request(prompt, {"temperature": 0, "max_new_tokens": 4 * steps + 100, "ignore_eos": True},
-                                   False, 0, f"step-cost-{bs}-{size}-{i}")
+                                   False, 0, f"step-cost-{step}-{bs}-{size}-{i}")
         core.add_request(req)
         reqs.append(req)
     while any(r.kv_len < len(r.prompt_ids) for r in reqs):  # prefill
         core.step()
-    for _ in range(10):
+    for _ in range(warm_steps):
         core.step()
-    torch.cuda.synchronize()
+    return reqs
+
+
+def time_steps(engine, bs: int, step: str, size: int, steps: int, kernels: int = 0,
+               fused_drafter: Drafter | None = None, prompt_len: int = 300, warm_steps: int = 10) -> dict:
+    core = engine.core
+    graph_of = use_step(engine, step, size, fused_drafter)
+    reqs = start_requests(engine, bs, step, size, steps, prompt_len, warm_steps)
+    fused_steps = FusedStepCount(fused_drafter) if step == "fused" else None
+    synchronize = torch.cuda.synchronize if core.runner.device.type == "cuda" else lambda: None
+    tokens_before = sum(len(r.output_ids) for r in reqs)
+    synchronize()
     start = time.perf_counter()
     for _ in range(steps):
         core.step()
-    torch.cuda.synchronize()
+    synchronize()
     wall_ms = (time.perf_counter() - start) / steps * 1e3
-    graphs = core.runner.graphs
-    bucket = next(b for b in graphs.buckets if b >= bs)
-    replay = graphs.graphs[(bucket, size)].replay
-    gpu_ms = events_time_us(replay) / 1e3
+    # tokens per request and step: random drafts are (almost) never accepted, which a step's cost does not depend on
+    row = {"batch_size": bs, "step": step, "draft_size": size, "wall_ms": wall_ms,
+           "accept_length": (sum(len(r.output_ids) for r in reqs) - tokens_before) / (steps * bs)}
+    if fused_steps is not None:   # steps the engine verified itself (not fused) would make the row a mix
+        row.update(fused_share=fused_steps.close() / steps, drafts="a random head's: accept length is not the point")
+    graph = graph_of(bs)
+    if graph is not None:
+        gpu_ms = events_time_us(graph.replay) / 1e3
+        row.update(graph_gpu_ms=gpu_ms, host_not_hidden_ms=wall_ms - gpu_ms)
+        if kernels:
+            times, counts = kernel_times(graph.replay)
+            row["kernels"] = {name: [round(us, 1), round(counts[name])] for name, us in times.most_common(kernels)}
     for req in reqs:
         core.abort(req.rid)
-    row = {"batch_size": bs, "draft_size": size, "wall_ms": wall_ms, "graph_gpu_ms": gpu_ms,
-           "host_not_hidden_ms": wall_ms - gpu_ms}
-    if kernels:
-        times, counts = kernel_times(replay)
-        row["kernels"] = {name: [round(us, 1), round(counts[name])] for name, us in times.most_common(kernels)}
     return row
 
 
-def main(argv=None) -> None:
+class FusedStepCount:
+    """Counts the batches the fused drafter ran as one fused step, until close()."""
+
+    def __init__(self, drafter):
+        self.drafter, self.count = drafter, 0
+        verify_fused = drafter.verify_fused
+
+        def counting(reqs, *args):
+            outcome = verify_fused(reqs, *args)
+            self.count += outcome is not None
+            return outcome
+
+        drafter.verify_fused = counting
+
+    def close(self) -> int:
+        del self.drafter.verify_fused   # the class's method again
+        return self.count
+
+
+def step_split(rows: list[dict]) -> list[dict]:
+    """Per batch size, the fused step's time from GPU-time differences: the target's verify
+    of K + 1 nodes, the hidden capture (the same verify keeping the head's states), the
+    head and verification (the fused graph beyond that verify), and host time not hidden."""
+    def gpu(bs, step, capture):
+        return next((r.get("graph_gpu_ms") for r in rows if (r["batch_size"], r["step"], r["hidden_capture"])
+                     == (bs, step, capture)), None)
+
+    splits = []
+    for fused in (r for r in rows if r["step"] == "fused" and r.get("graph_gpu_ms") is not None):
+        bs = fused["batch_size"]
+        verify, verify_capture = gpu(bs, "verify", False), gpu(bs, "verify", True)
+        if verify is None or verify_capture is None:
+            continue
+        splits.append({"kind": "step_split", "shape": fused["shape"], "batch_size": bs,
+                       "draft_size": fused["draft_size"], "fused_wall_ms": fused["wall_ms"],
+                       "target_verify_gpu_ms": verify, "hidden_capture_gpu_ms": verify_capture - verify,
+                       "head_and_verification_gpu_ms": fused["graph_gpu_ms"] - verify_capture,
+                       "host_not_hidden_ms": fused["host_not_hidden_ms"]})
+    return splits
+
+
+def engine_rows(ns, shape: str, path: str, algorithm: str, sizes: list[int], write) -> list[dict]:
+    """Every row of one engine: NGRAM (a target that keeps no states: plain and verify
+    steps of `sizes`) or EAGLE3 (plain, verify of K + 1 and the fused step)."""
+    from specserve.engine.engine import Engine
+    extra = {"speculative_num_draft_tokens": max(sizes)} if algorithm == "NGRAM" else {
+        "speculative_num_steps": ns.num_steps, "speculative_eagle_topk": 1,
+        "speculative_draft_model_path": write_random_eagle3_head(
+            os.path.join(ns.model_dir, f"random-{shape}-eagle3-head"), shape, ns.draft_vocab)}
+    engine = Engine(model_path=path, log_level="warning", speculative_algorithm=algorithm, device=ns.device,
+                    cuda_graph_max_bs=max(ns.batch_sizes), max_total_tokens=200_000, skip_server_warmup=True, **extra)
+    engine.shutdown()  # the step loop is driven from this thread
+    fused_drafter = engine.core.drafter if algorithm == "EAGLE3" else None
+    plan = [("plain" if size == 1 else "verify", size) for size in sorted(sizes)]
+    if fused_drafter is not None:
+        plan.append(("fused", ns.num_steps + 1))
+    device = torch.cuda.get_device_name() if engine.core.runner.device.type == "cuda" else "cpu"
+    rows = []
+    for bs in ns.batch_sizes:
+        for step, size in plan:
+            row = time_steps(engine, bs, step, size, ns.steps, ns.kernels, fused_drafter, ns.prompt_len,
+                             ns.warm_steps)
+            row = {"kind": "step_cost", "shape": shape, "engine": algorithm,
+                   "hidden_capture": engine.core.runner.hidden_capture is not None, **row,
+                   "device": device, "date": time.strftime("%Y-%m-%d")}
+            rows.append(write(row))
+    del engine, fused_drafter
+    gc.collect()   # the next engine's memory (graphs, KV cache) comes from this one's
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", nargs="*", default=["qwen2.5-coder-1.5b"], choices=sorted(SHAPES))
+    parser.add_argument("--algorithm", default="NGRAM", choices=("NGRAM", "EAGLE3"),
+                        help="EAGLE3: the fused EAGLE-3 step and its references (--sizes is then 1 and K + 1)")
+    parser.add_argument("--num-steps", "--speculative-num-steps", type=int, default=3,
+                        help="EAGLE3: K, the drafts of a fused step's chain")
+    parser.add_argument("--draft-vocab", type=int, default=32000, help="EAGLE3: the random head's draft vocabulary")
     parser.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 8, 32, 64])
     parser.add_argument("--sizes", type=int, nargs="*", default=[1, 4, 8, 16])
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--warm-steps", type=int, default=10, help="untimed steps after the prefill")
+    parser.add_argument("--prompt-len", type=int, default=300)
     parser.add_argument("--kernels", type=int, default=0, help="also list the N slowest kernels of each step's graph")
+    parser.add_argument("--device", default="cuda", help="cuda (graph times) or cpu (wall times only: smoke runs)")
+    parser.add_argument("--model-dir", default="/tmp", help="where the random model (and head) are written")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     ns = parser.parse_args(argv)
+    if ns.num_steps < 1:
+        parser.error(f"--num-steps must be >= 1, got {ns.num_steps}")
     os.makedirs(ns.out, exist_ok=True)
-    from specserve.engine.engine import Engine
+    eagle = ns.algorithm == "EAGLE3"
+    sizes = [1, ns.num_steps + 1] if eagle else ns.sizes
+    plain_ms: dict[int, float] = {}
+
+    def write(row: dict) -> dict:
+        if row.get("step") == "plain" and not row.get("hidden_capture"):
+            plain_ms[row["batch_size"]] = row["wall_ms"]
+        if row["kind"] == "step_cost":
+            row["vs_plain"] = row["wall_ms"] / plain_ms[row["batch_size"]] if row["batch_size"] in plain_ms else None
+        row = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}
+        print(json.dumps(row), flush=True)
+        with open(os.path.join(ns.out, "step_cost.jsonl"), "a") as f:
+            f.write(json.dumps(row) + "\n")
+        return row
+
+    rows = []
     for shape in ns.shape:
-        path = write_random_model(f"/tmp/random-{shape}", shape)
-        engine = Engine(model_path=path, log_level="warning", speculative_algorithm="NGRAM",
-                        speculative_num_draft_tokens=max(ns.sizes), cuda_graph_max_bs=max(ns.batch_sizes),
-                        max_total_tokens=200_000, skip_server_warmup=True)
-        engine.shutdown()  # the step loop is driven from this thread
-        for bs in ns.batch_sizes:
-            plain_ms = None
-            for size in sorted(ns.sizes):
-                row = {"kind": "step_cost", "shape": shape, **time_steps(engine, bs, size, ns.steps, ns.kernels),
-                       "device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
-                plain_ms = row["wall_ms"] if size == 1 else plain_ms
-                row["vs_plain"] = row["wall_ms"] / plain_ms if plain_ms else None
-                row = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}
-                print(json.dumps(row), flush=True)
-                with open(os.path.join(ns.out, "step_cost.jsonl"), "a") as f:
-                    f.write(json.dumps(row) + "\n")
-        del engine
+        path = write_random_model(os.path.join(ns.model_dir, f"random-{shape}"), shape, device=ns.device)
+        shape_rows = engine_rows(ns, shape, path, "NGRAM", sizes, write)
+        if eagle:
+            shape_rows += engine_rows(ns, shape, path, "EAGLE3", sizes, write)
+            shape_rows += [write(split) for split in step_split(shape_rows)]
+        rows += shape_rows
+    return rows
 
 
 if __name__ == "__main__":
