@@ -536,18 +536,3 @@ def test_a_bucket_priced_by_overlapped_plain_steps_stays_plain_where_drafts_brea
         return adaptive.choose(rids, [8] * 64)
     assert choice(slow_steps_price_plain=True) == 8    # plain at 3.5 ms: 18.3k tok/s
     assert choice(slow_steps_price_plain=False) == 1   # plain at 1.9 ms: 33.7k tok/s
-
-
-def test_a_probe_switches_a_bucket_only_once_plain_decoding_is_steadily_priced():
-    """A bucket whose plain steps were none launched ahead (the batch changed at every step)
-    has plain decoding priced at 2-3x its cost: drafting waits for a steady plain step."""
-    adaptive = AdaptiveDraftLength([1, 4])
-    adaptive._plain.add(32)
-    adaptive.record_step(32, 4, 0.06)
-    for _ in range(3):
-        adaptive.record_step(32, 1, 0.05, tokens=32, steady=False)
-    adaptive.probe(32, ["r"], [4])                     # the prior: every draft node accepted
-    assert not adaptive.would_draft(32)
-    adaptive.record_step(32, 1, 0.02, tokens=32)       # launched ahead, no probe
-    adaptive.probe(32, ["r"], [4])
-    assert switches(adaptive, 32)

@@ -83,9 +83,8 @@ class DraftingSteps:
             for out in outputs:
                 if not out.finished:
                     adaptive.observe(out.req.rid, out.new_token_ids)
-            # a root-only step here is no plain step as plain mode runs them: it does not price plain decoding
             adaptive.record_step(len(reqs), step.num_slots, now - step.started,
-                                 sum(len(out.new_token_ids) for out in outputs), steady=step.num_slots > 1)
+                                 sum(len(out.new_token_ids) for out in outputs))
         record_shadows = self._launch_ahead(reqs, outputs, now)
         launched = record_shadows is not None
         try:

@@ -121,9 +121,6 @@ class AdaptiveDraftLength:
         bucket = batch_bucket(batch_size)
         if max(num_nodes) == 1 or not self.modes.may_switch(bucket, self.costs.steps(bucket), rids):
             return
-        if not self.costs.steadily_priced(bucket, 1):
-            return   # what drafting must beat is not known yet: a bucket that never ran plain steps
-                     # launched ahead priced plain decoding at 2-3x their cost (H100, 0.5B, chat at 32)
         _, best, rates = self._best_tier(bucket, batch_size, rids, num_nodes, keys)
         if best > 1 and (not rates or rates[best] >= SWITCH_MARGIN * rates[1]):
             self.modes.request_switch(bucket)

@@ -75,10 +75,6 @@ class StepCosts:
         """Steps of the bucket recorded so far: the clock that plain holds and refreshes count in."""
         return self._bucket_steps.get(bucket, 0)
 
-    def steadily_priced(self, bucket: int, tier: int) -> bool:
-        """Whether the tier's price at the bucket comes from steps run as its mode runs them."""
-        return (bucket, tier) in self._steady
-
     def unpriced(self, bucket: int, tiers: list[int]) -> list[int]:
         return [t for t in tiers if (bucket, t) not in self.seconds]
 
