@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
@@ -130,11 +131,14 @@ def test_preemption_and_aborts_with_every_accept_length(target, head_dir):  # no
 class HeadRowsSpy:
     """After each fused step: the head's cache holds, per request, its committed rows and the
     step's reserved rows, nothing more; the rows the step fed count as committed only at the
-    next sync, which keeps those of the committed tokens and frees the others."""
+    next sync, which keeps those of the committed tokens and frees the others. The head's
+    table holds every one of those slots: the committed rows' written by earlier steps, the
+    reserved rows' by the step itself (fused_chain.write_head_table), not by the host."""
 
     def __init__(self, drafter):
         self.steps, self.excess = 0, []
         verify_fused = drafter.verify_fused
+        table = drafter.fused.head.pool.req_to_token
 
         def verify(reqs, *args):
             outcome = verify_fused(reqs, *args)
@@ -145,5 +149,38 @@ class HeadRowsSpy:
                     rows = drafter.kv.rows_of(req)     # before the commit: L - 1
                     if seq.committed != rows or len(seq.slots) != rows + reserved_head_rows(drafter.num_steps):
                         self.excess.append((req.rid, rows, seq.committed, len(seq.slots)))
+                    if table[seq.row, :len(seq.slots)].tolist() != seq.slots:
+                        self.excess.append((req.rid, "head table", table[seq.row, :len(seq.slots)].tolist(), seq.slots))
+                assert not drafter.kv._new_entries, "the fused rows' table entries are the step's to write"
             return outcome
         drafter.verify_fused = verify
+
+
+def test_fused_inputs_rewrite_the_request_columns_only_for_another_batch():
+    """A graph's host buffer keeps the per-request columns (head rows, sampling parameters)
+    of the batch it last held: the same requests skip them, other requests (same count) or
+    other head rows rewrite them; padding rows keep the padding values."""
+    from types import SimpleNamespace
+
+    from specserve.runner.fused_chain import FusedStepInputs
+    from specserve.speculative.model_proposals import chain_proposal
+
+    def request(row, temperature):
+        params = SimpleNamespace(top_k=0, greedy=temperature == 0, temperature=temperature, top_p=0.9, min_p=0.0,
+                                 seed=None)
+        return SimpleNamespace(row=row, kv_len=10 + row, seed=row, params=params)
+
+    inputs = FusedStepInputs.allocate(4, 3, "cpu")
+    proposal, _ = chain_proposal([3, 3], [1, 2], [0, 1], [[5, 6], [7, 8]], None, 2)
+    head_slots = np.arange(8).reshape(2, 4)
+    greedy, sampled = [request(0, 0.0), request(1, 0.0)], [request(0, 0.7), request(1, 0.5)]
+    for reqs, head_rows, temperatures in [(greedy, [0, 1], [0.0, 0.0]), (sampled, [0, 1], [0.7, 0.5]),
+                                          (sampled, [2, 1], [0.7, 0.5]), (greedy, [2, 1], [0.0, 0.0])]:
+        inputs.fill(reqs, proposal, np.zeros((2, 3), dtype=np.int64), head_slots, head_rows, (9, 8), 256)
+        assert inputs.temperatures.tolist() == temperatures + [0.0, 0.0]
+        assert inputs.draft_temperatures.tolist() == temperatures + [0.0, 0.0]
+        assert inputs.head_rows.tolist() == head_rows + [8, 8] and inputs.top_ks.tolist() == [256, 256, 0, 0]
+        assert inputs.head_slots[:2].tolist() == head_slots.tolist() and not inputs.head_slots[2:].any()
+    inputs.temperatures.fill_(-1.0)     # the same batch again: the columns are not rewritten
+    inputs.fill(greedy, proposal, np.zeros((2, 3), dtype=np.int64), head_slots, [2, 1], (9, 8), 256)
+    assert inputs.temperatures.tolist() == [-1.0] * 4

@@ -187,9 +187,9 @@ class EngineCore(DraftingSteps):
         the drafter's deferred indexing to its writer (`index`: plain steps that do not
         probe leave it to the next probe)."""
         n = proposal.num_slots
-        fused = self.drafter.verify_fused(reqs, proposal, slots, self.sampler) if self.drafter is not None else None
-        if fused is not None:
-            self.text.run()
+        fused = self.drafter.verify_fused(reqs, proposal, slots, self.sampler, self.text.run) \
+            if self.drafter is not None else None
+        if fused is not None:   # the text ran while the GPU computed the step
             return StepOutcome.from_sampled(fused, n, table_written=True)
         greedy = n > 1 and self.sampler.argmax_is_enough(reqs)
         if not greedy:  # the sampler's tensors are sent before the forward: a copy after it would wait for it

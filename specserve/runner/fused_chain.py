@@ -24,6 +24,8 @@ Per request, with L tokens (the root at position L - 1, the pending drafts at L 
    one, and the table needs no write on the device. A draft is the argmax, or a sample of
    q (keyed by seed and position, SALT_DRAFT) whose q is kept in q_table for the next
    step's rejection test.
+   The head's table entries of the 2K reserved rows are written inside the step from the
+   packed inputs (write_head_table): the host sends them once, with everything else.
 4. The outcome, (bs, 1 + 2n + K) int64: accept length, accepted nodes (n), committed tokens
    (n), the next K drafts.
 
@@ -109,26 +111,44 @@ class FusedStepInputs:
         return cls(packed, TreeStepInputs.view(packed[:tree_size], bs, nodes), parts[0].view(bs, head_rows),
                    parts[1], parts[2], parts[3], *floats)
 
-    def fill(self, reqs: list["Req"], proposal: TreeProposal, node_slots: np.ndarray, head_slots: list[int],
+    def fill(self, reqs: list["Req"], proposal: TreeProposal, node_slots: np.ndarray, head_slots: np.ndarray,
              head_rows: list[int], scratch_rows: tuple[int, int], vocab_size: int) -> None:
         """Writes the batch into a host buffer; rows after it become padding requests.
-        head_slots: 2K per request, request after request; scratch_rows: the target's and
-        the head's padding rows."""
+        head_slots: (len(reqs), 2K); scratch_rows: the target's and the head's padding rows.
+        The per-request columns (head rows and sampling parameters) are rewritten only when
+        the batch differs from the one this buffer last held (a graph's host buffer is
+        filled every step, mostly for the same requests)."""
         count = len(reqs)
         self.tree.fill(proposal, node_slots, [r.row for r in reqs], [r.kv_len for r in reqs], scratch_rows[0])
-        columns = [   # (field, values, padding requests' value)
-            (self.head_rows, head_rows, scratch_rows[1]), (self.seeds, [r.seed for r in reqs], 0),
-            (self.top_ks, [r.params.top_k if r.params.top_k > 0 else vocab_size for r in reqs], 0),
-            (self.temperatures, [0.0 if r.params.greedy else r.params.temperature for r in reqs], 0.0),
-            (self.top_ps, [r.params.top_p for r in reqs], 1.0), (self.min_ps, [r.params.min_p for r in reqs], 0.0),
-            (self.draft_temperatures, [draft_temperature(r) for r in reqs], 0.0)]
-        for tensor, values, padding in columns:
-            array = tensor.numpy()
+        slots = self._arrays()[0]
+        slots[count:] = PADDING_SLOT
+        slots[:count] = head_slots
+        held = self.__dict__.get("_batch")
+        if held is None or len(held[0]) != count or held[1] != head_rows or any(
+                a is not b for a, b in zip(held[0], reqs)):
+            self._fill_columns(reqs, head_rows, scratch_rows[1], vocab_size)
+            self.__dict__["_batch"] = (list(reqs), list(head_rows))   # copies: the caller's lists may change
+
+    def _fill_columns(self, reqs: list["Req"], head_rows: list[int], scratch_row: int, vocab_size: int) -> None:
+        count = len(reqs)
+        columns = [   # (values, padding requests' value), in _arrays' order after head_slots
+            (head_rows, scratch_row), ([r.seed for r in reqs], 0),
+            ([r.params.top_k if r.params.top_k > 0 else vocab_size for r in reqs], 0),
+            ([0.0 if r.params.greedy else r.params.temperature for r in reqs], 0.0),
+            ([r.params.top_p for r in reqs], 1.0), ([r.params.min_p for r in reqs], 0.0),
+            ([draft_temperature(r) for r in reqs], 0.0)]
+        for array, (values, padding) in zip(self._arrays()[1:], columns):
             array[:count] = values
             array[count:] = padding
-        slots = self.head_slots.numpy()
-        slots.fill(PADDING_SLOT)
-        slots[:count] = np.asarray(head_slots, dtype=np.int64).reshape(count, -1)
+
+    def _arrays(self) -> tuple[np.ndarray, ...]:
+        """numpy views of head_slots and the per-request columns, made once per buffer."""
+        arrays = self.__dict__.get("_numpy")
+        if arrays is None:
+            arrays = self.__dict__["_numpy"] = tuple(t.numpy() for t in (
+                self.head_slots, self.head_rows, self.seeds, self.top_ks, self.temperatures, self.top_ps,
+                self.min_ps, self.draft_temperatures))
+        return arrays
 
 
 def run_fused_step(target: "ModelRunner", head: "EagleHeadRunner", inputs: FusedStepInputs, kind: str,
@@ -144,12 +164,23 @@ def run_fused_step(target: "ModelRunner", head: "EagleHeadRunner", inputs: Fused
                         commit=False, capture=target.hidden_capture)
     result = _verify(kind, step.trees, step.logits, inputs, q_table)
     outcome = commit_path(result, inputs.tree, target.pool)
+    write_head_table(head.pool, inputs)
     bs = inputs.tree.shape[0]
     probs = None if probs_out is None else probs_out[:bs]
     drafts = _draft_next(head, result, step.hidden, inputs, plan_head, kv_lens_host, probs)
     if probs is not None:
         q_table.index_copy_(0, inputs.tree.req_rows, probs)
     return torch.cat([outcome, drafts], dim=1)
+
+
+def write_head_table(pool, inputs: FusedStepInputs) -> None:
+    """The head's table entries of the reserved rows, req_to_token[head row, L - 1 + j] =
+    head_slots[:, j], written inside the step from the packed inputs: no table write of its
+    own per step (DraftKVTable.reserve leaves these rows to the step). Padding requests
+    write their padding slots into the head's padding row."""
+    columns = inputs.tree.prefix_lens.unsqueeze(1) + torch.arange(inputs.head_slots.shape[1],
+                                                                    device=inputs.head_slots.device)
+    pool.req_to_token[inputs.head_rows.unsqueeze(1), columns] = inputs.head_slots.to(pool.req_to_token.dtype)
 
 
 def _verify(kind: str, trees: DraftTrees, logits: torch.Tensor, inputs: FusedStepInputs,
@@ -222,17 +253,17 @@ class FusedChainRunner:
                             "each batch bucket)", target.tp.size, self.nodes)
 
     @torch.inference_mode()
-    def launch(self, reqs: list["Req"], proposal: TreeProposal, slots: list[int], head_slots: list[int],
+    def launch(self, reqs: list["Req"], proposal: TreeProposal, slots: list[int], head_slots: np.ndarray,
                kind: str) -> InFlight:
         """Queues the step without a host sync (eagerly with K > 1: one, see the module
         docstring). slots: the target's node slots, request after request
-        (proposal.num_nodes each); head_slots: 2K per request."""
+        (proposal.num_nodes each); head_slots: (len(reqs), 2K) the reserved rows' slots."""
         if kind not in self.kinds:
             raise ValueError(f"fused verification kind {kind!r}: this runner serves {self.kinds}")
         node_slots = pad_node_slots(slots, proposal.num_nodes.tolist(), proposal.num_slots)
         head_rows = [r.row * self.head.topk for r in reqs]
         if self.graphs is not None and len(reqs) <= self.graphs.max_bs:
-            return InFlight.launch(self.graphs.replay(reqs, proposal, node_slots, head_slots, head_rows, kind))
+            return self.graphs.replay(reqs, proposal, node_slots, head_slots, head_rows, kind)
         bs = len(reqs)
         host = FusedStepInputs.allocate(bs, self.nodes, "cpu", pin=self.device.type == "cuda")
         host.fill(reqs, proposal, node_slots, head_slots, head_rows, self.scratch_rows, self.vocab_size)
@@ -276,6 +307,10 @@ class FusedGraphs:
             if runner.q_table is not None else None
         self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
         self.outcomes: dict[tuple[int, str], torch.Tensor] = {}
+        # the outcome's pinned host copy per bucket (read before the next replay), and its event
+        self.host_outcomes = {bs: torch.empty((bs, 1 + 2 * nodes + runner.num_steps), dtype=torch.long,
+                                              pin_memory=True) for bs in self.buckets}
+        self._outcome_read = torch.cuda.Event()
         self._copied: dict[int, torch.cuda.Event] = {}
         start, memory_pool = time.perf_counter(), None
         for kind in runner.kinds:
@@ -308,9 +343,10 @@ class FusedGraphs:
                             inputs.tree.packed, inputs.tree.req_rows, target.pool)
 
     @torch.inference_mode()
-    def replay(self, reqs: list["Req"], proposal: TreeProposal, node_slots: np.ndarray, head_slots: list[int],
-               head_rows: list[int], kind: str) -> torch.Tensor:
-        """The outcome (bs, 1 + 2n + K), a view of graph memory valid until the next replay."""
+    def replay(self, reqs: list["Req"], proposal: TreeProposal, node_slots: np.ndarray, head_slots: np.ndarray,
+               head_rows: list[int], kind: str) -> InFlight:
+        """The outcome (bs, 1 + 2n + K) on its way to a reused pinned host buffer: its host
+        view is valid until the next replay of the bucket (the caller reads it before)."""
         bs = len(reqs)
         bucket = self.buckets[bisect.bisect_left(self.buckets, bs)]
         host, device = self.host_inputs[bucket], self.device_inputs[bucket]
@@ -322,4 +358,7 @@ class FusedGraphs:
         if self.runner.target.tp is not None:
             self._announce(bucket, device, bs, max(r.kv_len for r in reqs))
         self.graphs[bucket, kind].replay()
-        return self.outcomes[bucket, kind][:bs]
+        outcome, host_outcome = self.outcomes[bucket, kind][:bs], self.host_outcomes[bucket][:bs]
+        host_outcome.copy_(outcome, non_blocking=True)
+        self._outcome_read.record()
+        return InFlight(outcome, host_outcome, self._outcome_read)

@@ -70,12 +70,16 @@ class DraftKVTable:
         seq.committed = keep
         return seq
 
-    def reserve(self, req: "Req", chain_rows: int) -> int | None:
+    def reserve(self, req: "Req", chain_rows: int, chain_table: bool = True, seq: DraftSequence | None = None
+                ) -> int | None:
         """Slots for every row the request's cache lacks and `chain_rows` more for a chain's
         drafts; returns the first row that was missing (None: the pool is full, and the
         request goes without drafts this step). The table entries of the new slots are
-        written by `write_table`."""
-        seq = self.sync(req)
+        written by `write_table`; with chain_table=False, those of the chain rows are left to
+        the step that fills them (a fused step writes them on the device: rows it does not
+        fill hold UNSET and are freed by the next sync before anything reads them).
+        seq: the request's sequence, synced by the caller this step (else synced here)."""
+        seq = seq if seq is not None else self.sync(req)
         length = self.rows_of(req)
         end = length + chain_rows
         start = len(seq.slots)
@@ -86,7 +90,9 @@ class DraftKVTable:
         seq.tokens.extend(_tokens_at(req, start + self.token_offset, length + self.token_offset))
         seq.tokens.extend([UNSET] * (end - max(start, length)))
         seq.committed = length                      # rows < length now hold (or will hold) its tokens
-        self._new_entries.append((seq.row, start, new))
+        table = new if chain_table else new[:max(length - start, 0)]
+        if table:
+            self._new_entries.append((seq.row, start, table))
         return start
 
     def record_drafts(self, req: "Req", drafts: list[int]) -> None:

@@ -7,7 +7,7 @@ from a distribution come with it (TreeProposal.draft_probs) for residual rejecti
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from specserve.speculative.tree import TreeProposal
 
@@ -49,14 +49,15 @@ class Drafter:
         hidden_capture) of the tokens a step put in the KV cache: request i's tokens at
         positions starts[i], starts[i] + 1, ... have states[rows[i]]."""
 
-    def verify_fused(self, reqs: list["Req"], proposal: TreeProposal, slots: list[int],
-                     sampler: "Sampler") -> "SampledStep | None":
+    def verify_fused(self, reqs: list["Req"], proposal: TreeProposal, slots: list[int], sampler: "Sampler",
+                     while_running: "Callable[[], None] | None" = None) -> "SampledStep | None":
         """A drafter whose next drafts come out of the verify step itself (NAIVE_EAGLE, MTP:
         the target's forward, verification and the head's next draft in one device function)
         runs the step: returns what each request commits, the accepted nodes' KV slots
         written into the target's table. slots: the nodes' KV slots, request after request.
         None: the engine verifies this batch itself (every other drafter, and batches the
-        fused step does not serve)."""
+        fused step does not serve). while_running: host work to do between the launch and
+        the outcome's read (the engine's deferred detokenizing)."""
         return None
 
     def flush(self) -> None:

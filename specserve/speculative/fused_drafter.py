@@ -28,8 +28,9 @@ sampled drafts takes EagleDrafter's unfused chain, whose q lives for one step on
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
+import numpy as np
 import torch
 
 from specserve.runner.fused_chain import reserved_head_rows
@@ -54,10 +55,11 @@ class FusedChainDrafter(EagleDrafter):
         self.fused = fused
         self.reserved_rows = reserved_head_rows(self.num_steps)
         self.pending: dict[str, tuple[int, list[int]]] = {}   # rid -> (position of the first draft, K drafts)
-        self._reserved: set[str] = set()                       # requests whose fused rows this step reserved
+        # requests whose fused rows this step reserved -> the reserved rows' 2K head slots
+        self._reserved: dict[str, list[int]] = {}
 
     def propose(self, reqs: list["Req"], max_nodes: list[int]) -> tuple[TreeProposal, list[int]]:
-        self._reserved = set()
+        self._reserved = {}
         sampled = any(draft_temperature(r) > 0 for r in reqs)
         if sampled and self.fused.q_table is None:
             return super().propose(reqs, max_nodes)   # the unfused chain, which hands its q over itself
@@ -67,9 +69,13 @@ class FusedChainDrafter(EagleDrafter):
         drafted, drafts = [], []
         for index, (req, limit) in enumerate(zip(reqs, max_nodes)):
             pending = self._drafts_of(req)
-            if pending is None or self.kv.reserve(req, self.reserved_rows) is None:
-                continue    # no drafts (its states were missing) or no room: the engine verifies this batch
-            self._reserved.add(req.rid)
+            if pending is None:
+                continue    # no drafts (its states were missing): the engine verifies this batch
+            seq = self.kv.sequences[req.rid]    # synced by _drafts_of: every row before the root is in
+            first = self.kv.reserve(req, self.reserved_rows, chain_table=False, seq=seq)
+            if first is None:
+                continue    # no room: the engine verifies this batch
+            self._reserved[req.rid] = seq.slots[first:first + self.reserved_rows]
             if limit > 1:
                 drafted.append(index)
                 drafts.append(pending)
@@ -113,16 +119,16 @@ class FusedChainDrafter(EagleDrafter):
         probs = None if proposal.draft_probs is None else proposal.draft_probs[drafted]
         self.fused.set_pending_q([reqs[i].row for i in drafted], probs, drafts)
 
-    def verify_fused(self, reqs: list["Req"], proposal: TreeProposal, slots: list[int],
-                     sampler: "Sampler") -> "SampledStep | None":
+    def verify_fused(self, reqs: list["Req"], proposal: TreeProposal, slots: list[int], sampler: "Sampler",
+                     while_running: Callable[[], None] | None = None) -> "SampledStep | None":
         kind = verification_kind(reqs, sampler.sampling_rule)
         if not self._fuses(reqs) or kind not in self.fused.kinds:   # (rejection without a q table)
             return None
-        head_slots = []
-        for req in reqs:
-            first = self.kv.rows_of(req)
-            head_slots.extend(self.kv.sequences[req.rid].slots[first:first + self.reserved_rows])
-        outcome = self.fused.launch(reqs, proposal, slots, head_slots, kind).wait()   # the step's one sync
+        head_slots = np.array([self._reserved[r.rid] for r in reqs], dtype=np.int64)
+        launched = self.fused.launch(reqs, proposal, slots, head_slots, kind)
+        if while_running is not None:
+            while_running()
+        outcome = launched.wait()   # the step's one sync
         nodes = self.num_steps + 1
         parsed = GreedyOutcome.parse(outcome[:, :1 + 2 * nodes])   # commit_path's layout, whatever the verification
         for req, tokens, drafts in zip(reqs, parsed.tokens, outcome[:, 1 + 2 * nodes:].tolist()):
