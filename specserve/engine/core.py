@@ -170,8 +170,9 @@ class EngineCore(DraftingSteps):
             if probing:
                 self._probe(reqs)  # its host time is part of what plain steps cost
             # a plain step here prices plain decoding only where plain mode runs its steps so too
-            overlappable = self.overlap is not None and self.sampler.argmax_is_enough(reqs)
-            steady = proposal.num_slots > 1 or not (overlappable or probing)
+            # (drafting steps skip the check: `or` stops at them)
+            steady = proposal.num_slots > 1 or not (
+                probing or (self.overlap is not None and self.sampler.argmax_is_enough(reqs)))
             self.adaptive.record_step(len(reqs), proposal.num_slots, time.perf_counter() - start,
                                       _committed(outputs), steady)
         return outputs

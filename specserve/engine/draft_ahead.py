@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from specserve.engine.commit import StepOutcome
-from specserve.engine.request import Req
+from specserve.engine.request import Req, same_requests
 from specserve.engine.scheduler import Scheduler
 from specserve.runner.model_runner import InFlight, ModelRunner
 from specserve.runner.tree_step import GreedyOutcome, pad_node_slots
@@ -117,8 +117,7 @@ class DraftAhead:
         for admission, nobody else runs (or prefills), no failure is being isolated."""
         scheduler = self.scheduler
         running = scheduler.running
-        return (not scheduler.waiting and scheduler.focus is None and len(running) == len(reqs)
-                and all(a is b for a, b in zip(running, reqs)))
+        return not scheduler.waiting and scheduler.focus is None and same_requests(running, reqs)
 
     def hold(self, step: DraftStep) -> None:
         self.drop()
@@ -127,7 +126,7 @@ class DraftAhead:
     def take(self, reqs: list[Req]) -> DraftStep | None:
         """The step launched ahead for exactly these requests (else it is dropped: None)."""
         step, self.step = self.step, None
-        if step is not None and len(step.reqs) == len(reqs) and all(a is b for a, b in zip(step.reqs, reqs)):
+        if step is not None and same_requests(step.reqs, reqs):
             self.steps_taken += 1
             return step
         self._release(step)

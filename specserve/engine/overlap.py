@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from specserve.engine.request import Req
+from specserve.engine.request import Req, same_requests
 from specserve.engine.scheduler import Scheduler
 from specserve.runner.model_runner import InFlight, ModelRunner
 
@@ -40,7 +40,7 @@ class OverlapSchedule:
         """The step to read now: the one launched ahead for exactly these requests, or a
         new launch rooted at their last tokens."""
         ahead, self.ahead = self.ahead, None
-        if ahead is not None and len(ahead.reqs) == len(reqs) and all(a is b for a, b in zip(ahead.reqs, reqs)):
+        if ahead is not None and same_requests(ahead.reqs, reqs):
             return ahead
         self.release(ahead)
         slots = self.scheduler.alloc_slots(len(reqs))

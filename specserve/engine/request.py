@@ -106,3 +106,9 @@ class Batch:
     @property
     def size(self) -> int:
         return len(self.reqs)
+
+
+def same_requests(a: list[Req], b: list[Req]) -> bool:
+    """Whether two batches are the very same requests in the same order (a step launched
+    ahead for one batch serves only that batch)."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
