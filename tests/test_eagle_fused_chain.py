@@ -1,4 +1,4 @@
-"""EAGLE / EAGLE3 chains of K drafts (top-k 1) through the fused step (runner/fused_chain.py):
+"""EAGLE / EAGLE3 chains of K drafts (top-k 1) through the fused step (runner/fused_step.py):
 one device function verifies the chain, commits the accepted path and drafts the next K
 tokens. With heads our trainer made (tests/test_eagle_drafter.py's fixtures, both kinds),
 greedy output equals plain decoding and every request's verify steps are exactly those the
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from specserve.runner.fused_chain import reserved_head_rows
+from specserve.runner.fused_step import reserved_head_rows
 from specserve.speculative.eagle_batches import BatchBuilder
 from specserve.speculative.eagle_eval import accepted_runs, replay_decoding
 from tests.fused_fixtures import FusedSpy, fused_args, save_random_eagle_head, wait_until_fused_state_is_free
@@ -133,7 +133,7 @@ class HeadRowsSpy:
     step's reserved rows, nothing more; the rows the step fed count as committed only at the
     next sync, which keeps those of the committed tokens and frees the others. The head's
     table holds every one of those slots: the committed rows' written by earlier steps, the
-    reserved rows' by the step itself (fused_chain.write_head_table), not by the host."""
+    reserved rows' by the step itself (fused_step.write_head_table), not by the host."""
 
     def __init__(self, drafter):
         self.steps, self.excess = 0, []
@@ -162,7 +162,7 @@ def test_fused_inputs_rewrite_the_request_columns_only_for_another_batch():
     other head rows rewrite them; padding rows keep the padding values."""
     from types import SimpleNamespace
 
-    from specserve.runner.fused_chain import FusedStepInputs
+    from specserve.runner.fused_step import FusedStepInputs
     from specserve.speculative.model_proposals import chain_proposal
 
     def request(row, temperature):

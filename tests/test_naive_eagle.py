@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import specserve.runner.fused_chain
+import specserve.runner.fused_step
 from specserve.errors import ArgumentError
 from specserve.speculative import verify
 from tests.fused_fixtures import (FusedSpy, fused_args, save_random_eagle_head, save_random_mtp_head,
@@ -78,12 +79,12 @@ class FusedVerifySpy:
 
     def __init__(self, monkeypatch):
         self.rules = Counter()
-        original = specserve.runner.fused_chain.verify_sampling
+        original = specserve.runner.fused_step.verify_sampling
 
         def spy(trees, logits, *args, rule, **kwargs):
             self.rules[rule, args[-1] is not None] += 1     # the last positional argument: draft_probs
             return original(trees, logits, *args, rule=rule, **kwargs)
-        monkeypatch.setattr(specserve.runner.fused_chain, "verify_sampling", spy)
+        monkeypatch.setattr(specserve.runner.fused_step, "verify_sampling", spy)
 
 
 def sample(models, config: dict, fused: bool = True) -> list[dict]:

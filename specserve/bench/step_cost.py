@@ -9,7 +9,7 @@ own, and the difference (host time the GPU did not hide), plus the ratio to a pl
 at the same batch size. Random weights accept almost nothing, which does not change what
 a step costs.
 
-`--algorithm EAGLE3 --num-steps K` adds the fused EAGLE-3 step (runner/fused_chain.py: the
+`--algorithm EAGLE3 --num-steps K` adds the fused EAGLE-3 step (runner/fused_step.py: the
 target's verify of K + 1 chain nodes with three layers' states kept, verification, commit,
 the head's K + 1 fed rows and K - 1 draft steps, one graph) with a random head sized as a
 real one (random_head.py). Rows, in one process: plain and NGRAM-style verify of K + 1

@@ -11,7 +11,7 @@ writes to the padding slot), and the drafter's state at the last fed row gives d
   the last draft is the one token the draft model never saw; otherwise its slot is
   rewritten with the same K/V.
 - EAGLE: n = K + 1, the rows whose target states the last verify step brought (1 .. K + 1).
-- EAGLE's fused step (fused_chain.py): the same n = K + 1 rows, fed on the device right
+- EAGLE's fused step (fused_step.py): the same n = K + 1 rows, fed on the device right
   after the verification that decided how many of them are real (the accept length).
 Draft step j (1 <= j < K) then feeds draft j at row last + j (one DECODE forward) and gives
 draft j + 1. Row = position for a draft model; an EAGLE row r reads the token at r + 1, so
@@ -130,7 +130,7 @@ class ChainRow:
 @dataclass
 class FedSpan:
     """Where a request's fed rows lie, on the host: all eager planning needs (a fused step
-    knows its accept lengths, hence its fed rows, only on the device: see fused_chain.py)."""
+    knows its accept lengths, hence its fed rows, only on the device: see fused_step.py)."""
     prefix_len: int
     num_fed: int
 

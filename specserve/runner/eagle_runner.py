@@ -73,7 +73,7 @@ def load_eagle_head(args: ServerArgs, target: ModelConfig, device: torch.device,
 
 def head_context(context_length: int, args: ServerArgs) -> int:
     """Rows (and RoPE positions) a head's cache spans: a tree's steps reach K rows past the
-    root's, a chain's fused step 2K - 1 (fused_chain.reserved_head_rows)."""
+    root's, a chain's fused step 2K - 1 (fused_step.reserved_head_rows)."""
     steps = args.speculative_steps
     return chain_context(context_length, 2 * steps - 1 if (args.speculative_eagle_topk or 1) == 1 else steps)
 

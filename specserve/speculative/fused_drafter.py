@@ -1,8 +1,8 @@
 """The fused chain drafter: EAGLE / EAGLE3 with top-k 1 (a chain of K drafts), NAIVE_EAGLE and
 MTP (K = 1), where the target's verification of step N and the head's K drafts for step
-N + 1 run in one device function (one CUDA graph replay, runner/fused_chain.py): no host
-round trip between them, one host sync per step, which reads the committed tokens and the
-next drafts together.
+N + 1 run in one device function (runner/fused_step.py; one CUDA graph replay,
+fused_chain.py): no host round trip between them, one host sync per step, which reads the
+committed tokens and the next drafts together.
 
 The head is an EAGLE head from our trainer (either kind: EAGLE-2's final state or EAGLE-3's
 three layers), or an MTP layer (mtp_head.py) for MTP; both keep the row layout of eagle.py
@@ -13,7 +13,7 @@ position of the first) and its head cache fed up to the row before the root. A r
 without pending drafts (a prompt just prefilled, a resumed preemption, or a step the engine
 verified itself) first goes through EagleDrafter's chain: the catch-up of its rows from the
 stored target states, then its first K drafts (a host sync, on such steps only). Then every
-request gets its next 2K head rows reserved (fused_chain.reserved_head_rows), and the step
+request gets its next 2K head rows reserved (fused_step.reserved_head_rows), and the step
 is fused.
 
 Batches the fused step cannot serve (penalties, logprobs, min_new_tokens still holding stop
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
-from specserve.runner.fused_chain import reserved_head_rows
+from specserve.runner.fused_step import reserved_head_rows
 from specserve.runner.tree_step import GreedyOutcome
 from specserve.sampling.sampler import SampledStep
 from specserve.speculative.eagle import EagleDrafter
