@@ -16,6 +16,7 @@ from specserve.speculative.adaptive import (
     BYPASS_BUDGET, GUARD_STEPS, MAX_PLAIN_HOLD, MAX_PROBE_EVERY, PLAIN_HOLD, PROBE_BUDGET, REFRESH_EVERY, SWITCH_MARGIN,
     AdaptiveDraftLength, tiers_for)
 from specserve.speculative.adaptive_costs import StepCosts
+from specserve.speculative.adaptive_modes import GUARD_WINDOW
 from specserve.speculative.adaptive_probes import ADMIT_GAP
 from specserve.speculative.tree import DraftTrees, TreeProposal
 
@@ -536,3 +537,90 @@ def test_a_bucket_priced_by_overlapped_plain_steps_stays_plain_where_drafts_brea
         return adaptive.choose(rids, [8] * 64)
     assert choice(slow_steps_price_plain=True) == 8    # plain at 3.5 ms: 18.3k tok/s
     assert choice(slow_steps_price_plain=False) == 1   # plain at 1.9 ms: 33.7k tok/s
+
+
+def test_realized_rates_are_per_request_so_a_filling_batch_does_not_flatter_drafting():
+    """H100 (0.5B, ShareGPT second turns at 32): the plain reference was taken while the
+    batch filled (~20 requests) and a drafting episode at 32 requests realized more tokens
+    per second than that while each request lost (2.2 tokens per 5.0 ms against 1 per
+    1.55 ms): judged per request, the guard stops it."""
+    adaptive = AdaptiveDraftLength([1, 8])
+    measured(adaptive, {1: 0.00155, 8: 0.005}, batch_size=32)
+    adaptive._plain.add(32)
+    hold_out(adaptive, 20, seconds=0.00155)            # 12.9k tok/s; 645 tok/s a request
+    rids = [f"r{i}" for i in range(32)]
+    adaptive.probe(32, rids, [8] * 32)                 # the prior: every node accepted
+    assert switches(adaptive, 32)
+    for _ in range(GUARD_STEPS):                       # 14.1k tok/s; 440 tok/s a request
+        adaptive.choose(rids, [8] * 32)
+        adaptive.record_step(32, 8, 0.005, tokens=70)
+    assert not adaptive.should_draft(32)
+
+
+def test_the_guard_judges_an_episode_by_its_recent_steps():
+    """An episode that won at first (a warm-up's prompts, or drafts that matched) is stopped
+    once its last GUARD_WINDOW steps fall below the plain rate."""
+    adaptive = AdaptiveDraftLength([1, 4])
+    measured(adaptive, {1: 0.05, 4: 0.06})
+    adaptive._plain.add(1)
+    hold_out(adaptive, 1)                              # 20 tokens/s
+    adaptive.probe(1, ["r"], [4])
+    assert switches(adaptive, 1)
+    for _ in range(40):                                # 4 tokens per 0.06 s
+        adaptive.choose(["r"], [4])
+        adaptive.record_step(1, 4, 0.06, tokens=4)
+    assert adaptive.should_draft(1)
+    losing = 0
+    while adaptive.should_draft(1):                    # now 1 token per 0.06 s: whole episode still ahead
+        adaptive.choose(["r"], [4])
+        adaptive.record_step(1, 4, 0.06, tokens=1)
+        losing += 1
+    assert losing <= GUARD_WINDOW
+
+
+def test_a_bucket_drafting_without_a_steady_plain_price_tries_plain_decoding():
+    """A bucket whose plain steps were all makeshift (not launched ahead: prefills broke
+    every chain) prices plain decoding at ~2x its cost: after GUARD_STEPS drafting steps it
+    decodes plainly for a trial, and probes do not switch it back before a steady plain
+    step has priced plain decoding."""
+    adaptive = AdaptiveDraftLength([1, 8])
+    rids = [f"r{i}" for i in range(32)]
+    adaptive.record_step(32, 1, 0.003, tokens=32, steady=False)
+    adaptive.record_step(32, 8, 0.005, tokens=70)
+    adaptive.modes.plain.discard(32)                   # drafting (a bypass of its first hold)
+    adaptive.modes.hold[32] = PLAIN_HOLD
+    chosen = []
+    while not chosen or chosen[-1] > 1:                # drafting looks better: 14k tok/s against 10.7k
+        chosen.append(adaptive.choose(rids, [8] * 32))
+        adaptive.record_step(32, chosen[-1], 0.005 if chosen[-1] > 1 else 0.003, tokens=70, steady=chosen[-1] > 1)
+    assert len(chosen) == GUARD_STEPS - 1 and not adaptive.should_draft(32)   # (+ its first step, above)
+    assert adaptive._hold[32] == PLAIN_HOLD            # a trial, not a lost episode
+    for _ in range(PLAIN_HOLD):                        # past its hold, but only makeshift steps
+        adaptive.record_step(32, 1, 0.003, tokens=32, steady=False)
+    adaptive.probe(32, rids, [8] * 32)
+    assert not adaptive.would_draft(32)
+    adaptive.record_step(32, 1, 0.0015, tokens=32)     # a steady plain step prices plain decoding
+    adaptive.probe(32, rids, [8] * 32)                 # the prior (8 tokens per 5 ms) wins against it
+    assert switches(adaptive, 32)
+
+
+def test_a_stale_drafting_price_is_re_measured_when_drafting_may_win():
+    """A plain bucket's drafting price from one slow step (often a bucket's first) keeps it
+    plain where drafts match (H100, 0.5B, code-rename at 64: 0.92x where it drafted at 1.24x):
+    a probe re-prices such a tier when, at the stale price, drafting reaches EXPLORE_RATIO of
+    plain; far below that it does not."""
+    def switched(tokens_per_draft: int) -> bool:
+        adaptive = AdaptiveDraftLength([1, 8])
+        adaptive.record_step(64, 8, 0.020, tokens=64 * tokens_per_draft)   # one slow first step
+        adaptive.modes.plain.add(64)
+        hold_out(adaptive, 64, PLAIN_HOLD, seconds=0.002)                  # 32k tok/s
+        rids = [f"r{i}" for i in range(16)]
+        chain = ([9, 1, 2, 3, 4, 5, 6, 7], [-1, 0, 1, 2, 3, 4, 5, 6])
+        for _ in range(20):
+            for rid in rids:
+                propose(adaptive, rid, chain)
+                adaptive.observe(rid, [1, 2, 3, 4, 5, 6, 7][:tokens_per_draft - 1] + [99])
+        adaptive.probe(64, rids, [8] * 16)
+        return adaptive.would_draft(64)
+    assert switched(8)        # 64 * 8 / 20 ms = 25.6k tok/s: 0.8 of plain's, at a stale price
+    assert not switched(2)    # 6.4k tok/s

@@ -172,7 +172,7 @@ class EngineCore(DraftingSteps):
             # a plain step here prices plain decoding only where plain mode runs its steps so too
             # (drafting steps skip the check: `or` stops at them)
             steady = proposal.num_slots > 1 or not (
-                probing or (self.overlap is not None and self.sampler.argmax_is_enough(reqs)))
+                self._rare_probe(reqs, probing) or (self.overlap is not None and self.sampler.argmax_is_enough(reqs)))
             self.adaptive.record_step(len(reqs), proposal.num_slots, time.perf_counter() - start,
                                       _committed(outputs), steady)
         return outputs
@@ -233,7 +233,7 @@ class EngineCore(DraftingSteps):
             if probing:
                 self._probe(reqs)  # while the GPU runs the step launched ahead
             # plain decoding is priced by the steps plain mode runs: launched ahead, no probe
-            steady = current is launched_ahead and not probing
+            steady = current is launched_ahead and not self._rare_probe(reqs, probing)
             self.adaptive.record_step(len(reqs), 1, time.perf_counter() - start, _committed(outputs), steady)
         return outputs
 
@@ -244,6 +244,11 @@ class EngineCore(DraftingSteps):
         bookkeeping is far behind (the probe would wait for it)."""
         return (self.adaptive is not None and self.drafter.ready_to_probe()
                 and self.adaptive.probe_due(len(reqs), self.drafter.probe_every))
+
+    def _rare_probe(self, reqs: list[Req], probing: bool) -> bool:
+        """Whether this step probed where most plain steps of its bucket do not: then it is
+        no plain step as plain mode runs them (where every plain step probes, it is one)."""
+        return probing and self.adaptive.probe_every(len(reqs)) > 1
 
     def _probe(self, reqs: list[Req]) -> None:
         """A plain step's look at whether drafting would pay now: proposals for a few of its

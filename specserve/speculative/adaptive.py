@@ -38,7 +38,7 @@ from specserve.speculative.adaptive_probes import (
 from specserve.speculative.tree import TreeProposal
 
 __all__ = [
-    "AdaptiveDraftLength", "tiers_for", "COST_WINDOW", "REFRESH_EVERY", "REFRESH_MARGIN", "SWITCH_MARGIN",
+    "AdaptiveDraftLength", "tiers_for", "COST_WINDOW", "REFRESH_EVERY", "REFRESH_MARGIN", "SWITCH_MARGIN", "EXPLORE_RATIO",
     "BYPASS_BUDGET", "GUARD_RATIO", "GUARD_STEPS", "MAX_PLAIN_HOLD", "PLAIN_HOLD", "REALIZED_WINDOW",
     "MAX_PROBE_EVERY", "PROBE_BUDGET", "PROBE_COST_EMA", "PROBE_REQUESTS"]
 
@@ -47,6 +47,12 @@ REFRESH_MARGIN = 0.8   # re-measure tiers expected to reach this fraction of the
 # a switch costs a step that is not launched ahead, and a probe sees only a sample, so
 # without a margin the two modes can alternate step by step
 SWITCH_MARGIN = 1.15
+# ... or when a drafting tier's price is stale (adaptive_costs.py) and, at that price, drafting
+# is expected to reach this fraction of plain's rate: the episode re-prices it. Without it a
+# bucket held plain kept prices a few drafting steps took long before (H100, 0.5B, code-rename
+# at 64: tier 8 priced at ~18k tok/s against plain's 50.6k, held plain, 0.92x where it had
+# drafted at 1.24x); the guard stops an episode that loses after GUARD_STEPS steps.
+EXPLORE_RATIO = 0.6
 
 
 class AdaptiveDraftLength:
@@ -121,8 +127,15 @@ class AdaptiveDraftLength:
         bucket = batch_bucket(batch_size)
         if max(num_nodes) == 1 or not self.modes.may_switch(bucket, self.costs.steps(bucket), rids):
             return
+        if not self.costs.steadily_priced(bucket, 1):
+            return   # what drafting must beat is not known yet (adaptive_modes.py: plain_trial)
+        tiers = self._useful_tiers(max(num_nodes))
         _, best, rates = self._best_tier(bucket, batch_size, rids, num_nodes, keys)
-        if best > 1 and (not rates or rates[best] >= SWITCH_MARGIN * rates[1]):
+        if not rates:   # a tier is not priced at this bucket yet: drafting prices it
+            self.modes.request_switch(bucket)
+            return
+        stale = [t for t in tiers[1:] if self.costs.stale(bucket, t) and rates[t] >= EXPLORE_RATIO * rates[1]]
+        if (best > 1 and rates[best] >= SWITCH_MARGIN * rates[1]) or stale:
             self.modes.request_switch(bucket)
 
     # --- the choice ---
@@ -136,6 +149,10 @@ class AdaptiveDraftLength:
         choice, best, _ = self._best_tier(bucket, len(rids), rids, num_nodes, keys, measure=True)
         if best == 1:  # not a re-measurement of tier 1: plain decoding is expected to win
             self.modes.go_plain(bucket, self.costs.steps(bucket))
+        elif not self.costs.steadily_priced(bucket, 1) and self.modes.episode_steps(bucket) >= GUARD_STEPS:
+            # plain decoding was priced only by steps plain mode does not run (adaptive_modes.py)
+            self.modes.plain_trial(bucket, self.costs.steps(bucket))
+            return 1
         return choice
 
     def _best_tier(self, bucket: int, batch_size: int, rids: list[str], num_nodes: list[int],
@@ -200,7 +217,7 @@ class AdaptiveDraftLength:
         tier = self.costs.record(bucket, tree_size, seconds, steady)
         self.steps_per_tier[tier] += 1
         if tokens is not None and seconds > 0:
-            self.modes.record_outcome(bucket, tokens, seconds, self.costs.steps(bucket))
+            self.modes.record_outcome(bucket, tokens, seconds, self.costs.steps(bucket), batch_size, steady)
 
     def record_proposals(self, rids: list[str], trees: TreeProposal, num_nodes: list[int],
                          keys: list[int] | None = None) -> None:

@@ -24,6 +24,8 @@ from collections import deque
 
 COST_WINDOW = 5      # step times are noisy, and a stall is one step: the median of a few
 REFRESH_EVERY = 50
+MIN_SAMPLES = 3      # a price from fewer steps is provisional (stale)
+STALE_AFTER = 512    # ... as is one taken more than this many of the bucket's steps ago
 
 
 class RecentMedians:
@@ -42,6 +44,9 @@ class RecentMedians:
 
     def clear(self, key) -> None:
         self._recent.pop(key, None)
+
+    def count(self, key) -> int:
+        return len(self._recent.get(key, ()))
 
 
 class StepCosts:
@@ -74,6 +79,18 @@ class StepCosts:
     def steps(self, bucket: int) -> int:
         """Steps of the bucket recorded so far: the clock that plain holds and refreshes count in."""
         return self._bucket_steps.get(bucket, 0)
+
+    def steadily_priced(self, bucket: int, tier: int) -> bool:
+        """Whether the tier's price at the bucket comes from steps run as its mode runs them."""
+        return (bucket, tier) in self._steady
+
+    def stale(self, bucket: int, tier: int) -> bool:
+        """Whether the tier's price at the bucket rests on fewer than MIN_SAMPLES steps (a
+        tier is tried once per bucket, often in a bucket's first, slowest steps) or was
+        taken more than STALE_AFTER of its steps ago."""
+        key = (bucket, tier)
+        return (self._recent.count(key) < MIN_SAMPLES
+                or self.steps(bucket) - self.measured_at.get(key, 0) > STALE_AFTER)
 
     def unpriced(self, bucket: int, tiers: list[int]) -> list[int]:
         return [t for t in tiers if (bucket, t) not in self.seconds]

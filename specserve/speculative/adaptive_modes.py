@@ -36,11 +36,29 @@ at most about BYPASS_BUDGET of a bucket's time. At batch 1 a losing episode (8 v
 loses ~15 ms on an H100 1.5B: the next request may bypass ~100 plain steps later, about when
 a 128-token chat ends; at 64 (~25 ms) about 100 steps pass between bypasses, not 3.
 
+Rates are per request (tokens a request commits per second): a bucket spans batch sizes
+from half its size up, and its plain steps were often timed while the batch filled (H100,
+0.5B, ShareGPT second turns at 32: plain steps at ~20 requests set the reference, a drafting
+episode at 32 requests realized more tokens per second than that while each request got 2.2
+tokens per 5.0 ms step against 1 per 1.55 ms plain, and it was never stopped: 0.83x). The
+reference comes from plain steps as plain mode runs them (launched ahead, no probe) once
+there is one, for the reason adaptive_costs.py prices plain decoding so; and the guard
+judges an episode by its last GUARD_WINDOW steps, so that an episode that won at first (or
+during a warm-up) is stopped when it starts to lose.
+
+A bucket may draft without ever having decoded plainly as plain mode does (its hold passed
+while prefills broke every plain step's launch ahead): both the price of plain decoding and
+the reference are then makeshift, from steps that cost ~2x a steady one, and drafting looks
+better than it is (the episode above, drafting all of a timed run). Such a bucket is sent
+plain for a trial (`plain_trial`, not a verdict on the episode) after GUARD_STEPS drafting
+steps, and probes do not switch it back before plain decoding is steadily priced there.
+
 Holds count in the bucket's recorded steps (StepCosts.steps), which callers pass in.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 from specserve.speculative.adaptive_costs import RecentMedians
 
@@ -48,6 +66,7 @@ from specserve.speculative.adaptive_costs import RecentMedians
 # (a median: plain steps that probe wait for the indexing of new prompts, tens of ms at 64)
 REALIZED_WINDOW = 16
 GUARD_STEPS = 8        # a drafting episode is judged on its realized rate after this many steps
+GUARD_WINDOW = 16      # ... over its last this many steps
 GUARD_RATIO = 0.97     # ... and stopped below this fraction of the plain rate
 PLAIN_HOLD = 16        # steps a bucket stays plain after a drafting episode that won (or its first)
 MAX_PLAIN_HOLD = 1024  # after episodes that lost the hold doubles, up to this
@@ -56,13 +75,25 @@ BYPASS_BUDGET = 0.1    # the time losing episodes lose may be this fraction of t
 
 @dataclass
 class _Episode:
-    """A bucket's drafting run since it last switched to drafting."""
-    tokens: int = 0
+    """A bucket's drafting run since it last switched to drafting: tokens per request of
+    the batch, and seconds, in all and over its last GUARD_WINDOW steps."""
+    tokens: float = 0.0
     seconds: float = 0.0
     steps: int = 0
+    recent: deque = field(default_factory=lambda: deque(maxlen=GUARD_WINDOW))
+
+    def add(self, tokens: float, seconds: float) -> None:
+        self.tokens += tokens
+        self.seconds += seconds
+        self.steps += 1
+        self.recent.append((tokens, seconds))
 
     def rate(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def recent_rate(self) -> float:
+        seconds = sum(s for _, s in self.recent)
+        return sum(t for t, _ in self.recent) / seconds if seconds > 0 else 0.0
 
 
 class BucketModes:
@@ -71,8 +102,9 @@ class BucketModes:
         self.switching: dict[int, bool] = {}               # bucket -> a probe's switch waits (True: next step)
         self.hold: dict[int, int] = {}                     # bucket -> steps to stay plain after an episode
         self.plain_until: dict[int, int] = {}              # bucket -> step count before which probes wait
-        self.plain_rate: dict[int, float] = {}             # bucket -> realized tokens/s of plain steps
+        self.plain_rate: dict[int, float] = {}             # bucket -> realized tokens/s a request, plain steps
         self._plain_rates = RecentMedians(REALIZED_WINDOW)  # bucket -> its last plain steps' rates
+        self._steady_rate: set[int] = set()                # buckets whose plain rate comes from steady steps
         self._episodes: dict[int, _Episode] = {}           # bucket -> its current drafting episode
         self.drafted: dict[int, list[str]] = {}            # bucket -> the requests of its last drafting step
         self._held_for: dict[int, frozenset[str]] = {}     # bucket -> the requests its hold is about
@@ -151,17 +183,35 @@ class BucketModes:
         self._held_for[bucket] = frozenset(self.drafted.get(bucket, ()))
         self.plain.add(bucket)
 
-    def record_outcome(self, bucket: int, tokens: int, seconds: float, steps: int) -> None:
-        """Plain mode: the reference rate. Drafting: the episode, stopped once it is
-        clearly below the reference."""
+    def plain_trial(self, bucket: int, steps: int) -> None:
+        """Plain decoding for PLAIN_HOLD steps to price it as plain mode runs it: ends the
+        episode without a verdict (no hold doubles, no request is held against)."""
+        self._episodes.pop(bucket, None)
+        self.plain_until[bucket] = steps + PLAIN_HOLD
+        self._held_for[bucket] = frozenset()
+        self.plain.add(bucket)
+
+    def episode_steps(self, bucket: int) -> int:
+        """Steps of the bucket's current drafting episode (0 in plain mode)."""
+        episode = self._episodes.get(bucket)
+        return 0 if episode is None else episode.steps
+
+    def record_outcome(self, bucket: int, tokens: int, seconds: float, steps: int, batch_size: int = 1,
+                       steady: bool = True) -> None:
+        """Plain mode: the reference rate (from steady steps once there is one). Drafting:
+        the episode, stopped once its recent steps are clearly below the reference."""
         self.clock[bucket] = self.clock.get(bucket, 0.0) + seconds
+        per_request = tokens / batch_size
         if bucket in self.plain:
-            self.plain_rate[bucket] = self._plain_rates.add(bucket, tokens / seconds)
+            if steady and bucket not in self._steady_rate:   # the first steady step replaces makeshift rates
+                self._steady_rate.add(bucket)
+                self._plain_rates.clear(bucket)
+            if steady or bucket not in self._steady_rate:
+                self.plain_rate[bucket] = self._plain_rates.add(bucket, per_request / seconds)
             return
         episode = self._episodes.setdefault(bucket, _Episode())
-        episode.tokens += tokens
-        episode.seconds += seconds
-        episode.steps += 1
+        episode.add(per_request, seconds)
         plain_rate = self.plain_rate.get(bucket)
-        if episode.steps >= GUARD_STEPS and plain_rate is not None and episode.rate() < GUARD_RATIO * plain_rate:
+        if (episode.steps >= GUARD_STEPS and plain_rate is not None
+                and episode.recent_rate() < GUARD_RATIO * plain_rate):
             self.go_plain(bucket, steps)
