@@ -15,7 +15,7 @@ from specserve.engine.core import EngineCore
 from specserve.speculative.adaptive import (
     BYPASS_BUDGET, GUARD_STEPS, MAX_PLAIN_HOLD, MAX_PROBE_EVERY, PLAIN_HOLD, PROBE_BUDGET, REFRESH_EVERY, SWITCH_MARGIN,
     AdaptiveDraftLength, tiers_for)
-from specserve.speculative.adaptive_costs import StepCosts
+from specserve.speculative.adaptive_costs import RECHECK_GAP, StepCosts
 from specserve.speculative.adaptive_modes import GUARD_WINDOW
 from specserve.speculative.adaptive_probes import ADMIT_GAP
 from specserve.speculative.tree import DraftTrees, TreeProposal
@@ -613,7 +613,7 @@ def test_a_stale_drafting_price_is_re_measured_when_drafting_may_win():
         adaptive = AdaptiveDraftLength([1, 8])
         adaptive.record_step(64, 8, 0.020, tokens=64 * tokens_per_draft)   # one slow first step
         adaptive.modes.plain.add(64)
-        hold_out(adaptive, 64, PLAIN_HOLD, seconds=0.002)                  # 32k tok/s
+        hold_out(adaptive, 64, RECHECK_GAP, seconds=0.002)                 # 32k tok/s
         rids = [f"r{i}" for i in range(16)]
         chain = ([9, 1, 2, 3, 4, 5, 6, 7], [-1, 0, 1, 2, 3, 4, 5, 6])
         for _ in range(20):
@@ -621,6 +621,55 @@ def test_a_stale_drafting_price_is_re_measured_when_drafting_may_win():
                 propose(adaptive, rid, chain)
                 adaptive.observe(rid, [1, 2, 3, 4, 5, 6, 7][:tokens_per_draft - 1] + [99])
         adaptive.probe(64, rids, [8] * 16)
-        return adaptive.would_draft(64)
+        if not switches(adaptive, 64):
+            return False
+        assert adaptive.choose([f"r{i}" for i in range(64)], [8] * 64) == 8   # re-priced first
+        return True
     assert switched(8)        # 64 * 8 / 20 ms = 25.6k tok/s: 0.8 of plain's, at a stale price
     assert not switched(2)    # 6.4k tok/s
+
+
+def test_one_stall_does_not_stop_an_episode_that_wins():
+    adaptive = AdaptiveDraftLength([1, 4])
+    measured(adaptive, {1: 0.05, 4: 0.06})
+    adaptive._plain.add(1)
+    hold_out(adaptive, 1)                              # 20 tokens/s
+    adaptive.probe(1, ["r"], [4])
+    assert switches(adaptive, 1)
+    for step in range(GUARD_STEPS):                    # 3 tokens per 0.06 s, one step stalled
+        adaptive.choose(["r"], [4])
+        adaptive.record_step(1, 4, 1.0 if step == 3 else 0.06, tokens=3)   # 14.8 tokens/s with it
+    assert adaptive.should_draft(1)
+
+
+def test_an_exploration_that_drafts_no_step_is_no_lost_episode():
+    adaptive = AdaptiveDraftLength([1, 4])
+    measured(adaptive, {1: 0.05, 4: 0.06})
+    adaptive._plain.add(1)
+    hold_out(adaptive, 1)
+    adaptive.probe(1, ["r"], [4])
+    assert switches(adaptive, 1)
+    chain = ([9, 1, 2, 3], [-1, 0, 1, 2])
+    for _ in range(20):                                # the drafts miss: the first choice is plain
+        propose(adaptive, "r", chain)
+        adaptive.observe("r", [7])
+    assert adaptive.choose(["r"], [4]) == 1
+    assert adaptive._hold[1] == PLAIN_HOLD
+
+
+def test_a_drafting_bucket_decodes_plainly_while_the_drafter_indexes(smol):
+    """A drafting step whose proposals would wait for the drafter's indexing (a batch of
+    new prompts) runs as a plain step instead; the output is plain decoding's."""
+    params = {"temperature": 0, "max_new_tokens": 24}
+    plain = smol.make()
+    prompt = plain.tokenizer(CODE_PROMPT).input_ids
+    expected = plain.generate(input_ids=prompt, sampling_params=params)["output_ids"]
+    smol.close(plain)
+    engine = smol.make(**ngram_args(8, adaptive=True))
+    adaptive, drafter = engine.core.adaptive, engine.core.drafter
+    adaptive.should_draft = lambda batch_size: True    # the bucket drafts
+    drafter.ready_to_probe = lambda: False             # ... but the indexing is far behind
+    assert engine.generate(input_ids=prompt, sampling_params=params)["output_ids"] == expected
+    assert {t for t, n in adaptive.steps_per_tier.items() if n} == {1}
+    wait_until_all_kv_is_free(engine)
+    smol.close(engine)

@@ -65,6 +65,7 @@ class AdaptiveDraftLength:
         self.probes = ProbeSchedule(PROBE_BUDGET, MAX_PROBE_EVERY)
         self.evidence = AcceptanceEvidence(self.tiers)
         self.steps_per_tier = {t: 0 for t in self.tiers}
+        self._explore: dict[int, int] = {}   # bucket -> a stale tier its next drafting step re-prices
 
     # the parts' state under the names diagnostics and benches read (and write):
     # bench/draft_step_host.py pins prices, one-off scripts dump the policy's state
@@ -134,8 +135,12 @@ class AdaptiveDraftLength:
         if not rates:   # a tier is not priced at this bucket yet: drafting prices it
             self.modes.request_switch(bucket)
             return
+        if best > 1 and rates[best] >= SWITCH_MARGIN * rates[1]:
+            self.modes.request_switch(bucket)
+            return
         stale = [t for t in tiers[1:] if self.costs.stale(bucket, t) and rates[t] >= EXPLORE_RATIO * rates[1]]
-        if (best > 1 and rates[best] >= SWITCH_MARGIN * rates[1]) or stale:
+        if stale:   # the episode's first step runs the stale tier, whatever its old price says
+            self._explore[bucket] = max(stale, key=rates.get)
             self.modes.request_switch(bucket)
 
     # --- the choice ---
@@ -146,6 +151,9 @@ class AdaptiveDraftLength:
         self.modes.drafted[bucket] = rids   # who a hold that this episode ends with is about
         if max(num_nodes) == 1:
             return 1  # nothing to verify: says nothing about whether drafting pays
+        explore = self._explore.pop(bucket, None)
+        if explore is not None and explore in self._useful_tiers(max(num_nodes)):
+            return explore
         choice, best, _ = self._best_tier(bucket, len(rids), rids, num_nodes, keys, measure=True)
         if best == 1:  # not a re-measurement of tier 1: plain decoding is expected to win
             self.modes.go_plain(bucket, self.costs.steps(bucket))
@@ -217,7 +225,7 @@ class AdaptiveDraftLength:
         tier = self.costs.record(bucket, tree_size, seconds, steady)
         self.steps_per_tier[tier] += 1
         if tokens is not None and seconds > 0:
-            self.modes.record_outcome(bucket, tokens, seconds, self.costs.steps(bucket), batch_size, steady)
+            self.modes.record_outcome(bucket, tokens, seconds, self.costs.steps(bucket), batch_size)
 
     def record_proposals(self, rids: list[str], trees: TreeProposal, num_nodes: list[int],
                          keys: list[int] | None = None) -> None:

@@ -26,6 +26,7 @@ COST_WINDOW = 5      # step times are noisy, and a stall is one step: the median
 REFRESH_EVERY = 50
 MIN_SAMPLES = 3      # a price from fewer steps is provisional (stale)
 STALE_AFTER = 512    # ... as is one taken more than this many of the bucket's steps ago
+RECHECK_GAP = 128    # ... unless it was taken within this many
 
 
 class RecentMedians:
@@ -87,10 +88,11 @@ class StepCosts:
     def stale(self, bucket: int, tier: int) -> bool:
         """Whether the tier's price at the bucket rests on fewer than MIN_SAMPLES steps (a
         tier is tried once per bucket, often in a bucket's first, slowest steps) or was
-        taken more than STALE_AFTER of its steps ago."""
+        taken more than STALE_AFTER of its steps ago; either way not within the last
+        RECHECK_GAP steps (a re-measurement that confirmed the price waits that long)."""
         key = (bucket, tier)
-        return (self._recent.count(key) < MIN_SAMPLES
-                or self.steps(bucket) - self.measured_at.get(key, 0) > STALE_AFTER)
+        age = self.steps(bucket) - self.measured_at.get(key, 0)
+        return age >= RECHECK_GAP and (self._recent.count(key) < MIN_SAMPLES or age > STALE_AFTER)
 
     def unpriced(self, bucket: int, tiers: list[int]) -> list[int]:
         return [t for t in tiers if (bucket, t) not in self.seconds]

@@ -41,10 +41,12 @@ from half its size up, and its plain steps were often timed while the batch fill
 0.5B, ShareGPT second turns at 32: plain steps at ~20 requests set the reference, a drafting
 episode at 32 requests realized more tokens per second than that while each request got 2.2
 tokens per 5.0 ms step against 1 per 1.55 ms plain, and it was never stopped: 0.83x). The
-reference comes from plain steps as plain mode runs them (launched ahead, no probe) once
-there is one, for the reason adaptive_costs.py prices plain decoding so; and the guard
-judges an episode by its last GUARD_WINDOW steps, so that an episode that won at first (or
-during a warm-up) is stopped when it starts to lose.
+reference is every plain-mode step, steady or not: where the batch turns over, half of plain
+mode's steps follow a prefill and take ~2x a steady one, and a reference of steady steps
+alone stopped episodes that won (H100, 0.5B, code-rename at 64: 0.94x where it had drafted
+at 1.13x). The guard judges an episode by its last GUARD_WINDOW steps but the slowest, so
+that an episode that won at first (or during a warm-up) is stopped when it starts to lose,
+and one stall (a 30 ms step among 5 ms ones) does not stop an episode that wins.
 
 A bucket may draft without ever having decoded plainly as plain mode does (its hold passed
 while prefills broke every plain step's launch ahead): both the price of plain decoding and
@@ -92,8 +94,11 @@ class _Episode:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
     def recent_rate(self) -> float:
-        seconds = sum(s for _, s in self.recent)
-        return sum(t for t, _ in self.recent) / seconds if seconds > 0 else 0.0
+        """Over the recent steps but the slowest."""
+        slowest = max(range(len(self.recent)), key=lambda i: self.recent[i][1])
+        kept = [step for i, step in enumerate(self.recent) if i != slowest]
+        seconds = sum(s for _, s in kept)
+        return sum(t for t, _ in kept) / seconds if seconds > 0 else 0.0
 
 
 class BucketModes:
@@ -104,7 +109,6 @@ class BucketModes:
         self.plain_until: dict[int, int] = {}              # bucket -> step count before which probes wait
         self.plain_rate: dict[int, float] = {}             # bucket -> realized tokens/s a request, plain steps
         self._plain_rates = RecentMedians(REALIZED_WINDOW)  # bucket -> its last plain steps' rates
-        self._steady_rate: set[int] = set()                # buckets whose plain rate comes from steady steps
         self._episodes: dict[int, _Episode] = {}           # bucket -> its current drafting episode
         self.drafted: dict[int, list[str]] = {}            # bucket -> the requests of its last drafting step
         self._held_for: dict[int, frozenset[str]] = {}     # bucket -> the requests its hold is about
@@ -174,7 +178,7 @@ class BucketModes:
         episode = self._episodes.pop(bucket, _Episode())
         plain_rate = self.plain_rate.get(bucket)
         hold = self.hold.get(bucket, PLAIN_HOLD)
-        lost = plain_rate is not None and episode.rate() < plain_rate
+        lost = plain_rate is not None and episode.steps > 0 and episode.rate() < plain_rate
         if lost:   # what it lost: its time minus what plain steps would have taken for its tokens
             loss = episode.seconds - episode.tokens / plain_rate
             self.bypass_after[bucket] = self.clock.get(bucket, 0.0) + loss / BYPASS_BUDGET
@@ -196,18 +200,13 @@ class BucketModes:
         episode = self._episodes.get(bucket)
         return 0 if episode is None else episode.steps
 
-    def record_outcome(self, bucket: int, tokens: int, seconds: float, steps: int, batch_size: int = 1,
-                       steady: bool = True) -> None:
-        """Plain mode: the reference rate (from steady steps once there is one). Drafting:
-        the episode, stopped once its recent steps are clearly below the reference."""
+    def record_outcome(self, bucket: int, tokens: int, seconds: float, steps: int, batch_size: int = 1) -> None:
+        """Plain mode: the reference rate. Drafting: the episode, stopped once its recent
+        steps are clearly below the reference."""
         self.clock[bucket] = self.clock.get(bucket, 0.0) + seconds
         per_request = tokens / batch_size
         if bucket in self.plain:
-            if steady and bucket not in self._steady_rate:   # the first steady step replaces makeshift rates
-                self._steady_rate.add(bucket)
-                self._plain_rates.clear(bucket)
-            if steady or bucket not in self._steady_rate:
-                self.plain_rate[bucket] = self._plain_rates.add(bucket, per_request / seconds)
+            self.plain_rate[bucket] = self._plain_rates.add(bucket, per_request / seconds)
             return
         episode = self._episodes.setdefault(bucket, _Episode())
         episode.add(per_request, seconds)
