@@ -28,12 +28,12 @@ def writer_threads() -> list[threading.Thread]:
 
 def gated_inserts(drafter: NgramDrafter) -> threading.Event:
     """The drafter's inserts wait for the returned event (on the writer thread)."""
-    gate, insert = threading.Event(), drafter.trie.insert
+    gate, insert_many = threading.Event(), drafter.trie.insert_many
 
-    def waiting(tokens, owner=None):
+    def waiting(streams):
         assert gate.wait(timeout=30), "the test never opened the gate"
-        insert(tokens, owner)
-    drafter.trie.insert = waiting
+        insert_many(streams)
+    drafter.trie.insert_many = waiting
     return gate
 
 
@@ -60,8 +60,8 @@ def test_background_indexing_drafts_the_trees_of_synchronous_indexing(one_branch
     reqs = []
     for i in range(10):
         motif = [rng.randrange(30) for _ in range(rng.randrange(2, 7))]
-        noise = [rng.randrange(30) for _ in range(rng.randrange(ngram.WRITE_CHUNK))]   # new n-grams: evictions
-        reqs.append(fake_req(f"r{i}", (motif * 200)[:rng.randrange(3, 2 * ngram.WRITE_CHUNK)] + noise))
+        noise = [rng.randrange(30) for _ in range(rng.randrange(ngram.WRITE_BATCH_TOKENS))]   # new n-grams: evictions
+        reqs.append(fake_req(f"r{i}", (motif * 700)[:rng.randrange(3, 2 * ngram.WRITE_BATCH_TOKENS)] + noise))
     drafted = 0
     for step in range(25):
         if step < len(reqs):
@@ -96,7 +96,7 @@ def test_background_indexing_drafts_the_trees_of_synchronous_indexing(one_branch
 def test_flush_returns_while_the_writer_indexes_and_a_later_proposal_sees_the_prompt():
     drafter = NgramDrafter(NgramConfig(), one_branch=True)
     gate = gated_inserts(drafter)
-    long_prompt = [100 + (i % 50) for i in range(4 * ngram.WRITE_CHUNK)]
+    long_prompt = [100 + (i % 50) for i in range(4 * ngram.WRITE_BATCH_TOKENS)]
     drafter.add_prompt(fake_req("w", long_prompt))
     start = time.perf_counter()
     drafter.flush()
@@ -143,9 +143,9 @@ def test_a_finished_requests_stream_goes_after_its_queued_tokens():
 def test_a_failed_write_surfaces_on_the_callers_thread_every_time():
     drafter = NgramDrafter(NgramConfig(), one_branch=False)
 
-    def failing(tokens, owner=None):
+    def failing(streams):
         raise MemoryError("the n-gram trie is out of memory")
-    drafter.trie.insert = failing
+    drafter.trie.insert_many = failing
     req = fake_req("a", [1, 2, 3, 4])
     drafter.add_prompt(req)
     drafter.flush()                  # the failure happens on the writer thread
@@ -224,9 +224,9 @@ def test_a_failed_write_fails_the_engines_requests_instead_of_hanging(engine_fac
     from tests.spec_fixtures import ngram_args
     engine = engine_factory(max_total_tokens=2048, **ngram_args(8))
 
-    def failing(tokens, owner=None):
+    def failing(streams):
         raise MemoryError("the n-gram trie is out of memory")
-    engine.core.drafter.trie.insert = failing
+    engine.core.drafter.trie.insert_many = failing
     params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
     with pytest.raises(RuntimeError, match="n-gram trie failed on its writer thread: MemoryError"):
         engine.generate("def add(a, b):", params)
@@ -255,3 +255,47 @@ def test_committed_tokens_reach_the_writer_once_enough_are_queued():
         drafter.writer.drain()
     finally:
         drafter.close()
+
+
+def test_insert_many_indexes_as_inserts_one_by_one_in_one_call_without_the_gil():
+    """The writer's batched insert: the same trie as a call per stream, through eviction and
+    streams continued across calls, and through CDLL (it runs beside Python)."""
+    rng = random.Random(5)
+    config = NgramConfig(capacity=2000, max_trie_depth=8)
+    one_by_one, batched = NgramTrie(config), NgramTrie(config)
+    assert not batched._insert_many_c._flags_ & ctypes._FUNCFLAG_PYTHONAPI
+    for _ in range(6):
+        streams = [(rng.choice([None, 1, 2, 3]), [rng.randrange(40) for _ in range(rng.randrange(0, 300))])
+                   for _ in range(rng.randrange(1, 8))]
+        for owner, tokens in streams:
+            one_by_one.insert(tokens, owner)
+        batched.insert_many(streams)
+    assert batched._epoch > 0, "meant to evict (a small capacity)"
+    assert batched._nodes() == one_by_one._nodes() and batched._check() == 0
+    assert batched.propose([3, 4], 8, False, owner=2) == one_by_one.propose([3, 4], 8, False, owner=2)
+
+
+def test_a_flush_of_many_streams_reaches_the_trie_in_few_calls_in_order():
+    """A plain step's flush at batch 64 (a few tokens per request) is one trie call, not one
+    per request: each call hands the GIL back to the writer, which the step loop waits for.
+    A long prompt goes in pieces of at most WRITE_BATCH_TOKENS, in order."""
+    drafter = NgramDrafter(NgramConfig(), one_branch=False)
+    calls, insert_many = [], drafter.trie.insert_many
+    drafter.trie.insert_many = lambda streams: (calls.append([(o, list(t)) for o, t in streams]), insert_many(streams))
+    reqs = [fake_req(f"r{i}", [i, i + 1]) for i in range(64)]
+    long_prompt = [7 + i % 90 for i in range(2 * ngram.WRITE_BATCH_TOKENS + 10)]
+    for req in reqs:
+        drafter.observe(req, [1, 2, 3])
+    drafter.flush()
+    drafter.writer.drain()
+    assert len(calls) == 1 and len(calls[0]) == 64
+    calls.clear()
+    drafter.add_prompt(fake_req("long", long_prompt))
+    drafter.observe(reqs[0], [4])
+    drafter.flush()
+    drafter.writer.drain()
+    assert [sum(len(t) for _, t in call) for call in calls] == [ngram.WRITE_BATCH_TOKENS, ngram.WRITE_BATCH_TOKENS, 11]
+    assert [t for call in calls for o, t in call if o == drafter._owners["long"]] == [
+        long_prompt[:ngram.WRITE_BATCH_TOKENS], long_prompt[ngram.WRITE_BATCH_TOKENS:-10], long_prompt[-10:]]
+    assert drafter._backlog == 0
+    drafter.close()

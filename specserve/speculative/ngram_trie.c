@@ -666,6 +666,22 @@ int64_t ngt_insert(Trie *t, const int32_t *tokens, int32_t n, int32_t slot) {
     return 0;
 }
 
+/* ngt_insert for several streams in one call: stream i gets tokens[offsets[i]:offsets[i + 1]]
+   (slots[i] as ngt_insert's slot), in order. The writer thread's job of a flush is ~64
+   streams of a few tokens each: a call per stream took the GIL back after each, stalling
+   the step loop once per stream. Stops at the first error (the streams before it indexed). */
+int64_t ngt_insert_many(Trie *t, const int32_t *tokens, const int64_t *offsets, const int32_t *slots,
+                        int64_t count) {
+    for (int64_t i = 0; i < count; i++) {
+        int64_t n = offsets[i + 1] - offsets[i];
+        if (n < 0 || n > INT32_MAX) return BAD_ARGUMENT;
+        if (n == 0) continue;
+        int64_t result = ngt_insert(t, tokens + offsets[i], (int32_t)n, slots[i]);
+        if (result < 0) return result;
+    }
+    return 0;
+}
+
 /* ------------------------------------------------------------------ streams */
 
 int64_t ngt_stream_new(Trie *t, int32_t with_follow) {

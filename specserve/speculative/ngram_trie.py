@@ -103,6 +103,7 @@ class NgramTrie:
         # Inserts release the GIL (a prompt's take milliseconds): a writer thread runs them in
         # parallel with Python; the caller keeps other calls out meanwhile (NgramDrafter's lock).
         self._insert_c = _library_without_gil().ngt_insert
+        self._insert_many_c = _library_without_gil().ngt_insert_many
         self._grow_output(64)
         self._batch_capacity = (0, 0)
         self._grow_batch_output(64 * 16, 64)
@@ -116,12 +117,33 @@ class NgramTrie:
         """
         tokens = _as_list(tokens)
         data = _int32_bytes(tokens)
+        slot = self._slot(owner)
+        if tokens and self._insert_c(self._handle_arg, data, len(tokens), slot) < 0:
+            raise MemoryError("the n-gram trie is out of memory")
+
+    def insert_many(self, streams: Sequence[tuple[int | None, Sequence[int]]]) -> None:
+        """``insert(tokens, owner)`` for each (owner, tokens), in order, in one C call that
+        releases the GIL once: a writer thread calling ``insert`` per stream (a flush hands it
+        ~64) takes the GIL back from the step loop after each."""
+        joined, offsets, slots = array("i"), array("q", [0]), array("i")
+        for owner, tokens in streams:
+            joined.extend(_as_list(tokens))
+            offsets.append(len(joined))
+            slots.append(self._slot(owner))
+        if not joined:
+            return
+        result = self._insert_many_c(self._handle_arg, joined.buffer_info()[0], offsets.buffer_info()[0],
+                                     slots.buffer_info()[0], len(slots))
+        if result < 0:
+            _checked(result)
+
+    def _slot(self, owner: int | None) -> int:
+        """The owner's stream slot in the C trie, made on first use (-1: no owner)."""
         slot = -1 if owner is None else self._streams.get(owner)
         if slot is None:
             slot = self._streams[owner] = _checked(
                 self._lib.ngt_stream_new(self._handle, self.config.owner_priority))
-        if tokens and self._insert_c(self._handle_arg, data, len(tokens), slot) < 0:
-            raise MemoryError("the n-gram trie is out of memory")
+        return slot
 
     def propose(self, context: Sequence[int], num_draft_tokens: int, one_branch: bool,
                 owner: int | None = None) -> tuple[list[int], list[int]]:
@@ -315,6 +337,7 @@ _SIGNATURES = {  # name: (restype, argtypes)
     # bytes object and an int.
     "ngt_insert": (_I64, None),
     "ngt_propose": (_I64, None),
+    "ngt_insert_many": (_I64, [_P, _P, _P, _P, _I64]),
     "ngt_set_output": (_I64, [_P, _P, _I64]),
     "ngt_propose_batch": (_I64, None),
     "ngt_stream_new": (_I64, [_P, _I32]),

@@ -69,6 +69,11 @@ class PythonNgramTrie:
         self._breadths = config.breadth_table()
 
     # ---------------------------------------------------------------- insertion
+    def insert_many(self, streams: Sequence[tuple[int | None, Sequence[int]]]) -> None:
+        """As ``NgramTrie.insert_many`` (ngram_trie.py)."""
+        for owner, tokens in streams:
+            self.insert(tokens, owner)
+
     def insert(self, tokens: Sequence[int], owner: int | None = None) -> None:
         """As ``NgramTrie.insert`` (ngram_trie.py)."""
         tokens = _as_list(tokens)
