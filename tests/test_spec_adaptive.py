@@ -557,15 +557,22 @@ def test_realized_rates_are_per_request_so_a_filling_batch_does_not_flatter_draf
     assert not adaptive.should_draft(32)
 
 
-def test_the_guard_judges_an_episode_by_its_recent_steps():
-    """An episode that won at first (a warm-up's prompts, or drafts that matched) is stopped
-    once its last GUARD_WINDOW steps fall below the plain rate."""
+def drafting_at_batch_1() -> AdaptiveDraftLength:
+    """Batch 1 after a probe of request "r" switched it to drafting: plain decoding priced at
+    0.05 s a step (20 tokens/s realized), drafts of 4 nodes at 0.06 s."""
     adaptive = AdaptiveDraftLength([1, 4])
     measured(adaptive, {1: 0.05, 4: 0.06})
     adaptive._plain.add(1)
-    hold_out(adaptive, 1)                              # 20 tokens/s
+    hold_out(adaptive, 1)
     adaptive.probe(1, ["r"], [4])
     assert switches(adaptive, 1)
+    return adaptive
+
+
+def test_the_guard_judges_an_episode_by_its_recent_steps():
+    """An episode that won at first (a warm-up's prompts, or drafts that matched) is stopped
+    once its last GUARD_WINDOW steps fall below the plain rate."""
+    adaptive = drafting_at_batch_1()
     for _ in range(40):                                # 4 tokens per 0.06 s
         adaptive.choose(["r"], [4])
         adaptive.record_step(1, 4, 0.06, tokens=4)
@@ -630,12 +637,7 @@ def test_a_stale_drafting_price_is_re_measured_when_drafting_may_win():
 
 
 def test_one_stall_does_not_stop_an_episode_that_wins():
-    adaptive = AdaptiveDraftLength([1, 4])
-    measured(adaptive, {1: 0.05, 4: 0.06})
-    adaptive._plain.add(1)
-    hold_out(adaptive, 1)                              # 20 tokens/s
-    adaptive.probe(1, ["r"], [4])
-    assert switches(adaptive, 1)
+    adaptive = drafting_at_batch_1()
     for step in range(GUARD_STEPS):                    # 3 tokens per 0.06 s, one step stalled
         adaptive.choose(["r"], [4])
         adaptive.record_step(1, 4, 1.0 if step == 3 else 0.06, tokens=3)   # 14.8 tokens/s with it
@@ -643,12 +645,7 @@ def test_one_stall_does_not_stop_an_episode_that_wins():
 
 
 def test_an_exploration_that_drafts_no_step_is_no_lost_episode():
-    adaptive = AdaptiveDraftLength([1, 4])
-    measured(adaptive, {1: 0.05, 4: 0.06})
-    adaptive._plain.add(1)
-    hold_out(adaptive, 1)
-    adaptive.probe(1, ["r"], [4])
-    assert switches(adaptive, 1)
+    adaptive = drafting_at_batch_1()
     chain = ([9, 1, 2, 3], [-1, 0, 1, 2])
     for _ in range(20):                                # the drafts miss: the first choice is plain
         propose(adaptive, "r", chain)
