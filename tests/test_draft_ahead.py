@@ -151,7 +151,7 @@ def test_a_small_cache_preempts_and_keeps_outputs(engine_factory, plain):
     wait_until_all_kv_is_free(small)
 
 
-@pytest.mark.parametrize("method", ["observe", "propose"])
+@pytest.mark.parametrize("method", ["observe_batch", "propose"])
 def test_a_failure_around_a_step_ahead_fails_its_request_alone(engine_factory, method):
     """observe runs after the next step is launched (that step is dropped with the failed
     one), propose while launching it: either way the victim fails alone and nothing leaks."""

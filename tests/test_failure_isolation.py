@@ -1,7 +1,7 @@
 """A step that fails because of one request fails that request alone: the others of its
 batch finish with exactly the tokens they get without the failure, and no KV slot leaks.
 The failure is injected for one request (the victim) in the sampler, the drafter (its
-proposal, and its observation of committed tokens, which raises halfway through a commit)
+proposal, and its observation of a step's committed tokens, which raises after the commit)
 and the forward (prefill and decode)."""
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ INJECTION_POINTS = {   # name: (engine, object path from the core, method, from 
     "forward (prefill)": ("plain", "runner.model", "forward", 0),
     "forward (decode)": ("plain", "runner.model", "forward", 3),
     "drafter proposal": ("ngram", "drafter", "propose", 2),
-    "drafter observe (mid-commit)": ("ngram", "drafter", "observe", 4),
+    "drafter observe (after the commit)": ("ngram", "drafter", "observe_batch", 4),
 }
 
 

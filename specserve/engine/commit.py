@@ -11,6 +11,7 @@ defer: a stop string is found in the text, and where a request ends must not cha
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -18,6 +19,9 @@ import torch
 from specserve.engine.request import Req
 from specserve.engine.scheduler import Scheduler
 from specserve.sampling.sampler import SampledStep
+
+if TYPE_CHECKING:
+    from specserve.engine.core import StepOutput
 
 
 @dataclass
@@ -47,6 +51,13 @@ class StepOutcome:
         features), n the proposal's width (a graph's outcome may be wider)."""
         return [[i * n + node for node in row[:k]]
                 for i, (row, k) in enumerate(zip(self.accepted.tolist(), self.accept_lens.tolist()))]
+
+
+def unfinished(outputs: list["StepOutput"]) -> tuple[list[Req], list[list[int]]]:
+    """The requests a step left running and what each committed in it (what the drafter and
+    the policy are shown: a finished request's state is gone already)."""
+    live = [out for out in outputs if not out.finished]
+    return [out.req for out in live], [out.new_token_ids for out in live]
 
 
 def commit_accepted_kv(scheduler: Scheduler, reqs: list[Req], outcome: StepOutcome, node_slots: np.ndarray,

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from specserve.engine.commit import (DeferredText, StepOutcome, can_defer_text, commit_accepted_kv, ends_within,
-                                     finish_reason)
+                                     finish_reason, unfinished)
 from specserve.engine.draft_ahead import DraftAhead, OutcomeCopies
 from specserve.engine.drafting_steps import DraftingSteps
-from specserve.engine.request import Batch, Req, ReqState
+from specserve.engine.request import Batch, Req, ReqState, SpecStats
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.stats import StepLogger
 from specserve.engine.overlap import OverlapSchedule
@@ -131,7 +131,7 @@ class EngineCore(DraftingSteps):
             self.adaptive.admit()   # they decode from the next step: a probe looks at them first
         trees = DraftTrees.root_only(torch.tensor(self._last_tokens(sampling)))
         sampled = self.sampler.sample(logits, trees, sampling, self.sampler.prepare(trees, sampling))
-        return [self._commit(req, sampled, i, verified=False) for i, req in enumerate(sampling)]
+        return self._observe([self._commit(req, sampled, i) for i, req in enumerate(sampling)])
 
     def _run_decode(self, batch: Batch) -> list[StepOutput]:
         start = time.perf_counter()
@@ -170,7 +170,7 @@ class EngineCore(DraftingSteps):
                                         outcome.hidden.reshape(len(reqs) * proposal.num_slots, -1),
                                         outcome.hidden_rows(proposal.num_slots))
         self._commit_kv(reqs, outcome, pad_node_slots(slots, proposal.num_nodes, proposal.num_slots), proposal.num_nodes)
-        outputs = [self._commit(req, outcome, i, defer_text=True) for i, req in enumerate(reqs)]
+        outputs = self._observe(self._commit_verified(reqs, outcome, defer_text=True))
         if self.adaptive is not None:
             if probing:
                 self._probe(reqs)  # its host time is part of what plain steps cost
@@ -231,7 +231,7 @@ class EngineCore(DraftingSteps):
             raise
         sampled = SampledStep.plain(tokens)
         self.scheduler.append_kv(reqs, [[slot] for slot in current.slots], write_table=not current.in_table)
-        outputs = [self._commit(req, sampled, i) for i, req in enumerate(reqs)]
+        outputs = self._observe(self._commit_verified(reqs, sampled))
         if any(out.finished for out in outputs):
             self.overlap.drop()  # computed for a batch that no longer exists
         if self.adaptive is not None:
@@ -293,15 +293,19 @@ class EngineCore(DraftingSteps):
     def _commit_kv(self, reqs: list[Req], outcome: StepOutcome, node_slots, num_nodes) -> None:
         commit_accepted_kv(self.scheduler, reqs, outcome, node_slots, num_nodes)
 
-    def _commit(self, req: Req, sampled: SampledStep | StepOutcome, index: int, verified: bool = True,
-                defer_text: bool = False, observe: bool = True) -> StepOutput:
+    def _commit_verified(self, reqs: list[Req], sampled: SampledStep | StepOutcome,
+                         defer_text: bool = False) -> list[StepOutput]:
+        """A decode/verify step's commit (not a prefill's first token): its speculative stats too."""
+        if self.drafter is not None:
+            SpecStats.record_step(reqs, sampled.tokens)
+        return [self._commit(req, sampled, i, defer_text) for i, req in enumerate(reqs)]
+
+    def _commit(self, req: Req, sampled: SampledStep | StepOutcome, index: int,
+                defer_text: bool = False) -> StepOutput:
         """Appends the request's committed tokens (its KV slots were committed before) and
-        checks for its end. `verified`: a decode/verify step, not the first token of a
-        prefill. `defer_text`: detokenizing waits for the next step's GPU time (commit.py).
-        `observe`: shows them to the drafter and the policy (else the caller does)."""
+        checks for its end (the caller shows them to the drafter and the policy).
+        `defer_text`: detokenizing waits for the next step's GPU time (commit.py)."""
         tokens = sampled.tokens[index]
-        if self.drafter is not None and verified:
-            req.spec.record(len(tokens))
         if req.first_token_time is None:
             req.first_token_time = time.perf_counter()
         text = self.text if defer_text and can_defer_text(req) else None
@@ -311,12 +315,20 @@ class EngineCore(DraftingSteps):
             new_tokens = tokens
         else:
             new_tokens = self._commit_tokens(req, sampled, index, text)
-        if observe and self.drafter is not None and not req.finished:
-            self.drafter.observe(req, new_tokens)
-            if self.adaptive is not None:
-                self.adaptive.observe(req.rid, new_tokens)
         self.stats.count_tokens(len(new_tokens))
         return StepOutput(req=req, new_token_ids=new_tokens, finished=req.finished)
+
+    def _observe(self, outputs: list[StepOutput]) -> list[StepOutput]:
+        """Shows a step's committed tokens to the policy and the drafter, one call each for the
+        batch: on every plain step (no shadow walk pending, one token each) calls per request
+        and the accept-length stats cost ~41 us at batch 64 on a CPU core, ~35 us batched. A
+        finished request's state is gone already. Returns the outputs."""
+        if self.drafter is not None:
+            reqs, committed = unfinished(outputs)
+            if self.adaptive is not None:
+                self.adaptive.observe_batch([req.rid for req in reqs], committed)
+            self.drafter.observe_batch(reqs, committed)
+        return outputs
 
     def _commit_tokens(self, req: Req, sampled: SampledStep | StepOutcome, index: int, text: DeferredText | None) -> list[int]:
         """The tokens one by one, up to the one that ends the request."""

@@ -16,6 +16,7 @@ import functools
 import time
 from typing import TYPE_CHECKING, Callable
 
+from specserve.engine.commit import unfinished
 from specserve.engine.draft_ahead import DraftStep, launch_draft_step
 from specserve.engine.request import Req
 from specserve.speculative.tree import TreeProposal
@@ -76,13 +77,12 @@ class DraftingSteps:
                                         outcome.hidden.reshape(len(reqs) * step.num_slots, -1),
                                         outcome.hidden_rows(step.num_slots))
         self._commit_kv(reqs, outcome, step.node_slots, step.num_nodes)
-        outputs = [self._commit(req, outcome, i, defer_text=True, observe=False) for i, req in enumerate(reqs)]
+        outputs = self._commit_verified(reqs, outcome, defer_text=True)
         now = time.perf_counter()
         adaptive = self.adaptive
+        live, committed = unfinished(outputs)
         if adaptive is not None:   # before the next step's choice, as on every path
-            for out in outputs:
-                if not out.finished:
-                    adaptive.observe(out.req.rid, out.new_token_ids)
+            adaptive.observe_batch([req.rid for req in live], committed)
             adaptive.record_step(len(reqs), step.num_slots, now - step.started,
                                  sum(len(out.new_token_ids) for out in outputs))
         record_shadows = self._launch_ahead(reqs, outputs, now)
@@ -90,13 +90,11 @@ class DraftingSteps:
         try:
             if launched:
                 record_shadows()
-            drafter = self.drafter
-            for out in outputs:   # the next proposal reads only what was flushed before it
-                if not out.finished:
-                    drafter.observe(out.req, out.new_token_ids)
+            # after the proposal: it reads only what was flushed before it
+            self.drafter.observe_batch(live, committed)
             if launched:   # while the GPU computes the next step
                 self.text.run()
-                drafter.flush()
+                self.drafter.flush()
         except BaseException:
             if launched:
                 self.draft_ahead.drop()   # a failed step leaves nothing ahead

@@ -30,10 +30,17 @@ class SpecStats:
     accepted_tokens: int = 0                              # committed tokens, bonus included
     accept_length_histogram: dict[int, int] = field(default_factory=dict)
 
-    def record(self, committed: int) -> None:
-        self.verify_steps += 1
-        self.accepted_tokens += committed
-        self.accept_length_histogram[committed] = self.accept_length_histogram.get(committed, 0) + 1
+    @staticmethod
+    def record_step(reqs: list["Req"], tokens: list[list[int]]) -> None:
+        """One verify step of a batch: request i committed tokens[i]. The counts stay per
+        request (each reports its own), but one call per step, not a method call per request
+        on every plain step."""
+        for req, committed in zip(reqs, tokens):
+            stats, count = req.spec, len(committed)
+            stats.verify_steps += 1
+            stats.accepted_tokens += count
+            histogram = stats.accept_length_histogram
+            histogram[count] = histogram.get(count, 0) + 1
 
     @property
     def accept_length(self) -> float:

@@ -8,7 +8,8 @@ on the drafts, so the counterfactual is exact. Probes (proposals made on plain s
 never verified) are walked the same way.
 
 Host cost matters here: on plain steps every request's committed tokens pass through
-`observe`, so a request without a pending shadow costs one dict look-up, and a shadow keeps
+`observe_batch`, once per step for the batch: a step without any pending shadow returns at once,
+one with a few (a probe's) looks the batch up in C (`filter`), and a shadow keeps
 what its walk needs precomputed (children by (parent, token), the nodes that have children).
 """
 from __future__ import annotations
@@ -60,11 +61,20 @@ class AcceptanceEvidence:
                 shadow = _Shadow(children, set(row_parents[1:count]), keys[row] if keys else None)
                 self._shadows.setdefault(rid, []).append(shadow)
 
-    def observe(self, rid: str, committed: list[int]) -> None:
-        """Walks every pending proposal of `rid` down the tokens it just committed."""
-        shadows = self._shadows.get(rid)
+    def observe_batch(self, rids: list[str], committed: list[list[int]]) -> None:
+        """Walks every pending proposal of each request down the tokens it just committed
+        (committed[i]: request rids[i]'s), in batch order: a resolved walk moves the shared
+        prior and its class's estimate, so the order is part of the result."""
+        shadows = self._shadows
         if not shadows:
-            return
+            return   # most plain steps: no proposal pending, no look-up per request
+        walking = list(filter(shadows.__contains__, rids))   # a probe's few requests
+        if walking:
+            committed_of = dict(zip(rids, committed))
+            for rid in walking:
+                self._walk_all(rid, shadows[rid], committed_of[rid])
+
+    def _walk_all(self, rid: str, shadows: list[_Shadow], committed: list[int]) -> None:
         pending = []
         for shadow in shadows:
             if _walk(shadow, committed):

@@ -232,9 +232,14 @@ class AdaptiveDraftLength:
         """Full proposals (before any cut, verified or probes), one shadow per real draft."""
         self.evidence.record(rids, trees, num_nodes, keys)
 
+    def observe_batch(self, rids: list[str], committed: list[list[int]]) -> None:
+        """Walks the pending proposals of a step's requests down the tokens each just
+        committed (committed[i]: rids[i]'s): the engine calls it once per step."""
+        self.evidence.observe_batch(rids, committed)
+
     def observe(self, rid: str, committed: list[int]) -> None:
-        """Walks every pending proposal of `rid` down the tokens it just committed."""
-        self.evidence.observe(rid, committed)
+        """One request's committed tokens: a batch of one."""
+        self.observe_batch([rid], [committed])
 
     def admit(self) -> None:
         """Requests finished their prefill: the next plain step probes them (their drafts

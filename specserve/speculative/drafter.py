@@ -43,6 +43,12 @@ class Drafter:
     def observe(self, req: "Req", committed: list[int]) -> None:
         """Tokens the request just committed."""
 
+    def observe_batch(self, reqs: list["Req"], committed: list[list[int]]) -> None:
+        """A step's committed tokens (committed[i]: reqs[i]'s), called once per step: a
+        drafter whose bookkeeping is cheaper for the whole batch overrides it."""
+        for req, tokens in zip(reqs, committed):
+            self.observe(req, tokens)
+
     def observe_hidden(self, reqs: list["Req"], starts: list[int], states: "torch.Tensor",
                        rows: list[list[int]]) -> None:
         """The target's hidden states (when the runner keeps them: see ModelRunner's

@@ -4,7 +4,7 @@ The trie is fed every prompt when it arrives and every committed token; each req
 owner of its own stream, so its own prompt and output rank first when it is drafted for.
 Indexing costs ~2-5 us per token (a batch of 64 long prompts: ~200 ms), so it runs on the
 trie's writer thread (ngram_writer.py) in parallel with the step loop: `add_prompt` and
-`observe` queue tokens per request (cheap list appends; a request's tokens of several steps
+`observe_batch` queue tokens per request (cheap list appends; a request's tokens of several steps
 reach the trie in one call), and `flush`, which the engine calls right after launching a
 forward, hands the queue to the writer and returns. `propose` first waits until the writer
 has indexed everything handed over before it (normally long done: it had the GPU's time),
@@ -119,10 +119,21 @@ class NgramDrafter(Drafter):
         return self._keys
 
     def observe(self, req: "Req", committed: list[int]) -> None:
-        self._queue(self._owner(req), committed)
-        self._observed += len(committed)
-        if self._observed >= AUTO_FLUSH_TOKENS:
-            self.flush()
+        self.observe_batch([req], [committed])   # a batch of one
+
+    def observe_batch(self, reqs: list["Req"], committed: list[list[int]]) -> None:
+        """Queues each request's committed tokens, in batch order; where AUTO_FLUSH_TOKENS are
+        reached mid-batch it flushes there, as a call per request did (which tokens a later
+        proposal sees depends on it). One call per step (engine/core.py's _observe says why)."""
+        owners, queue, observed = self._owners, self._queue, self._observed
+        for req, tokens in zip(reqs, committed):
+            owner = owners.get(req.rid)
+            queue(self._owner(req) if owner is None else owner, tokens)
+            observed += len(tokens)
+            if observed >= AUTO_FLUSH_TOKENS:
+                self.flush()   # zeroes self._observed
+                observed = 0
+        self._observed = observed
 
     def _queue(self, owner: int, tokens: list[int]) -> None:
         if not tokens:

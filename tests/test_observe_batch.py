@@ -1,0 +1,127 @@
+"""A step's bookkeeping is done once for the batch (observe_batch, SpecStats.record_step) and
+leaves exactly the state that a call per request, in batch order, left: the same evidence
+(estimates, prior, pending shadow walks), the same queued and flushed n-gram tokens (an
+auto-flush mid-batch included) and proposals, the same accept-length stats."""
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from specserve.engine.request import SpecStats
+from specserve.speculative import ngram
+from specserve.speculative.adaptive import AdaptiveDraftLength
+from specserve.speculative.ngram import NgramDrafter
+from specserve.speculative.ngram_config import NgramConfig
+from specserve.speculative.tree import TreeProposal
+from tests.test_spec_kv import fake_req
+
+VOCAB = 4   # few tokens: committed streams often follow a proposal for a few steps
+
+
+def evidence_state(adaptive: AdaptiveDraftLength) -> tuple:
+    evidence = adaptive.evidence
+    walks = {rid: [(s.key, s.node, list(s.path)) for s in shadows] for rid, shadows in evidence._shadows.items()}
+    return evidence._prior, evidence._expected, evidence._by_key, walks
+
+
+def random_proposals(rng: random.Random, rids: list[str]) -> tuple[TreeProposal, list[int], list[int] | None]:
+    rows = []
+    for _ in rids:
+        size = rng.randrange(1, 9)
+        rows.append(([rng.randrange(VOCAB) for _ in range(size)], [-1] + [rng.randrange(i) for i in range(1, size)]))
+    keys = [rng.randrange(1, 7) for _ in rids] if rng.random() < 0.5 else None
+    return TreeProposal.from_lists(rows), [len(tokens) for tokens, _ in rows], keys
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_batch_walks_the_shadows_as_a_call_per_request(seed):
+    """Probes on some steps (shadows for a few requests), then steps with no shadow pending
+    or with some: after every step the evidence equals the per-request calls', float for float."""
+    rng = random.Random(seed)
+    batched, per_request = AdaptiveDraftLength([1, 2, 4, 8]), AdaptiveDraftLength([1, 2, 4, 8])
+    rids = [f"r{i}" for i in range(24)]
+    for _ in range(200):
+        if rng.random() < 0.2:
+            probed = rng.sample(rids, rng.randrange(1, 6))
+            proposal = random_proposals(rng, probed)
+            for adaptive in (batched, per_request):
+                adaptive.record_proposals(probed, *proposal)
+        step = rng.sample(rids, rng.randrange(1, len(rids)))
+        committed = [[rng.randrange(VOCAB) for _ in range(rng.randrange(1, 4))] for _ in step]
+        batched.observe_batch(step, committed)
+        for rid, tokens in zip(step, committed):
+            per_request.observe(rid, tokens)
+        assert evidence_state(batched) == evidence_state(per_request)
+    assert batched.evidence._by_key or batched.evidence._expected   # walks were resolved
+
+
+def test_a_step_without_pending_shadows_looks_no_request_up():
+    adaptive = AdaptiveDraftLength([1, 2, 4])
+
+    class NoLookUps(list):
+        def __iter__(self):
+            raise AssertionError("walked the batch")
+    adaptive.observe_batch(NoLookUps(["a", "b"]), NoLookUps([[1], [2]]))
+
+
+def recording_flushes(drafter: NgramDrafter) -> list:
+    """The jobs the drafter hands to its writer: (owner, tokens) pairs and released owners."""
+    jobs, submit = [], drafter.writer.submit
+
+    def record(job):
+        jobs.append((list(job.args[0]), list(job.args[1])))
+        submit(job)
+    drafter.writer.submit = record
+    return jobs
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_batch_queues_and_flushes_as_a_call_per_request(seed, monkeypatch):
+    """Batches whose tokens reach AUTO_FLUSH_TOKENS mid-batch: the same jobs, cut at the same
+    request, the same queue afterwards, and the same proposals from the tries."""
+    monkeypatch.setattr(ngram, "AUTO_FLUSH_TOKENS", 23)
+    rng = random.Random(seed)
+    config = NgramConfig(capacity=2000, max_bfs_breadth=3, max_trie_depth=6)
+    batched, per_request = NgramDrafter(config, False, background=False), NgramDrafter(config, False, background=False)
+    jobs = recording_flushes(batched), recording_flushes(per_request)
+    reqs = [fake_req(f"r{i}", [rng.randrange(VOCAB) for _ in range(rng.randrange(3, 12))]) for i in range(12)]
+    for drafter in (batched, per_request):
+        for req in reqs:
+            drafter.add_prompt(req)
+    for step in range(60):
+        running = rng.sample(reqs, rng.randrange(1, len(reqs)))
+        committed = [[rng.randrange(VOCAB) for _ in range(rng.randrange(0, 5))] for _ in running]
+        for req, tokens in zip(running, committed):
+            req.output_ids.extend(tokens)
+        batched.observe_batch(running, committed)
+        for req, tokens in zip(running, committed):
+            per_request.observe(req, tokens)
+        assert (batched._pending, batched._observed) == (per_request._pending, per_request._observed)
+        assert jobs[0] == jobs[1]
+        if step % 10 == 9:
+            assert propose(batched, reqs) == propose(per_request, reqs)
+    assert len(jobs[0]) > 10
+
+
+def propose(drafter: NgramDrafter, reqs) -> tuple:
+    trees, num_nodes = drafter.propose(reqs, [8] * len(reqs))
+    return trees.tokens.tolist(), trees.parents.tolist(), num_nodes, list(drafter.proposal_keys())
+
+
+def test_a_step_records_each_request_s_accept_length():
+    """record_step equals the per-request update it replaces (counts and histogram)."""
+    rng = random.Random(3)
+    reqs = [SimpleNamespace(spec=SpecStats()) for _ in range(8)]
+    reference = [SpecStats() for _ in reqs]
+    for _ in range(50):
+        step = rng.sample(range(len(reqs)), rng.randrange(1, len(reqs)))
+        tokens = [[0] * rng.randrange(1, 6) for _ in step]
+        SpecStats.record_step([reqs[i] for i in step], tokens)
+        for i, committed in zip(step, tokens):   # the per-request update, as SpecStats.record did it
+            stats = reference[i]
+            stats.verify_steps += 1
+            stats.accepted_tokens += len(committed)
+            stats.accept_length_histogram[len(committed)] = stats.accept_length_histogram.get(len(committed), 0) + 1
+    assert [req.spec for req in reqs] == reference
