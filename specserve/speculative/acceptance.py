@@ -63,46 +63,59 @@ class AcceptanceEvidence:
 
     def observe_batch(self, rids: list[str], committed: list[list[int]]) -> None:
         """Walks every pending proposal of each request down the tokens it just committed
-        (committed[i]: request rids[i]'s), in batch order: a resolved walk moves the shared
-        prior and its class's estimate, so the order is part of the result."""
+        (committed[i]: request rids[i]'s); the walks that ended this step are learned from
+        together (`_learn`)."""
         shadows = self._shadows
         if not shadows:
             return   # most plain steps: no proposal pending, no look-up per request
         walking = list(filter(shadows.__contains__, rids))   # a probe's few requests
         if walking:
             committed_of = dict(zip(rids, committed))
+            resolved = []
             for rid in walking:
-                self._walk_all(rid, shadows[rid], committed_of[rid])
+                resolved += self._walk_all(rid, shadows[rid], committed_of[rid])
+            if resolved:
+                self._learn(resolved)
 
-    def _walk_all(self, rid: str, shadows: list[_Shadow], committed: list[int]) -> None:
-        pending = []
+    def _walk_all(self, rid: str, shadows: list[_Shadow], committed: list[int]) -> list[tuple[str, _Shadow]]:
+        """The request's walks that ended; the others stay pending."""
+        pending, ended = [], []
         for shadow in shadows:
-            if _walk(shadow, committed):
-                pending.append(shadow)
-            else:
-                self._resolve(rid, shadow)
+            (pending if _walk(shadow, committed) else ended).append(shadow)
         if pending:
             self._shadows[rid] = pending
         else:
             del self._shadows[rid]
+        return [(rid, shadow) for shadow in ended]
 
     def release(self, rid: str) -> None:
         self._shadows.pop(rid, None)
         self._expected.pop(rid, None)
 
-    def _resolve(self, rid: str, shadow: _Shadow) -> None:
-        """Tokens the proposal cut to t nodes would have committed: the accepted path runs
-        through increasing node indices, so it is the matched nodes below t, plus the bonus."""
-        # the estimate `expected_tokens` reads for such a proposal: its class's, else its request's
-        if shadow.key is not None:
-            expected = self._by_key.setdefault(shadow.key, dict(self._prior))
-        else:
-            expected = self._expected.setdefault(rid, dict(self._prior))
-        prior, path = self._prior, shadow.path
+    def _learn(self, resolved: list[tuple[str, _Shadow]]) -> None:
+        """One step's ended walks move each estimate they belong to (`expected_tokens` reads
+        a proposal's class's, else its request's) once, toward their mean. An update per walk
+        let the last few walks of a batch decide a class's estimate (ACCEPT_EMA per walk: at
+        64 requests the batch's last ~3): on an H100 (0.5B, code-types at 64) a drafting episode
+        committed 5.6 tokens a request while its class expected 3.0, and the bucket went plain."""
+        groups: dict[int, tuple[dict[int, float], list[list[int]]]] = {}
+        for rid, shadow in resolved:
+            if shadow.key is not None:
+                expected = self._by_key.setdefault(shadow.key, dict(self._prior))
+            else:
+                expected = self._expected.setdefault(rid, dict(self._prior))
+            groups.setdefault(id(expected), (expected, []))[1].append(shadow.path)
+        for expected, paths in groups.values():
+            self._move(expected, paths, ACCEPT_EMA)
+        self._move(self._prior, [shadow.path for _, shadow in resolved], ACCEPT_EMA * ACCEPT_EMA)
+
+    def _move(self, estimate: dict[int, float], paths: list[list[int]], weight: float) -> None:
+        """Toward the mean of what the walks' proposals, cut to t nodes, would have committed:
+        the accepted path runs through increasing node indices, so the matched nodes below t,
+        plus the bonus."""
         for t in self.tiers:
-            tokens = 1.0 + bisect_left(path, t)
-            expected[t] += ACCEPT_EMA * (tokens - expected[t])
-            prior[t] += ACCEPT_EMA * ACCEPT_EMA * (tokens - prior[t])
+            mean = 1.0 + sum(bisect_left(path, t) for path in paths) / len(paths)
+            estimate[t] += weight * (mean - estimate[t])
 
 
 def _walk(shadow: _Shadow, committed: list[int]) -> bool:
