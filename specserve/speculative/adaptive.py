@@ -130,7 +130,6 @@ class AdaptiveDraftLength:
             return
         if not self.costs.steadily_priced(bucket, 1):
             return   # what drafting must beat is not known yet (adaptive_modes.py: plain_trial)
-        tiers = self._useful_tiers(max(num_nodes))
         _, best, rates = self._best_tier(bucket, batch_size, rids, num_nodes, keys)
         if not rates:   # a tier is not priced at this bucket yet: drafting prices it
             self.modes.request_switch(bucket)
@@ -138,7 +137,8 @@ class AdaptiveDraftLength:
         if best > 1 and rates[best] >= SWITCH_MARGIN * rates[1]:
             self.modes.request_switch(bucket)
             return
-        stale = [t for t in tiers[1:] if self.costs.stale(bucket, t) and rates[t] >= EXPLORE_RATIO * rates[1]]
+        stale = [t for t, rate in rates.items() if t > 1 and rate >= EXPLORE_RATIO * rates[1]
+                 and self.costs.stale(bucket, t)]
         if stale:   # the episode's first step runs the stale tier, whatever its old price says
             self._explore[bucket] = max(stale, key=rates.get)
             self.modes.request_switch(bucket)
