@@ -110,18 +110,22 @@ def test_flush_returns_while_the_writer_indexes_and_a_later_proposal_sees_the_pr
     drafter.close()
 
 
-def test_probes_are_put_off_while_a_large_backlog_is_indexed():
+def test_probes_and_drafting_steps_are_put_off_while_a_large_backlog_is_indexed():
     drafter = NgramDrafter(NgramConfig(), one_branch=True)
     gate = gated_inserts(drafter)
     drafter.add_prompt(fake_req("small", list(range(10, 10 + ngram.PROBE_BACKLOG_TOKENS))))
     drafter.flush()
-    assert drafter.ready_to_probe()        # a backlog a probe may wait for
-    drafter.add_prompt(fake_req("large", list(range(20))))
+    assert drafter.ready_to_probe() and drafter.ready_to_draft()   # a backlog a probe may wait for
+    drafter.add_prompt(fake_req("medium", list(range(20))))
     drafter.flush()
-    assert not drafter.ready_to_probe()    # over the limit until the writer catches up
+    assert not drafter.ready_to_probe()    # a probe waits for the writer to catch up ...
+    assert drafter.ready_to_draft()        # ... a drafting step still drafts
+    drafter.add_prompt(fake_req("large", list(range(30, 30 + ngram.DRAFT_BACKLOG_TOKENS))))
+    drafter.flush()
+    assert not drafter.ready_to_probe() and not drafter.ready_to_draft()
     gate.set()
     drafter.writer.drain()
-    assert drafter.ready_to_probe() and drafter._backlog == 0
+    assert drafter.ready_to_probe() and drafter.ready_to_draft() and drafter._backlog == 0
     drafter.close()
 
 

@@ -665,7 +665,7 @@ def test_a_drafting_bucket_decodes_plainly_while_the_drafter_indexes(smol):
     engine = smol.make(**ngram_args(8, adaptive=True))
     adaptive, drafter = engine.core.adaptive, engine.core.drafter
     adaptive.should_draft = lambda batch_size: True    # the bucket drafts
-    drafter.ready_to_probe = lambda: False             # ... but the indexing is far behind
+    drafter.ready_to_draft = lambda: False             # ... but the indexing is far behind
     assert engine.generate(input_ids=prompt, sampling_params=params)["output_ids"] == expected
     assert {t for t, n in adaptive.steps_per_tier.items() if n} == {1}
     wait_until_all_kv_is_free(engine)

@@ -77,6 +77,36 @@ def set_drafter(engine, num_draft_tokens: int | None, one_branch: bool = False, 
     core.stats.speculative = True
 
 
+def parse_config(label: str) -> tuple[int, bool, bool]:
+    """A label of config_label's form back to (draft tokens, one branch, adaptive)."""
+    parts = label.split("-")
+    if len(parts) not in (3, 4) or parts[0] != "ngram" or not parts[1].isdigit() or parts[2] not in ("one", "multi") \
+            or parts[3:] not in ([], ["adaptive"]):
+        raise ValueError(f"not a configuration label (ngram-N-one|multi[-adaptive]): {label!r}")
+    return int(parts[1]), parts[2] == "one", parts[3:] == ["adaptive"]
+
+
+def config_choice(value: str) -> str:
+    """argparse type of --configs: 'all', 'default' or a label."""
+    if value not in ("all", "default"):
+        try:
+            parse_config(value)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(f"--configs: {error}") from None
+    return value
+
+
+def suite_configs(choices: list[str], concurrency: int) -> list[tuple]:
+    """The NGRAM configurations a cell runs beside plain, in order, without repeats."""
+    configs = []
+    for choice in choices:
+        if choice == "all":
+            configs += SPEC_CONFIGS if concurrency == 1 else CONCURRENT_CONFIGS
+        else:
+            configs.append(DEFAULT_CONFIG if choice == "default" else parse_config(choice))
+    return list(dict.fromkeys(configs))
+
+
 def config_label(spec: tuple | None) -> str:
     if spec is None:
         return "plain"
@@ -256,8 +286,7 @@ def bench_model(path: str, ns, bandwidth: float, write) -> None:
         count = ns.bs1_prompts if concurrency == 1 else min(ns.num_prompts, max(concurrency * 2, 16))
         for workload, (prompts, warm_prompts) in workloads.items():
             turns = 2 if workload == "sharegpt-repeat" else 1
-            configs = [None] + ([DEFAULT_CONFIG] if ns.configs == "default"
-                                else SPEC_CONFIGS if concurrency == 1 else CONCURRENT_CONFIGS)
+            configs = [None] + suite_configs(ns.configs, concurrency)
             for round_index in range(ns.rounds):   # odd rounds run the configurations in reverse
                 for spec in configs[::-1] if round_index % 2 else configs:
                     for summary in timed_cell(engine, ns, watch, spec, workload, concurrency,
@@ -311,8 +340,9 @@ def main(argv=None) -> None:
     parser.add_argument("--policy-trace-dir", default=None,
                         help="write each run's adaptive-policy events here (bench/policy_trace.py)")
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 32, 64])
-    parser.add_argument("--configs", choices=["all", "default"], default="all",
-                        help="NGRAM configurations beside plain: the fixed ones too, or only default flags")
+    parser.add_argument("--configs", nargs="+", type=config_choice, default=["all"],
+                        help="NGRAM configurations beside plain: 'all' (the fixed ones too), 'default' (default "
+                             "flags), or labels such as ngram-16-multi-adaptive")
     parser.add_argument("--no-transformers", dest="transformers", action="store_false")
     parser.add_argument("--hf-workloads", nargs="*", default=["code-types", "sharegpt-multiturn"],
                         help="workloads transformers.generate runs (at batch 1)")

@@ -140,7 +140,7 @@ class EngineCore(DraftingSteps):
         if ahead is not None:
             return self._finish_draft_step(reqs, ahead)
         draft = self.drafter is not None and (self.adaptive is None or self.adaptive.should_draft(len(reqs)))
-        if draft and self.adaptive is not None and not self.drafter.ready_to_probe():
+        if draft and self.adaptive is not None and not self.drafter.ready_to_draft():
             # its proposals would wait for the indexing of new prompts while the GPU idles (H100, 0.5B,
             # ShareGPT second turns at 32: one drafting step of 60-90 ms a run, ~15% of it): decode
             # plainly meanwhile; the bucket stays in drafting mode

@@ -77,6 +77,11 @@ class Drafter:
         behind, which a proposal would wait for while the GPU idles."""
         return True
 
+    def ready_to_draft(self) -> bool:
+        """Whether a drafting step's proposals would start soon enough to be worth the wait
+        (a looser bound than a probe's: a probe can be put off, drafting cannot)."""
+        return True
+
     def release(self, req: "Req") -> None:
         """The request finished or was aborted."""
 

@@ -19,9 +19,13 @@ stream is let go after its last queued tokens.
 
 A probe (a plain step's proposals for a few requests, adaptive.py) waits for the same
 indexing, so it is put off while more than PROBE_BACKLOG_TOKENS handed-over tokens are not
-indexed yet: the first probe after 64 multi-turn prompts arrived waited ~85 ms for them
-(H100, 1.5B, concurrency 64: 7% of the run; `ready_to_probe`). Which step probes then
-depends on the writer's timing; what is drafted from a given trie does not.
+indexed yet (`ready_to_probe`): the first probe after 64 multi-turn prompts arrived waited
+~85 ms for them (H100, 1.5B, concurrency 64: 7% of the run), and with 2048 tokens allowed,
+probing steps of 13-16 ms still stood among plain steps of 1.5-3 ms (H100, 0.5B, multi-turn
+at 64: ~6% of the run). A probe only informs the policy, so it can wait a few steps for
+the writer; a drafting step cannot without giving up its bucket's drafting, so it waits
+up to DRAFT_BACKLOG_TOKENS (`ready_to_draft`). Which step probes then depends on the
+writer's timing; what is drafted from a given trie does not.
 
 With the pure-Python trie (no C compiler) the writes run at once on the caller's thread
 in `flush`: that trie holds the GIL, so a thread would gain nothing.
@@ -52,7 +56,10 @@ AUTO_FLUSH_TOKENS = 256   # committed tokens queued that observe hands to the wr
 # waits for: a call per stream (a flush at batch 64: 64 streams and a prompt) cost a ~400 us step
 # of Python and small torch ops ~200 us on the CPU, one call per 1024 tokens ~10 us
 WRITE_BATCH_TOKENS = 1024
-PROBE_BACKLOG_TOKENS = 2048   # handed-over tokens not indexed yet above which a probe is put off (~3-5 ms of indexing)
+# handed-over tokens not indexed yet above which a probe is put off (~0.5-1.3 ms of indexing),
+# and above which a drafting step decodes plainly instead (~3-5 ms)
+PROBE_BACKLOG_TOKENS = 256
+DRAFT_BACKLOG_TOKENS = 2048
 
 
 class NgramDrafter(Drafter):
@@ -159,6 +166,9 @@ class NgramDrafter(Drafter):
 
     def ready_to_probe(self) -> bool:
         return self._backlog <= PROBE_BACKLOG_TOKENS
+
+    def ready_to_draft(self) -> bool:
+        return self._backlog <= DRAFT_BACKLOG_TOKENS
 
     def _add_backlog(self, tokens: int) -> None:
         with self._backlog_lock:
