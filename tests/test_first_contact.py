@@ -175,6 +175,27 @@ def test_sglang_command_lines_parse():
     assert args.speculative_ngram_branch_length == 12 and args.tp_size == 1 and args.disable_radix_cache
 
 
+# ---- defaults that depend on the algorithm ----
+@pytest.mark.parametrize("argv, expected", [
+    ([], (16, True)),                                              # NGRAM, adaptive: a chain of up to 16
+    (["--speculative-disable-adaptive"], (8, False)),              # a pinned size: SGLang-like trees of 8
+    (["--no-speculative-one-branch"], (16, False)),
+    (["--speculative-one-branch", "--speculative-num-draft-tokens", "4"], (4, True)),
+])
+def test_ngram_draft_size_and_shape_default_by_policy(argv, expected):
+    parser = ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = ServerArgs.from_cli_args(parser.parse_args(["--model-path", "m", "--speculative-algorithm", "NGRAM", *argv]))
+    assert (args.speculative_num_draft_tokens, args.speculative_one_branch) == expected
+
+
+def test_model_drafters_and_plain_decoding_keep_eight_nodes():
+    assert ServerArgs(model_path="m").speculative_num_draft_tokens == 8
+    eagle = ServerArgs(model_path="m", speculative_algorithm="EAGLE", speculative_draft_model_path="h",
+                       speculative_eagle_topk=4, speculative_num_steps=3)
+    assert (eagle.speculative_num_draft_tokens, eagle.speculative_one_branch) == (8, False)
+
+
 # ---- --help ----
 def test_help_shows_defaults_and_marks_what_is_not_implemented(capsys):
     from specserve.runner.model_runner import CPU_DEFAULT_KV_TOKENS
@@ -182,8 +203,9 @@ def test_help_shows_defaults_and_marks_what_is_not_implemented(capsys):
         generate_main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert ("--speculative-num-draft-tokens INT tree nodes per verify step, the root included (a chain of "
-            "STANDALONE / EAGLE: speculative_num_steps + 1; NAIVE_EAGLE / MTP: 2, the default is read as 2) "
-            "(default: 8)") in text
+            "STANDALONE / EAGLE: speculative_num_steps + 1; NAIVE_EAGLE / MTP: 2); default: NGRAM with the "
+            "adaptive draft length 16 (the largest size it picks), otherwise 8") in text
+    assert "--speculative-one-branch, --no-speculative-one-branch NGRAM: draft a single chain" in text
     assert f"{CPU_DEFAULT_KV_TOKENS} on a CPU" in text
     assert ("--tp-size INT, --tensor-parallel-size INT tensor parallelism: one process per rank, each holding "
             "1/tp_size of the heads, MLP and vocabulary (gloo on a CPU, NCCL on GPUs: cuda:0..tp_size-1); a model "

@@ -22,5 +22,5 @@ def test_choices_expand_in_order_without_repeats():
     assert suite_configs(["default"], 1) == [DEFAULT_CONFIG]
     assert suite_configs(["all"], 1) == SPEC_CONFIGS
     assert suite_configs(["all"], 32) == CONCURRENT_CONFIGS
-    assert suite_configs(["default", "ngram-16-multi-adaptive", "ngram-8-multi-adaptive"], 8) == \
-        [DEFAULT_CONFIG, (16, False, True)]
+    assert suite_configs(["default", "ngram-16-multi-adaptive", "ngram-16-one-adaptive"], 8) == \
+        [DEFAULT_CONFIG, (16, False, True)]   # the default is the 16-node adaptive chain

@@ -37,10 +37,10 @@ from specserve.speculative.ngram import NgramDrafter
 from specserve.speculative.ngram_trie import NgramConfig
 
 MODELS = ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct")
-# (draft tokens, one branch, adaptive draft length); (8, False, True) is what default flags give
-DEFAULT_CONFIG = (8, False, True)
-SPEC_CONFIGS = [DEFAULT_CONFIG, (16, True, True), (8, False, False), (4, True, False), (16, True, False)]
-CONCURRENT_CONFIGS = [DEFAULT_CONFIG, (16, True, True), (8, False, False), (4, True, False)]
+# (draft tokens, one branch, adaptive draft length); (16, True, True) is what default flags give
+DEFAULT_CONFIG = (16, True, True)
+SPEC_CONFIGS = [DEFAULT_CONFIG, (8, False, True), (8, False, False), (4, True, False), (16, True, False)]
+CONCURRENT_CONFIGS = [DEFAULT_CONFIG, (8, False, True), (8, False, False), (4, True, False)]
 
 
 def measure_copy_bandwidth(device: str) -> float:

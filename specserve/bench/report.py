@@ -45,7 +45,7 @@ def speed_rows(rows: list[dict]) -> list[dict]:
     return table
 
 
-DEFAULT_LABEL = "ngram-8-multi-adaptive"   # what default flags run
+DEFAULT_LABEL = "ngram-16-one-adaptive"   # what default flags run (before 2026-11-25: ngram-8-multi-adaptive)
 BEST_CASES = {("code-rename", 1), ("sharegpt-repeat", 2)}   # drafts trivially right: labelled as such
 
 
@@ -115,7 +115,7 @@ def plot(rows: list[dict], path: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    shown = ("plain", DEFAULT_LABEL, "ngram-8-multi", "ngram-16-one-adaptive")
+    shown = ("plain", DEFAULT_LABEL, "ngram-8-multi", "ngram-8-multi-adaptive")
     table = [r for r in speed_rows(rows) if r["config"] in shown]
     models = sorted({r["model"] for r in table})
     fig, axes = plt.subplots(1, max(len(models), 1), figsize=(6 * max(len(models), 1), 4), squeeze=False)
