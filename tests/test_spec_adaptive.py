@@ -13,8 +13,8 @@ import torch
 from specserve.bench.policy_sim import SCENARIOS, simulate
 from specserve.engine.core import EngineCore
 from specserve.speculative.adaptive import (
-    BYPASS_BUDGET, GUARD_STEPS, MAX_PLAIN_HOLD, MAX_PROBE_EVERY, PLAIN_HOLD, PROBE_BUDGET, REFRESH_EVERY, SWITCH_MARGIN,
-    AdaptiveDraftLength, tiers_for)
+    BYPASS_BUDGET, GUARD_STEPS, MAX_PLAIN_HOLD, MAX_PROBE_EVERY, OPTIMISM_WINDOW, PLAIN_HOLD, PROBE_BUDGET, REFRESH_EVERY,
+    SWITCH_MARGIN, AdaptiveDraftLength, tiers_for)
 from specserve.speculative.adaptive_costs import RECHECK_GAP, StepCosts
 from specserve.speculative.adaptive_modes import GUARD_WINDOW
 from specserve.speculative.adaptive_probes import ADMIT_GAP
@@ -398,6 +398,44 @@ def test_a_probe_switches_back_only_with_a_margin():
     assert 1 / 0.05 < rate_4 < SWITCH_MARGIN / 0.05
     adaptive.probe(1, ["r"], [4])
     assert not adaptive.would_draft(1) and not adaptive.should_draft(1)
+
+
+def overshooting_policy(optimism: float | None) -> AdaptiveDraftLength:
+    """Bucket 1 held plain at 0.05 s a step (1 token), tier 4 priced at 0.12 s and expected to
+    commit 4 tokens: 1.67x plain, above SWITCH_MARGIN; `optimism`: its drafting record."""
+    adaptive = AdaptiveDraftLength([1, 4])
+    measured(adaptive, {4: 0.120})
+    assert not adaptive.should_draft(1)                # a new bucket starts plain
+    for _ in range(4):
+        adaptive.record_step(1, 1, 0.050, tokens=1)    # plain mode's price and realized rate
+    chain = ([9, 1, 2, 3], [-1, 0, 1, 2])
+    for _ in range(30):
+        propose(adaptive, "old", chain)
+        adaptive.observe("old", [1, 2, 3, 8])
+    if optimism is not None:
+        adaptive.optimism[1] = optimism
+    return adaptive
+
+
+@pytest.mark.parametrize("optimism, switches", [(None, True), (1.0, True), (0.5, True), (1.3, True), (1.6, False)])
+def test_a_probe_asks_more_of_a_bucket_whose_drafting_choices_overshot(optimism, switches):
+    adaptive = overshooting_policy(optimism)
+    assert adaptive.expected_tokens("", 4) / 0.120 == pytest.approx(4 / 0.120)   # 1.67x plain's 20 tok/s
+    propose(adaptive, "new", ([9, 1, 2, 3], [-1, 0, 1, 2]))
+    adaptive.probe(1, ["new"], [4])
+    assert adaptive.would_draft(1) is switches
+
+
+def test_a_buckets_optimism_is_the_median_of_its_drafting_steps_expected_over_realized():
+    adaptive = overshooting_policy(None)
+    realized = []
+    for step in range(OPTIMISM_WINDOW + 2):
+        tier = adaptive.choose(["old"], [4])
+        tokens = 2 if step != 3 else 0              # half of what was expected; one step commits nothing
+        adaptive.record_step(1, tier, 0.120 if tier == 4 else 0.050, tokens=tokens if tier == 4 else 1)
+        realized.append(tier)
+    assert 4 in realized
+    assert adaptive.optimism[1] == pytest.approx(2.0)   # 33.3 tok/s expected, 16.7 realized
 
 
 def test_evidence_classes_tell_weak_matches_from_strong_ones():

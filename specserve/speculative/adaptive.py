@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections import Counter
 
 from specserve.speculative.acceptance import AcceptanceEvidence
-from specserve.speculative.adaptive_costs import COST_WINDOW, REFRESH_EVERY, StepCosts, batch_bucket
+from specserve.speculative.adaptive_costs import COST_WINDOW, REFRESH_EVERY, RecentMedians, StepCosts, batch_bucket
 from specserve.speculative.adaptive_modes import (
     BYPASS_BUDGET, GUARD_RATIO, GUARD_STEPS, MAX_PLAIN_HOLD, PLAIN_HOLD, REALIZED_WINDOW, BucketModes)
 from specserve.speculative.adaptive_probes import (
@@ -40,7 +40,7 @@ from specserve.speculative.tree import TreeProposal
 __all__ = [
     "AdaptiveDraftLength", "tiers_for", "COST_WINDOW", "REFRESH_EVERY", "REFRESH_MARGIN", "SWITCH_MARGIN", "EXPLORE_RATIO",
     "BYPASS_BUDGET", "GUARD_RATIO", "GUARD_STEPS", "MAX_PLAIN_HOLD", "PLAIN_HOLD", "REALIZED_WINDOW",
-    "MAX_PROBE_EVERY", "PROBE_BUDGET", "PROBE_COST_EMA", "PROBE_REQUESTS"]
+    "MAX_PROBE_EVERY", "PROBE_BUDGET", "PROBE_COST_EMA", "PROBE_REQUESTS", "OPTIMISM_WINDOW", "MAX_OPTIMISM"]
 
 REFRESH_MARGIN = 0.8   # re-measure tiers expected to reach this fraction of the best rate
 # a plain bucket drafts again only when drafting is expected to beat plain by this much:
@@ -53,6 +53,15 @@ SWITCH_MARGIN = 1.15
 # at 64: tier 8 priced at ~18k tok/s against plain's 50.6k, held plain, 0.92x where it had
 # drafted at 1.24x); the guard stops an episode that loses after GUARD_STEPS steps.
 EXPLORE_RATIO = 0.6
+# A probe's switch is judged with the bucket's record: the median, over its last OPTIMISM_WINDOW
+# drafting steps, of the rate the choice expected over the rate the step realized (at least 1,
+# at most MAX_OPTIMISM) multiplies SWITCH_MARGIN. Where the model overshoots, each switch is a
+# drafting step that loses and two steps not launched ahead (H100, 1.5B, a 16-node chain,
+# ShareGPT at 64: 5-9 switches a run, expected/realized 1.12-1.35, ~15 ms lost each; at batch 1
+# 2-3x); where it does not (code edits: 0.84-1.1) nothing changes. A stale tier's re-pricing
+# (EXPLORE_RATIO) is not held back, so a bucket's record is renewed now and then.
+OPTIMISM_WINDOW = 8
+MAX_OPTIMISM = 2.0
 
 
 class AdaptiveDraftLength:
@@ -66,6 +75,9 @@ class AdaptiveDraftLength:
         self.evidence = AcceptanceEvidence(self.tiers)
         self.steps_per_tier = {t: 0 for t in self.tiers}
         self._explore: dict[int, int] = {}   # bucket -> a stale tier its next drafting step re-prices
+        self._expected_rate: dict[int, float] = {}   # bucket -> the rate its drafting choice expected
+        self._optimism = RecentMedians(OPTIMISM_WINDOW)
+        self.optimism: dict[int, float] = {}   # bucket -> median expected / realized of its drafting steps
 
     # the parts' state under the names diagnostics and benches read (and write):
     # bench/draft_step_host.py pins prices, one-off scripts dump the policy's state
@@ -134,7 +146,7 @@ class AdaptiveDraftLength:
         if not rates:   # a tier is not priced at this bucket yet: drafting prices it
             self.modes.request_switch(bucket)
             return
-        if best > 1 and rates[best] >= SWITCH_MARGIN * rates[1]:
+        if best > 1 and rates[best] >= self._switch_margin(bucket) * rates[1]:
             self.modes.request_switch(bucket)
             return
         stale = [t for t, rate in rates.items() if t > 1 and rate >= EXPLORE_RATIO * rates[1]
@@ -142,6 +154,10 @@ class AdaptiveDraftLength:
         if stale:   # the episode's first step runs the stale tier, whatever its old price says
             self._explore[bucket] = max(stale, key=rates.get)
             self.modes.request_switch(bucket)
+
+    def _switch_margin(self, bucket: int) -> float:
+        """SWITCH_MARGIN, times how much the bucket's drafting choices overshot of late."""
+        return SWITCH_MARGIN * min(max(self.optimism.get(bucket, 1.0), 1.0), MAX_OPTIMISM)
 
     # --- the choice ---
     def choose(self, rids: list[str], num_nodes: list[int], keys: list[int] | None = None) -> int:
@@ -154,7 +170,9 @@ class AdaptiveDraftLength:
         explore = self._explore.pop(bucket, None)
         if explore is not None and explore in self._useful_tiers(max(num_nodes)):
             return explore
-        choice, best, _ = self._best_tier(bucket, len(rids), rids, num_nodes, keys, measure=True)
+        choice, best, rates = self._best_tier(bucket, len(rids), rids, num_nodes, keys, measure=True)
+        if choice > 1 and rates:
+            self._expected_rate[bucket] = rates[choice]
         if best == 1:  # not a re-measurement of tier 1: plain decoding is expected to win
             self.modes.go_plain(bucket, self.costs.steps(bucket))
         elif not self.costs.steadily_priced(bucket, 1) and self.modes.episode_steps(bucket) >= GUARD_STEPS:
@@ -222,6 +240,9 @@ class AdaptiveDraftLength:
         ahead, or probing): it counts, but does not price plain decoding (adaptive_costs.py)."""
         bucket = batch_bucket(batch_size)
         self.probes.note_step(bucket)
+        expected = self._expected_rate.pop(bucket, None)   # what this step's choice expected, if it drafted
+        if expected is not None and tree_size > 1 and tokens and seconds > 0:
+            self.optimism[bucket] = self._optimism.add(bucket, expected * seconds / tokens)
         tier = self.costs.record(bucket, tree_size, seconds, steady)
         self.steps_per_tier[tier] += 1
         if tokens is not None and seconds > 0:
