@@ -31,7 +31,6 @@ class PolicyTrace:
     def __init__(self, policy):
         self.policy = policy
         self.events: list[dict] = []
-        self._expected: dict[int, float] = {}     # bucket -> rate expected at the last drafting choice
         self._wrapped: list[tuple[object, str]] = []
         self._wrap(policy, "_best_tier", self._on_rates)
         self._wrap(policy, "record_step", self._on_step)
@@ -59,13 +58,11 @@ class PolicyTrace:
         self.events.append({"e": "rates", "bucket": bucket, "bs": batch_size, "sampled": len(rids),
                             "with_draft": sum(n > 1 for n in num_nodes), "choose": measure, "choice": choice,
                             "rates": {t: round(r) for t, r in rates.items()}})
-        if measure and rates:
-            self._expected[bucket] = rates[choice]
         return result
 
     def _on_step(self, original, batch_size, tree_size, seconds, tokens=None, steady=True):
         bucket = batch_bucket(batch_size)
-        expected = self._expected.pop(bucket, None)   # the choice this step ran, if it was one
+        expected = self.policy._expected_rate.get(bucket)   # the drafting choice this step ran, if it was one
         self.events.append({"e": "step", "bucket": bucket, "bs": batch_size, "tree": tree_size,
                             "ms": round(seconds * 1e3, 3), "tokens": tokens,
                             "plain": bucket in self.policy.modes.plain,

@@ -76,7 +76,7 @@ class AdaptiveDraftLength:
         self.steps_per_tier = {t: 0 for t in self.tiers}
         self._explore: dict[int, int] = {}   # bucket -> a stale tier its next drafting step re-prices
         self._expected_rate: dict[int, float] = {}   # bucket -> the rate its drafting choice expected
-        self._optimism = RecentMedians(OPTIMISM_WINDOW)
+        self._overshoots = RecentMedians(OPTIMISM_WINDOW)   # per bucket: expected / realized
         self.optimism: dict[int, float] = {}   # bucket -> median expected / realized of its drafting steps
 
     # the parts' state under the names diagnostics and benches read (and write):
@@ -242,7 +242,7 @@ class AdaptiveDraftLength:
         self.probes.note_step(bucket)
         expected = self._expected_rate.pop(bucket, None)   # what this step's choice expected, if it drafted
         if expected is not None and tree_size > 1 and tokens and seconds > 0:
-            self.optimism[bucket] = self._optimism.add(bucket, expected * seconds / tokens)
+            self.optimism[bucket] = self._overshoots.add(bucket, expected * seconds / tokens)
         tier = self.costs.record(bucket, tree_size, seconds, steady)
         self.steps_per_tier[tier] += 1
         if tokens is not None and seconds > 0:

@@ -209,8 +209,9 @@ def _batches(queued: list[tuple[int, list[int]]], most: int):
     than that (a prompt) in pieces of its own, in order."""
     batch, size = [], 0
     for owner, tokens in queued:
-        for start in range(0, len(tokens), most) if len(tokens) > most else (0,):
-            piece = tokens[start:start + most] if len(tokens) > most else tokens
+        long = len(tokens) > most
+        pieces = [tokens[start:start + most] for start in range(0, len(tokens), most)] if long else [tokens]
+        for piece in pieces:
             if batch and size + len(piece) > most:
                 yield batch
                 batch, size = [], 0
