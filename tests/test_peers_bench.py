@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -248,3 +249,15 @@ def test_a_head_without_aux_layers_goes_to_vllm_as_it_is(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"eagle_config": {"use_aux_hidden_state": False}}))
     assert vllm_head_view(str(tmp_path), str(tmp_path / "view")) == str(tmp_path)
     assert not (tmp_path / "view").exists()
+
+
+def test_peer_servers_find_the_images_cuda_libraries(tmp_path, monkeypatch):
+    """sgl-deep-gemm's prebuilt _C.so links libnvrtc.so.13 by name: the dynamic linker must see
+    the `nvidia/<package>/lib` folders of torch's wheels, ahead of what LD_LIBRARY_PATH held."""
+    from specserve.bench.peers_install import server_env
+    lib = tmp_path / "nvidia" / "cu13" / "lib"
+    lib.mkdir(parents=True)
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/opt/lib")
+    paths = server_env(None, "/repo", {})["LD_LIBRARY_PATH"].split(os.pathsep)
+    assert paths[0] == str(lib) and paths[-1] == "/opt/lib"

@@ -73,8 +73,19 @@ def server_env(site_dir: str | None, repo_root: str, extra: dict[str, str]) -> d
     """The environment of an engine's server: its wheels first, then the repository (for
     specserve), then whatever PYTHONPATH held; no hub downloads."""
     paths = [p for p in (site_dir, repo_root, os.environ.get("PYTHONPATH")) if p]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            "PYTHONUNBUFFERED": "1", **extra}
+    libraries = [*cuda_library_dirs(), *filter(None, [os.environ.get("LD_LIBRARY_PATH")])]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "LD_LIBRARY_PATH": os.pathsep.join(libraries),
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **extra}
+
+
+def cuda_library_dirs() -> list[str]:
+    """The image's CUDA runtime libraries as torch's wheels ship them (`nvidia/<package>/lib`):
+    prebuilt extensions a peer carries (sgl-deep-gemm's `_C.so` needs libnvrtc.so.13 and
+    libcublasLt.so.13) are loaded by the dynamic linker, which does not look where torch does."""
+    found = []
+    for entry in sys.path:
+        found += sorted(glob.glob(os.path.join(entry, "nvidia", "*", "lib")))
+    return list(dict.fromkeys(found))
 
 
 def engine_version(engine: str, site_dir: str | None, repo_root: str) -> str:
