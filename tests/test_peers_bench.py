@@ -110,6 +110,7 @@ def test_specserve_engines_run_and_a_peer_without_wheels_is_reported(tiny_hf_roo
     assert all(len(engine_cells) == 10 and all(c["tok_s"] > 0 and c["output_tokens"] == c["prompts"] * 8
                                                for c in engine_cells) for engine_cells in by_engine.values())
     assert {c["prompts"] for c in cells} == {2, 8}
+    assert all(len(c["ttft_ms"]) == c["prompts"] and min(c["ttft_ms"]) > 0 for c in cells)   # who waited
     started = {r["engine"]: r for r in rows if r["kind"] == "engine" and "error" not in r}
     assert started["specserve-ngram"]["settings"]["chunked_prefill_size"] == 2048   # what the server reports
     assert started["specserve-ngram"]["settings"]["speculative_num_draft_tokens"] >= 2

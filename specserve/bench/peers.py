@@ -257,6 +257,8 @@ def cell_summary(results: list, duration: float, server: ServerProcess) -> dict:
     row = {"prompts": len(results), "tok_s": metrics["output_throughput"] if not errors else None,
            "output_tokens": metrics["total_output_tokens"], "duration_s": round(duration, 3),
            "mean_ttft_ms": metrics["mean_ttft_ms"], "median_itl_ms": metrics["median_itl_ms"],
+           # in request order: a stall shows as who waited (a long prompt, the ones queued behind it)
+           "ttft_ms": [round(r.ttft * 1000, 1) for r in results],
            "output_hashes": [hashlib.sha1(r.generated_text.encode()).hexdigest()[:12] for r in results]}
     if errors:
         row.update(failed=len(errors), error=f"{len(errors)} requests failed; the first: {errors[0][:500]}"
