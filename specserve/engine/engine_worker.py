@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from specserve.args import ServerArgs
 from specserve.engine.front import DONE, RequestLimits
+from specserve.gc_pauses import freeze_long_lived_objects
 
 if TYPE_CHECKING:
     from specserve.engine.engine import Engine
@@ -53,8 +54,9 @@ def serve_engine(args: ServerArgs, conn) -> None:
         return
     try:
         outbox = Outbox(engine, conn)
+        server_info = {**engine.get_server_info(), "gc_frozen_objects": freeze_long_lived_objects()}
         conn.send(("ready", EngineInfo(engine.args, engine.tokenizer, engine.model_path, engine.limits,
-                                       engine.get_server_info(), outbox.load)))
+                                       server_info, outbox.load)))
         engine.add_flush_hook(outbox.flush)
         _serve_commands(engine, conn, outbox)
     finally:

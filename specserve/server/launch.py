@@ -16,12 +16,14 @@ def launch_server(args: ServerArgs) -> None:
     import uvicorn
 
     from specserve.engine.engine_process import EngineProcess
+    from specserve.gc_pauses import freeze_long_lived_objects
     from specserve.server.http import create_app
 
     with _sigterm_raises_system_exit():
         engine = EngineProcess(args)   # a start-up failure (bad model path, ...) is raised here, before uvicorn
         try:
             app = create_app(engine)
+            freeze_long_lived_objects()   # this process streams every token: no full-heap walks mid-request
             config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                     # one line per request (method, path, status) at info and debug, as uvicorn's default
                                     access_log=args.log_level in ("debug", "info"), timeout_keep_alive=30)
