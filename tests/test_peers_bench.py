@@ -96,11 +96,13 @@ def test_specserve_engines_run_and_a_peer_without_wheels_is_reported(tiny_hf_roo
     hf_root = tiny_hf_root
     save_random_eagle_head(hf_root / "tiny", tmp_path / "head", draft_vocab=torch.arange(0, 256, 2))
     out = tmp_path / "out"
-    engines = ("specserve-plain", "specserve-ngram", "specserve-eagle3")
+    engines = ("specserve-plain", "specserve-ngram", "specserve-eagle3", "specserve-naive-eagle",
+               "specserve-standalone")
     table = peers.run(peers.parse_args([
         "run", "--quick", "--models", "tiny", "--hf-root", str(hf_root), "--models-dir", str(tmp_path),
         "--engines", "specserve-plain", "vllm-plain", "specserve-ngram", "sglang-eagle3", "specserve-eagle3",
-        "--eagle-head", f"tiny={tmp_path / 'head'}", "--concurrency", "1", "4",
+        "specserve-naive-eagle", "specserve-standalone",
+        "--eagle-head", f"tiny={tmp_path / 'head'}", "--draft-model", "tiny=tiny", "--concurrency", "1", "4",
         "--max-new-tokens", "8", "--wheels", str(tmp_path / "no-wheels"), "--envs-root", str(tmp_path / "envs"),
         "--specserve-args", "--device cpu --dtype float32", "--out", str(out)]))
     rows = [json.loads(line) for line in open(out / "peers.jsonl")]
@@ -116,6 +118,7 @@ def test_specserve_engines_run_and_a_peer_without_wheels_is_reported(tiny_hf_roo
     assert started["specserve-ngram"]["settings"]["speculative_num_draft_tokens"] >= 2
     assert f"--speculative-draft-model-path {tmp_path / 'head'}" in started["specserve-eagle3"]["command"]
     assert started["specserve-eagle3"]["settings"]["speculative_num_draft_tokens"] == 4
+    assert f"--speculative-draft-model-path {hf_root / 'tiny'}" in started["specserve-standalone"]["command"]
     vllm = [r for r in rows if r.get("engine") == "vllm-plain"]
     assert len(vllm) == 1 and vllm[0]["kind"] == "engine" and "no wheels for vllm" in vllm[0]["error"]
     sglang = [r for r in rows if r.get("engine") == "sglang-eagle3"]   # it has the head, not the wheels
@@ -188,7 +191,14 @@ def test_eagle3_engines_draft_a_chain_of_3_with_the_head():
     with pytest.raises(ValueError, match="eagle_head"):
         ENGINES["sglang-eagle3"].command("/hf/m", "m", 8000)
     assert [name for name, config in ENGINES.items() if config.needs_eagle_head] == [
-        "specserve-eagle3", "vllm-eagle3", "sglang-eagle3"]
+        "specserve-eagle3", "specserve-naive-eagle", "vllm-eagle3", "sglang-eagle3"]
+    command = " ".join(ENGINES["specserve-naive-eagle"].command("/hf/m", "m", 8000, "/heads/m"))
+    assert "--speculative-algorithm NAIVE_EAGLE --speculative-draft-model-path /heads/m" in command
+    command = " ".join(ENGINES["specserve-standalone"].command("/hf/m", "m", 8000, draft_model="/hf/small"))
+    assert "--speculative-algorithm STANDALONE --speculative-draft-model-path /hf/small --speculative-num-steps 3" \
+        in command
+    with pytest.raises(ValueError, match="draft_model"):
+        ENGINES["specserve-standalone"].command("/hf/m", "m", 8000, "/heads/m")
     assert ENGINES["vllm-ngram"].command("/hf/m", "m", 8000, "/heads/m") == ENGINES["vllm-ngram"].command(
         "/hf/m", "m", 8000)
 
@@ -216,6 +226,11 @@ def test_an_eagle3_engine_without_a_head_is_an_error_row_before_any_install(tmp_
     assert "heads given for: headless, other" in rows[0]["error"]
     assert rows[1]["error"] == f"no EAGLE-3 head for headless: {tmp_path / 'empty-head'} has no config.json"
     assert not (tmp_path / "envs").exists()     # the wheels were never looked at
+    rows.clear()
+    peers.run_engine(ENGINES["specserve-standalone"], "m", str(tmp_path), {}, ns, rows.append, 0.0)
+    assert rows[0]["error"] == "no draft model for m: pass --draft-model m=DRAFT (a model of --models-dir)"
+    with pytest.raises(SystemExit):
+        peers.parse_args(["run", "--draft-model", "m"])
 
 
 def test_vllm_reads_a_view_of_the_head_with_its_layer_numbers(tiny_hf_root, tmp_path):

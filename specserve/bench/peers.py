@@ -5,7 +5,9 @@ For every model and engine configuration (peers_engines.ENGINES: specserve plain
 with default flags; vLLM plain, `ngram` and `suffix`; SGLang plain and NGRAM; and EAGLE-3
 chains of 3 on all three, drafting with a head our trainer made for the model, named with
 `--eagle-head MODEL=DIR`, e.g. `--eagle-head qwen2.5-coder-1.5b-instruct=/root/eagle3-1.5b`;
-a model without one gets an error row for those three, peers_heads.py) it installs
+a model without one gets an error row for those three, peers_heads.py; specserve's NAIVE_EAGLE
+with the same head, and STANDALONE drafting with a smaller model named with `--draft-model
+TARGET=DRAFT`) it installs
 the engine's carried wheels (peers_install.py), starts its OpenAI-compatible server, warms
 it on other prompts of every workload, then times the suite's workloads (gpu_suite:
 code-types, code-rename, sharegpt-multiturn second turns, sharegpt-repeat = first turns then
@@ -23,6 +25,8 @@ calls merge with `peers report`.
       --engines specserve-plain specserve-ngram vllm-plain vllm-ngram
   python -m specserve.bench.peers run --quick --models qwen2.5-coder-1.5b-instruct \
       --engines specserve-eagle3 sglang-eagle3 vllm-eagle3 --eagle-head qwen2.5-coder-1.5b-instruct=/root/eagle3-1.5b
+  python -m specserve.bench.peers run --quick --models qwen2.5-coder-1.5b-instruct \
+      --engines specserve-standalone --draft-model qwen2.5-coder-1.5b-instruct=qwen2.5-coder-0.5b-instruct
   python -m specserve.bench.peers report out1/peers.jsonl out2/peers.jsonl --out docs/bench/peers
 """
 from __future__ import annotations
@@ -75,6 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     run.add_argument("--eagle-head", nargs="+", default=[], metavar="MODEL=DIR",
                      help="the EAGLE-3 head (python -m specserve.train_eagle's --output-dir) that the *-eagle3 "
                      "engines draft with for MODEL; a model without one gets an error row for them")
+    run.add_argument("--draft-model", nargs="+", default=[], metavar="TARGET=DRAFT",
+                     help="the model (a name of --models-dir, converted like the targets) that specserve-standalone "
+                     "drafts with for TARGET, e.g. qwen2.5-coder-1.5b-instruct=qwen2.5-coder-0.5b-instruct")
     run.add_argument("--specserve-args", default="", help="extra flags for specserve's servers, e.g. '--device cpu'")
     run.add_argument("--out", default=os.environ.get("OUT", "peers-out"))
     report = commands.add_parser("report", help="merge peers.jsonl files into one table")
@@ -84,6 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if ns.command == "run":
         try:
             ns.eagle_heads = parse_eagle_heads(ns.eagle_head)
+            ns.draft_models = parse_eagle_heads(ns.draft_model, flag="--draft-model")
         except ValueError as error:
             parser.error(str(error))
     if ns.command == "run" and ns.quick:
@@ -146,18 +154,28 @@ class NotStartable(RuntimeError):
     """An engine configuration that cannot start here (no wheels, no EAGLE-3 head): its row says why."""
 
 
-def _prepare(config: EngineConfig, model: str, ns: argparse.Namespace) -> tuple[str | None, str | None]:
-    """(the EAGLE-3 head directory it drafts with or None, its installed wheels' directory or None)."""
+def _prepare(config: EngineConfig, model: str, ns: argparse.Namespace) -> tuple[dict[str, str | None], str | None]:
+    """(the drafters' directories its command takes, its installed wheels' directory or None)."""
     try:
-        eagle_head = head_for_engine(config, model, ns.eagle_heads, os.path.join(ns.out, "heads"))
+        drafters = {"eagle_head": head_for_engine(config, model, ns.eagle_heads, os.path.join(ns.out, "heads")),
+                    "draft_model": _draft_model_dir(config, model, ns)}
     except (HeadMissing, OSError, ValueError) as error:   # none, or an unreadable one
         raise NotStartable(str(error)) from error
     try:
-        return eagle_head, install(config.engine, ns.wheels, ns.envs_root, required=config.engine != "specserve")
+        return drafters, install(config.engine, ns.wheels, ns.envs_root, required=config.engine != "specserve")
     except WheelsMissing as error:
         raise NotStartable(str(error)) from error
     except Exception as error:   # an unreadable archive, a full disk: this engine's result
         raise NotStartable(f"installing its wheels: {type(error).__name__}: {error}") from error
+
+
+def _draft_model_dir(config: EngineConfig, model: str, ns: argparse.Namespace) -> str | None:
+    """The HF directory of the model that drafts for `model` (None where `config` needs none)."""
+    if not config.needs_draft_model:
+        return None
+    if model not in ns.draft_models:
+        raise HeadMissing(f"no draft model for {model}: pass --draft-model {model}=DRAFT (a model of --models-dir)")
+    return model_directory(ns.draft_models[model], ns)
 
 
 def run_engine(config: EngineConfig, model: str, model_dir: str, workloads: dict, ns: argparse.Namespace,
@@ -166,12 +184,12 @@ def run_engine(config: EngineConfig, model: str, model_dir: str, workloads: dict
     before `budget_end` (a time.monotonic() value), stops it. Whatever fails is a row."""
     base = {"model": model, "engine": config.name, "engine_family": config.engine, "algorithm": config.algorithm}
     try:
-        eagle_head, site = _prepare(config, model, ns)
+        drafters, site = _prepare(config, model, ns)
     except NotStartable as error:
         write({"kind": "engine", **base, "error": str(error)})
         return
     port = _free_port()
-    command = config.command(model_dir, model, port, eagle_head)
+    command = config.command(model_dir, model, port, **drafters)
     if config.engine == "specserve":
         command += ns.specserve_args.split()
     os.makedirs(os.path.join(ns.out, "logs"), exist_ok=True)

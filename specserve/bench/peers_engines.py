@@ -28,6 +28,7 @@ VLLM_NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max
 # vLLM's suffix decoding with its defaults (tree depth 24 = the most tokens drafted per step)
 VLLM_SUFFIX = {"method": "suffix"}
 EAGLE_HEAD = "{eagle_head}"   # in an EngineConfig's flags: the EAGLE-3 head's directory, filled in by command()
+DRAFT_MODEL = "{draft_model}"  # likewise: a smaller model's HF directory that drafts for the target (STANDALONE)
 # a chain of 3 drafted tokens, verified with the token before them: SGLang's documented chain settings
 # (num-steps 3, topk 1, num-draft-tokens 4); specserve takes the same flags
 EAGLE3_CHAIN = ("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", EAGLE_HEAD,
@@ -48,11 +49,21 @@ class EngineConfig:
     def needs_eagle_head(self) -> bool:
         return any(EAGLE_HEAD in arg for arg in self.extra_args)
 
-    def command(self, model_dir: str, served_name: str, port: int, eagle_head: str | None = None) -> list[str]:
-        """The server's command line; `eagle_head` (a directory) replaces EAGLE_HEAD in the flags."""
-        if self.needs_eagle_head and not eagle_head:
-            raise ValueError(f"{self.name} drafts with an EAGLE-3 head: eagle_head must name its directory")
-        extra = [arg.replace(EAGLE_HEAD, eagle_head) if eagle_head else arg for arg in self.extra_args]
+    @property
+    def needs_draft_model(self) -> bool:
+        return any(DRAFT_MODEL in arg for arg in self.extra_args)
+
+    def command(self, model_dir: str, served_name: str, port: int, eagle_head: str | None = None,
+                draft_model: str | None = None) -> list[str]:
+        """The server's command line; `eagle_head` and `draft_model` (directories) replace
+        EAGLE_HEAD and DRAFT_MODEL in the flags."""
+        fills = {EAGLE_HEAD: ("eagle_head", "an EAGLE-3 head", eagle_head),
+                 DRAFT_MODEL: ("draft_model", "a draft model", draft_model)}
+        extra = list(self.extra_args)
+        for placeholder, (argument, what, directory) in fills.items():
+            if any(placeholder in arg for arg in extra) and not directory:
+                raise ValueError(f"{self.name} drafts with {what}: {argument} must name its directory")
+            extra = [arg.replace(placeholder, directory) if directory else arg for arg in extra]
         return BASE_COMMANDS[self.engine](model_dir, served_name, port) + extra
 
 
@@ -97,6 +108,13 @@ ENGINES = {c.name: c for c in [
     EngineConfig("specserve-plain", "specserve", "plain"),
     EngineConfig("specserve-ngram", "specserve", "ngram", ("--speculative-algorithm", "NGRAM")),   # default flags
     EngineConfig("specserve-eagle3", "specserve", "eagle3", EAGLE3_CHAIN),
+    # the same head drafting one token a step, fused with the verify (our NAIVE_EAGLE)
+    EngineConfig("specserve-naive-eagle", "specserve", "naive-eagle",
+                 ("--speculative-algorithm", "NAIVE_EAGLE", "--speculative-draft-model-path", EAGLE_HEAD)),
+    # a smaller model of the same tokenizer drafting a chain of 3 (--draft-model TARGET=DRAFT)
+    EngineConfig("specserve-standalone", "specserve", "standalone",
+                 ("--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", DRAFT_MODEL,
+                  "--speculative-num-steps", "3")),
     EngineConfig("vllm-plain", "vllm", "plain", env=_VLLM_ENV),
     EngineConfig("vllm-ngram", "vllm", "ngram", ("--speculative-config", json.dumps(VLLM_NGRAM)), env=_VLLM_ENV),
     EngineConfig("vllm-suffix", "vllm", "suffix", ("--speculative-config", json.dumps(VLLM_SUFFIX)), env=_VLLM_ENV),

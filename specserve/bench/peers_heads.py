@@ -24,18 +24,19 @@ class HeadMissing(RuntimeError):
     """An EAGLE-3 configuration has no usable head for the model: its row says why."""
 
 
-def parse_eagle_heads(specs: list[str]) -> dict[str, str]:
-    """`MODEL=DIR` items -> {model: DIR}; ValueError naming --eagle-head on a malformed item."""
+def parse_eagle_heads(specs: list[str], flag: str = "--eagle-head") -> dict[str, str]:
+    """`MODEL=DIR` items -> {model: DIR}; ValueError naming `flag` on a malformed item (also
+    for --draft-model's TARGET=DRAFT)."""
     heads: dict[str, str] = {}
     for spec in specs:
         model, sep, directory = spec.partition("=")
         if not sep or not model or not directory:
-            raise ValueError(f"--eagle-head {spec!r}: expected MODEL=DIR, "
+            raise ValueError(f"{flag} {spec!r}: expected MODEL=DIR, "
                              f"e.g. qwen2.5-coder-1.5b-instruct=/root/eagle3-1.5b")
         if model in heads:
-            raise ValueError(f"--eagle-head names {model!r} twice")
+            raise ValueError(f"{flag} names {model!r} twice")
         if '"' in directory or "\\" in directory:   # the path goes into vLLM's JSON flag as it is
-            raise ValueError(f"--eagle-head {spec!r}: DIR may not contain quotes or backslashes")
+            raise ValueError(f"{flag} {spec!r}: DIR may not contain quotes or backslashes")
         heads[model] = directory
     return heads
 
