@@ -42,7 +42,7 @@ import time
 from types import SimpleNamespace
 
 from specserve.bench.peers_engines import ENGINES, EngineConfig, ServerFailed, ServerProcess, server_settings
-from specserve.bench.peers_heads import HeadMissing, head_for_engine, parse_eagle_heads
+from specserve.bench.peers_heads import HeadMissing, head_for_engine, parse_model_map
 from specserve.bench.peers_install import WheelsMissing, engine_version, install, server_env
 from specserve.bench.peers_report import write_report
 
@@ -90,8 +90,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ns = parser.parse_args(argv)
     if ns.command == "run":
         try:
-            ns.eagle_heads = parse_eagle_heads(ns.eagle_head)
-            ns.draft_models = parse_eagle_heads(ns.draft_model, flag="--draft-model")
+            ns.eagle_heads = parse_model_map(ns.eagle_head, "--eagle-head",
+                                             "qwen2.5-coder-1.5b-instruct=/root/eagle3-1.5b")
+            ns.draft_models = parse_model_map(ns.draft_model, "--draft-model",
+                                              "qwen2.5-coder-1.5b-instruct=qwen2.5-coder-0.5b-instruct")
         except ValueError as error:
             parser.error(str(error))
     if ns.command == "run" and ns.quick:

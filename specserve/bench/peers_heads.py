@@ -24,21 +24,20 @@ class HeadMissing(RuntimeError):
     """An EAGLE-3 configuration has no usable head for the model: its row says why."""
 
 
-def parse_eagle_heads(specs: list[str], flag: str = "--eagle-head") -> dict[str, str]:
-    """`MODEL=DIR` items -> {model: DIR}; ValueError naming `flag` on a malformed item (also
-    for --draft-model's TARGET=DRAFT)."""
-    heads: dict[str, str] = {}
+def parse_model_map(specs: list[str], flag: str, example: str) -> dict[str, str]:
+    """`MODEL=VALUE` items (--eagle-head's MODEL=DIR, --draft-model's TARGET=DRAFT) ->
+    {model: value}; ValueError naming `flag` on a malformed item."""
+    values: dict[str, str] = {}
     for spec in specs:
-        model, sep, directory = spec.partition("=")
-        if not sep or not model or not directory:
-            raise ValueError(f"{flag} {spec!r}: expected MODEL=DIR, "
-                             f"e.g. qwen2.5-coder-1.5b-instruct=/root/eagle3-1.5b")
-        if model in heads:
+        model, sep, value = spec.partition("=")
+        if not sep or not model or not value:
+            raise ValueError(f"{flag} {spec!r}: expected MODEL=VALUE, e.g. {example}")
+        if model in values:
             raise ValueError(f"{flag} names {model!r} twice")
-        if '"' in directory or "\\" in directory:   # the path goes into vLLM's JSON flag as it is
-            raise ValueError(f"{flag} {spec!r}: DIR may not contain quotes or backslashes")
-        heads[model] = directory
-    return heads
+        if '"' in value or "\\" in value:   # a head's path goes into vLLM's JSON flag as it is
+            raise ValueError(f"{flag} {spec!r}: may not contain quotes or backslashes")
+        values[model] = value
+    return values
 
 
 def head_for_engine(config: EngineConfig, model: str, heads: dict[str, str], view_root: str) -> str | None:
