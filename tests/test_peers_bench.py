@@ -277,3 +277,18 @@ def test_peer_servers_find_the_images_cuda_libraries(tmp_path, monkeypatch):
     monkeypatch.setenv("LD_LIBRARY_PATH", "/opt/lib")
     paths = server_env(None, "/repo", {})["LD_LIBRARY_PATH"].split(os.pathsep)
     assert paths[0] == str(lib) and paths[-1] == "/opt/lib"
+
+
+def test_a_merged_table_says_which_build_ran_when(tmp_path):
+    """Rows of several days merge into one table: each engine row takes its file's date."""
+    def write(name, date, engine, version):
+        rows = [{"kind": "device", "name": "H100", "date": date},
+                {"kind": "engine", "model": "m", "engine": engine, "engine_family": engine.split("-")[0],
+                 "version": version, "startup_s": 30.0}, _cell(engine, 100)]
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(tmp_path / name)
+    rows = peers_report.load_rows([write("a.jsonl", "2026-11-24", "vllm-plain", "vllm 0.26.0"),
+                                   write("b.jsonl", "2026-11-25", "specserve-plain", "specserve abc1234")])
+    text = peers_report.render(rows)
+    assert "| m | vllm-plain | vllm 0.26.0 | 2026-11-24 | 30.0 |" in text
+    assert "| m | specserve-plain | specserve abc1234 | 2026-11-25 | 30.0 |" in text

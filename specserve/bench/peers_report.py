@@ -20,10 +20,21 @@ CellKey = tuple[str, str, int, int]     # (model, workload, turn, concurrency)
 
 
 def load_rows(paths: list[str]) -> list[dict]:
+    """Every file's rows; an engine row gets the date of its file's device row, so a table
+    merged from several days says which engine ran when."""
     rows = []
     for path in paths:
+        date = None
         with open(path) as f:
-            rows += [json.loads(line) for line in f if line.strip()]
+            for line in f:
+                if not line.strip():
+                    continue
+                row = json.loads(line)
+                if row.get("kind") == "device":
+                    date = row.get("date")
+                elif row.get("kind") == "engine" and date and "date" not in row:
+                    row["date"] = date
+                rows.append(row)
     return rows
 
 
@@ -107,6 +118,16 @@ def agreement_table(cells: dict[CellKey, dict[str, dict]], order: list[str]) -> 
     return lines
 
 
+def engine_lines(rows: list[dict]) -> list[str]:
+    """Which build of each engine configuration the table's numbers come from, and when."""
+    latest = {(r["model"], r["engine"]): r for r in rows if r.get("kind") == "engine" and not r.get("error")}
+    lines = ["| model | engine | version | date | start-up (s) |", "|---|---|---|---|---|"]
+    for (model, engine), row in sorted(latest.items()):
+        lines.append(f"| {model} | {engine} | {row.get('version', '?')} | {row.get('date', '?')} | "
+                     f"{row.get('startup_s', '?')} |")
+    return lines
+
+
 def error_lines(rows: list[dict]) -> list[str]:
     """One line per distinct (engine, model, error): what a reader needs to rerun it."""
     seen, lines = set(), []
@@ -133,6 +154,7 @@ def render(rows: list[dict]) -> str:
              "cells sorted by specserve's best over the best peer, worst first.", ""]
     parts += speed_table(cells, order) + ["", "## Greedy agreement (bf16; reported, not required)", ""]
     parts += agreement_table(cells, order)
+    parts += ["", "## Engines measured", ""] + engine_lines(rows)
     errors = error_lines(rows)
     if errors:
         parts += ["", "## Errors", ""] + errors
