@@ -126,7 +126,9 @@ def test_specserve_engines_run_and_a_peer_without_wheels_is_reported(tiny_hf_roo
     text = open(table).read()
     for name in engines[1:]:     # fp32 greedy: speculation changes no token
         assert f"| {name} | 100% | 10 |" in text
-    assert text.count("| tiny |") == 10 and "no wheels for vllm" in text
+    speeds, engines_measured = text.split("## Greedy agreement")[0], text.split("## Engines measured")[1]
+    assert speeds.count("| tiny |") == 10 and "no wheels for vllm" in text
+    assert all(f"| tiny | {name} | specserve " in engines_measured for name in engines)
     assert os.path.exists(out / "logs" / "tiny-specserve-ngram.log")
 
 
