@@ -153,7 +153,7 @@ def engine_budget_end(now: float, deadline: float, engines_left: int, cap_s: flo
 
 
 class NotStartable(RuntimeError):
-    """An engine configuration that cannot start here (no wheels, no EAGLE-3 head): its row says why."""
+    """An engine configuration that cannot start here (no wheels, no drafter): its row says why."""
 
 
 def _prepare(config: EngineConfig, model: str, ns: argparse.Namespace) -> tuple[dict[str, str | None], str | None]:

@@ -47,11 +47,14 @@ class EngineConfig:
 
     @property
     def needs_eagle_head(self) -> bool:
-        return any(EAGLE_HEAD in arg for arg in self.extra_args)
+        return self._uses(EAGLE_HEAD)
 
     @property
     def needs_draft_model(self) -> bool:
-        return any(DRAFT_MODEL in arg for arg in self.extra_args)
+        return self._uses(DRAFT_MODEL)
+
+    def _uses(self, placeholder: str) -> bool:
+        return any(placeholder in arg for arg in self.extra_args)
 
     def command(self, model_dir: str, served_name: str, port: int, eagle_head: str | None = None,
                 draft_model: str | None = None) -> list[str]:
@@ -61,7 +64,7 @@ class EngineConfig:
                  DRAFT_MODEL: ("draft_model", "a draft model", draft_model)}
         extra = list(self.extra_args)
         for placeholder, (argument, what, directory) in fills.items():
-            if any(placeholder in arg for arg in extra) and not directory:
+            if self._uses(placeholder) and not directory:
                 raise ValueError(f"{self.name} drafts with {what}: {argument} must name its directory")
             extra = [arg.replace(placeholder, directory) if directory else arg for arg in extra]
         return BASE_COMMANDS[self.engine](model_dir, served_name, port) + extra

@@ -21,7 +21,8 @@ from specserve.bench.peers_engines import EngineConfig
 
 
 class HeadMissing(RuntimeError):
-    """An EAGLE-3 configuration has no usable head for the model: its row says why."""
+    """A drafting configuration has no usable drafter for the model (an EAGLE-3 head, or
+    STANDALONE's draft model): its row says why."""
 
 
 def parse_model_map(specs: list[str], flag: str, example: str) -> dict[str, str]:
