@@ -193,7 +193,12 @@ def test_eagle3_engines_draft_a_chain_of_3_with_the_head():
     with pytest.raises(ValueError, match="eagle_head"):
         ENGINES["sglang-eagle3"].command("/hf/m", "m", 8000)
     assert [name for name, config in ENGINES.items() if config.needs_eagle_head] == [
-        "specserve-eagle3", "specserve-naive-eagle", "vllm-eagle3", "sglang-eagle3"]
+        "specserve-eagle3", "specserve-eagle3-tree", "specserve-naive-eagle", "vllm-eagle3", "sglang-eagle3",
+        "sglang-eagle3-tree"]
+    for name in ("specserve-eagle3-tree", "sglang-eagle3-tree"):   # EAGLE-2's dynamic tree, same head
+        command = " ".join(ENGINES[name].command("/hf/m", "m", 8000, "/heads/m"))
+        assert ("--speculative-algorithm EAGLE3 --speculative-draft-model-path /heads/m --speculative-num-steps 3 "
+                "--speculative-eagle-topk 4 --speculative-num-draft-tokens 8") in command
     command = " ".join(ENGINES["specserve-naive-eagle"].command("/hf/m", "m", 8000, "/heads/m"))
     assert "--speculative-algorithm NAIVE_EAGLE --speculative-draft-model-path /heads/m" in command
     command = " ".join(ENGINES["specserve-standalone"].command("/hf/m", "m", 8000, draft_model="/hf/small"))

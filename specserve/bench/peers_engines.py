@@ -33,6 +33,11 @@ DRAFT_MODEL = "{draft_model}"  # likewise: a smaller model's HF directory that d
 # (num-steps 3, topk 1, num-draft-tokens 4); specserve takes the same flags
 EAGLE3_CHAIN = ("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", EAGLE_HEAD,
                 "--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4")
+# EAGLE-2's dynamic tree over the same head: 3 draft steps expanding the top 4 per step, the 8 best
+# nodes by cumulative draft probability verified (SGLang's flags; its docs' example for an 8B target is
+# 5 / 8 / 32, scaled down here for models whose verify of 32 nodes costs more than it saves)
+EAGLE3_TREE = ("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", EAGLE_HEAD,
+               "--speculative-num-steps", "3", "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8")
 # vLLM's EAGLE-3 with the same chain (docs: features/speculative_decoding/eagle)
 VLLM_EAGLE3 = {"method": "eagle3", "model": EAGLE_HEAD, "num_speculative_tokens": 3}
 
@@ -107,10 +112,15 @@ BASE_COMMANDS = {"specserve": _specserve, "vllm": _vllm, "sglang": _sglang}
 # flashinfer_sampler_supported: the ModuleNotFoundError of the first H100 attempt). Greedy
 # requests never sample; every other flashinfer use in vLLM is behind has_flashinfer()
 _VLLM_ENV = {"VLLM_PLUGINS": "", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+# prefill graphs off for SGLang's EAGLE-3: 0.5.17 captured its piecewise prefill graphs (torch.compile,
+# 58 token counts, 73 s for the first) for the target and the head and did not start in 161 s (H100,
+# session 8); its decode and draft graphs stay on, which is what the timed decode steps replay
+SGLANG_NO_PREFILL_GRAPHS = ("--cuda-graph-backend-prefill", "disabled")
 ENGINES = {c.name: c for c in [
     EngineConfig("specserve-plain", "specserve", "plain"),
     EngineConfig("specserve-ngram", "specserve", "ngram", ("--speculative-algorithm", "NGRAM")),   # default flags
     EngineConfig("specserve-eagle3", "specserve", "eagle3", EAGLE3_CHAIN),
+    EngineConfig("specserve-eagle3-tree", "specserve", "eagle3-tree", EAGLE3_TREE),
     # the same head drafting one token a step, fused with the verify (our NAIVE_EAGLE)
     EngineConfig("specserve-naive-eagle", "specserve", "naive-eagle",
                  ("--speculative-algorithm", "NAIVE_EAGLE", "--speculative-draft-model-path", EAGLE_HEAD)),
@@ -125,10 +135,8 @@ ENGINES = {c.name: c for c in [
     EngineConfig("sglang-plain", "sglang", "plain"),
     EngineConfig("sglang-ngram", "sglang", "ngram",
                  ("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8")),
-    # prefill graphs off: SGLang 0.5.17 captured its piecewise prefill graphs (torch.compile, 58 token
-    # counts, 73 s for the first) for the target and the head and did not start in 161 s (H100, session 8);
-    # its decode and draft graphs stay on, which is what the timed decode steps replay
-    EngineConfig("sglang-eagle3", "sglang", "eagle3", EAGLE3_CHAIN + ("--cuda-graph-backend-prefill", "disabled")),
+    EngineConfig("sglang-eagle3", "sglang", "eagle3", EAGLE3_CHAIN + SGLANG_NO_PREFILL_GRAPHS),
+    EngineConfig("sglang-eagle3-tree", "sglang", "eagle3-tree", EAGLE3_TREE + SGLANG_NO_PREFILL_GRAPHS),
 ]}
 REFERENCE = "specserve-plain"   # greedy agreement is measured against its outputs
 
