@@ -159,6 +159,27 @@ def test_verify_chain_without_mask_is_causal():
     compare((6, 2, 64), ForwardMode.VERIFY, prefix_lens=[20, 70], extend_lens=[4, 4])
 
 
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.VERIFY])
+def test_q_as_a_row_strided_view_of_qkv(mode):
+    """The model hands the backend q as a view of the qkv projection (rotated in place by
+    fused_ops.rope_and_store), not a contiguous copy: both backends read it through its strides."""
+    heads = num_heads, num_kv_heads, head_dim = (6, 2, 64)
+    tokens_per_req = 1 if mode is ForwardMode.DECODE else 5
+    pool = make_pool(num_kv_heads, head_dim)
+    tree_mask = random_tree_masks([tokens_per_req] * 2) if mode is ForwardMode.VERIFY else None
+    batch = make_batch(pool, mode, [150, 40], [tokens_per_req] * 2, tree_mask)
+    q, k, v = random_qkv(batch.num_tokens, num_heads, num_kv_heads, head_dim)
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)   # (num_tokens, (heads + 2 kv_heads) * dim)
+    q_view = qkv[:, :num_heads * head_dim].view(-1, num_heads, head_dim)
+    assert not q_view.is_contiguous() and q_view.stride(0) == qkv.shape[1]
+    expected = attend(TorchNativeBackend(*heads), batch, q, k, v)
+    torch.testing.assert_close(attend(TorchNativeBackend(*heads), batch, q_view, k, v), expected)
+    backend = small_splits(TritonBackend(*heads))
+    got = attend(backend, batch, q_view, k, v)
+    assert batch.attn_metadata.partial_out is not None   # the split path (and for VERIFY its merge kernel) ran
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
 def padded_graph_batch(pool: KVPool, real: ForwardBatch, bs: int, tokens_per_req: int) -> ForwardBatch:
     """`real` padded to bs requests the way the backend's docstring says a graph batch is."""
     pad = bs - real.batch_size

@@ -74,8 +74,9 @@ class AttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 batch: ForwardBatch) -> torch.Tensor:
-        """q: (num_tokens, num_heads, head_dim); k, v: (num_tokens, num_kv_heads, head_dim),
-        or None when the caller already wrote them to their slots. Returns (num_tokens, num_heads, head_dim)."""
+        """q: (num_tokens, num_heads, head_dim), its last dim contiguous (rows may be strided: a view
+        of the qkv projection); k, v: (num_tokens, num_kv_heads, head_dim), or None when the caller
+        already wrote them to their slots. Returns (num_tokens, num_heads, head_dim)."""
         raise NotImplementedError
 
     # --- CUDA-graph hooks (a backend without graph support keeps these defaults) ---

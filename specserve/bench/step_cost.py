@@ -7,7 +7,10 @@ proposes a full chain of that size (size 1: plain decoding, on the overlap sched
 the bench reports per step: the wall time, the GPU time of the same graph replayed on its
 own, and the difference (host time the GPU did not hide), plus the ratio to a plain step
 at the same batch size. Random weights accept almost nothing, which does not change what
-a step costs.
+a step costs. With `--kernels N` a row also counts the kernel launches of its graph and
+sums their times (torch.profiler) and lists the N slowest kernels: issue 10's comparison of
+a verify step with a plain one is
+`--batch-sizes 1 8 --sizes 1 8 16 --steps 100 --kernels 40`.
 
 `--algorithm EAGLE3 --num-steps K` adds the fused EAGLE-3 step (runner/fused_step.py: the
 target's verify of K + 1 chain nodes with three layers' states kept, verification, commit,
@@ -118,6 +121,9 @@ def time_steps(engine, bs: int, step: str, size: int, steps: int, kernels: int =
         row.update(graph_gpu_ms=gpu_ms, host_not_hidden_ms=wall_ms - gpu_ms)
         if kernels:
             times, counts = kernel_times(graph.replay)
+            # launches per step (all kernels, not only the listed ones) and their summed time: a step that
+            # loses in the gaps between kernels has a kernel sum close to, or above, its graph's GPU time
+            row.update(kernel_launches=round(sum(counts.values())), kernel_sum_ms=sum(times.values()) / 1e3)
             row["kernels"] = {name: [round(us, 1), round(counts[name])] for name, us in times.most_common(kernels)}
     for req in reqs:
         core.abort(req.rid)

@@ -10,7 +10,9 @@ arithmetic, with the same roundings as the torch code in layers.py, in one pass 
   silu_mul:       silu(gate) * up from the fused gate_up projection
 
 layers.py uses them for CUDA tensors; CPU runs keep the torch code (tested equal under
-TRITON_INTERPRET=1).
+TRITON_INTERPRET=1). On Hopper they are launched with programmatic dependent launch
+(pdl.py's protocol): a multi-row (verify, small-batch) layer chains them with cuBLAS
+GEMMs and the attention kernels, and each starts while its predecessor finishes.
 """
 from __future__ import annotations
 
@@ -18,13 +20,26 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.pdl import uses_pdl
+
+
+def _pdl_launch(device: torch.device) -> dict:
+    """The launch arguments of a kernel that keeps pdl.py's protocol (USE_PDL, launch_pdl)."""
+    pdl = uses_pdl(device)
+    return {"USE_PDL": pdl, **({"launch_pdl": True} if pdl else {})}
+
 
 @triton.jit
 def _add_rmsnorm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, n_cols, eps,
-                        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:  # the next kernel may start
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)  # a parameter: no kernel of the chain writes it
+    if USE_PDL:  # x and the residual are earlier kernels' outputs
+        tl.extra.cuda.gdc_wait()
     x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         # the residual add rounds to the model dtype first, as `residual + x` does in torch
@@ -33,7 +48,6 @@ def _add_rmsnorm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, n_cols, eps,
     x32 = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x32 * x32, axis=0) / n_cols + eps)
     normed = (x32 * inv_rms).to(x.dtype)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     tl.store(out_ptr + row * n_cols + cols, (weight.to(tl.float32) * normed.to(tl.float32)).to(x.dtype), mask=mask)
 
 
@@ -43,20 +57,26 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
     rows, hidden = x.shape
     out = torch.empty_like(x)
     _add_rmsnorm_kernel[(rows,)](x, residual if residual is not None else x, weight, out, hidden, eps,
-                                 HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(hidden))
+                                 HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(hidden),
+                                 **_pdl_launch(x.device))
     return out
 
 
 @triton.jit
 def _rope_and_store_kernel(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, cos_ptr, sin_ptr, positions_ptr,
                            slots_ptr, k_buf_ptr, v_buf_ptr, num_q_heads, num_kv_heads,
-                           HALF: tl.constexpr, HEAD_DIM: tl.constexpr):
+                           HALF: tl.constexpr, HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:  # the next kernel may start
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     half = tl.arange(0, HALF)
+    # positions are the batch's metadata, cos and sin constant tables: no need to wait for them
     position = tl.load(positions_ptr + token).to(tl.int64)
     cos = tl.load(cos_ptr + position * HALF + half)
     sin = tl.load(sin_ptr + position * HALF + half)
+    if USE_PDL:  # q, k, v come from the projection just before
+        tl.extra.cuda.gdc_wait()
     if head < num_q_heads:
         base = q_ptr + token * q_stride + head * HEAD_DIM
         x1 = tl.load(base + half)
@@ -86,11 +106,14 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
     num_kv_heads = k.shape[1]
     _rope_and_store_kernel[(tokens, num_q_heads + num_kv_heads)](
         q, k, v, q.stride(0), k.stride(0), v.stride(0), cos, sin, positions, slots, k_buffer, v_buffer,
-        num_q_heads, num_kv_heads, HALF=head_dim // 2, HEAD_DIM=head_dim)
+        num_q_heads, num_kv_heads, HALF=head_dim // 2, HEAD_DIM=head_dim, **_pdl_launch(q.device))
 
 
 @triton.jit
-def _silu_mul_kernel(gate_up_ptr, out_ptr, width, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gate_up_ptr, out_ptr, width, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:  # the next kernel may start; gate_up is the previous one's output
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -107,5 +130,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     width = double // 2
     out = torch.empty((rows, width), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _silu_mul_kernel[(rows, triton.cdiv(width, block))](gate_up, out, width, BLOCK=block)
+    _silu_mul_kernel[(rows, triton.cdiv(width, block))](gate_up, out, width, BLOCK=block, **_pdl_launch(gate_up.device))
     return out

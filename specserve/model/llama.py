@@ -60,9 +60,11 @@ class Attention(nn.Module):
         return self.q_norm is None and self.head_dim & (self.head_dim - 1) == 0
 
     def attend_stored(self, q: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
-        """Attention and o_proj for rotated q, the token's k and v already in the KV pool."""
-        q = q.reshape(-1, self.num_heads, self.head_dim)
-        out = backend.forward(q.contiguous(), None, None, self.layer, batch)
+        """Attention and o_proj for rotated q, the token's k and v already in the KV pool. q may
+        be a row-strided view of the qkv projection: the attention kernels take its strides
+        (no copy kernel per layer)."""
+        q = q.reshape(-1, self.num_heads, self.head_dim)  # (num_tokens, num_heads, head_dim), no copy
+        out = backend.forward(q, None, None, self.layer, batch)
         return linear(self.o_proj, out.reshape(-1, self.q_size))
 
     def rope_store(self, batch: ForwardBatch, rope: RotaryEmbedding):

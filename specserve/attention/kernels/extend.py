@@ -12,6 +12,10 @@ GPU; `merge_splits` reduces the splits a request used (a request whose keys fit 
 has its output written by that split, and nothing to merge). Each
 program walks its split in two runs: prefix keys (slots from `req_to_token`, no mask to
 compute) and then new keys (slots from `out_slots`, through the mask).
+
+On Hopper both kernels are launched with programmatic dependent launch (pdl.py): the extend
+kernel reads the batch's metadata while the previous kernel (RoPE + the KV write) finishes,
+and the merge starts while the extend kernel's last programs run.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import triton.language as tl
 from specserve.attention.kernels.online_softmax import (
     LOG2_E, attend_block, check_layout, dot_precision, load_kv_block, merge_splits, nonempty_splits, split_range,
     store_split)
+from specserve.pdl import uses_pdl
 
 # launch configuration: BLOCK_M query rows (token x head) and BLOCK_N keys per step
 CONFIG = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
@@ -69,7 +74,11 @@ def _extend_kernel(q_ptr, k_buffer, v_buffer, req_to_token, req_rows, prefix_len
                    row_blocks, qk_scale,
                    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, TREE_MASK: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   STORE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_TABLE: tl.constexpr):
+                   STORE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_TABLE: tl.constexpr,
+                   USE_PDL: tl.constexpr):
+    if USE_PDL:  # the next kernel (the merge, or o_proj) may start
+        tl.extra.cuda.gdc_launch_dependents()
+    # the block table and the batch's metadata were written before the step's first kernel: no need to wait
     if BLOCK_TABLE:  # ragged: program i is the row block block_rows[i] of request block_reqs[i]
         req = tl.load(block_reqs + tl.program_id(0))
         row_block = tl.load(block_rows + tl.program_id(0))
@@ -91,6 +100,8 @@ def _extend_kernel(q_ptr, k_buffer, v_buffer, req_to_token, req_rows, prefix_len
     row_ok = token < extend_len
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
+    if USE_PDL:  # q and the new tokens' K/V come from the previous kernel
+        tl.extra.cuda.gdc_wait()
     q_rows = (qo_start + token) * stride_qt + heads * stride_qh
     q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
 
@@ -166,6 +177,7 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_reqs, block_rows = block_table if block_table is not None else (qo_indptr, qo_indptr)  # dummies
     programs = block_reqs.shape[0] if block_table is not None else bs * row_blocks
+    pdl = uses_pdl(q.device)
     _extend_kernel[(programs, num_kv_heads, num_splits)](
         q, k_buffer, v_buffer, req_to_token, req_rows, prefix_lens, qo_indptr, out_slots, tree, target, lse, out,
         split_counts if split_out else qo_indptr, block_reqs, block_rows,
@@ -175,7 +187,8 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         row_blocks, scale * LOG2_E,
         HEAD_DIM=head_dim, GROUP=group, TREE_MASK=tree_mask is not None, BLOCK_M=CONFIG["BLOCK_M"],
         BLOCK_N=CONFIG["BLOCK_N"], BLOCK_D=block_d, STORE_LSE=split_out, DOT_PRECISION=dot_precision(q.dtype),
-        BLOCK_TABLE=block_table is not None, num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"])
+        BLOCK_TABLE=block_table is not None, USE_PDL=pdl, num_warps=CONFIG["num_warps"],
+        num_stages=CONFIG["num_stages"], **({"launch_pdl": True} if pdl else {}))
     if split_out:
         merge_splits(partial_out, partial_lse, out, split_counts)
 

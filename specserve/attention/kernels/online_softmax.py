@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.pdl import uses_pdl
+
 LOG2_E = 1.4426950408889634
 MAX_SPLITS = 64
 MERGE_CHUNK = 8  # splits a merge reads at once (a running max across chunks)
@@ -120,7 +122,10 @@ def merge_head_splits(partial_ptrs, lse_ptrs, out_ptrs, head_ok, dim_ok, stride_
 def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, split_counts,
                          stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh,
                          num_heads, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:  # the next kernel may start; everything this one reads comes from the previous one
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     token = tl.program_id(0).to(tl.int64)
     num_splits = tl.load(split_counts + token)
     if num_splits > 1:  # one split wrote the output itself
@@ -144,12 +149,13 @@ def merge_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torc
     assert partial_out.stride(-1) == 1 and partial_lse.stride(-1) == 1 and out.stride(-1) == 1
     # one compiled variant whatever the split count: MERGE_CHUNK splits at a time
     block_h = max(min(triton.next_power_of_2(num_heads), MAX_SPLITS // MERGE_CHUNK), 1)  # (H, S, D) tile <= 64 x D
+    pdl = uses_pdl(out.device)
     _merge_splits_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
         partial_out, partial_lse, out, split_counts,
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1), out.stride(0), out.stride(1),
         num_heads, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_S=MERGE_CHUNK,
-        BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4)
+        BLOCK_D=triton.next_power_of_2(head_dim), USE_PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}))
 
 
 def dot_precision(dtype: torch.dtype) -> str:
