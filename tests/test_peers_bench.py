@@ -132,11 +132,18 @@ def test_specserve_engines_run_and_a_peer_without_wheels_is_reported(tiny_hf_roo
     assert os.path.exists(out / "logs" / "tiny-specserve-ngram.log")
 
 
-def test_each_engine_gets_its_fair_share_of_the_time_left():
-    assert peers.engine_budget_end(0.0, 540.0, 6, 240.0) == 90.0        # 6 engines in 9 minutes
-    assert peers.engine_budget_end(300.0, 540.0, 2, 240.0) == 420.0     # early finishers leave their rest
-    assert peers.engine_budget_end(0.0, 540.0, 1, 240.0) == 240.0       # --engine-budget-s caps it
-    assert peers.engine_budget_end(530.0, 540.0, 3, 240.0) < 540.0
+def test_each_engine_gets_a_share_of_the_time_left_weighted_by_its_start_up():
+    plain = [peers.ENGINES["specserve-plain"]] * 6              # alike: an even split
+    assert peers.engine_budget_end(0.0, 540.0, plain, 240.0) == 90.0        # 6 engines in 9 minutes
+    assert peers.engine_budget_end(300.0, 540.0, plain[:2], 240.0) == 420.0  # early finishers leave their rest
+    assert peers.engine_budget_end(0.0, 540.0, plain[:1], 240.0) == 240.0   # --engine-budget-s caps it
+    assert peers.engine_budget_end(530.0, 540.0, plain[:3], 240.0) < 540.0
+    # session 13's call: vLLM's EAGLE-3 first of four got 137 s of 550 and did not start in them
+    eagle = [peers.ENGINES[name] for name in
+             ("vllm-eagle3", "specserve-eagle3", "specserve-eagle3-tree", "specserve-naive-eagle")]
+    vllm_end = peers.engine_budget_end(0.0, 550.0, eagle, 300.0)
+    assert vllm_end > eagle[0].startup_s + peers.MEASURE_S - 30 and vllm_end > 550.0 / 4 + 60
+    assert peers.engine_budget_end(0.0, 550.0, eagle[1:], 300.0) < vllm_end
 
 
 def test_an_unreadable_wheel_archive_is_the_engines_row_not_a_crash(tmp_path):

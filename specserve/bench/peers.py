@@ -17,8 +17,8 @@ killed call keeps what it measured); the table to $OUT/peers_table.md (peers_rep
 
 A peer that fails (no wheels, a crash, a timeout) gets rows saying so and the run goes on.
 A GPU call lasts at most 10 minutes: `--deadline-s` ends the whole run in time to write the
-table, each engine gets its fair share of the time left (`--engine-budget-s` at most, install
-and start-up included), `--quick` measures one wave of requests per cell. Results of several
+table, each engine gets a share of the time left in proportion to its typical start-up plus
+measuring time (`--engine-budget-s` at most, install and start-up included), `--quick` measures one wave of requests per cell. Results of several
 calls merge with `peers report`.
 
   python -m specserve.bench.peers run --quick --models qwen2.5-coder-1.5b-instruct \
@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      "at least 8), 2 prompts at concurrency 1")
     run.add_argument("--engine-budget-s", type=float, default=240.0,
                      help="most seconds for one engine, install and start-up included; each engine gets at most "
-                     "its fair share of the time left (the time left over the engines left)")
+                     "its share of the time left, weighted by its typical start-up against the engines left")
     run.add_argument("--deadline-s", type=float, default=560.0, help="most seconds for the whole run")
     run.add_argument("--eagle-head", nargs="+", default=[], metavar="MODEL=DIR",
                      help="the EAGLE-3 head (python -m specserve.train_eagle's --output-dir) that the *-eagle3 "
@@ -145,11 +145,17 @@ def model_directory(model: str, ns: argparse.Namespace) -> str:
 
 
 # --- one engine ---
-def engine_budget_end(now: float, deadline: float, engines_left: int, cap_s: float) -> float:
-    """When an engine's turn ends: its fair share of the time left before `deadline` (the
-    engines after it get theirs; one that finishes early leaves its rest to them), at most
-    `cap_s` seconds."""
-    return min(deadline, now + min(cap_s, (deadline - now) / max(1, engines_left)))
+MEASURE_S = 60.0   # what an engine's warm-up and timed cells take after its start-up (--quick, H100)
+
+
+def engine_budget_end(now: float, deadline: float, engines_left: list[EngineConfig], cap_s: float) -> float:
+    """When the turn of engines_left[0] ends: its share of the time left before `deadline`,
+    in proportion to its typical start-up plus MEASURE_S against the engines after it (an
+    even split left vLLM's EAGLE-3 126 s of a 570-s call shared by four engines, too few
+    to start), at most `cap_s` seconds; one that finishes early leaves its rest to the others."""
+    weights = [config.startup_s + MEASURE_S for config in engines_left] or [1.0]
+    share = (deadline - now) * weights[0] / sum(weights)
+    return min(deadline, now + min(cap_s, share))
 
 
 class NotStartable(RuntimeError):
@@ -319,9 +325,9 @@ def run(ns: argparse.Namespace) -> str:
                 write({"kind": "engine", "model": model, "engine": name, "engine_family": ENGINES[name].engine,
                        "error": f"not run: the run's deadline ({ns.deadline_s:.0f} s) passed"})
                 continue
-            engines_left = (len(ns.models) - model_index) * len(ns.engines) - index
+            engines_left = ns.engines[index:] + ns.engines * (len(ns.models) - model_index - 1)
             run_engine(ENGINES[name], model, model_dir, workloads, ns, write,
-                       engine_budget_end(now, deadline, engines_left, ns.engine_budget_s))
+                       engine_budget_end(now, deadline, [ENGINES[e] for e in engines_left], ns.engine_budget_s))
     return write_report([results_path], ns.out)
 
 

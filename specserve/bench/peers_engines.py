@@ -49,6 +49,9 @@ class EngineConfig:
     algorithm: str             # plain | ngram | suffix | eagle3
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    # seconds its server typically takes to start on an H100 (weights, graphs, a head's too):
+    # a run shares its time out in proportion to start-up plus measuring (peers.engine_budget_end)
+    startup_s: float = 40.0
 
     @property
     def needs_eagle_head(self) -> bool:
@@ -119,7 +122,7 @@ SGLANG_NO_PREFILL_GRAPHS = ("--cuda-graph-backend-prefill", "disabled")
 ENGINES = {c.name: c for c in [
     EngineConfig("specserve-plain", "specserve", "plain"),
     EngineConfig("specserve-ngram", "specserve", "ngram", ("--speculative-algorithm", "NGRAM")),   # default flags
-    EngineConfig("specserve-eagle3", "specserve", "eagle3", EAGLE3_CHAIN),
+    EngineConfig("specserve-eagle3", "specserve", "eagle3", EAGLE3_CHAIN, startup_s=75.0),
     EngineConfig("specserve-eagle3-tree", "specserve", "eagle3-tree", EAGLE3_TREE),
     # the same head drafting one token a step, fused with the verify (our NAIVE_EAGLE)
     EngineConfig("specserve-naive-eagle", "specserve", "naive-eagle",
@@ -128,15 +131,20 @@ ENGINES = {c.name: c for c in [
     EngineConfig("specserve-standalone", "specserve", "standalone",
                  ("--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", DRAFT_MODEL,
                   "--speculative-num-steps", "3")),
-    EngineConfig("vllm-plain", "vllm", "plain", env=_VLLM_ENV),
-    EngineConfig("vllm-ngram", "vllm", "ngram", ("--speculative-config", json.dumps(VLLM_NGRAM)), env=_VLLM_ENV),
-    EngineConfig("vllm-suffix", "vllm", "suffix", ("--speculative-config", json.dumps(VLLM_SUFFIX)), env=_VLLM_ENV),
-    EngineConfig("vllm-eagle3", "vllm", "eagle3", ("--speculative-config", json.dumps(VLLM_EAGLE3)), env=_VLLM_ENV),
-    EngineConfig("sglang-plain", "sglang", "plain"),
+    EngineConfig("vllm-plain", "vllm", "plain", env=_VLLM_ENV, startup_s=105.0),
+    EngineConfig("vllm-ngram", "vllm", "ngram", ("--speculative-config", json.dumps(VLLM_NGRAM)), env=_VLLM_ENV,
+                 startup_s=105.0),
+    EngineConfig("vllm-suffix", "vllm", "suffix", ("--speculative-config", json.dumps(VLLM_SUFFIX)), env=_VLLM_ENV,
+                 startup_s=105.0),
+    # session 13 (0.5B, H100): not ready after 126 s, still capturing the target's and the head's graphs
+    EngineConfig("vllm-eagle3", "vllm", "eagle3", ("--speculative-config", json.dumps(VLLM_EAGLE3)), env=_VLLM_ENV,
+                 startup_s=200.0),
+    EngineConfig("sglang-plain", "sglang", "plain", startup_s=70.0),
     EngineConfig("sglang-ngram", "sglang", "ngram",
-                 ("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8")),
-    EngineConfig("sglang-eagle3", "sglang", "eagle3", EAGLE3_CHAIN + SGLANG_NO_PREFILL_GRAPHS),
-    EngineConfig("sglang-eagle3-tree", "sglang", "eagle3-tree", EAGLE3_TREE + SGLANG_NO_PREFILL_GRAPHS),
+                 ("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8"), startup_s=70.0),
+    EngineConfig("sglang-eagle3", "sglang", "eagle3", EAGLE3_CHAIN + SGLANG_NO_PREFILL_GRAPHS, startup_s=110.0),
+    EngineConfig("sglang-eagle3-tree", "sglang", "eagle3-tree", EAGLE3_TREE + SGLANG_NO_PREFILL_GRAPHS,
+                 startup_s=110.0),
 ]}
 REFERENCE = "specserve-plain"   # greedy agreement is measured against its outputs
 
