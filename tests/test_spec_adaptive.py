@@ -500,6 +500,18 @@ def test_probes_come_every_kth_plain_step_with_k_from_measured_costs():
     assert cheap.probe_every(8) == 1 and all(cheap.probe_due(8) for _ in range(5))
 
 
+def test_a_probe_put_off_runs_at_the_next_plain_step():
+    """A probe due on a step with nothing launched ahead is put off (its host time would add
+    to a step the GPU waits for): the bucket's next plain step probes, then k steps again."""
+    adaptive = AdaptiveDraftLength([1, 4])
+    adaptive.record_step(64, 1, 0.001)
+    adaptive.record_probe(64, 3 * PROBE_BUDGET * 0.001)      # k = 3
+    assert [adaptive.probe_due(64) for _ in range(3)] == [False, False, True]
+    adaptive.put_off_probe(64)
+    assert [adaptive.probe_due(64) for _ in range(4)] == [True, False, False, True]
+    assert [adaptive.probe_due(8) for _ in range(2)] == [True, True]   # per bucket: 8's k is still 1
+
+
 def test_tiers_are_the_graph_sizes_or_powers_of_two():
     assert tiers_for(16, [1, 4, 8, 16]) == [1, 4, 8, 16]
     assert tiers_for(8, [1, 4, 8, 16]) == [1, 4, 8]

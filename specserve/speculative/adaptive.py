@@ -124,6 +124,11 @@ class AdaptiveDraftLength:
         cost, never below `every_at_least` (a drafter whose proposals cost forwards)."""
         return self.probes.due(batch_bucket(batch_size), every_at_least)
 
+    def put_off_probe(self, batch_size: int) -> None:
+        """The probe due at this plain step did not run (no step was in flight to hide it
+        behind): the bucket's next plain step probes instead."""
+        self.probes.put_off(batch_bucket(batch_size))
+
     def probe_every(self, batch_size: int) -> int:
         """k for the bucket: 1 until a probe and a plain step have been timed."""
         return self.probes.every(batch_bucket(batch_size))

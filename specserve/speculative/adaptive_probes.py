@@ -30,6 +30,9 @@ probe covers probes for admissions at most every ADMIT_GAP plain steps: where pr
 complete every few steps (ShareGPT at 64 on an H100, 0.5B: ~48 prefill steps in ~260 decode
 steps) admission probes were most of the 92 plain steps of 3.7 ms against 1.7 ms for the
 others, and a probe there samples PROBE_REQUESTS of the batch, often not the new requests.
+On the overlap schedule a probe runs only while a step launched ahead computes: one due on
+a step that launches none (a request ends in it) is put off to the next plain step
+(`put_off`) instead of adding its host time to a step the GPU waits for.
 """
 from __future__ import annotations
 
@@ -54,6 +57,7 @@ class ProbeSchedule:
         self._admitted = False                    # requests started decoding since the last probe
         self._since_admit = max(ADMIT_FOLLOW_UPS)  # plain steps since the last admission
         self._last_step_bucket: int | None = None  # the bucket of the last step taken, either mode
+        self._owed: set[int] = set()              # buckets whose due probe was put off (put_off)
 
     def admit(self) -> None:
         """Requests finished their prefill: the next plain step probes (and, in a small
@@ -82,13 +86,18 @@ class ProbeSchedule:
         small = bucket <= PROBE_REQUESTS
         entered = self._last_step_bucket is not None and bucket != self._last_step_bucket
         admitted = self._admitted and (small or waited >= ADMIT_GAP)
-        news = admitted or (small and (entered or self._since_admit in ADMIT_FOLLOW_UPS))
+        news = admitted or bucket in self._owed or (small and (entered or self._since_admit in ADMIT_FOLLOW_UPS))
         if waited < every_at_least or (waited < self._every.get(bucket, 1) and not news):
             self._unprobed[bucket] = waited
             return False
         self._unprobed[bucket] = 0
         self._admitted = False
+        self._owed.discard(bucket)
         return True
+
+    def put_off(self, bucket: int) -> None:
+        """The probe `due` granted did not run: the bucket's next plain step probes."""
+        self._owed.add(bucket)
 
     def every(self, bucket: int) -> int:
         """k for the bucket: 1 until a probe and a plain step have been timed."""
