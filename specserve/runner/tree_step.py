@@ -6,8 +6,9 @@ device-to-host copy of the outcome.
 The host sends only what a drafter proposes (tokens, parents, node counts) and where the
 nodes go (KV slots, table rows, prefix lengths); depth, positions and the ancestor mask
 are derived on the device (`DraftTrees.build`: a hundred microseconds of torch dispatch on
-a host, a few small kernels on a GPU). The same functions run eagerly (CPU, batches larger
-than the graphs) and inside a CUDA graph per (batch bucket, draft size), see cuda_graph.py.
+a host, one Triton kernel on a GPU, as is the greedy commit after the argmax: see
+tree_kernels.py). The same functions run eagerly (CPU, batches larger than the graphs) and
+inside a CUDA graph per (batch bucket, draft size), see cuda_graph.py.
 
 Padding: rows past the batch are requests with one node (token 0, KV slot PADDING_SLOT,
 prefix 0, table row `KVPool.scratch_row`); nodes past a tree's node count are padding nodes
@@ -135,7 +136,14 @@ def forward_tree(model, backend, pool: KVPool, inputs: TreeStepInputs,
 
 
 def greedy_commit(trees: DraftTrees, logits: torch.Tensor, inputs: TreeStepInputs, pool: KVPool) -> torch.Tensor:
-    """Greedy verification and its KV-table commit (commit_path)."""
+    """Greedy verification and its KV-table commit (commit_path). On CUDA: the argmax, then
+    one Triton kernel (tree_kernels.verify_commit) instead of ~25 small torch kernels."""
+    if trees.tokens.is_cuda:
+        from specserve.runner import tree_kernels   # lazily: CPU-only installs never import Triton
+        if trees.num_slots <= tree_kernels.MAX_NODES:
+            return tree_kernels.verify_commit(logits.argmax(dim=-1), trees.tokens, trees.parents, trees.depth,
+                                              trees.ancestor_mask, inputs.out_slots, inputs.req_rows,
+                                              inputs.prefix_lens, pool.req_to_token)
     return commit_path(verify_greedy(trees, logits), inputs, pool)
 
 

@@ -99,10 +99,17 @@ class DraftTrees(_BatchOfTrees):
         """Derives depth, ancestor mask and child order from (tokens, parents, num_nodes).
 
         Parents of the root and of padding nodes are normalised to -1. Does not check that
-        parents are topological (that needs a host sync): see `validate`.
+        parents are topological (that needs a host sync): see `validate`. On CUDA, one
+        Triton kernel (runner/tree_kernels.py) computes what the torch code below does.
         """
         bs, n = tokens.shape
         device = tokens.device
+        if tokens.is_cuda:
+            from specserve.runner import tree_kernels   # lazily: CPU-only installs never import Triton
+            if n <= tree_kernels.MAX_NODES:
+                num_nodes = num_nodes.to(device=device, dtype=torch.int64)
+                parents, depth, mask, first_child, next_sibling = tree_kernels.build_trees(parents, num_nodes)
+                return cls(tokens.to(torch.int64), parents, num_nodes, depth, mask, first_child, next_sibling)
         node = torch.arange(n, device=device)
         num_nodes = num_nodes.to(device=device, dtype=torch.int64)
         is_child = (node > 0) & (node < num_nodes.unsqueeze(1))          # (bs, n): real, not root
