@@ -86,7 +86,7 @@ def assert_trees_equal(got: tuple[torch.Tensor, ...], expected: DraftTrees) -> N
 @pytest.mark.parametrize("seed,bs,n", CASES)
 def test_build_trees_matches_torch(seed, bs, n):
     proposal = random_batch(seed, bs, n)
-    tokens, parents, num_nodes = tensors(proposal)
+    _, parents, num_nodes = tensors(proposal)
     assert_trees_equal(tree_kernels.build_trees(parents, num_nodes), reference_trees(proposal))
 
 
