@@ -23,7 +23,8 @@ import sys
 import time
 from collections import Counter
 
-KERNEL_TESTS = {"test_triton_attention.py", "test_fused_ops.py", "test_gemv.py", "test_prefill_graph.py"}
+KERNEL_TESTS = {"test_triton_attention.py", "test_fused_ops.py", "test_gemv.py", "test_prefill_graph.py",
+                "test_tree_kernels.py"}
 LOADS_A_MODEL = re.compile(r"smollm2|Engine\(|engine_factory|launch_server|start_server")
 COUNTS = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected)")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
