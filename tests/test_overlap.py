@@ -112,6 +112,43 @@ def test_adaptive_ngram_overlaps_its_plain_steps(engine_factory, plain):
     wait_until_all_kv_is_free(engine)
 
 
+def test_a_plain_step_with_nothing_in_flight_shows_its_tokens_after_the_next_launch(engine_factory, plain):
+    """A plain step in which a request ends launches nothing ahead, so the GPU idles until
+    the next launch: here the prefill of the request that waited for its place. The drafter
+    and the policy are shown that step's tokens right after the prefill is launched, not
+    before it. Outputs stay those of plain decoding; nothing is left over once idle."""
+    from tests.spec_fixtures import ngram_args
+    engine = engine_factory(max_total_tokens=4096, max_running_requests=2, **ngram_args(8, adaptive=True))
+    used = overlapped(engine)
+    core = engine.core
+    for batch_size in (1, 2):      # verifying drafts priced far above plain steps: plain wins
+        for tier in core.adaptive.tiers:
+            core.adaptive.record_step(batch_size, tier, 0.001 if tier == 1 else 10.0)
+    events = []
+    extend, observe = core.runner.extend, core.drafter.observe_batch
+
+    def spied_extend(reqs, *args, **kwargs):
+        events.append(("extend", {r.rid for r in reqs}))
+        return extend(reqs, *args, **kwargs)
+
+    def spied_observe(reqs, committed):
+        events.append(("observe", {r.rid for r in reqs}))
+        return observe(reqs, committed)
+    core.runner.extend, core.drafter.observe_batch = spied_extend, spied_observe
+    prompts = SAMPLE_PROMPTS[:4]
+    params = [dict(GREEDY, max_new_tokens=6 + 5 * i, ignore_eos=True) for i in range(len(prompts))]
+    expected = plain.generate(prompts, params)
+    got = engine.generate(prompts, params)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in expected]
+    assert used["ahead"] > 10
+    # right after a prefill's launch: the tokens of requests already decoding (the step before's)
+    late = [i for i in range(1, len(events)) if events[i][0] == "observe" and events[i - 1][0] == "extend"
+            and events[i][1] and not events[i][1] & events[i - 1][1]]
+    assert len(late) >= 2, events
+    assert core._unsettled is None
+    wait_until_all_kv_is_free(engine)
+
+
 def test_plain_steps_index_and_probe_only_every_kth_step(engine_factory, plain, monkeypatch):
     """In plain mode the adaptive engine probes a batch bucket's first step, then at least
     every k-th plain step (k from measured costs: forced to 4 here; a small batch also probes
