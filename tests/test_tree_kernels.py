@@ -1,4 +1,4 @@
-"""The verify step's tree kernels (runner/tree_kernels.py) compute exactly what the torch
+"""The verify step's tree kernels (speculative/tree_kernels.py) compute exactly what the torch
 reference does: DraftTrees.build, and commit_path(verify_greedy(...)) with its table writes
 (Triton's interpreter on the CPU)."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from specserve.kv.pool import PADDING_SLOT
-from specserve.runner import tree_kernels
+from specserve.speculative import tree_kernels
 from specserve.runner.tree_step import TreeStepInputs, commit_path, greedy_commit
 from specserve.speculative.tree import DraftTrees, TreeProposal
 from specserve.speculative.verify import verify_greedy

@@ -139,7 +139,7 @@ def greedy_commit(trees: DraftTrees, logits: torch.Tensor, inputs: TreeStepInput
     """Greedy verification and its KV-table commit (commit_path). On CUDA: the argmax, then
     one Triton kernel (tree_kernels.verify_commit) instead of ~25 small torch kernels."""
     if trees.tokens.is_cuda:
-        from specserve.runner import tree_kernels   # lazily: CPU-only installs never import Triton
+        from specserve.speculative import tree_kernels   # lazily: CPU-only installs never import Triton
         if trees.num_slots <= tree_kernels.MAX_NODES:
             return tree_kernels.verify_commit(logits.argmax(dim=-1), trees.tokens, trees.parents, trees.depth,
                                               trees.ancestor_mask, inputs.out_slots, inputs.req_rows,
