@@ -21,10 +21,16 @@ time less the stand-in's (`wall`: it also counts waiting for the GIL or the trie
 round) with the count of steps and the median and mean host microseconds per kind: the
 counts differ too (a drafting step commits several tokens for some requests, so requests that
 started together no longer end together: more finishing and prefill steps).
+
+Those are host times, launched ahead or not. `--virtual-gpu` also runs the stand-ins' device
+time on a virtual GPU (VirtualGPU) instead of sleeping it, and reports the timed steps'
+tokens per second and the GPU's idle time on that clock: host work that a step launched
+ahead hides costs nothing there, host work while nothing is queued costs all of it.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import statistics
@@ -37,6 +43,7 @@ from specserve.bench.gpu_suite import DEFAULT_CONFIG, config_label, set_drafter
 from specserve.bench.plain_step_host import MAX_PROMPT, DeviceTimeReplay, sharegpt_streams
 from specserve.engine.overlap import OverlapSchedule
 from specserve.engine.request import same_requests
+from specserve.runner import model_runner
 
 
 class SleepingReplay(DeviceTimeReplay):
@@ -48,7 +55,12 @@ class SleepingReplay(DeviceTimeReplay):
         super().__init__(*args, step_s=0.0)
         self.device_s, self.prefill_s_per_token = step_s, prefill_s_per_token
 
+    gpu: "VirtualGPU | None" = None   # set: device time runs on it instead of being slept
+
     def _sleep(self, seconds: float) -> None:
+        if self.gpu is not None:
+            self.gpu.launch(seconds)
+            return
         with self.timed():
             time.sleep(seconds)
 
@@ -61,6 +73,57 @@ class SleepingReplay(DeviceTimeReplay):
         logits = super().extend(reqs, extend_lens, slots, samples, capture)
         self._sleep(self.prefill_s_per_token * sum(extend_lens))
         return logits
+
+
+class VirtualGPU:
+    """Runs each launched step for its device time, in launch order, against a host clock that
+    is this thread's CPU time less the stand-in's (other processes on the machine do not count).
+    Reading a step's result (an InFlight's wait; the sampler, after a prefill) moves the host
+    clock on to that step's end. Idle time: while nothing is queued, the host's work is the
+    GPU's wait."""
+
+    def __init__(self, stand_in: SleepingReplay):
+        self.stand_in = stand_in
+        self.waited = 0.0      # host clock moved on by waits
+        self.free_at = 0.0     # when the last queued step ends
+        self.idle = 0.0
+
+    def host(self) -> float:
+        return time.thread_time() - self.stand_in.cpu_seconds + self.waited
+
+    def launch(self, seconds: float) -> None:
+        now = self.host()
+        self.idle += max(0.0, now - self.free_at)
+        self.free_at = max(now, self.free_at) + seconds
+
+    def wait_until(self, end: float) -> None:
+        self.waited += max(0.0, end - self.host())
+
+    @contextlib.contextmanager
+    def installed(self, core):
+        """Each InFlight remembers when its step ends (on a CPU it is computed already, and
+        launched right after its step); the sampler waits for the last step queued."""
+        in_flight, launch, wait, sample = model_runner.InFlight, model_runner.InFlight.launch, \
+            model_runner.InFlight.wait, core.sampler.sample
+
+        def timed_launch(cls, tensor):
+            step = launch.__func__(cls, tensor)
+            step.virtual_end = self.free_at
+            return step
+
+        def timed_wait(step):
+            self.wait_until(getattr(step, "virtual_end", self.free_at))
+            return wait(step)
+
+        def timed_sample(*args, **kwargs):
+            self.wait_until(self.free_at)
+            return sample(*args, **kwargs)
+        in_flight.launch, in_flight.wait, core.sampler.sample = classmethod(timed_launch), timed_wait, timed_sample
+        self.free_at = self.host()
+        try:
+            yield self
+        finally:
+            in_flight.launch, in_flight.wait, core.sampler.sample = launch, wait, sample
 
 
 class KindTimer:
@@ -114,11 +177,14 @@ class KindTimer:
 
 
 def run_turnover(engine, stand_in, prompts, spec, batch_size: int, output_len: int, group: int, warm_steps: int,
-                 steps: int) -> dict:
+                 steps: int, hold_plain: bool = False) -> dict:
     """Keeps `batch_size` requests running (new prompts replace finished ones) for
-    warm_steps + steps engine steps; times the last `steps`. Aborts what is left."""
+    warm_steps + steps engine steps; times the last `steps`. Aborts what is left.
+    `hold_plain`: the adaptive policy never switches to drafting (its probes still run)."""
     core = engine.core
     set_drafter(engine, *(spec or (None,)))
+    if hold_plain and core.adaptive is not None:
+        core.adaptive.modes.request_switch = lambda bucket: None
     core.overlap = OverlapSchedule(core.runner, core.scheduler)   # CUDA-graph-only by default
     fresh = iter(prompts)
     counter = itertools.count()
@@ -134,11 +200,18 @@ def run_turnover(engine, stand_in, prompts, spec, batch_size: int, output_len: i
     for i in range(batch_size):   # the first wave ends at staggered lengths, `group` requests at a time
         start(max(1, output_len * (i // group + 1) // waves))
     timer = KindTimer(core, stand_in)
+    gpu, virtual = stand_in.gpu, None
     for n in range(warm_steps + steps):
+        if gpu is not None and n == warm_steps:
+            virtual = (gpu.host(), gpu.idle, core.stats.total_tokens)
         for out in timer.step(record=n >= warm_steps):
             if out.finished:
                 live.pop(out.req.rid)
                 start(output_len)
+    if virtual is not None:   # the timed steps' tokens and GPU idle time, on the virtual clock
+        seconds = gpu.host() - virtual[0]
+        virtual = {"tok_s": round((core.stats.total_tokens - virtual[2]) / seconds),
+                   "idle_ms": round(1e3 * (gpu.idle - virtual[1]), 1), "ms": round(1e3 * seconds, 1)}
     timer.close()
     for rid in list(live):
         core.abort(rid)
@@ -151,6 +224,8 @@ def run_turnover(engine, stand_in, prompts, spec, batch_size: int, output_len: i
                      "wall_mean": round(statistics.fmean(wall))}
     decode = [us for kind, values in timer.cpu_us.items() if kind != "prefill" for us in values]
     row["decode_cpu_mean"] = round(statistics.fmean(decode))
+    if virtual is not None:
+        row["virtual_gpu"] = virtual
     return row
 
 
@@ -169,6 +244,8 @@ def main(argv=None) -> None:
     parser.add_argument("--warm-steps", type=int, default=100, help="engine steps before timing")
     parser.add_argument("--rounds", type=int, default=3, help="runs per engine, alternating")
     parser.add_argument("--engines", nargs="*", default=["plain", "ngram"])
+    parser.add_argument("--virtual-gpu", action="store_true", help="device time on a VirtualGPU, not slept")
+    parser.add_argument("--hold-plain", action="store_true", help="the NGRAM engine's policy never drafts")
     ns = parser.parse_args(argv)
     steps = ns.warm_steps + ns.steps
     count = ns.batch_size + steps   # at most one request ends per step, most steps: none
@@ -182,11 +259,13 @@ def main(argv=None) -> None:
     stand_in = SleepingReplay(prompts, outputs, (config.eos_token_ids or (0,))[0], config.vocab_size,
                               step_s=ns.device_step_ms / 1e3, prefill_s_per_token=ns.prefill_us_per_token / 1e6)
     specs = {"plain": None, "ngram": DEFAULT_CONFIG}
-    with stand_in.installed(engine.core.runner), torch.inference_mode():
+    stand_in.gpu = VirtualGPU(stand_in) if ns.virtual_gpu else None
+    gpu = stand_in.gpu.installed(engine.core) if ns.virtual_gpu else contextlib.nullcontext()
+    with stand_in.installed(engine.core.runner), gpu, torch.inference_mode():
         for round_ in range(ns.rounds):
             for name in ns.engines:
                 row = run_turnover(engine, stand_in, prompts, specs[name], ns.batch_size, ns.output_len,
-                                   ns.group, ns.warm_steps, ns.steps)
+                                   ns.group, ns.warm_steps, ns.steps, ns.hold_plain)
                 print(json.dumps({**row, "round": round_ + 1}), flush=True)
 
 
