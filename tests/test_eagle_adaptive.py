@@ -61,12 +61,14 @@ class ScriptedPolicy(AdaptiveDraftLength):
 
 
 def scripted(engine, overlap: bool, script: list[bool] = SCRIPT) -> ScriptedPolicy:
-    """Replaces the engine's policy (on by default: checked) with a scripted one; `overlap`
-    forces the overlap schedule on (it is CUDA-graph-only by default)."""
+    """Replaces the engine's policy (on by default: checked) with a scripted one; `overlap`:
+    plain greedy steps run one step ahead (forced on where it is off: CUDA-graph-only by
+    default), else through the engine's verify of root-only trees."""
     core = engine.core
     assert core.adaptive is not None, "the adaptive policy is on by default"
-    assert core.overlap is None
-    if overlap:
+    if not overlap:
+        core.overlap = None
+    elif core.overlap is None:
         core.overlap = OverlapSchedule(core.runner, core.scheduler)
     policy = core.adaptive = ScriptedPolicy(core.adaptive.tiers, script)
     return policy
@@ -125,11 +127,15 @@ def test_trees_after_plain_stretches_are_the_reference_trees(target, random_head
     """EAGLE-2 trees (EagleDrafter) of a random head, batches of 4: plain stretches between
     drafting steps, the head fed at the next proposal (or every feed_every plain steps)."""
     monkeypatch.setattr(eagle, "FEED_EVERY", feed_every)
+    check_tree_stretches(target, random_head, overlap)
+
+
+def check_tree_stretches(target, random_head, overlap: bool, **engine_args) -> None:  # noqa: F811
     path, _, _, held_out = target
     algorithm, head_path, head, extractor = random_head
     topk, steps, nodes = 2, 3, 6
     with tiny_engine(path, **eagle_args(algorithm, head_path, speculative_num_steps=steps, speculative_eagle_topk=topk,
-                                        speculative_num_draft_tokens=nodes, adaptive=True)) as engine:
+                                        speculative_num_draft_tokens=nodes, adaptive=True), **engine_args) as engine:
         policy = scripted(engine, overlap)
         spy, held = ProposalSpy(engine.core.drafter, nodes), StatesSpy(engine.core.drafter)
         outputs = engine.generate(input_ids=[c.tokens[:c.prompt_len] for c in held_out[:4]],
@@ -137,7 +143,7 @@ def test_trees_after_plain_stretches_are_the_reference_trees(target, random_head
         assert [o["output_ids"] for o in outputs] == [c.tokens[c.prompt_len:] for c in held_out[:4]]
         wait_until_head_kv_is_free(engine)
     assert policy.plain_steps > 10 and policy.drafting_steps > 5
-    assert held.most <= feed_every     # fed once more wait: bounded
+    assert held.most <= 2 * eagle.FEED_EVERY     # fed every FEED_EVERY steps: bounded
     spy.check(head, extractor, topk, steps, nodes, after_plain=4)
 
 
@@ -148,11 +154,16 @@ def test_fused_chains_after_plain_stretches_are_the_reference_chains(target, ran
     """Fused chains (FusedChainDrafter): after a plain stretch a request's first drafts come
     from EagleDrafter's catch-up and chain, then every drafting step is fused; its chains
     are the head's argmax chains over the whole context."""
+    check_chain_stretches(target, random_head, algorithm, steps, overlap)
+
+
+def check_chain_stretches(target, random_head, algorithm: str, steps: int, overlap: bool,  # noqa: F811
+                          **engine_args) -> None:
     path, _, _, held_out = target
     _, head_path, head, extractor = random_head
     args = fused_args(algorithm, head_path, adaptive=True) if algorithm == "NAIVE_EAGLE" else \
         fused_args(algorithm, head_path, adaptive=True, speculative_num_steps=steps)
-    with tiny_engine(path, **args) as engine:
+    with tiny_engine(path, **args, **engine_args) as engine:
         drafter = engine.core.drafter
         policy = scripted(engine, overlap)
         fused, spy = FusedSpy(drafter), ProposalSpy(drafter, steps + 1)

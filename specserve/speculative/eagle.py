@@ -41,10 +41,12 @@ if TYPE_CHECKING:
 
 
 # Plain steps of the adaptive policy (engine/core.py) keep the target's states but do not draft:
-# a request's states wait here until its head is fed. Past this many, the request is fed in
-# one catch-up forward (with the others of the step past it, `observe_batch`): the states a
-# request holds stay bounded (EAGLE-3 on a 1.5B target: 9 KB a token, 0.3 MB here), for one
-# head-layer EXTEND forward of ~FEED_EVERY rows per request every ~FEED_EVERY plain steps.
+# a request's states wait here until its head is fed. Every FEED_EVERY-th step the requests
+# holding more than a chain re-feeds are fed, all in one catch-up forward (`observe_batch`),
+# and at any step those holding over 2 * FEED_EVERY (a prompt just prefilled): a request holds
+# at most ~2 * FEED_EVERY states (EAGLE-3 on a 1.5B target: 9 KB a token, 0.6 MB), for one
+# head-layer EXTEND forward per FEED_EVERY steps, whatever the requests' arrivals. (A feed's
+# inputs go to the device in blocking copies, which wait for the step launched ahead.)
 FEED_EVERY = 32
 
 
@@ -111,11 +113,19 @@ class EagleDrafter(Drafter):
         self.num_steps = runner.num_steps
         self.kv = DraftKVTable(runner.pool, token_offset=1, row_fanout=runner.topk)
         self.states = TargetStates()
+        self._observed = 0   # steps observed (observe_batch), for the feeds of FEED_EVERY
 
     def observe_hidden(self, reqs: list["Req"], starts: list[int], states: torch.Tensor,
                        rows: list[list[int]]) -> None:
         counts = [len(r) for r in rows]
-        gathered = states[torch.tensor([i for r in rows for i in r], device=states.device)]
+        flat = [i for r in rows for i in r]
+        if flat == list(range(len(flat))):
+            # every row in order (a plain step's, a prefill's): a copy (a graph's outputs are
+            # overwritten by its next replay) without an index, whose blocking host-to-device
+            # copy would wait for the plain step launched ahead (engine/overlap.py)
+            gathered = states[:len(flat)].clone()
+        else:
+            gathered = states[torch.tensor(flat, device=states.device)]
         for req, start, part in zip(reqs, starts, gathered.split(counts)):
             self.states.append(req.rid, start, part)
 
@@ -177,11 +187,13 @@ class EagleDrafter(Drafter):
         self.kv.sync(req)   # the chain's rows go back to the pool
 
     def observe_batch(self, reqs: list["Req"], committed: list[list[int]]) -> None:
-        """Syncs each request's head cache; requests whose states have waited through
-        FEED_EVERY plain steps are fed now."""
+        """Syncs each request's head cache and feeds the states that waited long enough
+        (see FEED_EVERY)."""
         for req in reqs:
             self.kv.sync(req)
-        waiting = [req for req in reqs if self.states.count(req.rid) > FEED_EVERY]
+        self._observed += 1
+        most = self.runner.fed_rows + 1 if self._observed % FEED_EVERY == 0 else 2 * FEED_EVERY
+        waiting = [req for req in reqs if self.states.count(req.rid) > most]
         if waiting:
             self.feed(waiting)
 
