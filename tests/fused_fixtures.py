@@ -15,8 +15,11 @@ from tests.spec_fixtures import wait_until_all_kv_is_free
 from tests.standalone_fixtures import wait_until_draft_kv_is_free
 
 
-def fused_args(algorithm: str, head_path, **extra) -> dict:
-    return {"speculative_algorithm": algorithm, "speculative_draft_model_path": str(head_path), **extra}
+def fused_args(algorithm: str, head_path, adaptive: bool = False, **extra) -> dict:
+    """Every step drafts (what tests of the fused step need), or with the adaptive policy,
+    the engine's default (tests/test_eagle_adaptive.py)."""
+    return {"speculative_algorithm": algorithm, "speculative_draft_model_path": str(head_path),
+            "speculative_disable_adaptive": not adaptive, **extra}
 
 
 class FusedSpy:

@@ -60,9 +60,10 @@ def head_dir(request, target, tmp_path_factory) -> tuple[str, str, object]:
     return request.param, str(path), head, extractor
 
 
-def eagle_args(algorithm: str, head_path: str, **extra) -> dict:
+def eagle_args(algorithm: str, head_path: str, adaptive: bool = False, **extra) -> dict:
+    """Every step drafts, or with the adaptive policy (the engine's default)."""
     return {"speculative_algorithm": algorithm, "speculative_draft_model_path": head_path,
-            "speculative_num_steps": NUM_STEPS, **extra}
+            "speculative_num_steps": NUM_STEPS, "speculative_disable_adaptive": not adaptive, **extra}
 
 
 def wait_until_head_kv_is_free(engine) -> None:

@@ -2,8 +2,7 @@
 Qwen2.5-Coder-0.5B drafting for the 1.5B), EAGLE / EAGLE3 (a head, e.g. one
 `python -m specserve.train_eagle` made) or NAIVE_EAGLE / MTP (one draft per step, verified
 and drafted again in one CUDA graph), on the suite's workloads (gpu_suite.py) at batch 1
-and concurrency 8/32/64, with the draft length pinned and (STANDALONE) with the adaptive
-policy; accept lengths, the target's roofline, and the greedy match rate in the run dtype.
+and concurrency 8/32/64, with the draft length pinned and with the adaptive policy; accept lengths, the target's roofline, and the greedy match rate in the run dtype.
 Several --algorithm values compare them in one call (e.g. EAGLE3 NAIVE_EAGLE with the same head).
 
     python -m specserve.bench.model_drafters --target /root/models/qwen2.5-coder-1.5b-instruct.gguf \\
@@ -106,8 +105,7 @@ def bench(ns, algorithm: str, num_steps: int, topk: int, token_map: str | None, 
     roofline = bandwidth / weight_bytes(engine)
     workloads = suite_workloads(engine, ns)
     watch, timer = RunWatch(engine), DraftTimer(drafter)
-    # EAGLE heads need the target's state of every token: the engine does not run them adaptively
-    modes = (["plain"] if ns.plain else []) + (["pinned", "adaptive"] if algorithm == "STANDALONE" else ["pinned"])
+    modes = (["plain"] if ns.plain else []) + ["pinned", "adaptive"]
     for concurrency in ns.concurrency:
         count = ns.bs1_prompts if concurrency == 1 else min(ns.num_prompts, max(concurrency * 2, 16))
         for workload, (prompts, warm_prompts) in workloads.items():

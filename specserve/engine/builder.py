@@ -133,10 +133,11 @@ def _build_core(args: ServerArgs, checked: Preflight, tp):
                           schedule_policy=args.schedule_policy)
     drafter = checked.drafter if draft is None else draft.make_drafter(runner)
     if draft is not None and draft.reads_target_states:
-        logger.info("%s: every step drafts (no adaptive draft length) and prefixes are not cached: "
-                    "the head needs the target's state of every token", args.speculative)
+        # plain steps of the adaptive policy keep the target's states for the head (eagle.py: FEED_EVERY)
+        logger.info("%s: prefixes are not cached: the head needs the target's state of every token",
+                    args.speculative)
     adaptive = None
-    if drafter is not None and not args.speculative_disable_adaptive and not (draft and draft.reads_target_states):
+    if drafter is not None and not args.speculative_disable_adaptive:
         graph_sizes = runner.graphs.sizes if runner.graphs is not None else None
         adaptive = AdaptiveDraftLength(tiers_for(args.speculative_verify_size, graph_sizes))
     core = EngineCore(runner, scheduler, Sampler(config.vocab_size, device), drafter,

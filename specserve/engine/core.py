@@ -169,7 +169,7 @@ class EngineCore(DraftingSteps):
         if draft and self._drafts_greedily(reqs):
             return self._finish_draft_step(reqs, self._launch_draft(reqs, proposal, slots, start))
         try:
-            outcome = self._verify(reqs, proposal, slots, index=draft or probing)
+            outcome = self._verify(reqs, proposal, slots, index=draft or probing, drafted=draft)
         except BaseException:
             self.scheduler.free_slots(slots)  # no request holds them until commit
             raise
@@ -190,19 +190,21 @@ class EngineCore(DraftingSteps):
                                       _committed(outputs), steady)
         return outputs
 
-    def _verify(self, reqs: list[Req], proposal: TreeProposal, slots: list[int], index: bool = True) -> StepOutcome:
+    def _verify(self, reqs: list[Req], proposal: TreeProposal, slots: list[int], index: bool = True,
+                drafted: bool = True) -> StepOutcome:
         """Runs the step's forward and decides what each request commits. Greedy trees are
         verified on the device, which also writes the accepted slots into the KV table: one
         copy of the outcome comes back. Other steps go through the sampler (penalties,
         sampling, logprobs). The outcome also holds the nodes' hidden states (bs, n,
         features) when the runner keeps them (an EAGLE drafter reads them). A fused
-        drafter (NAIVE_EAGLE, MTP) may run the whole step itself, its next drafts included.
+        drafter (NAIVE_EAGLE, MTP, EAGLE chains) may run a step it proposed for itself, its
+        next drafts included (`drafted`; a plain step's never: its next step may be plain too).
         While the GPU computes, the host detokenizes the previous step's tokens and hands
         the drafter's deferred indexing to its writer (`index`: plain steps that do not
         probe leave it to the next probe)."""
         n = proposal.num_slots
         fused = self.drafter.verify_fused(reqs, proposal, slots, self.sampler, self.text.run) \
-            if self.drafter is not None else None
+            if self.drafter is not None and drafted else None
         if fused is not None:   # the text ran while the GPU computed the step
             return StepOutcome.from_sampled(fused, n, table_written=True)
         greedy = n > 1 and self.sampler.argmax_is_enough(reqs)
@@ -242,6 +244,9 @@ class EngineCore(DraftingSteps):
             self.overlap.drop()
             raise
         sampled = SampledStep.plain(tokens)
+        if current.hidden is not None and self.drafter is not None:   # a head's, fed when it drafts again
+            self.drafter.observe_hidden(reqs, [r.kv_len for r in reqs], current.hidden,
+                                        [[i] for i in range(len(reqs))])
         self.scheduler.append_kv(reqs, [[slot] for slot in current.slots], write_table=not current.in_table)
         outputs = self._commit_verified(reqs, sampled)
         if any(out.finished for out in outputs):

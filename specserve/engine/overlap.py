@@ -9,6 +9,9 @@ A step launched ahead for a batch that then changes (a request finished, arrived
 preempted or aborted) is dropped: its slots are freed and its output ignored. Only steps
 that need nothing but the argmax qualify (greedy, no penalties, logprobs or min_new_tokens
 still in force): every other sampling option depends on tokens the host has not seen yet.
+Where the runner keeps hidden states (an EAGLE head or MTP layer drafts), each step keeps a
+copy of its own, made on the device before the next step's replay overwrites the graph's
+output: the engine hands them to the drafter when it reads the step.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ class StepAhead:
     slots: list[int]          # one new KV slot per request, not yet committed to it
     launched: InFlight        # its argmax: on the device, and on the way to the host
     in_table: bool = False    # its slots are in req_to_token already (written for the step after it)
+    hidden: torch.Tensor | None = None   # (bs, features) the target states the runner keeps (an EAGLE head's)
 
 
 class OverlapSchedule:
@@ -45,8 +49,7 @@ class OverlapSchedule:
         self.release(ahead)
         slots = self.scheduler.alloc_slots(len(reqs))
         assert slots is not None, "the scheduler reserves a slot per decoding request"
-        return StepAhead(list(reqs), slots, self.runner.launch_greedy_decode(
-            reqs, [r.kv_len for r in reqs], slots, last_tokens()))
+        return self._launch(reqs, [r.kv_len for r in reqs], slots, last_tokens())
 
     def launch_next(self, current: StepAhead) -> None:
         """Queues the step after `current` (whose tokens are not committed yet)."""
@@ -57,8 +60,11 @@ class OverlapSchedule:
         # the next step attends to the current one's token: its slot must be in the table first
         self.runner.pool.write_entries_async([r.row for r in reqs], [r.kv_len for r in reqs], current.slots)
         current.in_table = True  # its commit need not write them again
-        self.ahead = StepAhead(list(reqs), slots, self.runner.launch_greedy_decode(
-            reqs, [r.kv_len + 1 for r in reqs], slots, current.launched.device))
+        self.ahead = self._launch(reqs, [r.kv_len + 1 for r in reqs], slots, current.launched.device)
+
+    def _launch(self, reqs: list[Req], kv_lens: list[int], slots: list[int], roots) -> StepAhead:
+        launched, hidden = self.runner.launch_greedy_decode(reqs, kv_lens, slots, roots)
+        return StepAhead(list(reqs), slots, launched, hidden=hidden)
 
     def drop(self) -> None:
         """Forgets the step launched ahead, if any."""

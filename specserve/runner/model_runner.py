@@ -166,14 +166,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch_greedy_decode(self, reqs: list[Req], kv_lens: list[int], slots: list[int],
-                             roots: list[int] | torch.Tensor) -> "InFlight":
+                             roots: list[int] | torch.Tensor) -> tuple["InFlight", torch.Tensor | None]:
         """A plain greedy decode step, queued without waiting for it. roots (bs,): the last
         tokens, on the host, or on the device for a step launched before the previous one's
-        tokens reached the host (its argmax). Its InFlight's device tensor is the argmax."""
+        tokens reached the host (its argmax). Its InFlight's device tensor is the argmax.
+        Also returns the hidden states the runner keeps (bs, features), None without: a copy
+        of the graph's output, which the step launched after this one overwrites."""
         on_device = isinstance(roots, torch.Tensor) and roots.device.type != "cpu"
         proposal = TreeProposal.root_only([0] * len(reqs) if on_device else roots)
         step = self.run_trees(reqs, proposal, slots, kv_lens, roots if on_device else None)
-        return InFlight.launch(step.logits[:, 0].argmax(-1))
+        hidden = step.hidden.reshape(len(reqs), -1).clone() if step.hidden is not None else None
+        return InFlight.launch(step.logits[:, 0].argmax(-1)), hidden
 
     def shutdown(self) -> None:
         """Stops the tensor-parallel worker processes (nothing to do without them)."""

@@ -47,7 +47,7 @@ class DraftSetup:
     @property
     def reads_target_states(self) -> bool:
         """An EAGLE head needs the target's state of every cached token: a prefix served
-        from the prefix cache has none, and plain steps launched ahead keep none."""
+        from the prefix cache has none (plain steps keep theirs: engine/overlap.py)."""
         return self.hidden_capture is not None
 
 

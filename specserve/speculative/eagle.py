@@ -14,12 +14,18 @@ drafts the token after the root. Rows of the chain's draft steps read the head's
 outputs, not the target's: they are never kept (their tokens stay UNSET in DraftKVTable, so
 the next sync frees them).
 
+Plain steps (the adaptive policy decodes plainly where drafting would lose) keep the
+target's states too: they wait here, and the next proposal's catch-up feeds them, so the
+head has read every committed token before it drafts again. A long plain stretch is fed
+every FEED_EVERY steps (`observe_batch`), which bounds what waits here.
+
 Chain drafts are argmax or sampled exactly as STANDALONE's (see standalone.py): sampled
 drafts hand their q over the target vocabulary to residual rejection. Tree drafts are the
 head's top-k, a deterministic function of the context, which verification takes as it is.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,32 +40,66 @@ if TYPE_CHECKING:
     from specserve.runner.eagle_runner import EagleHeadRunner
 
 
+# Plain steps of the adaptive policy (engine/core.py) keep the target's states but do not draft:
+# a request's states wait here until its head is fed. Every FEED_EVERY-th step the requests
+# holding more than a chain re-feeds are fed, all in one catch-up forward (`observe_batch`),
+# and at any step those holding over 2 * FEED_EVERY (a prompt just prefilled): a request holds
+# at most ~2 * FEED_EVERY states (EAGLE-3 on a 1.5B target: 9 KB a token, 0.6 MB), for one
+# head-layer EXTEND forward per FEED_EVERY steps, whatever the requests' arrivals. (A feed's
+# inputs go to the device in blocking copies, which wait for the step launched ahead.)
+FEED_EVERY = 32
+
+
+@dataclass
+class HeldStates:
+    """One request's target states not fed yet, positions first .. first + count - 1, as the
+    steps handed them over (a plain step's is one row: appending copies nothing)."""
+    first: int
+    count: int
+    parts: list[torch.Tensor]
+
+    def joined(self) -> torch.Tensor:
+        if len(self.parts) > 1:
+            self.parts = [torch.cat(self.parts)]
+        return self.parts[0]
+
+
 class TargetStates:
     """Per request, the target's states of positions first .. first + len - 1 not fed yet
     (and the last fed one, which a chain re-feeds when nothing new came)."""
 
     def __init__(self):
-        self._states: dict[str, tuple[int, torch.Tensor]] = {}
+        self._states: dict[str, HeldStates] = {}
 
     def append(self, rid: str, start: int, states: torch.Tensor) -> None:
         held = self._states.get(rid)
-        if held is not None and held[0] <= start <= held[0] + len(held[1]):
-            first, kept = held
-            states = torch.cat([kept[:start - first], states])
-            start = first
-        self._states[rid] = (start, states)
+        if held is None or not held.first <= start <= held.first + held.count:
+            self._states[rid] = HeldStates(start, len(states), [states])
+            return
+        if start < held.first + held.count:   # positions from start on are replaced
+            held.parts = [held.joined()[:start - held.first]]
+            held.count = start - held.first
+        held.parts.append(states)
+        held.count += len(states)
+
+    def count(self, rid: str) -> int:
+        """States held for the request (0 if none)."""
+        held = self._states.get(rid)
+        return 0 if held is None else held.count
 
     def rows(self, rid: str, start: int, end: int) -> torch.Tensor | None:
         """States of positions start .. end - 1, or None if some are missing."""
         held = self._states.get(rid)
-        if held is None or start < held[0] or end > held[0] + len(held[1]):
+        if held is None or start < held.first or end > held.first + held.count:
             return None
-        return held[1][start - held[0]:end - held[0]]
+        return held.joined()[start - held.first:end - held.first]
 
     def drop_before(self, rid: str, position: int) -> None:
-        first, states = self._states[rid]
-        if position > first:
-            self._states[rid] = (position, states[position - first:])
+        held = self._states[rid]
+        if position > held.first:
+            held.parts = [held.joined()[position - held.first:]]
+            held.count -= position - held.first
+            held.first = position
 
     def release(self, rid: str) -> None:
         self._states.pop(rid, None)
@@ -73,11 +113,19 @@ class EagleDrafter(Drafter):
         self.num_steps = runner.num_steps
         self.kv = DraftKVTable(runner.pool, token_offset=1, row_fanout=runner.topk)
         self.states = TargetStates()
+        self._observed = 0   # steps observed (observe_batch), for the feeds of FEED_EVERY
 
     def observe_hidden(self, reqs: list["Req"], starts: list[int], states: torch.Tensor,
                        rows: list[list[int]]) -> None:
         counts = [len(r) for r in rows]
-        gathered = states[torch.tensor([i for r in rows for i in r], device=states.device)]
+        flat = [i for r in rows for i in r]
+        if flat == list(range(len(flat))):
+            # every row in order (a plain step's, a prefill's): a copy (a graph's outputs are
+            # overwritten by its next replay) without an index, whose blocking host-to-device
+            # copy would wait for the plain step launched ahead (engine/overlap.py)
+            gathered = states[:len(flat)].clone()
+        else:
+            gathered = states[torch.tensor(flat, device=states.device)]
         for req, start, part in zip(reqs, starts, gathered.split(counts)):
             self.states.append(req.rid, start, part)
 
@@ -137,6 +185,48 @@ class EagleDrafter(Drafter):
 
     def observe(self, req: "Req", committed: list[int]) -> None:
         self.kv.sync(req)   # the chain's rows go back to the pool
+
+    def observe_batch(self, reqs: list["Req"], committed: list[list[int]]) -> None:
+        """Syncs each request's head cache and feeds the states that waited long enough
+        (see FEED_EVERY)."""
+        for req in reqs:
+            self.kv.sync(req)
+        self._observed += 1
+        most = self.runner.fed_rows + 1 if self._observed % FEED_EVERY == 0 else 2 * FEED_EVERY
+        waiting = [req for req in reqs if self.states.count(req.rid) > most]
+        if waiting:
+            self.feed(waiting)
+
+    def feed(self, reqs: list["Req"]) -> None:
+        """Step 0 over every row the requests' head caches lack (tokens plain steps committed),
+        in one catch-up forward, without drafting: afterwards each holds only the last fed
+        row's state (a chain re-feeds it). A request whose rows do not fit in the pool keeps
+        its states until they do."""
+        fed = []
+        for req in reqs:
+            end = self.kv.rows_of(req)
+            start = self.kv.reserve(req, 0)
+            if start is None or start >= end:
+                continue
+            states = self.states.rows(req.rid, start, end)
+            if states is None:     # never expected: every cached token's state arrives (observe_hidden)
+                self.kv.truncate(req, start)
+                continue
+            fed.append((req, self.kv.sequences[req.rid], start, end, states))
+        if not fed:
+            return
+        self.kv.write_table()
+        try:
+            self.runner.catch_up([seq.row for _, seq, _, _, _ in fed], [start for _, _, start, _, _ in fed],
+                                 [seq.tokens[start:end] for _, seq, start, end, _ in fed],
+                                 [s for _, seq, start, end, _ in fed for s in seq.slots[start:end]],
+                                 torch.cat([states for *_, states in fed]))
+        except BaseException:   # the rows do not hold what the table says; the states are kept
+            for req, _, start, _, _ in fed:
+                self.kv.truncate(req, start)
+            raise
+        for req, _, _, end, _ in fed:
+            self.states.drop_before(req.rid, end - 1)
 
     def release(self, req: "Req") -> None:
         self.kv.release(req)

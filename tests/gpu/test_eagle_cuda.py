@@ -5,19 +5,25 @@ decoding and every request's verify steps are the ones the trainer's replay pred
 trained on the CPU by tests/test_eagle_drafter.py's fixtures); seeded sampling gives plain
 decoding's tokens through the coupled graphs, unseeded sampling runs through the rejection
 graphs; every target and head KV slot comes back. EAGLE-2 trees (not fused) built in the
-drafting graphs equal the CPU reference's (tests/test_eagle_drafter_tree.py)."""
+drafting graphs equal the CPU reference's (tests/test_eagle_drafter_tree.py). With the
+adaptive policy (tests/test_eagle_adaptive.py's scripted plain stretches, the plain steps
+launched ahead from the decode graphs, whose hidden-state outputs the next replay
+overwrites), output stays plain decoding's and every draft after a plain stretch is the
+reference's of a head fed the whole context."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from specserve.speculative import eagle
 from specserve.speculative.eagle_batches import BatchBuilder
 from specserve.speculative.eagle_eval import accepted_runs, replay_decoding
 from tests.fused_fixtures import FusedSpy, wait_until_fused_state_is_free
 from tests.gpu.test_naive_eagle_cuda import GraphKinds
 from tests.spec_fixtures import tiny_engine
 from tests.test_eagle_drafter import eagle_args, head_dir, target  # noqa: F401
-from tests.test_eagle_drafter_tree import TREES, check_trees
+from tests.test_eagle_adaptive import check_chain_stretches, check_tree_stretches
+from tests.test_eagle_drafter_tree import TREES, check_trees, random_head  # noqa: F401
 
 CUDA = {"device": "cuda", "max_total_tokens": 4096}
 
@@ -67,3 +73,19 @@ def test_eagle_sampling_runs_through_the_coupled_and_rejection_graphs(target, he
 def test_eagle_trees_are_the_reference_trees_on_cuda(target, head_dir, topk, steps, nodes, graph_max_bs):  # noqa: F811
     check_trees(target, head_dir, topk, steps, nodes, longest_accepted=3, device="cuda",
                 cuda_graph_max_bs=graph_max_bs, max_total_tokens=4096)
+
+
+@pytest.mark.parametrize("graph_max_bs", [8, 2])
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "verify"])
+def test_eagle_trees_after_plain_stretches_on_cuda(target, random_head, graph_max_bs, overlap,  # noqa: F811
+                                                   monkeypatch):
+    monkeypatch.setattr(eagle, "FEED_EVERY", 4)    # plain stretches fed by observe_batch too
+    check_tree_stretches(target, random_head, overlap, device="cuda", cuda_graph_max_bs=graph_max_bs,
+                         max_total_tokens=4096)
+
+
+@pytest.mark.parametrize("graph_max_bs", [8, 2])
+@pytest.mark.parametrize("algorithm,steps", [("EAGLE3", 3), ("NAIVE_EAGLE", 1)], ids=["K3", "naive"])
+def test_eagle_chains_after_plain_stretches_on_cuda(target, random_head, algorithm, steps, graph_max_bs):  # noqa: F811
+    check_chain_stretches(target, random_head, algorithm, steps, True, device="cuda",
+                          cuda_graph_max_bs=graph_max_bs, max_total_tokens=4096)

@@ -1,0 +1,236 @@
+"""The adaptive draft length with drafters that read the target's states (EAGLE / EAGLE3
+trees, fused chains, NAIVE_EAGLE, MTP): plain steps keep the target's states and the head is
+fed them (the next proposal's catch-up, or every FEED_EVERY plain steps), so that whenever
+it drafts again it has read every committed token.
+
+A scripted policy forces stretches of plain steps between drafting steps, on both plain
+paths (the engine's own verify of root-only trees, and the overlap schedule's steps
+launched ahead, forced on here as tests/test_overlap.py does); greedy output stays plain
+decoding's, and every tree or chain the engine proposes, after any plain stretch, is the one
+a reference computes from the head fed the whole context (a head that missed the plainly
+decoded tokens drafts from another context: tests/test_eagle_drafter_tree.py's random head
+makes that show). With the real policy (the default) and with --speculative-disable-adaptive
+(every step drafts) output stays the same and every target and head slot comes back.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.engine.overlap import OverlapSchedule
+from specserve.speculative import eagle
+from specserve.speculative.adaptive import AdaptiveDraftLength
+from tests.fused_fixtures import FusedSpy, fused_args, save_random_eagle_head, wait_until_fused_state_is_free
+from tests.spec_fixtures import make_tiny_directory, plain_greedy_outputs, tiny_engine
+from tests.test_eagle_drafter import eagle_args, target, wait_until_head_kv_is_free  # noqa: F401
+from tests.test_eagle_drafter_tree import random_head, reference_tree  # noqa: F401
+from tests.test_mtp import DraftSpy, copy_head, reference_drafts, target_dir  # noqa: F401
+
+# decode steps: True drafts, False decodes plainly; repeated. Stretches longer than a chain
+# (K + 1 tokens) and one past FEED_EVERY when a test lowers it.
+SCRIPT = [False] * 3 + [True] * 2 + [False] * 7 + [True] + [False] + [True] * 3
+
+
+class ScriptedPolicy(AdaptiveDraftLength):
+    """The adaptive policy with its choices scripted: decode step i drafts iff
+    script[i % len(script)], a drafting step verifies the whole proposal, every tenth plain
+    step probes (its proposals are shadows only: the policy never switches on them)."""
+
+    def __init__(self, tiers: list[int], script: list[bool]):
+        super().__init__(tiers)
+        self.script, self.step, self.plain_steps, self.drafting_steps = script, 0, 0, 0
+
+    def should_draft(self, batch_size: int) -> bool:
+        draft = self.script[self.step % len(self.script)]
+        self.step += 1
+        self.drafting_steps += draft
+        self.plain_steps += not draft
+        return draft
+
+    def would_draft(self, batch_size: int) -> bool:
+        return self.script[self.step % len(self.script)]
+
+    def choose(self, rids: list[str], num_nodes: list[int], keys=None) -> int:
+        return self.tiers[-1]
+
+    def probe_due(self, batch_size: int, every_at_least: int = 1) -> bool:
+        return self.plain_steps % 10 == 0
+
+    def probe(self, *args, **kwargs) -> None:
+        pass
+
+
+def scripted(engine, overlap: bool, script: list[bool] = SCRIPT) -> ScriptedPolicy:
+    """Replaces the engine's policy (on by default: checked) with a scripted one; `overlap`:
+    plain greedy steps run one step ahead (forced on where it is off: CUDA-graph-only by
+    default), else through the engine's verify of root-only trees."""
+    core = engine.core
+    assert core.adaptive is not None, "the adaptive policy is on by default"
+    if not overlap:
+        core.overlap = None
+    elif core.overlap is None:
+        core.overlap = OverlapSchedule(core.runner, core.scheduler)
+    policy = core.adaptive = ScriptedPolicy(core.adaptive.tiers, script)
+    return policy
+
+
+class ProposalSpy:
+    """Every full-size proposal (num_nodes == nodes), with the request's tokens then, and how
+    many tokens the request committed since its previous proposal (more than a drafting step
+    commits: a plain stretch came between)."""
+
+    def __init__(self, drafter, nodes: int):
+        self.proposals: list[tuple[list[int], list[int], list[int], int]] = []   # (context, tokens, parents, gap)
+        self._last: dict[str, int] = {}
+        propose = drafter.propose
+
+        def spy(reqs, max_nodes):
+            proposal, num_nodes = propose(reqs, max_nodes)
+            for i, (req, count) in enumerate(zip(reqs, num_nodes)):
+                gap = req.num_tokens - self._last.get(req.rid, req.num_tokens)
+                self._last[req.rid] = req.num_tokens
+                if count == nodes:
+                    self.proposals.append((req.prompt_ids + req.output_ids, proposal.tokens[i, 1:].tolist(),
+                                           proposal.parents[i, 1:].tolist(), gap))
+            return proposal, num_nodes
+        drafter.propose = spy
+
+    def check(self, head, extractor, topk: int, steps: int, nodes: int, after_plain: int) -> None:
+        """Each proposal is the reference's for its context; at least `after_plain` came
+        after a plain stretch."""
+        assert sum(gap > steps + 1 for *_, gap in self.proposals) >= after_plain
+        with torch.no_grad():
+            for context, tokens, parents, gap in self.proposals:
+                features = extractor([context])
+                states = features.layers if head.config.aux_layers else features.final
+                expected = reference_tree(head, states[:-1], torch.tensor(context[1:]), topk, steps, nodes)
+                assert (tokens, parents) == expected, f"context of {len(context)} tokens, {gap} since the last"
+
+
+class StatesSpy:
+    """The most target states any request held after a step's observe (what waits for the head)."""
+
+    def __init__(self, drafter):
+        self.most = 0
+        observe_batch = drafter.observe_batch
+
+        def spy(reqs, committed):
+            observe_batch(reqs, committed)
+            self.most = max([self.most] + [drafter.states.count(r.rid) for r in reqs])
+        drafter.observe_batch = spy
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["verify", "overlap"])
+@pytest.mark.parametrize("feed_every", [eagle.FEED_EVERY, 4], ids=["feed-default", "feed-4"])
+def test_trees_after_plain_stretches_are_the_reference_trees(target, random_head, monkeypatch,  # noqa: F811
+                                                             overlap, feed_every):
+    """EAGLE-2 trees (EagleDrafter) of a random head, batches of 4: plain stretches between
+    drafting steps, the head fed at the next proposal (or every feed_every plain steps)."""
+    monkeypatch.setattr(eagle, "FEED_EVERY", feed_every)
+    check_tree_stretches(target, random_head, overlap)
+
+
+def check_tree_stretches(target, random_head, overlap: bool, **engine_args) -> None:  # noqa: F811
+    path, _, _, held_out = target
+    algorithm, head_path, head, extractor = random_head
+    topk, steps, nodes = 2, 3, 6
+    with tiny_engine(path, **eagle_args(algorithm, head_path, speculative_num_steps=steps, speculative_eagle_topk=topk,
+                                        speculative_num_draft_tokens=nodes, adaptive=True), **engine_args) as engine:
+        policy = scripted(engine, overlap)
+        spy, held = ProposalSpy(engine.core.drafter, nodes), StatesSpy(engine.core.drafter)
+        outputs = engine.generate(input_ids=[c.tokens[:c.prompt_len] for c in held_out[:4]],
+                                  sampling_params={"temperature": 0.0, "max_new_tokens": 32})
+        assert [o["output_ids"] for o in outputs] == [c.tokens[c.prompt_len:] for c in held_out[:4]]
+        wait_until_head_kv_is_free(engine)
+    assert policy.plain_steps > 10 and policy.drafting_steps > 5
+    assert held.most <= 2 * eagle.FEED_EVERY     # fed every FEED_EVERY steps: bounded
+    spy.check(head, extractor, topk, steps, nodes, after_plain=4)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["verify", "overlap"])
+@pytest.mark.parametrize("algorithm,steps", [("EAGLE3", 3), ("NAIVE_EAGLE", 1)], ids=["K3", "naive"])
+def test_fused_chains_after_plain_stretches_are_the_reference_chains(target, random_head, algorithm,  # noqa: F811
+                                                                     steps, overlap):
+    """Fused chains (FusedChainDrafter): after a plain stretch a request's first drafts come
+    from EagleDrafter's catch-up and chain, then every drafting step is fused; its chains
+    are the head's argmax chains over the whole context."""
+    check_chain_stretches(target, random_head, algorithm, steps, overlap)
+
+
+def check_chain_stretches(target, random_head, algorithm: str, steps: int, overlap: bool,  # noqa: F811
+                          **engine_args) -> None:
+    path, _, _, held_out = target
+    _, head_path, head, extractor = random_head
+    args = fused_args(algorithm, head_path, adaptive=True) if algorithm == "NAIVE_EAGLE" else \
+        fused_args(algorithm, head_path, adaptive=True, speculative_num_steps=steps)
+    with tiny_engine(path, **args, **engine_args) as engine:
+        drafter = engine.core.drafter
+        policy = scripted(engine, overlap)
+        fused, spy = FusedSpy(drafter), ProposalSpy(drafter, steps + 1)
+        outputs = engine.generate(input_ids=[c.tokens[:c.prompt_len] for c in held_out[:4]],
+                                  sampling_params={"temperature": 0.0, "max_new_tokens": 32})
+        assert [o["output_ids"] for o in outputs] == [c.tokens[c.prompt_len:] for c in held_out[:4]]
+        wait_until_fused_state_is_free(engine)
+    assert policy.plain_steps > 10 and policy.drafting_steps > 5
+    assert fused.engine == 0 and fused.fused > 0          # plain steps never reach the fused step
+    assert fused.first_drafts > len(outputs)              # drafting resumed after plain stretches
+    spy.check(head, extractor, 1, steps, steps + 1, after_plain=4)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["verify", "overlap"])
+def test_mtp_drafts_after_plain_stretches_are_the_reference_layers_argmax(target_dir, copy_head,  # noqa: F811
+                                                                          overlap):
+    """MTP (the fused chain with an MTP layer; tests/test_mtp.py's reference): drafts are
+    accepted and rejected, and plain stretches come between."""
+    prompts = [[5, 6, 7, 8, 9] * 6 + [10, 11], [20, 21, 22, 23] * 5, list(range(30, 72)), [100, 101] * 9]
+    greedy = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+    expected = plain_greedy_outputs(target_dir, prompts, greedy)
+    with tiny_engine(target_dir, **fused_args("MTP", copy_head, adaptive=True)) as engine:
+        policy = scripted(engine, overlap)
+        fused, drafts = FusedSpy(engine.core.drafter), DraftSpy(engine.core.drafter)
+        outputs = engine.generate(input_ids=prompts, sampling_params=greedy)
+        assert [o["output_ids"] for o in outputs] == expected
+        wait_until_fused_state_is_free(engine)
+    assert policy.plain_steps > 10 and fused.engine == 0 and fused.first_drafts > len(prompts)
+    references = {tuple(p): reference_drafts(target_dir, copy_head, p + e) for p, e in zip(prompts, expected)}
+    wrong = [(length, draft) for prompt, length, draft in drafts.drafts if references[prompt][length - 2] != draft]
+    assert len(drafts.drafts) > 20 and not wrong, f"{len(wrong)} of {len(drafts.drafts)} drafts differ"
+    histogram = {n for o in outputs for n in o["meta_info"]["spec_accept_histogram"]}
+    assert histogram == {1, 2}
+
+
+@pytest.mark.parametrize("num_steps,topk", [(3, 1), (2, 2)], ids=["chain", "tree"])
+def test_the_real_policy_and_always_drafting_keep_output_and_free_everything(tmp_path, num_steps, topk):
+    """The default policy and --speculative-disable-adaptive, a random head over half the
+    vocabulary (every draft rejected: the policy goes plain), batches, preemption (a small
+    cache), an abort, and sampled requests."""
+    target_path, head_path = tmp_path / "target", tmp_path / "head"
+    make_tiny_directory(target_path, "qwen2", seed=1)
+    save_random_eagle_head(target_path, head_path, draft_vocab=torch.arange(0, 256, 2))
+    prompts = [[5, 6, 7, 8, 9] * 6 + [10, 11], [20, 21, 22, 23] * 5, list(range(30, 72)), [100, 101] * 9]
+    greedy = {"temperature": 0, "max_new_tokens": 48, "ignore_eos": True}
+    expected = plain_greedy_outputs(target_path, prompts, greedy)
+    for disable in (False, True):
+        args = fused_args("EAGLE3", head_path, adaptive=not disable, speculative_num_steps=num_steps,
+                          speculative_eagle_topk=topk, speculative_num_draft_tokens=num_steps + 1 if topk == 1 else 5)
+        with tiny_engine(target_path, max_total_tokens=200, **args) as engine:
+            core = engine.core
+            assert (core.adaptive is None) == disable
+            if not disable:   # no probe sees a draft accepted: once plain, the batch stays plain
+                core.overlap = OverlapSchedule(core.runner, core.scheduler)
+            outputs = engine.generate(input_ids=prompts, sampling_params=greedy)
+            assert [o["output_ids"] for o in outputs] == expected
+            assert sum(o["meta_info"]["preemptions"] for o in outputs) > 0
+            stream = engine.generate(input_ids=prompts[1], sampling_params={**greedy, "max_new_tokens": 60},
+                                     stream=True)
+            next(iter(stream))
+            stream.close()     # aborts it
+            sampled = engine.generate(input_ids=prompts[:2], sampling_params={"temperature": 1.0, "max_new_tokens": 20,
+                                                                              "ignore_eos": True})
+            assert [len(o["output_ids"]) for o in sampled] == [20, 20]
+            if topk == 1:
+                wait_until_fused_state_is_free(engine)
+            else:
+                wait_until_head_kv_is_free(engine)
+            if not disable:
+                assert core.adaptive.steps_per_tier[1] > 0     # it decoded plainly
