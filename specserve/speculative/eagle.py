@@ -174,14 +174,19 @@ class EagleDrafter(Drafter):
                                  temperature=draft_temperature(req)))
             chain_features.append(fed[chain_start - first:])
         if lagging:
-            self.runner.catch_up([seq.row for seq, _, _, _ in lagging], [first for _, first, _, _ in lagging],
-                                 [seq.tokens[first:stop] for seq, first, stop, _ in lagging],
-                                 [s for seq, first, stop, _ in lagging for s in seq.slots[first:stop]],
-                                 torch.cat([fed for _, _, _, fed in lagging]))
+            self._catch_up(lagging)
         drafts, probs = self.runner.draft(rows, torch.cat(chain_features), sample=any(r.temperature > 0 for r in rows))
         for _, req, _ in chained:   # fed: keep the last row's state only, for a re-feed
             self.states.drop_before(req.rid, self.kv.rows_of(req) - 1)
         return drafts.tolist(), probs
+
+    def _catch_up(self, lagging: list[tuple]) -> None:
+        """One head forward without drafting over rows first .. stop - 1 of each (sequence,
+        first, stop, their target states)."""
+        self.runner.catch_up([seq.row for seq, _, _, _ in lagging], [first for _, first, _, _ in lagging],
+                             [seq.tokens[first:stop] for seq, first, stop, _ in lagging],
+                             [s for seq, first, stop, _ in lagging for s in seq.slots[first:stop]],
+                             torch.cat([states for _, _, _, states in lagging]))
 
     def observe(self, req: "Req", committed: list[int]) -> None:
         self.kv.sync(req)   # the chain's rows go back to the pool
@@ -217,10 +222,7 @@ class EagleDrafter(Drafter):
             return
         self.kv.write_table()
         try:
-            self.runner.catch_up([seq.row for _, seq, _, _, _ in fed], [start for _, _, start, _, _ in fed],
-                                 [seq.tokens[start:end] for _, seq, start, end, _ in fed],
-                                 [s for _, seq, start, end, _ in fed for s in seq.slots[start:end]],
-                                 torch.cat([states for *_, states in fed]))
+            self._catch_up([(seq, start, end, states) for _, seq, start, end, states in fed])
         except BaseException:   # the rows do not hold what the table says; the states are kept
             for req, _, start, _, _ in fed:
                 self.kv.truncate(req, start)
