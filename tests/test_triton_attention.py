@@ -1,5 +1,6 @@
 """TritonBackend against TorchNativeBackend: DECODE, EXTEND (with and without a prefix),
-VERIFY (random trees of different sizes) and the static-buffer path used by CUDA graphs.
+VERIFY (random trees of different sizes, through the extend kernel and as decode rows) and
+the static-buffer path used by CUDA graphs.
 
 The kernels run in Triton's interpreter on a CPU, which is slow: sizes stay small, and the
 split heuristics are turned down so that several splits are still exercised. With
@@ -96,13 +97,15 @@ def attend(backend, batch: ForwardBatch, q, k, v) -> torch.Tensor:
     return backend.forward(q, k, v, 0, batch)
 
 
-def compare(heads, mode, prefix_lens, extend_lens, tree_mask=None, target_programs=24):
+def compare(heads, mode, prefix_lens, extend_lens, tree_mask=None, target_programs=24, max_tree_rows=None):
     num_heads, num_kv_heads, head_dim = heads
     pool = make_pool(num_kv_heads, head_dim)
     batch = make_batch(pool, mode, prefix_lens, extend_lens, tree_mask)
     q, k, v = random_qkv(batch.num_tokens, num_heads, num_kv_heads, head_dim)
     expected = attend(TorchNativeBackend(*heads), batch, q, k, v)
     triton_backend = small_splits(TritonBackend(*heads), target_programs)
+    if max_tree_rows is not None:
+        triton_backend.max_tree_rows = max_tree_rows
     got = attend(triton_backend, batch, q, k, v)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     return batch
@@ -151,8 +154,30 @@ def test_extend_one_split_writes_output_directly():
 @pytest.mark.parametrize("heads", HEADS)
 def test_verify_random_trees(heads):
     sizes = [8, 1, 5]  # different tree sizes, padded to 8 in the mask
-    compare(heads, ForwardMode.VERIFY, prefix_lens=[100, 3, 260], extend_lens=sizes,
-            tree_mask=random_tree_masks(sizes))
+    batch = compare(heads, ForwardMode.VERIFY, prefix_lens=[100, 3, 260], extend_lens=sizes,
+                    tree_mask=random_tree_masks(sizes))
+    assert not batch.attn_metadata.tree_rows   # ragged: the extend kernel
+
+
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("target_programs", [1, 96])
+def test_verify_trees_as_decode_rows(heads, target_programs):
+    """n nodes for every request (a tier's trees; a node past a request's tree sees only
+    itself): each node is a decode row over its request's prefix and the new keys its mask
+    row allows, in one split or merged from several by the last split."""
+    masks = random_tree_masks([6, 1, 4], seed=5)
+    masks[1:, torch.arange(6), torch.arange(6)] = True
+    batch = compare(heads, ForwardMode.VERIFY, prefix_lens=[100, 0, 260], extend_lens=[6, 6, 6], tree_mask=masks,
+                    target_programs=target_programs)
+    meta = batch.attn_metadata
+    assert meta.tree_rows and (meta.partial_out is not None) == (target_programs > 1)
+    assert meta.split_counters is None or not meta.split_counters.any()
+
+
+def test_verify_trees_past_the_row_limit_use_the_extend_kernel():
+    batch = compare((6, 2, 64), ForwardMode.VERIFY, prefix_lens=[30, 70], extend_lens=[5, 5],
+                    tree_mask=random_tree_masks([5, 5]), max_tree_rows=9)
+    assert not batch.attn_metadata.tree_rows
 
 
 def test_verify_chain_without_mask_is_causal():
@@ -201,17 +226,23 @@ def padded_graph_batch(pool: KVPool, real: ForwardBatch, bs: int, tokens_per_req
         logits_indices=torch.arange(num_tokens, device=DEVICE), tree_mask=tree_mask)
 
 
-@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.VERIFY])
-def test_static_buffers_match_plan(mode):
+@pytest.mark.parametrize("mode,tree_rows", [(ForwardMode.DECODE, False), (ForwardMode.VERIFY, False),
+                                            (ForwardMode.VERIFY, True)])
+def test_static_buffers_match_plan(mode, tree_rows):
     heads = num_heads, num_kv_heads, head_dim = (6, 2, 64)
     tokens_per_req = 1 if mode is ForwardMode.DECODE else 5
     pool = make_pool(num_kv_heads, head_dim)
     real = make_batch(pool, mode, [60, 3, 200], [tokens_per_req] * 3,
                       random_tree_masks([tokens_per_req] * 3) if mode is ForwardMode.VERIFY else None)
     q, k, v = random_qkv(real.num_tokens, num_heads, num_kv_heads, head_dim)
-    expected = attend(small_splits(TritonBackend(*heads)), real, q, k, v)
 
-    backend = small_splits(TritonBackend(*heads))
+    def triton_backend() -> TritonBackend:
+        backend = small_splits(TritonBackend(*heads), target_programs=160 if tree_rows else 24)
+        backend.max_tree_rows = 64 if tree_rows else 0
+        return backend
+    expected = attend(triton_backend(), real, q, k, v)
+
+    backend = triton_backend()
     # one state serves decode and verify graphs of up to 4 requests
     backend.init_cuda_graph_state(max_bs=4, max_tokens_per_req=5, kv_pool=pool)
     dummy = padded_graph_batch(pool, make_batch(pool, mode, [0], [tokens_per_req],
@@ -228,6 +259,7 @@ def test_static_buffers_match_plan(mode):
         a, b = getattr(captured, name), getattr(replayed, name)
         assert (a is None) == (b is None) and (a is None or a.data_ptr() == b.data_ptr()), name
     assert captured.row_blocks == replayed.row_blocks and replayed.partial_out is not None
+    assert captured.tree_rows == replayed.tree_rows == tree_rows
 
     pad_q, pad_k, pad_v = (torch.cat([x, torch.zeros((tokens_per_req, *x.shape[1:]), device=DEVICE)])
                            for x in (q, k, v))

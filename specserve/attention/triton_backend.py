@@ -1,5 +1,7 @@
 """The Triton attention backend: split-K decode, and one extend kernel for EXTEND (causal)
-and VERIFY (tree mask), over the token-granular KV pool.
+and VERIFY (tree mask), over the token-granular KV pool. A VERIFY batch of few tree nodes
+goes through the decode kernel instead, one query row per node (its TREE mode): at small
+batches that is 2-3x faster than the extend kernel and its merge.
 
 Metadata (`TritonMetadata`, built once per forward, shared by every layer): per request
 its `req_to_token` row, prefix length and first new token (`qo_indptr`); the kernels
@@ -47,6 +49,7 @@ class TritonMetadata:
     split_counters: torch.Tensor | None  # (>= bs * num_kv_heads,) int32 zeros: DECODE's in-kernel merge
     split_counts: torch.Tensor | None = None  # (>= num_tokens,) int32 scratch: EXTEND/VERIFY splits used per token
     block_table: tuple[torch.Tensor, torch.Tensor] | None = None  # ragged EXTEND: (request, row block) per program
+    tree_rows: bool = False  # VERIFY through the decode kernel, a row per tree node (split_counters per node)
 
 
 @dataclass
@@ -74,6 +77,9 @@ class TritonBackend(AttentionBackend):
     # DECODE is merged by its last split, 8 splits at a time: past ~32 splits the merge costs
     # more than the splitting gains (H200, batch 1, 8000 keys: 16 us with 32 splits, 20 with 63)
     max_decode_splits = 32
+    # VERIFY batches of up to this many tree nodes (requests x nodes) run as decode rows; measured
+    # on an H200 at batch 1 (9-17 nodes: 2-3x faster than extend + merge) and batch 8 (step_cost)
+    max_tree_rows = 64
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__(num_heads, num_kv_heads, head_dim)
@@ -91,11 +97,15 @@ class TritonBackend(AttentionBackend):
         if batch.mode is ForwardMode.VERIFY and batch.tree_mask is not None:
             tree_mask = batch.tree_mask.to(torch.uint8).contiguous()
         max_kv = max((p + e for p, e in zip(batch.prefix_lens_host, batch.extend_lens_host)), default=0)
-        row_blocks, splits = self._grid(batch.mode, bs, max(batch.extend_lens_host, default=0), max_kv, device)
+        tree_rows = self._tree_rows(batch)
+        if tree_rows:
+            row_blocks, splits = 1, self._splits(batch.num_tokens, max_kv, self.max_decode_splits, device)
+        else:
+            row_blocks, splits = self._grid(batch.mode, bs, max(batch.extend_lens_host, default=0), max_kv, device)
         partial_out = partial_lse = split_counters = split_counts = None
         if splits > 1:
-            if batch.mode is ForwardMode.DECODE:
-                split_counters = torch.zeros(bs * self.num_kv_heads, dtype=torch.int32, device=device)
+            if batch.mode is ForwardMode.DECODE or tree_rows:
+                split_counters = torch.zeros(batch.num_tokens * self.num_kv_heads, dtype=torch.int32, device=device)
             else:
                 split_counts = torch.empty(batch.num_tokens, dtype=torch.int32, device=device)
             partial_out = torch.empty((batch.num_tokens, self.num_heads, splits, self.head_dim),
@@ -105,7 +115,15 @@ class TritonBackend(AttentionBackend):
             mode=batch.mode, req_rows=batch.req_rows.to(torch.int32), prefix_lens=batch.prefix_lens.to(torch.int32),
             qo_indptr=qo_indptr, tree_mask=tree_mask, row_blocks=row_blocks,
             partial_out=partial_out, partial_lse=partial_lse,
-            split_counters=split_counters, split_counts=split_counts)
+            split_counters=split_counters, split_counts=split_counts, tree_rows=tree_rows)
+
+    def _tree_rows(self, batch: ForwardBatch) -> bool:
+        """Whether this VERIFY batch goes through the decode kernel's TREE mode: a tree mask,
+        the same n nodes for every request, and few nodes in all."""
+        if batch.mode is not ForwardMode.VERIFY or batch.tree_mask is None:
+            return False
+        n = batch.tree_mask.shape[-1]
+        return batch.num_tokens == batch.batch_size * n <= self.max_tree_rows
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 batch: ForwardBatch) -> torch.Tensor:
@@ -117,9 +135,10 @@ class TritonBackend(AttentionBackend):
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (num_tokens, num_heads, head_dim)
         buffers = (pool.k_buffers[layer], pool.v_buffers[layer], pool.req_to_token, meta.req_rows, meta.prefix_lens)
-        if meta.mode is ForwardMode.DECODE:
+        if meta.mode is ForwardMode.DECODE or meta.tree_rows:
             decode_attention(q, *buffers, batch.out_slots, out, self.scale, partial_out=meta.partial_out,
-                             partial_lse=meta.partial_lse, split_counters=meta.split_counters)
+                             partial_lse=meta.partial_lse, split_counters=meta.split_counters,
+                             tree_mask=meta.tree_mask if meta.tree_rows else None)
         else:
             extend_attention(q, *buffers, meta.qo_indptr, batch.out_slots, out, self.scale, meta.row_blocks,
                              tree_mask=meta.tree_mask, partial_out=meta.partial_out, partial_lse=meta.partial_lse,
@@ -162,6 +181,11 @@ class TritonBackend(AttentionBackend):
                 _, splits = self._grid(mode, bs, n, kv_pool.max_context, device)
                 if splits > 1:
                     partial_rows = max(partial_rows, tokens * self.num_heads * splits)
+        tree_rows = min(max_bs * n, self.max_tree_rows) if n > 1 else 0
+        for rows in range(1, tree_rows + 1):  # VERIFY graphs of any tree size up to n run as decode rows
+            splits = self._splits(rows, kv_pool.max_context, self.max_decode_splits, device)
+            if splits > 1:
+                partial_rows = max(partial_rows, rows * self.num_heads * splits)
         int32 = dict(dtype=torch.int32, device=device)
         self._graph = _GraphBuffers(
             max_bs=max_bs, max_tokens_per_req=n, max_context=kv_pool.max_context,
@@ -170,7 +194,7 @@ class TritonBackend(AttentionBackend):
             tree_mask=torch.zeros((max_bs, n, n), dtype=torch.uint8, device=device),
             partial_out=torch.zeros(partial_rows * self.head_dim, dtype=torch.float32, device=device),
             partial_lse=torch.zeros(partial_rows, dtype=torch.float32, device=device),
-            split_counters=torch.zeros(max_bs * self.num_kv_heads, **int32),
+            split_counters=torch.zeros(max(max_bs, tree_rows) * self.num_kv_heads, **int32),
             split_counts=torch.zeros(max_bs * n, **int32))
 
     def plan_for_capture(self, batch: ForwardBatch) -> None:
@@ -196,7 +220,11 @@ class TritonBackend(AttentionBackend):
             assert n <= g.max_tokens_per_req, "tree larger than the graph state"
             tree_mask = g.tree_mask[:bs, :n, :n]
             tree_mask.copy_(batch.tree_mask)
-        row_blocks, splits = self._grid(batch.mode, bs, g.max_tokens_per_req, g.max_context, g.req_rows.device)
+        tree_rows = self._tree_rows(batch)
+        if tree_rows:
+            row_blocks, splits = 1, self._splits(num_tokens, g.max_context, self.max_decode_splits, g.req_rows.device)
+        else:
+            row_blocks, splits = self._grid(batch.mode, bs, g.max_tokens_per_req, g.max_context, g.req_rows.device)
         partial_out = partial_lse = None
         if splits > 1:
             rows = num_tokens * self.num_heads * splits
@@ -206,7 +234,7 @@ class TritonBackend(AttentionBackend):
             mode=batch.mode, req_rows=g.req_rows[:bs], prefix_lens=g.prefix_lens[:bs],
             qo_indptr=g.qo_indptr[:bs + 1], tree_mask=tree_mask, row_blocks=row_blocks,
             partial_out=partial_out, partial_lse=partial_lse, split_counters=g.split_counters,
-            split_counts=g.split_counts)
+            split_counts=g.split_counts, tree_rows=tree_rows)
 
     # --- grid ---
     def _grid(self, mode: ForwardMode, bs: int, tokens_per_req: int, max_kv_len: int,
