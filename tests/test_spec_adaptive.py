@@ -720,3 +720,57 @@ def test_a_drafting_bucket_decodes_plainly_while_the_drafter_indexes(smol):
     assert {t for t, n in adaptive.steps_per_tier.items() if n} == {1}
     wait_until_all_kv_is_free(engine)
     smol.close(engine)
+
+
+def test_an_unpriced_tier_costs_at_least_plain_plus_what_drafting_adds_elsewhere():
+    """StepCosts.floor: bucket 32 adds 3 ms to its 2 ms plain step at tier 4; bucket 16 (plain
+    1.8 ms) is not priced at tier 4: at least 1.8 + 3 * (16 / 2) / 32 ms; bucket 64, at least
+    its plain price plus all 3 ms; tier 2 nothing (no smaller drafting tier is priced)."""
+    costs = StepCosts([1, 2, 4, 8])
+    costs.record(32, 1, 0.002)
+    costs.record(32, 4, 0.005)
+    costs.record(16, 1, 0.0018)
+    costs.record(64, 1, 0.0026)
+    assert costs.floor(16, 4) == pytest.approx(0.0018 + 0.003 / 4)
+    assert costs.floor(16, 8) == pytest.approx(0.0018 + 0.003 / 4)
+    assert costs.floor(64, 4) == pytest.approx(0.0026 + 0.003)
+    assert costs.floor(16, 2) == pytest.approx(0.0018)
+    assert costs.floor(8, 4) is None                   # plain decoding unpriced there
+
+
+def draining_batch_policy(matched: list[int]) -> AdaptiveDraftLength:
+    """Bucket 32 priced (plain 2 ms, tier 4 5 ms) and drafting for 16 requests whose 4-node
+    chains matched `matched` nodes; the batch has drained to bucket 16, plain-priced at 1.8 ms
+    and held plain, its drafting tiers unpriced."""
+    adaptive = AdaptiveDraftLength([1, 4])
+    measured(adaptive, {1: 0.002, 4: 0.005}, batch_size=32)
+    chain, tokens = ([9, 1, 2, 3], [-1, 0, 1, 2]), [1, 2, 3]
+    for _ in range(30):
+        for i, match in enumerate(matched):
+            propose(adaptive, f"r{i}", chain)
+            adaptive.observe(f"r{i}", tokens[:match] + [8])
+    assert not adaptive.should_draft(16)               # a new bucket starts plain
+    for _ in range(4):
+        adaptive.record_step(16, 1, 0.0018, tokens=16)
+    adaptive.modes.plain_until[16] = 0                 # its hold has passed
+    return adaptive
+
+
+@pytest.mark.parametrize("matched, switches", [([0] * 14 + [1, 2], False), ([3] * 16, True)])
+def test_a_probe_prices_a_bucket_by_drafting_only_where_drafting_may_win(matched, switches):
+    """Chats whose chains commit ~1.2 tokens cannot beat 1.8 ms plain steps at tier 4, whose
+    step costs at least 1.8 + 3 / 4 ms: no drafting step prices it (H200, 1.5B, ShareGPT
+    second turns at 32: ~40% of the drafting steps priced the buckets a draining batch
+    passed through). Chains that match in full may win: drafting prices the tier."""
+    adaptive = draining_batch_policy(matched)
+    adaptive.probe(16, [f"r{i}" for i in range(16)], [4] * 16)
+    assert adaptive.would_draft(16) is switches
+
+
+def test_a_pricing_episode_stops_when_what_is_left_to_price_cannot_win():
+    """A drafting step at an unpriced tier (the first bucket is priced tier by tier) runs
+    only while that tier may win at its floor price."""
+    adaptive = draining_batch_policy([0] * 14 + [1, 2])
+    adaptive.modes.plain.discard(16)                   # drafting, as after a probe's switch
+    assert adaptive.choose([f"r{i}" for i in range(16)], [4] * 16) == 1
+    assert not adaptive.should_draft(16)

@@ -148,8 +148,9 @@ class AdaptiveDraftLength:
         if not self.costs.steadily_priced(bucket, 1):
             return   # what drafting must beat is not known yet (adaptive_modes.py: plain_trial)
         _, best, rates = self._best_tier(bucket, batch_size, rids, num_nodes, keys)
-        if not rates:   # a tier is not priced at this bucket yet: drafting prices it
-            self.modes.request_switch(bucket)
+        if not rates:   # a tier is not priced at this bucket yet: drafting prices it, if it may win
+            if self._pricing_may_pay(bucket, rids, num_nodes, keys, self._switch_margin(bucket)):
+                self.modes.request_switch(bucket)
             return
         if best > 1 and rates[best] >= self._switch_margin(bucket) * rates[1]:
             self.modes.request_switch(bucket)
@@ -176,6 +177,8 @@ class AdaptiveDraftLength:
         if explore is not None and explore in self._useful_tiers(max(num_nodes)):
             return explore
         choice, best, rates = self._best_tier(bucket, len(rids), rids, num_nodes, keys, measure=True)
+        if not rates and choice > 1 and not self._pricing_may_pay(bucket, rids, num_nodes, keys, 1.0):
+            best = choice = 1   # what is left to price cannot win: the episode ends
         if choice > 1 and rates:
             self._expected_rate[bucket] = rates[choice]
         if best == 1:  # not a re-measurement of tier 1: plain decoding is expected to win
@@ -207,6 +210,20 @@ class AdaptiveDraftLength:
             contenders = [t for t in tiers if t == 1 or rates[t] >= REFRESH_MARGIN * rates[best]]
             return self.costs.stalest(bucket, contenders), best, rates
         return best, best, rates
+
+    def _pricing_may_pay(self, bucket: int, rids: list[str], num_nodes: list[int], keys: list[int] | None,
+                         margin: float) -> bool:
+        """Whether some tier may beat plain decoding by `margin` at the bucket, its unpriced
+        tiers at their floor price (StepCosts.floor): if none may, pricing them is drafting
+        steps that lose. Without this, each bucket a draining batch passes through was
+        priced by drafting whatever the evidence said (H200, 1.5B, ShareGPT second turns at
+        32: ~40% of a run's drafting steps, at buckets 8 and 16, accept ~1.1-1.3)."""
+        tiers = self._useful_tiers(max(num_nodes))
+        prices = {t: self.costs.seconds.get((bucket, t)) or self.costs.floor(bucket, t) for t in tiers}
+        if any(price is None for price in prices.values()):
+            return True   # plain decoding is unpriced here: nothing bounds what drafting costs
+        tokens = self._expected_batch_tokens(tiers, rids, num_nodes, keys)
+        return any(tokens[t] / prices[t] >= margin * tokens[1] / prices[1] for t in tiers if t > 1)
 
     def _expected_batch_tokens(self, tiers: list[int], rids: list[str], num_nodes: list[int],
                                keys: list[int] | None) -> dict[int, float]:

@@ -2,9 +2,10 @@
 
 A price is the wall time of whole steps (drafting, forward, verification, commit), the
 median of the last COST_WINDOW per (bucket, tier). Each tier is tried once per bucket (a
-few steps in a run); after that, one drafting step in REFRESH_EVERY re-measures the
-contender measured longest ago (the policy says which tiers contend), so a price taken
-during a one-off stall does not stick, and a tier far from winning is not paid for again.
+few steps in a run) where it could win at its `floor` price; after that, one drafting step
+in REFRESH_EVERY re-measures the contender measured longest ago (the policy says which
+tiers contend), so a price taken during a one-off stall does not stick, and a tier far
+from winning is not paid for again.
 A median, not a moving average: a tier a drafting bucket measures once in REFRESH_EVERY
 steps kept an outlier for hundreds of steps (a CPU replay with H100-like step costs: plain
 decoding priced at 92 ms a step, its steps taking 9.7 ms, from a plain step that waited
@@ -103,6 +104,25 @@ class StepCosts:
     def refresh_due(self, bucket: int) -> bool:
         """Whether this drafting step of the bucket re-measures a contender."""
         return self.steps(bucket) % REFRESH_EVERY == REFRESH_EVERY - 1
+
+    def floor(self, bucket: int, tier: int) -> float | None:
+        """A lower bound on the price of an unpriced tier at the bucket (None while plain
+        decoding is unpriced there): plain decoding's price plus the least a drafting step
+        is known to add to it. What drafting adds grows with the tier and the batch but
+        less than in proportion to the batch (a fixed part: proposing, building the tree,
+        verifying), so a priced tier t' <= t at a bucket b' adds at least what it adds at
+        b' <= b, and at least (b / 2) / b' of it at b' > b (bucket b runs batches above
+        b / 2)."""
+        plain = self.seconds.get((bucket, 1))
+        if plain is None:
+            return None
+        added = 0.0
+        for (other, tier_priced), seconds in self.seconds.items():
+            base = self.seconds.get((other, 1))
+            if 1 < tier_priced <= tier and base is not None:
+                share = 1.0 if other <= bucket else bucket / 2 / other
+                added = max(added, share * (seconds - base))
+        return plain + added
 
     def stalest(self, bucket: int, tiers: list[int]) -> int:
         """Of these (priced) tiers, the one measured longest ago."""
