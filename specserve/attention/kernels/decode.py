@@ -17,7 +17,8 @@ and the request's n new slots `out_slots[b * n:(b + 1) * n]` that `tree_mask[b, 
 (itself and its ancestors). At small batches this beats the extend kernel and its merge
 kernel by 2-3x (H200, 1.5B heads, batch 1, 9 nodes, 300-3000 keys: 195-408 us a step for 28
 layers against 463-822), since a node's few keys need no tl.dot over a 64-row block and the
-splits are merged in-kernel.
+splits are merged in-kernel; a whole batch-1 verify step of 8 nodes took 1.75 ms of GPU time
+instead of 2.30 (step_cost, random 1.5B weights).
 """
 from __future__ import annotations
 
