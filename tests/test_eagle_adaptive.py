@@ -234,3 +234,65 @@ def test_the_real_policy_and_always_drafting_keep_output_and_free_everything(tmp
                 wait_until_head_kv_is_free(engine)
             if not disable:
                 assert core.adaptive.steps_per_tier[1] > 0     # it decoded plainly
+
+
+def test_plain_stretches_copy_to_the_device_without_waiting_and_probed_requests_are_not_fed(target, random_head):  # noqa: F811
+    """A plain stretch's feeds and probes queue their inputs without a blocking host-to-device
+    copy (torch.tensor(..., device=...) waits for the step launched ahead on a GPU, then the
+    GPU idles while the head's launches follow: H200, random 1.5B, batch 1, ~4 ms a feed), and
+    a request a probe fed within the interval is not fed again (at batch 1 the probes, every
+    16-32 plain steps, feed it anyway: feeds besides doubled what the head cost plain steps)."""
+    path, _, _, held_out = target
+    _, head_path, _, _ = random_head
+    with tiny_engine(path, **fused_args("EAGLE3", head_path, adaptive=True, speculative_num_steps=3)) as engine:
+        drafter = engine.core.drafter
+        policy = scripted(engine, overlap=True, script=[False])   # plain throughout, a probe every 10th step
+        feeds, blocking = [], []
+        feed, tensor = drafter.feed, torch.tensor
+
+        def counting_feed(reqs):
+            feeds.append(len(reqs))
+            return feed(reqs)
+
+        def watched_tensor(*args, **kwargs):
+            if kwargs.get("device") is not None:
+                blocking.append(kwargs["device"])
+            return tensor(*args, **kwargs)
+        drafter.feed = counting_feed
+        runner = drafter.runner
+        catch_up, draft = runner.catch_up, runner.draft
+
+        def watched(function):
+            def call(*args, **kwargs):
+                torch.tensor = watched_tensor
+                try:
+                    return function(*args, **kwargs)
+                finally:
+                    torch.tensor = tensor
+            return call
+        runner.catch_up, runner.draft = watched(catch_up), watched(draft)
+        prompt = held_out[0].tokens[:held_out[0].prompt_len]
+        engine.generate(input_ids=[prompt], sampling_params={"temperature": 0.0, "max_new_tokens": 3 * eagle.FEED_EVERY,
+                                                             "ignore_eos": True})
+    assert policy.plain_steps >= 3 * eagle.FEED_EVERY - 1 and policy.drafting_steps == 0
+    assert not blocking
+    assert not feeds   # probed every 10 plain steps: never a whole interval unfed
+
+
+def test_step_mix_counts_fused_eagle_steps_as_drafting(target, random_head):  # noqa: F811
+    """gpu_suite's RunWatch: EAGLE's fused steps verify and draft in the drafter's own step (no
+    run_trees of draft nodes); they are drafting steps, not plain ones."""
+    from specserve.bench.gpu_suite import RunWatch, run
+    path, _, _, held_out = target
+    _, head_path, _, _ = random_head
+    with tiny_engine(path, **fused_args("EAGLE3", head_path, speculative_num_steps=3)) as engine:   # always drafting
+        watch = RunWatch(engine)
+        try:
+            summary, = run(engine, [c.tokens[:c.prompt_len] for c in held_out[:2]], 2, 16, "eagle3", watch=watch)
+        finally:
+            watch.close()
+        assert "_propose" not in vars(engine.core)    # close put the class's methods back
+    mix = summary["step_mix"]
+    # plain: steps whose requests have no room left for drafts (max_new_tokens); was every step
+    assert mix["draft"]["steps"] >= 10 and mix["plain"]["steps"] <= 2, mix
+    assert summary["draft_nodes_mean"] == 4

@@ -119,9 +119,13 @@ class RunWatch:
     `draft`: a verify step with draft nodes) with their count, wall seconds and, for
     drafting steps, the mean nodes per request; its longest step; and the Triton kernels
     compiled during it (first use in this process; a compile found in Triton's disk cache
-    only loads, so `jit_compile_s` tells the two apart). Wraps the core's `step`, the
-    scheduler's `schedule` and the runner's `run_trees`, and sets Triton's JIT hooks;
-    `close` puts them back."""
+    only loads, so `jit_compile_s` tells the two apart). A step drafts when the core
+    proposed drafts in it (`_propose`), read a drafting step launched ahead
+    (`_finish_draft_step`) or verified draft nodes (`run_trees`): EAGLE's fused steps verify
+    and draft inside the drafter's own graph and never reach run_trees, and a probe's
+    proposals (the drafter's `propose`, shadows only) leave a plain step plain. Wraps the
+    core's `step`, `_propose` and `_finish_draft_step`, the scheduler's `schedule` and the
+    runner's `run_trees`, and sets Triton's JIT hooks; `close` puts them back."""
 
     def __init__(self, engine, triton_runtime=None, trace_dir: str | None = None):
         """trace_dir: where each run's adaptive-policy trace goes (policy_trace.py), if anywhere."""
@@ -130,6 +134,8 @@ class RunWatch:
         self._step, self._schedule, self._run_trees = self.core.step, self.core.scheduler.schedule, self.core.runner.run_trees
         self.core.step, self.core.scheduler.schedule, self.core.runner.run_trees = (
             self._timed_step, self._watched_schedule, self._watched_run_trees)
+        self._propose, self._finish_draft_step = self.core._propose, self.core._finish_draft_step
+        self.core._propose, self.core._finish_draft_step = self._watched_propose, self._watched_finish_draft_step
         self._compiles = TritonCompileCounter(triton_runtime).__enter__()
         self.reset()
 
@@ -168,6 +174,7 @@ class RunWatch:
             self.trace.close()
         self.core.step, self.core.scheduler.schedule, self.core.runner.run_trees = (
             self._step, self._schedule, self._run_trees)
+        del self.core._propose, self.core._finish_draft_step   # the class's methods again
         self._compiles.__exit__(None, None, None)
 
     def _watched_schedule(self):
@@ -176,11 +183,26 @@ class RunWatch:
         return batch
 
     def _watched_run_trees(self, reqs, proposal, *args, **kwargs):
-        nodes = proposal.tokens.shape[1]
+        self._drafted(proposal.tokens.shape[1])
+        return self._run_trees(reqs, proposal, *args, **kwargs)
+
+    def _watched_propose(self, *args, **kwargs):
+        proposal, num_nodes, record = self._propose(*args, **kwargs)
+        self._drafted(proposal.num_slots)
+        return proposal, num_nodes, record
+
+    def _watched_finish_draft_step(self, reqs, step):
+        if self._kind is None:   # the step launched ahead, retired before a schedule (a request arrived)
+            self._kind = "plain"
+        self._drafted(step.num_slots)
+        return self._finish_draft_step(reqs, step)
+
+    def _drafted(self, nodes: int) -> None:
+        """A decode step with `nodes` per request: a drafting step if nodes > 1 (its nodes
+        counted once per step)."""
         if nodes > 1 and self._kind == "plain":
             self._kind = "draft"
             self._draft_nodes += nodes
-        return self._run_trees(reqs, proposal, *args, **kwargs)
 
     def _timed_step(self):
         self._kind = None

@@ -16,8 +16,8 @@ the next sync frees them).
 
 Plain steps (the adaptive policy decodes plainly where drafting would lose) keep the
 target's states too: they wait here, and the next proposal's catch-up feeds them, so the
-head has read every committed token before it drafts again. A long plain stretch is fed
-every FEED_EVERY steps (`observe_batch`), which bounds what waits here.
+head has read every committed token before it drafts again. A request that nothing fed for
+FEED_EVERY steps is fed then (`observe_batch`), which bounds what waits here.
 
 Chain drafts are argmax or sampled exactly as STANDALONE's (see standalone.py): sampled
 drafts hand their q over the target vocabulary to residual rejection. Tree drafts are the
@@ -42,11 +42,15 @@ if TYPE_CHECKING:
 
 # Plain steps of the adaptive policy (engine/core.py) keep the target's states but do not draft:
 # a request's states wait here until its head is fed. Every FEED_EVERY-th step the requests
-# holding more than a chain re-feeds are fed, all in one catch-up forward (`observe_batch`),
-# and at any step those holding over 2 * FEED_EVERY (a prompt just prefilled): a request holds
-# at most ~2 * FEED_EVERY states (EAGLE-3 on a 1.5B target: 9 KB a token, 0.6 MB), for one
-# head-layer EXTEND forward per FEED_EVERY steps, whatever the requests' arrivals. (A feed's
-# inputs go to the device in blocking copies, which wait for the step launched ahead.)
+# that waited a whole interval (holding more than FEED_EVERY states) are fed, all in one
+# catch-up forward (`observe_batch`), and at any step those holding over 2 * FEED_EVERY (a
+# prompt just prefilled): a request holds at most ~2 * FEED_EVERY states (EAGLE-3 on a 1.5B
+# target: 9 KB a token, 0.6 MB), for at most one head-layer EXTEND forward per FEED_EVERY
+# steps, whatever the requests' arrivals. A request a probe's proposal fed since (its catch-up)
+# waits for the next interval: a feed is an eager forward of ~160 ops, launch-bound (H200,
+# random 1.5B, batch 1: a plain step that fed took ~4 ms more than one that did not), and at
+# batch 1 the probes (every 16-32 plain steps) feed the request anyway, so feeding it besides
+# only doubled that cost. Its inputs go to the device without waiting (EagleHeadRunner.catch_up).
 FEED_EVERY = 32
 
 
@@ -192,12 +196,12 @@ class EagleDrafter(Drafter):
         self.kv.sync(req)   # the chain's rows go back to the pool
 
     def observe_batch(self, reqs: list["Req"], committed: list[list[int]]) -> None:
-        """Syncs each request's head cache and feeds the states that waited long enough
+        """Syncs each request's head cache and feeds the states that waited a whole interval
         (see FEED_EVERY)."""
         for req in reqs:
             self.kv.sync(req)
         self._observed += 1
-        most = self.runner.fed_rows + 1 if self._observed % FEED_EVERY == 0 else 2 * FEED_EVERY
+        most = FEED_EVERY if self._observed % FEED_EVERY == 0 else 2 * FEED_EVERY
         waiting = [req for req in reqs if self.states.count(req.rid) > most]
         if waiting:
             self.feed(waiting)
