@@ -53,7 +53,7 @@ class ScriptedPolicy(AdaptiveDraftLength):
     def choose(self, rids: list[str], num_nodes: list[int], keys=None) -> int:
         return self.tiers[-1]
 
-    def probe_due(self, batch_size: int, every_at_least: int = 1) -> bool:
+    def probe_due(self, batch_size: int, every_at_least: int = 1, every_at_most: int | None = None) -> bool:
         return self.plain_steps % 10 == 0
 
     def probe(self, *args, **kwargs) -> None:

@@ -494,6 +494,10 @@ def test_probes_come_every_kth_plain_step_with_k_from_measured_costs():
     assert [adaptive.probe_due(1, every_at_least=8) for _ in range(16)] == ([False] * 7 + [True]) * 2
     adaptive.record_probe(1, 1.0)                             # dear probes: capped, the policy keeps looking
     assert adaptive.probe_every(1) == MAX_PROBE_EVERY
+    # ... at a drafter's own cap where its probes cost forwards (EagleDrafter: every 128th plain step)
+    assert [adaptive.probe_due(1, every_at_least=16, every_at_most=128) for _ in range(256)] == \
+        ([False] * 127 + [True]) * 2
+    assert [adaptive.probe_due(1) for _ in range(MAX_PROBE_EVERY)][-1]   # the default cap is unchanged
     cheap = AdaptiveDraftLength([1, 4])
     cheap.record_step(8, 1, 0.001)
     cheap.record_probe(8, 0.1 * PROBE_BUDGET * 0.001)
@@ -547,8 +551,9 @@ def test_adaptive_engine_equals_plain_and_switches_draft_sizes(smol):
 
 def test_a_drafter_behind_on_its_indexing_puts_the_probe_off():
     asked = []
-    adaptive = SimpleNamespace(probe_due=lambda batch_size, every: asked.append(batch_size) or True)
-    core = SimpleNamespace(adaptive=adaptive, drafter=SimpleNamespace(ready_to_probe=lambda: False, probe_every=1))
+    adaptive = SimpleNamespace(probe_due=lambda batch_size, every, most: asked.append(batch_size) or True)
+    core = SimpleNamespace(adaptive=adaptive, drafter=SimpleNamespace(ready_to_probe=lambda: False, probe_every=1,
+                                                                     probe_every_at_most=None))
     assert not EngineCore._probe_due(core, ["a", "b"])
     assert asked == []   # the probe counters did not move: the first step the drafter is ready for probes
     core.drafter.ready_to_probe = lambda: True

@@ -290,10 +290,10 @@ class EngineCore(DraftingSteps):
     def _probe_due(self, reqs: list[Req]) -> bool:
         """Whether this plain step probes (adaptive.py: every k-th plain step, k from the
         probes' measured host time; at least every `drafter.probe_every`-th for a model
-        drafter, whose proposals cost draft forwards); put off while the drafter's background
-        bookkeeping is far behind (the probe would wait for it)."""
+        drafter, whose proposals cost draft forwards, and at most `drafter.probe_every_at_most`);
+        put off while the drafter's background bookkeeping is far behind (the probe would wait for it)."""
         return (self.adaptive is not None and self.drafter.ready_to_probe()
-                and self.adaptive.probe_due(len(reqs), self.drafter.probe_every))
+                and self.adaptive.probe_due(len(reqs), self.drafter.probe_every, self.drafter.probe_every_at_most))
 
     def _rare_probe(self, reqs: list[Req], probing: bool) -> bool:
         """Whether this step probed where most plain steps of its bucket do not: then it is

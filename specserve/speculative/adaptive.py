@@ -118,11 +118,12 @@ class AdaptiveDraftLength:
         """Which requests of a plain step to propose for, as shadows (a rotating window)."""
         return self.probes.requests(batch_size)
 
-    def probe_due(self, batch_size: int, every_at_least: int = 1) -> bool:
+    def probe_due(self, batch_size: int, every_at_least: int = 1, every_at_most: int | None = None) -> bool:
         """Whether this plain step probes: every k-th plain step of its bucket, k the
         smallest that keeps the probes' host time within PROBE_BUDGET of the plain step's
-        cost, never below `every_at_least` (a drafter whose proposals cost forwards)."""
-        return self.probes.due(batch_bucket(batch_size), every_at_least)
+        cost, never below `every_at_least` (a drafter whose proposals cost forwards) and
+        at most `every_at_most` (None: MAX_PROBE_EVERY)."""
+        return self.probes.due(batch_bucket(batch_size), every_at_least, every_at_most)
 
     def put_off_probe(self, batch_size: int) -> None:
         """The probe due at this plain step did not run (no step was in flight to hide it

@@ -11,7 +11,9 @@ to the probes), and where a plain step is short that time is not hidden: on an H
 on the CPU (bench/plain_step_host.py) probing and indexing on every plain step were
 nearly all of the host time a plain step of the speculative engine added. So a bucket
 probes every k-th plain step (`due`), k the smallest that keeps the probes' measured
-host time within PROBE_BUDGET of its plain step's measured cost (at most MAX_PROBE_EVERY).
+host time within PROBE_BUDGET of its plain step's measured cost (at most MAX_PROBE_EVERY, or
+the drafter's own cap: a model drafter's probe is forwards and a host sync, 3-4 ms on an H200
+at batch 1 against a 1.27-ms plain step, so every 32nd step it cost ~10%).
 The budget is 1%: what a probe step costs beyond its timed part (colder caches) measured
 up to as much again. New requests are the exception: the first plain step after a
 prefill completes probes (`admit`), since a new request's drafts may match from its first
@@ -76,18 +78,20 @@ class ProbeSchedule:
         self._offset += count
         return range(start, start + count)
 
-    def due(self, bucket: int, every_at_least: int = 1) -> bool:
+    def due(self, bucket: int, every_at_least: int = 1, every_at_most: int | None = None) -> bool:
         """Whether this plain step probes: every k-th plain step of its bucket (counted here),
         or the first after requests were admitted (and, in a bucket a probe covers whole, its
         follow-ups and the first step after the batch entered the bucket), never below
-        `every_at_least` (a drafter whose proposals cost forwards)."""
+        `every_at_least` (a drafter whose proposals cost forwards); k is capped at
+        `every_at_most` (None: the schedule's max_every)."""
         waited = self._unprobed.get(bucket, 0) + 1
         self._since_admit += 1
         small = bucket <= PROBE_REQUESTS
         entered = self._last_step_bucket is not None and bucket != self._last_step_bucket
         admitted = self._admitted and (small or waited >= ADMIT_GAP)
         news = admitted or bucket in self._owed or (small and (entered or self._since_admit in ADMIT_FOLLOW_UPS))
-        if waited < every_at_least or (waited < self._every.get(bucket, 1) and not news):
+        every = min(self._every.get(bucket, 1), self.max_every if every_at_most is None else every_at_most)
+        if waited < every_at_least or (waited < every and not news):
             self._unprobed[bucket] = waited
             return False
         self._unprobed[bucket] = 0
@@ -101,7 +105,7 @@ class ProbeSchedule:
 
     def every(self, bucket: int) -> int:
         """k for the bucket: 1 until a probe and a plain step have been timed."""
-        return self._every.get(bucket, 1)
+        return min(self._every.get(bucket, 1), self.max_every)
 
     def record(self, bucket: int, seconds: float, plain_step_seconds: float | None) -> None:
         """The host time of a probe; sets the bucket's k against its plain step's current
@@ -109,4 +113,4 @@ class ProbeSchedule:
         old = self._cost.get(bucket)
         probe = self._cost[bucket] = seconds if old is None else old + PROBE_COST_EMA * (seconds - old)
         if plain_step_seconds:
-            self._every[bucket] = min(self.max_every, max(1, math.ceil(probe / (self.budget * plain_step_seconds))))
+            self._every[bucket] = max(1, math.ceil(probe / (self.budget * plain_step_seconds)))  # capped in `due`

@@ -22,6 +22,9 @@ class Drafter:
     # the adaptive policy probes proposals on every probe_every-th plain step: a model drafter
     # pays draft forwards (and a host sync) for a probe, a trie lookup costs microseconds
     probe_every = 1
+    # ... and at most every this many plain steps once probes are timed (None: the policy's
+    # MAX_PROBE_EVERY); a drafter whose probe costs several plain steps lifts the cap
+    probe_every_at_most: int | None = None
     # whether propose() reads nothing but the requests' committed tokens and what observe()
     # handed over before the last flush (and verify_fused is never used): the engine then
     # proposes a greedy batch's next step before showing this step's tokens (engine/draft_ahead.py)

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 class StandaloneDrafter(Drafter):
     probe_every = 16   # a probe costs a catch-up and a chain of draft forwards for its requests
+    probe_every_at_most = 128   # as EagleDrafter's: a probe costs several plain steps
 
     def __init__(self, runner: "DraftModelRunner"):
         self.runner = runner
