@@ -53,7 +53,7 @@ $(STAMP): pyproject.toml Makefile
 run: setup
 	$(PY) -m specserve.generate $(RUN_PROMPT) $(RUN_FLAGS) --speculative-algorithm NGRAM --compare-plain
 
-# Every test file in its own pytest process (one at a time: memory stays under ~6 GB), then
+# Test files in pytest processes, two at a time on two cores (memory stays under ~12 GB), then
 # one closing line with the totals. tests/gpu needs CUDA (scripts/gpu_run.sh runs it on the
 # GPU machine).
 test: setup

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+# OMP_NUM_THREADS where set: run_suite.py sets it to a process's share of the cores
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, min(4, os.cpu_count() or 1)))
 
 
 # ---- models (core engine tests) ----

@@ -11,7 +11,14 @@ functions, share one process; the Triton kernel tests share another, under Trito
 interpreter (TRITON_INTERPRET=1 must be set before Triton is first imported). A file that
 fails to import fails alone (--continue-on-collection-errors).
 
-`python tests/run_suite.py [FILES...] [-- PYTEST ARGS]` runs some files, with pytest flags.
+Two processes run at a time where there are two cores or more (--jobs N changes that), the
+longest first (SECONDS, from a CI run, orders them; a file it lacks counts as short), each
+with its share of the cores as torch threads (OMP_NUM_THREADS, which conftest.py follows):
+two processes of two threads each on CI's two cores would spin against each other. Memory
+stays near two of the largest processes, ~12 GB. A group's line is printed when it ends.
+
+`python tests/run_suite.py [--jobs N] [FILES...] [-- PYTEST ARGS]` runs some files, with
+pytest flags.
 """
 from __future__ import annotations
 
@@ -20,14 +27,20 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 KERNEL_TESTS = {"test_triton_attention.py", "test_fused_ops.py", "test_gemv.py", "test_prefill_graph.py",
                 "test_tree_kernels.py"}
 LOADS_A_MODEL = re.compile(r"smollm2|Engine\(|engine_factory|launch_server|start_server")
 COUNTS = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected)")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# seconds per process in CI (2 cores, one process at a time): they only order the processes
+SECONDS = {"kernels": 61, "light": 323, "test_seeded_speculation.py": 144, "test_peers_bench.py": 133,
+           "test_generation.py": 93, "test_prefix_cache_engine.py": 84, "test_draft_ahead.py": 81,
+           "test_overlap.py": 63, "test_spec_greedy.py": 54, "test_engine_sampling.py": 47, "test_server.py": 41}
 
 
 def groups(files: list[str]) -> list[list[str]]:
@@ -39,8 +52,17 @@ def groups(files: list[str]) -> list[list[str]]:
     return [group for group in (kernels, light, *([f] for f in heavy)) if group]
 
 
-def run_group(paths: list[str], pytest_args: list[str]) -> tuple[Counter, str, int, str]:
+def expected_seconds(paths: list[str]) -> int:
+    """How long a group ran in CI: the kernel group, the light group (several files), or one file."""
+    if os.path.basename(paths[0]) in KERNEL_TESTS:
+        return SECONDS["kernels"]
+    return SECONDS["light"] if len(paths) > 1 else SECONDS.get(os.path.basename(paths[0]), 20)
+
+
+def run_group(paths: list[str], pytest_args: list[str], threads: int = 0) -> tuple[Counter, str, int, str]:
     env = dict(os.environ)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
     if os.path.basename(paths[0]) in KERNEL_TESTS:
         env["TRITON_INTERPRET"] = "1"
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
@@ -58,24 +80,37 @@ def run_group(paths: list[str], pytest_args: list[str]) -> tuple[Counter, str, i
 
 
 def main(argv: list[str]) -> int:
+    jobs = min(2, os.cpu_count() or 1)
+    if argv[:1] in (["--jobs"], ["-j"]):
+        jobs, argv = max(1, int(argv[1])), argv[2:]
     split = argv.index("--") if "--" in argv else len(argv)
     files = argv[:split] or sorted(glob.glob(os.path.join("tests", "test_*.py"), root_dir=ROOT))
     pytest_args = argv[split + 1:]
     totals, failures, start = Counter(), [], time.perf_counter()
-    batches = groups(files)
-    for i, paths in enumerate(batches, 1):
-        name = paths[0] if len(paths) == 1 else f"{len(paths)} files ({', '.join(os.path.basename(p) for p in paths)})"
-        print(f"[{i}/{len(batches)}] {name} ...", end=" ", flush=True)
+    batches = sorted(groups(files), key=expected_seconds, reverse=True) if jobs > 1 else groups(files)
+    threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else 0
+    ended = 0
+
+    def run(paths: list[str]) -> None:
+        nonlocal ended
         group_start = time.perf_counter()
-        counts, summary, status, output = run_group(paths, pytest_args)
-        totals.update(counts)
-        print(f"{summary} ({time.perf_counter() - group_start:.0f} s)", flush=True)
-        if status not in (0, 5):
-            failures.extend(paths)
-            print(output, flush=True)
+        counts, summary, status, output = run_group(paths, pytest_args, threads)
+        name = paths[0] if len(paths) == 1 else f"{len(paths)} files ({', '.join(os.path.basename(p) for p in paths)})"
+        with lock:   # one group's lines together
+            ended += 1
+            totals.update(counts)
+            print(f"[{ended}/{len(batches)}] {name} ... {summary} ({time.perf_counter() - group_start:.0f} s)",
+                  flush=True)
+            if status not in (0, 5):
+                failures.extend(paths)
+                print(output, flush=True)
+
+    lock = threading.Lock()
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        list(pool.map(run, batches))
     if failures:
         print("failed files: " + " ".join(failures))
-    print(f"{len(batches)} pytest processes in {time.perf_counter() - start:.0f} s")
+    print(f"{len(batches)} pytest processes ({jobs} at a time) in {time.perf_counter() - start:.0f} s")
     # the closing line CI reads: "N passed, N failed" alone (errors count as failures)
     skipped = f", {totals['skipped']} skipped" if totals["skipped"] else ""
     print(f"total: {totals['passed']} passed, {totals['failed'] + totals['error']} failed{skipped}")

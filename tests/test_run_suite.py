@@ -33,3 +33,19 @@ def test_the_closing_line_counts_errors_as_failures(tmp_path, capsys, monkeypatc
     monkeypatch.setattr(run_suite, "ROOT", str(tmp_path))
     assert run_suite.main([failing]) == 1
     assert capsys.readouterr().out.splitlines()[-1] == "total: 1 passed, 1 failed"
+
+
+def test_two_at_a_time_longest_first_each_on_its_share_of_the_cores(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(run_suite, "ROOT", str(tmp_path))
+    monkeypatch.setattr(run_suite, "SECONDS", {**run_suite.SECONDS, "test_long.py": 1000})
+    short = write(tmp_path / "test_short.py", "def test_a(engine_factory=None):\n    pass\n")
+    long = write(tmp_path / "test_long.py", "def test_a(engine_factory=None):\n    pass\n")
+    write(tmp_path / "conftest.py", open(os.path.join(os.path.dirname(__file__), "conftest.py")).read())
+    light = write(tmp_path / "test_threads.py", "def test_t():\n    import torch\n    assert torch.get_num_threads() == 2\n")
+    longest_first = sorted(run_suite.groups([short, long, light]), key=run_suite.expected_seconds, reverse=True)
+    assert longest_first[0] == [long]
+    monkeypatch.setattr(run_suite.os, "cpu_count", lambda: 4)   # two processes of two threads
+    assert run_suite.main(["--jobs", "2", short, long, light]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 5 and "(2 at a time)" in lines[3], lines
+    assert lines[-1] == "total: 3 passed, 0 failed"
