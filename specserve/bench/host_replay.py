@@ -20,7 +20,6 @@ import contextlib
 import json
 import os
 import statistics
-import threading
 import time
 
 import torch
@@ -42,7 +41,7 @@ class ReplayForward:
         self.cpu_seconds = 0.0                # the same, as this thread's CPU time
         self._buffer = torch.zeros((0, vocab_size))
         self._hot: torch.Tensor | None = None
-        self._depth = threading.local()       # .n: 1 inside a timed block of this thread
+        self._timed_depth = 0                 # timed blocks open (nested ones count once)
 
     def _target(self, req, index: int) -> int:
         out = self.greedy[tuple(req.prompt_ids)]
@@ -66,15 +65,15 @@ class ReplayForward:
         """Counts what runs inside as the stand-in's: wall time and this thread's CPU time.
         Only the outermost counts: run_trees' greedy commit calls the timed argmax, and
         counting it twice made a step's host time negative on a loaded CPU."""
-        if getattr(self._depth, "n", 0):
+        if self._timed_depth:
             yield
             return
-        self._depth.n = 1
+        self._timed_depth += 1
         start, cpu_start = time.perf_counter(), time.thread_time()
         try:
             yield
         finally:
-            self._depth.n = 0
+            self._timed_depth -= 1
             self.seconds += time.perf_counter() - start
             self.cpu_seconds += time.thread_time() - cpu_start
 
