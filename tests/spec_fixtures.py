@@ -70,6 +70,20 @@ def ngram_args(num_draft_tokens: int, one_branch: bool = False, adaptive: bool =
             "speculative_one_branch": one_branch, "speculative_disable_adaptive": not adaptive, **extra}
 
 
+def price_steps(engine, plain_seconds: float, seconds_per_node: float):
+    """The adaptive policy prices steps from a fixed cost model (a plain step plain_seconds,
+    seconds_per_node more per verified node) instead of this CPU's timings: whether drafting
+    pays then depends on acceptance alone, not on what else the machine runs (a busy 2-core
+    CPU made the policy stop drafting in about one run of two)."""
+    adaptive = engine.core.adaptive
+    record = adaptive.record_step
+
+    def priced(batch_size, tree_size, seconds, tokens=None, steady=True):
+        record(batch_size, tree_size, plain_seconds + seconds_per_node * (tree_size - 1), tokens, steady)
+    adaptive.record_step = priced
+    return engine
+
+
 # ---- tiny random-weight Hugging Face directories ----
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)

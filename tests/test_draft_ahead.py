@@ -11,7 +11,7 @@ from specserve.bench.prompts import SAMPLE_PROMPTS
 from specserve.engine.draft_ahead import DraftAhead
 from specserve.engine.overlap import OverlapSchedule
 
-from tests.spec_fixtures import CODE_PROMPT, ngram_args
+from tests.spec_fixtures import CODE_PROMPT, ngram_args, price_steps
 from tests.test_kv_accounting import wait_until_all_kv_is_free
 
 GREEDY = {"temperature": 0, "max_new_tokens": 24}
@@ -22,20 +22,6 @@ def ahead_on(engine):
     core = engine.core
     core.overlap = OverlapSchedule(core.runner, core.scheduler)
     core.draft_ahead = DraftAhead(core.scheduler)
-    return engine
-
-
-def steady_step_costs(engine):
-    """The adaptive policy prices steps from a fixed cost model (a plain step 10 ms, 1 ms
-    more per verified node) instead of this CPU's timings: whether drafting pays then
-    depends on acceptance alone, not on what else the machine runs (a busy 2-core CPU
-    made the policy stop drafting in about one run of two)."""
-    adaptive = engine.core.adaptive
-    record = adaptive.record_step
-
-    def priced(batch_size, tree_size, seconds, tokens=None, steady=True):
-        record(batch_size, tree_size, 0.010 + 0.001 * (tree_size - 1), tokens, steady)
-    adaptive.record_step = priced
     return engine
 
 
@@ -58,7 +44,7 @@ def requests() -> tuple[list[str], list[dict]]:
 def test_outputs_equal_plain_and_steps_are_taken_from_ahead(engine_factory, plain, adaptive):
     engine = ahead_on(engine_factory(max_total_tokens=4096, **ngram_args(8, adaptive=adaptive)))
     if adaptive:
-        steady_step_costs(engine)
+        price_steps(engine, 0.010, 0.001)   # a plain step 10 ms, 1 ms more per verified node
     prompts, params = requests()
     expected = plain.generate(prompts, params)
     got = engine.generate(prompts, params)
