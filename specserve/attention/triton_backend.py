@@ -98,10 +98,8 @@ class TritonBackend(AttentionBackend):
             tree_mask = batch.tree_mask.to(torch.uint8).contiguous()
         max_kv = max((p + e for p, e in zip(batch.prefix_lens_host, batch.extend_lens_host)), default=0)
         tree_rows = self._tree_rows(batch)
-        if tree_rows:
-            row_blocks, splits = 1, self._splits(batch.num_tokens, max_kv, self.max_decode_splits, device)
-        else:
-            row_blocks, splits = self._grid(batch.mode, bs, max(batch.extend_lens_host, default=0), max_kv, device)
+        row_blocks, splits = self._grid(batch.mode, bs, max(batch.extend_lens_host, default=0), max_kv, device,
+                                        tree_rows=tree_rows)
         partial_out = partial_lse = split_counters = split_counts = None
         if splits > 1:
             if batch.mode is ForwardMode.DECODE or tree_rows:
@@ -221,10 +219,9 @@ class TritonBackend(AttentionBackend):
             tree_mask = g.tree_mask[:bs, :n, :n]
             tree_mask.copy_(batch.tree_mask)
         tree_rows = self._tree_rows(batch)
-        if tree_rows:
-            row_blocks, splits = 1, self._splits(num_tokens, g.max_context, self.max_decode_splits, g.req_rows.device)
-        else:
-            row_blocks, splits = self._grid(batch.mode, bs, g.max_tokens_per_req, g.max_context, g.req_rows.device)
+        tokens_per_req = num_tokens // bs if tree_rows else g.max_tokens_per_req
+        row_blocks, splits = self._grid(batch.mode, bs, tokens_per_req, g.max_context, g.req_rows.device,
+                                        tree_rows=tree_rows)
         partial_out = partial_lse = None
         if splits > 1:
             rows = num_tokens * self.num_heads * splits
@@ -238,9 +235,12 @@ class TritonBackend(AttentionBackend):
 
     # --- grid ---
     def _grid(self, mode: ForwardMode, bs: int, tokens_per_req: int, max_kv_len: int,
-              device: torch.device) -> tuple[int, int]:
+              device: torch.device, tree_rows: bool = False) -> tuple[int, int]:
         """(row blocks per request, kv splits): split a request's keys only as far as
-        needed to give the GPU about `target_programs` programs."""
+        needed to give the GPU about `target_programs` programs. `tree_rows`: a VERIFY batch
+        through the decode kernel, one row (and one merge counter) per tree node."""
+        if tree_rows:
+            return 1, self._splits(bs * tokens_per_req, max_kv_len, self.max_decode_splits, device)
         row_blocks = 1 if mode is ForwardMode.DECODE else num_row_blocks(tokens_per_req, self.group)
         most = self.max_decode_splits if mode is ForwardMode.DECODE else MAX_SPLITS
         return row_blocks, self._splits(bs * row_blocks, max_kv_len, most, device)

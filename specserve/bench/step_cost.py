@@ -36,6 +36,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from specserve.attention.triton_backend import TritonBackend
 from specserve.bench.decode_profile import events_time_us, kernel_times
 from specserve.bench.random_head import write_random_eagle3_head
 from specserve.bench.random_model import SHAPES, write_random_model
@@ -193,6 +194,7 @@ def engine_rows(ns, shape: str, path: str, algorithm: str, sizes: list[int], wri
             row = time_steps(engine, bs, step, size, ns.steps, ns.kernels, fused_drafter, ns.prompt_len,
                              ns.warm_steps)
             row = {"kind": "step_cost", "shape": shape, "engine": algorithm,
+                   "max_tree_rows": TritonBackend.max_tree_rows,
                    "hidden_capture": engine.core.runner.hidden_capture is not None, **row,
                    "device": device, "date": time.strftime("%Y-%m-%d")}
             rows.append(write(row))
@@ -219,8 +221,13 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--kernels", type=int, default=0, help="also list the N slowest kernels of each step's graph")
     parser.add_argument("--device", default="cuda", help="cuda (graph times) or cpu (wall times only: smoke runs)")
     parser.add_argument("--model-dir", default="/tmp", help="where the random model (and head) are written")
+    parser.add_argument("--max-tree-rows", type=int, default=None,
+                        help="VERIFY batches of up to this many tree nodes run as decode-kernel rows "
+                             "(TritonBackend.max_tree_rows; default: the backend's)")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     ns = parser.parse_args(argv)
+    if ns.max_tree_rows is not None:
+        TritonBackend.max_tree_rows = ns.max_tree_rows
     if ns.num_steps < 1:
         parser.error(f"--num-steps must be >= 1, got {ns.num_steps}")
     os.makedirs(ns.out, exist_ok=True)
