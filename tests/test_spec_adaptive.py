@@ -779,3 +779,30 @@ def test_a_pricing_episode_stops_when_what_is_left_to_price_cannot_win():
     adaptive.modes.plain.discard(16)                   # drafting, as after a probe's switch
     assert adaptive.choose([f"r{i}" for i in range(16)], [4] * 16) == 1
     assert not adaptive.should_draft(16)
+
+
+def test_a_probe_that_costs_forwards_is_not_pulled_forward_by_a_large_batchs_admissions():
+    """A model drafter's probe (every_at_least > 1) costs a head catch-up: a small batch still
+    probes its new requests once they are due, a large one keeps its k (prefills complete there
+    every few steps, and each admission made a probe every_at_least steps)."""
+    adaptive = AdaptiveDraftLength([1, 4])
+    for batch_size in (1, 64):
+        adaptive.record_step(batch_size, 1, 0.001)
+        adaptive.record_probe(batch_size, 64 * PROBE_BUDGET * 0.001)   # k = 64
+
+    def probed_steps(batch_size: int, admit: bool) -> list[int]:
+        due = []
+        for step in range(1, 65):
+            if admit:
+                adaptive.admit()   # a prefill completes before every step
+            if adaptive.probe_due(batch_size, every_at_least=16, every_at_most=128):
+                due.append(step)
+            adaptive.record_step(batch_size, 1, 0.001)
+        return due
+
+    assert probed_steps(64, admit=False) == [64]
+    assert probed_steps(64, admit=True) == [64]          # was [16, 32, 48, 64]
+    assert probed_steps(1, admit=False) == [64]
+    assert probed_steps(1, admit=True) == [16, 32, 48, 64]   # new requests, probed at the floor
+    adaptive.admit()
+    assert [adaptive.probe_due(64) for _ in range(ADMIT_GAP)][-1]   # a cheap probe still takes admissions
