@@ -5,7 +5,7 @@ import gc
 import weakref
 
 from specserve.engine.engine_process import EngineProcess
-from specserve.gc_pauses import freeze_long_lived_objects
+from specserve.gc_pauses import freeze_long_lived_objects, long_lived_objects_frozen
 from tests.spec_fixtures import make_tiny_directory
 from tests.test_engine_process import process_args
 
@@ -27,6 +27,20 @@ def test_frozen_objects_are_not_collected_until_unfrozen():
         gc.unfreeze()
     gc.collect()
     assert alive() is None
+
+
+def test_a_benchmark_freezes_while_one_engine_serves_and_gives_it_back_afterwards():
+    node = _Node()
+    node.self = node
+    alive = weakref.ref(node)
+    with long_lived_objects_frozen() as frozen:
+        assert frozen > 0 and gc.get_freeze_count() > 0
+        del node
+        gc.collect()
+        assert alive() is not None
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert alive() is None   # what the block's engine held is freed once dropped
 
 
 def test_the_engine_process_freezes_after_start_up(tmp_path):

@@ -5,6 +5,7 @@ stand-in for Triton's `knobs.runtime`."""
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 from types import SimpleNamespace
@@ -170,3 +171,27 @@ def test_each_run_starts_from_an_empty_prefix_cache(engine):
     finally:
         engine.flush_cache = original
     assert flushed == [True]   # once before the first turn: the second turn reuses the first's prefixes
+
+
+def test_watch_names_the_longest_step_and_counts_full_gc_collections(engine):
+    """A stall's suspects other than a compile: the longest step is described (kind, batch
+    size, nodes per request), and full GC collections during the run are counted."""
+    original_step, pending = engine.core.step, [True]
+
+    def collecting_step():
+        if pending:
+            pending.clear()
+            gc.collect()   # a full collection inside the run's first step
+        return original_step()
+
+    engine.core.step = collecting_step
+    watch = RunWatch(engine, triton_runtime=fake_runtime())
+    try:
+        first, second = run(engine, PROMPTS, 2, 6, "plain", turns=2, watch=watch)
+    finally:
+        watch.close()
+        engine.core.step = original_step
+    assert first["full_gc_collections"] >= 1 and second["full_gc_collections"] == 0
+    assert first["longest_step"]["kind"] in ("prefill", "plain") and first["longest_step"]["batch_size"] >= 1
+    assert first["longest_step"]["nodes"] == 1
+    assert first["device_allocs"] is None   # no CUDA here

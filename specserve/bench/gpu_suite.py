@@ -32,6 +32,7 @@ import torch
 from specserve.bench.offline import run_turn
 from specserve.bench.policy_trace import PolicyTrace
 from specserve.engine.kernel_cache import TritonCompileCounter
+from specserve.gc_pauses import long_lived_objects_frozen
 from specserve.speculative.adaptive import AdaptiveDraftLength, tiers_for
 from specserve.speculative.ngram import NgramDrafter
 from specserve.speculative.ngram_trie import NgramConfig
@@ -117,9 +118,12 @@ def config_label(spec: tuple | None) -> str:
 class RunWatch:
     """Where a timed run's time went: its engine steps by kind (`prefill`, `plain` decode,
     `draft`: a verify step with draft nodes) with their count, wall seconds and, for
-    drafting steps, the mean nodes per request; its longest step; and the Triton kernels
-    compiled during it (first use in this process; a compile found in Triton's disk cache
-    only loads, so `jit_compile_s` tells the two apart). A step drafts when the core
+    drafting steps, the mean nodes per request; its longest step (and its kind, batch size
+    and nodes per request); what can stall one step: the Triton kernels compiled during the
+    run (first use in this process; a compile found in Triton's disk cache only loads, so
+    `jit_compile_s` tells the two apart), Python's full GC collections and the caching
+    allocator's cudaMalloc calls (an H200 suite run had one 386-ms drafting step with no
+    compile: which of these it was is what the next run says). A step drafts when the core
     proposed drafts in it (`_propose`), read a drafting step launched ahead
     (`_finish_draft_step`) or verified draft nodes (`run_trees`): EAGLE's fused steps verify
     and draft inside the drafter's own graph and never reach run_trees, and a probe's
@@ -141,6 +145,9 @@ class RunWatch:
 
     def reset(self) -> None:
         self.longest_step_s = 0.0
+        self.longest_step: dict | None = None   # what the longest step was: kind, batch size, nodes
+        self._full_collections = _full_gc_collections()
+        self._device_allocs = _device_allocs()
         self.mix = {kind: {"steps": 0, "s": 0.0} for kind in ("prefill", "plain", "draft")}
         self._draft_nodes = 0
         self._compiles.reset()
@@ -151,7 +158,11 @@ class RunWatch:
     def summary(self) -> dict:
         counted = self._compiles.compiles is not None  # None: hooks someone else set are left alone
         drafts = self.mix["draft"]["steps"]
-        return {"longest_step_s": self.longest_step_s, "jit_compiles": self._compiles.compiles,
+        device_allocs = _device_allocs()
+        return {"longest_step_s": self.longest_step_s, "longest_step": self.longest_step,
+                "full_gc_collections": _full_gc_collections() - self._full_collections,
+                "device_allocs": None if device_allocs is None else device_allocs - self._device_allocs,
+                "jit_compiles": self._compiles.compiles,
                 "jit_compile_s": self._compiles.seconds if counted else None,
                 "step_mix": {kind: {"steps": m["steps"], "ms": round(m["s"] * 1e3, 1)} for kind, m in self.mix.items()},
                 "draft_nodes_mean": self._draft_nodes / drafts if drafts else None,
@@ -180,6 +191,7 @@ class RunWatch:
     def _watched_schedule(self):
         batch = self._schedule()
         self._kind = None if batch is None else "prefill" if batch.is_extend else "plain"
+        self._batch_size, self._nodes = (0 if batch is None else len(batch.reqs)), 1
         return batch
 
     def _watched_run_trees(self, reqs, proposal, *args, **kwargs):
@@ -203,18 +215,32 @@ class RunWatch:
         if nodes > 1 and self._kind == "plain":
             self._kind = "draft"
             self._draft_nodes += nodes
+            self._nodes = nodes
 
     def _timed_step(self):
-        self._kind = None
+        self._kind, self._batch_size, self._nodes = None, 0, 1
         start = time.perf_counter()
         try:
             return self._step()
         finally:
             elapsed = time.perf_counter() - start
-            self.longest_step_s = max(self.longest_step_s, elapsed)
+            if elapsed > self.longest_step_s:
+                self.longest_step_s = elapsed
+                self.longest_step = {"kind": self._kind, "batch_size": self._batch_size, "nodes": self._nodes}
             if self._kind is not None:
                 self.mix[self._kind]["steps"] += 1
                 self.mix[self._kind]["s"] += elapsed
+
+
+def _full_gc_collections() -> int:
+    """Python's full (generation-2) collections so far: one can pause a step for 100+ ms."""
+    return gc.get_stats()[2]["collections"]
+
+
+def _device_allocs() -> int | None:
+    """cudaMalloc calls of torch's caching allocator so far (None without CUDA): one in a
+    timed run means a step grew the pool, which can stall it."""
+    return torch.cuda.memory_stats().get("num_device_alloc", 0) if torch.cuda.is_available() else None
 
 
 def run(engine, prompts, concurrency: int, max_new_tokens: int, label: str, turns: int = 1,
@@ -293,16 +319,8 @@ def suite_workloads(engine, ns) -> dict[str, tuple[list[list[int]], list[list[in
     return workloads
 
 
-def bench_model(path: str, ns, bandwidth: float, write) -> None:
-    from specserve.engine.engine import Engine
-    name = os.path.basename(path).removesuffix(".gguf")
-    engine = Engine(model_path=path, speculative_algorithm="NGRAM", speculative_num_draft_tokens=16,
-                    cuda_graph_max_bs=64, log_level="warning", dtype=ns.dtype, device=ns.device,
-                    mem_fraction_static=0.5)  # room for transformers' copy of the model afterwards
-    roofline = bandwidth / weight_bytes(engine)
-    write({"model": name, "kind": "roofline", "weight_bytes": weight_bytes(engine), "bandwidth_GBps": bandwidth / 1e9,
-           "roofline_tok_s_bs1": roofline})
-    workloads = suite_workloads(engine, ns)
+def bench_cells(engine, ns, name: str, workloads: dict, roofline: float, write) -> None:
+    """Every (concurrency, workload) cell of one model: plain and the configurations, in rounds."""
     watch = RunWatch(engine, trace_dir=ns.policy_trace_dir and os.path.join(ns.policy_trace_dir, name))
     for concurrency in ns.concurrency:
         count = ns.bs1_prompts if concurrency == 1 else min(ns.num_prompts, max(concurrency * 2, 16))
@@ -318,6 +336,20 @@ def bench_model(path: str, ns, bandwidth: float, write) -> None:
                                "roofline_fraction": summary["output_tokens_per_s"] / roofline
                                if concurrency == 1 else None})
     watch.close()
+
+
+def bench_model(path: str, ns, bandwidth: float, write) -> None:
+    from specserve.engine.engine import Engine
+    name = os.path.basename(path).removesuffix(".gguf")
+    engine = Engine(model_path=path, speculative_algorithm="NGRAM", speculative_num_draft_tokens=16,
+                    cuda_graph_max_bs=64, log_level="warning", dtype=ns.dtype, device=ns.device,
+                    mem_fraction_static=0.5)  # room for transformers' copy of the model afterwards
+    roofline = bandwidth / weight_bytes(engine)
+    write({"model": name, "kind": "roofline", "weight_bytes": weight_bytes(engine), "bandwidth_GBps": bandwidth / 1e9,
+           "roofline_tok_s_bs1": roofline})
+    workloads = suite_workloads(engine, ns)
+    with long_lived_objects_frozen():   # as a server's process: no full-heap walk in a timed run
+        bench_cells(engine, ns, name, workloads, roofline, write)
     code, chat = workloads["code-types"][0], workloads["sharegpt-multiturn"][0]
     match = greedy_match_rate(engine, code[:8] + chat[:8], ns.max_new_tokens, DEFAULT_CONFIG)
     write({"model": name, "kind": "greedy_match_rate_bf16", "ngram": config_label(DEFAULT_CONFIG), "rate": match})

@@ -29,6 +29,7 @@ import torch
 
 from specserve.args import FUSED_CHAIN_ALGORITHMS
 from specserve.bench.gpu_suite import RunWatch, measure_copy_bandwidth, run, suite_workloads, weight_bytes
+from specserve.gc_pauses import long_lived_objects_frozen
 from specserve.speculative.adaptive import AdaptiveDraftLength, tiers_for
 
 
@@ -81,6 +82,28 @@ def greedy_match_rate(engine, drafter, prompts: list[list[int]], max_new_tokens:
     return sum(a == b for a, b in zip(plain, drafted)) / len(prompts)
 
 
+def bench_modes(engine, drafter, ns, name: str, workloads: dict, roofline: float, write) -> None:
+    """Every (concurrency, workload) cell of one drafter: plain (unless --no-plain), pinned, adaptive."""
+    watch, timer = RunWatch(engine), DraftTimer(drafter)
+    modes = (["plain"] if ns.plain else []) + ["pinned", "adaptive"]
+    for concurrency in ns.concurrency:
+        count = ns.bs1_prompts if concurrency == 1 else min(ns.num_prompts, max(concurrency * 2, 16))
+        for workload, (prompts, warm_prompts) in workloads.items():
+            if workload not in ns.workloads:
+                continue
+            for mode in modes:
+                label = "plain" if mode == "plain" else f"{name}-{mode}"
+                set_mode(engine, drafter, mode)
+                run(engine, warm_prompts[:count], concurrency, ns.max_new_tokens // 2, f"warm-up {label}")
+                timer.reset()
+                for summary in run(engine, prompts[:count], concurrency, ns.max_new_tokens, label, 1, watch):
+                    write({"kind": "specserve", "workload": workload, "concurrency": concurrency, "config": label,
+                           **summary, **timer.summary(), "roofline_fraction": summary["output_tokens_per_s"] / roofline
+                           if concurrency == 1 else None})
+    watch.close()
+    timer.close()
+
+
 def bench(ns, algorithm: str, num_steps: int, topk: int, token_map: str | None, bandwidth: float, write) -> None:
     from specserve.engine.engine import Engine
     start = time.perf_counter()
@@ -104,24 +127,8 @@ def bench(ns, algorithm: str, num_steps: int, topk: int, token_map: str | None, 
            "draft_vocab_size": getattr(draft_model.config, "draft_vocab_size", None)})   # an EAGLE head's
     roofline = bandwidth / weight_bytes(engine)
     workloads = suite_workloads(engine, ns)
-    watch, timer = RunWatch(engine), DraftTimer(drafter)
-    modes = (["plain"] if ns.plain else []) + ["pinned", "adaptive"]
-    for concurrency in ns.concurrency:
-        count = ns.bs1_prompts if concurrency == 1 else min(ns.num_prompts, max(concurrency * 2, 16))
-        for workload, (prompts, warm_prompts) in workloads.items():
-            if workload not in ns.workloads:
-                continue
-            for mode in modes:
-                label = "plain" if mode == "plain" else f"{name}-{mode}"
-                set_mode(engine, drafter, mode)
-                run(engine, warm_prompts[:count], concurrency, ns.max_new_tokens // 2, f"warm-up {label}")
-                timer.reset()
-                for summary in run(engine, prompts[:count], concurrency, ns.max_new_tokens, label, 1, watch):
-                    write({"kind": "specserve", "workload": workload, "concurrency": concurrency, "config": label,
-                           **summary, **timer.summary(), "roofline_fraction": summary["output_tokens_per_s"] / roofline
-                           if concurrency == 1 else None})
-    watch.close()
-    timer.close()
+    with long_lived_objects_frozen():   # as a server's process: no full-heap walk in a timed run
+        bench_modes(engine, drafter, ns, name, workloads, roofline, write)
     code, chat = workloads["code-types"][0], workloads["sharegpt-multiturn"][0]
     write({"kind": "greedy_match_rate", "config": name, "dtype": ns.dtype,
            "rate": greedy_match_rate(engine, drafter, code[:8] + chat[:8], ns.max_new_tokens)})
