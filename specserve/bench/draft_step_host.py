@@ -181,10 +181,10 @@ def _pin_drafting(adaptive) -> None:
     adaptive.costs.refresh_due = lambda bucket: False   # plain decoding always contends for a refresh
     record = adaptive.costs.record
 
-    def record_keeping_plain_dear(bucket: int, tree_size: int, seconds: float) -> int:
+    def record_keeping_plain_dear(bucket: int, tree_size: int, seconds: float, steady: bool = True) -> int:
         # a drafting step without drafts (tier 1) would price plain decoding at its host time
         # and make the tier choice, and with it the accept length, vary from run to run
-        tier = record(bucket, tree_size, seconds)
+        tier = record(bucket, tree_size, seconds, steady)
         adaptive.costs.seconds[(bucket, 1)] = 1.0
         return tier
     adaptive.costs.record = record_keeping_plain_dear

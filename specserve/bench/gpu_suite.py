@@ -26,6 +26,7 @@ import gc
 import json
 import os
 import time
+from collections import Counter
 
 import torch
 
@@ -134,7 +135,8 @@ class RunWatch:
     def __init__(self, engine, triton_runtime=None, trace_dir: str | None = None):
         """trace_dir: where each run's adaptive-policy trace goes (policy_trace.py), if anywhere."""
         self.core, self.trace_dir, self.trace = engine.core, trace_dir, None
-        self.cell = "run"   # the benchmark cell the next runs belong to: names their trace files
+        self.cell = "run"   # the benchmark cell the next runs belong to: names their traces
+        self._traced: Counter[str] = Counter()   # runs traced so far, by name
         self._step, self._schedule, self._run_trees = self.core.step, self.core.scheduler.schedule, self.core.runner.run_trees
         self.core.step, self.core.scheduler.schedule, self.core.runner.run_trees = (
             self._timed_step, self._watched_schedule, self._watched_run_trees)
@@ -169,16 +171,14 @@ class RunWatch:
                 "policy": self.trace.summary() if self.trace is not None else None}
 
     def dump_trace(self, name: str) -> None:
-        """The run's policy events as trace_dir/NAME.jsonl (NAME-2, -3 ... for repeats)."""
+        """The run's policy events, appended to trace_dir/policy_trace.jsonl with `"run": NAME`
+        (NAME-2, -3 ... for repeats)."""
         if self.trace is None or self.trace_dir is None:
             return
         os.makedirs(self.trace_dir, exist_ok=True)
-        stem = os.path.join(self.trace_dir, name.replace(" ", "_"))
-        path, repeat = stem + ".jsonl", 1
-        while os.path.exists(path):
-            repeat += 1
-            path = f"{stem}-{repeat}.jsonl"
-        self.trace.dump(path)
+        self._traced[name] += 1
+        repeat = self._traced[name]
+        self.trace.dump(os.path.join(self.trace_dir, "policy_trace.jsonl"), name if repeat == 1 else f"{name}-{repeat}")
 
     def close(self) -> None:
         if self.trace is not None:
@@ -392,7 +392,7 @@ def main(argv=None) -> None:
                              "drafter each time); the report divides round by round and shows the median round")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--policy-trace-dir", default=None,
-                        help="write each run's adaptive-policy events here (bench/policy_trace.py)")
+                        help="append each run's adaptive-policy events to DIR/policy_trace.jsonl (bench/policy_trace.py)")
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 32, 64])
     parser.add_argument("--configs", nargs="+", type=config_choice, default=["all"],
                         help="NGRAM configurations beside plain: 'all' (the fixed ones too), 'default' (default "

@@ -42,10 +42,12 @@ class PolicyTrace:
             delattr(owner, name)
         self._wrapped.clear()
 
-    def dump(self, path: str) -> None:
-        with open(path, "w") as f:
+    def dump(self, path: str, run: str) -> None:
+        """Appends the events to `path`, each tagged with the run's name (one file holds a
+        whole suite's runs: the GPU machine sends back a limited number of files)."""
+        with open(path, "a") as f:
             for event in self.events:
-                f.write(json.dumps(event) + "\n")
+                f.write(json.dumps({"run": run, **event}) + "\n")
 
     # --- the hooks ---
     def _wrap(self, owner, name: str, hook) -> None:
