@@ -25,3 +25,13 @@ def test_both_schedules_commit_alike_and_ahead_exposes_part_of_the_host_time(cap
     assert 0 < ahead["exposed_cpu_us_median"] < ahead["cpu_us_median"]
     phases = ahead["phases_us_median"]
     assert phases["propose"] > 0 and phases["launch"] > 0 and phases["wait_parse"] > 0
+
+
+def test_the_adaptive_configuration_drafts_every_step_with_its_tier_choice(capsys):
+    """`-adaptive` runs the default policy pinned to drafting: every timed step drafts (the
+    bench prices drafting steps only), the policy's bookkeeping is a phase of its own."""
+    draft_step_host.main(["--batch-sizes", "1", "--configs", "8-multi-adaptive", "--workloads", "code-rename",
+                          "--rounds", "1", "--max-steps", "12", "--min-output", "48"])
+    [row] = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert row["steps"] == 12 and row["accept_length"] > 2
+    assert row["phases_us_median"]["adaptive"] > 0
