@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark, run on the device machine from the repo root:
 #   scripts/gpu_run.sh checks|bench|all [MODEL...]
+#   scripts/gpu_run.sh suite [MODEL...]            (default NGRAM vs plain, every workload at 1/8/32/64, 2 rounds, policy
+#                                                   traces in one file: the run behind BENCHMARKS' suite tables, ~3-5 min a model)
 #   scripts/gpu_run.sh standalone [NUM_STEPS...]   (STANDALONE 0.5B -> 1.5B against plain; tests/gpu/test_standalone_cuda.py)
 #   scripts/gpu_run.sh eagle [NUM_STEPS...]        (trains an EAGLE-3 head for the 1.5B in 7.5 minutes, then EAGLE3
 #                                                   chains and top-4 trees of 8 nodes against plain; then frspec)
@@ -96,6 +98,13 @@ fi
 if [ "$mode" = bench ] || [ "$mode" = all ]; then
   python3 -m specserve.bench.gpu_suite --models-dir /root/models --models "${models[@]}" \
     --dataset-path .gpu/sharegpt_bench.json --out "$OUT" 2>&1 | grep -v '%|' | tail -40
+fi
+if [ "$mode" = suite ]; then
+  for model in "${models[@]}"; do
+    python3 -m specserve.bench.gpu_suite --models-dir /root/models --models "$model" --configs default --rounds 2 \
+      --bs1-prompts 6 --no-transformers --num-prompts 128 --dataset-path .gpu/sharegpt_bench.json --concurrency 1 8 32 64 \
+      --policy-trace-dir "$OUT/traces_$model" --out "$OUT/suite_$model" 2>&1 | grep -v '%|' | tail -30
+  done
 fi
 if [ "$mode" = eagle-head ]; then
   if [ -f /root/eagle3-1.5b/config.json ] && [ -f /root/eagle3-1.5b/model.safetensors ]; then
