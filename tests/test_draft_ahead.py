@@ -40,19 +40,26 @@ def requests() -> tuple[list[str], list[dict]]:
     return prompts, params
 
 
+@pytest.fixture(scope="module")
+def plain_answers(plain) -> tuple[list[dict], dict]:
+    """Plain decoding's answers to requests() and to the code prompt alone (80 tokens)."""
+    prompts, params = requests()
+    return plain.generate(prompts, params), plain.generate(CODE_PROMPT, dict(GREEDY, max_new_tokens=80))
+
+
 @pytest.mark.parametrize("adaptive", [False, True])
-def test_outputs_equal_plain_and_steps_are_taken_from_ahead(engine_factory, plain, adaptive):
+def test_outputs_equal_plain_and_steps_are_taken_from_ahead(engine_factory, plain_answers, adaptive):
     engine = ahead_on(engine_factory(max_total_tokens=4096, **ngram_args(8, adaptive=adaptive)))
     if adaptive:
         price_steps(engine, 0.010, 0.001)   # a plain step 10 ms, 1 ms more per verified node
     prompts, params = requests()
-    expected = plain.generate(prompts, params)
+    expected, expected_solo = plain_answers
     got = engine.generate(prompts, params)
     for key in ("output_ids", "text"):
         assert [o[key] for o in got] == [o[key] for o in expected]
     assert [o["meta_info"]["finish_reason"] for o in got] == [o["meta_info"]["finish_reason"] for o in expected]
     solo = engine.generate(CODE_PROMPT, dict(GREEDY, max_new_tokens=80))   # batch 1 all the way
-    assert solo["output_ids"] == plain.generate(CODE_PROMPT, dict(GREEDY, max_new_tokens=80))["output_ids"]
+    assert solo["output_ids"] == expected_solo["output_ids"]
     assert solo["meta_info"]["spec_accept_length"] > 2
     assert engine.core.draft_ahead.steps_taken > 10
     wait_until_all_kv_is_free(engine)
