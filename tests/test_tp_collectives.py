@@ -44,7 +44,17 @@ def rank_plan(rank: int) -> list[tuple[int, int]]:
     return capture_plan(batch_size_buckets(64 if rank == 0 else 32), [1, 4])
 
 
-def run_rank(rank: int, port: int, results) -> None:
+def run_rank(rank: int, port: int, results, received) -> None:
+    """Puts (rank, outputs or a traceback) on `results`, then stays alive until the parent has
+    `received` every rank's: a tensor crosses a spawn Queue as a file descriptor that the
+    parent can only open while the sender lives (an exited rank left ConnectionResetError)."""
+    try:
+        _run_rank(rank, port, results)
+    finally:
+        received.wait(120)
+
+
+def _run_rank(rank: int, port: int, results) -> None:
     try:
         store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
         group = TensorParallelGroup(rank, 2, create_process_group(store, rank, 2, torch.device("cpu"), 60.0),
@@ -97,13 +107,15 @@ def ranks() -> dict[int, dict]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    results = context.Queue()
-    processes = [context.Process(target=run_rank, args=(rank, port, results), daemon=True) for rank in range(2)]
+    results, received = context.Queue(), context.Event()
+    processes = [context.Process(target=run_rank, args=(rank, port, results, received), daemon=True)
+                 for rank in range(2)]
     for process in processes:
         process.start()
     try:
         outcome = dict(results.get(timeout=120) for _ in processes)
     finally:
+        received.set()
         for process in processes:
             process.join(10)
             if process.exitcode is None:
