@@ -191,7 +191,7 @@ class RunWatch:
     def _watched_schedule(self):
         batch = self._schedule()
         self._kind = None if batch is None else "prefill" if batch.is_extend else "plain"
-        self._batch_size, self._nodes = (0 if batch is None else len(batch.reqs)), 1
+        self._batch_size = 0 if batch is None else len(batch.reqs)   # the step resets the rest (_timed_step)
         return batch
 
     def _watched_run_trees(self, reqs, proposal, *args, **kwargs):
@@ -392,7 +392,8 @@ def main(argv=None) -> None:
                              "drafter each time); the report divides round by round and shows the median round")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--policy-trace-dir", default=None,
-                        help="append each run's adaptive-policy events to DIR/policy_trace.jsonl (bench/policy_trace.py)")
+                        help="append each run's adaptive-policy events to DIR/policy_trace.jsonl "
+                             "(bench/policy_trace.py)")
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 32, 64])
     parser.add_argument("--configs", nargs="+", type=config_choice, default=["all"],
                         help="NGRAM configurations beside plain: 'all' (the fixed ones too), 'default' (default "
