@@ -282,7 +282,8 @@ def test_plain_stretches_copy_to_the_device_without_waiting_and_probed_requests_
 def test_step_mix_counts_fused_eagle_steps_as_drafting(target, random_head):  # noqa: F811
     """gpu_suite's RunWatch: EAGLE's fused steps verify and draft in the drafter's own step (no
     run_trees of draft nodes); they are drafting steps, not plain ones."""
-    from specserve.bench.gpu_suite import RunWatch, run
+    from specserve.bench.gpu_suite import run
+    from specserve.bench.run_watch import RunWatch
     path, _, _, held_out = target
     _, head_path, _, _ = random_head
     with tiny_engine(path, **fused_args("EAGLE3", head_path, speculative_num_steps=3)) as engine:   # always drafting

@@ -12,7 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from specserve.bench.gpu_suite import RunWatch, run, set_drafter, timed_runs
+from specserve.bench.gpu_suite import run, set_drafter, timed_runs
+from specserve.bench.run_watch import RunWatch
 from specserve.bench.report import DEFAULT_LABEL, markdown, speed_rows
 from tests.spec_fixtures import make_tiny_directory, tiny_engine
 
@@ -196,3 +197,34 @@ def test_watch_names_the_longest_step_and_counts_full_gc_collections(engine):
     assert first["longest_step"]["kind"] in ("prefill", "plain") and first["longest_step"]["batch_size"] >= 1
     assert first["longest_step"]["nodes"] == 1
     assert first["device_allocs"] is None   # no CUDA here
+
+
+def test_watch_splits_host_time_by_phase_and_counts_the_wait_for_the_device(engine, monkeypatch):
+    """HostPhases: a step's wait on its outcome is the GPU's time, not the host's; every
+    phase is per step of its kind; closing puts every wrapped method back."""
+    from specserve.engine.overlap import OverlapSchedule
+    from specserve.runner.model_runner import InFlight
+    original_wait, waits = InFlight.wait, []
+
+    def slow_wait(self):   # a device that takes 2 ms longer than the host
+        waits.append(1)
+        time.sleep(0.002)
+        return original_wait(self)
+    monkeypatch.setattr(InFlight, "wait", slow_wait)
+    core = engine.core
+    monkeypatch.setattr(core, "overlap", OverlapSchedule(core.runner, core.scheduler))   # CUDA-graph-only by default
+    watch = RunWatch(engine)
+    try:
+        [plain] = run(engine, PROMPTS, 3, 12, "plain", watch=watch)
+    finally:
+        watch.close()
+    phases = plain["host_us_per_step"]["plain"]
+    assert waits and phases["gpu_wait"] >= 2000 * len(waits) / plain["step_mix"]["plain"]["steps"] * 0.99
+    assert 0 < phases["host"] == pytest.approx(phases["step"] - phases["gpu_wait"], abs=0.2)
+    assert 0 < phases["commit"] < phases["host"] and 0 < phases["schedule"] < phases["host"]
+    assert "prefill" in plain["host_us_per_step"]
+    assert InFlight.wait is slow_wait
+    for name in ("_commit_verified", "_observe", "_probe", "_after_plain_step"):
+        assert name not in vars(core)
+    assert "run" not in vars(core.text) and "launch_greedy_decode" not in vars(core.runner)
+    assert core.scheduler.schedule == watch._schedule   # RunWatch's own wrapper went last

@@ -92,7 +92,7 @@ def _run_child(argv: list[str], algorithm: str) -> list[dict]:
 # --- one engine (the child process) ---
 def run_engine(ns: argparse.Namespace, algorithm: str) -> Iterator[dict]:
     """Starts the engine, then measures each shape; rows as they come."""
-    from specserve.bench.gpu_suite import RunWatch
+    from specserve.bench.run_watch import RunWatch
     from specserve.engine import warmup
     from specserve.engine.engine import Engine
 

@@ -26,13 +26,11 @@ import gc
 import json
 import os
 import time
-from collections import Counter
 
 import torch
 
 from specserve.bench.offline import run_turn
-from specserve.bench.policy_trace import PolicyTrace
-from specserve.engine.kernel_cache import TritonCompileCounter
+from specserve.bench.run_watch import RunWatch
 from specserve.gc_pauses import long_lived_objects_frozen
 from specserve.speculative.adaptive import AdaptiveDraftLength, tiers_for
 from specserve.speculative.ngram import NgramDrafter
@@ -114,133 +112,6 @@ def config_label(spec: tuple | None) -> str:
         return "plain"
     n, one_branch, adaptive = spec
     return f"ngram-{n}-{'one' if one_branch else 'multi'}" + ("-adaptive" if adaptive else "")
-
-
-class RunWatch:
-    """Where a timed run's time went: its engine steps by kind (`prefill`, `plain` decode,
-    `draft`: a verify step with draft nodes) with their count, wall seconds and, for
-    drafting steps, the mean nodes per request; its longest step (and its kind, batch size
-    and nodes per request); what can stall one step: the Triton kernels compiled during the
-    run (first use in this process; a compile found in Triton's disk cache only loads, so
-    `jit_compile_s` tells the two apart), Python's full GC collections and the caching
-    allocator's cudaMalloc calls (an H200 suite run had one 386-ms drafting step with no
-    compile: which of these it was is what the next run says). A step drafts when the core
-    proposed drafts in it (`_propose`), read a drafting step launched ahead
-    (`_finish_draft_step`) or verified draft nodes (`run_trees`): EAGLE's fused steps verify
-    and draft inside the drafter's own graph and never reach run_trees, and a probe's
-    proposals (the drafter's `propose`, shadows only) leave a plain step plain. Wraps the
-    core's `step`, `_propose` and `_finish_draft_step`, the scheduler's `schedule` and the
-    runner's `run_trees`, and sets Triton's JIT hooks; `close` puts them back."""
-
-    def __init__(self, engine, triton_runtime=None, trace_dir: str | None = None):
-        """trace_dir: where each run's adaptive-policy trace goes (policy_trace.py), if anywhere."""
-        self.core, self.trace_dir, self.trace = engine.core, trace_dir, None
-        self.cell = "run"   # the benchmark cell the next runs belong to: names their traces
-        self._traced: Counter[str] = Counter()   # runs traced so far, by name
-        self._step, self._schedule, self._run_trees = self.core.step, self.core.scheduler.schedule, self.core.runner.run_trees
-        self.core.step, self.core.scheduler.schedule, self.core.runner.run_trees = (
-            self._timed_step, self._watched_schedule, self._watched_run_trees)
-        self._propose, self._finish_draft_step = self.core._propose, self.core._finish_draft_step
-        self.core._propose, self.core._finish_draft_step = self._watched_propose, self._watched_finish_draft_step
-        self._compiles = TritonCompileCounter(triton_runtime).__enter__()
-        self.reset()
-
-    def reset(self) -> None:
-        self.longest_step_s = 0.0
-        self.longest_step: dict | None = None   # what the longest step was: kind, batch size, nodes
-        self._full_collections = _full_gc_collections()
-        self._device_allocs = _device_allocs()
-        self.mix = {kind: {"steps": 0, "s": 0.0} for kind in ("prefill", "plain", "draft")}
-        self._draft_nodes = 0
-        self._compiles.reset()
-        if self.trace is not None:
-            self.trace.close()
-        self.trace = PolicyTrace(self.core.adaptive) if self.core.adaptive is not None else None
-
-    def summary(self) -> dict:
-        counted = self._compiles.compiles is not None  # None: hooks someone else set are left alone
-        drafts = self.mix["draft"]["steps"]
-        device_allocs = _device_allocs()
-        return {"longest_step_s": self.longest_step_s, "longest_step": self.longest_step,
-                "full_gc_collections": _full_gc_collections() - self._full_collections,
-                "device_allocs": None if device_allocs is None else device_allocs - self._device_allocs,
-                "jit_compiles": self._compiles.compiles,
-                "jit_compile_s": self._compiles.seconds if counted else None,
-                "step_mix": {kind: {"steps": m["steps"], "ms": round(m["s"] * 1e3, 1)} for kind, m in self.mix.items()},
-                "draft_nodes_mean": self._draft_nodes / drafts if drafts else None,
-                "policy": self.trace.summary() if self.trace is not None else None}
-
-    def dump_trace(self, name: str) -> None:
-        """The run's policy events, appended to trace_dir/policy_trace.jsonl with `"run": NAME`
-        (NAME-2, -3 ... for repeats)."""
-        if self.trace is None or self.trace_dir is None:
-            return
-        os.makedirs(self.trace_dir, exist_ok=True)
-        self._traced[name] += 1
-        repeat = self._traced[name]
-        self.trace.dump(os.path.join(self.trace_dir, "policy_trace.jsonl"), name if repeat == 1 else f"{name}-{repeat}")
-
-    def close(self) -> None:
-        if self.trace is not None:
-            self.trace.close()
-        self.core.step, self.core.scheduler.schedule, self.core.runner.run_trees = (
-            self._step, self._schedule, self._run_trees)
-        del self.core._propose, self.core._finish_draft_step   # the class's methods again
-        self._compiles.__exit__(None, None, None)
-
-    def _watched_schedule(self):
-        batch = self._schedule()
-        self._kind = None if batch is None else "prefill" if batch.is_extend else "plain"
-        self._batch_size = 0 if batch is None else len(batch.reqs)   # the step resets the rest (_timed_step)
-        return batch
-
-    def _watched_run_trees(self, reqs, proposal, *args, **kwargs):
-        self._drafted(proposal.tokens.shape[1])
-        return self._run_trees(reqs, proposal, *args, **kwargs)
-
-    def _watched_propose(self, *args, **kwargs):
-        proposal, num_nodes, record = self._propose(*args, **kwargs)
-        self._drafted(proposal.num_slots)
-        return proposal, num_nodes, record
-
-    def _watched_finish_draft_step(self, reqs, step):
-        if self._kind is None:   # the step launched ahead, retired before a schedule (a request arrived)
-            self._kind = "plain"
-        self._drafted(step.num_slots)
-        return self._finish_draft_step(reqs, step)
-
-    def _drafted(self, nodes: int) -> None:
-        """A decode step with `nodes` per request: a drafting step if nodes > 1 (its nodes
-        counted once per step)."""
-        if nodes > 1 and self._kind == "plain":
-            self._kind = "draft"
-            self._draft_nodes += nodes
-            self._nodes = nodes
-
-    def _timed_step(self):
-        self._kind, self._batch_size, self._nodes = None, 0, 1
-        start = time.perf_counter()
-        try:
-            return self._step()
-        finally:
-            elapsed = time.perf_counter() - start
-            if elapsed > self.longest_step_s:
-                self.longest_step_s = elapsed
-                self.longest_step = {"kind": self._kind, "batch_size": self._batch_size, "nodes": self._nodes}
-            if self._kind is not None:
-                self.mix[self._kind]["steps"] += 1
-                self.mix[self._kind]["s"] += elapsed
-
-
-def _full_gc_collections() -> int:
-    """Python's full (generation-2) collections so far: one can pause a step for 100+ ms."""
-    return gc.get_stats()[2]["collections"]
-
-
-def _device_allocs() -> int | None:
-    """cudaMalloc calls of torch's caching allocator so far (None without CUDA): one in a
-    timed run means a step grew the pool, which can stall it."""
-    return torch.cuda.memory_stats().get("num_device_alloc", 0) if torch.cuda.is_available() else None
 
 
 def run(engine, prompts, concurrency: int, max_new_tokens: int, label: str, turns: int = 1,

@@ -28,7 +28,8 @@ import time
 import torch
 
 from specserve.args import FUSED_CHAIN_ALGORITHMS
-from specserve.bench.gpu_suite import RunWatch, measure_copy_bandwidth, run, suite_workloads, weight_bytes
+from specserve.bench.gpu_suite import measure_copy_bandwidth, run, suite_workloads, weight_bytes
+from specserve.bench.run_watch import RunWatch
 from specserve.gc_pauses import long_lived_objects_frozen
 from specserve.speculative.adaptive import AdaptiveDraftLength, tiers_for
 
