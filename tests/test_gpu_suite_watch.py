@@ -227,4 +227,5 @@ def test_watch_splits_host_time_by_phase_and_counts_the_wait_for_the_device(engi
     for name in ("_commit_verified", "_observe", "_probe", "_after_plain_step"):
         assert name not in vars(core)
     assert "run" not in vars(core.text) and "launch_greedy_decode" not in vars(core.runner)
+    assert 0 < phases["launch_cpu"] <= phases["launch"] * 1.05 + 5
     assert core.scheduler.schedule == watch._schedule   # RunWatch's own wrapper went last

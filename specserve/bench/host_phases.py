@@ -10,21 +10,31 @@ the GPU machine's host. This measures it there, in the timed runs themselves.
 Wraps, while open: the time blocked on a step's outcome (`InFlight.wait`: the GPU is
 behind the host), the core's commit, its showing tokens to the drafter and the policy
 (`observe`), the policy's probe, a plain step's after-work (`after_step`: observe, probe
-and pricing), the deferred detokenizing, the overlap schedule's launch and the scheduler's
-`schedule`. Phases are inclusive (after_step contains observe and probe). The step's
-owner (RunWatch) ends each step with its kind; totals are kept per kind.
+and pricing), the deferred detokenizing, the overlap schedule's launch (`launch`, and
+`launch_cpu`: this thread's CPU time in it, less than its wall time where it waited for
+the GIL or the device), the graph runner's replay in it (`replay`: inputs filled and
+copied, the graph launched), CUDA's graph launch itself (`graph_launch`), every CUDA event
+wait (`event_sync`: gpu_wait's and the replay's wait for its pinned buffer) and the
+scheduler's `schedule`. Phases are inclusive (after_step contains observe and probe,
+launch contains replay). The step's owner (RunWatch) ends each step with its kind;
+totals are kept per kind.
 """
 from __future__ import annotations
 
 import time
 from collections import defaultdict
 
+import torch
+
 from specserve.runner.model_runner import InFlight
 
-# (attribute path from the core, phase): methods timed on their instance
+# (attribute path from the core, phase): methods timed on their instance (a path through
+# None, e.g. a runner without CUDA graphs, is skipped)
 CORE_PHASES = (("_commit_verified", "commit"), ("_observe", "observe"), ("_probe", "probe"),
                ("_after_plain_step", "after_step"), ("text.run", "detokenize"),
-               ("runner.launch_greedy_decode", "launch"), ("scheduler.schedule", "schedule"))
+               ("runner.launch_greedy_decode", "launch"), ("runner.graphs.replay", "replay"),
+               ("scheduler.schedule", "schedule"))
+CPU_PHASES = (("runner.launch_greedy_decode", "launch_cpu"),)   # timed by this thread's CPU clock
 
 
 class HostPhases:
@@ -33,20 +43,25 @@ class HostPhases:
         self._step: defaultdict[str, float] = defaultdict(float)      # the step in progress
         self.totals: dict[str, defaultdict[str, float]] = {}            # kind -> phase -> seconds
         self.steps: defaultdict[str, int] = defaultdict(int)
-        for path, phase in CORE_PHASES:
-            owner, name = _resolve(core, path)
-            self._wrap(owner, name, phase, getattr(owner, name))
+        for paths, clock in ((CORE_PHASES, time.perf_counter), (CPU_PHASES, time.thread_time)):
+            for path, phase in paths:
+                owner, name = _resolve(core, path)
+                if owner is not None:
+                    self._wrap(owner, name, phase, getattr(owner, name), clock)
         self._wrap(InFlight, "wait", "gpu_wait", InFlight.wait)
+        if torch.cuda.is_available():
+            self._wrap(torch.cuda.Event, "synchronize", "event_sync", torch.cuda.Event.synchronize)
+            self._wrap(torch.cuda.CUDAGraph, "replay", "graph_launch", torch.cuda.CUDAGraph.replay)
 
-    def _wrap(self, owner, name: str, phase: str, method) -> None:
+    def _wrap(self, owner, name: str, phase: str, method, clock=time.perf_counter) -> None:
         spent = self._step
 
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start = clock()
             try:
                 return method(*args, **kwargs)
             finally:
-                spent[phase] += time.perf_counter() - start
+                spent[phase] += clock() - start
         # put back as found: a class's method, or an instance's own attribute (another wrapper's,
         # e.g. RunWatch's schedule); an attribute the instance did not have is deleted again
         own = isinstance(owner, type) or name in vars(owner)
@@ -89,9 +104,9 @@ class HostPhases:
 
 
 def _resolve(core, path: str):
-    """(object, attribute name) of a dotted path from the core."""
+    """(object, attribute name) of a dotted path from the core; (None, name) through a None."""
     *parents, name = path.split(".")
     owner = core
     for parent in parents:
-        owner = getattr(owner, parent)
+        owner = getattr(owner, parent) if owner is not None else None
     return owner, name

@@ -1,7 +1,9 @@
 """The overlap schedule: plain greedy decode steps run one step ahead.
 
 Step N+1 is queued on the GPU before step N's tokens are read: its roots are step N's
-argmax, copied on the device, and its KV slots are allocated before step N commits. While
+argmax, copied on the device, and its KV slots are allocated before step N commits. Each
+decode step writes its own slot into req_to_token on the device (tree_step.write_decode_slots),
+so step N+1 finds step N's entry there and no commit writes the table again. While
 the GPU runs step N+1, the host commits step N (stop checks, detokenizing, streaming) and
 schedules the next step, so a batch-1 decode step costs its GPU time and nothing more.
 
@@ -31,7 +33,6 @@ class StepAhead:
     reqs: list[Req]
     slots: list[int]          # one new KV slot per request, not yet committed to it
     launched: InFlight        # its argmax: on the device, and on the way to the host
-    in_table: bool = False    # its slots are in req_to_token already (written for the step after it)
     hidden: torch.Tensor | None = None   # (bs, features) the target states the runner keeps (an EAGLE head's)
 
 
@@ -57,9 +58,6 @@ class OverlapSchedule:
         slots = self.scheduler.alloc_slots(len(reqs))
         if slots is None:
             return
-        # the next step attends to the current one's token: its slot must be in the table first
-        self.runner.pool.write_entries_async([r.row for r in reqs], [r.kv_len for r in reqs], current.slots)
-        current.in_table = True  # its commit need not write them again
         self.ahead = self._launch(reqs, [r.kv_len + 1 for r in reqs], slots, current.launched.device)
 
     def _launch(self, reqs: list[Req], kv_lens: list[int], slots: list[int], roots) -> StepAhead:

@@ -173,6 +173,10 @@ class ModelRunner:
         Also returns the hidden states the runner keeps (bs, features), None without: a copy
         of the graph's output, which the step launched after this one overwrites."""
         on_device = isinstance(roots, torch.Tensor) and roots.device.type != "cpu"
+        graphs = self.graphs
+        if graphs is not None and graphs.can_launch_decode(len(reqs)):   # the lean launch (cuda_graph.py)
+            argmax, host, done, hidden = graphs.launch_decode([r.row for r in reqs], kv_lens, slots, roots)
+            return InFlight(argmax, host, done), None if hidden is None else hidden.reshape(len(reqs), -1).clone()
         proposal = TreeProposal.root_only([0] * len(reqs) if on_device else roots)
         step = self.run_trees(reqs, proposal, slots, kv_lens, roots if on_device else None)
         hidden = step.hidden.reshape(len(reqs), -1).clone() if step.hidden is not None else None
