@@ -103,9 +103,8 @@ class EngineCore(DraftingSteps):
         batch = self.scheduler.schedule()
         if batch is None or batch.is_extend:
             self._drop_ahead()
-        if batch is None or not batch.is_extend:
-            self._settle()   # a decode step's choices read it; a prefill runs it after its launch
         if batch is None:
+            self._settle()   # a prefill runs it after its launch, a decode step where _run_decode says
             self.text.run()
             return []
         self.last_batch_reqs = batch.reqs
@@ -146,7 +145,10 @@ class EngineCore(DraftingSteps):
         reqs = batch.reqs
         ahead = self.draft_ahead.take(reqs) if self.draft_ahead is not None else None
         if ahead is not None:
+            self._settle()
             return self._finish_draft_step(reqs, ahead)
+        # the choice may read the policy one plain step stale (that step's after-work runs once the
+        # next plain step is launched, _run_decode_ahead): a switch it makes applies a step later
         draft = self.drafter is not None and (self.adaptive is None or self.adaptive.should_draft(len(reqs)))
         if draft and self.adaptive is not None and not self.drafter.ready_to_draft():
             # its proposals would wait for the indexing of new prompts while the GPU idles (H100, 0.5B,
@@ -155,6 +157,7 @@ class EngineCore(DraftingSteps):
             draft = False
         if not draft and self.overlap is not None and self.sampler.argmax_is_enough(reqs):
             return self._run_decode_ahead(reqs, start)
+        self._settle()   # proposals, probes and prices below read what the last step showed
         self._drop_ahead()
         probing = not draft and self._probe_due(reqs)
         if draft:
@@ -231,6 +234,7 @@ class EngineCore(DraftingSteps):
             launch_next = self._next_step_is_plain(reqs)
             if launch_next:
                 self.overlap.launch_next(current)
+            self._settle()   # the last plain step's after-work, while the GPU runs this one and the next
             # a probe's host time hides behind the step launched ahead; a step that launches none
             # (a request ends in it) leaves its probe to the next plain step: at 64 with requests
             # ending every few steps 30-60% of the probes ran with the GPU idle (CPU turnover replay)
@@ -257,11 +261,12 @@ class EngineCore(DraftingSteps):
             self.adaptive.put_off_probe(len(reqs))
             probing = False
         after = functools.partial(self._after_plain_step, reqs, outputs, probing, current is launched_ahead, start)
-        if self.drafter is not None and self.overlap.ahead is None and self.scheduler.has_work():
-            # nothing in flight (a request ended): the GPU idles until the next launch, a prefill
-            # as a rule, and only the next decode step reads what the drafter and the policy are
-            # shown here, so they are shown after that launch (~0.25 ms of a ~1.3 ms finishing
-            # step on the CPU turnover replay at 64)
+        if self.drafter is not None and self.scheduler.has_work():
+            # shown after the next launch (_settle): the drafter's observe, the policy's and its
+            # probe cost ~0.1-0.2 ms of host time a step at 32-64 requests on an H200's host (0.5B,
+            # 1.5B), and between reading this step and launching the one after next that time is
+            # the GPU's, wherever the host is behind (the steps that probe). With nothing in
+            # flight (a request ended) the next launch is a prefill as a rule.
             self._unsettled = functools.partial(after, time.perf_counter() - start)
         else:
             after()
