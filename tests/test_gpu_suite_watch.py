@@ -93,6 +93,7 @@ def test_watch_splits_the_run_into_prefill_plain_and_drafting_steps(engine):
         watch.close()
     mix = plain["step_mix"]
     assert mix["prefill"]["steps"] >= 1 and mix["plain"]["steps"] >= 11 and mix["draft"]["steps"] == 0
+    assert mix["plain"]["from_ahead"] == 0 and mix["plain"]["mean_batch"] > 1   # no overlap on a CPU
     assert plain["draft_nodes_mean"] is None
     assert drafted["step_mix"]["draft"]["steps"] >= 1 and drafted["step_mix"]["draft"]["ms"] > 0
     assert 1 < drafted["draft_nodes_mean"] <= 4
@@ -218,6 +219,8 @@ def test_watch_splits_host_time_by_phase_and_counts_the_wait_for_the_device(engi
         [plain] = run(engine, PROMPTS, 3, 12, "plain", watch=watch)
     finally:
         watch.close()
+    mix = plain["step_mix"]["plain"]
+    assert 0 < mix["from_ahead"] < mix["steps"] and 1 <= mix["mean_batch"] <= len(PROMPTS)   # the first is launched fresh
     phases = plain["host_us_per_step"]["plain"]
     assert waits and phases["gpu_wait"] >= 2000 * len(waits) / plain["step_mix"]["plain"]["steps"] * 0.99
     assert 0 < phases["host"] == pytest.approx(phases["step"] - phases["gpu_wait"], abs=0.2)

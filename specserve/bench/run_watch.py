@@ -16,7 +16,8 @@ from specserve.engine.kernel_cache import TritonCompileCounter
 
 class RunWatch:
     """Where a timed run's time went: its engine steps by kind (`prefill`, `plain` decode,
-    `draft`: a verify step with draft nodes) with their count, wall seconds and, for
+    `draft`: a verify step with draft nodes) with their count, wall seconds, mean batch size
+    and how many plain steps were read from a step launched ahead (overlap.py) and, for
     drafting steps, the mean nodes per request; its longest step (and its kind, batch size
     and nodes per request); what can stall one step: the Triton kernels compiled during the
     run (first use in this process; a compile found in Triton's disk cache only loads, so
@@ -41,6 +42,10 @@ class RunWatch:
             self._timed_step, self._watched_schedule, self._watched_run_trees)
         self._propose, self._finish_draft_step = self.core._propose, self.core._finish_draft_step
         self.core._propose, self.core._finish_draft_step = self._watched_propose, self._watched_finish_draft_step
+        self._overlap = self.core.overlap   # plain steps read from a step launched ahead are counted
+        if self._overlap is not None:
+            self._current_step = self._overlap.current_step
+            self._overlap.current_step = self._watched_current_step
         self._compiles = TritonCompileCounter(triton_runtime).__enter__()
         self.host = HostPhases(self.core)
         self.reset()
@@ -50,7 +55,7 @@ class RunWatch:
         self.longest_step: dict | None = None   # what the longest step was: kind, batch size, nodes
         self._full_collections = _full_gc_collections()
         self._device_allocs = _device_allocs()
-        self.mix = {kind: {"steps": 0, "s": 0.0} for kind in ("prefill", "plain", "draft")}
+        self.mix = {kind: {"steps": 0, "s": 0.0, "requests": 0, "ahead": 0} for kind in ("prefill", "plain", "draft")}
         self._draft_nodes = 0
         self._compiles.reset()
         self.host.reset()
@@ -67,7 +72,7 @@ class RunWatch:
                 "device_allocs": None if device_allocs is None else device_allocs - self._device_allocs,
                 "jit_compiles": self._compiles.compiles,
                 "jit_compile_s": self._compiles.seconds if counted else None,
-                "step_mix": {kind: {"steps": m["steps"], "ms": round(m["s"] * 1e3, 1)} for kind, m in self.mix.items()},
+                "step_mix": {kind: _mix_row(m) for kind, m in self.mix.items()},
                 "draft_nodes_mean": self._draft_nodes / drafts if drafts else None,
                 "host_us_per_step": self.host.summary(),
                 "policy": self.trace.summary() if self.trace is not None else None}
@@ -86,6 +91,8 @@ class RunWatch:
         if self.trace is not None:
             self.trace.close()
         self.host.close()   # before the wrappers it wraps go
+        if self._overlap is not None:
+            self._overlap.current_step = self._current_step
         self.core.step, self.core.scheduler.schedule, self.core.runner.run_trees = (
             self._step, self._schedule, self._run_trees)
         del self.core._propose, self.core._finish_draft_step   # the class's methods again
@@ -96,6 +103,12 @@ class RunWatch:
         self._kind = None if batch is None else "prefill" if batch.is_extend else "plain"
         self._batch_size = 0 if batch is None else len(batch.reqs)   # the step resets the rest (_timed_step)
         return batch
+
+    def _watched_current_step(self, reqs, last_tokens):
+        ahead = self._overlap.ahead
+        step = self._current_step(reqs, last_tokens)
+        self._from_ahead = ahead is not None and step is ahead
+        return step
 
     def _watched_run_trees(self, reqs, proposal, *args, **kwargs):
         self._drafted(proposal.tokens.shape[1])
@@ -121,7 +134,7 @@ class RunWatch:
             self._nodes = nodes
 
     def _timed_step(self):
-        self._kind, self._batch_size, self._nodes = None, 0, 1
+        self._kind, self._batch_size, self._nodes, self._from_ahead = None, 0, 1, False
         start = time.perf_counter()
         try:
             return self._step()
@@ -131,9 +144,21 @@ class RunWatch:
                 self.longest_step_s = elapsed
                 self.longest_step = {"kind": self._kind, "batch_size": self._batch_size, "nodes": self._nodes}
             if self._kind is not None:
-                self.mix[self._kind]["steps"] += 1
-                self.mix[self._kind]["s"] += elapsed
+                mix = self.mix[self._kind]
+                mix["steps"] += 1
+                mix["s"] += elapsed
+                mix["requests"] += self._batch_size
+                mix["ahead"] += self._from_ahead
             self.host.end_step(self._kind, elapsed)
+
+
+def _mix_row(mix: dict) -> dict:
+    """A step kind's count, wall milliseconds, mean batch size and, for plain steps, how many
+    were read from a step launched ahead (the others paid their launch and host time in full:
+    the first decode step after a prefill, after a drafting step, after a request ended)."""
+    steps = mix["steps"]
+    return {"steps": steps, "ms": round(mix["s"] * 1e3, 1),
+            "mean_batch": round(mix["requests"] / steps, 1) if steps else None, "from_ahead": mix["ahead"]}
 
 
 def _full_gc_collections() -> int:
