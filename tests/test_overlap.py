@@ -85,6 +85,43 @@ def test_preemption_with_steps_ahead(engine_factory, plain):
     wait_until_all_kv_is_free(small)
 
 
+def test_a_step_ahead_of_a_prefill_is_kept(engine_factory, plain):
+    """A request that arrives while another decodes on the overlap schedule is prefilled
+    right after a plain step that launched the next one ahead. That step's tokens are kept
+    (committed after the prefill), not thrown away: the same outputs, every KV slot back."""
+    from tests.spec_fixtures import ngram_args
+    long = dict(GREEDY, max_new_tokens=48, ignore_eos=True)
+    short = dict(GREEDY, max_new_tokens=6, ignore_eos=True)
+    expected_long = plain.generate(SAMPLE_PROMPTS[0], long)["output_ids"]
+    expected_short = [o["output_ids"] for o in plain.generate(SAMPLE_PROMPTS[1:4], short)]
+    for extra in ({}, ngram_args(8, adaptive=True)):
+        engine = engine_factory(max_total_tokens=4096, **extra)
+        overlapped(engine)
+        if engine.core.adaptive is not None:   # verifying drafts priced far above plain steps: plain wins
+            for batch_size in (1, 2):
+                for tier in engine.core.adaptive.tiers:
+                    engine.core.adaptive.record_step(batch_size, tier, 0.001 if tier == 1 else 10.0)
+        schedule, kept = engine.core.overlap, []
+        keep_through = schedule.keep_through
+
+        def counting_keep_through(batch):
+            step = keep_through(batch)
+            kept.append(step is not None)
+            return step
+        schedule.keep_through = counting_keep_through
+        chunks = iter(engine.generate(SAMPLE_PROMPTS[0], long, stream=True))
+        streamed = []
+        while len(streamed) < 6:
+            streamed += next(chunks)["output_ids"]
+        # each arrives while the long request decodes with a step ahead
+        got = [engine.generate(prompt, short)["output_ids"] for prompt in SAMPLE_PROMPTS[1:4]]
+        for chunk in chunks:
+            streamed += chunk["output_ids"]
+        assert streamed == expected_long and got == expected_short
+        assert sum(kept) >= 2, kept
+        wait_until_all_kv_is_free(engine)
+
+
 def test_adaptive_ngram_overlaps_its_plain_steps(engine_factory, plain):
     """With NGRAM and the adaptive draft length, the steps it decodes plainly are launched
     ahead too; probe steps draft and verify. Outputs stay those of plain decoding."""

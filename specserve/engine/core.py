@@ -22,7 +22,7 @@ from specserve.engine.drafting_steps import DraftingSteps
 from specserve.engine.request import Batch, Req, ReqState, SpecStats
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.stats import StepLogger
-from specserve.engine.overlap import OverlapSchedule
+from specserve.engine.overlap import OverlapSchedule, StepAhead
 from specserve.runner.model_runner import InFlight, ModelRunner
 from specserve.runner.tree_step import GreedyOutcome, pad_node_slots
 from specserve.sampling.sampler import Sampler, SampledStep
@@ -101,14 +101,23 @@ class EngineCore(DraftingSteps):
             self._settle()
             return self._retire_ahead(ahead.reqs)
         batch = self.scheduler.schedule()
+        kept = self.overlap.keep_through(batch) if self.overlap is not None and batch is not None and batch.is_extend \
+            else None
         if batch is None or batch.is_extend:
             self._drop_ahead()
         if batch is None:
             self._settle()   # a prefill runs it after its launch, a decode step where _run_decode says
             self.text.run()
             return []
-        self.last_batch_reqs = batch.reqs
-        outputs = self._run_extend(batch) if batch.is_extend else self._run_decode(batch)
+        self.last_batch_reqs = batch.reqs if kept is None else batch.reqs + kept.reqs
+        try:
+            outputs = self._run_extend(batch) if batch.is_extend else self._run_decode(batch)
+        except BaseException:
+            if kept is not None:
+                self.overlap.release(kept)
+            raise
+        if kept is not None:
+            outputs = self._commit_kept(kept) + outputs
         self.stats.maybe_log(self.scheduler)
         return outputs
 
@@ -247,14 +256,7 @@ class EngineCore(DraftingSteps):
             self.overlap.release(current)
             self.overlap.drop()
             raise
-        sampled = SampledStep.plain(tokens)
-        if current.hidden is not None and self.drafter is not None:   # a head's, fed when it drafts again
-            self.drafter.observe_hidden(reqs, [r.kv_len for r in reqs], current.hidden,
-                                        [[i] for i in range(len(reqs))])
-        self.scheduler.append_kv(reqs, [[slot] for slot in current.slots], write_table=False)   # the step wrote them
-        # detokenized after the next launch (DeferredText): at 64 requests ~0.2-0.3 ms of host
-        # time a step that otherwise sits between reading this step and launching the one after next
-        outputs = self._commit_verified(reqs, sampled, defer_text=True)
+        outputs = self._commit_plain(current, tokens)
         if any(out.finished for out in outputs):
             self.overlap.drop()  # computed for a batch that no longer exists
         if probing and self.overlap.ahead is None:   # a stop token ended a request: nothing in flight
@@ -271,6 +273,28 @@ class EngineCore(DraftingSteps):
         else:
             after()
         return outputs
+
+    def _commit_plain(self, step: StepAhead, tokens: list[int]) -> list[StepOutput]:
+        """A plain step's tokens, read: its KV slots (in the table already: the step wrote
+        them), its hidden states to the drafter (a head's, fed when it drafts again), its commit."""
+        reqs = step.reqs
+        if step.hidden is not None and self.drafter is not None:
+            self.drafter.observe_hidden(reqs, [r.kv_len for r in reqs], step.hidden, [[i] for i in range(len(reqs))])
+        self.scheduler.append_kv(reqs, [[slot] for slot in step.slots], write_table=False)
+        # detokenized after the next launch (DeferredText): at 64 requests ~0.2-0.3 ms of host
+        # time a step that otherwise sits between reading this step and launching the one after next
+        return self._commit_verified(reqs, SampledStep.plain(tokens), defer_text=True)
+
+    def _commit_kept(self, kept: StepAhead) -> list[StepOutput]:
+        """The step launched ahead that a prefill came after (OverlapSchedule.keep_through),
+        read once the prefill has run: its tokens are shown to the drafter and the policy, not
+        priced (its time is the prefill's too)."""
+        try:
+            tokens = kept.launched.wait().tolist()
+        except BaseException:
+            self.overlap.release(kept)
+            raise
+        return self._observe(self._commit_plain(kept, tokens))
 
     def _after_plain_step(self, reqs: list[Req], outputs: list[StepOutput], probing: bool, was_ahead: bool,
                           start: float, seconds: float | None = None) -> None:

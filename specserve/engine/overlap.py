@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from specserve.engine.request import Req, same_requests
+from specserve.engine.request import Batch, Req, ReqState, same_requests
 from specserve.engine.scheduler import Scheduler
 from specserve.runner.model_runner import InFlight, ModelRunner
 
@@ -63,6 +63,23 @@ class OverlapSchedule:
     def _launch(self, reqs: list[Req], kv_lens: list[int], slots: list[int], roots) -> StepAhead:
         launched, hidden = self.runner.launch_greedy_decode(reqs, kv_lens, slots, roots)
         return StepAhead(list(reqs), slots, launched, hidden=hidden)
+
+    def keep_through(self, batch: Batch) -> StepAhead | None:
+        """The step launched ahead, taken out to be read after `batch` (a prefill the scheduler
+        chose instead of the next decode step) where its tokens still count: every one of its
+        requests still runs, with its row, and none is in the batch (a mixed chunk's decode
+        rows). Otherwise None, and drop() frees it as before. Its GPU work is done by the time
+        the prefill is: dropping it threw away a decode step of the running batch for every
+        request that arrived while others decoded (a server's steady state)."""
+        ahead = self.ahead
+        if ahead is None or self.scheduler.focus is not None:
+            return None
+        running, batched = {id(r) for r in self.scheduler.running}, {id(r) for r in batch.reqs}
+        if any(r.state is not ReqState.RUNNING or r.row is None or id(r) not in running or id(r) in batched
+               for r in ahead.reqs):
+            return None
+        self.ahead = None
+        return ahead
 
     def drop(self) -> None:
         """Forgets the step launched ahead, if any."""
