@@ -39,3 +39,28 @@ def test_graphed_plain_decoding_equals_eager_on_cuda(model_dir, graph_max_bs):
         assert one_by_one == expected
         assert engine.core.overlap is not None and len(launches) > 40 and max(launches) <= graph_max_bs
         wait_until_all_kv_is_free(engine)
+
+
+def test_a_graphed_step_ahead_of_a_prefill_is_kept_on_cuda(model_dir):
+    """Requests that arrive while another decodes on the overlap schedule: the step launched
+    ahead is read after their prefill (OverlapSchedule.keep_through), its argmax through the
+    bucket's pinned buffer it was copied to, while no other decode step of the bucket ran."""
+    long = {"temperature": 0, "max_new_tokens": 48, "ignore_eos": True}
+    short = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    with tiny_engine(model_dir, device="cuda", disable_cuda_graph=True, max_total_tokens=4096) as eager:
+        expected_long = eager.generate(input_ids=PROMPTS[0], sampling_params=long)["output_ids"]
+        expected_short = [eager.generate(input_ids=p, sampling_params=short)["output_ids"] for p in PROMPTS[1:4]]
+    with tiny_engine(model_dir, device="cuda", cuda_graph_max_bs=8, max_total_tokens=4096) as engine:
+        schedule, kept = engine.core.overlap, []
+        keep_through = schedule.keep_through
+        schedule.keep_through = lambda batch: kept.append(keep_through(batch)) or kept[-1]
+        chunks = iter(engine.generate(input_ids=PROMPTS[0], sampling_params=long, stream=True))
+        streamed = []
+        while len(streamed) < 6:
+            streamed += next(chunks)["output_ids"]
+        got = [engine.generate(input_ids=p, sampling_params=short)["output_ids"] for p in PROMPTS[1:4]]
+        for chunk in chunks:
+            streamed += chunk["output_ids"]
+        assert streamed == expected_long and got == expected_short
+        assert sum(step is not None for step in kept) >= 2
+        wait_until_all_kv_is_free(engine)
