@@ -32,7 +32,7 @@ class StepOutcome:
     tokens: list[list[int]]            # per request: committed tokens, accepted drafts then the bonus
     accepted: np.ndarray               # (bs, n) accepted node indices in path order, -1 after
     accept_lens: np.ndarray            # (bs,) accepted nodes, root included = committed tokens
-    table_written: bool                # the device wrote the accepted slots into req_to_token
+    table_written: bool                # the device wrote the accepted slots into req_to_token (any decode step does)
     hidden: torch.Tensor | None = None   # (bs, n, features) when the runner keeps them
     logprobs: list[list[float]] | None = None                     # as SampledStep's
     top_logprobs: list[list[list[tuple[int, float]]]] | None = None

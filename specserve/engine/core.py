@@ -232,7 +232,8 @@ class EngineCore(DraftingSteps):
             parsed = GreedyOutcome.parse(launched.wait())
             return StepOutcome(parsed.tokens, parsed.accepted, parsed.accept_lens, True, step.hidden)
         sampled = self.sampler.sample(step.logits, host_trees, reqs, prepared)
-        return StepOutcome.from_sampled(sampled, n, table_written=False, hidden=step.hidden)
+        # a decode step (n = 1) wrote its one slot on the device (tree_step.write_decode_slots)
+        return StepOutcome.from_sampled(sampled, n, table_written=n == 1, hidden=step.hidden)
 
     # --- plain greedy decoding, one step ahead (overlap.py) ---
     def _run_decode_ahead(self, reqs: list[Req], start: float) -> list[StepOutput]:

@@ -59,10 +59,10 @@ class DraftStep:
     def read(self) -> StepOutcome:
         """Waits for the step (the one host sync) and parses its outcome."""
         packed = self.launched.wait()
-        if self.num_slots == 1:   # no drafts: the argmax is the outcome, the table is written at commit
+        if self.num_slots == 1:   # no drafts: the argmax is the outcome, the step wrote its slots in the table
             bs = len(self.reqs)
             return StepOutcome([[token] for token in packed.tolist()], np.zeros((bs, 1), dtype=np.int64),
-                               np.ones(bs, dtype=np.int64), False, self.hidden)
+                               np.ones(bs, dtype=np.int64), True, self.hidden)
         parsed = GreedyOutcome.parse(packed)
         return StepOutcome(parsed.tokens, parsed.accepted, parsed.accept_lens, True, self.hidden)
 
