@@ -190,3 +190,27 @@ def test_greedy_step_on_the_device_matches_torch():
         assert torch.equal(getattr(device_trees, field.name).cpu(), getattr(trees, field.name)), field.name
     assert torch.equal(greedy_commit(device_trees, logits.to(DEVICE), device_inputs, pool).cpu(), expected)
     check_tables(inputs, scratch_row, pool.req_to_token, expected_pool.req_to_token)
+
+
+def test_a_decode_buffer_filled_per_request_matches_the_full_fill():
+    """CudaGraphRunner.launch_decode writes four fields (TreeStepInputs.fill_decode) into a
+    buffer of one node per request: what the graph reads equals the full `fill`, batch after
+    batch of another size (rows a larger batch left become padding again); the padding rows'
+    tokens are left as they were (any token: their outputs are never read)."""
+    scratch, bucket = 31, 8
+    lean, full = TreeStepInputs.allocate(bucket, 1, "cpu"), TreeStepInputs.allocate(bucket, 1, "cpu")
+    lean.parents.fill_(-1)   # as the graph runner sets the host buffer of a decode graph up
+    lean.num_nodes.fill_(1)
+    rng = random.Random(5)
+    for bs in (5, 2, 8, 3):
+        roots = [rng.randrange(1000) for _ in range(bs)]
+        slots, rows, kv_lens = ([rng.randrange(1, 500) for _ in range(bs)] for _ in range(3))
+        lean.fill_decode(roots, slots, rows, kv_lens, scratch)
+        full.fill(TreeProposal.root_only(roots), slots, rows, kv_lens, scratch)
+        assert torch.equal(lean.tokens[:bs], full.tokens[:bs])
+        for name in ("parents", "out_slots", "num_nodes", "req_rows", "prefix_lens"):
+            assert torch.equal(getattr(lean, name), getattr(full, name)), (bs, name)
+        assert set(lean.out_slots[bs:, 0].tolist()) <= {PADDING_SLOT}
+        tokens = lean.tokens.clone()
+        lean.fill_decode(None, slots, rows, kv_lens, scratch)   # roots on the device: tokens untouched
+        assert torch.equal(lean.tokens, tokens)

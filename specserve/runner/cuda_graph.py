@@ -36,7 +36,7 @@ import torch
 from specserve.attention.base import AttentionBackend
 from specserve.distributed.graph_steps import GraphStepHeader, announce_graph_step, replay_announced_step
 from specserve.distributed.parallel_state import TensorParallelGroup
-from specserve.kv.pool import PADDING_SLOT, KVPool
+from specserve.kv.pool import KVPool
 from specserve.model.hidden_capture import HiddenCapture
 from specserve.runner.tree_step import TreeStepInputs, TreeStepOutputs, forward_tree
 from specserve.speculative.tree import TreeProposal
@@ -167,15 +167,7 @@ class CudaGraphRunner:
         bs = len(req_rows)
         key = (self.buckets[bisect.bisect_left(self.buckets, bs)], 1)
         on_device = isinstance(roots, torch.Tensor) and roots.is_cuda
-        tokens, _, out_slots, _, rows, prefix = self._host_buffer(key)._host_arrays()
-        if not on_device:
-            tokens[:bs, 0] = roots
-        out_slots[:bs, 0] = slots
-        out_slots[bs:, 0] = PADDING_SLOT
-        rows[:bs] = req_rows
-        rows[bs:] = self.pool.scratch_row
-        prefix[:bs] = kv_lens
-        prefix[bs:] = 0
+        self._host_buffer(key).fill_decode(None if on_device else roots, slots, req_rows, kv_lens, self.pool.scratch_row)
         self._send_and_replay(key, bs, kv_lens, roots if on_device else None)
         argmax = self.decode_argmax[key][:bs]
         reads = self._decode_reads.get(key)

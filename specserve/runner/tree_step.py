@@ -75,6 +75,22 @@ class TreeStepInputs:
         prefix.fill(0)
         prefix[:bs] = kv_lens
 
+    def fill_decode(self, roots: list[int] | None, slots: list[int], req_rows: list[int], kv_lens: list[int],
+                    scratch_row: int) -> None:
+        """A decode step's four per-request fields (roots None: they come on the device), the
+        rows after the batch padding: in a buffer of one node per request whose parents (-1)
+        and node counts (1) never change, `fill`'s other writes are the same every step."""
+        tokens, _, out_slots, _, rows, prefix = self._host_arrays()
+        bs = len(req_rows)
+        if roots is not None:
+            tokens[:bs, 0] = roots
+        out_slots[:bs, 0] = slots
+        out_slots[bs:, 0] = PADDING_SLOT
+        rows[:bs] = req_rows
+        rows[bs:] = scratch_row
+        prefix[:bs] = kv_lens
+        prefix[bs:] = 0
+
 
     def _host_arrays(self) -> tuple[np.ndarray, ...]:
         """numpy views of the six fields, made once per buffer (a .numpy() costs ~0.7 us and a
