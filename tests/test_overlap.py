@@ -85,6 +85,39 @@ def test_preemption_with_steps_ahead(engine_factory, plain):
     wait_until_all_kv_is_free(small)
 
 
+def test_requests_ending_leave_the_others_step_ahead(engine_factory, plain):
+    """A request that ends by length (known before the next launch) gets no row in the step
+    launched ahead; one that a stop token ends (seen only when its step is read) has its
+    row cut from it. Either way the others' step ahead is read, not dropped: every decode
+    step but the first comes from a launch ahead. Same outputs, every KV slot back."""
+    prompts = SAMPLE_PROMPTS[:4]
+    free_run = plain.generate(prompts[1], dict(GREEDY, max_new_tokens=20, ignore_eos=True))["output_ids"]
+    stop = free_run[5]   # ends request 1 at its first occurrence, whatever step that is
+    params = [dict(GREEDY, max_new_tokens=9, ignore_eos=True), dict(GREEDY, max_new_tokens=20, stop_token_ids=[stop]),
+              dict(GREEDY, max_new_tokens=14, ignore_eos=True), dict(GREEDY, max_new_tokens=24, ignore_eos=True)]
+    expected = plain.generate(prompts, params)
+    assert expected[1]["meta_info"]["finish_reason"]["type"] == "stop"
+    engine = engine_factory(max_total_tokens=4096)
+    used = overlapped(engine)
+    schedule = engine.core.overlap
+    current_step, launches = schedule.current_step, {"reads": 0, "prefills": 0}
+    extend = engine.core.runner.extend
+
+    def counting_current_step(reqs, last_tokens):
+        launches["reads"] += 1
+        return current_step(reqs, last_tokens)
+
+    def counting_extend(*args, **kwargs):
+        launches["prefills"] += 1
+        return extend(*args, **kwargs)
+    schedule.current_step, engine.core.runner.extend = counting_current_step, counting_extend
+    got = engine.generate(prompts, params)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in expected]
+    assert [o["meta_info"]["finish_reason"] for o in got] == [o["meta_info"]["finish_reason"] for o in expected]
+    assert launches["reads"] == 23 and used["ahead"] == launches["reads"] - launches["prefills"], (launches, used)
+    wait_until_all_kv_is_free(engine)
+
+
 def test_a_step_ahead_of_a_prefill_is_kept(engine_factory, plain):
     """A request that arrives while another decodes on the overlap schedule is prefilled
     right after a plain step that launched the next one ahead. That step's tokens are kept
@@ -150,10 +183,9 @@ def test_adaptive_ngram_overlaps_its_plain_steps(engine_factory, plain):
 
 
 def test_a_plain_step_with_nothing_in_flight_shows_its_tokens_after_the_next_launch(engine_factory, plain):
-    """A plain step in which a request ends launches nothing ahead, so the GPU idles until
-    the next launch: here the prefill of the request that waited for its place. The drafter
-    and the policy are shown that step's tokens right after the prefill is launched, not
-    before it. Outputs stay those of plain decoding; nothing is left over once idle."""
+    """A plain step in which a request ends is followed by the prefill of the request that
+    waited for its place. The drafter and the policy are shown that step's tokens right
+    after the prefill is launched, not before it. Outputs stay those of plain decoding; nothing is left over once idle."""
     from tests.spec_fixtures import ngram_args
     engine = engine_factory(max_total_tokens=4096, max_running_requests=2, **ngram_args(8, adaptive=True))
     used = overlapped(engine)

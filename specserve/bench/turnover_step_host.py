@@ -141,7 +141,7 @@ class KindTimer:
 
     def _mark_plain(self, reqs, start):
         ahead = self.core.overlap.ahead
-        launched = ahead is not None and same_requests(ahead.reqs, reqs)
+        launched = ahead is not None and same_requests([r for r in ahead.reqs if not r.finished], reqs)
         self._kind = "steady" if launched else ("after_prefill" if self._last_was_prefill else "not_ahead")
         outputs = self._ahead(reqs, start)
         if self._kind != "probe" and any(out.finished for out in outputs):

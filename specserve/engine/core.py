@@ -241,26 +241,25 @@ class EngineCore(DraftingSteps):
         launched_ahead = self.overlap.ahead
         try:
             current = self.overlap.current_step(reqs, lambda: self._last_tokens(reqs))
-            launch_next = self._next_step_is_plain(reqs)
-            if launch_next:
-                self.overlap.launch_next(current)
+            keep = self._next_plain_rows(reqs)
+            if keep:
+                self.overlap.launch_next(current, keep)
             self._settle()   # the last plain step's after-work, while the GPU runs this one and the next
             # a probe's host time hides behind the step launched ahead; a step that launches none
-            # (a request ends in it) leaves its probe to the next plain step: at 64 with requests
-            # ending every few steps 30-60% of the probes ran with the GPU idle (CPU turnover replay)
-            probing = launch_next and self._probe_due(reqs)
+            # (the next one drafts, or every request ends in this one) leaves its probe to the
+            # next plain step, which has the GPU busy while it probes
+            probing = bool(keep) and self._probe_due(reqs)
             self.text.run()   # a drafting step's, before this step's tokens reach the detokenizers
             if probing:
                 self.drafter.flush()  # what the probe proposes from, indexed in the background meanwhile
-            tokens = current.launched.wait().tolist()
+            tokens = current.tokens()
         except BaseException:
             self.overlap.release(current)
             self.overlap.drop()
             raise
+        # a request a stop token ended here keeps its row in the step ahead, cut when that is read
         outputs = self._commit_plain(current, tokens)
-        if any(out.finished for out in outputs):
-            self.overlap.drop()  # computed for a batch that no longer exists
-        if probing and self.overlap.ahead is None:   # a stop token ended a request: nothing in flight
+        if probing and self.overlap.ahead is None:   # the launch found no slots: nothing in flight
             self.adaptive.put_off_probe(len(reqs))
             probing = False
         after = functools.partial(self._after_plain_step, reqs, outputs, probing, current is launched_ahead, start)
@@ -280,7 +279,7 @@ class EngineCore(DraftingSteps):
         them), its hidden states to the drafter (a head's, fed when it drafts again), its commit."""
         reqs = step.reqs
         if step.hidden is not None and self.drafter is not None:
-            self.drafter.observe_hidden(reqs, [r.kv_len for r in reqs], step.hidden, [[i] for i in range(len(reqs))])
+            self.drafter.observe_hidden(reqs, [r.kv_len for r in reqs], step.hidden, step.hidden_rows())
         self.scheduler.append_kv(reqs, [[slot] for slot in step.slots], write_table=False)
         # detokenized after the next launch (DeferredText): at 64 requests ~0.2-0.3 ms of host
         # time a step that otherwise sits between reading this step and launching the one after next
@@ -291,7 +290,7 @@ class EngineCore(DraftingSteps):
         read once the prefill has run: its tokens are shown to the drafter and the policy, not
         priced (its time is the prefill's too)."""
         try:
-            tokens = kept.launched.wait().tolist()
+            tokens = kept.tokens()
         except BaseException:
             self.overlap.release(kept)
             raise
@@ -347,11 +346,14 @@ class EngineCore(DraftingSteps):
             self.adaptive.probe(len(reqs), rids, num_nodes, keys)
         self.adaptive.record_probe(len(reqs), time.perf_counter() - start)
 
-    def _next_step_is_plain(self, reqs: list[Req]) -> bool:
-        """Whether the step after this one can be launched before this one's tokens are read."""
-        if any(len(r.output_ids) + 1 >= r.max_new_tokens or r.kv_len + 2 > self.runner.context_length for r in reqs):
-            return False  # a request ends with this step: the next one would be thrown away
-        return self.adaptive is None or not self.adaptive.would_draft(len(reqs))
+    def _next_plain_rows(self, reqs: list[Req]) -> list[int]:
+        """The requests (indices) whose next step can be launched before this one's tokens are
+        read: those this step does not end by length or context; none where that step would draft."""
+        context = self.runner.context_length
+        keep = [i for i, r in enumerate(reqs) if len(r.output_ids) + 1 < r.max_new_tokens and r.kv_len + 2 <= context]
+        if keep and self.adaptive is not None and self.adaptive.would_draft(len(keep)):
+            return []
+        return keep
 
     def _drop_ahead(self) -> None:
         if self.overlap is not None:

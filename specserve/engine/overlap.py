@@ -7,8 +7,14 @@ so step N+1 finds step N's entry there and no commit writes the table again. Whi
 the GPU runs step N+1, the host commits step N (stop checks, detokenizing, streaming) and
 schedules the next step, so a batch-1 decode step costs its GPU time and nothing more.
 
-A step launched ahead for a batch that then changes (a request finished, arrived, was
-preempted or aborted) is dropped: its slots are freed and its output ignored. Only steps
+A request that ends with step N (its length, known before the launch) gets no row in step
+N+1, whose roots are then the other requests' argmax, gathered on the device. One that a
+stop token ends (seen only when step N is read) keeps its row in step N+1, which is cut
+when that step is read: its slot freed, its token never read. Otherwise a request ending
+every other step at 64 (128-token answers) broke the chain on ~40% of the steps, each then
+paying its host time in full. A step launched ahead for a batch that changes otherwise (a
+request arrived, was preempted or aborted) is dropped: its slots are freed and its output
+ignored. Only steps
 that need nothing but the argmax qualify (greedy, no penalties, logprobs or min_new_tokens
 still in force): every other sampling option depends on tokens the host has not seen yet.
 Where the runner keeps hidden states (an EAGLE head or MTP layer drafts), each step keeps a
@@ -34,6 +40,26 @@ class StepAhead:
     slots: list[int]          # one new KV slot per request, not yet committed to it
     launched: InFlight        # its argmax: on the device, and on the way to the host
     hidden: torch.Tensor | None = None   # (bs, features) the target states the runner keeps (an EAGLE head's)
+    rows: list[int] | None = None   # each request's row of the launch, once rows of ended requests were cut
+
+    def tokens(self) -> list[int]:
+        """Its requests' argmax, once the step is done."""
+        tokens = self.launched.wait().tolist()
+        return tokens if self.rows is None else [tokens[row] for row in self.rows]
+
+    def hidden_rows(self) -> list[list[int]]:
+        """Each request's row of `hidden`."""
+        return [[row] for row in (self.rows if self.rows is not None else range(len(self.reqs)))]
+
+    def roots(self, keep: list[int]) -> torch.Tensor:
+        """The argmax of requests `keep` (indices into reqs), on the device: the next step's roots."""
+        rows = keep if self.rows is None else [self.rows[i] for i in keep]
+        argmax = self.launched.device
+        if rows == list(range(argmax.shape[0])):
+            return argmax
+        # a pinned index copied without waiting: a pageable one would wait for the step in flight
+        index = torch.tensor(rows, dtype=torch.long, pin_memory=argmax.is_cuda)
+        return argmax.index_select(0, index.to(argmax.device, non_blocking=True))
 
 
 class OverlapSchedule:
@@ -45,6 +71,8 @@ class OverlapSchedule:
         """The step to read now: the one launched ahead for exactly these requests, or a
         new launch rooted at their last tokens."""
         ahead, self.ahead = self.ahead, None
+        if ahead is not None:
+            self._cut_ended(ahead)
         if ahead is not None and same_requests(ahead.reqs, reqs):
             return ahead
         self.release(ahead)
@@ -52,13 +80,25 @@ class OverlapSchedule:
         assert slots is not None, "the scheduler reserves a slot per decoding request"
         return self._launch(reqs, [r.kv_len for r in reqs], slots, last_tokens())
 
-    def launch_next(self, current: StepAhead) -> None:
-        """Queues the step after `current` (whose tokens are not committed yet)."""
-        reqs = current.reqs
+    def launch_next(self, current: StepAhead, keep: list[int]) -> None:
+        """Queues the step after `current` (whose tokens are not committed yet) for its
+        requests `keep` (indices: those that do not end with `current`)."""
+        reqs = [current.reqs[i] for i in keep]
         slots = self.scheduler.alloc_slots(len(reqs))
         if slots is None:
             return
-        self.ahead = self._launch(reqs, [r.kv_len + 1 for r in reqs], slots, current.launched.device)
+        self.ahead = self._launch(reqs, [r.kv_len + 1 for r in reqs], slots, current.roots(keep))
+
+    def _cut_ended(self, step: StepAhead) -> None:
+        """Cuts the rows of requests that a stop token ended after `step` was launched: their
+        slots freed (no request holds them), their tokens never read."""
+        live = [i for i, r in enumerate(step.reqs) if not r.finished]
+        if len(live) == len(step.reqs):
+            return
+        kept = set(live)
+        self.scheduler.free_slots([slot for i, slot in enumerate(step.slots) if i not in kept])
+        step.rows = live if step.rows is None else [step.rows[i] for i in live]
+        step.reqs, step.slots = [step.reqs[i] for i in live], [step.slots[i] for i in live]
 
     def _launch(self, reqs: list[Req], kv_lens: list[int], slots: list[int], roots) -> StepAhead:
         launched, hidden = self.runner.launch_greedy_decode(reqs, kv_lens, slots, roots)
@@ -74,9 +114,10 @@ class OverlapSchedule:
         ahead = self.ahead
         if ahead is None or self.scheduler.focus is not None:
             return None
+        self._cut_ended(ahead)
         running, batched = {id(r) for r in self.scheduler.running}, {id(r) for r in batch.reqs}
-        if any(r.state is not ReqState.RUNNING or r.row is None or id(r) not in running or id(r) in batched
-               for r in ahead.reqs):
+        if not ahead.reqs or any(r.state is not ReqState.RUNNING or r.row is None or id(r) not in running
+                                 or id(r) in batched for r in ahead.reqs):
             return None
         self.ahead = None
         return ahead

@@ -1,7 +1,8 @@
 """The lean decode launch on a GPU (cuda_graph.launch_decode): plain greedy decoding on the
 overlap schedule through graphs that hold the argmax and write each step's KV-table entry
 equals eager decoding, while requests end at different steps (the batch shrinks, crosses
-buckets, and steps launched ahead are dropped), batches larger than the graphs fall back to
+buckets; the step launched ahead leaves out a request its length ends and has the row of one
+a stop token ended cut), batches larger than the graphs fall back to
 the eager launch, and every KV slot comes back."""
 from __future__ import annotations
 
@@ -63,4 +64,32 @@ def test_a_graphed_step_ahead_of_a_prefill_is_kept_on_cuda(model_dir):
             streamed += chunk["output_ids"]
         assert streamed == expected_long and got == expected_short
         assert sum(step is not None for step in kept) >= 2
+        wait_until_all_kv_is_free(engine)
+
+
+def test_a_stop_token_end_cuts_its_row_from_the_graphed_step_ahead(model_dir):
+    """A request a stop token ends (seen only once its step is read) has a row in the step
+    launched ahead; that row is cut and the others' tokens, gathered on the device as the next
+    roots, go on: the same outputs as eager decoding, every step after the first read ahead."""
+    long = {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True}
+    with tiny_engine(model_dir, device="cuda", disable_cuda_graph=True, max_total_tokens=4096) as eager:
+        free_run = eager.generate(input_ids=PROMPTS[1], sampling_params=long)["output_ids"]
+        stop = next(t for i, t in enumerate(free_run) if i >= 3 and t not in free_run[:i])   # ends it there
+        stopped = dict(long, ignore_eos=False, stop_token_ids=[stop])
+        batch = [long, stopped, dict(long, max_new_tokens=12), long]
+        expected = [o["output_ids"] for o in eager.generate(input_ids=PROMPTS[:4], sampling_params=batch)]
+    assert len(expected[1]) < 30
+    with tiny_engine(model_dir, device="cuda", cuda_graph_max_bs=8, max_total_tokens=4096) as engine:
+        schedule, reads = engine.core.overlap, []
+        current_step = schedule.current_step
+
+        def counting_current_step(reqs, last_tokens):
+            ahead = schedule.ahead
+            step = current_step(reqs, last_tokens)
+            reads.append(step is ahead)
+            return step
+        schedule.current_step = counting_current_step
+        got = [o["output_ids"] for o in engine.generate(input_ids=PROMPTS[:4], sampling_params=batch)]
+        assert got == expected
+        assert len(reads) == 29 and sum(reads) == 28, reads
         wait_until_all_kv_is_free(engine)
