@@ -53,10 +53,10 @@ class StepAhead:
 
     def roots(self, keep: list[int]) -> torch.Tensor:
         """The argmax of requests `keep` (indices into reqs), on the device: the next step's roots."""
-        rows = keep if self.rows is None else [self.rows[i] for i in keep]
         argmax = self.launched.device
-        if rows == list(range(argmax.shape[0])):
+        if self.rows is None and len(keep) == argmax.shape[0]:   # keep is ascending: every row, in order
             return argmax
+        rows = keep if self.rows is None else [self.rows[i] for i in keep]
         # a pinned index copied without waiting: a pageable one would wait for the step in flight
         index = torch.tensor(rows, dtype=torch.long, pin_memory=argmax.is_cuda)
         return argmax.index_select(0, index.to(argmax.device, non_blocking=True))
