@@ -6,6 +6,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined; 0 on a GPU
 
+import pytest
 import torch
 
 from specserve.model import fused_ops
@@ -25,9 +26,10 @@ def test_add_rmsnorm_matches_torch():
     torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-5)
 
 
-def test_rope_and_store_matches_torch_rope_and_pool_writes():
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (14, 2), (6, 3)])   # head counts that are no power of two too
+def test_rope_and_store_matches_torch_rope_and_pool_writes(heads, kv_heads):
     torch.manual_seed(1)
-    heads, kv_heads, head_dim, tokens = 4, 2, 16, 6
+    head_dim, tokens = 16, 6
     rope = RotaryEmbedding(head_dim, 64, 10000.0, None)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim)
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)

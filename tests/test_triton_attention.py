@@ -135,15 +135,30 @@ def test_decode_one_split_writes_output_directly():
     assert batch.attn_metadata.partial_out is None
 
 
+def split_counts(batch: ForwardBatch) -> list[int]:
+    """How many key splits each new token's request used (the extend kernel writes it)."""
+    return batch.attn_metadata.split_counts[:batch.num_tokens].tolist()
+
+
 @pytest.mark.parametrize("heads", HEADS)
 def test_extend_without_prefix(heads):
-    compare(heads, ForwardMode.EXTEND, prefix_lens=[0, 0, 0], extend_lens=[1, 23, 70])
+    batch = compare(heads, ForwardMode.EXTEND, prefix_lens=[0, 0, 0], extend_lens=[1, 23, 70], target_programs=200)
+    # splits were planned, but a prompt's own tokens are too few keys per new token to split
+    assert batch.attn_metadata.partial_out is not None and set(split_counts(batch)) == {1}
 
 
 @pytest.mark.parametrize("heads", HEADS)
 def test_chunked_extend(heads):
     # a prefill chunk after earlier chunks: the prefix comes from req_to_token
     compare(heads, ForwardMode.EXTEND, prefix_lens=[37, 130, 0], extend_lens=[16, 45, 5])
+
+
+def test_extend_splits_only_a_long_prefix_against_few_new_tokens():
+    """4 new tokens after 300 keys are split and merged; 45 after 130 are not (fewer than
+    KEYS_PER_NEW_TOKEN keys each), nor a prompt of 5 with no prefix."""
+    batch = compare((6, 2, 64), ForwardMode.EXTEND, prefix_lens=[300, 130, 0], extend_lens=[4, 45, 5])
+    counts = split_counts(batch)
+    assert min(counts[:4]) > 1 and set(counts[4:]) == {1}
 
 
 def test_extend_one_split_writes_output_directly():

@@ -63,38 +63,46 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
 
 
 @triton.jit
+def _rotate_heads(src, dest, heads, half, head_ok, cos, sin, HALF: tl.constexpr):
+    """Rotate-half RoPE of a (heads, HEAD_DIM) tile: src and dest point at each head's start."""
+    x1 = tl.load(src[:, None] + half[None, :], mask=head_ok[:, None], other=0.0)
+    x2 = tl.load(src[:, None] + HALF + half[None, :], mask=head_ok[:, None], other=0.0)
+    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(dest[:, None] + half[None, :], (x1f * cos[None, :] - x2f * sin[None, :]).to(dest.dtype.element_ty),
+             mask=head_ok[:, None])
+    tl.store(dest[:, None] + HALF + half[None, :], (x2f * cos[None, :] + x1f * sin[None, :]).to(dest.dtype.element_ty),
+             mask=head_ok[:, None])
+
+
+# One program per token, every head of it as one tile: a program per (token, head) moved 64-128
+# values each and a 1000-token prefill's launch took 20 us a layer on an H200 (5 us this way).
+@triton.jit
 def _rope_and_store_kernel(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, cos_ptr, sin_ptr, positions_ptr,
                            slots_ptr, k_buf_ptr, v_buf_ptr, num_q_heads, num_kv_heads,
-                           HALF: tl.constexpr, HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr):
+                           HALF: tl.constexpr, HEAD_DIM: tl.constexpr, Q_HEADS: tl.constexpr,
+                           KV_HEADS: tl.constexpr, USE_PDL: tl.constexpr):
     if USE_PDL:  # the next kernel may start
         tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
     half = tl.arange(0, HALF)
-    # positions are the batch's metadata, cos and sin constant tables: no need to wait for them
+    # positions and slots are the batch's metadata, cos and sin constant tables: no need to wait for them
     position = tl.load(positions_ptr + token).to(tl.int64)
+    slot = tl.load(slots_ptr + token).to(tl.int64)
     cos = tl.load(cos_ptr + position * HALF + half)
     sin = tl.load(sin_ptr + position * HALF + half)
     if USE_PDL:  # q, k, v come from the projection just before
         tl.extra.cuda.gdc_wait()
-    if head < num_q_heads:
-        base = q_ptr + token * q_stride + head * HEAD_DIM
-        x1 = tl.load(base + half)
-        x2 = tl.load(base + HALF + half)
-        tl.store(base + half, (x1.to(tl.float32) * cos - x2.to(tl.float32) * sin).to(x1.dtype))
-        tl.store(base + HALF + half, (x2.to(tl.float32) * cos + x1.to(tl.float32) * sin).to(x1.dtype))
-    else:
-        kv_head = head - num_q_heads
-        slot = tl.load(slots_ptr + token).to(tl.int64)
-        base = k_ptr + token * k_stride + kv_head * HEAD_DIM
-        x1 = tl.load(base + half)
-        x2 = tl.load(base + HALF + half)
-        dest = k_buf_ptr + (slot * num_kv_heads + kv_head) * HEAD_DIM
-        tl.store(dest + half, (x1.to(tl.float32) * cos - x2.to(tl.float32) * sin).to(k_buf_ptr.dtype.element_ty))
-        tl.store(dest + HALF + half, (x2.to(tl.float32) * cos + x1.to(tl.float32) * sin).to(k_buf_ptr.dtype.element_ty))
-        dims = tl.arange(0, HEAD_DIM)
-        value = tl.load(v_ptr + token * v_stride + kv_head * HEAD_DIM + dims)
-        tl.store(v_buf_ptr + (slot * num_kv_heads + kv_head) * HEAD_DIM + dims, value.to(v_buf_ptr.dtype.element_ty))
+    q_heads = tl.arange(0, Q_HEADS)
+    q_rows = q_ptr + token * q_stride + q_heads * HEAD_DIM
+    _rotate_heads(q_rows, q_rows, q_heads, half, q_heads < num_q_heads, cos, sin, HALF)
+    kv_heads = tl.arange(0, KV_HEADS)
+    kv_ok = kv_heads < num_kv_heads
+    dest = (slot * num_kv_heads + kv_heads) * HEAD_DIM
+    _rotate_heads(k_ptr + token * k_stride + kv_heads * HEAD_DIM, k_buf_ptr + dest, kv_heads, half, kv_ok,
+                  cos, sin, HALF)
+    dims = tl.arange(0, HEAD_DIM)
+    value = tl.load(v_ptr + token * v_stride + kv_heads[:, None] * HEAD_DIM + dims[None, :], mask=kv_ok[:, None])
+    tl.store(v_buf_ptr + dest[:, None] + dims[None, :], value.to(v_buf_ptr.dtype.element_ty), mask=kv_ok[:, None])
 
 
 def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -104,9 +112,11 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
     row-strided views of the qkv projection (their last two dims contiguous)."""
     tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    _rope_and_store_kernel[(tokens, num_q_heads + num_kv_heads)](
+    _rope_and_store_kernel[(tokens,)](
         q, k, v, q.stride(0), k.stride(0), v.stride(0), cos, sin, positions, slots, k_buffer, v_buffer,
-        num_q_heads, num_kv_heads, HALF=head_dim // 2, HEAD_DIM=head_dim, **_pdl_launch(q.device))
+        num_q_heads, num_kv_heads, HALF=head_dim // 2, HEAD_DIM=head_dim,
+        Q_HEADS=triton.next_power_of_2(num_q_heads), KV_HEADS=triton.next_power_of_2(num_kv_heads),
+        **_pdl_launch(q.device))
 
 
 @triton.jit
