@@ -3,6 +3,8 @@ that counts the steps the fused step served and those the engine verified itself
 heads for a target, and the accounting of the head's cache and pending drafts."""
 from __future__ import annotations
 
+import time
+
 import torch
 
 from specserve.model.loader import load_checkpoint
@@ -76,4 +78,9 @@ def wait_until_fused_state_is_free(engine) -> None:
     wait_until_all_kv_is_free(engine)
     wait_until_draft_kv_is_free(engine)
     drafter = engine.core.drafter
+    # the core thread frees a finished request's KV before its draft state (EngineCore._finish):
+    # the KV can be back while the draft state's release is still to run
+    deadline = time.monotonic() + 30.0
+    while (drafter.pending or drafter.states._states) and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert not drafter.pending and not drafter.states._states
