@@ -1,23 +1,27 @@
 """The GPU's fused decoder kernels compute exactly what the torch code does (Triton's
-interpreter on the CPU, fp32)."""
+interpreter on the CPU; with TRITON_INTERPRET=0 on a GPU machine, the compiled kernels on CUDA;
+fp32 both ways)."""
 from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined; 0 on a GPU
+INTERPRET = os.environ.setdefault("TRITON_INTERPRET", "1") == "1"  # before the kernels are defined; 0 on a GPU
 
-import pytest
-import torch
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from specserve.model import fused_ops
-from specserve.model.layers import RMSNorm, RotaryEmbedding
+from specserve.model.layers import RMSNorm, RotaryEmbedding  # noqa: E402
+
+DEVICE = torch.device("cpu" if INTERPRET else "cuda")
 
 
 def test_add_rmsnorm_matches_torch():
     torch.manual_seed(0)
     norm = RMSNorm(48, 1e-6)
     norm.weight.data.normal_()
-    x, residual = torch.randn(5, 48), torch.randn(5, 48)
+    norm.to(DEVICE)
+    x, residual = torch.randn(5, 48, device=DEVICE), torch.randn(5, 48, device=DEVICE)
     torch.testing.assert_close(fused_ops.add_rmsnorm(x, norm.weight, 1e-6), norm(x), rtol=1e-5, atol=1e-5)
     expected_out, expected_residual = norm.add_and_norm(x, residual)
     fused_residual = residual.clone()
@@ -30,25 +34,25 @@ def test_add_rmsnorm_matches_torch():
 def test_rope_and_store_matches_torch_rope_and_pool_writes(heads, kv_heads):
     torch.manual_seed(1)
     head_dim, tokens = 16, 6
-    rope = RotaryEmbedding(head_dim, 64, 10000.0, None)
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim)
+    rope = RotaryEmbedding(head_dim, 64, 10000.0, None).to(DEVICE)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device=DEVICE)
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q, k, v = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim)
-    positions = torch.tensor([0, 3, 7, 8, 30, 63])
-    slots = torch.tensor([5, 1, 9, 2, 7, 3])
+    positions = torch.tensor([0, 3, 7, 8, 30, 63], device=DEVICE)
+    slots = torch.tensor([5, 1, 9, 2, 7, 3], device=DEVICE)
     expected_q, expected_k = rope(positions, q.clone(), k.clone())
-    k_buffer, v_buffer = torch.zeros(10, kv_heads, head_dim), torch.zeros(10, kv_heads, head_dim)
+    k_buffer, v_buffer = (torch.zeros(10, kv_heads, head_dim, device=DEVICE) for _ in range(2))
     fused_ops.rope_and_store(q, k, v, rope.cos, rope.sin, positions, slots, k_buffer, v_buffer)
     torch.testing.assert_close(q, expected_q, rtol=1e-5, atol=1e-5)       # rotated in place, inside qkv
     torch.testing.assert_close(k_buffer[slots], expected_k, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(v_buffer[slots], v)
-    untouched = torch.ones(10, dtype=torch.bool)
+    untouched = torch.ones(10, dtype=torch.bool, device=DEVICE)
     untouched[slots] = False
     assert not k_buffer[untouched].any() and not v_buffer[untouched].any()
 
 
 def test_silu_mul_matches_torch():
     torch.manual_seed(2)
-    gate_up = torch.randn(3, 80)
+    gate_up = torch.randn(3, 80, device=DEVICE)
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(fused_ops.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-6)

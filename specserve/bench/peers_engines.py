@@ -128,9 +128,11 @@ ENGINES = {c.name: c for c in [
     EngineConfig("specserve-naive-eagle", "specserve", "naive-eagle",
                  ("--speculative-algorithm", "NAIVE_EAGLE", "--speculative-draft-model-path", EAGLE_HEAD)),
     # a smaller model of the same tokenizer drafting a chain of 3 (--draft-model TARGET=DRAFT)
+    # two models' weights and graphs: with the default 40 s its share of a 330-s run (after two GGUF
+    # conversions, beside specserve-plain) left it 49 s to start, and it did not (H200, session 19)
     EngineConfig("specserve-standalone", "specserve", "standalone",
                  ("--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", DRAFT_MODEL,
-                  "--speculative-num-steps", "3")),
+                  "--speculative-num-steps", "3"), startup_s=100.0),
     EngineConfig("vllm-plain", "vllm", "plain", env=_VLLM_ENV, startup_s=105.0),
     EngineConfig("vllm-ngram", "vllm", "ngram", ("--speculative-config", json.dumps(VLLM_NGRAM)), env=_VLLM_ENV,
                  startup_s=105.0),
