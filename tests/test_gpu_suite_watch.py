@@ -96,8 +96,26 @@ def test_watch_splits_the_run_into_prefill_plain_and_drafting_steps(engine):
     assert mix["plain"]["from_ahead"] == 0 and mix["plain"]["mean_batch"] > 1   # no overlap on a CPU
     assert plain["draft_nodes_mean"] is None
     assert drafted["step_mix"]["draft"]["steps"] >= 1 and drafted["step_mix"]["draft"]["ms"] > 0
+    assert drafted["step_mix"]["draft"]["from_ahead"] == 0   # no drafting step launched ahead on a CPU
     assert 1 < drafted["draft_nodes_mean"] <= 4
     assert engine.core.runner.run_trees == watch._run_trees
+
+
+def test_watch_counts_drafting_steps_read_from_a_launch_ahead(engine, monkeypatch):
+    """With draft_ahead.py on (as on a GPU), a drafting step that comes from a launch ahead
+    counts as from_ahead: all but the first of a run of drafting steps."""
+    from specserve.engine.draft_ahead import DraftAhead
+    monkeypatch.setattr(engine.core, "draft_ahead", DraftAhead(engine.core.scheduler))
+    watch = RunWatch(engine)
+    try:
+        set_drafter(engine, 4, True, False)   # drafts of 4 nodes on every step: the prompts repeat
+        [drafted] = run(engine, PROMPTS, 3, 12, "ngram", watch=watch)
+    finally:
+        set_drafter(engine, None)
+        watch.close()
+    mix = drafted["step_mix"]["draft"]
+    assert 0 < mix["from_ahead"] < mix["steps"]
+    assert mix["from_ahead"] <= engine.core.draft_ahead.steps_taken
 
 
 def test_repeated_cells_report_their_median_run(engine):

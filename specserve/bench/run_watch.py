@@ -135,6 +135,7 @@ class RunWatch:
 
     def _timed_step(self):
         self._kind, self._batch_size, self._nodes, self._from_ahead = None, 0, 1, False
+        taken = self._drafts_taken_ahead()
         start = time.perf_counter()
         try:
             return self._step()
@@ -143,6 +144,8 @@ class RunWatch:
             if elapsed > self.longest_step_s:
                 self.longest_step_s = elapsed
                 self.longest_step = {"kind": self._kind, "batch_size": self._batch_size, "nodes": self._nodes}
+            if self._kind == "draft" and self._drafts_taken_ahead() > taken:
+                self._from_ahead = True   # a drafting step launched before the last one's bookkeeping
             if self._kind is not None:
                 mix = self.mix[self._kind]
                 mix["steps"] += 1
@@ -152,10 +155,16 @@ class RunWatch:
             self.host.end_step(self._kind, elapsed)
 
 
+    def _drafts_taken_ahead(self) -> int:
+        draft_ahead = self.core.draft_ahead
+        return draft_ahead.steps_taken if draft_ahead is not None else 0
+
+
 def _mix_row(mix: dict) -> dict:
-    """A step kind's count, wall milliseconds, mean batch size and, for plain steps, how many
-    were read from a step launched ahead (the others paid their launch and host time in full:
-    the first decode step after a prefill, after a drafting step, after a request ended)."""
+    """A step kind's count, wall milliseconds, mean batch size and how many were read from a
+    step launched ahead (plain steps: overlap.py; drafting steps: draft_ahead.py). The others
+    paid their launch and host time in full: the first decode step after a prefill, after a
+    drafting step, after a request ended, a drafting step after a plain one."""
     steps = mix["steps"]
     return {"steps": steps, "ms": round(mix["s"] * 1e3, 1),
             "mean_batch": round(mix["requests"] / steps, 1) if steps else None, "from_ahead": mix["ahead"]}
