@@ -8,7 +8,8 @@ its `req_to_token` row, prefix length and first new token (`qo_indptr`); the ker
 read prefix slots straight from `req_to_token` and new slots from `batch.out_slots`, so
 no kv_indices array is built. The split count (how many programs share one request's
 keys) is chosen from the grid size and the longest context, and the per-split scratch
-buffers are allocated once per forward.
+buffers are allocated once per forward; the extend kernel lets a causal request use fewer
+(extend.py's KEYS_PER_NEW_TOKEN).
 
 CUDA graphs: `init_cuda_graph_state` allocates static copies of that metadata for the
 largest graph, and `plan_for_capture` / `plan_for_replay` fill them in place. In graph

@@ -9,7 +9,9 @@ r = token * GROUP + head_in_group, so a K/V block is loaded once for all heads o
 group — a verify step of n tokens then reads the prefix once per kv head, like decode.
 The keys can be split (grid axis 2) as in decode, so a few long requests still fill the
 GPU; `merge_splits` reduces the splits a request used (a request whose keys fit one split
-has its output written by that split, and nothing to merge). Each
+has its output written by that split, and nothing to merge). A causal request uses no more
+splits than its keys per new token allow (KEYS_PER_NEW_TOKEN): a prompt's own row blocks
+fill the GPU, and splitting them only adds a merge. Each
 program walks its split in two runs: prefix keys (slots from `req_to_token`, no mask to
 compute) and then new keys (slots from `out_slots`, through the mask).
 
