@@ -154,7 +154,6 @@ class RunWatch:
                 mix["ahead"] += self._from_ahead
             self.host.end_step(self._kind, elapsed)
 
-
     def _drafts_taken_ahead(self) -> int:
         draft_ahead = self.core.draft_ahead
         return draft_ahead.steps_taken if draft_ahead is not None else 0
