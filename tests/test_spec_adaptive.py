@@ -727,6 +727,31 @@ def test_a_drafting_bucket_decodes_plainly_while_the_drafter_indexes(smol):
     smol.close(engine)
 
 
+def test_plain_steps_of_a_drafting_bucket_launch_ahead_while_the_drafter_indexes(smol):
+    """Those plain steps run on the overlap schedule (forced on here, as on a GPU): each is
+    launched before the last one's tokens are read, and the step in flight when the
+    drafter catches up is read, not thrown away; then the bucket drafts. Output: plain's."""
+    from tests.test_overlap import overlapped
+    params = {"temperature": 0, "max_new_tokens": 24}
+    plain = smol.make()
+    prompt = plain.tokenizer(CODE_PROMPT).input_ids
+    expected = plain.generate(input_ids=prompt, sampling_params=params)["output_ids"]
+    smol.close(plain)
+    engine = smol.make(**ngram_args(8, adaptive=True))
+    core, adaptive = engine.core, engine.core.adaptive
+    used = overlapped(engine)
+    adaptive.should_draft = adaptive.would_draft = lambda batch_size: True   # the bucket drafts
+    behind = iter([False] * 12)                        # ... but the indexing is behind for a few steps
+    core.drafter.ready_to_draft = lambda: next(behind, True)
+    thrown_away, drop = [], core._drop_ahead
+    core._drop_ahead = lambda: (thrown_away.append(core.overlap.ahead is not None), drop())[1]
+    assert engine.generate(input_ids=prompt, sampling_params=params)["output_ids"] == expected
+    assert used["ahead"] >= 4 and not any(thrown_away)
+    assert any(n for t, n in adaptive.steps_per_tier.items() if t > 1)   # it drafted once caught up
+    wait_until_all_kv_is_free(engine)
+    smol.close(engine)
+
+
 def test_an_unpriced_tier_costs_at_least_plain_plus_what_drafting_adds_elsewhere():
     """StepCosts.floor: bucket 32 adds 3 ms to its 2 ms plain step at tier 4; bucket 16 (plain
     1.8 ms) is not priced at tier 4: at least 1.8 + 3 * (16 / 2) / 32 ms; bucket 64, at least

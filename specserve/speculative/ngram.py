@@ -23,8 +23,13 @@ indexed yet (`ready_to_probe`): the first probe after 64 multi-turn prompts arri
 ~85 ms for them (H100, 1.5B, concurrency 64: 7% of the run), and with 2048 tokens allowed,
 probing steps of 13-16 ms still stood among plain steps of 1.5-3 ms (H100, 0.5B, multi-turn
 at 64: ~6% of the run). A probe only informs the policy, so it can wait a few steps for
-the writer; a drafting step cannot without giving up its bucket's drafting, so it waits
-up to DRAFT_BACKLOG_TOKENS (`ready_to_draft`). Which step probes then depends on the
+the writer. A drafting step waits up to DRAFT_BACKLOG_TOKENS (`ready_to_draft`); beyond
+that its bucket decodes plainly, on the overlap schedule, until the writer has caught up
+(engine/core.py). Each millisecond a drafting step waits is one the GPU idles, where a
+plain step launched ahead commits a token per request meanwhile: with 2048 tokens allowed,
+drafting steps at 64 took 10-16 ms where the policy priced ~3.5-4 ms, between plain steps
+held back for the backlog (H200, 0.5B, ShareGPT first turns, a prompt arriving every few
+steps; the waits inferred from the policy's trace, not timed). Which step probes or drafts then depends on the
 writer's timing; what is drafted from a given trie does not.
 
 With the pure-Python trie (no C compiler) the writes run at once on the caller's thread
@@ -57,9 +62,9 @@ AUTO_FLUSH_TOKENS = 256   # committed tokens queued that observe hands to the wr
 # of Python and small torch ops ~200 us on the CPU, one call per 1024 tokens ~10 us
 WRITE_BATCH_TOKENS = 1024
 # handed-over tokens not indexed yet above which a probe is put off (~0.5-1.3 ms of indexing),
-# and above which a drafting step decodes plainly instead (~3-5 ms)
+# and above which a drafting step decodes plainly instead (~1-2.5 ms)
 PROBE_BACKLOG_TOKENS = 256
-DRAFT_BACKLOG_TOKENS = 2048
+DRAFT_BACKLOG_TOKENS = 512
 
 
 class NgramDrafter(Drafter):
