@@ -709,14 +709,20 @@ def test_an_exploration_that_drafts_no_step_is_no_lost_episode():
     assert adaptive._hold[1] == PLAIN_HOLD
 
 
-def test_a_drafting_bucket_decodes_plainly_while_the_drafter_indexes(smol):
-    """A drafting step whose proposals would wait for the drafter's indexing (a batch of
-    new prompts) runs as a plain step instead; the output is plain decoding's."""
+def plain_code_answer(smol) -> tuple[list[int], dict, list[int]]:
+    """(CODE_PROMPT's ids, greedy params, plain decoding's 24 tokens), from an engine freed after."""
     params = {"temperature": 0, "max_new_tokens": 24}
     plain = smol.make()
     prompt = plain.tokenizer(CODE_PROMPT).input_ids
     expected = plain.generate(input_ids=prompt, sampling_params=params)["output_ids"]
     smol.close(plain)
+    return prompt, params, expected
+
+
+def test_a_drafting_bucket_decodes_plainly_while_the_drafter_indexes(smol):
+    """A drafting step whose proposals would wait for the drafter's indexing (a batch of
+    new prompts) runs as a plain step instead; the output is plain decoding's."""
+    prompt, params, expected = plain_code_answer(smol)
     engine = smol.make(**ngram_args(8, adaptive=True))
     adaptive, drafter = engine.core.adaptive, engine.core.drafter
     adaptive.should_draft = lambda batch_size: True    # the bucket drafts
@@ -732,11 +738,7 @@ def test_plain_steps_of_a_drafting_bucket_launch_ahead_while_the_drafter_indexes
     launched before the last one's tokens are read, and the step in flight when the
     drafter catches up is read, not thrown away; then the bucket drafts. Output: plain's."""
     from tests.test_overlap import overlapped
-    params = {"temperature": 0, "max_new_tokens": 24}
-    plain = smol.make()
-    prompt = plain.tokenizer(CODE_PROMPT).input_ids
-    expected = plain.generate(input_ids=prompt, sampling_params=params)["output_ids"]
-    smol.close(plain)
+    prompt, params, expected = plain_code_answer(smol)
     engine = smol.make(**ngram_args(8, adaptive=True))
     core, adaptive = engine.core, engine.core.adaptive
     used = overlapped(engine)
