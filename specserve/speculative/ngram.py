@@ -29,8 +29,8 @@ that its bucket decodes plainly, on the overlap schedule, until the writer has c
 plain step launched ahead commits a token per request meanwhile: with 2048 tokens allowed,
 drafting steps at 64 took 10-16 ms where the policy priced ~3.5-4 ms, between plain steps
 held back for the backlog (H200, 0.5B, ShareGPT first turns, a prompt arriving every few
-steps; the waits inferred from the policy's trace, not timed). Which step probes or drafts then depends on the
-writer's timing; what is drafted from a given trie does not.
+steps; the waits inferred from the policy's trace, not timed). Which step probes or drafts
+then depends on the writer's timing; what is drafted from a given trie does not.
 
 With the pure-Python trie (no C compiler) the writes run at once on the caller's thread
 in `flush`: that trie holds the GIL, so a thread would gain nothing.
