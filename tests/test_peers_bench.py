@@ -113,6 +113,14 @@ def test_specserve_engines_run_and_a_peer_without_wheels_is_reported(tiny_hf_roo
                                                for c in engine_cells) for engine_cells in by_engine.values())
     assert {c["prompts"] for c in cells} == {2, 8}
     assert all(len(c["ttft_ms"]) == c["prompts"] and min(c["ttft_ms"]) > 0 for c in cells)   # who waited
+    # a speculative server's counts: each cell's decode steps and the tokens a step committed, which
+    # together make every token but the first of each answer (its prefill made that one); a plain server
+    # counts none
+    assert not any("accept_length" in c for c in by_engine["specserve-plain"])
+    for name in engines[1:]:
+        assert all(c["decode_steps"] >= c["prompts"] and c["accept_length"] >= 1
+                   and round(c["decode_steps"] * c["accept_length"]) == c["prompts"] * 7
+                   for c in by_engine[name]), name
     started = {r["engine"]: r for r in rows if r["kind"] == "engine" and "error" not in r}
     assert started["specserve-ngram"]["settings"]["chunked_prefill_size"] == 2048   # what the server reports
     assert started["specserve-ngram"]["settings"]["speculative_num_draft_tokens"] >= 2

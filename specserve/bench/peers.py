@@ -12,7 +12,10 @@ the engine's carried wheels (peers_install.py), starts its OpenAI-compatible ser
 it on other prompts of every workload, then times the suite's workloads (gpu_suite:
 code-types, code-rename, sharegpt-multiturn second turns, sharegpt-repeat = first turns then
 the same list again) at each concurrency, streaming /v1/completions with token-id prompts,
-greedy, `max_tokens` fixed and `ignore_eos`. Rows go to $OUT/peers.jsonl as they come (a
+greedy, `max_tokens` fixed and `ignore_eos`. A speculative specserve server's cells also
+carry its decode steps and their mean committed tokens a request (`accept_length`, from its
+/get_server_info counters; plain steps of the adaptive policy count 1), so a cell that lost can
+be told apart from one that drafted and lost. Rows go to $OUT/peers.jsonl as they come (a
 killed call keeps what it measured); the table to $OUT/peers_table.md (peers_report.py).
 
 A peer that fails (no wheels, a crash, a timeout) gets rows saying so and the run goes on.
@@ -41,7 +44,8 @@ import sys
 import time
 from types import SimpleNamespace
 
-from specserve.bench.peers_engines import ENGINES, EngineConfig, ServerFailed, ServerProcess, server_settings
+from specserve.bench.peers_engines import (ENGINES, EngineConfig, ServerFailed, ServerProcess, accept_between,
+                                           server_settings, spec_counters)
 from specserve.bench.peers_heads import HeadMissing, head_for_engine, parse_model_map
 from specserve.bench.peers_install import WheelsMissing, engine_version, install, server_env
 from specserve.bench.peers_report import write_report
@@ -237,13 +241,15 @@ async def measure_engine(server: ServerProcess, model: str, workloads: dict, ns:
             prompts = workloads[workload][0][:prompts_per_cell(ns, concurrency)]
             for turn in (1, 2) if workload == "sharegpt-repeat" else (1,):
                 cell = {"kind": "cell", "workload": workload, "turn": turn, "concurrency": concurrency}
+                counted = spec_counters(server.base_url)   # the cell's accept length: what it adds
                 try:
                     results, duration = await _time_left(
                         _run_prompts(session, server.base_url, model, prompts, concurrency, ns.max_new_tokens),
                         budget_end)
                 except TimeoutError:
                     return _not_run(cells[index:], write)
-                write({**cell, **cell_summary(results, duration, server)})
+                write({**cell, **cell_summary(results, duration, server),
+                       **accept_between(counted, spec_counters(server.base_url))})
                 if not server.alive():
                     raise ServerFailed(f"the server died during {workload} at concurrency {concurrency}: "
                                        f"{server.log_tail()}")

@@ -220,12 +220,34 @@ SETTINGS_KEYS = ("chunked_prefill_size", "max_prefill_tokens", "schedule_policy"
 def server_settings(base_url: str) -> dict:
     """The scheduling settings a ready server reports at /get_server_info ({} where it has no
     such route, like vLLM's): a peer's defaults are part of what the table compares."""
+    info = _server_info(base_url)
+    return {key: info[key] for key in SETTINGS_KEYS if key in info}
+
+
+def spec_counters(base_url: str) -> tuple[int, int] | None:
+    """(decode steps, tokens they committed) over the finished requests of a speculative
+    specserve server so far, from /get_server_info (None where it has no such counts)."""
+    info = _server_info(base_url)
+    steps, tokens = info.get("spec_verify_steps_total"), info.get("spec_accepted_tokens_total")
+    return (steps, tokens) if isinstance(steps, int) and isinstance(tokens, int) else None
+
+
+def accept_between(before: tuple[int, int] | None, after: tuple[int, int] | None) -> dict:
+    """A cell's decode steps (summed over its requests) and the tokens each committed on
+    average (plain steps of an adaptive engine count as 1): {} without counts or steps."""
+    if before is None or after is None or after[0] <= before[0]:
+        return {}
+    steps = after[0] - before[0]
+    return {"decode_steps": steps, "accept_length": round((after[1] - before[1]) / steps, 3)}
+
+
+def _server_info(base_url: str) -> dict:
     try:
         with urllib.request.urlopen(base_url + "/get_server_info", timeout=5) as response:
             info = json.load(response)
     except (urllib.error.URLError, OSError, ValueError):
         return {}
-    return {key: info[key] for key in SETTINGS_KEYS if isinstance(info, dict) and key in info}
+    return info if isinstance(info, dict) else {}
 
 
 def _answers(url: str) -> bool:
