@@ -19,7 +19,7 @@ from specserve.engine.commit import (DeferredText, StepOutcome, can_defer_text, 
                                      finish_reason, unfinished)
 from specserve.engine.draft_ahead import DraftAhead, OutcomeCopies
 from specserve.engine.drafting_steps import DraftingSteps
-from specserve.engine.request import Batch, Req, ReqState, SpecStats, same_requests
+from specserve.engine.request import Batch, Req, ReqState, SpecStats
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.stats import StepLogger
 from specserve.engine.overlap import OverlapSchedule, StepAhead
@@ -159,7 +159,7 @@ class EngineCore(DraftingSteps):
         # the choice may read the policy one plain step stale (that step's after-work runs once the
         # next plain step is launched, _run_decode_ahead): a switch it makes applies a step later
         draft = self.drafter is not None and (self.adaptive is None or self.adaptive.should_draft(len(reqs)))
-        if draft and self.adaptive is not None and (not self.drafter.ready_to_draft() or self._plain_ahead_for(reqs)):
+        if draft and self.adaptive is not None and (not self.drafter.ready_to_draft() or self._plain_step_ahead(reqs)):
             # its proposals would wait for the indexing of new prompts while the GPU idles (H100, 0.5B,
             # ShareGPT second turns at 32: one drafting step of 60-90 ms a run, ~15% of it): decode
             # plainly meanwhile, reading the plain step launched ahead while the drafter was behind
@@ -360,10 +360,9 @@ class EngineCore(DraftingSteps):
         # a run, 1.55-1.77 ms each against ~1.2 launched ahead, while 32 new prompts were indexed)
         return keep
 
-    def _plain_ahead_for(self, reqs: list[Req]) -> bool:
+    def _plain_step_ahead(self, reqs: list[Req]) -> bool:
         """Whether a plain step for exactly these requests is already on the GPU."""
-        ahead = self.overlap.ahead if self.overlap is not None else None
-        return ahead is not None and same_requests([r for r in ahead.reqs if not r.finished], reqs)
+        return self.overlap is not None and self.overlap.holds_step_for(reqs)
 
     def _drop_ahead(self) -> None:
         if self.overlap is not None:

@@ -80,6 +80,12 @@ class OverlapSchedule:
         assert slots is not None, "the scheduler reserves a slot per decoding request"
         return self._launch(reqs, [r.kv_len for r in reqs], slots, last_tokens())
 
+    def holds_step_for(self, reqs: list[Req]) -> bool:
+        """Whether the step launched ahead is for exactly these requests (those a stop token
+        ended since aside): current_step would read it."""
+        ahead = self.ahead
+        return ahead is not None and same_requests([r for r in ahead.reqs if not r.finished], reqs)
+
     def launch_next(self, current: StepAhead, keep: list[int]) -> None:
         """Queues the step after `current` (whose tokens are not committed yet) for its
         requests `keep` (indices: those that do not end with `current`)."""
