@@ -346,60 +346,41 @@ def test_requests_that_finish_their_prefill_are_probed_at_the_next_plain_step():
     assert [adaptive.probe_due(8, every_at_least=3) for _ in range(3)] == [False, False, True]
 
 
-def test_a_large_batchs_admission_probe_samples_the_newcomers_and_expects_of_the_others_what_a_window_saw():
+def test_a_large_batchs_admission_probe_samples_the_newcomers_and_expects_one_token_of_the_others():
     """Where their admission alone makes a batch larger than a probe covers probe, the probe
     proposes for the new requests only (a fraction of a 16-request probe's host time), and
-    their drafts say nothing of the rest: a switch must pay with the others committing what
-    a request of the bucket's last probed window would (one token before any window). The
-    probe's cost does not set the bucket's k."""
+    their drafts say nothing of the rest: a switch must pay with one token from each other
+    request. The probe's cost does not set the bucket's k."""
     batch = [f"r{i}" for i in range(64)]
     newcomers, chain = ["r10", "r50"], ([9, 1, 2, 3], [-1, 0, 1, 2])
 
-    def policy(window_matches: bool | None) -> AdaptiveDraftLength:
+    def policy() -> AdaptiveDraftLength:
         adaptive = AdaptiveDraftLength([1, 4])
         measured(adaptive, {4: 0.012}, batch_size=64)
-        assert not adaptive.should_draft(64)                   # plain mode
-        for rid in batch:                                      # every request's drafts match in full
-            for _ in range(10):
-                propose(adaptive, rid, chain)
-                adaptive.observe(rid, [1, 2, 3, 8])
-        if window_matches is not None:   # a window probed before plain decoding's rate is known: no switch
-            window = [batch[i] for i in adaptive.probe_requests(batch)]
-            adaptive.probe(64, window, [4 if window_matches else 1] * len(window))
-        for _ in range(PLAIN_HOLD + 1):                        # plain decoding's rate; the hold passes
+        for _ in range(PLAIN_HOLD + 1):                         # plain mode, realized and past its hold
             assert not adaptive.should_draft(64)
             adaptive.record_step(64, 1, 0.010, tokens=64)
         adaptive.record_probe(64, 32 * PROBE_BUDGET * 0.010)   # k = 32
-        adaptive.admit(newcomers)
-        assert [adaptive.probe_due(64) for _ in range(ADMIT_GAP)][-1]
-        assert adaptive.probe_requests(batch) == [10, 50]
-        adaptive.probe(64, newcomers, [4, 4])
+        for rid in newcomers:                                  # their drafts match in full
+            for _ in range(10):
+                propose(adaptive, rid, chain)
+                adaptive.observe(rid, [1, 2, 3, 8])
         return adaptive
 
-    for window_matches in (None, False):                       # ~2 x 3.9 + 62 tokens at 1.2x the cost
-        adaptive = policy(window_matches)
-        assert not adaptive.would_draft(64), window_matches
-    adaptive.record_probe(64, 1.0)                             # not what a k-th step's probe costs
+    adaptive = policy()
+    adaptive.admit(newcomers)
+    assert [adaptive.probe_due(64) for _ in range(ADMIT_GAP)][-1]
+    assert adaptive.probe_requests(batch) == [10, 50]
+    adaptive.probe(64, newcomers, [4, 4])
+    adaptive.record_probe(64, 1.0)                              # not what a k-th step's probe costs
     assert adaptive.probe_every(64) == 32
-    assert policy(window_matches=True).would_draft(64)         # the others as the window: ~64 x 3.9 tokens
-
-
-def test_a_large_batchs_admission_probes_leave_its_window_probes_on_their_k():
-    """Prefills that complete every few steps make an admission probe every ADMIT_GAP plain
-    steps at 64; the window probes still come every k-th step (the newcomers' probes look
-    at no one else)."""
-    adaptive = AdaptiveDraftLength([1, 4])
-    adaptive.record_step(64, 1, 0.001)
-    adaptive.record_probe(64, 32 * PROBE_BUDGET * 0.001)      # k = 32
-    batch = [f"r{i}" for i in range(64)]
-    windows, newcomer_probes = [], []
-    for step in range(1, 65):
-        adaptive.admit([f"r{step % 64}"])
-        if adaptive.probe_due(64):
-            adaptive.probe_requests(batch)
-            (newcomer_probes if adaptive.probes.newcomers_only else windows).append(step)
-    assert windows == [32, 64]
-    assert newcomer_probes == [s for s in range(ADMIT_GAP, 65, ADMIT_GAP) if s not in windows]
+    assert not adaptive.should_draft(64) and not adaptive.would_draft(64)   # ~2 x 3.9 + 62 tokens at 1.2x the cost
+    # the same two requests as a sample of the batch (a probe at the bucket's k) stand for all 64
+    adaptive = policy()
+    assert [adaptive.probe_due(64) for _ in range(32)][-1]
+    assert len(adaptive.probe_requests(batch)) == PROBE_REQUESTS
+    adaptive.probe(64, newcomers, [4, 4])
+    assert adaptive.would_draft(64)
 
 
 def test_a_small_batch_probes_again_in_the_first_steps_after_an_admission():

@@ -55,9 +55,9 @@ class PolicyTrace:
         setattr(owner, name, lambda *args, **kwargs: hook(original, *args, **kwargs))
         self._wrapped.append((owner, name))
 
-    def _on_rates(self, original, bucket, batch_size, rids, num_nodes, keys, measure=False, others=None):
-        choice, best, rates = result = original(bucket, batch_size, rids, num_nodes, keys, measure=measure, others=others)
-        self.events.append({"e": "rates", "bucket": bucket, "bs": batch_size, "sampled": len(rids), "others": others,
+    def _on_rates(self, original, bucket, batch_size, rids, num_nodes, keys, measure=False):
+        choice, best, rates = result = original(bucket, batch_size, rids, num_nodes, keys, measure=measure)
+        self.events.append({"e": "rates", "bucket": bucket, "bs": batch_size, "sampled": len(rids),
                             "with_draft": sum(n > 1 for n in num_nodes), "choose": measure, "choice": choice,
                             "rates": {t: round(r) for t, r in rates.items()}})
         return result

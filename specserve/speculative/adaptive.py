@@ -78,7 +78,6 @@ class AdaptiveDraftLength:
         self._expected_rate: dict[int, float] = {}   # bucket -> the rate its drafting choice expected
         self._overshoots = RecentMedians(OPTIMISM_WINDOW)   # per bucket: expected / realized
         self.optimism: dict[int, float] = {}   # bucket -> median expected / realized of its drafting steps
-        self._window_mean: dict[int, dict[int, float]] = {}   # bucket -> tier -> tokens a request of its last probed window
 
     # the parts' state under the names diagnostics and benches read (and write):
     # bench/draft_step_host.py pins prices, one-off scripts dump the policy's state
@@ -146,14 +145,15 @@ class AdaptiveDraftLength:
         """After a plain step: the sampled requests' proposals (recorded as shadows) say
         whether drafting is expected to win now; if so the bucket drafts again."""
         bucket = batch_bucket(batch_size)
-        others = self._others_expected(bucket, batch_size, rids, num_nodes, keys)
         if max(num_nodes) == 1 or not self.modes.may_switch(bucket, self.costs.steps(bucket), rids):
             return
         if not self.costs.steadily_priced(bucket, 1):
             return   # what drafting must beat is not known yet (adaptive_modes.py: plain_trial)
+        # newcomers alone (adaptive_probes.py) say nothing of the others: one token each is expected of them
+        others = batch_size - len(rids) if self.probes.newcomers_only else None
         _, best, rates = self._best_tier(bucket, batch_size, rids, num_nodes, keys, others=others)
         if not rates:   # a tier is not priced at this bucket yet: drafting prices it, if it may win
-            if self._pricing_may_pay(bucket, rids, num_nodes, keys, self._switch_margin(bucket), others):
+            if self._pricing_may_pay(bucket, rids, num_nodes, keys, self._switch_margin(bucket), others or 0):
                 self.modes.request_switch(bucket)
             return
         if best > 1 and rates[best] >= self._switch_margin(bucket) * rates[1]:
@@ -164,19 +164,6 @@ class AdaptiveDraftLength:
         if stale:   # the episode's first step runs the stale tier, whatever its old price says
             self._explore[bucket] = max(stale, key=rates.get)
             self.modes.request_switch(bucket)
-
-    def _others_expected(self, bucket: int, batch_size: int, rids: list[str], num_nodes: list[int],
-                         keys: list[int] | None) -> dict[int, float] | None:
-        """For a probe of newcomers alone (adaptive_probes.py), whose drafts say nothing of the
-        rest of the batch: per tier, the tokens the others are expected to commit, each what a
-        request of the bucket's last probed window was (1 before any). For a probe of a window,
-        None (the sample stands for the batch), and the window's per-request mean is kept."""
-        if self.probes.newcomers_only:
-            mean = self._window_mean.get(bucket, {})
-            return {t: (batch_size - len(rids)) * mean.get(t, 1.0) for t in self.tiers}
-        tokens = self._expected_batch_tokens(self.tiers, rids, num_nodes, keys)
-        self._window_mean[bucket] = {t: n / len(rids) for t, n in tokens.items()}
-        return None
 
     def _switch_margin(self, bucket: int) -> float:
         """SWITCH_MARGIN, times how much the bucket's drafting choices overshot of late."""
@@ -208,19 +195,19 @@ class AdaptiveDraftLength:
 
     def _best_tier(self, bucket: int, batch_size: int, rids: list[str], num_nodes: list[int],
                    keys: list[int] | None, measure: bool = False,
-                   others: dict[int, float] | None = None) -> tuple[int, int, dict[int, float]]:
+                   others: int | None = None) -> tuple[int, int, dict[int, float]]:
         """(the tier to run, the tier of the highest expected rate, the rates (tokens per
         second) of every useful tier). The tier to run is the best one, except that a tier
         not priced at this bucket yet (and, with `measure`, now and then the stalest
         contender) is run to be priced; while tiers are unpriced there are no rates.
-        A sample of the batch stands for the whole of it, unless `others` gives, per tier,
-        the tokens the requests it leaves out are expected to commit."""
+        A sample of the batch stands for the whole of it, unless `others` says how many
+        requests it leaves out, each expected to commit one token."""
         tiers = self._useful_tiers(max(num_nodes))
         unpriced = self.costs.unpriced(bucket, tiers)
         if unpriced:  # each tier is priced once per bucket, cheapest first
             return unpriced[0], unpriced[0], {}
         scale = batch_size / len(rids) if others is None else 1.0   # a probe sees a sample of the batch
-        rates = {t: (scale * tokens + (others or {}).get(t, 0.0)) / self.costs.cost(bucket, t)
+        rates = {t: (scale * tokens + (others or 0)) / self.costs.cost(bucket, t)
                  for t, tokens in self._expected_batch_tokens(tiers, rids, num_nodes, keys).items()}
         best = max(tiers, key=rates.get)
         if measure and self.costs.refresh_due(bucket):
@@ -232,7 +219,7 @@ class AdaptiveDraftLength:
         return best, best, rates
 
     def _pricing_may_pay(self, bucket: int, rids: list[str], num_nodes: list[int], keys: list[int] | None,
-                         margin: float, others: dict[int, float] | None = None) -> bool:
+                         margin: float, others: int = 0) -> bool:
         """Whether some tier may beat plain decoding by `margin` at the bucket, its unpriced
         tiers at their floor price (StepCosts.floor): if none may, pricing them is drafting
         steps that lose. Without this, each bucket a draining batch passes through was
@@ -242,8 +229,7 @@ class AdaptiveDraftLength:
         prices = {t: self.costs.seconds.get((bucket, t)) or self.costs.floor(bucket, t) for t in tiers}
         if any(price is None for price in prices.values()):
             return True   # plain decoding is unpriced here: nothing bounds what drafting costs
-        tokens = {t: n + (others or {}).get(t, 0.0)
-                  for t, n in self._expected_batch_tokens(tiers, rids, num_nodes, keys).items()}
+        tokens = {t: n + others for t, n in self._expected_batch_tokens(tiers, rids, num_nodes, keys).items()}
         return any(tokens[t] / prices[t] >= margin * tokens[1] / prices[1] for t in tiers if t > 1)
 
     def _expected_batch_tokens(self, tiers: list[int], rids: list[str], num_nodes: list[int],

@@ -36,11 +36,8 @@ Such a probe proposes for the newly admitted requests alone (`requests`): a 16-r
 costs ~0.6-0.8 ms of host time on an H200's host, 85 us a plain step at 64 (0.5B, ShareGPT
 multi-turn at 64, session 20: ~30 admission probes in 228 plain steps where the budget asked
 for ~7); one of the one to three requests a prefill step admits costs a fraction of that.
-Their evidence says nothing about the rest of the batch: the policy expects of the others what
-the bucket's last probe of a window saw (adaptive.py `probe`); the probe's cost does not set
-k, nor does it put off the k-th step's probe of a window (with newcomers alone sampled and
-prefills every few steps, no window was probed again: 0.5B, ShareGPT repeated turns at 64,
-accept 3.23 fell to 1.12).
+Their evidence says nothing about the rest of the batch: the policy expects one token from
+each of the others (adaptive.py `probe`), and the probe's cost does not set k.
 A probe that costs forwards (a model drafter's: `every_at_least` > 1) takes only the first
 of these, the admission probe of a batch it covers whole; a large batch probes on its k alone.
 There admissions made a probe every `every_at_least` plain steps, each a head catch-up (~5 ms):
@@ -68,8 +65,7 @@ class ProbeSchedule:
         self.max_every = max_every
         self._offset = 0                          # rotates the requests a probe drafts for
         self._cost: dict[int, float] = {}         # bucket -> host seconds of a probe
-        self._unprobed: dict[int, int] = {}       # bucket -> plain steps since its last probe of a window
-        self._since_probe: dict[int, int] = {}    # bucket -> plain steps since its last probe of any kind
+        self._unprobed: dict[int, int] = {}       # bucket -> plain steps since its last probe
         self._every: dict[int, int] = {}          # bucket -> k, set when a probe is timed
         self._admitted = False                    # requests started decoding since the last probe
         self._since_admit = max(ADMIT_FOLLOW_UPS)  # plain steps since the last admission
@@ -110,27 +106,22 @@ class ProbeSchedule:
         follow-ups and the first step after the batch entered the bucket), never below
         `every_at_least` (a drafter whose proposals cost forwards); k is capped at
         `every_at_most` (None: the schedule's max_every)."""
-        waited = self._unprobed.get(bucket, 0) + 1      # plain steps since a probe that counts for k
-        gap = self._since_probe.get(bucket, 0) + 1      # ... since any probe, a newcomers' one too
+        waited = self._unprobed.get(bucket, 0) + 1
         self._since_admit += 1
         small = bucket <= PROBE_REQUESTS
         cheap = every_at_least == 1   # a probe that costs forwards takes less news (module docstring)
         entered = self._last_step_bucket is not None and bucket != self._last_step_bucket
-        admitted = self._admitted and (small or (cheap and gap >= ADMIT_GAP))
+        admitted = self._admitted and (small or (cheap and waited >= ADMIT_GAP))
         follow_up = cheap and small and (entered or self._since_admit in ADMIT_FOLLOW_UPS)
         news = admitted or bucket in self._owed or follow_up
         every = min(self._every.get(bucket, 1), self.max_every if every_at_most is None else every_at_most)
         if waited < every_at_least or (waited < every and not news):
-            self._unprobed[bucket], self._since_probe[bucket] = waited, gap
+            self._unprobed[bucket] = waited
             return False
-        # (an admission that named no requests probes a window, as k's probe does)
-        admission_alone = not small and waited < every and bucket not in self._owed and bool(self._newcomers)
+        admission_alone = not small and waited < every and bucket not in self._owed
         self._newcomer_sample = self._newcomers if admission_alone else []
         self._newcomers = []
-        # a newcomers' probe does not look at the batch: its k-th step still probes a window of it
-        # (where prefills complete every few steps, admissions would otherwise put that off for good)
-        self._unprobed[bucket] = waited if admission_alone else 0
-        self._since_probe[bucket] = 0
+        self._unprobed[bucket] = 0
         self._admitted = False
         self._owed.discard(bucket)
         return True
