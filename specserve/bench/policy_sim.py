@@ -124,7 +124,7 @@ class PolicySim:
         self.batch += [req for req in admitted if not req.finished]
         self.result.seconds += PREFILL_SECONDS
         if self.adaptive is not None:
-            self.adaptive.admit([req.rid for req in admitted])
+            self.adaptive.admit()
 
     def _decode(self) -> None:
         reqs, result = self.batch, self.result
@@ -153,8 +153,8 @@ class PolicySim:
         for req in reqs:
             self._commit(req, 1)
         if probing:
-            window = adaptive.probe_requests([req.rid for req in reqs])
-            sample = [reqs[i] for i in window if not reqs[i].finished]
+            window = adaptive.probe_requests(len(reqs))
+            sample = [reqs[i % len(reqs)] for i in window if not reqs[i % len(reqs)].finished]
             if sample:
                 rids, proposal, num_nodes, keys = self._propose(sample)
                 adaptive.record_proposals(rids, proposal, num_nodes, keys)

@@ -144,7 +144,7 @@ class EngineCore(DraftingSteps):
         if not sampling:
             return []
         if self.adaptive is not None:
-            self.adaptive.admit([r.rid for r in sampling])   # they decode from the next step: a probe looks at them first
+            self.adaptive.admit()   # they decode from the next step: a probe looks at them first
         trees = DraftTrees.root_only(torch.tensor(self._last_tokens(sampling)))
         sampled = self.sampler.sample(logits, trees, sampling, self.sampler.prepare(trees, sampling))
         return self._observe([self._commit(req, sampled, i) for i, req in enumerate(sampling)])
@@ -338,8 +338,8 @@ class EngineCore(DraftingSteps):
         time is the probe's cost: the proposals include the wait for the indexing they need
         (what the drafter's writer has not finished while the GPU computed)."""
         start = time.perf_counter()
-        window = self.adaptive.probe_requests([r.rid for r in reqs])   # no request twice
-        sample = [reqs[i] for i in window if not reqs[i].finished]
+        window = self.adaptive.probe_requests(len(reqs))   # at most the batch: no request twice
+        sample = [reqs[i % len(reqs)] for i in window if not reqs[i % len(reqs)].finished]
         if sample:
             proposal, num_nodes = self.drafter.propose(sample, self._draft_limits(sample))
             rids, keys = [r.rid for r in sample], self.drafter.proposal_keys()

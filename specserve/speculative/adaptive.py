@@ -114,10 +114,9 @@ class AdaptiveDraftLength:
         return self.modes.would_draft(bucket, self.costs.steps(bucket))
 
     # --- probes on plain steps ---
-    def probe_requests(self, rids: list[str]) -> list[int]:
-        """Which requests of a plain step (indices in `rids`) to propose for, as shadows: a
-        rotating window, or the newcomers a large batch's admission probe is for."""
-        return self.probes.requests(rids)
+    def probe_requests(self, batch_size: int) -> range:
+        """Which requests of a plain step to propose for, as shadows (a rotating window)."""
+        return self.probes.requests(batch_size)
 
     def probe_due(self, batch_size: int, every_at_least: int = 1, every_at_most: int | None = None) -> bool:
         """Whether this plain step probes: every k-th plain step of its bucket, k the
@@ -149,11 +148,9 @@ class AdaptiveDraftLength:
             return
         if not self.costs.steadily_priced(bucket, 1):
             return   # what drafting must beat is not known yet (adaptive_modes.py: plain_trial)
-        # newcomers alone (adaptive_probes.py) say nothing of the others: one token each is expected of them
-        others = batch_size - len(rids) if self.probes.newcomers_only else None
-        _, best, rates = self._best_tier(bucket, batch_size, rids, num_nodes, keys, others=others)
+        _, best, rates = self._best_tier(bucket, batch_size, rids, num_nodes, keys)
         if not rates:   # a tier is not priced at this bucket yet: drafting prices it, if it may win
-            if self._pricing_may_pay(bucket, rids, num_nodes, keys, self._switch_margin(bucket), others or 0):
+            if self._pricing_may_pay(bucket, rids, num_nodes, keys, self._switch_margin(bucket)):
                 self.modes.request_switch(bucket)
             return
         if best > 1 and rates[best] >= self._switch_margin(bucket) * rates[1]:
@@ -194,20 +191,17 @@ class AdaptiveDraftLength:
         return choice
 
     def _best_tier(self, bucket: int, batch_size: int, rids: list[str], num_nodes: list[int],
-                   keys: list[int] | None, measure: bool = False,
-                   others: int | None = None) -> tuple[int, int, dict[int, float]]:
+                   keys: list[int] | None, measure: bool = False) -> tuple[int, int, dict[int, float]]:
         """(the tier to run, the tier of the highest expected rate, the rates (tokens per
         second) of every useful tier). The tier to run is the best one, except that a tier
         not priced at this bucket yet (and, with `measure`, now and then the stalest
-        contender) is run to be priced; while tiers are unpriced there are no rates.
-        A sample of the batch stands for the whole of it, unless `others` says how many
-        requests it leaves out, each expected to commit one token."""
+        contender) is run to be priced; while tiers are unpriced there are no rates."""
         tiers = self._useful_tiers(max(num_nodes))
         unpriced = self.costs.unpriced(bucket, tiers)
         if unpriced:  # each tier is priced once per bucket, cheapest first
             return unpriced[0], unpriced[0], {}
-        scale = batch_size / len(rids) if others is None else 1.0   # a probe sees a sample of the batch
-        rates = {t: (scale * tokens + (others or 0)) / self.costs.cost(bucket, t)
+        scale = batch_size / len(rids)   # a probe sees a sample of the batch
+        rates = {t: scale * tokens / self.costs.cost(bucket, t)
                  for t, tokens in self._expected_batch_tokens(tiers, rids, num_nodes, keys).items()}
         best = max(tiers, key=rates.get)
         if measure and self.costs.refresh_due(bucket):
@@ -219,7 +213,7 @@ class AdaptiveDraftLength:
         return best, best, rates
 
     def _pricing_may_pay(self, bucket: int, rids: list[str], num_nodes: list[int], keys: list[int] | None,
-                         margin: float, others: int = 0) -> bool:
+                         margin: float) -> bool:
         """Whether some tier may beat plain decoding by `margin` at the bucket, its unpriced
         tiers at their floor price (StepCosts.floor): if none may, pricing them is drafting
         steps that lose. Without this, each bucket a draining batch passes through was
@@ -229,7 +223,7 @@ class AdaptiveDraftLength:
         prices = {t: self.costs.seconds.get((bucket, t)) or self.costs.floor(bucket, t) for t in tiers}
         if any(price is None for price in prices.values()):
             return True   # plain decoding is unpriced here: nothing bounds what drafting costs
-        tokens = {t: n + others for t, n in self._expected_batch_tokens(tiers, rids, num_nodes, keys).items()}
+        tokens = self._expected_batch_tokens(tiers, rids, num_nodes, keys)
         return any(tokens[t] / prices[t] >= margin * tokens[1] / prices[1] for t in tiers if t > 1)
 
     def _expected_batch_tokens(self, tiers: list[int], rids: list[str], num_nodes: list[int],
@@ -291,10 +285,10 @@ class AdaptiveDraftLength:
         """One request's committed tokens: a batch of one."""
         self.observe_batch([rid], [committed])
 
-    def admit(self, rids: list[str] = ()) -> None:
-        """Requests (`rids`) finished their prefill: the next plain step probes them (their
-        drafts may match from the first token whatever the batch's history says)."""
-        self.probes.admit(rids)
+    def admit(self) -> None:
+        """Requests finished their prefill: the next plain step probes them (their drafts
+        may match from the first token whatever the batch's history says)."""
+        self.probes.admit()
 
     def release(self, rid: str) -> None:
         self.evidence.release(rid)

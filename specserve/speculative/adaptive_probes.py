@@ -32,12 +32,6 @@ probe covers probes for admissions at most every ADMIT_GAP plain steps: where pr
 complete every few steps (ShareGPT at 64 on an H100, 0.5B: ~48 prefill steps in ~260 decode
 steps) admission probes were most of the 92 plain steps of 3.7 ms against 1.7 ms for the
 others, and a probe there samples PROBE_REQUESTS of the batch, often not the new requests.
-Such a probe proposes for the newly admitted requests alone (`requests`): a 16-request probe
-costs ~0.6-0.8 ms of host time on an H200's host, 85 us a plain step at 64 (0.5B, ShareGPT
-multi-turn at 64, session 20: ~30 admission probes in 228 plain steps where the budget asked
-for ~7); one of the one to three requests a prefill step admits costs a fraction of that.
-Their evidence says nothing about the rest of the batch: the policy expects one token from
-each of the others (adaptive.py `probe`), and the probe's cost does not set k.
 A probe that costs forwards (a model drafter's: `every_at_least` > 1) takes only the first
 of these, the admission probe of a batch it covers whole; a large batch probes on its k alone.
 There admissions made a probe every `every_at_least` plain steps, each a head catch-up (~5 ms):
@@ -71,34 +65,23 @@ class ProbeSchedule:
         self._since_admit = max(ADMIT_FOLLOW_UPS)  # plain steps since the last admission
         self._last_step_bucket: int | None = None  # the bucket of the last step taken, either mode
         self._owed: set[int] = set()              # buckets whose due probe was put off (put_off)
-        self._newcomers: list[str] = []           # requests admitted since the last probe (the latest few)
-        self._newcomer_sample: list[str] = []     # ... that the probe granted for their admission alone samples
-        self.newcomers_only = False               # the last probe's sample is those newcomers alone
 
-    def admit(self, rids: list[str] = ()) -> None:
-        """Requests (`rids`) finished their prefill: the next plain step probes (and, in a
-        small batch, its ADMIT_FOLLOW_UPS)."""
+    def admit(self) -> None:
+        """Requests finished their prefill: the next plain step probes (and, in a small
+        batch, its ADMIT_FOLLOW_UPS)."""
         self._admitted = True
         self._since_admit = 0
-        self._newcomers = (self._newcomers + list(rids))[-PROBE_REQUESTS:]
 
     def note_step(self, bucket: int) -> None:
         """Every step, plain or drafting, after it ran."""
         self._last_step_bucket = bucket
 
-    def requests(self, rids: list[str]) -> list[int]:
-        """Which requests of a plain step (their indices in `rids`) to propose for, as
-        shadows: the newcomers where their admission alone made a large batch probe, else a
-        rotating window."""
-        newcomers = set(self._newcomer_sample)
-        picked = [i for i, rid in enumerate(rids) if rid in newcomers]
-        self.newcomers_only = bool(picked)
-        if picked:
-            return picked
-        count = min(len(rids), PROBE_REQUESTS)
-        start = self._offset % len(rids)
+    def requests(self, batch_size: int) -> range:
+        """Which requests of a plain step to propose for, as shadows (a rotating window)."""
+        count = min(batch_size, PROBE_REQUESTS)
+        start = self._offset % batch_size
         self._offset += count
-        return [(start + i) % len(rids) for i in range(count)]
+        return range(start, start + count)
 
     def due(self, bucket: int, every_at_least: int = 1, every_at_most: int | None = None) -> bool:
         """Whether this plain step probes: every k-th plain step of its bucket (counted here),
@@ -118,9 +101,6 @@ class ProbeSchedule:
         if waited < every_at_least or (waited < every and not news):
             self._unprobed[bucket] = waited
             return False
-        admission_alone = not small and waited < every and bucket not in self._owed
-        self._newcomer_sample = self._newcomers if admission_alone else []
-        self._newcomers = []
         self._unprobed[bucket] = 0
         self._admitted = False
         self._owed.discard(bucket)
@@ -136,10 +116,7 @@ class ProbeSchedule:
 
     def record(self, bucket: int, seconds: float, plain_step_seconds: float | None) -> None:
         """The host time of a probe; sets the bucket's k against its plain step's current
-        cost (None while no plain step of the bucket has been timed). A probe of newcomers
-        alone is not what a k-th step's probe costs: it sets nothing."""
-        if self.newcomers_only:
-            return
+        cost (None while no plain step of the bucket has been timed)."""
         old = self._cost.get(bucket)
         probe = self._cost[bucket] = seconds if old is None else old + PROBE_COST_EMA * (seconds - old)
         if plain_step_seconds:
