@@ -61,9 +61,9 @@ def _cell(engine: str, tok_s: float | None, concurrency: int = 8, hashes=("a", "
 
 
 def test_table_worst_cell_first_with_failures_and_agreement():
-    rows = [_cell("specserve-plain", 100, 1), _cell("specserve-ngram", 300, 1), _cell("vllm-plain", 120, 1),
-            _cell("vllm-ngram", 200, 1, hashes=("a", "x")),
-            _cell("specserve-plain", 1000), _cell("specserve-ngram", 900), _cell("vllm-plain", 2000),
+    rows = [_cell("specserve-plain", 100, 1), _cell("specserve-ngram", 300, 1, accept_length=2.5),
+            _cell("vllm-plain", 120, 1), _cell("vllm-ngram", 200, 1, hashes=("a", "x")),
+            _cell("specserve-plain", 1000), _cell("specserve-ngram", 900, accept_length=1.0), _cell("vllm-plain", 2000),
             _cell("vllm-ngram", None, error="3 requests failed; the first: HTTP 500"),
             {"kind": "engine", "model": "m", "engine": "sglang-plain", "engine_family": "sglang",
              "error": "no wheels for sglang"}]
@@ -74,6 +74,7 @@ def test_table_worst_cell_first_with_failures_and_agreement():
     assert "| failed |" in table[0] and table[0].count("failed") == 2   # vllm-ngram's 500, sglang's missing wheels
     assert "| vllm-ngram | 75% | 2 |" in text                            # 1 of 2, then 2 of 2
     assert "no wheels for sglang" in text and "HTTP 500" in text
+    assert "| specserve-ngram | 2 | 1.00 / 2.50 / 2.50 | 1 of 2 |" in text   # one cell kept every step plain
 
 
 @pytest.fixture(scope="module")

@@ -118,6 +118,21 @@ def agreement_table(cells: dict[CellKey, dict[str, dict]], order: list[str]) -> 
     return lines
 
 
+def drafting_table(cells: dict[CellKey, dict[str, dict]], order: list[str]) -> list[str]:
+    """Per speculative specserve server: its accept length over the cells (tokens per decode
+    step, from its counters), and in how many cells it drafted at all (the adaptive policy may
+    keep every step plain, where the row measures plain decoding plus the drafter's upkeep)."""
+    lines = ["| engine | cells | accept length (min / median / max) | cells that drafted |", "|---|---|---|---|"]
+    for name in order:
+        accepts = sorted(by_engine[name]["accept_length"] for by_engine in cells.values()
+                         if by_engine.get(name, {}).get("accept_length") is not None)
+        if accepts:
+            drafted = sum(accept > 1.005 for accept in accepts)
+            lines.append(f"| {name} | {len(accepts)} | {accepts[0]:.2f} / {accepts[len(accepts) // 2]:.2f} / "
+                         f"{accepts[-1]:.2f} | {drafted} of {len(accepts)} |")
+    return lines
+
+
 def engine_lines(rows: list[dict]) -> list[str]:
     """Which build of each engine configuration the table's numbers come from, and when."""
     latest = {(r["model"], r["engine"]): r for r in rows if r.get("kind") == "engine" and not r.get("error")}
@@ -154,6 +169,9 @@ def render(rows: list[dict]) -> str:
              "cells sorted by specserve's best over the best peer, worst first.", ""]
     parts += speed_table(cells, order) + ["", "## Greedy agreement (bf16; reported, not required)", ""]
     parts += agreement_table(cells, order)
+    drafting = drafting_table(cells, order)
+    if len(drafting) > 2:
+        parts += ["", "## Drafting of specserve's speculative servers", ""] + drafting
     parts += ["", "## Engines measured", ""] + engine_lines(rows)
     errors = error_lines(rows)
     if errors:

@@ -32,6 +32,10 @@ probe covers probes for admissions at most every ADMIT_GAP plain steps: where pr
 complete every few steps (ShareGPT at 64 on an H100, 0.5B: ~48 prefill steps in ~260 decode
 steps) admission probes were most of the 92 plain steps of 3.7 ms against 1.7 ms for the
 others, and a probe there samples PROBE_REQUESTS of the batch, often not the new requests.
+Sampling only the newly admitted requests in such a probe (and expecting of the others what
+the last window probe saw) was tried and measured worse, A/B in one H200 lease (session 21,
+chat cells at 32/64, both rounds): geomean 0.903x plain against 0.944x (0.5B), 0.933x against
+0.942x (1.5B); reverted.
 A probe that costs forwards (a model drafter's: `every_at_least` > 1) takes only the first
 of these, the admission probe of a batch it covers whole; a large batch probes on its k alone.
 There admissions made a probe every `every_at_least` plain steps, each a head catch-up (~5 ms):
