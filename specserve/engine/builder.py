@@ -133,7 +133,7 @@ def _build_core(args: ServerArgs, checked: Preflight, tp):
                           schedule_policy=args.schedule_policy)
     drafter = checked.drafter if draft is None else draft.make_drafter(runner)
     if draft is not None and draft.reads_target_states:
-        # plain steps of the adaptive policy keep the target's states for the head (eagle.py: FEED_EVERY)
+        # plain steps of the adaptive policy keep the target's states for the head (eagle.py: HELD_STATES_BYTES)
         logger.info("%s: prefixes are not cached: the head needs the target's state of every token",
                     args.speculative)
     adaptive = None

@@ -16,8 +16,9 @@ the next sync frees them).
 
 Plain steps (the adaptive policy decodes plainly where drafting would lose) keep the
 target's states too: they wait here, and the next proposal's catch-up feeds them, so the
-head has read every committed token before it drafts again. A request that nothing fed for
-FEED_EVERY steps is fed then (`observe_batch`), which bounds what waits here.
+head has read every committed token before it drafts again. Once what waits here reaches
+HELD_STATES_BYTES the batch's requests are fed in one forward (`observe_batch`), which
+bounds it.
 
 Chain drafts are argmax or sampled exactly as STANDALONE's (see standalone.py): sampled
 drafts hand their q over the target vocabulary to residual rejection. Tree drafts are the
@@ -41,17 +42,17 @@ if TYPE_CHECKING:
 
 
 # Plain steps of the adaptive policy (engine/core.py) keep the target's states but do not draft:
-# a request's states wait here until its head is fed. Every FEED_EVERY-th step the requests
-# that waited a whole interval (holding more than FEED_EVERY states) are fed, all in one
-# catch-up forward (`observe_batch`), and at any step those holding over 2 * FEED_EVERY (a
-# prompt just prefilled): a request holds at most ~2 * FEED_EVERY states (EAGLE-3 on a 1.5B
-# target: 9 KB a token, 0.6 MB), for at most one head-layer EXTEND forward per FEED_EVERY
-# steps, whatever the requests' arrivals. A request a probe's proposal fed since (its catch-up)
-# waits for the next interval: a feed is an eager forward of ~160 ops, launch-bound (H200,
-# random 1.5B, batch 1: a plain step that fed took ~4 ms more than one that did not), and at
-# batch 1 the probes (every 16-32 plain steps) feed the request anyway, so feeding it besides
-# only doubled that cost. Its inputs go to the device without waiting (EagleHeadRunner.catch_up).
-FEED_EVERY = 32
+# a request's states wait here until its head is fed (a probe's or a drafting step's catch-up).
+# A feed is an eager forward of ~160 ops, launch-bound whatever its rows (H200, random 1.5B,
+# batch 1: a plain step that fed took ~4 ms more than one that did not), so the states wait
+# until all that is held reaches HELD_STATES_BYTES (EAGLE-3 on a 1.5B target: 9 KB a token,
+# ~29k tokens), then the batch's requests are fed in one forward. Fed every 32 plain steps and
+# at the step after each prefill instead, EAGLE engines the policy kept plain (the head not
+# worth drafting) made 0.81-0.90x of plain's tok/s at batch 1 and 0.57-0.76x at 64 (H200, 1.5B,
+# session 21: not one drafting step in 40 cells); replayed on a CPU, 64 requests with
+# ShareGPT-like turnover fed 45 times in 296 plain steps. The inputs of a feed go to the device
+# without waiting (EagleHeadRunner.catch_up).
+HELD_STATES_BYTES = 256 << 20
 
 
 @dataclass
@@ -74,17 +75,27 @@ class TargetStates:
 
     def __init__(self):
         self._states: dict[str, HeldStates] = {}
+        self.held_rows = 0     # states held, all requests together
+        self.row_bytes = 0     # bytes of one (set by the first states held)
+
+    @property
+    def bytes(self) -> int:
+        return self.held_rows * self.row_bytes
 
     def append(self, rid: str, start: int, states: torch.Tensor) -> None:
+        self.row_bytes = self.row_bytes or states[0].numel() * states.element_size()
         held = self._states.get(rid)
         if held is None or not held.first <= start <= held.first + held.count:
+            self.held_rows += len(states) - (0 if held is None else held.count)
             self._states[rid] = HeldStates(start, len(states), [states])
             return
         if start < held.first + held.count:   # positions from start on are replaced
             held.parts = [held.joined()[:start - held.first]]
+            self.held_rows -= held.count - (start - held.first)
             held.count = start - held.first
         held.parts.append(states)
         held.count += len(states)
+        self.held_rows += len(states)
 
     def count(self, rid: str) -> int:
         """States held for the request (0 if none)."""
@@ -103,10 +114,13 @@ class TargetStates:
         if position > held.first:
             held.parts = [held.joined()[position - held.first:]]
             held.count -= position - held.first
+            self.held_rows -= position - held.first
             held.first = position
 
     def release(self, rid: str) -> None:
-        self._states.pop(rid, None)
+        held = self._states.pop(rid, None)
+        if held is not None:
+            self.held_rows -= held.count
 
 
 class EagleDrafter(Drafter):
@@ -120,7 +134,6 @@ class EagleDrafter(Drafter):
         self.num_steps = runner.num_steps
         self.kv = DraftKVTable(runner.pool, token_offset=1, row_fanout=runner.topk)
         self.states = TargetStates()
-        self._observed = 0   # steps observed (observe_batch), for the feeds of FEED_EVERY
 
     def observe_hidden(self, reqs: list["Req"], starts: list[int], states: torch.Tensor,
                        rows: list[list[int]]) -> None:
@@ -199,14 +212,16 @@ class EagleDrafter(Drafter):
         self.kv.sync(req)   # the chain's rows go back to the pool
 
     def observe_batch(self, reqs: list["Req"], committed: list[list[int]]) -> None:
-        """Syncs each request's head cache and feeds the states that waited a whole interval
-        (see FEED_EVERY)."""
+        """Syncs each request's head cache; once the states held reach HELD_STATES_BYTES,
+        feeds the batch's, if they are at least half of them (the rest wait for requests
+        that are not decoding: a prefill in chunks; feeding a few rows each step would cost
+        a forward a step)."""
         for req in reqs:
             self.kv.sync(req)
-        self._observed += 1
-        most = FEED_EVERY if self._observed % FEED_EVERY == 0 else 2 * FEED_EVERY
-        waiting = [req for req in reqs if self.states.count(req.rid) > most]
-        if waiting:
+        if self.states.bytes < HELD_STATES_BYTES:
+            return
+        waiting = [req for req in reqs if self.states.count(req.rid) > 1]   # the last fed row stays
+        if 2 * sum(self.states.count(req.rid) - 1 for req in waiting) * self.states.row_bytes >= HELD_STATES_BYTES:
             self.feed(waiting)
 
     def feed(self, reqs: list["Req"]) -> None:

@@ -79,7 +79,7 @@ def test_eagle_trees_are_the_reference_trees_on_cuda(target, head_dir, topk, ste
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "verify"])
 def test_eagle_trees_after_plain_stretches_on_cuda(target, random_head, graph_max_bs, overlap,  # noqa: F811
                                                    monkeypatch):
-    monkeypatch.setattr(eagle, "FEED_EVERY", 4)    # plain stretches fed by observe_batch too
+    monkeypatch.setattr(eagle, "HELD_STATES_BYTES", 1)    # plain stretches fed by observe_batch too
     check_tree_stretches(target, random_head, overlap, device="cuda", cuda_graph_max_bs=graph_max_bs,
                          max_total_tokens=4096)
 
