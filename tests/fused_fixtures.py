@@ -83,4 +83,4 @@ def wait_until_fused_state_is_free(engine) -> None:
     deadline = time.monotonic() + 30.0
     while (drafter.pending or drafter.states._states) and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert not drafter.pending and not drafter.states._states
+    assert not drafter.pending and not drafter.states._states and drafter.states.held_rows == 0

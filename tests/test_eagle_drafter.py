@@ -70,7 +70,7 @@ def wait_until_head_kv_is_free(engine) -> None:
     drafter = engine.core.drafter
     pool = drafter.runner.pool
     wait_until_all_kv_is_free(engine)
-    assert not drafter.kv.sequences and not drafter.states._states
+    assert not drafter.kv.sequences and not drafter.states._states and drafter.states.held_rows == 0
     assert pool.slots.available() == pool.size
     assert sorted(pool.slots._free) == list(range(1, pool.size + 1))
 
