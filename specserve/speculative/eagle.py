@@ -79,7 +79,7 @@ class TargetStates:
         self.row_bytes = 0     # bytes of one (set by the first states held)
 
     @property
-    def bytes(self) -> int:
+    def held_bytes(self) -> int:
         return self.held_rows * self.row_bytes
 
     def append(self, rid: str, start: int, states: torch.Tensor) -> None:
@@ -218,7 +218,7 @@ class EagleDrafter(Drafter):
         a forward a step)."""
         for req in reqs:
             self.kv.sync(req)
-        if self.states.bytes < HELD_STATES_BYTES:
+        if self.states.held_bytes < HELD_STATES_BYTES:
             return
         waiting = [req for req in reqs if self.states.count(req.rid) > 1]   # the last fed row stays
         if 2 * sum(self.states.count(req.rid) - 1 for req in waiting) * self.states.row_bytes >= HELD_STATES_BYTES:
