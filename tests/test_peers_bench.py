@@ -96,14 +96,16 @@ def tiny_hf_root(converted_smollm2, tmp_path_factory):
 def test_specserve_engines_run_and_a_peer_without_wheels_is_reported(tiny_hf_root, tmp_path):
     hf_root = tiny_hf_root
     save_random_eagle_head(hf_root / "tiny", tmp_path / "head", draft_vocab=torch.arange(0, 256, 2))
+    save_random_eagle_head(hf_root / "tiny", tmp_path / "head2", algorithm="EAGLE", draft_vocab=torch.arange(0, 256, 2))
     out = tmp_path / "out"
     engines = ("specserve-plain", "specserve-ngram", "specserve-eagle3", "specserve-naive-eagle",
-               "specserve-standalone")
+               "specserve-standalone", "specserve-eagle")
     table = peers.run(peers.parse_args([
         "run", "--quick", "--models", "tiny", "--hf-root", str(hf_root), "--models-dir", str(tmp_path),
         "--engines", "specserve-plain", "vllm-plain", "specserve-ngram", "sglang-eagle3", "specserve-eagle3",
-        "specserve-naive-eagle", "specserve-standalone",
-        "--eagle-head", f"tiny={tmp_path / 'head'}", "--draft-model", "tiny=tiny", "--concurrency", "1", "4",
+        "specserve-naive-eagle", "specserve-standalone", "specserve-eagle",
+        "--eagle-head", f"tiny={tmp_path / 'head'}", "--eagle2-head", f"tiny={tmp_path / 'head2'}",
+        "--draft-model", "tiny=tiny", "--concurrency", "1", "4",
         "--max-new-tokens", "8", "--wheels", str(tmp_path / "no-wheels"), "--envs-root", str(tmp_path / "envs"),
         "--specserve-args", "--device cpu --dtype float32", "--out", str(out)]))
     rows = [json.loads(line) for line in open(out / "peers.jsonl")]
@@ -128,6 +130,8 @@ def test_specserve_engines_run_and_a_peer_without_wheels_is_reported(tiny_hf_roo
     assert f"--speculative-draft-model-path {tmp_path / 'head'}" in started["specserve-eagle3"]["command"]
     assert started["specserve-eagle3"]["settings"]["speculative_num_draft_tokens"] == 4
     assert f"--speculative-draft-model-path {hf_root / 'tiny'}" in started["specserve-standalone"]["command"]
+    assert (f"--speculative-algorithm EAGLE --speculative-draft-model-path {tmp_path / 'head2'}"
+            in started["specserve-eagle"]["command"])
     vllm = [r for r in rows if r.get("engine") == "vllm-plain"]
     assert len(vllm) == 1 and vllm[0]["kind"] == "engine" and "no wheels for vllm" in vllm[0]["error"]
     sglang = [r for r in rows if r.get("engine") == "sglang-eagle3"]   # it has the head, not the wheels
@@ -217,6 +221,12 @@ def test_eagle3_engines_draft_a_chain_of_3_with_the_head():
                 "--speculative-eagle-topk 4 --speculative-num-draft-tokens 8") in command
     command = " ".join(ENGINES["specserve-naive-eagle"].command("/hf/m", "m", 8000, "/heads/m"))
     assert "--speculative-algorithm NAIVE_EAGLE --speculative-draft-model-path /heads/m" in command
+    command = " ".join(ENGINES["specserve-eagle"].command("/hf/m", "m", 8000, eagle2_head="/heads/m2"))
+    assert ("--speculative-algorithm EAGLE --speculative-draft-model-path /heads/m2 --speculative-num-steps 3 "
+            "--speculative-eagle-topk 1 --speculative-num-draft-tokens 4") in command
+    with pytest.raises(ValueError, match="eagle2_head"):          # an EAGLE-3 head is not the one it reads
+        ENGINES["specserve-eagle"].command("/hf/m", "m", 8000, "/heads/m")
+    assert [name for name, config in ENGINES.items() if config.needs_eagle2_head] == ["specserve-eagle"]
     command = " ".join(ENGINES["specserve-standalone"].command("/hf/m", "m", 8000, draft_model="/hf/small"))
     assert "--speculative-algorithm STANDALONE --speculative-draft-model-path /hf/small --speculative-num-steps 3" \
         in command
@@ -252,6 +262,9 @@ def test_an_eagle3_engine_without_a_head_is_an_error_row_before_any_install(tmp_
     rows.clear()
     peers.run_engine(ENGINES["specserve-standalone"], "m", str(tmp_path), {}, ns, rows.append, 0.0)
     assert rows[0]["error"] == "no draft model for m: pass --draft-model m=DRAFT (a model of --models-dir)"
+    rows.clear()
+    peers.run_engine(ENGINES["specserve-eagle"], "m", str(tmp_path), {}, ns, rows.append, 0.0)
+    assert rows[0]["error"].startswith("no EAGLE-2 head for m: pass --eagle2-head m=DIR")
     with pytest.raises(SystemExit):
         peers.parse_args(["run", "--draft-model", "m"])
 

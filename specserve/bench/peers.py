@@ -6,8 +6,9 @@ with default flags; vLLM plain, `ngram` and `suffix`; SGLang plain and NGRAM; an
 chains of 3 on all three, drafting with a head our trainer made for the model, named with
 `--eagle-head MODEL=DIR`, e.g. `--eagle-head qwen2.5-coder-1.5b-instruct=/root/eagle3-1.5b`;
 a model without one gets an error row for those three, peers_heads.py; specserve's NAIVE_EAGLE
-with the same head, and STANDALONE drafting with a smaller model named with `--draft-model
-TARGET=DRAFT`) it installs
+with the same head; specserve's EAGLE with an EAGLE-2 head, `--eagle2-head MODEL=DIR`
+(train_eagle --algorithm EAGLE); and STANDALONE drafting with a smaller model named with
+`--draft-model TARGET=DRAFT`) it installs
 the engine's carried wheels (peers_install.py), starts its OpenAI-compatible server, warms
 it on other prompts of every workload, then times the suite's workloads (gpu_suite:
 code-types, code-rename, sharegpt-multiturn second turns, sharegpt-repeat = first turns then
@@ -46,7 +47,7 @@ from types import SimpleNamespace
 
 from specserve.bench.peers_engines import (ENGINES, EngineConfig, ServerFailed, ServerProcess, accept_between,
                                            server_settings, spec_counters)
-from specserve.bench.peers_heads import HeadMissing, head_for_engine, parse_model_map
+from specserve.bench.peers_heads import HeadMissing, eagle2_head_for_engine, head_for_engine, parse_model_map
 from specserve.bench.peers_install import WheelsMissing, engine_version, install, server_env
 from specserve.bench.peers_report import write_report
 
@@ -83,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     run.add_argument("--eagle-head", nargs="+", default=[], metavar="MODEL=DIR",
                      help="the EAGLE-3 head (python -m specserve.train_eagle's --output-dir) that the *-eagle3 "
                      "engines draft with for MODEL; a model without one gets an error row for them")
+    run.add_argument("--eagle2-head", nargs="+", default=[], metavar="MODEL=DIR",
+                     help="the EAGLE-2 head (train_eagle --algorithm EAGLE) that specserve-eagle drafts with for MODEL")
     run.add_argument("--draft-model", nargs="+", default=[], metavar="TARGET=DRAFT",
                      help="the model (a name of --models-dir, converted like the targets) that specserve-standalone "
                      "drafts with for TARGET, e.g. qwen2.5-coder-1.5b-instruct=qwen2.5-coder-0.5b-instruct")
@@ -96,6 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         try:
             ns.eagle_heads = parse_model_map(ns.eagle_head, "--eagle-head",
                                              "qwen2.5-coder-1.5b-instruct=/root/eagle3-1.5b")
+            ns.eagle2_heads = parse_model_map(ns.eagle2_head, "--eagle2-head",
+                                              "qwen2.5-coder-1.5b-instruct=/root/eagle2-1.5b")
             ns.draft_models = parse_model_map(ns.draft_model, "--draft-model",
                                               "qwen2.5-coder-1.5b-instruct=qwen2.5-coder-0.5b-instruct")
         except ValueError as error:
@@ -170,6 +175,7 @@ def _prepare(config: EngineConfig, model: str, ns: argparse.Namespace) -> tuple[
     """(the drafters' directories its command takes, its installed wheels' directory or None)."""
     try:
         drafters = {"eagle_head": head_for_engine(config, model, ns.eagle_heads, os.path.join(ns.out, "heads")),
+                    "eagle2_head": eagle2_head_for_engine(config, model, ns.eagle2_heads),
                     "draft_model": _draft_model_dir(config, model, ns)}
     except (HeadMissing, OSError, ValueError) as error:   # none, or an unreadable one
         raise NotStartable(str(error)) from error

@@ -28,16 +28,26 @@ VLLM_NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max
 # vLLM's suffix decoding with its defaults (tree depth 24 = the most tokens drafted per step)
 VLLM_SUFFIX = {"method": "suffix"}
 EAGLE_HEAD = "{eagle_head}"   # in an EngineConfig's flags: the EAGLE-3 head's directory, filled in by command()
+# likewise: an EAGLE-2 head's (train_eagle --algorithm EAGLE: it reads the target's final state)
+EAGLE2_HEAD = "{eagle2_head}"
 DRAFT_MODEL = "{draft_model}"  # likewise: a smaller model's HF directory that drafts for the target (STANDALONE)
+
+
+def _eagle_flags(algorithm: str, head: str, topk: int, draft_tokens: int) -> tuple[str, ...]:
+    """SGLang's EAGLE flags, 3 draft steps; specserve takes the same."""
+    return ("--speculative-algorithm", algorithm, "--speculative-draft-model-path", head, "--speculative-num-steps",
+            "3", "--speculative-eagle-topk", str(topk), "--speculative-num-draft-tokens", str(draft_tokens))
+
+
 # a chain of 3 drafted tokens, verified with the token before them: SGLang's documented chain settings
-# (num-steps 3, topk 1, num-draft-tokens 4); specserve takes the same flags
-EAGLE3_CHAIN = ("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", EAGLE_HEAD,
-                "--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4")
+# (num-steps 3, topk 1, num-draft-tokens 4)
+EAGLE3_CHAIN = _eagle_flags("EAGLE3", EAGLE_HEAD, 1, 4)
 # EAGLE-2's dynamic tree over the same head: 3 draft steps expanding the top 4 per step, the 8 best
 # nodes by cumulative draft probability verified (SGLang's flags; its docs' example for an 8B target is
 # 5 / 8 / 32, scaled down here for models whose verify of 32 nodes costs more than it saves)
-EAGLE3_TREE = ("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", EAGLE_HEAD,
-               "--speculative-num-steps", "3", "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8")
+EAGLE3_TREE = _eagle_flags("EAGLE3", EAGLE_HEAD, 4, 8)
+# the chain with an EAGLE-2 head (--speculative-algorithm EAGLE)
+EAGLE2_CHAIN = _eagle_flags("EAGLE", EAGLE2_HEAD, 1, 4)
 # vLLM's EAGLE-3 with the same chain (docs: features/speculative_decoding/eagle)
 VLLM_EAGLE3 = {"method": "eagle3", "model": EAGLE_HEAD, "num_speculative_tokens": 3}
 
@@ -46,7 +56,7 @@ VLLM_EAGLE3 = {"method": "eagle3", "model": EAGLE_HEAD, "num_speculative_tokens"
 class EngineConfig:
     name: str                  # the column of the table: "<engine>-<algorithm>"
     engine: str                # specserve | vllm | sglang: which carried wheels it runs on
-    algorithm: str             # plain | ngram | suffix | eagle3
+    algorithm: str             # plain | ngram | suffix | eagle3 | eagle3-tree | eagle | naive-eagle | standalone
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     # seconds its server typically takes to start on an H100 (weights, graphs, a head's too):
@@ -58,6 +68,10 @@ class EngineConfig:
         return self._uses(EAGLE_HEAD)
 
     @property
+    def needs_eagle2_head(self) -> bool:
+        return self._uses(EAGLE2_HEAD)
+
+    @property
     def needs_draft_model(self) -> bool:
         return self._uses(DRAFT_MODEL)
 
@@ -65,10 +79,11 @@ class EngineConfig:
         return any(placeholder in arg for arg in self.extra_args)
 
     def command(self, model_dir: str, served_name: str, port: int, eagle_head: str | None = None,
-                draft_model: str | None = None) -> list[str]:
-        """The server's command line; `eagle_head` and `draft_model` (directories) replace
-        EAGLE_HEAD and DRAFT_MODEL in the flags."""
+                draft_model: str | None = None, eagle2_head: str | None = None) -> list[str]:
+        """The server's command line; `eagle_head`, `eagle2_head` and `draft_model`
+        (directories) replace EAGLE_HEAD, EAGLE2_HEAD and DRAFT_MODEL in the flags."""
         fills = {EAGLE_HEAD: ("eagle_head", "an EAGLE-3 head", eagle_head),
+                 EAGLE2_HEAD: ("eagle2_head", "an EAGLE-2 head", eagle2_head),
                  DRAFT_MODEL: ("draft_model", "a draft model", draft_model)}
         extra = list(self.extra_args)
         for placeholder, (argument, what, directory) in fills.items():
@@ -124,6 +139,7 @@ ENGINES = {c.name: c for c in [
     EngineConfig("specserve-ngram", "specserve", "ngram", ("--speculative-algorithm", "NGRAM")),   # default flags
     EngineConfig("specserve-eagle3", "specserve", "eagle3", EAGLE3_CHAIN, startup_s=75.0),
     EngineConfig("specserve-eagle3-tree", "specserve", "eagle3-tree", EAGLE3_TREE),
+    EngineConfig("specserve-eagle", "specserve", "eagle", EAGLE2_CHAIN, startup_s=75.0),   # --eagle2-head MODEL=DIR
     # the same head drafting one token a step, fused with the verify (our NAIVE_EAGLE)
     EngineConfig("specserve-naive-eagle", "specserve", "naive-eagle",
                  ("--speculative-algorithm", "NAIVE_EAGLE", "--speculative-draft-model-path", EAGLE_HEAD)),

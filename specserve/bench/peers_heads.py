@@ -42,19 +42,29 @@ def parse_model_map(specs: list[str], flag: str, example: str) -> dict[str, str]
 
 
 def head_for_engine(config: EngineConfig, model: str, heads: dict[str, str], view_root: str) -> str | None:
-    """The head directory `config` serves `model` with (None where it drafts without one);
-    for vLLM, its view under `view_root`. HeadMissing when there is none to give."""
+    """The EAGLE-3 head directory `config` serves `model` with (None where it drafts without
+    one); for vLLM, its view under `view_root`. HeadMissing when there is none to give."""
     if not config.needs_eagle_head:
         return None
+    head = _head_directory(model, heads, "EAGLE-3", "--eagle-head")
+    if config.engine == "vllm":
+        return vllm_head_view(head, os.path.join(view_root, f"{model}-vllm"))
+    return head
+
+
+def eagle2_head_for_engine(config: EngineConfig, model: str, heads: dict[str, str]) -> str | None:
+    """The EAGLE-2 head directory `config` serves `model` with (None where it needs none)."""
+    return _head_directory(model, heads, "EAGLE-2", "--eagle2-head") if config.needs_eagle2_head else None
+
+
+def _head_directory(model: str, heads: dict[str, str], kind: str, flag: str) -> str:
     head = heads.get(model)
     if head is None:
         named = ", ".join(sorted(heads)) or "none"
-        raise HeadMissing(f"no EAGLE-3 head for {model}: pass --eagle-head {model}=DIR "
+        raise HeadMissing(f"no {kind} head for {model}: pass {flag} {model}=DIR "
                           f"(a directory of python -m specserve.train_eagle; heads given for: {named})")
     if not os.path.isfile(os.path.join(head, "config.json")):
-        raise HeadMissing(f"no EAGLE-3 head for {model}: {head} has no config.json")
-    if config.engine == "vllm":
-        return vllm_head_view(head, os.path.join(view_root, f"{model}-vllm"))
+        raise HeadMissing(f"no {kind} head for {model}: {head} has no config.json")
     return head
 
 
