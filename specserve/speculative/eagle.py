@@ -83,7 +83,8 @@ class TargetStates:
         return self.held_rows * self.row_bytes
 
     def append(self, rid: str, start: int, states: torch.Tensor) -> None:
-        self.row_bytes = self.row_bytes or states[0].numel() * states.element_size()
+        if not self.row_bytes:
+            self.row_bytes = states[0].numel() * states.element_size()
         held = self._states.get(rid)
         if held is None or not held.first <= start <= held.first + held.count:
             self.held_rows += len(states) - (0 if held is None else held.count)
