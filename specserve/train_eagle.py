@@ -113,10 +113,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # On an H100 (1.5B) 2700 first-turn answers (588k tokens) seen ~11 times made a head that
 # memorized them (training accuracy 0.9, held-out accept length 1.89 of 7): so every turn
 # of every chat, the chats' own replies as fixed text (millions of tokens, more than the
-# steps of a few minutes go through), few epochs, and the best held-out head kept
+# steps of a few minutes go through), few epochs, and the best held-out head kept.
+# Batches of 32k tokens: on an H200 (1.5B shapes, bench.eagle_train_step) 8k-token steps
+# kept the GPU busy ~70% of the time (51k padded tokens/s), 32k-token steps ~95% (89k)
 DEVICE_DEFAULTS = {
     "cuda": dict(num_prompts=100_000, text_chats=100_000, held_out=64, max_prompt_len=1024, max_new_tokens=384,
-                 max_text_len=2048, max_running_requests=256, ttt_steps=7, batch_tokens=8192,
+                 max_text_len=2048, max_running_requests=256, ttt_steps=7, batch_tokens=32768,
                  draft_vocab_size=DEFAULT_DRAFT_VOCAB_SIZE, epochs=3, eval_every=250),
     "cpu": dict(num_prompts=48, text_chats=24, held_out=8, max_prompt_len=256, max_new_tokens=96, max_text_len=256,
                 max_running_requests=64, ttt_steps=4, batch_tokens=1024, draft_vocab_size=8192, epochs=2,
@@ -243,10 +245,13 @@ def _report_device_memory(device: torch.device) -> None:
 def _report_step_split(trainer: EagleTrainer, device: torch.device) -> None:
     """Where the training steps' time went: the host, or waiting for the device."""
     steps = max(trainer.timed_steps, 1)
-    retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
+    memory = ""
+    if device.type == "cuda":
+        retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+        memory = f"; allocator retries: {retries}, peak {torch.cuda.max_memory_allocated(device) / 2 ** 30:.1f} GiB"
+    # launches block once the device's queue is full: a short wait does not prove the step host-bound
     print(f"per training step: {1e3 * trainer.host_seconds / steps:.0f} ms on the host (batch, launches), "
-          f"{1e3 * trainer.wait_seconds / steps:.0f} ms waiting for the device; allocator retries: {retries}",
-          flush=True)
+          f"{1e3 * trainer.wait_seconds / steps:.0f} ms waiting for the device{memory}", flush=True)
 
 
 def _conversations(args: argparse.Namespace, engine, text: PreparedText,

@@ -80,7 +80,7 @@ class TargetFeatureExtractor:
 
 
 # the store stays on the GPU while it takes at most this share of the memory free for it:
-# the rest is for training (8k-token batches of a 7-step 1.5B head take ~15 GB)
+# the rest is for training (a 7-step 1.5B head's batches of 32k tokens need tens of GB)
 DEVICE_SHARE = 0.5
 
 
