@@ -27,6 +27,7 @@ class HiddenCapture:
     # filled by DecoderLM.forward:
     layer_states: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (num_rows, hidden)
     final_state: torch.Tensor | None = None                                # (num_rows, hidden)
+    given: torch.Tensor | None = None    # features() computed elsewhere (a prefill graph's output)
 
     def fresh(self) -> "HiddenCapture":
         """An empty capture of the same states: one per forward, from a template."""
@@ -34,7 +35,13 @@ class HiddenCapture:
 
     def features(self) -> torch.Tensor:
         """What an EAGLE head reads: the kept layers side by side (EAGLE-3), else the final state."""
+        if self.given is not None:
+            return self.given
         return self.concatenated() if self.layers else self.final_state
+
+    def give_features(self, features: torch.Tensor) -> None:
+        """Sets what features() returns: computed by a CUDA graph that ran this capture's forward."""
+        self.given = features
 
     def check(self, num_layers: int) -> None:
         bad = [layer for layer in self.layers if not 0 <= layer < num_layers]

@@ -94,7 +94,7 @@ class ModelRunner:
             return None
         from specserve.runner.prefill_graph import MAX_REQUESTS, PrefillGraphRunner
         return PrefillGraphRunner(self.model, self.attn_backend, self.pool, max_tokens,
-                                  min(MAX_REQUESTS, self.max_running_requests))
+                                  min(MAX_REQUESTS, self.max_running_requests), self.hidden_capture)
 
     def _kv_tokens(self, num_kv_heads: int) -> int:
         """The KV pool's size: every tensor-parallel rank holds the same slots, so the ranks
@@ -132,9 +132,10 @@ class ModelRunner:
             input_ids.extend(req.all_ids[req.kv_len:req.kv_len + length])
             positions.extend(range(req.kv_len, req.kv_len + length))
         graphs = self.prefill_graphs
-        if graphs is not None and capture is None and graphs.can_run(len(input_ids), len(reqs)):
+        if (graphs is not None and (capture is None or graphs.capture is not None)
+                and graphs.can_run(len(input_ids), len(reqs))):
             return graphs.run(input_ids, positions, slots, [r.row for r in reqs], [r.kv_len for r in reqs],
-                              extend_lens, samples).unsqueeze(1)
+                              extend_lens, samples, capture).unsqueeze(1)
         ends = torch.tensor(extend_lens).cumsum(0) - 1
         logits_rows = ends[torch.tensor(samples, dtype=torch.bool)]
         batch = self._forward_batch(ForwardMode.EXTEND, reqs, input_ids, positions, slots, extend_lens, logits_rows)

@@ -45,3 +45,41 @@ def test_graphed_prefill_equals_eager_prefill(model_dir, chunked_prefill_size, c
         assert outputs == expected
         assert replays["n"] > 0
         wait_until_all_kv_is_free(engine)
+
+
+def test_graphed_prefill_hands_an_eagle_drafter_the_eager_states(tmp_path):
+    """An EAGLE-3 drafter's prefill steps replay the graphs too: the hidden states the
+    drafter is handed (every prompt token's, in order) equal the eager prefill's (fp32)."""
+    import torch
+
+    from specserve.model.loader import load_checkpoint
+    from specserve.runner.model_runner import build_model
+    from specserve.speculative.eagle_checkpoint import save_head
+    from specserve.speculative.eagle_trainer import build_head
+    target_path, head_path = tmp_path / "target", tmp_path / "head"
+    make_tiny_directory(target_path, "llama", seed=1)
+    checkpoint = load_checkpoint(str(target_path), dtype=torch.float32)
+    model = build_model(checkpoint.config, checkpoint.state_dict, torch.device("cpu"), torch.float32, 512)
+    torch.manual_seed(0)
+    save_head(build_head(model, "EAGLE3", torch.arange(0, 256, 2), max_positions=512), str(head_path))
+    batch = [p[:300] for p in prompts(12, seed=3) if len(p) > 1]
+    handed: dict[str, dict[tuple[int, ...], list[torch.Tensor]]] = {}
+    for kind, extra in (("eager", {"prefill_cuda_graph_max_tokens": 0}), ("graphs", {})):
+        with tiny_engine(target_path, device="cuda", max_total_tokens=60000, speculative_algorithm="EAGLE3",
+                         speculative_draft_model_path=str(head_path), **extra) as engine:
+            graphs = engine.core.runner.prefill_graphs
+            assert (graphs is not None) == (kind == "graphs")
+            drafter, kept = engine.core.drafter, handed.setdefault(kind, {})
+            observe = drafter.observe_hidden
+
+            def spy(reqs, starts, states, rows):
+                for req, start, part in zip(reqs, starts, rows):
+                    if start < len(req.prompt_ids):   # a prefill's rows (a plain step's come after the prompt)
+                        kept.setdefault(tuple(req.prompt_ids), []).append(states[part[0]:part[-1] + 1].float().cpu())
+                return observe(reqs, starts, states, rows)
+            drafter.observe_hidden = spy
+            engine.generate(input_ids=batch, sampling_params=GREEDY)
+            wait_until_all_kv_is_free(engine)
+    assert handed["eager"].keys() == handed["graphs"].keys() == {tuple(p) for p in batch}
+    for prompt, eager in handed["eager"].items():
+        torch.testing.assert_close(torch.cat(handed["graphs"][prompt]), torch.cat(eager), rtol=1e-4, atol=1e-4)
