@@ -26,7 +26,6 @@ head's top-k, a deterministic function of the context, which verification takes 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,6 +33,7 @@ import torch
 from specserve.runner.draft_chain import ChainRow
 from specserve.speculative.draft_kv import DraftKVTable
 from specserve.speculative.drafter import Drafter
+from specserve.speculative.held_states import HeldTargetStates
 from specserve.speculative.model_proposals import chain_proposal, draft_temperature, tree_proposal
 
 if TYPE_CHECKING:
@@ -51,77 +51,9 @@ if TYPE_CHECKING:
 # worth drafting) made 0.81-0.90x of plain's tok/s at batch 1 and 0.57-0.76x at 64 (H200, 1.5B,
 # session 21: not one drafting step in 40 cells); replayed on a CPU, 64 requests with
 # ShareGPT-like turnover fed 45 times in 296 plain steps. The inputs of a feed go to the device
-# without waiting (EagleHeadRunner.catch_up).
+# without waiting (EagleHeadRunner.catch_up). (With this budget the rows still lost, 0.59-0.84x
+# (session 22): their prefills ran eagerly, outside the prefill graphs; prefill_graph.py.)
 HELD_STATES_BYTES = 256 << 20
-
-
-@dataclass
-class HeldStates:
-    """One request's target states not fed yet, positions first .. first + count - 1, as the
-    steps handed them over (a plain step's is one row: appending copies nothing)."""
-    first: int
-    count: int
-    parts: list[torch.Tensor]
-
-    def joined(self) -> torch.Tensor:
-        if len(self.parts) > 1:
-            self.parts = [torch.cat(self.parts)]
-        return self.parts[0]
-
-
-class TargetStates:
-    """Per request, the target's states of positions first .. first + len - 1 not fed yet
-    (and the last fed one, which a chain re-feeds when nothing new came)."""
-
-    def __init__(self):
-        self._states: dict[str, HeldStates] = {}
-        self.held_rows = 0     # states held, all requests together
-        self.row_bytes = 0     # bytes of one (set by the first states held)
-
-    @property
-    def held_bytes(self) -> int:
-        return self.held_rows * self.row_bytes
-
-    def append(self, rid: str, start: int, states: torch.Tensor) -> None:
-        if not self.row_bytes:
-            self.row_bytes = states[0].numel() * states.element_size()
-        held = self._states.get(rid)
-        if held is None or not held.first <= start <= held.first + held.count:
-            self.held_rows += len(states) - (0 if held is None else held.count)
-            self._states[rid] = HeldStates(start, len(states), [states])
-            return
-        if start < held.first + held.count:   # positions from start on are replaced
-            held.parts = [held.joined()[:start - held.first]]
-            self.held_rows -= held.count - (start - held.first)
-            held.count = start - held.first
-        held.parts.append(states)
-        held.count += len(states)
-        self.held_rows += len(states)
-
-    def count(self, rid: str) -> int:
-        """States held for the request (0 if none)."""
-        held = self._states.get(rid)
-        return 0 if held is None else held.count
-
-    def rows(self, rid: str, start: int, end: int) -> torch.Tensor | None:
-        """States of positions start .. end - 1, or None if some are missing."""
-        held = self._states.get(rid)
-        if held is None or start < held.first or end > held.first + held.count:
-            return None
-        return held.joined()[start - held.first:end - held.first]
-
-    def drop_before(self, rid: str, position: int) -> None:
-        held = self._states[rid]
-        if position > held.first:
-            held.parts = [held.joined()[position - held.first:]]
-            held.count -= position - held.first
-            self.held_rows -= position - held.first
-            held.first = position
-
-    def release(self, rid: str) -> None:
-        held = self._states.pop(rid, None)
-        if held is not None:
-            self.held_rows -= held.count
 
 
 class EagleDrafter(Drafter):
@@ -134,11 +66,10 @@ class EagleDrafter(Drafter):
         self.runner = runner
         self.num_steps = runner.num_steps
         self.kv = DraftKVTable(runner.pool, token_offset=1, row_fanout=runner.topk)
-        self.states = TargetStates()
+        self.states = HeldTargetStates()
 
     def observe_hidden(self, reqs: list["Req"], starts: list[int], states: torch.Tensor,
                        rows: list[list[int]]) -> None:
-        counts = [len(r) for r in rows]
         flat = [i for r in rows for i in r]
         if flat == list(range(len(flat))):
             # every row in order (a plain step's, a prefill's): a copy (a graph's outputs are
@@ -147,7 +78,10 @@ class EagleDrafter(Drafter):
             gathered = states[:len(flat)].clone()
         else:
             gathered = states[torch.tensor(flat, device=states.device)]
-        for req, start, part in zip(reqs, starts, gathered.split(counts)):
+        if len(flat) == len(reqs):   # one state a request: a plain step's, kept whole until read
+            self.states.append_plain_step([req.rid for req in reqs], starts, gathered)
+            return
+        for req, start, part in zip(reqs, starts, gathered.split([len(r) for r in rows])):
             self.states.append(req.rid, start, part)
 
     def propose(self, reqs: list["Req"], max_nodes: list[int]):
@@ -213,12 +147,11 @@ class EagleDrafter(Drafter):
         self.kv.sync(req)   # the chain's rows go back to the pool
 
     def observe_batch(self, reqs: list["Req"], committed: list[list[int]]) -> None:
-        """Syncs each request's head cache; once the states held reach HELD_STATES_BYTES,
+        """Syncs the head caches that hold a chain's rows; once the states held reach HELD_STATES_BYTES,
         feeds the batch's, if they are at least half of them (the rest wait for requests
         that are not decoding: a prefill in chunks; feeding a few rows each step would cost
         a forward a step)."""
-        for req in reqs:
-            self.kv.sync(req)
+        self.kv.sync_batch(reqs)
         if self.states.held_bytes < HELD_STATES_BYTES:
             return
         waiting = [req for req in reqs if self.states.count(req.rid) > 1]   # the last fed row stays

@@ -89,6 +89,9 @@ class StandaloneDrafter(Drafter):
         """After a verify step: the rejected drafts' draft KV goes back to the pool now."""
         self.kv.sync(req)
 
+    def observe_batch(self, reqs: list["Req"], committed: list[list[int]]) -> None:
+        self.kv.sync_batch(reqs)
+
     def release(self, req: "Req") -> None:
         self.kv.release(req)
 
