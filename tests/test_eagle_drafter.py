@@ -75,22 +75,28 @@ def wait_until_head_kv_is_free(engine) -> None:
     assert sorted(pool.slots._free) == list(range(1, pool.size + 1))
 
 
-def test_an_untrained_head_keeps_greedy_output_and_frees_everything(tmp_path):
-    """A 256-token target, a random head over half its vocabulary; batches, a stop token
-    inside a chain, an abort and preemption (a small cache)."""
+def write_random_eagle3_head(directory) -> tuple[str, str]:
+    """(a 256-token random llama target, a random EAGLE-3 head over its even tokens), written under directory."""
     from specserve.model.loader import load_checkpoint
     from specserve.runner.model_runner import build_model
-    target_path, head_path = tmp_path / "target", tmp_path / "head"
+    target_path, head_path = directory / "target", directory / "head"
     make_tiny_directory(target_path, "llama", seed=1)
     checkpoint = load_checkpoint(str(target_path), dtype=torch.float32)
     model = build_model(checkpoint.config, checkpoint.state_dict, torch.device("cpu"), torch.float32, 512)
     torch.manual_seed(0)
     save_head(build_head(model, "EAGLE3", torch.arange(0, 256, 2), max_positions=512), str(head_path))
+    return str(target_path), str(head_path)
+
+
+def test_an_untrained_head_keeps_greedy_output_and_frees_everything(tmp_path):
+    """A 256-token target, a random head over half its vocabulary; batches, a stop token
+    inside a chain, an abort and preemption (a small cache)."""
+    target_path, head_path = write_random_eagle3_head(tmp_path)
     prompts = [[5, 6, 7, 8, 9] * 6 + [10, 11], [20, 21, 22, 23] * 5, list(range(30, 72)), [100, 101] * 9]
     greedy = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
     with tiny_engine(target_path) as plain:
         expected = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=greedy)]
-    with tiny_engine(target_path, **eagle_args("EAGLE3", str(head_path)), max_total_tokens=120) as engine:
+    with tiny_engine(target_path, **eagle_args("EAGLE3", head_path), max_total_tokens=120) as engine:
         outputs = engine.generate(input_ids=prompts, sampling_params=greedy)
         assert [o["output_ids"] for o in outputs] == expected
         assert sum(o["meta_info"]["preemptions"] for o in outputs) > 0

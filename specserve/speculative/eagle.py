@@ -78,7 +78,7 @@ class EagleDrafter(Drafter):
             gathered = states[:len(flat)].clone()
         else:
             gathered = states[torch.tensor(flat, device=states.device)]
-        if len(flat) == len(reqs):   # one state a request: a plain step's, kept whole until read
+        if len(flat) == len(reqs):   # one state a request (each hands over one at least): a plain step's, kept whole
             self.states.append_plain_step([req.rid for req in reqs], starts, gathered)
             return
         for req, start, part in zip(reqs, starts, gathered.split([len(r) for r in rows])):

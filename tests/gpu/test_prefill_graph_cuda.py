@@ -52,21 +52,13 @@ def test_graphed_prefill_hands_an_eagle_drafter_the_eager_states(tmp_path):
     drafter is handed (every prompt token's, in order) equal the eager prefill's (fp32)."""
     import torch
 
-    from specserve.model.loader import load_checkpoint
-    from specserve.runner.model_runner import build_model
-    from specserve.speculative.eagle_checkpoint import save_head
-    from specserve.speculative.eagle_trainer import build_head
-    target_path, head_path = tmp_path / "target", tmp_path / "head"
-    make_tiny_directory(target_path, "llama", seed=1)
-    checkpoint = load_checkpoint(str(target_path), dtype=torch.float32)
-    model = build_model(checkpoint.config, checkpoint.state_dict, torch.device("cpu"), torch.float32, 512)
-    torch.manual_seed(0)
-    save_head(build_head(model, "EAGLE3", torch.arange(0, 256, 2), max_positions=512), str(head_path))
+    from tests.test_eagle_drafter import write_random_eagle3_head
+    target_path, head_path = write_random_eagle3_head(tmp_path)
     batch = [p[:300] for p in prompts(12, seed=3) if len(p) > 1]
     handed: dict[str, dict[tuple[int, ...], list[torch.Tensor]]] = {}
     for kind, extra in (("eager", {"prefill_cuda_graph_max_tokens": 0}), ("graphs", {})):
         with tiny_engine(target_path, device="cuda", max_total_tokens=60000, speculative_algorithm="EAGLE3",
-                         speculative_draft_model_path=str(head_path), **extra) as engine:
+                         speculative_draft_model_path=head_path, **extra) as engine:
             graphs = engine.core.runner.prefill_graphs
             assert (graphs is not None) == (kind == "graphs")
             drafter, kept = engine.core.drafter, handed.setdefault(kind, {})
