@@ -115,7 +115,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # of every chat, the chats' own replies as fixed text (millions of tokens, more than the
 # steps of a few minutes go through), few epochs, and the best held-out head kept.
 # Batches of 32k tokens: on an H200 (1.5B shapes, bench.eagle_train_step) 8k-token steps
-# kept the GPU busy ~70% of the time (51k padded tokens/s), 32k-token steps ~95% (89k)
+# kept the GPU busy ~70% of the time (51k padded tokens/s), 32k-token steps ~95% (89k). A
+# 1.5B head's 32k-token steps peaked at 70.1 GiB (H200): where less than LARGE_BATCH_FREE is
+# free for training (an 80-GB H100), an unset --batch-tokens takes half the default.
+LARGE_BATCH_FREE = 100 * 2 ** 30
 DEVICE_DEFAULTS = {
     "cuda": dict(num_prompts=100_000, text_chats=100_000, held_out=64, max_prompt_len=1024, max_new_tokens=384,
                  max_text_len=2048, max_running_requests=256, ttt_steps=7, batch_tokens=32768,
@@ -137,10 +140,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
+    batch_tokens_set = args.batch_tokens is not None
     fill_device_defaults(args, device)
     os.makedirs(args.output_dir, exist_ok=True)
     target, generated, held_out, reply_text = _prepare_data(args, device, dtype, started)
-    _report_device_memory(device)
+    free = _report_device_memory(device)
+    if not batch_tokens_set and free is not None:
+        args.batch_tokens = batch_tokens_for_memory(args.batch_tokens, free)
     train_data = generated + reply_text
     print(f"data: {len(generated)} answers by the target ({sum(c.answer_len for c in generated)} answer tokens), "
           f"{len(reply_text)} fixed-text chats ({sum(c.answer_len for c in reply_text)} reply tokens); "
@@ -232,14 +238,24 @@ def _train(args: argparse.Namespace, device: torch.device, target, train_data: l
           f"{time.perf_counter() - started:.0f} s in all", flush=True)
 
 
-def _report_device_memory(device: torch.device) -> None:
-    """What is free for training once the engine is gone (its KV cache should be)."""
+def _report_device_memory(device: torch.device) -> int | None:
+    """Bytes free for training once the engine is gone (its KV cache should be); None on a CPU."""
     if device.type != "cuda":
-        return
+        return None
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     print(f"GPU memory for training: {free / 2 ** 30:.1f} GiB free of {total / 2 ** 30:.1f}, "
           f"{torch.cuda.memory_allocated(device) / 2 ** 30:.1f} GiB held by tensors (the target's weights)", flush=True)
+    return free
+
+
+def batch_tokens_for_memory(default: int, free_bytes: int) -> int:
+    """The default batch size where LARGE_BATCH_FREE is free, half of it below."""
+    if free_bytes >= LARGE_BATCH_FREE:
+        return default
+    print(f"--batch-tokens {default // 2}: {free_bytes / 2 ** 30:.0f} GiB free for training, under "
+          f"{LARGE_BATCH_FREE / 2 ** 30:.0f}", flush=True)
+    return default // 2
 
 
 def _report_step_split(trainer: EagleTrainer, device: torch.device) -> None:

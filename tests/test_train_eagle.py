@@ -294,3 +294,10 @@ def test_generation_share_counts_from_when_generation_starts(monkeypatch, tmp_pa
     (none, _), (deadline, called) = deadlines   # the held-out answers have no deadline
     assert none is None
     assert abs((deadline - called) - 0.5 * (10.0 - 4.0)) < 0.1   # from the start: 0.5 * 10 - 4 = 1 s
+
+
+def test_an_unset_batch_size_halves_where_the_gpu_has_less_free():
+    from specserve.train_eagle import LARGE_BATCH_FREE, batch_tokens_for_memory
+    assert batch_tokens_for_memory(32768, 134 * 2 ** 30) == 32768        # an H200 once the engine is gone
+    assert batch_tokens_for_memory(32768, 75 * 2 ** 30) == 16384         # an 80-GB H100
+    assert batch_tokens_for_memory(32768, LARGE_BATCH_FREE) == 32768
