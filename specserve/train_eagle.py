@@ -42,7 +42,7 @@ from specserve.speculative.eagle_head import EagleHead
 from specserve.speculative.eagle_prep import PreparedText, TextPreparation, TextSettings
 from specserve.speculative.eagle_trainer import EagleTrainer, TrainSettings, build_head, target_lm_head
 from specserve.speculative.eagle_ttt import ConversationBatch
-from specserve.speculative.target_features import TargetFeatureExtractor, states_fit_device
+from specserve.speculative.target_features import TargetFeatureExtractor, device_token_budget
 
 DATA_FILE = "conversations.json"
 # what a run keeps back from --time-budget for the end: the last held-out score (timed at
@@ -214,10 +214,11 @@ def _train(args: argparse.Namespace, device: torch.device, target, train_data: l
     trainer = EagleTrainer(head, builder, train_data, settings, args.output_dir,
                            evaluate=score if args.eval_every else None)
     if trainer.store is not None:
-        print(f"target states: {trainer.store.final.shape[0]} tokens in {time.perf_counter() - states_started:.1f} s "
-              f"({trainer.store.nbytes / 2 ** 30:.2f} GiB, kept on {trainer.store.device.type})", flush=True)
+        print(f"target states: {trainer.store.final.shape[0]} of {sum(len(c.tokens) for c in train_data)} tokens "
+              f"in {time.perf_counter() - states_started:.1f} s ({trainer.store.nbytes / 2 ** 30:.2f} GiB, kept on "
+              f"{trainer.store.device.type}; the other batches' computed as they train)", flush=True)
     else:
-        print("target states: computed for each batch (more than fit on the device)", flush=True)
+        print("target states: computed for each batch (not one batch's fit on the device)", flush=True)
     if not (args.resume and trainer.resume()):
         print(f"held-out accept length before training: {before:.3f} ({eval_steps} draft steps, greedy chain)")
     train_started = time.perf_counter()
@@ -312,7 +313,8 @@ def _training_seconds(args: argparse.Namespace, started: float, score_seconds: f
     if not args.time_budget:
         return args.max_train_seconds
     tokens = sum(len(c.tokens) for c in train_data)
-    keeping = tokens / prefill_rate if states_fit_device(extractor, tokens) else 0.0
+    budget = device_token_budget(extractor)
+    keeping = (tokens if budget is None else min(tokens, budget)) / prefill_rate
     left = args.time_budget - (time.perf_counter() - started) - keeping - score_seconds - END_SLACK_SECONDS
     if left <= 0:
         raise SystemExit(f"--time-budget {args.time_budget:.0f} s is spent before training: "

@@ -195,7 +195,7 @@ def test_state_store_keeps_what_the_target_computes(tiny_target):
     _, builder = make_builder(model, train)
     lengths = [len(c.tokens) for c in train]
     store = StateStore(builder.extractor, [c.tokens for c in train], plan_batches(lengths, 128, seed=0))
-    assert store.device.type == "cpu" and store.final.shape[0] == sum(lengths)
+    assert store.device.type == "cpu" and store.final.shape[0] == sum(lengths) and store.covers(range(len(train)))
     for index in (0, 7, len(train) - 1):
         alone = builder.extractor([train[index].tokens])
         rows = slice(store.starts[index], store.starts[index] + lengths[index])
@@ -301,3 +301,20 @@ def test_an_unset_batch_size_halves_where_the_gpu_has_less_free():
     assert batch_tokens_for_memory(32768, 134 * 2 ** 30) == 32768        # an H200 once the engine is gone
     assert batch_tokens_for_memory(32768, 75 * 2 ** 30) == 16384         # an 80-GB H100
     assert batch_tokens_for_memory(32768, LARGE_BATCH_FREE) == 32768
+
+
+def test_batches_the_store_lacks_compute_their_states_and_train_alike(tiny_target, monkeypatch):
+    """A store of the batches that fit (half the tokens here): the others' states are
+    computed as they train, and the losses are those of a run that stored every batch."""
+    from specserve.speculative import eagle_trainer
+    model, train, _ = tiny_target
+    whole, _ = make_trainer(model, train, epochs=2)
+    assert whole.store.covers(range(len(train)))
+    whole.train()
+    monkeypatch.setattr(eagle_trainer, "device_token_budget", lambda extractor: sum(len(c.tokens) for c in train) // 2)
+    part, _ = make_trainer(model, train, epochs=2)
+    stored = [group for group in part.plan if part.store.covers(group)]
+    assert 0 < len(stored) < len(part.plan)
+    assert part.store.final.shape[0] <= sum(len(c.tokens) for c in train) // 2
+    part.train()
+    torch.testing.assert_close(torch.tensor(part.history), torch.tensor(whole.history))

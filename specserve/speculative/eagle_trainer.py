@@ -7,9 +7,10 @@ linear warm-up then cosine decay, where progress is the larger of steps done and
 spent (so a --max-train-seconds budget ends on a decayed learning rate). Checkpoints are
 the head in SGLang's layout plus the optimizer state; a resumed run continues the same
 seeded batch order where it stopped. The target's states of the training conversations
-are computed once, when the trainer is made, and read back every epoch (StateStore), when
-they fit on the device beside training; more data than that is seen about once in a run,
-and each batch's states are computed when it trains.
+are computed once, when the trainer is made, and read back every epoch (StateStore), for
+as many whole batches as fit on the device beside training (the batches are the same
+groups every epoch, in another order); the other batches' states are computed each time
+they train.
 
 With an `evaluate` callable (the held-out accept length) the trainer scores the head every
 `eval_every` steps and at the end, and keeps the best head it saw: a head that starts to
@@ -35,7 +36,7 @@ from specserve.speculative.eagle_config import EagleHeadConfig
 from specserve.speculative.eagle_data import Conversation
 from specserve.speculative.eagle_head import EagleHead
 from specserve.speculative.eagle_ttt import unroll
-from specserve.speculative.target_features import StateStore, states_fit_device
+from specserve.speculative.target_features import StateStore, device_token_budget, groups_within
 
 TRAINER_STATE_FILE = "trainer_state.pt"
 
@@ -124,10 +125,10 @@ class EagleTrainer:
         lengths = [len(c.tokens) for c in conversations]
         self.plan = [group for epoch in range(settings.epochs)
                      for group in plan_batches(lengths, settings.batch_tokens, settings.seed + epoch)]
-        # the target's states, once for every epoch (in the first epoch's batches: they fit the extractor)
-        keep = states_fit_device(builder.extractor, sum(lengths))
-        self.store = StateStore(builder.extractor, [c.tokens for c in conversations],
-                                plan_batches(lengths, settings.batch_tokens, settings.seed)) if keep else None
+        # the target's states, once for every epoch, of the batches that fit (a batch fits the extractor)
+        stored = groups_within(plan_batches(lengths, settings.batch_tokens, settings.seed), lengths,
+                               device_token_budget(builder.extractor))
+        self.store = StateStore(builder.extractor, [c.tokens for c in conversations], stored) if stored else None
         self.step, self.elapsed = 0, 0.0
         # where a step's time goes: the host (building the batch, launching its kernels) and
         # the wait for the device at its end (the device's share of the step)
@@ -184,8 +185,8 @@ class EagleTrainer:
         for param_group in self.optimizer.param_groups:
             param_group["lr"] = self.learning_rate()
         conversations = [self.conversations[i] for i in group]
-        batch = (self.builder.from_store(self.store, group, conversations) if self.store is not None
-                 else self.builder(conversations))
+        batch = (self.builder.from_store(self.store, group, conversations)
+                 if self.store is not None and self.store.covers(group) else self.builder(conversations))
         device_type = batch.conversations.tokens.device.type
         with torch.autocast(device_type, dtype=settings.autocast_dtype, enabled=settings.autocast_dtype is not None):
             loss, accuracies = ttt_loss(self.head, batch, settings.ttt_steps, settings.step_weight)

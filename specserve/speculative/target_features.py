@@ -9,9 +9,11 @@ them for a batch of sequences; its K/V go to a scratch pool that the next batch 
 A head trains over the same conversations for many epochs, and the target's forward costs
 about as much as the head's whole training step (1.5B target, 8k tokens: ~21 TFLOP, the
 head's 7-step step ~25): `StateStore` computes the states once and keeps them on the
-device, when they fit beside training (~12 KB a token for a 1.5B's EAGLE-3 head); data
-larger than that (millions of tokens) is seen about once, each batch's states computed
-when it trains (a host copy would need as much host memory, pinned).
+device, as many whole batches of them as fit beside training (~12 KB a token for a 1.5B's
+EAGLE-3 head); the other batches' states are computed each time they train (a host copy
+would need as much host memory, pinned). On an H200 the 1.5B's 6.8M tokens took 82 GB:
+stored whole or not at all, each of its training steps ran the target too (~40% of a
+32k-token step's kernel time).
 """
 from __future__ import annotations
 
@@ -86,36 +88,40 @@ DEVICE_SHARE = 0.4
 
 
 class StateStore:
-    """The target's states of every token of a fixed list of sequences, computed once."""
+    """The target's states of every token of some of a list of sequences, computed once."""
 
     def __init__(self, extractor: TargetFeatureExtractor, sequences: list[list[int]], groups: list[list[int]]):
-        """groups: the sequence indices of each extractor call (every index once), each
-        group within the extractor's limits (a training batch's is)."""
+        """groups: the sequence indices of each extractor call (each index at most once),
+        each group within the extractor's limits (a training batch's is): the sequences stored."""
         config = extractor.model.config
-        lengths = [len(ids) for ids in sequences]
-        self.starts = [0]
-        for length in lengths[:-1]:
-            self.starts.append(self.starts[-1] + length)
-        total = sum(lengths)
+        self.starts: dict[int, int] = {}     # sequence index -> its first row
+        total = 0
+        for index in (i for group in groups for i in group):
+            self.starts[index] = total
+            total += len(sequences[index])
         dtype, feature_size = extractor.model.embed_tokens.weight.dtype, len(extractor.aux_layers) * config.hidden_size
         self.device = extractor.device
         new = lambda size: torch.empty((total, size), dtype=dtype, device=self.device)  # noqa: E731
         self.final = new(config.hidden_size)
         self.layers = new(feature_size) if extractor.aux_layers else None
-        for group in groups:
+        for group in groups:   # the groups' sequences are stored in order: one run of rows a group
             states = extractor([sequences[i] for i in group])
-            rows = torch.cat([torch.arange(self.starts[i], self.starts[i] + lengths[i]) for i in group])
-            rows = rows.to(self.device)
-            self.final.index_copy_(0, rows, states.final.to(self.device))
+            first = self.starts[group[0]]
+            rows = slice(first, first + states.final.shape[0])
+            self.final[rows] = states.final.to(self.device)
             if self.layers is not None:
-                self.layers.index_copy_(0, rows, states.layers.to(self.device))
+                self.layers[rows] = states.layers.to(self.device)
+
+    def covers(self, indices: list[int]) -> bool:
+        """Whether the states of all these sequences are stored."""
+        return all(i in self.starts for i in indices)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.final, self.layers) if t is not None)
 
     def states(self) -> TargetStates:
-        """Every sequence's states, concatenated in order (sequence i from starts[i])."""
+        """The stored sequences' states, concatenated (sequence i from starts[i])."""
         return TargetStates(self.layers, self.final)
 
 
@@ -126,12 +132,26 @@ def state_bytes(extractor: TargetFeatureExtractor, num_tokens: int) -> int:
     return num_tokens * (feature_size + config.hidden_size) * extractor.model.embed_tokens.weight.dtype.itemsize
 
 
-def states_fit_device(extractor: TargetFeatureExtractor, num_tokens: int) -> bool:
-    """Whether the states of num_tokens tokens fit DEVICE_SHARE of the GPU memory free for
-    them (always on a CPU: the states are a small part of what a CPU run holds)."""
+def device_token_budget(extractor: TargetFeatureExtractor) -> int | None:
+    """Tokens whose states fit DEVICE_SHARE of the GPU memory free for them (None on a CPU:
+    no bound, the states are a small part of what a CPU run holds)."""
     device = extractor.device
     if device.type != "cuda":
-        return True
+        return None
     free, _ = torch.cuda.mem_get_info(device)
     free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # PyTorch's cache is free to it
-    return state_bytes(extractor, num_tokens) <= DEVICE_SHARE * free
+    return int(DEVICE_SHARE * free) // state_bytes(extractor, 1)
+
+
+def groups_within(groups: list[list[int]], lengths: list[int], budget: int | None) -> list[list[int]]:
+    """The leading groups whose tokens add up to at most `budget` (None: all of them)."""
+    if budget is None:
+        return list(groups)
+    kept, used = [], 0
+    for group in groups:
+        tokens = sum(lengths[i] for i in group)
+        if used + tokens > budget:
+            break
+        kept.append(group)
+        used += tokens
+    return kept
