@@ -12,8 +12,8 @@ head's 7-step step ~25): `StateStore` computes the states once and keeps them on
 device, as many whole batches of them as fit beside training (~12 KB a token for a 1.5B's
 EAGLE-3 head); the other batches' states are computed each time they train (a host copy
 would need as much host memory, pinned). On an H200 the 1.5B's 6.8M tokens took 82 GB:
-stored whole or not at all, each of its training steps ran the target too (~40% of a
-32k-token step's kernel time).
+stored whole or not at all, each of its training steps ran the target too (an estimated
+~40% of a 32k-token step's kernel time: 100 TFLOP of the target's forward).
 """
 from __future__ import annotations
 
