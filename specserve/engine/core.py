@@ -280,7 +280,8 @@ class EngineCore(DraftingSteps):
         them), its hidden states to the drafter (a head's, fed when it drafts again), its commit."""
         reqs = step.reqs
         if step.hidden is not None and self.drafter is not None:
-            self.drafter.observe_hidden(reqs, [r.kv_len for r in reqs], step.hidden, step.hidden_rows())
+            # the runner copied them out of the decode graph (launch_greedy_decode): no second copy
+            self.drafter.observe_hidden(reqs, [r.kv_len for r in reqs], step.hidden, step.hidden_rows(), owned=True)
         self.scheduler.append_kv(reqs, [[slot] for slot in step.slots], write_table=False)
         # detokenized after the next launch (DeferredText): at 64 requests ~0.2-0.3 ms of host
         # time a step that otherwise sits between reading this step and launching the one after next

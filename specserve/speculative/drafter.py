@@ -53,10 +53,12 @@ class Drafter:
             self.observe(req, tokens)
 
     def observe_hidden(self, reqs: list["Req"], starts: list[int], states: "torch.Tensor",
-                       rows: list[list[int]]) -> None:
+                       rows: list[list[int]], owned: bool = False) -> None:
         """The target's hidden states (when the runner keeps them: see ModelRunner's
         hidden_capture) of the tokens a step put in the KV cache: request i's tokens at
-        positions starts[i], starts[i] + 1, ... have states[rows[i]]."""
+        positions starts[i], starts[i] + 1, ... have states[rows[i]]. owned: `states` is the
+        caller's own copy, which nothing overwrites (else a graph's output, valid until its
+        next replay)."""
 
     def verify_fused(self, reqs: list["Req"], proposal: TreeProposal, slots: list[int], sampler: "Sampler",
                      while_running: "Callable[[], None] | None" = None) -> "SampledStep | None":

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specserve.kv.pool import host_to_device_async
 from specserve.runner.draft_chain import ChainRow
 from specserve.speculative.draft_kv import DraftKVTable
 from specserve.speculative.drafter import Drafter
@@ -69,15 +70,15 @@ class EagleDrafter(Drafter):
         self.states = HeldTargetStates()
 
     def observe_hidden(self, reqs: list["Req"], starts: list[int], states: torch.Tensor,
-                       rows: list[list[int]]) -> None:
+                       rows: list[list[int]], owned: bool = False) -> None:
         flat = [i for r in rows for i in r]
         if flat == list(range(len(flat))):
-            # every row in order (a plain step's, a prefill's): a copy (a graph's outputs are
-            # overwritten by its next replay) without an index, whose blocking host-to-device
-            # copy would wait for the plain step launched ahead (engine/overlap.py)
-            gathered = states[:len(flat)].clone()
-        else:
-            gathered = states[torch.tensor(flat, device=states.device)]
+            # every row in order (a plain step's, a prefill's): kept as they are where the
+            # caller's copy is handed over, else copied (a graph's outputs are overwritten by
+            # its next replay)
+            gathered = states[:len(flat)] if owned else states[:len(flat)].clone()
+        else:   # the index goes without waiting: a blocking copy would wait for the step launched ahead
+            gathered = states.index_select(0, host_to_device_async(torch.tensor(flat), states.device))
         if len(flat) == len(reqs):   # one state a request (each hands over one at least): a plain step's, kept whole
             self.states.append_plain_step([req.rid for req in reqs], starts, gathered)
             return

@@ -64,11 +64,11 @@ def test_graphed_prefill_hands_an_eagle_drafter_the_eager_states(tmp_path):
             drafter, kept = engine.core.drafter, handed.setdefault(kind, {})
             observe = drafter.observe_hidden
 
-            def spy(reqs, starts, states, rows):
+            def spy(reqs, starts, states, rows, **kwargs):
                 for req, start, part in zip(reqs, starts, rows):
                     if start < len(req.prompt_ids):   # a prefill's rows (a plain step's come after the prompt)
                         kept.setdefault(tuple(req.prompt_ids), []).append(states[part[0]:part[-1] + 1].float().cpu())
-                return observe(reqs, starts, states, rows)
+                return observe(reqs, starts, states, rows, **kwargs)
             drafter.observe_hidden = spy
             engine.generate(input_ids=batch, sampling_params=GREEDY)
             wait_until_all_kv_is_free(engine)
