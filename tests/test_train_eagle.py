@@ -318,3 +318,13 @@ def test_batches_the_store_lacks_compute_their_states_and_train_alike(tiny_targe
     assert part.store.final.shape[0] <= sum(len(c.tokens) for c in train) // 2
     part.train()
     torch.testing.assert_close(torch.tensor(part.history), torch.tensor(whole.history))
+
+
+def test_default_learning_rate_follows_the_device_and_batch():
+    """1e-3 for a GPU's 32k-token batches (measured against 5e-4), the square root of the batch
+    ratio for others (8k: the 5e-4 every earlier GPU run used), a CPU run's small batches 5e-4."""
+    from specserve.train_eagle import default_lr
+    assert default_lr(torch.device("cuda"), 32768) == pytest.approx(1e-3)
+    assert default_lr(torch.device("cuda"), 8192) == pytest.approx(5e-4)
+    assert default_lr(torch.device("cuda"), 16384) == pytest.approx(1e-3 / 2 ** 0.5)
+    assert default_lr(torch.device("cpu"), 1024) == pytest.approx(5e-4)
