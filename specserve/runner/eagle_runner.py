@@ -32,6 +32,7 @@ from specserve.runner.draft_tree import run_tree
 from specserve.runner.draft_runner import chain_context, drafter_backend
 from specserve.speculative.eagle_checkpoint import load_head
 from specserve.speculative.eagle_head import EagleHead
+from specserve.speculative.eagle_serving import ServingEagleHead
 from specserve.speculative.mtp_head import MtpChainModel, MtpHead
 from specserve.speculative.token_map import apply_token_map
 
@@ -92,13 +93,11 @@ class HeadChainModel:
     token_offset = 1
 
     def __init__(self, head: EagleHead, backend):
-        self.head, self.backend = head, backend
+        self.head, self.backend = ServingEagleHead(head), backend
         self.draft_vocab = head.draft_vocab()          # (draft vocab,) target ids
 
     def forward(self, batch: ForwardBatch, features: torch.Tensor | None) -> torch.Tensor:
-        attend = lambda q, k, v: self.backend.forward(q, k, v, 0, batch)  # noqa: E731
-        hidden = self.head.step(batch.input_ids, features, batch.positions, attend)
-        return hidden[batch.logits_indices]
+        return self.head.step(batch, self.backend, features)[batch.logits_indices]
 
     def draft_logits(self, state: torch.Tensor) -> torch.Tensor:
         return self.head.logits(state)
