@@ -106,7 +106,8 @@ def load_checkpoint(model_path: str, dtype: torch.dtype, device: str | torch.dev
                     tp_rank: int = 0, tp_size: int = 1) -> LoadedCheckpoint:
     """Load a GGUF file, a Hugging Face directory, or a hub id (downloaded into the HF cache).
     With tp_size > 1 the state dict holds tensor-parallel rank tp_rank's shard only (each
-    tensor is read whole, cut, and only the cut is moved to `device`)."""
+    tensor is read whole and cut; only the cut is kept on `device`; a GGUF tensor is
+    dequantized whole on `device` first)."""
     local_path = resolve_model_path(model_path)
     shard_of = lambda config: ModelShard.for_rank(config, tp_rank, tp_size)
     if os.path.isfile(local_path):
