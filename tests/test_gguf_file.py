@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-import os
 import struct
 
 import gguf
@@ -12,11 +11,6 @@ from gguf.constants import GGML_QUANT_SIZES
 
 from specserve.errors import ModelFormatError
 from specserve.model.gguf_file import GGUFFile
-
-# The repository's models/ folder, filled by ../shared/tools/fetch-models (git ignores it).
-MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models")
-MODEL_NAMES = ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"]
-
 
 def test_smollm2_equals_gguf_reader(smollm2_path):
     # GGUFReader takes 3 s here and 9 s on each Qwen, whose vocabulary is three times larger:
@@ -36,12 +30,10 @@ def test_smollm2_equals_gguf_reader(smollm2_path):
         assert not mine.data.flags.writeable  # a view of the file, as GGUFReader's
 
 
-@pytest.mark.parametrize("name", MODEL_NAMES)
-def test_each_model_is_consistent(name):
-    path = os.path.join(MODELS_DIR, f"{name}.gguf")
-    if not os.path.isfile(path):
-        pytest.skip(f"{path} is missing (../shared/tools/fetch-models {MODELS_DIR} fetches it)")
-    model = GGUFFile(path)
+def test_vocabulary_and_tensor_sizes_are_consistent(smollm2_path):
+    """The parsed lists and block sizes agree with each other (the Qwen2.5 files in models/, which
+    CI does not have, were checked so by hand: their 151,936-entry lists are the slow case)."""
+    model = GGUFFile(smollm2_path)
     vocab_rows = model.tensors["token_embd.weight"].shape[-1]
     assert len(model.metadata["tokenizer.ggml.tokens"]) == vocab_rows
     assert len(model.metadata["tokenizer.ggml.token_type"]) == vocab_rows
