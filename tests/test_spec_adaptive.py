@@ -833,3 +833,30 @@ def test_a_probe_that_costs_forwards_is_not_pulled_forward_by_a_large_batchs_adm
     assert probed_steps(1, admit=True) == [16, 32, 48, 64]   # new requests, probed at the floor
     adaptive.admit()
     assert [adaptive.probe_due(64) for _ in range(ADMIT_GAP)][-1]   # a cheap probe still takes admissions
+
+
+def test_a_probes_verdict_goes_to_the_debug_log_with_its_rates(caplog, monkeypatch):
+    """Why a bucket stays plain: each tier's expected rate, price and tokens a request, at most
+    once per DECISION_LOG_INTERVAL_S per bucket."""
+    from specserve.speculative import adaptive as adaptive_module
+    adaptive = AdaptiveDraftLength([1, 4])
+    batch = [f"r{i}" for i in range(8)]
+    measured(adaptive, {1: 0.05, 4: 0.08}, batch_size=8)
+    for rid in batch:
+        for _ in range(5):
+            propose(adaptive, rid)
+            adaptive.observe(rid, [7])              # every draft missed
+    assert adaptive.choose(batch, [6] * len(batch)) == 1
+    hold_out(adaptive, 8)
+    with caplog.at_level("DEBUG", logger="specserve"):
+        adaptive.probe(8, batch, [6] * len(batch))
+        adaptive.probe(8, batch, [6] * len(batch))   # within the interval: not logged again
+        lines = [r.getMessage() for r in caplog.records if "speculative policy" in r.getMessage()]
+        assert len(lines) == 1
+        assert "batch 8 (bucket 8)" in lines[0] and lines[0].endswith("stays plain")
+        assert "1: 160 tok/s (50.00 ms a step, 1.00 tokens a request)" in lines[0]   # 8 tokens / 50 ms
+        assert "4: " in lines[0] and "80.00 ms a step" in lines[0]
+        monkeypatch.setattr(adaptive_module, "DECISION_LOG_INTERVAL_S", 0.0)
+        adaptive.probe(8, batch, [6] * len(batch))
+        assert len([r for r in caplog.records if "speculative policy" in r.getMessage()]) == 2
+    assert not adaptive.should_draft(8)

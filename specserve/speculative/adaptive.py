@@ -27,6 +27,8 @@ and the tiers are sizes the CUDA graphs were captured for, so replay stays valid
 """
 from __future__ import annotations
 
+import logging
+import time
 from collections import Counter
 
 from specserve.speculative.acceptance import AcceptanceEvidence
@@ -62,6 +64,12 @@ EXPLORE_RATIO = 0.6
 # (EXPLORE_RATIO) is not held back, so a bucket's record is renewed now and then.
 OPTIMISM_WINDOW = 8
 MAX_OPTIMISM = 2.0
+# A probe's verdict goes to the debug log at most this often per bucket: why a speculative
+# server keeps a batch size plain (or drafts) is otherwise invisible from outside (session 22:
+# an EAGLE-3 server kept every step of 20 benchmark cells plain, with nothing to say why)
+DECISION_LOG_INTERVAL_S = 5.0
+
+logger = logging.getLogger("specserve")
 
 
 class AdaptiveDraftLength:
@@ -78,6 +86,7 @@ class AdaptiveDraftLength:
         self._expected_rate: dict[int, float] = {}   # bucket -> the rate its drafting choice expected
         self._overshoots = RecentMedians(OPTIMISM_WINDOW)   # per bucket: expected / realized
         self.optimism: dict[int, float] = {}   # bucket -> median expected / realized of its drafting steps
+        self._decision_logged_at: dict[int, float] = {}   # bucket -> when a probe's verdict was last logged
 
     # the parts' state under the names diagnostics and benches read (and write):
     # bench/draft_step_host.py pins prices, one-off scripts dump the policy's state
@@ -154,6 +163,7 @@ class AdaptiveDraftLength:
                 self.modes.request_switch(bucket)
             return
         if best > 1 and rates[best] >= self._switch_margin(bucket) * rates[1]:
+            self._log_decision(bucket, batch_size, rates, "drafts")
             self.modes.request_switch(bucket)
             return
         stale = [t for t, rate in rates.items() if t > 1 and rate >= EXPLORE_RATIO * rates[1]
@@ -161,6 +171,23 @@ class AdaptiveDraftLength:
         if stale:   # the episode's first step runs the stale tier, whatever its old price says
             self._explore[bucket] = max(stale, key=rates.get)
             self.modes.request_switch(bucket)
+        self._log_decision(bucket, batch_size, rates,
+                           f"drafts to re-price tier {self._explore[bucket]}" if stale else "stays plain")
+
+    def _log_decision(self, bucket: int, batch_size: int, rates: dict[int, float], verdict: str) -> None:
+        """A probe's verdict with what it rests on, per tier: the expected rate, the step's
+        price and the tokens a request is expected to commit (debug log, rate-limited)."""
+        if not logger.isEnabledFor(logging.DEBUG):
+            return
+        now = time.monotonic()
+        if now - self._decision_logged_at.get(bucket, -DECISION_LOG_INTERVAL_S) < DECISION_LOG_INTERVAL_S:
+            return
+        self._decision_logged_at[bucket] = now
+        tiers = ", ".join(f"{t}: {rate:.0f} tok/s ({1e3 * self.costs.cost(bucket, t):.2f} ms a step, "
+                          f"{rate * self.costs.cost(bucket, t) / batch_size:.2f} tokens a request)"
+                          for t, rate in sorted(rates.items()))
+        logger.debug("speculative policy, batch %d (bucket %d): %s; switch margin %.2f: %s",
+                     batch_size, bucket, tiers, self._switch_margin(bucket), verdict)
 
     def _switch_margin(self, bucket: int) -> float:
         """SWITCH_MARGIN, times how much the bucket's drafting choices overshot of late."""
