@@ -117,12 +117,14 @@ def test_specserve_engines_run_and_a_peer_without_wheels_is_reported(tiny_hf_roo
     assert {c["prompts"] for c in cells} == {2, 8}
     assert all(len(c["ttft_ms"]) == c["prompts"] and min(c["ttft_ms"]) > 0 for c in cells)   # who waited
     # a speculative server's counts: each cell's decode steps and the tokens a step committed, which
-    # together make every token but the first of each answer (its prefill made that one); a plain server
-    # counts none
+    # together make every token but the first of each answer (its prefill made that one), or every
+    # token of an answer whose prompt had all but its last token cached when it was scheduled (a
+    # prefix-cache hit or a chunk's end: the scheduler decodes a prompt with one token left; timing
+    # decides it, CI under load counted 57 of a multi-turn cell's 64); a plain server counts none
     assert not any("accept_length" in c for c in by_engine["specserve-plain"])
     for name in engines[1:]:
         assert all(c["decode_steps"] >= c["prompts"] and c["accept_length"] >= 1
-                   and round(c["decode_steps"] * c["accept_length"]) == c["prompts"] * 7
+                   and c["prompts"] * 7 <= round(c["decode_steps"] * c["accept_length"]) <= c["prompts"] * 8
                    for c in by_engine[name]), name
     started = {r["engine"]: r for r in rows if r["kind"] == "engine" and "error" not in r}
     assert started["specserve-ngram"]["settings"]["chunked_prefill_size"] == 2048   # what the server reports
