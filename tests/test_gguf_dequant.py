@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize as numpy_dequantize
 
 from specserve.model import gguf_dequant
@@ -13,7 +14,7 @@ BLOCK_FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 def _random_rows(type_name: str, rows: int, blocks_per_row: int, seed: int) -> np.ndarray:
     """Random bytes of `rows` rows of blocks, with every float16 field a finite value
     (random bytes there would make inf * 0 = NaN, which says nothing about the format)."""
-    _, type_size, _ = gguf_dequant._BLOCK_FORMATS[type_name]
+    _, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(rows * blocks_per_row, type_size), dtype=np.uint8)
     halves = {"Q6_K": [208]}.get(type_name, [0, 2] if type_name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else [0])
@@ -24,7 +25,7 @@ def _random_rows(type_name: str, rows: int, blocks_per_row: int, seed: int) -> n
 
 @pytest.mark.parametrize("type_name", BLOCK_FORMATS)
 def test_block_formats_equal_gguf_numpy(type_name):
-    block_size = gguf_dequant._BLOCK_FORMATS[type_name][0]
+    block_size, _ = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
     raw = _random_rows(type_name, rows=6, blocks_per_row=3, seed=BLOCK_FORMATS.index(type_name))
     expected = numpy_dequantize(raw, GGMLQuantizationType[type_name]).reshape(6, 3 * block_size)
     got = gguf_dequant.dequantize(raw, type_name, (6, 3 * block_size), "cpu")

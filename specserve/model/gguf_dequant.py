@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 QK_K = 256   # elements of a K-quant super-block
 
@@ -108,10 +109,10 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return (d * q).reshape(n, QK_K)
 
 
-# GGML type name -> (elements per block, bytes per block, block dequantizer)
-_BLOCK_FORMATS: dict[str, tuple[int, int, Callable[[torch.Tensor], torch.Tensor]]] = {
-    "Q4_0": (32, 18, _q4_0), "Q4_1": (32, 20, _q4_1), "Q5_0": (32, 22, _q5_0), "Q5_1": (32, 24, _q5_1),
-    "Q8_0": (32, 34, _q8_0), "Q4_K": (QK_K, 144, _q4_k), "Q5_K": (QK_K, 176, _q5_k), "Q6_K": (QK_K, 210, _q6_k),
+# GGML type name -> its block dequantizer (block and byte sizes: gguf's GGML_QUANT_SIZES)
+_BLOCK_FORMATS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q5_K": _q5_k,
+    "Q6_K": _q6_k,
 }
 _PLAIN_FORMATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -125,6 +126,6 @@ def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...],
         return flat.view(_PLAIN_FORMATS[type_name]).float().reshape(shape)
     if type_name not in _BLOCK_FORMATS:
         return None
-    block_size, type_size, blocks_to_floats = _BLOCK_FORMATS[type_name]
+    _, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
     blocks = torch.from_numpy(np.array(raw).reshape(-1, type_size)).to(device)
-    return blocks_to_floats(blocks).reshape(shape)
+    return _BLOCK_FORMATS[type_name](blocks).reshape(shape)

@@ -241,21 +241,24 @@ def _load_gguf_tokenizer(path: str) -> Any:
 def _dequantize_to(tensor: Any, device: str | torch.device) -> torch.Tensor:
     """A GGUF tensor as float32 on `device` (see _dequantize): with torch on the device where
     gguf_dequant has the format, else through gguf-py's numpy on the host."""
-    shape = tuple(int(n) for n in reversed(tensor.shape))
-    weight = gguf_dequant.dequantize(tensor.data, tensor.tensor_type.name, shape, device)
+    weight = gguf_dequant.dequantize(tensor.data, tensor.tensor_type.name, _torch_shape(tensor), device)
     return torch.from_numpy(_dequantize(tensor)) if weight is None else weight
 
 
-def _dequantize(tensor: Any) -> np.ndarray:
-    """A GGUF tensor as float32 in row-major PyTorch layout.
+def _torch_shape(tensor: Any) -> tuple[int, ...]:
+    """GGUF lists dimensions fastest-first (ggml's ne[0] is the row length), so a Linear's
+    (out_features, in_features) weight is recorded as [in, out]: reversed, it is the
+    PyTorch shape."""
+    return tuple(int(n) for n in reversed(tensor.shape))
 
-    GGUF lists dimensions fastest-first (ggml's ne[0] is the row length), so a Linear's
-    (out_features, in_features) weight is recorded as [in, out]; reversed, it is the
-    PyTorch shape, and the bytes are already laid out row-major for it."""
+
+def _dequantize(tensor: Any) -> np.ndarray:
+    """A GGUF tensor as float32 in row-major PyTorch layout, by gguf-py (the bytes are
+    already laid out row-major for the reversed shape, _torch_shape)."""
     from gguf.quants import dequantize
 
-    shape = tuple(int(n) for n in reversed(tensor.shape))
-    array = np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+    array = np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type),
+                                 dtype=np.float32).reshape(_torch_shape(tensor))
     # F32 tensors come back as views of the read-only memory map; the state dict must own its data.
     return array if array.flags.writeable else array.copy()
 
