@@ -36,9 +36,9 @@ json.dump(d[:1000], open('.gpu/sharegpt_bench.json', 'w')); json.dump(d[1000:], 
 if [ "$mode" = checks ] || [ "$mode" = all ]; then
   # Triton kernels compiled for real, against torch_native, at test and at real sizes (test_fused_ops
   # compares CPU tensors with the interpreter; on the GPU the fused kernels are covered by gpu_checks)
-  # (test_gemv's decoder-path tests drives a CPU model through the interpreter; gpu_checks runs that path here)
+  # (test_gemv's batch-1 decoder test drives a CPU model through the interpreter; gpu_checks runs that path here)
   TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/test_triton_attention.py tests/test_gemv.py tests/test_tree_kernels.py \
-    -k "not decoder_path" 2>&1 | tail -5 | tee "$OUT/pytest_gpu.txt"
+    -k "not batch1_decoder_path" 2>&1 | tail -5 | tee "$OUT/pytest_gpu.txt"
   python3 -m specserve.attention.check_gpu 2>&1 | tee "$OUT/check_gpu.txt"
   for dtype in float32 bfloat16; do
     python3 -m specserve.bench.gpu_checks --model /root/models/smollm2-135m-instruct.gguf --dtype $dtype 2>&1 \

@@ -1,18 +1,15 @@
-"""A Triton GEMV for linear layers of one to eight rows on a GPU: y = x @ W^T (+ bias),
-optionally with the decoder's pre-norm in front (input = rmsnorm(residual + x) * w) and,
-behind, SiLU(gate) * up (the fused gate_up projection) or RoPE + the KV-pool write (the
-fused qkv projection), so a layer of a batch-1 decode step, a small batch's decode step or
-a batch-1 verify of a few draft nodes is 4 GEMVs and the attention kernel.
+"""A Triton GEMV for one-row linear layers on a GPU: y = x @ W^T (+ bias), optionally with
+the decoder's pre-norm in front (input = rmsnorm(residual + x) * w) and, behind, SiLU(gate)
+* up (the fused gate_up projection) or RoPE + the KV-pool write (the fused qkv
+projection), so a batch-1 layer is 4 GEMVs and the attention kernel.
 
 At batch 1 a decode step is a chain of matrix-vector products that must each stream a
 weight matrix once at full memory bandwidth. cuBLAS gets close on large matrices but not
 on the small ones of a 1.5B model (H200, weights read from HBM: o_proj 4.7 MB in 6.5 us,
 down_proj 27.5 MB in 11.9 us; this kernel: 3.3 us and 8.9 us). Each program owns BLOCK_N
 output lanes and walks K in BLOCK_K chunks with a (BLOCK_N, BLOCK_K) fp32 partial sum
-reduced once at the end, so the loop body is loads and FMAs only. With M rows each weight
-tile is loaded once and multiplied into all of them: by FMAs ((M, BLOCK_N, BLOCK_K) partial
-sums, K chunks M times shorter) or on tensor cores (the weight tile as the wide operand).
-The pre-norm costs no pass of its own: rmsnorm(s) * w . W_row = rsqrt(mean(s^2) + eps) * ((w * s) . W_row), so
+reduced once at the end, so the loop body is loads and FMAs only. The pre-norm costs no
+pass of its own: rmsnorm(s) * w . W_row = rsqrt(mean(s^2) + eps) * ((w * s) . W_row), so
 the loop accumulates (w * s) . W_row and s^2 together and scales at the end. A lane that
 needs two rows (gate and up; dims d and d + head_dim / 2 of a head for RoPE) keeps two sums.
 
@@ -35,195 +32,129 @@ from specserve.pdl import uses_pdl
 
 logger = logging.getLogger(__name__)
 
-ENABLED = True  # False: few-row matmuls go to cuBLAS like any other (the A/B of bench.decode_profile)
-MAX_ROWS = 8     # the most input rows one GEMV takes: a batch-8 decode step, a batch-1 verify of 8 nodes
+ENABLED = True  # False: one-row matmuls go to cuBLAS like any other (the A/B of bench.decode_profile)
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages): small row blocks, long K chunks and deeper
 # pipelining keep more loads in flight; which wins depends on the shape and the GPU
 CANDIDATES = ((4, 1024, 4, 3), (4, 256, 4, 3), (2, 1024, 4, 3), (4, 2048, 8, 3), (2, 1024, 4, 5), (4, 256, 4, 5),
               (8, 256, 8, 5), (4, 2048, 8, 4), (4, 512, 8, 5), (1, 512, 4, 4), (1, 1024, 4, 4), (2, 256, 2, 4),
               (2, 512, 2, 6), (4, 128, 2, 8), (1, 256, 1, 6))
-# With 2 to MAX_ROWS rows each config compiles once per row count (2, 4, 8): fewer candidates
-# keep the engine's start short. (BLOCK_N, BLOCK_K, warps, stages, on tensor cores): FMA
-# tiles get K chunks divided by the row count (the partial sums keep one row's register
-# count); tensor-core tiles take 16 rows, padded. H200, 1.5B shapes: FMA tiles beat cuBLAS at
-# 2 rows on qkv and o_proj only, and lose 1.5-5x at 4 and 8 rows (their time grows with the rows).
-FEW_ROW_CANDIDATES = ((4, 1024, 4, 3, False), (2, 1024, 4, 4, False), (16, 128, 4, 4, True), (32, 128, 4, 4, True),
-                      (64, 64, 4, 4, True), (16, 256, 4, 3, True))
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N_OUT, K, OUT_STRIDE, res_ptr, norm_w_ptr, res_out_ptr, eps,
+def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N_OUT, K, res_ptr, norm_w_ptr, res_out_ptr, eps,
                  cos_ptr, sin_ptr, positions_ptr, slots_ptr, k_buf_ptr, v_buf_ptr, num_q_heads, num_kv_heads,
                  HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, ADD_NORM: tl.constexpr, ROPE: tl.constexpr,
-                 HALF: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PREFETCH_K: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
-    # M input rows (at most ROWS) times N_OUT output lanes; a lane reads two weight rows with
-    # SILU_MUL (gate row, up row N_OUT further) and with ROPE (dims d and d + HALF of one head),
-    # one row otherwise. Each weight tile is loaded once and multiplied into every input row:
-    # with FMAs, or with DOT on tensor cores (the weight tile as the wide operand).
+                 HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH_K: tl.constexpr,
+                 USE_PDL: tl.constexpr):
+    # N_OUT output lanes; a lane reads two weight rows with SILU_MUL (gate row, up row
+    # N_OUT further) and with ROPE (dims d and d + HALF of one head), one row otherwise.
     # ADD_NORM: the input is rmsnorm(residual + x) * norm_w; program 0 writes residual + x out.
     pid = tl.program_id(0)
     if USE_PDL:  # the next kernel may start (and fetch its own weights) as SMs free up
         tl.extra.cuda.gdc_launch_dependents()
     lanes = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     lane_ok = lanes < N_OUT
-    row_ids = tl.arange(0, ROWS)
-    row_ok = row_ids < M
     rows = lanes
     if ROPE:
         rows = (lanes // HALF) * (2 * HALF) + lanes % HALF
     second_rows = rows + (HALF if ROPE else N_OUT)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
     w_second = w_ptr + second_rows.to(tl.int64)[:, None] * K
-    if DOT:
-        if USE_PDL:  # x and the residual are the previous kernels' outputs
-            tl.extra.cuda.gdc_wait()
-        y, y_second, sum_squares = _dot_rows(x_ptr, res_ptr, norm_w_ptr, w_rows, w_second, lane_ok, row_ids, row_ok,
-                                             K, SILU_MUL or ROPE, ADD_NORM, ROWS, BLOCK_N, BLOCK_K, PRECISION)
-    else:
-        y, y_second, sum_squares = _fma_rows(x_ptr, res_ptr, norm_w_ptr, w_rows, w_second, lane_ok, row_ids,
-                                             row_ok, K, SILU_MUL or ROPE, ADD_NORM, ROWS, BLOCK_N, BLOCK_K,
-                                             PREFETCH_K, USE_PDL)
-    if ADD_NORM:
-        if pid == 0:  # not inside the loops above: a branch there would keep them from being pipelined
-            cols = tl.arange(0, BLOCK_K)
-            for k in range(0, K, BLOCK_K):
-                at = row_ids.to(tl.int64)[:, None] * K + k + cols[None, :]
-                at_ok = row_ok[:, None] & ((k + cols) < K)[None, :]
-                summed = tl.load(x_ptr + at, mask=at_ok, other=0.0) + tl.load(res_ptr + at, mask=at_ok)
-                tl.store(res_out_ptr + at, summed, mask=at_ok)  # rounds like torch's residual + x
-        inv_rms = tl.rsqrt(sum_squares / K + eps)
-        y *= inv_rms[:, None]
-        y_second *= inv_rms[:, None]
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + rows, mask=lane_ok, other=0.0).to(tl.float32)[None, :]
-        if ROPE:
-            y_second += tl.load(bias_ptr + second_rows, mask=lane_ok, other=0.0).to(tl.float32)[None, :]
-    # round to the model dtype first, as the unfused matmul does before SiLU * up or RoPE
-    y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
-    y_second = y_second.to(out_ptr.dtype.element_ty).to(tl.float32)
-    out_ok = row_ok[:, None] & lane_ok[None, :]
-    if ROPE:
-        _rope_epilogue(y, y_second, lanes, row_ids, row_ok, out_ok, out_ptr, OUT_STRIDE, cos_ptr, sin_ptr,
-                       positions_ptr, slots_ptr, k_buf_ptr, v_buf_ptr, num_q_heads, num_kv_heads, HALF)
-    else:
-        if SILU_MUL:
-            y = (y / (1.0 + tl.exp(-y))).to(out_ptr.dtype.element_ty).to(tl.float32) * y_second
-        tl.store(out_ptr + row_ids.to(tl.int64)[:, None] * OUT_STRIDE + lanes[None, :],
-                 y.to(out_ptr.dtype.element_ty), mask=out_ok)
-
-
-@triton.jit
-def _fma_rows(x_ptr, res_ptr, norm_w_ptr, w_rows, w_second, lane_ok, row_ids, row_ok, K, TWO: tl.constexpr,
-              ADD_NORM: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              PREFETCH_K: tl.constexpr, USE_PDL: tl.constexpr):
-    """The dot products of every row with BLOCK_N weight rows (and their second rows with
-    TWO) by FMAs into (ROWS, BLOCK_N, BLOCK_K) partial sums reduced once at the end: the
-    loop body is loads and FMAs only (one row: ~the bandwidth roofline). Returns them as
-    (ROWS, BLOCK_N) and each row's sum of squares for the norm."""
     # The first PREFETCH_K weight columns are loaded before waiting for the previous kernel:
     # they do not depend on it, so with PDL they stream in while it finishes.
     pre = tl.arange(0, PREFETCH_K)
     pre_ok = pre < K
     w_pre = tl.load(w_rows + pre[None, :], mask=lane_ok[:, None] & pre_ok[None, :], other=0.0)
     w_pre_second = w_pre
-    if TWO:
+    if SILU_MUL or ROPE:
         w_pre_second = tl.load(w_second + pre[None, :], mask=lane_ok[:, None] & pre_ok[None, :], other=0.0)
     if USE_PDL:  # x and the residual are the previous kernels' outputs
         tl.extra.cuda.gdc_wait()
-    x_pre, squares_pre = _gemv_input(x_ptr, res_ptr, norm_w_ptr, row_ids, row_ok, K, pre, pre_ok, ADD_NORM)
-    y = tl.sum(w_pre.to(tl.float32)[None, :, :] * x_pre[:, None, :], axis=2)
-    y_second = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    if TWO:
-        y_second = tl.sum(w_pre_second.to(tl.float32)[None, :, :] * x_pre[:, None, :], axis=2)
+    x_pre, squares_pre = _gemv_input(x_ptr, res_ptr, norm_w_ptr, pre, pre_ok, ADD_NORM)
+    y = tl.sum(w_pre.to(tl.float32) * x_pre[None, :], axis=1)
+    y_second = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if SILU_MUL or ROPE:
+        y_second = tl.sum(w_pre_second.to(tl.float32) * x_pre[None, :], axis=1)
     cols = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_second = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    squares = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_second = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for k in range(PREFETCH_K, K, BLOCK_K):
         k_mask = (k + cols) < K
         mask = lane_ok[:, None] & k_mask[None, :]
-        x, chunk_squares = _gemv_input(x_ptr, res_ptr, norm_w_ptr, row_ids, row_ok, K, k + cols, k_mask, ADD_NORM)
+        x, chunk_squares = _gemv_input(x_ptr, res_ptr, norm_w_ptr, k + cols, k_mask, ADD_NORM)
         squares += chunk_squares
-        w = tl.load(w_rows + k + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        acc += w[None, :, :] * x[:, None, :]
-        if TWO:
-            w = tl.load(w_second + k + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            acc_second += w[None, :, :] * x[:, None, :]
-    return (y + tl.sum(acc, axis=2), y_second + tl.sum(acc_second, axis=2),
-            tl.sum(squares_pre, axis=1) + tl.sum(squares, axis=1))
-
-
-@triton.jit
-def _dot_rows(x_ptr, res_ptr, norm_w_ptr, w_rows, w_second, lane_ok, row_ids, row_ok, K, TWO: tl.constexpr,
-              ADD_NORM: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              PRECISION: tl.constexpr):
-    """_fma_rows on tensor cores: (BLOCK_N, BLOCK_K) weight tile x (BLOCK_K, ROWS) input
-    tile per K chunk (ROWS >= 16, rows past M are zeros), the input rounded to the weights'
-    dtype first as an unfused matmul's input is (fp32 weights: full-precision products)."""
-    cols = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
-    acc_second = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
-    squares = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        k_mask = (k + cols) < K
-        mask = lane_ok[:, None] & k_mask[None, :]
-        x, chunk_squares = _gemv_input(x_ptr, res_ptr, norm_w_ptr, row_ids, row_ok, K, k + cols, k_mask, ADD_NORM)
-        squares += chunk_squares
-        w = tl.load(w_rows + k + cols[None, :], mask=mask, other=0.0)
-        x_t = tl.trans(x.to(w.dtype))
-        acc = tl.dot(w, x_t, acc, input_precision=PRECISION)
-        if TWO:
-            w = tl.load(w_second + k + cols[None, :], mask=mask, other=0.0)
-            acc_second = tl.dot(w, x_t, acc_second, input_precision=PRECISION)
-    return tl.trans(acc), tl.trans(acc_second), tl.sum(squares, axis=1)
-
-
-@triton.jit
-def _gemv_input(x_ptr, res_ptr, norm_w_ptr, row_ids, row_ok, K, cols, col_ok, ADD_NORM: tl.constexpr):
-    """The input columns `cols` of every row in fp32, (rows, cols), and their squares for the
-    norm (0 without ADD_NORM). With ADD_NORM, one pass: rmsnorm's scale is a scalar per row, so
-    the caller applies it to the dot products at the end (no serial norm loop before the
-    weights start streaming)."""
-    at = row_ids.to(tl.int64)[:, None] * K + cols[None, :]
-    at_ok = row_ok[:, None] & col_ok[None, :]
-    raw = tl.load(x_ptr + at, mask=at_ok, other=0.0)
-    x = raw.to(tl.float32)
-    squares = tl.zeros(at.shape, dtype=tl.float32)
+        acc += tl.load(w_rows + k + cols[None, :], mask=mask, other=0.0).to(tl.float32) * x[None, :]
+        if SILU_MUL or ROPE:
+            acc_second += tl.load(w_second + k + cols[None, :], mask=mask, other=0.0).to(tl.float32) * x[None, :]
+    y += tl.sum(acc, axis=1)
+    y_second += tl.sum(acc_second, axis=1)
     if ADD_NORM:
-        summed = (raw + tl.load(res_ptr + at, mask=at_ok, other=0.0)).to(tl.float32)  # rounds like torch's add
+        if pid == 0:  # not inside the loop above: a branch there would keep it from being pipelined
+            for k in range(0, K, BLOCK_K):
+                k_mask = (k + cols) < K
+                summed = tl.load(x_ptr + k + cols, mask=k_mask, other=0.0) + tl.load(res_ptr + k + cols, mask=k_mask)
+                tl.store(res_out_ptr + k + cols, summed, mask=k_mask)  # rounds like torch's residual + x
+        inv_rms = tl.rsqrt((tl.sum(squares_pre, axis=0) + tl.sum(squares, axis=0)) / K + eps)
+        y *= inv_rms
+        y_second *= inv_rms
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rows, mask=lane_ok, other=0.0).to(tl.float32)
+        if ROPE:
+            y_second += tl.load(bias_ptr + second_rows, mask=lane_ok, other=0.0).to(tl.float32)
+    # round to the model dtype first, as the unfused matmul does before SiLU * up or RoPE
+    y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+    y_second = y_second.to(out_ptr.dtype.element_ty).to(tl.float32)
+    if ROPE:
+        _rope_epilogue(y, y_second, lanes, lane_ok, out_ptr, cos_ptr, sin_ptr, positions_ptr, slots_ptr,
+                       k_buf_ptr, v_buf_ptr, num_q_heads, num_kv_heads, HALF)
+    else:
+        if SILU_MUL:
+            y = (y / (1.0 + tl.exp(-y))).to(out_ptr.dtype.element_ty).to(tl.float32) * y_second
+        tl.store(out_ptr + lanes, y.to(out_ptr.dtype.element_ty), mask=lane_ok)
+
+
+@triton.jit
+def _gemv_input(x_ptr, res_ptr, norm_w_ptr, cols, col_ok, ADD_NORM: tl.constexpr):
+    """The input columns `cols` in fp32, and their squares for the norm (0 without ADD_NORM).
+    With ADD_NORM, one pass: rmsnorm's scale is a scalar, so the caller applies it to the
+    dot products at the end (no serial norm loop before the weights start streaming)."""
+    raw = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
+    x = raw.to(tl.float32)
+    squares = tl.zeros(cols.shape, dtype=tl.float32)
+    if ADD_NORM:
+        summed = (raw + tl.load(res_ptr + cols, mask=col_ok, other=0.0)).to(tl.float32)  # rounds like torch's add
         squares = summed * summed
-        x = tl.load(norm_w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :] * summed
+        x = tl.load(norm_w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) * summed
     return x, squares
 
 
 @triton.jit
-def _rope_epilogue(first, second, lanes, row_ids, row_ok, out_ok, q_ptr, q_stride, cos_ptr, sin_ptr, positions_ptr,
-                   slots_ptr, k_buf_ptr, v_buf_ptr, num_q_heads, num_kv_heads, HALF: tl.constexpr):
-    """Lane (head h, dim d) of a row holds qkv[h, d] and qkv[h, d + HALF]: rotate q and k
-    heads at the row's position as fused_ops.rope_and_store does, then write q heads to
-    q_ptr's row, k and v heads to the row's pool slot. first, second, out_ok: (rows, lanes)."""
-    head = (lanes // HALF)[None, :]
-    dim = (lanes % HALF)[None, :]
-    position = tl.load(positions_ptr + row_ids, mask=row_ok, other=0).to(tl.int64)[:, None]
-    cos = tl.load(cos_ptr + position * HALF + dim, mask=out_ok, other=0.0)
-    sin = tl.load(sin_ptr + position * HALF + dim, mask=out_ok, other=0.0)
+def _rope_epilogue(first, second, lanes, lane_ok, q_ptr, cos_ptr, sin_ptr, positions_ptr, slots_ptr,
+                   k_buf_ptr, v_buf_ptr, num_q_heads, num_kv_heads, HALF: tl.constexpr):
+    """Lane (head h, dim d) holds qkv[h, d] and qkv[h, d + HALF]: rotate q and k heads as
+    fused_ops.rope_and_store does, then write q heads to q_ptr, k and v heads to the pool."""
+    head = lanes // HALF
+    dim = lanes % HALF
+    position = tl.load(positions_ptr).to(tl.int64)
+    cos = tl.load(cos_ptr + position * HALF + dim)
+    sin = tl.load(sin_ptr + position * HALF + dim)
     is_q = head < num_q_heads
     is_v = head >= num_q_heads + num_kv_heads
     is_k = ~is_q & ~is_v
     rotated_first = tl.where(is_v, first, first * cos - second * sin)
     rotated_second = tl.where(is_v, second, second * cos + first * sin)
-    q_dest = q_ptr + row_ids.to(tl.int64)[:, None] * q_stride + head * (2 * HALF) + dim
-    tl.store(q_dest, rotated_first.to(q_ptr.dtype.element_ty), mask=out_ok & is_q)
-    tl.store(q_dest + HALF, rotated_second.to(q_ptr.dtype.element_ty), mask=out_ok & is_q)
+    q_dest = q_ptr + head * (2 * HALF) + dim
+    tl.store(q_dest, rotated_first.to(q_ptr.dtype.element_ty), mask=lane_ok & is_q)
+    tl.store(q_dest + HALF, rotated_second.to(q_ptr.dtype.element_ty), mask=lane_ok & is_q)
     kv_head = tl.where(is_v, head - num_q_heads - num_kv_heads, head - num_q_heads)
-    slot = tl.load(slots_ptr + row_ids, mask=row_ok, other=0).to(tl.int64)[:, None]
+    slot = tl.load(slots_ptr).to(tl.int64)
     offset = (slot * num_kv_heads + kv_head) * (2 * HALF) + dim
-    tl.store(k_buf_ptr + offset, rotated_first.to(k_buf_ptr.dtype.element_ty), mask=out_ok & is_k)
-    tl.store(k_buf_ptr + offset + HALF, rotated_second.to(k_buf_ptr.dtype.element_ty), mask=out_ok & is_k)
-    tl.store(v_buf_ptr + offset, rotated_first.to(v_buf_ptr.dtype.element_ty), mask=out_ok & is_v)
-    tl.store(v_buf_ptr + offset + HALF, rotated_second.to(v_buf_ptr.dtype.element_ty), mask=out_ok & is_v)
+    tl.store(k_buf_ptr + offset, rotated_first.to(k_buf_ptr.dtype.element_ty), mask=lane_ok & is_k)
+    tl.store(k_buf_ptr + offset + HALF, rotated_second.to(k_buf_ptr.dtype.element_ty), mask=lane_ok & is_k)
+    tl.store(v_buf_ptr + offset, rotated_first.to(v_buf_ptr.dtype.element_ty), mask=lane_ok & is_v)
+    tl.store(v_buf_ptr + offset + HALF, rotated_second.to(v_buf_ptr.dtype.element_ty), mask=lane_ok & is_v)
 
 
 @dataclass(frozen=True)
@@ -256,39 +187,32 @@ class RopeStore:
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
          config: tuple[int, int, int, int] = CANDIDATES[0], add_norm: AddNorm | None = None,
          rope: RopeStore | None = None):
-    """x: (M, K) contiguous, M <= MAX_ROWS; weight: (N, K) contiguous; returns (M, N), (M, N / 2)
-    with silu_mul, or q (M, num_q_heads * head_dim) with rope (positions and slots: (M,)). With
-    add_norm, returns (output, residual + x). `config`: one of CANDIDATES or FEW_ROW_CANDIDATES."""
-    m, n, k = x.shape[0], *weight.shape
-    if not 1 <= m <= MAX_ROWS:
-        raise ValueError(f"gemv takes 1 to {MAX_ROWS} rows, got {m}")
+    """x: (1, K), weight: (N, K) contiguous; returns (1, N), (1, N / 2) with silu_mul, or
+    q (1, num_q_heads * head_dim) with rope. With add_norm, returns (output, residual + x)."""
+    n, k = weight.shape
     lanes = n // 2 if silu_mul or rope is not None else n
-    block_n, block_k, warps, stages, *tensor_cores = config
-    dot = bool(tensor_cores) and tensor_cores[0]
-    rows = max(16, triton.next_power_of_2(m)) if dot else triton.next_power_of_2(m)
-    block_k = max(16, min(block_k if dot else block_k // rows, triton.next_power_of_2(k)))
+    block_n, block_k, warps, stages = config
     width = rope.num_q_heads * rope.heads[2] if rope is not None else lanes
-    out = torch.empty((m, width), dtype=x.dtype, device=x.device)
+    out = torch.empty((1, width), dtype=x.dtype, device=x.device)
     residual_out = torch.empty_like(x) if add_norm is not None else None
     norm = add_norm or AddNorm(x, x, 0.0)  # unused pointers when there is no norm
     pdl = uses_pdl(x.device)
     r = rope or RopeStore(x, x, x, x, x, x, 0)  # likewise
     _gemv_kernel[(triton.cdiv(lanes, block_n),)](
-        x, weight, bias if bias is not None else weight, out, m, lanes, k, width,
+        x, weight, bias if bias is not None else weight, out, lanes, k,
         norm.residual, norm.weight, residual_out if residual_out is not None else out, norm.eps,
         r.cos, r.sin, r.positions, r.slots, r.k_buffer, r.v_buffer, r.num_q_heads, r.heads[1] if rope else 0,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, ADD_NORM=add_norm is not None, ROPE=rope is not None,
-        HALF=r.heads[2] // 2 if rope else 1, ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k,
-        PREFETCH_K=prefetch_columns(k, rows * block_n * (2 if silu_mul or rope is not None else 1), warps),
-        DOT=dot, PRECISION="ieee" if weight.dtype == torch.float32 else "tf32", USE_PDL=pdl, num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}))
+        HALF=r.heads[2] // 2 if rope else 1, BLOCK_N=block_n, BLOCK_K=min(block_k, triton.next_power_of_2(k)),
+        PREFETCH_K=prefetch_columns(k, block_n * (2 if silu_mul or rope is not None else 1), warps),
+        USE_PDL=pdl, num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}))
     return out if add_norm is None else (out, residual_out)
 
 
-def prefetch_columns(k: int, values: int, warps: int) -> int:
+def prefetch_columns(k: int, rows: int, warps: int) -> int:
     """Weight columns a program loads before waiting for the previous kernel: all of K when
-    its `values` products per column (rows x weight rows) fit in ~64 values per thread (the
-    rest streams through the K loop)."""
-    fits = 64 * 32 * warps // values
+    its `rows` rows fit in ~64 values per thread (the rest streams through the K loop)."""
+    fits = 64 * 32 * warps // rows
     return max(16, min(triton.next_power_of_2(k), 1 << (fits.bit_length() - 1)))
 
 
@@ -309,22 +233,20 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
         y = F.silu(gate) * up
     if rope is not None:
         num_q, num_kv, head_dim = rope.heads
-        q, k, v = y.view(-1, num_q + 2 * num_kv, head_dim).split([num_q, num_kv, num_kv], dim=1)
-        cos, sin = rope.cos[rope.positions][:, None], rope.sin[rope.positions][:, None]
-        rope.k_buffer[rope.slots] = rotate_half(k, cos, sin)
-        rope.v_buffer[rope.slots] = v
-        y = rotate_half(q, cos, sin).reshape(x.shape[0], -1)
+        q, k, v = y.view(num_q + 2 * num_kv, head_dim).split([num_q, num_kv, num_kv])
+        cos, sin = rope.cos[rope.positions], rope.sin[rope.positions]
+        rope.k_buffer[rope.slots] = rotate_half(k, cos, sin).unsqueeze(0)
+        rope.v_buffer[rope.slots] = v.unsqueeze(0)
+        y = rotate_half(q, cos, sin).reshape(1, -1)
     return y if add_norm is None else (y, residual_out)
 
 
-def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+def one_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                    silu_mul: bool = False, add_norm: AddNorm | None = None, rope: RopeStore | None = None):
-    """x @ W^T (+ bias) (then silu_mul or rope) for 1 to MAX_ROWS CUDA rows, by the fastest
-    path measured for that many rows (rounded up to a power of two); with add_norm the input
-    is normalised first and (output, residual + x) is returned."""
+    """x @ W^T (+ bias) (then silu_mul or rope) for one CUDA row, by the fastest measured
+    path; with add_norm the input is normalised first and (output, residual + x) is returned."""
     config = best_config(tuple(weight.shape), weight.dtype, bias is not None, silu_mul, add_norm is not None,
-                         rope.heads if rope is not None else None, weight.device,
-                         triton.next_power_of_2(x.shape[0]))
+                         rope.heads if rope is not None else None, weight.device)
     if config is None:
         return _unfused(x, weight, bias, silu_mul, add_norm, rope)
     return gemv(x, weight, bias, silu_mul, config, add_norm, rope)
@@ -332,20 +254,18 @@ def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 @functools.lru_cache(maxsize=None)
 def best_config(shape: tuple[int, int], dtype: torch.dtype, has_bias: bool, silu_mul: bool, add_norm: bool,
-                rope_heads: tuple[int, int, int] | None, device: torch.device,
-                rows: int = 1) -> tuple[int, int, int, int] | None:
-    """The fastest GEMV tile config for this weight shape and rows, or None when cuBLAS is faster."""
-    times = candidate_times(shape, dtype, has_bias, silu_mul, add_norm, device, rope_heads, rows)
-    logger.info("%d-row matmul %s%s%s%s: %s", rows, shape, " + add_norm" if add_norm else "",
+                rope_heads: tuple[int, int, int] | None, device: torch.device) -> tuple[int, int, int, int] | None:
+    """The fastest GEMV tile config for this weight shape, or None when cuBLAS is faster."""
+    times = candidate_times(shape, dtype, has_bias, silu_mul, add_norm, device, rope_heads)
+    logger.info("one-row matmul %s%s%s%s: %s", shape, " + add_norm" if add_norm else "",
                 " + silu_mul" if silu_mul else "", " + rope" if rope_heads else "",
                 ", ".join(f"{'cublas' if k is None else k} {v:.1f} us" for k, v in times.items()))
     return min(times, key=times.get)
 
 
 def candidate_times(shape: tuple[int, int], dtype: torch.dtype, has_bias: bool, silu_mul: bool, add_norm: bool,
-                    device: torch.device, rope_heads: tuple[int, int, int] | None = None, rows: int = 1) -> dict:
-    """GPU microseconds per call, for `rows` input rows, of cuBLAS (key None) and of each GEMV
-    config (CANDIDATES for one row; FEW_ROW_CANDIDATES for more, which compile per row count).
+                    device: torch.device, rope_heads: tuple[int, int, int] | None = None) -> dict:
+    """GPU microseconds per call of cuBLAS (key None) and of each GEMV config.
 
     Timed over enough weight copies to overflow the L2 cache: in a decode step every
     weight comes from HBM, and a small matrix re-read from L2 would look several times
@@ -354,11 +274,11 @@ def candidate_times(shape: tuple[int, int], dtype: torch.dtype, has_bias: bool, 
     copies = max(2, min(32, -(-3 * l2_bytes // (shape[0] * shape[1] * torch.finfo(dtype).bits // 8))))
     weights = [torch.randn(shape, dtype=dtype, device=device) for _ in range(copies)]
     bias = torch.randn(shape[0], dtype=dtype, device=device) if has_bias else None
-    x = torch.randn((rows, shape[1]), dtype=dtype, device=device)
+    x = torch.randn((1, shape[1]), dtype=dtype, device=device)
     norm = AddNorm(torch.randn_like(x), torch.randn(shape[1], dtype=dtype, device=device), 1e-6) if add_norm else None
-    rope = _timing_rope(rope_heads, dtype, device, rows) if rope_heads else None
+    rope = _timing_rope(rope_heads, dtype, device) if rope_heads else None
     times = {None: graph_time_us([lambda w=w: _unfused(x, w, bias, silu_mul, norm, rope) for w in weights])}
-    for config in CANDIDATES if rows == 1 else FEW_ROW_CANDIDATES:
+    for config in CANDIDATES:
         try:
             times[config] = graph_time_us([lambda w=w: gemv(x, w, bias, silu_mul, config, norm, rope)
                                            for w in weights])
@@ -367,12 +287,12 @@ def candidate_times(shape: tuple[int, int], dtype: torch.dtype, has_bias: bool, 
     return times
 
 
-def _timing_rope(heads: tuple[int, int, int], dtype: torch.dtype, device: torch.device, rows: int) -> RopeStore:
-    """A small stand-in cache and positions for timing the RoPE epilogue."""
+def _timing_rope(heads: tuple[int, int, int], dtype: torch.dtype, device: torch.device) -> RopeStore:
+    """A small stand-in cache and position for timing the RoPE epilogue."""
     num_q, num_kv, head_dim = heads
-    table = torch.rand((rows + 8, head_dim // 2), dtype=torch.float32, device=device)
-    index = torch.arange(1, rows + 1, dtype=torch.int64, device=device)
-    pool = torch.zeros((rows + 4, num_kv, head_dim), dtype=dtype, device=device)
+    table = torch.rand((8, head_dim // 2), dtype=torch.float32, device=device)
+    index = torch.ones(1, dtype=torch.int64, device=device)
+    pool = torch.zeros((4, num_kv, head_dim), dtype=dtype, device=device)
     return RopeStore(table, table, index, index, pool, pool.clone(), num_q)
 
 
@@ -389,9 +309,9 @@ def _unfused(x, weight, bias, silu_mul: bool, add_norm: AddNorm | None, rope: Ro
     y = fused_ops.silu_mul(y) if silu_mul else y
     if rope is not None:
         num_q, num_kv, head_dim = rope.heads
-        q, k, v = y.view(x.shape[0], num_q + 2 * num_kv, head_dim).split([num_q, num_kv, num_kv], dim=1)
+        q, k, v = y.view(1, num_q + 2 * num_kv, head_dim).split([num_q, num_kv, num_kv], dim=1)
         fused_ops.rope_and_store(q, k, v, rope.cos, rope.sin, rope.positions, rope.slots, rope.k_buffer, rope.v_buffer)
-        y = q.reshape(x.shape[0], -1)
+        y = q.reshape(1, -1)
     return y if add_norm is None else (y, residual)
 
 

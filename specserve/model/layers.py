@@ -1,4 +1,4 @@
-"""Building blocks of the decoder: RMSNorm, the gated MLP, and the dispatch of few-row
+"""Building blocks of the decoder: RMSNorm, the gated MLP, and the dispatch of one-row
 matmuls to gemv.py (rotary embeddings are in rope.py)."""
 from __future__ import annotations
 
@@ -16,21 +16,20 @@ def fused():
 
 
 def gemv_ops():
-    """The few-row GEMV kernels (gemv.py), imported on first GPU use like `fused`."""
+    """The one-row GEMV kernels (gemv.py), imported on first GPU use like `fused`."""
     from specserve.model import gemv
     return gemv
 
 
-def takes_few_row_kernels(x: torch.Tensor) -> bool:
-    """A few rows on a GPU (a decode step of up to 8 requests, a batch-1 verify of up to 8
-    nodes) go through gemv.py's kernels."""
-    return x.is_cuda and x.shape[0] <= gemv_ops().MAX_ROWS and gemv_ops().ENABLED
+def takes_one_row_kernels(x: torch.Tensor) -> bool:
+    """One row on a GPU (a batch-1 decode step) goes through gemv.py's kernels."""
+    return x.is_cuda and x.shape[0] == 1 and gemv_ops().ENABLED
 
 
 def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """layer(x); a few CUDA rows take the fastest measured GEMV."""
-    if takes_few_row_kernels(x):
-        return gemv_ops().few_row_linear(x, layer.weight, layer.bias)
+    """layer(x); one CUDA row takes the fastest measured GEMV."""
+    if takes_one_row_kernels(x):
+        return gemv_ops().one_row_linear(x, layer.weight, layer.bias)
     return layer(x)
 
 

@@ -14,7 +14,7 @@ from specserve.distributed.parallel_state import TensorParallelGroup
 from specserve.distributed.sharding import ModelShard
 from specserve.distributed.vocab_parallel import VocabParallelEmbedding
 from specserve.model.config import ModelConfig
-from specserve.model.layers import GatedMLP, RMSNorm, fused, gemv_ops, linear, takes_few_row_kernels
+from specserve.model.layers import GatedMLP, RMSNorm, fused, gemv_ops, linear, takes_one_row_kernels
 from specserve.model.rope import RotaryEmbedding
 
 
@@ -91,8 +91,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, residual, batch, backend, rope) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual-stream form: returns (mlp output, residual); the caller adds them."""
-        if takes_few_row_kernels(x):
-            return self._forward_few_rows(x, residual, batch, backend, rope)
+        if takes_one_row_kernels(x):
+            return self._forward_one_row(x, residual, batch, backend, rope)
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
@@ -101,25 +101,24 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
         return self._sum_over_ranks(self.mlp(h)), residual
 
-    def _forward_few_rows(self, x, residual, batch, backend, rope) -> tuple[torch.Tensor, torch.Tensor]:
-        """A few rows on a GPU (small decode batches, a batch-1 verify): each pre-norm runs
-        inside the GEMV that consumes it, and gate, up and SiLU * up are one GEMV (a step is a
-        chain of ~5 kernels per layer)."""
+    def _forward_one_row(self, x, residual, batch, backend, rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch-1 decode on a GPU: each pre-norm runs inside the GEMV that consumes it, and
+        gate, up and SiLU * up are one GEMV (a step is a chain of ~5 kernels per layer)."""
         if residual is None:  # the first layer: residual 0 + x is exactly x
             residual = torch.zeros_like(x)
         gemv, attn, mlp, norm = gemv_ops(), self.self_attn, self.mlp, self.input_layernorm
         pre_norm = gemv.AddNorm(residual, norm.weight, norm.eps)
         qkv_weight, qkv_bias = attn.qkv_proj.weight, attn.qkv_proj.bias
         if attn.fuses_rope:  # RoPE and the KV write in the qkv GEMV's epilogue
-            q, residual = gemv.few_row_linear(x, qkv_weight, qkv_bias, add_norm=pre_norm,
+            q, residual = gemv.one_row_linear(x, qkv_weight, qkv_bias, add_norm=pre_norm,
                                               rope=attn.rope_store(batch, rope))
             h = attn.attend_stored(q, batch, backend)
         else:
-            qkv, residual = gemv.few_row_linear(x, qkv_weight, qkv_bias, add_norm=pre_norm)
+            qkv, residual = gemv.one_row_linear(x, qkv_weight, qkv_bias, add_norm=pre_norm)
             h = attn.attend(qkv, batch, backend, rope)
         h = self._sum_over_ranks(h)
         norm = self.post_attention_layernorm
-        act, residual = gemv.few_row_linear(h, mlp.gate_up_proj.weight, silu_mul=True,
+        act, residual = gemv.one_row_linear(h, mlp.gate_up_proj.weight, silu_mul=True,
                                             add_norm=gemv.AddNorm(residual, norm.weight, norm.eps))
         return self._sum_over_ranks(linear(mlp.down_proj, act)), residual
 
@@ -157,13 +156,10 @@ class DecoderLM(nn.Module):
                 capture.keep(index, residual + x)  # a new tensor: the next layer updates residual in place
         if capture is not None and capture.final:
             capture.keep_final(self.norm(residual + x))
-        if takes_few_row_kernels(x):  # the final norm inside the lm_head GEMV
+        if takes_one_row_kernels(x) and batch.logits_indices.numel() == 1:  # the final norm inside the lm_head GEMV
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-            rows = batch.logits_indices   # increasing: as many as x's rows means all of them
-            if rows.numel() < x.shape[0]:
-                x, residual = x[rows], residual[rows]
             final_norm = gemv_ops().AddNorm(residual, self.norm.weight, self.norm.eps)
-            return gemv_ops().few_row_linear(x, weight, add_norm=final_norm)[0].float()
+            return gemv_ops().one_row_linear(x, weight, add_norm=final_norm)[0].float()
         x = self.norm((residual + x)[batch.logits_indices])
         if self.lm_head is not None:  # untied, or a CPU layer sharing the tied weight (cpu_linear.py)
             return self.lm_head(x).float()

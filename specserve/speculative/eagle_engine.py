@@ -7,10 +7,10 @@ A serving engine prepares for any request; the trainer's sends thousands of prom
 What a serving engine does at start-up that the trainer does not need (H100, Qwen2.5-Coder-1.5B
 GGUF on a fresh machine, py-spy over `train_eagle --time-budget 450`: 122 s to ready):
 
-- the few-row GEMV autotune (model/gemv.py), 27.5 s: every fused GEMV variant compiled
-  and timed against cuBLAS for each weight shape and row count (1, 2, 4, 8); generation
-  decodes at batch 256 and meets small batches only in its last steps, where cuBLAS is a few
-  microseconds a layer slower. The trainer's engine runs few-row matmuls on cuBLAS.
+- the one-row GEMV autotune (model/gemv.py), 27.5 s: every fused GEMV variant compiled
+  and timed against cuBLAS for each weight shape, for batch-1 decode steps; generation
+  decodes at batch 256 and meets batch 1 only in its last steps, where cuBLAS is a few
+  microseconds a layer slower. The trainer's engine runs one-row matmuls on cuBLAS.
 - the start-up warm-up (engine/warmup.py), 2.8 s: it keeps first-use compiles out of a
   user's request; here they land in the generation, which is one batch job anyway.
 
@@ -63,7 +63,7 @@ def generating_engine(args: argparse.Namespace, device: torch.device, dtype: tor
     """The engine, started with its start-up line printed; shut down at the exit (its model,
     taken out before, stays usable)."""
     from specserve.engine.engine import Engine
-    with _few_row_matmuls_on_cublas(device):
+    with _one_row_matmuls_on_cublas(device):
         with StartupLog() as log:
             engine = Engine(model_path=args.model_path, **engine_kwargs(args, device, dtype))
         print(log.summary(), flush=True)
@@ -74,7 +74,7 @@ def generating_engine(args: argparse.Namespace, device: torch.device, dtype: tor
 
 
 @contextlib.contextmanager
-def _few_row_matmuls_on_cublas(device: torch.device) -> Iterator[None]:
+def _one_row_matmuls_on_cublas(device: torch.device) -> Iterator[None]:
     """No GEMV autotune (see the module docstring): gemv.ENABLED, bench.decode_profile's switch."""
     if device.type != "cuda":
         yield

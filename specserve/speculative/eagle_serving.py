@@ -8,7 +8,7 @@ to read on an H200, and a chain of 3 steps took ~0.85 ms of GPU time (1.5B, sess
 Here the same weights (shared, not copied: q/k/v and gate/up become views of one fused
 weight each) go through what the target's layers use: the fused RMSNorm kernel, one qkv
 projection with RoPE and the KV write in one kernel, gate/up with SiLU * up fused, and at
-up to 8 rows the GEMV kernels (layers.linear). On a CPU the blocks fall back to the same torch
+one row the GEMV kernels (layers.linear). On a CPU the blocks fall back to the same torch
 ops as the training form.
 
     features -> x = concat(input_layernorm(embed(token)), hidden_norm(features))
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from specserve.attention.base import AttentionBackend, ForwardBatch
-from specserve.model.layers import GatedMLP, RMSNorm, fused, gemv_ops, linear, takes_few_row_kernels
+from specserve.model.layers import GatedMLP, RMSNorm, fused, gemv_ops, linear, takes_one_row_kernels
 from specserve.speculative.eagle_head import EagleDecoderLayer, EagleHead, TrainableRMSNorm
 
 
@@ -75,8 +75,8 @@ class ServingEagleLayer(nn.Module):
         return h + self._mlp(self.post_attention_layernorm(h))
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        if takes_few_row_kernels(x):   # a small batch's draft step: gate, up and SiLU * up in one GEMV
-            return linear(self.mlp.down_proj, gemv_ops().few_row_linear(x, self.mlp.gate_up_proj.weight, silu_mul=True))
+        if takes_one_row_kernels(x):   # a batch-1 draft step: gate, up and SiLU * up in one GEMV
+            return linear(self.mlp.down_proj, gemv_ops().one_row_linear(x, self.mlp.gate_up_proj.weight, silu_mul=True))
         return self.mlp(x)
 
     def _attend(self, qkv: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend, rope) -> torch.Tensor:
