@@ -15,8 +15,8 @@ GGUF on a fresh machine, py-spy over `train_eagle --time-budget 450`: 122 s to r
   user's request; here they land in the generation, which is one batch job anyway.
 
 What stays: the weights (27 s: reading the GGUF's metadata, dequantizing on the host), the
-GGUF's tokenizer (35 s when transformers rebuilds it, a fraction of a second once cached
-on the machine), the decode CUDA graphs for every batch size to --max-running-requests
+GGUF's tokenizer (35 s when transformers rebuilt it; from the header now, gguf_tokenizer.py:
+~1.5 s on a 2-core CPU), the decode CUDA graphs for every batch size to --max-running-requests
 (7.8 s, of which 6.8 s compile Triton kernels generation needs anyway, ~1 s capturing 20
 graphs) and the prefill graphs (4 s).
 
