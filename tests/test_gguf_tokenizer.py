@@ -58,16 +58,17 @@ def test_smollm2_tokenizer_matches_transformers(smollm2_path, tmp_path):
     assert_same_tokenizer(ours, reference_tokenizer(smollm2_path, tmp_path), TEXTS, messages)
 
 
-def write_tiny_gguf(path, pre: str = "qwen2", model: str = "gpt2") -> None:
-    """A qwen2-architecture GGUF with a byte-level vocabulary, a few merges (one of them
-    joins an 'e' with a combining accent's first byte: NFC decides whether it applies),
-    control tokens and a user-defined one, a chat template and one tensor."""
+def write_tiny_gguf(path, pre: str = "qwen2", model: str = "gpt2", add_bos: bool = False) -> None:
+    """A GGUF (Qwen2's architecture; Llama's for Llama 3's pre-tokenizer) with a byte-level
+    vocabulary, a few merges (one joins an 'e' with a combining accent's first byte: NFC
+    decides whether it applies; one joins two digits), control tokens and a user-defined
+    one, a chat template and one tensor."""
     import gguf
     from transformers.convert_slow_tokenizer import bytes_to_unicode
-    merges = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e Ì"]
+    merges = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e Ì", "1 2"]
     tokens = list(bytes_to_unicode().values()) + [m.replace(" ", "") for m in merges]
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool>"]
-    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer = gguf.GGUFWriter(str(path), "llama" if pre == "llama-bpe" else "qwen2")
     writer.add_context_length(64)
     writer.add_embedding_length(8)
     writer.add_block_count(1)
@@ -76,6 +77,7 @@ def write_tiny_gguf(path, pre: str = "qwen2", model: str = "gpt2") -> None:
     writer.add_head_count_kv(1)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_freq_base(10000.0)
+    writer.add_rope_dimension_count(4)
     writer.add_tokenizer_model(model)
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens + specials)
@@ -84,7 +86,7 @@ def write_tiny_gguf(path, pre: str = "qwen2", model: str = "gpt2") -> None:
     writer.add_bos_token_id(len(tokens))
     writer.add_eos_token_id(len(tokens) + 2)
     writer.add_pad_token_id(len(tokens))
-    writer.add_add_bos_token(False)
+    writer.add_add_bos_token(add_bos)
     writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                              "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     writer.add_tensor("token_embd.weight", np.zeros((len(tokens) + 4, 8), dtype=np.float32))
@@ -94,18 +96,22 @@ def write_tiny_gguf(path, pre: str = "qwen2", model: str = "gpt2") -> None:
     writer.close()
 
 
-def test_qwen2_pre_tokenizer_nfc_and_added_tokens_match_transformers(tmp_path):
+@pytest.mark.parametrize("pre,add_bos", [("qwen2", False), ("llama-bpe", True)])
+def test_pre_tokenizers_bos_and_added_tokens_match_transformers(tmp_path, pre, add_bos):
     path = tmp_path / "tiny.gguf"
-    write_tiny_gguf(path)
+    write_tiny_gguf(path, pre=pre, add_bos=add_bos)
     ours = build_gguf_tokenizer(GGUFFile(str(path)).metadata)
-    texts = TEXTS + ["the theatre in a tin", "e\u0301t\u00e9 <tool>call<|im_end|>", "'S 'LL 're"]
+    texts = TEXTS + ["the theatre in a tin", "e\u0301t\u00e9 <tool>call<|im_end|>", "'S 'LL 're", "1212 12 123456"]
     reference = reference_tokenizer(str(path), tmp_path)
-    assert_same_tokenizer(ours, reference, texts, [{"role": "user", "content": texts[-2]}])
-    assert ours.encode("e\u0301") == ours.encode("\u00e9")   # NFC first, as Qwen2's tokenizer
-    assert ours.encode("<tool>") == [ours.get_vocab()["<tool>"]]   # a user-defined token stays whole
+    assert_same_tokenizer(ours, reference, texts, [{"role": "user", "content": texts[-3]}])
+    vocab = ours.get_vocab()
+    assert ours.encode("<tool>", add_special_tokens=False) == [vocab["<tool>"]]   # a user-defined token stays whole
+    assert (ours.encode("x")[0] == vocab["<|endoftext|>"]) == add_bos   # the file's BOS, where it asks for one
+    # Qwen2 normalizes to NFC first; Llama 3 does not
+    assert (ours.encode("e\u0301") == ours.encode("\u00e9")) == (pre == "qwen2")
 
 
-@pytest.mark.parametrize("pre,model", [("llama-bpe", "gpt2"), ("qwen2", "llama")])
+@pytest.mark.parametrize("pre,model", [("tekken", "gpt2"), ("qwen2", "llama")])
 def test_other_tokenizers_fall_back_to_transformers(tmp_path, monkeypatch, pre, model):
     """A file whose pre-tokenizer or tokenizer model this module does not build: transformers'
     build, cached on disk (the second load reads the cache)."""

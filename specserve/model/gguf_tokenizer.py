@@ -7,7 +7,8 @@ Qwen2.5): 14.7 s for the 0.5B on a 2-core CPU; a fresh H200 machine's first engi
 took ~40 s longer than its second (session 23, 0.5B), and the EAGLE trainer's time budget
 pays it too. The metadata it needs
 is in the header our own parser reads in a fraction of a second (gguf_file.py), and the
-tokenizer it builds is a plain byte-level BPE, so this builds the same one directly.
+tokenizer it builds is a plain byte-level BPE, so this builds the same one directly (Qwen2 and
+Qwen3's, Llama 3's and SmolLM2's pre-tokenizers).
 
 "The same" is transformers' GGUF conversion (5.24): the file's vocabulary and merges, the
 normalizer and pre-tokenizer of the file's `tokenizer.ggml.pre`, ByteLevel decoding, control
@@ -28,7 +29,10 @@ from typing import Any
 # whether text is NFC-normalized first), as transformers' conversion has them.
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
                 r"|\s+(?!\S)|\s+")
-PRE_TOKENIZERS: dict[str, tuple[str | None, bool]] = {"qwen2": (_QWEN2_SPLIT, True), "smollm": (None, False)}
+# Llama 3's: Qwen2's with digits in runs of up to three
+_LLAMA3_SPLIT = _QWEN2_SPLIT.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
+PRE_TOKENIZERS: dict[str, tuple[str | None, bool]] = {"qwen2": (_QWEN2_SPLIT, True), "llama-bpe": (_LLAMA3_SPLIT, False),
+                                                      "smollm": (None, False)}
 
 # tokenizer.ggml.token_type values (llama.cpp's): control tokens are added as special tokens,
 # user-defined ones (Qwen2.5's <tool_call>) as plain added tokens, both kept whole in text
