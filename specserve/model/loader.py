@@ -219,11 +219,11 @@ def _load_gguf_tokenizer(path: str) -> Any:
     """A byte-level BPE tokenizer is built from the file's header (gguf_tokenizer.py: about a
     second); others are rebuilt by transformers in seconds, the result cached on disk, keyed
     by the file's path, size and mtime, and later loads take a fraction of a second."""
-    from transformers import AutoTokenizer
-
     tokenizer = build_gguf_tokenizer(GGUFFile(path).metadata)
     if tokenizer is not None:
         return tokenizer
+    from transformers import AutoTokenizer
+
     stat = os.stat(path)
     key = hashlib.sha256(f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     cache_root = os.environ.get("SPECSERVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "specserve"))
