@@ -58,7 +58,7 @@ def test_smollm2_tokenizer_matches_transformers(smollm2_path, tmp_path):
     assert_same_tokenizer(ours, reference_tokenizer(smollm2_path, tmp_path), TEXTS, messages)
 
 
-def write_tiny_gguf(path, pre: str = "qwen2", model: str = "gpt2", add_bos: bool = False) -> None:
+def write_tiny_gguf(path, pre: str = "qwen2", model: str = "gpt2", add_bos: bool = False, add_eos: bool = False) -> None:
     """A GGUF (Qwen2's architecture; Llama's for Llama 3's pre-tokenizer) with a byte-level
     vocabulary, a few merges (one joins an 'e' with a combining accent's first byte: NFC
     decides whether it applies; one joins two digits), control tokens and a user-defined
@@ -87,6 +87,7 @@ def write_tiny_gguf(path, pre: str = "qwen2", model: str = "gpt2", add_bos: bool
     writer.add_eos_token_id(len(tokens) + 2)
     writer.add_pad_token_id(len(tokens))
     writer.add_add_bos_token(add_bos)
+    writer.add_add_eos_token(add_eos)
     writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                              "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     writer.add_tensor("token_embd.weight", np.zeros((len(tokens) + 4, 8), dtype=np.float32))
@@ -111,12 +112,13 @@ def test_pre_tokenizers_bos_and_added_tokens_match_transformers(tmp_path, pre, a
     assert (ours.encode("e\u0301") == ours.encode("\u00e9")) == (pre == "qwen2")
 
 
-@pytest.mark.parametrize("pre,model", [("tekken", "gpt2"), ("qwen2", "llama")])
-def test_other_tokenizers_fall_back_to_transformers(tmp_path, monkeypatch, pre, model):
-    """A file whose pre-tokenizer or tokenizer model this module does not build: transformers'
-    build, cached on disk (the second load reads the cache)."""
+@pytest.mark.parametrize("pre,model,add_eos", [("tekken", "gpt2", False), ("qwen2", "llama", False),
+                                               ("qwen2", "gpt2", True)])
+def test_other_tokenizers_fall_back_to_transformers(tmp_path, monkeypatch, pre, model, add_eos):
+    """A file whose pre-tokenizer or tokenizer model this module does not build, or that wants
+    an EOS after every text: transformers' build, cached on disk (the second load reads it)."""
     path = tmp_path / "other.gguf"
-    write_tiny_gguf(path, pre=pre, model=model)
+    write_tiny_gguf(path, pre=pre, model=model, add_eos=add_eos)
     assert build_gguf_tokenizer(GGUFFile(str(path)).metadata) is None
     monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "cache"))
     first = loader.load_tokenizer(str(path))

@@ -43,18 +43,26 @@ _SPECIAL_TOKEN_IDS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "
 
 def build_gguf_tokenizer(metadata: dict[str, Any]) -> Any | None:
     """A transformers fast tokenizer for a GGUF's metadata (GGUFFile.metadata), or None when
-    the file's tokenizer is not a byte-level BPE with a known pre-tokenizer."""
+    the file's tokenizer is not a byte-level BPE with a known pre-tokenizer, or wants special
+    tokens added in a way not built here."""
     if metadata.get("tokenizer.ggml.model") != "gpt2" or metadata.get("tokenizer.ggml.pre") not in PRE_TOKENIZERS:
         return None
+    import transformers
     from transformers import PreTrainedTokenizerFast
+
+    # transformers 5's fast tokenizer puts the BOS in front where add_bos_token asks (tested);
+    # 4.x's generic one ignores the flag. An EOS added to every text is not tested: both go to
+    # transformers' own build.
+    if metadata.get("tokenizer.ggml.add_eos_token") or (
+            metadata.get("tokenizer.ggml.add_bos_token") and int(transformers.__version__.split(".")[0]) < 5):
+        return None
 
     tokens = list(metadata["tokenizer.ggml.tokens"])
     special = {name: tokens[int(metadata[key])] for name, key in _SPECIAL_TOKEN_IDS.items()
                if metadata.get(key) is not None and 0 <= int(metadata[key]) < len(tokens)}
     return PreTrainedTokenizerFast(
         tokenizer_object=_backend(metadata, tokens), chat_template=metadata.get("tokenizer.chat_template"),
-        add_bos_token=bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
-        add_eos_token=bool(metadata.get("tokenizer.ggml.add_eos_token", False)), **special)
+        add_bos_token=bool(metadata.get("tokenizer.ggml.add_bos_token", False)), **special)
 
 
 def _backend(metadata: dict[str, Any], tokens: list[str]) -> Any:
