@@ -54,6 +54,20 @@ def test_eagle3_rows_on_the_cpu(tmp_path, tiny_shape):
         assert [json.loads(line) for line in f] == rows
 
 
+def test_host_phases_of_each_step(tmp_path, tiny_shape):
+    """--host-phases: each row has the host's microseconds per step by phase: a plain step's
+    commit, a verify step's proposal, KV commit and tree launch, a fused step's drafter step."""
+    rows = step_cost.main(["--shape", tiny_shape, "--algorithm", "EAGLE3", "--num-steps", "2", "--draft-vocab", "1024",
+                           "--batch-sizes", "1", "--steps", "3", "--warm-steps", "1", "--prompt-len", "16", "--device", "cpu",
+                           "--model-dir", str(tmp_path), "--out", str(tmp_path / "out"), "--host-phases"])
+    for row in rows:
+        phases = row["host_us"]
+        assert phases["step"] >= phases["host"] > 0 and phases["commit"] > 0
+    verify = [r["host_us"] for r in rows if r["step"] == "verify"]
+    assert verify and all(p["propose"] > 0 and p["commit_kv"] > 0 and p["run_trees"] > 0 for p in verify)
+    assert all(r["host_us"]["verify_fused"] > 0 for r in rows if r["step"] == "fused")
+
+
 def test_split_of_a_fused_step_is_the_difference_of_its_references():
     def row(step, capture, wall, gpu):
         return {"kind": "step_cost", "shape": "s", "batch_size": 8, "step": step, "draft_size": 4,

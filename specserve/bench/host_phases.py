@@ -14,10 +14,12 @@ and pricing), the deferred detokenizing, the overlap schedule's launch (`launch`
 `launch_cpu`: this thread's CPU time in it, less than its wall time where it waited for
 the GIL or the device), the graph runner's replay in it (`replay`: inputs filled and
 copied, the graph launched), CUDA's graph launch itself (`graph_launch`), every CUDA event
-wait (`event_sync`: gpu_wait's and the replay's wait for its pinned buffer) and the
-scheduler's `schedule`. Phases are inclusive (after_step contains observe and probe,
-launch contains replay). The step's owner (RunWatch) ends each step with its kind;
-totals are kept per kind.
+wait (`event_sync`: gpu_wait's and the replay's wait for its pinned buffer), the
+scheduler's `schedule`, and a drafting step's KV commit (`commit_kv`), proposal (`propose`),
+launch of its trees (`run_trees`, containing replay) or a fused drafter's step
+(`verify_fused`). Phases are inclusive (after_step contains observe and probe, launch
+contains replay). The step's owner (RunWatch, bench.step_cost) ends each step with its
+kind; totals are kept per kind.
 """
 from __future__ import annotations
 
@@ -33,7 +35,8 @@ from specserve.runner.model_runner import InFlight
 CORE_PHASES = (("_commit_verified", "commit"), ("_observe", "observe"), ("_probe", "probe"),
                ("_after_plain_step", "after_step"), ("text.run", "detokenize"),
                ("runner.launch_greedy_decode", "launch"), ("runner.graphs.replay", "replay"),
-               ("scheduler.schedule", "schedule"))
+               ("scheduler.schedule", "schedule"), ("_commit_kv", "commit_kv"), ("_propose", "propose"),
+               ("runner.run_trees", "run_trees"), ("drafter.verify_fused", "verify_fused"))
 CPU_PHASES = (("runner.launch_greedy_decode", "launch_cpu"),)   # timed by this thread's CPU clock
 
 

@@ -10,7 +10,10 @@ at the same batch size. Random weights accept almost nothing, which does not cha
 a step costs. With `--kernels N` a row also counts the kernel launches of its graph and
 sums their times (torch.profiler) and lists the N slowest kernels: issue 10's comparison of
 a verify step with a plain one is
-`--batch-sizes 1 8 --sizes 1 8 16 --steps 100 --kernels 40`.
+`--batch-sizes 1 8 --sizes 1 8 16 --steps 100 --kernels 40`. With `--host-phases` a row
+also has the host's microseconds per step by phase (host_phases.py: parse and commit, the
+proposal, the launch, the wait for the GPU): where the host time a verify step does not
+hide goes (H200, random 1.5B, batch 1: 0.2-0.45 ms a step, session 24).
 
 `--algorithm EAGLE3 --num-steps K` adds the fused EAGLE-3 step (runner/fused_step.py: the
 target's verify of K + 1 chain nodes with three layers' states kept, verification, commit,
@@ -38,6 +41,7 @@ import torch
 
 from specserve.attention.triton_backend import TritonBackend
 from specserve.bench.decode_profile import events_time_us, kernel_times
+from specserve.bench.host_phases import HostPhases
 from specserve.bench.random_head import write_random_eagle3_head
 from specserve.bench.random_model import SHAPES, write_random_model
 from specserve.speculative.drafter import Drafter
@@ -98,22 +102,30 @@ def start_requests(engine, bs: int, step: str, size: int, steps: int, prompt_len
 
 
 def time_steps(engine, bs: int, step: str, size: int, steps: int, kernels: int = 0,
-               fused_drafter: Drafter | None = None, prompt_len: int = 300, warm_steps: int = 10) -> dict:
+               fused_drafter: Drafter | None = None, prompt_len: int = 300, warm_steps: int = 10,
+               host_phases: bool = False) -> dict:
     core = engine.core
     graph_of = use_step(engine, step, size, fused_drafter)
     reqs = start_requests(engine, bs, step, size, steps, prompt_len, warm_steps)
     fused_steps = FusedStepCount(fused_drafter) if step == "fused" else None
     synchronize = torch.cuda.synchronize if core.runner.device.type == "cuda" else lambda: None
     tokens_before = sum(len(r.output_ids) for r in reqs)
+    phases = HostPhases(core) if host_phases else None
     synchronize()
     start = time.perf_counter()
     for _ in range(steps):
+        step_start = time.perf_counter()
         core.step()
+        if phases is not None:
+            phases.end_step(step, time.perf_counter() - step_start)
     synchronize()
     wall_ms = (time.perf_counter() - start) / steps * 1e3
     # tokens per request and step: random drafts are (almost) never accepted, which a step's cost does not depend on
     row = {"batch_size": bs, "step": step, "draft_size": size, "wall_ms": wall_ms,
            "accept_length": (sum(len(r.output_ids) for r in reqs) - tokens_before) / (steps * bs)}
+    if phases is not None:   # us per step by phase; `host`: the step's wall time less its wait for the GPU
+        row["host_us"] = phases.summary().get(step)
+        phases.close()   # before FusedStepCount's: each puts back what it wrapped
     if fused_steps is not None:   # steps the engine verified itself (not fused) would make the row a mix
         row.update(fused_share=fused_steps.close() / steps, drafts="a random head's: accept length is not the point")
     graph = graph_of(bs)
@@ -192,7 +204,7 @@ def engine_rows(ns, shape: str, path: str, algorithm: str, sizes: list[int], wri
     for bs in ns.batch_sizes:
         for step, size in plan:
             row = time_steps(engine, bs, step, size, ns.steps, ns.kernels, fused_drafter, ns.prompt_len,
-                             ns.warm_steps)
+                             ns.warm_steps, ns.host_phases)
             row = {"kind": "step_cost", "shape": shape, "engine": algorithm,
                    "max_tree_rows": TritonBackend.max_tree_rows,
                    "hidden_capture": engine.core.runner.hidden_capture is not None, **row,
@@ -219,6 +231,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--warm-steps", type=int, default=10, help="untimed steps after the prefill")
     parser.add_argument("--prompt-len", type=int, default=300)
     parser.add_argument("--kernels", type=int, default=0, help="also list the N slowest kernels of each step's graph")
+    parser.add_argument("--host-phases", action="store_true",
+                        help="also the host's microseconds per step by phase and its wait for the GPU (host_phases.py)")
     parser.add_argument("--device", default="cuda", help="cuda (graph times) or cpu (wall times only: smoke runs)")
     parser.add_argument("--model-dir", default="/tmp", help="where the random model (and head) are written")
     parser.add_argument("--max-tree-rows", type=int, default=None,
