@@ -3,6 +3,9 @@
 #   scripts/gpu_run.sh checks|bench|all [MODEL...]
 #   scripts/gpu_run.sh suite [MODEL...]            (default NGRAM vs plain, every workload at 1/8/32/64, 2 rounds, policy
 #                                                   traces in one file: the run behind BENCHMARKS' suite tables, ~3-5 min a model)
+#   scripts/gpu_run.sh step-cost                   (no models staged, ~3 min: plain, 4- and 8-node verify and the fused
+#                                                   EAGLE-3 step at batch 1 and 8 on random 1.5B weights, each with the
+#                                                   host's time by phase: where a verify step's unhidden host time goes)
 #   scripts/gpu_run.sh standalone [NUM_STEPS...]   (STANDALONE 0.5B -> 1.5B against plain; tests/gpu/test_standalone_cuda.py)
 #   scripts/gpu_run.sh eagle [NUM_STEPS...]        (trains an EAGLE-3 head for the 1.5B in 7.5 minutes, then EAGLE3
 #                                                   chains and top-4 trees of 8 nodes against plain; then frspec)
@@ -44,6 +47,12 @@ if [ "$mode" = checks ] || [ "$mode" = all ]; then
     python3 -m specserve.bench.gpu_checks --model /root/models/smollm2-135m-instruct.gguf --dtype $dtype 2>&1 \
       | grep '^{' | tee -a "$OUT/gpu_checks.jsonl"
   done
+fi
+if [ "$mode" = step-cost ]; then
+  python3 -m specserve.bench.step_cost --batch-sizes 1 8 --sizes 1 4 8 --steps 60 --host-phases \
+    --out "$OUT/step_cost" 2>&1 | grep '^{' | tail -20
+  python3 -m specserve.bench.step_cost --algorithm EAGLE3 --num-steps 3 --batch-sizes 1 8 --steps 60 --host-phases \
+    --out "$OUT/step_cost_eagle3" 2>&1 | grep '^{' | tail -20
 fi
 if [ "$mode" = standalone ]; then
   steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(4)
