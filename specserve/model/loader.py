@@ -177,10 +177,11 @@ def _load_gguf(path: str, dtype: torch.dtype, device: str | torch.device, shard_
     # transformers rebuilds it (tokenizers other than gguf_tokenizer.py's) with an empty cache
     # (a fresh machine) that takes tens of seconds (H100 host, Qwen2.5's: 35 s beside 27 s of
     # weights)
+    gguf_file = GGUFFile(path)  # the header, read once for the tokenizer and the weights
     tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="specserve-tokenizer")
-    tokenizer = tokenizer_thread.submit(_load_gguf_tokenizer, path)
+    tokenizer = tokenizer_thread.submit(_load_gguf_tokenizer, path, gguf_file.metadata)
     tokenizer_thread.shutdown(wait=False)   # its one task still runs; a failed read below does not wait for it
-    config, tensors = _read_gguf(path)
+    config, tensors = _read_gguf(path, gguf_file)
     shard = shard_of(config)
     state_dict = {}
     for gguf_name, tensor in tensors.items():
@@ -194,9 +195,10 @@ def _load_gguf(path: str, dtype: torch.dtype, device: str | torch.device, shard_
     return LoadedCheckpoint(config, state_dict, tokenizer.result(), path, config.to_hf())
 
 
-def _read_gguf(path: str) -> tuple[ModelConfig, dict[str, GGUFTensor]]:
-    """The config and the weight tensors (memory-mapped, not read yet) of a GGUF file."""
-    gguf_file = GGUFFile(path)  # a damaged file raises ModelFormatError naming it
+def _read_gguf(path: str, gguf_file: GGUFFile | None = None) -> tuple[ModelConfig, dict[str, GGUFTensor]]:
+    """The config and the weight tensors (memory-mapped, not read yet) of a GGUF file
+    (`gguf_file`: its header, if read already)."""
+    gguf_file = gguf_file or GGUFFile(path)  # a damaged file raises ModelFormatError naming it
     metadata = {name: value for name, value in gguf_file.metadata.items() if name not in _GGUF_BULK_KEYS}
     tensors = dict(gguf_file.tensors)  # a copy: rope_freqs is popped from it below
     if "token_embd.weight" not in tensors:
@@ -215,11 +217,12 @@ def _read_gguf(path: str) -> tuple[ModelConfig, dict[str, GGUFTensor]]:
     return config, tensors
 
 
-def _load_gguf_tokenizer(path: str) -> Any:
+def _load_gguf_tokenizer(path: str, metadata: dict[str, Any] | None = None) -> Any:
     """A byte-level BPE tokenizer is built from the file's header (gguf_tokenizer.py: about a
-    second); others are rebuilt by transformers in seconds, the result cached on disk, keyed
-    by the file's path, size and mtime, and later loads take a fraction of a second."""
-    tokenizer = build_gguf_tokenizer(GGUFFile(path).metadata)
+    second; `metadata`: the header's, if read already); others are rebuilt by transformers in
+    seconds, the result cached on disk, keyed by the file's path, size and mtime, and later
+    loads take a fraction of a second."""
+    tokenizer = build_gguf_tokenizer(GGUFFile(path).metadata if metadata is None else metadata)
     if tokenizer is not None:
         return tokenizer
     from transformers import AutoTokenizer
