@@ -122,6 +122,26 @@ def test_train_eagle_cli_end_to_end(tmp_path, capsys):
     assert "generated" not in printed and "before training" not in printed and "held-out accept length:" in printed
 
 
+def test_time_budget_counts_the_states_as_they_were_kept(tmp_path, capsys, monkeypatch):
+    """Training gets what is left of --time-budget once the target's states are kept, not
+    what the held-out prefill's (cold) rate predicted: here that rate is made 10^4 times
+    slower, which priced keeping the states at most of the budget."""
+    import re
+    from specserve import train_eagle
+    scorer = train_eagle._held_out_scorer
+    monkeypatch.setattr(train_eagle, "_held_out_scorer",
+                        lambda *args: (lambda score, rate: (score, rate / 1e4))(*scorer(*args)))
+    target = tmp_path / "target"
+    make_tiny_directory(target, vocab_size=320, weight_std=None, logit_scale=100.0)
+    argv = ["--model-path", str(target), "--output-dir", str(tmp_path / "head"), "--device", "cpu",
+            "--num-prompts", "12", "--held-out", "4", "--max-prompt-len", "48", "--max-new-tokens", "12",
+            "--epochs", "1", "--ttt-steps", "2", "--batch-tokens", "256", "--draft-vocab-size", "64",
+            "--checkpoint-every", "0", "--time-budget", "2000"]
+    train_eagle.main(argv)
+    started, seconds = map(float, re.search(r"training from (\d+) s, for (\d+) s", capsys.readouterr().out).groups())
+    assert seconds > 2000 - started - 30   # the estimate priced the ~2700 tokens at ~500 s
+
+
 def test_replay_decoding_counts_verify_steps():
     # one conversation: prompt of 3 tokens, 10 tokens in all; chains rooted after rows 2, 5, 9...
     runs = torch.zeros((1, 10), dtype=torch.long)
