@@ -132,18 +132,28 @@ def propose(drafter: NgramDrafter, reqs) -> tuple:
     return trees.tokens.tolist(), trees.parents.tolist(), num_nodes, list(drafter.proposal_keys())
 
 
-def test_a_step_records_each_request_s_accept_length():
-    """record_step equals the per-request update it replaces (counts and histogram)."""
+def test_a_request_s_accept_stats_count_its_unrecorded_plain_steps():
+    """Recorded drafting steps, prefills and plain steps (not recorded: a token each) in any
+    order, a stop cutting the last step short: the counts and histogram of a per-step record."""
     rng = random.Random(3)
-    reqs = [SimpleNamespace(spec=SpecStats()) for _ in range(8)]
-    reference = [SpecStats() for _ in reqs]
-    for _ in range(50):
-        step = rng.sample(range(len(reqs)), rng.randrange(1, len(reqs)))
-        tokens = [[0] * rng.randrange(1, 6) for _ in step]
-        SpecStats.record_step([reqs[i] for i in step], tokens)
-        for i, committed in zip(step, tokens):   # the per-request update, as SpecStats.record did it
-            stats = reference[i]
-            stats.verify_steps += 1
-            stats.accepted_tokens += len(committed)
-            stats.accept_length_histogram[len(committed)] = stats.accept_length_histogram.get(len(committed), 0) + 1
-    assert [req.spec for req in reqs] == reference
+    for _ in range(20):
+        output: list[int] = []
+        stats = SpecStats(output)
+        steps, tokens, histogram = 0, 0, {}
+        for _ in range(rng.randrange(1, 40)):
+            kind = rng.choice(["plain", "plain", "drafted", "prefill"])
+            if kind == "prefill":     # a prompt's first token, or a preempted request's next one
+                stats.record_prefill(1)
+                output.append(0)
+                continue
+            count = 1 if kind == "plain" else rng.randrange(1, 6)
+            if kind == "drafted":
+                SpecStats.record_step([SimpleNamespace(spec=stats)], [[0] * count])
+            output.extend([0] * count)
+            steps, tokens, histogram[count] = steps + 1, tokens + count, histogram.get(count, 0) + 1
+        if rng.random() < 0.5:       # a stop cuts a drafting step: the counts keep what it accepted
+            SpecStats.record_step([SimpleNamespace(spec=stats)], [[0] * 5])
+            output.extend([0] * 2)
+            steps, tokens, histogram[5] = steps + 1, tokens + 5, histogram.get(5, 0) + 1
+        assert (stats.verify_steps, stats.accepted_tokens, stats.accept_length_histogram) == (steps, tokens, histogram)
+        assert stats.accept_length == (tokens / steps if steps else 0.0)

@@ -147,6 +147,9 @@ class EngineCore(DraftingSteps):
             self.adaptive.admit()   # they decode from the next step: a probe looks at them first
         trees = DraftTrees.root_only(torch.tensor(self._last_tokens(sampling)))
         sampled = self.sampler.sample(logits, trees, sampling, self.sampler.prepare(trees, sampling))
+        if self.drafter is not None:
+            for req, tokens in zip(sampling, sampled.tokens):
+                req.spec.record_prefill(len(tokens))
         return self._observe([self._commit(req, sampled, i) for i, req in enumerate(sampling)])
 
     def _run_decode(self, batch: Batch) -> list[StepOutput]:
@@ -285,7 +288,7 @@ class EngineCore(DraftingSteps):
         self.scheduler.append_kv(reqs, [[slot] for slot in step.slots], write_table=False)
         # detokenized after the next launch (DeferredText): at 64 requests ~0.2-0.3 ms of host
         # time a step that otherwise sits between reading this step and launching the one after next
-        return self._commit_verified(reqs, SampledStep.plain(tokens), defer_text=True)
+        return self._commit_verified(reqs, SampledStep.plain(tokens), defer_text=True, plain=True)
 
     def _commit_kept(self, kept: StepAhead) -> list[StepOutput]:
         """The step launched ahead that a prefill came after (OverlapSchedule.keep_through),
@@ -383,9 +386,10 @@ class EngineCore(DraftingSteps):
         commit_accepted_kv(self.scheduler, reqs, outcome, node_slots, num_nodes)
 
     def _commit_verified(self, reqs: list[Req], sampled: SampledStep | StepOutcome,
-                         defer_text: bool = False) -> list[StepOutput]:
-        """A decode/verify step's commit (not a prefill's first token): its speculative stats too."""
-        if self.drafter is not None:
+                         defer_text: bool = False, plain: bool = False) -> list[StepOutput]:
+        """A decode/verify step's commit (not a prefill's first token): its speculative stats too
+        (a `plain` step's, one token a request, without a look at each: SpecStats)."""
+        if self.drafter is not None and not plain:
             SpecStats.record_step(reqs, sampled.tokens)
         return [self._commit(req, sampled, i, defer_text) for i, req in enumerate(reqs)]
 

@@ -24,27 +24,72 @@ class ReqState(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
 class SpecStats:
-    verify_steps: int = 0
-    accepted_tokens: int = 0                              # committed tokens, bonus included
-    accept_length_histogram: dict[int, int] = field(default_factory=dict)
+    """A request's verify steps: how many, the tokens they committed (bonus included) and how
+    many steps committed each count. Plain steps, where every request commits one token, are
+    most steps and are not recorded one by one (at 64 requests a loop over the batch every
+    step cost ~20-30 us of host time, where a 0.5B's plain step is host-bound): every token
+    of the request's output that no recorded step and no prefill committed was a plain
+    step's. Drafting steps are recorded (`record_step`), and so are prefills' tokens
+    (`record_prefill`): they were no verify step."""
+
+    __slots__ = ("_output", "_steps", "_tokens", "_histogram", "_plain", "_accounted")
+
+    def __init__(self, output: list[int]):
+        self._output = output            # the request's output_ids (the same list, as it grows)
+        self._steps = self._tokens = 0   # recorded steps and what they committed
+        self._histogram: dict[int, int] = {}
+        self._plain = 0                  # plain steps before the last recorded step or prefill
+        self._accounted = len(output)    # output tokens counted by then (a recorded step's, cut or not)
 
     @staticmethod
     def record_step(reqs: list["Req"], tokens: list[list[int]]) -> None:
-        """One verify step of a batch: request i committed tokens[i]. The counts stay per
-        request (each reports its own), but one call per step, not a method call per request
-        on every plain step."""
+        """One verify step of a batch, before its commit: request i committed tokens[i] (a
+        stop may cut them short: the counts keep what the step accepted). One call per step,
+        not a method call per request."""
         for req, committed in zip(reqs, tokens):
             stats, count = req.spec, len(committed)
-            stats.verify_steps += 1
-            stats.accepted_tokens += count
-            histogram = stats.accept_length_histogram
+            stats._settle_plain()
+            stats._steps += 1
+            stats._tokens += count
+            stats._accounted += count
+            histogram = stats._histogram
             histogram[count] = histogram.get(count, 0) + 1
+
+    def record_prefill(self, count: int) -> None:
+        """A prefill's tokens (before their commit): committed, but by no verify step."""
+        self._settle_plain()
+        self._accounted += count
+
+    def _settle_plain(self) -> None:
+        self._plain += self._unaccounted()
+        self._accounted = len(self._output)
+
+    def _unaccounted(self) -> int:
+        """Plain steps since the last recorded step or prefill (none after a step a stop cut)."""
+        return max(0, len(self._output) - self._accounted)
+
+    @property
+    def verify_steps(self) -> int:
+        return self._steps + self._plain + self._unaccounted()
+
+    @property
+    def accepted_tokens(self) -> int:
+        """Committed tokens, bonus included (a step a stop cut counts what it accepted)."""
+        return self._tokens + self._plain + self._unaccounted()
+
+    @property
+    def accept_length_histogram(self) -> dict[int, int]:
+        histogram = dict(self._histogram)
+        plain = self._plain + self._unaccounted()
+        if plain:
+            histogram[1] = histogram.get(1, 0) + plain
+        return histogram
 
     @property
     def accept_length(self) -> float:
-        return self.accepted_tokens / self.verify_steps if self.verify_steps else 0.0
+        steps = self.verify_steps
+        return self.accepted_tokens / steps if steps else 0.0
 
 
 @dataclass
@@ -74,7 +119,10 @@ class Req:
     finish_reason: dict | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
-    spec: SpecStats = field(default_factory=SpecStats)
+    spec: SpecStats = field(init=False)   # reads output_ids (__post_init__)
+
+    def __post_init__(self):
+        self.spec = SpecStats(self.output_ids)
 
     @property
     def all_ids(self) -> list[int]:
