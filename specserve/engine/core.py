@@ -313,7 +313,7 @@ class EngineCore(DraftingSteps):
         # plain decoding is priced by the steps plain mode runs: launched ahead, no probe
         steady = was_ahead and not self._rare_probe(reqs, probing)
         seconds = time.perf_counter() - start if seconds is None else seconds
-        self.adaptive.record_step(len(reqs), 1, seconds, _committed(outputs), steady)
+        self.adaptive.record_step(len(reqs), 1, seconds, len(outputs), steady)   # a token each
 
     def _settle(self) -> None:
         """Runs a plain step's bookkeeping that waited for the next launch (a step that had
@@ -418,7 +418,7 @@ class EngineCore(DraftingSteps):
         finished request's state is gone already. Returns the outputs."""
         if self.drafter is not None:
             reqs, committed = unfinished(outputs)
-            if self.adaptive is not None:
+            if self.adaptive is not None and self.adaptive.walking:   # no rid list on the other steps
                 self.adaptive.observe_batch([req.rid for req in reqs], committed)
             self.drafter.observe_batch(reqs, committed)
         return outputs

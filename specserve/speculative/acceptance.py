@@ -61,6 +61,11 @@ class AcceptanceEvidence:
                 shadow = _Shadow(children, set(row_parents[1:count]), keys[row] if keys else None)
                 self._shadows.setdefault(rid, []).append(shadow)
 
+    @property
+    def walking(self) -> bool:
+        """Whether any proposal waits for its walk (most plain steps: none)."""
+        return bool(self._shadows)
+
     def observe_batch(self, rids: list[str], committed: list[list[int]]) -> None:
         """Walks every pending proposal of each request down the tokens it just committed
         (committed[i]: request rids[i]'s); the walks that ended this step are learned from

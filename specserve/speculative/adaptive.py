@@ -303,6 +303,11 @@ class AdaptiveDraftLength:
         """Full proposals (before any cut, verified or probes), one shadow per real draft."""
         self.evidence.record(rids, trees, num_nodes, keys)
 
+    @property
+    def walking(self) -> bool:
+        """Whether a proposal waits for the tokens a step commits (observe_batch has work)."""
+        return self.evidence.walking
+
     def observe_batch(self, rids: list[str], committed: list[list[int]]) -> None:
         """Walks the pending proposals of a step's requests down the tokens each just
         committed (committed[i]: rids[i]'s): the engine calls it once per step."""
