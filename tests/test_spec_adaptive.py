@@ -17,7 +17,7 @@ from specserve.speculative.adaptive import (
     SWITCH_MARGIN, AdaptiveDraftLength, tiers_for)
 from specserve.speculative.adaptive_costs import RECHECK_GAP, StepCosts
 from specserve.speculative.adaptive_modes import GUARD_WINDOW
-from specserve.speculative.adaptive_probes import ADMIT_GAP
+from specserve.speculative.adaptive_probes import ADMIT_GAP, ProbeSchedule
 from specserve.speculative.tree import DraftTrees, TreeProposal
 
 from tests.spec_fixtures import CODE_PROMPT, SmolEngines, ngram_args, wait_until_all_kv_is_free
@@ -502,6 +502,43 @@ def test_probes_come_every_kth_plain_step_with_k_from_measured_costs():
     cheap.record_step(8, 1, 0.001)
     cheap.record_probe(8, 0.1 * PROBE_BUDGET * 0.001)
     assert cheap.probe_every(8) == 1 and all(cheap.probe_due(8) for _ in range(5))
+
+
+def test_costly_probes_back_off_while_they_keep_the_bucket_plain():
+    """A model drafter's probes (forwards and a sync) that keep finding drafting not worth it
+    come half as often after each, down to an eighth, and admissions stop probing from the
+    second; a probe that switches the bucket resets both. n-gram probes keep their k."""
+    def gaps(schedule, count, **kwargs):   # plain steps between the next `count` probes
+        found, waited = [], 0
+        while len(found) < count:
+            waited += 1
+            if schedule.due(1, **kwargs):
+                found.append(waited)
+                waited = 0
+        return found
+
+    costly = {"every_at_least": 16, "every_at_most": 128}
+    schedule = ProbeSchedule()
+    schedule.record(1, 1.0, 0.001)            # dear probes: the budget alone would wait ~10^5 steps
+    assert gaps(schedule, 1, **costly) == [128]
+    found = []
+    for _ in range(5):
+        schedule.verdict(1, switched=False)
+        found += gaps(schedule, 1, **costly)
+    assert found == [256, 512, 1024, 1024, 1024]
+    schedule.admit()                          # kept plain twice and more: admissions wait their turn
+    assert not schedule.due(1, **costly)
+    schedule.verdict(1, switched=True)        # a probe that switched: the cap and admissions are back
+    schedule.admit()
+    assert [schedule.due(1, **costly) for _ in range(15)].count(True) == 1   # as soon as every_at_least allows
+    assert gaps(schedule, 1, **costly) == [128]
+    cheap = ProbeSchedule()
+    cheap.record(1, 1.0, 0.001)
+    for _ in range(4):
+        cheap.verdict(1, switched=False)
+    assert gaps(cheap, 2) == [MAX_PROBE_EVERY] * 2
+    cheap.admit()
+    assert cheap.due(1)
 
 
 def test_a_probe_put_off_runs_at_the_next_plain_step():

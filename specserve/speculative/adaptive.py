@@ -153,26 +153,31 @@ class AdaptiveDraftLength:
         """After a plain step: the sampled requests' proposals (recorded as shadows) say
         whether drafting is expected to win now; if so the bucket drafts again."""
         bucket = batch_bucket(batch_size)
+        switched = self._probe_verdict(bucket, batch_size, rids, num_nodes, keys)
+        if switched:
+            self.modes.request_switch(bucket)
+        self.probes.verdict(bucket, switched)
+
+    def _probe_verdict(self, bucket: int, batch_size: int, rids: list[str], num_nodes: list[int],
+                       keys: list[int] | None) -> bool:
+        """Whether the bucket should draft again, from a probe's proposals."""
         if max(num_nodes) == 1 or not self.modes.may_switch(bucket, self.costs.steps(bucket), rids):
-            return
+            return False
         if not self.costs.steadily_priced(bucket, 1):
-            return   # what drafting must beat is not known yet (adaptive_modes.py: plain_trial)
+            return False   # what drafting must beat is not known yet (adaptive_modes.py: plain_trial)
         _, best, rates = self._best_tier(bucket, batch_size, rids, num_nodes, keys)
         if not rates:   # a tier is not priced at this bucket yet: drafting prices it, if it may win
-            if self._pricing_may_pay(bucket, rids, num_nodes, keys, self._switch_margin(bucket)):
-                self.modes.request_switch(bucket)
-            return
+            return self._pricing_may_pay(bucket, rids, num_nodes, keys, self._switch_margin(bucket))
         if best > 1 and rates[best] >= self._switch_margin(bucket) * rates[1]:
             self._log_decision(bucket, batch_size, rates, "drafts")
-            self.modes.request_switch(bucket)
-            return
+            return True
         stale = [t for t, rate in rates.items() if t > 1 and rate >= EXPLORE_RATIO * rates[1]
                  and self.costs.stale(bucket, t)]
         if stale:   # the episode's first step runs the stale tier, whatever its old price says
             self._explore[bucket] = max(stale, key=rates.get)
-            self.modes.request_switch(bucket)
         self._log_decision(bucket, batch_size, rates,
                            f"drafts to re-price tier {self._explore[bucket]}" if stale else "stays plain")
+        return bool(stale)
 
     def _log_decision(self, bucket: int, batch_size: int, rates: dict[int, float], verdict: str) -> None:
         """A probe's verdict with what it rests on, per tier: the expected rate, the step's
