@@ -505,9 +505,10 @@ def test_probes_come_every_kth_plain_step_with_k_from_measured_costs():
 
 
 def test_costly_probes_back_off_while_they_keep_the_bucket_plain():
-    """A model drafter's probes (forwards and a sync) that keep finding drafting not worth it
-    come half as often after each, down to an eighth, and admissions stop probing from the
-    second; a probe that switches the bucket resets both. n-gram probes keep their k."""
+    """A model drafter's probes (forwards and a sync) that keep finding drafting not worth it in
+    a small bucket come half as often after each, down to an eighth, and admissions stop
+    probing from the second; a probe that switches the bucket resets both. n-gram probes and
+    large buckets keep their k."""
     def gaps(schedule, count, **kwargs):   # plain steps between the next `count` probes
         found, waited = [], 0
         while len(found) < count:
@@ -539,6 +540,11 @@ def test_costly_probes_back_off_while_they_keep_the_bucket_plain():
     assert gaps(cheap, 2) == [MAX_PROBE_EVERY] * 2
     cheap.admit()
     assert cheap.due(1)
+    large = ProbeSchedule()                   # a bucket a probe does not cover whole keeps its cap
+    large.record(64, 1.0, 0.001)
+    for _ in range(4):
+        large.verdict(64, switched=False)
+    assert [large.due(64, **costly) for _ in range(256)].count(True) == 2
 
 
 def test_a_probe_put_off_runs_at_the_next_plain_step():

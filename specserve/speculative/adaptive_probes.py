@@ -41,13 +41,17 @@ of these, the admission probe of a batch it covers whole; a large batch probes o
 There admissions made a probe every `every_at_least` plain steps, each a head catch-up (~5 ms):
 with the head's feeds, a 1.5B EAGLE-3 engine's plain steps at 64 cost +15-25% over a plain
 engine's on an H200 (session 16).
-Where such costly probes keep finding drafting not worth it, they back off: after each probe
-that did not switch the bucket to drafting, its cap doubles (up to BACKOFF_DOUBLINGS times)
-and, from the SKIP_ADMIT_AFTER-th in a row, admissions no longer probe it; a switch resets
-both. With the cap alone, a 1.5B EAGLE-3 engine whose head never drafted (accept 1.17,
-every probe "stays plain") made 0.92-0.96x of plain's tok/s at batch 1 (H200, session 25):
-a ~4.5-ms probe per admission and per 128 plain steps of ~1.3 ms. Backed off, the budget
-(a probe's cost against 1% of a plain step) sets k again.
+In a bucket a probe covers whole, such costly probes back off while they find drafting not
+worth it: after each probe that did not switch the bucket to drafting, its cap doubles (up
+to BACKOFF_DOUBLINGS times) and, from the SKIP_ADMIT_AFTER-th in a row, admissions no longer
+probe it; a switch resets both. With the cap alone, a 1.5B EAGLE-3 engine whose head never
+drafted (accept 1.17, every probe "stays plain") made 0.92-0.96x of plain's tok/s at batch
+1 (H200, session 25): a ~4.5-ms probe per admission and per 128 plain steps of ~1.3 ms.
+Backed off, the budget (a probe's cost against 1% of a plain step) sets k again: a random
+0.5B head held plain went 0.88-0.95x -> 0.91-0.96x at batch 1 and 0.82-0.91x -> 0.86-0.99x
+at 8 (one wave a cell, one lease). Larger buckets keep the cap: there the backed-off run was
+worse in 3 of 5 cells at 64 (0.60-0.74x against 0.68-0.78x), perhaps the head's held states
+fed in larger, rarer catch-ups; not traced.
 On the overlap schedule a probe runs only while a step launched ahead computes: one due on
 a step that launches none (a request ends in it) is put off to the next plain step
 (`put_off`) instead of adding its host time to a step the GPU waits for.
@@ -62,7 +66,7 @@ MAX_PROBE_EVERY = 32   # ... but a plain bucket is probed at least every this ma
 ADMIT_FOLLOW_UPS = (2, 4, 8, 16)   # plain steps after an admission that probe a small batch again
 ADMIT_GAP = 8          # a larger batch probes for admissions no more often than every this many plain steps
 PROBE_COST_EMA = 0.3
-BACKOFF_DOUBLINGS = 3  # a costly probe's cap grows to 8x after as many probes in a row kept the bucket plain
+BACKOFF_DOUBLINGS = 3  # a small bucket's costly probe cap grows to 8x after as many probes in a row kept it plain
 SKIP_ADMIT_AFTER = 2   # ... and from this many in a row, admissions stop probing the bucket
 
 
@@ -107,7 +111,7 @@ class ProbeSchedule:
         self._since_admit += 1
         small = bucket <= PROBE_REQUESTS
         cheap = every_at_least == 1   # a probe that costs forwards takes less news (module docstring)
-        kept_plain = 0 if cheap else self._kept_plain.get(bucket, 0)   # costly probes back off
+        kept_plain = self._kept_plain.get(bucket, 0) if small and not cheap else 0   # costly probes back off
         entered = self._last_step_bucket is not None and bucket != self._last_step_bucket
         admitted = self._admitted and (small or (cheap and waited >= ADMIT_GAP)) and kept_plain < SKIP_ADMIT_AFTER
         follow_up = cheap and small and (entered or self._since_admit in ADMIT_FOLLOW_UPS)
