@@ -49,9 +49,9 @@ drafted (accept 1.17, every probe "stays plain") made 0.92-0.96x of plain's tok/
 1 (H200, session 25): a ~4.5-ms probe per admission and per 128 plain steps of ~1.3 ms.
 Backed off, the budget (a probe's cost against 1% of a plain step) sets k again: a random
 0.5B head held plain went 0.88-0.95x -> 0.91-0.96x at batch 1 (a cell with one stall left
-out) and 0.82-0.91x -> 0.86-0.99x at 8 (one wave a cell, one lease). Larger buckets keep the cap: there the backed-off run was
-worse in 3 of 5 cells at 64 (0.60-0.74x against 0.68-0.78x), perhaps the head's held states
-fed in larger, rarer catch-ups; not traced.
+out) and 0.82-0.91x -> 0.86-0.99x at 8 (one wave a cell, one lease). Larger buckets keep
+the cap: there the backed-off run was worse in 3 of 5 cells at 64 (0.60-0.74x against
+0.68-0.78x), perhaps the head's held states fed in larger, rarer catch-ups; not traced.
 On the overlap schedule a probe runs only while a step launched ahead computes: one due on
 a step that launches none (a request ends in it) is put off to the next plain step
 (`put_off`) instead of adding its host time to a step the GPU waits for.
