@@ -47,34 +47,37 @@ def loss_rows(rows: list[dict]) -> list[dict]:
     """Per (model, workload, turn, concurrency, config) that ran slower than plain in the
     mean of its rounds: the mean split over its rounds, its drafting steps' mean count, wall
     time each and accept length, and the plain steps' time each in both runs. Worst first."""
+    cells = (_cell(key, pairs) for key, pairs in _paired_runs(rows).items() if pairs)
+    return sorted((cell for cell in cells if cell["total"] > 0), key=lambda cell: -cell["total"] / cell["plain_ms"])
+
+
+def _paired_runs(rows: list[dict]) -> dict[tuple, list[tuple[dict, dict]]]:
+    """(model, workload, turn, concurrency, config) -> [(its run, plain's run of that round)]:
+    the i-th run of a round beside plain's i-th (several suite runs appended to one file)."""
     rounds = collections.defaultdict(dict)
     for row in rows:
         if row.get("kind") == "specserve" and "step_mix" in row:
             key = (row["model"], row["workload"], row.get("turn", 1), row["concurrency"], row.get("round", 0))
             rounds[key].setdefault(row["config"], []).append(row)
     cells = collections.defaultdict(list)
-    for (model, workload, turn, concurrency, _), runs in rounds.items():
+    for (*cell, _), runs in rounds.items():
         for config, measured in runs.items():
-            if config != "plain":   # the i-th run of a round beside plain's i-th (results appended run after run)
-                cells[(model, workload, turn, concurrency, config)] += list(zip(measured, runs.get("plain", [])))
-    table = []
-    for (model, workload, turn, concurrency, config), pairs in cells.items():
-        if not pairs:
-            continue
-        splits = [split_run(run, plain) for run, plain in pairs]
-        mean = {part: statistics.fmean(s[part] for s in splits) for part in (*PARTS, "total")}
-        if mean["total"] <= 0:
-            continue
-        drafts = [run["step_mix"]["draft"] for run, _ in pairs]
-        table.append({"model": model, "workload": workload, "turn": turn, "concurrency": concurrency,
-                      "config": config, "runs": len(pairs), **mean,
-                      "plain_ms": statistics.fmean(1e3 * plain["duration_s"] for _, plain in pairs),
-                      "draft_steps": statistics.fmean(d["steps"] for d in drafts),
-                      "draft_ms_each": _per_step(drafts),
-                      "accept_length": statistics.fmean(run.get("accept_length") or 1.0 for run, _ in pairs),
-                      "plain_step_ms": (_per_step([run["step_mix"]["plain"] for run, _ in pairs]),
-                                        _per_step([plain["step_mix"]["plain"] for _, plain in pairs]))})
-    return sorted(table, key=lambda row: -row["total"] / row["plain_ms"])
+            if config != "plain":
+                cells[(*cell, config)] += list(zip(measured, runs.get("plain", [])))
+    return cells
+
+
+def _cell(key: tuple, pairs: list[tuple[dict, dict]]) -> dict:
+    model, workload, turn, concurrency, config = key
+    splits = [split_run(run, plain) for run, plain in pairs]
+    drafts = [run["step_mix"]["draft"] for run, _ in pairs]
+    return {"model": model, "workload": workload, "turn": turn, "concurrency": concurrency, "config": config,
+            "runs": len(pairs), **{part: statistics.fmean(s[part] for s in splits) for part in (*PARTS, "total")},
+            "plain_ms": statistics.fmean(1e3 * plain["duration_s"] for _, plain in pairs),
+            "draft_steps": statistics.fmean(d["steps"] for d in drafts), "draft_ms_each": _per_step(drafts),
+            "accept_length": statistics.fmean(run.get("accept_length") or 1.0 for run, _ in pairs),
+            "plain_step_ms": (_per_step([run["step_mix"]["plain"] for run, _ in pairs]),
+                              _per_step([plain["step_mix"]["plain"] for _, plain in pairs]))}
 
 
 def _per_step(mixes: list[dict]) -> float | None:
