@@ -3,6 +3,8 @@
 #   scripts/gpu_run.sh checks|bench|all [MODEL...]
 #   scripts/gpu_run.sh suite [MODEL...]            (default NGRAM vs plain, every workload at 1/8/32/64, 2 rounds, policy
 #                                                   traces in one file: the run behind BENCHMARKS' suite tables, ~3-5 min a model)
+#   scripts/gpu_run.sh suite-ab MODEL              (AB_OLD=.ab/old AB_RUNS=2: the suite at 32/64 for an old tree and this
+#                                                   one, alternating, then where each tree's losing cells lose; ~1.5 min a run)
 #   scripts/gpu_run.sh step-cost                   (no models staged, ~3 min: plain, 4- and 8-node verify and the fused
 #                                                   EAGLE-3 step at batch 1 and 8 on random 1.5B weights, each with the
 #                                                   host's time by phase: where a verify step's unhidden host time goes)
@@ -114,6 +116,20 @@ if [ "$mode" = suite ]; then
       --bs1-prompts 6 --no-transformers --num-prompts 128 --dataset-path .gpu/sharegpt_bench.json --concurrency 1 8 32 64 \
       --policy-trace-dir "$OUT/traces_$model" --out "$OUT/suite_$model" 2>&1 | grep -v '%|' | tail -30
   done
+fi
+if [ "$mode" = suite-ab ]; then
+  # an A/B in one lease: the suite at 32/64 for the tree in $AB_OLD (made by `git archive REV specserve | tar -x -C
+  # .ab/old`, carried) and for this one, alternating, AB_RUNS times each; results appended per tree, then each
+  # tree's losing cells split by step kind (bench/loss_split.py). Session 25 ran it by hand (BENCHMARKS.md).
+  for run in $(seq "${AB_RUNS:-2}"); do
+    for tree in old new; do
+      root=$PWD; [ $tree = old ] && root=$PWD/${AB_OLD:?AB_OLD names the old tree directory}
+      PYTHONPATH=/tmp/site:$root python3 -m specserve.bench.gpu_suite --models-dir /root/models --models "${models[0]}" \
+        --configs default --rounds 2 --bs1-prompts 6 --no-transformers --num-prompts 128 --dataset-path .gpu/sharegpt_bench.json \
+        --concurrency 32 64 --out "$OUT/ab_$tree" 2>&1 | grep -v '%|' | tail -2
+    done
+  done
+  for tree in old new; do echo "== $tree"; python3 -m specserve.bench.loss_split "$OUT/ab_$tree/results.jsonl"; done
 fi
 if [ "$mode" = eagle-head ]; then
   if [ -f /root/eagle3-1.5b/config.json ] && [ -f /root/eagle3-1.5b/model.safetensors ]; then
