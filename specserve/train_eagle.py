@@ -44,7 +44,7 @@ from specserve.speculative.eagle_head import EagleHead
 from specserve.speculative.eagle_prep import PreparedText, TextPreparation, TextSettings
 from specserve.speculative.eagle_trainer import EagleTrainer, TrainSettings, build_head, target_lm_head
 from specserve.speculative.eagle_ttt import ConversationBatch
-from specserve.speculative.target_features import TargetFeatureExtractor, device_token_budget
+from specserve.speculative.target_features import TargetFeatureExtractor
 
 DATA_FILE = "conversations.json"
 # what a run keeps back from --time-budget for the end: the last held-out score (timed at
@@ -214,12 +214,13 @@ def _train(args: argparse.Namespace, device: torch.device, target, train_data: l
                                        max_sequences=max(1, settings.batch_tokens // min(lengths)),
                                        max_sequence_len=max(lengths))
     eval_steps = args.eval_draft_steps or args.ttt_steps
-    score, prefill_rate = _held_out_scorer(extractor, head, held_out, settings, eval_steps)
+    score = _held_out_scorer(extractor, head, held_out, settings, eval_steps)
     scoring_started = time.perf_counter()
     before = score(head)
     score_seconds = time.perf_counter() - scoring_started
-    train_seconds = _training_seconds(args, started, score_seconds, prefill_rate, extractor, train_data)
-    settings = _settings(args, device, train_seconds)
+    if args.time_budget:
+        _seconds_left(args, started, score_seconds)   # spent already: stop before keeping the states
+    settings = _settings(args, device, args.max_train_seconds)
     builder = BatchBuilder(extractor, target_lm_head(target)[head.draft_vocab()], bool(head.config.aux_layers))
     states_started = time.perf_counter()
     trainer = EagleTrainer(head, builder, train_data, settings, args.output_dir,
@@ -228,13 +229,15 @@ def _train(args: argparse.Namespace, device: torch.device, target, train_data: l
         print(f"target states: {trainer.store.final.shape[0]} of {sum(len(c.tokens) for c in train_data)} tokens "
               f"in {time.perf_counter() - states_started:.1f} s ({trainer.store.nbytes / 2 ** 30:.2f} GiB, kept on "
               f"{trainer.store.device.type}; the other batches' computed as they train)", flush=True)
-        if args.time_budget:
-            # the estimate priced keeping them at the held-out prefill's rate, a cold start's: on an
-            # H200 (1.5B) 4.6M tokens took 23 s where it priced 131 s, and training got 25 s of 140
-            train_seconds = _seconds_left(args, started, score_seconds)
-            trainer.settings = dataclasses.replace(trainer.settings, max_seconds=train_seconds)
     else:
         print("target states: computed for each batch (not one batch's fit on the device)", flush=True)
+    train_seconds = args.max_train_seconds
+    if args.time_budget:
+        # what is left once the states are kept, as they took: priced beforehand at the held-out
+        # prefill's (cold) rate, 4.6M tokens of an H200 1.5B run cost 131 s where they took 23 s,
+        # and training got 25 s of 140
+        train_seconds = _seconds_left(args, started, score_seconds)
+        trainer.settings = dataclasses.replace(trainer.settings, max_seconds=train_seconds)
     if not (args.resume and trainer.resume()):
         print(f"held-out accept length before training: {before:.3f} ({eval_steps} draft steps, greedy chain)")
     train_started = time.perf_counter()
@@ -328,18 +331,6 @@ def _settings(args: argparse.Namespace, device: torch.device, max_seconds: float
                          autocast_dtype=torch.bfloat16 if on_gpu else None)
 
 
-def _training_seconds(args: argparse.Namespace, started: float, score_seconds: float, prefill_rate: float,
-                      extractor: TargetFeatureExtractor, train_data: list[Conversation]) -> float | None:
-    """--max-train-seconds, or less where --time-budget ends first: what is left of it less
-    the states kept before training (at the held-out prefill's rate), the last score and saving."""
-    if not args.time_budget:
-        return args.max_train_seconds
-    tokens = sum(len(c.tokens) for c in train_data)
-    budget = device_token_budget(extractor)
-    keeping = (tokens if budget is None else min(tokens, budget)) / prefill_rate
-    return _seconds_left(args, started, score_seconds + keeping)
-
-
 def _seconds_left(args: argparse.Namespace, started: float, still_to_spend: float) -> float:
     """What is left of --time-budget for training (at most --max-train-seconds) once
     `still_to_spend` seconds more, the last score and saving are kept back."""
@@ -352,8 +343,7 @@ def _seconds_left(args: argparse.Namespace, started: float, still_to_spend: floa
 
 def _held_out_scorer(extractor: TargetFeatureExtractor, head: EagleHead, held_out: list[Conversation],
                      settings: TrainSettings, draft_steps: int):
-    """(score(head) -> the held-out accept length, the target's prefill rate in tokens/s);
-    the held-out states are computed once, here."""
+    """score(head) -> the held-out accept length; the held-out states are computed once, here."""
     builder = BatchBuilder(extractor, None, bool(head.config.aux_layers))
     groups = plan_batches([len(c.tokens) for c in held_out], settings.batch_tokens, seed=0)
     started = time.perf_counter()
@@ -363,7 +353,7 @@ def _held_out_scorer(extractor: TargetFeatureExtractor, head: EagleHead, held_ou
     tokens = sum(len(c.tokens) for c in held_out)
     rate = tokens / max(time.perf_counter() - started, 1e-6)
     print(f"target prefill of the held-out answers: {tokens} tokens at {rate:.0f} tok/s", flush=True)
-    return (lambda scored: accept_length(scored, batches, draft_steps, settings.autocast_dtype).accept_length), rate
+    return lambda scored: accept_length(scored, batches, draft_steps, settings.autocast_dtype).accept_length
 
 
 def _train_with_progress(trainer: EagleTrainer) -> None:
