@@ -133,21 +133,20 @@ def propose(drafter: NgramDrafter, reqs) -> tuple:
 
 
 def test_a_request_s_accept_stats_count_its_unrecorded_plain_steps():
-    """Recorded drafting steps, prefills and plain steps (not recorded: a token each) in any
-    order, a stop cutting the last step short: the counts and histogram of a per-step record."""
+    """The prefill's first token, then recorded drafting steps and plain steps (not recorded: a
+    token each) in any order, a stop cutting the last step short: the counts and histogram of
+    a per-step record."""
     rng = random.Random(3)
     for _ in range(20):
         output: list[int] = []
         stats = SpecStats(output)
+        assert (stats.verify_steps, stats.accepted_tokens, stats.accept_length_histogram) == (0, 0, {})
+        output.append(0)              # the prefill's token: no verify step
         steps, tokens, histogram = 0, 0, {}
         for _ in range(rng.randrange(1, 40)):
-            kind = rng.choice(["plain", "plain", "drafted", "prefill"])
-            if kind == "prefill":     # a prompt's first token, or a preempted request's next one
-                stats.record_prefill(1)
-                output.append(0)
-                continue
-            count = 1 if kind == "plain" else rng.randrange(1, 6)
-            if kind == "drafted":
+            drafted = rng.random() < 0.4
+            count = rng.randrange(1, 6) if drafted else 1
+            if drafted:
                 SpecStats.record_step([SimpleNamespace(spec=stats)], [[0] * count])
             output.extend([0] * count)
             steps, tokens, histogram[count] = steps + 1, tokens + count, histogram.get(count, 0) + 1

@@ -147,9 +147,6 @@ class EngineCore(DraftingSteps):
             self.adaptive.admit()   # they decode from the next step: a probe looks at them first
         trees = DraftTrees.root_only(torch.tensor(self._last_tokens(sampling)))
         sampled = self.sampler.sample(logits, trees, sampling, self.sampler.prepare(trees, sampling))
-        if self.drafter is not None:
-            for req, tokens in zip(sampling, sampled.tokens):
-                req.spec.record_prefill(len(tokens))
         return self._observe([self._commit(req, sampled, i) for i, req in enumerate(sampling)])
 
     def _run_decode(self, batch: Batch) -> list[StepOutput]:

@@ -28,10 +28,10 @@ class SpecStats:
     """A request's verify steps: how many, the tokens they committed (bonus included) and how
     many steps committed each count. Plain steps, where every request commits one token, are
     most steps and are not recorded one by one (at 64 requests a loop over the batch every
-    step cost ~20-30 us of host time, where a 0.5B's plain step is host-bound): every token
-    of the request's output that no recorded step and no prefill committed was a plain
-    step's. Drafting steps are recorded (`record_step`), and so are prefills' tokens
-    (`record_prefill`): they were no verify step."""
+    step cost ~20-30 us of host time): every token of the request's output that no recorded
+    step committed was a plain step's, but the first, which its prefill committed (a
+    preempted request's prefill recomputes the cache and commits nothing). Drafting steps
+    are recorded (`record_step`)."""
 
     __slots__ = ("_output", "_steps", "_tokens", "_histogram", "_plain", "_accounted")
 
@@ -39,8 +39,9 @@ class SpecStats:
         self._output = output            # the request's output_ids (the same list, as it grows)
         self._steps = self._tokens = 0   # recorded steps and what they committed
         self._histogram: dict[int, int] = {}
-        self._plain = 0                  # plain steps before the last recorded step or prefill
-        self._accounted = len(output)    # output tokens counted by then (a recorded step's, cut or not)
+        self._plain = 0                  # plain steps before the last recorded step
+        # output tokens counted by then: the prefill's first, and each recorded step's (cut or not)
+        self._accounted = 1
 
     @staticmethod
     def record_step(reqs: list["Req"], tokens: list[list[int]]) -> None:
@@ -56,17 +57,12 @@ class SpecStats:
             histogram = stats._histogram
             histogram[count] = histogram.get(count, 0) + 1
 
-    def record_prefill(self, count: int) -> None:
-        """A prefill's tokens (before their commit): committed, but by no verify step."""
-        self._settle_plain()
-        self._accounted += count
-
     def _settle_plain(self) -> None:
         self._plain += self._unaccounted()
         self._accounted = len(self._output)
 
     def _unaccounted(self) -> int:
-        """Plain steps since the last recorded step or prefill (none after a step a stop cut)."""
+        """Plain steps since the last recorded step (none after a step a stop cut)."""
         return max(0, len(self._output) - self._accounted)
 
     @property
