@@ -19,6 +19,10 @@
 #                                                   and without the map at batch 1 and concurrency 32)
 #   scripts/gpu_run.sh eagle-head                  (trains the EAGLE-3 head for the 1.5B in 7.5 minutes into /root/eagle3-1.5b,
 #                                                   as session 7 did; skipped where one is there already)
+#   scripts/gpu_run.sh eagle-rows                  (that head on the 1.5B, after `eagle-head` on the same warm machine: EAGLE-3
+#                                                   chains of 3 and NAIVE_EAGLE, pinned and adaptive, against plain, on chat and
+#                                                   code-types at 1/8/64: what drafting with the head would give and what the
+#                                                   policy makes of it; ~80 s)
 #   scripts/gpu_run.sh peers-eagle [ENGINE...]     (the peers benchmark's EAGLE-3 chains of 3 with that head on the 1.5B:
 #                                                   specserve-eagle3 sglang-eagle3 vllm-eagle3 by default, sharing the call's
 #                                                   9 minutes; one call per engine measures every cell. Needs the peers'
@@ -139,6 +143,11 @@ if [ "$mode" = eagle-head ]; then
       --output-dir /root/eagle3-1.5b --dataset-path .gpu/sharegpt_train.json --exclude-dataset-path .gpu/sharegpt_bench.json \
       --time-budget 450 --text-chats 600 --checkpoint-every 0 2>&1 | grep -v '%|' | tail -20 | tee "$OUT/train_eagle.txt"
   fi
+fi
+if [ "$mode" = eagle-rows ]; then
+  python3 -m specserve.bench.model_drafters --algorithm NAIVE_EAGLE EAGLE3 --target /root/models/qwen2.5-coder-1.5b-instruct.gguf \
+    --draft /root/eagle3-1.5b --num-steps 3 --topk 1 --workloads sharegpt-multiturn code-types --concurrency 1 8 64 \
+    --num-prompts 64 --dataset-path .gpu/sharegpt_bench.json --out "$OUT/eagle_rows" 2>&1 | grep -v '%|' | tail -40
 fi
 if [ "$mode" = peers-eagle ]; then
   engines=("$@"); [ ${#engines[@]} -gt 0 ] || engines=(specserve-eagle3 sglang-eagle3 vllm-eagle3)
