@@ -42,6 +42,12 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/devic
 # 3000, so no benchmark prompt was trained on
 [ -f .gpu/sharegpt_bench.json ] || python3 -c "import json; d = json.load(open('.gpu/sharegpt_subset.json')); \
 json.dump(d[:1000], open('.gpu/sharegpt_bench.json', 'w')); json.dump(d[1000:], open('.gpu/sharegpt_train.json', 'w'))"
+chain_rows() {   # OUT_DIR [model_drafters flags]: /root/eagle3-1.5b's NAIVE_EAGLE and EAGLE-3 chains of 3, pinned and adaptive
+  local out=$1; shift
+  python3 -m specserve.bench.model_drafters --algorithm NAIVE_EAGLE EAGLE3 --target /root/models/qwen2.5-coder-1.5b-instruct.gguf \
+    --draft /root/eagle3-1.5b --num-steps 3 --topk 1 --workloads sharegpt-multiturn code-types \
+    --dataset-path .gpu/sharegpt_bench.json --out "$out" "$@" 2>&1 | grep -v '%|' | tail -40
+}
 if [ "$mode" = checks ] || [ "$mode" = all ]; then
   # Triton kernels compiled for real, against torch_native, at test and at real sizes (test_fused_ops
   # compares CPU tensors with the interpreter; on the GPU the fused kernels are covered by gpu_checks)
@@ -84,9 +90,7 @@ if [ "$mode" = naive ]; then
   python3 -m specserve.train_eagle --model-path /root/models/qwen2.5-coder-1.5b-instruct.gguf \
     --output-dir /root/eagle3-1.5b --dataset-path .gpu/sharegpt_train.json --time-budget 300 --exclude-dataset-path .gpu/sharegpt_bench.json --checkpoint-every 0 \
     2>&1 | grep -v '%|' | tail -20 | tee "$OUT/train_eagle.txt"
-  python3 -m specserve.bench.model_drafters --algorithm NAIVE_EAGLE EAGLE3 --target /root/models/qwen2.5-coder-1.5b-instruct.gguf \
-    --draft /root/eagle3-1.5b --num-steps 3 --topk 1 --workloads sharegpt-multiturn code-types \
-    --dataset-path .gpu/sharegpt_bench.json --out "$OUT/naive" 2>&1 | grep -v '%|' | tail -40
+  chain_rows "$OUT/naive"
   TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_naive_eagle_cuda.py 2>&1 | tail -5 \
     | tee "$OUT/pytest_naive_eagle.txt"
 fi
@@ -145,9 +149,7 @@ if [ "$mode" = eagle-head ]; then
   fi
 fi
 if [ "$mode" = eagle-rows ]; then
-  python3 -m specserve.bench.model_drafters --algorithm NAIVE_EAGLE EAGLE3 --target /root/models/qwen2.5-coder-1.5b-instruct.gguf \
-    --draft /root/eagle3-1.5b --num-steps 3 --topk 1 --workloads sharegpt-multiturn code-types --concurrency 1 8 64 \
-    --num-prompts 64 --dataset-path .gpu/sharegpt_bench.json --out "$OUT/eagle_rows" 2>&1 | grep -v '%|' | tail -40
+  chain_rows "$OUT/eagle_rows" --concurrency 1 8 64 --num-prompts 64
 fi
 if [ "$mode" = peers-eagle ]; then
   engines=("$@"); [ ${#engines[@]} -gt 0 ] || engines=(specserve-eagle3 sglang-eagle3 vllm-eagle3)
