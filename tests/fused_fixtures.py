@@ -31,21 +31,21 @@ class FusedSpy:
 
     def __init__(self, drafter):
         self.fused = self.engine = self.first_drafts = 0
-        verify_fused, first_drafts = drafter.verify_fused, drafter._first_drafts
+        launch_fused, first_drafts = drafter.launch_fused, drafter._first_drafts
 
-        def verify(reqs, *args):
-            outcome = verify_fused(reqs, *args)
-            if outcome is None:
+        def launch(reqs, *args):   # every fused step is launched here (verify_fused's and the engine's greedy path)
+            launched = launch_fused(reqs, *args)
+            if launched is None:
                 self.engine += len(reqs)
             else:
                 self.fused += len(reqs)
-            return outcome
+            return launched
 
         def first(reqs):
             self.first_drafts += len(reqs)
             return first_drafts(reqs)
 
-        drafter.verify_fused, drafter._first_drafts = verify, first
+        drafter.launch_fused, drafter._first_drafts = launch, first
 
 
 def save_random_eagle_head(target_path, head_path, algorithm: str = "EAGLE3", seed: int = 0,

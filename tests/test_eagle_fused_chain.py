@@ -23,6 +23,7 @@ from specserve.speculative.eagle_batches import BatchBuilder
 from specserve.speculative.eagle_eval import accepted_runs, replay_decoding
 from tests.fused_fixtures import FusedSpy, fused_args, save_random_eagle_head, wait_until_fused_state_is_free
 from tests.spec_fixtures import make_tiny_directory, tiny_engine
+from tests.test_draft_ahead import ahead_on
 from tests.test_eagle_drafter import head_dir, target  # noqa: F401  (a target and heads trained on it)
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 32}
@@ -47,20 +48,27 @@ CHAINS = [(1, True), (1, False), (2, False), (3, False)]     # (K, NAIVE_EAGLE)
 CHAIN_IDS = ["naive", "K1", "K2", "K3"]
 
 
-@pytest.mark.parametrize("max_running", [1, 8])
+@pytest.mark.parametrize("max_running,ahead", [(1, False), (8, False), (8, True)], ids=["bs1", "bs8", "bs8-ahead"])
 @pytest.mark.parametrize("num_steps,naive", CHAINS, ids=CHAIN_IDS)
-def test_greedy_verify_steps_are_what_training_predicts(target, head_dir, num_steps, naive, max_running):  # noqa: F811
+def test_greedy_verify_steps_are_what_training_predicts(target, head_dir, num_steps, naive, max_running,  # noqa: F811
+                                                        ahead):
+    """`ahead`: as on a GPU, each greedy fused step is launched right after the previous
+    one's commit, before its bookkeeping (engine/draft_ahead.py), and nothing changes."""
     path, _, _, held_out = target
     algorithm, head_path, head, extractor = head_dir
     args = chain_args(algorithm, head_path, num_steps, naive)
     with tiny_engine(path, max_running_requests=max_running, **args) as engine:
+        if ahead:
+            ahead_on(engine)
         drafter = engine.core.drafter
         assert drafter.fused.nodes == num_steps + 1
-        spy = FusedSpy(drafter)
+        spy, held = FusedSpy(drafter), HeadRowsSpy(drafter)
         outputs = engine.generate(input_ids=[c.tokens[:c.prompt_len] for c in held_out], sampling_params=GREEDY)
         assert [o["output_ids"] for o in outputs] == [c.tokens[c.prompt_len:] for c in held_out]
         wait_until_fused_state_is_free(engine)
+        assert not ahead or engine.core.draft_ahead.steps_taken > 0
     assert spy.engine == 0 and spy.fused == sum(o["meta_info"]["spec_verify_ct"] for o in outputs)
+    assert not held.excess, held.excess
     # one catch-up per request that decodes at all, then every draft came from a fused step
     assert spy.first_drafts == sum(o["meta_info"]["spec_verify_ct"] > 0 for o in outputs)
     batch = BatchBuilder(extractor, None, bool(head.config.aux_layers))(held_out).conversations
@@ -72,8 +80,9 @@ def test_greedy_verify_steps_are_what_training_predicts(target, head_dir, num_st
     assert set(accept_histogram(outputs)) == set(range(1, num_steps + 2))     # every accept length
 
 
-@pytest.mark.parametrize("num_steps,naive", [(1, True), (2, False), (3, False)], ids=["naive", "K2", "K3"])
-def test_an_untrained_head_keeps_greedy_output_and_frees_everything(tmp_path, num_steps, naive):
+@pytest.mark.parametrize("num_steps,naive,ahead", [(1, True, False), (2, False, False), (3, False, False),
+                                                   (3, False, True)], ids=["naive", "K2", "K3", "K3-ahead"])
+def test_an_untrained_head_keeps_greedy_output_and_frees_everything(tmp_path, num_steps, naive, ahead):
     """A 256-token target and a random head over half its vocabulary (every draft
     rejected): batches, preemption (a small cache), an abort, penalised and sampled
     requests in the same batches (the engine verifies those); the head never holds more
@@ -88,6 +97,8 @@ def test_an_untrained_head_keeps_greedy_output_and_frees_everything(tmp_path, nu
         expected = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=greedy)]
         expected_penalised = plain.generate(input_ids=prompts[0], sampling_params=penalised)["output_ids"]
     with tiny_engine(target_path, max_total_tokens=160, **chain_args("EAGLE3", head_path, num_steps, naive)) as engine:
+        if ahead:
+            ahead_on(engine)
         drafter = engine.core.drafter
         spy, held = FusedSpy(drafter), HeadRowsSpy(drafter)
         outputs = engine.generate(input_ids=prompts, sampling_params=greedy)
@@ -106,14 +117,19 @@ def test_an_untrained_head_keeps_greedy_output_and_frees_everything(tmp_path, nu
     assert set(histogram) == {1}      # every first draft rejected: the junk rows are all but the first
 
 
-def test_preemption_and_aborts_with_every_accept_length(target, head_dir):  # noqa: F811
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "ahead"])
+def test_preemption_and_aborts_with_every_accept_length(target, head_dir, ahead):  # noqa: F811
     """The trained heads (accept lengths 1 .. K + 1) and a cache too small for the batch:
     requests are preempted and resumed (their head cache rebuilt from their prefill's
-    states), one is aborted mid-stream; output stays plain decoding's and everything is freed."""
+    states), one is aborted mid-stream; output stays plain decoding's and everything is
+    freed, also with fused steps launched ahead (a step ahead is dropped or retired when
+    the batch changes)."""
     path, _, _, held_out = target
     algorithm, head_path, _, _ = head_dir
     prompts = [c.tokens[:c.prompt_len] for c in held_out]
     with tiny_engine(path, max_total_tokens=150, **fused_args(algorithm, head_path, speculative_num_steps=3)) as engine:
+        if ahead:
+            ahead_on(engine)
         drafter = engine.core.drafter
         spy, held = FusedSpy(drafter), HeadRowsSpy(drafter)
         outputs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
@@ -137,23 +153,22 @@ class HeadRowsSpy:
 
     def __init__(self, drafter):
         self.steps, self.excess = 0, []
-        verify_fused = drafter.verify_fused
+        read_fused = drafter.read_fused
         table = drafter.fused.head.pool.req_to_token
 
-        def verify(reqs, *args):
-            outcome = verify_fused(reqs, *args)
-            if outcome is not None:
-                self.steps += 1
-                for req, tokens in zip(reqs, outcome.tokens):
-                    seq = drafter.kv.sequences[req.rid]
-                    rows = drafter.kv.rows_of(req)     # before the commit: L - 1
-                    if seq.committed != rows or len(seq.slots) != rows + reserved_head_rows(drafter.num_steps):
-                        self.excess.append((req.rid, rows, seq.committed, len(seq.slots)))
-                    if table[seq.row, :len(seq.slots)].tolist() != seq.slots:
-                        self.excess.append((req.rid, "head table", table[seq.row, :len(seq.slots)].tolist(), seq.slots))
-                assert not drafter.kv._new_entries, "the fused rows' table entries are the step's to write"
+        def read(reqs, *args):
+            outcome = read_fused(reqs, *args)
+            self.steps += 1
+            for req in reqs:
+                seq = drafter.kv.sequences[req.rid]
+                rows = drafter.kv.rows_of(req)     # before the commit: L - 1
+                if seq.committed != rows or len(seq.slots) != rows + reserved_head_rows(drafter.num_steps):
+                    self.excess.append((req.rid, rows, seq.committed, len(seq.slots)))
+                if table[seq.row, :len(seq.slots)].tolist() != seq.slots:
+                    self.excess.append((req.rid, "head table", table[seq.row, :len(seq.slots)].tolist(), seq.slots))
+            assert not drafter.kv._new_entries, "the fused rows' table entries are the step's to write"
             return outcome
-        drafter.verify_fused = verify
+        drafter.read_fused = read
 
 
 def test_fused_inputs_rewrite_the_request_columns_only_for_another_batch():

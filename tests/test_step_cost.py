@@ -65,7 +65,7 @@ def test_host_phases_of_each_step(tmp_path, tiny_shape):
         assert phases["step"] >= phases["host"] > 0 and phases["commit"] > 0
     verify = [r["host_us"] for r in rows if r["step"] == "verify"]
     assert verify and all(p["propose"] > 0 and p["commit_kv"] > 0 and p["run_trees"] > 0 for p in verify)
-    assert all(r["host_us"]["verify_fused"] > 0 for r in rows if r["step"] == "fused")
+    assert all(r["host_us"]["launch_fused"] > 0 for r in rows if r["step"] == "fused")
 
 
 def test_split_of_a_fused_step_is_the_difference_of_its_references():

@@ -17,7 +17,7 @@ copied, the graph launched), CUDA's graph launch itself (`graph_launch`), every 
 wait (`event_sync`: gpu_wait's and the replay's wait for its pinned buffer), the
 scheduler's `schedule`, and a drafting step's KV commit (`commit_kv`), proposal (`propose`),
 launch of its trees (`run_trees`, containing replay) or a fused drafter's step
-(`verify_fused`). Phases are inclusive (after_step contains observe and probe, launch
+(`launch_fused`). Phases are inclusive (after_step contains observe and probe, launch
 contains replay). The step's owner (RunWatch, bench.step_cost) ends each step with its
 kind; totals are kept per kind.
 """
@@ -36,7 +36,7 @@ CORE_PHASES = (("_commit_verified", "commit"), ("_observe", "observe"), ("_probe
                ("_after_plain_step", "after_step"), ("text.run", "detokenize"),
                ("runner.launch_greedy_decode", "launch"), ("runner.graphs.replay", "replay"),
                ("scheduler.schedule", "schedule"), ("_commit_kv", "commit_kv"), ("_propose", "propose"),
-               ("runner.run_trees", "run_trees"), ("drafter.verify_fused", "verify_fused"))
+               ("runner.run_trees", "run_trees"), ("drafter.launch_fused", "launch_fused"))
 CPU_PHASES = (("runner.launch_greedy_decode", "launch_cpu"),)   # timed by this thread's CPU clock
 
 

@@ -148,17 +148,17 @@ class FusedStepCount:
 
     def __init__(self, drafter):
         self.drafter, self.count = drafter, 0
-        verify_fused = drafter.verify_fused
+        launch_fused = drafter.launch_fused
 
         def counting(reqs, *args):
-            outcome = verify_fused(reqs, *args)
-            self.count += outcome is not None
-            return outcome
+            launched = launch_fused(reqs, *args)
+            self.count += launched is not None
+            return launched
 
-        drafter.verify_fused = counting
+        drafter.launch_fused = counting
 
     def close(self) -> int:
-        del self.drafter.verify_fused   # the class's method again
+        del self.drafter.launch_fused   # the class's method again
         return self.count
 
 

@@ -17,8 +17,10 @@ over after N+1's launch, and the policy sees N's tokens and cost before choosing
 draft size, as before. A step launched ahead is priced (the policy's step costs) from the
 moment the previous step was priced to its own: one whole cycle of the loop, its hidden
 host work included. Only drafters whose proposals read nothing but committed tokens
-and what was indexed qualify (`Drafter.proposes_ahead`: NGRAM), and only greedy requests
-(their commit needs the argmax alone).
+and what was indexed or read with the step qualify (`Drafter.proposes_ahead`: NGRAM, and
+the fused EAGLE / NAIVE_EAGLE / MTP chain, whose steps are launched through the drafter's
+launch_fused where it serves the batch: the next drafts come with the outcome), and only
+greedy requests (their commit needs the argmax alone).
 
 The step launched ahead is for exactly the batch the scheduler would pick next (nobody
 waiting, nobody else running, no failure being isolated). Should that change before it
@@ -28,7 +30,9 @@ table positions past every request's committed length, rewritten before they are
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -38,6 +42,7 @@ from specserve.engine.request import Req, same_requests
 from specserve.engine.scheduler import Scheduler
 from specserve.runner.model_runner import InFlight, ModelRunner
 from specserve.runner.tree_step import GreedyOutcome, pad_node_slots
+from specserve.speculative.drafter import Drafter
 from specserve.speculative.tree import TreeProposal
 
 
@@ -51,6 +56,8 @@ class DraftStep:
     launched: InFlight            # (bs, 1 + 2n) greedy outcome (tree_step.commit_path), or (bs,) argmax for n = 1
     hidden: torch.Tensor | None   # (bs, n, features) when the runner keeps them
     started: float                # when the host started the work this step's cost counts from
+    # a fused drafter's step (its own outcome layout, with the next drafts): the drafter's read_fused
+    read_fused: Callable[[torch.Tensor], GreedyOutcome] | None = None
 
     @property
     def num_slots(self) -> int:
@@ -59,6 +66,9 @@ class DraftStep:
     def read(self) -> StepOutcome:
         """Waits for the step (the one host sync) and parses its outcome."""
         packed = self.launched.wait()
+        if self.read_fused is not None:   # the drafter keeps the next drafts; the table is written
+            parsed = self.read_fused(packed)
+            return StepOutcome(parsed.tokens, parsed.accepted, parsed.accept_lens, True, None)
         if self.num_slots == 1:   # no drafts: the argmax is the outcome, the step wrote its slots in the table
             bs = len(self.reqs)
             return StepOutcome([[token] for token in packed.tolist()], np.zeros((bs, 1), dtype=np.int64),
@@ -93,15 +103,20 @@ class OutcomeCopies:
         return InFlight(tensor, host, self._done)
 
 
-def launch_draft_step(runner: ModelRunner, reqs: list[Req], proposal: TreeProposal, slots: list[int],
-                      started: float, copies: OutcomeCopies) -> DraftStep:
+def launch_draft_step(runner: ModelRunner, drafter: Drafter, reqs: list[Req], proposal: TreeProposal,
+                      slots: list[int], started: float, copies: OutcomeCopies) -> DraftStep:
     """Queues the step's forward, greedy verification and table commit (n > 1), or its
-    argmax (n = 1), and the copy of the outcome to the host, without waiting."""
-    step = runner.run_trees(reqs, proposal, slots)
+    argmax (n = 1), and the copy of the outcome to the host, without waiting; or the
+    drafter's fused step (verification and the next drafts), where it serves the batch."""
     n = proposal.num_slots
+    node_slots = pad_node_slots(slots, proposal.num_nodes, n)
+    fused = drafter.launch_fused(reqs, proposal, slots)
+    if fused is not None:
+        return DraftStep(reqs, proposal.num_nodes, node_slots, slots, fused, None, started,
+                         functools.partial(drafter.read_fused, reqs))
+    step = runner.run_trees(reqs, proposal, slots)
     launched = copies.launch(step.outcome if n > 1 else step.logits[:, 0].argmax(-1))
-    return DraftStep(reqs, proposal.num_nodes, pad_node_slots(slots, proposal.num_nodes, n), slots, launched,
-                     step.hidden, started)
+    return DraftStep(reqs, proposal.num_nodes, node_slots, slots, launched, step.hidden, started)
 
 
 class DraftAhead:

@@ -56,7 +56,7 @@ class DraftingSteps:
         """Launches a drafting step the scheduler asked for; while the GPU computes, the host
         detokenizes the last step's tokens and hands the drafter's indexing to its writer."""
         try:
-            step = launch_draft_step(self.runner, reqs, proposal, slots, started, self.outcome_copies)
+            step = launch_draft_step(self.runner, self.drafter, reqs, proposal, slots, started, self.outcome_copies)
         except BaseException:
             self.scheduler.free_slots(slots)  # no request holds them until commit
             raise
@@ -117,7 +117,8 @@ class DraftingSteps:
         proposal, num_nodes, record_shadows = self._propose(reqs, limits)
         slots = self.scheduler.alloc_slots(sum(num_nodes))
         try:
-            ahead.hold(launch_draft_step(self.runner, reqs, proposal, slots, now, self.outcome_copies))
+            ahead.hold(launch_draft_step(self.runner, self.drafter, reqs, proposal, slots, now,
+                                         self.outcome_copies))
         except BaseException:
             self.scheduler.free_slots(slots)
             raise

@@ -15,6 +15,8 @@ if TYPE_CHECKING:
     import torch
 
     from specserve.engine.request import Req
+    from specserve.runner.model_runner import InFlight
+    from specserve.runner.tree_step import GreedyOutcome
     from specserve.sampling.sampler import Sampler, SampledStep
 
 
@@ -25,9 +27,10 @@ class Drafter:
     # ... and at most every this many plain steps once probes are timed (None: the policy's
     # MAX_PROBE_EVERY); a drafter whose probe costs several plain steps lifts the cap
     probe_every_at_most: int | None = None
-    # whether propose() reads nothing but the requests' committed tokens and what observe()
-    # handed over before the last flush (and verify_fused is never used): the engine then
-    # proposes a greedy batch's next step before showing this step's tokens (engine/draft_ahead.py)
+    # whether propose() reads nothing but the requests' committed tokens, what observe()
+    # handed over before the last flush and what observe_hidden and read_fused were given: the
+    # engine then proposes (and launches, through launch_fused where the drafter fuses the
+    # batch) a greedy batch's next step before showing this step's tokens (engine/draft_ahead.py)
     proposes_ahead = False
 
     def add_prompt(self, req: "Req") -> None:
@@ -70,6 +73,18 @@ class Drafter:
         fused step does not serve). while_running: host work to do between the launch and
         the outcome's read (the engine's deferred detokenizing)."""
         return None
+
+    def launch_fused(self, reqs: list["Req"], proposal: TreeProposal, slots: list[int],
+                     kind: str = "greedy") -> "InFlight | None":
+        """verify_fused's launch, without a host sync: the step's packed outcome on its way
+        to the host, for read_fused; None where the engine verifies the batch itself.
+        kind: the verification (runner/fused_chain.KINDS)."""
+        return None
+
+    def read_fused(self, reqs: list["Req"], outcome: "torch.Tensor") -> "GreedyOutcome":
+        """What each request commits in the step launch_fused queued (its outcome on the
+        host), with the drafter's own bookkeeping of the next drafts."""
+        raise NotImplementedError
 
     def flush(self) -> None:
         """Deferred bookkeeping (e.g. indexing observed tokens), started in the background

@@ -44,11 +44,17 @@ if TYPE_CHECKING:
     from specserve.engine.request import Req
     from specserve.runner.eagle_runner import EagleHeadRunner
     from specserve.runner.fused_chain import FusedChainRunner
+    from specserve.runner.model_runner import InFlight
     from specserve.sampling.sampler import Sampler
 
 
 class FusedChainDrafter(EagleDrafter):
-    """EAGLE's chain drafter whose verify steps it runs itself (verify_fused)."""
+    """EAGLE's chain drafter whose verify steps it runs itself (verify_fused, or launch_fused
+    and read_fused on the engine's greedy path, which launches the next step before the
+    bookkeeping it does not need: engine/draft_ahead.py)."""
+    # a proposal reads the pending drafts (read_fused), the head's cache synced to the committed
+    # tokens and, for a request without pending drafts, the target states observe_hidden kept
+    proposes_ahead = True
 
     def __init__(self, runner: "EagleHeadRunner", fused: "FusedChainRunner"):
         super().__init__(runner)
@@ -57,6 +63,8 @@ class FusedChainDrafter(EagleDrafter):
         self.pending: dict[str, tuple[int, list[int]]] = {}   # rid -> (position of the first draft, K drafts)
         # requests whose fused rows this step reserved -> the reserved rows' 2K head slots
         self._reserved: dict[str, list[int]] = {}
+        # requests of the fused step launched and not read yet: their reserved rows are its own
+        self._in_flight: set[str] = set()
 
     def propose(self, reqs: list["Req"], max_nodes: list[int]) -> tuple[TreeProposal, list[int]]:
         self._reserved = {}
@@ -121,14 +129,24 @@ class FusedChainDrafter(EagleDrafter):
 
     def verify_fused(self, reqs: list["Req"], proposal: TreeProposal, slots: list[int], sampler: "Sampler",
                      while_running: Callable[[], None] | None = None) -> "SampledStep | None":
-        kind = verification_kind(reqs, sampler.sampling_rule)
+        launched = self.launch_fused(reqs, proposal, slots, verification_kind(reqs, sampler.sampling_rule))
+        if launched is None:
+            return None
+        if while_running is not None:
+            while_running()
+        parsed = self.read_fused(reqs, launched.wait())   # the step's one sync
+        return SampledStep(parsed.tokens, parsed.accepted_nodes, None, None)
+
+    def launch_fused(self, reqs: list["Req"], proposal: TreeProposal, slots: list[int],
+                     kind: str = "greedy") -> "InFlight | None":
         if not self._fuses(reqs) or kind not in self.fused.kinds:   # (rejection without a q table)
             return None
         head_slots = np.array([self._reserved[r.rid] for r in reqs], dtype=np.int64)
         launched = self.fused.launch(reqs, proposal, slots, head_slots, kind)
-        if while_running is not None:
-            while_running()
-        outcome = launched.wait()   # the step's one sync
+        self._in_flight = {r.rid for r in reqs}
+        return launched
+
+    def read_fused(self, reqs: list["Req"], outcome: torch.Tensor) -> GreedyOutcome:
         nodes = self.num_steps + 1
         parsed = GreedyOutcome.parse(outcome[:, :1 + 2 * nodes])   # commit_path's layout, whatever the verification
         for req, tokens, drafts in zip(reqs, parsed.tokens, outcome[:, 1 + 2 * nodes:].tolist()):
@@ -136,7 +154,16 @@ class FusedChainDrafter(EagleDrafter):
             # stay unset (junk or the draft steps' rows) and are freed by the next sync
             self.kv.record_drafts(req, tokens)
             self.pending[req.rid] = (req.num_tokens + len(tokens), drafts)
-        return SampledStep(parsed.tokens, parsed.accepted_nodes, None, None)
+        self._in_flight = set()
+        return parsed
+
+    def observe_batch(self, reqs: list["Req"], committed: list[list[int]]) -> None:
+        """As EagleDrafter's, except for the requests of a fused step launched ahead of this
+        call (engine/draft_ahead.py): a sync would free the rows that step writes."""
+        if self._in_flight:
+            kept = [i for i, req in enumerate(reqs) if req.rid not in self._in_flight]
+            reqs, committed = [reqs[i] for i in kept], [committed[i] for i in kept]
+        super().observe_batch(reqs, committed)
 
     def release(self, req: "Req") -> None:
         super().release(req)
