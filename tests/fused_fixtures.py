@@ -26,11 +26,12 @@ def fused_args(algorithm: str, head_path, adaptive: bool = False, **extra) -> di
 
 class FusedSpy:
     """Counts, per request, the drafter's verify steps: `fused` (verified and drafted in one
-    fused step), `engine` (verified by the engine: a batch the fused step does not serve),
-    and the requests that needed a first draft (`first_drafts`)."""
+    fused step; `chained` of them launched before the step they follow was read), `engine`
+    (verified by the engine: a batch the fused step does not serve), and the requests that
+    needed a first draft (`first_drafts`)."""
 
     def __init__(self, drafter):
-        self.fused = self.engine = self.first_drafts = 0
+        self.fused = self.engine = self.first_drafts = self.chained = 0
         launch_fused, first_drafts = drafter.launch_fused, drafter._first_drafts
 
         def launch(reqs, *args):   # every fused step is launched here (verify_fused's and the engine's greedy path)
@@ -45,7 +46,14 @@ class FusedSpy:
             self.first_drafts += len(reqs)
             return first_drafts(reqs)
 
-        drafter.launch_fused, drafter._first_drafts = launch, first
+        adopt_chained = drafter.adopt_chained
+
+        def adopt(reqs, *args):   # a step launched before the one it follows was read, kept for these requests
+            self.fused += len(reqs)
+            self.chained += len(reqs)
+            return adopt_chained(reqs, *args)
+
+        drafter.launch_fused, drafter._first_drafts, drafter.adopt_chained = launch, first, adopt
 
 
 def save_random_eagle_head(target_path, head_path, algorithm: str = "EAGLE3", seed: int = 0,

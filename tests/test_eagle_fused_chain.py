@@ -67,6 +67,8 @@ def test_greedy_verify_steps_are_what_training_predicts(target, head_dir, num_st
         assert [o["output_ids"] for o in outputs] == [c.tokens[c.prompt_len:] for c in held_out]
         wait_until_fused_state_is_free(engine)
         assert not ahead or engine.core.draft_ahead.steps_taken > 0
+    # pinned drafting with the step ahead: fused steps are queued before the step they follow is read
+    assert (spy.chained > 0) == ahead, spy.chained
     assert spy.engine == 0 and spy.fused == sum(o["meta_info"]["spec_verify_ct"] for o in outputs)
     assert not held.excess, held.excess
     # one catch-up per request that decodes at all, then every draft came from a fused step
@@ -113,6 +115,7 @@ def test_an_untrained_head_keeps_greedy_output_and_frees_everything(tmp_path, nu
         assert len(mixed[1]["output_ids"]) == 20
         wait_until_fused_state_is_free(engine)
     assert spy.engine > 0 and held.steps > 0 and not held.excess, held.excess
+    assert (spy.chained > 0) == ahead, spy.chained
     histogram = accept_histogram(outputs)
     assert set(histogram) == {1}      # every first draft rejected: the junk rows are all but the first
 
@@ -141,6 +144,7 @@ def test_preemption_and_aborts_with_every_accept_length(target, head_dir, ahead)
         wait_until_fused_state_is_free(engine)
     assert sum(o["meta_info"]["preemptions"] for o in outputs) > 0
     assert spy.fused > 0 and held.steps > 0 and not held.excess, held.excess
+    assert (spy.chained > 0) == ahead, spy.chained
     assert set(accept_histogram(outputs)) == {1, 2, 3, 4}
 
 
@@ -148,8 +152,8 @@ class HeadRowsSpy:
     """After each fused step: the head's cache holds, per request, its committed rows and the
     step's reserved rows, nothing more; the rows the step fed count as committed only at the
     next sync, which keeps those of the committed tokens and frees the others. The head's
-    table holds every one of those slots: the committed rows' written by earlier steps, the
-    reserved rows' by the step itself (fused_step.write_head_table), not by the host."""
+    table holds the slots of the rows committed then: the earlier rows' written by earlier
+    steps, the step's own by the step itself (fused_step.write_head_table), not by the host."""
 
     def __init__(self, drafter):
         self.steps, self.excess = 0, []
@@ -159,13 +163,16 @@ class HeadRowsSpy:
         def read(reqs, *args):
             outcome = read_fused(reqs, *args)
             self.steps += 1
-            for req in reqs:
+            for req, tokens in zip(reqs, outcome.tokens):
                 seq = drafter.kv.sequences[req.rid]
                 rows = drafter.kv.rows_of(req)     # before the commit: L - 1
                 if seq.committed != rows or len(seq.slots) != rows + reserved_head_rows(drafter.num_steps):
                     self.excess.append((req.rid, rows, seq.committed, len(seq.slots)))
-                if table[seq.row, :len(seq.slots)].tolist() != seq.slots:
-                    self.excess.append((req.rid, "head table", table[seq.row, :len(seq.slots)].tolist(), seq.slots))
+                # the rows this step leaves committed (a step chained after it, launched before this
+                # read, has written its own reserved rows' entries past them already)
+                fed = rows + len(tokens)
+                if table[seq.row, :fed].tolist() != seq.slots[:fed]:
+                    self.excess.append((req.rid, "head table", table[seq.row, :fed].tolist(), seq.slots[:fed]))
             assert not drafter.kv._new_entries, "the fused rows' table entries are the step's to write"
             return outcome
         drafter.read_fused = read

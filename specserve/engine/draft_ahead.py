@@ -1,4 +1,5 @@
-"""Greedy drafting steps, and the next one launched before this one's bookkeeping.
+"""Greedy drafting steps, and the next one launched before this one's bookkeeping (or, for a
+fused chain, before this one is read).
 
 A drafting (verify) step cannot be queued before the previous one's outcome is on the
 host, as a plain step is (overlap.py): its drafts continue the tokens that outcome commits.
@@ -21,6 +22,17 @@ and what was indexed or read with the step qualify (`Drafter.proposes_ahead`: NG
 the fused EAGLE / NAIVE_EAGLE / MTP chain, whose steps are launched through the drafter's
 launch_fused where it serves the batch: the next drafts come with the outcome), and only
 greedy requests (their commit needs the argmax alone).
+
+A fused chain's step goes further (`ChainedStep`, pinned drafting only: the adaptive
+policy reads each step's outcome before choosing the next): its next drafts come out of
+the step itself, on the device, so step N+1 is queued before N is read
+(Drafter.launch_chained: its root, drafts and prefix lengths derived from N's outcome on
+the device, its KV slots allocated by the host beforehand), and the read, commit,
+proposal bookkeeping and launch all run while the GPU computes N+1, as on the plain
+overlap schedule. Once N is committed the drafter takes N+1's head rows for the requests
+that go on (`ChainedStep.held`); rows of requests N ended are cut when N+1 is read, their
+slots freed (their writes land in freed slots and past committed lengths), and the step
+after it is launched from the host again.
 
 The step launched ahead is for exactly the batch the scheduler would pick next (nobody
 waiting, nobody else running, no failure being isolated). Should that change before it
@@ -58,6 +70,7 @@ class DraftStep:
     started: float                # when the host started the work this step's cost counts from
     # a fused drafter's step (its own outcome layout, with the next drafts): the drafter's read_fused
     read_fused: Callable[[torch.Tensor], GreedyOutcome] | None = None
+    rows: list[int] | None = None   # each request's row of the outcome, once rows of ended requests were cut
 
     @property
     def num_slots(self) -> int:
@@ -66,6 +79,8 @@ class DraftStep:
     def read(self) -> StepOutcome:
         """Waits for the step (the one host sync) and parses its outcome."""
         packed = self.launched.wait()
+        if self.rows is not None:
+            packed = packed[self.rows]
         if self.read_fused is not None:   # the drafter keeps the next drafts; the table is written
             parsed = self.read_fused(packed)
             return StepOutcome(parsed.tokens, parsed.accepted, parsed.accept_lens, True, None)
@@ -75,6 +90,33 @@ class DraftStep:
                                np.ones(bs, dtype=np.int64), True, self.hidden)
         parsed = GreedyOutcome.parse(packed)
         return StepOutcome(parsed.tokens, parsed.accepted, parsed.accept_lens, True, self.hidden)
+
+
+@dataclass
+class ChainedStep:
+    """A fused step queued before the host read the step before it (Drafter.launch_chained):
+    its slots are nobody's until that step is committed and this one is held."""
+    reqs: list[Req]
+    launched: InFlight
+    node_slots: np.ndarray     # (bs, n) the target's KV slots
+    reserved: np.ndarray       # (bs, r) the drafter's own (its head's rows)
+    started: float
+
+    def held(self, drafter: Drafter, live: list[int]) -> DraftStep:
+        """The step for the requests at rows `live` (those the step before did not end), the
+        drafter holding their reserved rows; the other rows are cut when it is read."""
+        reqs = [self.reqs[i] for i in live]
+        drafter.adopt_chained(reqs, self.reserved[live])
+        node_slots = self.node_slots[live]
+        return DraftStep(reqs, np.full(len(reqs), node_slots.shape[1], dtype=np.int64), node_slots,
+                         node_slots.ravel().tolist(), self.launched, None, self.started,
+                         functools.partial(drafter.read_fused, reqs), None if len(live) == len(self.reqs) else live)
+
+    def free(self, scheduler: Scheduler, drafter: Drafter, rows: list[int]) -> None:
+        """Frees these rows' slots (the step may still write them: whoever gets them next
+        writes after it, in stream order)."""
+        scheduler.free_slots(self.node_slots[rows].ravel().tolist())
+        drafter.free_chained(self.reserved[rows])
 
 
 class OutcomeCopies:

@@ -16,8 +16,10 @@ import functools
 import time
 from typing import TYPE_CHECKING, Callable
 
+import numpy as np
+
 from specserve.engine.commit import unfinished
-from specserve.engine.draft_ahead import DraftStep, launch_draft_step
+from specserve.engine.draft_ahead import ChainedStep, DraftStep, launch_draft_step
 from specserve.engine.request import Req
 from specserve.speculative.tree import TreeProposal
 
@@ -66,18 +68,25 @@ class DraftingSteps:
 
     def _finish_draft_step(self, reqs: list[Req], step: DraftStep) -> list[StepOutput]:
         """Reads and commits a greedy drafting step; when the same batch drafts next, that step
-        is launched before the bookkeeping it does not need."""
+        is launched before the bookkeeping it does not need, or, for a fused chain, before
+        this step is read (_launch_chained)."""
+        chained = self._launch_chained(reqs, step)
         try:
             outcome = step.read()
+            if outcome.hidden is not None:   # the states of the accepted nodes
+                self.drafter.observe_hidden(reqs, [r.kv_len for r in reqs],
+                                            outcome.hidden.reshape(len(reqs) * step.num_slots, -1),
+                                            outcome.hidden_rows(step.num_slots))
         except BaseException:
             self.scheduler.free_slots(step.slots)
+            self._drop_chained(chained)
             raise
-        if outcome.hidden is not None:   # the states of the accepted nodes
-            self.drafter.observe_hidden(reqs, [r.kv_len for r in reqs],
-                                        outcome.hidden.reshape(len(reqs) * step.num_slots, -1),
-                                        outcome.hidden_rows(step.num_slots))
-        self._commit_kv(reqs, outcome, step.node_slots, step.num_nodes)
-        outputs = self._commit_verified(reqs, outcome, defer_text=True)
+        try:
+            self._commit_kv(reqs, outcome, step.node_slots, step.num_nodes)
+            outputs = self._commit_verified(reqs, outcome, defer_text=True)
+        except BaseException:
+            self._drop_chained(chained)
+            raise
         now = time.perf_counter()
         adaptive = self.adaptive
         live, committed = unfinished(outputs)
@@ -85,7 +94,10 @@ class DraftingSteps:
             adaptive.observe_batch([req.rid for req in live], committed)
             adaptive.record_step(len(reqs), step.num_slots, now - step.started,
                                  sum(len(out.new_token_ids) for out in outputs))
-        record_shadows = self._launch_ahead(reqs, outputs, now)
+        if chained is not None:
+            record_shadows = self._hold_chained(chained, outputs)
+        else:
+            record_shadows = self._launch_ahead(reqs, outputs, now)
         launched = record_shadows is not None
         try:
             if launched:
@@ -123,6 +135,48 @@ class DraftingSteps:
             self.scheduler.free_slots(slots)
             raise
         return record_shadows
+
+    def _launch_chained(self, reqs: list[Req], step: DraftStep) -> ChainedStep | None:
+        """The next fused step of the same batch, queued before this one is read: its drafts
+        and positions come from this step's outcome on the device, so the host's read,
+        commit, proposal and launch run while the GPU computes it, as a plain step's do on
+        the overlap schedule. Pinned drafting only: the adaptive policy chooses each step
+        from what the last one showed."""
+        ahead = self.draft_ahead
+        if (step.read_fused is None or ahead is None or self.adaptive is not None
+                or not ahead.batch_is_next(reqs) or not self.sampler.argmax_is_enough(reqs)):
+            return None
+        n = self.drafter.chain_nodes(reqs, step.launched)
+        # its slots and one per request to spare: the scheduler preempts nobody while it is ahead
+        if n == 0 or self.scheduler.available_slots() < len(reqs) * (n + 1):
+            return None
+        slots = self.scheduler.alloc_slots(len(reqs) * n)
+        node_slots = np.asarray(slots, dtype=np.int64).reshape(len(reqs), n)
+        try:
+            chained = self.drafter.launch_chained(reqs, node_slots)
+        except BaseException:
+            self.scheduler.free_slots(slots)
+            raise
+        if chained is None:   # no room in the drafter's cache
+            self.scheduler.free_slots(slots)
+            return None
+        return ChainedStep(reqs, chained[0], node_slots, chained[1], time.perf_counter())
+
+    def _hold_chained(self, chained: ChainedStep, outputs: list[StepOutput]) -> Callable[[], None] | None:
+        """The chained step, once the step before is committed: held as the step ahead for
+        the requests that go on (the others' rows cut, their slots freed). Returns what
+        _launch_ahead would (no shadows to record), None if every request ended."""
+        ended = [i for i, out in enumerate(outputs) if out.finished]
+        if ended:
+            chained.free(self.scheduler, self.drafter, ended)
+        if len(ended) == len(outputs):
+            return None
+        self.draft_ahead.hold(chained.held(self.drafter, [i for i, out in enumerate(outputs) if not out.finished]))
+        return record_nothing
+
+    def _drop_chained(self, chained: ChainedStep | None) -> None:
+        if chained is not None:
+            chained.free(self.scheduler, self.drafter, list(range(len(chained.reqs))))
 
     def _retire_ahead(self, reqs: list[Req]) -> list[StepOutput]:
         """The drafting step launched ahead, read and committed before the scheduler picks

@@ -3,7 +3,9 @@ in one device function): replayed from one CUDA graph per (batch bucket, verific
 on a GPU, or run eagerly (the CPU, a batch larger than the graphs); the host reads back one
 packed outcome per step. Also keeps the q table of every request's pending drafts for the
 next step's residual rejection. Separate from fused_step.py: this is the capture, replay and
-q-table bookkeeping around the function, not what it computes.
+q-table bookkeeping around the function, not what it computes. A greedy step can be followed
+by one launched before its outcome is read (launch_chained): the same graph replayed on its
+own input buffer, rewritten on the device from the outcome (fused_step.chain_inputs).
 
 With tensor parallelism the step runs on rank 0 (the head, verification and the commit are
 its alone); a graph of it holds rank 0's shard of the target forward, and each replay is
@@ -16,6 +18,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -24,7 +27,7 @@ import torch
 from specserve.distributed.graph_steps import GraphStepHeader, announce_graph_step
 from specserve.distributed.step_broadcast import sharded_model
 from specserve.runner.cuda_graph import batch_size_buckets, capture_graph
-from specserve.runner.fused_step import FusedStepInputs, run_fused_step
+from specserve.runner.fused_step import FusedStepInputs, chain_inputs, run_fused_step
 from specserve.runner.model_runner import InFlight
 from specserve.runner.tree_step import pad_node_slots
 from specserve.speculative.tree import TreeProposal
@@ -42,6 +45,17 @@ KINDS = ("greedy", "coupled", "rejection")      # verification: argmax, or verif
 # drafts take the unfused chain (FusedChainDrafter.propose): rejection is what unseeded
 # sampling at a temperature needs, and that chain keeps q only for the step's batch.
 Q_TABLE_BYTES = 512 << 20
+
+
+@dataclass
+class GreedyLaunch:
+    """The last greedy fused step, on the device: what launch_chained derives the next from."""
+    reqs: list["Req"]
+    launched: InFlight             # the step, as its launch returned it
+    inputs: FusedStepInputs        # a graph's own buffer, or the eager step's
+    outcome: torch.Tensor          # (bs, 1 + 2n + K), a graph's output until its next replay
+    bucket: int | None             # the graph's batch bucket; None: run eagerly
+    kv_lens: list[int] | None      # eager: the prefix lengths on the host (its planning reads them)
 
 
 class FusedChainRunner:
@@ -64,6 +78,7 @@ class FusedChainRunner:
                         Q_TABLE_BYTES >> 20)
         self.kinds = KINDS if fits else tuple(kind for kind in KINDS if kind != "rejection")
         self.scratch_rows = (target.pool.scratch_row, head.padding_row)
+        self.last: GreedyLaunch | None = None
         self.graphs = None
         if target.graphs is not None and head.graphs is not None:
             max_bs = min(target.graphs.max_bs, head.graphs.max_bs)
@@ -83,16 +98,50 @@ class FusedChainRunner:
             raise ValueError(f"fused verification kind {kind!r}: this runner serves {self.kinds}")
         node_slots = pad_node_slots(slots, proposal.num_nodes.tolist(), proposal.num_slots)
         head_rows = [r.row * self.head.topk for r in reqs]
+        self.last = None
         if self.graphs is not None and len(reqs) <= self.graphs.max_bs:
-            return self.graphs.replay(reqs, proposal, node_slots, head_slots, head_rows, kind)
+            launched, bucket = self.graphs.replay(reqs, proposal, node_slots, head_slots, head_rows, kind)
+            if kind == "greedy":
+                self.last = GreedyLaunch(list(reqs), launched, self.graphs.device_inputs[bucket], launched.device,
+                                         bucket, None)
+            return launched
         bs = len(reqs)
         host = FusedStepInputs.allocate(bs, self.nodes, "cpu", pin=self.device.type == "cuda")
         host.fill(reqs, proposal, node_slots, head_slots, head_rows, self.scratch_rows, self.vocab_size)
         inputs = FusedStepInputs.view(host.packed.to(self.device, non_blocking=True), bs, self.nodes)
+        return self._run_eagerly(reqs, inputs, kind, [r.kv_len for r in reqs])
+
+    def chains(self, launched: InFlight) -> bool:
+        """Whether launch_chained can follow the step `launched` (the last one launched, a
+        greedy one, without tensor parallelism: workers replay from host-built inputs)."""
+        return self.last is not None and self.last.launched is launched and self.target.tp is None
+
+    @torch.inference_mode()
+    def launch_chained(self, node_slots: np.ndarray, head_slots: np.ndarray) -> InFlight:
+        """The next greedy step of the last one's requests, launched before the host has read
+        that one: its inputs are derived on the device (fused_step.chain_inputs). Eager
+        steps (K > 1) read the last one's accept lengths for their planning, a host sync.
+        node_slots: (bs, n) the target's KV slots; head_slots: (bs, 2K) the head's."""
+        last = self.last
+        if last.bucket is not None:
+            launched = self.graphs.replay_chained(last, node_slots, head_slots)
+            self.last = GreedyLaunch(last.reqs, launched, last.inputs, launched.device, last.bucket, None)
+            return launched
+        bs = len(last.reqs)
+        inputs = FusedStepInputs.view(last.inputs.packed.clone(), bs, self.nodes)
+        chain_inputs(inputs, last.outcome, torch.as_tensor(node_slots, device=self.device),
+                     torch.as_tensor(head_slots, device=self.device))
+        kv_lens = [length + accepted for length, accepted in zip(last.kv_lens, last.outcome[:, 0].tolist())]
+        return self._run_eagerly(last.reqs, inputs, "greedy", kv_lens)
+
+    def _run_eagerly(self, reqs: list["Req"], inputs: FusedStepInputs, kind: str, kv_lens: list[int]) -> InFlight:
+        bs = len(reqs)
         probs = torch.zeros((bs, self.num_steps, self.vocab_size), device=self.device) if self.keeps_q(kind) else None
         outcome = run_fused_step(self.target, self.head, inputs, kind, self.q_table, self.target.attn_backend.plan,
-                                 self.head.backend.plan, probs, [r.kv_len for r in reqs])
-        return InFlight.launch(outcome)
+                                 self.head.backend.plan, probs, kv_lens)
+        launched = InFlight.launch(outcome)
+        self.last = GreedyLaunch(list(reqs), launched, inputs, outcome, None, kv_lens) if kind == "greedy" else None
+        return launched
 
     def keeps_q(self, kind: str) -> bool:
         """Whether a step of this kind keeps its drafts' q (for the next step's rejection
@@ -128,11 +177,19 @@ class FusedGraphs:
             if runner.q_table is not None else None
         self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
         self.outcomes: dict[tuple[int, str], torch.Tensor] = {}
-        # the outcome's pinned host copy per bucket (read before the next replay), and its event
-        self.host_outcomes = {bs: torch.empty((bs, 1 + 2 * nodes + runner.num_steps), dtype=torch.long,
-                                              pin_memory=True) for bs in self.buckets}
-        self._outcome_read = torch.cuda.Event()
+        # the outcome's pinned host copies per bucket, two in turn (a chained step's copy is on
+        # its way while the host reads the step before), each read before the replay after next
+        self.host_outcomes = {bs: [torch.empty((bs, 1 + 2 * nodes + runner.num_steps), dtype=torch.long,
+                                               pin_memory=True) for _ in range(2)] for bs in self.buckets}
+        self._outcome_read = {bs: [torch.cuda.Event(), torch.cuda.Event()] for bs in self.buckets}
+        self._turn: dict[int, int] = {}
         self._copied: dict[int, torch.cuda.Event] = {}
+        # a chained step's KV slots, (bucket, n + 2K): pinned on the host, their device copy, and its event
+        self._chain_slots = {bs: torch.empty((bs, nodes + 2 * runner.num_steps), dtype=torch.long, pin_memory=True)
+                             for bs in self.buckets}
+        self._chain_slots_device = {bs: torch.empty((bs, nodes + 2 * runner.num_steps), dtype=torch.long,
+                                                    device=device) for bs in self.buckets}
+        self._chain_copied: dict[int, torch.cuda.Event] = {}
         start, memory_pool = time.perf_counter(), None
         for kind in runner.kinds:
             for bs in reversed(self.buckets):     # largest first: later graphs reuse its pool memory
@@ -165,9 +222,10 @@ class FusedGraphs:
 
     @torch.inference_mode()
     def replay(self, reqs: list["Req"], proposal: TreeProposal, node_slots: np.ndarray, head_slots: np.ndarray,
-               head_rows: list[int], kind: str) -> InFlight:
-        """The outcome (bs, 1 + 2n + K) on its way to a reused pinned host buffer: its host
-        view is valid until the next replay of the bucket (the caller reads it before)."""
+               head_rows: list[int], kind: str) -> tuple[InFlight, int]:
+        """The outcome (bs, 1 + 2n + K) on its way to a reused pinned host buffer, and the
+        bucket: the host view is valid until the replay of the bucket after next (the caller
+        reads it before)."""
         bs = len(reqs)
         bucket = self.buckets[bisect.bisect_left(self.buckets, bs)]
         host, device = self.host_inputs[bucket], self.device_inputs[bucket]
@@ -179,7 +237,30 @@ class FusedGraphs:
         if self.runner.target.tp is not None:
             self._announce(bucket, device, bs, max(r.kv_len for r in reqs))
         self.graphs[bucket, kind].replay()
-        outcome, host_outcome = self.outcomes[bucket, kind][:bs], self.host_outcomes[bucket][:bs]
+        return self._outcome_on_its_way(bucket, bs, kind), bucket
+
+    @torch.inference_mode()
+    def replay_chained(self, last: GreedyLaunch, node_slots: np.ndarray, head_slots: np.ndarray) -> InFlight:
+        """The greedy graph of `last`'s bucket on its inputs rewritten in place for the next
+        step (fused_step.chain_inputs), after its replay in stream order."""
+        bucket, (bs, n) = last.bucket, node_slots.shape
+        staged = self._chain_slots[bucket]
+        if bucket in self._chain_copied:
+            self._chain_copied[bucket].synchronize()   # the last chained step's slots have left this buffer
+        host = staged.numpy()
+        host[:bs, :n] = node_slots
+        host[:bs, n:] = head_slots
+        slots = self._chain_slots_device[bucket][:bs]
+        slots.copy_(staged[:bs], non_blocking=True)
+        self._chain_copied.setdefault(bucket, torch.cuda.Event()).record()
+        chain_inputs(last.inputs, last.outcome, slots[:, :n], slots[:, n:])
+        self.graphs[bucket, "greedy"].replay()
+        return self._outcome_on_its_way(bucket, bs, "greedy")
+
+    def _outcome_on_its_way(self, bucket: int, bs: int, kind: str) -> InFlight:
+        turn = self._turn[bucket] = 1 - self._turn.get(bucket, 1)
+        outcome, host_outcome = self.outcomes[bucket, kind][:bs], self.host_outcomes[bucket][turn][:bs]
         host_outcome.copy_(outcome, non_blocking=True)
-        self._outcome_read.record()
-        return InFlight(outcome, host_outcome, self._outcome_read)
+        read = self._outcome_read[bucket][turn]
+        read.record()
+        return InFlight(outcome, host_outcome, read)

@@ -153,6 +153,27 @@ def run_fused_step(target: "ModelRunner", head: "EagleHeadRunner", inputs: Fused
     return torch.cat([outcome, drafts], dim=1)
 
 
+def chain_inputs(inputs: FusedStepInputs, outcome: torch.Tensor, node_slots: torch.Tensor,
+                 head_slots: torch.Tensor) -> None:
+    """Rewrites the first bs rows of `inputs` (a greedy step's, on the device) into the next
+    step's, from that step's outcome (bs, 1 + 2n + K) without a host sync: the root is the
+    last committed token, the chain its K next drafts, at a prefix longer by the accept
+    length; every request gets a full chain whatever it had (commit stops a request at its
+    end), and the KV slots the host gives: node_slots (bs, n), head_slots (bs, 2K). Request
+    rows, table rows and sampling columns stay."""
+    bs, n = node_slots.shape
+    tree = inputs.tree
+    accept_lens = outcome[:, 0]
+    committed = outcome[:, 1 + n:1 + 2 * n]
+    tree.tokens[:bs, :1] = committed.gather(1, (accept_lens - 1).clamp(min=0).unsqueeze(1))
+    tree.tokens[:bs, 1:] = outcome[:, 1 + 2 * n:]
+    tree.parents[:bs] = torch.arange(-1, n - 1, device=tree.parents.device)
+    tree.num_nodes[:bs] = n
+    tree.prefix_lens[:bs] += accept_lens
+    tree.out_slots[:bs] = node_slots
+    inputs.head_slots[:bs] = head_slots
+
+
 def write_head_table(pool, inputs: FusedStepInputs) -> None:
     """The head's table entries of the reserved rows, req_to_token[head row, L - 1 + j] =
     head_slots[:, j], written inside the step from the packed inputs: no table write of its

@@ -112,6 +112,18 @@ class DraftKVTable:
             self._new_entries.append((seq.row, start, table))
         return start
 
+    def append_reserved(self, req: "Req", slots: list[int]) -> None:
+        """Rows after every committed one, whose slots (from this pool) a step launched
+        before the request's last commit was read reserved: held as `reserve` would hold
+        chain rows. The cache must hold every committed row (that step feeds the next)."""
+        seq = self.sync(req)
+        if len(seq.slots) != self.rows_of(req):
+            raise RuntimeError(f"request {req.rid}: its draft cache holds {len(seq.slots)} rows, not its "
+                               f"{self.rows_of(req)} committed ones, under a step launched after them")
+        seq.slots.extend(slots)
+        seq.tokens.extend([UNSET] * len(slots))
+        self._unsettled.add(req.rid)
+
     def record_drafts(self, req: "Req", drafts: list[int]) -> None:
         """The chain fed these drafts in its reserved rows, in order (kept if accepted)."""
         seq = self.sequences[req.rid]

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Callable
 from specserve.speculative.tree import TreeProposal
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
     from specserve.engine.request import Req
@@ -80,6 +81,27 @@ class Drafter:
         to the host, for read_fused; None where the engine verifies the batch itself.
         kind: the verification (runner/fused_chain.KINDS)."""
         return None
+
+    def chain_nodes(self, reqs: list["Req"], launched: "InFlight") -> int:
+        """Nodes per request of the greedy step launch_chained can queue right after the
+        step `launched` (launch_fused's, not read yet) for the same requests; 0: none can
+        (engine/draft_ahead.py: a fused chain's next step needs nothing the host reads)."""
+        return 0
+
+    def launch_chained(self, reqs: list["Req"], node_slots: "np.ndarray") -> "tuple[InFlight, np.ndarray] | None":
+        """Queues that step, its drafts and positions derived on the device from the step
+        before, its nodes in node_slots (bs, chain_nodes) of the target's cache. Returns it
+        and the slots it reserved in the drafter's own cache (adopt_chained's, once the step
+        before is committed; free_chained's if it is dropped), or None if they do not fit."""
+        return None
+
+    def adopt_chained(self, reqs: list["Req"], reserved: "np.ndarray") -> None:
+        """The step launch_chained queued goes on for these requests (those the step before
+        did not end), after the step before was read and committed: its reserved slots
+        (their rows of launch_chained's) become theirs."""
+
+    def free_chained(self, reserved: "np.ndarray") -> None:
+        """Returns reserved slots of a chained step (rows dropped) to the drafter's cache."""
 
     def read_fused(self, reqs: list["Req"], outcome: "torch.Tensor") -> "GreedyOutcome":
         """What each request commits in the step launch_fused queued (its outcome on the

@@ -16,6 +16,11 @@ stored target states, then its first K drafts (a host sync, on such steps only).
 request gets its next 2K head rows reserved (fused_step.reserved_head_rows), and the step
 is fused.
 
+On the engine's greedy path with pinned drafting, the next fused step is queued before the
+host reads this one (launch_chained: runner/fused_chain.py derives its inputs from this
+step's outcome on the device; engine/draft_ahead.py): its head rows are allocated then and
+taken into the head's table once this step is committed (adopt_chained).
+
 Batches the fused step cannot serve (penalties, logprobs, min_new_tokens still holding stop
 tokens back, a head cache that did not fit) are verified by the engine as usual: the target
 forward keeps its states (observe_hidden) and the next step catches up on them.
@@ -63,7 +68,7 @@ class FusedChainDrafter(EagleDrafter):
         self.pending: dict[str, tuple[int, list[int]]] = {}   # rid -> (position of the first draft, K drafts)
         # requests whose fused rows this step reserved -> the reserved rows' 2K head slots
         self._reserved: dict[str, list[int]] = {}
-        # requests of the fused step launched and not read yet: their reserved rows are its own
+        # requests whose reserved rows belong to a fused step launched and not read yet
         self._in_flight: set[str] = set()
 
     def propose(self, reqs: list["Req"], max_nodes: list[int]) -> tuple[TreeProposal, list[int]]:
@@ -143,8 +148,37 @@ class FusedChainDrafter(EagleDrafter):
             return None
         head_slots = np.array([self._reserved[r.rid] for r in reqs], dtype=np.int64)
         launched = self.fused.launch(reqs, proposal, slots, head_slots, kind)
-        self._in_flight = {r.rid for r in reqs}
+        self._in_flight.update(r.rid for r in reqs)
         return launched
+
+    def chain_nodes(self, reqs: list["Req"], launched: "InFlight") -> int:
+        nodes = self.num_steps + 1
+        if not self.fused.chains(launched) or not same_order(self.fused.last.reqs, reqs):
+            return 0
+        # both tables must hold the next step's positions: this step's nodes, the next one's
+        # and its head rows
+        width = min(self.fused.target.pool.req_to_token.shape[1], self.kv.pool.req_to_token.shape[1])
+        reach = 2 * nodes + self.reserved_rows
+        return nodes if all(r.kv_len + reach < width for r in reqs) else 0
+
+    def launch_chained(self, reqs: list["Req"], node_slots: np.ndarray) -> "tuple[InFlight, np.ndarray] | None":
+        slots = self.kv.pool.slots.alloc(len(reqs) * self.reserved_rows)
+        if slots is None:
+            return None
+        head_slots = np.asarray(slots, dtype=np.int64).reshape(len(reqs), self.reserved_rows)
+        try:
+            return self.fused.launch_chained(node_slots, head_slots), head_slots
+        except BaseException:
+            self.kv.pool.slots.free(slots)
+            raise
+
+    def adopt_chained(self, reqs: list["Req"], head_slots: np.ndarray) -> None:
+        for req, slots in zip(reqs, head_slots.tolist()):
+            self.kv.append_reserved(req, slots)
+        self._in_flight.update(r.rid for r in reqs)
+
+    def free_chained(self, head_slots: np.ndarray) -> None:
+        self.kv.pool.slots.free(head_slots.ravel().tolist())
 
     def read_fused(self, reqs: list["Req"], outcome: torch.Tensor) -> GreedyOutcome:
         nodes = self.num_steps + 1
@@ -154,7 +188,7 @@ class FusedChainDrafter(EagleDrafter):
             # stay unset (junk or the draft steps' rows) and are freed by the next sync
             self.kv.record_drafts(req, tokens)
             self.pending[req.rid] = (req.num_tokens + len(tokens), drafts)
-        self._in_flight = set()
+        self._in_flight.difference_update(r.rid for r in reqs)
         return parsed
 
     def observe_batch(self, reqs: list["Req"], committed: list[list[int]]) -> None:
@@ -168,6 +202,12 @@ class FusedChainDrafter(EagleDrafter):
     def release(self, req: "Req") -> None:
         super().release(req)
         self.pending.pop(req.rid, None)
+        self._in_flight.discard(req.rid)
+
+
+def same_order(a: list["Req"], b: list["Req"]) -> bool:
+    """The same request objects in the same order."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 def fusable(req: "Req") -> bool:

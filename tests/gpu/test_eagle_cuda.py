@@ -43,6 +43,8 @@ def test_eagle_verify_steps_match_the_replay_on_cuda(target, head_dir, graph_max
         assert [o["output_ids"] for o in outputs] == [c.tokens[c.prompt_len:] for c in held_out]
         wait_until_fused_state_is_free(engine)
     assert spy.engine == 0 and graphs.replays["greedy"] > 0
+    # pinned drafting on the overlap schedule: steps chained on the device (graphs, and eager batches too)
+    assert spy.chained > 0 and (graph_max_bs != 8 or graphs.replays["chained"] > 0), (spy.chained, graphs.replays)
     batch = BatchBuilder(extractor, None, bool(head.config.aux_layers))(held_out).conversations
     with torch.no_grad():
         runs = accepted_runs(head, batch, num_steps).cpu()

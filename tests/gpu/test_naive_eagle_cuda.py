@@ -24,16 +24,22 @@ CUDA = {"device": "cuda", "max_total_tokens": 4096}
 
 
 class GraphKinds:
-    """The (kind, bucket) of every fused graph replay."""
+    """The kind of every fused graph replay ("chained": a greedy one whose inputs the step
+    before derived on the device, engine/draft_ahead.py)."""
 
     def __init__(self, monkeypatch):
         self.replays = Counter()
-        original = FusedGraphs.replay
+        original, chained = FusedGraphs.replay, FusedGraphs.replay_chained
 
         def replay(graphs, reqs, proposal, node_slots, head_slots, head_rows, kind):
             self.replays[kind] += 1
             return original(graphs, reqs, proposal, node_slots, head_slots, head_rows, kind)
+
+        def replay_chained(graphs, last, node_slots, head_slots):
+            self.replays["chained"] += 1
+            return chained(graphs, last, node_slots, head_slots)
         monkeypatch.setattr(FusedGraphs, "replay", replay)
+        monkeypatch.setattr(FusedGraphs, "replay_chained", replay_chained)
 
 
 @pytest.mark.parametrize("graph_max_bs", [8, 2])     # 2: the batches of 8 run eagerly
@@ -49,6 +55,8 @@ def test_naive_eagle_verify_steps_match_the_replay_on_cuda(target, head_dir, gra
         assert [o["output_ids"] for o in outputs] == [c.tokens[c.prompt_len:] for c in held_out]
         wait_until_fused_state_is_free(engine)
     assert spy.engine == 0 and graphs.replays["greedy"] > 0
+    # pinned drafting on the overlap schedule: steps chained on the device (graphs, and eager batches too)
+    assert spy.chained > 0 and (graph_max_bs != 8 or graphs.replays["chained"] > 0), (spy.chained, graphs.replays)
     batch = BatchBuilder(extractor, None, bool(head.config.aux_layers))(held_out).conversations
     with torch.no_grad():
         runs = accepted_runs(head, batch, 1).cpu()
