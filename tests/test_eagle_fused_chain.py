@@ -206,3 +206,40 @@ def test_fused_inputs_rewrite_the_request_columns_only_for_another_batch():
     inputs.temperatures.fill_(-1.0)     # the same batch again: the columns are not rewritten
     inputs.fill(greedy, proposal, np.zeros((2, 3), dtype=np.int64), head_slots, [2, 1], (9, 8), 256)
     assert inputs.temperatures.tolist() == [-1.0] * 4
+
+
+def test_a_chained_step_takes_the_kept_requests_and_the_outcome_s_drafts():
+    """fused_step.cut_rows then chain_inputs, as a step launched before the one it follows is
+    read: the requests the last step did not end keep every field of theirs (the rest turn
+    into padding requests), and each gets its last committed token as root, the step's K next
+    drafts as chain and a prefix longer by its accept length."""
+    from specserve.kv.pool import PADDING_SLOT
+    from specserve.runner.fused_chain import kept_rows
+    from specserve.runner.fused_step import FusedStepInputs, chain_inputs, cut_rows
+
+    n, k = 3, 2
+    source = FusedStepInputs.allocate(3, n, "cpu")
+    source.tree.prefix_lens[:] = torch.tensor([10, 20, 30])
+    source.tree.req_rows[:] = torch.tensor([4, 5, 6])
+    source.head_rows[:] = torch.tensor([7, 8, 9])
+    source.seeds[:] = torch.tensor([1, 2, 3])
+    source.top_ps[:] = torch.tensor([0.5, 0.6, 0.7], dtype=torch.float64)
+    reqs = [object(), object(), object()]
+    assert kept_rows(reqs, [reqs[0], reqs[2]]) == [0, 2] and kept_rows(reqs, [reqs[2], reqs[0]]) is None
+    # outcome rows: accept length, accepted nodes (n), committed tokens (n), next drafts (k)
+    outcome = torch.tensor([[2, 0, 1, -1, 11, 12, -1, 13, 14],
+                            [1, 0, -1, -1, 21, -1, -1, 23, 24],
+                            [3, 0, 1, 2, 31, 32, 33, 35, 36]])
+    rows = torch.tensor([0, 2])
+    target = FusedStepInputs.allocate(3, n, "cpu")
+    cut_rows(source, rows, target, (99, 98))
+    chain_inputs(target, outcome.index_select(0, rows), torch.tensor([[40, 41, 42], [50, 51, 52]]),
+                 torch.arange(8).view(2, 4))
+    tree = target.tree
+    assert tree.tokens.tolist() == [[12, 13, 14], [33, 35, 36], [0, 0, 0]]
+    assert tree.prefix_lens.tolist() == [12, 33, 0] and tree.num_nodes.tolist() == [3, 3, 1]
+    assert tree.parents.tolist() == [[-1, 0, 1], [-1, 0, 1], [-1, -1, -1]]
+    assert tree.out_slots.tolist() == [[40, 41, 42], [50, 51, 52], [PADDING_SLOT] * 3]
+    assert tree.req_rows.tolist() == [4, 6, 99] and target.head_rows.tolist() == [7, 9, 98]
+    assert target.head_slots.tolist()[:2] == [[0, 1, 2, 3], [4, 5, 6, 7]] and target.seeds.tolist() == [1, 3, 0]
+    assert target.top_ps.tolist() == [0.5, 0.7, 1.0]

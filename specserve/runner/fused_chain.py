@@ -27,7 +27,7 @@ import torch
 from specserve.distributed.graph_steps import GraphStepHeader, announce_graph_step
 from specserve.distributed.step_broadcast import sharded_model
 from specserve.runner.cuda_graph import batch_size_buckets, capture_graph
-from specserve.runner.fused_step import FusedStepInputs, chain_inputs, run_fused_step
+from specserve.runner.fused_step import FusedStepInputs, chain_inputs, cut_rows, run_fused_step
 from specserve.runner.model_runner import InFlight
 from specserve.runner.tree_step import pad_node_slots
 from specserve.speculative.tree import TreeProposal
@@ -111,28 +111,40 @@ class FusedChainRunner:
         inputs = FusedStepInputs.view(host.packed.to(self.device, non_blocking=True), bs, self.nodes)
         return self._run_eagerly(reqs, inputs, kind, [r.kv_len for r in reqs])
 
-    def chains(self, launched: InFlight) -> bool:
-        """Whether launch_chained can follow the step `launched` (the last one launched, a
-        greedy one, without tensor parallelism: workers replay from host-built inputs)."""
-        return self.last is not None and self.last.launched is launched and self.target.tp is None
+    def chains(self, launched: InFlight, reqs: list["Req"]) -> bool:
+        """Whether launch_chained can follow the step `launched` for `reqs` (the last step
+        launched, a greedy one, for these requests or some of them in the same order; no
+        tensor parallelism: workers replay from host-built inputs)."""
+        return (self.last is not None and self.last.launched is launched and self.target.tp is None
+                and kept_rows(self.last.reqs, reqs) is not None)
 
     @torch.inference_mode()
-    def launch_chained(self, node_slots: np.ndarray, head_slots: np.ndarray) -> InFlight:
-        """The next greedy step of the last one's requests, launched before the host has read
-        that one: its inputs are derived on the device (fused_step.chain_inputs). Eager
-        steps (K > 1) read the last one's accept lengths for their planning, a host sync.
+    def launch_chained(self, reqs: list["Req"], node_slots: np.ndarray, head_slots: np.ndarray) -> InFlight:
+        """The next greedy step of the last one's requests (`chains`), launched before the
+        host has read that one: its inputs are derived on the device (fused_step.cut_rows
+        where the last step ended some requests, then chain_inputs). Eager steps (K > 1)
+        read the last one's accept lengths for their planning, a host sync.
         node_slots: (bs, n) the target's KV slots; head_slots: (bs, 2K) the head's."""
         last = self.last
-        if last.bucket is not None:
-            launched = self.graphs.replay_chained(last, node_slots, head_slots)
-            self.last = GreedyLaunch(last.reqs, launched, last.inputs, launched.device, last.bucket, None)
+        rows = kept_rows(last.reqs, reqs)
+        rows = None if len(rows) == len(last.reqs) else rows
+        if last.bucket is not None and len(reqs) <= self.graphs.max_bs:
+            launched, bucket, inputs = self.graphs.replay_chained(last, rows, node_slots, head_slots)
+            self.last = GreedyLaunch(list(reqs), launched, inputs, launched.device, bucket, None)
             return launched
-        bs = len(last.reqs)
-        inputs = FusedStepInputs.view(last.inputs.packed.clone(), bs, self.nodes)
-        chain_inputs(inputs, last.outcome, torch.as_tensor(node_slots, device=self.device),
+        bs = len(reqs)
+        outcome = last.outcome
+        if rows is None and last.bucket is None:
+            inputs = FusedStepInputs.view(last.inputs.packed.clone(), bs, self.nodes)
+        else:   # some requests ended, or the last step was a graph's: its buffer has the bucket's rows
+            index = torch.tensor(rows if rows is not None else list(range(bs)), device=self.device)
+            inputs = FusedStepInputs.allocate(bs, self.nodes, self.device)
+            cut_rows(last.inputs, index, inputs, self.scratch_rows)
+            outcome = outcome.index_select(0, index)
+        chain_inputs(inputs, outcome, torch.as_tensor(node_slots, device=self.device),
                      torch.as_tensor(head_slots, device=self.device))
-        kv_lens = [length + accepted for length, accepted in zip(last.kv_lens, last.outcome[:, 0].tolist())]
-        return self._run_eagerly(last.reqs, inputs, "greedy", kv_lens)
+        prefix = inputs.tree.prefix_lens[:bs].tolist()   # eager planning reads them: a host sync
+        return self._run_eagerly(reqs, inputs, "greedy", prefix)
 
     def _run_eagerly(self, reqs: list["Req"], inputs: FusedStepInputs, kind: str, kv_lens: list[int]) -> InFlight:
         bs = len(reqs)
@@ -184,11 +196,11 @@ class FusedGraphs:
         self._outcome_read = {bs: [torch.cuda.Event(), torch.cuda.Event()] for bs in self.buckets}
         self._turn: dict[int, int] = {}
         self._copied: dict[int, torch.cuda.Event] = {}
-        # a chained step's KV slots, (bucket, n + 2K): pinned on the host, their device copy, and its event
-        self._chain_slots = {bs: torch.empty((bs, nodes + 2 * runner.num_steps), dtype=torch.long, pin_memory=True)
-                             for bs in self.buckets}
-        self._chain_slots_device = {bs: torch.empty((bs, nodes + 2 * runner.num_steps), dtype=torch.long,
-                                                    device=device) for bs in self.buckets}
+        # a chained step's KV slots and the last step's row of each request, (bucket, n + 2K + 1):
+        # pinned on the host, their device copy, and its event
+        width = nodes + 2 * runner.num_steps + 1
+        self._chain_slots = {bs: torch.empty((bs, width), dtype=torch.long, pin_memory=True) for bs in self.buckets}
+        self._chain_slots_device = {bs: torch.empty((bs, width), dtype=torch.long, device=device) for bs in self.buckets}
         self._chain_copied: dict[int, torch.cuda.Event] = {}
         start, memory_pool = time.perf_counter(), None
         for kind in runner.kinds:
@@ -240,22 +252,33 @@ class FusedGraphs:
         return self._outcome_on_its_way(bucket, bs, kind), bucket
 
     @torch.inference_mode()
-    def replay_chained(self, last: GreedyLaunch, node_slots: np.ndarray, head_slots: np.ndarray) -> InFlight:
-        """The greedy graph of `last`'s bucket on its inputs rewritten in place for the next
-        step (fused_step.chain_inputs), after its replay in stream order."""
-        bucket, (bs, n) = last.bucket, node_slots.shape
+    def replay_chained(self, last: GreedyLaunch, rows: list[int] | None, node_slots: np.ndarray,
+                       head_slots: np.ndarray) -> tuple[InFlight, int, FusedStepInputs]:
+        """The greedy graph of the next step's bucket, on inputs rewritten from `last`'s on
+        the device (fused_step.cut_rows for the requests at `rows` of it, None: all of them,
+        then chain_inputs), after its replay in stream order. Returns the step, the bucket and
+        its input buffer."""
+        (bs, n), r = node_slots.shape, head_slots.shape[1]
+        bucket = self.buckets[bisect.bisect_left(self.buckets, bs)]
         staged = self._chain_slots[bucket]
         if bucket in self._chain_copied:
             self._chain_copied[bucket].synchronize()   # the last chained step's slots have left this buffer
         host = staged.numpy()
         host[:bs, :n] = node_slots
-        host[:bs, n:] = head_slots
-        slots = self._chain_slots_device[bucket][:bs]
-        slots.copy_(staged[:bs], non_blocking=True)
+        host[:bs, n:n + r] = head_slots
+        if rows is not None:
+            host[:bs, n + r] = rows
+        staged_device = self._chain_slots_device[bucket][:bs]
+        staged_device.copy_(staged[:bs], non_blocking=True)
         self._chain_copied.setdefault(bucket, torch.cuda.Event()).record()
-        chain_inputs(last.inputs, last.outcome, slots[:, :n], slots[:, n:])
+        inputs, outcome = self.device_inputs[bucket], last.outcome
+        if rows is not None:
+            index = staged_device[:, n + r]
+            cut_rows(last.inputs, index, inputs, self.runner.scratch_rows)
+            outcome = outcome.index_select(0, index)
+        chain_inputs(inputs, outcome, staged_device[:, :n], staged_device[:, n:n + r])
         self.graphs[bucket, "greedy"].replay()
-        return self._outcome_on_its_way(bucket, bs, "greedy")
+        return self._outcome_on_its_way(bucket, bs, "greedy"), bucket, inputs
 
     def _outcome_on_its_way(self, bucket: int, bs: int, kind: str) -> InFlight:
         turn = self._turn[bucket] = 1 - self._turn.get(bucket, 1)
@@ -264,3 +287,17 @@ class FusedGraphs:
         read = self._outcome_read[bucket][turn]
         read.record()
         return InFlight(outcome, host_outcome, read)
+
+
+def kept_rows(before: list["Req"], after: list["Req"]) -> list[int] | None:
+    """Each request of `after` by its row in `before`, if `after` is `before` or some of its
+    requests in the same order (the same objects); else None."""
+    rows, row = [], 0
+    for req in after:
+        while row < len(before) and before[row] is not req:
+            row += 1
+        if row == len(before):
+            return None
+        rows.append(row)
+        row += 1
+    return rows

@@ -174,6 +174,28 @@ def chain_inputs(inputs: FusedStepInputs, outcome: torch.Tensor, node_slots: tor
     inputs.head_slots[:bs] = head_slots
 
 
+def cut_rows(source: FusedStepInputs, rows: torch.Tensor, target: FusedStepInputs,
+             scratch_rows: tuple[int, int]) -> None:
+    """target's first len(rows) requests become source's requests at `rows` (device indices;
+    `target` may be `source`), every field of theirs; its other rows become padding requests,
+    as FusedStepInputs.fill writes them. For chain_inputs after a step that ended some of
+    its requests."""
+    bs = rows.numel()
+    pairs = [(source.tree.tokens, target.tree.tokens, 0), (source.tree.parents, target.tree.parents, -1),
+             (source.tree.out_slots, target.tree.out_slots, PADDING_SLOT),
+             (source.tree.num_nodes, target.tree.num_nodes, 1),
+             (source.tree.req_rows, target.tree.req_rows, scratch_rows[0]),
+             (source.tree.prefix_lens, target.tree.prefix_lens, 0),
+             (source.head_slots, target.head_slots, PADDING_SLOT), (source.head_rows, target.head_rows, scratch_rows[1]),
+             (source.seeds, target.seeds, 0), (source.top_ks, target.top_ks, 0),
+             (source.temperatures, target.temperatures, 0.0), (source.top_ps, target.top_ps, 1.0),
+             (source.min_ps, target.min_ps, 0.0), (source.draft_temperatures, target.draft_temperatures, 0.0)]
+    kept = [field.index_select(0, rows) for field, _, _ in pairs]   # all read before any is written
+    for (_, field, padding), values in zip(pairs, kept):
+        field[:bs] = values
+        field[bs:] = padding
+
+
 def write_head_table(pool, inputs: FusedStepInputs) -> None:
     """The head's table entries of the reserved rows, req_to_token[head row, L - 1 + j] =
     head_slots[:, j], written inside the step from the packed inputs: no table write of its

@@ -76,12 +76,14 @@ class FusedChainDrafter(EagleDrafter):
         sampled = any(draft_temperature(r) > 0 for r in reqs)
         if sampled and self.fused.q_table is None:
             return super().propose(reqs, max_nodes)   # the unfused chain, which hands its q over itself
-        lagging = [req for req in reqs if self._drafts_of(req) is None]
+        pendings = [self._drafts_of(req) for req in reqs]   # (a sync of each head cache: once a step)
+        lagging = [i for i, pending in enumerate(pendings) if pending is None]
         if lagging:
-            self._first_drafts(lagging)
+            self._first_drafts([reqs[i] for i in lagging])
+            for i in lagging:
+                pendings[i] = self._drafts_of(reqs[i])
         drafted, drafts = [], []
-        for index, (req, limit) in enumerate(zip(reqs, max_nodes)):
-            pending = self._drafts_of(req)
+        for index, (req, limit, pending) in enumerate(zip(reqs, max_nodes, pendings)):
             if pending is None:
                 continue    # no drafts (its states were missing): the engine verifies this batch
             seq = self.kv.sequences[req.rid]    # synced by _drafts_of: every row before the root is in
@@ -153,7 +155,7 @@ class FusedChainDrafter(EagleDrafter):
 
     def chain_nodes(self, reqs: list["Req"], launched: "InFlight") -> int:
         nodes = self.num_steps + 1
-        if not self.fused.chains(launched) or not same_order(self.fused.last.reqs, reqs):
+        if not self.fused.chains(launched, reqs):
             return 0
         # both tables must hold the next step's positions: this step's nodes, the next one's
         # and its head rows
@@ -167,7 +169,7 @@ class FusedChainDrafter(EagleDrafter):
             return None
         head_slots = np.asarray(slots, dtype=np.int64).reshape(len(reqs), self.reserved_rows)
         try:
-            return self.fused.launch_chained(node_slots, head_slots), head_slots
+            return self.fused.launch_chained(reqs, node_slots, head_slots), head_slots
         except BaseException:
             self.kv.pool.slots.free(slots)
             raise
@@ -203,11 +205,6 @@ class FusedChainDrafter(EagleDrafter):
         super().release(req)
         self.pending.pop(req.rid, None)
         self._in_flight.discard(req.rid)
-
-
-def same_order(a: list["Req"], b: list["Req"]) -> bool:
-    """The same request objects in the same order."""
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 def fusable(req: "Req") -> bool:
