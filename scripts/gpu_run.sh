@@ -18,7 +18,10 @@
 #                                                   its whole vocabulary, draft step time and accept length with
 #                                                   and without the map at batch 1 and concurrency 32)
 #   scripts/gpu_run.sh eagle-head                  (trains the EAGLE-3 head for the 1.5B in 7.5 minutes into /root/eagle3-1.5b,
-#                                                   as session 7 did; skipped where one is there already)
+#                                                   as session 7 did; skipped where one is there already, or unpacked
+#                                                   from /root/models/eagle3-1.5b-ttt4.tar where that was staged:
+#                                                   `scripts/split_for_device.sh models/*1.5b*.gguf .gpu/eagle3-1.5b-ttt4.tar`,
+#                                                   session 27's head, BENCHMARKS.md)
 #   scripts/gpu_run.sh eagle-rows                  (that head on the 1.5B, after `eagle-head` on the same warm machine: EAGLE-3
 #                                                   chains of 3 and NAIVE_EAGLE, pinned and adaptive, against plain, on chat and
 #                                                   code-types at 1/8/64: what drafting with the head would give and what the
@@ -142,6 +145,9 @@ fi
 if [ "$mode" = eagle-head ]; then
   if [ -f /root/eagle3-1.5b/config.json ] && [ -f /root/eagle3-1.5b/model.safetensors ]; then
     echo "EAGLE-3 head already in /root/eagle3-1.5b" | tee "$OUT/train_eagle.txt"
+  elif [ -f /root/models/eagle3-1.5b-ttt4.tar ]; then   # session 27's head, staged with the models
+    mkdir -p /root/eagle3-1.5b && tar xf /root/models/eagle3-1.5b-ttt4.tar -C /root/eagle3-1.5b \
+      && echo "EAGLE-3 head unpacked from the staged eagle3-1.5b-ttt4.tar" | tee "$OUT/train_eagle.txt"
   else
     python3 -m specserve.train_eagle --model-path /root/models/qwen2.5-coder-1.5b-instruct.gguf \
       --output-dir /root/eagle3-1.5b --dataset-path .gpu/sharegpt_train.json --exclude-dataset-path .gpu/sharegpt_bench.json \
