@@ -55,7 +55,6 @@ class GreedyLaunch:
     inputs: FusedStepInputs        # a graph's own buffer, or the eager step's
     outcome: torch.Tensor          # (bs, 1 + 2n + K), a graph's output until its next replay
     bucket: int | None             # the graph's batch bucket; None: run eagerly
-    kv_lens: list[int] | None      # eager: the prefix lengths on the host (its planning reads them)
 
 
 class FusedChainRunner:
@@ -103,7 +102,7 @@ class FusedChainRunner:
             launched, bucket = self.graphs.replay(reqs, proposal, node_slots, head_slots, head_rows, kind)
             if kind == "greedy":
                 self.last = GreedyLaunch(list(reqs), launched, self.graphs.device_inputs[bucket], launched.device,
-                                         bucket, None)
+                                         bucket)
             return launched
         bs = len(reqs)
         host = FusedStepInputs.allocate(bs, self.nodes, "cpu", pin=self.device.type == "cuda")
@@ -122,22 +121,22 @@ class FusedChainRunner:
     def launch_chained(self, reqs: list["Req"], node_slots: np.ndarray, head_slots: np.ndarray) -> InFlight:
         """The next greedy step of the last one's requests (`chains`), launched before the
         host has read that one: its inputs are derived on the device (fused_step.cut_rows
-        where the last step ended some requests, then chain_inputs). Eager steps (K > 1)
-        read the last one's accept lengths for their planning, a host sync.
+        where the last step ended some requests, then chain_inputs). An eager step (a batch
+        past the graphs) reads its prefix lengths for its planning: a host sync.
         node_slots: (bs, n) the target's KV slots; head_slots: (bs, 2K) the head's."""
         last = self.last
         rows = kept_rows(last.reqs, reqs)
         rows = None if len(rows) == len(last.reqs) else rows
-        if last.bucket is not None and len(reqs) <= self.graphs.max_bs:
+        if last.bucket is not None:   # a graph's step: so is the next, as large or smaller
             launched, bucket, inputs = self.graphs.replay_chained(last, rows, node_slots, head_slots)
-            self.last = GreedyLaunch(list(reqs), launched, inputs, launched.device, bucket, None)
+            self.last = GreedyLaunch(list(reqs), launched, inputs, launched.device, bucket)
             return launched
         bs = len(reqs)
         outcome = last.outcome
-        if rows is None and last.bucket is None:
+        if rows is None:
             inputs = FusedStepInputs.view(last.inputs.packed.clone(), bs, self.nodes)
-        else:   # some requests ended, or the last step was a graph's: its buffer has the bucket's rows
-            index = torch.tensor(rows if rows is not None else list(range(bs)), device=self.device)
+        else:
+            index = torch.tensor(rows, device=self.device)
             inputs = FusedStepInputs.allocate(bs, self.nodes, self.device)
             cut_rows(last.inputs, index, inputs, self.scratch_rows)
             outcome = outcome.index_select(0, index)
@@ -152,7 +151,7 @@ class FusedChainRunner:
         outcome = run_fused_step(self.target, self.head, inputs, kind, self.q_table, self.target.attn_backend.plan,
                                  self.head.backend.plan, probs, kv_lens)
         launched = InFlight.launch(outcome)
-        self.last = GreedyLaunch(list(reqs), launched, inputs, outcome, None, kv_lens) if kind == "greedy" else None
+        self.last = GreedyLaunch(list(reqs), launched, inputs, outcome, None) if kind == "greedy" else None
         return launched
 
     def keeps_q(self, kind: str) -> bool:
