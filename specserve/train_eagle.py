@@ -128,9 +128,14 @@ LARGE_BATCH_FREE = 100 * 2 ** 30
 # was every run's rate before). Other batch sizes scale it by the square root of their size.
 GPU_LR, GPU_LR_BATCH_TOKENS = 1e-3, 32768
 CPU_LR = 5e-4
+# Draft steps unrolled per batch on a GPU: 4, one more than the chain a server drafts by default
+# (DEFAULT_NUM_STEPS). 1.5B heads on the same data and budget (H200): unrolling 7 made a head whose
+# 3-draft chains committed 1.76-1.85 tokens a step in serving (session 26), unrolling 4 one at
+# 1.83-1.99 (session 27; its steps cost 25% less, so its 3 epochs ended 80 s inside the budget).
+GPU_TTT_STEPS = 4
 DEVICE_DEFAULTS = {
     "cuda": dict(num_prompts=100_000, text_chats=100_000, held_out=64, max_prompt_len=1024, max_new_tokens=384,
-                 max_text_len=2048, max_running_requests=256, ttt_steps=7, batch_tokens=32768,
+                 max_text_len=2048, max_running_requests=256, ttt_steps=GPU_TTT_STEPS, batch_tokens=32768,
                  draft_vocab_size=DEFAULT_DRAFT_VOCAB_SIZE, epochs=3, eval_every=250),
     "cpu": dict(num_prompts=48, text_chats=24, held_out=8, max_prompt_len=256, max_new_tokens=96, max_text_len=256,
                 max_running_requests=64, ttt_steps=4, batch_tokens=1024, draft_vocab_size=8192, epochs=2,
