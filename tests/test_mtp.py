@@ -140,6 +140,23 @@ def test_drafts_are_the_reference_layers_argmax(target_dir, request, head, max_r
         assert histogram[2] > histogram[1] > 0, histogram     # accepted and rejected drafts both
 
 
+def test_steps_chained_on_the_device_keep_greedy_output(target_dir, copy_head):
+    """With the steps launched ahead of a GPU engine (forced on here), each MTP step is
+    queued before the one it follows is read, its draft taken from that step's outcome on
+    the device (engine/draft_ahead.py): plain decoding's output, every step fused, all freed."""
+    from tests.test_draft_ahead import ahead_on
+
+    expected = plain_greedy_outputs(target_dir, PROMPTS, GREEDY)
+    with tiny_engine(target_dir, max_running_requests=4, **fused_args("MTP", copy_head)) as engine:
+        ahead_on(engine)
+        fused = FusedSpy(engine.core.drafter)
+        outputs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        assert [o["output_ids"] for o in outputs] == expected
+        wait_until_fused_state_is_free(engine)
+    assert fused.engine == 0 and fused.fused == sum(o["meta_info"]["spec_verify_ct"] for o in outputs)
+    assert fused.chained > 0
+
+
 def test_preemption_abort_and_sampling_free_everything(target_dir, copy_head):
     prompts, seeded = PROMPTS[:4], {"temperature": 1.0, "max_new_tokens": 16, "ignore_eos": True}
     seeded_params = [{**seeded, "seed": 7 + i} for i in range(len(prompts))]
