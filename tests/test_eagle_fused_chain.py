@@ -213,8 +213,11 @@ def test_a_chained_step_takes_the_kept_requests_and_the_outcome_s_drafts():
     read: the requests the last step did not end keep every field of theirs (the rest turn
     into padding requests), and each gets its last committed token as root, the step's K next
     drafts as chain and a prefix longer by its accept length."""
+    from types import SimpleNamespace
+
     from specserve.kv.pool import PADDING_SLOT
     from specserve.runner.fused_chain import kept_rows
+    from specserve.speculative.model_proposals import chain_proposal
     from specserve.runner.fused_step import FusedStepInputs, chain_inputs, cut_rows
 
     n, k = 3, 2
@@ -243,3 +246,11 @@ def test_a_chained_step_takes_the_kept_requests_and_the_outcome_s_drafts():
     assert tree.req_rows.tolist() == [4, 6, 99] and target.head_rows.tolist() == [7, 9, 98]
     assert target.head_slots.tolist()[:2] == [[0, 1, 2, 3], [4, 5, 6, 7]] and target.seeds.tolist() == [1, 3, 0]
     assert target.top_ps.tolist() == [0.5, 0.7, 1.0]
+    # the padding cut_rows writes is what fill writes
+    host = FusedStepInputs.allocate(3, n, "cpu")
+    request = SimpleNamespace(row=4, kv_len=10, seed=1, params=SimpleNamespace(
+        top_k=0, greedy=True, temperature=0.0, top_p=1.0, min_p=0.0, seed=None))
+    proposal, _ = chain_proposal([3], [1], [0], [[5, 6]], None, 2)
+    host.fill([request], proposal, np.arange(3).reshape(1, 3), np.arange(4).reshape(1, 4), [7], (99, 98), 512)
+    for field, padding in zip(host.request_fields(), FusedStepInputs.padding((99, 98))):
+        assert (field[1:] == padding).all()

@@ -91,6 +91,19 @@ class FusedStepInputs:
         return cls(packed, TreeStepInputs.view(packed[:tree_size], bs, nodes), parts[0].view(bs, head_rows),
                    parts[1], parts[2], parts[3], *floats)
 
+    def request_fields(self) -> list[torch.Tensor]:
+        """Every per-request field (a request's row first), in the order of `padding`."""
+        tree = self.tree
+        return [tree.tokens, tree.parents, tree.out_slots, tree.num_nodes, tree.req_rows, tree.prefix_lens,
+                self.head_slots, self.head_rows, self.seeds, self.top_ks, self.temperatures, self.top_ps,
+                self.min_ps, self.draft_temperatures]
+
+    @staticmethod
+    def padding(scratch_rows: tuple[int, int]) -> list[int | float]:
+        """What a padding request holds in each of request_fields: one node (token 0, the
+        padding slot) at prefix 0 in the target's and the head's scratch rows, no filters."""
+        return [0, -1, PADDING_SLOT, 1, scratch_rows[0], 0, PADDING_SLOT, scratch_rows[1], 0, 0, 0.0, 1.0, 0.0, 0.0]
+
     def fill(self, reqs: list["Req"], proposal: TreeProposal, node_slots: np.ndarray, head_slots: np.ndarray,
              head_rows: list[int], scratch_rows: tuple[int, int], vocab_size: int) -> None:
         """Writes the batch into a host buffer; rows after it become padding requests.
@@ -100,26 +113,26 @@ class FusedStepInputs:
         filled every step, mostly for the same requests)."""
         count = len(reqs)
         self.tree.fill(proposal, node_slots, [r.row for r in reqs], [r.kv_len for r in reqs], scratch_rows[0])
+        padding = self.padding(scratch_rows)[6:]   # head_slots' and the columns'
         slots = self._arrays()[0]
-        slots[count:] = PADDING_SLOT
+        slots[count:] = padding[0]
         slots[:count] = head_slots
         held = self.__dict__.get("_batch")
         if held is None or len(held[0]) != count or held[1] != head_rows or any(
                 a is not b for a, b in zip(held[0], reqs)):
-            self._fill_columns(reqs, head_rows, scratch_rows[1], vocab_size)
+            self._fill_columns(reqs, head_rows, padding[1:], vocab_size)
             self.__dict__["_batch"] = (list(reqs), list(head_rows))   # copies: the caller's lists may change
 
-    def _fill_columns(self, reqs: list["Req"], head_rows: list[int], scratch_row: int, vocab_size: int) -> None:
+    def _fill_columns(self, reqs: list["Req"], head_rows: list[int], padding: list[int | float],
+                      vocab_size: int) -> None:
         count = len(reqs)
-        columns = [   # (values, padding requests' value), in _arrays' order after head_slots
-            (head_rows, scratch_row), ([r.seed for r in reqs], 0),
-            ([r.params.top_k if r.params.top_k > 0 else vocab_size for r in reqs], 0),
-            ([0.0 if r.params.greedy else r.params.temperature for r in reqs], 0.0),
-            ([r.params.top_p for r in reqs], 1.0), ([r.params.min_p for r in reqs], 0.0),
-            ([draft_temperature(r) for r in reqs], 0.0)]
-        for array, (values, padding) in zip(self._arrays()[1:], columns):
+        columns = [   # in _arrays' order after head_slots
+            head_rows, [r.seed for r in reqs], [r.params.top_k if r.params.top_k > 0 else vocab_size for r in reqs],
+            [0.0 if r.params.greedy else r.params.temperature for r in reqs], [r.params.top_p for r in reqs],
+            [r.params.min_p for r in reqs], [draft_temperature(r) for r in reqs]]
+        for array, values, pad in zip(self._arrays()[1:], columns, padding):
             array[:count] = values
-            array[count:] = padding
+            array[count:] = pad
 
     def _arrays(self) -> tuple[np.ndarray, ...]:
         """numpy views of head_slots and the per-request columns, made once per buffer."""
@@ -177,21 +190,12 @@ def chain_inputs(inputs: FusedStepInputs, outcome: torch.Tensor, node_slots: tor
 def cut_rows(source: FusedStepInputs, rows: torch.Tensor, target: FusedStepInputs,
              scratch_rows: tuple[int, int]) -> None:
     """target's first len(rows) requests become source's requests at `rows` (device indices;
-    `target` may be `source`), every field of theirs; its other rows become padding requests,
-    as FusedStepInputs.fill writes them. For chain_inputs after a step that ended some of
+    `target` may be `source`), every field of theirs; its other rows become padding requests
+    (FusedStepInputs.padding, what fill writes). For chain_inputs after a step that ended some of
     its requests."""
     bs = rows.numel()
-    pairs = [(source.tree.tokens, target.tree.tokens, 0), (source.tree.parents, target.tree.parents, -1),
-             (source.tree.out_slots, target.tree.out_slots, PADDING_SLOT),
-             (source.tree.num_nodes, target.tree.num_nodes, 1),
-             (source.tree.req_rows, target.tree.req_rows, scratch_rows[0]),
-             (source.tree.prefix_lens, target.tree.prefix_lens, 0),
-             (source.head_slots, target.head_slots, PADDING_SLOT), (source.head_rows, target.head_rows, scratch_rows[1]),
-             (source.seeds, target.seeds, 0), (source.top_ks, target.top_ks, 0),
-             (source.temperatures, target.temperatures, 0.0), (source.top_ps, target.top_ps, 1.0),
-             (source.min_ps, target.min_ps, 0.0), (source.draft_temperatures, target.draft_temperatures, 0.0)]
-    kept = [field.index_select(0, rows) for field, _, _ in pairs]   # all read before any is written
-    for (_, field, padding), values in zip(pairs, kept):
+    kept = [field.index_select(0, rows) for field in source.request_fields()]   # all read before any is written
+    for field, values, padding in zip(target.request_fields(), kept, FusedStepInputs.padding(scratch_rows)):
         field[:bs] = values
         field[bs:] = padding
 
