@@ -144,21 +144,26 @@ def time_steps(engine, bs: int, step: str, size: int, steps: int, kernels: int =
 
 
 class FusedStepCount:
-    """Counts the batches the fused drafter ran as one fused step, until close()."""
+    """Counts the batches the fused drafter ran as one fused step (launched from a proposal,
+    or chained on the device from the step before), until close()."""
+
+    LAUNCHES = ("launch_fused", "launch_chained")
 
     def __init__(self, drafter):
         self.drafter, self.count = drafter, 0
-        launch_fused = drafter.launch_fused
+        for name in self.LAUNCHES:
+            setattr(drafter, name, self._counting(getattr(drafter, name)))
 
+    def _counting(self, launch):
         def counting(reqs, *args):
-            launched = launch_fused(reqs, *args)
+            launched = launch(reqs, *args)
             self.count += launched is not None
             return launched
-
-        drafter.launch_fused = counting
+        return counting
 
     def close(self) -> int:
-        del self.drafter.launch_fused   # the class's method again
+        for name in self.LAUNCHES:
+            delattr(self.drafter, name)   # the class's methods again
         return self.count
 
 

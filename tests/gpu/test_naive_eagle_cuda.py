@@ -35,9 +35,9 @@ class GraphKinds:
             self.replays[kind] += 1
             return original(graphs, reqs, proposal, node_slots, head_slots, head_rows, kind)
 
-        def replay_chained(graphs, last, node_slots, head_slots):
+        def replay_chained(graphs, *args):
             self.replays["chained"] += 1
-            return chained(graphs, last, node_slots, head_slots)
+            return chained(graphs, *args)
         monkeypatch.setattr(FusedGraphs, "replay", replay)
         monkeypatch.setattr(FusedGraphs, "replay_chained", replay_chained)
 
