@@ -22,7 +22,7 @@ from specserve.speculative import eagle
 from specserve.speculative.adaptive import AdaptiveDraftLength
 from tests.fused_fixtures import FusedSpy, fused_args, save_random_eagle_head, wait_until_fused_state_is_free
 from tests.spec_fixtures import make_tiny_directory, plain_greedy_outputs, tiny_engine
-from tests.test_eagle_drafter import eagle_args, target, wait_until_head_kv_is_free  # noqa: F401
+from tests.test_eagle_drafter import eagle_args, head_dir, target, wait_until_head_kv_is_free  # noqa: F401
 from tests.test_eagle_drafter_tree import random_head, reference_tree  # noqa: F401
 from tests.test_mtp import DraftSpy, copy_head, reference_drafts, target_dir  # noqa: F401
 
@@ -308,3 +308,27 @@ def test_step_mix_counts_fused_eagle_steps_as_drafting(target, random_head):  # 
     # plain: steps whose requests have no room left for drafts (max_new_tokens); was every step
     assert mix["draft"]["steps"] >= 10 and mix["plain"]["steps"] <= 2, mix
     assert summary["draft_nodes_mean"] == 4
+
+
+def test_the_policy_chains_fused_steps_while_it_drafts(target, head_dir):  # noqa: F811
+    """The real policy on the steps-ahead path (a GPU engine's, forced on), a trained head and
+    steps priced so that drafting may pay: while its bucket drafts, fused steps are queued before
+    the step they follow is read (engine/draft_ahead.py), the policy's choice and shadows made
+    for them once that step is committed; output stays plain decoding's, all is freed."""
+    from tests.spec_fixtures import price_steps
+    from tests.test_draft_ahead import ahead_on
+
+    path, _, _, held_out = target
+    algorithm, head_path, _, _ = head_dir
+    args = fused_args(algorithm, head_path, adaptive=True, speculative_num_steps=3)
+    with tiny_engine(path, max_running_requests=8, **args) as engine:
+        ahead_on(engine)
+        price_steps(engine, 0.010, 0.001)   # a 4-node step costs 1.3 plain steps
+        fused = FusedSpy(engine.core.drafter)
+        outputs = engine.generate(input_ids=[c.tokens[:c.prompt_len] for c in held_out],
+                                  sampling_params={"temperature": 0.0, "max_new_tokens": 32})
+        assert [o["output_ids"] for o in outputs] == [c.tokens[c.prompt_len:] for c in held_out]
+        wait_until_fused_state_is_free(engine)
+        tiers = engine.core.adaptive.steps_per_tier
+    assert fused.chained > 0 and fused.engine == 0, (fused.chained, fused.engine)
+    assert tiers[max(tiers)] > 0 and tiers[1] > 0, tiers    # drafting episodes and plain ones (its probes)

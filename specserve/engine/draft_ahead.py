@@ -23,8 +23,8 @@ the fused EAGLE / NAIVE_EAGLE / MTP chain, whose steps are launched through the 
 launch_fused where it serves the batch: the next drafts come with the outcome), and only
 greedy requests (their commit needs the argmax alone).
 
-A fused chain's step goes further (`ChainedStep`, pinned drafting only: the adaptive
-policy reads each step's outcome before choosing the next): its next drafts come out of
+A fused chain's step goes further (`ChainedStep`; under the adaptive policy while the
+batch's bucket drafts, its choice for the step made once the step before is committed): its next drafts come out of
 the step itself, on the device, so step N+1 is queued before N is read
 (Drafter.launch_chained: its root, drafts and prefix lengths derived from N's outcome on
 the device, its KV slots allocated by the host beforehand), and the read, commit,
@@ -100,16 +100,17 @@ class ChainedStep:
     launched: InFlight
     node_slots: np.ndarray     # (bs, n) the target's KV slots
     reserved: np.ndarray       # (bs, r) the drafter's own (its head's rows)
-    started: float
 
-    def held(self, drafter: Drafter, live: list[int]) -> DraftStep:
+    def held(self, drafter: Drafter, live: list[int], started: float) -> DraftStep:
         """The step for the requests at rows `live` (those the step before did not end), the
-        drafter holding their reserved rows; the other rows are cut when it is read."""
+        drafter holding their reserved rows; the other rows are cut when it is read.
+        started: where its cost counts from (the step before's pricing, as for any step
+        launched ahead)."""
         reqs = [self.reqs[i] for i in live]
         drafter.adopt_chained(reqs, self.reserved[live])
         node_slots = self.node_slots[live]
         return DraftStep(reqs, np.full(len(reqs), node_slots.shape[1], dtype=np.int64), node_slots,
-                         node_slots.ravel().tolist(), self.launched, None, self.started,
+                         node_slots.ravel().tolist(), self.launched, None, started,
                          functools.partial(drafter.read_fused, reqs), None if len(live) == len(self.reqs) else live)
 
     def free(self, scheduler: Scheduler, drafter: Drafter, rows: list[int]) -> None:

@@ -95,7 +95,7 @@ class DraftingSteps:
             adaptive.record_step(len(reqs), step.num_slots, now - step.started,
                                  sum(len(out.new_token_ids) for out in outputs))
         if chained is not None:
-            record_shadows = self._hold_chained(chained, outputs)
+            record_shadows = self._hold_chained(chained, outputs, now)
         else:
             record_shadows = self._launch_ahead(reqs, outputs, now)
         launched = record_shadows is not None
@@ -140,11 +140,12 @@ class DraftingSteps:
         """The next fused step of the same batch, queued before this one is read: its drafts
         and positions come from this step's outcome on the device, so the host's read,
         commit, proposal and launch run while the GPU computes it, as a plain step's do on
-        the overlap schedule. Pinned drafting only: the adaptive policy chooses each step
-        from what the last one showed."""
+        the overlap schedule. Under the adaptive policy, while the batch's bucket drafts: its
+        choice for the step is made once this one is committed (_hold_chained)."""
         ahead = self.draft_ahead
-        if (step.read_fused is None or ahead is None or self.adaptive is not None
-                or not ahead.batch_is_next(reqs) or not self.sampler.argmax_is_enough(reqs)):
+        if (step.read_fused is None or ahead is None or not ahead.batch_is_next(reqs)
+                or not self.sampler.argmax_is_enough(reqs)
+                or (self.adaptive is not None and not self.adaptive.should_draft(len(reqs)))):
             return None
         n = self.drafter.chain_nodes(reqs, step.launched)
         # its slots and one per request to spare: the scheduler preempts nobody while it is ahead
@@ -160,19 +161,30 @@ class DraftingSteps:
         if chained is None:   # no room in the drafter's cache
             self.scheduler.free_slots(slots)
             return None
-        return ChainedStep(reqs, chained[0], node_slots, chained[1], time.perf_counter())
+        return ChainedStep(reqs, chained[0], node_slots, chained[1])
 
-    def _hold_chained(self, chained: ChainedStep, outputs: list[StepOutput]) -> Callable[[], None] | None:
+    def _hold_chained(self, chained: ChainedStep, outputs: list[StepOutput], now: float
+                      ) -> Callable[[], None] | None:
         """The chained step, once the step before is committed: held as the step ahead for
-        the requests that go on (the others' rows cut, their slots freed). Returns what
-        _launch_ahead would (no shadows to record), None if every request ended."""
+        the requests that go on (the others' rows cut, their slots freed), priced from `now`
+        as a step launched ahead is. The adaptive policy makes its choice for it as for a
+        proposal (its evidence and episode bookkeeping; the step verifies the whole chain
+        whatever the tier, which costs a fused step the same, and a choice of plain decoding
+        applies from the next step). Returns what _launch_ahead would (the shadows'
+        recording), None if every request ended."""
         ended = [i for i, out in enumerate(outputs) if out.finished]
         if ended:
             chained.free(self.scheduler, self.drafter, ended)
         if len(ended) == len(outputs):
             return None
-        self.draft_ahead.hold(chained.held(self.drafter, [i for i, out in enumerate(outputs) if not out.finished]))
-        return record_nothing
+        step = chained.held(self.drafter, [i for i, out in enumerate(outputs) if not out.finished], now)
+        self.draft_ahead.hold(step)
+        if self.adaptive is None:
+            return record_nothing
+        proposal, num_nodes = self.drafter.chained_proposal(step.reqs)
+        rids, keys = [r.rid for r in step.reqs], self.drafter.proposal_keys()
+        self.adaptive.choose(rids, num_nodes, keys)
+        return functools.partial(self.adaptive.record_proposals, rids, proposal, num_nodes, keys)
 
     def _drop_chained(self, chained: ChainedStep | None) -> None:
         if chained is not None:

@@ -95,6 +95,11 @@ class Drafter:
         before is committed; free_chained's if it is dropped), or None if they do not fit."""
         return None
 
+    def chained_proposal(self, reqs: list["Req"]) -> tuple[TreeProposal, list[int]]:
+        """What the step launch_chained queued verifies for these requests, on the host once
+        the step before was read (what the adaptive policy's shadows walk)."""
+        raise NotImplementedError
+
     def adopt_chained(self, reqs: list["Req"], reserved: "np.ndarray") -> None:
         """The step launch_chained queued goes on for these requests (those the step before
         did not end), after the step before was read and committed: its reserved slots

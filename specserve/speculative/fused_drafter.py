@@ -174,6 +174,14 @@ class FusedChainDrafter(EagleDrafter):
             self.kv.pool.slots.free(slots)
             raise
 
+    def chained_proposal(self, reqs: list["Req"]) -> tuple[TreeProposal, list[int]]:
+        """The chains a step launch_chained queued verifies, on the host once the step before
+        is read: each request's last token and its pending drafts."""
+        nodes = self.num_steps + 1
+        roots = [r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs]
+        return chain_proposal([nodes] * len(reqs), roots, list(range(len(reqs))),
+                              [self.pending[r.rid][1] for r in reqs], None, self.num_steps)
+
     def adopt_chained(self, reqs: list["Req"], head_slots: np.ndarray) -> None:
         for req, slots in zip(reqs, head_slots.tolist()):
             self.kv.append_reserved(req, slots)
