@@ -65,6 +65,25 @@ def test_outputs_equal_plain_and_steps_are_taken_from_ahead(engine_factory, plai
     wait_until_all_kv_is_free(engine)
 
 
+def test_only_drafting_steps_launched_ahead_price_their_tier_steadily(engine_factory, plain_answers):
+    """adaptive_costs.py: a drafting step the scheduler asked for (the first after plain steps)
+    also paid for its proposal; the steps launched ahead after it are what drafting costs."""
+    engine = price_steps(ahead_on(engine_factory(max_total_tokens=4096, **ngram_args(8, adaptive=True))), 0.010, 0.001)
+    record, steps = engine.core.adaptive.record_step, []
+
+    def recording(batch_size, tree_size, seconds, tokens=None, steady=True):
+        steps.append((tree_size, steady))
+        record(batch_size, tree_size, seconds, tokens, steady)
+    engine.core.adaptive.record_step = recording
+    out = engine.generate(CODE_PROMPT, dict(GREEDY, max_new_tokens=80))   # batch 1 all the way
+    assert out["output_ids"] == plain_answers[1]["output_ids"]
+    drafting = [(i, steady) for i, (size, steady) in enumerate(steps) if size > 1]
+    assert not drafting[0][1], steps[:drafting[0][0] + 1]   # the first launched when the scheduler asked
+    after_drafting = [steady for i, steady in drafting if steps[i - 1][0] > 1]
+    assert len(after_drafting) > 10 and all(after_drafting)   # one batch: each launched ahead of its reading
+    wait_until_all_kv_is_free(engine)
+
+
 def _proposals(engine, prompt: str, max_new_tokens: int) -> tuple[list, list[int]]:
     drafter, seen = engine.core.drafter, []
     propose = drafter.propose

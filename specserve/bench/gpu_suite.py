@@ -73,7 +73,8 @@ def set_drafter(engine, num_draft_tokens: int | None, one_branch: bool = False, 
     core.drafter = NgramDrafter(NgramConfig(), one_branch)
     core.num_draft_tokens = num_draft_tokens
     graph_sizes = core.runner.graphs.sizes if core.runner.graphs is not None else None
-    core.adaptive = AdaptiveDraftLength(tiers_for(num_draft_tokens, graph_sizes)) if adaptive else None
+    core.adaptive = AdaptiveDraftLength(tiers_for(num_draft_tokens, graph_sizes), core.drafter.switch_margin) \
+        if adaptive else None
     core.stats.speculative = True
 
 

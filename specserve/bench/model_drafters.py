@@ -43,7 +43,8 @@ def set_mode(engine, drafter, mode: str) -> None:
         return
     core.drafter, core.num_draft_tokens = drafter, engine.args.speculative_verify_size
     graph_sizes = core.runner.graphs.sizes if core.runner.graphs is not None else None
-    core.adaptive = AdaptiveDraftLength(tiers_for(core.num_draft_tokens, graph_sizes)) if mode == "adaptive" else None
+    core.adaptive = AdaptiveDraftLength(tiers_for(core.num_draft_tokens, graph_sizes), core.drafter.switch_margin) \
+        if mode == "adaptive" else None
     core.stats.speculative = True
 
 

@@ -119,11 +119,11 @@ class RunWatch:
         self._drafted(proposal.num_slots)
         return proposal, num_nodes, record
 
-    def _watched_finish_draft_step(self, reqs, step):
+    def _watched_finish_draft_step(self, reqs, step, steady):
         if self._kind is None:   # the step launched ahead, retired before a schedule (a request arrived)
             self._kind = "plain"
         self._drafted(step.num_slots)
-        return self._finish_draft_step(reqs, step)
+        return self._finish_draft_step(reqs, step, steady)
 
     def _drafted(self, nodes: int) -> None:
         """A decode step with `nodes` per request: a drafting step if nodes > 1 (its nodes

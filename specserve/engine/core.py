@@ -152,10 +152,10 @@ class EngineCore(DraftingSteps):
     def _run_decode(self, batch: Batch) -> list[StepOutput]:
         start = time.perf_counter()
         reqs = batch.reqs
-        ahead = self.draft_ahead.take(reqs) if self.draft_ahead is not None else None
-        if ahead is not None:
+        held = self.draft_ahead.take(reqs) if self.draft_ahead is not None else None
+        if held is not None:
             self._settle()
-            return self._finish_draft_step(reqs, ahead)
+            return self._finish_draft_step(reqs, held, steady=True)
         # the choice may read the policy one plain step stale (that step's after-work runs once the
         # next plain step is launched, _run_decode_ahead): a switch it makes applies a step later
         draft = self.drafter is not None and (self.adaptive is None or self.adaptive.should_draft(len(reqs)))
@@ -180,7 +180,8 @@ class EngineCore(DraftingSteps):
             proposal, num_nodes = self._no_drafts(reqs)
             slots = self.scheduler.alloc_slots(len(reqs))
         if draft and self._drafts_greedily(reqs):
-            return self._finish_draft_step(reqs, self._launch_draft(reqs, proposal, slots, start))
+            return self._finish_draft_step(reqs, self._launch_draft(reqs, proposal, slots, start),
+                                           steady=self.draft_ahead is None)
         try:
             outcome = self._verify(reqs, proposal, slots, index=draft or probing, drafted=draft)
         except BaseException:

@@ -66,10 +66,17 @@ class DraftingSteps:
         self.drafter.flush()
         return step
 
-    def _finish_draft_step(self, reqs: list[Req], step: DraftStep) -> list[StepOutput]:
+    def _finish_draft_step(self, reqs: list[Req], step: DraftStep, steady: bool) -> list[StepOutput]:
         """Reads and commits a greedy drafting step; when the same batch drafts next, that step
         is launched before the bookkeeping it does not need, or, for a fused chain, before
-        this step is read (_launch_chained)."""
+        this step is read (_launch_chained). `steady`: the step ran as drafting mode runs
+        its steps (launched or chained ahead, or on an engine that launches none ahead);
+        only such steps price its tier for good (adaptive_costs.py): one launched when the
+        scheduler asked for it also paid for its proposal, and an episode's first a model
+        drafter's catch-up of the plain stretch (H200, 1.5B EAGLE-3 at batch 4: one 7-ms
+        first step priced the fused step at 4x a plain one, ended every episode at its
+        first choice and, as the floor of larger buckets, kept them from drafting where
+        chained steps won 1.08-1.17x)."""
         chained = self._launch_chained(reqs, step)
         try:
             outcome = step.read()
@@ -93,7 +100,7 @@ class DraftingSteps:
         if adaptive is not None:   # before the next step's choice, as on every path
             adaptive.observe_batch([req.rid for req in live], committed)
             adaptive.record_step(len(reqs), step.num_slots, now - step.started,
-                                 sum(len(out.new_token_ids) for out in outputs))
+                                 sum(len(out.new_token_ids) for out in outputs), steady)
         if chained is not None:
             record_shadows = self._hold_chained(chained, outputs, now)
         else:
@@ -194,7 +201,7 @@ class DraftingSteps:
         """The drafting step launched ahead, read and committed before the scheduler picks
         another batch (a request arrived)."""
         self.last_batch_reqs = reqs
-        outputs = self._finish_draft_step(reqs, self.draft_ahead.take(reqs))
+        outputs = self._finish_draft_step(reqs, self.draft_ahead.take(reqs), steady=True)
         self.stats.maybe_log(self.scheduler)
         return outputs
 

@@ -73,8 +73,10 @@ logger = logging.getLogger("specserve")
 
 
 class AdaptiveDraftLength:
-    def __init__(self, tiers: list[int]):
+    def __init__(self, tiers: list[int], switch_margin: float | None = None):
+        """switch_margin: SWITCH_MARGIN where None (a drafter's own: Drafter.switch_margin)."""
         self.tiers = sorted(set(tiers) | {1})
+        self.switch_margin = SWITCH_MARGIN if switch_margin is None else switch_margin
         self.costs = StepCosts(self.tiers)
         self.modes = BucketModes()
         # read from this module when the policy is built, so that tests which patch
@@ -195,8 +197,8 @@ class AdaptiveDraftLength:
                      batch_size, bucket, tiers, self._switch_margin(bucket), verdict)
 
     def _switch_margin(self, bucket: int) -> float:
-        """SWITCH_MARGIN, times how much the bucket's drafting choices overshot of late."""
-        return SWITCH_MARGIN * min(max(self.optimism.get(bucket, 1.0), 1.0), MAX_OPTIMISM)
+        """The switch margin, times how much the bucket's drafting choices overshot of late."""
+        return self.switch_margin * min(max(self.optimism.get(bucket, 1.0), 1.0), MAX_OPTIMISM)
 
     # --- the choice ---
     def choose(self, rids: list[str], num_nodes: list[int], keys: list[int] | None = None) -> int:
@@ -252,7 +254,7 @@ class AdaptiveDraftLength:
         priced by drafting whatever the evidence said (H200, 1.5B, ShareGPT second turns at
         32: ~40% of a run's drafting steps, at buckets 8 and 16, accept ~1.1-1.3)."""
         tiers = self._useful_tiers(max(num_nodes))
-        prices = {t: self.costs.seconds.get((bucket, t)) or self.costs.floor(bucket, t) for t in tiers}
+        prices = {t: self.costs.price(bucket, t) for t in tiers}
         if any(price is None for price in prices.values()):
             return True   # plain decoding is unpriced here: nothing bounds what drafting costs
         tokens = self._expected_batch_tokens(tiers, rids, num_nodes, keys)

@@ -96,7 +96,26 @@ class StepCosts:
         return age >= RECHECK_GAP and (self._recent.count(key) < MIN_SAMPLES or age > STALE_AFTER)
 
     def unpriced(self, bucket: int, tiers: list[int]) -> list[int]:
-        return [t for t in tiers if (bucket, t) not in self.seconds]
+        """The tiers a choice cannot rate yet (see rateable)."""
+        return [t for t in tiers if not self.rateable(bucket, t)]
+
+    def rateable(self, bucket: int, tier: int) -> bool:
+        """Whether a choice may rate the tier by its price: plain decoding once priced at all
+        (BucketModes.plain_trial sees to a steady price), a drafting tier once priced by a
+        steady step or by MIN_SAMPLES makeshift ones (where no step runs as drafting mode
+        runs them: a batch that turns over every step). One makeshift step is no price to
+        choose by: an episode's first step paid for its proposal, a model drafter's for the
+        catch-up of the plain stretch too (engine/drafting_steps.py)."""
+        key = (bucket, tier)
+        if key not in self.seconds:
+            return False
+        return tier == 1 or key in self._steady or self._recent.count(key) >= MIN_SAMPLES
+
+    def price(self, bucket: int, tier: int) -> float | None:
+        """The tier's price at the bucket where a choice may rate it (see unpriced), else its floor."""
+        if self.unpriced(bucket, [tier]):
+            return self.floor(bucket, tier)
+        return self.seconds[(bucket, tier)]
 
     def cost(self, bucket: int, tier: int) -> float:
         return self.seconds[(bucket, tier)]
@@ -112,14 +131,15 @@ class StepCosts:
         less than in proportion to the batch (a fixed part: proposing, building the tree,
         verifying), so a priced tier t' <= t at a bucket b' adds at least what it adds at
         b' <= b, and at least (b / 2) / b' of it at b' > b (bucket b runs batches above
-        b / 2)."""
+        b / 2). Only rateable prices bound it (one makeshift step is no lower bound)."""
         plain = self.seconds.get((bucket, 1))
         if plain is None:
             return None
         added = 0.0
         for (other, tier_priced), seconds in self.seconds.items():
             base = self.seconds.get((other, 1))
-            if 1 < tier_priced <= tier and base is not None:
+            # rateable prices only: one makeshift step may cost several steady ones (an episode's first)
+            if 1 < tier_priced <= tier and base is not None and self.rateable(other, tier_priced):
                 share = 1.0 if other <= bucket else bucket / 2 / other
                 added = max(added, share * (seconds - base))
         return plain + added

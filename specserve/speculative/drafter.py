@@ -33,6 +33,9 @@ class Drafter:
     # engine then proposes (and launches, through launch_fused where the drafter fuses the
     # batch) a greedy batch's next step before showing this step's tokens (engine/draft_ahead.py)
     proposes_ahead = False
+    # how much better drafting must be expected to do than plain decoding before a plain
+    # bucket of the adaptive policy drafts again (None: adaptive.SWITCH_MARGIN)
+    switch_margin: float | None = None
 
     def add_prompt(self, req: "Req") -> None:
         """A request arrived: its prompt may feed the drafter."""

@@ -60,6 +60,12 @@ class FusedChainDrafter(EagleDrafter):
     # a proposal reads the pending drafts (read_fused), the head's cache synced to the committed
     # tokens and, for a request without pending drafts, the target states observe_hidden kept
     proposes_ahead = True
+    # SWITCH_MARGIN (1.15) is for switches that cost: NGRAM's first drafting step is not launched
+    # ahead, and with the step launched ahead of it thrown away the modes alternated. A fused
+    # chain's episode is chained from its second step on (engine/draft_ahead.py) and the head's
+    # catch-up of the plain stretch is paid once; 1.15 kept plain the batches of 8 where chained
+    # steps won 1.08-1.17x (H200, 1.5B, session 28: expected 1.08-1.16x at the steps' prices)
+    switch_margin = 1.05
 
     def __init__(self, runner: "EagleHeadRunner", fused: "FusedChainRunner"):
         super().__init__(runner)
