@@ -24,12 +24,12 @@ launch_fused where it serves the batch: the next drafts come with the outcome), 
 greedy requests (their commit needs the argmax alone).
 
 A fused chain's step goes further (`ChainedStep`; under the adaptive policy while the
-batch's bucket drafts, its choice for the step made once the step before is committed): its next drafts come out of
-the step itself, on the device, so step N+1 is queued before N is read
-(Drafter.launch_chained: its root, drafts and prefix lengths derived from N's outcome on
-the device, its KV slots allocated by the host beforehand), and the read, commit,
-proposal bookkeeping and launch all run while the GPU computes N+1, as on the plain
-overlap schedule. Once N is committed the drafter takes N+1's head rows for the requests
+batch's bucket drafts, the policy's choice for it made once the step before is committed):
+its next drafts come out of the step itself, on the device, so step N+1 is queued before
+N is read (Drafter.launch_chained: its root, drafts and prefix lengths derived from N's
+outcome on the device, its KV slots allocated by the host beforehand), and the read,
+commit, proposal bookkeeping and launch all run while the GPU computes N+1, as on the
+plain overlap schedule. Once N is committed the drafter takes N+1's head rows for the requests
 that go on (`ChainedStep.held`); rows of requests N ended are cut when N+1 is read, their
 slots freed (their writes land in freed slots and past committed lengths), and the step
 after it is launched from the host again.

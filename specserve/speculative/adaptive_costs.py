@@ -17,6 +17,13 @@ episode, the step after one, a probe's host time) prices it only until such a st
 been seen: on an H100 (0.5B, ShareGPT second turns at 64) those steps took 3.2-4.4 ms where
 overlapped ones took 1.5-2.0, so drafting looked 1.5x faster than plain at a batch where
 it lost 27% end to end.
+
+Drafting tiers likewise: a step launched when the scheduler asked for it (an episode's
+first, and any after the batch changed) is priced as a makeshift until the tier has a
+steady price, and one makeshift step neither rates the tier nor bounds another bucket's
+floor (`rateable`): an EAGLE-3 episode's first step, its head catching up on the plain
+stretch, took 4-8 ms at batch 4, where a chained step at batch 8 takes ~3 (H200, 1.5B),
+and as a price it kept every bucket of those runs plain.
 """
 from __future__ import annotations
 
