@@ -143,20 +143,30 @@ def bench(ns, algorithm: str, num_steps: int, topk: int, token_map: str | None, 
 
 def write_table(rows: list[dict], path: str) -> None:
     """Tokens per second per (workload, concurrency, config), the speed-up over plain, the
-    accept length and the mean draft step time."""
+    accept length, the mean draft step time and the decode steps that drafted (what an
+    adaptive engine chose: drafting steps / all decode steps)."""
     runs = [r for r in rows if r.get("kind") == "specserve"]
     plain = {(r["workload"], r["concurrency"]): r["output_tokens_per_s"] for r in runs if r["config"] == "plain"}
-    lines = ["| workload | concurrency | config | tok/s | vs plain | accept length | draft ms/step |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| workload | concurrency | config | tok/s | vs plain | accept length | draft ms/step | drafting steps |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in sorted(runs, key=lambda r: (r["workload"], r["concurrency"], r["config"])):
         base = plain.get((r["workload"], r["concurrency"]))
         speedup = f"{r['output_tokens_per_s'] / base:.2f}x" if base else ""
         accept = f"{r['accept_length']:.2f}" if "accept_length" in r else ""
         draft_ms = f"{r['draft_ms_per_step']:.2f}" if r.get("draft_ms_per_step") is not None else ""
         lines.append(f"| {r['workload']} | {r['concurrency']} | {r['config']} | {r['output_tokens_per_s']:.1f} | "
-                     f"{speedup} | {accept} | {draft_ms} |")
+                     f"{speedup} | {accept} | {draft_ms} | {drafting_steps(r)} |")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def drafting_steps(run: dict) -> str:
+    """"drafting / all" decode steps of a run's step mix ("" without one)."""
+    mix = run.get("step_mix")
+    if not mix:
+        return ""
+    drafting = mix.get("draft", {}).get("steps", 0)
+    return f"{drafting} / {drafting + mix.get('plain', {}).get('steps', 0)}"
 
 
 def main(argv=None) -> None:
