@@ -173,10 +173,15 @@ class GraphStandIn(ReplayForward):
             return TreeStepOutputs(logits, trees, outcome)
 
 
-def _pin_drafting(adaptive) -> None:
+def _pin_drafting(core) -> None:
     """The policy's choice among drafting tiers, its bookkeeping included, but no plain mode:
     the bucket always drafts, and plain decoding is priced out of reach (never measured
-    here, since no step is plain)."""
+    here, since no step is plain). Nor does a step decode plainly while the drafter's writer
+    is behind (ready_to_draft): its proposals wait for the writer instead (`drain`), as
+    without a policy. On a loaded CPU the writer lagged through every timed step of a run,
+    which then measured plain steps (accept length 1.0; 1 run in 3 with two busy cores)."""
+    adaptive = core.adaptive
+    core.drafter.ready_to_draft = lambda: True
     adaptive.should_draft = lambda batch_size: True
     adaptive.costs.refresh_due = lambda bucket: False   # plain decoding always contends for a refresh
     record = adaptive.costs.record
@@ -253,7 +258,7 @@ def time_drafting_steps(engine, stand_in: GraphStandIn, prompts, spec: tuple, ph
     set_drafter(engine, *spec)
     core.draft_ahead = DraftAhead(core.scheduler) if ahead else None
     if core.adaptive is not None:
-        _pin_drafting(core.adaptive)
+        _pin_drafting(core)
     params = {"temperature": 0, "max_new_tokens": 4096, "ignore_eos": True}
     reqs = [engine._make_request(p, params, False, 0, f"draft-host-{i}") for i, p in enumerate(prompts)]
     for req in reqs:
