@@ -15,13 +15,13 @@ import time
 import torch
 
 from specserve.args import ServerArgs
-from specserve.attention.base import ForwardBatch, ForwardMode
 from specserve.attention.registry import create_attention_backend
 from specserve.errors import ArgumentError
 from specserve.kv.pool import KVPool
 from specserve.model.config import ModelConfig
 from specserve.model.llama import DecoderLM
 from specserve.model.loader import load_checkpoint, resolve_model_path
+from specserve.runner.catch_up_batch import catch_up_batch
 from specserve.runner.chain_graphs import ChainGraphs
 from specserve.runner.cuda_graph import batch_size_buckets
 from specserve.runner.draft_chain import ChainInputs, ChainRow, DecoderChainModel, run_chain
@@ -92,16 +92,7 @@ class DraftModelRunner:
     def catch_up(self, rows: list[int], starts: list[int], tokens: list[list[int]], slots: list[int]) -> None:
         """Feeds each request's tokens[i] at positions starts[i].. (their slots, request after
         request, in `slots`; table entries already written): one EXTEND forward."""
-        device = self.device
-        lengths = [len(t) for t in tokens]
-        positions = [p for start, length in zip(starts, lengths) for p in range(start, start + length)]
-        as_long = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
-        batch = ForwardBatch(
-            mode=ForwardMode.EXTEND, input_ids=as_long([t for ids in tokens for t in ids]),
-            positions=as_long(positions), out_slots=as_long(slots), req_rows=as_long(rows),
-            prefix_lens=as_long(starts), extend_lens=as_long(lengths), prefix_lens_host=list(starts),
-            extend_lens_host=lengths, kv_pool=self.pool,
-            logits_indices=as_long([len(positions) - 1]))   # no logits are needed: one row is the cheapest
+        batch = catch_up_batch(rows, starts, tokens, slots, self.pool, self.device)
         self.backend.plan(batch)
         self.model(batch, self.backend)
 

@@ -19,12 +19,13 @@ import time
 import torch
 
 from specserve.args import ServerArgs
-from specserve.attention.base import ForwardBatch, ForwardMode
+from specserve.attention.base import ForwardBatch
 from specserve.errors import ArgumentError
 from specserve.kv.pool import KVPool, host_to_device_async
 from specserve.model.config import ModelConfig
 from specserve.model.hidden_capture import HiddenCapture
 from specserve.model.rope import RotaryEmbedding
+from specserve.runner.catch_up_batch import catch_up_batch
 from specserve.runner.chain_graphs import ChainGraphs
 from specserve.runner.cuda_graph import batch_size_buckets
 from specserve.runner.draft_chain import ChainInputs, ChainRow, run_chain
@@ -139,24 +140,10 @@ class EagleHeadRunner:
     def catch_up(self, rows: list[int], starts: list[int], tokens: list[list[int]], slots: list[int],
                  features: torch.Tensor) -> None:
         """Step 0 over rows a chain does not feed (a prompt's, before its last K + 1): one
-        EXTEND forward; features: the rows' target states, request after request. Its inputs
-        go to the device in one copy queued without waiting (pool.host_to_device_async): a
-        plain stretch's feed runs while the step launched ahead computes, and a blocking copy
-        would wait for that step and leave the GPU idle while this forward's launches follow
-        (H200, random 1.5B, batch 1: a plain step that fed took ~4 ms more than one that did not)."""
-        lengths = [len(t) for t in tokens]
-        total, bs = sum(lengths), len(lengths)
-        packed = host_to_device_async(torch.tensor(
-            [t for ids in tokens for t in ids]
-            + [r for start, length in zip(starts, lengths) for r in range(start, start + length)]
-            + list(slots) + [r * self.topk for r in rows] + list(starts) + lengths + [total - 1],
-            dtype=torch.long), self.device)
-        input_ids, positions, out_slots, req_rows, prefix_lens, extend_lens, logits_indices = packed.split(
-            [total, total, total, bs, bs, bs, 1])
-        batch = ForwardBatch(
-            mode=ForwardMode.EXTEND, input_ids=input_ids, positions=positions, out_slots=out_slots,
-            req_rows=req_rows, prefix_lens=prefix_lens, extend_lens=extend_lens, prefix_lens_host=list(starts),
-            extend_lens_host=lengths, kv_pool=self.pool, logits_indices=logits_indices)
+        EXTEND forward (catch_up_batch.py: its inputs go without waiting; H200, random 1.5B,
+        batch 1: a plain step that fed through a blocking copy took ~4 ms more than one that
+        did not); features: the rows' target states, request after request."""
+        batch = catch_up_batch([r * self.topk for r in rows], starts, tokens, slots, self.pool, self.device)
         self.backend.plan(batch)
         self.chain_model.forward(batch, self.head.project(features.to(self.dtype)))
 
