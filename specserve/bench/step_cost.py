@@ -58,7 +58,7 @@ class ChainDrafter(Drafter):
         counts = [min(self.size, limit) for limit in max_nodes]
         n = max(counts)
         tokens = self.rng.integers(10, 4000, size=(len(reqs), n))
-        tokens[:, 0] = [r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs]
+        tokens[:, 0] = [r.last_token for r in reqs]
         node = np.arange(n)
         parents = np.where(node < np.asarray(counts)[:, None], node - 1, -1)
         return TreeProposal(tokens, parents, np.asarray(counts, dtype=np.int64)), counts

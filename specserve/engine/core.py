@@ -377,7 +377,7 @@ class EngineCore(DraftingSteps):
 
     @staticmethod
     def _last_tokens(reqs: list[Req]) -> list[int]:
-        return [r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs]
+        return [r.last_token for r in reqs]
 
     # --- commit ---
     def _commit_kv(self, reqs: list[Req], outcome: StepOutcome, node_slots, num_nodes) -> None:

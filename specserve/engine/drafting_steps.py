@@ -120,14 +120,19 @@ class DraftingSteps:
             raise
         return outputs
 
+    def _drafts_next_greedily(self, reqs: list[Req]) -> bool:
+        """Whether the scheduler's next step is a greedy drafting step of this same batch,
+        which may then be launched ahead (the policy asked last: should_draft moves its modes)."""
+        return (self.draft_ahead is not None and self.draft_ahead.batch_is_next(reqs)
+                and self.sampler.argmax_is_enough(reqs)
+                and (self.adaptive is None or self.adaptive.should_draft(len(reqs))))
+
     def _launch_ahead(self, reqs: list[Req], outputs: list[StepOutput], now: float) -> Callable[[], None] | None:
         """Proposes and launches the next drafting step of the same batch, if it is next;
         `now`: where its cost starts (this step's was taken at the same time: a whole cycle).
         Returns the recording of its shadows (see _propose), None if nothing was launched."""
-        ahead = self.draft_ahead
-        if (ahead is None or any(out.finished for out in outputs) or not ahead.batch_is_next(reqs)
-                or not self._drafts_greedily(reqs)
-                or (self.adaptive is not None and not self.adaptive.should_draft(len(reqs)))):
+        if (any(out.finished for out in outputs) or not self.drafter.proposes_ahead
+                or not self._drafts_next_greedily(reqs)):
             return None
         limits = self._draft_limits(reqs)
         # its slots and one per request to spare: the scheduler preempts nobody while it is ahead
@@ -136,8 +141,8 @@ class DraftingSteps:
         proposal, num_nodes, record_shadows = self._propose(reqs, limits)
         slots = self.scheduler.alloc_slots(sum(num_nodes))
         try:
-            ahead.hold(launch_draft_step(self.runner, self.drafter, reqs, proposal, slots, now,
-                                         self.outcome_copies))
+            self.draft_ahead.hold(launch_draft_step(self.runner, self.drafter, reqs, proposal, slots, now,
+                                                    self.outcome_copies))
         except BaseException:
             self.scheduler.free_slots(slots)
             raise
@@ -149,10 +154,7 @@ class DraftingSteps:
         commit, proposal and launch run while the GPU computes it, as a plain step's do on
         the overlap schedule. Under the adaptive policy, while the batch's bucket drafts: its
         choice for the step is made once this one is committed (_hold_chained)."""
-        ahead = self.draft_ahead
-        if (step.read_fused is None or ahead is None or not ahead.batch_is_next(reqs)
-                or not self.sampler.argmax_is_enough(reqs)
-                or (self.adaptive is not None and not self.adaptive.should_draft(len(reqs)))):
+        if step.read_fused is None or not self._drafts_next_greedily(reqs):
             return None
         n = self.drafter.chain_nodes(reqs, step.launched)
         # its slots and one per request to spare: the scheduler preempts nobody while it is ahead

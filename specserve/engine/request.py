@@ -129,6 +129,11 @@ class Req:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def last_token(self) -> int:
+        """The newest token (a decode step's input; a draft tree's root)."""
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
     def kv_len(self) -> int:
         return len(self.kv_slots)
 

@@ -100,7 +100,7 @@ class EagleDrafter(Drafter):
                 continue
             chained.append((index, req, first))
             features.append(fed)
-        roots = [r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs]
+        roots = [r.last_token for r in reqs]
         if not chained:
             return chain_proposal(max_nodes, roots, [], [], None, self.num_steps)
         try:

@@ -16,10 +16,11 @@ stored target states, then its first K drafts (a host sync, on such steps only).
 request gets its next 2K head rows reserved (fused_step.reserved_head_rows), and the step
 is fused.
 
-On the engine's greedy path with pinned drafting, the next fused step is queued before the
-host reads this one (launch_chained: runner/fused_chain.py derives its inputs from this
-step's outcome on the device; engine/draft_ahead.py): its head rows are allocated then and
-taken into the head's table once this step is committed (adopt_chained).
+On the engine's greedy path (pinned drafting, or the adaptive policy while the batch's
+bucket drafts), the next fused step is queued before the host reads this one
+(launch_chained: runner/fused_chain.py derives its inputs from this step's outcome on the
+device; engine/draft_ahead.py): its head rows are allocated then and taken into the head's
+table once this step is committed (adopt_chained).
 
 Batches the fused step cannot serve (penalties, logprobs, min_new_tokens still holding stop
 tokens back, a head cache that did not fit) are verified by the engine as usual: the target
@@ -101,7 +102,7 @@ class FusedChainDrafter(EagleDrafter):
                 drafted.append(index)
                 drafts.append(pending)
         self.kv.write_table()
-        roots = [r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs]
+        roots = [r.last_token for r in reqs]
         proposal, num_nodes = chain_proposal(max_nodes, roots, drafted, drafts, None, self.num_steps)
         if not self._fuses(reqs) and sampled and drafted:
             proposal = self._with_q(proposal, reqs)
@@ -184,7 +185,7 @@ class FusedChainDrafter(EagleDrafter):
         """The chains a step launch_chained queued verifies, on the host once the step before
         is read: each request's last token and its pending drafts."""
         nodes = self.num_steps + 1
-        roots = [r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs]
+        roots = [r.last_token for r in reqs]
         return chain_proposal([nodes] * len(reqs), roots, list(range(len(reqs))),
                               [self.pending[r.rid][1] for r in reqs], None, self.num_steps)
 

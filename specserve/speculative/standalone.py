@@ -47,7 +47,7 @@ class StandaloneDrafter(Drafter):
                 start = self.kv.reserve(req, self.num_steps - 1)   # d1 .. d_{K-1} are fed, d_K is not
                 if start is not None:
                     chained.append((index, req, self._chain_slots(req, start)))
-        roots = [r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs]
+        roots = [r.last_token for r in reqs]
         if not chained:
             return TreeProposal.root_only(roots), [1] * len(reqs)
         try:
