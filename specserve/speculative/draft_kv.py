@@ -54,6 +54,17 @@ class DraftKVTable:
         """Rows a request's cache holds once every token it committed is in."""
         return req.num_tokens - self.token_offset
 
+    def missing_rows(self, req: "Req") -> int:
+        """Rows the request's cache lacks (a chain's accepted drafts count until a sync keeps
+        them): what a proposal for it feeds first, in its catch-up forward."""
+        seq = self.sequences.get(req.rid)
+        held = seq.committed if seq is not None and seq.row == req.row else 0
+        return max(self.rows_of(req) - held, 0)
+
+    def cheapest_first(self, reqs: list["Req"]) -> list[int]:
+        """Indices of `reqs`, fewest missing rows first (batch order among equals)."""
+        return sorted(range(len(reqs)), key=lambda i: self.missing_rows(reqs[i]))
+
     def sync(self, req: "Req") -> DraftSequence:
         """The request's draft cache cut to the rows whose token the request committed
         (drafts the verify step rejected go back to the pool)."""

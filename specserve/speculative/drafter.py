@@ -45,6 +45,13 @@ class Drafter:
         host. Returns the padded trees and each tree's real node count."""
         raise NotImplementedError
 
+    def probe_order(self, reqs: list["Req"]) -> list[int] | None:
+        """Indices of `reqs`, cheapest to propose for first, where that cost depends on the
+        request (a model drafter first feeds what plain steps committed since its last
+        proposal); None where every request costs alike (the policy's probes then rotate
+        through the batch)."""
+        return None
+
     def proposal_keys(self) -> list[int] | None:
         """Per request of the last `propose`: an evidence class that predicts how much of
         the draft will be accepted (for the adaptive draft length), or None."""

@@ -144,6 +144,11 @@ class EagleDrafter(Drafter):
                              [s for seq, first, stop, _ in lagging for s in seq.slots[first:stop]],
                              torch.cat([states for _, _, _, states in lagging]))
 
+    def probe_order(self, reqs: list["Req"]) -> list[int]:
+        """Fewest rows to catch up first: a probe's cost is mostly that forward (a new prompt's
+        every row), which a bucket held plain pays for nothing."""
+        return self.kv.cheapest_first(reqs)
+
     def observe(self, req: "Req", committed: list[int]) -> None:
         self.kv.sync(req)   # the chain's rows go back to the pool
 

@@ -85,6 +85,11 @@ class StandaloneDrafter(Drafter):
         return ChainRow(tokens=seq.tokens[length - 2:length], slots=reserved.chain_slots,
                         req_row=seq.row, prefix_len=length - 2, seed=req.seed, temperature=draft_temperature(req))
 
+    def probe_order(self, reqs: list["Req"]) -> list[int]:
+        """Fewest rows to catch up first: a probe's cost is mostly that forward (a new prompt's
+        every row), which a bucket held plain pays for nothing."""
+        return self.kv.cheapest_first(reqs)
+
     def observe(self, req: "Req", committed: list[int]) -> None:
         """After a verify step: the rejected drafts' draft KV goes back to the pool now."""
         self.kv.sync(req)
