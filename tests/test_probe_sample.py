@@ -1,7 +1,8 @@
 """Which requests a probe of the adaptive policy proposes for, where it samples part of the
-batch (more requests than PROBE_REQUESTS): a model drafter's (an EAGLE head's) proposals first
-feed every row a request's cache lacks, so the probe takes the requests with the fewest of
-them; an n-gram drafter's cost alike, and its probes rotate through the batch."""
+batch (more requests than PROBE_REQUESTS): a model drafter's proposals (an EAGLE head's, a
+draft model's) first feed every row a request's draft cache lacks, so the probe takes the
+requests with the fewest of them; an n-gram drafter's cost alike, and its probes rotate
+through the batch."""
 from __future__ import annotations
 
 import torch

@@ -351,10 +351,10 @@ class EngineCore(DraftingSteps):
     def _probe_sample(self, reqs: list[Req]) -> list[Req]:
         """The requests a probe proposes for: a window rotating through the batch, or, where it
         samples part of the batch and the drafter's proposals cost more for some requests, the
-        cheapest (a model drafter's: those with the fewest rows to catch up. At 64 an EAGLE-3
-        probe of 16 requests took ~10-14 ms on an H200, 1.5B, all that an adaptive engine held
-        plain lost there; its catch-up of 16 new prompts is ~16k rows through the head,
-        ~2 TFLOP, an estimate: the probe was not profiled)."""
+        cheapest: a model drafter's proposal first feeds every row the request's draft cache
+        lacks, for a new request its whole prompt (H200, 1.5B, EAGLE-3 held plain at 64: one
+        probe of 16 requests, ~10 ms, was all the adaptive engine lost to plain on code-types;
+        how much of it was that catch-up was not profiled)."""
         window = self.adaptive.probe_requests(len(reqs))   # at most the batch: no request twice
         live = [r for r in reqs if not r.finished]
         order = self.drafter.probe_order(live) if len(window) < len(reqs) else None

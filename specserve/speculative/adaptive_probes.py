@@ -2,7 +2,9 @@
 
 After a plain step's tokens are committed, while the GPU runs the next step, the engine
 proposes for up to PROBE_REQUESTS requests of the batch as shadows only (`probe`): no
-verify is paid for, yet the evidence keeps coming.
+verify is paid for, yet the evidence keeps coming. Which requests: a window rotating through
+the batch (`requests`), or, for a model drafter, those whose draft caches lack the fewest rows
+(engine/core.py's _probe_sample: each proposal first feeds what its cache lacks).
 
 A probe is host time a plain step would not spend (the proposals, their shadows, and the
 drafter's indexing of the tokens committed since the last probe, which plain steps leave

@@ -145,8 +145,7 @@ class EagleDrafter(Drafter):
                              torch.cat([states for _, _, _, states in lagging]))
 
     def probe_order(self, reqs: list["Req"]) -> list[int]:
-        """Fewest rows to catch up first: a probe's cost is mostly that forward (a new prompt's
-        every row), which a bucket held plain pays for nothing."""
+        """Fewest rows to catch up first (DraftKVTable.cheapest_first)."""
         return self.kv.cheapest_first(reqs)
 
     def observe(self, req: "Req", committed: list[int]) -> None:

@@ -86,8 +86,7 @@ class StandaloneDrafter(Drafter):
                         req_row=seq.row, prefix_len=length - 2, seed=req.seed, temperature=draft_temperature(req))
 
     def probe_order(self, reqs: list["Req"]) -> list[int]:
-        """Fewest rows to catch up first: a probe's cost is mostly that forward (a new prompt's
-        every row), which a bucket held plain pays for nothing."""
+        """Fewest rows to catch up first (DraftKVTable.cheapest_first)."""
         return self.kv.cheapest_first(reqs)
 
     def observe(self, req: "Req", committed: list[int]) -> None:
