@@ -21,14 +21,16 @@
 #                                                   as session 7 did; skipped where one is there already, or unpacked
 #                                                   from /root/models/eagle3-1.5b-ttt4.tar where that was staged:
 #                                                   `scripts/split_for_device.sh models/*1.5b*.gguf .gpu/eagle3-1.5b-ttt4.tar`,
-#                                                   session 27's head, BENCHMARKS.md)
+#                                                   session 27's head, BENCHMARKS.md; EAGLE_HEAD_MODEL=qwen2.5-coder-0.5b-instruct
+#                                                   EAGLE_HEAD_BUDGET_S=240: the 0.5B's into /root/eagle3-0.5b)
 #   scripts/gpu_run.sh eagle-rows                  (that head on the 1.5B, after `eagle-head` on the same warm machine: EAGLE-3
 #                                                   chains of 3 and NAIVE_EAGLE, pinned and adaptive, against plain, on chat and
 #                                                   code-types at 1/8/64: what drafting with the head would give and what the
 #                                                   policy makes of it; ~80 s)
 #   scripts/gpu_run.sh peers-eagle [ENGINE...]     (the peers benchmark's EAGLE-3 chains of 3 with that head on the 1.5B:
 #                                                   specserve-eagle3 sglang-eagle3 vllm-eagle3 by default (any engines
-#                                                   of bench/peers_engines.py), sharing PEERS_DEADLINE_S (570 s); the
+#                                                   of bench/peers_engines.py; PEERS_MODEL another model, its head in
+#                                                   /root/eagle3-0.5b for the 0.5B), sharing PEERS_DEADLINE_S (570 s); the
 #                                                   rows, table and server logs in one $OUT/peers_eagle.tar. Needs the
 #                                                   peers' wheels staged (specserve/bench/peers_stage.sh) and the head
 #                                                   of `eagle-head` from an earlier call on the same warm machine)
@@ -143,16 +145,21 @@ if [ "$mode" = suite-ab ]; then
   done
   for tree in old new; do echo "== $tree"; python3 -m specserve.bench.loss_split "$OUT/ab_$tree/results.jsonl"; done
 fi
+head_dir() {   # MODEL: where its EAGLE-3 head lives on the device machine (/root/eagle3-1.5b, /root/eagle3-0.5b)
+  local size=${1#qwen2.5-coder-}; echo "/root/eagle3-${size%-instruct}"
+}
 if [ "$mode" = eagle-head ]; then
-  if [ -f /root/eagle3-1.5b/config.json ] && [ -f /root/eagle3-1.5b/model.safetensors ]; then
-    echo "EAGLE-3 head already in /root/eagle3-1.5b" | tee "$OUT/train_eagle.txt"
-  elif [ -f /root/models/eagle3-1.5b-ttt4.tar ]; then   # session 27's head, staged with the models
-    mkdir -p /root/eagle3-1.5b && tar xf /root/models/eagle3-1.5b-ttt4.tar -C /root/eagle3-1.5b \
-      && echo "EAGLE-3 head unpacked from the staged eagle3-1.5b-ttt4.tar" | tee "$OUT/train_eagle.txt"
+  model=${EAGLE_HEAD_MODEL:-qwen2.5-coder-1.5b-instruct}; head=$(head_dir "$model")
+  if [ -f "$head/config.json" ] && [ -f "$head/model.safetensors" ]; then
+    echo "EAGLE-3 head already in $head" | tee "$OUT/train_eagle.txt"
+  elif [ -f "/root/models/$(basename "$head")-ttt4.tar" ]; then   # a staged head (session 27's, for the 1.5B)
+    mkdir -p "$head" && tar xf "/root/models/$(basename "$head")-ttt4.tar" -C "$head" \
+      && echo "EAGLE-3 head unpacked from the staged $(basename "$head")-ttt4.tar" | tee "$OUT/train_eagle.txt"
   else
-    python3 -m specserve.train_eagle --model-path /root/models/qwen2.5-coder-1.5b-instruct.gguf \
-      --output-dir /root/eagle3-1.5b --dataset-path .gpu/sharegpt_train.json --exclude-dataset-path .gpu/sharegpt_bench.json \
-      --time-budget 450 --text-chats 600 --checkpoint-every 0 2>&1 | grep -v '%|' | tail -20 | tee "$OUT/train_eagle.txt"
+    python3 -m specserve.train_eagle --model-path "/root/models/$model.gguf" \
+      --output-dir "$head" --dataset-path .gpu/sharegpt_train.json --exclude-dataset-path .gpu/sharegpt_bench.json \
+      --time-budget "${EAGLE_HEAD_BUDGET_S:-450}" --text-chats 600 --checkpoint-every 0 2>&1 | grep -v '%|' | tail -20 \
+      | tee "$OUT/train_eagle.txt"
   fi
 fi
 if [ "$mode" = eagle-rows ]; then
@@ -161,8 +168,9 @@ fi
 if [ "$mode" = peers-eagle ]; then
   engines=("$@"); [ ${#engines[@]} -gt 0 ] || engines=(specserve-eagle3 sglang-eagle3 vllm-eagle3)
   # benchmark prompts from the conversations the head never trained on
-  python3 -m specserve.bench.peers run --quick --models qwen2.5-coder-1.5b-instruct --concurrency 1 8 32 64 \
-    --engines "${engines[@]}" --eagle-head qwen2.5-coder-1.5b-instruct=/root/eagle3-1.5b \
+  model=${PEERS_MODEL:-qwen2.5-coder-1.5b-instruct}
+  python3 -m specserve.bench.peers run --quick --models "$model" --concurrency 1 8 32 64 \
+    --engines "${engines[@]}" --eagle-head "$model=$(head_dir "$model")" \
     --engine-budget-s 560 --deadline-s "${PEERS_DEADLINE_S:-570}" --dataset-path .gpu/sharegpt_bench.json \
     --out "$OUT/peers_eagle" 2>&1 | grep -v '%|' | tail -60
   tar -cf "$OUT/peers_eagle.tar" -C "$OUT" peers_eagle && rm -rf "$OUT/peers_eagle"   # a call returns 8 files at most
