@@ -356,11 +356,12 @@ class EngineCore(DraftingSteps):
         probe of 16 requests, ~10 ms, was all the adaptive engine lost to plain on code-types;
         how much of it was that catch-up was not profiled)."""
         window = self.adaptive.probe_requests(len(reqs))   # at most the batch: no request twice
-        live = [r for r in reqs if not r.finished]
-        order = self.drafter.probe_order(live) if len(window) < len(reqs) else None
-        if order is None:
-            return [reqs[i % len(reqs)] for i in window if not reqs[i % len(reqs)].finished]
-        return [live[i] for i in order[:len(window)]]
+        if len(window) < len(reqs):
+            live = [r for r in reqs if not r.finished]
+            order = self.drafter.probe_order(live)
+            if order is not None:
+                return [live[i] for i in order[:len(window)]]
+        return [reqs[i % len(reqs)] for i in window if not reqs[i % len(reqs)].finished]
 
     def _next_plain_rows(self, reqs: list[Req]) -> list[int]:
         """The requests (indices) whose next step can be launched before this one's tokens are

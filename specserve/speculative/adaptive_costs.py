@@ -119,10 +119,8 @@ class StepCosts:
         return tier == 1 or key in self._steady or self._recent.count(key) >= MIN_SAMPLES
 
     def price(self, bucket: int, tier: int) -> float | None:
-        """The tier's price at the bucket where a choice may rate it (see unpriced), else its floor."""
-        if self.unpriced(bucket, [tier]):
-            return self.floor(bucket, tier)
-        return self.seconds[(bucket, tier)]
+        """The tier's price at the bucket where a choice may rate it (see rateable), else its floor."""
+        return self.seconds[(bucket, tier)] if self.rateable(bucket, tier) else self.floor(bucket, tier)
 
     def cost(self, bucket: int, tier: int) -> float:
         return self.seconds[(bucket, tier)]
