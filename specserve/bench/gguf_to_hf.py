@@ -15,12 +15,20 @@ import json
 import os
 import time
 
+from specserve.bench.file_lock import exclusive
+
 DONE_MARKER = "converted_from.json"   # written last: a directory without it is incomplete
 
 
 def convert(gguf_path: str, out_dir: str, dtype: str = "bfloat16") -> str:
     """Writes the HF directory (skipped when a finished conversion of the same file and
-    dtype is there); returns out_dir."""
+    dtype is there; a process converting the same directory meanwhile is waited for);
+    returns out_dir."""
+    with exclusive(out_dir):
+        return _convert(gguf_path, out_dir, dtype)
+
+
+def _convert(gguf_path: str, out_dir: str, dtype: str) -> str:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
     source = {"gguf": os.path.abspath(gguf_path), "size": os.path.getsize(gguf_path), "dtype": dtype}

@@ -18,6 +18,8 @@ import subprocess
 import sys
 import tarfile
 
+from specserve.bench.file_lock import exclusive
+
 _STAMP = ".installed_wheels"
 
 
@@ -47,7 +49,13 @@ def wheel_dir(engine: str, wheels_roots: list[str], envs_root: str) -> str | Non
 def install(engine: str, wheels_roots: list[str], envs_root: str, required: bool = True) -> str | None:
     """Installs the engine's wheels into `<envs_root>/<engine>` (once: a stamp lists what is
     there) and returns that directory; None when the engine has no wheels and none are
-    `required` (its packages must then import from the image)."""
+    `required` (its packages must then import from the image). Jobs on other GPUs of the
+    machine installing the same engine meanwhile are waited for (file_lock.py)."""
+    with exclusive(os.path.join(envs_root, engine)):
+        return _install(engine, wheels_roots, envs_root, required)
+
+
+def _install(engine: str, wheels_roots: list[str], envs_root: str, required: bool) -> str | None:
     source = wheel_dir(engine, wheels_roots, envs_root)
     if source is None:
         if required:
