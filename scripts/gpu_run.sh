@@ -5,6 +5,8 @@
 #                                                   traces in one file: the run behind BENCHMARKS' suite tables, ~3-5 min a model)
 #   scripts/gpu_run.sh suite-ab MODEL              (AB_OLD=.ab/old AB_RUNS=2: the suite at 32/64 for an old tree and this
 #                                                   one, alternating, then where each tree's losing cells lose; ~1.5 min a run)
+#   AB_TREE=DIR scripts/gpu_run.sh suite-tree MODEL (one tree's half of suite-ab, for two GPUs at once: gpu_parallel.sh)
+#   AB_TREE=DIR scripts/gpu_run.sh drafters-tree   (EAGLE-3 chains of 3 with /root/eagle3-1.5b at 64, that tree's code)
 #   scripts/gpu_run.sh step-cost                   (no models staged, ~3 min: plain, 4- and 8-node verify and the fused
 #                                                   EAGLE-3 step at batch 1 and 8 on random 1.5B weights, each with the
 #                                                   host's time by phase: where a verify step's unhidden host time goes)
@@ -41,16 +43,20 @@ set -uo pipefail
 mode=${1:-all}; shift || true
 models=("$@"); [ ${#models[@]} -gt 0 ] || models=(smollm2-135m-instruct qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct)
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+# once a machine, under a lock: jobs on its other GPUs (scripts/gpu_parallel.sh) start with the same install
+( flock 9; wanted=$(ls .whl); [ "$(cat /tmp/site/.wheels 2>/dev/null)" = "$wanted" ] && exit 0
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && echo "$wanted" > /tmp/site/.wheels ) 9>/tmp/site.lock || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 # benchmarks sample the subset's first 1000 conversations; EAGLE heads and token maps learn from the other
 # 3000, so no benchmark prompt was trained on
 [ -f .gpu/sharegpt_bench.json ] || python3 -c "import json; d = json.load(open('.gpu/sharegpt_subset.json')); \
 json.dump(d[:1000], open('.gpu/sharegpt_bench.json', 'w')); json.dump(d[1000:], open('.gpu/sharegpt_train.json', 'w'))"
-chain_rows() {   # OUT_DIR [model_drafters flags]: /root/eagle3-1.5b's NAIVE_EAGLE and EAGLE-3 chains of 3, pinned and adaptive
+chain_rows() {   # OUT_DIR [model_drafters flags]: /root/eagle3-1.5b's NAIVE_EAGLE and EAGLE-3 chains of 3 (or
+                 # $CHAIN_ALGORITHMS), pinned and adaptive
   local out=$1; shift
-  python3 -m specserve.bench.model_drafters --algorithm NAIVE_EAGLE EAGLE3 --target /root/models/qwen2.5-coder-1.5b-instruct.gguf \
+  python3 -m specserve.bench.model_drafters --algorithm ${CHAIN_ALGORITHMS:-NAIVE_EAGLE EAGLE3} --target /root/models/qwen2.5-coder-1.5b-instruct.gguf \
     --draft /root/eagle3-1.5b --num-steps 3 --topk 1 --workloads sharegpt-multiturn code-types \
     --dataset-path .gpu/sharegpt_bench.json --out "$out" "$@" 2>&1 | grep -v '%|' | tail -40
 }
@@ -131,6 +137,11 @@ if [ "$mode" = suite ]; then
       --policy-trace-dir "$OUT/traces_$model" --out "$OUT/suite_$model" 2>&1 | grep -v '%|' | tail -30
   done
 fi
+suite_32_64() {   # TREE_ROOT OUT_DIR: the default NGRAM engine against plain at 32/64 (2 rounds), the tree's own code
+  PYTHONPATH=/tmp/site:$1 python3 -m specserve.bench.gpu_suite --models-dir /root/models --models "${models[0]}" \
+    --configs default --rounds 2 --bs1-prompts 6 --no-transformers --num-prompts 128 --dataset-path .gpu/sharegpt_bench.json \
+    --concurrency 32 64 --policy-trace-dir "$2/traces" --out "$2" 2>&1 | grep -v '%|' | tail -2
+}
 if [ "$mode" = suite-ab ]; then
   # an A/B in one lease: the suite at 32/64 for the tree in $AB_OLD (made by `git archive REV specserve | tar -x -C
   # .ab/old`, carried) and for this one, alternating, AB_RUNS times each; results appended per tree, then each
@@ -138,12 +149,22 @@ if [ "$mode" = suite-ab ]; then
   for run in $(seq "${AB_RUNS:-2}"); do
     for tree in old new; do
       root=$PWD; [ $tree = old ] && root=$PWD/${AB_OLD:?AB_OLD names the old tree directory}
-      PYTHONPATH=/tmp/site:$root python3 -m specserve.bench.gpu_suite --models-dir /root/models --models "${models[0]}" \
-        --configs default --rounds 2 --bs1-prompts 6 --no-transformers --num-prompts 128 --dataset-path .gpu/sharegpt_bench.json \
-        --concurrency 32 64 --out "$OUT/ab_$tree" 2>&1 | grep -v '%|' | tail -2
+      suite_32_64 "$root" "$OUT/ab_$tree"
     done
   done
   for tree in old new; do echo "== $tree"; python3 -m specserve.bench.loss_split "$OUT/ab_$tree/results.jsonl"; done
+fi
+if [ "$mode" = suite-tree ]; then
+  # one tree's half of an A/B whose trees run at once on two GPUs (scripts/gpu_parallel.sh): TREE_ROOT MODEL;
+  # rows appended to $OUT/suite_<tree>_<model> (`loss_split` reads them here afterwards)
+  root=${AB_TREE:?AB_TREE names the tree directory: . or .ab/NAME}
+  suite_32_64 "$PWD/$root" "$OUT/suite_$(basename "$(realpath "$root")")_${models[0]}"
+fi
+if [ "$mode" = drafters-tree ]; then
+  # the EAGLE-3 engine (chains of 3, pinned and adaptive) against plain at 64 with /root/eagle3-1.5b, the code of
+  # the tree in AB_TREE: one tree's half of an A/B of the model drafters' batch-64 path
+  root=${AB_TREE:?AB_TREE names the tree directory: . or .ab/NAME}
+  CHAIN_ALGORITHMS=EAGLE3 PYTHONPATH=/tmp/site:$PWD/$root chain_rows "$OUT/drafters_$(basename "$(realpath "$root")")" --concurrency 64 --num-prompts 64
 fi
 head_dir() {   # MODEL: where its EAGLE-3 head lives on the device machine (/root/eagle3-1.5b, /root/eagle3-0.5b)
   local size=${1#qwen2.5-coder-}; echo "/root/eagle3-${size%-instruct}"
