@@ -168,6 +168,12 @@ def test_watch_traces_the_adaptive_policy_of_each_run(engine, tmp_path):
     assert {e["run"] for e in events} == {"repeat c3 adaptive t1"}
     assert sum(e["e"] == "step" for e in events) == decode_steps
     assert any(e["e"] == "rates" for e in events), "the policy priced tiers during the run"
+    probes = [i for i, e in enumerate(events) if e["e"] == "probe"]
+    assert probes, "the plain steps of the run probed"
+    for i in probes:   # each probe marks the plain step it came after, and that step only
+        step = next(e for e in events[i + 1:] if e["e"] == "step")
+        assert step["probe"] and step["tree"] == 1
+    assert sum(e["e"] == "step" and e["probe"] for e in events) == len(probes)
 
 
 def test_rounds_are_divided_round_by_round_and_the_median_round_reported():

@@ -11,7 +11,11 @@ losing-episode budget explained them. The trace records, per event:
   how many of them had a draft;
 - `switch`: a probe switching a plain bucket to drafting, and whether it bypassed a hold;
 - `episode`: a drafting episode's end, its realized rate against the bucket's plain rate;
-- `step`: every decode step's batch size, tier, wall ms, committed tokens and mode.
+- `probe`: a probe's host ms; the plain step it followed is the next `step`, marked `probe`;
+- `step`: every decode step's batch size, tier, wall ms, committed tokens and mode; `steady`
+  False on a plain step that plain mode would not run so: it probed where most plain steps
+  do not (`probe`), or it was not launched ahead of the step before it (what the adaptive
+  engine's plain steps lose against plain's).
 
 `summary()` condenses them per bucket: switches and bypasses, episodes won and lost,
 drafting steps, and how far the rate expected at the chosen tier was from the realized
@@ -34,6 +38,8 @@ class PolicyTrace:
         self._wrapped: list[tuple[object, str]] = []
         self._wrap(policy, "_best_tier", self._on_rates)
         self._wrap(policy, "record_step", self._on_step)
+        self._wrap(policy, "record_probe", self._on_probe)
+        self._probed = False   # the next recorded step is the plain step whose probe was just recorded
         self._wrap(policy.modes, "request_switch", self._on_switch)
         self._wrap(policy.modes, "go_plain", self._on_go_plain)
 
@@ -68,8 +74,16 @@ class PolicyTrace:
         self.events.append({"e": "step", "bucket": bucket, "bs": batch_size, "tree": tree_size,
                             "ms": round(seconds * 1e3, 3), "tokens": tokens,
                             "plain": bucket in self.policy.modes.plain,
-                            "expected": expected if tree_size > 1 else None, "steady": steady})
+                            "expected": expected if tree_size > 1 else None, "steady": steady,
+                            "probe": self._probed})
+        self._probed = False
         return original(batch_size, tree_size, seconds, tokens, steady)
+
+    def _on_probe(self, original, batch_size, seconds):
+        self.events.append({"e": "probe", "bucket": batch_bucket(batch_size), "bs": batch_size,
+                            "ms": round(seconds * 1e3, 3)})
+        self._probed = True   # the engine prices the step right after its probe (_after_plain_step)
+        return original(batch_size, seconds)
 
     def _on_switch(self, original, bucket):
         modes = self.policy.modes
