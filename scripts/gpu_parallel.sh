@@ -16,6 +16,7 @@ set -uo pipefail
 jobs_file=${1:?usage: scripts/gpu_parallel.sh JOBS_FILE}
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 end=$(( $(date +%s) + ${PARALLEL_DEADLINE_S:-540} ))
+export PARALLEL_END=$end   # a job that ends on time by itself (gpu_run.sh peers-eagle) reads it
 run_queue() {   # GPU: that GPU's jobs, one after another, until the deadline
   local gpu=$1 n=0 line
   grep -E "^[[:space:]]*$gpu[[:space:]]" "$jobs_file" | while read -r _ line; do

@@ -190,9 +190,11 @@ if [ "$mode" = peers-eagle ]; then
   engines=("$@"); [ ${#engines[@]} -gt 0 ] || engines=(specserve-eagle3 sglang-eagle3 vllm-eagle3)
   # benchmark prompts from the conversations the head never trained on
   model=${PEERS_MODEL:-qwen2.5-coder-1.5b-instruct}
+  deadline=${PEERS_DEADLINE_S:-570}   # inside gpu_parallel.sh's deadline too: the table is written before it
+  [ -n "${PARALLEL_END:-}" ] && deadline=$(( PARALLEL_END - $(date +%s) - 20 < deadline ? PARALLEL_END - $(date +%s) - 20 : deadline ))
   python3 -m specserve.bench.peers run --quick --models "$model" --concurrency 1 8 32 64 \
     --engines "${engines[@]}" --eagle-head "$model=$(head_dir "$model")" \
-    --engine-budget-s 560 --deadline-s "${PEERS_DEADLINE_S:-570}" --dataset-path .gpu/sharegpt_bench.json \
+    --engine-budget-s 560 --deadline-s "$deadline" --dataset-path .gpu/sharegpt_bench.json \
     --out "$OUT/peers_eagle" 2>&1 | grep -v '%|' | tail -60
   tar -cf "$OUT/peers_eagle.tar" -C "$OUT" peers_eagle && rm -rf "$OUT/peers_eagle"   # a call returns 8 files at most
 fi
