@@ -330,3 +330,20 @@ def test_a_merged_table_says_which_build_ran_when(tmp_path):
     text = peers_report.render(rows)
     assert "| m | vllm-plain | vllm 0.26.0 | 2026-11-24 | 30.0 |" in text
     assert "| m | specserve-plain | specserve abc1234 | 2026-11-25 | 30.0 |" in text
+
+
+def test_specserve_without_its_server_packages_is_an_error_row_before_start_up(tmp_path, monkeypatch):
+    ns = peers.parse_args(["run", "--wheels", str(tmp_path / "no-wheels"), "--envs-root", str(tmp_path / "envs"),
+                           "--out", str(tmp_path / "out")])
+    real_find_spec = peers.importlib.util.find_spec
+    monkeypatch.setattr(peers.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "uvicorn" else real_find_spec(name, *a))
+    started = []
+    monkeypatch.setattr(peers, "ServerProcess", lambda *a, **k: started.append(a))
+    rows = []
+    peers.run_engine(ENGINES["specserve-plain"], "m", str(tmp_path), {}, ns, rows.append, 0.0)
+    assert not started
+    [row] = rows
+    assert row["kind"] == "engine" and row["engine"] == "specserve-plain"
+    assert row["error"].startswith("specserve's server needs uvicorn, which neither")
+    assert "carry .peers_wheels/specserve" in row["error"]

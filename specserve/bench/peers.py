@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import importlib.util
 import json
 import os
 import socket
@@ -180,11 +181,27 @@ def _prepare(config: EngineConfig, model: str, ns: argparse.Namespace) -> tuple[
     except (HeadMissing, OSError, ValueError) as error:   # none, or an unreadable one
         raise NotStartable(str(error)) from error
     try:
-        return drafters, install(config.engine, ns.wheels, ns.envs_root, required=config.engine != "specserve")
+        site = install(config.engine, ns.wheels, ns.envs_root, required=config.engine != "specserve")
     except WheelsMissing as error:
         raise NotStartable(str(error)) from error
     except Exception as error:   # an unreadable archive, a full disk: this engine's result
         raise NotStartable(f"installing its wheels: {type(error).__name__}: {error}") from error
+    if site is None and config.engine == "specserve":
+        _check_server_packages()
+    return drafters, site
+
+
+# what specserve's server imports beyond the GPU image (its wheels: .peers_wheels/specserve)
+SPECSERVE_SERVER_PACKAGES = ("fastapi", "uvicorn", "pydantic")
+
+
+def _check_server_packages() -> None:
+    """specserve without carried wheels runs on what this interpreter has: said before a
+    start-up of a minute ends in an ImportError (session 30: both 0.5B rows lost so)."""
+    missing = [name for name in SPECSERVE_SERVER_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise NotStartable(f"specserve's server needs {', '.join(missing)}, which neither this interpreter nor "
+                           f"carried wheels have: carry .peers_wheels/specserve (specserve/bench/peers_stage.sh)")
 
 
 def _draft_model_dir(config: EngineConfig, model: str, ns: argparse.Namespace) -> str | None:
