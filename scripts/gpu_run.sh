@@ -137,9 +137,10 @@ if [ "$mode" = suite ]; then
       --policy-trace-dir "$OUT/traces_$model" --out "$OUT/suite_$model" 2>&1 | grep -v '%|' | tail -30
   done
 fi
-suite_32_64() {   # TREE_ROOT OUT_DIR: the default NGRAM engine against plain at 32/64 (2 rounds), the tree's own code
+suite_32_64() {   # TREE_ROOT OUT_DIR: the default NGRAM engine (or $SUITE_CONFIGS, e.g. "default ngram-16-one-held
+                  # ngram-16-one-blind": gpu_suite's diagnostics) against plain at 32/64 (2 rounds), the tree's own code
   PYTHONPATH=/tmp/site:$1 python3 -m specserve.bench.gpu_suite --models-dir /root/models --models "${models[0]}" \
-    --configs default --rounds 2 --bs1-prompts 6 --no-transformers --num-prompts 128 --dataset-path .gpu/sharegpt_bench.json \
+    --configs ${SUITE_CONFIGS:-default} --rounds 2 --bs1-prompts 6 --no-transformers --num-prompts 128 --dataset-path .gpu/sharegpt_bench.json \
     --concurrency 32 64 --policy-trace-dir "$2/traces" --out "$2" 2>&1 | grep -v '%|' | tail -2
 }
 if [ "$mode" = suite-ab ]; then

@@ -256,3 +256,26 @@ def test_watch_splits_host_time_by_phase_and_counts_the_wait_for_the_device(engi
     assert "run" not in vars(core.text) and "launch_greedy_decode" not in vars(core.runner)
     assert 0 < phases["launch_cpu"] <= phases["launch"] * 1.05 + 5
     assert core.scheduler.schedule == watch._schedule   # RunWatch's own wrapper went last
+
+
+def test_held_configs_decode_plainly_and_blind_indexes_nothing(engine):
+    """The diagnostic labels: -held keeps the drafter observing and indexing with the policy
+    never drafting nor probing; -blind also shows the drafter no token."""
+    indexed, watch = {}, RunWatch(engine)
+    try:
+        for mode in ("adaptive", "held", "blind"):
+            set_drafter(engine, 4, True, mode == "adaptive" or mode)
+            probes = []
+            policy = engine.core.adaptive
+            original_probe = policy.record_probe
+            policy.record_probe = lambda *args: probes.append(args) or original_probe(*args)
+            [summary] = run(engine, PROMPTS * 2, 3, 24, f"ngram-4-one-{mode}", watch=watch)
+            engine.core.drafter.writer.drain()
+            indexed[mode] = engine.core.drafter.trie.num_nodes()
+            drafted_or_probed = summary["step_mix"]["draft"]["steps"] > 0 or bool(probes)
+            assert drafted_or_probed == (mode == "adaptive")   # the adaptive run shows what is held back
+    finally:
+        set_drafter(engine, None)
+        watch.close()
+    assert indexed["held"] == indexed["adaptive"] > 0   # the same tokens indexed, drafting or not
+    assert indexed["blind"] == 0

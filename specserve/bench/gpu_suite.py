@@ -63,8 +63,17 @@ def weight_bytes(engine) -> int:
     return sum(p.numel() * p.element_size() for p in engine.core.runner.model.parameters())
 
 
-def set_drafter(engine, num_draft_tokens: int | None, one_branch: bool = False, adaptive: bool = False) -> None:
-    """Swap speculation between runs (the engine is idle then): None = plain decoding."""
+# Diagnostic policies (labels ngram-N-one-held, -blind): the adaptive engine made to decode plainly
+# throughout, so a cell splits what it loses to plain into what drafting and probing cost (against
+# -held: the drafter still observes and indexes, the policy still books every step) and what
+# being ready to draft costs (-held against plain; -blind against -held: the n-gram indexing alone).
+HELD_MODES = ("held", "blind")
+
+
+def set_drafter(engine, num_draft_tokens: int | None, one_branch: bool = False,
+                adaptive: bool | str = False) -> None:
+    """Swap speculation between runs (the engine is idle then): None = plain decoding.
+    `adaptive`: True for the adaptive policy, or one of HELD_MODES (diagnostics, above)."""
     core = engine.core
     if num_draft_tokens is None:
         core.drafter, core.num_draft_tokens, core.adaptive = None, 1, None
@@ -75,16 +84,28 @@ def set_drafter(engine, num_draft_tokens: int | None, one_branch: bool = False, 
     graph_sizes = core.runner.graphs.sizes if core.runner.graphs is not None else None
     core.adaptive = AdaptiveDraftLength(tiers_for(num_draft_tokens, graph_sizes), core.drafter.switch_margin) \
         if adaptive else None
+    if adaptive in HELD_MODES:
+        _hold_plain(core.adaptive, core.drafter, blind=adaptive == "blind")
     core.stats.speculative = True
 
 
-def parse_config(label: str) -> tuple[int, bool, bool]:
+def _hold_plain(policy: AdaptiveDraftLength, drafter: NgramDrafter, blind: bool) -> None:
+    """The policy never drafts nor probes (instance attributes over its methods); `blind`: the
+    drafter also sees no token, so nothing is queued or indexed."""
+    policy.should_draft = policy.would_draft = lambda batch_size: False
+    policy.probe_due = lambda *args, **kwargs: False
+    if blind:
+        drafter.add_prompt = drafter.observe_batch = lambda *args: None
+
+
+def parse_config(label: str) -> tuple[int, bool, bool | str]:
     """A label of config_label's form back to (draft tokens, one branch, adaptive)."""
     parts = label.split("-")
     if len(parts) not in (3, 4) or parts[0] != "ngram" or not parts[1].isdigit() or parts[2] not in ("one", "multi") \
-            or parts[3:] not in ([], ["adaptive"]):
-        raise ValueError(f"not a configuration label (ngram-N-one|multi[-adaptive]): {label!r}")
-    return int(parts[1]), parts[2] == "one", parts[3:] == ["adaptive"]
+            or parts[3:] not in ([], ["adaptive"], *([mode] for mode in HELD_MODES)):
+        raise ValueError(f"not a configuration label (ngram-N-one|multi[-adaptive|-held|-blind]): {label!r}")
+    mode = parts[3] if parts[3:] else False
+    return int(parts[1]), parts[2] == "one", mode == "adaptive" or mode
 
 
 def config_choice(value: str) -> str:
@@ -112,7 +133,8 @@ def config_label(spec: tuple | None) -> str:
     if spec is None:
         return "plain"
     n, one_branch, adaptive = spec
-    return f"ngram-{n}-{'one' if one_branch else 'multi'}" + ("-adaptive" if adaptive else "")
+    mode = adaptive if adaptive in HELD_MODES else "adaptive" if adaptive else None
+    return f"ngram-{n}-{'one' if one_branch else 'multi'}" + (f"-{mode}" if mode else "")
 
 
 def run(engine, prompts, concurrency: int, max_new_tokens: int, label: str, turns: int = 1,
