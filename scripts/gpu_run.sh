@@ -165,7 +165,9 @@ if [ "$mode" = drafters-tree ]; then
   # the EAGLE-3 engine (chains of 3, pinned and adaptive) against plain at 64 with /root/eagle3-1.5b, the code of
   # the tree in AB_TREE: one tree's half of an A/B of the model drafters' batch-64 path
   root=${AB_TREE:?AB_TREE names the tree directory: . or .ab/NAME}
-  CHAIN_ALGORITHMS=EAGLE3 PYTHONPATH=/tmp/site:$PWD/$root chain_rows "$OUT/drafters_$(basename "$(realpath "$root")")" --concurrency 64 --num-prompts 64
+  # (DRAFTER_MODES="held adaptive": what the engine held plain loses, model_drafters.set_mode)
+  CHAIN_ALGORITHMS=EAGLE3 PYTHONPATH=/tmp/site:$PWD/$root chain_rows "$OUT/drafters_$(basename "$(realpath "$root")")" \
+    --concurrency 64 --num-prompts 64 ${DRAFTER_MODES:+--modes $DRAFTER_MODES}
 fi
 head_dir() {   # MODEL: where its EAGLE-3 head lives on the device machine (/root/eagle3-1.5b, /root/eagle3-0.5b)
   local size=${1#qwen2.5-coder-}; echo "/root/eagle3-${size%-instruct}"

@@ -85,11 +85,11 @@ def set_drafter(engine, num_draft_tokens: int | None, one_branch: bool = False,
     core.adaptive = AdaptiveDraftLength(tiers_for(num_draft_tokens, graph_sizes), core.drafter.switch_margin) \
         if adaptive else None
     if adaptive in HELD_MODES:
-        _hold_plain(core.adaptive, core.drafter, blind=adaptive == "blind")
+        hold_plain(core.adaptive, core.drafter, blind=adaptive == "blind")
     core.stats.speculative = True
 
 
-def _hold_plain(policy: AdaptiveDraftLength, drafter: NgramDrafter, blind: bool) -> None:
+def hold_plain(policy: AdaptiveDraftLength, drafter, blind: bool = False) -> None:
     """The policy never drafts nor probes (instance attributes over its methods); `blind`: the
     drafter also sees no token, so nothing is queued or indexed."""
     policy.should_draft = policy.would_draft = lambda batch_size: False

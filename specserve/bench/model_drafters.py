@@ -28,14 +28,16 @@ import time
 import torch
 
 from specserve.args import FUSED_CHAIN_ALGORITHMS
-from specserve.bench.gpu_suite import measure_copy_bandwidth, run, suite_workloads, weight_bytes
+from specserve.bench.gpu_suite import hold_plain, measure_copy_bandwidth, run, suite_workloads, weight_bytes
 from specserve.bench.run_watch import RunWatch
 from specserve.gc_pauses import long_lived_objects_frozen
 from specserve.speculative.adaptive import AdaptiveDraftLength, tiers_for
 
 
 def set_mode(engine, drafter, mode: str) -> None:
-    """plain | pinned | adaptive, between runs (the engine is idle)."""
+    """plain | pinned | adaptive | held (diagnostic: the adaptive engine never drafting nor
+    probing, its drafter still fed every step: what being ready to draft costs), between
+    runs (the engine is idle)."""
     core = engine.core
     if mode == "plain":
         core.drafter, core.num_draft_tokens, core.adaptive = None, 1, None
@@ -44,7 +46,9 @@ def set_mode(engine, drafter, mode: str) -> None:
     core.drafter, core.num_draft_tokens = drafter, engine.args.speculative_verify_size
     graph_sizes = core.runner.graphs.sizes if core.runner.graphs is not None else None
     core.adaptive = AdaptiveDraftLength(tiers_for(core.num_draft_tokens, graph_sizes), core.drafter.switch_margin) \
-        if mode == "adaptive" else None
+        if mode in ("adaptive", "held") else None
+    if mode == "held":
+        hold_plain(core.adaptive, drafter)
     core.stats.speculative = True
 
 
@@ -85,9 +89,9 @@ def greedy_match_rate(engine, drafter, prompts: list[list[int]], max_new_tokens:
 
 
 def bench_modes(engine, drafter, ns, name: str, workloads: dict, roofline: float, write) -> None:
-    """Every (concurrency, workload) cell of one drafter: plain (unless --no-plain), pinned, adaptive."""
+    """Every (concurrency, workload) cell of one drafter: plain (unless --no-plain), then --modes."""
     watch, timer = RunWatch(engine), DraftTimer(drafter)
-    modes = (["plain"] if ns.plain else []) + ["pinned", "adaptive"]
+    modes = (["plain"] if ns.plain else []) + ns.modes
     for concurrency in ns.concurrency:
         count = ns.bs1_prompts if concurrency == 1 else min(ns.num_prompts, max(concurrency * 2, 16))
         for workload, (prompts, warm_prompts) in workloads.items():
@@ -196,6 +200,8 @@ def main(argv=None) -> None:
     parser.add_argument("--bs1-prompts", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 32, 64])
+    parser.add_argument("--modes", nargs="+", default=["pinned", "adaptive"], choices=("pinned", "adaptive", "held"),
+                        help="the drafter's modes beside plain; held: see set_mode")
     parser.add_argument("--no-plain", dest="plain", action="store_false", help="skip plain decoding (measured once)")
     ns = parser.parse_args(argv)
     if ns.token_map is not None and "STANDALONE" in ns.algorithm:
