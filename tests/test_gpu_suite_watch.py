@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from specserve.bench.gpu_suite import run, set_drafter, timed_runs
+from specserve.bench.gpu_suite import parse_config, run, set_drafter, timed_runs
 from specserve.bench.run_watch import RunWatch
 from specserve.bench.report import DEFAULT_LABEL, markdown, speed_rows
 from tests.spec_fixtures import make_tiny_directory, tiny_engine
@@ -264,7 +264,7 @@ def test_held_configs_decode_plainly_and_blind_indexes_nothing(engine):
     indexed, watch = {}, RunWatch(engine)
     try:
         for mode in ("adaptive", "held", "blind"):
-            set_drafter(engine, 4, True, mode == "adaptive" or mode)
+            set_drafter(engine, *parse_config(f"ngram-4-one-{mode}"))
             probes = []
             policy = engine.core.adaptive
             original_probe = policy.record_probe

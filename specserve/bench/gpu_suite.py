@@ -104,8 +104,9 @@ def parse_config(label: str) -> tuple[int, bool, bool | str]:
     if len(parts) not in (3, 4) or parts[0] != "ngram" or not parts[1].isdigit() or parts[2] not in ("one", "multi") \
             or parts[3:] not in ([], ["adaptive"], *([mode] for mode in HELD_MODES)):
         raise ValueError(f"not a configuration label (ngram-N-one|multi[-adaptive|-held|-blind]): {label!r}")
-    mode = parts[3] if parts[3:] else False
-    return int(parts[1]), parts[2] == "one", mode == "adaptive" or mode
+    mode = parts[3] if parts[3:] else None
+    adaptive = True if mode == "adaptive" else mode or False   # a held mode's name stands for itself
+    return int(parts[1]), parts[2] == "one", adaptive
 
 
 def config_choice(value: str) -> str:
