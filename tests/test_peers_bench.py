@@ -332,6 +332,15 @@ def test_a_merged_table_says_which_build_ran_when(tmp_path):
     assert "| m | specserve-plain | specserve abc1234 | 2026-11-25 | 30.0 |" in text
 
 
+def test_a_failed_start_up_that_a_merged_rerun_got_past_is_not_listed():
+    failed = {"kind": "engine", "model": "m", "engine": "vllm-eagle3", "engine_family": "vllm", "error": "no head"}
+    other = {"kind": "engine", "model": "m", "engine": "sglang-eagle3", "engine_family": "sglang", "error": "no wheels"}
+    rows = [failed, other, _cell("specserve-plain", 100), _cell("vllm-eagle3", 150)]
+    text = peers_report.render(rows)
+    assert "no head" not in text and "no wheels" in text
+    assert "no head" in peers_report.render([failed, other, _cell("specserve-plain", 100)])
+
+
 def test_specserve_without_its_server_packages_is_an_error_row_before_start_up(tmp_path, monkeypatch):
     ns = peers.parse_args(["run", "--wheels", str(tmp_path / "no-wheels"), "--envs-root", str(tmp_path / "envs"),
                            "--out", str(tmp_path / "out")])

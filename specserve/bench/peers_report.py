@@ -144,11 +144,14 @@ def engine_lines(rows: list[dict]) -> list[str]:
 
 
 def error_lines(rows: list[dict]) -> list[str]:
-    """One line per distinct (engine, model, error): what a reader needs to rerun it."""
+    """One line per distinct (engine, model, error): what a reader needs to rerun it. An
+    engine's start-up failure that another merged file's run of that engine and model got
+    past (it measured cells) is left out: the table shows that run's numbers."""
+    measured = {(r["model"], r["engine"]) for r in rows if r.get("kind") == "cell" and not r.get("error")}
     seen, lines = set(), []
     for row in rows:
         error = row.get("error")
-        if not error:
+        if not error or (row.get("kind") == "engine" and (row.get("model"), row.get("engine")) in measured):
             continue
         first = " ".join(error.split())[:300]
         key = (row.get("engine"), row.get("model"), first)
