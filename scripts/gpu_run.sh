@@ -24,7 +24,9 @@
 #                                                   from /root/models/eagle3-1.5b-ttt4.tar where that was staged:
 #                                                   `scripts/split_for_device.sh models/*1.5b*.gguf .gpu/eagle3-1.5b-ttt4.tar`,
 #                                                   session 27's head, BENCHMARKS.md; EAGLE_HEAD_MODEL=qwen2.5-coder-0.5b-instruct
-#                                                   EAGLE_HEAD_BUDGET_S=240: the 0.5B's into /root/eagle3-0.5b)
+#                                                   EAGLE_HEAD_BUDGET_S=420: the 0.5B's into /root/eagle3-0.5b;
+#                                                   EAGLE_HEAD_ALGORITHM=EAGLE: an EAGLE-2 head into /root/eagle2-SIZE,
+#                                                   which peers-eagle's specserve-eagle serves)
 #   scripts/gpu_run.sh eagle-rows                  (that head on the 1.5B, after `eagle-head` on the same warm machine: EAGLE-3
 #                                                   chains of 3 and NAIVE_EAGLE, pinned and adaptive, against plain, on chat and
 #                                                   code-types at 1/8/64: what drafting with the head would give and what the
@@ -169,18 +171,20 @@ if [ "$mode" = drafters-tree ]; then
   CHAIN_ALGORITHMS=EAGLE3 PYTHONPATH=/tmp/site:$PWD/$root chain_rows "$OUT/drafters_$(basename "$(realpath "$root")")" \
     --concurrency 64 --num-prompts 64 ${DRAFTER_MODES:+--modes $DRAFTER_MODES}
 fi
-head_dir() {   # MODEL: where its EAGLE-3 head lives on the device machine (/root/eagle3-1.5b, /root/eagle3-0.5b)
-  local size=${1#qwen2.5-coder-}; echo "/root/eagle3-${size%-instruct}"
+head_dir() {   # MODEL [eagle3|eagle2]: where its head lives on the device machine (/root/eagle3-1.5b, /root/eagle2-0.5b)
+  local size=${1#qwen2.5-coder-}; echo "/root/${2:-eagle3}-${size%-instruct}"
 }
 if [ "$mode" = eagle-head ]; then
-  model=${EAGLE_HEAD_MODEL:-qwen2.5-coder-1.5b-instruct}; head=$(head_dir "$model")
+  # EAGLE_HEAD_ALGORITHM=EAGLE: an EAGLE-2 head (train_eagle --algorithm EAGLE) into /root/eagle2-SIZE
+  algorithm=${EAGLE_HEAD_ALGORITHM:-EAGLE3}; kind=eagle3; [ "$algorithm" = EAGLE ] && kind=eagle2
+  model=${EAGLE_HEAD_MODEL:-qwen2.5-coder-1.5b-instruct}; head=$(head_dir "$model" $kind)
   if [ -f "$head/config.json" ] && [ -f "$head/model.safetensors" ]; then
     echo "EAGLE-3 head already in $head" | tee "$OUT/train_eagle.txt"
   elif [ -f "/root/models/$(basename "$head")-ttt4.tar" ]; then   # a staged head (session 27's, for the 1.5B)
     mkdir -p "$head" && tar xf "/root/models/$(basename "$head")-ttt4.tar" -C "$head" \
       && echo "EAGLE-3 head unpacked from the staged $(basename "$head")-ttt4.tar" | tee "$OUT/train_eagle.txt"
   else
-    python3 -m specserve.train_eagle --model-path "/root/models/$model.gguf" \
+    python3 -m specserve.train_eagle --algorithm "$algorithm" --model-path "/root/models/$model.gguf" \
       --output-dir "$head" --dataset-path .gpu/sharegpt_train.json --exclude-dataset-path .gpu/sharegpt_bench.json \
       --time-budget "${EAGLE_HEAD_BUDGET_S:-450}" --text-chats 600 --checkpoint-every 0 2>&1 | grep -v '%|' | tail -20 \
       | tee "$OUT/train_eagle.txt"
@@ -196,7 +200,7 @@ if [ "$mode" = peers-eagle ]; then
   deadline=${PEERS_DEADLINE_S:-570}   # inside gpu_parallel.sh's deadline too: the table is written before it
   [ -n "${PARALLEL_END:-}" ] && deadline=$(( PARALLEL_END - $(date +%s) - 20 < deadline ? PARALLEL_END - $(date +%s) - 20 : deadline ))
   python3 -m specserve.bench.peers run --quick --models "$model" --concurrency 1 8 32 64 \
-    --engines "${engines[@]}" --eagle-head "$model=$(head_dir "$model")" \
+    --engines "${engines[@]}" --eagle-head "$model=$(head_dir "$model")" --eagle2-head "$model=$(head_dir "$model" eagle2)" \
     --engine-budget-s 560 --deadline-s "$deadline" --dataset-path .gpu/sharegpt_bench.json \
     --out "$OUT/peers_eagle" 2>&1 | grep -v '%|' | tail -60
   tar -cf "$OUT/peers_eagle.tar" -C "$OUT" peers_eagle && rm -rf "$OUT/peers_eagle"   # a call returns 8 files at most
