@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from specserve.bench.host_load import busy_host
 from specserve.bench.offline import run_turn
 from specserve.bench.run_watch import RunWatch
 from specserve.gc_pauses import long_lived_objects_frozen
@@ -296,6 +297,8 @@ def main(argv=None) -> None:
     parser.add_argument("--no-transformers", dest="transformers", action="store_false")
     parser.add_argument("--hf-workloads", nargs="*", default=["code-types", "sharegpt-multiturn"],
                         help="workloads transformers.generate runs (at batch 1)")
+    parser.add_argument("--host-load", type=int, default=0, metavar="N",
+                        help="N busy-loop processes beside the engine throughout (a shared host; bench/host_load.py)")
     ns = parser.parse_args(argv)
     os.makedirs(ns.out, exist_ok=True)
     results_path = os.path.join(ns.out, "results.jsonl")
@@ -308,13 +311,14 @@ def main(argv=None) -> None:
     bandwidth = measure_copy_bandwidth(ns.device)
     name = torch.cuda.get_device_name() if ns.device == "cuda" else "cpu"
     write({"kind": "device", "name": name, "copy_bandwidth_GBps": bandwidth / 1e9,
-           "date": time.strftime("%Y-%m-%d")})
-    for model in ns.models:
-        path = os.path.join(ns.models_dir, model + ".gguf")
-        if os.path.exists(path):
-            bench_model(path, ns, bandwidth, write)
-        else:
-            write({"model": model, "kind": "missing", "path": path})
+           "date": time.strftime("%Y-%m-%d"), "host_load": ns.host_load})
+    with busy_host(ns.host_load):
+        for model in ns.models:
+            path = os.path.join(ns.models_dir, model + ".gguf")
+            if os.path.exists(path):
+                bench_model(path, ns, bandwidth, write)
+            else:
+                write({"model": model, "kind": "missing", "path": path})
     from specserve.bench.report import write_report
     write_report(results_path, ns.out)
 
