@@ -3,10 +3,11 @@
 The trie is fed every prompt when it arrives and every committed token; each request is an
 owner of its own stream, so its own prompt and output rank first when it is drafted for.
 Indexing costs ~2-5 us per token (a batch of 64 long prompts: ~200 ms), so it runs on the
-C trie's writer thread (ngram_writer.py), which never takes the GIL, in parallel with the step loop: `add_prompt` and
-`observe_batch` queue tokens per request (cheap list appends; a request's tokens of several steps
-reach the trie in one call), and `flush`, which the engine calls right after launching a
-forward, hands the queue to the writer and returns. `propose` first waits until the writer
+C trie's writer thread (ngram_writer.py), which never takes the GIL, in parallel with the
+step loop: `add_prompt` and `observe_batch` queue tokens per request (cheap list appends;
+a request's tokens of several steps reach the trie in one call), and `flush`, which the
+engine calls right after launching a forward, copies the queue into a job for the writer
+and returns. `propose` first waits until the writer
 has indexed everything handed over before it (normally long done: it had the GPU's time),
 so a proposal sees exactly the tokens flushed before it, whatever the timing: drafted trees
 are the same from run to run and on every tensor-parallel rank. It therefore misses the
