@@ -180,7 +180,7 @@ if [ "$mode" = eagle-head ]; then
   algorithm=${EAGLE_HEAD_ALGORITHM:-EAGLE3}; kind=eagle3; [ "$algorithm" = EAGLE ] && kind=eagle2
   model=${EAGLE_HEAD_MODEL:-qwen2.5-coder-1.5b-instruct}; head=$(head_dir "$model" $kind)
   if [ -f "$head/config.json" ] && [ -f "$head/model.safetensors" ]; then
-    echo "EAGLE-3 head already in $head" | tee "$OUT/train_eagle.txt"
+    echo "$algorithm head already in $head" | tee "$OUT/train_eagle.txt"
   elif [ -f "/root/models/$(basename "$head")-ttt4.tar" ]; then   # a staged head (session 27's, for the 1.5B)
     mkdir -p "$head" && tar xf "/root/models/$(basename "$head")-ttt4.tar" -C "$head" \
       && echo "EAGLE-3 head unpacked from the staged $(basename "$head")-ttt4.tar" | tee "$OUT/train_eagle.txt"
