@@ -1,13 +1,13 @@
-"""The n-gram trie's writer thread (the C trie's own, ngram_writer.py, NgramDrafter): writes
-run in the background in order, a proposal sees exactly what was flushed before it (the same
-trees as indexing on the caller's thread), a failed write surfaces on the caller's thread, and
-the thread ends when the drafter or the engine is closed."""
+"""The n-gram trie's writer thread (ngram_writer.py, NgramDrafter): writes run in the
+background in order, a proposal sees exactly what was flushed before it (the same trees as
+indexing on the caller's thread), a failed write surfaces on the caller's thread, and the
+thread ends when the drafter or the engine is closed."""
 from __future__ import annotations
 
 import ctypes
 import gc
-import os
 import random
+import threading
 import time
 
 import pytest
@@ -19,18 +19,22 @@ from specserve.speculative.ngram_trie import NgramTrie
 from specserve.speculative.ngram_writer import TrieWriterError
 from tests.test_spec_kv import fake_req
 
-LONG = 1024   # tokens: longer than the writer's backlog step
+WRITER_NAME = "ngram-trie-writer"
 
 
-def os_threads() -> int:
-    """This process's threads, C ones included (the writer is not a Python thread)."""
-    return len(os.listdir("/proc/self/task"))
+def writer_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == WRITER_NAME]
 
 
-def failing_slots(trie) -> None:
-    """Every stream the trie is handed from now on names a slot that does not exist: the
-    writer thread's insert fails (the C trie's 'bad argument')."""
-    trie._slot = lambda owner: 1 << 20
+def gated_inserts(drafter: NgramDrafter) -> threading.Event:
+    """The drafter's inserts wait for the returned event (on the writer thread)."""
+    gate, insert_many = threading.Event(), drafter.trie.insert_many
+
+    def waiting(streams):
+        assert gate.wait(timeout=30), "the test never opened the gate"
+        insert_many(streams)
+    drafter.trie.insert_many = waiting
+    return gate
 
 
 def proposals(drafter: NgramDrafter, reqs, limits) -> tuple[list, list, list, list]:
@@ -38,13 +42,10 @@ def proposals(drafter: NgramDrafter, reqs, limits) -> tuple[list, list, list, li
     return trees.tokens.tolist(), trees.parents.tolist(), num_nodes, list(drafter.proposal_keys())
 
 
-def test_waiting_for_the_writer_releases_the_gil_and_proposals_keep_it():
+def test_the_compiled_insert_releases_the_gil_and_proposals_keep_it():
     trie = NgramTrie(NgramConfig(capacity=1000))
-    trie.start_writer()
-    assert not trie._drain_c._flags_ & ctypes._FUNCFLAG_PYTHONAPI      # CDLL: the writer may finish meanwhile
     assert not trie._insert_c._flags_ & ctypes._FUNCFLAG_PYTHONAPI     # CDLL: runs beside Python
     assert trie._propose_batch_c._flags_ & ctypes._FUNCFLAG_PYTHONAPI  # PyDLL: no GIL round trip
-    trie.stop_writer()
 
 
 @pytest.mark.parametrize("one_branch", [False, True])
@@ -55,12 +56,12 @@ def test_background_indexing_drafts_the_trees_of_synchronous_indexing(one_branch
     rng = random.Random(11)
     config = NgramConfig(capacity=3000, max_bfs_breadth=3, max_trie_depth=8)
     background, inline = NgramDrafter(config, one_branch, background=True), NgramDrafter(config, one_branch, background=False)
-    assert background.writer.background and not inline.writer.background
+    assert background.writer.thread is not None and inline.writer.thread is None
     reqs = []
     for i in range(10):
         motif = [rng.randrange(30) for _ in range(rng.randrange(2, 7))]
-        noise = [rng.randrange(30) for _ in range(rng.randrange(LONG))]   # new n-grams: evictions
-        reqs.append(fake_req(f"r{i}", (motif * 700)[:rng.randrange(3, 2 * LONG)] + noise))
+        noise = [rng.randrange(30) for _ in range(rng.randrange(ngram.WRITE_BATCH_TOKENS))]   # new n-grams: evictions
+        reqs.append(fake_req(f"r{i}", (motif * 700)[:rng.randrange(3, 2 * ngram.WRITE_BATCH_TOKENS)] + noise))
     drafted = 0
     for step in range(25):
         if step < len(reqs):
@@ -94,14 +95,14 @@ def test_background_indexing_drafts_the_trees_of_synchronous_indexing(one_branch
 
 def test_flush_returns_while_the_writer_indexes_and_a_later_proposal_sees_the_prompt():
     drafter = NgramDrafter(NgramConfig(), one_branch=True)
-    drafter.trie.pause_writer(True)
-    long_prompt = [100 + (i % 50) for i in range(4 * LONG)]
+    gate = gated_inserts(drafter)
+    long_prompt = [100 + (i % 50) for i in range(4 * ngram.WRITE_BATCH_TOKENS)]
     drafter.add_prompt(fake_req("w", long_prompt))
     start = time.perf_counter()
     drafter.flush()
-    assert time.perf_counter() - start < 1.0   # the writer is held back: flush did not wait for it
-    assert drafter.writer.pending == 1 and drafter.writer.backlog == len(long_prompt)   # handed over, not indexed
-    drafter.trie.pause_writer(False)
+    assert time.perf_counter() - start < 1.0   # the inserts wait on the gate: flush did not
+    assert drafter.writer.pending == 1         # handed over, not indexed yet
+    gate.set()
     reader = fake_req("r", [1, 100, 101])
     trees, num_nodes = drafter.propose([reader], [5])   # waits for the writer: sees the whole prompt
     assert trees.tokens[0, :num_nodes[0]].tolist() == [101, 102, 103, 104, 105]
@@ -111,7 +112,7 @@ def test_flush_returns_while_the_writer_indexes_and_a_later_proposal_sees_the_pr
 
 def test_probes_and_drafting_steps_are_put_off_while_a_large_backlog_is_indexed():
     drafter = NgramDrafter(NgramConfig(), one_branch=True)
-    drafter.trie.pause_writer(True)
+    gate = gated_inserts(drafter)
     drafter.add_prompt(fake_req("small", list(range(10, 10 + ngram.PROBE_BACKLOG_TOKENS))))
     drafter.flush()
     assert drafter.ready_to_probe() and drafter.ready_to_draft()   # a backlog a probe may wait for
@@ -122,9 +123,9 @@ def test_probes_and_drafting_steps_are_put_off_while_a_large_backlog_is_indexed(
     drafter.add_prompt(fake_req("large", list(range(30, 30 + ngram.DRAFT_BACKLOG_TOKENS))))
     drafter.flush()
     assert not drafter.ready_to_probe() and not drafter.ready_to_draft()
-    drafter.trie.pause_writer(False)
+    gate.set()
     drafter.writer.drain()
-    assert drafter.ready_to_probe() and drafter.ready_to_draft() and drafter.writer.backlog == 0
+    assert drafter.ready_to_probe() and drafter.ready_to_draft() and drafter._backlog == 0
     drafter.close()
 
 
@@ -145,49 +146,34 @@ def test_a_finished_requests_stream_goes_after_its_queued_tokens():
 
 def test_a_failed_write_surfaces_on_the_callers_thread_every_time():
     drafter = NgramDrafter(NgramConfig(), one_branch=False)
-    failing_slots(drafter.trie)
+
+    def failing(streams):
+        raise MemoryError("the n-gram trie is out of memory")
+    drafter.trie.insert_many = failing
     req = fake_req("a", [1, 2, 3, 4])
     drafter.add_prompt(req)
     drafter.flush()                  # the failure happens on the writer thread
-    with pytest.raises(TrieWriterError, match="ValueError: the n-gram trie rejected an argument") as raised:
+    with pytest.raises(TrieWriterError, match="MemoryError: the n-gram trie is out of memory") as raised:
         drafter.propose([req], [4])
-    assert isinstance(raised.value.__cause__, ValueError)
+    assert isinstance(raised.value.__cause__, MemoryError)
     drafter.observe(req, [5])
-    with pytest.raises(TrieWriterError, match="ValueError"):
+    with pytest.raises(TrieWriterError, match="MemoryError"):
         drafter.flush()
-    with pytest.raises(TrieWriterError, match="ValueError"):
+    with pytest.raises(TrieWriterError, match="MemoryError"):
         drafter.propose([req], [4])
     drafter.close()
-
-
-def test_jobs_after_a_failed_one_are_dropped_and_the_writer_says_so_on_submit():
-    trie = NgramTrie(NgramConfig())
-    trie.start_writer()
-    trie.pause_writer(True)
-    trie.submit([(None, [1, 2, 3])], [])
-    real_slot = trie._slot
-    failing_slots(trie)
-    trie.submit([(7, [4, 5])], [])
-    trie._slot = real_slot
-    trie.submit([(None, [6, 7, 8])], [])
-    trie.pause_writer(False)
-    with pytest.raises(ValueError):
-        trie.drain()
-    with pytest.raises(ValueError):
-        trie.submit([(None, [9])], [])
-    assert trie.backlog() == 0 and trie._nodes() == _indexed([1, 2, 3])._nodes()   # the first job only
-    trie.stop_writer()
+    assert drafter.writer.thread not in threading.enumerate()
 
 
 def test_close_joins_the_thread_and_a_closed_drafter_refuses_work():
-    before = os_threads()
+    before = len(writer_threads())
     drafter = NgramDrafter(NgramConfig(), one_branch=False)
-    assert os_threads() == before + 1
+    assert drafter.writer.thread.daemon and len(writer_threads()) == before + 1
     drafter.add_prompt(fake_req("a", [1, 2, 3]))
     drafter.flush()
     drafter.close()
     drafter.close()                   # idempotent
-    assert os_threads() == before
+    assert drafter.writer.thread not in threading.enumerate()
     drafter.add_prompt(fake_req("b", [4, 5]))
     with pytest.raises(TrieWriterError, match="closed"):
         drafter.flush()
@@ -196,23 +182,24 @@ def test_close_joins_the_thread_and_a_closed_drafter_refuses_work():
 
 
 def test_a_drafter_nobody_closed_stops_its_thread_when_collected():
-    before = os_threads()
     drafter = NgramDrafter(NgramConfig(), one_branch=False)
     drafter.add_prompt(fake_req("a", [1, 2, 3]))
     drafter.flush()
-    assert os_threads() == before + 1
+    drafter.writer.drain()
+    thread = drafter.writer.thread
     del drafter
     gc.collect()
-    assert os_threads() == before
+    thread.join(timeout=10)
+    assert not thread.is_alive()
 
 
 def test_the_python_trie_indexes_at_flush_without_a_thread(monkeypatch):
     """The pure-Python trie holds the GIL throughout: its writes run at once on the caller's thread."""
     from specserve.speculative import ngram_trie
     monkeypatch.setattr(ngram_trie, "compiled_trie_unavailable", lambda: "no compiler (test)")
-    before = os_threads()
+    before = len(writer_threads())
     drafter = NgramDrafter(NgramConfig(), one_branch=True)
-    assert not drafter.writer.background and os_threads() == before
+    assert drafter.writer.thread is None and len(writer_threads()) == before
     drafter.add_prompt(fake_req("w", [5, 6, 7, 8]))
     drafter.flush()
     assert drafter.writer.pending == 0
@@ -222,30 +209,36 @@ def test_the_python_trie_indexes_at_flush_without_a_thread(monkeypatch):
 
 def test_engine_shutdown_joins_the_writer_threads(engine_factory):
     from tests.spec_fixtures import ngram_args
+    before = set(writer_threads())
     engine = engine_factory(max_total_tokens=2048, **ngram_args(8, adaptive=True))
     out = engine.generate("def add(a, b):\n    return a + b\n\ndef add(a, b):",
                           {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True})
     assert len(out["output_ids"]) == 12
-    writer = engine.core.drafter.writer
-    assert writer.background and not writer._closed
-    with_writer = os_threads()
+    thread = engine.core.drafter.writer.thread
+    assert thread.is_alive()
     engine.shutdown()
     gc.collect()   # the warm-up's scratch drafters stop when collected
-    assert writer._closed and os_threads() < with_writer
+    deadline = time.monotonic() + 10
+    while set(writer_threads()) - before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not thread.is_alive() and not set(writer_threads()) - before
 
 
 def test_a_failed_write_fails_the_engines_requests_instead_of_hanging(engine_factory):
     from tests.spec_fixtures import ngram_args
     engine = engine_factory(max_total_tokens=2048, **ngram_args(8))
-    failing_slots(engine.core.drafter.trie)
+
+    def failing(streams):
+        raise MemoryError("the n-gram trie is out of memory")
+    engine.core.drafter.trie.insert_many = failing
     params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
-    with pytest.raises(RuntimeError, match="n-gram trie failed on its writer thread: ValueError"):
+    with pytest.raises(RuntimeError, match="n-gram trie failed on its writer thread: MemoryError"):
         engine.generate("def add(a, b):", params)
     assert isinstance(engine.fatal_error, TrieWriterError)
     with pytest.raises(RuntimeError):   # the engine stopped: refused, not left waiting
         engine.generate("def sub(a, b):", params)
     engine.shutdown()
-    assert engine.core.drafter.writer._closed
+    assert not engine.core.drafter.writer.thread.is_alive()
 
 
 def test_committed_tokens_reach_the_writer_once_enough_are_queued():
@@ -256,14 +249,13 @@ def test_committed_tokens_reach_the_writer_once_enough_are_queued():
         req = fake_req("a", [1, 2, 3])
         drafter.add_prompt(req)
         drafter.flush()
-        drafter.writer.drain()
-        drafter.trie.pause_writer(True)
+        gate = gated_inserts(drafter)
         for _ in range(ngram.AUTO_FLUSH_TOKENS // 4 - 1):
             drafter.observe(req, [7, 8, 9, 10])
         assert drafter._pending                       # below the threshold: still queued here
         drafter.observe(req, [7, 8, 9, 10])
-        assert not drafter._pending and drafter.writer.backlog == ngram.AUTO_FLUSH_TOKENS   # handed over, no flush
-        drafter.trie.pause_writer(False)
+        assert not drafter._pending                   # handed to the writer without a flush
+        gate.set()
         drafter.writer.drain()
     finally:
         drafter.close()
@@ -287,24 +279,27 @@ def test_insert_many_indexes_as_inserts_one_by_one_in_one_call_without_the_gil()
     assert batched.propose([3, 4], 8, False, owner=2) == one_by_one.propose([3, 4], 8, False, owner=2)
 
 
-def test_a_flush_is_one_job_of_every_stream_then_the_released_ones():
-    """A plain step's flush at batch 64 (a few tokens per request) and the streams finished
-    meanwhile: one job, one copy of the tokens, in order; the releases after the tokens."""
+def test_a_flush_of_many_streams_reaches_the_trie_in_few_calls_in_order():
+    """A plain step's flush at batch 64 (a few tokens per request) is one trie call, not one
+    per request: each call hands the GIL back to the writer, which the step loop waits for.
+    A long prompt goes in pieces of at most WRITE_BATCH_TOKENS, in order."""
     drafter = NgramDrafter(NgramConfig(), one_branch=False)
+    calls, insert_many = [], drafter.trie.insert_many
+    drafter.trie.insert_many = lambda streams: (calls.append([(o, list(t)) for o, t in streams]), insert_many(streams))
     reqs = [fake_req(f"r{i}", [i, i + 1]) for i in range(64)]
+    long_prompt = [7 + i % 90 for i in range(2 * ngram.WRITE_BATCH_TOKENS + 10)]
     for req in reqs:
         drafter.observe(req, [1, 2, 3])
-    drafter.release(reqs[0])
-    drafter.trie.pause_writer(True)
     drafter.flush()
-    assert drafter.writer.pending == 1 and drafter.writer.backlog == 64 * 3
-    drafter.trie.pause_writer(False)
     drafter.writer.drain()
-    assert drafter.writer.backlog == 0 and len(drafter.trie._streams) == 63
+    assert len(calls) == 1 and len(calls[0]) == 64
+    calls.clear()
+    drafter.add_prompt(fake_req("long", long_prompt))
+    drafter.observe(reqs[0], [4])
+    drafter.flush()
+    drafter.writer.drain()
+    assert [sum(len(t) for _, t in call) for call in calls] == [ngram.WRITE_BATCH_TOKENS, ngram.WRITE_BATCH_TOKENS, 11]
+    assert [t for call in calls for o, t in call if o == drafter._owners["long"]] == [
+        long_prompt[:ngram.WRITE_BATCH_TOKENS], long_prompt[ngram.WRITE_BATCH_TOKENS:-10], long_prompt[-10:]]
+    assert drafter._backlog == 0
     drafter.close()
-
-
-def _indexed(tokens: list[int]) -> NgramTrie:
-    trie = NgramTrie(NgramConfig())
-    trie.insert(tokens)
-    return trie

@@ -92,9 +92,9 @@ def recording_flushes(drafter: NgramDrafter) -> list:
     """The jobs the drafter hands to its writer: (owner, tokens) pairs and released owners."""
     jobs, submit = [], drafter.writer.submit
 
-    def record(streams, released):
-        jobs.append((list(streams), list(released)))
-        submit(streams, released)
+    def record(job):
+        jobs.append((list(job.args[0]), list(job.args[1])))
+        submit(job)
     drafter.writer.submit = record
     return jobs
 

@@ -347,9 +347,8 @@ def test_ngram_tokens_queued_over_steps_are_indexed_in_one_call_per_request():
     a, b = fake_req("a", [5, 6, 7]), fake_req("b", [20, 21])
     steps = [([8, 9], [22]), ([5], [23]), ([6, 7], [20, 21]), ([8, 10], [22])]
     inserts = []
-    submit = deferred.writer.submit
-    deferred.writer.submit = lambda streams, released: (inserts.extend((o, list(t)) for o, t in streams),
-                                                        submit(streams, released))
+    insert_many = deferred.trie.insert_many
+    deferred.trie.insert_many = lambda streams: (inserts.extend((o, list(t)) for o, t in streams), insert_many(streams))
     for drafter in (stepwise, deferred):
         for req in (a, b):
             drafter.add_prompt(req)

@@ -3,11 +3,10 @@
 The trie is fed every prompt when it arrives and every committed token; each request is an
 owner of its own stream, so its own prompt and output rank first when it is drafted for.
 Indexing costs ~2-5 us per token (a batch of 64 long prompts: ~200 ms), so it runs on the
-C trie's writer thread (ngram_writer.py), which never takes the GIL, in parallel with the
-step loop: `add_prompt` and `observe_batch` queue tokens per request (cheap list appends;
-a request's tokens of several steps reach the trie in one call), and `flush`, which the
-engine calls right after launching a forward, copies the queue into a job for the writer
-and returns. `propose` first waits until the writer
+trie's writer thread (ngram_writer.py) in parallel with the step loop: `add_prompt` and
+`observe_batch` queue tokens per request (cheap list appends; a request's tokens of several steps
+reach the trie in one call), and `flush`, which the engine calls right after launching a
+forward, hands the queue to the writer and returns. `propose` first waits until the writer
 has indexed everything handed over before it (normally long done: it had the GPU's time),
 so a proposal sees exactly the tokens flushed before it, whatever the timing: drafted trees
 are the same from run to run and on every tensor-parallel rank. It therefore misses the
@@ -38,7 +37,9 @@ in `flush`: that trie holds the GIL, so a thread would gain nothing.
 """
 from __future__ import annotations
 
+import functools
 import itertools
+import threading
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -55,6 +56,11 @@ if TYPE_CHECKING:
 
 MATCH_KEY_CAP = 6         # suffix matches this long or longer count as one evidence class
 AUTO_FLUSH_TOKENS = 256   # committed tokens queued that observe hands to the writer without waiting for a flush
+# tokens per trie call under the lock (~2-5 ms at max_trie_depth 18): a job's streams share calls
+# up to this many. Each call ends with the writer taking the GIL back, a hand-over the step loop
+# waits for: a call per stream (a flush at batch 64: 64 streams and a prompt) cost a ~400 us step
+# of Python and small torch ops ~200 us on the CPU, one call per 1024 tokens ~10 us
+WRITE_BATCH_TOKENS = 1024
 # handed-over tokens not indexed yet above which a probe is put off (~0.5-1.3 ms of indexing),
 # and above which a drafting step decodes plainly instead (~1-2.5 ms)
 PROBE_BACKLOG_TOKENS = 256
@@ -78,7 +84,11 @@ class NgramDrafter(Drafter):
         self._observed = 0   # committed tokens queued since the last flush
         self._released: list[int] = []   # owners finished since the last flush
         self._keys: list[int] = []
-        self.writer = TrieWriter(self.trie, background is not False)
+        if background is None:
+            background = isinstance(self.trie, NgramTrie)
+        self.writer = TrieWriter(background)
+        self._backlog = 0    # tokens handed to the writer and not indexed yet
+        self._backlog_lock = threading.Lock()   # the engine's thread adds, the writer's subtracts
 
     @classmethod
     def from_args(cls, args: "ServerArgs") -> "NgramDrafter":
@@ -106,7 +116,9 @@ class NgramDrafter(Drafter):
         contexts = [_tail(req, window) for req in reqs]
         owners = [self._owner(req) for req in reqs]
         self.writer.drain()   # everything flushed before this proposal is in: no timing in what it sees
-        tokens, parents, num_nodes, match_lengths = self.trie.propose_batch(contexts, max_nodes, self.one_branch, owners)
+        with self.writer.lock:
+            tokens, parents, num_nodes, match_lengths = self.trie.propose_batch(
+                contexts, max_nodes, self.one_branch, owners)
         self._keys = np.minimum(match_lengths, MATCH_KEY_CAP).tolist()
         n = int(num_nodes.max())
         # copies: the trie reuses its output buffers
@@ -151,16 +163,34 @@ class NgramDrafter(Drafter):
         self.writer.check()
         if not self._pending and not self._released:
             return
-        # the owners' tokens, then the finished owners' streams (after their last tokens, which continue them)
-        queued, released = list(self._pending.items()), self._released
+        queued = list(self._pending.items())
+        job = functools.partial(self._write, queued, self._released)
         self._pending, self._released, self._observed = {}, [], 0
-        self.writer.submit(queued, released)
+        self._add_backlog(sum(len(tokens) for _, tokens in queued))
+        self.writer.submit(job)
 
     def ready_to_probe(self) -> bool:
-        return self.writer.backlog <= PROBE_BACKLOG_TOKENS
+        return self._backlog <= PROBE_BACKLOG_TOKENS
 
     def ready_to_draft(self) -> bool:
-        return self.writer.backlog <= DRAFT_BACKLOG_TOKENS
+        return self._backlog <= DRAFT_BACKLOG_TOKENS
+
+    def _add_backlog(self, tokens: int) -> None:
+        with self._backlog_lock:
+            self._backlog += tokens
+
+    def _write(self, queued: list[tuple[int, list[int]]], released: list[int]) -> None:
+        """The writer's job: the owners' tokens, several streams per trie call (the lock is
+        held for one call at a time), then the finished owners' streams (after their last
+        tokens, which continue them)."""
+        trie, lock = self.trie, self.writer.lock
+        for batch in _batches(queued, WRITE_BATCH_TOKENS):
+            with lock:
+                trie.insert_many(batch)
+            self._add_backlog(-sum(len(tokens) for _, tokens in batch))
+        for owner in released:
+            with lock:
+                trie.release(owner)
 
     def release(self, req: "Req") -> None:
         """Its stream is let go at the next flush, after its queued tokens (they continue it)."""
@@ -177,6 +207,23 @@ class NgramDrafter(Drafter):
         if owner is None:
             owner = self._owners[req.rid] = next(self._next_owner)
         return owner
+
+
+def _batches(queued: list[tuple[int, list[int]]], most: int):
+    """(owner, tokens) pairs in order, cut into runs of about `most` tokens: a stream longer
+    than that (a prompt) in pieces of its own, in order."""
+    batch, size = [], 0
+    for owner, tokens in queued:
+        long = len(tokens) > most
+        pieces = [tokens[start:start + most] for start in range(0, len(tokens), most)] if long else [tokens]
+        for piece in pieces:
+            if batch and size + len(piece) > most:
+                yield batch
+                batch, size = [], 0
+            batch.append((owner, piece))
+            size += len(piece)
+    if batch:
+        yield batch
 
 
 def _tail(req: "Req", length: int) -> list[int]:

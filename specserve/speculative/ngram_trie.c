@@ -28,17 +28,9 @@
  * Return codes: >= 0 success, -1 out of memory, -2 bad argument (an unknown stream slot, a
  * node id out of range, an output buffer too small).
  *
- * The writer (ngt_writer_*): a thread of this library's own that runs queued inserts and
- * stream releases in order, so indexing never takes Python's GIL (a Python thread that did,
- * preempted on a busy host while it held the GIL between two C calls, stopped the engine's
- * step loop for a scheduler slice: BENCHMARKS.md, session 31). While it runs, the caller
- * touches the trie only through ngt_stream_new (streams live in blocks that never move, their
- * free list under a mutex) and the writer's own calls; everything else waits for ngt_writer_drain.
- *
  * ngt_insert and ngt_propose take int32 scalars only (besides pointers): ngram_trie.py calls
  * them without ctypes argument conversion, which costs more than the work of a short call.
  */
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -51,9 +43,6 @@
 
 #define NO_MEMORY (-1)
 #define BAD_ARGUMENT (-2)
-#define STREAM_BLOCK_BITS 8
-#define STREAM_BLOCK (1 << STREAM_BLOCK_BITS)
-#define MAX_STREAM_BLOCKS 4096   /* 2**20 streams at once */
 
 typedef struct {
     int64_t count;   /* occurrences of the node's n-gram */
@@ -118,13 +107,10 @@ typedef struct {
     int64_t table_mask, table_used;
     int64_t num_nodes, clock, epoch;
 
-    /* streams: in blocks that never move (the writer thread holds pointers into them while
-       the caller creates streams); the count and the free list under streams_mu */
-    Stream *stream_blocks[MAX_STREAM_BLOCKS];
+    /* streams */
+    Stream *streams;
     int32_t *free_streams;
     int64_t num_streams, streams_cap, num_free_streams;
-    pthread_mutex_t streams_mu;
-    struct Writer *writer;
     Stream anon;
     int32_t *next_frontier, *found;  /* [depth + 1] each: feed's scratch */
     int32_t *rank_buf;               /* [breadth] */
@@ -641,15 +627,9 @@ static void update_tail(const Trie *t, Stream *s, const int32_t *tokens, int64_t
     s->tail_len = keep + (int32_t)n;
 }
 
-static inline Stream *stream_slot(const Trie *t, int64_t slot) {
-    return &t->stream_blocks[slot >> STREAM_BLOCK_BITS][slot & (STREAM_BLOCK - 1)];
-}
-
 static Stream *stream_at(Trie *t, int32_t slot) {
-    pthread_mutex_lock(&t->streams_mu);
-    Stream *s = slot >= 0 && slot < t->num_streams ? stream_slot(t, slot) : NULL;
-    pthread_mutex_unlock(&t->streams_mu);
-    return s && s->in_use ? s : NULL;
+    if (slot < 0 || slot >= t->num_streams || !t->streams[slot].in_use) return NULL;
+    return &t->streams[slot];
 }
 
 #define RESERVE_SLICE 256
@@ -705,23 +685,24 @@ int64_t ngt_insert_many(Trie *t, const int32_t *tokens, const int64_t *offsets, 
 /* ------------------------------------------------------------------ streams */
 
 int64_t ngt_stream_new(Trie *t, int32_t with_follow) {
-    int64_t slot, result = NO_MEMORY;
-    pthread_mutex_lock(&t->streams_mu);
+    int64_t slot;
     if (t->num_free_streams) {
         slot = t->free_streams[--t->num_free_streams];
     } else {
         if (t->num_streams == t->streams_cap) {
-            int64_t block = t->streams_cap >> STREAM_BLOCK_BITS;
-            if (block == MAX_STREAM_BLOCKS) goto done;
-            int32_t *free_streams = realloc(t->free_streams, (size_t)(t->streams_cap + STREAM_BLOCK) * sizeof *free_streams);
-            if (!free_streams) goto done;
+            int64_t cap = t->streams_cap ? 2 * t->streams_cap : 16;
+            if (cap > INT32_MAX) return NO_MEMORY;
+            Stream *streams = realloc(t->streams, (size_t)cap * sizeof *streams);
+            if (!streams) return NO_MEMORY;
+            t->streams = streams;
+            int32_t *free_streams = realloc(t->free_streams, (size_t)cap * sizeof *free_streams);
+            if (!free_streams) return NO_MEMORY;
             t->free_streams = free_streams;
-            if (!(t->stream_blocks[block] = calloc(STREAM_BLOCK, sizeof(Stream)))) goto done;
-            t->streams_cap += STREAM_BLOCK;
+            t->streams_cap = cap;
         }
         slot = t->num_streams;
     }
-    Stream *s = stream_slot(t, slot);
+    Stream *s = &t->streams[slot];
     memset(s, 0, sizeof *s);
     s->frontier = malloc((size_t)(2 * t->depth) * sizeof *s->frontier);
     if (!s->frontier) goto fail;
@@ -734,20 +715,15 @@ int64_t ngt_stream_new(Trie *t, int32_t with_follow) {
     }
     s->frontier[0] = 0;
     s->frontier_len = 1;
-    /* -1: its first insert or proposal looks the frontier up (t->epoch is the writer's to
-       change meanwhile); an empty stream's is the root either way */
-    s->epoch = -1;
+    s->epoch = t->epoch;
     s->in_use = 1;
     if (slot == t->num_streams) t->num_streams++;
-    result = slot;
-    goto done;
+    return slot;
 fail:
     free(s->frontier);
     s->frontier = NULL;
     if (slot < t->num_streams) t->free_streams[t->num_free_streams++] = (int32_t)slot;
-done:
-    pthread_mutex_unlock(&t->streams_mu);
-    return result;
+    return NO_MEMORY;
 }
 
 int64_t ngt_stream_release(Trie *t, int32_t slot) {
@@ -755,10 +731,8 @@ int64_t ngt_stream_release(Trie *t, int32_t slot) {
     if (!s) return BAD_ARGUMENT;
     free(s->frontier);
     free(s->follow.slots);
-    pthread_mutex_lock(&t->streams_mu);
     memset(s, 0, sizeof *s);
     t->free_streams[t->num_free_streams++] = slot;
-    pthread_mutex_unlock(&t->streams_mu);
     return 0;
 }
 
@@ -1192,217 +1166,15 @@ int64_t ngt_propose_batch(Trie *t, const int32_t *contexts, const int64_t *offse
     return 0;
 }
 
-/* ------------------------------------------------------------------ writer thread */
-
-/* One queued job: streams to insert (stream i gets tokens[offsets[i]:offsets[i + 1]], slots[i]
-   as ngt_insert's slot), then streams to release; one allocation. */
-typedef struct WriterJob {
-    struct WriterJob *next;
-    int64_t count, num_released, num_tokens;
-    int64_t *offsets;
-    int32_t *slots, *released, *tokens;
-} WriterJob;
-
-typedef struct Writer {
-    pthread_t thread;
-    pthread_mutex_t mu;
-    pthread_cond_t work, idle;
-    WriterJob *head, *tail;
-    int64_t jobs;      /* queued or running */
-    int64_t backlog;   /* their tokens not indexed yet */
-    int64_t failure;   /* the first error of a job; later jobs are dropped */
-    int stop, paused;
-} Writer;
-
-#define BACKLOG_STEP 1024   /* tokens indexed between two updates of the backlog */
-
-static void writer_done_tokens(Writer *w, int64_t tokens) {
-    pthread_mutex_lock(&w->mu);
-    w->backlog -= tokens;
-    pthread_mutex_unlock(&w->mu);
-}
-
-static int64_t writer_run(Trie *t, Writer *w, const WriterJob *job) {
-    int64_t unreported = 0;
-    for (int64_t i = 0; i < job->count; i++) {
-        int64_t n = job->offsets[i + 1] - job->offsets[i];
-        if (n > INT32_MAX) return BAD_ARGUMENT;
-        int64_t result = n ? ngt_insert(t, job->tokens + job->offsets[i], (int32_t)n, job->slots[i]) : 0;
-        if (result < 0) return result;
-        if ((unreported += n) >= BACKLOG_STEP) {
-            writer_done_tokens(w, unreported);
-            unreported = 0;
-        }
-    }
-    writer_done_tokens(w, unreported);
-    for (int64_t i = 0; i < job->num_released; i++) {
-        int64_t result = ngt_stream_release(t, job->released[i]);
-        if (result < 0) return result;
-    }
-    return 0;
-}
-
-static void *writer_main(void *arg) {
-    Trie *t = arg;
-    Writer *w = t->writer;
-    pthread_mutex_lock(&w->mu);
-    for (;;) {
-        while (!w->stop && (!w->head || w->paused)) pthread_cond_wait(&w->work, &w->mu);
-        if (w->stop) break;
-        WriterJob *job = w->head;
-        int64_t failed = w->failure;
-        pthread_mutex_unlock(&w->mu);
-        int64_t result = failed ? failed : writer_run(t, w, job);
-        pthread_mutex_lock(&w->mu);
-        if (result < 0 && !w->failure) w->failure = result;
-        if (result < 0) w->backlog = 0;   /* nothing more is indexed: none is waited for */
-        w->head = job->next;
-        if (!w->head) w->tail = NULL;
-        free(job);
-        if (!--w->jobs) pthread_cond_broadcast(&w->idle);
-    }
-    pthread_mutex_unlock(&w->mu);
-    return NULL;
-}
-
-/* Starts the trie's writer thread (once). */
-int64_t ngt_writer_start(Trie *t) {
-    if (t->writer) return 0;
-    Writer *w = calloc(1, sizeof *w);
-    if (!w) return NO_MEMORY;
-    if (pthread_mutex_init(&w->mu, NULL)) goto no_mutex;
-    if (pthread_cond_init(&w->work, NULL)) goto no_work;
-    if (pthread_cond_init(&w->idle, NULL)) goto no_idle;
-    t->writer = w;
-    if (pthread_create(&w->thread, NULL, writer_main, t) == 0) return 0;
-    t->writer = NULL;
-    pthread_cond_destroy(&w->idle);
-no_idle:
-    pthread_cond_destroy(&w->work);
-no_work:
-    pthread_mutex_destroy(&w->mu);
-no_mutex:
-    free(w);
-    return NO_MEMORY;
-}
-
-/* Queues the insert of `count` streams (as ngt_insert_many) and then the release of
-   `num_released` streams; copies everything, returns at once. Returns the first error of an
-   earlier job instead (nothing is queued then). */
-int64_t ngt_writer_submit(Trie *t, const int32_t *tokens, const int64_t *offsets, const int32_t *slots,
-                          int64_t count, const int32_t *released, int64_t num_released) {
-    Writer *w = t->writer;
-    if (!w || count < 0 || num_released < 0 || (count && offsets[0] != 0)) return BAD_ARGUMENT;
-    int64_t num_tokens = count ? offsets[count] : 0;
-    for (int64_t i = 0; i < count; i++)
-        if (offsets[i + 1] < offsets[i]) return BAD_ARGUMENT;
-    size_t size = sizeof(WriterJob) + (size_t)(count + 1) * sizeof(int64_t) +
-                  (size_t)(count + num_released + num_tokens) * sizeof(int32_t);
-    WriterJob *job = malloc(size);
-    if (!job) return NO_MEMORY;
-    job->next = NULL;
-    job->count = count;
-    job->num_released = num_released;
-    job->num_tokens = num_tokens;
-    job->offsets = (int64_t *)(job + 1);
-    job->slots = (int32_t *)(job->offsets + count + 1);
-    job->released = job->slots + count;
-    job->tokens = job->released + num_released;
-    job->offsets[0] = 0;
-    if (count) memcpy(job->offsets, offsets, (size_t)(count + 1) * sizeof *offsets);
-    if (count) memcpy(job->slots, slots, (size_t)count * sizeof *slots);
-    if (num_released) memcpy(job->released, released, (size_t)num_released * sizeof *released);
-    if (num_tokens) memcpy(job->tokens, tokens, (size_t)num_tokens * sizeof *tokens);
-    pthread_mutex_lock(&w->mu);
-    int64_t failure = w->failure;
-    if (!failure) {
-        if (w->tail) w->tail->next = job;
-        else w->head = job;
-        w->tail = job;
-        w->jobs++;
-        w->backlog += num_tokens;
-        pthread_cond_signal(&w->work);
-    }
-    pthread_mutex_unlock(&w->mu);
-    if (failure) free(job);
-    return failure;
-}
-
-/* Waits until every job submitted so far is done; returns the first error of one (0: none).
-   Called without the GIL (ngram_trie.py loads it through ctypes.CDLL). */
-int64_t ngt_writer_drain(Trie *t) {
-    Writer *w = t->writer;
-    if (!w) return 0;
-    pthread_mutex_lock(&w->mu);
-    while (w->jobs && !w->failure) pthread_cond_wait(&w->idle, &w->mu);
-    int64_t failure = w->failure;
-    pthread_mutex_unlock(&w->mu);
-    return failure;
-}
-
-/* Tokens submitted and not indexed yet. */
-int64_t ngt_writer_backlog(Trie *t) {
-    Writer *w = t->writer;
-    if (!w) return 0;
-    pthread_mutex_lock(&w->mu);
-    int64_t backlog = w->backlog;
-    pthread_mutex_unlock(&w->mu);
-    return backlog;
-}
-
-/* Jobs queued or running. */
-int64_t ngt_writer_jobs(Trie *t) {
-    Writer *w = t->writer;
-    if (!w) return 0;
-    pthread_mutex_lock(&w->mu);
-    int64_t jobs = w->jobs;
-    pthread_mutex_unlock(&w->mu);
-    return jobs;
-}
-
-/* Tests: 1 holds queued jobs back (the one running finishes), 0 lets them run. */
-int64_t ngt_writer_pause(Trie *t, int32_t paused) {
-    Writer *w = t->writer;
-    if (!w) return BAD_ARGUMENT;
-    pthread_mutex_lock(&w->mu);
-    w->paused = paused;
-    pthread_cond_broadcast(&w->work);
-    pthread_mutex_unlock(&w->mu);
-    return 0;
-}
-
-/* Stops the thread once the job it runs is done (queued ones are dropped) and joins it. */
-void ngt_writer_stop(Trie *t) {
-    Writer *w = t->writer;
-    if (!w) return;
-    pthread_mutex_lock(&w->mu);
-    w->stop = 1;
-    pthread_cond_broadcast(&w->work);
-    pthread_mutex_unlock(&w->mu);
-    pthread_join(w->thread, NULL);
-    for (WriterJob *job = w->head, *next; job; job = next) {
-        next = job->next;
-        free(job);
-    }
-    pthread_cond_destroy(&w->idle);
-    pthread_cond_destroy(&w->work);
-    pthread_mutex_destroy(&w->mu);
-    free(w);
-    t->writer = NULL;
-}
-
 /* ------------------------------------------------------------------ life cycle */
 
 void ngt_free(Trie *t) {
     if (!t) return;
-    ngt_writer_stop(t);
     for (int64_t i = 0; i < t->num_streams; i++) {
-        free(stream_slot(t, i)->frontier);
-        free(stream_slot(t, i)->follow.slots);
+        free(t->streams[i].frontier);
+        free(t->streams[i].follow.slots);
     }
-    for (int64_t block = 0; block < MAX_STREAM_BLOCKS && t->stream_blocks[block]; block++)
-        free(t->stream_blocks[block]);
-    pthread_mutex_destroy(&t->streams_mu);
+    free(t->streams);
     free(t->free_streams);
     free(t->anon.frontier);
     free(t->next_frontier);
@@ -1435,10 +1207,6 @@ Trie *ngt_create(int64_t capacity, int64_t target, int64_t chunk, int32_t min_wi
         return NULL;
     Trie *t = calloc(1, sizeof *t);
     if (!t) return NULL;
-    if (pthread_mutex_init(&t->streams_mu, NULL)) {
-        free(t);
-        return NULL;
-    }
     t->capacity = capacity;
     t->target = target;
     t->chunk = chunk;
@@ -1639,7 +1407,7 @@ int64_t ngt_check(const Trie *t) {
         seen[id] = 1;
     }
     for (int64_t slot = 0; slot < t->num_streams; slot++) {
-        const Stream *s = stream_slot(t, slot);
+        const Stream *s = &t->streams[slot];
         if (!s->in_use) continue;
         if (s->frontier_len != s->tail_len + 1 || s->frontier_len > t->depth || s->frontier[0] != 0) { code = 11; goto done; }
         for (int32_t k = 1; k < s->frontier_len && s->epoch == t->epoch; k++) {

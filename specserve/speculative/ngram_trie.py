@@ -10,10 +10,9 @@ through ctypes, one call per ``insert`` or ``propose``: ~2-5 us per token indexe
 pure-Python original (``ngram_trie_py.py``) takes ~20-70, and proposals several times
 cheaper (``python -m specserve.speculative.bench_ngram``). This file is the Python face:
 the build, and the conversions. On a machine without a working C compiler, ``NgramTrie(config)``
-gives the pure-Python trie instead (same behaviour, one warning). A trie is not thread-safe,
-except for its writer: ``start_writer`` starts a thread of the C library's own, ``submit``
-queues inserts and stream releases for it, ``drain`` waits for them (ngram_writer.py);
-``insert`` releases the GIL, the other calls keep it.
+gives the pure-Python trie instead (same behaviour, one warning). A trie is not thread-safe:
+its caller keeps calls from overlapping (NgramDrafter: ngram_writer.py's lock); ``insert``
+releases the GIL, the other calls keep it.
 
 - Insertion is incremental: a stream (one request, keyed by ``owner``) keeps its frontier,
   the nodes of the n-grams ending at its last token. A new token adds one child to each,
@@ -63,7 +62,7 @@ logger = logging.getLogger("specserve")
 
 _SOURCE = Path(__file__).with_name("ngram_trie.c")
 # -ffp-contract=off: PROB's path probabilities are computed exactly as Python computes them.
-_CFLAGS = ("-O2", "-std=c99", "-shared", "-fPIC", "-pthread", "-Wall", "-Wextra", "-ffp-contract=off")
+_CFLAGS = ("-O2", "-std=c99", "-shared", "-fPIC", "-Wall", "-Wextra", "-ffp-contract=off")
 _EXTRA_CFLAGS_ENV = "SPECSERVE_NGRAM_CFLAGS"  # e.g. "-fsanitize=address,undefined -g"
 _NO_MEMORY = -1  # the C side's codes: -1 out of memory, -2 a bad argument
 _MAX_DRAFT = 1 << 20  # num_draft_tokens beyond any tree worth verifying
@@ -123,59 +122,20 @@ class NgramTrie:
             raise MemoryError("the n-gram trie is out of memory")
 
     def insert_many(self, streams: Sequence[tuple[int | None, Sequence[int]]]) -> None:
-        """``insert(tokens, owner)`` for each (owner, tokens), in order, in one C call."""
-        joined, offsets, slots = self._packed(streams)
+        """``insert(tokens, owner)`` for each (owner, tokens), in order, in one C call that
+        releases the GIL once: a writer thread calling ``insert`` per stream (a flush hands it
+        ~64) takes the GIL back from the step loop after each."""
+        joined, offsets, slots = array("i"), array("q", [0]), array("i")
+        for owner, tokens in streams:
+            joined.extend(_as_list(tokens))
+            offsets.append(len(joined))
+            slots.append(self._slot(owner))
         if not joined:
             return
         result = self._insert_many_c(self._handle_arg, joined.buffer_info()[0], offsets.buffer_info()[0],
                                      slots.buffer_info()[0], len(slots))
         if result < 0:
             _checked(result)
-
-    def _packed(self, streams: Sequence[tuple[int | None, Sequence[int]]]) -> tuple[array, array, array]:
-        """The streams' tokens joined, their offsets and their slots (made on first use)."""
-        joined, offsets, slots = array("i"), array("q", [0]), array("i")
-        for owner, tokens in streams:
-            joined.extend(_as_list(tokens))
-            offsets.append(len(joined))
-            slots.append(self._slot(owner))
-        return joined, offsets, slots
-
-    # --- the writer thread (C): indexing that never takes the GIL ---
-    def start_writer(self) -> None:
-        """From now on `submit` queues inserts for the C trie's own thread. Until `drain`
-        returns, nothing else may read or write the trie (NgramDrafter drains before it
-        proposes); `submit` itself may be called any time."""
-        _checked(self._lib.ngt_writer_start(self._handle))
-        self._drain_c = _library_without_gil().ngt_writer_drain
-
-    def submit(self, streams: Sequence[tuple[int | None, Sequence[int]]], released: Sequence[int]) -> None:
-        """Queues ``insert_many(streams)`` and then ``release(owner)`` of each released owner
-        for the writer thread; returns at once. Raises (MemoryError, ValueError) if an earlier
-        job failed: nothing more is indexed then."""
-        joined, offsets, slots = self._packed(streams)
-        gone = array("i", [self._streams.pop(owner) for owner in released if owner in self._streams])
-        _checked(self._lib.ngt_writer_submit(self._handle, joined.buffer_info()[0], offsets.buffer_info()[0],
-                                             slots.buffer_info()[0], len(slots), gone.buffer_info()[0], len(gone)))
-
-    def drain(self) -> None:
-        """Waits, without the GIL, until every submitted job is done; raises as `submit` does."""
-        _checked(self._drain_c(self._handle))
-
-    def backlog(self) -> int:
-        """Tokens submitted and not indexed yet."""
-        return self._lib.ngt_writer_backlog(self._handle)
-
-    def pending_jobs(self) -> int:
-        return self._lib.ngt_writer_jobs(self._handle)
-
-    def pause_writer(self, paused: bool) -> None:
-        """Tests: hold queued jobs back (True) or let them run."""
-        _checked(self._lib.ngt_writer_pause(self._handle, int(paused)))
-
-    def stop_writer(self) -> None:
-        """Stops and joins the thread once its job is done; queued jobs are dropped."""
-        self._lib.ngt_writer_stop(self._handle)
 
     def _slot(self, owner: int | None) -> int:
         """The owner's stream slot in the C trie, made on first use (-1: no owner)."""
@@ -391,13 +351,6 @@ _SIGNATURES = {  # name: (restype, argtypes)
     "ngt_top": (_I64, [_P, _I32, _P, _I64]),
     "ngt_stream_state": (_I64, [_P, _I32, _P, _P, _P]),
     "ngt_matches": (_I64, [_P, _P, _I64, _I32, _P, _P, _I64]),
-    "ngt_writer_start": (_I64, [_P]),
-    "ngt_writer_submit": (_I64, [_P, _P, _P, _P, _I64, _P, _I64]),
-    "ngt_writer_drain": (_I64, [_P]),
-    "ngt_writer_backlog": (_I64, [_P]),
-    "ngt_writer_jobs": (_I64, [_P]),
-    "ngt_writer_pause": (_I64, [_P, _I32]),
-    "ngt_writer_stop": (None, [_P]),
 }
 
 

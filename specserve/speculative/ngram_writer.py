@@ -1,34 +1,34 @@
-"""TrieWriter: the n-gram trie's writes (indexing, releasing a stream), off the step loop.
+"""TrieWriter: the n-gram trie's writes (indexing, releasing a stream) on one background thread.
 
 Indexing costs ~2-5 us per token (a batch of 64 prompts of ~1000 tokens: ~200 ms), too
-much for the engine's step loop. With the compiled trie the writes run on a thread of the
-C library's own (ngram_trie.c, `ngt_writer_*`), which never takes Python's GIL: the step
-loop only copies the tokens into a queued job. A Python thread did this before (session 31,
-BENCHMARKS.md): between its C calls it held the GIL, and on a busy host, preempted while it
-held it, it stopped the step loop for a scheduler slice: an engine that indexed but never
-drafted ran at 0.54-0.81x of plain on chat at 64 there, where one indexing nothing ran at
-0.95-0.98x.
+much for the engine's step loop, while the compiled trie's insert releases the GIL
+(ngram_trie.py calls it through ctypes.CDLL): a thread that runs it runs truly in parallel
+with the step loop, while the GPU computes and while the host does everything else.
 
 Jobs run one at a time, in the order they were submitted. Readers call `drain()` first,
 which waits until every job submitted so far is done, so what a reader sees does not depend
-on timing (drafted trees equal between runs and between tensor-parallel ranks), and the
-writer is idle while they read.
+on timing (drafted trees equal between runs and between tensor-parallel ranks); `lock` is
+held around every call into the trie by jobs and readers alike, so they never overlap.
 
-A job that fails stops the writer: the trie may hold part of that job's tokens, so later
-jobs are dropped and `drain()` / `submit()` / `check()` raise on the caller's thread, every
-time, naming the original error (an EngineFatalError: the engine fails every request with
-it). Nothing waits forever: a closed writer refuses jobs.
+A job that raises stops the writer: the trie may hold part of that job's tokens, so later
+jobs are skipped and `drain()` / `check()` raise on the caller's thread, every time, naming
+the original error (an EngineFatalError: the engine fails every request with it). Nothing waits forever: a closed writer refuses jobs and drains at once.
 
-Without the compiled trie (no C compiler) each job runs at once on the caller's thread: the
-pure-Python trie holds the GIL throughout, so a thread would only add switching.
+`TrieWriter(background=False)` runs each job at once on the caller's thread (the pure-Python
+trie, which holds the GIL throughout: a thread would only add switching).
 """
 from __future__ import annotations
 
-from typing import Sequence
+import threading
+import weakref
+from collections import deque
+from typing import Callable
 
 from specserve.errors import EngineFatalError
 
-Streams = Sequence[tuple[int, Sequence[int]]]
+Job = Callable[[], None]
+_STOP = object()
+JOIN_TIMEOUT_S = 10.0   # close() waits this long for a job in progress (the longest: one chunk's insert)
 
 
 class TrieWriterError(EngineFatalError):
@@ -38,62 +38,111 @@ class TrieWriterError(EngineFatalError):
 
 
 class TrieWriter:
-    def __init__(self, trie, background: bool = True):
-        """background: the C trie's writer thread (a trie without one writes at once)."""
-        self.trie = trie
-        self.background = background and hasattr(trie, "start_writer")
-        self._failure: BaseException | None = None
-        self._closed = False
-        if self.background:
-            trie.start_writer()   # a writer nobody closed stops with its trie (ngt_free joins it)
+    def __init__(self, background: bool = True, name: str = "ngram-trie-writer"):
+        self.background = background
+        self.lock = threading.Lock()       # around each call into the trie
+        self._state = _WriterState()
+        self._thread: threading.Thread | None = None
+        if background:
+            # The thread holds the state only, not the writer: a writer nobody closed is still
+            # stopped when it is collected (the finalizer), and a daemon never keeps the process alive.
+            self._thread = threading.Thread(target=self._state.work, name=name, daemon=True)
+            self._thread.start()
+            self._finalizer = weakref.finalize(self, self._state.stop)
 
-    def submit(self, streams: Streams, released: Sequence[int]) -> None:
-        """Indexes `streams` ((owner, tokens) in order), then lets the released owners'
-        streams go: after every job submitted before, on the writer thread (at once without)."""
+    def submit(self, job: Job) -> None:
+        """Runs `job` after every job submitted before it (at once, without a thread)."""
         self.check()
-        if not self.background:
-            if streams:
-                self.trie.insert_many(streams)
-            for owner in released:
-                self.trie.release(owner)
+        if self._thread is None:
+            job()
             return
-        self._guarded(lambda: self.trie.submit(streams, released))
+        self._state.put(job)
 
     def drain(self) -> None:
         """Waits until every job submitted so far is done; raises if one failed."""
+        if self._thread is not None and self._state.unfinished:   # read without the lock: 0 means done
+            self._state.wait_idle(self._thread)
         self.check()
-        if self.background:
-            self._guarded(self.trie.drain)
 
     def check(self) -> None:
         """Raises, without waiting, if a job has failed or the writer is closed."""
-        if self._failure is not None:
+        state = self._state
+        if state.failure is not None:
             raise TrieWriterError(f"indexing into the n-gram trie failed on its writer thread: "
-                                  f"{type(self._failure).__name__}: {self._failure}") from self._failure
-        if self._closed:
+                                  f"{type(state.failure).__name__}: {state.failure}") from state.failure
+        if state.closed:
             raise TrieWriterError("the n-gram trie's writer is closed (the drafter was closed)")
 
     @property
     def pending(self) -> int:
         """Jobs submitted and not done yet."""
-        return self.trie.pending_jobs() if self.background and not self._closed else 0
-
-    @property
-    def backlog(self) -> int:
-        """Tokens submitted and not indexed yet."""
-        return self.trie.backlog() if self.background and not self._closed else 0
+        return self._state.unfinished
 
     def close(self) -> None:
         """Stops the thread once the job in progress is done (queued ones are dropped) and
         joins it. Idempotent."""
-        if not self._closed and self.background:
-            self.trie.stop_writer()
-        self._closed = True
+        if self._thread is None:
+            self._state.closed = True
+            return
+        self._finalizer()   # stop(), once
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=JOIN_TIMEOUT_S)
 
-    def _guarded(self, call) -> None:
-        try:
-            call()
-        except (MemoryError, ValueError) as error:   # the C trie's codes, from a job
-            self._failure = error
-            self.check()
+    @property
+    def thread(self) -> threading.Thread | None:
+        return self._thread
 
+
+class _WriterState:
+    """What the writer thread shares with the writer: the job queue and how it went."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.jobs: deque[object] = deque()
+        self.unfinished = 0                  # jobs queued or running
+        self.failure: BaseException | None = None
+        self.closed = False
+
+    def put(self, job: Job) -> None:
+        with self.cond:
+            if self.closed:
+                raise TrieWriterError("the n-gram trie's writer is closed (the drafter was closed)")
+            self.jobs.append(job)
+            self.unfinished += 1
+            self.cond.notify_all()
+
+    def stop(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.unfinished -= len(self.jobs)   # dropped: nobody waits for them
+            self.jobs.clear()
+            self.jobs.append(_STOP)
+            self.cond.notify_all()
+
+    def wait_idle(self, thread: threading.Thread) -> None:
+        with self.cond:
+            while self.unfinished and not self.closed:
+                # a timeout, so that a thread that died some other way cannot hang the caller
+                self.cond.wait(timeout=1.0)
+                if not thread.is_alive() and self.unfinished and self.failure is None:
+                    self.failure = RuntimeError("the writer thread ended with jobs queued")
+                    return
+
+    def work(self) -> None:
+        while True:
+            with self.cond:
+                while not self.jobs:
+                    self.cond.wait()
+                job = self.jobs.popleft()
+            if job is _STOP:
+                return
+            try:
+                if self.failure is None:   # after a failure the trie's state is unknown: skip
+                    job()
+            except BaseException as error:   # surfaces on the caller's thread (check / drain)
+                self.failure = error
+            finally:
+                with self.cond:
+                    self.unfinished -= 1
+                    self.cond.notify_all()
+            job = None   # a job may hold the drafter: keep nothing alive while idle
