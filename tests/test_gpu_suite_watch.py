@@ -94,6 +94,9 @@ def test_watch_splits_the_run_into_prefill_plain_and_drafting_steps(engine):
     mix = plain["step_mix"]
     assert mix["prefill"]["steps"] >= 1 and mix["plain"]["steps"] >= 11 and mix["draft"]["steps"] == 0
     assert mix["plain"]["from_ahead"] == 0 and mix["plain"]["mean_batch"] > 1   # no overlap on a CPU
+    prompt_tokens = sum(len(p) for p in PROMPTS)   # token ids already
+    assert mix["prefill"]["mean_tokens"] * mix["prefill"]["steps"] == pytest.approx(prompt_tokens, abs=len(PROMPTS))
+    assert mix["plain"]["mean_tokens"] == mix["plain"]["mean_batch"]   # a decode step schedules a token a request
     assert plain["draft_nodes_mean"] is None
     assert drafted["step_mix"]["draft"]["steps"] >= 1 and drafted["step_mix"]["draft"]["ms"] > 0
     assert drafted["step_mix"]["draft"]["from_ahead"] == 0   # no drafting step launched ahead on a CPU
