@@ -323,3 +323,28 @@ def test_tiny_random_model_equals_plain(tiny_dir, combo):
         assert any(o["meta_info"]["finish_reason"]["type"] == "stop" for o in want_stopped)
         assert any(max(o["meta_info"]["spec_accept_histogram"]) > 2 for o in stopped)
         wait_until_all_kv_is_free(spec)
+
+
+def test_mixed_chunks_equal_plain(tiny_dir):
+    """--enable-mixed-chunk with NGRAM: prompt chunks ride in decode steps (whose decoding
+    requests take one token there, no draft) and every output is still plain's."""
+    chunked = {"chunked_prefill_size": 16}   # the prompts (19-42 tokens) prefill in chunks while others decode
+    with tiny_engine(tiny_dir, **chunked) as plain, \
+            tiny_engine(tiny_dir, enable_mixed_chunk=True, **chunked, **ngram_args(8)) as spec:
+        want = [o["output_ids"] for o in plain.generate(input_ids=TINY_PROMPTS, sampling_params=TINY_GREEDY)]
+        scheduler, mixed_steps = spec.core.scheduler, []
+        schedule_extend = scheduler._schedule_extend
+
+        def counting(decoding):
+            batch, decoded = schedule_extend(decoding)
+            if batch is not None and decoded:
+                mixed_steps.append(decoded)
+            return batch, decoded
+        scheduler._schedule_extend = counting
+        first = spec.generate(input_ids=TINY_PROMPTS, sampling_params=TINY_GREEDY)
+        second = spec.generate(input_ids=TINY_PROMPTS, sampling_params=TINY_GREEDY)   # drafts from the first's outputs
+        assert [o["output_ids"] for o in first] == want
+        assert [o["output_ids"] for o in second] == want
+        assert mixed_steps, "no prompt chunk rode in a decode step"
+        assert all(o["meta_info"]["spec_accept_length"] > 2.0 for o in second), [o["meta_info"] for o in second]
+        wait_until_all_kv_is_free(spec)
