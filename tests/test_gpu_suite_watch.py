@@ -282,3 +282,18 @@ def test_held_configs_decode_plainly_and_blind_indexes_nothing(engine):
         watch.close()
     assert indexed["held"] == indexed["adaptive"] > 0   # the same tokens indexed, drafting or not
     assert indexed["blind"] == 0
+
+
+def test_swapping_drafters_closes_the_one_replaced(engine):
+    """A replaced drafter's writer thread does not run on (one left mid-insert into the
+    compiled trie at interpreter exit crashed a bench)."""
+    set_drafter(engine, 4, True, True)
+    first = engine.core.drafter
+    thread = first.writer.thread
+    set_drafter(engine, 8, True, True)
+    assert engine.core.drafter is not first
+    if thread is not None:   # the compiled trie writes on a thread; the pure-Python one inline
+        assert not thread.is_alive()
+    with pytest.raises(Exception, match="closed"):
+        first.writer.submit(lambda: None)
+    set_drafter(engine, None)

@@ -74,8 +74,12 @@ HELD_MODES = ("held", "blind")
 def set_drafter(engine, num_draft_tokens: int | None, one_branch: bool = False,
                 adaptive: bool | str = False) -> None:
     """Swap speculation between runs (the engine is idle then): None = plain decoding.
-    `adaptive`: True for the adaptive policy, or one of HELD_MODES (diagnostics, above)."""
+    `adaptive`: True for the adaptive policy, or one of HELD_MODES (diagnostics, above).
+    The drafter replaced is closed: its writer thread, left running, could be mid-insert into
+    the compiled trie while the interpreter exits (turnover_step_host crashed so, 1 run in 3)."""
     core = engine.core
+    if core.drafter is not None:
+        core.drafter.close()
     if num_draft_tokens is None:
         core.drafter, core.num_draft_tokens, core.adaptive = None, 1, None
         core.stats.speculative = False

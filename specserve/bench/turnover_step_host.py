@@ -216,6 +216,7 @@ def run_turnover(engine, stand_in, prompts, spec, batch_size: int, output_len: i
     for rid in list(live):
         core.abort(rid)
     core.overlap = None
+    set_drafter(engine, None)
     row = {"engine": config_label(spec), "batch_size": batch_size, "requests": next(counter)}
     for kind in sorted(timer.cpu_us):
         cpu, wall = timer.cpu_us[kind], timer.wall_us[kind]
