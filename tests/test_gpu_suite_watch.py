@@ -15,6 +15,7 @@ import pytest
 from specserve.bench.gpu_suite import parse_config, run, set_drafter, timed_runs
 from specserve.bench.run_watch import RunWatch
 from specserve.bench.report import DEFAULT_LABEL, markdown, speed_rows
+from specserve.speculative.ngram_writer import TrieWriterError
 from tests.spec_fixtures import make_tiny_directory, tiny_engine
 
 PROMPTS = [[5, 6, 7, 8, 9] * 4, [20, 21, 22, 23] * 5, list(range(30, 50))]
@@ -294,6 +295,6 @@ def test_swapping_drafters_closes_the_one_replaced(engine):
     assert engine.core.drafter is not first
     if thread is not None:   # the compiled trie writes on a thread; the pure-Python one inline
         assert not thread.is_alive()
-    with pytest.raises(Exception, match="closed"):
+    with pytest.raises(TrieWriterError, match="closed"):
         first.writer.submit(lambda: None)
     set_drafter(engine, None)

@@ -168,9 +168,8 @@ def _mix_row(mix: dict) -> dict:
     how many were read from a step launched ahead (plain steps: overlap.py; drafting steps:
     draft_ahead.py). The others paid their launch and host time in full: the first decode step
     after a prefill, after a drafting step, after a request ended, a drafting step after a
-    plain one. (A speculative engine ran 47-51 prefill steps where plain ran 42, H200, 1.5B,
-    ShareGPT multi-turn at 64, 24-53 ms more prefill a round of the 65-88 ms it lost: the
-    chunk sizes say whether those steps are smaller.)"""
+    plain one. (The chunk sizes say whether a speculative engine's extra prefill steps are
+    smaller ones: gpu_suite's --enable-mixed-chunk says why that matters.)"""
     steps = mix["steps"]
     return {"steps": steps, "ms": round(mix["s"] * 1e3, 1),
             "mean_batch": round(mix["requests"] / steps, 1) if steps else None,
