@@ -49,6 +49,10 @@ class ForwardBatch:
     tree_mask: torch.Tensor | None = None   # VERIFY: (bs, n, n) bool, [b, i, j] = node i sees node j
     attn_metadata: Any = field(default=None)  # filled by AttentionBackend.plan
     hidden_capture: "HiddenCapture | None" = None  # hidden states the model keeps besides the logits (EAGLE)
+    # VERIFY only: request b has extend_lens[b] nodes (1..n, n = tree_mask.shape[-1]), request
+    # after request, and the tokens past their sum are padding of no request (out_slots
+    # PADDING_SLOT; their attention output is zero). A graph's extend_lens vary per replay.
+    ragged: bool = False
 
     @property
     def batch_size(self) -> int:
