@@ -51,7 +51,9 @@ class ForwardBatch:
     hidden_capture: "HiddenCapture | None" = None  # hidden states the model keeps besides the logits (EAGLE)
     # VERIFY only: request b has extend_lens[b] nodes (1..n, n = tree_mask.shape[-1]), request
     # after request, and the tokens past their sum are padding of no request (out_slots
-    # PADDING_SLOT; their attention output is zero). A graph's extend_lens vary per replay.
+    # PADDING_SLOT; their attention output is zero). A graph's extend_lens vary per replay:
+    # graph planning reads the device tensors and only the length of extend_lens_host (the
+    # batch size), eager planning the host lists too.
     ragged: bool = False
 
     @property

@@ -6,7 +6,8 @@ extend, keys to its longest prefix + extend, and the mask keeps padding out. Req
 grouped by kind (single tokens, longer extends) and by key length within a factor of two:
 padded together, every short request would gather as many keys as the longest one, and a
 decode step beside one 4k-token context (or a prompt chunk deep into one) would cost a
-CPU seconds instead of tens of milliseconds.
+CPU seconds instead of tens of milliseconds. A ragged VERIFY batch's tokens past its
+requests' (padding of no request) get a zero output.
 """
 from __future__ import annotations
 
@@ -45,9 +46,9 @@ class TorchNativeBackend(AttentionBackend):
         if k is not None:  # None: the model's fused RoPE kernel has stored k and v already
             pool.store(layer, batch.out_slots, k, v)
         groups: list[LayoutGroup] = batch.attn_metadata
-        if len(groups) == 1:
+        if len(groups) == 1 and groups[0].tokens is None:   # one group of every token
             return self._attend(q, layer, pool, groups[0].layout)
-        out = torch.empty_like(q)
+        out = torch.zeros_like(q)   # tokens of no group (ragged padding) stay zero
         for group in groups:
             out[group.tokens] = self._attend(q[group.tokens], layer, pool, group.layout)
         return out
@@ -72,14 +73,15 @@ class TorchNativeBackend(AttentionBackend):
 
 
 def plan_groups(batch: ForwardBatch) -> list[LayoutGroup]:
-    """A padded layout per group of requests of the same kind and key-length bucket."""
+    """A padded layout per group of requests of the same kind and key-length bucket; the
+    tokens past the requests' (a ragged batch's padding) are in no group."""
     lens, prefixes = batch.extend_lens_host, batch.prefix_lens_host
     groups: dict[tuple[bool, int], list[int]] = {}
     for i, (prefix, length) in enumerate(zip(prefixes, lens)):
         # keys padded to at most twice a request's own
         bucket = max(prefix + length - 1, MIN_BUCKET_KEYS).bit_length()
         groups.setdefault((length == 1, bucket), []).append(i)
-    if len(groups) == 1:
+    if len(groups) == 1 and sum(lens) == batch.num_tokens:
         return [LayoutGroup(None, build_padded_layout(batch))]
     starts = [0]
     for length in lens[:-1]:

@@ -3,6 +3,15 @@ and VERIFY (tree mask), over the token-granular KV pool. A VERIFY batch of few t
 goes through the decode kernel instead, one query row per node (its TREE mode): at small
 batches that is 2-3x faster than the extend kernel and its merge.
 
+Ragged VERIFY (`ForwardBatch.ragged`): request b has its own node count extend_lens[b]
+(1..n, n = tree_mask.shape[-1]), the nodes request after request, and the tokens past
+their sum are padding of no request, whose output is zero (the next layer writes their K/V
+to slot 0, which other rows load masked: it must stay finite). Decode rows find their
+request through a per-row owner array (`row_owners`, -1 for padding); the extend kernel
+gets a bs x row_blocks(n) grid (a request's blocks past its nodes read nothing) and the
+output of the padding tokens, which no program writes, is zeroed first. A uniform VERIFY
+batch (n nodes every request) is the ragged one without padding.
+
 Metadata (`TritonMetadata`, built once per forward, shared by every layer): per request
 its `req_to_token` row, prefix length and first new token (`qo_indptr`); the kernels
 read prefix slots straight from `req_to_token` and new slots from `batch.out_slots`, so
@@ -13,13 +22,19 @@ buffers are allocated once per forward; the extend kernel lets a causal request 
 
 CUDA graphs: `init_cuda_graph_state` allocates static copies of that metadata for the
 largest graph, and `plan_for_capture` / `plan_for_replay` fill them in place. In graph
-mode the grid depends only on the batch size (row blocks from `max_tokens_per_req`,
-splits from `kv_pool.max_context`); kernels skip splits and row blocks a batch leaves
-empty. Padding convention for a graph batch of bs rows where only the first ones are
-real: a padded request has prefix_len 0, extend_len = the graph's tokens per request
+mode the grid depends only on the batch size (row blocks from `max_tokens_per_req`, for
+VERIFY from the tree size n; splits from `kv_pool.max_context`), and for a ragged VERIFY
+batch on (bs, num_tokens, n); kernels skip splits and row blocks a batch leaves empty, and
+everything a ragged graph needs per replay (request offsets, row owners) is computed on
+the device from its extend_lens.
+
+Padding convention for a graph batch of bs rows where only the first ones are real: a
+padded request has prefix_len 0, extend_len = the graph's tokens per request
 (1 for DECODE), all its out_slots = PADDING_SLOT (0), any valid req row (0), and for
 VERIFY a tree_mask whose diagonal is True (e.g. the identity). It then attends only to
 slot 0, reads no `req_to_token` entry, and its (finite, meaningless) output is dropped.
+A ragged graph batch pads with tokens instead (see above); its requests are all real, or
+padded as above with one node (extend_len 1).
 """
 from __future__ import annotations
 
@@ -30,7 +45,7 @@ import torch
 import triton
 
 from specserve.attention.base import AttentionBackend, ForwardBatch, ForwardMode
-from specserve.attention.kernels.decode import decode_attention
+from specserve.attention.kernels.decode import decode_attention, row_owners
 from specserve.attention.kernels.extend import (extend_attention, num_row_blocks, ragged_block_table,
                                                 ragged_blocks_bound)
 from specserve.attention.kernels.online_softmax import MAX_SPLITS
@@ -51,6 +66,8 @@ class TritonMetadata:
     split_counts: torch.Tensor | None = None  # (>= num_tokens,) int32 scratch: EXTEND/VERIFY splits used per token
     block_table: tuple[torch.Tensor, torch.Tensor] | None = None  # ragged EXTEND: (request, row block) per program
     tree_rows: bool = False  # VERIFY through the decode kernel, a row per tree node (split_counters per node)
+    row_owner: torch.Tensor | None = None  # tree_rows: (num_tokens,) int32, each row's request, -1 for padding
+    zero_out: bool = False   # ragged VERIFY through the extend kernel: padding tokens' output is zeroed
 
 
 @dataclass
@@ -67,6 +84,7 @@ class _GraphBuffers:
     partial_lse: torch.Tensor   # flat fp32
     split_counters: torch.Tensor  # (max_bs * num_kv_heads,) int32, zero between launches
     split_counts: torch.Tensor    # (max_bs * max_tokens_per_req,) int32
+    row_owner: torch.Tensor       # (VERIFY rows the decode kernel may take,) int32
 
 
 class TritonBackend(AttentionBackend):
@@ -78,7 +96,7 @@ class TritonBackend(AttentionBackend):
     # DECODE is merged by its last split, 8 splits at a time: past ~32 splits the merge costs
     # more than the splitting gains (H200, batch 1, 8000 keys: 16 us with 32 splits, 20 with 63)
     max_decode_splits = 32
-    # VERIFY batches of up to this many tree nodes (requests x nodes) run as decode rows; measured
+    # VERIFY batches of up to this many tokens (tree nodes, ragged padding included) run as decode rows; measured
     # on an H200 at batch 1 (9-17 nodes: 2-3x faster than extend + merge) and batch 8 (step_cost)
     max_tree_rows = 64
 
@@ -90,8 +108,8 @@ class TritonBackend(AttentionBackend):
 
     # --- eager ---
     def plan(self, batch: ForwardBatch) -> None:
-        device = batch.input_ids.device
-        bs = batch.batch_size
+        device, bs, num_tokens = batch.input_ids.device, batch.batch_size, batch.num_tokens
+        _check_ragged(batch)
         qo_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=device)
         qo_indptr[1:] = torch.cumsum(batch.extend_lens, 0)
         tree_mask = None
@@ -100,29 +118,33 @@ class TritonBackend(AttentionBackend):
         max_kv = max((p + e for p, e in zip(batch.prefix_lens_host, batch.extend_lens_host)), default=0)
         tree_rows = self._tree_rows(batch)
         row_blocks, splits = self._grid(batch.mode, bs, max(batch.extend_lens_host, default=0), max_kv, device,
-                                        tree_rows=tree_rows)
+                                        tree_rows=num_tokens if tree_rows else 0)
+        padded = batch.ragged and sum(batch.extend_lens_host) < num_tokens
         partial_out = partial_lse = split_counters = split_counts = None
         if splits > 1:
             if batch.mode is ForwardMode.DECODE or tree_rows:
-                split_counters = torch.zeros(batch.num_tokens * self.num_kv_heads, dtype=torch.int32, device=device)
-            else:
-                split_counts = torch.empty(batch.num_tokens, dtype=torch.int32, device=device)
-            partial_out = torch.empty((batch.num_tokens, self.num_heads, splits, self.head_dim),
+                split_counters = torch.zeros(num_tokens * self.num_kv_heads, dtype=torch.int32, device=device)
+            else:  # padding tokens keep a count of 1: the merge leaves them alone
+                split_counts = (torch.ones if padded else torch.empty)(num_tokens, dtype=torch.int32, device=device)
+            partial_out = torch.empty((num_tokens, self.num_heads, splits, self.head_dim),
                                       dtype=torch.float32, device=device)
-            partial_lse = torch.empty((batch.num_tokens, self.num_heads, splits), dtype=torch.float32, device=device)
+            partial_lse = torch.empty((num_tokens, self.num_heads, splits), dtype=torch.float32, device=device)
         batch.attn_metadata = TritonMetadata(
             mode=batch.mode, req_rows=batch.req_rows.to(torch.int32), prefix_lens=batch.prefix_lens.to(torch.int32),
             qo_indptr=qo_indptr, tree_mask=tree_mask, row_blocks=row_blocks,
             partial_out=partial_out, partial_lse=partial_lse,
-            split_counters=split_counters, split_counts=split_counts, tree_rows=tree_rows)
+            split_counters=split_counters, split_counts=split_counts, tree_rows=tree_rows,
+            row_owner=row_owners(qo_indptr, num_tokens) if tree_rows else None,
+            zero_out=padded and not tree_rows)
 
     def _tree_rows(self, batch: ForwardBatch) -> bool:
         """Whether this VERIFY batch goes through the decode kernel's TREE mode: a tree mask,
-        the same n nodes for every request, and few nodes in all."""
+        few rows in all, and ragged or the same n nodes for every request (an eager batch
+        of trees of different sizes, not marked ragged, keeps the extend kernel)."""
         if batch.mode is not ForwardMode.VERIFY or batch.tree_mask is None:
             return False
-        n = batch.tree_mask.shape[-1]
-        return batch.num_tokens == batch.batch_size * n <= self.max_tree_rows
+        uniform = batch.num_tokens == batch.batch_size * batch.tree_mask.shape[-1]
+        return (batch.ragged or uniform) and batch.num_tokens <= self.max_tree_rows
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 batch: ForwardBatch) -> torch.Tensor:
@@ -132,12 +154,14 @@ class TritonBackend(AttentionBackend):
         meta: TritonMetadata = batch.attn_metadata
         if q.stride(-1) != 1:
             q = q.contiguous()
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (num_tokens, num_heads, head_dim)
+        # (num_tokens, num_heads, head_dim); tokens of no request are written by no program
+        out = (torch.zeros if meta.zero_out else torch.empty)(q.shape, dtype=q.dtype, device=q.device)
         buffers = (pool.k_buffers[layer], pool.v_buffers[layer], pool.req_to_token, meta.req_rows, meta.prefix_lens)
         if meta.mode is ForwardMode.DECODE or meta.tree_rows:
             decode_attention(q, *buffers, batch.out_slots, out, self.scale, partial_out=meta.partial_out,
                              partial_lse=meta.partial_lse, split_counters=meta.split_counters,
-                             tree_mask=meta.tree_mask if meta.tree_rows else None)
+                             tree_mask=meta.tree_mask if meta.tree_rows else None, row_owner=meta.row_owner,
+                             qo_indptr=meta.qo_indptr)
         else:
             extend_attention(q, *buffers, meta.qo_indptr, batch.out_slots, out, self.scale, meta.row_blocks,
                              tree_mask=meta.tree_mask, partial_out=meta.partial_out, partial_lse=meta.partial_lse,
@@ -172,17 +196,19 @@ class TritonBackend(AttentionBackend):
     # --- CUDA graphs ---
     def init_cuda_graph_state(self, max_bs: int, max_tokens_per_req: int, kv_pool: KVPool) -> None:
         """Static buffers for graphs of up to max_bs requests with up to max_tokens_per_req
-        new tokens each (1 for DECODE, n for VERIFY) and up to kv_pool.max_context keys."""
+        new tokens each (1 for DECODE, n for VERIFY) and up to kv_pool.max_context keys;
+        ragged VERIFY graphs of up to max_bs * max_tokens_per_req tokens (padding included)."""
         device, n = kv_pool.device, max_tokens_per_req
-        partial_rows = 0  # largest num_tokens * num_heads * splits over the graphs this state serves
+        partial_rows = 0  # largest (partial tokens) * num_heads * splits over the graphs this state serves
         for bs in range(1, max_bs + 1):
-            for mode, tokens in ((ForwardMode.DECODE, bs), (ForwardMode.VERIFY, bs * n)):
-                _, splits = self._grid(mode, bs, n, kv_pool.max_context, device)
-                if splits > 1:
-                    partial_rows = max(partial_rows, tokens * self.num_heads * splits)
+            _, splits = self._grid(ForwardMode.DECODE, bs, 1, kv_pool.max_context, device)
+            partial_rows = max(partial_rows, bs * self.num_heads * splits if splits > 1 else 0)
+            for tree_n in range(1, n + 1):  # EXTEND, and VERIFY through the extend kernel: bs * tree_n partial tokens
+                _, splits = self._grid(ForwardMode.VERIFY, bs, tree_n, kv_pool.max_context, device)
+                partial_rows = max(partial_rows, bs * tree_n * self.num_heads * splits if splits > 1 else 0)
         tree_rows = min(max_bs * n, self.max_tree_rows) if n > 1 else 0
         for rows in range(1, tree_rows + 1):  # VERIFY graphs of any tree size up to n run as decode rows
-            splits = self._splits(rows, kv_pool.max_context, self.max_decode_splits, device)
+            _, splits = self._grid(ForwardMode.VERIFY, 1, rows, kv_pool.max_context, device, tree_rows=rows)
             if splits > 1:
                 partial_rows = max(partial_rows, rows * self.num_heads * splits)
         int32 = dict(dtype=torch.int32, device=device)
@@ -194,7 +220,7 @@ class TritonBackend(AttentionBackend):
             partial_out=torch.zeros(partial_rows * self.head_dim, dtype=torch.float32, device=device),
             partial_lse=torch.zeros(partial_rows, dtype=torch.float32, device=device),
             split_counters=torch.zeros(max(max_bs, tree_rows) * self.num_kv_heads, **int32),
-            split_counts=torch.zeros(max_bs * n, **int32))
+            split_counts=torch.zeros(max_bs * n, **int32), row_owner=torch.zeros(tree_rows, **int32))
 
     def plan_for_capture(self, batch: ForwardBatch) -> None:
         self._plan_static(batch)
@@ -204,44 +230,55 @@ class TritonBackend(AttentionBackend):
 
     def _plan_static(self, batch: ForwardBatch) -> None:
         """Fill the static buffers in place; the views handed out depend only on the batch
-        size and mode, so they are the same at capture and at every replay."""
+        size, the mode and for VERIFY the token count and tree size, so they are the same at
+        capture and at every replay. Reads no host list but extend_lens_host's length."""
         g = self._graph
         assert g is not None, "init_cuda_graph_state must run before graph planning"
+        _check_ragged(batch)
         bs, num_tokens = batch.batch_size, batch.num_tokens
-        assert bs <= g.max_bs and num_tokens <= bs * g.max_tokens_per_req, "batch larger than the graph state"
+        assert bs <= g.max_bs and num_tokens <= (g.max_bs if batch.ragged else bs) * g.max_tokens_per_req, \
+            "batch larger than the graph state"
         g.req_rows[:bs].copy_(batch.req_rows)
         g.prefix_lens[:bs].copy_(batch.prefix_lens)
+        qo_indptr = g.qo_indptr[:bs + 1]
         if batch.mode is not ForwardMode.DECODE:  # the decode kernel reads no qo_indptr (a scan less per step)
-            g.qo_indptr[1:bs + 1].copy_(torch.cumsum(batch.extend_lens, 0))
-        tree_mask = None
+            qo_indptr[1:].copy_(torch.cumsum(batch.extend_lens, 0))
+        tree_mask, tokens_per_req = None, g.max_tokens_per_req
         if batch.mode is ForwardMode.VERIFY and batch.tree_mask is not None:
-            n = batch.tree_mask.shape[-1]
+            tokens_per_req = n = batch.tree_mask.shape[-1]
             assert n <= g.max_tokens_per_req, "tree larger than the graph state"
             tree_mask = g.tree_mask[:bs, :n, :n]
             tree_mask.copy_(batch.tree_mask)
         tree_rows = self._tree_rows(batch)
-        tokens_per_req = num_tokens // bs if tree_rows else g.max_tokens_per_req
         row_blocks, splits = self._grid(batch.mode, bs, tokens_per_req, g.max_context, g.req_rows.device,
-                                        tree_rows=tree_rows)
+                                        tree_rows=num_tokens if tree_rows else 0)
+        row_owner = None
+        if tree_rows:
+            row_owner = row_owners(qo_indptr, num_tokens, out=g.row_owner[:num_tokens])
         partial_out = partial_lse = None
         if splits > 1:
-            rows = num_tokens * self.num_heads * splits
-            partial_out = g.partial_out[:rows * self.head_dim].view(num_tokens, self.num_heads, splits, self.head_dim)
-            partial_lse = g.partial_lse[:rows].view(num_tokens, self.num_heads, splits)
+            # the extend kernel keeps partials of request tokens only: a ragged batch's are its first bs * n at most
+            tokens = num_tokens if tree_rows else min(num_tokens, bs * tokens_per_req)
+            rows = tokens * self.num_heads * splits
+            partial_out = g.partial_out[:rows * self.head_dim].view(tokens, self.num_heads, splits, self.head_dim)
+            partial_lse = g.partial_lse[:rows].view(tokens, self.num_heads, splits)
+            if batch.ragged and not tree_rows:  # padding tokens the merge visits: a count of 1 leaves them alone
+                g.split_counts[:tokens].fill_(1)
         batch.attn_metadata = TritonMetadata(
             mode=batch.mode, req_rows=g.req_rows[:bs], prefix_lens=g.prefix_lens[:bs],
-            qo_indptr=g.qo_indptr[:bs + 1], tree_mask=tree_mask, row_blocks=row_blocks,
+            qo_indptr=qo_indptr, tree_mask=tree_mask, row_blocks=row_blocks,
             partial_out=partial_out, partial_lse=partial_lse, split_counters=g.split_counters,
-            split_counts=g.split_counts, tree_rows=tree_rows)
+            split_counts=g.split_counts, tree_rows=tree_rows, row_owner=row_owner,
+            zero_out=batch.ragged and not tree_rows)
 
     # --- grid ---
     def _grid(self, mode: ForwardMode, bs: int, tokens_per_req: int, max_kv_len: int,
-              device: torch.device, tree_rows: bool = False) -> tuple[int, int]:
+              device: torch.device, tree_rows: int = 0) -> tuple[int, int]:
         """(row blocks per request, kv splits): split a request's keys only as far as
         needed to give the GPU about `target_programs` programs. `tree_rows`: a VERIFY batch
-        through the decode kernel, one row (and one merge counter) per tree node."""
+        through the decode kernel, its row count (one row and one merge counter per token)."""
         if tree_rows:
-            return 1, self._splits(bs * tokens_per_req, max_kv_len, self.max_decode_splits, device)
+            return 1, self._splits(tree_rows, max_kv_len, self.max_decode_splits, device)
         row_blocks = 1 if mode is ForwardMode.DECODE else num_row_blocks(tokens_per_req, self.group)
         most = self.max_decode_splits if mode is ForwardMode.DECODE else MAX_SPLITS
         return row_blocks, self._splits(bs * row_blocks, max_kv_len, most, device)
@@ -252,6 +289,11 @@ class TritonBackend(AttentionBackend):
         target = self.target_programs or _default_target_programs(device)
         splits = min(triton.cdiv(max_kv_len, self.min_keys_per_split), triton.cdiv(target, programs), most)
         return max(splits, 1)
+
+
+def _check_ragged(batch: ForwardBatch) -> None:
+    assert not batch.ragged or (batch.mode is ForwardMode.VERIFY and batch.tree_mask is not None), \
+        "ragged batches are VERIFY batches with a tree mask"
 
 
 @functools.lru_cache(maxsize=None)

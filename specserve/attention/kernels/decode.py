@@ -12,9 +12,12 @@ b are its prefix (`req_to_token[req_rows[b], :prefix_lens[b]]`) followed by its 
 slot `out_slots[b]`. With one split the program writes the final output directly.
 
 TREE mode runs a verify step's draft trees through the same kernel, one program row per
-tree node: node i of request b (row b * n + i, n nodes a request) sees the request's prefix
-and the request's n new slots `out_slots[b * n:(b + 1) * n]` that `tree_mask[b, i]` allows
-(itself and its ancestors). At small batches this beats the extend kernel and its merge
+tree node, the rows laid out request after request (ragged: request b has its own node
+count, `qo_indptr[b + 1] - qo_indptr[b]`). Row r belongs to request `row_owner[r]` and is
+its node i = r - qo_indptr[b]: it sees the request's prefix and those of the request's new
+slots `out_slots[qo_indptr[b]:qo_indptr[b + 1]]` that `tree_mask[b, i]` allows (itself and
+its ancestors). A row of no request (`row_owner` -1: padding after the last request) reads
+no key and writes zeros. At small batches this beats the extend kernel and its merge
 kernel by 2-3x (H200, 1.5B heads, batch 1, 9 nodes, 300-3000 keys: 195-408 us a step for 28
 layers against 463-822), since a node's few keys need no tl.dot over a 64-row block and the
 splits are merged in-kernel; a whole batch-1 verify step of 8 nodes took 1.75 ms of GPU time
@@ -50,8 +53,8 @@ def _key_slots(pos, prefix_len, table_row_ptr, new_slot):
 @triton.jit
 def _tree_key_slots(pos, key_ok, prefix_len, table_row_ptr, new_slots_ptr, mask_row_ptr, tree_n):
     """(slot, visible) of each key position of a tree node: the prefix from the request's
-    `req_to_token` row, then the request's tree_n new slots, visible where the node's mask
-    row says so."""
+    `req_to_token` row, then the request's tree_n new slots (its node count), visible where
+    the node's mask row says so."""
     in_prefix = pos < prefix_len
     new_index = pos - prefix_len
     is_new = key_ok & (new_index >= 0) & (new_index < tree_n)
@@ -63,7 +66,7 @@ def _tree_key_slots(pos, key_ok, prefix_len, table_row_ptr, new_slots_ptr, mask_
 
 @triton.jit
 def _decode_kernel(q_ptr, k_buffer, v_buffer, req_to_token, req_rows, prefix_lens, out_slots,
-                   out_ptr, lse_ptr, final_ptr, counters, tree_mask, tree_n,
+                   out_ptr, lse_ptr, final_ptr, counters, tree_mask, row_owner, qo_indptr,
                    stride_qt, stride_qh, stride_slot, stride_kv_head, stride_table,
                    stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ft, stride_fh,
                    stride_tree_b, stride_tree_i, qk_scale,
@@ -85,17 +88,28 @@ def _decode_kernel(q_ptr, k_buffer, v_buffer, req_to_token, req_rows, prefix_len
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
     # the batch's metadata was written before the step's first kernel: no need to wait for it
-    owner = req // tree_n if TREE else req   # the request whose prefix the row attends to
-    prefix_len = tl.load(prefix_lens + owner)
-    kv_len = prefix_len + (tree_n if TREE else 1)
+    if TREE:  # the row is node `req - qo_start` of request `owner`, whose tree_n new tokens start at qo_start
+        owner = tl.load(row_owner + req)
+        real = owner >= 0   # else padding: bookkept as one key (one split), of which it reads none
+        owner = tl.maximum(owner, 0).to(tl.int64)
+        qo_start = tl.load(qo_indptr + owner).to(tl.int64)
+        tree_n = tl.load(qo_indptr + owner + 1) - qo_start
+        prefix_len = tl.where(real, tl.load(prefix_lens + owner), 0)
+        kv_len = prefix_len + tl.where(real, tree_n, 1)
+        mask_row = tree_mask + owner * stride_tree_b + (req - qo_start) * stride_tree_i
+    else:     # the row is request `req`'s one new token
+        owner = req
+        prefix_len = tl.load(prefix_lens + owner)
+        kv_len = prefix_len + 1
+        new_slot = tl.load(out_slots + req)
     table_row = req_to_token + tl.load(req_rows + owner).to(tl.int64) * stride_table
-    new_slot = tl.load(out_slots + req)
-    mask_row = tree_mask + owner * stride_tree_b + (req - owner * tree_n) * stride_tree_i
     if USE_PDL:  # q and the new token's K/V come from the previous kernel
         tl.extra.cuda.gdc_wait()
     q = tl.load(q_ptr + req * stride_qt + heads[:, None] * stride_qh + dims[None, :],
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)            # (BLOCK_H, BLOCK_D)
     lo, hi = split_range(kv_len, split, num_splits, BLOCK_N)
+    if TREE:
+        hi = tl.where(real, hi, lo)   # a padding row reads nothing (slot 0 may hold anything): output 0
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -104,7 +118,7 @@ def _decode_kernel(q_ptr, k_buffer, v_buffer, req_to_token, req_rows, prefix_len
         pos = start + tl.arange(0, BLOCK_N)
         key_ok = pos < hi
         if TREE:
-            slots, visible = _tree_key_slots(pos, key_ok, prefix_len, table_row, out_slots + owner * tree_n,
+            slots, visible = _tree_key_slots(pos, key_ok, prefix_len, table_row, out_slots + qo_start,
                                              mask_row, tree_n)
         else:
             slots, visible = _key_slots(pos, prefix_len, table_row, new_slot), key_ok
@@ -139,7 +153,8 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
                      req_to_token: torch.Tensor, req_rows: torch.Tensor, prefix_lens: torch.Tensor,
                      out_slots: torch.Tensor, out: torch.Tensor, scale: float,
                      partial_out: torch.Tensor | None = None, partial_lse: torch.Tensor | None = None,
-                     split_counters: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None) -> None:
+                     split_counters: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,
+                     row_owner: torch.Tensor | None = None, qo_indptr: torch.Tensor | None = None) -> None:
     """q, out: (bs, num_heads, head_dim), token b belongs to request b; k/v_buffer: (slots,
     num_kv_heads, head_dim); req_rows, prefix_lens: (bs,) int32; out_slots: (bs,) int64.
     partial_out (bs, num_heads, splits, head_dim) and partial_lse (bs, num_heads, splits)
@@ -148,8 +163,10 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     writes `out` directly.
 
     tree_mask (requests, n, n) uint8/bool: TREE mode (see the module docstring); q, out,
-    out_slots then have requests * n rows (n nodes a request, every request), and bs above
-    counts those rows, while req_rows and prefix_lens stay per request."""
+    out_slots then have a row per tree node (padding rows after them allowed), and bs above
+    counts those rows, while req_rows and prefix_lens stay per request. It needs
+    row_owner (>= bs,) int32, each row's request or -1 (`row_owners`), and qo_indptr
+    (requests + 1,) int32, each request's first row; request b has 1..n nodes."""
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     if bs == 0:
@@ -157,10 +174,9 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     check_layout(q, k_buffer, v_buffer, out)
     split_out = partial_out is not None
     assert not split_out or (split_counters is not None and split_counters.numel() >= bs * num_kv_heads)
-    tree_n = tree_mask.shape[-1] if tree_mask is not None else 1
     if tree_mask is not None:
         assert tree_mask.stride(-1) == 1 and tree_mask.dtype in (torch.uint8, torch.int8, torch.bool)
-        assert bs == tree_mask.shape[0] * tree_n, "TREE mode: n nodes for every request"
+        assert row_owner is not None and row_owner.numel() >= bs and qo_indptr is not None, "TREE mode: row owners"
     num_splits = partial_out.shape[2] if split_out else 1
     target, lse = (partial_out, partial_lse) if split_out else (out.unsqueeze(2), out)
     group = num_heads // num_kv_heads
@@ -168,7 +184,8 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     tree = tree_mask if tree_mask is not None else out_slots  # a dummy pointer outside TREE mode
     _decode_kernel[(bs, num_kv_heads, num_splits)](
         q, k_buffer, v_buffer, req_to_token, req_rows, prefix_lens, out_slots, target, lse, out,
-        split_counters if split_out else out_slots, tree, tree_n,
+        split_counters if split_out else out_slots, tree,
+        row_owner if tree_mask is not None else out_slots, qo_indptr if tree_mask is not None else out_slots,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), req_to_token.stride(0),
         target.stride(0), target.stride(1), target.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1), tree.stride(0) if tree_mask is not None else 0,
@@ -179,3 +196,12 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         TREE=tree_mask is not None, USE_PDL=pdl, num_warps=8 if bs <= MANY_WARPS_MAX_BATCH else 4, **CONFIG,
         **({"launch_pdl": True} if pdl else {}))
 
+
+
+def row_owners(qo_indptr: torch.Tensor, num_rows: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """(num_rows,) int32: the request of each row for request ranges qo_indptr (int32,
+    (requests + 1,), starting at 0), -1 for the rows past the last request. Device ops
+    only, no host sync and a fixed shape: a CUDA graph computes it for each replay's lengths."""
+    rows = torch.arange(num_rows, dtype=qo_indptr.dtype, device=qo_indptr.device)
+    owners = torch.searchsorted(qo_indptr[1:], rows, right=True, out_int32=True, out=out)
+    return owners.masked_fill_(owners >= qo_indptr.shape[0] - 1, -1)

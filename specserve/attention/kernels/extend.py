@@ -172,7 +172,9 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     out_slots: (num_tokens,) int64; row_blocks: `num_row_blocks` of the longest request
     (or more: extra blocks do nothing). tree_mask (bs, n, n) uint8/bool selects the tree
     mode, else causal. partial_out/partial_lse as in `decode_attention`, with split_counts
-    (>= num_tokens,) int32 scratch: how many splits each token's request uses.
+    (>= num_tokens,) int32 scratch: how many splits each token's request uses. They may
+    have fewer rows than q when the tokens past them belong to no request (a ragged VERIFY
+    batch's padding: no program writes them, the merge visits only partial_out's rows).
     block_table: (request, row block) int32 pairs, one program each (`ragged_block_table`),
     replacing the bs x row_blocks grid: prompts of different lengths launch only the blocks
     they fill (row_blocks is then ignored)."""
