@@ -72,14 +72,16 @@ def ngram_args(num_draft_tokens: int, one_branch: bool = False, adaptive: bool =
 
 def price_steps(engine, plain_seconds: float, seconds_per_node: float):
     """The adaptive policy prices steps from a fixed cost model (a plain step plain_seconds,
-    seconds_per_node more per verified node) instead of this CPU's timings: whether drafting
-    pays then depends on acceptance alone, not on what else the machine runs (a busy 2-core
-    CPU made the policy stop drafting in about one run of two)."""
+    seconds_per_node more per verified node a request: of the largest tree, or of the nodes
+    a ragged step verified) instead of this CPU's timings: whether drafting pays then
+    depends on acceptance alone, not on what else the machine runs (a busy 2-core CPU made
+    the policy stop drafting in about one run of two)."""
     adaptive = engine.core.adaptive
     record = adaptive.record_step
 
-    def priced(batch_size, tree_size, seconds, tokens=None, steady=True):
-        record(batch_size, tree_size, plain_seconds + seconds_per_node * (tree_size - 1), tokens, steady)
+    def priced(batch_size, tree_size, seconds, tokens=None, steady=True, nodes=None):
+        per_request = nodes / batch_size if nodes is not None and tree_size > 1 else tree_size
+        record(batch_size, tree_size, plain_seconds + seconds_per_node * (per_request - 1), tokens, steady, nodes)
     adaptive.record_step = priced
     return engine
 

@@ -157,11 +157,11 @@ def test_watch_traces_the_adaptive_policy_of_each_run(engine, tmp_path):
         policy = engine.core.adaptive
         watch.cell = "repeat c3"
         [summary] = run(engine, PROMPTS, 3, 24, "adaptive", watch=watch)
-        assert "_best_tier" in vars(policy) and "go_plain" in vars(policy.modes)   # wrapped during the run
+        assert "_best_cut" in vars(policy) and "go_plain" in vars(policy.modes)   # wrapped during the run
     finally:
         set_drafter(engine, None)
         watch.close()
-    assert "_best_tier" not in vars(policy) and "request_switch" not in vars(policy.modes)   # unwrapped
+    assert "_best_cut" not in vars(policy) and "request_switch" not in vars(policy.modes)   # unwrapped
     mix, buckets = summary["step_mix"], summary["policy"]
     decode_steps = mix["plain"]["steps"] + mix["draft"]["steps"]
     assert sum(b["plain_steps"] + b["draft_steps"] for b in buckets.values()) == decode_steps

@@ -33,7 +33,7 @@ from specserve.bench.host_load import busy_host
 from specserve.bench.offline import run_turn
 from specserve.bench.run_watch import RunWatch
 from specserve.gc_pauses import long_lived_objects_frozen
-from specserve.speculative.adaptive import AdaptiveDraftLength, tiers_for
+from specserve.speculative.adaptive import AdaptiveDraftLength
 from specserve.speculative.ngram import NgramDrafter
 from specserve.speculative.ngram_trie import NgramConfig
 
@@ -87,7 +87,7 @@ def set_drafter(engine, num_draft_tokens: int | None, one_branch: bool = False,
     core.drafter = NgramDrafter(NgramConfig(), one_branch)
     core.num_draft_tokens = num_draft_tokens
     graph_sizes = core.runner.graphs.sizes if core.runner.graphs is not None else None
-    core.adaptive = AdaptiveDraftLength(tiers_for(num_draft_tokens, graph_sizes), core.drafter.switch_margin) \
+    core.adaptive = AdaptiveDraftLength.for_drafter(core.drafter, num_draft_tokens, graph_sizes) \
         if adaptive else None
     if adaptive in HELD_MODES:
         hold_plain(core.adaptive, core.drafter, blind=adaptive == "blind")

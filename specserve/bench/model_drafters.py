@@ -31,7 +31,7 @@ from specserve.args import FUSED_CHAIN_ALGORITHMS
 from specserve.bench.gpu_suite import hold_plain, measure_copy_bandwidth, run, suite_workloads, weight_bytes
 from specserve.bench.run_watch import RunWatch
 from specserve.gc_pauses import long_lived_objects_frozen
-from specserve.speculative.adaptive import AdaptiveDraftLength, tiers_for
+from specserve.speculative.adaptive import AdaptiveDraftLength
 
 
 def set_mode(engine, drafter, mode: str) -> None:
@@ -45,7 +45,7 @@ def set_mode(engine, drafter, mode: str) -> None:
         return
     core.drafter, core.num_draft_tokens = drafter, engine.args.speculative_verify_size
     graph_sizes = core.runner.graphs.sizes if core.runner.graphs is not None else None
-    core.adaptive = AdaptiveDraftLength(tiers_for(core.num_draft_tokens, graph_sizes), core.drafter.switch_margin) \
+    core.adaptive = AdaptiveDraftLength.for_drafter(core.drafter, core.num_draft_tokens, graph_sizes) \
         if mode in ("adaptive", "held") else None
     if mode == "held":
         hold_plain(core.adaptive, drafter)

@@ -36,7 +36,7 @@ class PolicyTrace:
         self.policy = policy
         self.events: list[dict] = []
         self._wrapped: list[tuple[object, str]] = []
-        self._wrap(policy, "_best_tier", self._on_rates)
+        self._wrap(policy, "_best_cut", self._on_rates)
         self._wrap(policy, "record_step", self._on_step)
         self._wrap(policy, "record_probe", self._on_probe)
         self._probed = False   # the next recorded step is the plain step whose probe was just recorded
@@ -63,21 +63,24 @@ class PolicyTrace:
 
     def _on_rates(self, original, bucket, batch_size, rids, num_nodes, keys, measure=False):
         choice, best, rates = result = original(bucket, batch_size, rids, num_nodes, keys, measure=measure)
+        drafted = sum(n > 1 for n in num_nodes) if choice.drafted is None else sum(
+            n > 1 and choice.drafts(c) for n, c in zip(num_nodes, keys if keys is not None else rids))
         self.events.append({"e": "rates", "bucket": bucket, "bs": batch_size, "sampled": len(rids),
-                            "with_draft": sum(n > 1 for n in num_nodes), "choose": measure, "choice": choice,
+                            "with_draft": sum(n > 1 for n in num_nodes), "choose": measure, "choice": choice.tier,
+                            "level": choice.level, "drafted": drafted,
                             "rates": {t: round(r) for t, r in rates.items()}})
         return result
 
-    def _on_step(self, original, batch_size, tree_size, seconds, tokens=None, steady=True):
+    def _on_step(self, original, batch_size, tree_size, seconds, tokens=None, steady=True, nodes=None):
         bucket = batch_bucket(batch_size)
         expected = self.policy._expected_rate.get(bucket)   # the drafting choice this step ran, if it was one
         self.events.append({"e": "step", "bucket": bucket, "bs": batch_size, "tree": tree_size,
                             "ms": round(seconds * 1e3, 3), "tokens": tokens,
                             "plain": bucket in self.policy.modes.plain,
                             "expected": expected if tree_size > 1 else None, "steady": steady,
-                            "probe": self._probed})
+                            "probe": self._probed, "nodes": nodes})
         self._probed = False
-        return original(batch_size, tree_size, seconds, tokens, steady)
+        return original(batch_size, tree_size, seconds, tokens, steady, nodes)
 
     def _on_probe(self, original, batch_size, seconds):
         self.events.append({"e": "probe", "bucket": batch_bucket(batch_size), "bs": batch_size,

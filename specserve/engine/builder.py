@@ -23,7 +23,7 @@ from specserve.model.loader import (check_tokenizer_path, default_model_path, lo
                                     read_model_config, resolve_model_path)
 from specserve.runner.model_runner import ModelRunner, resolve_device, resolve_dtype
 from specserve.sampling.sampler import Sampler
-from specserve.speculative.adaptive import AdaptiveDraftLength, tiers_for
+from specserve.speculative.adaptive import AdaptiveDraftLength
 from specserve.speculative.drafter import Drafter
 from specserve.speculative.draft_setup import check_draft_path, prepare_draft
 from specserve.speculative.registry import create_drafter, needs_draft_model
@@ -139,7 +139,7 @@ def _build_core(args: ServerArgs, checked: Preflight, tp):
     adaptive = None
     if drafter is not None and not args.speculative_disable_adaptive:
         graph_sizes = runner.graphs.sizes if runner.graphs is not None else None
-        adaptive = AdaptiveDraftLength(tiers_for(args.speculative_verify_size, graph_sizes), drafter.switch_margin)
+        adaptive = AdaptiveDraftLength.for_drafter(drafter, args.speculative_verify_size, graph_sizes)
     core = EngineCore(runner, scheduler, Sampler(config.vocab_size, device), drafter,
                       args.speculative_verify_size, args.log_interval_s, adaptive,
                       overlap=runner.graphs is not None and not args.disable_overlap_schedule)

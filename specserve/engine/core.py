@@ -201,7 +201,7 @@ class EngineCore(DraftingSteps):
             steady = proposal.num_slots > 1 or not (
                 self._rare_probe(reqs, probing) or (self.overlap is not None and self.sampler.argmax_is_enough(reqs)))
             self.adaptive.record_step(len(reqs), proposal.num_slots, time.perf_counter() - start,
-                                      _committed(outputs), steady)
+                                      _committed(outputs), steady, int(proposal.num_nodes.sum()))
         return outputs
 
     def _verify(self, reqs: list[Req], proposal: TreeProposal, slots: list[int], index: bool = True,

@@ -51,8 +51,8 @@ class DraftingSteps:
             return proposal, num_nodes, record_nothing
         rids, keys = [r.rid for r in reqs], self.drafter.proposal_keys()
         record = functools.partial(self.adaptive.record_proposals, rids, proposal, num_nodes, keys)
-        tier = self.adaptive.choose(rids, num_nodes, keys)
-        return proposal.truncate(tier), [min(n, tier) for n in num_nodes], record
+        nodes = self.adaptive.choose_nodes(rids, num_nodes, keys)
+        return proposal.cut(nodes), nodes, record
 
     def _launch_draft(self, reqs: list[Req], proposal: TreeProposal, slots: list[int], started: float) -> DraftStep:
         """Launches a drafting step the scheduler asked for; while the GPU computes, the host
@@ -100,7 +100,7 @@ class DraftingSteps:
         if adaptive is not None:   # before the next step's choice, as on every path
             adaptive.observe_batch([req.rid for req in live], committed)
             adaptive.record_step(len(reqs), step.num_slots, now - step.started,
-                                 sum(len(out.new_token_ids) for out in outputs), steady)
+                                 sum(len(out.new_token_ids) for out in outputs), steady, int(step.num_nodes.sum()))
         if chained is not None:
             record_shadows = self._hold_chained(chained, outputs, now)
         else:

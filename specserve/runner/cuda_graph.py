@@ -1,11 +1,13 @@
 """CUDA graphs for decode and verify steps, one per (batch-size bucket, tokens per
 request), replayed over static input buffers.
 
-A graph batch has `bucket` requests of exactly `n` nodes each (n = 1 for DECODE, a draft
-size for VERIFY); what a graph runs is `tree_step.forward_tree`: for VERIFY the tree
-metadata, the forward, greedy verification and the KV-table commit of the accepted path.
-Real requests with smaller trees get padding nodes, and padding requests fill the bucket
-(see tree_step). Prefill (EXTEND) stays eager: its shapes vary.
+A decode graph (1 token per request) runs `bucket` requests of one node each. A verify
+graph of level L is ragged (tree_step.forward_ragged): `bucket` requests with trees of up
+to the largest level's nodes each, whose real nodes (padding requests: one each) fit in
+bucket * L tokens; what it runs is the tree metadata, the forward over those tokens,
+greedy verification and the KV-table commit of the accepted path. A step replays the
+smallest level that holds its nodes, so a step where few requests draft costs about their
+nodes. Prefill (EXTEND) stays eager: its shapes vary.
 
 Each graph's integer inputs live in one packed int64 buffer, filled on the host (pinned,
 written through numpy views) and sent with a single copy per step, so a replay launches
@@ -39,7 +41,7 @@ from specserve.distributed.parallel_state import TensorParallelGroup
 from specserve.kv.pool import KVPool
 from specserve.model.hidden_capture import HiddenCapture
 from specserve.runner.tree_step import TreeStepInputs, TreeStepOutputs, forward_tree
-from specserve.speculative.tree import TreeProposal
+from specserve.speculative.tree import TreeProposal, smallest_level
 
 logger = logging.getLogger("specserve")
 T = TypeVar("T")
@@ -91,6 +93,7 @@ class CudaGraphRunner:
         self.buckets = batch_size_buckets(max_bs)
         self.max_bs = self.buckets[-1]
         self.sizes = sorted(set(tokens_per_req))
+        self.levels = [size for size in self.sizes if size > 1]   # the verify graphs' tokens per request
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], TreeStepOutputs] = {}
         self.device_inputs: dict[tuple[int, int], TreeStepInputs] = {}
@@ -116,9 +119,12 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def _capture(self, bs: int, n: int) -> None:
+        """The graph of `bs` requests and `n` tokens per request: a decode graph for n = 1,
+        else a ragged verify graph of bs * n tokens over trees of up to the largest size."""
         key = (bs, n)
-        inputs = self.device_inputs[key] = TreeStepInputs.allocate(bs, n, self.pool.device)
-        self.host_inputs[key] = TreeStepInputs.allocate(bs, n, "cpu", pin=True)
+        width = self.sizes[-1] if n > 1 else 1
+        inputs = self.device_inputs[key] = TreeStepInputs.allocate(bs, width, self.pool.device)
+        self.host_inputs[key] = TreeStepInputs.allocate(bs, width, "cpu", pin=True)
         inputs.num_nodes.fill_(1)
         inputs.parents.fill_(-1)
         inputs.req_rows.fill_(self.pool.scratch_row)
@@ -128,7 +134,7 @@ class CudaGraphRunner:
 
         def step():
             outputs = forward_tree(self.model, self.backend, self.pool, inputs, self.backend.plan_for_capture,
-                                   capture=self.capture)
+                                   capture=self.capture, token_budget=bs * n if n > 1 else None)
             return outputs, outputs.logits[:, 0].argmax(-1) if n == 1 else None
         # the metadata is planned inside: every replay re-derives it
         self.graphs[key], (self.outputs[key], argmax) = capture_graph(step, self.memory_pool)
@@ -140,17 +146,27 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def replay(self, proposal: TreeProposal, node_slots: list[int], req_rows: list[int], kv_lens: list[int],
                roots: torch.Tensor | None = None) -> "CutStepOutputs":
-        """Runs the graph of the smallest captured (bucket, n) that holds the batch.
+        """Runs the graph that holds the batch: the bucket's decode graph for one node per
+        request, else its verify graph of the smallest level that holds the real nodes.
         node_slots: proposal.num_slots slots per request (PADDING_SLOT for padding nodes).
         roots: (bs,) on the device, replacing the proposal's root tokens (a decode step
         launched before its inputs reached the host). Returns outputs cut to (bs, m)."""
         bs, m = proposal.tokens.shape
-        n = self.sizes[bisect.bisect_left(self.sizes, m)]
-        key = (self.buckets[bisect.bisect_left(self.buckets, bs)], n)
+        key = self.key_for(proposal)
         host = self._host_buffer(key)
         host.fill(proposal, node_slots, req_rows, kv_lens, self.pool.scratch_row)
         self._send_and_replay(key, bs, kv_lens, roots)
         return CutStepOutputs(self.outputs[key], bs, m)
+
+    def key_for(self, proposal: TreeProposal) -> tuple[int, int]:
+        """(bucket, tokens per request) of the graph a proposal replays: the bucket's decode
+        graph for one node per request, else its verify graph of the smallest level whose
+        tokens hold the real nodes (a padding request has one)."""
+        bs, m = proposal.tokens.shape
+        bucket = self.buckets[bisect.bisect_left(self.buckets, bs)]
+        if m == 1:
+            return bucket, 1
+        return bucket, smallest_level(self.levels, bucket, int(proposal.num_nodes.sum()) + bucket - bs)
 
     def can_launch_decode(self, bs: int) -> bool:
         return bs <= self.max_bs and 1 in self.sizes
@@ -216,7 +232,7 @@ class CutStepOutputs:
 
     @functools.cached_property
     def logits(self) -> torch.Tensor:
-        return self._full.logits[:self._bs, :self._m]
+        return self._full.node_logits(self._bs, self._m)
 
     @functools.cached_property
     def trees(self):
@@ -231,7 +247,7 @@ class CutStepOutputs:
 
     @functools.cached_property
     def hidden(self) -> torch.Tensor | None:
-        return self._full.hidden[:self._bs, :self._m] if self._full.hidden is not None else None
+        return self._full.node_hidden(self._bs, self._m)
 
 
 class _DecodeReads:

@@ -81,8 +81,8 @@ class ModelRunner:
         from specserve.runner.cuda_graph import CudaGraphRunner
         max_bs = min(args.cuda_graph_max_bs or 64, self.max_running_requests)
         n = args.speculative_verify_size if args.speculative else 1
-        # smaller trees (the batch's largest draft decides) replay a smaller, cheaper graph
-        sizes = sorted({1, n} | {size for size in (4, 8) if size < n})
+        # verify graphs are ragged: a step replays the smallest level that holds its real nodes
+        sizes = sorted({1, n} | {size for size in (2, 4, 8) if size < n})
         return CudaGraphRunner(self.model, self.attn_backend, self.pool, max_bs, sizes, self.hidden_capture, self.tp)
 
     def _capture_prefill_graphs(self):
@@ -162,8 +162,9 @@ class ModelRunner:
         inputs = TreeStepInputs.view(host.packed.to(self.device, non_blocking=True), bs, n)
         if roots is not None:
             inputs.tokens[:, 0].copy_(roots)
+        num_nodes = proposal.num_nodes.tolist()
         return forward_tree(self.model, self.attn_backend, self.pool, inputs, self.attn_backend.plan, kv_lens,
-                            capture=self.hidden_capture)
+                            capture=self.hidden_capture, token_budget=sum(num_nodes), num_nodes_host=num_nodes)
 
     @torch.inference_mode()
     def launch_greedy_decode(self, reqs: list[Req], kv_lens: list[int], slots: list[int],

@@ -26,7 +26,7 @@ from specserve.attention.base import ForwardBatch, ForwardMode
 from specserve.kv.pool import PADDING_SLOT, KVPool
 from specserve.model.hidden_capture import HiddenCapture
 from specserve.speculative.tree import DraftTrees, TreeProposal
-from specserve.speculative.verify import VerifyResult, verify_greedy
+from specserve.speculative.verify import VerifyResult, accept_matching_children
 
 
 @dataclass
@@ -120,17 +120,57 @@ class TreeStepOutputs:
     outcome: torch.Tensor | None    # (bs, 1 + 2n) int64 greedy outcome, see commit_path; None for n = 1
     hidden: torch.Tensor | None = None   # (bs, n, features) the states `capture` asked for (an EAGLE drafter's)
 
+    def node_logits(self, bs: int, m: int) -> torch.Tensor:
+        """(bs, m, vocab): the first bs requests' first m nodes."""
+        return self.logits[:bs, :m]
+
+    def node_hidden(self, bs: int, m: int) -> torch.Tensor | None:
+        return self.hidden[:bs, :m] if self.hidden is not None else None
+
+
+class RaggedStepOutputs:
+    """What a ragged verify step leaves on the device, TreeStepOutputs' fields in its (bs, n)
+    node layout: logits and hidden states are kept per token and gathered per node only when
+    read (a sampling step reads them; (bs, n, vocab) fp32 is ~300 MB at 64 x 8 requests)."""
+
+    def __init__(self, token_logits: torch.Tensor, node_rows: torch.Tensor, trees: DraftTrees,
+                 outcome: torch.Tensor | None, token_hidden: torch.Tensor | None):
+        self.token_logits, self.node_rows, self.trees, self.outcome = token_logits, node_rows, trees, outcome
+        self.token_hidden = token_hidden
+
+    @property
+    def logits(self) -> torch.Tensor:
+        return self.node_logits(*self.node_rows.shape)
+
+    @property
+    def hidden(self) -> torch.Tensor | None:
+        return self.node_hidden(*self.node_rows.shape)
+
+    def node_logits(self, bs: int, m: int) -> torch.Tensor:
+        return self.token_logits[self.node_rows[:bs, :m]]
+
+    def node_hidden(self, bs: int, m: int) -> torch.Tensor | None:
+        return self.token_hidden[self.node_rows[:bs, :m]] if self.token_hidden is not None else None
+
 
 def forward_tree(model, backend, pool: KVPool, inputs: TreeStepInputs,
                  plan: Callable[[ForwardBatch], None], kv_lens_host: list[int] | None = None,
-                 commit: bool = True, capture: HiddenCapture | None = None) -> TreeStepOutputs:
+                 commit: bool = True, capture: HiddenCapture | None = None,
+                 token_budget: int | None = None, num_nodes_host: list[int] | None = None) -> TreeStepOutputs:
     """The target's forward over every node of every tree and, with `commit`, the KV-table
     entries of what the step commits: for n > 1 (a verify step) the greedy outcome with the
     accepted path's slots, for n = 1 (a decode step) each request's one slot (write_decode_slots).
-    kv_lens_host: the prefix lengths on the host, for eager planning (a
-    graph plans for the longest context instead). capture: hidden states to keep besides the
-    logits (a template: see HiddenCapture.fresh)."""
+    kv_lens_host: the prefix lens on the host, for eager planning (a graph plans for the
+    longest context instead). capture: hidden states to keep besides the logits (a template:
+    see HiddenCapture.fresh).
+
+    token_budget (n > 1): a ragged step (`forward_ragged`): only the trees' real nodes go
+    through the model, packed into this many tokens; num_nodes_host: their counts on the
+    host, for eager planning. Without it every request's n nodes do (a fused step's chains)."""
     bs, n = inputs.shape
+    if n > 1 and token_budget is not None:
+        return forward_ragged(model, backend, pool, inputs, plan, token_budget, kv_lens_host, num_nodes_host,
+                              commit, capture)
     trees = None
     if n == 1:
         mode, positions, tree_mask = ForwardMode.DECODE, inputs.prefix_lens, None
@@ -154,6 +194,56 @@ def forward_tree(model, backend, pool: KVPool, inputs: TreeStepInputs,
     return TreeStepOutputs(logits, trees, outcome, hidden)
 
 
+def forward_ragged(model, backend, pool: KVPool, inputs: TreeStepInputs, plan: Callable[[ForwardBatch], None],
+                   token_budget: int, kv_lens_host: list[int] | None, num_nodes_host: list[int] | None,
+                   commit: bool, capture: HiddenCapture | None) -> RaggedStepOutputs:
+    """A verify step that runs only the trees' real nodes: request after request, packed into
+    `token_budget` tokens (>= their sum; the rest are padding tokens of no request, at the
+    padding slot). A step where few requests draft then costs about their nodes, not every
+    request padded to the largest tree (at 64 requests and 8 nodes on an H200 a verify step
+    is compute-bound: 512 tokens through a 1.5B model). The layout is derived on the device,
+    so one captured graph serves any trees whose nodes fit its budget."""
+    bs, n = inputs.shape
+    trees = DraftTrees.build(inputs.tokens, inputs.parents, inputs.num_nodes)
+    token_nodes, node_rows = ragged_layout(trees.num_nodes, n, token_budget)
+    # the flat node fields, one padding entry after them (token 0 at position 0, the padding slot)
+    pad = lambda t, fill: torch.cat([t.reshape(-1), t.new_full((1,), fill)])
+    positions = inputs.prefix_lens.unsqueeze(1) + trees.depth
+    device = inputs.tokens.device
+    batch = ForwardBatch(
+        mode=ForwardMode.VERIFY, input_ids=pad(inputs.tokens, 0)[token_nodes], positions=pad(positions, 0)[token_nodes],
+        out_slots=pad(inputs.out_slots, PADDING_SLOT)[token_nodes], req_rows=inputs.req_rows,
+        prefix_lens=inputs.prefix_lens, extend_lens=trees.num_nodes,
+        prefix_lens_host=kv_lens_host if kv_lens_host is not None else [0] * bs,
+        extend_lens_host=num_nodes_host if num_nodes_host is not None else [n] * bs,
+        kv_pool=pool, logits_indices=torch.arange(token_budget, device=device), tree_mask=trees.ancestor_mask,
+        hidden_capture=capture.fresh() if capture is not None else None, ragged=True)
+    plan(batch)
+    logits = model(batch, backend)                                        # (token_budget, vocab)
+    outcome = None
+    if commit:   # the argmax of each node, back in the (bs, n) layout (padding nodes' are never read)
+        targets = torch.zeros(bs * n + 1, dtype=torch.int64, device=device)
+        targets.scatter_(0, token_nodes, logits.argmax(dim=-1))
+        outcome = commit_targets(trees, targets[:bs * n].view(bs, n), inputs, pool)
+    hidden = batch.hidden_capture.features() if capture is not None else None
+    return RaggedStepOutputs(logits, node_rows, trees, outcome, hidden)
+
+
+def ragged_layout(num_nodes: torch.Tensor, n: int, token_budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token_nodes, node_rows) of trees of num_nodes (bs,) real nodes in a (bs, n) layout
+    packed into token_budget tokens: token_nodes (token_budget,) the flat node (b * n + i) of
+    each token, bs * n for padding tokens; node_rows (bs, n) the token of each node (0 for
+    padding nodes). Device ops of fixed shapes: a graph derives it every replay. Nodes past
+    the budget would be dropped: callers size the budget to hold them."""
+    bs = num_nodes.shape[0]
+    real = (torch.arange(n, device=num_nodes.device) < num_nodes.unsqueeze(1)).reshape(-1)
+    token = torch.cumsum(real, 0) - 1
+    fits = real & (token < token_budget)
+    token_nodes = torch.full((token_budget + 1,), bs * n, dtype=torch.int64, device=num_nodes.device)
+    token_nodes.scatter_(0, torch.where(fits, token, token_budget), torch.arange(bs * n, device=num_nodes.device))
+    return token_nodes[:token_budget], torch.where(fits, token, 0).view(bs, n)
+
+
 def write_decode_slots(inputs: TreeStepInputs, pool: KVPool) -> None:
     """req_to_token[row, prefix] = the step's slot, for every request of a decode step (n = 1),
     inside the step (its graph): the step after it, launched before this one's tokens reach
@@ -164,15 +254,21 @@ def write_decode_slots(inputs: TreeStepInputs, pool: KVPool) -> None:
 
 
 def greedy_commit(trees: DraftTrees, logits: torch.Tensor, inputs: TreeStepInputs, pool: KVPool) -> torch.Tensor:
-    """Greedy verification and its KV-table commit (commit_path). On CUDA: the argmax, then
-    one Triton kernel (tree_kernels.verify_commit) instead of ~25 small torch kernels."""
+    """Greedy verification and its KV-table commit (commit_path), from the nodes' logits."""
+    return commit_targets(trees, logits.argmax(dim=-1), inputs, pool)
+
+
+def commit_targets(trees: DraftTrees, targets: torch.Tensor, inputs: TreeStepInputs, pool: KVPool) -> torch.Tensor:
+    """Greedy verification and its KV-table commit, from the target's token after each node
+    (bs, n). On CUDA: one Triton kernel (tree_kernels.verify_commit) instead of ~25 small
+    torch kernels."""
     if trees.tokens.is_cuda:
         from specserve.speculative import tree_kernels   # lazily: CPU-only installs never import Triton
         if trees.num_slots <= tree_kernels.MAX_NODES:
-            return tree_kernels.verify_commit(logits.argmax(dim=-1), trees.tokens, trees.parents, trees.depth,
+            return tree_kernels.verify_commit(targets, trees.tokens, trees.parents, trees.depth,
                                               trees.ancestor_mask, inputs.out_slots, inputs.req_rows,
                                               inputs.prefix_lens, pool.req_to_token)
-    return commit_path(verify_greedy(trees, logits), inputs, pool)
+    return commit_path(accept_matching_children(trees, targets), inputs, pool)
 
 
 def commit_path(result: VerifyResult, inputs: TreeStepInputs, pool: KVPool) -> torch.Tensor:

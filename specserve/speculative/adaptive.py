@@ -29,15 +29,19 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from typing import TYPE_CHECKING
 
 from specserve.speculative.acceptance import AcceptanceEvidence
 from specserve.speculative.adaptive_costs import COST_WINDOW, REFRESH_EVERY, RecentMedians, StepCosts, batch_bucket
 from specserve.speculative.adaptive_modes import (
     BYPASS_BUDGET, GUARD_RATIO, GUARD_STEPS, MAX_PLAIN_HOLD, PLAIN_HOLD, REALIZED_WINDOW, BucketModes)
+from specserve.speculative.draft_cuts import PLAIN, ClassPart, DraftClasses, DraftCut
 from specserve.speculative.adaptive_probes import (
     MAX_PROBE_EVERY, PROBE_BUDGET, PROBE_COST_EMA, PROBE_REQUESTS, ProbeSchedule)
-from specserve.speculative.tree import TreeProposal
+from specserve.speculative.tree import TreeProposal, smallest_level
+
+if TYPE_CHECKING:
+    from specserve.speculative.drafter import Drafter
 
 __all__ = [
     "AdaptiveDraftLength", "tiers_for", "COST_WINDOW", "REFRESH_EVERY", "REFRESH_MARGIN", "SWITCH_MARGIN", "EXPLORE_RATIO",
@@ -73,9 +77,13 @@ logger = logging.getLogger("specserve")
 
 
 class AdaptiveDraftLength:
-    def __init__(self, tiers: list[int], switch_margin: float | None = None):
-        """switch_margin: SWITCH_MARGIN where None (a drafter's own: Drafter.switch_margin)."""
+    def __init__(self, tiers: list[int], switch_margin: float | None = None, ragged: bool = False):
+        """switch_margin: SWITCH_MARGIN where None (a drafter's own: Drafter.switch_margin).
+        ragged: a step's cost follows the nodes it verifies (Drafter.ragged_verify): a step is
+        priced at its level (nodes per request, see record_step) and a choice may cut some
+        requests' drafts to their root (DraftCut)."""
         self.tiers = sorted(set(tiers) | {1})
+        self.ragged = ragged
         self.switch_margin = SWITCH_MARGIN if switch_margin is None else switch_margin
         self.costs = StepCosts(self.tiers)
         self.modes = BucketModes()
@@ -89,6 +97,12 @@ class AdaptiveDraftLength:
         self._overshoots = RecentMedians(OPTIMISM_WINDOW)   # per bucket: expected / realized
         self.optimism: dict[int, float] = {}   # bucket -> median expected / realized of its drafting steps
         self._decision_logged_at: dict[int, float] = {}   # bucket -> when a probe's verdict was last logged
+
+    @classmethod
+    def for_drafter(cls, drafter: Drafter, num_draft_tokens: int, graph_sizes: list[int] | None) -> AdaptiveDraftLength:
+        """The policy of a drafter's engine: tiers up to num_draft_tokens (tiers_for), the
+        drafter's switch margin, ragged where its steps verify through the ragged step."""
+        return cls(tiers_for(num_draft_tokens, graph_sizes), drafter.switch_margin, drafter.ragged_verify)
 
     # the parts' state under the names diagnostics and benches read (and write):
     # bench/draft_step_host.py pins prices, one-off scripts dump the policy's state
@@ -167,31 +181,34 @@ class AdaptiveDraftLength:
             return False
         if not self.costs.steadily_priced(bucket, 1):
             return False   # what drafting must beat is not known yet (adaptive_modes.py: plain_trial)
-        _, best, rates = self._best_tier(bucket, batch_size, rids, num_nodes, keys)
-        if not rates:   # a tier is not priced at this bucket yet: drafting prices it, if it may win
+        _, best, rates = self._best_cut(bucket, batch_size, rids, num_nodes, keys)
+        if not rates:   # a level is not priced at this bucket yet: drafting prices it, if it may win
             return self._pricing_may_pay(bucket, rids, num_nodes, keys, self._switch_margin(bucket))
-        if best > 1 and rates[best] >= self._switch_margin(bucket) * rates[1]:
-            self._log_decision(bucket, batch_size, rates, "drafts")
+        cuts = self._cuts(bucket, DraftClasses(rids, num_nodes, keys), len(rids), self._useful_tiers(max(num_nodes)))
+        prices = {t: self.costs.price(bucket, cut.level) for t, cut in cuts.items()}
+        if best.tier > 1 and rates[best.tier] >= self._switch_margin(bucket) * rates[1]:
+            self._log_decision(bucket, batch_size, rates, prices, "drafts")
             return True
         stale = [t for t, rate in rates.items() if t > 1 and rate >= EXPLORE_RATIO * rates[1]
-                 and self.costs.stale(bucket, t)]
+                 and self.costs.stale(bucket, cuts[t].level)]
         if stale:   # the episode's first step runs the stale tier, whatever its old price says
             self._explore[bucket] = max(stale, key=rates.get)
-        self._log_decision(bucket, batch_size, rates,
+        self._log_decision(bucket, batch_size, rates, prices,
                            f"drafts to re-price tier {self._explore[bucket]}" if stale else "stays plain")
         return bool(stale)
 
-    def _log_decision(self, bucket: int, batch_size: int, rates: dict[int, float], verdict: str) -> None:
+    def _log_decision(self, bucket: int, batch_size: int, rates: dict[int, float], prices: dict[int, float],
+                      verdict: str) -> None:
         """A probe's verdict with what it rests on, per tier: the expected rate, the step's
-        price and the tokens a request is expected to commit (debug log, rate-limited)."""
+        price (its level's) and the tokens a request is expected to commit (debug log, rate-limited)."""
         if not logger.isEnabledFor(logging.DEBUG):
             return
         now = time.monotonic()
         if now - self._decision_logged_at.get(bucket, -DECISION_LOG_INTERVAL_S) < DECISION_LOG_INTERVAL_S:
             return
         self._decision_logged_at[bucket] = now
-        tiers = ", ".join(f"{t}: {rate:.0f} tok/s ({1e3 * self.costs.cost(bucket, t):.2f} ms a step, "
-                          f"{rate * self.costs.cost(bucket, t) / batch_size:.2f} tokens a request)"
+        tiers = ", ".join(f"{t}: {rate:.0f} tok/s ({1e3 * prices[t]:.2f} ms a step, "
+                          f"{rate * prices[t] / batch_size:.2f} tokens a request)"
                           for t, rate in sorted(rates.items()))
         logger.debug("speculative policy, batch %d (bucket %d): %s; switch margin %.2f: %s",
                      batch_size, bucket, tiers, self._switch_margin(bucket), verdict)
@@ -202,77 +219,117 @@ class AdaptiveDraftLength:
 
     # --- the choice ---
     def choose(self, rids: list[str], num_nodes: list[int], keys: list[int] | None = None) -> int:
-        """The tier to verify this drafting step, given each request's proposal size (and
-        class); choosing 1 puts the bucket in plain mode."""
+        """The tier to verify this drafting step (the most nodes a request's draft keeps),
+        given each request's proposal size (and class); choosing 1 puts the bucket in plain
+        mode. choose_nodes says which requests draft."""
+        return self.choose_cut(rids, num_nodes, keys).tier
+
+    def choose_nodes(self, rids: list[str], num_nodes: list[int], keys: list[int] | None = None) -> list[int]:
+        """choose, as the nodes each request's proposal is cut to (1: its root alone)."""
+        cut = self.choose_cut(rids, num_nodes, keys)
+        classes = keys if keys is not None else rids
+        return [min(n, cut.tier) if cut.drafts(c) else 1 for n, c in zip(num_nodes, classes)]
+
+    def choose_cut(self, rids: list[str], num_nodes: list[int], keys: list[int] | None = None) -> DraftCut:
+        """The cut of this drafting step's proposals (see choose)."""
         bucket = batch_bucket(len(rids))
         self.modes.drafted[bucket] = rids   # who a hold that this episode ends with is about
         if max(num_nodes) == 1:
-            return 1  # nothing to verify: says nothing about whether drafting pays
+            return PLAIN  # nothing to verify: says nothing about whether drafting pays
         explore = self._explore.pop(bucket, None)
         if explore is not None and explore in self._useful_tiers(max(num_nodes)):
-            return explore
-        choice, best, rates = self._best_tier(bucket, len(rids), rids, num_nodes, keys, measure=True)
-        if not rates and choice > 1 and not self._pricing_may_pay(bucket, rids, num_nodes, keys, 1.0):
-            best = choice = 1   # what is left to price cannot win: the episode ends
-        if choice > 1 and rates:
-            self._expected_rate[bucket] = rates[choice]
-        if best == 1:  # not a re-measurement of tier 1: plain decoding is expected to win
+            return self._cuts(bucket, DraftClasses(rids, num_nodes, keys), len(rids), [explore])[explore]
+        choice, best, rates = self._best_cut(bucket, len(rids), rids, num_nodes, keys, measure=True)
+        if not rates and choice.tier > 1 and not self._pricing_may_pay(bucket, rids, num_nodes, keys, 1.0):
+            best = choice = PLAIN   # what is left to price cannot win: the episode ends
+        if choice.tier > 1 and rates:
+            self._expected_rate[bucket] = rates[choice.tier]
+        if best.tier == 1:  # not a re-measurement of tier 1: plain decoding is expected to win
             self.modes.go_plain(bucket, self.costs.steps(bucket))
         elif not self.costs.steadily_priced(bucket, 1) and self.modes.episode_steps(bucket) >= GUARD_STEPS:
             # plain decoding was priced only by steps plain mode does not run (adaptive_modes.py)
             self.modes.plain_trial(bucket, self.costs.steps(bucket))
-            return 1
+            return PLAIN
         return choice
 
-    def _best_tier(self, bucket: int, batch_size: int, rids: list[str], num_nodes: list[int],
-                   keys: list[int] | None, measure: bool = False) -> tuple[int, int, dict[int, float]]:
-        """(the tier to run, the tier of the highest expected rate, the rates (tokens per
-        second) of every useful tier). The tier to run is the best one, except that a tier
-        not priced at this bucket yet (and, with `measure`, now and then the stalest
-        contender) is run to be priced; while tiers are unpriced there are no rates."""
+    def _best_cut(self, bucket: int, batch_size: int, rids: list[str], num_nodes: list[int],
+                  keys: list[int] | None, measure: bool = False) -> tuple[DraftCut, DraftCut, dict[int, float]]:
+        """(the cut to run, the cut of the highest expected rate, the rates (tokens per
+        second) of every useful tier's cut). The cut to run is the best one, except that a
+        level not priced at this bucket yet (and, with `measure`, now and then the stalest
+        contender) is run to be priced; while the levels of whole drafts are unpriced there
+        are no rates."""
         tiers = self._useful_tiers(max(num_nodes))
-        unpriced = self.costs.unpriced(bucket, tiers)
-        if unpriced:  # each tier is priced once per bucket, cheapest first
-            return unpriced[0], unpriced[0], {}
+        classes = DraftClasses(rids, num_nodes, keys)
+        whole = self._cuts(bucket, classes, len(rids), tiers, whole=True)
+        unpriced = self.costs.unpriced(bucket, sorted({cut.level for cut in whole.values()}))
+        if unpriced:  # each level is priced once per bucket, cheapest first, by whole drafts
+            first = next(cut for cut in whole.values() if cut.level == unpriced[0])
+            return first, first, {}
+        cuts = self._cuts(bucket, classes, len(rids), tiers) if self.ragged else whole
         scale = batch_size / len(rids)   # a probe sees a sample of the batch
-        rates = {t: scale * tokens / self.costs.cost(bucket, t)
-                 for t, tokens in self._expected_batch_tokens(tiers, rids, num_nodes, keys).items()}
+        rates = {t: scale * cut.tokens / self.costs.price(bucket, cut.level) for t, cut in cuts.items()}
         best = max(tiers, key=rates.get)
         if measure and self.costs.refresh_due(bucket):
             # plain decoding always contends: it is what drafting must beat, and a price taken
             # in a slow step would otherwise stand while the bucket drafts (a CPU replay with
             # H100-like costs: tier 1 priced at 41 ms a step, 5x its real cost)
             contenders = [t for t in tiers if t == 1 or rates[t] >= REFRESH_MARGIN * rates[best]]
-            return self.costs.stalest(bucket, contenders), best, rates
-        return best, best, rates
+            stalest = min(contenders, key=lambda t: self.costs.measured_at.get((bucket, cuts[t].level), -1))
+            return cuts[stalest], cuts[best], rates
+        return cuts[best], cuts[best], rates
 
     def _pricing_may_pay(self, bucket: int, rids: list[str], num_nodes: list[int], keys: list[int] | None,
                          margin: float) -> bool:
         """Whether some tier may beat plain decoding by `margin` at the bucket, its unpriced
-        tiers at their floor price (StepCosts.floor): if none may, pricing them is drafting
+        levels at their floor price (StepCosts.floor): if none may, pricing them is drafting
         steps that lose. Without this, each bucket a draining batch passes through was
         priced by drafting whatever the evidence said (H200, 1.5B, ShareGPT second turns at
         32: ~40% of a run's drafting steps, at buckets 8 and 16, accept ~1.1-1.3)."""
-        tiers = self._useful_tiers(max(num_nodes))
-        prices = {t: self.costs.price(bucket, t) for t in tiers}
+        cuts = self._cuts(bucket, DraftClasses(rids, num_nodes, keys), len(rids), self._useful_tiers(max(num_nodes)))
+        prices = {t: self.costs.price(bucket, cut.level) for t, cut in cuts.items()}
         if any(price is None for price in prices.values()):
             return True   # plain decoding is unpriced here: nothing bounds what drafting costs
-        tokens = self._expected_batch_tokens(tiers, rids, num_nodes, keys)
-        return any(tokens[t] / prices[t] >= margin * tokens[1] / prices[1] for t in tiers if t > 1)
+        return any(cuts[t].tokens / prices[t] >= margin * cuts[1].tokens / prices[1] for t in cuts if t > 1)
 
-    def _expected_batch_tokens(self, tiers: list[int], rids: list[str], num_nodes: list[int],
-                               keys: list[int] | None) -> dict[int, float]:
-        """Per tier: the tokens the batch is expected to commit (1 for a request without a
-        draft). With evidence classes, requests of one class expect the same: summed per
-        class (a handful), not per request."""
-        if keys is None:
-            return {t: sum(self.expected_tokens(rid, t) if n > 1 else 1.0 for rid, n in zip(rids, num_nodes))
-                    for t in tiers}
-        per_class = Counter(key for key, n in zip(keys, num_nodes) if n > 1)
-        undrafted = len(rids) - sum(per_class.values())
-        return {t: undrafted + sum(count * self.evidence.expected_tokens("", t, key)
-                                   for key, count in per_class.items())
-                for t in tiers}
+    def _cuts(self, bucket: int, classes: DraftClasses, requests: int, tiers: list[int],
+              whole: bool = False) -> dict[int, DraftCut]:
+        """Per tier, the cut a step of `requests` at it verifies: every draft cut to the tier
+        (`whole`, or a policy that is not ragged), else the classes whose drafts pay for
+        their nodes (_ragged_cut)."""
+        cuts = {}
+        for tier in tiers:
+            parts = classes.at_tier(tier, self.evidence) if tier > 1 else []
+            if whole or not self.ragged or tier == 1:
+                tokens = requests + sum(part.gain for part in parts)
+                nodes = requests + sum(part.extra for part in parts)
+                cuts[tier] = DraftCut(tier, self._level(tier, requests, nodes), tokens, None)
+            else:
+                cuts[tier] = self._ragged_cut(bucket, tier, requests, parts)
+        return cuts
+
+    def _ragged_cut(self, bucket: int, tier: int, requests: int, parts: list[ClassPart]) -> DraftCut:
+        """The best cut at the tier: the classes that gain most tokens per node draft, as many
+        as give the highest rate at their level's price (or its floor), the others verify
+        their root alone. Cutting a weak class saves its nodes: at 64 requests a step of 8
+        nodes each costs ~2.5x a plain one on an H200 (1.5B), one where a few draft about 1x."""
+        parts = sorted(parts, key=lambda part: part.gain / max(part.extra, 1), reverse=True)
+        best, best_rate = None, -1.0
+        tokens = nodes = float(requests)
+        for j, part in enumerate(parts):
+            tokens, nodes = tokens + part.gain, nodes + part.extra
+            level = self._level(tier, requests, nodes)
+            price = self.costs.price(bucket, level)
+            rate = tokens / price if price else 0.0
+            if rate > best_rate:
+                best_rate = rate
+                best = DraftCut(tier, level, tokens, frozenset(p.cls for p in parts[:j + 1]))
+        return best if best is not None else DraftCut(tier, 1, float(requests), frozenset())
+
+    def _level(self, tier: int, requests: int, nodes: float) -> int:
+        """The level a step of `nodes` verified nodes over `requests` is priced at: its tier,
+        or for a ragged policy the smallest tier holding its nodes per request."""
+        return smallest_level(self.tiers, requests, nodes) if self.ragged else tier
 
     def _useful_tiers(self, largest: int) -> list[int]:
         """Tiers up to the first that holds every proposal (larger ones run the same forward)."""
@@ -290,12 +347,16 @@ class AdaptiveDraftLength:
 
     # --- evidence ---
     def record_step(self, batch_size: int, tree_size: int, seconds: float, tokens: int | None = None,
-                    steady: bool = True) -> None:
+                    steady: bool = True, nodes: int | None = None) -> None:
         """A step whose largest tree had tree_size nodes, priced as the smallest tier that
-        holds it. `tokens`: what it committed, for the realized rates of the bucket's modes.
-        `steady`: False for a plain step that plain mode would not have run so (not launched
-        ahead, or probing): it counts, but does not price plain decoding (adaptive_costs.py)."""
+        holds it, or for a ragged policy given its `nodes` (verified in all) at its level,
+        the smallest tier holding its nodes per request. `tokens`: what it committed, for
+        the realized rates of the bucket's modes. `steady`: False for a plain step that
+        plain mode would not have run so (not launched ahead, or probing): it counts, but
+        does not price plain decoding (adaptive_costs.py)."""
         bucket = batch_bucket(batch_size)
+        if self.ragged and nodes is not None and tree_size > 1:
+            tree_size = smallest_level(self.tiers, batch_size, nodes)
         self.probes.note_step(bucket)
         expected = self._expected_rate.pop(bucket, None)   # what this step's choice expected, if it drafted
         if expected is not None and tree_size > 1 and tokens and seconds > 0:

@@ -36,6 +36,10 @@ class Drafter:
     # how much better drafting must be expected to do than plain decoding before a plain
     # bucket of the adaptive policy drafts again (None: adaptive.SWITCH_MARGIN)
     switch_margin: float | None = None
+    # whether its steps verify through the runner's ragged verify step (run_trees), whose cost
+    # follows the nodes verified: the adaptive policy may then cut some requests' drafts to
+    # their root alone; a fused drafter's step runs its chains whatever the cut
+    ragged_verify = True
 
     def add_prompt(self, req: "Req") -> None:
         """A request arrived: its prompt may feed the drafter."""

@@ -58,6 +58,7 @@ class FusedChainDrafter(EagleDrafter):
     """EAGLE's chain drafter whose verify steps it runs itself (verify_fused, or launch_fused
     and read_fused on the engine's greedy path, which launches the next step before the
     bookkeeping it does not need: engine/draft_ahead.py)."""
+    ragged_verify = False   # a fused step runs every request's chain
     # a proposal reads the pending drafts (read_fused), the head's cache synced to the committed
     # tokens and, for a request without pending drafts, the target states observe_hidden kept
     proposes_ahead = True

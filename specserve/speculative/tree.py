@@ -78,6 +78,14 @@ class TreeProposal(_BatchOfTrees):
         probs = None if self.draft_probs is None else self.draft_probs[:, :n]
         return TreeProposal(self.tokens[:, :n], self.parents[:, :n], np.minimum(self.num_nodes, n), probs)
 
+    def cut(self, num_nodes: Sequence[int]) -> TreeProposal:
+        """Tree i cut to its first num_nodes[i] nodes (1: its root alone), the width to the
+        largest; the nodes cut off become padding (DraftTrees.build ignores them)."""
+        nodes = np.minimum(self.num_nodes, np.asarray(num_nodes, dtype=np.int64))
+        width = int(nodes.max())
+        probs = None if self.draft_probs is None else self.draft_probs[:, :width]
+        return TreeProposal(self.tokens[:, :width], self.parents[:, :width], nodes, probs)
+
     def trees(self, device: torch.device | str | None = None) -> DraftTrees:
         """The derived tensors (see DraftTrees.build), on `device`."""
         as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)
@@ -192,3 +200,12 @@ class DraftTrees(_BatchOfTrees):
         child = real & (node > 0)
         if bool((child & ((self.parents < 0) | (self.parents >= node))).any()):
             raise ValueError("parents must satisfy 0 <= parents[i] < i for real non-root nodes")
+
+
+def smallest_level(levels: list[int], requests: int, nodes: int) -> int:
+    """The smallest of `levels` (sorted tokens per request) whose requests * level tokens
+    hold `nodes`; the largest if none does."""
+    for level in levels:
+        if nodes <= requests * level:
+            return level
+    return levels[-1]

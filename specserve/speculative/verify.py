@@ -53,7 +53,7 @@ def _result(trees: DraftTrees, on_path: torch.Tensor, bonus: torch.Tensor) -> Ve
     return VerifyResult(accepted_nodes, accept_lens, bonus, committed)
 
 
-def _accept_matching_children(trees: DraftTrees, target: torch.Tensor) -> VerifyResult:
+def accept_matching_children(trees: DraftTrees, target: torch.Tensor) -> VerifyResult:
     """Accepts, from the root down, the first child whose token is `target` at its parent;
     target: (bs, n) the token the target model takes after each node. The target at the last
     accepted node is the bonus token.
@@ -80,7 +80,7 @@ def _accept_matching_children(trees: DraftTrees, target: torch.Tensor) -> Verify
 def verify_greedy(trees: DraftTrees, logits: torch.Tensor) -> VerifyResult:
     """Accepts, from the root down, the first child whose token is the target's argmax.
     logits: (bs, n, V)."""
-    return _accept_matching_children(trees, logits.argmax(dim=-1))
+    return accept_matching_children(trees, logits.argmax(dim=-1))
 
 
 SAMPLING_RULES = ("coupled", "rejection")
@@ -135,7 +135,7 @@ def _verify_coupled(trees: DraftTrees, probs: torch.Tensor, seeds: torch.Tensor,
     node are accepted with probability sum_j p(x_j) under both (here: y_i is one of them).
     """
     target = exponential_race(probs, seeds, trees.positions(positions) + 1, SALT_TOKEN)    # (bs, n)
-    return _accept_matching_children(trees, target)
+    return accept_matching_children(trees, target)
 
 
 def _accept(u: torch.Tensor, residual_x: torch.Tensor, residual_mass: torch.Tensor,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.spec_fixtures import make_tiny_directory, ngram_args, tiny_engine, wait_until_all_kv_is_free
+from tests.spec_fixtures import make_tiny_directory, ngram_args, price_steps, tiny_engine, wait_until_all_kv_is_free
 from tests.test_step_kv_writes import PROMPTS
 
 GREEDY = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
@@ -34,4 +34,31 @@ def test_greedy_ngram_equals_plain_on_cuda(model_dir, one_branch, graph_max_bs):
         assert accepted >= 4
         assert all(len(o["output_ids"]) == GREEDY["max_new_tokens"] for o in outputs)
         assert engine.core.draft_ahead.steps_taken > 10   # steps launched ahead (engine/draft_ahead.py)
+        wait_until_all_kv_is_free(engine)
+
+
+def test_ragged_graph_steps_with_cut_drafts_equal_plain_on_cuda(model_dir):
+    """The ragged verify graphs (runner/cuda_graph.py): steps where every other request
+    verifies its root alone (a cut forced on the adaptive policy's choice) replay a level
+    smaller than the whole trees', and greedy output still equals plain decoding."""
+    with tiny_engine(model_dir, device="cuda", disable_cuda_graph=True, max_total_tokens=4096) as plain:
+        expected = [o["output_ids"] for o in plain.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+    with tiny_engine(model_dir, device="cuda", cuda_graph_max_bs=8, max_total_tokens=4096,
+                     **ngram_args(16, adaptive=True)) as engine:
+        price_steps(engine, 0.010, 0.0001)
+        adaptive, graphs, levels = engine.core.adaptive, engine.core.runner.graphs, []
+        choose_nodes, replay = adaptive.choose_nodes, graphs.replay
+
+        def cutting(rids, num_nodes, keys=None):
+            return [1 if i % 2 else n for i, n in enumerate(choose_nodes(rids, num_nodes, keys))]
+
+        def replaying(proposal, *args, **kwargs):
+            if proposal.num_slots > 1:
+                levels.append((graphs.key_for(proposal)[1], proposal.num_slots))
+            return replay(proposal, *args, **kwargs)
+        adaptive.choose_nodes, graphs.replay = cutting, replaying
+        for _ in range(2):
+            outputs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+            assert [o["output_ids"] for o in outputs] == expected
+        assert any(level < width for level, width in levels), levels   # a level below the whole trees'
         wait_until_all_kv_is_free(engine)

@@ -1,0 +1,68 @@
+"""The adaptive policy over a ragged verify step (speculative/draft_cuts.py): a step is priced
+at its level (the smallest tier holding its nodes per request), and a choice cuts the drafts
+of classes that do not pay for their nodes to their root alone, while a policy that is not
+ragged (a fused drafter's) never cuts."""
+from __future__ import annotations
+
+from specserve.speculative.adaptive import AdaptiveDraftLength
+from specserve.speculative.adaptive_costs import batch_bucket
+from specserve.speculative.tree import TreeProposal
+
+CHAIN = ([9, 1, 2, 3, 4, 5, 6, 7], [-1, 0, 1, 2, 3, 4, 5, 6])
+# a verify step at 8 requests: plain 10 ms, then compute-bound, ~1.5 ms per node a request
+COSTS = {1: 0.010, 2: 0.0115, 4: 0.016, 8: 0.022}
+
+
+def learned(ragged: bool) -> AdaptiveDraftLength:
+    """A policy whose class 5 accepts whole chains and class 1 nothing, at 8 requests."""
+    adaptive = AdaptiveDraftLength([1, 2, 4, 8], ragged=ragged)
+    for tier, seconds in COSTS.items():
+        for _ in range(3):
+            adaptive.record_step(8, tier, seconds)
+    for _ in range(10):
+        adaptive.record_proposals(["r"], TreeProposal.from_lists([CHAIN]), [8], keys=[1])
+        adaptive.observe("r", [99])
+        adaptive.record_proposals(["r"], TreeProposal.from_lists([CHAIN]), [8], keys=[5])
+        adaptive.observe("r", [1, 2, 3, 4, 5, 6, 7, 98])
+    return adaptive
+
+
+def test_weak_classes_verify_their_root_alone_where_strong_ones_draft():
+    adaptive = learned(ragged=True)
+    rids = [f"r{i}" for i in range(8)]
+    keys = [5, 1, 1, 1, 1, 1, 1, 5]
+    nodes = adaptive.choose_nodes(rids, [8] * 8, keys)
+    assert nodes == [8, 1, 1, 1, 1, 1, 1, 8]
+    # 8 + 8 + 6 nodes over 8 requests: under 4 a request, priced at level 4, not 8
+    cut = adaptive.choose_cut(rids, [8] * 8, keys)
+    assert (cut.tier, cut.level) == (8, 4)
+
+
+def test_a_policy_that_is_not_ragged_never_cuts():
+    adaptive = learned(ragged=False)
+    rids = [f"r{i}" for i in range(8)]
+    nodes = adaptive.choose_nodes(rids, [8] * 8, [5, 1, 1, 1, 1, 1, 1, 5])
+    # every draft verified whole at one tier: 2 strong chains do not pay for 6 weak ones at 8
+    assert len(set(nodes)) == 1
+
+
+def test_without_classes_each_request_is_its_own():
+    adaptive = AdaptiveDraftLength([1, 2, 4, 8], ragged=True)
+    for tier, seconds in COSTS.items():
+        for _ in range(3):
+            adaptive.record_step(8, tier, seconds)
+    rids = [f"r{i}" for i in range(8)]
+    for _ in range(10):
+        for i, rid in enumerate(rids):
+            adaptive.record_proposals([rid], TreeProposal.from_lists([CHAIN]), [8])
+            adaptive.observe(rid, [1, 2, 3, 4, 5, 6, 7, 98] if i == 3 else [99])
+    assert adaptive.choose_nodes(rids, [8] * 8) == [1, 1, 1, 8, 1, 1, 1, 1]
+
+
+def test_a_ragged_step_is_priced_at_the_level_of_its_nodes():
+    adaptive = AdaptiveDraftLength([1, 2, 4, 8], ragged=True)
+    adaptive.record_step(8, 8, 0.0155, nodes=8 + 2 * 7)     # 22 nodes: 2.75 a request -> level 4
+    assert adaptive.costs.seconds == {(batch_bucket(8), 4): 0.0155}
+    fixed = AdaptiveDraftLength([1, 2, 4, 8])
+    fixed.record_step(8, 8, 0.0155, nodes=8 + 2 * 7)        # not ragged: the largest tree's tier
+    assert fixed.costs.seconds == {(batch_bucket(8), 8): 0.0155}
