@@ -4,8 +4,10 @@ of classes that do not pay for their nodes to their root alone, while a policy t
 ragged (a fused drafter's) never cuts."""
 from __future__ import annotations
 
+import pytest
+
 from specserve.speculative.adaptive import AdaptiveDraftLength
-from specserve.speculative.adaptive_costs import batch_bucket
+from specserve.speculative.adaptive_costs import StepCosts, batch_bucket
 from specserve.speculative.tree import TreeProposal
 
 CHAIN = ([9, 1, 2, 3, 4, 5, 6, 7], [-1, 0, 1, 2, 3, 4, 5, 6])
@@ -66,3 +68,41 @@ def test_a_ragged_step_is_priced_at_the_level_of_its_nodes():
     fixed = AdaptiveDraftLength([1, 2, 4, 8])
     fixed.record_step(8, 8, 0.0155, nodes=8 + 2 * 7)        # not ragged: the largest tree's tier
     assert fixed.costs.seconds == {(batch_bucket(8), 8): 0.0155}
+
+
+def test_an_unpriced_level_costs_at_least_the_fixed_part_of_a_drafting_step():
+    """StepCosts.floor: a level no bucket priced (level 2 here) is floored at plain's price
+    plus the least any drafting step adds at a bucket no larger, not at plain's price alone
+    (each bucket a chat batch passed through then priced it by steps that lost)."""
+    costs = StepCosts([1, 2, 4, 8])
+    for _ in range(3):
+        costs.record(8, 1, 0.010)
+        costs.record(8, 4, 0.016)
+        costs.record(32, 1, 0.012)
+        costs.record(4, 1, 0.009)
+    assert costs.floor(32, 2) == pytest.approx(0.012 + 0.006)
+    assert costs.floor(4, 2) == pytest.approx(0.009)   # no drafting step priced at a bucket <= 4
+
+
+def test_a_ragged_policy_drafts_at_an_unpriced_level_only_where_it_may_win():
+    """No level is priced at bucket 32; a drafting step adds 10 ms at bucket 4: weak drafts
+    alone stay plain (no step is spent pricing a level that cannot win). Once levels 4 and
+    8 are priced there, beside strong drafts only the strong ones draft, at level 4."""
+    adaptive = AdaptiveDraftLength([1, 2, 4, 8], ragged=True)
+    for _ in range(3):
+        adaptive.record_step(4, 1, 0.010)
+        adaptive.record_step(4, 8, 0.020, nodes=32)
+        adaptive.record_step(32, 1, 0.012)
+    for _ in range(10):
+        adaptive.record_proposals(["r"], TreeProposal.from_lists([CHAIN]), [8], keys=[1])
+        adaptive.observe("r", [99])
+        adaptive.record_proposals(["r"], TreeProposal.from_lists([CHAIN]), [8], keys=[5])
+        adaptive.observe("r", [1, 2, 3, 4, 5, 6, 7, 98])
+    rids = [f"r{i}" for i in range(32)]
+    assert adaptive.choose_nodes(rids, [8] * 32, [1] * 32) == [1] * 32
+    for _ in range(3):
+        adaptive.record_step(32, 8, 0.030, nodes=32 * 8)
+        adaptive.record_step(32, 8, 0.016, nodes=100)       # level 4
+    keys = [5] * 8 + [1] * 24
+    cut = adaptive.choose_cut(rids, [8] * 32, keys)
+    assert cut.drafted == frozenset({5}) and cut.level < 8

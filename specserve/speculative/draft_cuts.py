@@ -10,7 +10,7 @@ each request.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Hashable
+from typing import TYPE_CHECKING, Hashable, NamedTuple
 
 if TYPE_CHECKING:
     from specserve.speculative.acceptance import AcceptanceEvidence
@@ -30,32 +30,41 @@ class DraftCut:
 PLAIN = DraftCut(1, 1, 0.0, frozenset())
 
 
-@dataclass(frozen=True)
-class ClassPart:
-    """What one class's drafts add to a step at a tier, over verifying their roots alone."""
+class ClassPart(NamedTuple):
+    """What one class's drafts add to a step at a tier, over verifying their roots alone (a
+    tuple: a choice makes dozens a step, and a frozen dataclass costs ~1 us each)."""
     cls: Hashable
     gain: float    # expected committed tokens beyond one a request
     extra: int     # nodes beyond the root
 
 
 class DraftClasses:
-    """The requests with a draft (more than a root), grouped by class."""
+    """The requests with a draft (more than a root), grouped by class: per class, how many
+    requests have drafts of each node count (a few counts: a choice runs per step, and a
+    loop over 64 requests per tier cost ~100 us of host time a step on the critical path)."""
 
     def __init__(self, rids: list[str], num_nodes: list[int], keys: list[int] | None):
         self.keys = keys is not None
-        self.groups: dict[Hashable, list[tuple[str, int]]] = {}
-        for i, (rid, n) in enumerate(zip(rids, num_nodes)):
+        self._parts: dict[int, list[ClassPart]] = {}   # per tier: a choice reads them several times
+        self.groups: dict[Hashable, dict[int, int]] = {}   # class -> {node count: requests}
+        classes = keys if keys is not None else rids
+        for cls, n in zip(classes, num_nodes):
             if n > 1:
-                self.groups.setdefault(keys[i] if keys is not None else rid, []).append((rid, n))
+                sizes = self.groups.get(cls)
+                if sizes is None:
+                    sizes = self.groups[cls] = {}
+                sizes[n] = sizes.get(n, 0) + 1
 
     def at_tier(self, tier: int, evidence: AcceptanceEvidence) -> list[ClassPart]:
         """Each class's gain and extra nodes with its drafts cut to `tier` nodes."""
-        parts = []
-        for cls, members in self.groups.items():
-            extra = sum(min(n, tier) for _, n in members) - len(members)
-            if self.keys:   # a class's requests expect the same
-                gain = len(members) * (evidence.expected_tokens("", tier, cls) - 1.0)
-            else:
-                gain = sum(evidence.expected_tokens(rid, tier) for rid, _ in members) - len(members)
-            parts.append(ClassPart(cls, gain, extra))
+        if tier in self._parts:
+            return self._parts[tier]
+        parts = self._parts[tier] = []
+        for cls, sizes in self.groups.items():
+            count = extra = 0
+            for n, requests in sizes.items():
+                count += requests
+                extra += requests * (min(n, tier) - 1)
+            expected = evidence.expected_tokens("", tier, cls) if self.keys else evidence.expected_tokens(cls, tier)
+            parts.append(ClassPart(cls, count * (expected - 1.0), extra))
         return parts
