@@ -80,7 +80,9 @@ def test_only_drafting_steps_launched_ahead_price_their_tier_steadily(engine_fac
     drafting = [(i, steady) for i, (size, steady) in enumerate(steps) if size > 1]
     assert not drafting[0][1], steps[:drafting[0][0] + 1]   # the first launched when the scheduler asked
     after_drafting = [steady for i, steady in drafting if steps[i - 1][0] > 1]
-    assert len(after_drafting) > 10 and all(after_drafting)   # one batch: each launched ahead of its reading
+    # one batch: each launched ahead of its reading (~12 drafting steps of ~6-7 tokens; a short proposal
+    # the policy keeps plain, its tier priced at a drafting step's fixed part, starts a new run)
+    assert len(after_drafting) >= 8 and all(after_drafting)
     wait_until_all_kv_is_free(engine)
 
 
