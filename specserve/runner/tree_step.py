@@ -1,18 +1,20 @@
 """The device side of a decode or verify step: one packed input buffer, the target's
-forward over every draft-tree node, and greedy verification with the KV-table commit of
-the accepted path, so that a step costs one host-to-device copy, one forward and one
-device-to-host copy of the outcome.
+forward over the draft trees' nodes (a verify step's real nodes only: `forward_ragged`),
+and greedy verification with the KV-table commit of the accepted path, so that a step costs
+one host-to-device copy, one forward and one device-to-host copy of the outcome.
 
 The host sends only what a drafter proposes (tokens, parents, node counts) and where the
 nodes go (KV slots, table rows, prefix lengths); depth, positions and the ancestor mask
 are derived on the device (`DraftTrees.build`: a hundred microseconds of torch dispatch on
 a host, one Triton kernel on a GPU, as is the greedy commit after the argmax: see
 tree_kernels.py). The same functions run eagerly (CPU, batches larger than the graphs) and
-inside a CUDA graph per (batch bucket, draft size), see cuda_graph.py.
+inside a CUDA graph per (batch bucket, tokens per request), see cuda_graph.py.
 
 Padding: rows past the batch are requests with one node (token 0, KV slot PADDING_SLOT,
 prefix 0, table row `KVPool.scratch_row`); nodes past a tree's node count are padding nodes
-(see DraftTrees). Neither is ever accepted, and their table writes land in the scratch row.
+(see DraftTrees), which a ragged step does not run (its padding tokens after the last
+request's nodes belong to no request). None is ever accepted, and their table writes land
+in the scratch row.
 """
 from __future__ import annotations
 

@@ -24,6 +24,12 @@ wires the parts together.
 
 Cutting a tree to its first t nodes keeps a valid tree (parents come before children),
 and the tiers are sizes the CUDA graphs were captured for, so replay stays valid.
+
+Ragged (drafters whose steps verify through the runner's ragged step: its cost follows the
+nodes verified, not the largest tree): a step is priced at its level, the smallest tier
+that holds its nodes per request, and a choice at tier t may cut the classes whose drafts
+do not pay for their nodes to their root alone (draft_cuts.py: DraftCut); a level not
+priced at the bucket yet is rated at its floor and priced by the steps that choose it.
 """
 from __future__ import annotations
 
@@ -35,9 +41,9 @@ from specserve.speculative.acceptance import AcceptanceEvidence
 from specserve.speculative.adaptive_costs import COST_WINDOW, REFRESH_EVERY, RecentMedians, StepCosts, batch_bucket
 from specserve.speculative.adaptive_modes import (
     BYPASS_BUDGET, GUARD_RATIO, GUARD_STEPS, MAX_PLAIN_HOLD, PLAIN_HOLD, REALIZED_WINDOW, BucketModes)
-from specserve.speculative.draft_cuts import PLAIN, ClassPart, DraftClasses, DraftCut
 from specserve.speculative.adaptive_probes import (
     MAX_PROBE_EVERY, PROBE_BUDGET, PROBE_COST_EMA, PROBE_REQUESTS, ProbeSchedule)
+from specserve.speculative.draft_cuts import PLAIN, ClassPart, DraftClasses, DraftCut
 from specserve.speculative.tree import TreeProposal, smallest_level
 
 if TYPE_CHECKING:

@@ -197,7 +197,6 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         **({"launch_pdl": True} if pdl else {}))
 
 
-
 def row_owners(qo_indptr: torch.Tensor, num_rows: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """(num_rows,) int32: the request of each row for request ranges qo_indptr (int32,
     (requests + 1,), starting at 0), -1 for the rows past the last request. Device ops
