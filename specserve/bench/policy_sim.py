@@ -45,9 +45,10 @@ def plain_seconds(batch_size: int) -> float:
     return 1.4e-3 + 1.9e-5 * batch_size
 
 
-def drafting_seconds(batch_size: int, tier: int) -> float:
-    """Verify steps pay fixed host work and per-node work that grows with the batch."""
-    return 3.2e-3 + 6.4e-5 * batch_size * tier / 8
+def drafting_seconds(nodes: int) -> float:
+    """Verify steps pay fixed host work and per-node work: `nodes` verified in all (a batch's
+    requests times the tier where every draft is cut to it; fewer in a ragged step)."""
+    return 3.2e-3 + 6.4e-5 * nodes / 8
 
 
 @dataclass
@@ -100,6 +101,8 @@ class SimResult:
 class PolicySim:
     def __init__(self, profiles: list[Profile], concurrency: int, adaptive: AdaptiveDraftLength | None,
                  nodes: int = 8, seed: int = 0):
+        """adaptive: the policy (None: a plain server); a ragged one verifies the nodes its
+        choice keeps of each proposal, and a step costs those (drafting_seconds)."""
         self.rng = random.Random(seed)
         self.waiting = [SimRequest(f"r{i}", p, [self.rng.randrange(VOCAB) for _ in range(p.length + nodes + 1)])
                         for i, p in enumerate(profiles)]
@@ -133,19 +136,19 @@ class PolicySim:
         for req in reqs:
             result.steps_by_request[req.rid] = result.steps_by_request.get(req.rid, 0) + 1
         if draft:
-            seconds, tokens, slots = self._drafting_step(reqs)
+            seconds, tokens, slots, nodes = self._drafting_step(reqs)
         else:
-            seconds, tokens, slots = self._plain_step(reqs)
+            seconds, tokens, slots, nodes = self._plain_step(reqs)
         result.seconds += seconds
         result.tokens += tokens
         if self.adaptive is not None:
-            self.adaptive.record_step(len(reqs), slots, seconds, tokens)
+            self.adaptive.record_step(len(reqs), slots, seconds, tokens, nodes=nodes)
         for req in reqs:
             if req.finished and self.adaptive is not None:
                 self.adaptive.release(req.rid)
         self.batch = [req for req in reqs if not req.finished]
 
-    def _plain_step(self, reqs: list[SimRequest]) -> tuple[float, int, int]:
+    def _plain_step(self, reqs: list[SimRequest]) -> tuple[float, int, int, int]:
         adaptive = self.adaptive
         probing = adaptive is not None and adaptive.probe_due(len(reqs))
         if adaptive is not None:
@@ -160,24 +163,29 @@ class PolicySim:
                 adaptive.record_proposals(rids, proposal, num_nodes, keys)
                 adaptive.probe(len(reqs), rids, num_nodes, keys)
             adaptive.record_probe(len(reqs), 0.005 * plain_seconds(len(reqs)))
-        return plain_seconds(len(reqs)), len(reqs), 1
+        return plain_seconds(len(reqs)), len(reqs), 1, len(reqs)
 
-    def _drafting_step(self, reqs: list[SimRequest]) -> tuple[float, int, int]:
+    def _drafting_step(self, reqs: list[SimRequest]) -> tuple[float, int, int, int]:
+        """(seconds, tokens committed, the largest tree verified, nodes verified in all)."""
         rids, proposal, num_nodes, keys = self._propose(reqs)
         matched = [req.matched for req in reqs]
         self.adaptive.record_proposals(rids, proposal, num_nodes, keys)
-        tier = self.adaptive.choose(rids, num_nodes, keys)
-        slots = min(tier, max(num_nodes))
+        kept = self.adaptive.choose_nodes(rids, num_nodes, keys)
+        slots = max(kept)
         tokens = 0
-        for req, match in zip(reqs, matched):
-            count = min(match, slots - 1, req.profile.length - req.committed - 1) + 1
+        for req, match, nodes in zip(reqs, matched, kept):
+            count = min(match, nodes - 1, req.profile.length - req.committed - 1) + 1
             self._commit(req, count)
             tokens += count
-        if slots > 1:
-            self.result.drafting_steps += 1
-            for req in reqs:
+        if slots == 1:
+            return plain_seconds(len(reqs)), tokens, 1, len(reqs)
+        self.result.drafting_steps += 1
+        for req, nodes in zip(reqs, kept):
+            if nodes > 1:
                 self.result.drafting_by_request[req.rid] = self.result.drafting_by_request.get(req.rid, 0) + 1
-        return (drafting_seconds(len(reqs), slots) if slots > 1 else plain_seconds(len(reqs))), tokens, slots
+        # a step that is not ragged verifies every request padded to the largest tree
+        verified = sum(kept) if self.adaptive.ragged else len(reqs) * slots
+        return drafting_seconds(verified), tokens, slots, verified
 
     def _propose(self, reqs: list[SimRequest]) -> tuple[list[str], TreeProposal, list[int], list[int]]:
         """One chain per request: the last committed token, then `matched` tokens of its
@@ -201,9 +209,10 @@ class PolicySim:
             self.adaptive.observe(req.rid, tokens)
 
 
-def simulate(profiles: list[Profile], concurrency: int, seed: int = 0) -> tuple[SimResult, float]:
-    """The adaptive policy's run and its time against a plain server's on the same requests."""
-    adaptive = PolicySim(profiles, concurrency, AdaptiveDraftLength(TIERS), seed=seed).run()
+def simulate(profiles: list[Profile], concurrency: int, seed: int = 0, ragged: bool = False) -> tuple[SimResult, float]:
+    """The adaptive policy's run and its time against a plain server's on the same requests
+    (ragged: the policy of a ragged verify step, whose steps cost the nodes they keep)."""
+    adaptive = PolicySim(profiles, concurrency, AdaptiveDraftLength(TIERS, ragged=ragged), seed=seed).run()
     plain = PolicySim(profiles, concurrency, None, seed=seed).run()
     return adaptive, plain.seconds / adaptive.seconds
 
@@ -228,11 +237,12 @@ SCENARIOS = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--ragged", action="store_true", help="the policy of a ragged verify step (see simulate)")
     ns = parser.parse_args()
     for name, (profiles, concurrency) in SCENARIOS.items():
         for seed in range(ns.seeds):
-            result, vs_plain = simulate(profiles(seed), concurrency, seed)
-            print(json.dumps({"scenario": name, "seed": seed, "decode_steps": result.decode_steps,
+            result, vs_plain = simulate(profiles(seed), concurrency, seed, ns.ragged)
+            print(json.dumps({"scenario": name, "ragged": ns.ragged, "seed": seed, "decode_steps": result.decode_steps,
                               "drafting_steps": result.drafting_steps,
                               "drafting_fraction": round(result.drafting_fraction, 3),
                               "accept_length": round(result.accept_length, 2),
