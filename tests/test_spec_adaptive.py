@@ -35,12 +35,12 @@ def random_tree(rng: random.Random, size: int) -> tuple[list[int], list[int]]:
 
 
 @pytest.mark.parametrize("cut", [1, 2, 3, 5, 8])
-def test_truncate_equals_trees_built_from_the_cut_lists(cut):
+def test_a_cut_equals_trees_built_from_the_cut_lists(cut):
     rng = random.Random(cut)
     rows = [random_tree(rng, size) for size in (1, 3, 8, 6, 8)]
     proposal = TreeProposal.from_lists(rows, n=8)
     expected = DraftTrees.from_lists([(tokens[:cut], parents[:cut]) for tokens, parents in rows], n=min(cut, 8))
-    got = proposal.truncate(cut).trees()
+    got = proposal.cut([cut] * len(rows)).trees()
     for name in ("tokens", "parents", "num_nodes", "depth", "ancestor_mask", "first_child", "next_sibling"):
         assert torch.equal(getattr(got, name), getattr(expected, name)), name
 

@@ -62,7 +62,7 @@ class PolicyTrace:
         self._wrapped.append((owner, name))
 
     def _on_rates(self, original, bucket, batch_size, rids, num_nodes, keys, measure=False):
-        choice, best, rates = result = original(bucket, batch_size, rids, num_nodes, keys, measure=measure)
+        choice, best, rates, _ = result = original(bucket, batch_size, rids, num_nodes, keys, measure=measure)
         drafted = sum(n > 1 for n in num_nodes) if choice.drafted is None else sum(
             n > 1 and choice.drafts(c) for n, c in zip(num_nodes, keys if keys is not None else rids))
         self.events.append({"e": "rates", "bucket": bucket, "bs": batch_size, "sampled": len(rids),

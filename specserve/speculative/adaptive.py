@@ -187,10 +187,9 @@ class AdaptiveDraftLength:
             return False
         if not self.costs.steadily_priced(bucket, 1):
             return False   # what drafting must beat is not known yet (adaptive_modes.py: plain_trial)
-        _, best, rates = self._best_cut(bucket, batch_size, rids, num_nodes, keys)
+        _, best, rates, cuts = self._best_cut(bucket, batch_size, rids, num_nodes, keys)
         if not rates:   # a level is not priced at this bucket yet: drafting prices it, if it may win
             return self._pricing_may_pay(bucket, rids, num_nodes, keys, self._switch_margin(bucket))
-        cuts = self._cuts(bucket, DraftClasses(rids, num_nodes, keys), len(rids), self._useful_tiers(max(num_nodes)))
         prices = {t: self.costs.price(bucket, cut.level) for t, cut in cuts.items()}
         if best.tier > 1 and rates[best.tier] >= self._switch_margin(bucket) * rates[1]:
             self._log_decision(bucket, batch_size, rates, prices, "drafts")
@@ -248,7 +247,7 @@ class AdaptiveDraftLength:
         explore = self._explore.pop(bucket, None)
         if explore is not None and explore in self._useful_tiers(max(num_nodes)):
             return self._cuts(bucket, DraftClasses(rids, num_nodes, keys), len(rids), [explore])[explore]
-        choice, best, rates = self._best_cut(bucket, len(rids), rids, num_nodes, keys, measure=True)
+        choice, best, rates, _ = self._best_cut(bucket, len(rids), rids, num_nodes, keys, measure=True)
         if not rates and choice.tier > 1 and not self._pricing_may_pay(bucket, rids, num_nodes, keys, 1.0):
             best = choice = PLAIN   # what is left to price cannot win: the episode ends
         if choice.tier > 1 and rates:
@@ -262,9 +261,10 @@ class AdaptiveDraftLength:
         return choice
 
     def _best_cut(self, bucket: int, batch_size: int, rids: list[str], num_nodes: list[int],
-                  keys: list[int] | None, measure: bool = False) -> tuple[DraftCut, DraftCut, dict[int, float]]:
+                  keys: list[int] | None, measure: bool = False
+                  ) -> tuple[DraftCut, DraftCut, dict[int, float], dict[int, DraftCut]]:
         """(the cut to run, the cut of the highest expected rate, the rates (tokens per
-        second) of every useful tier's cut). The cut to run is the best one, except that a
+        second) of every useful tier's cut, those cuts). The cut to run is the best one, except that a
         tier not priced at this bucket yet (and, with `measure`, now and then the stalest
         contender) is run to be priced; while tiers are unpriced there are no rates. A
         ragged policy prices levels as it goes: an unpriced level is rated at its floor
@@ -276,12 +276,12 @@ class AdaptiveDraftLength:
         if self.ragged:
             cuts = self._cuts(bucket, classes, len(rids), tiers)
             if not self.costs.rateable(bucket, 1):   # what drafting must beat: priced first
-                return cuts[1], cuts[1], {}
+                return cuts[1], cuts[1], {}, cuts
         else:
             cuts = self._cuts(bucket, classes, len(rids), tiers, whole=True)
             unpriced = self.costs.unpriced(bucket, tiers)
             if unpriced:  # each tier is priced once per bucket, cheapest first
-                return cuts[unpriced[0]], cuts[unpriced[0]], {}
+                return cuts[unpriced[0]], cuts[unpriced[0]], {}, cuts
         scale = batch_size / len(rids)   # a probe sees a sample of the batch
         rates = {t: scale * cut.tokens / self.costs.price(bucket, cut.level) for t, cut in cuts.items()}
         best = max(tiers, key=rates.get)
@@ -291,8 +291,8 @@ class AdaptiveDraftLength:
             # H100-like costs: tier 1 priced at 41 ms a step, 5x its real cost)
             contenders = [t for t in tiers if t == 1 or rates[t] >= REFRESH_MARGIN * rates[best]]
             stalest = min(contenders, key=lambda t: self.costs.measured_at.get((bucket, cuts[t].level), -1))
-            return cuts[stalest], cuts[best], rates
-        return cuts[best], cuts[best], rates
+            return cuts[stalest], cuts[best], rates, cuts
+        return cuts[best], cuts[best], rates, cuts
 
     def _pricing_may_pay(self, bucket: int, rids: list[str], num_nodes: list[int], keys: list[int] | None,
                          margin: float) -> bool:

@@ -71,16 +71,10 @@ class TreeProposal(_BatchOfTrees):
         tokens = np.asarray(root_tokens, dtype=np.int64).reshape(-1, 1)
         return cls(tokens, np.full_like(tokens, -1), np.ones(tokens.shape[0], dtype=np.int64))
 
-    def truncate(self, n: int) -> TreeProposal:
-        """Each tree cut to its first n nodes (still trees: parents precede children)."""
-        if n >= self.num_slots:
-            return self
-        probs = None if self.draft_probs is None else self.draft_probs[:, :n]
-        return TreeProposal(self.tokens[:, :n], self.parents[:, :n], np.minimum(self.num_nodes, n), probs)
-
     def cut(self, num_nodes: Sequence[int]) -> TreeProposal:
-        """Tree i cut to its first num_nodes[i] nodes (1: its root alone), the width to the
-        largest; the nodes cut off become padding (DraftTrees.build ignores them)."""
+        """Tree i cut to its first num_nodes[i] nodes (1: its root alone; still trees: parents
+        precede children), the width to the largest; the nodes cut off become padding
+        (DraftTrees.build ignores them)."""
         nodes = np.minimum(self.num_nodes, np.asarray(num_nodes, dtype=np.int64))
         width = int(nodes.max())
         probs = None if self.draft_probs is None else self.draft_probs[:, :width]
