@@ -160,19 +160,23 @@ def tiny_engine(path, **server_args):
 
 # ---- spies (wrap a bound method on one instance; they run in the engine's thread) ----
 class ProposeSpy:
-    """Records the trees a drafter proposes: per call, per request, (tokens, parents) of the real nodes."""
+    """Records the trees a drafter proposes: per call, per request, (tokens, parents) of the real nodes.
+    A fused chain's chained steps (on a GPU, most of its steps) verify `chained_proposal`'s
+    chains, not `propose`'s: both are recorded."""
 
     def __init__(self, drafter):
         self.trees: list[tuple[list[int], list[int]]] = []
-        original = drafter.propose
+        drafter.propose = self._recording(drafter.propose)
+        if hasattr(drafter, "chained_proposal"):
+            drafter.chained_proposal = self._recording(drafter.chained_proposal)
 
-        def propose(reqs, max_nodes):
-            trees, num_nodes = original(reqs, max_nodes)
+    def _recording(self, original):
+        def proposing(*args):
+            trees, num_nodes = original(*args)
             for row, count in enumerate(num_nodes):
                 self.trees.append((trees.tokens[row, :count].tolist(), trees.parents[row, :count].tolist()))
             return trees, num_nodes
-
-        drafter.propose = propose
+        return proposing
 
     @property
     def drafted_nodes(self) -> int:
