@@ -298,3 +298,26 @@ def test_swapping_drafters_closes_the_one_replaced(engine):
     with pytest.raises(TrieWriterError, match="closed"):
         first.writer.submit(lambda: None)
     set_drafter(engine, None)
+
+
+def test_host_phases_time_a_writers_drain_and_skip_a_drafter_without_one():
+    """`drain` (an n-gram drafter's wait for its writer thread) is a phase of its own; a
+    drafter without a writer (a model drafter) has nothing to wrap there; closing puts the
+    writer's own method back."""
+    from types import SimpleNamespace
+
+    from specserve.bench.host_phases import HostPhases
+    from specserve.speculative.ngram_writer import TrieWriter
+    writer = TrieWriter(background=True)
+    try:
+        writer.submit(lambda: time.sleep(0.003))
+        phases = HostPhases(SimpleNamespace(drafter=SimpleNamespace(writer=writer)))
+        writer.drain()                                 # waits for the job
+        phases.end_step("draft", 0.004)
+        phases.close()
+        assert phases.summary()["draft"]["drain"] >= 1000
+        assert "drain" not in vars(writer)
+        without = HostPhases(SimpleNamespace(drafter=SimpleNamespace()))
+        without.close()
+    finally:
+        writer.close()

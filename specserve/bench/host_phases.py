@@ -17,8 +17,10 @@ copied, the graph launched), CUDA's graph launch itself (`graph_launch`), every 
 wait (`event_sync`: gpu_wait's and the replay's wait for its pinned buffer), the
 scheduler's `schedule`, and a drafting step's KV commit (`commit_kv`), proposal (`propose`),
 launch of its trees (`run_trees`, containing replay) or a fused drafter's step
-(`launch_fused`). Phases are inclusive (after_step contains observe and probe, launch
-contains replay). The step's owner (RunWatch, bench.step_cost) ends each step with its
+(`launch_fused`), and an n-gram drafter's wait for its writer thread's indexing (`drain`, in
+a proposal or a probe: the H200 host's batch-1 proposal took ~240 us where the CPU bench's
+takes ~25, its drain not told apart). Phases are inclusive (after_step contains observe and
+probe, launch contains replay, propose and probe contain drain). The step's owner (RunWatch, bench.step_cost) ends each step with its
 kind; totals are kept per kind.
 """
 from __future__ import annotations
@@ -36,7 +38,8 @@ CORE_PHASES = (("_commit_verified", "commit"), ("_observe", "observe"), ("_probe
                ("_after_plain_step", "after_step"), ("text.run", "detokenize"),
                ("runner.launch_greedy_decode", "launch"), ("runner.graphs.replay", "replay"),
                ("scheduler.schedule", "schedule"), ("_commit_kv", "commit_kv"), ("_propose", "propose"),
-               ("runner.run_trees", "run_trees"), ("drafter.launch_fused", "launch_fused"))
+               ("runner.run_trees", "run_trees"), ("drafter.launch_fused", "launch_fused"),
+               ("drafter.writer.drain", "drain"))
 CPU_PHASES = (("runner.launch_greedy_decode", "launch_cpu"),)   # timed by this thread's CPU clock
 
 
@@ -49,7 +52,7 @@ class HostPhases:
         for paths, clock in ((CORE_PHASES, time.perf_counter), (CPU_PHASES, time.thread_time)):
             for path, phase in paths:
                 owner, name = _resolve(core, path)
-                if owner is not None:
+                if owner is not None and hasattr(owner, name):
                     self._wrap(owner, name, phase, getattr(owner, name), clock)
         self._wrap(InFlight, "wait", "gpu_wait", InFlight.wait)
         if torch.cuda.is_available():
@@ -107,9 +110,11 @@ class HostPhases:
 
 
 def _resolve(core, path: str):
-    """(object, attribute name) of a dotted path from the core; (None, name) through a None."""
+    """(object, attribute name) of a dotted path from the core; (None, name) through a None
+    or an attribute the object lacks (a drafter without a writer; nor is a missing last
+    attribute wrapped)."""
     *parents, name = path.split(".")
     owner = core
     for parent in parents:
-        owner = getattr(owner, parent) if owner is not None else None
+        owner = getattr(owner, parent, None) if owner is not None else None
     return owner, name
