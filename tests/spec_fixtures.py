@@ -161,22 +161,32 @@ def tiny_engine(path, **server_args):
 # ---- spies (wrap a bound method on one instance; they run in the engine's thread) ----
 class ProposeSpy:
     """Records the trees a drafter proposes: per call, per request, (tokens, parents) of the real nodes.
-    A fused chain's chained steps (on a GPU, most of its steps) verify `chained_proposal`'s
-    chains, not `propose`'s: both are recorded."""
+    A fused chain's chained steps (on a GPU, most of its steps) are proposed by no call: their
+    chains are the pending drafts of the requests they are adopted for (`adopt_chained`), and
+    are recorded there."""
 
     def __init__(self, drafter):
         self.trees: list[tuple[list[int], list[int]]] = []
-        drafter.propose = self._recording(drafter.propose)
-        if hasattr(drafter, "chained_proposal"):
-            drafter.chained_proposal = self._recording(drafter.chained_proposal)
+        original = drafter.propose
 
-    def _recording(self, original):
-        def proposing(*args):
-            trees, num_nodes = original(*args)
-            for row, count in enumerate(num_nodes):
-                self.trees.append((trees.tokens[row, :count].tolist(), trees.parents[row, :count].tolist()))
+        def propose(reqs, max_nodes):
+            trees, num_nodes = original(reqs, max_nodes)
+            self._record(trees, num_nodes)
             return trees, num_nodes
-        return proposing
+
+        drafter.propose = propose
+        if hasattr(drafter, "adopt_chained"):
+            adopt_chained = drafter.adopt_chained
+
+            def adopt(reqs, *args):
+                self._record(*drafter.chained_proposal(reqs))
+                return adopt_chained(reqs, *args)
+
+            drafter.adopt_chained = adopt
+
+    def _record(self, trees, num_nodes) -> None:
+        for row, count in enumerate(num_nodes):
+            self.trees.append((trees.tokens[row, :count].tolist(), trees.parents[row, :count].tolist()))
 
     @property
     def drafted_nodes(self) -> int:

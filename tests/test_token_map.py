@@ -26,6 +26,7 @@ from specserve.speculative.eagle_checkpoint import load_head, save_head
 from specserve.speculative.eagle_trainer import build_head
 from specserve.speculative.token_map import hot_token_ids, read_token_map, write_token_map
 from tests.spec_fixtures import LETTERS, ProposeSpy, make_tiny_directory, plain_greedy_outputs, tiny_engine
+from tests.test_draft_ahead import ahead_on
 from tests.test_eagle_drafter import NUM_STEPS, eagle_args, head_dir, target  # noqa: F401
 from tests.test_eagle_drafter_tree import check_trees
 
@@ -91,14 +92,18 @@ def frequent_answer_map(target, tmp_path_factory) -> tuple[str, set[int]]:
     return path, set(read_token_map(path).tolist())
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["", "chained-ahead"])
 def test_a_trained_head_with_the_map_drafts_only_its_tokens_and_keeps_greedy_output(target, head_dir,
-                                                                                   frequent_answer_map):
-    check_map_chains(target, head_dir, frequent_answer_map)
+                                                                                   frequent_answer_map, ahead):
+    """`ahead`: as on a GPU, fused steps are chained ahead (their chains come from
+    chained_proposal, which the spy records too)."""
+    check_map_chains(target, head_dir, frequent_answer_map, ahead=ahead)
 
 
-def check_map_chains(target, head_dir, frequent_answer_map, **engine_args) -> None:
+def check_map_chains(target, head_dir, frequent_answer_map, ahead: bool = False, **engine_args) -> None:
     """With the map, chains draft only its tokens; without it, others too (the check can
-    fail); both give the greedy answers, and chains still get accepted."""
+    fail); both give the greedy answers, and chains still get accepted. `ahead`: steps are
+    launched ahead as on a GPU (tests/test_draft_ahead.py's ahead_on)."""
     path, _, _, held_out = target
     algorithm, head_path, _, _ = head_dir
     map_path, allowed = frequent_answer_map
@@ -108,6 +113,8 @@ def check_map_chains(target, head_dir, frequent_answer_map, **engine_args) -> No
     for token_map in (None, map_path):
         with tiny_engine(path, **eagle_args(algorithm, head_path, speculative_token_map=token_map),
                          **engine_args) as engine:
+            if ahead:
+                ahead_on(engine)
             spy = ProposeSpy(engine.core.drafter)
             outputs = engine.generate(input_ids=prompts, sampling_params=greedy)
         assert [o["output_ids"] for o in outputs] == [c.tokens[c.prompt_len:] for c in held_out]
