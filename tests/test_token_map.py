@@ -92,11 +92,11 @@ def frequent_answer_map(target, tmp_path_factory) -> tuple[str, set[int]]:
     return path, set(read_token_map(path).tolist())
 
 
-@pytest.mark.parametrize("ahead", [False, True], ids=["", "chained-ahead"])
+@pytest.mark.parametrize("ahead", [False, True], ids=["in-order", "chained-ahead"])
 def test_a_trained_head_with_the_map_drafts_only_its_tokens_and_keeps_greedy_output(target, head_dir,
                                                                                    frequent_answer_map, ahead):
-    """`ahead`: as on a GPU, fused steps are chained ahead (their chains come from
-    chained_proposal, which the spy records too)."""
+    """`ahead`: as on a GPU, fused steps are chained ahead (a chained step verifies the
+    pending drafts it is adopted with, which the spy records too)."""
     check_map_chains(target, head_dir, frequent_answer_map, ahead=ahead)
 
 

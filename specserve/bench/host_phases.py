@@ -20,8 +20,8 @@ launch of its trees (`run_trees`, containing replay) or a fused drafter's step
 (`launch_fused`), and an n-gram drafter's wait for its writer thread's indexing (`drain`, in
 a proposal or a probe: the H200 host's batch-1 proposal took ~240 us where the CPU bench's
 takes ~25, its drain not told apart). Phases are inclusive (after_step contains observe and
-probe, launch contains replay, propose and probe contain drain). The step's owner (RunWatch, bench.step_cost) ends each step with its
-kind; totals are kept per kind.
+probe, launch contains replay, propose and probe contain drain). The step's owner
+(RunWatch, bench.step_cost) ends each step with its kind; totals are kept per kind.
 """
 from __future__ import annotations
 
