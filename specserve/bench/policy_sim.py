@@ -20,6 +20,9 @@ drafts match comes from its `Profile`:
 - `repeat` (the repeated turn, code-rename): every proposal matches in full (class 5).
 - `miss` (a chat whose drafts all fail, in a class the policy has not seen: its prior
   expects every node accepted, so the policy tries it and loses).
+- `edit` (an answer that copies the prompt with an edit every EDIT_EVERY tokens, as
+  code-types does): drafts follow the copy up to the next edit, then miss for the
+  EDIT_TOKENS of new text after it (class 1), then match again.
 
 `python -m specserve.bench.policy_sim` prints one JSON line per scenario: decode steps,
 drafting steps and their fraction, accept length, and the simulated time against a plain
@@ -37,6 +40,8 @@ from specserve.speculative.tree import TreeProposal
 
 TIERS = [1, 4, 8, 16]
 ECHO_STEPS = 3           # a chat's first proposals that match in full
+EDIT_EVERY = 40          # an `edit` answer's tokens from one edit to the next
+EDIT_TOKENS = 4          # ... of which its drafts miss this many, the new text after each edit
 PREFILL_SECONDS = 0.017  # one prefill step (not part of the policy's clock)
 VOCAB = 1000
 
@@ -53,16 +58,19 @@ def drafting_seconds(nodes: int) -> float:
 
 @dataclass
 class Profile:
-    name: str                 # chat | repeat | miss
+    name: str                 # chat | repeat | miss | edit
     length: int               # tokens the request generates
 
-    def proposal(self, drafted: int, rng: random.Random, nodes: int) -> tuple[int, int]:
+    def proposal(self, drafted: int, committed: int, rng: random.Random, nodes: int) -> tuple[int, int]:
         """(draft nodes matching the future, evidence class) of the request's next proposal;
-        `drafted`: the proposals made for it so far."""
+        `drafted`: the proposals made for it so far, `committed`: its tokens so far."""
         if self.name == "repeat" or (self.name == "chat" and drafted < ECHO_STEPS):
             return nodes - 1, 5
         if self.name == "miss":
             return 0, 3
+        if self.name == "edit":
+            offset = committed % EDIT_EVERY
+            return (0, 1) if offset < EDIT_TOKENS else (min(nodes - 1, EDIT_EVERY - offset), 5)
         return (1 if rng.random() < 1 / 3 else 0), 1
 
 
@@ -193,7 +201,7 @@ class PolicySim:
         rows, keys = [], []
         for req in reqs:
             nodes = max(1, min(self.nodes, req.profile.length - req.committed))
-            match, key = req.profile.proposal(req.drafted, self.rng, nodes)
+            match, key = req.profile.proposal(req.drafted, req.committed, self.rng, nodes)
             req.drafted += 1
             req.matched = match
             ahead = req.future[req.committed:req.committed + nodes - 1]
@@ -231,6 +239,9 @@ SCENARIOS = {
     "repeated turn, concurrency 32": (lambda seed: [Profile("repeat", 128)] * 64, 32),
     "batch 1: a chat that misses, then repeated turns": (
         lambda seed: [Profile("miss", 128)] + [Profile("repeat", 128)] * 3, 1),
+    "batch 1: copies with edits": (lambda seed: [Profile("edit", 256)] * 4, 1),
+    "copies with edits, concurrency 8": (lambda seed: [Profile("edit", 256)] * 16, 8),
+    "copies with edits, concurrency 64": (lambda seed: [Profile("edit", 256)] * 128, 64),
 }
 
 

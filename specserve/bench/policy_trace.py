@@ -88,20 +88,23 @@ class PolicyTrace:
         self._probed = True   # the engine prices the step right after its probe (_after_plain_step)
         return original(batch_size, seconds)
 
-    def _on_switch(self, original, bucket):
+    def _on_switch(self, original, bucket, expected_gain=None):
         modes = self.policy.modes
         held = self.policy.costs.steps(bucket) < modes.plain_until.get(bucket, 0)
-        self.events.append({"e": "switch", "bucket": bucket, "bypass": held})
-        return original(bucket)
+        self.events.append({"e": "switch", "bucket": bucket, "bypass": held,
+                            "expected_gain": None if expected_gain is None else round(expected_gain, 3)})
+        return original(bucket, expected_gain)
 
-    def _on_go_plain(self, original, bucket, steps):
+    def _on_go_plain(self, original, bucket, steps, reopen_margin=None):
         modes = self.policy.modes
         episode, plain_rate = modes._episodes.get(bucket), modes.plain_rate.get(bucket)
+        reopened = original(bucket, steps, reopen_margin)
         if episode is not None:
             self.events.append({"e": "episode", "bucket": bucket, "steps": episode.steps, "tokens": episode.tokens,
                                 "ms": round(episode.seconds * 1e3, 3), "rate": round(episode.rate()),
-                                "plain_rate": None if plain_rate is None else round(plain_rate)})
-        return original(bucket, steps)
+                                "plain_rate": None if plain_rate is None else round(plain_rate),
+                                "reopened": reopened})
+        return reopened
 
     # --- the condensed view ---
     def summary(self) -> dict:

@@ -184,7 +184,7 @@ def run_turnover(engine, stand_in, prompts, spec, batch_size: int, output_len: i
     core = engine.core
     set_drafter(engine, *(spec or (None,)))
     if hold_plain and core.adaptive is not None:
-        core.adaptive.modes.request_switch = lambda bucket: None
+        core.adaptive.modes.request_switch = lambda bucket, expected_gain=None: None
     core.overlap = OverlapSchedule(core.runner, core.scheduler)   # CUDA-graph-only by default
     fresh = iter(prompts)
     counter = itertools.count()

@@ -16,7 +16,8 @@ Both factors are measured, not assumed:
 A bucket whose best tier is 1 decodes plainly, on the overlapped plain path, until a probe
 (proposals made on some plain steps, shadows only: adaptive_probes.py) says drafting is
 expected to win by SWITCH_MARGIN; realized rates guard against the model being wrong
-(adaptive_modes.py). A probe of new requests may switch a bucket held plain after a
+(adaptive_modes.py). A drafting episode that realized SWITCH_MARGIN over plain leaves its
+bucket open, and a small batch probes the plain steps right after it. A probe of new requests may switch a bucket held plain after a
 losing episode, but only once that episode's loss is BYPASS_BUDGET of the bucket's time
 since (ShareGPT first turns at 64 on an H100: each completed prefill started another
 losing episode, 144 drafting steps at accept 1.6, 0.65x). This file makes the choice and
@@ -175,32 +176,33 @@ class AdaptiveDraftLength:
         """After a plain step: the sampled requests' proposals (recorded as shadows) say
         whether drafting is expected to win now; if so the bucket drafts again."""
         bucket = batch_bucket(batch_size)
-        switched = self._probe_verdict(bucket, batch_size, rids, num_nodes, keys)
+        switched, expected_gain = self._probe_verdict(bucket, batch_size, rids, num_nodes, keys)
         if switched:
-            self.modes.request_switch(bucket)
+            self.modes.request_switch(bucket, expected_gain)
         self.probes.verdict(bucket, switched)
 
     def _probe_verdict(self, bucket: int, batch_size: int, rids: list[str], num_nodes: list[int],
-                       keys: list[int] | None) -> bool:
-        """Whether the bucket should draft again, from a probe's proposals."""
+                       keys: list[int] | None) -> tuple[bool, float | None]:
+        """Whether the bucket should draft again, from a probe's proposals, and the gain over
+        plain decoding that drafting is expected to make (None where it drafts to price a tier)."""
         if max(num_nodes) == 1 or not self.modes.may_switch(bucket, self.costs.steps(bucket), rids):
-            return False
+            return False, None
         if not self.costs.steadily_priced(bucket, 1):
-            return False   # what drafting must beat is not known yet (adaptive_modes.py: plain_trial)
+            return False, None   # what drafting must beat is not known yet (adaptive_modes.py: plain_trial)
         _, best, rates, cuts = self._best_cut(bucket, batch_size, rids, num_nodes, keys)
         if not rates:   # a level is not priced at this bucket yet: drafting prices it, if it may win
-            return self._pricing_may_pay(bucket, rids, num_nodes, keys, self._switch_margin(bucket))
+            return self._pricing_may_pay(bucket, rids, num_nodes, keys, self._switch_margin(bucket)), None
         prices = {t: self.costs.price(bucket, cut.level) for t, cut in cuts.items()}
         if best.tier > 1 and rates[best.tier] >= self._switch_margin(bucket) * rates[1]:
             self._log_decision(bucket, batch_size, rates, prices, "drafts")
-            return True
+            return True, rates[best.tier] / rates[1]
         stale = [t for t, rate in rates.items() if t > 1 and rate >= EXPLORE_RATIO * rates[1]
                  and self.costs.stale(bucket, cuts[t].level)]
         if stale:   # the episode's first step runs the stale tier, whatever its old price says
             self._explore[bucket] = max(stale, key=rates.get)
         self._log_decision(bucket, batch_size, rates, prices,
                            f"drafts to re-price tier {self._explore[bucket]}" if stale else "stays plain")
-        return bool(stale)
+        return bool(stale), None
 
     def _log_decision(self, bucket: int, batch_size: int, rates: dict[int, float], prices: dict[int, float],
                       verdict: str) -> None:
@@ -219,8 +221,10 @@ class AdaptiveDraftLength:
                      batch_size, bucket, tiers, self._switch_margin(bucket), verdict)
 
     def _switch_margin(self, bucket: int) -> float:
-        """The switch margin, times how much the bucket's drafting choices overshot of late."""
-        return self.switch_margin * min(max(self.optimism.get(bucket, 1.0), 1.0), MAX_OPTIMISM)
+        """The switch margin, times how much the bucket's drafting choices, or the probes that
+        started its episodes (adaptive_modes.py: episode_overshoot), overshot of late."""
+        overshoot = max(self.optimism.get(bucket, 1.0), self.modes.episode_overshoot.get(bucket, 1.0), 1.0)
+        return self.switch_margin * min(overshoot, MAX_OPTIMISM)
 
     # --- the choice ---
     def choose(self, rids: list[str], num_nodes: list[int], keys: list[int] | None = None) -> int:
@@ -253,7 +257,8 @@ class AdaptiveDraftLength:
         if choice.tier > 1 and rates:
             self._expected_rate[bucket] = rates[choice.tier]
         if best.tier == 1:  # not a re-measurement of tier 1: plain decoding is expected to win
-            self.modes.go_plain(bucket, self.costs.steps(bucket))
+            if self.modes.go_plain(bucket, self.costs.steps(bucket), reopen_margin=self.switch_margin):
+                self.probes.reopen(bucket)   # an episode that won: its drafts may be back in a few tokens
         elif not self.costs.steadily_priced(bucket, 1) and self.modes.episode_steps(bucket) >= GUARD_STEPS:
             # plain decoding was priced only by steps plain mode does not run (adaptive_modes.py)
             self.modes.plain_trial(bucket, self.costs.steps(bucket))

@@ -18,6 +18,23 @@ plain before probes may switch it again (PLAIN_HOLD .. MAX_PLAIN_HOLD steps); on
 resets it. A probe's switch waits for the step already launched ahead to finish instead
 of throwing it away.
 
+An episode that won by the switch margin is no verdict against drafting at all: it ended
+where one step's drafts were not worth verifying (an answer that leaves the copied text at
+an edit, a repeated turn that leaves the earlier answer's path at a near-tie), and the
+drafts that pay are often back a few tokens later. Such an episode leaves its bucket open
+(`go_plain` returns True): no hold, no request held against, and the policy has a small
+batch probe its next plain steps (adaptive_probes.py: reopen). Held PLAIN_HOLD steps and
+probed every ~10th, a batch-1 repeated turn on an H200 (0.5B, session 34) spent 247-272 of
+its 300-350 steps plain after episodes that had made 3.4-8.8k tok/s against plain's 1.7k.
+
+A probe's switch is also judged by what its episodes realized: the gain over plain
+decoding a switch expected, over the gain its episode realized, median of the bucket's last
+EPISODE_WINDOW episodes, is `episode_overshoot` (the policy raises its switch margin by it).
+A drafting step's own choice may expect what it then realizes while the episode still
+disappoints the probe that started it: on an H200 (1.5B, multi-turn chat at 32, session 34)
+probes expected 1.56-1.57x, the episodes realized 1.03-1.06x, each switch a step not launched
+ahead and requests pulled apart.
+
 A hold is a verdict on the requests that lost, not on the bucket forever: the episode's
 requests are kept with it, and a probe whose sample holds none of them (a new
 conversation at batch 1, a batch that has turned over) may switch before the hold ends.
@@ -73,6 +90,7 @@ GUARD_RATIO = 0.97     # ... and stopped below this fraction of the plain rate
 PLAIN_HOLD = 16        # steps a bucket stays plain after a drafting episode that won (or its first)
 MAX_PLAIN_HOLD = 1024  # after episodes that lost the hold doubles, up to this
 BYPASS_BUDGET = 0.1    # the time losing episodes lose may be this fraction of the time before a bypass
+EPISODE_WINDOW = 5     # episodes whose expected / realized gain make a bucket's episode_overshoot
 
 
 @dataclass
@@ -83,6 +101,7 @@ class _Episode:
     seconds: float = 0.0
     steps: int = 0
     recent: deque = field(default_factory=lambda: deque(maxlen=GUARD_WINDOW))
+    expected_gain: float | None = None   # over plain decoding, what the probe that switched expected
 
     def add(self, tokens: float, seconds: float) -> None:
         self.tokens += tokens
@@ -105,6 +124,9 @@ class BucketModes:
     def __init__(self) -> None:
         self.plain: set[int] = set()                       # buckets in plain mode
         self.switching: dict[int, bool] = {}               # bucket -> a probe's switch waits (True: next step)
+        self._switch_gain: dict[int, float | None] = {}    # bucket -> the gain its waiting switch expected
+        self.episode_overshoot: dict[int, float] = {}      # bucket -> median expected / realized gain of its episodes
+        self._overshoots = RecentMedians(EPISODE_WINDOW)
         self.hold: dict[int, int] = {}                     # bucket -> steps to stay plain after an episode
         self.plain_until: dict[int, int] = {}              # bucket -> step count before which probes wait
         self.plain_rate: dict[int, float] = {}             # bucket -> realized tokens/s a request, plain steps
@@ -125,7 +147,7 @@ class BucketModes:
                 return False
             del self.switching[bucket]
             self.plain.discard(bucket)
-            self._episodes[bucket] = _Episode()
+            self._episodes[bucket] = _Episode(expected_gain=self._switch_gain.pop(bucket, None))
         return bucket not in self.plain
 
     def would_draft(self, bucket: int, steps: int) -> bool:
@@ -168,24 +190,34 @@ class BucketModes:
         held = self._held_for.get(bucket, frozenset())
         return not any(rid in held for rid in rids)
 
-    def request_switch(self, bucket: int) -> None:
-        """The bucket drafts again once the step launched ahead of it has run."""
+    def request_switch(self, bucket: int, expected_gain: float | None = None) -> None:
+        """The bucket drafts again once the step launched ahead of it has run; `expected_gain`:
+        the rate over plain decoding's the probe expected (None: a switch to price a tier)."""
         self.switching[bucket] = False
+        self._switch_gain[bucket] = expected_gain
 
-    def go_plain(self, bucket: int, steps: int) -> None:
+    def go_plain(self, bucket: int, steps: int, reopen_margin: float | None = None) -> bool:
         """Ends the bucket's drafting episode; how long it now stays plain depends on
-        whether the episode beat plain decoding's realized rate."""
+        whether the episode beat plain decoding's realized rate. One that beat it by
+        `reopen_margin` (None: never) holds nothing: the bucket stays open to the next
+        probe, and the return is True."""
         episode = self._episodes.pop(bucket, _Episode())
         plain_rate = self.plain_rate.get(bucket)
         hold = self.hold.get(bucket, PLAIN_HOLD)
-        lost = plain_rate is not None and episode.steps > 0 and episode.rate() < plain_rate
+        judged = plain_rate is not None and episode.steps > 0
+        lost = judged and episode.rate() < plain_rate
+        won = judged and reopen_margin is not None and episode.rate() >= reopen_margin * plain_rate
         if lost:   # what it lost: its time minus what plain steps would have taken for its tokens
             loss = episode.seconds - episode.tokens / plain_rate
             self.bypass_after[bucket] = self.clock.get(bucket, 0.0) + loss / BYPASS_BUDGET
+        if judged and episode.expected_gain is not None and episode.tokens > 0:
+            realized = episode.rate() / plain_rate
+            self.episode_overshoot[bucket] = self._overshoots.add(bucket, episode.expected_gain / realized)
         self.hold[bucket] = min(2 * hold, MAX_PLAIN_HOLD) if lost else PLAIN_HOLD
-        self.plain_until[bucket] = steps + self.hold[bucket]
-        self._held_for[bucket] = frozenset(self.drafted.get(bucket, ()))
+        self.plain_until[bucket] = steps if won else steps + self.hold[bucket]
+        self._held_for[bucket] = frozenset() if won else frozenset(self.drafted.get(bucket, ()))
         self.plain.add(bucket)
+        return won
 
     def plain_trial(self, bucket: int, steps: int) -> None:
         """Plain decoding for PLAIN_HOLD steps to price it as plain mode runs it: ends the

@@ -38,6 +38,17 @@ Sampling only the newly admitted requests in such a probe (and expecting of the 
 the last window probe saw) was tried and measured worse, A/B in one H200 lease (session 21,
 chat cells at 32/64, both rounds): geomean 0.903x plain against 0.944x (0.5B), 0.933x against
 0.942x (1.5B); reverted.
+After a drafting episode that won by the switch margin (adaptive_modes.py), a batch a
+probe covers whole probes its next plain steps REOPEN_FOLLOW_UPS (`reopen`): the drafts that
+paid are often back within a few tokens (the copy resumes after an edit), and at k ~10 the
+bucket would decode plainly well past that (policy_sim's copies with edits at batch 1: 1.6x
+plain with the bucket held and probed at k, ~2.2x with these follow-ups).
+A batch larger than a probe covers backs its admission probes off while they keep it plain:
+its admission gap doubles after each such probe, up to ADMIT_GAP << ADMIT_BACKOFF_DOUBLINGS,
+and a probe that switches resets it. On an H200 at 64 (0.5B, ShareGPT, session 34) prefills
+completed every few steps and admission probes came every 8 plain steps, 62-88 us of a plain
+step's host time on average, where the host nearly set the pace and the speculative engine's
+plain steps took 4-10% longer than a plain engine's.
 A probe that costs forwards (a model drafter's: `every_at_least` > 1) takes only the first
 of these, the admission probe of a batch it covers whole; a large batch probes on its k alone.
 There admissions made a probe every `every_at_least` plain steps, each a head catch-up (~5 ms):
@@ -67,6 +78,8 @@ PROBE_BUDGET = 0.01    # probes' timed host work may add this fraction to a plai
 MAX_PROBE_EVERY = 32   # ... but a plain bucket is probed at least every this many steps
 ADMIT_FOLLOW_UPS = (2, 4, 8, 16)   # plain steps after an admission that probe a small batch again
 ADMIT_GAP = 8          # a larger batch probes for admissions no more often than every this many plain steps
+ADMIT_BACKOFF_DOUBLINGS = 2   # ... and after probes in a row that kept it plain, up to 4x as seldom
+REOPEN_FOLLOW_UPS = (1, 2, 3, 4, 6, 8, 12, 16)   # plain steps after an episode that won which probe a small batch
 PROBE_COST_EMA = 0.3
 BACKOFF_DOUBLINGS = 3  # a small bucket's costly probe cap grows to 8x after as many probes in a row kept it plain
 SKIP_ADMIT_AFTER = 2   # ... and from this many in a row, admissions stop probing the bucket
@@ -85,12 +98,19 @@ class ProbeSchedule:
         self._last_step_bucket: int | None = None  # the bucket of the last step taken, either mode
         self._owed: set[int] = set()              # buckets whose due probe was put off (put_off)
         self._kept_plain: dict[int, int] = {}     # bucket -> probes in a row that did not switch it
+        self._since_reopen: dict[int, int] = {}   # small bucket -> plain steps since an episode that won ended
 
     def admit(self) -> None:
         """Requests finished their prefill: the next plain step probes (and, in a small
         batch, its ADMIT_FOLLOW_UPS)."""
         self._admitted = True
         self._since_admit = 0
+
+    def reopen(self, bucket: int) -> None:
+        """A drafting episode that won ended: a bucket a probe covers whole probes its next
+        plain steps REOPEN_FOLLOW_UPS."""
+        if bucket <= PROBE_REQUESTS:
+            self._since_reopen[bucket] = 0
 
     def note_step(self, bucket: int) -> None:
         """Every step, plain or drafting, after it ran."""
@@ -115,8 +135,10 @@ class ProbeSchedule:
         cheap = every_at_least == 1   # a probe that costs forwards takes less news (module docstring)
         kept_plain = self._kept_plain.get(bucket, 0) if small and not cheap else 0   # costly probes back off
         entered = self._last_step_bucket is not None and bucket != self._last_step_bucket
-        admitted = self._admitted and (small or (cheap and waited >= ADMIT_GAP)) and kept_plain < SKIP_ADMIT_AFTER
-        follow_up = cheap and small and (entered or self._since_admit in ADMIT_FOLLOW_UPS)
+        admit_gap = ADMIT_GAP << min(self._kept_plain.get(bucket, 0), ADMIT_BACKOFF_DOUBLINGS)
+        admitted = self._admitted and (small or (cheap and waited >= admit_gap)) and kept_plain < SKIP_ADMIT_AFTER
+        reopened = self._reopened(bucket)   # counted on every plain step of the bucket
+        follow_up = cheap and small and (entered or self._since_admit in ADMIT_FOLLOW_UPS or reopened)
         news = admitted or bucket in self._owed or follow_up
         cap = (self.max_every if every_at_most is None else every_at_most) << min(kept_plain, BACKOFF_DOUBLINGS)
         every = min(self._every.get(bucket, 1), cap)
@@ -128,9 +150,23 @@ class ProbeSchedule:
         self._owed.discard(bucket)
         return True
 
+    def _reopened(self, bucket: int) -> bool:
+        """Counts a plain step of a reopened bucket: whether it is one of the follow-ups."""
+        since = self._since_reopen.get(bucket)
+        if since is None:
+            return False
+        since += 1
+        if since >= max(REOPEN_FOLLOW_UPS):
+            del self._since_reopen[bucket]
+        else:
+            self._since_reopen[bucket] = since
+        return since in REOPEN_FOLLOW_UPS
+
     def verdict(self, bucket: int, switched: bool) -> None:
         """What a probe of the bucket concluded: drafting again (`switched`), or not."""
         self._kept_plain[bucket] = 0 if switched else self._kept_plain.get(bucket, 0) + 1
+        if switched:
+            self._since_reopen.pop(bucket, None)   # the follow-ups found the drafts back
 
     def put_off(self, bucket: int) -> None:
         """The probe `due` granted did not run: the bucket's next plain step probes."""

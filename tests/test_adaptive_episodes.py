@@ -1,0 +1,180 @@
+"""The adaptive policy after a drafting episode: one that won leaves its bucket open and a
+small batch probes the plain steps right after it; what the probes that started episodes
+expected against what the episodes realized raises the switch margin; a large batch's
+admission probes back off while they keep it plain."""
+from __future__ import annotations
+
+import pytest
+
+from specserve.bench.policy_sim import SCENARIOS, simulate
+from specserve.speculative.adaptive import MAX_OPTIMISM, PLAIN_HOLD, SWITCH_MARGIN, AdaptiveDraftLength
+from specserve.speculative.adaptive_modes import EPISODE_WINDOW, BucketModes
+from specserve.speculative.adaptive_probes import (
+    ADMIT_BACKOFF_DOUBLINGS, ADMIT_GAP, REOPEN_FOLLOW_UPS, ProbeSchedule)
+from specserve.speculative.tree import TreeProposal
+
+CHAIN = ([9, 1, 2, 3], [-1, 0, 1, 2])
+
+
+def propose(adaptive: AdaptiveDraftLength, rid: str) -> None:
+    adaptive.record_proposals([rid], TreeProposal.from_lists([CHAIN]), [len(CHAIN[0])])
+
+
+def drafting_bucket(tokens_per_step: int) -> AdaptiveDraftLength:
+    """Batch 1, plain steps of 0.05 s (20 tokens/s realized), then a drafting episode of
+    three 0.06-s tier-4 steps committing `tokens_per_step` each, which then sees drafts that
+    miss: its choice goes plain and ends the episode."""
+    adaptive = AdaptiveDraftLength([1, 4])
+    adaptive.record_step(1, 4, 0.06)
+    assert not adaptive.should_draft(1)                    # a new bucket starts plain
+    for _ in range(PLAIN_HOLD):
+        adaptive.record_step(1, 1, 0.05, tokens=1)
+    adaptive.probe(1, ["r"], [4])                          # the prior: every node accepted
+    assert not adaptive.should_draft(1) and adaptive.would_draft(1) and adaptive.should_draft(1)
+    for _ in range(3):
+        adaptive.record_step(1, 4, 0.06, tokens=tokens_per_step)
+    for _ in range(20):                                    # the answer leaves the copied text
+        propose(adaptive, "r")
+        adaptive.observe("r", [7])
+    assert adaptive.choose(["r"], [4]) == 1
+    return adaptive
+
+
+def plain_steps_that_probe(adaptive: AdaptiveDraftLength, steps: int) -> list[int]:
+    probed = []
+    for step in range(1, steps + 1):
+        if adaptive.probe_due(1):
+            probed.append(step)
+        adaptive.record_step(1, 1, 0.05, tokens=1)
+    return probed
+
+
+def test_an_episode_that_won_leaves_the_bucket_open_and_probes_the_steps_after_it():
+    adaptive = drafting_bucket(tokens_per_step=3)          # 50 tokens/s against plain's 20: won
+    adaptive.record_probe(1, 32 * 0.01 * 0.05)             # probes dear enough for k = 32
+    assert adaptive.probe_every(1) == 32
+    assert plain_steps_that_probe(adaptive, 32) == list(REOPEN_FOLLOW_UPS)
+    adaptive = drafting_bucket(tokens_per_step=3)
+    assert plain_steps_that_probe(adaptive, 2) == [1, 2]
+    for _ in range(20):                                    # the copy resumes two tokens on
+        propose(adaptive, "r")
+        adaptive.observe("r", [1, 2, 3, 8])
+    adaptive.probe(1, ["r"], [4])                          # no hold, none held against the request
+    assert adaptive.would_draft(1)
+
+
+def test_an_episode_that_lost_or_barely_won_holds_the_bucket():
+    for tokens_per_step in (1, 2):                         # 17 and 33 tokens/s: 0.83x and 1.67x ... of 20
+        adaptive = drafting_bucket(tokens_per_step)
+        if tokens_per_step == 1:
+            assert adaptive.modes.plain_until[1] > adaptive.costs.steps(1)   # held, against the request
+            assert adaptive.modes._held_for[1] == {"r"}
+        else:
+            assert adaptive.modes.plain_until[1] == adaptive.costs.steps(1)  # won by the margin: open
+    barely = BucketModes()                                 # a win below the margin holds
+    barely.should_draft(1, 0)
+    barely.record_outcome(1, 1, 0.05, 1)                   # plain: 20 tokens/s
+    barely.request_switch(1)
+    barely.should_draft(1, 1), barely.should_draft(1, 1)
+    barely.record_outcome(1, 11, 0.5, 2)                   # 22 tokens/s: 1.1x, under SWITCH_MARGIN
+    assert not barely.go_plain(1, 3, reopen_margin=SWITCH_MARGIN)
+    assert barely.plain_until[1] == 3 + PLAIN_HOLD
+
+
+def test_a_large_bucket_is_reopened_without_follow_up_probes():
+    schedule = ProbeSchedule()
+    schedule.record(64, 1.0, 0.001)                        # k at its cap
+    schedule.reopen(64)
+    assert [schedule.due(64) for _ in range(16)] == [False] * 16
+
+
+def test_follow_ups_stop_once_a_probe_switches():
+    schedule = ProbeSchedule()
+    schedule.record(1, 1.0, 0.001)
+    schedule.reopen(1)
+    assert schedule.due(1)                                 # the first plain step after the episode
+    schedule.verdict(1, switched=True)
+    assert [schedule.due(1) for _ in range(16)] == [False] * 16
+
+
+def episode(modes: BucketModes, expected_gain: float | None, realized_gain: float, steps: int) -> int:
+    """A switch expecting `expected_gain`, an episode realizing `realized_gain` x plain's 20
+    tokens/s, and its end; returns the step count after it."""
+    modes.request_switch(1, expected_gain)
+    modes.should_draft(1, steps), modes.should_draft(1, steps)
+    modes.record_outcome(1, 20 * realized_gain, 1.0, steps + 1)
+    modes.go_plain(1, steps + 1)
+    return steps + 1
+
+
+def test_episode_overshoot_is_the_median_expected_over_realized_of_the_last_episodes():
+    modes = BucketModes()
+    modes.should_draft(1, 0)
+    modes.record_outcome(1, 1, 0.05, 1)                    # plain: 20 tokens/s
+    steps = 1
+    for expected in (3.0, 3.0, 1.5):
+        steps = episode(modes, expected, 1.5, steps)
+    assert modes.episode_overshoot[1] == pytest.approx(2.0)
+    steps = episode(modes, None, 0.5, steps)               # a switch to price a tier: no expectation
+    assert modes.episode_overshoot[1] == pytest.approx(2.0)
+    for _ in range(EPISODE_WINDOW):
+        steps = episode(modes, 1.2, 1.2, steps)
+    assert modes.episode_overshoot[1] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("overshoot, margin", [(None, 1.0), (0.8, 1.0), (1.5, 1.5), (5.0, MAX_OPTIMISM)])
+def test_the_switch_margin_grows_with_the_episodes_overshoot(overshoot, margin):
+    adaptive = AdaptiveDraftLength([1, 4])
+    if overshoot is not None:
+        adaptive.modes.episode_overshoot[1] = overshoot
+    assert adaptive._switch_margin(1) == pytest.approx(SWITCH_MARGIN * margin)
+    adaptive.optimism[1] = 1.7                             # the larger of the two records counts
+    assert adaptive._switch_margin(1) == pytest.approx(SWITCH_MARGIN * max(margin, 1.7))
+
+
+def test_a_probe_that_switches_records_the_gain_it_expected():
+    adaptive = drafting_bucket(tokens_per_step=3)
+    for _ in range(20):
+        propose(adaptive, "r")
+        adaptive.observe("r", [1, 2, 3, 8])                # every node accepted: 4 tokens a 0.06-s step
+    adaptive.probe(1, ["r"], [4])
+    assert adaptive.modes._switch_gain[1] == pytest.approx((4 / 0.06) / (1 / 0.05), rel=0.05)
+
+
+def admission_gaps(schedule: ProbeSchedule, switched: bool, count: int) -> list[int]:
+    """Plain steps of bucket 64 from an admission to its probe, `count` times in a row, each
+    probe's verdict `switched`."""
+    gaps = []
+    for _ in range(count):
+        schedule.admit()
+        waited = 1
+        while not schedule.due(64):
+            waited += 1
+        gaps.append(waited)
+        schedule.verdict(64, switched)
+    return gaps
+
+
+def test_a_large_batchs_admission_probes_back_off_while_they_keep_it_plain():
+    schedule = ProbeSchedule()
+    schedule.record(64, 1.0, 0.001)                        # k at its cap: only admissions pull probes forward
+    kept = admission_gaps(schedule, switched=False, count=4)
+    assert kept == [ADMIT_GAP << min(i, ADMIT_BACKOFF_DOUBLINGS) for i in range(4)]
+    admission_gaps(schedule, switched=True, count=1)       # a switch resets the gap
+    assert admission_gaps(schedule, switched=False, count=1) == [ADMIT_GAP]
+    small = ProbeSchedule()                                # a batch a probe covers whole: every admission
+    small.record(8, 1.0, 0.001)
+    for _ in range(3):
+        small.admit()
+        assert small.due(8)
+        small.verdict(8, switched=False)
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+@pytest.mark.parametrize("name, at_least", [("batch 1: copies with edits", 2.1), ("copies with edits, concurrency 8", 2.0)])
+def test_simulated_copies_with_edits_draft_again_after_each_edit(name, at_least, ragged):
+    """policy_sim: answers that copy the prompt with an edit every 40 tokens. Each episode
+    ends at an edit; held PLAIN_HOLD steps and probed at k, the bucket ran ~1.6x plain."""
+    profiles, concurrency = SCENARIOS[name]
+    result, vs_plain = simulate(profiles(0), concurrency, ragged=ragged)
+    assert result.drafting_fraction > 0.45 and vs_plain > at_least, (result, vs_plain)
