@@ -46,3 +46,44 @@ def test_tokenizers_that_clean_up_spaces_keep_transformers_decode(tokenizer):
                                                     clean_up_tokenization_spaces=True)
     assert _direct_decode(cleaning, True) is None
     assert IncrementalDetokenizer(cleaning, [5])._decode_ids is None
+
+
+def groups_of(ids: list[int], rng: random.Random) -> list[list[int]]:
+    """`ids` in consecutive groups of 1-12 tokens, as drafting steps commit them."""
+    groups, at = [], 0
+    while at < len(ids):
+        size = rng.randrange(1, 13)
+        groups.append(ids[at:at + size])
+        at += size
+    return groups
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_tokens_added_together_give_the_text_of_tokens_added_one_by_one(tokenizer, skip_special_tokens):
+    """After every group (a step's committed tokens) the text is what one-by-one adds leave,
+    with random ids (lone bytes of multi-byte characters, special tokens) and real text."""
+    rng = random.Random(1)
+    streams = [[rng.randrange(len(tokenizer)) for _ in range(80)] for _ in range(20)]
+    streams.append(tokenizer("héllo wörld, 日本語のテキスト 🙂🙂 tiny tokenizer").input_ids)
+    batched_decodes = 0
+    for ids in streams:
+        together = IncrementalDetokenizer(tokenizer, ids[:3], skip_special_tokens)
+        one_by_one = IncrementalDetokenizer(tokenizer, ids[:3], skip_special_tokens)
+        for group in groups_of(ids, rng):
+            before = len(together._ids)
+            together.add_many(group)
+            batched_decodes += len(group) > 1 and together._read_offset > before
+            for token in group:
+                one_by_one.add(token)
+            assert together.text == one_by_one.text
+        together.flush()
+        one_by_one.flush()
+        assert together.text == one_by_one.text
+    assert batched_decodes > 50   # most groups took the one decode pair
+
+
+def test_tokens_added_together_stop_at_the_first_stop_string(tokenizer):
+    ids = tokenizer("hello world, a tiny tokenizer").input_ids
+    detokenizer = IncrementalDetokenizer(tokenizer, [], stop_strings=("world",))
+    assert detokenizer.add_many(ids) == "world"
+    assert detokenizer.text == "hello " and detokenizer.stopped

@@ -26,6 +26,9 @@ class RecordingDetokenizer:
     def add(self, token: int) -> None:
         self.added.append(token)
 
+    def add_many(self, tokens: list[int]) -> None:
+        self.added.extend(tokens)
+
 
 class FakeScheduler:
     def __init__(self):

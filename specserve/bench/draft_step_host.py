@@ -246,6 +246,7 @@ def instrument(core, clock: PhaseClock, phases: bool) -> contextlib.ExitStack:
     patch(GreedyOutcome, "parse", "wait_parse")
     patch(DraftStep, "read", "wait_parse")
     patch(IncrementalDetokenizer, "add", "detokenize")
+    patch(IncrementalDetokenizer, "add_many", "detokenize")
     return stack
 
 

@@ -106,16 +106,13 @@ class DeferredText:
         """Detokenizes everything deferred."""
         pending, self._pending = self._pending, {}
         for req, tokens in pending.values():
-            add = req.detokenizer.add
-            for token in tokens:
-                add(token)
+            req.detokenizer.add_many(tokens)
 
     def drain(self, req: Req) -> None:
         """The request's deferred tokens now (before it finishes, or its text is read)."""
         entry = self._pending.pop(req.rid, None)
         if entry is not None:
-            for token in entry[1]:
-                req.detokenizer.add(token)
+            req.detokenizer.add_many(entry[1])
 
 
 def can_defer_text(req: Req) -> bool:

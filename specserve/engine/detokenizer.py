@@ -4,6 +4,12 @@ Decoding the whole output every step costs O(length); instead (as vLLM does) kee
 offsets into the ids: text is re-decoded from `prefix_offset` only, and a new piece is
 emitted once it no longer ends in an incomplete UTF-8 sequence ("\ufffd").
 
+Tokens a step commits together (a drafting step's accepted path) are decoded together
+(`add_many`, as SGLang's detokenizer does per step): two decodes a request a step instead of
+two a token. At 64 requests committing 12 tokens each (SmolLM2's tokenizer, this dev CPU)
+that is ~0.5 ms a step instead of ~3.1. Where the batch's text ends in an incomplete UTF-8
+sequence the tokens go one by one, so the text a step leaves is what one-by-one adds give.
+
 Each token costs two decodes of a few ids; transformers' `decode` wraps the Rust one in
 ~5 us of Python (argument conversion, batch checks, the clean-up switch), more than the
 decode itself, so where that wrapper adds nothing the Rust tokenizer is called directly.
@@ -35,6 +41,28 @@ class IncrementalDetokenizer:
         """Appends one token; returns the stop string this token completed, if any.
         `text` then ends before the stop string (or after it with keep_stop_string)."""
         self._ids.append(token_id)
+        return self._emit()
+
+    def add_many(self, token_ids: list[int]) -> str | None:
+        """Appends tokens in order; returns the stop string the first of them to complete one
+        completed (the tokens after it are not added). Without stop strings, and unless the
+        text would end in an incomplete UTF-8 sequence, one decode pair for all of them."""
+        if self.stop_strings or len(token_ids) == 1:
+            for token_id in token_ids:
+                if (stop := self.add(token_id)) is not None:
+                    return stop
+            return None
+        before = len(self._ids)
+        self._ids.extend(token_ids)
+        if self._emit() is None and self._read_offset <= before:   # held back at the end: one by one
+            del self._ids[before:]
+            for token_id in token_ids:
+                self.add(token_id)
+        return None
+
+    def _emit(self) -> str | None:
+        """Text of the ids past the read offset, unless it ends in an incomplete UTF-8
+        sequence; the stop string it completed, if any."""
         prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset:])
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
