@@ -235,6 +235,8 @@ def chat_first_turns(count: int, seed: int = 0) -> list[Profile]:
 SCENARIOS = {
     "chat first turns, concurrency 64": (lambda seed: chat_first_turns(128, seed), 64),
     "chat first turns, concurrency 32": (lambda seed: chat_first_turns(64, seed), 32),
+    "chat first turns, concurrency 8": (lambda seed: chat_first_turns(48, seed), 8),
+    "chat first turns, batch 1": (lambda seed: chat_first_turns(24, seed), 1),
     "repeated turn, concurrency 64": (lambda seed: [Profile("repeat", 128)] * 128, 64),
     "repeated turn, concurrency 32": (lambda seed: [Profile("repeat", 128)] * 64, 32),
     "batch 1: a chat that misses, then repeated turns": (
