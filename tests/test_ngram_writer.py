@@ -13,7 +13,7 @@ import time
 import pytest
 
 from specserve.speculative import ngram
-from specserve.speculative.ngram import NgramDrafter
+from specserve.speculative.ngram import INLINE_WRITE_TOKENS, NgramDrafter
 from specserve.speculative.ngram_config import NgramConfig
 from specserve.speculative.ngram_trie import NgramTrie
 from specserve.speculative.ngram_writer import TrieWriterError
@@ -144,15 +144,16 @@ def test_a_finished_requests_stream_goes_after_its_queued_tokens():
     drafter.close()
 
 
-def test_a_failed_write_surfaces_on_the_callers_thread_every_time():
+@pytest.mark.parametrize("prompt_length", [4, 2 * INLINE_WRITE_TOKENS])
+def test_a_failed_write_surfaces_on_the_callers_thread_every_time(prompt_length):
     drafter = NgramDrafter(NgramConfig(), one_branch=False)
 
     def failing(streams):
         raise MemoryError("the n-gram trie is out of memory")
     drafter.trie.insert_many = failing
-    req = fake_req("a", [1, 2, 3, 4])
+    req = fake_req("a", list(range(1, prompt_length + 1)))
     drafter.add_prompt(req)
-    drafter.flush()                  # the failure happens on the writer thread
+    drafter.flush()                  # the failure happens inline or on the writer thread: no raise here
     with pytest.raises(TrieWriterError, match="MemoryError: the n-gram trie is out of memory") as raised:
         drafter.propose([req], [4])
     assert isinstance(raised.value.__cause__, MemoryError)
@@ -302,4 +303,34 @@ def test_a_flush_of_many_streams_reaches_the_trie_in_few_calls_in_order():
     assert [t for call in calls for o, t in call if o == drafter._owners["long"]] == [
         long_prompt[:ngram.WRITE_BATCH_TOKENS], long_prompt[ngram.WRITE_BATCH_TOKENS:-10], long_prompt[-10:]]
     assert drafter._backlog == 0
+    drafter.close()
+
+
+def test_a_small_flush_is_indexed_on_the_callers_thread_when_the_writer_is_idle():
+    """A few tokens (a batch-1 drafting step's) are indexed at once, without a hand-over to
+    the writer; more tokens, or a flush behind a job still pending, go to the thread, in order."""
+    drafter = NgramDrafter(NgramConfig(), one_branch=False)
+    threads = []
+    insert = drafter.trie.insert_many
+
+    def recording(streams):
+        threads.append(threading.current_thread())
+        insert(streams)
+    drafter.trie.insert_many = recording
+    req = fake_req("a", [1, 2, 3, 4])
+    drafter.add_prompt(req)
+    drafter.flush()
+    assert threads == [threading.current_thread()] and drafter.writer.pending == 0
+    drafter.add_prompt(fake_req("b", list(range(100, 100 + 2 * INLINE_WRITE_TOKENS))))
+    release = threading.Event()
+    drafter.writer.submit(release.wait)                 # the writer is busy with a job
+    drafter.flush()
+    drafter.observe(req, [5, 6])
+    drafter.flush()                                      # small, but behind pending jobs
+    assert threads == [threading.current_thread()] and drafter.writer.pending == 3
+    release.set()
+    drafter.writer.drain()
+    assert threads[1:] == [drafter.writer.thread] * 2
+    trees, num_nodes = drafter.propose([fake_req("r", [9, 4])], [4])
+    assert trees.tokens[0, :num_nodes[0]].tolist() == [4, 5, 6]
     drafter.close()

@@ -92,9 +92,9 @@ def recording_flushes(drafter: NgramDrafter) -> list:
     """The jobs the drafter hands to its writer: (owner, tokens) pairs and released owners."""
     jobs, submit = [], drafter.writer.submit
 
-    def record(job):
+    def record(job, inline=False):
         jobs.append((list(job.args[0]), list(job.args[1])))
-        submit(job)
+        submit(job, inline)
     drafter.writer.submit = record
     return jobs
 

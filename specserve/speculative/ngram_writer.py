@@ -50,13 +50,17 @@ class TrieWriter:
             self._thread.start()
             self._finalizer = weakref.finalize(self, self._state.stop)
 
-    def submit(self, job: Job) -> None:
-        """Runs `job` after every job submitted before it (at once, without a thread)."""
+    def submit(self, job: Job, inline: bool = False) -> None:
+        """Runs `job` after every job submitted before it: at once without a thread, or
+        with `inline` where no job is pending (a small job: handing it over costs more than
+        it does); a failure then surfaces as one on the thread does (check)."""
         self.check()
         if self._thread is None:
             job()
-            return
-        self._state.put(job)
+        elif inline and self._state.unfinished == 0:   # read without the lock: 0 means the thread is idle
+            self._state.run(job)
+        else:
+            self._state.put(job)
 
     def drain(self) -> None:
         """Waits until every job submitted so far is done; raises if one failed."""
@@ -128,6 +132,15 @@ class _WriterState:
                     self.failure = RuntimeError("the writer thread ended with jobs queued")
                     return
 
+    def run(self, job: Job) -> None:
+        """Runs a job, unless one failed before (the trie's state is then unknown); its
+        failure surfaces on the caller's thread (check / drain)."""
+        try:
+            if self.failure is None:
+                job()
+        except BaseException as error:
+            self.failure = error
+
     def work(self) -> None:
         while True:
             with self.cond:
@@ -137,10 +150,7 @@ class _WriterState:
             if job is _STOP:
                 return
             try:
-                if self.failure is None:   # after a failure the trie's state is unknown: skip
-                    job()
-            except BaseException as error:   # surfaces on the caller's thread (check / drain)
-                self.failure = error
+                self.run(job)
             finally:
                 with self.cond:
                     self.unfinished -= 1
