@@ -15,7 +15,9 @@ jobs are skipped and `drain()` / `check()` raise on the caller's thread, every t
 the original error (an EngineFatalError: the engine fails every request with it). Nothing waits forever: a closed writer refuses jobs and drains at once.
 
 `TrieWriter(background=False)` runs each job at once on the caller's thread (the pure-Python
-trie, which holds the GIL throughout: a thread would only add switching).
+trie, which holds the GIL throughout: a thread would only add switching), and
+`submit(job, inline=True)` runs a small job so where none is pending (the NGRAM drafter's
+flushes of a few tokens: ngram.py).
 """
 from __future__ import annotations
 
