@@ -15,7 +15,11 @@ from specserve.attention.base import ForwardBatch
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
 RIDS = ["first", "victim", "last"]
-GREEDY = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
+# 16 tokens: the drafter's observe fails from the victim's 4th token on, after a step that may
+# have committed up to 4 (the NGRAM engine's 4-node drafts), so the victim stops at its 4th-7th;
+# run alone, it must take another step that it does not finish in (with 10 tokens it sometimes
+# finished in one, which observe skips: a CI run under load, where the policy drafted more)
+GREEDY = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
 INJECTION_POINTS = {   # name: (engine, object path from the core, method, from which victim token it fails)
     "sampler (decode)": ("plain", "sampler", "sample", 2),
     "sampler (prefill)": ("plain", "sampler", "sample", 0),
