@@ -17,10 +17,11 @@ A bucket whose best tier is 1 decodes plainly, on the overlapped plain path, unt
 (proposals made on some plain steps, shadows only: adaptive_probes.py) says drafting is
 expected to win by SWITCH_MARGIN; realized rates guard against the model being wrong
 (adaptive_modes.py). A drafting episode that realized SWITCH_MARGIN over plain leaves its
-bucket open, and a small batch probes the plain steps right after it. A probe of new requests may switch a bucket held plain after a
-losing episode, but only once that episode's loss is BYPASS_BUDGET of the bucket's time
-since (ShareGPT first turns at 64 on an H100: each completed prefill started another
-losing episode, 144 drafting steps at accept 1.6, 0.65x). This file makes the choice and
+bucket open, and a small batch probes the plain steps right after it. A probe of new
+requests may switch a bucket held plain after a losing episode, but only once that
+episode's loss is BYPASS_BUDGET of the bucket's time since (ShareGPT first turns at 64 on
+an H100: each completed prefill started another losing episode, 144 drafting steps at
+accept 1.6, 0.65x). This file makes the choice and
 wires the parts together.
 
 Cutting a tree to its first t nodes keeps a valid tree (parents come before children),
