@@ -39,9 +39,9 @@ A small flush (at most INLINE_WRITE_TOKENS, and nothing pending on the writer) i
 indexed at once on the caller's thread: at batch 1 a step commits a few tokens (~3 us each
 to index, while the GPU computes the step just launched), and handing them to the writer
 costs a thread wake-up and GIL hand-overs that the next proposal's drain then waited for
-(the dev CPU with its cores busy, batch 1: `drain` 2-235 us a drafting step, median; on an H200's
-host a batch-1 proposal took ~240 us where the CPU bench's took ~25). Order is kept: with
-nothing pending on the writer, the trie holds everything flushed before.
+(the dev CPU with its cores busy, batch 1: `drain` 2-235 us a drafting step, median; on an
+H200's host a batch-1 proposal took ~240 us where the CPU bench's took ~25). Order is kept:
+with nothing pending on the writer, the trie holds everything flushed before.
 """
 from __future__ import annotations
 
