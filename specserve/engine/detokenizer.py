@@ -54,7 +54,8 @@ class IncrementalDetokenizer:
             return None
         before = len(self._ids)
         self._ids.extend(token_ids)
-        if self._emit() is None and self._read_offset <= before:   # held back at the end: one by one
+        self._emit()   # no stop strings: nothing to return
+        if self._read_offset <= before:   # nothing emitted (held back at the end): one by one
             del self._ids[before:]
             for token_id in token_ids:
                 self.add(token_id)
