@@ -2,7 +2,8 @@
 
 Decoding the whole output every step costs O(length); instead (as vLLM does) keep two
 offsets into the ids: text is re-decoded from `prefix_offset` only, and a new piece is
-emitted once it no longer ends in an incomplete UTF-8 sequence ("\ufffd").
+emitted once it no longer ends in an incomplete UTF-8 sequence ("\ufffd"); at finish the
+text held back is emitted without such a tail.
 
 Tokens a step commits together (a drafting step's accepted path) are decoded together
 (`add_many`, as SGLang's detokenizer does per step): two decodes a request a step instead of
@@ -74,11 +75,13 @@ class IncrementalDetokenizer:
         return self._find_stop(new_from)
 
     def flush(self) -> None:
-        """At finish: emit text still held back (an incomplete byte sequence at the end)."""
+        """At finish: emit text still held back, less the incomplete UTF-8 sequence at its end
+        (a character max_new_tokens cut, which decodes to "\ufffd"), as vLLM drops it."""
         if self.stopped:
             return
         prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
-        self.text += self._decode(self._ids[self._prefix_offset:])[len(prefix_text):]
+        held_text = self._decode(self._ids[self._prefix_offset:])[len(prefix_text):]
+        self.text += held_text.rstrip("\ufffd")
         self._prefix_offset = self._read_offset = len(self._ids)
 
     def _find_stop(self, new_from: int) -> str | None:
