@@ -4,7 +4,8 @@ The CLI flags of every entry point are generated from the fields here (`--model-
 `model_path`, ...), so a script written for `sglang.Engine(...)` or a command line written
 for `sglang.launch_server` carries over unchanged. SGLang's spelling is each field's name;
 specserve's older spellings stay as aliases (`ALIASES`). SGLang options that specserve has
-no field for are accepted or refused by `sglang_compat`. Values derived from several fields
+no field for are accepted or refused by `sglang_compat`, by the constructor itself as by
+`Engine(...)`. Values derived from several fields
 are properties, never fields filled in after construction.
 """
 from __future__ import annotations
@@ -57,6 +58,21 @@ _spec = functools.partial(option, group="speculative decoding")
 _server = functools.partial(option, group="server and logging")
 
 
+def _forgiving_keywords(cls: type) -> type:
+    """The constructor takes what `sglang.ServerArgs(...)` takes and `Engine(...)` accepts: the
+    aliases, SGLang's options without a field (sglang_compat: ignored with a warning, or
+    refused), and for an unknown keyword an UnknownArgumentError with a suggestion."""
+    strict_init = cls.__init__
+
+    @functools.wraps(strict_init)
+    def __init__(self, *args: typing.Any, **kwargs: typing.Any) -> None:
+        strict_init(self, *args, **_own_keywords(kwargs))
+
+    cls.__init__ = __init__
+    return cls
+
+
+@_forgiving_keywords
 @dataclass(frozen=True)
 class ServerArgs:
     # --- model ---
@@ -256,25 +272,8 @@ class ServerArgs:
 
     @classmethod
     def from_kwargs(cls, **kwargs: typing.Any) -> "ServerArgs":
-        """Like the constructor, but also takes the aliases and SGLang's options (see
-        sglang_compat); an unknown keyword is an UnknownArgumentError with a suggestion."""
-        own: dict[str, typing.Any] = {}
-        unknown = []
-        for name, value in kwargs.items():
-            canonical = ALIASES.get(name, name)
-            if canonical in _FIELD_NAMES:
-                if canonical in own:
-                    raise ArgumentError(f"{canonical} is given twice (once as its alias {name})")
-                own[canonical] = value
-            elif name in sglang_compat.SGLANG_ONLY_FIELDS:
-                sglang_compat.accept_sglang_option(name, value)
-            else:
-                unknown.append(name)
-        if unknown:
-            known = [*_FIELD_NAMES, *ALIASES, *sglang_compat.SGLANG_ONLY_FIELDS]
-            hints = ", ".join(f"{name!r}{did_you_mean(name, known)}" for name in unknown)
-            raise UnknownArgumentError(f"unknown ServerArgs keyword {hints}")
-        return cls(**own)
+        """The constructor, by keyword only (Engine's keywords)."""
+        return cls(**kwargs)
 
     # --- CLI ---
     @classmethod
@@ -301,6 +300,28 @@ class ServerArgs:
 
 _FIELD_NAMES = tuple(f.name for f in fields(ServerArgs))
 _SGLANG_DEST = "sglang__"   # namespace prefix of the SGLang-only flags
+
+
+def _own_keywords(kwargs: dict[str, typing.Any]) -> dict[str, typing.Any]:
+    """The keywords that are fields, aliases renamed; SGLang's options checked and dropped
+    (sglang_compat); an unknown keyword is an UnknownArgumentError with a suggestion."""
+    own: dict[str, typing.Any] = {}
+    unknown = []
+    for name, value in kwargs.items():
+        canonical = ALIASES.get(name, name)
+        if canonical in _FIELD_NAMES:
+            if canonical in own:
+                raise ArgumentError(f"{canonical} is given twice (once as its alias {name})")
+            own[canonical] = value
+        elif name in sglang_compat.SGLANG_ONLY_FIELDS:
+            sglang_compat.accept_sglang_option(name, value)
+        else:
+            unknown.append(name)
+    if unknown:
+        known = [*_FIELD_NAMES, *ALIASES, *sglang_compat.SGLANG_ONLY_FIELDS]
+        hints = ", ".join(f"{name!r}{did_you_mean(name, known)}" for name in unknown)
+        raise UnknownArgumentError(f"unknown ServerArgs keyword {hints}")
+    return own
 
 
 def _check_positive(args: ServerArgs, *names: str) -> None:

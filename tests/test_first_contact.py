@@ -132,6 +132,21 @@ def test_a_misspelled_keyword_gets_a_suggestion_not_not_implemented():
         ServerArgs.from_kwargs(no_such_option=1)
 
 
+def test_server_args_built_directly_is_as_forgiving_as_engine(caplog, monkeypatch):
+    """`ServerArgs(...)` as SGLang users build it: a typo gets Engine's did-you-mean error,
+    SGLang-only tuning names Engine's warning, specserve's aliases their field."""
+    with pytest.raises(errors.UnknownArgumentError, match=r"speculative_algoritm.*did you mean speculative_algorithm\?"):
+        ServerArgs(speculative_algoritm="NGRAM")
+    monkeypatch.setattr(sglang_compat, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger="specserve"):
+        args = ServerArgs(model_path="m", enable_torch_compile=True, speculative_ngram_max_trie_depth=7)
+    assert args.model_path == "m" and args.speculative_ngram_branch_length == 7
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["ignoring SGLang's enable_torch_compile=True"]
+    with pytest.raises(errors.NotSupportedError, match="enable_lora"):
+        ServerArgs(enable_lora=True)
+    assert args.replace(port=1).port == 1 and args.replace(port=1).model_path == "m"
+
+
 # ---- SGLang's names ----
 def test_sglang_spelling_is_primary_and_ours_an_alias():
     assert ServerArgs().speculative_ngram_capacity == 10_000_000   # SGLang's default
