@@ -19,11 +19,11 @@
 #   scripts/gpu_run.sh frspec                      (FR-Spec: a 32768-token map for the 1.5B, an EAGLE-3 head over
 #                                                   its whole vocabulary, draft step time and accept length with
 #                                                   and without the map at batch 1 and concurrency 32)
-#   scripts/gpu_run.sh eagle-head                  (trains the EAGLE-3 head for the 1.5B in 7.5 minutes into /root/eagle3-1.5b,
-#                                                   as session 7 did; skipped where one is there already, or unpacked
+#   scripts/gpu_run.sh eagle-head                  (trains the EAGLE-3 head for the 1.5B in 7.5 minutes into /root/eagle3-1.5b;
+#                                                   skipped where one is there already, or unpacked
 #                                                   from /root/models/eagle3-1.5b-ttt4.tar where that was staged:
 #                                                   `scripts/split_for_device.sh models/*1.5b*.gguf .gpu/eagle3-1.5b-ttt4.tar`,
-#                                                   session 27's head, BENCHMARKS.md; EAGLE_HEAD_MODEL=qwen2.5-coder-0.5b-instruct
+#                                                   the head behind BENCHMARKS.md's EAGLE rows; EAGLE_HEAD_MODEL=qwen2.5-coder-0.5b-instruct
 #                                                   EAGLE_HEAD_BUDGET_S=420: the 0.5B's into /root/eagle3-0.5b;
 #                                                   EAGLE_HEAD_ALGORITHM=EAGLE: an EAGLE-2 head into /root/eagle2-SIZE,
 #                                                   which peers-eagle's specserve-eagle serves)
@@ -68,7 +68,7 @@ if [ "$mode" = checks ] || [ "$mode" = all ]; then
   # (test_gemv's batch-1 decoder test drives a CPU model through the interpreter; gpu_checks runs that path here)
   TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/test_triton_attention.py tests/test_gemv.py tests/test_tree_kernels.py \
     -k "not batch1_decoder_path" 2>&1 | tail -5 | tee "$OUT/pytest_gpu.txt"
-  python3 -m specserve.attention.check_gpu 2>&1 | tee "$OUT/check_gpu.txt"
+  python3 -m lab.check_gpu 2>&1 | tee "$OUT/check_gpu.txt"
   for dtype in float32 bfloat16; do
     python3 -m specserve.bench.gpu_checks --model /root/models/smollm2-135m-instruct.gguf --dtype $dtype 2>&1 \
       | grep '^{' | tee -a "$OUT/gpu_checks.jsonl"
@@ -131,12 +131,14 @@ fi
 if [ "$mode" = bench ] || [ "$mode" = all ]; then
   python3 -m specserve.bench.gpu_suite --models-dir /root/models --models "${models[@]}" \
     --dataset-path .gpu/sharegpt_bench.json --out "$OUT" 2>&1 | grep -v '%|' | tail -40
+  python3 -m lab.loss_split "$OUT/results.jsonl" >> "$OUT/table.md"   # where each losing cell loses
 fi
 if [ "$mode" = suite ]; then
   for model in "${models[@]}"; do
     python3 -m specserve.bench.gpu_suite --models-dir /root/models --models "$model" --configs default --rounds 2 \
       --bs1-prompts 6 --no-transformers --num-prompts 128 --dataset-path .gpu/sharegpt_bench.json --concurrency 1 8 32 64 \
       --policy-trace-dir "$OUT/traces_$model" --out "$OUT/suite_$model" 2>&1 | grep -v '%|' | tail -30
+    python3 -m lab.loss_split "$OUT/suite_$model/results.jsonl" >> "$OUT/suite_$model/table.md"
   done
 fi
 suite_32_64() {   # TREE_ROOT OUT_DIR: the default NGRAM engine (or $SUITE_CONFIGS, e.g. "default ngram-16-one-held
@@ -149,16 +151,16 @@ suite_32_64() {   # TREE_ROOT OUT_DIR: the default NGRAM engine (or $SUITE_CONFI
     ${SUITE_ARGS:-} 2>&1 | grep -v '%|' | tail -2
 }
 if [ "$mode" = suite-ab ]; then
-  # an A/B in one lease: the suite at 32/64 for the tree in $AB_OLD (made by `git archive REV specserve | tar -x -C
+  # an A/B on one machine: the suite at 32/64 for the tree in $AB_OLD (made by `git archive REV specserve | tar -x -C
   # .ab/old`, carried) and for this one, alternating, AB_RUNS times each; results appended per tree, then each
-  # tree's losing cells split by step kind (bench/loss_split.py). Session 25 ran it by hand (BENCHMARKS.md).
+  # tree's losing cells split by step kind (lab/loss_split.py).
   for run in $(seq "${AB_RUNS:-2}"); do
     for tree in old new; do
       root=$PWD; [ $tree = old ] && root=$PWD/${AB_OLD:?AB_OLD names the old tree directory}
       suite_32_64 "$root" "$OUT/ab_$tree"
     done
   done
-  for tree in old new; do echo "== $tree"; python3 -m specserve.bench.loss_split "$OUT/ab_$tree/results.jsonl"; done
+  for tree in old new; do echo "== $tree"; python3 -m lab.loss_split "$OUT/ab_$tree/results.jsonl"; done
 fi
 if [ "$mode" = suite-tree ]; then
   # one tree's half of an A/B whose trees run at once on two GPUs (scripts/gpu_parallel.sh): TREE_ROOT MODEL;
@@ -183,7 +185,7 @@ if [ "$mode" = eagle-head ]; then
   model=${EAGLE_HEAD_MODEL:-qwen2.5-coder-1.5b-instruct}; head=$(head_dir "$model" $kind)
   if [ -f "$head/config.json" ] && [ -f "$head/model.safetensors" ]; then
     echo "$algorithm head already in $head" | tee "$OUT/train_eagle.txt"
-  elif [ -f "/root/models/$(basename "$head")-ttt4.tar" ]; then   # a staged head (session 27's, for the 1.5B)
+  elif [ -f "/root/models/$(basename "$head")-ttt4.tar" ]; then   # a staged head (the 1.5B's, trained with TTT 4)
     mkdir -p "$head" && tar xf "/root/models/$(basename "$head")-ttt4.tar" -C "$head" \
       && echo "EAGLE-3 head unpacked from the staged $(basename "$head")-ttt4.tar" | tee "$OUT/train_eagle.txt"
   else

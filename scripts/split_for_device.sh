@@ -2,7 +2,7 @@
 # ../shared/tools/split-for-device with pieces sized to what this checkout leaves of a device call:
 # the working tree that travels (tracked and untracked-not-ignored files) and one piece share the
 # call's 64 MiB, and the tree (docs/bench's raw rows) passed 8 MiB, which the shared tool's 56-MiB
-# pieces no longer fit (session 25: "the working tree is larger than 64 MiB").
+# pieces no longer fit (the call then fails: "the working tree is larger than 64 MiB").
 #
 #   scripts/split_for_device.sh FILE...      (run in the repository root; prints the calls)
 #

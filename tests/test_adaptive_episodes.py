@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.bench.policy_sim import SCENARIOS, simulate
+from lab.policy_sim import SCENARIOS, simulate
 from specserve.speculative.adaptive import MAX_OPTIMISM, PLAIN_HOLD, SWITCH_MARGIN, AdaptiveDraftLength
 from specserve.speculative.adaptive_modes import EPISODE_WINDOW, BucketModes
 from specserve.speculative.adaptive_probes import (

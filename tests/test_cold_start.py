@@ -1,4 +1,4 @@
-"""bench/cold_start.py end to end on a tiny random model: a fresh engine in its own process
+"""lab/cold_start.py end to end on a tiny random model: a fresh engine in its own process
 (NGRAM: the drafter is reset before each run), one JSON row per measurement on stdout and
 in --out."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from spec_fixtures import make_tiny_directory
-from specserve.bench import cold_start
+from lab import cold_start
 
 
 def test_cold_start_writes_one_row_per_engine_and_shape(tmp_path, capsys):

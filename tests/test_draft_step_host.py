@@ -1,4 +1,4 @@
-"""bench.draft_step_host on the CPU: drafting steps over stand-in forwards, with the next step
+"""lab.draft_step_host on the CPU: drafting steps over stand-in forwards, with the next step
 launched ahead (as on a GPU) or synchronously. Both schedules commit the same tokens; with a
 step ahead the host time between an outcome read and the next launch is a part of the
 step's host time."""
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from specserve.bench import draft_step_host
+from lab import draft_step_host
 
 
 def _rows(capsys, *extra: str) -> list[dict]:

@@ -229,8 +229,9 @@ def test_watch_names_the_longest_step_and_counts_full_gc_collections(engine):
 
 
 def test_watch_splits_host_time_by_phase_and_counts_the_wait_for_the_device(engine, monkeypatch):
-    """HostPhases: a step's wait on its outcome is the GPU's time, not the host's; every
-    phase is per step of its kind; closing puts every wrapped method back."""
+    """HostPhases as RunWatch's phase timer: a step's wait on its outcome is the GPU's time,
+    not the host's; every phase is per step of its kind; closing puts every wrapped method back."""
+    from specserve.bench.host_phases import HostPhases
     from specserve.engine.overlap import OverlapSchedule
     from specserve.runner.model_runner import InFlight
     original_wait, waits = InFlight.wait, []
@@ -242,6 +243,7 @@ def test_watch_splits_host_time_by_phase_and_counts_the_wait_for_the_device(engi
     monkeypatch.setattr(InFlight, "wait", slow_wait)
     core = engine.core
     monkeypatch.setattr(core, "overlap", OverlapSchedule(core.runner, core.scheduler))   # CUDA-graph-only by default
+    monkeypatch.setattr(RunWatch, "phase_timer", HostPhases)
     watch = RunWatch(engine)
     try:
         [plain] = run(engine, PROMPTS, 3, 12, "plain", watch=watch)
@@ -260,6 +262,19 @@ def test_watch_splits_host_time_by_phase_and_counts_the_wait_for_the_device(engi
     assert "run" not in vars(core.text) and "launch_greedy_decode" not in vars(core.runner)
     assert 0 < phases["launch_cpu"] <= phases["launch"] * 1.05 + 5
     assert core.scheduler.schedule == watch._schedule   # RunWatch's own wrapper went last
+
+
+def test_watch_without_a_phase_timer_wraps_no_private_method_of_the_core(engine):
+    """By default RunWatch times steps whole: the core's commit, observe and probe stay the
+    class's own methods and the summary has no phases."""
+    watch = RunWatch(engine)
+    try:
+        for name in ("_commit_verified", "_observe", "_probe", "_after_plain_step"):
+            assert name not in vars(engine.core)
+        [plain] = run(engine, PROMPTS, 3, 8, "plain", watch=watch)
+    finally:
+        watch.close()
+    assert plain["host_us_per_step"] is None and plain["step_mix"]["plain"]["steps"] > 0
 
 
 def test_held_configs_decode_plainly_and_blind_indexes_nothing(engine):

@@ -1,4 +1,4 @@
-"""bench.host_replay: with the stand-in forwards installed the engine reproduces the recorded
+"""lab.host_replay: with the stand-in forwards installed the engine reproduces the recorded
 greedy outputs exactly (plain and NGRAM, so verification accepts what the model would), the
 replay reports host time per step for each configuration, and everything patched is put back.
 A tiny random model on the CPU."""
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from specserve.bench.gpu_suite import set_drafter
-from specserve.bench.host_replay import ReplayForward, parse_config, replay
-from specserve.bench.plain_step_host import PREFILL_MARGIN, DeviceTimeReplay, time_plain_steps
+from lab.host_replay import ReplayForward, parse_config, replay
+from lab.plain_step_host import PREFILL_MARGIN, DeviceTimeReplay, time_plain_steps
 from specserve.engine.overlap import OverlapSchedule
 from specserve.speculative.adaptive import MAX_PROBE_EVERY
 from tests.spec_fixtures import make_tiny_directory, ngram_args, tiny_engine
@@ -84,7 +84,7 @@ def test_stand_in_follows_steps_launched_ahead(engine, recorded):
 
 
 def test_plain_step_host_times_the_plain_steps_of_both_engines(tmp_path_factory):
-    """bench.plain_step_host: the batch stays whole while timed, the plain engine's steps are
+    """lab.plain_step_host: the batch stays whole while timed, the plain engine's steps are
     all plain, the speculative one probes (and says how often), and everything is put back."""
     path = tmp_path_factory.mktemp("tiny-plain-host")
     make_tiny_directory(path, "llama", seed=5)

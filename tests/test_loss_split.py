@@ -1,5 +1,5 @@
-"""bench/loss_split.py: a losing cell's extra time, split by step kind against plain's run."""
-from specserve.bench import loss_split
+"""lab/loss_split.py: a losing cell's extra time, split by step kind against plain's run."""
+from lab import loss_split
 
 
 def run(config: str, duration_ms: float, prefill: tuple, plain: tuple, draft: tuple = (0, 0.0),

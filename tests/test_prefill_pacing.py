@@ -1,7 +1,7 @@
 """Prefill that does not starve decoding: the pacer's chunk sizes, and the scheduler's
 alternating and mixed steps, on a tiny KV pool with requests stepped by hand (no model).
 The end-to-end figure (a 4k prompt arriving while 8 streams run) is a benchmark:
-python -m specserve.bench.prefill_stall."""
+python -m lab.prefill_stall."""
 from __future__ import annotations
 
 import pytest

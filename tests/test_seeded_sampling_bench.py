@@ -1,4 +1,4 @@
-"""specserve.bench.seeded_sampling's bookkeeping: accept length and its standard error from
+"""lab.seeded_sampling's bookkeeping: accept length and its standard error from
 the engine's accept histograms, the identity share, the table, the --configs parser."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from specserve.bench.seeded_sampling import _config, summarize, table
+from lab.seeded_sampling import _config, summarize, table
 
 
 def output(ids: list[int], histogram: dict[int, int]) -> dict:

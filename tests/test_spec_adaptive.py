@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specserve.bench.policy_sim import SCENARIOS, simulate
+from lab.policy_sim import SCENARIOS, simulate
 from specserve.engine.core import EngineCore
 from specserve.speculative.adaptive import (
     BYPASS_BUDGET, GUARD_STEPS, MAX_PLAIN_HOLD, MAX_PROBE_EVERY, OPTIMISM_WINDOW, PLAIN_HOLD, PROBE_BUDGET, REFRESH_EVERY,

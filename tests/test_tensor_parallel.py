@@ -16,7 +16,7 @@ import transformers
 
 from model_fixtures import TINY, RunnerDriver
 from spec_fixtures import make_tiny_directory, ngram_args, save_bpe_tokenizer, tiny_engine
-from specserve.distributed.check_identity import compare
+from lab.check_identity import compare
 from specserve.distributed.launcher import start_tensor_parallel
 from specserve.distributed.sharding import ModelShard
 from specserve.errors import ArgumentError, EngineFatalError

@@ -104,7 +104,7 @@ def test_mtp_layer_borrows_whole_vocabulary_weights_and_gets_drafts_accepted(tar
 def test_check_identity_runs_every_case_it_names(tmp_path, capsys):
     """The 2-GPU command's own code path (on the CPU: no graphs), with the random EAGLE3 head it
     writes for the target; the sample prompts are text (a vocabulary that holds the tokenizer's ids)."""
-    from specserve.distributed.check_identity import main
+    from lab.check_identity import main
     make_tiny_directory(tmp_path, "qwen2", vocab_size=288)
     main(["--model-path", str(tmp_path), "--device", "cpu", "--dtype", "float32", "--log-level", "warning",
           "--tp-size", "2", "--max-new-tokens", "8", "--cases", "plain,standalone,naive_eagle"])

@@ -1,5 +1,5 @@
 """The TTFT breakdown (bench/ttft_breakdown.py) on scripted steps, and the prefix-cache
-benchmark (bench/prefix_cache.py) end to end on SmolLM2: one engine runs both modes, the
+benchmark (lab/prefix_cache.py) end to end on SmolLM2: one engine runs both modes, the
 modes alternate across rounds, and each phase's TTFT splits into queue + prefill."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from specserve.bench import prefix_cache
+from lab import prefix_cache
 from specserve.bench.ttft_breakdown import StepTrace, fit_prefill_cost
 from specserve.engine.request import Batch
 

@@ -1,11 +1,11 @@
-"""bench/turnover_step_host.py's virtual GPU: steps run one after another from their launch,
+"""lab/turnover_step_host.py's virtual GPU: steps run one after another from their launch,
 a wait moves the host clock to the step's end, and only host time with nothing queued is idle."""
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from specserve.bench import turnover_step_host
-from specserve.bench.turnover_step_host import VirtualGPU
+from lab import turnover_step_host
+from lab.turnover_step_host import VirtualGPU
 
 
 def test_the_virtual_gpu_idles_only_while_nothing_is_queued(monkeypatch):

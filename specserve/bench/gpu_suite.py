@@ -76,7 +76,7 @@ def set_drafter(engine, num_draft_tokens: int | None, one_branch: bool = False,
     """Swap speculation between runs (the engine is idle then): None = plain decoding.
     `adaptive`: True for the adaptive policy, or one of HELD_MODES (diagnostics, above).
     The drafter replaced is closed: its writer thread, left running, could be mid-insert into
-    the compiled trie while the interpreter exits (turnover_step_host crashed so, 1 run in 3)."""
+    the compiled trie while the interpreter exits (a benchmark that swapped drafters crashed so, 1 run in 3)."""
     core = engine.core
     if core.drafter is not None:
         core.drafter.close()

@@ -8,8 +8,6 @@ import math
 import os
 import sys
 
-from specserve.bench import loss_split
-
 
 def load(path: str) -> list[dict]:
     with open(path) as f:
@@ -141,9 +139,8 @@ def plot(rows: list[dict], path: str) -> bool:
 
 def write_report(results_path: str, out_dir: str) -> None:
     rows = load(results_path)
-    losses = loss_split.markdown(rows)
     with open(os.path.join(out_dir, "table.md"), "w") as f:
-        f.write(markdown(rows) + ("\n" + losses if losses else ""))
+        f.write(markdown(rows))
     plot(rows, os.path.join(out_dir, "speed.png"))
 
 

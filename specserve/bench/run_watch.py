@@ -1,5 +1,5 @@
 """RunWatch: where a timed benchmark run's time went (its steps by kind, its longest step,
-what can stall one step, the host's phases) and the adaptive policy's trace of it."""
+what can stall one step, optionally the host's phases) and the adaptive policy's trace of it."""
 from __future__ import annotations
 
 import gc
@@ -9,7 +9,6 @@ from collections import Counter
 
 import torch
 
-from specserve.bench.host_phases import HostPhases
 from specserve.bench.policy_trace import PolicyTrace
 from specserve.engine.kernel_cache import TritonCompileCounter
 
@@ -22,15 +21,22 @@ class RunWatch:
     and nodes per request); what can stall one step: the Triton kernels compiled during the
     run (first use in this process; a compile found in Triton's disk cache only loads, so
     `jit_compile_s` tells the two apart), Python's full GC collections and the caching
-    allocator's cudaMalloc calls (an H200 suite run had one 386-ms drafting step with no
-    compile: which of these it was is what the next run says). A step drafts when the core
+    allocator's cudaMalloc calls (one 386-ms drafting step with no compile in a suite run
+    on an H200 is what these tell apart). A step drafts when the core
     proposed drafts in it (`_propose`), read a drafting step launched ahead
     (`_finish_draft_step`) or verified draft nodes (`run_trees`): EAGLE's fused steps verify
     and draft inside the drafter's own graph and never reach run_trees, and a probe's
     proposals (the drafter's `propose`, shadows only) leave a plain step plain. Wraps the
     core's `step`, `_propose` and `_finish_draft_step`, the scheduler's `schedule` and the
-    runner's `run_trees`, and sets Triton's JIT hooks; `close` puts them back. The host's time
-    per step by phase, and its wait for the GPU, come from HostPhases (host_phases.py)."""
+    runner's `run_trees`, and sets Triton's JIT hooks; `close` puts them back.
+
+    The host's time per step by phase, and its wait for the GPU, come from `phase_timer`
+    where one is set: a factory `core -> timer` with `reset()`, `end_step(kind, seconds)`,
+    `summary()` and `close()`. The profiler that fills it (lab/host_phases.py) wraps private
+    methods of the core by name, so the benchmarks leave it off and `host_us_per_step` is
+    None."""
+
+    phase_timer = None
 
     def __init__(self, engine, triton_runtime=None, trace_dir: str | None = None):
         """trace_dir: where each run's adaptive-policy trace goes (policy_trace.py), if anywhere."""
@@ -47,7 +53,8 @@ class RunWatch:
             self._current_step = self._overlap.current_step
             self._overlap.current_step = self._watched_current_step
         self._compiles = TritonCompileCounter(triton_runtime).__enter__()
-        self.host = HostPhases(self.core)
+        factory = type(self).phase_timer
+        self.host = factory(self.core) if factory is not None else None
         self.reset()
 
     def reset(self) -> None:
@@ -59,7 +66,8 @@ class RunWatch:
                     for kind in ("prefill", "plain", "draft")}
         self._draft_nodes = 0
         self._compiles.reset()
-        self.host.reset()
+        if self.host is not None:
+            self.host.reset()
         if self.trace is not None:
             self.trace.close()
         self.trace = PolicyTrace(self.core.adaptive) if self.core.adaptive is not None else None
@@ -75,7 +83,7 @@ class RunWatch:
                 "jit_compile_s": self._compiles.seconds if counted else None,
                 "step_mix": {kind: _mix_row(m) for kind, m in self.mix.items()},
                 "draft_nodes_mean": self._draft_nodes / drafts if drafts else None,
-                "host_us_per_step": self.host.summary(),
+                "host_us_per_step": self.host.summary() if self.host is not None else None,
                 "policy": self.trace.summary() if self.trace is not None else None}
 
     def dump_trace(self, name: str) -> None:
@@ -91,7 +99,8 @@ class RunWatch:
     def close(self) -> None:
         if self.trace is not None:
             self.trace.close()
-        self.host.close()   # before the wrappers it wraps go
+        if self.host is not None:
+            self.host.close()   # before the wrappers it wraps go
         if self._overlap is not None:
             self._overlap.current_step = self._current_step
         self.core.step, self.core.scheduler.schedule, self.core.runner.run_trees = (
@@ -155,7 +164,8 @@ class RunWatch:
                 mix["requests"] += self._batch_size
                 mix["tokens"] += self._tokens
                 mix["ahead"] += self._from_ahead
-            self.host.end_step(self._kind, elapsed)
+            if self.host is not None:
+                self.host.end_step(self._kind, elapsed)
 
     def _drafts_taken_ahead(self) -> int:
         draft_ahead = self.core.draft_ahead

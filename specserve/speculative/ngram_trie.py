@@ -8,7 +8,7 @@ The trie itself is C (``ngram_trie.c``, beside this file), compiled on first use
 system C compiler into ``$SPECSERVE_CACHE_DIR`` (default ``~/.cache/specserve``) and called
 through ctypes, one call per ``insert`` or ``propose``: ~2-5 us per token indexed where the
 pure-Python original (``ngram_trie_py.py``) takes ~20-70, and proposals several times
-cheaper (``python -m specserve.speculative.bench_ngram``). This file is the Python face:
+cheaper (``python -m lab.bench_ngram`` from the repository root). This file is the Python face:
 the build, and the conversions. On a machine without a working C compiler, ``NgramTrie(config)``
 gives the pure-Python trie instead (same behaviour, one warning). A trie is not thread-safe:
 its caller keeps calls from overlapping (NgramDrafter: ngram_writer.py's lock); ``insert``

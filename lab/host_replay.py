@@ -5,7 +5,7 @@ verification, commit, detokenizing, indexing) are those of the real run, while a
 costs almost nothing. On a CPU this shows what a GPU's host pays per step and how it grows
 with the batch, the draft size and branching.
 
-`python -m specserve.bench.host_replay --model-path M [--dataset-path F] --num-prompts 16
+`python -m lab.host_replay --model-path M [--dataset-path F] --num-prompts 16
  --max-concurrency 8 --output-len 64 --configs plain 8-multi 4-one 16-multi-adaptive`
 records the plain greedy outputs once (the slow part: real forwards), then replays each
 configuration the way gpu_suite runs it and prints one JSON line per run: host ms per decode

@@ -1,4 +1,4 @@
-"""CPU cost of the n-gram trie drafter: ``python -m specserve.speculative.bench_ngram``.
+"""CPU cost of the n-gram trie drafter: ``python -m lab.bench_ngram``.
 
 Code: Python source from the standard library, split into words, punctuation and whitespace
 runs (a stand-in for BPE ids: no tokenizer or model needed). Background requests fill the

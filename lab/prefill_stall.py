@@ -2,7 +2,7 @@
 is prefilled (issue 11's target: with a 4k-token prompt arriving while 8 streams run, no
 stream waits longer than 3x its usual inter-token time).
 
-    python -m specserve.bench.prefill_stall [--streams 8] [--prompt-tokens 4000]
+    python -m lab.prefill_stall [--streams 8] [--prompt-tokens 4000]
         [--modes alternate,mixed,unpaced] [--threads N] [ServerArgs flags, e.g. --dtype float32]
 
 Per mode: 8 greedy streams decode; once each has produced WARMUP_TOKENS, the long prompt
@@ -108,7 +108,7 @@ def _configure(engine, mode: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> list[StallResult]:
-    parser = argparse.ArgumentParser(prog="python -m specserve.bench.prefill_stall", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m lab.prefill_stall", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=4000)

@@ -1,7 +1,7 @@
 """What one optimizer step of the EAGLE head trainer costs, on synthetic conversations:
-`python -m specserve.bench.eagle_train_step --shape qwen2.5-coder-1.5b --device cuda` (random
+`python -m lab.eagle_train_step --shape qwen2.5-coder-1.5b --device cuda` (random
 weights with the 1.5B's shapes: no checkpoint, no data generation) or
-`python -m specserve.bench.eagle_train_step --device cpu` (SmolLM2-135M).
+`python -m lab.eagle_train_step --device cpu` (SmolLM2-135M).
 
 The conversations have prompt and answer lengths drawn uniformly from the given ranges
 (the defaults are near what ShareGPT first turns and the 1.5B's 384-token answers give);

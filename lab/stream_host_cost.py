@@ -1,6 +1,6 @@
 """Host cost per streamed token at high concurrency, on the CPU.
 
-    python -m specserve.bench.stream_host_cost [--concurrency 64] [--output-len 128]
+    python -m lab.stream_host_cost [--concurrency 64] [--output-len 128]
         [--rounds 2] [--py-spy PATH_TO_PY_SPY] [--profile-out stacks.txt]
 
 A tiny random model (hidden 32, 2 layers, SmolLM2's 49k-token byte-level BPE tokenizer)
@@ -136,7 +136,7 @@ async def _server_round(base_url: str, prompts: list[str], output_len: int, conc
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m specserve.bench.stream_host_cost", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m lab.stream_host_cost", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=128)

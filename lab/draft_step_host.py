@@ -31,7 +31,7 @@ this thread for two cores, on a GPU it has a whole step's GPU time to finish.
 exposed_cpu_us is the same in this thread's CPU time: steadier where other processes share
 the cores (what it leaves out: the waits for them).
 
-`python -m specserve.bench.draft_step_host --batch-sizes 1 64 --configs 8-multi 16-one
+`python -m lab.draft_step_host --batch-sizes 1 64 --configs 8-multi 16-one
  8-multi-adaptive --workloads code-types code-rename sharegpt --rounds 2`
 prints one JSON line per (workload, batch size, config, round). Configs: host_replay's names;
 `-adaptive` runs the default policy pinned to drafting (its tier choice and bookkeeping, but
@@ -48,10 +48,10 @@ from collections import defaultdict
 
 import torch
 
-from specserve.bench.draft_step_workloads import WORKLOADS, code_edit_streams
+from lab.draft_step_workloads import WORKLOADS, code_edit_streams
 from specserve.bench.gpu_suite import set_drafter
-from specserve.bench.host_replay import ReplayForward, parse_config
-from specserve.bench.plain_step_host import MAX_PROMPT, sharegpt_streams
+from lab.host_replay import ReplayForward, parse_config
+from lab.plain_step_host import MAX_PROMPT, sharegpt_streams
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.draft_ahead import DraftAhead, DraftStep
 from specserve.runner.tree_step import GreedyOutcome, TreeStepInputs, TreeStepOutputs, greedy_commit

@@ -3,8 +3,8 @@ target generating answers to chat-turn prompts, against the target's prefill lab
 the chats' own replies (its states and its distribution over the text, as a training
 batch takes them). The numbers behind train_eagle's --generation-share.
 
-  python -m specserve.bench.eagle_data_rate --dataset-path .gpu/sharegpt_train.json             # SmolLM2, CPU
-  python -m specserve.bench.eagle_data_rate --model-path qwen2.5-coder-1.5b-instruct.gguf --num-prompts 1024 \\
+  python -m lab.eagle_data_rate --dataset-path .gpu/sharegpt_train.json             # SmolLM2, CPU
+  python -m lab.eagle_data_rate --model-path qwen2.5-coder-1.5b-instruct.gguf --num-prompts 1024 \\
       --num-chats 512 --max-new-tokens 384 --batch-tokens 8192 --dataset-path .gpu/sharegpt_train.json
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from specserve.speculative.target_features import TargetFeatureExtractor
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m specserve.bench.eagle_data_rate", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m lab.eagle_data_rate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", default=None)
     p.add_argument("--device", default="auto")
     p.add_argument("--dataset-path", default=None)

@@ -13,7 +13,7 @@ GPU's, which sets how often it probes.
 Workload: real ShareGPT second turns (turn 1, the dataset's reply, the next user message)
 continued by the dataset's own second reply, the case where n-gram drafts almost never match.
 
-`python -m specserve.bench.plain_step_host --batch-sizes 1 64 --device-step-ms 0.9 2.0 --steps 300`
+`python -m lab.plain_step_host --batch-sizes 1 64 --device-step-ms 0.9 2.0 --steps 300`
 prints one JSON line per (batch size, engine, round): host microseconds per plain step
 (this thread's CPU time: median, and the mean of the steps below the 98th percentile, which
 keeps the probe steps), the plain and other (drafting, switching) steps
@@ -29,7 +29,7 @@ import time
 import torch
 
 from specserve.bench.gpu_suite import DEFAULT_CONFIG, config_label, set_drafter
-from specserve.bench.host_replay import ReplayForward
+from lab.host_replay import ReplayForward
 from specserve.engine.overlap import OverlapSchedule
 
 MAX_PROMPT = 1024     # tokens: keeps the KV cache of a batch of 64 small on the CPU

@@ -24,7 +24,7 @@ drafts match comes from its `Profile`:
   code-types does): drafts follow the copy up to the next edit, then miss for the
   EDIT_TOKENS of new text after it (class 1), then match again.
 
-`python -m specserve.bench.policy_sim` prints one JSON line per scenario: decode steps,
+`python -m lab.policy_sim` prints one JSON line per scenario: decode steps,
 drafting steps and their fraction, accept length, and the simulated time against a plain
 server's (`vs_plain`).
 """

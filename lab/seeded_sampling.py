@@ -9,9 +9,9 @@ coupled rule's promise; residual rejection's output depends on the drafts).
 "sharegpt-repeat" is the suite's 2-turn protocol: turn 2 sends the same requests again to
 the drafter of turn 1, so with the same seeds the coupled rule finds its answers in the trie.
 
-CPU:  python -m specserve.bench.seeded_sampling --device cpu --workloads code-types sharegpt-repeat \
+CPU:  python -m lab.seeded_sampling --device cpu --workloads code-types sharegpt-repeat \
           --num-prompts 16 --seed-sets 2 --max-new-tokens 64 --configs 8-multi 16-one
-GPU:  python -m specserve.bench.seeded_sampling --models-dir /root/models --out $OUT
+GPU:  python -m lab.seeded_sampling --models-dir /root/models --out $OUT
 Writes results.jsonl and table.md under --out, and prints the table.
 """
 from __future__ import annotations

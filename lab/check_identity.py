@@ -1,6 +1,6 @@
 """Greedy identity of tensor parallelism against one device, for a GPU run:
 
-  NCCL_NVLS_ENABLE=0 python -m specserve.distributed.check_identity --model-path M --device cuda \\
+  NCCL_NVLS_ENABLE=0 python -m lab.check_identity --model-path M --device cuda \\
       --dtype float32 --tp-size 2 [--cases plain,eager,ngram,standalone,eagle3,naive_eagle]
       [--eagle-head DIR]
       [--max-new-tokens 128]
@@ -87,7 +87,7 @@ def case_args(case: str, base: dict, model_path: str, eagle_head: str | None, sc
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = ArgumentParser(prog="python -m specserve.distributed.check_identity", description=__doc__,
+    parser = ArgumentParser(prog="python -m lab.check_identity", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")

@@ -1,7 +1,7 @@
 """Cold start: how much slower is a fresh engine's first request of each shape than the
 same request again?
 
-`python -m specserve.bench.cold_start [--model M] [--device cuda] [--out FILE] [ServerArgs flags]`
+`python -m lab.cold_start [--model M] [--device cuda] [--out FILE] [ServerArgs flags]`
 starts one fresh engine per algorithm (plain, NGRAM), each in its own process (Triton keeps
 compiled kernels per process: a second engine in the same one would start warm), and sends
 it, one at a time, the shapes of a coding assistant's day: a short chat turn, two
@@ -40,7 +40,7 @@ LONG_MARGIN = 64           # the long prompt stays this many tokens under the ch
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m specserve.bench.cold_start", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m lab.cold_start", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=SHAPES, help="in the order sent")
@@ -81,7 +81,7 @@ def _run_child(argv: list[str], algorithm: str) -> list[dict]:
     """One fresh engine in a fresh process; its rows."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "rows.jsonl")
-        command = [sys.executable, "-m", "specserve.bench.cold_start", *argv, "--child", algorithm, "--child-out", path]
+        command = [sys.executable, "-m", "lab.cold_start", *argv, "--child", algorithm, "--child-out", path]
         result = subprocess.run(command)  # its logs go to our stderr
         rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
     if result.returncode != 0:

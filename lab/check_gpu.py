@@ -1,7 +1,7 @@
 """GPU check of the Triton attention backend: numbers against torch_native, time against
 the bytes-moved roofline, and the CUDA-graph path (capture, then replay another batch).
 
-    python -m specserve.attention.check_gpu [--out table.md] [--smoke]
+    python -m lab.check_gpu [--out table.md] [--smoke]
 
 Sizes follow Qwen2.5-1.5B (12 q heads, 2 kv heads, head_dim 128) in bf16. Errors are
 measured against torch_native run in fp32 on the same bf16 K/V, next to torch_native's own

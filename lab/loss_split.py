@@ -16,7 +16,7 @@ steps). Session 25 read the 0.5B's worst chat cells so: not host-bound plain ste
 an earlier trace had it, but drafting episodes at accept 1.1-1.3 and the prefills they
 spread (BENCHMARKS.md).
 
-`python -m specserve.bench.loss_split results.jsonl...` prints the table; gpu_suite's
+`python -m lab.loss_split results.jsonl...` prints the table; gpu_suite's
 table.md ends with it.
 """
 from __future__ import annotations
@@ -91,7 +91,7 @@ def markdown(rows: list[dict]) -> str:
     if not table:
         return ""
     lines = ["**Where the cells slower than plain lose** (ms over plain's run, mean over rounds; "
-             "bench/loss_split.py)", "",
+             "lab/loss_split.py)", "",
              "| model | workload | turn | conc. | config | runs | plain run | lost | drafting (steps, ms each, "
              "accept) | prefills | plain steps (ms each: it / plain) | rest |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
