@@ -50,6 +50,9 @@ DATA_FILE = "conversations.json"
 # what a run keeps back from --time-budget for the end: the last held-out score (timed at
 # the first), saving the head, and this much slack
 END_SLACK_SECONDS = 5.0
+# fewer optimizer steps than this leave a head close to its random start: its accept length says
+# little (a 240 s CPU run trained 1 step and scored 1.000)
+MIN_TRAIN_STEPS = 20
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -168,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
         args.batch_tokens = batch_tokens_for_memory(args.batch_tokens, free)
     if args.lr is None:
         args.lr = default_lr(device, args.batch_tokens)
+    _check_data(args, generated, held_out, reply_text)
     train_data = generated + reply_text
     print(f"data: {len(generated)} answers by the target ({sum(c.answer_len for c in generated)} answer tokens), "
           f"{len(reply_text)} fixed-text chats ({sum(c.answer_len for c in reply_text)} reply tokens); "
@@ -195,6 +199,26 @@ def _prepare_data(args: argparse.Namespace, device: torch.device, dtype: torch.d
               + _waited(text), flush=True)
     gc.collect()
     return target, generated, held_out, whole.reply_text
+
+
+def _check_data(args: argparse.Namespace, generated: list[Conversation], held_out: list[Conversation],
+                reply_text: list[Conversation]) -> None:
+    """Refuses a run with nothing to score the head on or nothing to train it on; warns when
+    the target answered none of the training prompts (the head then learns fixed text only)."""
+    cause = (f"generation stopped at --generation-share {args.generation_share} of --time-budget "
+             f"{args.time_budget:.0f} s; raise either" if args.time_budget else "check --num-prompts and the dataset")
+    if not held_out:
+        raise SystemExit(f"train_eagle: no held-out answers to score the head on (--held-out {args.held_out}): "
+                         "raise --held-out")
+    if not generated and not reply_text:
+        raise SystemExit(f"train_eagle: nothing to train on: the target answered no training prompt and there is no "
+                         f"fixed text (--text-chats {args.text_chats}); {cause}")
+    if not generated:
+        _warn(f"the target answered none of the training prompts ({cause}): the head learns the chats' fixed text only")
+
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def _waited(text: TextPreparation) -> str:
@@ -266,6 +290,11 @@ def _train(args: argparse.Namespace, device: torch.device, target, train_data: l
               + f"; kept step {best_step}")
     print(f"held-out accept length: {after:.3f} ({eval_steps} draft steps, greedy chain); "
           f"{time.perf_counter() - started:.0f} s in all", flush=True)
+    if trainer.step < MIN_TRAIN_STEPS:
+        ended_by = "the time budget ended training" if train_seconds is not None else "the data planned no more"
+        _warn(f"trained only {trainer.step} optimizer step(s) ({ended_by}): the head is close to untrained and "
+              f"its accept length says little; give it at least {MIN_TRAIN_STEPS} (raise --time-budget, "
+              "--epochs or the data)")
 
 
 def _report_device_memory(device: torch.device) -> int | None:

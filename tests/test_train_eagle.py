@@ -355,3 +355,37 @@ def test_default_learning_rate_follows_the_device_and_batch():
     assert default_lr(torch.device("cuda"), 8192) == pytest.approx(5e-4)
     assert default_lr(torch.device("cuda"), 16384) == pytest.approx(1e-3 / 2 ** 0.5)
     assert default_lr(torch.device("cpu"), 1024) == pytest.approx(5e-4)
+
+
+def _run_without_training_answers(tmp_path, monkeypatch, text_chats: int) -> None:
+    """train_eagle's CLI on a tiny target where --time-budget ends generation before the target
+    answers a training prompt (the held-out answers, generated first, took it all)."""
+    from specserve import train_eagle
+    real_generate = train_eagle.generate_conversations
+
+    def held_out_only(engine, prompts, *args, deadline=None, **kwargs):
+        return [] if deadline is not None else real_generate(engine, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(train_eagle, "generate_conversations", held_out_only)
+    target = tmp_path / "target"
+    make_tiny_directory(target, vocab_size=320, weight_std=None, logit_scale=100.0)
+    train_eagle.main(["--model-path", str(target), "--output-dir", str(tmp_path / "head"), "--device", "cpu",
+                      "--num-prompts", "8", "--held-out", "2", "--max-prompt-len", "48", "--max-new-tokens", "8",
+                      "--text-chats", str(text_chats), "--epochs", "1", "--ttt-steps", "2", "--batch-tokens", "256",
+                      "--draft-vocab-size", "64", "--checkpoint-every", "0", "--time-budget", "2000"])
+
+
+def test_a_run_without_target_answers_warns_and_an_undertrained_head_is_flagged(tmp_path, capsys, monkeypatch):
+    _run_without_training_answers(tmp_path, monkeypatch, text_chats=2)
+    captured = capsys.readouterr()
+    assert "data: 0 answers by the target" in captured.out
+    assert "warning: the target answered none of the training prompts (generation stopped at " \
+           "--generation-share 0.3 of --time-budget 2000 s" in captured.err
+    assert "held-out accept length:" in captured.out
+    assert "warning: trained only" in captured.err and "the head is close to untrained" in captured.err
+
+
+def test_a_run_with_nothing_to_train_on_is_refused(tmp_path, monkeypatch):
+    with pytest.raises(SystemExit, match="nothing to train on: the target answered no training prompt"):
+        _run_without_training_answers(tmp_path, monkeypatch, text_chats=0)
+    assert not (tmp_path / "head" / "model.safetensors").exists()
