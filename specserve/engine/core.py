@@ -22,6 +22,8 @@ from specserve.engine.drafting_steps import DraftingSteps
 from specserve.engine.request import Batch, Req, ReqState, SpecStats
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.stats import StepLogger
+from specserve.grammar.finish import grammar_finish
+from specserve.grammar.tree_masks import prune_proposal
 from specserve.engine.overlap import OverlapSchedule, StepAhead
 from specserve.runner.model_runner import InFlight, ModelRunner
 from specserve.runner.tree_step import GreedyOutcome, pad_node_slots
@@ -175,6 +177,9 @@ class EngineCore(DraftingSteps):
             record_shadows()
         else:
             proposal, num_nodes = self._no_drafts(reqs)
+        if draft and any(r.grammar is not None for r in reqs):   # drafts a grammar forbids never run
+            proposal = prune_proposal(reqs, proposal, self.sampler.vocab_size)
+            num_nodes = proposal.num_nodes.tolist()
         slots = self.scheduler.alloc_slots(sum(num_nodes))
         if slots is None:  # the cache fits one token per request (the scheduler made sure), not the drafts
             proposal, num_nodes = self._no_drafts(reqs)
@@ -414,7 +419,7 @@ class EngineCore(DraftingSteps):
         if req.first_token_time is None:
             req.first_token_time = time.perf_counter()
         text = self.text if defer_text and can_defer_text(req) else None
-        if text is not None and sampled.logprobs is None and not ends_within(req, tokens):
+        if text is not None and sampled.logprobs is None and req.grammar is None and not ends_within(req, tokens):
             req.output_ids.extend(tokens)   # no token ends it: no per-token checks
             text.defer(req, tokens)
             new_tokens = tokens
@@ -446,6 +451,8 @@ class EngineCore(DraftingSteps):
                 if sampled.top_logprobs is not None:
                     req.output_top_logprobs.append(sampled.top_logprobs[index][position])
             reason = finish_reason(req, token, text)
+            if req.grammar is not None:
+                reason = grammar_finish(req, token, reason)
             if reason is not None:
                 self._finish(req, reason)
                 break

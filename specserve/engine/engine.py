@@ -22,8 +22,12 @@ from specserve.engine.loop_mailbox import LoopMailboxes
 from specserve.engine.output import OutputTracker
 from specserve.engine.request import Req, ReqState
 from specserve.errors import EngineFatalError
+from specserve.grammar.compiler import GrammarCache
 
 logger = logging.getLogger("specserve")
+# the drafters whose steps verify through the sampler, which applies grammar masks to every node
+# (model drafters' fused and chained steps verify on the device without them)
+GRAMMAR_ALGORITHMS = ("NGRAM", "LOOKAHEAD")
 
 
 class Engine(EngineFront):
@@ -33,6 +37,7 @@ class Engine(EngineFront):
         self.core, self.tokenizer, self.model_path = build_core(self.args)
         runner = self.core.runner
         self.limits = RequestLimits(runner.config.vocab_size, runner.context_length, runner.pool.size)
+        self.grammars = GrammarCache(self.tokenizer, runner.config.vocab_size, runner.config.eos_token_ids)
         self._rng = random.Random(self.args.random_seed)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -124,6 +129,7 @@ class Engine(EngineFront):
     def _make_request(self, ids, params_dict, return_logprob, top_logprobs_num, rid) -> Req:
         params = check_request(ids, params_dict, top_logprobs_num, self.limits)
         eos = set() if params.ignore_eos else set(self.core.runner.config.eos_token_ids)
+        grammar = self._grammar_matcher(params)
         return Req(
             rid=rid or uuid.uuid4().hex, prompt_ids=list(ids), params=params,
             detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop, params.no_stop_trim),
@@ -131,7 +137,19 @@ class Engine(EngineFront):
             stop_ids=frozenset(eos | set(params.stop_token_ids)),
             # capped by the context and by the whole cache: a longer request would preempt itself forever
             max_new_tokens=min(params.max_new_tokens, self.context_length - len(ids), self.limits.kv_slots + 1 - len(ids)),
-            return_logprob=return_logprob or top_logprobs_num > 0, top_logprobs_num=top_logprobs_num)
+            return_logprob=return_logprob or top_logprobs_num > 0, top_logprobs_num=top_logprobs_num,
+            grammar=grammar)
+
+    def _grammar_matcher(self, params):
+        """The request's grammar matcher (compiled here, on the caller's thread, once per grammar)."""
+        spec = params.grammar
+        if spec is None:
+            return None
+        algorithm = self.args.speculative_algorithm
+        if algorithm is not None and algorithm.upper() not in GRAMMAR_ALGORITHMS:
+            raise ValueError(f"{spec.kind}: structured output is supported without speculation and with "
+                             f"{' / '.join(GRAMMAR_ALGORITHMS)}, not with speculative_algorithm {algorithm}")
+        return self.grammars.matcher(spec)
 
     def _submit(self, req: Req, sink: Callable[[Any], None], stream: bool) -> None:
         if self._fatal is not None:

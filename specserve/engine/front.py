@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 from specserve.engine.loop_mailbox import LoopMailboxes
+from specserve.grammar.spec import check_grammar
 from specserve.sampling.params import SamplingParams
 
 DONE = object()   # a request's last item in its sink: no output follows
@@ -135,6 +136,8 @@ def check_request(ids: Any, params_dict: Any, top_logprobs_num: Any, limits: Req
         raise ValueError(f"the prompt has {len(ids)} tokens; the KV cache holds {limits.kv_slots}")
     if not isinstance(top_logprobs_num, int) or top_logprobs_num < 0:
         raise ValueError(f"top_logprobs_num must be a non-negative integer, got {top_logprobs_num!r}")
+    if params.grammar is not None:
+        check_grammar(params.grammar)
     return params
 
 

@@ -15,6 +15,7 @@ from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
+    from specserve.grammar.matcher import RequestGrammar
     from specserve.kv.radix_cache import TreeNode
 
 
@@ -99,6 +100,7 @@ class Req:
     max_new_tokens: int                        # params.max_new_tokens capped by the context length
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    grammar: RequestGrammar | None = None      # structured output: advanced with every committed token
     arrival_time: float = field(default_factory=time.perf_counter)
     # filled by the scheduler
     state: ReqState = ReqState.WAITING

@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+from specserve.grammar.spec import GRAMMAR_FIELDS, GrammarSpec, grammar_spec, grammar_text
 _NUMBER = (int, float)
 INT64_MAX = 2 ** 63 - 1          # integers ride in int64 tensors (seeds, top-k, token ids)
 # a request's stop conditions are checked at every token it commits, in the step loop that all
@@ -32,6 +33,11 @@ class SamplingParams:
     no_stop_trim: bool = False
     seed: int | None = None
     n: int = 1
+    # structured output (SGLang's fields), at most one: the output follows the grammar
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
         _check_int(self, "max_new_tokens", low=0)
@@ -51,6 +57,11 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        for name in GRAMMAR_FIELDS:
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise ValueError(f"{name} must be a non-empty string, got {_show(value)}")
+        grammar_spec(self)   # at most one
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | None) -> "SamplingParams":
@@ -68,11 +79,18 @@ class SamplingParams:
             params["stop_token_ids"] = _as_tuple(params["stop_token_ids"], int, "stop_token_ids", MAX_STOP_TOKEN_IDS)
             if any(not 0 <= t <= INT64_MAX for t in params["stop_token_ids"]):
                 raise ValueError(f"stop_token_ids must be in [0, {INT64_MAX}]")
+        for name in GRAMMAR_FIELDS:
+            if name in params:
+                params[name] = grammar_text(name, params[name])
         return cls(**params)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1 or self.top_p == 0.0
+
+    @property
+    def grammar(self) -> GrammarSpec | None:
+        return grammar_spec(self)
 
     @property
     def has_penalties(self) -> bool:

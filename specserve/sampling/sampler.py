@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from specserve.engine.request import Req
+from specserve.grammar.apply import apply_grammar_bitmask
+from specserve.grammar.tree_masks import grammar_bitmask
 from specserve.speculative.tree import DraftTrees
 from specserve.speculative.verify import SAMPLING_RULES, apply_penalties_to_tree, verify_greedy, verify_sampling
 
@@ -35,6 +37,7 @@ class PreparedSampling:
     early_stops: tuple[torch.Tensor, torch.Tensor] | None
     sampling: dict | None                                # verify_sampling's tensors; None = all greedy
     device_trees: DraftTrees | None                      # None: plain greedy decode, no tree needed
+    grammar_bitmask: torch.Tensor | None = None          # (bs, n, words) int32 on the device; None: no grammar
 
 
 class Sampler:
@@ -50,9 +53,10 @@ class Sampler:
     @staticmethod
     def argmax_is_enough(reqs: list[Req]) -> bool:
         """Whether the next decode steps of these requests need nothing but the argmax
-        (greedy, no penalties, no logprobs, no min_new_tokens still holding stops back)."""
+        (greedy, no penalties, no logprobs, no min_new_tokens still holding stops back, no
+        grammar: a grammar's mask applies before the argmax, so its steps take the sampler's path)."""
         return all(r.params.greedy and not r.params.has_penalties and not r.return_logprob
-                   and r.params.min_new_tokens <= len(r.output_ids) for r in reqs)
+                   and r.params.min_new_tokens <= len(r.output_ids) and r.grammar is None for r in reqs)
 
     def prepare(self, trees: DraftTrees, reqs: list[Req], draft_probs: torch.Tensor | None = None) -> "PreparedSampling":
         """Builds the per-request tensors and moves the (host) trees to the device. Called
@@ -64,7 +68,8 @@ class Sampler:
         penalties = self._penalty_tensors(reqs) if any(r.params.has_penalties for r in reqs) else None
         early_stops = self._early_stop_masks(trees, reqs)
         sampling = None if all(r.params.greedy for r in reqs) else self._sampling_tensors(reqs, draft_probs)
-        return PreparedSampling(penalties, early_stops, sampling, device_trees=trees.to(self.device))
+        return PreparedSampling(penalties, early_stops, sampling, device_trees=trees.to(self.device),
+                                grammar_bitmask=self._grammar_bitmask(trees, reqs))
 
     def sample(self, logits: torch.Tensor, trees: DraftTrees, reqs: list[Req],
                prepared: "PreparedSampling | None" = None) -> SampledStep:
@@ -79,6 +84,8 @@ class Sampler:
         if prepared.early_stops is not None:
             too_early, stop_mask = prepared.early_stops
             logits = logits.masked_fill(too_early.unsqueeze(-1) & stop_mask.unsqueeze(1), float("-inf"))
+        if prepared.grammar_bitmask is not None:
+            logits = apply_grammar_bitmask(logits, prepared.grammar_bitmask)
         if prepared.sampling is None:
             result = verify_greedy(trees, logits)
         else:
@@ -117,10 +124,20 @@ class Sampler:
         too_early = (produced.unsqueeze(1) + trees.depth.to(self.device)) < minimum.unsqueeze(1)
         stop_mask = torch.zeros((bs, self.vocab_size), dtype=torch.bool, device=self.device)
         for i, req in enumerate(reqs):
-            ids = [t for t in req.stop_ids if t < self.vocab_size]
+            # a grammar decides where its output may end: it allows a stop token only there
+            ids = [t for t in req.stop_ids if t < self.vocab_size] if req.grammar is None else []
             if ids:
                 stop_mask[i, ids] = True
         return too_early, stop_mask
+
+    def _grammar_bitmask(self, trees: DraftTrees, reqs: list[Req]) -> torch.Tensor | None:
+        """The grammar's mask of every node (grammar/tree_masks.py), from host trees, sent to
+        the device before the forward is launched."""
+        if all(r.grammar is None for r in reqs):
+            return None
+        host = lambda t: t.cpu().numpy()
+        mask = grammar_bitmask(reqs, host(trees.tokens), host(trees.parents), host(trees.num_nodes), self.vocab_size)
+        return mask.to(self.device, non_blocking=True)
 
     def _sampling_tensors(self, reqs: list[Req], draft_probs: torch.Tensor | None) -> dict:
         def column(values, dtype):

@@ -80,6 +80,23 @@ class TreeProposal(_BatchOfTrees):
         probs = None if self.draft_probs is None else self.draft_probs[:, :width]
         return TreeProposal(self.tokens[:, :width], self.parents[:, :width], nodes, probs)
 
+    def keep(self, kept: np.ndarray) -> TreeProposal:
+        """The trees with only the nodes `kept` (bs, n) bool marks, in their order (a kept
+        node's parent must be kept: a cut removes whole subtrees), the width to the largest."""
+        nodes = kept.sum(axis=1).astype(np.int64)
+        width = int(nodes.max())
+        old = np.zeros((self.batch_size, width), dtype=np.int64)       # [b, new node] = its old index
+        for row in range(self.batch_size):
+            old[row, :nodes[row]] = np.flatnonzero(kept[row])
+        new_index = np.cumsum(kept, axis=1) - 1                          # [b, old node] = its new index
+        rows = np.arange(self.batch_size)[:, None]
+        real = np.arange(width)[None, :] < nodes[:, None]
+        tokens = np.where(real, self.tokens[rows, old], 0)
+        old_parents = self.parents[rows, old]
+        parents = np.where(real & (old_parents >= 0), new_index[rows, np.maximum(old_parents, 0)], -1)
+        probs = None if self.draft_probs is None else self.draft_probs[torch.from_numpy(rows), torch.from_numpy(old)]
+        return TreeProposal(tokens, parents, nodes, probs)
+
     def trees(self, device: torch.device | str | None = None) -> DraftTrees:
         """The derived tensors (see DraftTrees.build), on `device`."""
         as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)

@@ -1,0 +1,43 @@
+"""RequestGrammar: one request's grammar matcher, advanced with the tokens it commits, and
+the bitmasks of the tokens the grammar allows next, at the root and at every draft node.
+
+Bitmasks are xgrammar's: int32 words, bit j of word w allows token 32 * w + j.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+class RequestGrammar:
+    def __init__(self, compiled, vocab_size: int):
+        import xgrammar
+        self._matcher = xgrammar.GrammarMatcher(compiled)
+        self.vocab_size = vocab_size
+
+    def accept(self, token: int) -> bool:
+        """Advances the matcher past a committed token; False if the grammar forbids it."""
+        return self._matcher.accept_token(token)
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar is complete and its stop token was accepted: the request ends here."""
+        return self._matcher.is_terminated()
+
+    def fill_tree(self, tokens: np.ndarray, first_child: np.ndarray, next_sibling: np.ndarray,
+                  out: torch.Tensor) -> None:
+        """out (n, words) int32: for each node of one draft tree (node 0 the root, the last
+        committed token, already accepted), the tokens allowed after the path root -> node.
+        A node whose own token the grammar forbids, and its subtree, get no allowed token;
+        so does a node after which the grammar has ended. The matcher's state is unchanged
+        (xgrammar walks the tree with accept and roll back)."""
+        if len(tokens) == 1 or first_child[0] < 0:
+            self._matcher.fill_next_token_bitmask(out, 0)
+            out[1:] = 0
+            return
+        as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+        self._matcher.traverse_draft_tree(as_tensor(first_child), as_tensor(next_sibling), as_tensor(tokens), out)

@@ -1,0 +1,84 @@
+"""The grammar's bitmasks for a step's draft trees, and the pruning of drafts it forbids.
+
+Every node's logits predict the token after the path root -> node, so each node is masked
+by the matcher state after that path (RequestGrammar.fill_tree walks the tree with accept
+and roll back). Greedy verification then accepts exactly the tokens plain constrained
+decoding would pick, and sampled verification draws from the masked distribution. A draft
+token the grammar forbids at its parent can never be accepted: `prune_proposal` cuts it and
+its subtree before the step runs, so it costs neither a KV slot nor a forward position.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from specserve.grammar.matcher import bitmask_words
+from specserve.speculative.tree import TreeProposal
+
+ALL_ALLOWED = -1   # an int32 word with every bit set
+
+
+def grammar_bitmask(reqs: Sequence, tokens: np.ndarray, parents: np.ndarray, num_nodes: np.ndarray,
+                    vocab_size: int) -> torch.Tensor:
+    """(bs, n, words) int32 on the host: the tokens allowed after each node. Requests without
+    a grammar, padding nodes, nodes the grammar forbids (never accepted: their parent's mask
+    excludes them) and nodes after the grammar's end (never committed: the request ends
+    there) allow every token, so that no row of logits is masked out entirely."""
+    bs, n = tokens.shape
+    out = torch.full((bs, n, bitmask_words(vocab_size)), ALL_ALLOWED, dtype=torch.int32)
+    for row, req in enumerate(reqs):
+        if req.grammar is not None:
+            masks = _tree_masks(req.grammar, tokens[row], parents[row], int(num_nodes[row]), out.shape[-1])
+            nothing_allowed = ~masks.any(dim=1)
+            masks[nothing_allowed] = ALL_ALLOWED
+            out[row, :len(masks)] = masks
+    return out
+
+
+def prune_proposal(reqs: Sequence, proposal: TreeProposal, vocab_size: int) -> TreeProposal:
+    """The proposal without the draft nodes a request's grammar forbids (each cut with its
+    subtree); trees of requests without a grammar are kept whole."""
+    keep = np.arange(proposal.num_slots)[None, :] < proposal.num_nodes[:, None]     # (bs, n)
+    words = bitmask_words(vocab_size)
+    for row, req in enumerate(reqs):
+        k = int(proposal.num_nodes[row])
+        if req.grammar is None or k == 1:
+            continue
+        masks = _tree_masks(req.grammar, proposal.tokens[row], proposal.parents[row], k, words).numpy()
+        for node in range(1, k):   # parents come first: a parent's verdict is known
+            parent, token = int(proposal.parents[row, node]), int(proposal.tokens[row, node])
+            keep[row, node] = keep[row, parent] and token_allowed(masks[parent], token)
+    if keep.sum() == proposal.num_nodes.sum():
+        return proposal
+    return proposal.keep(keep)
+
+
+def token_allowed(mask: np.ndarray, token: int) -> bool:
+    """Whether bit `token` of an int32 bitmask row is set."""
+    return token < 32 * len(mask) and bool((int(mask[token >> 5]) >> (token & 31)) & 1)
+
+
+def _tree_masks(grammar, tokens: np.ndarray, parents: np.ndarray, num_nodes: int, words: int) -> torch.Tensor:
+    """(num_nodes, words) of one tree, nodes the walk does not reach all zero."""
+    first_child, next_sibling = child_links(parents, num_nodes)
+    masks = torch.zeros((num_nodes, words), dtype=torch.int32)
+    grammar.fill_tree(np.asarray(tokens[:num_nodes]), first_child, next_sibling, masks)
+    return masks
+
+
+def child_links(parents: np.ndarray, num_nodes: int) -> tuple[np.ndarray, np.ndarray]:
+    """(first_child, next_sibling) of one tree's first num_nodes nodes, -1 for none; children
+    in node order (the order verification tries them)."""
+    first_child = np.full(num_nodes, -1, dtype=np.int64)
+    next_sibling = np.full(num_nodes, -1, dtype=np.int64)
+    last_child = {}
+    for node in range(1, num_nodes):
+        parent = int(parents[node])
+        if parent in last_child:
+            next_sibling[last_child[parent]] = node
+        else:
+            first_child[parent] = node
+        last_child[parent] = node
+    return first_child, next_sibling
