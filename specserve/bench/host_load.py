@@ -2,9 +2,9 @@
 
 Serving hosts are shared (several GPUs' servers, tokenizers, clients on one machine), and a
 thread that takes the GIL back at the wrong moment costs the step loop far more there than
-on an idle host: session 31 (BENCHMARKS.md) measured an engine that only indexed n-grams on
-a Python writer thread at 0.54-0.81x of plain on a busy 4-GPU host and at 1.0x alone. With
-`--host-load N` the suite measures that condition on purpose, not by chance.
+on an idle host: an engine that only indexed n-grams on a Python writer thread ran at
+0.54-0.81x of plain on a busy 4-GPU host and at 1.0x alone. With `--host-load N` the suite
+measures that condition on purpose, not by chance.
 """
 from __future__ import annotations
 

@@ -197,7 +197,7 @@ SPECSERVE_SERVER_PACKAGES = ("fastapi", "uvicorn", "pydantic")
 
 def _check_server_packages() -> None:
     """specserve without carried wheels runs on what this interpreter has: said before a
-    start-up of a minute ends in an ImportError (session 30: both 0.5B rows lost so)."""
+    start-up of a minute ends in an ImportError (which loses every row of the run)."""
     missing = [name for name in SPECSERVE_SERVER_PACKAGES if importlib.util.find_spec(name) is None]
     if missing:
         raise NotStartable(f"specserve's server needs {', '.join(missing)}, which neither this interpreter nor "

@@ -131,8 +131,8 @@ BASE_COMMANDS = {"specserve": _specserve, "vllm": _vllm, "sglang": _sglang}
 # requests never sample; every other flashinfer use in vLLM is behind has_flashinfer()
 _VLLM_ENV = {"VLLM_PLUGINS": "", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
 # prefill graphs off for SGLang's EAGLE-3: 0.5.17 captured its piecewise prefill graphs (torch.compile,
-# 58 token counts, 73 s for the first) for the target and the head and did not start in 161 s (H100,
-# session 8); its decode and draft graphs stay on, which is what the timed decode steps replay
+# 58 token counts, 73 s for the first) for the target and the head and did not start in 161 s on an
+# H100; its decode and draft graphs stay on, which is what the timed decode steps replay
 SGLANG_NO_PREFILL_GRAPHS = ("--cuda-graph-backend-prefill", "disabled")
 ENGINES = {c.name: c for c in [
     EngineConfig("specserve-plain", "specserve", "plain"),
@@ -145,7 +145,7 @@ ENGINES = {c.name: c for c in [
                  ("--speculative-algorithm", "NAIVE_EAGLE", "--speculative-draft-model-path", EAGLE_HEAD)),
     # a smaller model of the same tokenizer drafting a chain of 3 (--draft-model TARGET=DRAFT)
     # two models' weights and graphs: with the default 40 s its share of a 330-s run (after two GGUF
-    # conversions, beside specserve-plain) left it 49 s to start, and it did not (H200, session 19)
+    # conversions, beside specserve-plain) left it 49 s to start, and it did not (H200)
     EngineConfig("specserve-standalone", "specserve", "standalone",
                  ("--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", DRAFT_MODEL,
                   "--speculative-num-steps", "3"), startup_s=100.0),
@@ -154,7 +154,7 @@ ENGINES = {c.name: c for c in [
                  startup_s=105.0),
     EngineConfig("vllm-suffix", "vllm", "suffix", ("--speculative-config", json.dumps(VLLM_SUFFIX)), env=_VLLM_ENV,
                  startup_s=105.0),
-    # session 13 (0.5B, H100): not ready after 126 s, still capturing the target's and the head's graphs
+    # the 0.5B on an H100 was not ready after 126 s, still capturing the target's and the head's graphs
     EngineConfig("vllm-eagle3", "vllm", "eagle3", ("--speculative-config", json.dumps(VLLM_EAGLE3)), env=_VLLM_ENV,
                  startup_s=200.0),
     EngineConfig("sglang-plain", "sglang", "plain", startup_s=70.0),

@@ -1,7 +1,7 @@
 """GGUF tensors dequantized with torch, on the device the weights are bound for.
 
 gguf-py's dequantizers are numpy on one core: a 1.5B Q4_K_M file took 44 s on a 2-core VM
-and 114 s on the GPU machine's host (H200, session 22, beside the trainer's tokenizer
+and 114 s on an H200 machine's host (beside the EAGLE trainer's tokenizer
 pool), the larger part of an engine's start and of train_eagle's time budget. The same
 block formats as torch ops run on the GPU in a fraction of a second, and on a CPU with
 torch's threads. The arithmetic is gguf-py's, step for step in float32 (no fused

@@ -4,7 +4,7 @@ library: `build_gguf_tokenizer`.
 transformers builds a GGUF's tokenizer only after parsing the whole file with gguf-py's
 GGUFReader (a numpy view per element of the 151,936-token and 151,387-merge lists of
 Qwen2.5): 14.7 s for the 0.5B on a 2-core CPU; a fresh H200 machine's first engine start
-took ~40 s longer than its second (session 23, 0.5B), and the EAGLE trainer's time budget
+took ~40 s longer than its second (the 0.5B), and the EAGLE trainer's time budget
 pays it too. The metadata it needs
 is in the header our own parser reads in a fraction of a second (gguf_file.py), and the
 tokenizer it builds is a plain byte-level BPE, so this builds the same one directly (Qwen2 and
