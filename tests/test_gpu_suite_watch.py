@@ -277,6 +277,17 @@ def test_watch_without_a_phase_timer_wraps_no_private_method_of_the_core(engine)
     assert plain["host_us_per_step"] is None and plain["step_mix"]["plain"]["steps"] > 0
 
 
+def test_the_lab_runner_turns_host_phases_on_for_the_watches_it_makes(engine):
+    from lab.suite_host_phases import host_phases_timed
+    with host_phases_timed():
+        watch = RunWatch(engine)
+    try:
+        [plain] = run(engine, PROMPTS, 3, 8, "plain", watch=watch)
+    finally:
+        watch.close()
+    assert plain["host_us_per_step"]["plain"]["step"] > 0 and RunWatch.phase_timer is None
+
+
 def test_held_configs_decode_plainly_and_blind_indexes_nothing(engine):
     """The diagnostic labels: -held keeps the drafter observing and indexing with the policy
     never drafting nor probing; -blind also shows the drafter no token."""

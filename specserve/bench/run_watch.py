@@ -32,9 +32,9 @@ class RunWatch:
 
     The host's time per step by phase, and its wait for the GPU, come from `phase_timer`
     where one is set: a factory `core -> timer` with `reset()`, `end_step(kind, seconds)`,
-    `summary()` and `close()`. The profiler that fills it (lab/host_phases.py) wraps private
-    methods of the core by name, so the benchmarks leave it off and `host_us_per_step` is
-    None."""
+    `summary()` and `close()`. The profiler that fills it (HostPhases, host_phases.py) wraps
+    private methods of the core by name, so the benchmarks leave it off and
+    `host_us_per_step` is None; `python -m lab.suite_host_phases MODULE ...` runs one with it."""
 
     phase_timer = None
 

@@ -1,0 +1,42 @@
+"""A benchmark of specserve/bench run with the host's time per step split by phase: every
+RunWatch it makes times its steps with HostPhases (where a step's host time goes, and how
+long the host waited for the GPU), which the benchmarks leave off because it wraps private
+methods of the engine core by name.
+
+    python -m lab.suite_host_phases specserve.bench.gpu_suite --models-dir /root/models ...
+    python -m lab.suite_host_phases specserve.bench.model_drafters --algorithm EAGLE3 ...
+
+Each run's row then carries `host_us_per_step`: microseconds per step by kind and phase.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+from typing import Iterator
+
+from specserve.bench.host_phases import HostPhases
+from specserve.bench.run_watch import RunWatch
+
+
+@contextlib.contextmanager
+def host_phases_timed() -> Iterator[None]:
+    """While open, every new RunWatch times its steps' host phases."""
+    before = RunWatch.phase_timer
+    RunWatch.phase_timer = HostPhases
+    try:
+        yield
+    finally:
+        RunWatch.phase_timer = before
+
+
+def main(argv: list[str]) -> None:
+    if not argv:
+        raise SystemExit("usage: python -m lab.suite_host_phases MODULE [its flags]")
+    module, *flags = argv
+    with host_phases_timed():
+        importlib.import_module(module).main(flags)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
