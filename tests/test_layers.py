@@ -1,7 +1,8 @@
 """The product and the lab apart: `import specserve` and importing any module of the engine
 loads no benchmark (`specserve.bench`) and no lab module; no module under specserve/ imports
 `lab` (the top-level folder of one-investigation instruments, which pip does not install),
-at module level or inside a function; and the package discovery leaves lab/ out."""
+at module level or inside a function; the package discovery leaves lab/ out; and every lab
+instrument still imports against the product as it is."""
 from __future__ import annotations
 
 import ast
@@ -88,6 +89,16 @@ def test_the_import_scan_sees_imports_inside_functions():
     tree = ast.parse("def f():\n    from lab.policy_sim import simulate\n    import importlib\n"
                      "    importlib.import_module('lab.host_phases')\n")
     assert [name for _, name in imported_names(tree)] == ["lab.policy_sim", "importlib", "lab.host_phases"]
+
+
+def test_every_lab_instrument_still_imports():
+    """The lab imports the product, never the other way round: a product module renamed or
+    moved shows here, not when someone next runs an instrument."""
+    lab = sorted("lab." + f[:-len(".py")] for f in os.listdir(os.path.join(ROOT, "lab"))
+                 if f.endswith(".py") and f != "__init__.py")
+    assert len(lab) >= 15
+    loaded = loaded_after_importing(lab)
+    assert set(lab) <= set(loaded)
 
 
 def test_pip_installs_specserve_without_the_lab():
