@@ -21,7 +21,7 @@ from specserve.engine.draft_ahead import DraftAhead, OutcomeCopies
 from specserve.engine.drafting_steps import DraftingSteps
 from specserve.engine.request import Batch, Req, ReqState, SpecStats
 from specserve.engine.scheduler import Scheduler
-from specserve.engine.stats import StepLogger
+from specserve.engine.stats import SpecCounters, StepLogger
 from specserve.grammar.finish import grammar_finish
 from specserve.grammar.tree_masks import prune_proposal
 from specserve.engine.overlap import OverlapSchedule, StepAhead
@@ -60,6 +60,7 @@ class EngineCore(DraftingSteps):
         self.draft_ahead = DraftAhead(scheduler) if overlap else None
         self.outcome_copies = OutcomeCopies()   # greedy drafting steps' outcomes on their way to the host
         self.stats = StepLogger(log_interval_s, speculative=drafter is not None)
+        self.spec_counters = SpecCounters()
         self.requests: dict[str, Req] = {}
         self.last_batch_reqs: list[Req] = []   # the requests of the step in flight, failed together if it raises
         scheduler.preempt_listeners.append(self._preempted)
@@ -401,13 +402,17 @@ class EngineCore(DraftingSteps):
     # --- commit ---
     def _commit_kv(self, reqs: list[Req], outcome: StepOutcome, node_slots, num_nodes) -> None:
         commit_accepted_kv(self.scheduler, reqs, outcome, node_slots, num_nodes)
+        if self.drafter is not None:
+            self.spec_counters.count_verified(num_nodes, outcome.accept_lens)
 
     def _commit_verified(self, reqs: list[Req], sampled: SampledStep | StepOutcome,
                          defer_text: bool = False, plain: bool = False) -> list[StepOutput]:
         """A decode/verify step's commit (not a prefill's first token): its speculative stats too
         (a `plain` step's, one token a request, without a look at each: SpecStats)."""
-        if self.drafter is not None and not plain:
-            SpecStats.record_step(reqs, sampled.tokens)
+        if self.drafter is not None:
+            if not plain:
+                SpecStats.record_step(reqs, sampled.tokens)
+            self.spec_counters.count_commit(len(reqs), len(reqs) if plain else sum(map(len, sampled.tokens)))
         return [self._commit(req, sampled, i, defer_text) for i, req in enumerate(reqs)]
 
     def _commit(self, req: Req, sampled: SampledStep | StepOutcome, index: int,

@@ -229,7 +229,7 @@ def core_load(core) -> dict:
     free, total = scheduler.available_slots(), core.runner.pool.size
     return {"num_running": len(scheduler.running), "num_waiting": len(scheduler.waiting),
             "kv_free_slots": free, "kv_total_slots": total, "kv_usage": 1.0 - free / total if total else 0.0,
-            "kv_cached_slots": scheduler.cached_slots()}
+            "kv_cached_slots": scheduler.cached_slots(), **core.spec_counters.as_dict()}
 
 
 def _drain(sink: queue.SimpleQueue) -> Iterator[dict]:

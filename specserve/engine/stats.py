@@ -1,4 +1,5 @@
-"""Periodic engine log line: throughput, queue, KV usage and, when speculating, accept length.
+"""Periodic engine log line: throughput, queue, KV usage and, when speculating, accept length;
+and the engine-wide speculative counters (SpecCounters) that /metrics reports.
 
 The token rate is over the time the engine was busy: the gap before a step that follows an
 idle spell (no running or waiting request) is left out, with that step's tokens, so a
@@ -57,3 +58,35 @@ class StepLogger:
             if accept:
                 line += f", accept length {sum(accept) / len(accept):.2f}"
         return line
+
+
+class SpecCounters:
+    """Speculative totals of the whole engine, counted as each step commits (Engine.load()
+    reports them, so /metrics moves while long requests run, not only when they finish):
+    decode steps of each request and the tokens they committed, bonus included (the sums of
+    the requests' SpecStats), and the drafts verified: request steps that had one, their
+    draft tokens and the draft tokens accepted (acceptance rate = accepted / draft tokens)."""
+
+    __slots__ = ("verify_steps", "accepted_tokens", "drafts", "draft_tokens", "accepted_draft_tokens")
+
+    def __init__(self):
+        self.verify_steps = self.accepted_tokens = 0
+        self.drafts = self.draft_tokens = self.accepted_draft_tokens = 0
+
+    def count_commit(self, num_reqs: int, committed_tokens: int) -> None:
+        """A decode or verify step's commit: `num_reqs` requests committed `committed_tokens`."""
+        self.verify_steps += num_reqs
+        self.accepted_tokens += committed_tokens
+
+    def count_verified(self, num_nodes, accept_lens) -> None:
+        """A verified step: num_nodes (bs,) tree nodes of each request, its root included;
+        accept_lens (bs,) nodes each kept, its root included."""
+        drafted = [n - 1 for n in num_nodes.tolist()]
+        self.drafts += sum(1 for n in drafted if n > 0)
+        self.draft_tokens += sum(drafted)
+        self.accepted_draft_tokens += sum(accept_lens.tolist()) - len(drafted)
+
+    def as_dict(self) -> dict:
+        return {"spec_verify_steps": self.verify_steps, "spec_accepted_tokens": self.accepted_tokens,
+                "spec_drafts": self.drafts, "spec_draft_tokens": self.draft_tokens,
+                "spec_accepted_draft_tokens": self.accepted_draft_tokens}
