@@ -14,13 +14,15 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from specserve.cli import ArgumentParser, run_cli
 from specserve.errors import ArgumentError
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_SIZE = 32768   # FR-Spec's and SpecForge's usual draft vocabulary
 
@@ -41,11 +43,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> list[int]:
+    ns = parse_args(argv)
+    # torch, transformers and the loaders after the flags: --help and a bad flag answer at once
     from specserve.bench.datasets import load_sharegpt_conversations
     from specserve.model.loader import default_model_path, load_tokenizer, read_model_config, resolve_model_path
     from specserve.speculative.token_map import hot_token_ids, write_token_map
 
-    ns = parse_args(argv)
     path = resolve_model_path(ns.model or default_model_path())
     config, tokenizer = read_model_config(path), load_tokenizer(path)
     if not 0 < ns.size <= config.vocab_size:
@@ -70,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> list[int]:
     ids = hot_token_ids(counts, ns.size, config.eos_token_ids)
     write_token_map(ns.out, ids)
     total = int(counts.sum())
-    covered = int(counts[torch.tensor(ids)].sum())
+    covered = int(counts[ids].sum())
     print(f"wrote {len(ids)} token ids to {ns.out}: they cover {covered / max(total, 1):.2%} of the {total} tokens "
           f"counted in {len(conversations)} conversations ({int((counts > 0).sum())} distinct ids seen); "
           f"eos ids {list(config.eos_token_ids)} kept")
@@ -123,6 +126,7 @@ def count_tokens(token_lists: Iterable[list[int]], vocab_size: int, chunk: int =
         if len(pending) >= chunk:
             flush()
     flush()
+    import torch
     return torch.from_numpy(counts)
 
 

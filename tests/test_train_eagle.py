@@ -129,13 +129,14 @@ def test_time_budget_counts_the_states_as_they_were_kept(tmp_path, capsys, monke
     import re
     import time
     from specserve import train_eagle
+    from specserve.speculative import eagle_training_run
     from specserve.speculative.eagle_trainer import EagleTrainer
 
     class SlowStore(EagleTrainer):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             time.sleep(3.0)
-    monkeypatch.setattr(train_eagle, "EagleTrainer", SlowStore)
+    monkeypatch.setattr(eagle_training_run, "EagleTrainer", SlowStore)
     target = tmp_path / "target"
     make_tiny_directory(target, vocab_size=320, weight_std=None, logit_scale=100.0)
     argv = ["--model-path", str(target), "--output-dir", str(tmp_path / "head"), "--device", "cpu",
@@ -146,7 +147,7 @@ def test_time_budget_counts_the_states_as_they_were_kept(tmp_path, capsys, monke
     started, seconds = map(float, re.search(r"training from (\d+) s, for (\d+) s", capsys.readouterr().out).groups())
     assert seconds > 2000 - started - 30
     # the 3 s of keeping counted: less the last score and END_SLACK_SECONDS, within rounding
-    assert seconds <= 2000 - started - train_eagle.END_SLACK_SECONDS + 1
+    assert seconds <= 2000 - started - eagle_training_run.END_SLACK_SECONDS + 1
 
 
 def test_replay_decoding_counts_verify_steps():
@@ -302,7 +303,7 @@ def test_generation_share_counts_from_when_generation_starts(monkeypatch, tmp_pa
     import argparse
     import types
 
-    from specserve import train_eagle
+    from specserve.speculative import eagle_training_run
     from specserve.speculative.eagle_prep import PreparedText
     deadlines = []
 
@@ -310,21 +311,21 @@ def test_generation_share_counts_from_when_generation_starts(monkeypatch, tmp_pa
         deadlines.append((deadline, time.perf_counter()))
         return []
 
-    monkeypatch.setattr(train_eagle, "generate_conversations", recording_generate)
-    monkeypatch.setattr(train_eagle, "save_conversations", lambda *args: None)
+    monkeypatch.setattr(eagle_training_run, "generate_conversations", recording_generate)
+    monkeypatch.setattr(eagle_training_run, "save_conversations", lambda *args: None)
     args = argparse.Namespace(output_dir=str(tmp_path), resume=False, max_prompt_len=64, held_out=2, num_prompts=4,
                               max_new_tokens=4, temperature=0.0, seed=0, time_budget=10.0, generation_share=0.5)
     engine = types.SimpleNamespace(tokenizer=None, core=types.SimpleNamespace(
         runner=types.SimpleNamespace(max_running_requests=8)))
     text = PreparedText(held_out_prompts=[[1, 2]], prompts=[[3, 4]], reply_text=[], train_chats=1)
-    train_eagle._conversations(args, engine, text, run_started=time.perf_counter() - 4.0)
+    eagle_training_run._conversations(args, engine, text, run_started=time.perf_counter() - 4.0)
     (none, _), (deadline, called) = deadlines   # the held-out answers have no deadline
     assert none is None
     assert abs((deadline - called) - 0.5 * (10.0 - 4.0)) < 0.1   # from the start: 0.5 * 10 - 4 = 1 s
 
 
 def test_an_unset_batch_size_halves_where_the_gpu_has_less_free():
-    from specserve.train_eagle import LARGE_BATCH_FREE, batch_tokens_for_memory
+    from specserve.speculative.eagle_training_run import LARGE_BATCH_FREE, batch_tokens_for_memory
     assert batch_tokens_for_memory(32768, 134 * 2 ** 30) == 32768        # an H200 once the engine is gone
     assert batch_tokens_for_memory(32768, 75 * 2 ** 30) == 16384         # an 80-GB H100
     assert batch_tokens_for_memory(32768, LARGE_BATCH_FREE) == 32768
@@ -350,7 +351,7 @@ def test_batches_the_store_lacks_compute_their_states_and_train_alike(tiny_targe
 def test_default_learning_rate_follows_the_device_and_batch():
     """1e-3 for a GPU's 32k-token batches (measured against 5e-4), the square root of the batch
     ratio for others (8k: the 5e-4 every earlier GPU run used), a CPU run's small batches 5e-4."""
-    from specserve.train_eagle import default_lr
+    from specserve.speculative.eagle_training_run import default_lr
     assert default_lr(torch.device("cuda"), 32768) == pytest.approx(1e-3)
     assert default_lr(torch.device("cuda"), 8192) == pytest.approx(5e-4)
     assert default_lr(torch.device("cuda"), 16384) == pytest.approx(1e-3 / 2 ** 0.5)
@@ -361,12 +362,13 @@ def _run_without_training_answers(tmp_path, monkeypatch, text_chats: int) -> Non
     """train_eagle's CLI on a tiny target where --time-budget ends generation before the target
     answers a training prompt (the held-out answers, generated first, took it all)."""
     from specserve import train_eagle
-    real_generate = train_eagle.generate_conversations
+    from specserve.speculative import eagle_training_run
+    real_generate = eagle_training_run.generate_conversations
 
     def held_out_only(engine, prompts, *args, deadline=None, **kwargs):
         return [] if deadline is not None else real_generate(engine, prompts, *args, **kwargs)
 
-    monkeypatch.setattr(train_eagle, "generate_conversations", held_out_only)
+    monkeypatch.setattr(eagle_training_run, "generate_conversations", held_out_only)
     target = tmp_path / "target"
     make_tiny_directory(target, vocab_size=320, weight_std=None, logit_scale=100.0)
     train_eagle.main(["--model-path", str(target), "--output-dir", str(tmp_path / "head"), "--device", "cpu",
@@ -389,3 +391,9 @@ def test_a_run_with_nothing_to_train_on_is_refused(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="nothing to train on: the target answered no training prompt"):
         _run_without_training_answers(tmp_path, monkeypatch, text_chats=0)
     assert not (tmp_path / "head" / "model.safetensors").exists()
+
+
+def test_the_gpu_draft_vocabulary_default_is_the_heads():
+    from specserve.speculative.eagle_config import DEFAULT_DRAFT_VOCAB_SIZE
+    from specserve.train_eagle import DEVICE_DEFAULTS
+    assert DEVICE_DEFAULTS["cuda"]["draft_vocab_size"] == DEFAULT_DRAFT_VOCAB_SIZE
