@@ -66,10 +66,13 @@ class EngineFront:
         results = await asyncio.gather(*(self._async_one(req) for req in reqs))
         return results[0] if single else list(results)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """tools: OpenAI function tools, for templates that describe them to the model."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("the model's tokenizer has no chat template")
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
 
     def _make_requests(self, prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, rid):
         """(requests, whether a single prompt was given); ValueError naming what is wrong."""

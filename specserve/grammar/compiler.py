@@ -13,6 +13,10 @@ from typing import Any, Sequence
 from specserve.grammar.matcher import RequestGrammar
 from specserve.grammar.spec import GrammarSpec, _first_line
 
+# whitespace characters a JSON schema allows between two tokens of JSON: enough for any
+# indentation a model writes, and a small model cannot loop on newlines until max_new_tokens
+MAX_WHITESPACE = 24
+
 
 class GrammarCache:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], max_entries: int = 256):
@@ -60,7 +64,7 @@ class GrammarCache:
 
 
 _COMPILE = {
-    "json_schema": lambda compiler, text: compiler.compile_json_schema(text),
+    "json_schema": lambda compiler, text: compiler.compile_json_schema(text, max_whitespace_cnt=MAX_WHITESPACE),
     "regex": lambda compiler, text: compiler.compile_regex(text),
     "ebnf": lambda compiler, text: compiler.compile_grammar(text),
     "structural_tag": lambda compiler, text: compiler.compile_structural_tag(text),
