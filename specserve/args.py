@@ -87,7 +87,8 @@ class ServerArgs:
     random_seed: int = _model(0, "seed of the per-request seeds drawn for requests that set none")
     # --- memory and scheduling ---
     max_total_tokens: int | None = _memory(None, "KV cache size in tokens; default: from --mem-fraction-static "
-                                                 "on a GPU, 32768 on a CPU")
+                                                 "on a GPU; on a CPU the model's context length, within "
+                                                 "4096-16384 tokens and a tenth of the available memory")
     mem_fraction_static: float | None = _memory(None, "fraction of GPU memory for weights + KV cache (default 0.85)")
     max_running_requests: int | None = _memory(None, "default: 256 on a GPU, 64 on a CPU")
     chunked_prefill_size: int = _memory(2048, "largest number of prompt tokens in one prefill step; -1 disables chunking")
@@ -153,6 +154,9 @@ class ServerArgs:
     log_interval_s: float = _server(10.0, "seconds between throughput / accept-length log lines")
     skip_server_warmup: bool = _server(False, "start without the warm-up (on a GPU: one request of each shape that "
                                               "builds something on first use) and serve without the warm-up request")
+    graceful_shutdown_timeout: float | None = _server(30.0, "seconds a shutdown (SIGTERM, Ctrl-C) waits for running "
+                                                            "requests before ending them with an error (inf or None: "
+                                                            "no limit)")
 
     def __post_init__(self) -> None:
         _check_positive(self, "max_total_tokens", "context_length", "max_running_requests", "cuda_graph_max_bs")
@@ -171,6 +175,8 @@ class ServerArgs:
         _check_positive(self, "tp_size")
         if self.log_interval_s <= 0:
             raise ArgumentError(f"log_interval_s must be positive, got {self.log_interval_s}")
+        if self.graceful_shutdown_timeout is not None and not self.graceful_shutdown_timeout >= 0:
+            raise ArgumentError(f"graceful_shutdown_timeout must be 0 or more, got {self.graceful_shutdown_timeout}")
         self._check_speculative()
         if self.speculative_token_map is not None and self.speculative not in TOKEN_MAP_ALGORITHMS:
             raise ArgumentError(f"speculative_token_map restricts an EAGLE head's vocabulary: it needs "

@@ -213,7 +213,7 @@ def test_model_drafters_and_plain_decoding_keep_eight_nodes():
 
 # ---- --help ----
 def test_help_shows_defaults_and_marks_what_is_not_implemented(capsys):
-    from specserve.runner.model_runner import CPU_DEFAULT_KV_TOKENS
+    from specserve.runner.cpu_kv_budget import CPU_KV_MEMORY_FRACTION, CPU_MAX_KV_TOKENS, CPU_MIN_KV_TOKENS
     with pytest.raises(SystemExit):
         generate_main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
@@ -221,7 +221,9 @@ def test_help_shows_defaults_and_marks_what_is_not_implemented(capsys):
             "STANDALONE / EAGLE: speculative_num_steps + 1; NAIVE_EAGLE / MTP: 2); default: NGRAM with the "
             "adaptive draft length 16 (the largest size it picks), otherwise 8") in text
     assert "--speculative-one-branch, --no-speculative-one-branch NGRAM: draft a single chain" in text
-    assert f"{CPU_DEFAULT_KV_TOKENS} on a CPU" in text
+    assert CPU_KV_MEMORY_FRACTION == 0.1
+    assert (f"on a CPU the model's context length, within {CPU_MIN_KV_TOKENS}-{CPU_MAX_KV_TOKENS} tokens and "
+            "a tenth of the available memory") in text
     assert ("--tp-size INT, --tensor-parallel-size INT tensor parallelism: one process per rank, each holding "
             "1/tp_size of the heads, MLP and vocabulary (gloo on a CPU, NCCL on GPUs: cuda:0..tp_size-1); a model "
             "drafter runs once, on rank 0, with whole weights") in text

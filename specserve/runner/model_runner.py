@@ -19,12 +19,12 @@ from specserve.model.cpu_linear import use_cpu_linears
 from specserve.model.hidden_capture import HiddenCapture
 from specserve.model.llama import DecoderLM
 from specserve.model.layers import RotaryEmbedding
+from specserve.runner.cpu_kv_budget import available_memory_bytes, cpu_default_kv_tokens
 from specserve.runner.tree_step import TreeStepInputs, TreeStepOutputs, forward_tree, pad_node_slots
 from specserve.speculative.tree import TreeProposal
 
 logger = logging.getLogger(__name__)
 
-CPU_DEFAULT_KV_TOKENS = 32768
 DTYPE_NAMES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
                "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
                "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
@@ -105,15 +105,15 @@ class ModelRunner:
     def _kv_tokens_here(self, num_kv_heads: int) -> int:
         if self.args.max_total_tokens is not None:
             return self.args.max_total_tokens
+        per_token = KVPool.bytes_per_token(self.config.num_layers, num_kv_heads, self.config.head_dim,
+                                           self.dtype) + self.draft_kv_bytes_per_token
         if self.device.type != "cuda":
-            return CPU_DEFAULT_KV_TOKENS
+            return cpu_default_kv_tokens(self.context_length, per_token, available_memory_bytes())
         fraction = self.args.mem_fraction_static or 0.85
         free, total = torch.cuda.mem_get_info(self.device)
         # memory this process's allocator keeps cached (an engine closed before this one) is ours to reuse
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)
         budget = total * fraction - torch.cuda.memory_allocated(self.device) - used_by_others
-        per_token = KVPool.bytes_per_token(self.config.num_layers, num_kv_heads, self.config.head_dim,
-                                           self.dtype) + self.draft_kv_bytes_per_token
         # leave room for activations and logits of the largest step
         activation_reserve = 2 * 1024 ** 3
         tokens = int((budget - activation_reserve) // per_token)
