@@ -16,6 +16,7 @@ from specserve.server.disconnect import gather_all
 from specserve.server.protocol import (SSE_DONE, APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                        TokenId, error_event, finish_reason, matched_stop, sse)
 from specserve.server.state import INLINE_TEXT_CHARS, ServerState
+from specserve.server.tool_calls import ToolCalls, stream_delta
 
 
 def add_routes(app: FastAPI, state: ServerState) -> None:
@@ -61,20 +62,25 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(request: Request):
         body = await state.parse(request, ChatCompletionRequest)
         state.check_model(body.model)
-        ids = await _chat_prompt_ids(state, body.messages)
+        tools = ToolCalls.of(body, getattr(state.engine.tokenizer, "chat_template", None))
+        ids = await _chat_prompt_ids(state, body.messages, tools)
         max_tokens = body.max_output_tokens
         state.check_length(ids, max_tokens, param="messages")
         params = body.sampling_params(max_tokens if max_tokens is not None else state.context_length - len(ids))
+        if tools is not None:
+            params.update(tools.grammar_params())
         logprob_args = (body.logprobs, body.top_logprobs or 0)
         reply = _Reply(f"chatcmpl-{uuid.uuid4().hex}", "chat.completion", state.model_name)
         if body.stream:
             chunks = await state.open_stream(ids, params, *logprob_args)
-            return _sse_response(_chat_events(state, reply, chunks, body.logprobs, body.include_usage))
+            return _sse_response(_chat_events(state, reply, chunks, body.logprobs, body.include_usage, tools))
         result = await state.unless_disconnected(request, state.generate(ids, params, *logprob_args))
         meta = result["meta_info"]
-        choice = {"index": 0, "message": {"role": "assistant", "content": result["text"]},
-                  "logprobs": _chat_logprobs(state, meta) if body.logprobs else None,
-                  "finish_reason": finish_reason(meta["finish_reason"]), "matched_stop": matched_stop(meta["finish_reason"])}
+        message, called = tools.message(result["text"]) if tools is not None else (
+            {"role": "assistant", "content": result["text"]}, False)
+        choice = {"index": 0, "message": message, "logprobs": _chat_logprobs(state, meta) if body.logprobs else None,
+                  "finish_reason": "tool_calls" if called else finish_reason(meta["finish_reason"]),
+                  "matched_stop": matched_stop(meta["finish_reason"])}
         return JSONResponse(reply.body([choice], _usage([meta])))
 
     @app.post("/tokenize")
@@ -94,18 +100,22 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         return {"prompt": await state.decode(body.tokens)}
 
 
-async def _chat_prompt_ids(state: ServerState, messages: list[ChatMessage]) -> list[int]:
-    """The conversation through the chat template, tokenized (both off the event loop when long)."""
+async def _chat_prompt_ids(state: ServerState, messages: list[ChatMessage], tools: ToolCalls | None) -> list[int]:
+    """The conversation (and its tools) through the chat template, tokenized (both off the
+    event loop when long)."""
     chars = sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in m.content or [])
                 for m in messages)
     state.check_text_length(chars, param="messages")
-    return await state.offload(_render_and_encode, state, [m.as_template_input() for m in messages],
+    inputs = [m.as_template_input() for m in messages]
+    if tools is not None:
+        inputs = tools.template_messages(inputs)
+    return await state.offload(_render_and_encode, state, inputs, tools.template_tools() if tools else None,
                                heavy=chars > INLINE_TEXT_CHARS)
 
 
-def _render_and_encode(state: ServerState, messages: list[dict]) -> list[int]:
+def _render_and_encode(state: ServerState, messages: list[dict], tools: list[dict] | None) -> list[int]:
     try:
-        prompt = state.engine.apply_chat_template(messages)
+        prompt = state.engine.apply_chat_template(messages, tools=tools)
     except Exception as error:  # a template may raise on a conversation it does not allow
         raise APIError(f"could not apply the chat template: {error}", param="messages") from None
     return state.encode_now(prompt, add_special_tokens=False)   # the template holds any BOS itself
@@ -187,19 +197,22 @@ def _chat_token(state: ServerState, token_id: int, logprob: float) -> dict:
 
 # --- server-sent events ---
 async def _chat_events(state: ServerState, reply: _Reply, chunks: AsyncIterator[dict], logprobs: bool,
-                       include_usage: bool) -> AsyncIterator[bytes]:
+                       include_usage: bool, tools: ToolCalls | None = None) -> AsyncIterator[bytes]:
     first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
     yield sse(reply.body([first], None, chunk=True, with_usage=include_usage))
+    split = tools.stream() if tools is not None else None   # content, and tool calls at the end
     try:
         meta = None
         async for chunk in chunks:
             meta = chunk["meta_info"]
             reason = meta["finish_reason"]
-            if not chunk["text"] and reason is None and not (logprobs and chunk["output_ids"]):
+            delta = {"content": chunk["text"]} if chunk["text"] else {}
+            if split is not None:
+                delta = stream_delta(split, chunk["text"], reason is not None)
+            if not delta and reason is None and not (logprobs and chunk["output_ids"]):
                 continue
-            choice = {"index": 0, "delta": {"content": chunk["text"]} if chunk["text"] else {},
-                      "logprobs": _chat_logprobs(state, meta) if logprobs else None,
-                      "finish_reason": finish_reason(reason)}
+            choice = {"index": 0, "delta": delta, "logprobs": _chat_logprobs(state, meta) if logprobs else None,
+                      "finish_reason": "tool_calls" if delta.get("tool_calls") else finish_reason(reason)}
             if reason is not None:
                 choice["matched_stop"] = matched_stop(reason)
             yield sse(reply.body([choice], None, chunk=True, with_usage=include_usage))

@@ -14,7 +14,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from specserve.sampling.params import INT64_MAX, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from specserve.server.response_format import ResponseFormat
 from specserve.server.sglang_fields import SGLangGenerateExtras, warn_once
+from specserve.server.tool_specs import NamedToolChoice, ToolSpec, check_tool_choice
 
 logger = logging.getLogger("specserve")
 SSE_DONE = b"data: [DONE]\n\n"
@@ -81,6 +83,10 @@ class _OpenAISampling(_Strict):
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    response_format: ResponseFormat | None = None
+    # SGLang's structured-output extensions of the OpenAI bodies
+    regex: str | None = None
+    ebnf: str | None = None
 
     @model_validator(mode="after")
     def _check_common(self):
@@ -109,8 +115,10 @@ class _OpenAISampling(_Strict):
         }
         optional = {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed, "top_k": self.top_k,
                     "min_p": self.min_p, "repetition_penalty": self.repetition_penalty, "stop": self.stop,
-                    "stop_token_ids": self.stop_token_ids}
+                    "stop_token_ids": self.stop_token_ids, "regex": self.regex, "ebnf": self.ebnf}
         params.update({key: value for key, value in optional.items() if value is not None})
+        if self.response_format is not None:
+            params.update(self.response_format.grammar_params())
         return params
 
 
@@ -151,6 +159,7 @@ class ChatMessage(_Strict):
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
 
     @model_validator(mode="after")
     def _check_content(self):
@@ -163,11 +172,10 @@ class ChatMessage(_Strict):
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
-
-
-class ResponseFormat(_Strict):
-    type: Literal["text"]
+        message = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        optional = {"tool_calls": self.tool_calls, "tool_call_id": self.tool_call_id, "name": self.name}
+        message.update({key: value for key, value in optional.items() if value is not None})
+        return message
 
 
 class ChatCompletionRequest(_OpenAISampling):
@@ -175,14 +183,13 @@ class ChatCompletionRequest(_OpenAISampling):
     max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
-    response_format: ResponseFormat | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _check_chat(self):
-        if self.tools:
-            raise ValueError("tools (function calling) are not supported")
+        check_tool_choice(self.tools, self.tool_choice, self.response_format)
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
         return self
