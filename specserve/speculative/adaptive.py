@@ -113,7 +113,7 @@ class AdaptiveDraftLength:
         return cls(tiers_for(num_draft_tokens, graph_sizes), drafter.switch_margin, drafter.ragged_verify)
 
     # the parts' state under the names diagnostics and benches read (and write):
-    # bench/draft_step_host.py pins prices, one-off scripts dump the policy's state
+    # lab/draft_step_host.py pins prices, one-off scripts dump the policy's state
     @property
     def _cost(self) -> dict[tuple[int, int], float]:
         return self.costs.seconds

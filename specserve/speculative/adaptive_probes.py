@@ -10,7 +10,7 @@ A probe is host time a plain step would not spend (the proposals, their shadows,
 drafter's indexing of the tokens committed since the last probe, which plain steps leave
 to the probes), and where a plain step is short that time is not hidden: on an H100 a
 0.5B at batch 1 (plain steps ~0.9 ms) ran 0.70-0.79x of a plain engine in plain mode, and
-on the CPU (bench/plain_step_host.py) probing and indexing on every plain step were
+on the CPU (lab/plain_step_host.py) probing and indexing on every plain step were
 nearly all of the host time a plain step of the speculative engine added. So a bucket
 probes every k-th plain step (`due`), k the smallest that keeps the probes' measured
 host time within PROBE_BUDGET of its plain step's measured cost (at most MAX_PROBE_EVERY, or
