@@ -71,7 +71,9 @@ def malformed_requests(model: str) -> list[tuple[str, str, object]]:
             {"type": "image_url", "image_url": {"url": "x"}}]}]}),
         ("POST", "/v1/chat/completions", {**chat, "top_logprobs": 2}),           # without logprobs
         ("POST", "/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 50}),
-        ("POST", "/v1/chat/completions", {**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}),
+        ("POST", "/v1/chat/completions", {**chat, "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "no such type"}}}]}),
+        ("POST", "/v1/chat/completions", {**chat, "response_format": {"type": "json_schema"}}),   # no schema
         ("POST", "/v1/chat/completions", {**chat, "model": "nope"}),
         ("POST", "/v1/chat/completions", {**chat, "top_k": INT64_OVERFLOW}),
         ("POST", "/v1/chat/completions", {**chat, "max_completion_tokens": -3}),
