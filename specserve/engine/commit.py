@@ -143,5 +143,7 @@ def finish_reason(req: Req, token: int, text: DeferredText | None) -> dict | Non
         if stop_string is not None:
             return {"type": "stop", "matched": stop_string}
     if len(req.output_ids) >= req.max_new_tokens:
+        if req.length_cap_message is not None:
+            return {"type": "length", "length": len(req.output_ids), "message": req.length_cap_message}
         return {"type": "length", "length": len(req.output_ids)}
     return None

@@ -17,7 +17,8 @@ from specserve.args import ServerArgs
 from specserve.engine.builder import build_core
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.failure_isolation import FailureIsolation
-from specserve.engine.front import DONE, EngineFront, RequestLimits, check_request, last_result
+from specserve.engine.front import (DONE, EngineFront, RequestLimits, capped_max_new_tokens, check_request,
+                                    last_result)
 from specserve.engine.loop_mailbox import LoopMailboxes
 from specserve.engine.output import OutputTracker
 from specserve.engine.request import Req, ReqState
@@ -130,13 +131,15 @@ class Engine(EngineFront):
         params = check_request(ids, params_dict, top_logprobs_num, self.limits)
         eos = set() if params.ignore_eos else set(self.core.runner.config.eos_token_ids)
         grammar = self._grammar_matcher(params)
+        max_new_tokens, cap_message = capped_max_new_tokens(len(ids), params.max_new_tokens, self.limits)
+        if cap_message is not None:
+            logger.warning("%s", cap_message)
         return Req(
             rid=rid or uuid.uuid4().hex, prompt_ids=list(ids), params=params,
             detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop, params.no_stop_trim),
             seed=params.seed if params.seed is not None else self._rng.getrandbits(62),
             stop_ids=frozenset(eos | set(params.stop_token_ids)),
-            # capped by the context and by the whole cache: a longer request would preempt itself forever
-            max_new_tokens=min(params.max_new_tokens, self.context_length - len(ids), self.limits.kv_slots + 1 - len(ids)),
+            max_new_tokens=max_new_tokens, length_cap_message=cap_message,
             return_logprob=return_logprob or top_logprobs_num > 0, top_logprobs_num=top_logprobs_num,
             grammar=grammar)
 

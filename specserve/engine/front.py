@@ -144,6 +144,19 @@ def check_request(ids: Any, params_dict: Any, top_logprobs_num: Any, limits: Req
     return params
 
 
+def capped_max_new_tokens(prompt_len: int, asked: int, limits: RequestLimits) -> tuple[int, str | None]:
+    """max_new_tokens capped by the context and by the whole KV cache (a longer request would
+    preempt itself forever), and where the cache is what cut it, a message saying so: the
+    context's cap is the model's (as in SGLang and vLLM, silent), the cache's is a setting."""
+    context_room = limits.context_length - prompt_len
+    kv_room = limits.kv_slots + 1 - prompt_len   # the last token generated needs no slot
+    if kv_room >= min(asked, context_room):
+        return min(asked, context_room), None
+    return kv_room, (f"max_new_tokens {asked} cut to {kv_room}: the KV cache holds {limits.kv_slots} tokens "
+                     f"(max_total_tokens) and the prompt takes {prompt_len}; raise --max-total-tokens or lower "
+                     "max_new_tokens")
+
+
 def last_result(items) -> dict:
     items = list(items)
     if not items or items[-1] is None:

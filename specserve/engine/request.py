@@ -97,7 +97,9 @@ class Req:
     detokenizer: IncrementalDetokenizer
     seed: int                                  # params.seed, or drawn at arrival: keys the random numbers
     stop_ids: frozenset[int]                   # eos (unless ignore_eos) and stop_token_ids
-    max_new_tokens: int                        # params.max_new_tokens capped by the context length
+    max_new_tokens: int                        # params.max_new_tokens capped by the context length and KV cache
+    # why max_new_tokens is below what was asked, when the KV cache capped it (the finish reason says so)
+    length_cap_message: str | None = None
     return_logprob: bool = False
     top_logprobs_num: int = 0
     grammar: RequestGrammar | None = None      # structured output: advanced with every committed token
