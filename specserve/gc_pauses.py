@@ -18,6 +18,7 @@ in it).
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 from collections.abc import Iterator
@@ -25,9 +26,15 @@ from collections.abc import Iterator
 
 def freeze_long_lived_objects() -> int:
     """Collects what start-up left as garbage, then exempts every object alive now from
-    future collections; returns how many objects are exempt."""
+    future collections, until the process exits; returns how many objects are exempt.
+
+    At exit they are put back in the collector's sight: the interpreter's last collections
+    then free them, where frozen objects in cycles would outlive it (Triton's nanobind
+    bindings, imported by torch, then print ~30 lines of "nanobind: leaked ..." at exit)."""
     gc.collect()
     gc.freeze()
+    atexit.unregister(gc.unfreeze)   # once, however often this is called
+    atexit.register(gc.unfreeze)
     return gc.get_freeze_count()
 
 

@@ -40,7 +40,8 @@ def malformed_requests(model: str) -> list[tuple[str, str, object]]:
         ("POST", "/v1/completions", {**ok, "max_tokens": INT64_OVERFLOW}),
         ("POST", "/v1/completions", {**ok, "n": 2}),
         ("POST", "/v1/completions", {**ok, "best_of": INT64_OVERFLOW}),
-        ("POST", "/v1/completions", {**ok, "model": "gpt-4"}),                    # unknown model: 404
+        ("POST", "/v1/completions", b'{"prompt": "cut inside an emoji \\ud83d", "max_tokens": 2}'),  # a lone surrogate
+        ("POST", "/v1/completions", b'{"prompt": "hi", "max_tokens": 2, "model": "\\udc00"}'),
         ("POST", "/v1/completions", {**ok, "prompt": "hello " * 9000}),           # longer than the context
         ("POST", "/v1/completions", {**ok, "prompt": [7] * 2000}),                # fits the context, not the cache
         ("POST", "/v1/completions", {**ok, "max_tokens": 9000}),                  # prompt + output too long
@@ -48,6 +49,7 @@ def malformed_requests(model: str) -> list[tuple[str, str, object]]:
         ("POST", "/v1/completions", {**ok, "stop": 5}),
         ("POST", "/v1/completions", {**ok, "stop": [""]}),
         ("POST", "/v1/completions", {**ok, "stop": [f"s{i}" for i in range(65)]}),
+        ("POST", "/v1/completions", {**ok, "stop": "x" * 5000}),
         ("POST", "/v1/completions", {**ok, "stop_token_ids": [-5]}),
         ("POST", "/v1/completions", {**ok, "seed": -1}),
         ("POST", "/v1/completions", {**ok, "seed": INT64_OVERFLOW}),
@@ -74,7 +76,8 @@ def malformed_requests(model: str) -> list[tuple[str, str, object]]:
         ("POST", "/v1/chat/completions", {**chat, "tools": [{"type": "function", "function": {
             "name": "f", "parameters": {"type": "no such type"}}}]}),
         ("POST", "/v1/chat/completions", {**chat, "response_format": {"type": "json_schema"}}),   # no schema
-        ("POST", "/v1/chat/completions", {**chat, "model": "nope"}),
+        ("POST", "/v1/chat/completions", b'{"messages": [{"role": "system", "content": "\\ud800"}, '
+                                         b'{"role": "user", "content": "hi"}]}'),
         ("POST", "/v1/chat/completions", {**chat, "top_k": INT64_OVERFLOW}),
         ("POST", "/v1/chat/completions", {**chat, "max_completion_tokens": -3}),
         # --- /generate ---
@@ -95,12 +98,15 @@ def malformed_requests(model: str) -> list[tuple[str, str, object]]:
         ("POST", "/generate", {"input_ids": [[1, 2], []]}),
         ("POST", "/generate", {"text": ""}),
         ("POST", "/generate", {"text": ["a", "b"], "rid": ["same", "same"]}),
+        ("POST", "/generate", b'{"text": "\\udfff", "sampling_params": {"max_new_tokens": 2}}'),
         # --- /tokenize, /detokenize ---
         ("POST", "/tokenize", {"prompt": 5}),
+        ("POST", "/tokenize", b'{"prompt": ["ok", "\\ud800"]}'),
         ("POST", "/detokenize", {"tokens": [-1]}),
         ("POST", "/detokenize", {"tokens": [INT64_OVERFLOW]}),
         ("POST", "/detokenize", {"tokens": [[1], [10 ** 9]]}),
         # --- routes ---
         ("GET", "/v1/completions", None),                                          # wrong method
         ("GET", "/no/such/route", None),
+        ("GET", "/v1/models/gpt-4", None),                                         # a model this server lacks
     ]

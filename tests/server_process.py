@@ -50,3 +50,19 @@ def wait_idle(base_url: str, timeout: float = 10.0) -> dict:
         if idle or time.monotonic() > deadline:
             return info
         time.sleep(0.05)
+
+
+def engine_pid(server_pid: int) -> int:
+    """The pid of the server's engine process (its child started by multiprocessing's spawn)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat, open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+                command = cmdline.read()
+        except (OSError, ValueError, IndexError):
+            continue   # gone meanwhile
+        if parent == server_pid and b"spawn_main" in command:
+            return int(entry)
+    raise LookupError(f"the server (pid {server_pid}) has no engine process")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from types import SimpleNamespace
 
@@ -13,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from fake_engine import SLOW_TEXT_RELEASE, FakeEngine
 from server_process import free_port, server_load, start_server, stop_server, wait_idle
 from specserve.bench.server_overhead import wait_healthy
 
@@ -205,7 +205,7 @@ def test_client_disconnect_mid_stream_frees_kv_slots(env):
 def test_openai_client_sees_api_errors(env):
     """Every kind of bad request is in test_load_and_fault.py; here, the official client's view of two."""
     with pytest.raises(openai.NotFoundError):
-        env.client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+        env.client.models.retrieve("gpt-4")
     with pytest.raises(openai.BadRequestError):
         env.client.completions.create(model=env.model, prompt="hi", max_tokens=2, temperature=9)
 
@@ -243,86 +243,33 @@ def test_info_endpoints_and_metrics(env):
     assert float(generated[0].rsplit(" ", 1)[1]) > 0
 
 
-# --- in-process, with a fake engine: failures a real engine does not produce on demand ---
-_SLOW_TEXT_RELEASE = threading.Event()   # a text starting with "slow" tokenizes once this is set
-
-
-class _FakeTokenizer:
-    chat_template = "fake"
-
-    def __call__(self, text, add_special_tokens=True):
-        if text.startswith("slow"):
-            assert _SLOW_TEXT_RELEASE.wait(timeout=30)
-        return SimpleNamespace(input_ids=[ord(c) for c in text])
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(i) for i in ids)
-
-
-class _FakeEngine:
-    """Echoes the prompt; a prompt containing "boom" fails inside the engine."""
-
-    def __init__(self):
-        self.tokenizer = _FakeTokenizer()
-        self.context_length = 256
-        self.model_path = "/models/fake"
-        self.vocab_size = 0x110000
-        self.aborted = []
-
-    def load(self):
-        return {"num_running": 0, "num_waiting": 0, "kv_free_slots": 100, "kv_total_slots": 100, "kv_usage": 0.0,
-                "kv_cached_slots": 0}
-
-    def apply_chat_template(self, messages):
-        return "".join(m["content"] for m in messages)
-
-    def get_server_info(self):
-        return {"model_path": self.model_path}
-
-    def abort_request(self, rid):
-        self.aborted.append(rid)
-
-    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
-                             top_logprobs_num=0, stream=False, rid=None):
-        from specserve.sampling.params import SamplingParams
-        params = SamplingParams.from_dict(sampling_params)
-        text = self.tokenizer.decode(input_ids)[: params.max_new_tokens]
-
-        async def chunks():
-            for i, char in enumerate(text):
-                if "boom" in self.tokenizer.decode(input_ids) and i == 2:
-                    raise RuntimeError(f"request {rid} failed: boom")
-                last = i == len(text) - 1
-                yield {"text": char, "output_ids": [ord(char)], "meta_info": {
-                    "id": rid, "prompt_tokens": len(input_ids), "completion_tokens": i + 1,
-                    "finish_reason": {"type": "length"} if last else None}}
-
-        if stream:
-            return chunks()
-        out = {"text": "", "output_ids": []}
-        async for chunk in chunks():
-            out = {"text": out["text"] + chunk["text"], "output_ids": out["output_ids"] + chunk["output_ids"],
-                   "meta_info": chunk["meta_info"]}
-        return out
-
-
-def test_internal_failure_is_a_500_for_that_request_only():
+# --- in-process, with a fake engine (fake_engine.py) ---
+def test_internal_failure_is_a_500_for_that_request_only(caplog):
+    """A failure inside the engine: a 500 (or a stream's error event) with a generic message, no
+    internal detail (the class name in the engine's message), one traceback in the log."""
     from fastapi.testclient import TestClient
 
     from specserve.server.http import create_app
-    engine = _FakeEngine()
+    from specserve.server.protocol import INTERNAL_ERROR_MESSAGE
+    engine = FakeEngine()
     with TestClient(create_app(engine, served_model_name="fake"), raise_server_exceptions=False) as http:
         failed = http.post("/v1/completions", json={"prompt": "boom boom", "max_tokens": 8})
         assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error"
+        assert failed.json()["error"]["message"] == INTERNAL_ERROR_MESSAGE
         ok = http.post("/v1/completions", json={"model": "fake", "prompt": "hello", "max_tokens": 8})
         assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "hello"
         with http.stream("POST", "/v1/chat/completions", json={
                 "messages": [{"role": "user", "content": "boom"}], "max_tokens": 8, "stream": True}) as response:
             lines = [line for line in response.iter_lines() if line.startswith("data: ")]
-        assert json.loads(lines[-2][6:])["error"]["code"] == 500 and lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2][6:])["error"] == {"message": INTERNAL_ERROR_MESSAGE, "type": "server_error",
+                                                      "param": None, "code": 500}
+        assert lines[-1] == "data: [DONE]"
         assert http.post("/generate", json={"text": "fine", "sampling_params": {"max_new_tokens": 2}}).json()["text"] == "fi"
         metrics = http.get("/metrics").text
         assert 'finish_reason="error"' in metrics
+    assert "TypeError" not in failed.text + "".join(lines)
+    tracebacks = [r for r in caplog.records if r.exc_info is not None]
+    assert len(tracebacks) == 2 and all("boom" in str(r.exc_info[1]) for r in tracebacks)   # one per request
 
 
 def test_a_stopped_engine_answers_503_and_fails_its_health_check():
@@ -330,10 +277,11 @@ def test_a_stopped_engine_answers_503_and_fails_its_health_check():
 
     from specserve.errors import EngineFatalError
     from specserve.server.http import create_app
-    engine = _FakeEngine()
+    engine = FakeEngine()
     with TestClient(create_app(engine, served_model_name="fake"), raise_server_exceptions=False) as http:
         assert http.get("/health").status_code == 200
         engine.fatal_error = EngineFatalError("tensor-parallel rank 1 (pid 7) was killed by SIGKILL")
+        engine.load = lambda: {**FakeEngine().load(), "num_running": 3, "num_waiting": 2}   # its last report
 
         async def refuse(*args, **kwargs):
             raise EngineFatalError(f"the engine stopped: {engine.fatal_error}")
@@ -342,13 +290,20 @@ def test_a_stopped_engine_answers_503_and_fails_its_health_check():
         assert health.status_code == 503 and "rank 1" in health.json()["error"]["message"]
         refused = http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 8})
         assert refused.status_code == 503 and "the engine stopped" in refused.json()["error"]["message"]
+        for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                           ("/v1/completions", {"prompt": "hi"}), ("/generate", {"text": "hi"})):
+            stream = http.post(path, json={**body, "stream": True})   # a status, not a 200 with an error event
+            assert stream.status_code == 503 and stream.json()["error"]["type"] == "server_error", path
+        info = http.get("/get_server_info").json()
+        assert info["num_running"] == info["num_waiting"] == 0
+        assert "specserve:num_running_reqs{model_name=\"fake\"} 0.0" in http.get("/metrics").text
 
 
 def test_api_key():
     from fastapi.testclient import TestClient
 
     from specserve.server.http import create_app
-    with TestClient(create_app(_FakeEngine(), api_key="sesame")) as http:
+    with TestClient(create_app(FakeEngine(), api_key="sesame")) as http:
         assert http.get("/health").status_code == 200
         refused = http.post("/v1/completions", json={"prompt": "hi"})
         assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
@@ -363,20 +318,20 @@ def test_long_texts_are_tokenized_off_the_event_loop():
     from specserve.server.state import INLINE_TEXT_CHARS
 
     async def scenario():
-        transport = httpx.ASGITransport(app=create_app(_FakeEngine(), served_model_name="fake"))
+        transport = httpx.ASGITransport(app=create_app(FakeEngine(), served_model_name="fake"))
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
             slow = asyncio.ensure_future(http.post("/tokenize", json={"prompt": "slow" + "x" * INLINE_TEXT_CHARS}))
             try:
                 health = await asyncio.wait_for(http.get("/health"), timeout=10)
                 assert health.status_code == 200 and not slow.done()
             finally:
-                _SLOW_TEXT_RELEASE.set()
+                SLOW_TEXT_RELEASE.set()
             assert (await slow).json()["count"] == 4 + INLINE_TEXT_CHARS
 
     try:
         asyncio.run(scenario())
     finally:
-        _SLOW_TEXT_RELEASE.clear()
+        SLOW_TEXT_RELEASE.clear()
 
 
 class _LeavingClient:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
+import math
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -22,10 +22,9 @@ from starlette.requests import ClientDisconnect
 from specserve.errors import EngineFatalError
 from specserve.server import openai_api
 from specserve.server.disconnect import ClientDisconnected, gather_all
-from specserve.server.protocol import SSE_DONE, APIError, GenerateRequest, error_event, sse
+from specserve.server.metrics import spec_accept_length, spec_accept_rate
+from specserve.server.protocol import SSE_DONE, APIError, GenerateRequest, client_error, error_event, sse
 from specserve.server.state import ServerState
-
-logger = logging.getLogger("specserve")
 
 
 def create_app(engine, served_model_name: str | None = None, api_key: str | None = None) -> FastAPI:
@@ -47,6 +46,7 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
     _add_error_handlers(app)
     if api_key:
         app.add_middleware(_APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(_CatchAll, state=state)
     _add_native_routes(app, state)
     openai_api.add_routes(app, state)
     return app
@@ -75,22 +75,13 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def _engine_stopped(request: Request, error: EngineFatalError):
         return JSONResponse(APIError(str(error), 503, type="server_error").body(), status_code=503)
 
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, error: Exception):
-        logger.exception("request to %s failed", request.url.path, exc_info=error)
-        body = APIError(f"internal server error: {type(error).__name__}: {error}", 500, type="server_error").body()
-        return JSONResponse(body, status_code=500)
-
 
 def _add_native_routes(app: FastAPI, state: ServerState) -> None:
     engine = state.engine
 
     @app.get("/health")
     async def health():
-        fatal = getattr(engine, "fatal_error", None)
-        if fatal is not None:   # the engine stopped: load balancers should take this server out
-            return JSONResponse(APIError(f"the engine stopped: {fatal}", 503, type="server_error").body(),
-                                status_code=503)
+        state.check_engine()   # the engine stopped: a 503, so that load balancers take this server out
         return Response(status_code=200)
 
     @app.get("/health_generate")
@@ -107,13 +98,17 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/get_server_info")
     async def get_server_info():
-        m = state.metrics
-        info = engine.get_server_info()
+        # JSON has no infinity: an unbounded setting (graceful_shutdown_timeout=inf) reads as null
+        info = {key: None if isinstance(value, float) and not math.isfinite(value) else value
+                for key, value in engine.get_server_info().items()}
         if info.get("api_key"):
             info["api_key"] = "<hidden>"
-        return {**info, **engine.load(), "served_model_name": state.model_name,
-                "spec_verify_steps_total": m.spec_verify_steps, "spec_accepted_tokens_total": m.spec_accepted_tokens,
-                "internal_states": [{"avg_spec_accept_length": m.avg_spec_accept_length}]}
+        load = state.load()
+        return {**info, **load, "served_model_name": state.model_name,
+                "spec_verify_steps_total": load.get("spec_verify_steps", 0),
+                "spec_accepted_tokens_total": load.get("spec_accepted_tokens", 0),
+                "internal_states": [{"avg_spec_accept_length": spec_accept_length(load),
+                                     "spec_accept_rate": spec_accept_rate(load)}]}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
@@ -173,7 +168,7 @@ async def _native_sse(state: ServerState, chunks: AsyncIterator[dict], logprob_t
                 _add_logprob_text(state, meta)
             yield sse({"text": text, "output_ids": ids, "meta_info": meta})
     except Exception as error:
-        yield error_event(error)
+        yield error_event(error, state.engine_stopped)
     yield SSE_DONE
 
 
@@ -182,6 +177,36 @@ def _add_logprob_text(state: ServerState, meta: dict) -> None:
         meta["output_token_logprobs"] = [(lp, t, state.token_text(t)) for lp, t, _ in meta["output_token_logprobs"]]
     if "output_top_logprobs" in meta:
         meta["output_top_logprobs"] = [[(lp, t, state.token_text(t)) for lp, t, _ in row] for row in meta["output_top_logprobs"]]
+
+
+class _CatchAll:
+    """The last resort (pure ASGI, inside Starlette's ServerErrorMiddleware, which would log the
+    error a second time and re-raise it to uvicorn, which closes the connection): an exception
+    no handler took becomes client_error's JSON (a generic 500, or a 503 once the engine has
+    stopped) and one logged traceback. An exception after the response started (a stream's
+    body) is re-raised: the response cannot be completed, so the connection must close."""
+
+    def __init__(self, app, state: ServerState):
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watch_start(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch_start)
+        except Exception as error:
+            if started:
+                raise
+            answer = client_error(error, self.state.engine_stopped)
+            await JSONResponse(answer.body(), status_code=answer.status)(scope, receive, send)
 
 
 class _APIKeyMiddleware:

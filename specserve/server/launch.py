@@ -1,5 +1,6 @@
 """`python -m specserve.launch_server`: start the engine in its own process (built and warmed
-up there), and serve `create_app(engine)` with uvicorn in this one until interrupted.
+up there), and serve `create_app(engine)` with uvicorn in this one until interrupted or until
+the engine stops (lifecycle.py: how the server ends).
 
 The split keeps the HTTP event loop off the step loop's GIL (engine_process.py says why)."""
 from __future__ import annotations
@@ -18,18 +19,24 @@ def launch_server(args: ServerArgs) -> None:
     from specserve.engine.engine_process import EngineProcess
     from specserve.gc_pauses import freeze_long_lived_objects
     from specserve.server.http import create_app
+    from specserve.server.lifecycle import ENGINE_STOPPED_EXIT_CODE, ServingServer, stuck_connection_timeout
 
     with _sigterm_raises_system_exit():
         engine = EngineProcess(args)   # a start-up failure (bad model path, ...) is raised here, before uvicorn
         try:
             app = create_app(engine)
             freeze_long_lived_objects()   # this process streams every token: no full-heap walks mid-request
+            timeout = args.graceful_shutdown_timeout
             config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                     # one line per request (method, path, status) at info and debug, as uvicorn's default
-                                    access_log=args.log_level in ("debug", "info"), timeout_keep_alive=30)
-            uvicorn.Server(config).run()
+                                    access_log=args.log_level in ("debug", "info"), timeout_keep_alive=30,
+                                    timeout_graceful_shutdown=stuck_connection_timeout(timeout))
+            server = ServingServer(config, app.state.server, timeout)
+            server.run()
         finally:
             engine.shutdown()
+        if server.engine_stopped_at is not None:
+            raise SystemExit(ENGINE_STOPPED_EXIT_CODE)
 
 
 @contextlib.contextmanager

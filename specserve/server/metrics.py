@@ -1,12 +1,16 @@
 """Server-side metrics: per-request timing measured in the HTTP layer from chunk arrival
 times, totals kept as plain counters, and engine load read at scrape time.
 
-Everything here runs on the event loop; the engine's load (queue lengths, free KV slots) is
-only read, never locked (`engine.load()`), so a scrape cannot slow the step loop.
+Everything here runs on the event loop; the engine's load (queue lengths, free KV slots, the
+speculative counters its steps keep) is only read, never locked (`engine.load()`), so a scrape
+cannot slow the step loop. The speculative counters count every step as it commits, so they
+move while long requests run; they follow vLLM's names (`spec_decode_num_draft_tokens`, ...),
+from which the acceptance rate is accepted / draft tokens.
 """
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -17,16 +21,26 @@ _ITL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 
 
+# the engine's speculative counters (engine.load()) -> (metric name, help)
+SPEC_COUNTERS = {
+    "spec_verify_steps": ("spec_verify_steps", "Decode steps of requests of a speculative engine, each request's "
+                                               "counted (plain steps included)."),
+    "spec_accepted_tokens": ("spec_accepted_tokens", "Tokens those steps committed, bonus tokens included."),
+    "spec_drafts": ("spec_decode_num_drafts", "Request steps that verified a draft."),
+    "spec_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens proposed and verified."),
+    "spec_accepted_draft_tokens": ("spec_decode_num_accepted_tokens", "Draft tokens accepted (bonus tokens not "
+                                                                      "included): acceptance rate = this / drafted."),
+}
+
+
 class ServerMetrics:
-    def __init__(self, engine, model_name: str):
-        self.engine = engine
+    def __init__(self, load: Callable[[], dict], model_name: str):
+        self.load = load                # the engine's load, as the server reports it
         self.model_name = model_name
         self.requests_by_reason: dict[str, int] = {}
         self.prompt_tokens = 0
         self.cached_tokens = 0          # prompt tokens served from the prefix cache
         self.generation_tokens = 0
-        self.spec_verify_steps = 0
-        self.spec_accepted_tokens = 0
         self.preemptions = 0
         self.registry = CollectorRegistry()
         labels = ["model_name"]
@@ -48,9 +62,6 @@ class ServerMetrics:
     def cache_hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
-    @property
-    def avg_spec_accept_length(self) -> float:
-        return self.spec_accepted_tokens / self.spec_verify_steps if self.spec_verify_steps else 0.0
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -96,10 +107,6 @@ class RequestTimer:
         metrics.requests_by_reason[reason] = metrics.requests_by_reason.get(reason, 0) + 1
         metrics.e2e.observe(time.perf_counter() - self.start)
         metrics.preemptions += meta.get("preemptions", 0)
-        verify_steps = meta.get("spec_verify_ct", 0)
-        if verify_steps:
-            metrics.spec_verify_steps += verify_steps
-            metrics.spec_accepted_tokens += round(meta.get("spec_accept_length", 0.0) * verify_steps)
 
     def discard(self) -> None:
         """The engine refused the request: it never ran, so it counts nowhere."""
@@ -125,18 +132,17 @@ class _TotalsCollector:
         for reason, count in sorted(m.requests_by_reason.items()):
             requests.add_metric(labels + [reason], count)
         yield requests
+        load = m.load()
         for name, help_text, value in (
                 ("prompt_tokens", "Prompt tokens processed.", m.prompt_tokens),
                 ("cached_tokens", "Prompt tokens served from the prefix cache.", m.cached_tokens),
                 ("generation_tokens", "Output tokens generated.", m.generation_tokens),
-                ("spec_verify_steps", "Speculative verify steps of finished requests.", m.spec_verify_steps),
-                ("spec_accepted_tokens", "Tokens committed by verify steps, bonus included.", m.spec_accepted_tokens),
                 ("num_preemptions", "Preemptions of finished requests (cache dropped, recomputed later).",
-                 m.preemptions)):
+                 m.preemptions),
+                *((name, help_text, load.get(key, 0)) for key, (name, help_text) in SPEC_COUNTERS.items())):
             counter = CounterMetricFamily(PREFIX + name, help_text, labels=["model_name"])
             counter.add_metric(labels, value)
             yield counter
-        load = m.engine.load()
         for name, help_text, value in (
                 ("num_running_reqs", "Requests running in the engine.", load["num_running"]),
                 ("num_queue_reqs", "Requests waiting in the engine's queue.", load["num_waiting"]),
@@ -145,8 +151,19 @@ class _TotalsCollector:
                  load["kv_free_slots"]),
                 ("kv_cached_slots", "KV cache slots held by the prefix cache.", load["kv_cached_slots"]),
                 ("cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens.", m.cache_hit_rate),
-                ("spec_accept_length", "Mean tokens committed per verify step (finished requests).",
-                 m.avg_spec_accept_length)):
+                ("spec_accept_length", "Mean tokens committed per decode step of a speculative engine.",
+                 spec_accept_length(load)),
+                ("spec_accept_rate", "Accepted / drafted tokens.", spec_accept_rate(load))):
             gauge = GaugeMetricFamily(PREFIX + name, help_text, labels=["model_name"])
             gauge.add_metric(labels, value)
             yield gauge
+
+
+def spec_accept_length(load: dict) -> float:
+    steps = load.get("spec_verify_steps", 0)
+    return load.get("spec_accepted_tokens", 0) / steps if steps else 0.0
+
+
+def spec_accept_rate(load: dict) -> float:
+    drafted = load.get("spec_draft_tokens", 0)
+    return load.get("spec_accepted_draft_tokens", 0) / drafted if drafted else 0.0

@@ -1,6 +1,9 @@
 """OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models, plus vLLM's
 /tokenize and /detokenize. Requests become engine calls through `ServerState`; responses
-and server-sent events follow OpenAI's shapes (usage, logprobs, `data: [DONE]`)."""
+and server-sent events follow OpenAI's shapes (usage, logprobs, `data: [DONE]`).
+
+As SGLang, the server serves one model and takes a request's `model` as whatever name the
+client knows it by: any name is served by it (responses name the served model)."""
 from __future__ import annotations
 
 import asyncio
@@ -26,13 +29,12 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str):
-        state.check_model(model)
+        state.check_model_exists(model)
         return _model_card(state)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await state.parse(request, CompletionRequest)
-        state.check_model(body.model)
         id_lists = [await state.encode(p) if isinstance(p, str) else p for p in body.prompts()]
         explicit = "max_tokens" in body.model_fields_set and body.max_tokens is not None
         for ids in id_lists:
@@ -61,7 +63,6 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await state.parse(request, ChatCompletionRequest)
-        state.check_model(body.model)
         tools = ToolCalls.of(body, getattr(state.engine.tokenizer, "chat_template", None))
         ids = await _chat_prompt_ids(state, body.messages, tools)
         max_tokens = body.max_output_tokens
@@ -219,7 +220,7 @@ async def _chat_events(state: ServerState, reply: _Reply, chunks: AsyncIterator[
         if include_usage and meta is not None:
             yield sse(reply.body([], _usage([meta]), chunk=True))
     except Exception as error:
-        yield error_event(error)
+        yield error_event(error, state.engine_stopped)
     yield SSE_DONE
 
 
@@ -248,7 +249,7 @@ async def _completion_events(state: ServerState, reply: _Reply, streams: list[As
         if include_usage and finals:
             yield sse(reply.body([], _usage(list(finals.values())), chunk=True))
     except Exception as error:
-        yield error_event(error)
+        yield error_event(error, state.engine_stopped)
     yield SSE_DONE
 
 

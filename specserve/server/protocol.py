@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from specserve.errors import EngineFatalError
 from specserve.sampling.params import INT64_MAX, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from specserve.server.response_format import ResponseFormat
 from specserve.server.sglang_fields import SGLangGenerateExtras, warn_once
@@ -20,6 +21,10 @@ from specserve.server.tool_specs import NamedToolChoice, ToolSpec, check_tool_ch
 
 logger = logging.getLogger("specserve")
 SSE_DONE = b"data: [DONE]\n\n"
+# the step loop searches the text's last len(longest stop string) characters for every stop
+# string at every token a request commits: a bound keeps one request from slowing every step
+MAX_STOP_STRING_CHARS = 1024
+INTERNAL_ERROR_MESSAGE = "internal server error (the server's log has the details)"
 # every integer a request carries fits an int64 (the sampler's tensors hold them as such)
 Int64 = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]
 Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
@@ -43,12 +48,22 @@ def sse(payload: dict) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
-def error_event(error: BaseException) -> bytes:
+def error_event(error: BaseException, engine_stopped: bool = False) -> bytes:
     """An error after a stream's headers went out: an error event, as vLLM and SGLang send."""
+    return sse(client_error(error, engine_stopped).body())
+
+
+def client_error(error: BaseException, engine_stopped: bool = False) -> APIError:
+    """What a client is told about `error`: an APIError as it is; the engine's end as a 503
+    (`engine_stopped`: whatever the request failed with, the engine has stopped); anything
+    else, a bug or a failure inside the engine, as a generic 500 whose traceback is logged,
+    so that no internal detail (class names, paths, ...) reaches the client."""
     if isinstance(error, APIError):
-        return sse(error.body())
-    logger.error("request failed mid-stream: %s: %s", type(error).__name__, error)
-    return sse({"error": {"message": f"{type(error).__name__}: {error}", "type": "server_error", "param": None, "code": 500}})
+        return error
+    if isinstance(error, EngineFatalError) or engine_stopped:
+        return APIError(str(error), 503, type="server_error")
+    logger.error("request failed", exc_info=error)
+    return APIError(INTERNAL_ERROR_MESSAGE, 500, type="server_error")
 
 
 class _Strict(BaseModel):
@@ -66,7 +81,7 @@ class _OpenAISampling(_Strict):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, ge=0.0, le=1.0)       # 0 keeps only the likeliest token: greedy
     n: Int64 = 1
-    stop: str | list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    stop: str | list[str] | None = None
     seed: Count | None = None
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -88,15 +103,18 @@ class _OpenAISampling(_Strict):
     regex: str | None = None
     ebnf: str | None = None
 
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, stop):
+        check_stop_strings(stop)
+        return stop
+
     @model_validator(mode="after")
     def _check_common(self):
         if self.n != 1:
             raise ValueError(f"only n=1 is supported, got n={self.n}")
         if self.logit_bias:
             raise ValueError("logit_bias is not supported")
-        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        if any(s == "" for s in stops):
-            raise ValueError("stop strings must not be empty")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
@@ -215,6 +233,15 @@ class GenerateRequest(SGLangGenerateExtras):
     rid: str | list[str] | None = None
     input_embeds: Any = None      # as SGLang: text or input_ids win over it; alone, it is refused
 
+    @field_validator("sampling_params")
+    @classmethod
+    def _check_stop(cls, sampling_params):
+        for params in sampling_params if isinstance(sampling_params, list) else [sampling_params]:
+            stop = (params or {}).get("stop")
+            if isinstance(stop, (str, list)):   # another type is the engine's to refuse
+                check_stop_strings(stop, "sampling_params.stop")
+        return sampling_params
+
     @field_validator("return_logprob", "top_logprobs_num", "logprob_start_len", mode="before")
     @classmethod
     def _null_is_default(cls, value, info):
@@ -243,6 +270,20 @@ class GenerateRequest(SGLangGenerateExtras):
         if self.input_ids and isinstance(self.input_ids[0], list):
             return len(self.input_ids)
         return None
+
+
+def check_stop_strings(stop: str | list | None, name: str = "stop") -> None:
+    """ValueError unless there are at most MAX_STOP_STRINGS stop strings, each non-empty and
+    at most MAX_STOP_STRING_CHARS long."""
+    stops = [stop] if isinstance(stop, str) else (stop or [])
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ValueError(f"{name}: at most {MAX_STOP_STRINGS} stop strings are allowed; got {len(stops)}")
+    if any(s == "" for s in stops):
+        raise ValueError(f"{name}: stop strings must not be empty")
+    longest = max((len(s) for s in stops if isinstance(s, str)), default=0)
+    if longest > MAX_STOP_STRING_CHARS:
+        raise ValueError(f"{name}: a stop string may be at most {MAX_STOP_STRING_CHARS} characters long; "
+                         f"one has {longest}")
 
 
 def finish_reason(reason: dict | None) -> str | None:

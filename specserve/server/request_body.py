@@ -2,6 +2,11 @@
 more than a bounded amount of memory, stack or time: a size cap (413), a nesting cap
 (400), and JSON's own rules (no NaN, no Infinity, no number that overflows a float).
 
+JSON may spell a lone UTF-16 surrogate (`"\ud800"`: a JavaScript client that cut a string
+inside an emoji sends one). Python decodes it into a string that cannot be encoded as UTF-8,
+so the tokenizer, the chat template and even an error message echoing it would fail; such
+a string is refused here, naming the field, before anything else sees it.
+
 Python's json module recurses once per nesting level and would raise RecursionError on a
 deeply nested body; pydantic and `repr` recurse too. Bodies this API accepts nest a few
 levels (a message's content parts inside messages), so anything deeper than
@@ -12,6 +17,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import re
 import reprlib
 from typing import Any, TypeVar
 
@@ -24,6 +30,7 @@ Body = TypeVar("Body", bound=BaseModel)
 
 MAX_BODY_BYTES = 16 * 1024 * 1024   # a /generate batch of 64 prompts of 64k tokens fits
 MAX_JSON_DEPTH = 64
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
@@ -91,18 +98,51 @@ def decode_json(raw: bytes) -> Any:
 
 
 def check_depth(data: Any, limit: int = MAX_JSON_DEPTH) -> None:
-    """Raises APIError if lists/dicts nest deeper than `limit`; iterative, so any depth is safe."""
-    level = [data] if isinstance(data, (list, dict)) else []
+    """Raises APIError if lists/dicts nest deeper than `limit`, or if a string (a value or a
+    key) holds a lone surrogate; iterative, so any depth is safe."""
+    if isinstance(data, str):
+        _check_text(data, ())
+    level = [((), data)] if isinstance(data, (list, dict)) else []
     depth = 0
     while level:
         depth += 1
         if depth > limit:
             raise _too_deep()
         children = []
-        for container in level:
-            values = container.values() if isinstance(container, dict) else container
-            children.extend(v for v in values if isinstance(v, (list, dict)))
+        for path, container in level:
+            items = container.items() if isinstance(container, dict) else enumerate(container)
+            for key, value in items:
+                if isinstance(key, str):   # first: a field name that holds one must not be echoed
+                    _check_text(key, path, "a field name in ")
+                if isinstance(value, (list, dict)):
+                    children.append(((path, key), value))
+                elif isinstance(value, str):
+                    _check_text(value, (path, key))
         level = children
+
+
+def _check_text(text: str, path: tuple, what: str = "") -> None:
+    """`text.isascii()` is a flag read: only non-ASCII strings are searched."""
+    if not text.isascii() and _SURROGATE.search(text):
+        where = what + (_field_name(path) or "the request body")
+        raise APIError(f"{where} holds a lone UTF-16 surrogate (an escape in \\ud800-\\udfff not paired "
+                       "as a character); text must be valid Unicode", param=_top_field(path))
+
+
+def _field_name(path: tuple) -> str:
+    """("messages", 0, "content") nested as ((((), "messages"), 0), "content") -> messages[0].content"""
+    parts = []
+    while path:
+        path, key = path
+        parts.append(f"[{key}]" if isinstance(key, int) else f".{key}")
+    return "".join(reversed(parts)).lstrip(".")
+
+
+def _top_field(path: tuple) -> str | None:
+    top = None
+    while path:
+        path, top = path
+    return top if isinstance(top, str) else None
 
 
 def _too_deep() -> APIError:

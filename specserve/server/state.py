@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures
 import copy
 import os
+import re
 import threading
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
@@ -20,6 +21,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 from starlette.requests import Request
 
 from specserve.server.disconnect import run_unless_disconnected
+from specserve.server.drain import Drain
 from specserve.server.metrics import ServerMetrics
 from specserve.server.protocol import APIError
 from specserve.server.request_body import Body, parse_body, read_body
@@ -28,10 +30,12 @@ Result = TypeVar("Result")
 INLINE_BODY_BYTES = 64 * 1024     # smaller bodies parse on the loop: a thread hop would cost more
 INLINE_TEXT_CHARS = 4096          # the same for texts to tokenize
 PREP_THREADS = 4
+# a GGUF file's name ends in its quantization: SmolLM2-135M-Instruct.Q4_1.gguf, qwen2-7b-instruct-q4_k_m.gguf
+_GGUF_SUFFIX = re.compile(r"([.-](I?Q\d\w*|[BF]?F16|F32|BF16|FP16|FP32))?\.gguf$", re.IGNORECASE)
 
 
 class ServerState:
-    """The engine, the served name, tokenization and metrics."""
+    """The engine, the served name, tokenization, metrics and the shutdown's drain."""
 
     def __init__(self, engine, served_model_name: str | None = None):
         self.engine = engine
@@ -41,11 +45,11 @@ class ServerState:
         # a text this long cannot fit the context whatever it says: refused without tokenizing it
         self.max_prompt_chars = self.tokenizers.max_chars_for(self.context_length)
         self.model_path: str = getattr(engine, "model_path", None) or "default"
-        args = getattr(engine, "args", None)
-        given_path = getattr(args, "model_path", None)
-        self.model_name = served_model_name or os.path.basename(os.path.normpath(given_path or self.model_path)) or "default"
+        given_path = getattr(getattr(engine, "args", None), "model_path", None)
+        self.model_name = served_model_name or default_model_name(given_path or self.model_path)
         self.model_aliases = {self.model_name, self.model_path, "default"} | ({given_path} if given_path else set())
-        self.metrics = ServerMetrics(engine, self.model_name)
+        self.metrics = ServerMetrics(self.load, self.model_name)
+        self.drain = Drain()
         self._prep = concurrent.futures.ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="specserve-prep")
         self._token_text: dict[int, str] = {}
 
@@ -87,9 +91,29 @@ class ServerState:
             text = self._token_text[token_id] = self.tokenizer.decode([token_id])
         return text
 
+    # --- the engine's state ---
+    @property
+    def engine_stopped(self) -> bool:
+        """Whether the engine can take no further request (its process died, say)."""
+        return getattr(self.engine, "fatal_error", None) is not None
+
+    def load(self) -> dict:
+        """The engine's load; a stopped engine runs nothing, whatever it last reported."""
+        load = self.engine.load()
+        if self.engine_stopped:
+            load.update(num_running=0, num_waiting=0)
+        return load
+
+    def check_engine(self) -> None:
+        """A 503 for a new request once the engine has stopped (before a stream's headers go out)."""
+        fatal = getattr(self.engine, "fatal_error", None)
+        if fatal is not None:
+            raise APIError(f"the engine stopped: {fatal}", 503, type="server_error")
+
     # --- checks a client can act on, made before the request reaches the engine ---
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.model_aliases:
+    def check_model_exists(self, name: str) -> None:
+        """For /v1/models/{name}: the served name and the model's paths exist, nothing else."""
+        if name not in self.model_aliases:
             raise APIError(f"The model '{name}' does not exist; this server serves '{self.model_name}'.",
                            status=404, param="model", code="model_not_found")
 
@@ -119,6 +143,7 @@ class ServerState:
         """Validates the request now (APIError on bad input); the returned iterator submits it
         when first advanced and yields the engine's incremental chunks."""
         rid = rid or uuid.uuid4().hex
+        self.check_engine()
         try:
             chunks = await self.engine.async_generate(input_ids=ids, sampling_params=params, stream=True, rid=rid,
                                                       return_logprob=return_logprob, top_logprobs_num=top_logprobs_num)
@@ -128,8 +153,13 @@ class ServerState:
 
     async def _timed(self, chunks: AsyncIterator[dict], rid: str, prompt_tokens: int) -> AsyncIterator[dict]:
         timer = self.metrics.track(prompt_tokens)
+        chunks = aiter(chunks)
         try:
-            async for chunk in chunks:
+            while True:
+                async with self.drain.cuttable():   # only the wait: never a write to the client
+                    chunk = await anext(chunks, None)
+                if chunk is None:
+                    return
                 timer.on_chunk(len(chunk["output_ids"]))
                 if chunk["meta_info"]["finish_reason"] is not None:
                     timer.finish(chunk["meta_info"])
@@ -137,6 +167,9 @@ class ServerState:
         except ValueError as error:   # the engine refused it at submission (e.g. a duplicate rid)
             timer.discard()
             raise APIError(str(error)) from None
+        except APIError:              # cut by the shutdown (drain.py)
+            timer.fail("abort")
+            raise
         except Exception:
             timer.fail("error")
             raise
@@ -148,14 +181,17 @@ class ServerState:
     async def generate(self, ids: list[int], params: dict, return_logprob: bool = False,
                        top_logprobs_num: int = 0, rid: str | None = None) -> dict:
         """One request without streaming; its final output dict."""
+        self.check_engine()
         timer = self.metrics.track(len(ids))
         try:
-            result = await self.engine.async_generate(input_ids=ids, sampling_params=params, rid=rid,
-                                                      return_logprob=return_logprob, top_logprobs_num=top_logprobs_num)
+            async with self.drain.cuttable():
+                result = await self.engine.async_generate(input_ids=ids, sampling_params=params, rid=rid,
+                                                          return_logprob=return_logprob,
+                                                          top_logprobs_num=top_logprobs_num)
         except ValueError as error:
             timer.discard()
             raise APIError(str(error)) from None
-        except asyncio.CancelledError:  # the client left
+        except (asyncio.CancelledError, APIError):  # the client left, or the shutdown cut it (drain.py)
             timer.fail("abort")
             raise
         except Exception:
@@ -168,6 +204,13 @@ class ServerState:
         """Awaits `work` unless the client disconnects first; then cancels it (which aborts
         the engine requests and frees their KV slots) and raises ClientDisconnected."""
         return await run_unless_disconnected(request, work)
+
+
+def default_model_name(model_path: str) -> str:
+    """The name a model is served under without --served-model-name: its path's last part,
+    without a GGUF file's quantization and extension."""
+    name = os.path.basename(os.path.normpath(model_path))
+    return _GGUF_SUFFIX.sub("", name) or name or "default"
 
 
 class _ThreadTokenizers:
