@@ -182,3 +182,18 @@ def test_forbidden_drafts_are_cut_with_their_subtrees(ngram):
     logits = apply_grammar_bitmask(torch.zeros(2, 3, ngram.vocab_size), masks)
     assert torch.isfinite(logits[0, 0]).sum() == int(sum(token_allowed(root, t) for t in range(ngram.vocab_size)))
     assert torch.isfinite(logits[1]).all()
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3", "NAIVE_EAGLE", "STANDALONE"])
+def test_model_drafters_refuse_grammars_naming_the_field(ngram, algorithm):
+    """Their fused and chained steps verify on the device without the grammar's masks: a
+    grammar request is refused before it enters such an engine (not served unconstrained)."""
+    from types import SimpleNamespace
+
+    from specserve.engine.engine import Engine
+    from specserve.sampling.params import SamplingParams
+
+    engine = SimpleNamespace(args=SimpleNamespace(speculative_algorithm=algorithm), grammars=ngram.grammars)
+    with pytest.raises(ValueError, match=f"regex: .*{algorithm}"):
+        Engine._grammar_matcher(engine, SamplingParams(regex="a+"))
+    assert Engine._grammar_matcher(engine, SamplingParams()) is None
