@@ -95,7 +95,8 @@ def test_batch1_decoder_path_matches_the_batched_path(arch, monkeypatch):
         driver.prefill([5, 17, 3, 9, 44, 2])
     expected = drivers[0].decode(11)
     for module in (layers, llama):
-        monkeypatch.setattr(module, "takes_one_row_kernels", lambda x: x.shape[0] == 1)
+        monkeypatch.setattr(module, "takes_row_kernels", lambda x: x.shape[0] == 1)
+    monkeypatch.setattr(llama, "takes_one_row_kernels", lambda x: x.shape[0] == 1)  # the lm_head GEMV
     monkeypatch.setattr(gemv, "best_config", lambda *args: gemv.CANDIDATES[0])
     got = drivers[1].decode(11)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)

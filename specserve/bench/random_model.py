@@ -21,6 +21,20 @@ SHAPES = {
                                intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                                num_key_value_heads=2, vocab_size=151936, rope_theta=1000000.0,
                                rms_norm_eps=1e-6, max_position_embeddings=32768, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=3584,
+                       intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, vocab_size=152064, rope_theta=1000000.0,
+                       rms_norm_eps=1e-6, max_position_embeddings=32768, tie_word_embeddings=False),
+    "llama-3.1-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
+                         intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
+                         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                           high_freq_factor=4.0, original_max_position_embeddings=8192),
+                         rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=False),
+    "qwen2.5-14b": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=5120,
+                        intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
+                        num_key_value_heads=8, vocab_size=152064, rope_theta=1000000.0,
+                        rms_norm_eps=1e-5, max_position_embeddings=32768, tie_word_embeddings=False),
 }
 
 
@@ -28,6 +42,8 @@ def write_random_model(directory: str, shape: str, dtype: torch.dtype = torch.bf
     """Writes config.json, model.safetensors (N(0, 0.02) weights) and a tokenizer; returns the path."""
     from safetensors.torch import save_file
     config = dict(SHAPES[shape], torch_dtype=str(dtype).removeprefix("torch."))
+    if _written(directory, config):  # a 7-14B shape takes a minute to write: once per machine
+        return directory
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f)
@@ -42,6 +58,17 @@ def write_random_model(directory: str, shape: str, dtype: torch.dtype = torch.bf
     return directory
 
 
+def _written(directory: str, config: dict) -> bool:
+    """The directory already holds this config's random model (and its tokenizer)."""
+    try:
+        with open(os.path.join(directory, "config.json")) as f:
+            same = json.load(f) == json.loads(json.dumps(config))
+    except (OSError, ValueError):
+        return False
+    return same and all(os.path.exists(os.path.join(directory, name))
+                        for name in ("model.safetensors", "tokenizer.json"))
+
+
 def _weight_shapes(c: dict) -> dict[str, tuple[int, ...]]:
     hidden, head_dim = c["hidden_size"], c["hidden_size"] // c["num_attention_heads"]
     kv = c["num_key_value_heads"] * head_dim
@@ -52,14 +79,17 @@ def _weight_shapes(c: dict) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{i}."
         shapes.update({
             p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
-            p + "self_attn.q_proj.weight": (hidden, hidden), p + "self_attn.q_proj.bias": (hidden,),
-            p + "self_attn.k_proj.weight": (kv, hidden), p + "self_attn.k_proj.bias": (kv,),
-            p + "self_attn.v_proj.weight": (kv, hidden), p + "self_attn.v_proj.bias": (kv,),
+            p + "self_attn.q_proj.weight": (hidden, hidden),
+            p + "self_attn.k_proj.weight": (kv, hidden),
+            p + "self_attn.v_proj.weight": (kv, hidden),
             p + "self_attn.o_proj.weight": (hidden, hidden),
             p + "mlp.gate_proj.weight": (c["intermediate_size"], hidden),
             p + "mlp.up_proj.weight": (c["intermediate_size"], hidden),
             p + "mlp.down_proj.weight": (hidden, c["intermediate_size"]),
         })
+        if c["model_type"] == "qwen2":  # Qwen2's q, k and v projections have biases; Llama's none
+            shapes.update({p + "self_attn.q_proj.bias": (hidden,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
     return shapes
 
 

@@ -17,12 +17,10 @@ Tile sizes are chosen per weight shape by timing a few candidates, cuBLAS includ
 inside a CUDA graph the first time a shape is seen (before the engine captures its own
 graphs), so the fastest path wins on every GPU and model.
 
-One row only, on purpose: the same kernel for the 2-16 rows of a verify step or a small
-batch (FMA tiles with a partial sum per row, or tensor-core tiles with the rows padded to
-16, the same epilogues per row) was built and measured four times (sessions 4, 8, 24 and
-26; BENCHMARKS.md, session 26): it loses to cuBLAS on every matrix of a 1.5B but o_proj
-(gate_up at 4 rows: 43-55 us against 23), no verify step got faster, and the FMA form at
-one row made the plain step 15% slower.
+One row only: 2-32 rows (a verify step, a small batch) take rows_linear.py, which keeps
+the weight-streaming property on tensor cores. Generalising this FMA kernel to several
+rows (a partial sum per row) was measured four times and lost to cuBLAS on every matrix of
+a 1.5B but o_proj, and at one row it made the plain step 15% slower.
 """
 from __future__ import annotations
 

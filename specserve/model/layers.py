@@ -21,15 +21,41 @@ def gemv_ops():
     return gemv
 
 
+def rows_ops():
+    """The few-row linear kernels (rows_linear.py), imported on first GPU use like `fused`."""
+    from specserve.model import rows_linear
+    return rows_linear
+
+
 def takes_one_row_kernels(x: torch.Tensor) -> bool:
     """One row on a GPU (a batch-1 decode step) goes through gemv.py's kernels."""
     return x.is_cuda and x.shape[0] == 1 and gemv_ops().ENABLED
 
 
+def takes_row_kernels(x: torch.Tensor) -> bool:
+    """1 to rows_linear.MAX_ROWS rows on a GPU (a decode or verify step of a small batch)
+    go through the weight-streaming kernels with the pre-norm and epilogues fused in."""
+    if not x.is_cuda:
+        return False
+    if x.shape[0] == 1:
+        return gemv_ops().ENABLED
+    return 1 < x.shape[0] <= rows_ops().MAX_ROWS and rows_ops().ENABLED
+
+
+def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
+                 add_norm=None, rope=None):
+    """x @ W^T (+ bias) (then SiLU * up, or RoPE + the KV write) for the rows of a step that
+    takes_row_kernels: one row by gemv.py, more by rows_linear.py, each the fastest path
+    measured for its shape. With add_norm (gemv.AddNorm), returns (output, residual + x)."""
+    if x.shape[0] == 1:
+        return gemv_ops().one_row_linear(x, weight, bias, silu_mul, add_norm, rope)
+    return rows_ops().rows_linear(x, weight, bias, silu_mul, add_norm, rope)
+
+
 def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """layer(x); one CUDA row takes the fastest measured GEMV."""
-    if takes_one_row_kernels(x):
-        return gemv_ops().one_row_linear(x, layer.weight, layer.bias)
+    """layer(x); a few CUDA rows take the fastest measured weight-streaming kernel."""
+    if takes_row_kernels(x):
+        return fused_linear(x, layer.weight, layer.bias)
     return layer(x)
 
 

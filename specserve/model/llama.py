@@ -14,7 +14,8 @@ from specserve.distributed.parallel_state import TensorParallelGroup
 from specserve.distributed.sharding import ModelShard
 from specserve.distributed.vocab_parallel import VocabParallelEmbedding
 from specserve.model.config import ModelConfig
-from specserve.model.layers import GatedMLP, RMSNorm, fused, gemv_ops, linear, takes_one_row_kernels
+from specserve.model.layers import (GatedMLP, RMSNorm, fused, fused_linear, gemv_ops, linear, takes_one_row_kernels,
+                                    takes_row_kernels)
 from specserve.model.rope import RotaryEmbedding
 
 
@@ -91,8 +92,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, residual, batch, backend, rope) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual-stream form: returns (mlp output, residual); the caller adds them."""
-        if takes_one_row_kernels(x):
-            return self._forward_one_row(x, residual, batch, backend, rope)
+        if takes_row_kernels(x):
+            return self._forward_fused(x, residual, batch, backend, rope)
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
@@ -101,25 +102,25 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
         return self._sum_over_ranks(self.mlp(h)), residual
 
-    def _forward_one_row(self, x, residual, batch, backend, rope) -> tuple[torch.Tensor, torch.Tensor]:
-        """Batch-1 decode on a GPU: each pre-norm runs inside the GEMV that consumes it, and
-        gate, up and SiLU * up are one GEMV (a step is a chain of ~5 kernels per layer)."""
+    def _forward_fused(self, x, residual, batch, backend, rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode or verify step of a few rows on a GPU: each pre-norm runs inside the
+        linear that consumes it, and gate, up and SiLU * up are one kernel (a layer is a
+        chain of ~5 kernels)."""
         if residual is None:  # the first layer: residual 0 + x is exactly x
             residual = torch.zeros_like(x)
         gemv, attn, mlp, norm = gemv_ops(), self.self_attn, self.mlp, self.input_layernorm
         pre_norm = gemv.AddNorm(residual, norm.weight, norm.eps)
         qkv_weight, qkv_bias = attn.qkv_proj.weight, attn.qkv_proj.bias
-        if attn.fuses_rope:  # RoPE and the KV write in the qkv GEMV's epilogue
-            q, residual = gemv.one_row_linear(x, qkv_weight, qkv_bias, add_norm=pre_norm,
-                                              rope=attn.rope_store(batch, rope))
+        if attn.fuses_rope:  # RoPE and the KV write in the qkv kernel's epilogue
+            q, residual = fused_linear(x, qkv_weight, qkv_bias, add_norm=pre_norm, rope=attn.rope_store(batch, rope))
             h = attn.attend_stored(q, batch, backend)
         else:
-            qkv, residual = gemv.one_row_linear(x, qkv_weight, qkv_bias, add_norm=pre_norm)
+            qkv, residual = fused_linear(x, qkv_weight, qkv_bias, add_norm=pre_norm)
             h = attn.attend(qkv, batch, backend, rope)
         h = self._sum_over_ranks(h)
         norm = self.post_attention_layernorm
-        act, residual = gemv.one_row_linear(h, mlp.gate_up_proj.weight, silu_mul=True,
-                                            add_norm=gemv.AddNorm(residual, norm.weight, norm.eps))
+        act, residual = fused_linear(h, mlp.gate_up_proj.weight, silu_mul=True,
+                                     add_norm=gemv.AddNorm(residual, norm.weight, norm.eps))
         return self._sum_over_ranks(linear(mlp.down_proj, act)), residual
 
 
