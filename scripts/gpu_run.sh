@@ -65,9 +65,11 @@ chain_rows() {   # OUT_DIR [model_drafters flags]: /root/eagle3-1.5b's NAIVE_EAG
 if [ "$mode" = checks ] || [ "$mode" = all ]; then
   # Triton kernels compiled for real, against torch_native, at test and at real sizes (test_fused_ops
   # compares CPU tensors with the interpreter; on the GPU the fused kernels are covered by gpu_checks)
-  # (test_gemv's batch-1 decoder test drives a CPU model through the interpreter; gpu_checks runs that path here)
-  TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/test_triton_attention.py tests/test_gemv.py tests/test_tree_kernels.py \
-    -k "not batch1_decoder_path" 2>&1 | tail -5 | tee "$OUT/pytest_gpu.txt"
+  # (the decoder tests of test_gemv and test_rows_linear drive a CPU model through the interpreter;
+  # gpu_checks runs those paths here)
+  TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/test_triton_attention.py tests/test_gemv.py \
+    tests/test_rows_linear.py tests/test_tree_kernels.py -k "not batch1_decoder_path and not decoder_row_kernels" 2>&1 \
+    | tail -5 | tee "$OUT/pytest_gpu.txt"
   python3 -m lab.check_gpu 2>&1 | tee "$OUT/check_gpu.txt"
   for dtype in float32 bfloat16; do
     python3 -m specserve.bench.gpu_checks --model /root/models/smollm2-135m-instruct.gguf --dtype $dtype 2>&1 \
