@@ -5,6 +5,7 @@ dead engine process makes every request a 503 and the server exit non-zero. Each
 starts its own server in a subprocess (each ends it)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -158,3 +159,28 @@ def test_a_dead_engine_answers_503_then_the_server_exits_non_zero(servers):
         assert info["num_running"] == info["num_waiting"] == 0
         assert 'specserve:num_running_reqs{model_name="SmolLM2-135M-Instruct"} 0.0' in client.get("/metrics").text
     assert server.wait_exit(timeout=60) == 1        # for a supervisor to restart it
+
+
+def test_a_cut_turns_waits_on_the_engine_into_503s_and_leaves_other_cancellations_alone():
+    from specserve.server.drain import Drain
+    from specserve.server.protocol import APIError
+
+    async def scenario():
+        drain = Drain()
+
+        async def wait_on_the_engine():
+            async with drain.cuttable():
+                await asyncio.sleep(60)
+
+        cut, left = asyncio.ensure_future(wait_on_the_engine()), asyncio.ensure_future(wait_on_the_engine())
+        await asyncio.sleep(0.01)
+        left.cancel()                  # its client left: a cancellation, whatever the drain does
+        drain.cut("closing")
+        results = await asyncio.gather(cut, left, return_exceptions=True)
+        assert isinstance(results[0], APIError) and results[0].status == 503 and results[0].message == "closing"
+        assert isinstance(results[1], asyncio.CancelledError)
+        with pytest.raises(APIError, match="closing"):   # a wait that starts after the cut
+            async with drain.cuttable():
+                pass
+
+    asyncio.run(scenario())
