@@ -197,3 +197,17 @@ def test_model_drafters_refuse_grammars_naming_the_field(ngram, algorithm):
     with pytest.raises(ValueError, match=f"regex: .*{algorithm}"):
         Engine._grammar_matcher(engine, SamplingParams(regex="a+"))
     assert Engine._grammar_matcher(engine, SamplingParams()) is None
+
+
+def test_tokens_the_grammar_forces_are_drafted(plain, ngram):
+    """A key no prompt or output holds, so the trie cannot draft it: the grammar's forced
+    tokens are verified as drafts and accepted several at a time; the output is plain's."""
+    schema = {"type": "object", "properties": {"zebra_crossing_visibility_estimate_in_meters": {"type": "boolean"}},
+              "required": ["zebra_crossing_visibility_estimate_in_meters"], "additionalProperties": False}
+    params = {**GREEDY, "json_schema": json.dumps(schema)}
+    prompt = chat("How far can you see? Answer in JSON.")
+    got, want = ngram.generate(prompt, params), plain.generate(prompt, params)
+    assert got["output_ids"] == want["output_ids"]
+    jsonschema.validate(json.loads(got["text"]), schema)
+    meta = got["meta_info"]   # drafting nothing, the engine takes a step per token (28 here)
+    assert max(meta["spec_accept_histogram"]) >= 5 and meta["spec_verify_ct"] < 0.75 * meta["completion_tokens"], meta

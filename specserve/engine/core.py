@@ -22,8 +22,8 @@ from specserve.engine.drafting_steps import DraftingSteps
 from specserve.engine.request import Batch, Req, ReqState, SpecStats
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.stats import SpecCounters, StepLogger
+from specserve.grammar.drafts import constrain_proposal
 from specserve.grammar.finish import grammar_finish
-from specserve.grammar.tree_masks import prune_proposal
 from specserve.engine.overlap import OverlapSchedule, StepAhead
 from specserve.runner.model_runner import InFlight, ModelRunner
 from specserve.runner.tree_step import GreedyOutcome, pad_node_slots
@@ -178,8 +178,8 @@ class EngineCore(DraftingSteps):
             record_shadows()
         else:
             proposal, num_nodes = self._no_drafts(reqs)
-        if draft and any(r.grammar is not None for r in reqs):   # drafts a grammar forbids never run
-            proposal = prune_proposal(reqs, proposal, self.sampler.vocab_size)
+        if draft and any(r.grammar is not None for r in reqs):   # forbidden drafts cut, forced ones added
+            proposal = constrain_proposal(reqs, proposal, self.sampler.vocab_size, self._draft_limits(reqs))
             num_nodes = proposal.num_nodes.tolist()
         slots = self.scheduler.alloc_slots(sum(num_nodes))
         if slots is None:  # the cache fits one token per request (the scheduler made sure), not the drafts

@@ -28,6 +28,12 @@ class RequestGrammar:
         """The grammar is complete and its stop token was accepted: the request ends here."""
         return self._matcher.is_terminated()
 
+    def forced_tokens(self) -> list[int]:
+        """Tokens the grammar forces next (a fixed key, a closing brace), in xgrammar's own
+        tokenization of the forced text, which may differ from the model's: as drafts they
+        are verified like any other."""
+        return self._matcher.find_jump_forward_tokens()
+
     def fill_tree(self, tokens: np.ndarray, first_child: np.ndarray, next_sibling: np.ndarray,
                   out: torch.Tensor) -> None:
         """out (n, words) int32: for each node of one draft tree (node 0 the root, the last
