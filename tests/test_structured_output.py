@@ -211,3 +211,8 @@ def test_tokens_the_grammar_forces_are_drafted(plain, ngram):
     jsonschema.validate(json.loads(got["text"]), schema)
     meta = got["meta_info"]   # drafting nothing, the engine takes a step per token (28 here)
     assert max(meta["spec_accept_histogram"]) >= 5 and meta["spec_verify_ct"] < 0.75 * meta["completion_tokens"], meta
+
+
+def test_a_schema_may_come_as_a_dict(ngram):
+    out = ngram.generate(PROMPTS[1], {**GREEDY, "json_schema": VERDICT})
+    jsonschema.validate(json.loads(out["text"]), VERDICT)
