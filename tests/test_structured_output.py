@@ -12,7 +12,8 @@ import re
 import jsonschema
 import pytest
 
-from tests.spec_fixtures import SmolEngines, ngram_args, wait_until_all_kv_is_free
+from tests.spec_fixtures import ngram_args, wait_until_all_kv_is_free
+from tests.test_spec_greedy import plain, smol  # noqa: F401 (fixtures: SmolLM2 engines, a plain one)
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
@@ -41,18 +42,6 @@ PROMPTS = [
 ]
 GREEDY = {"temperature": 0, "max_new_tokens": 96}
 SAMPLED = {"temperature": 0.8, "top_p": 0.95, "max_new_tokens": 96}
-
-
-@pytest.fixture(scope="module")
-def smol(smollm2_path, smollm2_checkpoint):
-    engines = SmolEngines(smollm2_path, smollm2_checkpoint)
-    yield engines
-    engines.close()
-
-
-@pytest.fixture(scope="module")
-def plain(smol):
-    return smol.make()
 
 
 @pytest.fixture(scope="module")

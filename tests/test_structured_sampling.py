@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.spec_fixtures import ProposeSpy, make_tiny_directory, ngram_args, tiny_engine, wait_until_all_kv_is_free
-from tests.test_spec_sampling import MAX_NEW_TOKENS, NEW_TOKENS, PROMPT, VOCAB, chi_square_p, exact_step_logits
+from tests.spec_fixtures import ProposeSpy, ngram_args, tiny_engine, wait_until_all_kv_is_free
+from tests.test_spec_sampling import (MAX_NEW_TOKENS, PROMPT, VOCAB, chi_square_p, exact_step_logits,
+                                     model_dir)  # noqa: F401 (a fixture: the same random 16-token model)
 
 SAMPLES = 4000
 ALPHA = 1e-4
@@ -45,13 +46,6 @@ def masked_joint(step_logits: list[torch.Tensor], temperature: float) -> torch.T
         joint = joint.unsqueeze(-1) * (probs / probs.sum(-1, keepdim=True))
     assert abs(joint.sum().item() - 1) < 1e-9
     return joint
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-v16-grammar")
-    model = make_tiny_directory(path, "llama", vocab_size=VOCAB, tokenizer="letters", weight_std=None, logit_scale=20.0)
-    return path, model.double()
 
 
 @pytest.fixture(scope="module")
