@@ -429,16 +429,35 @@ def test_a_probe_asks_more_of_a_bucket_whose_drafting_choices_overshot(optimism,
     assert adaptive.would_draft(1) is switches
 
 
-def test_a_buckets_optimism_is_the_median_of_its_drafting_steps_expected_over_realized():
+def drafting_record(tokens_per_step: list[int], seconds_per_step: list[float]) -> AdaptiveDraftLength:
+    """overshooting_policy's bucket drafting at tier 4 (priced 0.12 s, 4 tokens expected) for
+    steps that commit and take what the lists say."""
     adaptive = overshooting_policy(None)
-    realized = []
-    for step in range(OPTIMISM_WINDOW + 2):
-        tier = adaptive.choose(["old"], [4])
-        tokens = 2 if step != 3 else 0              # half of what was expected; one step commits nothing
-        adaptive.record_step(1, tier, 0.120 if tier == 4 else 0.050, tokens=tokens if tier == 4 else 1)
-        realized.append(tier)
-    assert 4 in realized
-    assert adaptive.optimism[1] == pytest.approx(2.0)   # 33.3 tok/s expected, 16.7 realized
+    for tokens, seconds in zip(tokens_per_step, seconds_per_step):
+        assert adaptive.choose(["old"], [4]) == 4
+        adaptive.record_step(1, 4, seconds, tokens=tokens)
+    return adaptive
+
+
+def test_a_buckets_optimism_is_its_drafting_steps_expected_tokens_over_committed():
+    steps = OPTIMISM_WINDOW + 2
+    half = drafting_record([2] * steps, [0.120] * steps)
+    assert half.optimism[1] == pytest.approx(2.0)   # 33.3 tok/s expected, 16.7 realized
+    # a step that commits nothing counts: 4 * 8 expected, 2 * 7 committed
+    assert drafting_record([2, 2, 2, 0, 2, 2, 2, 2], [0.120] * 8).optimism[1] == pytest.approx(32 / 14)
+
+
+def test_a_copy_edits_few_long_accepts_are_no_overshoot():
+    """Most steps of a copy-edit commit one token and one in several commits many: a model
+    whose mean is right is not optimistic (a median of per-step ratios read 4 here)."""
+    tokens = [1, 1, 1, 1, 1, 1, 1, 25] * 2
+    assert drafting_record(tokens, [0.120] * len(tokens)).optimism[1] == pytest.approx(1.0)
+
+
+def test_a_stalled_step_is_no_overshoot():
+    tokens = [4] * OPTIMISM_WINDOW
+    stalled = [0.120] * (OPTIMISM_WINDOW - 1) + [1.2]
+    assert drafting_record(tokens, stalled).optimism[1] == pytest.approx(1.0)
 
 
 def test_evidence_classes_tell_weak_matches_from_strong_ones():

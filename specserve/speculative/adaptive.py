@@ -40,9 +40,10 @@ import time
 from typing import TYPE_CHECKING
 
 from specserve.speculative.acceptance import AcceptanceEvidence
-from specserve.speculative.adaptive_costs import COST_WINDOW, REFRESH_EVERY, RecentMedians, StepCosts, batch_bucket
+from specserve.speculative.adaptive_costs import COST_WINDOW, REFRESH_EVERY, StepCosts, batch_bucket
 from specserve.speculative.adaptive_modes import (
     BYPASS_BUDGET, GUARD_RATIO, GUARD_STEPS, MAX_PLAIN_HOLD, PLAIN_HOLD, REALIZED_WINDOW, BucketModes)
+from specserve.speculative.adaptive_overshoot import ChoiceOvershoot
 from specserve.speculative.adaptive_probes import (
     MAX_PROBE_EVERY, PROBE_BUDGET, PROBE_COST_EMA, PROBE_REQUESTS, ProbeSchedule)
 from specserve.speculative.draft_cuts import PLAIN, ClassPart, DraftClasses, DraftCut
@@ -67,9 +68,9 @@ SWITCH_MARGIN = 1.15
 # at 64: tier 8 priced at ~18k tok/s against plain's 50.6k, held plain, 0.92x where it had
 # drafted at 1.24x); the guard stops an episode that loses after GUARD_STEPS steps.
 EXPLORE_RATIO = 0.6
-# A probe's switch is judged with the bucket's record: the median, over its last OPTIMISM_WINDOW
-# drafting steps, of the rate the choice expected over the rate the step realized (at least 1,
-# at most MAX_OPTIMISM) multiplies SWITCH_MARGIN. Where the model overshoots, each switch is a
+# A probe's switch is judged with the bucket's record: over its last OPTIMISM_WINDOW drafting
+# steps, the rate the choices expected over the rate the steps realized (adaptive_overshoot.py;
+# at least 1, at most MAX_OPTIMISM) multiplies SWITCH_MARGIN. Where the model overshoots, each switch is a
 # drafting step that loses and two steps not launched ahead (H100, 1.5B, a 16-node chain,
 # ShareGPT at 64: 5-9 switches a run, expected/realized 1.12-1.35, ~15 ms lost each; at batch 1
 # 2-3x); where it does not (code edits: 0.84-1.1) nothing changes. A stale tier's re-pricing
@@ -101,9 +102,10 @@ class AdaptiveDraftLength:
         self.evidence = AcceptanceEvidence(self.tiers)
         self.steps_per_tier = {t: 0 for t in self.tiers}
         self._explore: dict[int, int] = {}   # bucket -> a stale tier its next drafting step re-prices
-        self._expected_rate: dict[int, float] = {}   # bucket -> the rate its drafting choice expected
-        self._overshoots = RecentMedians(OPTIMISM_WINDOW)   # per bucket: expected / realized
-        self.optimism: dict[int, float] = {}   # bucket -> median expected / realized of its drafting steps
+        # bucket -> (tokens, seconds) its drafting choice expected
+        self._expected: dict[int, tuple[float, float]] = {}
+        self._overshoots = ChoiceOvershoot(OPTIMISM_WINDOW)
+        self.optimism: dict[int, float] = {}   # bucket -> expected / realized rate of its drafting steps
         self._decision_logged_at: dict[int, float] = {}   # bucket -> when a probe's verdict was last logged
 
     @classmethod
@@ -196,7 +198,9 @@ class AdaptiveDraftLength:
         prices = {t: self.costs.price(bucket, cut.level) for t, cut in cuts.items()}
         if best.tier > 1 and rates[best.tier] >= self._switch_margin(bucket) * rates[1]:
             self._log_decision(bucket, batch_size, rates, prices, "drafts")
-            return True, rates[best.tier] / rates[1]
+            # a gain rated at a floor price (best's level not priced yet) is a bound, not an
+            # expectation: its episode prices the level and is no record of overshooting
+            return True, rates[best.tier] / rates[1] if self.costs.rateable(bucket, best.level) else None
         stale = [t for t, rate in rates.items() if t > 1 and rate >= EXPLORE_RATIO * rates[1]
                  and self.costs.stale(bucket, cuts[t].level)]
         if stale:   # the episode's first step runs the stale tier, whatever its old price says
@@ -255,8 +259,10 @@ class AdaptiveDraftLength:
         choice, best, rates, _ = self._best_cut(bucket, len(rids), rids, num_nodes, keys, measure=True)
         if not rates and choice.tier > 1 and not self._pricing_may_pay(bucket, rids, num_nodes, keys, 1.0):
             best = choice = PLAIN   # what is left to price cannot win: the episode ends
-        if choice.tier > 1 and rates:
-            self._expected_rate[bucket] = rates[choice.tier]
+        if choice.tier > 1 and rates and self.costs.rateable(bucket, choice.level):
+            # a choice rated at a floor price (a level not priced yet) expected a lower bound on
+            # its cost: its step prices the level, and says nothing about the model's optimism
+            self._expected[bucket] = (choice.tokens, self.costs.price(bucket, choice.level))
         if best.tier == 1:  # not a re-measurement of tier 1: plain decoding is expected to win
             if self.modes.go_plain(bucket, self.costs.steps(bucket), reopen_margin=self.switch_margin):
                 self.probes.reopen(bucket)   # an episode that won: its drafts may be back in a few tokens
@@ -381,9 +387,9 @@ class AdaptiveDraftLength:
         if self.ragged and nodes is not None and tree_size > 1:
             tree_size = smallest_level(self.tiers, batch_size, nodes)
         self.probes.note_step(bucket)
-        expected = self._expected_rate.pop(bucket, None)   # what this step's choice expected, if it drafted
-        if expected is not None and tree_size > 1 and tokens and seconds > 0:
-            self.optimism[bucket] = self._overshoots.add(bucket, expected * seconds / tokens)
+        expected = self._expected.pop(bucket, None)   # what this step's choice expected, if it drafted
+        if expected is not None and tree_size > 1 and tokens is not None and seconds > 0:
+            self.optimism[bucket] = self._overshoots.add(bucket, *expected, tokens=tokens, seconds=seconds)
         tier = self.costs.record(bucket, tree_size, seconds, steady)
         self.steps_per_tier[tier] += 1
         if tokens is not None and seconds > 0:

@@ -141,7 +141,13 @@ class StepCosts:
         tier: its fixed part. Without it a tier no bucket had priced (a ragged step's level 2)
         was floored at plain's price, and each bucket a batch passed through priced it by
         drafting steps that lost (H200, 1.5B, ShareGPT multi-turn at 32/64: ~60% of the
-        drafting steps were such, 3.6-4 ms where plain took 2, at accept ~1.2)."""
+        drafting steps were such, 3.6-4 ms where plain took 2, at accept ~1.2).
+        What a larger tier t' adds bounds a smaller one's fixed part only in proportion to
+        their draft nodes, (t - 1) / (t' - 1): a step that adds a fixed part and a part per
+        node adds at least that much. On a CPU the part per node is most of it (SmolLM2-135M,
+        busy 2 cores: 16 nodes ~4x a plain step); taken whole, a 16-node step's price
+        floored levels 2-8 at the same ~4x, so none was ever tried, and a batch-1 JSON edit
+        whose 4-node drafts pay stayed plain."""
         plain = self.seconds.get((bucket, 1))
         if plain is None:
             return None
@@ -155,7 +161,8 @@ class StepCosts:
                 share = 1.0 if other <= bucket else bucket / 2 / other
                 added = max(added, share * (seconds - base))
             if other <= bucket:
-                fixed = seconds - base if fixed is None else min(fixed, seconds - base)
+                least = (seconds - base) * min(1.0, (tier - 1) / (tier_priced - 1))
+                fixed = least if fixed is None else min(fixed, least)
         return plain + max(added, fixed or 0.0)
 
     def stalest(self, bucket: int, tiers: list[int]) -> int:
