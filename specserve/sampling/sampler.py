@@ -37,7 +37,6 @@ class PreparedSampling:
     early_stops: tuple[torch.Tensor, torch.Tensor] | None
     sampling: dict | None                                # verify_sampling's tensors; None = all greedy
     device_trees: DraftTrees | None                      # None: plain greedy decode, no tree needed
-    grammar_bitmask: torch.Tensor | None = None          # (bs, n, words) int32 on the device; None: no grammar
 
 
 class Sampler:
@@ -68,12 +67,12 @@ class Sampler:
         penalties = self._penalty_tensors(reqs) if any(r.params.has_penalties for r in reqs) else None
         early_stops = self._early_stop_masks(trees, reqs)
         sampling = None if all(r.params.greedy for r in reqs) else self._sampling_tensors(reqs, draft_probs)
-        return PreparedSampling(penalties, early_stops, sampling, device_trees=trees.to(self.device),
-                                grammar_bitmask=self._grammar_bitmask(trees, reqs))
+        return PreparedSampling(penalties, early_stops, sampling, device_trees=trees.to(self.device))
 
     def sample(self, logits: torch.Tensor, trees: DraftTrees, reqs: list[Req],
                prepared: "PreparedSampling | None" = None) -> SampledStep:
-        """logits: (bs, n, vocab) fp32, the target's logits at each tree node."""
+        """logits: (bs, n, vocab) fp32, the target's logits at each tree node; trees: on the
+        host (a grammar's masks are walked from them)."""
         prepared = prepared or self.prepare(trees, reqs)
         if prepared.device_trees is None:  # greedy decode without extras: the argmax is all there is
             return SampledStep.plain(logits[:, 0].argmax(-1).tolist())
@@ -84,8 +83,8 @@ class Sampler:
         if prepared.early_stops is not None:
             too_early, stop_mask = prepared.early_stops
             logits = logits.masked_fill(too_early.unsqueeze(-1) & stop_mask.unsqueeze(1), float("-inf"))
-        if prepared.grammar_bitmask is not None:
-            logits = apply_grammar_bitmask(logits, prepared.grammar_bitmask)
+        if any(r.grammar is not None for r in reqs):
+            logits = apply_grammar_bitmask(logits, self._grammar_bitmask(trees, reqs))
         if prepared.sampling is None:
             result = verify_greedy(trees, logits)
         else:
@@ -130,13 +129,14 @@ class Sampler:
                 stop_mask[i, ids] = True
         return too_early, stop_mask
 
-    def _grammar_bitmask(self, trees: DraftTrees, reqs: list[Req]) -> torch.Tensor | None:
-        """The grammar's mask of every node (grammar/tree_masks.py), from host trees, sent to
-        the device before the forward is launched."""
-        if all(r.grammar is None for r in reqs):
-            return None
+    def _grammar_bitmask(self, trees: DraftTrees, reqs: list[Req]) -> torch.Tensor:
+        """The grammar's mask of every node (grammar/tree_masks.py), walked on the host once
+        the forward is launched (the matchers' work overlaps the device's) and sent from
+        pinned memory without waiting for the forward."""
         host = lambda t: t.cpu().numpy()
         mask = grammar_bitmask(reqs, host(trees.tokens), host(trees.parents), host(trees.num_nodes), self.vocab_size)
+        if torch.device(self.device).type == "cuda":
+            mask = mask.pin_memory()
         return mask.to(self.device, non_blocking=True)
 
     def _sampling_tensors(self, reqs: list[Req], draft_probs: torch.Tensor | None) -> dict:
