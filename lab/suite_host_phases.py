@@ -1,10 +1,11 @@
 """A benchmark of specserve/bench run with the host's time per step split by phase: every
-RunWatch it makes times its steps with HostPhases (where a step's host time goes, and how
-long the host waited for the GPU), which the benchmarks leave off because it wraps private
-methods of the engine core by name.
+RunWatch it makes, and bench.step_cost's step loop, time their steps with HostPhases (where
+a step's host time goes, and how long the host waited for the GPU), which the benchmarks
+leave off because it wraps private methods of the engine core by name.
 
     python -m lab.suite_host_phases specserve.bench.gpu_suite --models-dir /root/models ...
     python -m lab.suite_host_phases specserve.bench.model_drafters --algorithm EAGLE3 ...
+    python -m lab.suite_host_phases specserve.bench.step_cost --batch-sizes 1 --sizes 1 8
 
 Each run's row then carries `host_us_per_step`: microseconds per step by kind and phase.
 """
@@ -15,19 +16,20 @@ import importlib
 import sys
 from typing import Iterator
 
-from specserve.bench.host_phases import HostPhases
+from lab.host_phases import HostPhases
+from specserve.bench import step_cost
 from specserve.bench.run_watch import RunWatch
 
 
 @contextlib.contextmanager
 def host_phases_timed() -> Iterator[None]:
-    """While open, every new RunWatch times its steps' host phases."""
-    before = RunWatch.phase_timer
-    RunWatch.phase_timer = HostPhases
+    """While open, every new RunWatch and step_cost's step loop time their steps' host phases."""
+    before = RunWatch.phase_timer, step_cost.PHASE_TIMER
+    RunWatch.phase_timer = step_cost.PHASE_TIMER = HostPhases
     try:
         yield
     finally:
-        RunWatch.phase_timer = before
+        RunWatch.phase_timer, step_cost.PHASE_TIMER = before
 
 
 def main(argv: list[str]) -> None:

@@ -231,7 +231,7 @@ def test_watch_names_the_longest_step_and_counts_full_gc_collections(engine):
 def test_watch_splits_host_time_by_phase_and_counts_the_wait_for_the_device(engine, monkeypatch):
     """HostPhases as RunWatch's phase timer: a step's wait on its outcome is the GPU's time,
     not the host's; every phase is per step of its kind; closing puts every wrapped method back."""
-    from specserve.bench.host_phases import HostPhases
+    from lab.host_phases import HostPhases
     from specserve.engine.overlap import OverlapSchedule
     from specserve.runner.model_runner import InFlight
     original_wait, waits = InFlight.wait, []
@@ -332,7 +332,7 @@ def test_host_phases_time_a_writers_drain_and_skip_a_drafter_without_one():
     writer's own method back."""
     from types import SimpleNamespace
 
-    from specserve.bench.host_phases import HostPhases
+    from lab.host_phases import HostPhases
     from specserve.speculative.ngram_writer import TrieWriter
     writer = TrieWriter(background=True)
     try:

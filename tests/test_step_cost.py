@@ -55,11 +55,14 @@ def test_eagle3_rows_on_the_cpu(tmp_path, tiny_shape):
 
 
 def test_host_phases_of_each_step(tmp_path, tiny_shape):
-    """--host-phases: each row has the host's microseconds per step by phase: a plain step's
-    commit, a verify step's proposal, KV commit and tree launch, a fused step's drafter step."""
-    rows = step_cost.main(["--shape", tiny_shape, "--algorithm", "EAGLE3", "--num-steps", "2", "--draft-vocab", "1024",
-                           "--batch-sizes", "1", "--steps", "3", "--warm-steps", "1", "--prompt-len", "16", "--device", "cpu",
-                           "--model-dir", str(tmp_path), "--out", str(tmp_path / "out"), "--host-phases"])
+    """Under lab.suite_host_phases each row has the host's microseconds per step by phase: a
+    plain step's commit, a verify step's proposal, KV commit and tree launch, a fused step's
+    drafter step."""
+    from lab.suite_host_phases import host_phases_timed
+    with host_phases_timed():
+        rows = step_cost.main(["--shape", tiny_shape, "--algorithm", "EAGLE3", "--num-steps", "2", "--draft-vocab", "1024",
+                               "--batch-sizes", "1", "--steps", "3", "--warm-steps", "1", "--prompt-len", "16", "--device", "cpu",
+                               "--model-dir", str(tmp_path), "--out", str(tmp_path / "out")])
     for row in rows:
         phases = row["host_us"]
         assert phases["step"] >= phases["host"] > 0 and phases["commit"] > 0

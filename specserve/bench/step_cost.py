@@ -10,8 +10,9 @@ at the same batch size. Random weights accept almost nothing, which does not cha
 a step costs. With `--kernels N` a row also counts the kernel launches of its graph and
 sums their times (torch.profiler) and lists the N slowest kernels: issue 10's comparison of
 a verify step with a plain one is
-`--batch-sizes 1 8 --sizes 1 8 16 --steps 100 --kernels 40`. With `--host-phases` a row
-also has the host's microseconds per step by phase (host_phases.py: parse and commit, the
+`--batch-sizes 1 8 --sizes 1 8 16 --steps 100 --kernels 40`. Run through
+`python -m lab.suite_host_phases specserve.bench.step_cost ...`, a row also has the host's
+microseconds per step by phase (lab/host_phases.py: parse and commit, the
 proposal, the launch, the wait for the GPU): where the host time a verify step does not
 hide goes (H200, random 1.5B, batch 1: 0.2-0.45 ms a step, session 24).
 
@@ -41,7 +42,6 @@ import torch
 
 from specserve.attention.triton_backend import TritonBackend
 from specserve.bench.decode_profile import events_time_us, kernel_times
-from specserve.bench.host_phases import HostPhases
 from specserve.bench.random_head import write_random_eagle3_head
 from specserve.bench.random_model import SHAPES, write_random_model
 from specserve.speculative.drafter import Drafter
@@ -101,16 +101,20 @@ def start_requests(engine, bs: int, step: str, size: int, steps: int, prompt_len
     return reqs
 
 
+# A profiler of the host's time by phase (called with the engine core; end_step, summary, close),
+# set by lab/suite_host_phases.py; the product's benchmarks time no private method of the core.
+PHASE_TIMER = None
+
+
 def time_steps(engine, bs: int, step: str, size: int, steps: int, kernels: int = 0,
-               fused_drafter: Drafter | None = None, prompt_len: int = 300, warm_steps: int = 10,
-               host_phases: bool = False) -> dict:
+               fused_drafter: Drafter | None = None, prompt_len: int = 300, warm_steps: int = 10) -> dict:
     core = engine.core
     graph_of = use_step(engine, step, size, fused_drafter)
     reqs = start_requests(engine, bs, step, size, steps, prompt_len, warm_steps)
     fused_steps = FusedStepCount(fused_drafter) if step == "fused" else None
     synchronize = torch.cuda.synchronize if core.runner.device.type == "cuda" else lambda: None
     tokens_before = sum(len(r.output_ids) for r in reqs)
-    phases = HostPhases(core) if host_phases else None
+    phases = PHASE_TIMER(core) if PHASE_TIMER is not None else None
     synchronize()
     start = time.perf_counter()
     for _ in range(steps):
@@ -209,7 +213,7 @@ def engine_rows(ns, shape: str, path: str, algorithm: str, sizes: list[int], wri
     for bs in ns.batch_sizes:
         for step, size in plan:
             row = time_steps(engine, bs, step, size, ns.steps, ns.kernels, fused_drafter, ns.prompt_len,
-                             ns.warm_steps, ns.host_phases)
+                             ns.warm_steps)
             row = {"kind": "step_cost", "shape": shape, "engine": algorithm,
                    "max_tree_rows": TritonBackend.max_tree_rows,
                    "hidden_capture": engine.core.runner.hidden_capture is not None, **row,
@@ -236,8 +240,6 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--warm-steps", type=int, default=10, help="untimed steps after the prefill")
     parser.add_argument("--prompt-len", type=int, default=300)
     parser.add_argument("--kernels", type=int, default=0, help="also list the N slowest kernels of each step's graph")
-    parser.add_argument("--host-phases", action="store_true",
-                        help="also the host's microseconds per step by phase and its wait for the GPU (host_phases.py)")
     parser.add_argument("--device", default="cuda", help="cuda (graph times) or cpu (wall times only: smoke runs)")
     parser.add_argument("--model-dir", default="/tmp", help="where the random model (and head) are written")
     parser.add_argument("--max-tree-rows", type=int, default=None,
