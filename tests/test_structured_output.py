@@ -205,3 +205,20 @@ def test_tokens_the_grammar_forces_are_drafted(plain, ngram):
 def test_a_schema_may_come_as_a_dict(ngram):
     out = ngram.generate(PROMPTS[1], {**GREEDY, "json_schema": VERDICT})
     jsonschema.validate(json.loads(out["text"]), VERDICT)
+
+
+def test_both_mask_paths_agree():
+    """xgrammar's CPU kernel (float32 on the CPU) and the torch unpacking (every other case)
+    give the same logits: every forbidden token at -inf, every allowed one as it was."""
+    import torch
+
+    from specserve.grammar.apply import apply_grammar_bitmask
+
+    vocab = 100   # not a multiple of 32: the last word's high bits are past the vocabulary
+    logits = torch.randn(3, 2, vocab)
+    bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (3, 2, 4), dtype=torch.int32)
+    allowed = torch.tensor([[[(int(bitmask[b, i, t // 32]) >> (t % 32)) & 1 for t in range(vocab)] for i in range(2)]
+                            for b in range(3)], dtype=torch.bool)
+    expected = torch.where(allowed, logits, float("-inf"))
+    assert torch.equal(apply_grammar_bitmask(logits, bitmask), expected)
+    assert torch.equal(apply_grammar_bitmask(logits.double(), bitmask), expected.double())   # the torch path
