@@ -41,7 +41,7 @@ def exactness(shape: tuple[int, int], flags: dict, rows: int, config, repeats: i
     x = torch.randn((rows, shape[1]), dtype=torch.bfloat16, device="cuda")
     norm = gemv.AddNorm(torch.randn_like(x), torch.rand(shape[1], dtype=torch.bfloat16, device="cuda"), 1e-6) \
         if flags["add_norm"] else None
-    expected = rows_linear.reference(x, w, None, False, add_norm=norm)
+    expected = gemv.reference(x, w, None, False, add_norm=norm)
     expected = expected[0] if norm else expected
     worst = 0.0
     for _ in range(repeats):

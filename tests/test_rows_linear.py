@@ -10,7 +10,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 import pytest
 import torch
 
-from specserve.model import rows_linear
+from specserve.model import gemv, rows_linear
 from specserve.model.gemv import AddNorm, RopeStore
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -28,7 +28,7 @@ def test_rows_gemm_matches_linear(config, rows, n, k):
     x, w, bias = (torch.randn(rows, k, device=DEVICE), torch.randn(n, k, device=DEVICE),
                   torch.randn(n, device=DEVICE))
     for b in (None, bias):
-        close(rows_linear.rows_gemm(x, w, b, config=config), rows_linear.reference(x, w, b, False))
+        close(rows_linear.rows_gemm(x, w, b, config=config), gemv.reference(x, w, b, False))
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -39,7 +39,7 @@ def test_split_workspace_is_left_clear_for_the_next_call(config):
     w = [torch.randn(40, 200, device=DEVICE) for _ in range(2)]
     for rows, weight in zip((3, 9), w):
         x = torch.randn(rows, 200, device=DEVICE)
-        close(rows_linear.rows_gemm(x, weight, config=config), rows_linear.reference(x, weight, None, False))
+        close(rows_linear.rows_gemm(x, weight, config=config), gemv.reference(x, weight, None, False))
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -53,7 +53,7 @@ def test_rows_with_add_norm_match_add_rmsnorm_then_linear(config, silu_mul, bias
     norm = AddNorm(residual, torch.randn(k, device=DEVICE), 1e-6)
     w, b = torch.randn(n, k, device=DEVICE), (torch.randn(n, device=DEVICE) if bias else None)
     out, residual_out = rows_linear.rows_gemm(x, w, b, silu_mul, config, add_norm=norm)
-    expected, expected_residual = rows_linear.reference(x, w, b, silu_mul, add_norm=norm)
+    expected, expected_residual = gemv.reference(x, w, b, silu_mul, add_norm=norm)
     torch.testing.assert_close(residual_out, expected_residual)
     close(out, expected)
     assert out.shape == (rows, n // 2 if silu_mul else n)
@@ -77,7 +77,7 @@ def test_rows_with_rope_match_linear_then_rope_and_store(config, add_norm):
     rope, expected_rope = (RopeStore(tables.cos, tables.sin, positions, slots, k_pool, v_pool, num_q)
                            for k_pool, v_pool in (pools, [p.clone() for p in pools]))
     out = rows_linear.rows_gemm(x, w, b, config=config, add_norm=norm, rope=rope)
-    expected = rows_linear.reference(x, w, b, False, add_norm=norm, rope=expected_rope)
+    expected = gemv.reference(x, w, b, False, add_norm=norm, rope=expected_rope)
     if add_norm:
         (out, residual_out), (expected, expected_residual) = out, expected
         torch.testing.assert_close(residual_out, expected_residual)
@@ -95,7 +95,7 @@ def test_decoder_row_kernels_match_the_batched_path(arch, monkeypatch):
     """DecoderLayer's fused path for several rows (pre-norms inside the kernels, RoPE + KV
     write in the qkv kernel's epilogue; Qwen3's q/k norms keep the separate RoPE) gives the
     batched path's logits for a prefill and a verify step, and leaves the same K/V in the pool."""
-    from specserve.model import gemv, layers, llama
+    from specserve.model import layers, llama
     from specserve.runner import model_runner
     from tests.model_fixtures import RunnerDriver, tiny_hf_model
     monkeypatch.setattr(model_runner, "use_cpu_linears", lambda model: None)  # GPU weight layout: row-major

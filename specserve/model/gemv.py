@@ -224,7 +224,8 @@ def prefetch_columns(k: int, rows: int, warps: int) -> int:
 
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
               add_norm: AddNorm | None = None, rope: RopeStore | None = None):
-    """The unfused torch computation gemv replaces (same return convention)."""
+    """The unfused torch computation the GEMV (or rows_linear's kernel) replaces, for x of
+    any row count (same return convention; with rope, row r goes to slot rope.slots[r])."""
     from specserve.model.rope import rotate_half
     residual_out = None
     if add_norm is not None:
@@ -238,11 +239,13 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
         y = F.silu(gate) * up
     if rope is not None:
         num_q, num_kv, head_dim = rope.heads
-        q, k, v = y.view(num_q + 2 * num_kv, head_dim).split([num_q, num_kv, num_kv])
-        cos, sin = rope.cos[rope.positions], rope.sin[rope.positions]
-        rope.k_buffer[rope.slots] = rotate_half(k, cos, sin).unsqueeze(0)
-        rope.v_buffer[rope.slots] = v.unsqueeze(0)
-        y = rotate_half(q, cos, sin).reshape(1, -1)
+        count = x.shape[0]
+        q, k, v = y.view(count, num_q + 2 * num_kv, head_dim).split([num_q, num_kv, num_kv], dim=1)
+        positions, slots = rope.positions[:count], rope.slots[:count]
+        cos, sin = rope.cos[positions].unsqueeze(1), rope.sin[positions].unsqueeze(1)
+        rope.k_buffer[slots] = rotate_half(k, cos, sin)
+        rope.v_buffer[slots] = v
+        y = rotate_half(q, cos, sin).reshape(count, -1)
     return y if add_norm is None else (y, residual_out)
 
 
@@ -253,7 +256,7 @@ def one_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     config = best_config(tuple(weight.shape), weight.dtype, bias is not None, silu_mul, add_norm is not None,
                          rope.heads if rope is not None else None, weight.device)
     if config is None:
-        return _unfused(x, weight, bias, silu_mul, add_norm, rope)
+        return unfused(x, weight, bias, silu_mul, add_norm, rope)
     return gemv(x, weight, bias, silu_mul, config, add_norm, rope)
 
 
@@ -270,19 +273,9 @@ def best_config(shape: tuple[int, int], dtype: torch.dtype, has_bias: bool, silu
 
 def candidate_times(shape: tuple[int, int], dtype: torch.dtype, has_bias: bool, silu_mul: bool, add_norm: bool,
                     device: torch.device, rope_heads: tuple[int, int, int] | None = None) -> dict:
-    """GPU microseconds per call of cuBLAS (key None) and of each GEMV config.
-
-    Timed over enough weight copies to overflow the L2 cache: in a decode step every
-    weight comes from HBM, and a small matrix re-read from L2 would look several times
-    faster than it is (H200: o_proj 2.6 us from L2, ~6 us from HBM)."""
-    l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
-    copies = max(2, min(32, -(-3 * l2_bytes // (shape[0] * shape[1] * torch.finfo(dtype).bits // 8))))
-    weights = [torch.randn(shape, dtype=dtype, device=device) for _ in range(copies)]
-    bias = torch.randn(shape[0], dtype=dtype, device=device) if has_bias else None
-    x = torch.randn((1, shape[1]), dtype=dtype, device=device)
-    norm = AddNorm(torch.randn_like(x), torch.randn(shape[1], dtype=dtype, device=device), 1e-6) if add_norm else None
-    rope = _timing_rope(rope_heads, dtype, device) if rope_heads else None
-    times = {None: graph_time_us([lambda w=w: _unfused(x, w, bias, silu_mul, norm, rope) for w in weights])}
+    """GPU microseconds per call of cuBLAS (key None) and of each GEMV config."""
+    weights, bias, x, norm, rope = timing_inputs(shape, dtype, has_bias, add_norm, device, rope_heads, rows=1)
+    times = {None: graph_time_us([lambda w=w: unfused(x, w, bias, silu_mul, norm, rope) for w in weights])}
     for config in CANDIDATES:
         try:
             times[config] = graph_time_us([lambda w=w: gemv(x, w, bias, silu_mul, config, norm, rope)
@@ -292,19 +285,36 @@ def candidate_times(shape: tuple[int, int], dtype: torch.dtype, has_bias: bool, 
     return times
 
 
-def _timing_rope(heads: tuple[int, int, int], dtype: torch.dtype, device: torch.device) -> RopeStore:
-    """A small stand-in cache and position for timing the RoPE epilogue."""
+def timing_inputs(shape: tuple[int, int], dtype: torch.dtype, has_bias: bool, add_norm: bool, device: torch.device,
+                  rope_heads: tuple[int, int, int] | None, rows: int):
+    """Random weights, bias, input rows, pre-norm and RoPE stand-ins to time a linear with.
+
+    Enough weight copies to overflow the L2 cache: in a decode step every weight comes from
+    HBM, and a small matrix re-read from L2 would look several times faster than it is
+    (H200: o_proj 2.6 us from L2, ~6 us from HBM)."""
+    l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
+    copies = max(2, min(32, -(-3 * l2_bytes // (shape[0] * shape[1] * torch.finfo(dtype).bits // 8))))
+    weights = [torch.randn(shape, dtype=dtype, device=device) for _ in range(copies)]
+    bias = torch.randn(shape[0], dtype=dtype, device=device) if has_bias else None
+    x = torch.randn((rows, shape[1]), dtype=dtype, device=device)
+    norm = AddNorm(torch.randn_like(x), torch.randn(shape[1], dtype=dtype, device=device), 1e-6) if add_norm else None
+    rope = _timing_rope(rope_heads, rows, dtype, device) if rope_heads else None
+    return weights, bias, x, norm, rope
+
+
+def _timing_rope(heads: tuple[int, int, int], rows: int, dtype: torch.dtype, device: torch.device) -> RopeStore:
+    """Stand-in cos/sin tables, positions and pool slots for timing the RoPE epilogue."""
     num_q, num_kv, head_dim = heads
-    table = torch.rand((8, head_dim // 2), dtype=torch.float32, device=device)
-    index = torch.ones(1, dtype=torch.int64, device=device)
-    pool = torch.zeros((4, num_kv, head_dim), dtype=dtype, device=device)
+    table = torch.rand((rows + 8, head_dim // 2), dtype=torch.float32, device=device)
+    index = torch.arange(1, rows + 1, dtype=torch.int64, device=device)
+    pool = torch.zeros((rows + 4, num_kv, head_dim), dtype=dtype, device=device)
     return RopeStore(table, table, index, index, pool, pool.clone(), num_q)
 
 
-def _unfused(x, weight, bias, silu_mul: bool, add_norm: AddNorm | None, rope: RopeStore | None = None):
+def unfused(x, weight, bias, silu_mul: bool, add_norm: AddNorm | None, rope: RopeStore | None = None):
     """The same result through the other GPU kernels: add+RMSNorm, cuBLAS, silu_mul or
-    rope_and_store (for shapes where cuBLAS wins, and as the baseline the GEMV is timed
-    against)."""
+    rope_and_store, for any row count (for shapes where cuBLAS wins, and as the baseline
+    the GEMV and rows_linear's kernel are timed against)."""
     from specserve.model import fused_ops
     residual = None
     if add_norm is not None:
@@ -314,9 +324,11 @@ def _unfused(x, weight, bias, silu_mul: bool, add_norm: AddNorm | None, rope: Ro
     y = fused_ops.silu_mul(y) if silu_mul else y
     if rope is not None:
         num_q, num_kv, head_dim = rope.heads
-        q, k, v = y.view(1, num_q + 2 * num_kv, head_dim).split([num_q, num_kv, num_kv], dim=1)
-        fused_ops.rope_and_store(q, k, v, rope.cos, rope.sin, rope.positions, rope.slots, rope.k_buffer, rope.v_buffer)
-        y = q.reshape(1, -1)
+        count = x.shape[0]
+        q, k, v = y.view(count, num_q + 2 * num_kv, head_dim).split([num_q, num_kv, num_kv], dim=1)
+        fused_ops.rope_and_store(q, k, v, rope.cos, rope.sin, rope.positions[:count], rope.slots[:count],
+                                 rope.k_buffer, rope.v_buffer)
+        y = q.reshape(count, -1)
     return y if add_norm is None else (y, residual)
 
 

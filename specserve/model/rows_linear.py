@@ -33,11 +33,10 @@ import logging
 import os
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from specserve.model.gemv import AddNorm, RopeStore, graph_time_us
+from specserve.model.gemv import AddNorm, RopeStore, graph_time_us, timing_inputs, unfused
 from specserve.pdl import uses_pdl
 
 logger = logging.getLogger(__name__)
@@ -275,52 +274,6 @@ def rows_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     return out if add_norm is None else (out, residual_out)
 
 
-def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
-              add_norm: AddNorm | None = None, rope: RopeStore | None = None):
-    """The unfused torch computation rows_gemm replaces (same return convention)."""
-    from specserve.model.rope import rotate_half
-    residual_out = None
-    if add_norm is not None:
-        residual_out = add_norm.residual + x
-        x32 = residual_out.float()
-        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + add_norm.eps)).to(x.dtype)
-        x = add_norm.weight * normed
-    y = F.linear(x, weight, bias)
-    if silu_mul:
-        gate, up = y.chunk(2, dim=-1)
-        y = F.silu(gate) * up
-    if rope is not None:
-        num_q, num_kv, head_dim = rope.heads
-        count = x.shape[0]
-        q, k, v = y.view(count, num_q + 2 * num_kv, head_dim).split([num_q, num_kv, num_kv], dim=1)
-        positions, slots = rope.positions[:count], rope.slots[:count]
-        cos, sin = rope.cos[positions].unsqueeze(1), rope.sin[positions].unsqueeze(1)
-        rope.k_buffer[slots] = rotate_half(k, cos, sin)
-        rope.v_buffer[slots] = v
-        y = rotate_half(q, cos, sin).reshape(count, -1)
-    return y if add_norm is None else (y, residual_out)
-
-
-def _unfused(x, weight, bias, silu_mul: bool, add_norm: AddNorm | None, rope: RopeStore | None = None):
-    """The same result through cuBLAS and the separate add+RMSNorm, SiLU * up and
-    RoPE-and-store kernels: the path for shapes where that is faster."""
-    from specserve.model import fused_ops
-    residual = None
-    if add_norm is not None:
-        residual = add_norm.residual.clone()  # add_rmsnorm updates it in place; the input stays
-        x = fused_ops.add_rmsnorm(x, add_norm.weight, add_norm.eps, residual=residual)
-    y = F.linear(x, weight, bias)
-    y = fused_ops.silu_mul(y) if silu_mul else y
-    if rope is not None:
-        num_q, num_kv, head_dim = rope.heads
-        count = x.shape[0]
-        q, k, v = y.view(count, num_q + 2 * num_kv, head_dim).split([num_q, num_kv, num_kv], dim=1)
-        fused_ops.rope_and_store(q, k, v, rope.cos, rope.sin, rope.positions[:count], rope.slots[:count],
-                                 rope.k_buffer, rope.v_buffer)
-        y = q.reshape(count, -1)
-    return y if add_norm is None else (y, residual)
-
-
 def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
                 add_norm: AddNorm | None = None, rope: RopeStore | None = None):
     """x @ W^T (+ bias) (then silu_mul or rope) for 2-MAX_ROWS CUDA rows, by the fastest
@@ -329,7 +282,7 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     config = best_config(tuple(weight.shape), weight.dtype, bias is not None, silu_mul, add_norm is not None,
                          rope.heads if rope is not None else None, padded_rows(x.shape[0]), weight.device)
     if config is None:
-        return _unfused(x, weight, bias, silu_mul, add_norm, rope)
+        return unfused(x, weight, bias, silu_mul, add_norm, rope)
     return rows_gemm(x, weight, bias, silu_mul, config, add_norm, rope)
 
 
@@ -355,15 +308,9 @@ def candidates_for(lanes: int, rows: int) -> list[tuple[int, int, int, int, int]
 def candidate_times(shape: tuple[int, int], dtype: torch.dtype, has_bias: bool, silu_mul: bool, add_norm: bool,
                     device: torch.device, rope_heads: tuple[int, int, int] | None = None, rows: int = 16) -> dict:
     """GPU microseconds per call of the unfused path (key None) and each config, at `rows`
-    rows, with the weights read from HBM (enough copies to overflow the L2 cache)."""
-    l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
-    copies = max(2, min(32, -(-3 * l2_bytes // (shape[0] * shape[1] * torch.finfo(dtype).bits // 8))))
-    weights = [torch.randn(shape, dtype=dtype, device=device) for _ in range(copies)]
-    bias = torch.randn(shape[0], dtype=dtype, device=device) if has_bias else None
-    x = torch.randn((rows, shape[1]), dtype=dtype, device=device)
-    norm = AddNorm(torch.randn_like(x), torch.randn(shape[1], dtype=dtype, device=device), 1e-6) if add_norm else None
-    rope = _timing_rope(rope_heads, rows, dtype, device) if rope_heads else None
-    times = {None: graph_time_us([lambda w=w: _unfused(x, w, bias, silu_mul, norm, rope) for w in weights])}
+    rows, with the weights read from HBM (gemv.timing_inputs)."""
+    weights, bias, x, norm, rope = timing_inputs(shape, dtype, has_bias, add_norm, device, rope_heads, rows)
+    times = {None: graph_time_us([lambda w=w: unfused(x, w, bias, silu_mul, norm, rope) for w in weights])}
     lanes = shape[0] // 2 if silu_mul or rope_heads else shape[0]
     for config in candidates_for(lanes, rows):
         try:
@@ -372,12 +319,3 @@ def candidate_times(shape: tuple[int, int], dtype: torch.dtype, has_bias: bool, 
         except Exception as error:  # e.g. a tile that needs more shared memory than this GPU has
             logger.warning("rows config %s failed on %s: %s", config, shape, error)
     return times
-
-
-def _timing_rope(heads: tuple[int, int, int], rows: int, dtype: torch.dtype, device: torch.device) -> RopeStore:
-    """Stand-in cos/sin tables, positions and pool slots for timing the RoPE epilogue."""
-    num_q, num_kv, head_dim = heads
-    table = torch.rand((rows + 8, head_dim // 2), dtype=torch.float32, device=device)
-    index = torch.arange(rows, dtype=torch.int64, device=device)
-    pool = torch.zeros((rows + 4, num_kv, head_dim), dtype=dtype, device=device)
-    return RopeStore(table, table, index, index, pool, pool.clone(), num_q)
