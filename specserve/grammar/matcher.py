@@ -18,9 +18,13 @@ class RequestGrammar:
         import xgrammar
         self._matcher = xgrammar.GrammarMatcher(compiled)
         self.vocab_size = vocab_size
+        # the last tree's masks: a drafting step walks its tree to prune it, then again to
+        # sample, the same tree where nothing was pruned; valid until the next accept
+        self._walked: tuple[bytes, torch.Tensor] | None = None
 
     def accept(self, token: int) -> bool:
         """Advances the matcher past a committed token; False if the grammar forbids it."""
+        self._walked = None
         return self._matcher.accept_token(token)
 
     @property
@@ -45,5 +49,11 @@ class RequestGrammar:
             self._matcher.fill_next_token_bitmask(out, 0)
             out[1:] = 0
             return
-        as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+        as_array = lambda a: np.ascontiguousarray(a, dtype=np.int64)
+        key = as_array(tokens).tobytes() + as_array(first_child).tobytes() + as_array(next_sibling).tobytes()
+        if self._walked is not None and self._walked[0] == key:
+            out.copy_(self._walked[1])
+            return
+        as_tensor = lambda a: torch.from_numpy(as_array(a))
         self._matcher.traverse_draft_tree(as_tensor(first_child), as_tensor(next_sibling), as_tensor(tokens), out)
+        self._walked = (key, out.clone())
