@@ -128,8 +128,10 @@ def test_the_switch_margin_grows_with_the_episodes_overshoot(overshoot, margin):
     if overshoot is not None:
         adaptive.modes.episode_overshoot[1] = overshoot
     assert adaptive._switch_margin(1) == pytest.approx(SWITCH_MARGIN * margin)
-    adaptive.optimism[1] = 1.7                             # the larger of the two records counts
-    assert adaptive._switch_margin(1) == pytest.approx(SWITCH_MARGIN * max(margin, 1.7))
+    adaptive.optimism[1] = 1.3                             # the larger of the two records counts
+    assert adaptive._switch_margin(1) == pytest.approx(SWITCH_MARGIN * max(margin, 1.3))
+    adaptive.optimism[1] = 2.5                             # and no more than MAX_OPTIMISM
+    assert adaptive._switch_margin(1) == pytest.approx(SWITCH_MARGIN * MAX_OPTIMISM)
 
 
 def test_a_probe_that_switches_records_the_gain_it_expected():
