@@ -90,6 +90,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     run.add_argument("--draft-model", nargs="+", default=[], metavar="TARGET=DRAFT",
                      help="the model (a name of --models-dir, converted like the targets) that specserve-standalone "
                      "drafts with for TARGET, e.g. qwen2.5-coder-1.5b-instruct=qwen2.5-coder-0.5b-instruct")
+    run.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                     help="dummy: every engine serves random weights (its --load-format dummy) from a directory "
+                     "with only config.json and a tokenizer: sizes without checkpoints; a model named in "
+                     "random_model.SHAPES (qwen2.5-7b, llama-3.1-8b, qwen2.5-14b, ...) without one in --hf-root "
+                     "gets one written there")
     run.add_argument("--specserve-args", default="", help="extra flags for specserve's servers, e.g. '--device cpu'")
     run.add_argument("--out", default=os.environ.get("OUT", "peers-out"))
     report = commands.add_parser("report", help="merge peers.jsonl files into one table")
@@ -142,12 +147,22 @@ def build_workloads(model_dir: str, ns: argparse.Namespace) -> dict[str, tuple[l
     return suite_workloads(_HFTokenizerAsEngine(model_dir), ns)
 
 
-def model_directory(model: str, ns: argparse.Namespace) -> str:
-    """<hf-root>/<model>, converted from <models-dir>/<model>.gguf unless it is a ready HF directory."""
+def model_directory(model: str, ns: argparse.Namespace, load_format: str = "auto") -> str:
+    """<hf-root>/<model>, converted from <models-dir>/<model>.gguf unless it is a ready HF directory;
+    with load_format dummy, config.json and a tokenizer suffice (written for a shape of SHAPES)."""
     from specserve.bench.gguf_to_hf import convert
+    from specserve.bench.random_model import SHAPES, write_model_config
     target = os.path.join(ns.hf_root, model)
+    has_config = os.path.exists(os.path.join(target, "config.json"))
+    if load_format == "dummy":
+        if not has_config and model not in SHAPES:
+            raise FileNotFoundError(f"{target} has no config.json, and {model} is not a shape of random_model.SHAPES "
+                                    f"({', '.join(SHAPES)})")
+        return target if has_config else write_model_config(target, model)
     gguf = os.path.join(ns.models_dir, model + ".gguf")
-    if not os.path.exists(gguf) and os.path.exists(os.path.join(target, "config.json")):
+    if not os.path.exists(gguf) and has_config:
+        if not any(name.endswith((".safetensors", ".bin")) for name in os.listdir(target)):
+            raise FileNotFoundError(f"{target} has no weights: pass --load-format dummy to serve random ones")
         return target
     if not os.path.exists(gguf):
         raise FileNotFoundError(f"neither {gguf} nor an HF directory {target} exists")
@@ -224,7 +239,7 @@ def run_engine(config: EngineConfig, model: str, model_dir: str, workloads: dict
         write({"kind": "engine", **base, "error": str(error)})
         return
     port = _free_port()
-    command = config.command(model_dir, model, port, **drafters)
+    command = config.command(model_dir, model, port, load_format=ns.load_format, **drafters)
     if config.engine == "specserve":
         command += ns.specserve_args.split()
     os.makedirs(os.path.join(ns.out, "logs"), exist_ok=True)
@@ -343,7 +358,7 @@ def run(ns: argparse.Namespace) -> str:
            "args": {k: v for k, v in vars(ns).items() if k != "command"}})
     for model_index, model in enumerate(ns.models):
         try:
-            model_dir = model_directory(model, ns)
+            model_dir = model_directory(model, ns, ns.load_format)
             workloads = build_workloads(model_dir, ns)
         except Exception as error:   # a model that cannot be prepared: said, and the next one runs
             write({"kind": "model", "model": model, "error": f"{type(error).__name__}: {error}"})

@@ -79,9 +79,11 @@ class EngineConfig:
         return any(placeholder in arg for arg in self.extra_args)
 
     def command(self, model_dir: str, served_name: str, port: int, eagle_head: str | None = None,
-                draft_model: str | None = None, eagle2_head: str | None = None) -> list[str]:
+                draft_model: str | None = None, eagle2_head: str | None = None, load_format: str = "auto") -> list[str]:
         """The server's command line; `eagle_head`, `eagle2_head` and `draft_model`
-        (directories) replace EAGLE_HEAD, EAGLE2_HEAD and DRAFT_MODEL in the flags."""
+        (directories) replace EAGLE_HEAD, EAGLE2_HEAD and DRAFT_MODEL in the flags.
+        load_format dummy: the target's weights are random (all three engines spell it
+        --load-format dummy; specserve's drafters still load from their files)."""
         fills = {EAGLE_HEAD: ("eagle_head", "an EAGLE-3 head", eagle_head),
                  EAGLE2_HEAD: ("eagle2_head", "an EAGLE-2 head", eagle2_head),
                  DRAFT_MODEL: ("draft_model", "a draft model", draft_model)}
@@ -90,7 +92,8 @@ class EngineConfig:
             if self._uses(placeholder) and not directory:
                 raise ValueError(f"{self.name} drafts with {what}: {argument} must name its directory")
             extra = [arg.replace(placeholder, directory) if directory else arg for arg in extra]
-        return BASE_COMMANDS[self.engine](model_dir, served_name, port) + extra
+        loading = [] if load_format == "auto" else ["--load-format", load_format]
+        return BASE_COMMANDS[self.engine](model_dir, served_name, port) + loading + extra
 
 
 def _specserve(model_dir: str, served_name: str, port: int) -> list[str]:
