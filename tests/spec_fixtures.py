@@ -234,6 +234,20 @@ def truncated_mid_path(output: dict) -> bool:
     return committed_by_verify_steps(output) > len(output["output_ids"]) - 1
 
 
+def cached_draft_rows(engine) -> list[int]:
+    """The draft head's rows the prefix cache holds beside the target's KV (kv/draft_rows.py):
+    none without the cache, or for a drafter whose rows it does not keep."""
+    tree = engine.core.scheduler.kv.tree
+    return list(tree.held_slots(draft=True)) if tree is not None and tree.draft_allocator is not None else []
+
+
+def assert_draft_pool_is_free(pool, cached: list[int]) -> None:
+    """Every slot of a drafter's pool is free or one of the prefix cache's rows, exactly once."""
+    free = pool.slots.free_list()
+    assert len(free) + len(cached) == pool.size, f"{pool.size - len(free) - len(cached)} draft slots leaked"
+    assert sorted(free + cached) == list(range(1, pool.size + 1))     # none lost or freed twice
+
+
 def wait_until_all_kv_is_free(engine, timeout: float = 30.0) -> None:
     """The core runs in its own thread: poll, then check every slot is free or in the prefix
     cache (unheld) exactly once, and every req_to_token row is free."""

@@ -25,7 +25,8 @@ from specserve.speculative.eagle_checkpoint import save_head
 from specserve.speculative.eagle_data import generate_conversations
 from specserve.speculative.eagle_trainer import EagleTrainer, TrainSettings, build_head, target_lm_head
 from specserve.speculative.target_features import TargetFeatureExtractor
-from tests.spec_fixtures import make_tiny_directory, tiny_engine, wait_until_all_kv_is_free
+from tests.spec_fixtures import (assert_draft_pool_is_free, cached_draft_rows, make_tiny_directory, tiny_engine,
+                                 wait_until_all_kv_is_free)
 
 VOCAB = 16
 NUM_STEPS = 3
@@ -71,8 +72,7 @@ def wait_until_head_kv_is_free(engine) -> None:
     pool = drafter.runner.pool
     wait_until_all_kv_is_free(engine)
     assert not drafter.kv.sequences and not drafter.states._states and drafter.states.held_rows == 0
-    assert pool.slots.available() == pool.size
-    assert sorted(pool.slots._free) == list(range(1, pool.size + 1))
+    assert_draft_pool_is_free(pool, cached_draft_rows(engine))
 
 
 def write_random_eagle3_head(directory) -> tuple[str, str]:

@@ -26,6 +26,7 @@ from specserve.sampling.sampler import Sampler
 from specserve.speculative.adaptive import AdaptiveDraftLength
 from specserve.speculative.drafter import Drafter
 from specserve.speculative.draft_setup import check_draft_path, prepare_draft
+from specserve.speculative.head_prefix_cache import cache_head_rows
 from specserve.speculative.registry import create_drafter, needs_draft_model
 
 logger = logging.getLogger("specserve")
@@ -133,13 +134,11 @@ def _build_core(args: ServerArgs, checked: Preflight, tp):
     scheduler = Scheduler(runner.pool, runner.max_running_requests,
                           args.chunked_prefill_size if args.chunked_prefill_size > 0 else context_length,
                           enable_mixed_chunk=args.enable_mixed_chunk,
-                          prefix_cache=not args.disable_radix_cache and not (draft and draft.reads_target_states),
-                          schedule_policy=args.schedule_policy)
+                          prefix_cache=not args.disable_radix_cache, schedule_policy=args.schedule_policy)
     drafter = checked.drafter if draft is None else draft.make_drafter(runner)
     if draft is not None and draft.reads_target_states:
-        # plain steps of the adaptive policy keep the target's states for the head (eagle.py: HELD_STATES_BYTES)
-        logger.info("%s: prefixes are not cached: the head needs the target's state of every token",
-                    args.speculative)
+        # a cached prefix has no target states: the tree keeps the head's rows beside the target's KV
+        cache_head_rows(scheduler.kv, drafter)
     adaptive = None
     if drafter is not None and not args.speculative_disable_adaptive:
         graph_sizes = runner.graphs.sizes if runner.graphs is not None else None

@@ -21,12 +21,17 @@ request's own is freed (a running request switches to the tree's: its table row 
 
 Allocation evicts unlocked cached prefixes, least recently used first, when the free list
 is short; `available()` counts them as room.
+
+With a draft head that reads the target's states (`keep_draft_rows`), the tree keeps the
+head's rows beside the target's KV, keyed on bigrams (kv/draft_rows.py): a request's
+cached prefix then holds both, and only what the head has rows for is cached.
 """
 from __future__ import annotations
 
 import collections
 from typing import TYPE_CHECKING, Iterable
 
+from specserve.kv.draft_rows import DraftRows, EvictingSlots, bigrams
 from specserve.kv.pool import KVPool
 from specserve.kv.radix_cache import RadixCache
 
@@ -39,6 +44,27 @@ class KVLedger:
         self.pool = pool
         self.allocator = pool.slots
         self.tree = RadixCache(pool.slots) if prefix_cache else None
+        self.draft: DraftRows | None = None
+
+    def keep_draft_rows(self, draft: DraftRows, draft_pool: KVPool) -> None:
+        """From now on the tree caches the draft head's rows (in `draft_pool`) beside the
+        target's KV, and an allocation of head rows evicts cached prefixes when short.
+        Only while the tree is empty."""
+        if self.tree is None:
+            return
+        if self.tree.size:
+            raise RuntimeError("the prefix cache can keep draft rows only from its start")
+        self.draft = draft
+        self.tree = RadixCache(self.allocator, draft_allocator=draft_pool.slots)
+        draft_pool.slots = self.tree.draft_allocator = EvictingSlots(draft_pool.slots, self.tree.evict)
+
+    def _key(self, req: Req, start: int, end: int) -> list[int]:
+        """The tree's key of the request's positions start .. end - 1."""
+        return req.all_ids[start:end] if self.draft is None else bigrams(req.all_ids, start, end)
+
+    def _cacheable_end(self, req: Req, end: int) -> int:
+        """Positions before `end` the tree can key: with draft rows, a bigram needs the next token."""
+        return end if self.draft is None else min(end, len(req.all_ids) - 1)
 
     # --- room ---
     def available(self) -> int:
@@ -67,7 +93,7 @@ class KVLedger:
         """How much of the request's cache `attach` would find now (changes nothing)."""
         if self.tree is None:
             return 0
-        return self.tree.match_length(req.all_ids[:self.match_limit(req)])
+        return self.tree.match_length(self._key(req, 0, self.match_limit(req)))
 
     def attach(self, req: Req) -> None:
         """Admission (the request has its table row, no slots yet)."""
@@ -75,11 +101,13 @@ class KVLedger:
             raise RuntimeError(f"request {req.rid} is admitted with {req.kv_len} KV slots already")
         if self.tree is None:
             return
-        slots, node = self.tree.match_prefix(req.all_ids[:self.match_limit(req)])
+        slots, node = self.tree.match_prefix(self._key(req, 0, self.match_limit(req)))
         self.tree.lock(node)
         req.kv_slots, req.cached_len, req.cache_node = slots, len(slots), node
         if slots:
             self._write_table(req, 0, slots)
+        if self.draft is not None:
+            self.draft.adopt(req, self.tree.path_draft_slots(node))
         if req.preemptions == 0:
             req.cached_tokens = len(slots)
 
@@ -87,8 +115,14 @@ class KVLedger:
         """After a prefill chunk: the request's computed tokens join the tree, under its lock."""
         if self.tree is None or req.kv_len <= req.cached_len:
             return
-        start, length = req.cached_len, req.kv_len
-        inserted = self.tree.insert(req.all_ids[start:length], req.kv_slots[start:length], below=req.cache_node)
+        start, length = req.cached_len, self._cacheable_end(req, req.kv_len)
+        drafts = None
+        if self.draft is not None:
+            drafts = self.draft.rows_to_cache(req, start, length, finishing=False)
+            length = start + len(drafts)
+        if length <= start:
+            return
+        inserted = self._insert(req, start, length, drafts)
         if inserted.cached:   # another request cached some of these tokens first: use its copy
             end = start + inserted.cached
             duplicates = req.kv_slots[start:end]
@@ -103,15 +137,31 @@ class KVLedger:
     def release(self, req: Req, keep: bool) -> None:
         """Takes back all of the request's slots: with keep, its written KV joins the tree."""
         own_from = start = req.cached_len
-        written = min(req.kv_len, req.num_tokens)   # a verify step may have written drafts a stop cut off
+        # a verify step may have written drafts a stop cut off
+        written = self._cacheable_end(req, min(req.kv_len, req.num_tokens))
+        drafts = None
+        if keep and self.draft is not None and written > start:
+            drafts = self.draft.rows_to_cache(req, start, written, finishing=True)
+            written = start + len(drafts)
         if keep and self.tree is not None and written > start:
-            inserted = self.tree.insert(req.all_ids[start:written], req.kv_slots[start:written], below=req.cache_node)
+            inserted = self._insert(req, start, written, drafts)
             self.free(req.kv_slots[start:start + inserted.cached])   # another request's copy was cached first
             own_from = written
         self.free(req.kv_slots[own_from:])
+        if self.draft is not None:
+            self.draft.detach(req)
         if req.cache_node is not None:
             self.tree.unlock(req.cache_node)
         req.kv_slots, req.cached_len, req.cache_node = [], 0, None
+
+    def _insert(self, req: Req, start: int, end: int, drafts: list[int] | None):
+        """Positions start .. end - 1 of the request join the tree under its lock (with its head
+        rows, which are the tree's from now on)."""
+        inserted = self.tree.insert(self._key(req, start, end), req.kv_slots[start:end], below=req.cache_node,
+                                    draft_slots=drafts)
+        if drafts is not None:
+            self.draft.share(req, start, inserted.draft_slots)
+        return inserted
 
     def trim(self, req: Req, length: int) -> None:
         """Frees the request's slots from position `length` on (its own, never the tree's)."""
@@ -152,6 +202,8 @@ class KVLedger:
             raise AssertionError(f"KV slots lost: {sorted(expected - owners.keys())[:10]}, "
                                  f"unknown: {sorted(owners.keys() - expected)[:10]}")
         self._check_tree(running)
+        if self.draft is not None:
+            self._check_draft_rows(running)
 
     def _check_tree(self, running: list[Req]) -> None:
         if self.tree is None:
@@ -178,3 +230,22 @@ class KVLedger:
         if (sizes["locked"], sizes["evictable"]) != (self.tree.locked_size, self.tree.evictable_size):
             raise AssertionError(f"tree sizes {sizes} disagree with its counters "
                                  f"({self.tree.locked_size} locked, {self.tree.evictable_size} evictable)")
+
+    def _check_draft_rows(self, running: list[Req]) -> None:
+        """Every head slot is free, in the tree, or held by one request alone; each running
+        request's cached head rows are its tree path's."""
+        pool_slots = self.tree.draft_allocator
+        owners: dict[int, str] = {}
+        for owner, slots in [("free", pool_slots.free_list()), ("in the prefix cache", self.tree.held_slots(draft=True)),
+                             *((f"held by request {rid}", own) for rid, own in self.draft.own_slots().items())]:
+            for slot in slots:
+                if slot in owners:
+                    raise AssertionError(f"head slot {slot} is both {owners[slot]} and {owner}")
+                owners[slot] = owner
+        expected = set(range(1, pool_slots.size + 1))
+        if owners.keys() != expected:
+            raise AssertionError(f"head slots lost: {sorted(expected - owners.keys())[:10]}, "
+                                 f"unknown: {sorted(owners.keys() - expected)[:10]}")
+        for req in running:
+            if self.draft.cached_rows(req) != self.tree.path_draft_slots(req.cache_node):
+                raise AssertionError(f"request {req.rid}: its cached head rows are not its tree path's")

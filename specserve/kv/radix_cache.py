@@ -9,6 +9,10 @@ slot is free, held by the tree, or held by one request.
 
 Page size 1: a node's key and its slots have one entry per token, so a match may end
 anywhere, splitting the node it ends in.
+
+A tree that also caches a draft head's rows (kv/draft_rows.py) keeps, beside each entry's
+KV slot, the slot of the head's row for it in the head's own pool (`draft_slots`): they are
+inserted, matched, locked and evicted together, and an evicted leaf frees both.
 """
 from __future__ import annotations
 
@@ -21,11 +25,13 @@ from specserve.kv.pool import SlotAllocator
 
 
 class TreeNode:
-    __slots__ = ("key", "slots", "children", "parent", "lock_count", "last_access")
+    __slots__ = ("key", "slots", "draft_slots", "children", "parent", "lock_count", "last_access")
 
-    def __init__(self, key: list[int], slots: list[int], parent: TreeNode | None):
+    def __init__(self, key: list[int], slots: list[int], parent: TreeNode | None,
+                 draft_slots: list[int] | None = None):
         self.key = key                      # token ids of this edge
         self.slots = slots                  # their KV slots, one per token
+        self.draft_slots = draft_slots      # the draft head's row of each (a tree with a draft allocator)
         self.children: dict[int, TreeNode] = {}   # by the child's first token
         self.parent = parent
         self.lock_count = 0                 # running requests whose cache ends in this subtree
@@ -38,12 +44,14 @@ class Inserted:
     cached: int              # leading tokens that were in the tree already: their given slots were not taken
     slots: list[int]         # the tree's slots of all the inserted tokens
     node: TreeNode           # the node that ends them
+    draft_slots: list[int] | None = None   # the tree's draft rows of them (a tree with a draft allocator)
 
 
 class RadixCache:
-    def __init__(self, allocator: SlotAllocator):
+    def __init__(self, allocator: SlotAllocator, draft_allocator: SlotAllocator | None = None):
         self.allocator = allocator           # evicted slots go back to it
-        self.root = TreeNode([], [], None)
+        self.draft_allocator = draft_allocator   # evicted draft rows go back to it (None: no draft rows)
+        self.root = TreeNode([], [], None, [] if draft_allocator is not None else None)
         self.root.lock_count = 1             # never evicted
         self.evictable_size = 0              # tokens in unlocked nodes
         self.locked_size = 0                 # tokens in locked nodes
@@ -89,23 +97,31 @@ class RadixCache:
         return position
 
     # --- changes ---
-    def insert(self, tokens: list[int], slots: list[int], below: TreeNode | None = None) -> Inserted:
-        """Caches `slots` as the KV of `tokens`. Where a prefix is cached already its slots
-        stay and the given ones are not taken: the caller frees those it owns.
+    def insert(self, tokens: list[int], slots: list[int], below: TreeNode | None = None,
+               draft_slots: list[int] | None = None) -> Inserted:
+        """Caches `slots` as the KV of `tokens` (and `draft_slots` as their draft rows, in a
+        tree with a draft allocator). Where a prefix is cached already its slots stay and the
+        given ones are not taken: the caller frees those it owns.
 
         below: `tokens` continue the path to this node, which the caller holds locked. If the
         caller alone holds it and nothing continues it, the node grows in place: a request
         whose prompt is cached chunk by chunk stays one node, not a chain of one per chunk."""
         if len(tokens) != len(slots):
             raise ValueError(f"insert: {len(tokens)} tokens but {len(slots)} slots")
+        if (draft_slots is not None) != (self.draft_allocator is not None) or (
+                draft_slots is not None and len(draft_slots) != len(slots)):
+            raise ValueError("insert: draft_slots must name one draft row per token exactly when the tree keeps them")
         cached_slots, node = self.match_prefix(tokens, below)
         cached = len(cached_slots)
+        new_drafts = draft_slots[cached:] if draft_slots is not None else None
+        cached_drafts = self.path_draft_slots(node)[-cached:] if cached and draft_slots is not None else []
         if cached < len(tokens):
             if node is below and node is not self.root and not node.children and node.lock_count == 1:
-                self._grow(node, tokens[cached:], slots[cached:])
+                self._grow(node, tokens[cached:], slots[cached:], new_drafts)
             else:
-                node = self._add_leaf(node, tokens[cached:], slots[cached:])
-        return Inserted(cached, cached_slots + slots[cached:], node)
+                node = self._add_leaf(node, tokens[cached:], slots[cached:], new_drafts)
+        drafts = cached_drafts + new_drafts if draft_slots is not None else None
+        return Inserted(cached, cached_slots + slots[cached:], node, drafts)
 
     def lock(self, node: TreeNode) -> None:
         """A running request's cache ends at `node`: it and its ancestors are kept."""
@@ -149,26 +165,33 @@ class RadixCache:
         """Evicts every unlocked node; returns how many slots that freed."""
         return self.evict(self.evictable_size)
 
-    def held_slots(self) -> Iterator[int]:
-        """Every slot the tree holds (for the accounting check)."""
+    def held_slots(self, draft: bool = False) -> Iterator[int]:
+        """Every slot the tree holds (draft: every draft row), for the accounting check."""
         stack = [self.root]
         while stack:
             node = stack.pop()
-            yield from node.slots
+            yield from node.draft_slots if draft else node.slots
             stack.extend(node.children.values())
 
-    def path_slots(self, node: TreeNode) -> list[int]:
-        """The slots from the root down to `node`, in token order."""
+    def path_slots(self, node: TreeNode, draft: bool = False) -> list[int]:
+        """The slots (draft: the draft rows) from the root down to `node`, in token order."""
         parts = []
         while node is not None:
-            parts.append(node.slots)
+            parts.append(node.draft_slots if draft else node.slots)
             node = node.parent
         return [slot for part in reversed(parts) for slot in part]
+
+    def path_draft_slots(self, node: TreeNode) -> list[int]:
+        return self.path_slots(node, draft=True)
 
     # --- structure ---
     def _split(self, child: TreeNode, length: int) -> TreeNode:
         """Cuts `child`'s edge after `length` tokens; returns the new upper part."""
-        upper = TreeNode(child.key[:length], child.slots[:length], child.parent)
+        drafts = child.draft_slots
+        upper = TreeNode(child.key[:length], child.slots[:length], child.parent,
+                         drafts[:length] if drafts is not None else None)
+        if drafts is not None:
+            child.draft_slots = drafts[length:]
         upper.lock_count = child.lock_count   # a lock below also holds what is above it
         upper.last_access = child.last_access
         upper.children[child.key[length]] = child
@@ -176,8 +199,9 @@ class RadixCache:
         child.key, child.slots, child.parent = child.key[length:], child.slots[length:], upper
         return upper
 
-    def _add_leaf(self, parent: TreeNode, key: list[int], slots: list[int]) -> TreeNode:
-        leaf = TreeNode(list(key), list(slots), parent)
+    def _add_leaf(self, parent: TreeNode, key: list[int], slots: list[int],
+                  draft_slots: list[int] | None = None) -> TreeNode:
+        leaf = TreeNode(list(key), list(slots), parent, list(draft_slots) if draft_slots is not None else None)
         leaf.last_access = next(self._clock)
         parent.children[key[0]] = leaf
         self.evictable_size += len(key)
@@ -185,14 +209,18 @@ class RadixCache:
         self._refresh_leaf(leaf)
         return leaf
 
-    def _grow(self, node: TreeNode, key: list[int], slots: list[int]) -> None:
+    def _grow(self, node: TreeNode, key: list[int], slots: list[int], draft_slots: list[int] | None = None) -> None:
         """Appends to a locked leaf's edge."""
         node.key.extend(key)
         node.slots.extend(slots)
+        if draft_slots is not None:
+            node.draft_slots.extend(draft_slots)
         self.locked_size += len(key)
 
     def _remove_leaf(self, leaf: TreeNode) -> int:
         self.allocator.free(leaf.slots)
+        if leaf.draft_slots is not None:
+            self.draft_allocator.free(leaf.draft_slots)
         self.evictable_size -= len(leaf.key)
         self._evictable_leaves.discard(leaf)
         parent = leaf.parent

@@ -14,6 +14,10 @@ position r. Rows reserved for chain drafts hold UNSET until recorded.
 Rows of req_to_token: the draft pool's table has the target pool's shape, and a request
 uses the row the scheduler gave it in the target pool. A request that was preempted (its
 row freed) loses its draft cache and rebuilds it on resume, whatever row it then gets.
+
+With the prefix cache on, an EAGLE head's first rows may be the tree's (kv/draft_rows.py):
+a request starts with the rows of its cached prefix (`adopt`), and hands its own rows over
+when they are cached (`share`). The tree's rows (`shared`) are never freed here.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ class DraftSequence:
     slots: list[int] = field(default_factory=list)    # draft-pool slot of rows 0..len-1
     tokens: list[int] = field(default_factory=list)   # the token whose K/V each slot holds
     committed: int = 0                                # rows known to hold the request's own tokens
+    shared: int = 0                                   # rows 0 .. shared - 1 are the prefix cache's
 
 
 class DraftKVTable:
@@ -70,7 +75,7 @@ class DraftKVTable:
         (drafts the verify step rejected go back to the pool)."""
         seq = self.sequences.get(req.rid)
         if seq is not None and seq.row != req.row:   # resumed after a preemption nobody reported
-            self.release(req)
+            self.detach(req)
             seq = None
         if seq is None:
             seq = self.sequences[req.rid] = DraftSequence(row=req.row)
@@ -142,21 +147,82 @@ class DraftKVTable:
         seq.tokens[start:start + len(drafts)] = drafts
 
     def truncate(self, req: "Req", rows: int) -> None:
-        """Frees the request's rows from `rows` on (their K/V is not what the table says)."""
+        """Frees the request's rows from `rows` on (their K/V is not what the table says);
+        the prefix cache's stay."""
         seq = self.sequences.get(req.rid)
+        if seq is not None:
+            rows = max(rows, seq.shared)
         if seq is not None and rows < len(seq.slots):
             self.pool.slots.free(seq.slots[rows:])
             del seq.slots[rows:], seq.tokens[rows:]
             seq.committed = min(seq.committed, rows)
 
     def release(self, req: "Req") -> None:
+        """Frees the request's own rows; rows of its cached prefix stay its own until `detach`."""
+        seq = self.sequences.get(req.rid)
+        if seq is not None and seq.shared:
+            self.truncate(req, seq.shared)
+            self._unsettled.discard(req.rid)
+        else:
+            self.detach(req)
+
+    def detach(self, req: "Req") -> None:
+        """Forgets the request: its own rows are freed, the prefix cache's stay the cache's."""
         self._unsettled.discard(req.rid)
         seq = self.sequences.pop(req.rid, None)
         if seq is not None:
-            self.pool.slots.free(seq.slots)
+            self.pool.slots.free(seq.slots[seq.shared:])
+            # table writes still queued for its row are not its successor's
+            self._new_entries = [entry for entry in self._new_entries if entry[0] != seq.row]
+
+    # --- rows the prefix cache holds (kv/draft_rows.py) ---
+    def adopt(self, req: "Req", slots: list[int]) -> None:
+        """The request starts with the cached rows 0 .. len(slots) - 1 (the tree's)."""
+        self.detach(req)
+        if not slots:
+            return
+        length = len(slots)
+        seq = self.sequences[req.rid] = DraftSequence(row=req.row, slots=list(slots), committed=length, shared=length)
+        seq.tokens = _tokens_at(req, self.token_offset, length + self.token_offset)
+        self._new_entries.append((seq.row, 0, list(slots)))
+
+    def held_rows(self, req: "Req", start: int, end: int) -> list[int]:
+        """The slots of the request's rows start .. k - 1 (k <= end) that hold its own tokens,
+        found without freeing anything (a step in flight may write the rows after them)."""
+        seq = self.sequences.get(req.rid)
+        if seq is None or seq.row != req.row or start < seq.shared:
+            return []
+        stop, prompt, output = min(end, len(seq.tokens)), req.prompt_ids, req.output_ids
+        held = start
+        while held < stop and seq.tokens[held] == _token_at(prompt, output, held + self.token_offset):
+            held += 1
+        return seq.slots[start:held]
+
+    def share(self, req: "Req", start: int, slots: list[int]) -> None:
+        """Rows start .. start + len(slots) - 1 are the tree's, in `slots`: where another request
+        cached them first, the request's own copies are freed and its table names the tree's."""
+        seq = self.sequences[req.rid]
+        end = start + len(slots)
+        duplicates = [own for own, cached in zip(seq.slots[start:end], slots) if own != cached]
+        if duplicates:
+            if any(entry[0] == seq.row for entry in self._new_entries):
+                self.write_table()   # the entries it replaces first: one write never names a position twice
+            self.pool.slots.free(duplicates)
+            seq.slots[start:end] = slots
+            self._new_entries.append((seq.row, start, list(slots)))
+        seq.shared = end
+        seq.committed = max(seq.committed, end)
+
+    def cached_rows(self, req: "Req") -> list[int]:
+        seq = self.sequences.get(req.rid)
+        return [] if seq is None else seq.slots[:seq.shared]
+
+    def own_slots(self) -> dict[str, list[int]]:
+        return {rid: seq.slots[seq.shared:] for rid, seq in self.sequences.items()}
 
     def slots_held(self) -> int:
-        return sum(len(seq.slots) for seq in self.sequences.values())
+        """Slots the requests hold alone (not the prefix cache's)."""
+        return sum(len(seq.slots) - seq.shared for seq in self.sequences.values())
 
     def write_table(self) -> None:
         """One req_to_token write for every slot handed out since the last call."""

@@ -46,8 +46,9 @@ class DraftSetup:
 
     @property
     def reads_target_states(self) -> bool:
-        """An EAGLE head needs the target's state of every cached token: a prefix served
-        from the prefix cache has none (plain steps keep theirs: engine/overlap.py)."""
+        """An EAGLE head needs the target's state of every token it has no row for: a prefix
+        served from the prefix cache has none, so the cache keeps the head's rows too
+        (speculative/head_prefix_cache.py; plain steps keep their states: engine/overlap.py)."""
         return self.hidden_capture is not None
 
 

@@ -191,6 +191,10 @@ class EagleDrafter(Drafter):
         for req, _, _, end, _ in fed:
             self.states.drop_before(req.rid, end - 1)
 
+    def can_feed(self, req: "Req") -> bool:
+        """Whether `feed` may run for the request now (no step in flight writes its rows)."""
+        return True
+
     def release(self, req: "Req") -> None:
         self.kv.release(req)
         self.states.release(req.rid)

@@ -217,6 +217,9 @@ class FusedChainDrafter(EagleDrafter):
             reqs, committed = [reqs[i] for i in kept], [committed[i] for i in kept]
         super().observe_batch(reqs, committed)
 
+    def can_feed(self, req: "Req") -> bool:
+        return req.rid not in self._in_flight   # a feed's sync would free the rows that step writes
+
     def release(self, req: "Req") -> None:
         super().release(req)
         self.pending.pop(req.rid, None)

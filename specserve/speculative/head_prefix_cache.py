@@ -1,0 +1,52 @@
+"""An EAGLE head's rows in the prefix cache: the engine side of kv/draft_rows.py.
+
+The ledger caches a request's positions only where its head has rows for them too. A
+request's head is fed the target's states when it drafts (a catch-up, or the chain's first
+step), so right after a prefill it holds no rows for the new tokens: the prefill is cached
+once the request leaves (finish or preemption), when what the head still lacks is fed in
+one catch-up forward from the states it kept. A second chat turn then finds the first
+turn's prompt and answer cached for the target and the head alike.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from specserve.kv.draft_rows import DraftRows
+
+if TYPE_CHECKING:
+    from specserve.engine.request import Req
+    from specserve.kv.ledger import KVLedger
+    from specserve.speculative.eagle import EagleDrafter
+
+
+class HeadPrefixRows(DraftRows):
+    def __init__(self, drafter: "EagleDrafter"):
+        self.drafter = drafter
+        self.kv = drafter.kv
+
+    def adopt(self, req: "Req", slots: list[int]) -> None:
+        self.kv.adopt(req, slots)
+
+    def rows_to_cache(self, req: "Req", start: int, end: int, finishing: bool) -> list[int]:
+        held = self.kv.held_rows(req, start, end)
+        if finishing and start + len(held) < end and self.drafter.can_feed(req):
+            self.drafter.feed([req])
+            held = self.kv.held_rows(req, start, end)
+        return held
+
+    def share(self, req: "Req", start: int, slots: list[int]) -> None:
+        self.kv.share(req, start, slots)
+
+    def detach(self, req: "Req") -> None:
+        self.kv.detach(req)
+
+    def own_slots(self) -> dict[str, list[int]]:
+        return self.kv.own_slots()
+
+    def cached_rows(self, req: "Req") -> list[int]:
+        return self.kv.cached_rows(req)
+
+
+def cache_head_rows(ledger: "KVLedger", drafter: "EagleDrafter") -> None:
+    """The ledger's prefix cache (if on) keeps the drafter's head rows beside the target's KV."""
+    ledger.keep_draft_rows(HeadPrefixRows(drafter), drafter.kv.pool)

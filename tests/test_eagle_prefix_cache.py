@@ -1,0 +1,229 @@
+"""EAGLE heads with the prefix cache on (kv/draft_rows.py, speculative/head_prefix_cache.py):
+the tree keeps each cached position's head row beside the target's KV, so a request that
+hits a cached prefix feeds its head the target states of the uncached suffix only.
+
+Greedy output is the same with the cache on and off for EAGLE-3 and EAGLE chains (fused),
+EAGLE-2 trees, NAIVE_EAGLE and MTP, over shared prompts, a second chat turn, and a cache
+small enough that prefixes are evicted and requests preempted; afterwards every target
+slot and every head slot is free or cached exactly once. Random tiny targets and heads.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.kv.draft_rows import EvictingSlots, bigrams
+from specserve.kv.pool import SlotAllocator
+from specserve.kv.radix_cache import RadixCache
+from tests.fused_fixtures import fused_args, save_random_eagle_head, save_random_mtp_head
+from tests.spec_fixtures import (assert_draft_pool_is_free, cached_draft_rows, make_tiny_directory, tiny_engine,
+                                 wait_until_all_kv_is_free)
+
+GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+SYSTEM = [5, 6, 7, 8, 9] * 6
+PROMPTS = [SYSTEM + [10, 11], SYSTEM + [40, 41, 42], [20, 21, 22, 23] * 5, list(range(30, 72)), [100, 101] * 9]
+FOLLOW_UP = [3, 4, 5, 6]
+
+CONFIGS = {
+    "EAGLE3-chain": ("EAGLE3", {"speculative_num_steps": 3}),
+    "EAGLE-chain": ("EAGLE", {"speculative_num_steps": 3}),
+    "EAGLE3-tree": ("EAGLE3", {"speculative_num_steps": 3, "speculative_eagle_topk": 2,
+                               "speculative_num_draft_tokens": 6}),
+    "NAIVE_EAGLE": ("NAIVE_EAGLE", {}),
+    "MTP": ("MTP", {}),
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(target path, {kind: head path}): a random 256-token target, random heads of each kind."""
+    root = tmp_path_factory.mktemp("eagle-prefix-cache")
+    target = root / "target"
+    make_tiny_directory(target, "llama", seed=1)
+    heads = {}
+    for kind in ("EAGLE3", "EAGLE"):
+        heads[kind] = root / kind
+        save_random_eagle_head(target, heads[kind], algorithm=kind, draft_vocab=torch.arange(0, 256, 2))
+    heads["NAIVE_EAGLE"] = heads["EAGLE3"]
+    heads["MTP"] = root / "MTP"
+    save_random_mtp_head(target, heads["MTP"], std=0.1)
+    return target, heads
+
+
+def engine_for(models, config: str, **extra):
+    target, heads = models
+    algorithm, args = CONFIGS[config]
+    return tiny_engine(target, **fused_args(algorithm, heads[algorithm], **args), **extra)
+
+
+def two_turns(engine) -> tuple[list[list[int]], list[list[int]], list[int], int]:
+    """(first turn's outputs, second turn's outputs, second turn's cached tokens, preemptions)."""
+    first = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    seconds = [p + o["output_ids"] + FOLLOW_UP for p, o in zip(PROMPTS, first)]
+    second = engine.generate(input_ids=seconds, sampling_params=GREEDY)
+    return ([o["output_ids"] for o in first], [o["output_ids"] for o in second],
+            [o["meta_info"]["cached_tokens"] for o in second], sum(o["meta_info"]["preemptions"] for o in first + second))
+
+
+def wait_until_everything_is_free(engine) -> None:
+    """Every target slot and every head slot is free or the prefix cache's, exactly once
+    (the ledger's check covers both pools), and no request keeps head state."""
+    wait_until_all_kv_is_free(engine)
+    drafter = engine.core.drafter
+    assert not drafter.kv.sequences and drafter.states.held_rows == 0
+    assert_draft_pool_is_free(drafter.kv.pool, cached_draft_rows(engine))
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_greedy_output_is_the_same_with_the_cache_on_and_off(models, config):
+    with engine_for(models, config, disable_radix_cache=True) as uncached:
+        expected = two_turns(uncached)
+        assert expected[2] == [0] * len(PROMPTS)
+        assert uncached.core.scheduler.kv.tree is None
+        wait_until_everything_is_free(uncached)
+    with engine_for(models, config) as cached:
+        first, second, cached_tokens, _ = two_turns(cached)
+        assert (first, second) == expected[:2]
+        # turn 2 finds turn 1's prompt and answer but its last token (a bigram needs the token after it)
+        assert cached_tokens == [len(p) + len(o) - 1 for p, o in zip(PROMPTS, first)]
+        wait_until_everything_is_free(cached)
+        assert len(cached_draft_rows(cached)) == cached.core.scheduler.cached_slots() > 0
+        # a third round of the same requests runs from the cache
+        assert two_turns(cached)[:2] == expected[:2]
+        wait_until_everything_is_free(cached)
+
+
+@pytest.mark.parametrize("config", ["EAGLE3-chain", "EAGLE3-tree"])
+def test_a_small_cache_evicts_prefixes_and_their_head_rows(models, config):
+    """A cache that holds one or two requests: cached prefixes are evicted (head rows with
+    them) and requests preempted while others run; the outputs stay the uncached ones."""
+    with engine_for(models, config, disable_radix_cache=True) as uncached:
+        expected = two_turns(uncached)
+    with engine_for(models, config, max_total_tokens=160) as small:
+        tree = small.core.scheduler.kv.tree
+        evict, evictions = tree.evict, []
+        tree.evict = lambda count: evictions.append(evict(count)) or evictions[-1]   # the target's allocations'
+        first, second, _, preemptions = two_turns(small)
+        assert (first, second) == expected[:2]
+        assert preemptions > 0 and sum(evictions) > 0
+        wait_until_everything_is_free(small)
+        assert cached_draft_rows(small)
+        assert small.flush_cache() > 0
+        assert not cached_draft_rows(small) and small.core.scheduler.cached_slots() == 0
+        pool = small.core.drafter.kv.pool
+        assert pool.slots.available() == pool.size     # flushing the cache gave every head row back
+
+
+class RowCounter:
+    """Counts, for one engine, the target states handed to the head (observe_hidden) and the
+    head rows its forwards computed from them (catch-up rows and the rows a chain feeds)."""
+
+    def __init__(self, drafter):
+        self.states = self.head_rows = 0
+        observe, catch_up, draft = drafter.observe_hidden, drafter.runner.catch_up, drafter.runner.draft
+
+        def observe_hidden(reqs, starts, states, rows, owned=False):
+            self.states += sum(map(len, rows))
+            return observe(reqs, starts, states, rows, owned)
+
+        def count_catch_up(rows, starts, tokens, slots, features):
+            self.head_rows += sum(map(len, tokens))
+            return catch_up(rows, starts, tokens, slots, features)
+
+        def count_draft(rows, features, sample):
+            self.head_rows += sum(len(row.tokens) for row in rows)
+            return draft(rows, features, sample)
+
+        drafter.observe_hidden, drafter.runner.catch_up, drafter.runner.draft = observe_hidden, count_catch_up, count_draft
+
+
+@pytest.mark.parametrize("disable_radix_cache", [False, True], ids=["cached", "uncached"])
+def test_a_second_turn_feeds_the_head_only_its_new_tokens(models, disable_radix_cache):
+    """Turn 2 (one request, one token: its prefill then its release) hands the head the target
+    states of what the cache lacked, and the head computes those rows only; uncached, every
+    position's. (An EAGLE-2 tree drafter: all its head forwards are the counted ones.)"""
+    prompt = PROMPTS[0]
+    with engine_for(models, "EAGLE3-tree", disable_radix_cache=disable_radix_cache) as engine:
+        answer = engine.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
+        second = prompt + answer + FOLLOW_UP
+        counter = RowCounter(engine.core.drafter)
+        out = engine.generate(input_ids=second, sampling_params={**GREEDY, "max_new_tokens": 1})
+        cached = out["meta_info"]["cached_tokens"]
+        wait_until_everything_is_free(engine)
+        new_positions = len(second) - cached
+        assert counter.states == new_positions
+        if disable_radix_cache:
+            assert cached == 0 and counter.head_rows == 0   # nothing drafted, nothing cached: no head forward
+        else:
+            assert cached == len(prompt) + len(answer) - 1 and new_positions == len(FOLLOW_UP) + 1
+            assert counter.head_rows == new_positions       # fed at its release, to be cached
+            # and a turn that drafts: its first proposal feeds the rows of its uncached suffix only
+            counter.head_rows = 0
+            third = second + out["output_ids"] + FOLLOW_UP
+            engine.generate(input_ids=third, sampling_params={**GREEDY, "max_new_tokens": 2})
+            assert counter.states <= new_positions + len(FOLLOW_UP) + 1 + 2 * 6
+            assert counter.head_rows < len(FOLLOW_UP) + 1 + 6 * 2 < len(third)
+            wait_until_everything_is_free(engine)
+
+
+def head_cache_after_first_draft(engine, prompt: list[int]) -> torch.Tensor:
+    """The K of the head's rows 0 .. R - 1 (every row the request's first draft reads) for a
+    request of `prompt`, read right after that draft."""
+    drafter = engine.core.drafter
+    runner, pool, seen = drafter.runner, drafter.kv.pool, []
+    draft = runner.draft
+
+    def reading_draft(rows, features, sample):
+        result = draft(rows, features, sample)
+        if not seen:
+            row = rows[0]
+            entries = pool.req_to_token[row.req_row * runner.topk, :row.prefix_len + len(row.tokens)].long()
+            seen.append(pool.k_buffers[0][entries].clone())
+        return result
+
+    runner.draft = reading_draft
+    try:
+        engine.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 3})
+    finally:
+        runner.draft = draft
+    return seen[0]
+
+
+@pytest.mark.parametrize("config", ["EAGLE-chain", "EAGLE3-tree", "MTP"])
+def test_the_head_cache_of_a_second_turn_is_what_an_uncached_engine_computes(models, config):
+    """The rows a second turn takes from the tree hold the K/V its head would compute from the
+    target's states (the tree's row p is the one of bigram p: no row is shifted or stale)."""
+    caches = []
+    for disable in (True, False):
+        with engine_for(models, config, disable_radix_cache=disable, max_running_requests=1) as engine:
+            answer = engine.generate(input_ids=PROMPTS[1], sampling_params=GREEDY)["output_ids"]
+            second = PROMPTS[1] + answer + FOLLOW_UP
+            caches.append(head_cache_after_first_draft(engine, second))
+            wait_until_everything_is_free(engine)
+    uncached, cached = caches
+    assert len(cached) == len(uncached) == len(PROMPTS[1]) + len(answer) + len(FOLLOW_UP)
+    assert torch.allclose(cached, uncached, atol=1e-5)
+
+
+def test_tree_entries_keep_their_draft_rows_through_splits_and_eviction():
+    """RadixCache with a draft allocator: an insert takes one draft row per token, a split
+    keeps each row with its token, a repeated prefix keeps the first copy, and an evicted
+    leaf frees its target slots and draft rows alike."""
+    target, draft = SlotAllocator(16), SlotAllocator(16)
+    tree = RadixCache(target, draft_allocator=draft)
+    first_slots, first_rows = target.alloc(4), draft.alloc(4)
+    tree.insert(bigrams([1, 2, 3, 4, 5], 0, 4), first_slots, draft_slots=first_rows)
+    other_slots, other_rows = target.alloc(3), draft.alloc(3)
+    inserted = tree.insert(bigrams([1, 2, 9, 9], 0, 3), other_slots, draft_slots=other_rows)
+    assert inserted.cached == 1 and inserted.draft_slots == first_rows[:1] + other_rows[1:]
+    draft.free(other_rows[:1])
+    target.free(other_slots[:1])
+    slots, node = tree.match_prefix(bigrams([1, 2, 3, 4, 5], 0, 4))
+    assert slots == first_slots and tree.path_draft_slots(node) == first_rows
+    with pytest.raises(ValueError, match="draft_slots"):
+        tree.insert([7], [target.alloc(1)[0]])
+    evicting = EvictingSlots(draft, tree.evict)
+    taken = evicting.alloc(draft.available() + 2)    # two rows short: the least recently used leaf goes
+    assert taken is not None and set(other_rows) <= set(taken)   # the evicted rows among them
+    assert tree.size == 4 and sorted(tree.held_slots(draft=True)) == sorted(first_rows)
+    assert target.available() + tree.size == 16 - 1    # its target slots came back too (one is the raise's)
