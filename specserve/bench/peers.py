@@ -31,6 +31,8 @@ calls merge with `peers report`.
       --engines specserve-eagle3 sglang-eagle3 vllm-eagle3 --eagle-head qwen2.5-coder-1.5b-instruct=/root/eagle3-1.5b
   python -m specserve.bench.peers run --quick --models qwen2.5-coder-1.5b-instruct \
       --engines specserve-standalone --draft-model qwen2.5-coder-1.5b-instruct=qwen2.5-coder-0.5b-instruct
+  python -m specserve.bench.peers run --quick --load-format dummy --models qwen2.5-7b llama-3.1-8b \
+      --engines specserve-plain vllm-plain sglang-plain     # random weights of real shapes, no checkpoints
   python -m specserve.bench.peers report out1/peers.jsonl out2/peers.jsonl --out docs/bench/peers
 """
 from __future__ import annotations

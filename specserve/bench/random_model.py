@@ -56,7 +56,8 @@ def write_model_config(directory: str, shape: str | dict, dtype: torch.dtype = t
     return directory
 
 
-def write_random_model(directory: str, shape: str | dict, dtype: torch.dtype = torch.bfloat16, device: str = "cuda") -> str:
+def write_random_model(directory: str, shape: str | dict, dtype: torch.dtype = torch.bfloat16,
+                       device: str = "cuda") -> str:
     """write_model_config and model.safetensors: random weights (N(0, 0.02), norms 1, seed 0),
     made on `device`; returns the path."""
     from safetensors.torch import save_file
