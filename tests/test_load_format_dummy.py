@@ -119,3 +119,11 @@ def test_a_bad_load_format_names_the_field(config_only_dir, tmp_path):
 def test_a_draft_model_loads_from_its_files_only():
     with pytest.raises(NotSupportedError, match="speculative_draft_load_format='dummy'"):
         ServerArgs(speculative_draft_load_format="dummy")
+
+
+def test_tensor_parallel_ranks_make_their_part_of_the_same_weights(config_only_dir):
+    """Each rank's process makes its shard (the worker's load path): two ranks answer as one."""
+    with tiny_engine(config_only_dir, load_format="dummy", random_seed=5) as whole:
+        want = greedy_ids(whole)
+    with tiny_engine(config_only_dir, load_format="dummy", random_seed=5, tp_size=2) as split:
+        assert greedy_ids(split) == want
