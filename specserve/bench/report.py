@@ -41,7 +41,8 @@ def speed_rows(rows: list[dict]) -> list[dict]:
                           "accept_length": run.get("accept_length"), "speedup": speedup,
                           "round_speedups": [s for s, _ in results] if len(results) > 1 else None,
                           "roofline_fraction": run.get("roofline_fraction"),
-                          "longest_step_s": run.get("longest_step_s"), "jit_compile_s": run.get("jit_compile_s")})
+                          "longest_step_s": run.get("longest_step_s"), "jit_compile_s": run.get("jit_compile_s"),
+                          "valid_fraction": run.get("valid_fraction")})
     return table
 
 
@@ -90,15 +91,15 @@ def markdown(rows: list[dict]) -> str:
         if row.get("kind") == "greedy_match_rate_bf16":
             lines.append(f"- {row['model']}: bf16 greedy outputs identical with/without NGRAM ({row['ngram']}): {row['rate']:.0%}")
     lines.append("\n| model | workload | conc. | turn | config | tok/s | accept len | vs plain | of roofline "
-                 "| longest step (ms) | JIT compiles (s) |")
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
+                 "| longest step (ms) | JIT compiles (s) | valid answers |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
     fmt = lambda v, f: "" if v is None else format(v, f)
     for r in speed_rows(rows):
         longest_ms = None if r["longest_step_s"] is None else r["longest_step_s"] * 1e3
         lines.append(f"| {r['model']} | {r['workload']} | {r['concurrency']} | {r['turn']} | {r['config']} | "
                      f"{r['tok_s']:.1f} | {fmt(r['accept_length'], '.2f')} | {fmt(r['speedup'], '.2f')}x | "
                      f"{fmt(r['roofline_fraction'], '.0%')} | "
-                     f"{fmt(longest_ms, '.1f')} | {fmt(r['jit_compile_s'], '.2f')} |")
+                     f"{fmt(longest_ms, '.1f')} | {fmt(r['jit_compile_s'], '.2f')} | {fmt(r['valid_fraction'], '.0%')} |")
     hf = [r for r in rows if r.get("kind") == "transformers"]
     if hf:
         lines.append("\n| model | workload | transformers config (batch 1) | tok/s |")
