@@ -58,3 +58,21 @@ def test_a_choice_rated_at_a_floor_price_leaves_no_overshoot():
     assert adaptive.choose(["old"], [16]) == 4           # level 4 unpriced: rated at its floor
     adaptive.record_step(1, 4, 0.080, tokens=1)
     assert 1 not in adaptive.optimism
+
+
+@pytest.mark.parametrize("expected_gain, verdict", [(None, False), (1.5, True)])
+def test_a_losing_episode_that_priced_tiers_is_no_verdict(expected_gain, verdict):
+    """An episode a probe started to price tiers (no gain expected) that loses neither doubles
+    the bucket's hold nor sets a bypass budget; one that expected a gain and lost does both."""
+    from specserve.speculative.adaptive_modes import PLAIN_HOLD, BucketModes
+    modes = BucketModes()
+    assert not modes.should_draft(1, 0)
+    for step in range(4):
+        modes.record_outcome(1, tokens=1, seconds=PLAIN_S, steps=step)
+    modes.request_switch(1, expected_gain)
+    assert modes.would_draft(1, 4) and modes.should_draft(1, 4)
+    for step in range(4, 7):
+        modes.record_outcome(1, tokens=2, seconds=SIXTEEN_S, steps=step)   # 10 tok/s against plain's 20
+    modes.go_plain(1, 7)
+    assert (modes.hold[1] == 2 * PLAIN_HOLD) is verdict
+    assert (modes.bypass_after.get(1, 0.0) > 0) is verdict

@@ -102,6 +102,7 @@ class _Episode:
     steps: int = 0
     recent: deque = field(default_factory=lambda: deque(maxlen=GUARD_WINDOW))
     expected_gain: float | None = None   # over plain decoding, what the probe that switched expected
+    pricing: bool = False                # switched to price tiers (no gain expected): a loss is no verdict
 
     def add(self, tokens: float, seconds: float) -> None:
         self.tokens += tokens
@@ -147,7 +148,8 @@ class BucketModes:
                 return False
             del self.switching[bucket]
             self.plain.discard(bucket)
-            self._episodes[bucket] = _Episode(expected_gain=self._switch_gain.pop(bucket, None))
+            gain = self._switch_gain.pop(bucket, None)
+            self._episodes[bucket] = _Episode(expected_gain=gain, pricing=gain is None)
         return bucket not in self.plain
 
     def would_draft(self, bucket: int, steps: int) -> bool:
@@ -205,7 +207,11 @@ class BucketModes:
         plain_rate = self.plain_rate.get(bucket)
         hold = self.hold.get(bucket, PLAIN_HOLD)
         judged = plain_rate is not None and episode.steps > 0
-        lost = judged and episode.rate() < plain_rate
+        # an episode that priced tiers (a probe's switch that expected no gain) and lost learned
+        # their prices: no verdict, as a plain trial. Counted as one, the first episode of a
+        # busy CPU's batch-1 bucket (16 nodes at 4x a plain step, tried at the floor price)
+        # held it plain ~40 steps, a third of a 175-token answer whose 4-node drafts paid
+        lost = judged and episode.rate() < plain_rate and not episode.pricing
         won = judged and reopen_margin is not None and episode.rate() >= reopen_margin * plain_rate
         if lost:   # what it lost: its time minus what plain steps would have taken for its tokens
             loss = episode.seconds - episode.tokens / plain_rate
