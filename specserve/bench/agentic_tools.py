@@ -7,7 +7,8 @@ from __future__ import annotations
 
 DATE = {"type": "string", "pattern": r"^\d{4}-\d{2}-\d{2}$"}
 DATE_TIME = {"type": "string", "pattern": r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}$"}
-EMAIL = {"type": "string", "pattern": r"^[a-z0-9._]+@[a-z0-9.]+\.[a-z]+$", "maxLength": 60}
+# patterns bound their own length (xgrammar ignores maxLength beside a pattern)
+EMAIL = {"type": "string", "pattern": r"^[a-z0-9._]{1,30}@[a-z0-9.]{1,30}\.[a-z]{2,6}$"}
 AIRPORT = {"type": "string", "pattern": "^[A-Z]{3}$"}
 
 
@@ -42,7 +43,7 @@ TOOLS = {tool["function"]["name"]: tool for tool in [
     function_tool("web_search", "Search the web; returns titles, URLs and snippets.", {
         "query": text(100), "max_results": integer(1, 10)}, ["query"]),
     function_tool("fetch_page", "Fetch a web page and return its main text.", {
-        "url": {"type": "string", "pattern": "^https://", "maxLength": 120}}, ["url"]),
+        "url": {"type": "string", "pattern": "^https://[a-z0-9./_-]{1,110}$"}}, ["url"]),
     function_tool("run_sql", "Run a read-only SQL query against one of the company databases.", {
         "database": enum("sales", "inventory", "support"), "query": text(300)}, ["database", "query"]),
     function_tool("list_directory", "List the files and folders under a path of the repository.", {
