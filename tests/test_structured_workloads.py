@@ -1,11 +1,14 @@
 """The structured workloads of the benchmark suite (bench/agentic.py, bench/extraction.py,
 bench/structured_requests.py), without a model: the same seed builds the same requests;
 agentic conversations alternate one tool call and its result, each call valid against its
-tool's schema and drawing on earlier results; every schema is valid and compiles; and an
-answer is judged valid exactly when it parses and validates."""
+tool's schema and drawing on earlier results; every schema is valid and compiles; a request
+is rendered with the tools where the chat template takes them, in the system prompt where it
+does not, with the grammar of its call format; and an answer is judged valid exactly when it
+parses and validates."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
@@ -13,7 +16,8 @@ import pytest
 from specserve.bench.agentic import SCENARIOS, agentic_requests
 from specserve.bench.agentic_tools import REPORT_SCHEMA, TOOLS
 from specserve.bench.extraction import SCHEMAS, extraction_requests
-from specserve.bench.structured_requests import StructuredRequest, answer_validates, tools_in_system_prompt
+from specserve.bench.structured_requests import (StructuredRequest, answer_validates, encode_request,
+                                                  tools_in_system_prompt)
 from specserve.grammar.spec import GrammarSpec, check_grammar
 
 
@@ -146,3 +150,43 @@ def test_every_scenario_appears():
     requests = agentic_requests(5 * len(SCENARIOS), seed=9)
     first_calls = {r.messages[2]["tool_calls"][0]["function"]["name"] for r in requests if len(r.messages) == 4}
     assert first_calls == {"get_weather", "web_search", "run_sql", "lookup_customer", "list_directory"}
+
+
+class TemplateOnlyEngine:
+    """What encode_request reads of an engine: a tokenizer with a chat template, and the
+    template's rendering (recorded here)."""
+
+    def __init__(self, chat_template: str):
+        self.tokenizer = lambda text: SimpleNamespace(input_ids=[len(text)])
+        self.tokenizer.chat_template = chat_template
+        self.rendered: list[tuple[list[dict], list[dict] | None]] = []
+
+    def apply_chat_template(self, messages, tools=None):
+        self.rendered.append((messages, tools))
+        return json.dumps(messages)
+
+
+QWEN_TEMPLATE = "{% if tools %}<tools>{{ tools }}</tools>{% endif %}<tool_call>{{ message.tool_calls }}"
+LLAMA_TEMPLATE = "{% if tools %}{{ tools }}{% endif %}<|python_tag|>{{ message.tool_calls }}"
+
+
+@pytest.mark.parametrize("template, call_format", [(QWEN_TEMPLATE, "qwen"), (LLAMA_TEMPLATE, "llama")])
+def test_a_template_that_renders_tools_gets_them_and_its_own_call_format(template, call_format):
+    engine = TemplateOnlyEngine(template)
+    second_turn, *_, report = next(turns for turns in conversations(agentic_requests(12, seed=1)))[1:]
+    encoded = encode_request(engine, second_turn)
+    messages, tools = engine.rendered[-1]
+    assert tools == second_turn.tools and messages[0] == second_turn.messages[0]   # the system prompt as written
+    assert messages[2]["tool_calls"][0]["function"]["arguments"] == json.loads(
+        second_turn.messages[2]["tool_calls"][0]["function"]["arguments"])          # a dict, as HF templates want
+    assert encoded.call_format == call_format and set(encoded.sampling_params) == {"structural_tag"}
+    assert json.loads(encode_request(engine, report).sampling_params["json_schema"]) == REPORT_SCHEMA
+
+
+def test_a_template_without_tools_gets_them_in_the_system_prompt_and_calls_as_text():
+    engine = TemplateOnlyEngine("{{ message.content }}")
+    second_turn = agentic_requests(2, seed=1)[1]
+    encoded = encode_request(engine, second_turn)
+    messages, tools = engine.rendered[-1]
+    assert tools is None and "<tools>" in messages[0]["content"] and encoded.call_format == "qwen"
+    assert messages[2]["content"].startswith("<tool_call>")   # the earlier call written as the model writes it

@@ -61,24 +61,22 @@ class EncodedRequest:
 
 def encode_request(engine, request: StructuredRequest) -> EncodedRequest:
     """The prompt and grammar of `request` for `engine` (its tokenizer and chat template)."""
-    from specserve.server.tool_calls import ToolCalls
+    from specserve.server.tool_calls import QWEN, ToolCalls
     from specserve.server.tool_specs import ToolSpec
     template = getattr(engine.tokenizer, "chat_template", None) or ""
-    messages, tools = request.messages, None
+    messages, template_tools, params, call_format = request.messages, None, {}, QWEN
     if request.tools:
-        tools = ToolCalls([ToolSpec.model_validate(tool) for tool in request.tools], request.tool_choice,
+        calls = ToolCalls([ToolSpec.model_validate(tool) for tool in request.tools], request.tool_choice,
                           False, template)
-        messages = tools.template_messages(messages)
-        if "tools" not in template:
+        messages, params, call_format = calls.template_messages(messages), calls.grammar_params(), calls.format
+        if "tools" in template:
+            template_tools = calls.template_tools()
+        else:
             messages = tools_in_system_prompt(messages, request.tools)
-    prompt = engine.apply_chat_template(messages, tools=tools.template_tools() if tools and "tools" in template
-                                        else None)
     if request.json_schema is not None:
         params = {"json_schema": json.dumps(request.json_schema)}
-    else:
-        params = tools.grammar_params()
-    return EncodedRequest(engine.tokenizer(prompt).input_ids, params, request,
-                          tools.format if tools is not None else "qwen")
+    prompt = engine.apply_chat_template(messages, tools=template_tools)
+    return EncodedRequest(engine.tokenizer(prompt).input_ids, params, request, call_format)
 
 
 def tools_in_system_prompt(messages: list[dict], tools: list[dict]) -> list[dict]:
