@@ -74,7 +74,8 @@ def research(rng: random.Random, today: date) -> tuple[str, list]:
     topic = rng.choice(TOPICS)
     slug = "-".join(topic.lower().replace(".", "").split()[:4])
     results = [{"title": f"{topic.capitalize()}: {angle}", "url": f"https://{rng.choice(SITES)}/{today.year}/{slug}-{i}",
-                "snippet": f"A {today.year} review of {topic}: {angle.lower()}, with figures from {rng.randint(3, 40)} studies."}
+                "snippet": f"A {today.year} review of {topic}: {angle.lower()}, "
+                           f"with figures from {rng.randint(3, 40)} studies."}
                for i, angle in enumerate(rng.sample(["what changed", "costs and trade-offs", "the open questions",
                                                       "who leads", "a field guide"], 3))]
     page = results[0]
@@ -109,21 +110,24 @@ def sales_report(rng: random.Random, today: date) -> tuple[str, list]:
 
 def refund(rng: random.Random, today: date) -> tuple[str, list]:
     user, customer_id = email(rng), f"cus_{rng.getrandbits(40):010x}"[:12]
-    orders = [{"order_id": f"ord_{rng.randint(100000, 999999)}", "placed": (today - timedelta(days=rng.randint(3, 60))).isoformat(),
+    orders = [{"order_id": f"ord_{rng.randint(100000, 999999)}",
+               "placed": (today - timedelta(days=rng.randint(3, 60))).isoformat(),
                "total": round(rng.uniform(15, 900), 2), "items": rng.sample(PRODUCTS, rng.randint(1, 2))}
               for _ in range(rng.randint(2, 3))]
     order, reason = rng.choice(orders), rng.choice(REASONS)
+    order_id, total, complaint = order["order_id"], order["total"], reason.replace("_", " ")
     refund_id = f"re_{rng.getrandbits(40):010x}"
-    steps = [("lookup_customer", {"email": user}, {"customer_id": customer_id, "name": user.split("@")[0].replace(".", " ").title(),
-                                                    "tier": rng.choice(["standard", "plus", "pro"])}),
+    customer = {"customer_id": customer_id, "name": user.split("@")[0].replace(".", " ").title(),
+                "tier": rng.choice(["standard", "plus", "pro"])}
+    body = f"We refunded ${total} for your {', '.join(order['items'])} ({complaint}). Reference {refund_id}."
+    steps = [("lookup_customer", {"email": user}, customer),
              ("get_orders", {"customer_id": customer_id, "status": "delivered", "limit": 5}, {"orders": orders}),
-             ("issue_refund", {"order_id": order["order_id"], "amount": order["total"], "reason": reason},
-              {"refund_id": refund_id, "order_id": order["order_id"], "amount": order["total"], "status": "approved"}),
-             ("send_email", {"to": [user], "subject": f"Your refund for order {order['order_id']}",
-                             "body": f"We refunded ${order['total']} for your {', '.join(order['items'])} ({reason.replace('_', ' ')}). "
-                                     f"Reference {refund_id}."}, {"message_id": f"msg_{rng.getrandbits(48):012x}", "status": "sent"})]
+             ("issue_refund", {"order_id": order_id, "amount": total, "reason": reason},
+              {"refund_id": refund_id, "order_id": order_id, "amount": total, "status": "approved"}),
+             ("send_email", {"to": [user], "subject": f"Your refund for order {order_id}", "body": body},
+              {"message_id": f"msg_{rng.getrandbits(48):012x}", "status": "sent"})]
     items = " and ".join(order["items"])
-    return f"Customer {user} says the {items} they got was {reason.replace('_', ' ')}. Refund that order and let them know.", steps
+    return f"Customer {user} says the {items} they got was {complaint}. Refund that order and let them know.", steps
 
 
 def code_edit(rng: random.Random, today: date) -> tuple[str, list]:
@@ -156,8 +160,8 @@ def conversation_requests(rng: random.Random, scenario, today: date) -> list[Str
     for name, arguments, result in steps:
         requests.append(StructuredRequest(list(messages), tools, "required"))
         call_id = f"call_{rng.getrandbits(64):016x}"
-        messages += [{"role": "assistant", "content": "", "tool_calls": [
-                         {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}]},
+        call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
+        messages += [{"role": "assistant", "content": "", "tool_calls": [call]},
                      {"role": "tool", "tool_call_id": call_id, "content": json.dumps(result)}]
     requests.append(StructuredRequest(messages, tools, "none", REPORT_SCHEMA))
     return requests

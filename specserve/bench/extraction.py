@@ -47,7 +47,8 @@ SCHEMAS = {
 
 def invoice(rng: random.Random) -> str:
     issued = date(2026, 1, 1) + timedelta(days=rng.randint(0, 300))
-    items = [(product, rng.randint(1, 40), round(rng.uniform(5, 600), 2)) for product in rng.sample(PRODUCTS, rng.randint(1, 2))]
+    items = [(product, rng.randint(1, 40), round(rng.uniform(5, 600), 2))
+             for product in rng.sample(PRODUCTS, rng.randint(1, 2))]
     total = round(sum(quantity * price for _, quantity, price in items), 2)
     currency = rng.choice(["USD", "EUR", "GBP"])
     vendor, customer = rng.sample(COMPANIES, 2)
