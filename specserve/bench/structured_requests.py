@@ -1,7 +1,8 @@
 """A request of the structured-output workloads (bench/agentic.py, bench/extraction.py) in
-OpenAI's shape, what it becomes for the offline Engine (the prompt through the chat template,
-the grammar as sampling params, as the server's chat completions build them), and whether an
-answer is right in form: it parses and validates against its schema.
+OpenAI's shape (messages, tools, tool_choice, a response_format's schema), what it becomes
+for the offline Engine (the prompt through the chat template, the grammar as sampling params,
+as the server's chat completions build them), and whether an answer is right in form: it
+parses and validates against its schema.
 
 A request either forces a tool call (`tools` with tool_choice `required`: the answer must be
 one call of a listed function whose arguments validate against that function's parameters)
@@ -35,16 +36,6 @@ class StructuredRequest:
             raise ValueError("StructuredRequest: either tool_choice 'required' with tools or a json_schema, not both")
         if self.tool_choice == "required" and not self.tools:
             raise ValueError("StructuredRequest.tools: tool_choice 'required' needs tools")
-
-    def openai_body(self) -> dict:
-        """The chat completion request's fields (model and max_tokens left to the caller)."""
-        body: dict[str, Any] = {"messages": self.messages}
-        if self.tools:
-            body.update(tools=self.tools, tool_choice=self.tool_choice, parallel_tool_calls=False)
-        if self.json_schema is not None:
-            body["response_format"] = {"type": "json_schema",
-                                       "json_schema": {"name": "answer", "schema": self.json_schema, "strict": True}}
-        return body
 
 
 @dataclass
