@@ -31,6 +31,7 @@ from specserve.runner.cuda_graph import batch_size_buckets
 from specserve.runner.draft_chain import ChainInputs, ChainRow, run_chain
 from specserve.runner.draft_tree import run_tree
 from specserve.runner.draft_runner import chain_context, drafter_backend
+from specserve.runner.fused_step import reserved_head_rows
 from specserve.speculative.eagle_checkpoint import load_head
 from specserve.speculative.eagle_head import EagleHead
 from specserve.speculative.eagle_serving import ServingEagleHead
@@ -89,6 +90,16 @@ def kv_bytes_per_token(head: EagleHead, dtype: torch.dtype) -> int:
     return KVPool.bytes_per_token(1, head.config.num_kv_heads, head.config.head_dim, dtype)
 
 
+def head_pool_size(target_pool: KVPool, num_steps: int, topk: int) -> int:
+    """The head's rows: one per token the target's cache holds, and each request's draft rows
+    past its tokens (a fused step's, twice: the next one is launched before this one's are
+    freed; a tree's steps' top-k rows). With the prefix cache, requests that share a cached
+    prefix hold few tokens of their own, and a head pool only as large as the target's ran out
+    first (its requests went without drafts while the target had room)."""
+    draft_rows = max(2 * reserved_head_rows(num_steps), (num_steps - 1) * topk)
+    return target_pool.size + target_pool.max_requests * draft_rows
+
+
 class HeadChainModel:
     """An EAGLE head as a ChainModel: its state is the head's output (the next step's feature)."""
     token_offset = 1
@@ -119,7 +130,7 @@ class EagleHeadRunner:
         self.vocab_size = config.vocab_size
         # table rows: topk per request (a tree's beams), and the target's scratch row's for padding requests
         self.padding_row = target_pool.max_requests
-        self.pool = KVPool(1, config.num_kv_heads, config.head_dim, target_pool.size,
+        self.pool = KVPool(1, config.num_kv_heads, config.head_dim, head_pool_size(target_pool, self.num_steps, self.topk),
                            (target_pool.max_requests + 1) * self.topk,
                            head_context(target_pool.max_context, args), self.dtype, self.device)
         self.backend = drafter_backend(args, self.device, config.num_heads, config.num_kv_heads, config.head_dim)
