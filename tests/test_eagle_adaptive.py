@@ -285,7 +285,9 @@ def test_plain_stretches_copy_to_the_device_without_waiting_and_feed_only_past_t
     assert policy.plain_steps >= 95 and policy.drafting_steps == 0
     assert not blocking
     if held_rows is None:
-        assert not feeds   # the probes, every 10 plain steps, feed what waits
+        # the probes, every 10 plain steps, feed what waits; the one feed is the request's release
+        # (what its head lacks is fed then, to be cached beside the target's KV: head_prefix_cache.py)
+        assert feeds == [1]
     else:                  # 6 rows held (3 the batch's own) between probes: fed then
         assert len(feeds) >= 9 and set(feeds) == {1}
 
