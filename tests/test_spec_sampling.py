@@ -130,7 +130,8 @@ def sample(path, configs: list[dict], rule: str = "coupled") -> tuple[list[dict]
     """SAMPLES seeded requests per configuration, all in one generate call, verified with `rule`."""
     # a pinned draft size (ngram_args' default): every verify step drafts what the trie offers
     drafter = ngram_args(4, speculative_ngram_min_bfs_breadth=2, speculative_ngram_max_bfs_breadth=2)
-    with tiny_engine(path, **drafter, max_running_requests=1024) as engine:
+    # KV for all 1024 running requests and their drafts: with a fuller pool the engine cuts drafts
+    with tiny_engine(path, **drafter, max_running_requests=1024, max_total_tokens=32768) as engine:
         engine.core.sampler.sampling_rule = rule
         spy = ProposeSpy(engine.core.drafter)
         params = [{**config, "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True, "seed": SAMPLES * c + i}

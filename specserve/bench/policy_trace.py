@@ -73,7 +73,9 @@ class PolicyTrace:
 
     def _on_step(self, original, batch_size, tree_size, seconds, tokens=None, steady=True, nodes=None):
         bucket = batch_bucket(batch_size)
-        expected = self.policy._expected_rate.get(bucket)   # the drafting choice this step ran, if it was one
+        # the drafting choice this step ran, if it was one: (expected tokens, priced seconds) -> tokens a second
+        choice = self.policy._expected.get(bucket)
+        expected = choice[0] / choice[1] if choice is not None and choice[1] > 0 else None
         self.events.append({"e": "step", "bucket": bucket, "bs": batch_size, "tree": tree_size,
                             "ms": round(seconds * 1e3, 3), "tokens": tokens,
                             "plain": bucket in self.policy.modes.plain,
