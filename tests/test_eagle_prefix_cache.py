@@ -20,6 +20,7 @@ from tests.spec_fixtures import (assert_draft_pool_is_free, cached_draft_rows, m
                                  wait_until_all_kv_is_free)
 
 GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+SEEDED = {"temperature": 0.8, "top_p": 0.95, "seed": 11, "max_new_tokens": 24, "ignore_eos": True}
 SYSTEM = [5, 6, 7, 8, 9] * 6
 PROMPTS = [SYSTEM + [10, 11], SYSTEM + [40, 41, 42], [20, 21, 22, 23] * 5, list(range(30, 72)), [100, 101] * 9]
 FOLLOW_UP = [3, 4, 5, 6]
@@ -56,11 +57,11 @@ def engine_for(models, config: str, **extra):
     return tiny_engine(target, **fused_args(algorithm, heads[algorithm], **args), **extra)
 
 
-def two_turns(engine) -> tuple[list[list[int]], list[list[int]], list[int], int]:
+def two_turns(engine, params: dict = GREEDY) -> tuple[list[list[int]], list[list[int]], list[int], int]:
     """(first turn's outputs, second turn's outputs, second turn's cached tokens, preemptions)."""
-    first = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    first = engine.generate(input_ids=PROMPTS, sampling_params=params)
     seconds = [p + o["output_ids"] + FOLLOW_UP for p, o in zip(PROMPTS, first)]
-    second = engine.generate(input_ids=seconds, sampling_params=GREEDY)
+    second = engine.generate(input_ids=seconds, sampling_params=params)
     return ([o["output_ids"] for o in first], [o["output_ids"] for o in second],
             [o["meta_info"]["cached_tokens"] for o in second], sum(o["meta_info"]["preemptions"] for o in first + second))
 
@@ -90,6 +91,17 @@ def test_greedy_output_is_the_same_with_the_cache_on_and_off(models, config):
         assert len(cached_draft_rows(cached)) == cached.core.scheduler.cached_slots() > 0
         # a third round of the same requests runs from the cache
         assert two_turns(cached)[:2] == expected[:2]
+        wait_until_everything_is_free(cached)
+
+
+@pytest.mark.parametrize("config", ["EAGLE3-chain", "NAIVE_EAGLE"])
+def test_seeded_sampling_is_the_same_with_the_cache_on_and_off(models, config):
+    """Seeded requests sample what plain decoding samples (the coupled rule), cache or not."""
+    with engine_for(models, config, disable_radix_cache=True) as uncached:
+        expected = two_turns(uncached, SEEDED)
+    with engine_for(models, config) as cached:
+        first, second, cached_tokens, _ = two_turns(cached, SEEDED)
+        assert (first, second) == expected[:2] and min(cached_tokens) > 0
         wait_until_everything_is_free(cached)
 
 
