@@ -11,6 +11,7 @@ import pytest
 
 from specserve.bench.prompts import SAMPLE_PROMPTS
 from specserve.engine.engine import core_load
+from specserve.engine.stats import SpecCounters
 from specserve.server.metrics import ServerMetrics
 from specserve.server.openai_api import _usage
 from tests.spec_fixtures import CODE_PROMPT, ngram_args, wait_until_all_kv_is_free
@@ -142,9 +143,9 @@ def test_metrics_report_cached_tokens():
                    {"prompt_tokens": 5, "completion_tokens": 1, "cached_tokens": 0}]) == {
         "prompt_tokens": 15, "completion_tokens": 3, "total_tokens": 18, "prompt_tokens_details": {"cached_tokens": 7}}
     scheduler = SimpleNamespace(running=[], waiting=[], available_slots=lambda: 75, cached_slots=lambda: 30)
-    core = SimpleNamespace(scheduler=scheduler, runner=SimpleNamespace(pool=SimpleNamespace(size=100)))
-    engine = SimpleNamespace(load=lambda: core_load(core))
-    metrics = ServerMetrics(engine, "m")
+    core = SimpleNamespace(scheduler=scheduler, runner=SimpleNamespace(pool=SimpleNamespace(size=100)),
+                           spec_counters=SpecCounters())
+    metrics = ServerMetrics(lambda: core_load(core), "m")
     for cached_tokens in (30, 0):
         metrics.track(prompt_tokens=40).finish({"completion_tokens": 1, "cached_tokens": cached_tokens,
                                                 "finish_reason": {"type": "length"}})
