@@ -239,3 +239,77 @@ def test_tree_entries_keep_their_draft_rows_through_splits_and_eviction():
     assert taken is not None and set(other_rows) <= set(taken)   # the evicted rows among them
     assert tree.size == 4 and sorted(tree.held_slots(draft=True)) == sorted(first_rows)
     assert target.available() + tree.size == 16 - 1    # its target slots came back too (one is the raise's)
+
+
+# ---- the ledger and scheduler with a head's rows, stepped by hand (no model) ----
+class UnfedHead:
+    """A draft head's rows as kv/draft_rows.DraftRows sees them, without a model: a request's
+    head has rows only for what it adopted from the tree and, once it leaves, what a feed
+    gives it then (as EagleDrafter's, whose rows of a prefill wait for its next draft)."""
+
+    def __init__(self, pool):
+        self.pool = pool
+        self.rows: dict[str, list[int]] = {}
+        self.shared: dict[str, int] = {}
+        self.fed_at_release = 0
+
+    def adopt(self, req, slots):
+        self.rows[req.rid], self.shared[req.rid] = list(slots), len(slots)
+
+    def rows_to_cache(self, req, start, end, finishing):
+        rows = self.rows.setdefault(req.rid, [])
+        assert start == len(rows) == self.shared.get(req.rid, 0)
+        if not finishing:
+            return []
+        rows.extend(self.pool.slots.alloc(end - start))
+        self.fed_at_release += end - start
+        return rows[start:end]
+
+    def share(self, req, start, slots):
+        own = self.rows[req.rid][start:start + len(slots)]
+        self.pool.slots.free([slot for slot, cached in zip(own, slots) if slot != cached])
+        self.rows[req.rid][start:start + len(slots)] = slots
+        self.shared[req.rid] = start + len(slots)
+
+    def detach(self, req):
+        rows = self.rows.pop(req.rid, [])
+        self.pool.slots.free(rows[self.shared.pop(req.rid, 0):])
+
+    def own_slots(self):
+        return {rid: rows[self.shared.get(rid, 0):] for rid, rows in self.rows.items()}
+
+    def cached_rows(self, req):
+        return self.rows.get(req.rid, [])[:self.shared.get(req.rid, 0)]
+
+
+def test_head_rows_join_the_cache_at_release_and_nobody_waits_for_a_chunk():
+    """A request sharing a prompt that another computes in this very step is not held back
+    (the chunk is not cached before the other's release: its head has no rows for it); once
+    the first leaves, its prompt and output are cached with the head's rows, a later request
+    adopts them, and the ledger's check (which covers the head's pool) holds at every step."""
+    from specserve.kv.pool import KVPool
+    from specserve.engine.request import ReqState
+    from tests.test_prefix_cache import SYSTEM, _req, _run_all, _scheduler, _step
+    scheduler = _scheduler(chunk=128)
+    head_pool = KVPool(1, 1, 2, 256, max_requests=8, max_context=512, dtype=torch.float32, device=torch.device("cpu"))
+    head = UnfedHead(head_pool)
+    scheduler.kv.keep_draft_rows(head, head_pool)
+    first, second = _req("a", SYSTEM + [201]), _req("b", SYSTEM + [301])
+    scheduler.add(first)
+    scheduler.add(second)
+    batch = _step(scheduler)
+    assert batch.reqs == [first, second] and second.state is ReqState.RUNNING   # both compute the prefix
+    assert scheduler.cached_slots() == 0                                           # nothing cached yet
+    _run_all(scheduler)
+    # each left with its prompt and output but its last token cached, keyed on token pairs: the
+    # second shares the first's pairs up to the one that ends the system prompt
+    assert scheduler.cached_slots() == (len(first.all_ids) - 1) + (len(second.all_ids) - len(SYSTEM))
+    assert head.fed_at_release == len(first.all_ids) - 1 + len(second.all_ids) - 1   # the second's duplicates freed
+    assert sorted(tree_rows := list(scheduler.kv.tree.held_slots(draft=True))) == sorted(set(tree_rows))
+    assert len(tree_rows) + head_pool.slots.available() == head_pool.size
+    third = _req("c", SYSTEM + [201, 100, 101, 102, 103])
+    scheduler.add(third)
+    _step(scheduler)
+    assert third.cached_tokens == len(SYSTEM) + 1 + 3 and len(head.cached_rows(third)) == third.cached_tokens
+    _run_all(scheduler)
+    assert scheduler.flush_cache() > 0 and head_pool.slots.available() == head_pool.size

@@ -187,8 +187,10 @@ class Scheduler:
 
     def _shares_a_chunk_in_this_step(self, req: Req, prefilling: list[Req], chunk_lens: list[int]) -> bool:
         """Whether a chunk in this step computes at least SHARED_PREFIX_MIN tokens of the
-        waiting `req`'s prompt that the cache lacks: next step it finds them cached."""
-        if self.kv.tree is None or not prefilling:
+        waiting `req`'s prompt that the cache lacks: next step it finds them cached. Not with a
+        draft head's rows in the cache (kv/draft_rows.py): a chunk is cached once the head has
+        rows for it, at its request's release, and the wait would last the whole prefill."""
+        if self.kv.tree is None or self.kv.draft is not None or not prefilling:
             return False
         probe = self.kv.cached_prefix_len(req) + SHARED_PREFIX_MIN
         if probe > self.kv.match_limit(req):
