@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Protocol
 
+import numpy as np
+
 from specserve.kv.pool import SlotAllocator
 
 if TYPE_CHECKING:
@@ -67,5 +69,7 @@ class EvictingSlots(SlotAllocator):
 
 
 def bigrams(ids: list[int], start: int, end: int) -> list[int]:
-    """Entries start .. end - 1 of a bigram key: (ids[p], ids[p + 1]) packed in one int."""
-    return [(first << 32) | second for first, second in zip(ids[start:end], ids[start + 1:end + 1])]
+    """Entries start .. end - 1 of a bigram key: (ids[p], ids[p + 1]) packed in one int (in
+    numpy: a scheduler matches whole prompts, and a Python loop took ~1 ms per 8k tokens)."""
+    pairs = np.asarray(ids[start:end + 1], dtype=np.int64)
+    return ((pairs[:-1] << 32) | pairs[1:]).tolist()
