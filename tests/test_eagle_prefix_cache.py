@@ -9,6 +9,8 @@ slot and every head slot is free or cached exactly once. Random tiny targets and
 """
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -124,6 +126,35 @@ def test_a_small_cache_evicts_prefixes_and_their_head_rows(models, config):
         assert not cached_draft_rows(small) and small.core.scheduler.cached_slots() == 0
         pool = small.core.drafter.kv.pool
         assert pool.slots.available() == pool.size     # flushing the cache gave every head row back
+
+
+@pytest.mark.parametrize("config, extra", [
+    ("EAGLE3-chain", {"adaptive": True}),                                      # plain stretches, probes
+    ("EAGLE3-tree", {"max_total_tokens": 200, "chunked_prefill_size": 16}),    # chunked prompts, a small cache
+    ("MTP", {"max_total_tokens": 200, "chunked_prefill_size": 16}),
+], ids=["EAGLE3-chain-adaptive", "EAGLE3-tree-chunked", "MTP-chunked"])
+def test_three_turns_of_varied_requests(models, config, extra):
+    """Twelve conversations over a shared 40-token start cut at random places, random answer
+    lengths, three turns: the same tokens cached or not, and everything accounted after each."""
+    target, heads = models
+    algorithm, args = CONFIGS[config]
+    rng = random.Random(1)
+    start = [rng.randrange(3, 256) for _ in range(40)]
+    prompts = [start[:rng.randrange(0, 40)] + [rng.randrange(3, 256) for _ in range(rng.randrange(1, 20))]
+               for _ in range(12)]
+    params = [{"temperature": 0, "max_new_tokens": rng.randrange(1, 30), "ignore_eos": True} for _ in prompts]
+    engine_args = {**fused_args(algorithm, heads[algorithm], adaptive=extra.get("adaptive", False), **args),
+                   **{k: v for k, v in extra.items() if k != "adaptive"}}
+    turns = {}
+    for disable in (True, False):
+        with tiny_engine(target, disable_radix_cache=disable, **engine_args) as engine:
+            conversation, turns[disable] = list(prompts), []
+            for _ in range(3):
+                outputs = engine.generate(input_ids=conversation, sampling_params=params)
+                turns[disable].append([o["output_ids"] for o in outputs])
+                conversation = [c + o["output_ids"] + FOLLOW_UP for c, o in zip(conversation, outputs)]
+                wait_until_everything_is_free(engine)
+    assert turns[False] == turns[True]
 
 
 class RowCounter:
