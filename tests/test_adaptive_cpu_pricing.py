@@ -1,8 +1,8 @@
-"""The adaptive policy where a verify step's cost grows with its nodes (a CPU: SmolLM2-135M on
-a busy 2-core machine, a 16-node step ~4x a plain one): a priced large tier floors a smaller,
-unpriced one only in proportion to their draft nodes, so the small tiers whose drafts pay are
-tried; and choices or switches rated at a floor price (a bound, not an expectation) leave no
-record of overshooting that would raise the switch margin."""
+"""The adaptive policy of a CPU engine (cost_per_node), where a verify step's cost grows with
+its nodes (SmolLM2-135M on a busy 2-core machine, a 16-node step ~4x a plain one): a priced
+large tier floors a smaller, unpriced one only in proportion to their draft nodes, so the
+small tiers whose drafts pay are tried; and choices or switches rated at a floor price (a
+bound, not an expectation) leave no record of overshooting that would raise the switch margin."""
 from __future__ import annotations
 
 import pytest
@@ -17,7 +17,7 @@ CHAIN = (list(range(20, 36)), [-1] + list(range(15)))   # a 16-node chain: root 
 
 
 def test_a_large_tier_floors_smaller_ones_by_their_nodes():
-    costs = StepCosts(TIERS)
+    costs = StepCosts(TIERS, cost_per_node=True)
     costs.record(1, 1, PLAIN_S)
     costs.record(1, 16, SIXTEEN_S)
     added = SIXTEEN_S - PLAIN_S
@@ -30,7 +30,7 @@ def test_a_large_tier_floors_smaller_ones_by_their_nodes():
 def cpu_like_policy() -> AdaptiveDraftLength:
     """Bucket 1 held plain at PLAIN_S a step, tier 16 priced at 4x that, and drafts whose first
     three nodes are accepted: a 4-node cut commits 4 tokens, a 16-node one no more."""
-    adaptive = AdaptiveDraftLength(TIERS, ragged=True)
+    adaptive = AdaptiveDraftLength(TIERS, ragged=True, cost_per_node=True)
     for _ in range(3):
         adaptive.record_step(1, 16, SIXTEEN_S)
     assert not adaptive.should_draft(1)                  # a new bucket starts plain

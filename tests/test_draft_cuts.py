@@ -84,6 +84,18 @@ def test_an_unpriced_level_costs_at_least_the_fixed_part_of_a_drafting_step():
     assert costs.floor(4, 2) == pytest.approx(0.009)   # no drafting step priced at a bucket <= 4
 
 
+def test_on_a_cpu_an_unpriced_level_is_floored_in_proportion_to_its_draft_nodes():
+    """cost_per_node (a CPU engine): level 2 (one draft node) is floored at a third of what
+    level 4 (three draft nodes) adds, not at all of it, so smaller levels still get tried."""
+    costs = StepCosts([1, 2, 4, 8], cost_per_node=True)
+    for _ in range(3):
+        costs.record(8, 1, 0.010)
+        costs.record(8, 4, 0.016)
+        costs.record(32, 1, 0.012)
+    assert costs.floor(32, 2) == pytest.approx(0.012 + 0.006 / 3)
+    assert costs.floor(32, 4) == pytest.approx(0.012 + 0.006)
+
+
 def test_a_ragged_policy_drafts_at_an_unpriced_level_only_where_it_may_win():
     """No level is priced at bucket 32; a drafting step adds 10 ms at bucket 4: weak drafts
     alone stay plain (no step is spent pricing a level that cannot win). Once levels 4 and

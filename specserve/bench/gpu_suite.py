@@ -94,8 +94,8 @@ def set_drafter(engine, num_draft_tokens: int | None, one_branch: bool = False,
     core.drafter = NgramDrafter(NgramConfig(), one_branch)
     core.num_draft_tokens = num_draft_tokens
     graph_sizes = core.runner.graphs.sizes if core.runner.graphs is not None else None
-    core.adaptive = AdaptiveDraftLength.for_drafter(core.drafter, num_draft_tokens, graph_sizes) \
-        if adaptive else None
+    core.adaptive = AdaptiveDraftLength.for_drafter(core.drafter, num_draft_tokens, graph_sizes,
+                                                    on_cpu=core.runner.device.type == "cpu") if adaptive else None
     if adaptive in HELD_MODES:
         hold_plain(core.adaptive, core.drafter, blind=adaptive == "blind")
     core.stats.speculative = True

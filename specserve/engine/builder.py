@@ -142,7 +142,8 @@ def _build_core(args: ServerArgs, checked: Preflight, tp):
     adaptive = None
     if drafter is not None and not args.speculative_disable_adaptive:
         graph_sizes = runner.graphs.sizes if runner.graphs is not None else None
-        adaptive = AdaptiveDraftLength.for_drafter(drafter, args.speculative_verify_size, graph_sizes)
+        adaptive = AdaptiveDraftLength.for_drafter(drafter, args.speculative_verify_size, graph_sizes,
+                                                   on_cpu=runner.device.type == "cpu")
     core = EngineCore(runner, scheduler, Sampler(config.vocab_size, device), drafter,
                       args.speculative_verify_size, args.log_interval_s, adaptive,
                       overlap=runner.graphs is not None and not args.disable_overlap_schedule)

@@ -89,15 +89,18 @@ logger = logging.getLogger("specserve")
 
 
 class AdaptiveDraftLength:
-    def __init__(self, tiers: list[int], switch_margin: float | None = None, ragged: bool = False):
+    def __init__(self, tiers: list[int], switch_margin: float | None = None, ragged: bool = False,
+                 cost_per_node: bool = False):
         """switch_margin: SWITCH_MARGIN where None (a drafter's own: Drafter.switch_margin).
         ragged: a step's cost follows the nodes it verifies (Drafter.ragged_verify): a step is
         priced at its level (nodes per request, see record_step) and a choice may cut some
-        requests' drafts to their root (DraftCut)."""
+        requests' drafts to their root (DraftCut). cost_per_node: the engine runs on a CPU,
+        where a step's cost grows with its draft nodes (StepCosts.floor)."""
         self.tiers = sorted(set(tiers) | {1})
         self.ragged = ragged
+        self.cost_per_node = cost_per_node
         self.switch_margin = SWITCH_MARGIN if switch_margin is None else switch_margin
-        self.costs = StepCosts(self.tiers)
+        self.costs = StepCosts(self.tiers, cost_per_node)
         self.modes = BucketModes()
         # read from this module when the policy is built, so that tests which patch
         # specserve.speculative.adaptive.PROBE_BUDGET / MAX_PROBE_EVERY set the schedule
@@ -112,10 +115,13 @@ class AdaptiveDraftLength:
         self._decision_logged_at: dict[int, float] = {}   # bucket -> when a probe's verdict was last logged
 
     @classmethod
-    def for_drafter(cls, drafter: Drafter, num_draft_tokens: int, graph_sizes: list[int] | None) -> AdaptiveDraftLength:
+    def for_drafter(cls, drafter: Drafter, num_draft_tokens: int, graph_sizes: list[int] | None,
+                    on_cpu: bool = False) -> AdaptiveDraftLength:
         """The policy of a drafter's engine: tiers up to num_draft_tokens (tiers_for), the
-        drafter's switch margin, ragged where its steps verify through the ragged step."""
-        return cls(tiers_for(num_draft_tokens, graph_sizes), drafter.switch_margin, drafter.ragged_verify)
+        drafter's switch margin, ragged where its steps verify through the ragged step, and
+        step costs that grow with the draft nodes on a CPU."""
+        return cls(tiers_for(num_draft_tokens, graph_sizes), drafter.switch_margin, drafter.ragged_verify,
+                   cost_per_node=on_cpu)
 
     # the parts' state under the names diagnostics and benches read (and write):
     # lab/draft_step_host.py pins prices, one-off scripts dump the policy's state

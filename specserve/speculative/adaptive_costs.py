@@ -59,8 +59,12 @@ class RecentMedians:
 
 
 class StepCosts:
-    def __init__(self, tiers: list[int]):
+    def __init__(self, tiers: list[int], cost_per_node: bool = False):
+        """cost_per_node: a drafting step's added cost grows with its draft nodes (a CPU's
+        compute-bound forward), so a larger tier's price floors a smaller one only in
+        proportion to their nodes (see floor); False on a GPU, where the fixed part dominates."""
         self.tiers = tiers
+        self.cost_per_node = cost_per_node
         self.seconds: dict[tuple[int, int], float] = {}      # (bucket, tier) -> a step's wall time
         self._recent = RecentMedians(COST_WINDOW)
         self.measured_at: dict[tuple[int, int], int] = {}    # the bucket's step count at the last measurement
@@ -142,12 +146,13 @@ class StepCosts:
         was floored at plain's price, and each bucket a batch passed through priced it by
         drafting steps that lost (H200, 1.5B, ShareGPT multi-turn at 32/64: ~60% of the
         drafting steps were such, 3.6-4 ms where plain took 2, at accept ~1.2).
-        What a larger tier t' adds bounds a smaller one's fixed part only in proportion to
-        their draft nodes, (t - 1) / (t' - 1): a step that adds a fixed part and a part per
-        node adds at least that much. On a CPU the part per node is most of it (SmolLM2-135M,
-        busy 2 cores: 16 nodes ~4x a plain step); taken whole, a 16-node step's price
-        floored levels 2-8 at the same ~4x, so none was ever tried, and a batch-1 JSON edit
-        whose 4-node drafts pay stayed plain."""
+        With cost_per_node (a CPU), what a larger tier t' adds bounds a smaller one's fixed
+        part only in proportion to their draft nodes, (t - 1) / (t' - 1): a step that adds a
+        fixed part and a part per node adds at least that much. On a CPU the part per node
+        is most of it (SmolLM2-135M, busy 2 cores: 16 nodes ~4x a plain step); taken whole,
+        a 16-node step's price floored levels 2-8 at the same ~4x, so none was ever tried,
+        and a batch-1 JSON edit whose 4-node drafts pay stayed plain. On a GPU a step's
+        weights cost the same for 2 or 16 nodes, and the whole fixed part is the bound."""
         plain = self.seconds.get((bucket, 1))
         if plain is None:
             return None
@@ -161,7 +166,8 @@ class StepCosts:
                 share = 1.0 if other <= bucket else bucket / 2 / other
                 added = max(added, share * (seconds - base))
             if other <= bucket:
-                least = (seconds - base) * min(1.0, (tier - 1) / (tier_priced - 1))
+                share = min(1.0, (tier - 1) / (tier_priced - 1)) if self.cost_per_node else 1.0
+                least = (seconds - base) * share
                 fixed = least if fixed is None else min(fixed, least)
         return plain + max(added, fixed or 0.0)
 
