@@ -91,7 +91,10 @@ def sample(models, config: dict, fused: bool = True) -> list[dict]:
     """SAMPLES continuations of PROMPT; fused: every step was a fused one (else none was)."""
     target_path, args, _ = models
     params = [{**config, "max_new_tokens": 5, "ignore_eos": True} for _ in range(SAMPLES)]
-    with tiny_engine(target_path, max_running_requests=1024, **args) as engine:
+    # KV for all 1024 running requests (the CPU default is the model's context). With a pool
+    # that forces preemption, sampled model drafts do not follow the exact distribution yet
+    # (a known bug, not what this test is about)
+    with tiny_engine(target_path, max_running_requests=1024, max_total_tokens=32768, **args) as engine:
         spy = FusedSpy(engine.core.drafter)
         outputs = engine.generate(input_ids=[PROMPT] * SAMPLES, sampling_params=params)
         wait_until_fused_state_is_free(engine)

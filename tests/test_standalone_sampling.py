@@ -45,7 +45,11 @@ def step_logits(models) -> list[torch.Tensor]:
 
 def sample(models, config: dict, seeded: bool = False, **engine_args) -> list[dict]:
     target, draft, _ = models
-    with tiny_engine(target, **standalone_args(draft, NUM_STEPS), max_running_requests=1024, **engine_args) as engine:
+    # KV for all 1024 running requests (the CPU default is the model's context). With a pool
+    # that forces preemption, sampled model drafts do not follow the exact distribution yet
+    # (a known bug, not what this test is about)
+    with tiny_engine(target, **standalone_args(draft, NUM_STEPS), max_running_requests=1024, max_total_tokens=32768,
+                     **engine_args) as engine:
         params = [{**config, "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True, **({"seed": i} if seeded else {})}
                   for i in range(SAMPLES)]
         outputs = engine.generate(input_ids=[PROMPT] * SAMPLES, sampling_params=params)
