@@ -136,6 +136,10 @@ def _build_core(args: ServerArgs, checked: Preflight, tp):
                           enable_mixed_chunk=args.enable_mixed_chunk,
                           prefix_cache=not args.disable_radix_cache, schedule_policy=args.schedule_policy)
     drafter = checked.drafter if draft is None else draft.make_drafter(runner)
+    if drafter is not None:
+        scheduler.decode_room = args.speculative_verify_size
+    if draft is not None and not draft.reads_target_states:   # a draft model: its cache shares no prefix
+        scheduler.draft_capacity = drafter.kv.pool.size
     if draft is not None and draft.reads_target_states:
         # a cached prefix has no target states: the tree keeps the head's rows beside the target's KV
         cache_head_rows(scheduler.kv, drafter)

@@ -29,6 +29,7 @@ from specserve.runner.model_runner import InFlight, ModelRunner
 from specserve.runner.tree_step import GreedyOutcome, pad_node_slots
 from specserve.sampling.sampler import Sampler, SampledStep
 from specserve.speculative.adaptive import AdaptiveDraftLength
+from specserve.speculative.draft_cuts import fit_to_free_slots
 from specserve.speculative.drafter import Drafter
 from specserve.speculative.tree import DraftTrees, TreeProposal
 
@@ -181,10 +182,11 @@ class EngineCore(DraftingSteps):
         if draft and any(r.grammar is not None for r in reqs):   # forbidden drafts cut, forced ones added
             proposal = constrain_proposal(reqs, proposal, self.sampler.vocab_size, self._draft_limits(reqs))
             num_nodes = proposal.num_nodes.tolist()
+        # the cache fits one token per request (the scheduler made sure), maybe not every draft
+        fitted = fit_to_free_slots(list(num_nodes), self.scheduler.available_slots())
+        if fitted != list(num_nodes):
+            proposal, num_nodes = proposal.cut(fitted), fitted
         slots = self.scheduler.alloc_slots(sum(num_nodes))
-        if slots is None:  # the cache fits one token per request (the scheduler made sure), not the drafts
-            proposal, num_nodes = self._no_drafts(reqs)
-            slots = self.scheduler.alloc_slots(len(reqs))
         if draft and self._drafts_greedily(reqs):
             return self._finish_draft_step(reqs, self._launch_draft(reqs, proposal, slots, start),
                                            steady=self.draft_ahead is None)

@@ -60,6 +60,14 @@ class Scheduler:
         self._last_step: tuple[int, int] | None = None   # (prompt tokens, decoding requests) of the last batch
         # called with each preempted request (the core tells the drafter: a draft model's cache goes too)
         self.preempt_listeners: list[Callable[[Req], None]] = []
+        # slots a decoding request's step may take, which admission leaves free for each: its
+        # token and, with a drafter, its draft nodes (the engine sets it). With one, a full
+        # pool left no room for drafts: a prompt-sharing batch decoded one token a step
+        self.decode_room = 1
+        # slots of a drafter's own KV cache, which holds every running request's whole sequence
+        # with no prefix shared (a draft model's): admission keeps the running requests within
+        # it, else a batch the target's prefix cache fits decodes without drafts (None: no such cache)
+        self.draft_capacity: int | None = None
         self._prefilled: list[Req] = []     # requests the last batch gave a prompt chunk, cached at the next schedule
 
     # --- intake ---
@@ -128,11 +136,12 @@ class Scheduler:
         started = self._candidates(r for r in self.running
                                    if r.kv_len < r.prefill_target and not any(r is d for d in decoding))
         candidates = started + self._candidates(self.waiting)
-        decode_reserve = sum(1 for r in self.running if r.kv_len >= r.prefill_target)
+        decode_reserve = self.decode_room * sum(1 for r in self.running if r.kv_len >= r.prefill_target)
         # others' streams wait while a chunk runs: paced unless nobody else decodes (or they are paused)
         budget = self.pacer.budget(decoding=decode_reserve > 0 and self.focus is None)
         oldest_chunk = self._oldest_prompt_chunk(started, len(candidates) > len(started), budget)
         planned = 0   # slots this step's chunks take, together
+        draft_demand = sum(self._draft_need(r) for r in self.running) if self.draft_capacity is not None else 0
         reqs, lens, samples = list(decoding), [1] * len(decoding), [True] * len(decoding)
         for req in candidates:
             if budget <= 0 or self.kv.available() - decode_reserve - planned <= 0:
@@ -142,8 +151,12 @@ class Scheduler:
                     if self.policy == "lpm":
                         continue
                     break  # FCFS: later requests wait behind this one
+                if (self.draft_capacity is not None and self.running
+                        and draft_demand + self._draft_need(req) > self.draft_capacity):
+                    break   # (alone, a request runs: drafts it gets no room for are cut)
                 if not self._admit(req, decode_reserve + planned):
                     break
+                draft_demand += self._draft_need(req)
             # admission locks the request's cached prefix: what is free is counted again
             length = min(req.prefill_target - req.kv_len, budget, self.kv.available() - decode_reserve - planned)
             if started and req is started[0]:
@@ -156,6 +169,10 @@ class Scheduler:
         if len(reqs) == len(decoding):
             return None, 0
         return Batch(reqs=reqs, is_extend=True, extend_lens=lens, samples=samples), len(decoding)
+
+    def _draft_need(self, req: Req) -> int:
+        """Slots of the drafter's own cache a request takes at its next drafting step."""
+        return req.num_tokens + self.decode_room
 
     def _oldest_prompt_chunk(self, started: list[Req], others_wait: bool, budget: int) -> int:
         """The most tokens the oldest prompt partway through its prefill takes this step: half

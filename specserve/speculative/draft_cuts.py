@@ -68,3 +68,19 @@ class DraftClasses:
             expected = evidence.expected_tokens("", tier, cls) if self.keys else evidence.expected_tokens(cls, tier)
             parts.append(ClassPart(cls, count * (expected - 1.0), extra))
         return parts
+
+
+def fit_to_free_slots(num_nodes: list[int], free: int) -> list[int]:
+    """Each request's nodes cut so that the step takes at most `free` KV slots: every root
+    first (the scheduler keeps one slot a request), then an even share of what is left to
+    each request that drafts (the first ones take the remainder). Cutting every draft to its
+    root instead, when the pool was nearly full (admission fills it), left a small pool's
+    requests decoding one token a step."""
+    if sum(num_nodes) <= free:
+        return list(num_nodes)
+    drafting = [i for i, nodes in enumerate(num_nodes) if nodes > 1]
+    share, remainder = divmod(max(free - len(num_nodes), 0), max(len(drafting), 1))
+    fitted = [1] * len(num_nodes)
+    for rank, i in enumerate(drafting):
+        fitted[i] = min(num_nodes[i], 1 + share + (rank < remainder))
+    return fitted
