@@ -91,9 +91,8 @@ def sample(models, config: dict, fused: bool = True) -> list[dict]:
     """SAMPLES continuations of PROMPT; fused: every step was a fused one (else none was)."""
     target_path, args, _ = models
     params = [{**config, "max_new_tokens": 5, "ignore_eos": True} for _ in range(SAMPLES)]
-    # KV for all 1024 running requests (the CPU default is the model's context). With a pool
-    # that forces preemption, sampled model drafts do not follow the exact distribution yet
-    # (a known bug, not what this test is about)
+    # KV for all 1024 running requests and their drafts (the CPU default is the model's
+    # context); sampling under a pool that forces preemption: test_sampling_under_kv_pressure
     with tiny_engine(target_path, max_running_requests=1024, max_total_tokens=32768, **args) as engine:
         spy = FusedSpy(engine.core.drafter)
         outputs = engine.generate(input_ids=[PROMPT] * SAMPLES, sampling_params=params)

@@ -45,9 +45,8 @@ def step_logits(models) -> list[torch.Tensor]:
 
 def sample(models, config: dict, seeded: bool = False, **engine_args) -> list[dict]:
     target, draft, _ = models
-    # KV for all 1024 running requests (the CPU default is the model's context). With a pool
-    # that forces preemption, sampled model drafts do not follow the exact distribution yet
-    # (a known bug, not what this test is about)
+    # KV for all 1024 running requests and their drafts (the CPU default is the model's
+    # context); sampling under a pool that forces preemption: test_sampling_under_kv_pressure
     with tiny_engine(target, **standalone_args(draft, NUM_STEPS), max_running_requests=1024, max_total_tokens=32768,
                      **engine_args) as engine:
         params = [{**config, "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True, **({"seed": i} if seeded else {})}
