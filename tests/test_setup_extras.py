@@ -1,6 +1,6 @@
-"""`make run` installs what serving on a CPU needs and no Triton (~1 GB, used only by the GPU
-kernels and by the kernel tests in its CPU interpreter); `make test` adds the dev extra, which
-holds Triton, so the kernel tests still run."""
+"""specserve names Triton (~1 GB, used only by the GPU kernels and by the kernel tests in its
+CPU interpreter) in its dev and gpu extras only, and `make test` adds the dev extra so the
+kernel tests run. (On Linux x86-64 xgrammar, a dependency, names Triton itself.)"""
 from __future__ import annotations
 
 import pathlib
