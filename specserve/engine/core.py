@@ -182,10 +182,10 @@ class EngineCore(DraftingSteps):
         if draft and any(r.grammar is not None for r in reqs):   # forbidden drafts cut, forced ones added
             proposal = constrain_proposal(reqs, proposal, self.sampler.vocab_size, self._draft_limits(reqs))
             num_nodes = proposal.num_nodes.tolist()
-        # the cache fits one token per request (the scheduler made sure), maybe not every draft
-        fitted = fit_to_free_slots(list(num_nodes), self.scheduler.available_slots())
-        if fitted != list(num_nodes):
-            proposal, num_nodes = proposal.cut(fitted), fitted
+        free = self.scheduler.available_slots()
+        if sum(num_nodes) > free:   # the cache fits one token a request (the scheduler made sure), not every draft
+            num_nodes = fit_to_free_slots(list(num_nodes), free)
+            proposal = proposal.cut(num_nodes)
         slots = self.scheduler.alloc_slots(sum(num_nodes))
         if draft and self._drafts_greedily(reqs):
             return self._finish_draft_step(reqs, self._launch_draft(reqs, proposal, slots, start),
