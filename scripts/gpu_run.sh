@@ -24,14 +24,16 @@
 #   scripts/gpu_run.sh frspec                      (FR-Spec: a 32768-token map for the 1.5B, an EAGLE-3 head over
 #                                                   its whole vocabulary, draft step time and accept length with
 #                                                   and without the map at batch 1 and concurrency 32)
-#   scripts/gpu_run.sh eagle-head                  (trains the EAGLE-3 head for the 1.5B in 7.5 minutes into /root/eagle3-1.5b;
-#                                                   skipped where one is there already, or unpacked
-#                                                   from /root/models/eagle3-1.5b-ttt4.tar where that was staged:
-#                                                   `scripts/split_for_device.sh models/*1.5b*.gguf .gpu/eagle3-1.5b-ttt4.tar`,
-#                                                   the head behind BENCHMARKS.md's EAGLE rows; EAGLE_HEAD_MODEL=qwen2.5-coder-0.5b-instruct
-#                                                   EAGLE_HEAD_BUDGET_S=420: the 0.5B's into /root/eagle3-0.5b;
-#                                                   EAGLE_HEAD_ALGORITHM=EAGLE: an EAGLE-2 head into /root/eagle2-SIZE,
-#                                                   which peers-eagle's specserve-eagle serves)
+#   scripts/gpu_run.sh eagle-head                  (the EAGLE-3 head for the 1.5B into /root/eagle3-1.5b: the one kept in
+#                                                   heads/ (as bf16), or, where none is kept, one trained here in 7.5 minutes;
+#                                                   EAGLE_HEAD_MODEL=qwen2.5-coder-0.5b-instruct EAGLE_HEAD_BUDGET_S=420: the
+#                                                   0.5B's into /root/eagle3-0.5b; EAGLE_HEAD_ALGORITHM=EAGLE: an EAGLE-2 head
+#                                                   into /root/eagle2-SIZE, which peers-eagle's specserve-eagle serves)
+#   scripts/gpu_run.sh head-train                  (trains a head of the kept sizes for HEAD_BUDGET_S (540) into
+#                                                   /root/head-train-1.5b; HEAD_RESUME=1 on the same warm machine goes on
+#                                                   with it, HEAD_INIT=heads/MODEL starts from the kept head)
+#   scripts/gpu_run.sh head-keep                   (that head as heads/ keeps it, float8 rows in 15-MiB pieces, into $OUT/kept,
+#                                                   and as bf16 into /root/eagle3-1.5b for eagle-rows; heads/README.md)
 #   scripts/gpu_run.sh eagle-rows                  (that head on the 1.5B, after `eagle-head` on the same warm machine: EAGLE-3
 #                                                   chains of 3 and NAIVE_EAGLE, pinned and adaptive, against plain, on chat and
 #                                                   code-types at 1/8/64: what drafting with the head would give and what the
@@ -58,14 +60,32 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 # benchmarks sample the subset's first 1000 conversations; EAGLE heads and token maps learn from the other
 # 3000, so no benchmark prompt was trained on
+# (scripts/sharegpt_split.py writes both files, the training one as .xz; an older .gpu/sharegpt_subset.json also serves)
 [ -f .gpu/sharegpt_bench.json ] || python3 -c "import json; d = json.load(open('.gpu/sharegpt_subset.json')); \
 json.dump(d[:1000], open('.gpu/sharegpt_bench.json', 'w')); json.dump(d[1000:], open('.gpu/sharegpt_train.json', 'w'))"
+[ -f .gpu/sharegpt_train.json ] || python3 -c "import lzma, shutil; \
+shutil.copyfileobj(lzma.open('.gpu/sharegpt_train.json.xz'), open('.gpu/sharegpt_train.json', 'wb'))"
 chain_rows() {   # OUT_DIR [model_drafters flags]: /root/eagle3-1.5b's NAIVE_EAGLE and EAGLE-3 chains of 3 (or
                  # $CHAIN_ALGORITHMS), pinned and adaptive
   local out=$1; shift
   python3 -m specserve.bench.model_drafters --algorithm ${CHAIN_ALGORITHMS:-NAIVE_EAGLE EAGLE3} --target /root/models/qwen2.5-coder-1.5b-instruct.gguf \
     --draft /root/eagle3-1.5b --num-steps 3 --topk 1 --workloads sharegpt-multiturn code-types \
     --dataset-path .gpu/sharegpt_bench.json --out "$out" "$@" 2>&1 | grep -v '%|' | tail -40
+}
+head_dir() {   # MODEL [eagle3|eagle2]: where its head lives on the device machine (/root/eagle3-1.5b, /root/eagle2-0.5b)
+  local size=${1#qwen2.5-coder-}; echo "/root/${2:-eagle3}-${size%-instruct}"
+}
+kept_head() {  # MODEL: the EAGLE-3 head kept in the repository for it (heads/README.md), as bf16 into head_dir;
+               # false where none is kept. Benchmarks serve it rather than train one.
+  [ -f "heads/$1/config.json" ] && python3 -c "import sys, torch; from specserve.speculative.eagle_checkpoint import \
+convert_head; convert_head(sys.argv[1], sys.argv[2], torch.bfloat16)" "heads/$1" "$(head_dir "$1")" \
+    && echo "EAGLE-3 head: the kept heads/$1 (heads/$1/README.md)" | tee "$OUT/train_eagle.txt"
+}
+train_head() {  # MODEL KIND BUDGET_S [train_eagle flags]: a head trained here into head_dir MODEL KIND
+  local model=$1 kind=$2 budget=$3; shift 3
+  python3 -m specserve.train_eagle --model-path "/root/models/$model.gguf" --output-dir "$(head_dir "$model" "$kind")" \
+    --dataset-path .gpu/sharegpt_train.json --exclude-dataset-path .gpu/sharegpt_bench.json --time-budget "$budget" \
+    --checkpoint-every 0 "$@" 2>&1 | grep -v '%|' | tail -20 | tee "$OUT/train_eagle.txt"
 }
 if [ "$mode" = checks ] || [ "$mode" = all ]; then
   # Triton kernels compiled for real, against torch_native, at test and at real sizes (test_fused_ops
@@ -99,18 +119,14 @@ if [ "$mode" = eagle ]; then
   steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(3)
   TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_eagle_cuda.py 2>&1 | tail -5 \
     | tee "$OUT/pytest_eagle.txt"
-  python3 -m specserve.train_eagle --model-path /root/models/qwen2.5-coder-1.5b-instruct.gguf \
-    --output-dir /root/eagle3-1.5b --dataset-path .gpu/sharegpt_train.json --time-budget 450 --exclude-dataset-path .gpu/sharegpt_bench.json --checkpoint-every 0 \
-    2>&1 | grep -v '%|' | tail -20 | tee "$OUT/train_eagle.txt"
+  kept_head qwen2.5-coder-1.5b-instruct || train_head qwen2.5-coder-1.5b-instruct eagle3 450
   python3 -m specserve.bench.model_drafters --algorithm EAGLE3 --target /root/models/qwen2.5-coder-1.5b-instruct.gguf \
     --draft /root/eagle3-1.5b --num-steps "${steps[@]}" --topk 1 4 --num-draft-tokens 8 \
     --dataset-path .gpu/sharegpt_bench.json --out "$OUT" 2>&1 | grep -v '%|' | tail -60
 fi
 if [ "$mode" = naive ]; then
   # the numbers first (about 8 minutes), the test last: a run cut at the device's 10 minutes keeps them
-  python3 -m specserve.train_eagle --model-path /root/models/qwen2.5-coder-1.5b-instruct.gguf \
-    --output-dir /root/eagle3-1.5b --dataset-path .gpu/sharegpt_train.json --time-budget 300 --exclude-dataset-path .gpu/sharegpt_bench.json --checkpoint-every 0 \
-    2>&1 | grep -v '%|' | tail -20 | tee "$OUT/train_eagle.txt"
+  kept_head qwen2.5-coder-1.5b-instruct || train_head qwen2.5-coder-1.5b-instruct eagle3 300
   chain_rows "$OUT/naive"
   TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_naive_eagle_cuda.py 2>&1 | tail -5 \
     | tee "$OUT/pytest_naive_eagle.txt"
@@ -190,24 +206,39 @@ if [ "$mode" = drafters-tree ]; then
   CHAIN_ALGORITHMS=EAGLE3 PYTHONPATH=/tmp/site:$PWD/$root chain_rows "$OUT/drafters_$(basename "$(realpath "$root")")" \
     --concurrency 64 --num-prompts 64 ${DRAFTER_MODES:+--modes $DRAFTER_MODES}
 fi
-head_dir() {   # MODEL [eagle3|eagle2]: where its head lives on the device machine (/root/eagle3-1.5b, /root/eagle2-0.5b)
-  local size=${1#qwen2.5-coder-}; echo "/root/${2:-eagle3}-${size%-instruct}"
-}
 if [ "$mode" = eagle-head ]; then
   # EAGLE_HEAD_ALGORITHM=EAGLE: an EAGLE-2 head (train_eagle --algorithm EAGLE) into /root/eagle2-SIZE
   algorithm=${EAGLE_HEAD_ALGORITHM:-EAGLE3}; kind=eagle3; [ "$algorithm" = EAGLE ] && kind=eagle2
   model=${EAGLE_HEAD_MODEL:-qwen2.5-coder-1.5b-instruct}; head=$(head_dir "$model" $kind)
   if [ -f "$head/config.json" ] && [ -f "$head/model.safetensors" ]; then
     echo "$algorithm head already in $head" | tee "$OUT/train_eagle.txt"
-  elif [ -f "/root/models/$(basename "$head")-ttt4.tar" ]; then   # a staged head (the 1.5B's, trained with TTT 4)
-    mkdir -p "$head" && tar xf "/root/models/$(basename "$head")-ttt4.tar" -C "$head" \
-      && echo "EAGLE-3 head unpacked from the staged $(basename "$head")-ttt4.tar" | tee "$OUT/train_eagle.txt"
+  elif [ "$kind" = eagle3 ] && kept_head "$model"; then
+    :
   else
-    python3 -m specserve.train_eagle --algorithm "$algorithm" --model-path "/root/models/$model.gguf" \
-      --output-dir "$head" --dataset-path .gpu/sharegpt_train.json --exclude-dataset-path .gpu/sharegpt_bench.json \
-      --time-budget "${EAGLE_HEAD_BUDGET_S:-450}" --text-chats 600 --checkpoint-every 0 2>&1 | grep -v '%|' | tail -20 \
-      | tee "$OUT/train_eagle.txt"
+    train_head "$model" "$kind" "${EAGLE_HEAD_BUDGET_S:-450}" --algorithm "$algorithm" --text-chats 600
   fi
+fi
+if [ "$mode" = head-train ]; then
+  # a head of the kept sizes (MLP 2048 wide, 16384 draft tokens: small enough to keep, heads/README.md) trained
+  # into /root/head-train-SIZE for HEAD_BUDGET_S (540); HEAD_RESUME=1 goes on with that run (a later call on the
+  # same warm machine), HEAD_INIT=heads/MODEL starts from the kept head
+  model=${HEAD_MODEL:-qwen2.5-coder-1.5b-instruct}; start=()
+  [ -n "${HEAD_RESUME:-}" ] && start=(--resume); [ -n "${HEAD_INIT:-}" ] && start=(--init-from "$HEAD_INIT")
+  python3 -m specserve.train_eagle --model-path "/root/models/$model.gguf" --output-dir "$(head_dir "$model" head-train)" \
+    --dataset-path .gpu/sharegpt_train.json --exclude-dataset-path .gpu/sharegpt_bench.json \
+    --time-budget "${HEAD_BUDGET_S:-540}" --generation-share "${HEAD_GENERATION_SHARE:-0.5}" --max-running-requests 512 \
+    --text-chats 600 --epochs 12 --intermediate-size 2048 --draft-vocab-size 16384 --eval-draft-steps 3 \
+    --checkpoint-every 0 "${start[@]}" 2>&1 | grep -v '%|' | tee -a "$OUT/head_train.txt" | tail -30
+fi
+if [ "$mode" = head-keep ]; then
+  # head-train's head as it is kept (float8 rows) into $OUT/kept in 15-MiB pieces (a call returns 16 MiB a file),
+  # and as bf16 into head_dir, where eagle-rows and peers-eagle serve it
+  model=${HEAD_MODEL:-qwen2.5-coder-1.5b-instruct}; kept=/root/kept-$model; mkdir -p "$OUT/kept"
+  python3 -c "import sys, torch; from specserve.speculative.eagle_checkpoint import convert_head; \
+convert_head(sys.argv[1], sys.argv[2], fp8=True); convert_head(sys.argv[2], sys.argv[3], torch.bfloat16)" \
+    "$(head_dir "$model" head-train)" "$kept" "$(head_dir "$model")" || exit 1
+  cp "$kept/config.json" "$OUT/kept/" && (cd "$kept" && sha256sum model.safetensors > "$OUT/kept/SHA256SUMS") \
+    && split -b 15M -d -a 1 "$kept/model.safetensors" "$OUT/kept/model.safetensors.part" && ls -l "$OUT/kept"
 fi
 if [ "$mode" = eagle-rows ]; then
   chain_rows "$OUT/eagle_rows" --concurrency 1 8 64 --num-prompts 64

@@ -78,6 +78,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument("--eval-every", type=int, default=None,
                        help="optimizer steps between held-out accept lengths; the best head is kept (0: never)")
     train.add_argument("--draft-vocab-size", type=int, default=None)
+    train.add_argument("--intermediate-size", type=int, default=None,
+                       help="the head's MLP width (default: the target's); smaller makes a head small enough to keep")
+    train.add_argument("--init-from", default=None,
+                       help="a saved head (heads/TARGET, or an --output-dir) to go on training: its sizes and draft "
+                            "vocabulary, a fresh optimizer")
     train.add_argument("--checkpoint-every", type=int, default=200, help="optimizer steps; 0: at the end only")
     train.add_argument("--resume", action="store_true", help="continue from the checkpoint in --output-dir")
     train.add_argument("--seed", type=int, default=0)
@@ -87,6 +92,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not 0 < args.generation_share < 1:
         p.error(f"--generation-share must lie in (0, 1), got {args.generation_share}")
+    if args.init_from and args.resume:
+        p.error("--init-from starts a new run from a saved head; --resume continues the run in --output-dir: give one")
+    if args.intermediate_size is not None and args.intermediate_size <= 0:
+        p.error(f"--intermediate-size must be positive, got {args.intermediate_size}")
     return args
 
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from specserve.bench.datasets import _json_array_items, sample_random_requests, sample_sharegpt_requests
+from specserve.bench.datasets import json_array_items, sample_random_requests, sample_sharegpt_requests
 from specserve.bench.serving import RequestResult, _percentile, summarize
 from specserve.bench.server_overhead import wait_healthy
 from tests.server_process import ROOT, free_port, start_server, stop_server
@@ -27,8 +27,8 @@ class _WordTokenizer:
 
 def test_truncated_json_array_keeps_whole_items():
     text = json.dumps([{"a": 1}, {"b": [2, 3]}, {"c": "four"}])
-    assert _json_array_items(text) == [{"a": 1}, {"b": [2, 3]}, {"c": "four"}]
-    assert _json_array_items(text[:-12]) == [{"a": 1}, {"b": [2, 3]}]
+    assert json_array_items(text) == [{"a": 1}, {"b": [2, 3]}, {"c": "four"}]
+    assert json_array_items(text[:-12]) == [{"a": 1}, {"b": [2, 3]}]
 
 
 def test_sharegpt_and_random_sampling():

@@ -91,7 +91,7 @@ def load_sharegpt_pairs(path: str | None) -> list[tuple[str, str]]:
     with open(path or default_sharegpt_path(), encoding="utf-8") as f:
         text = f.read()
     return [(d["conversations"][0]["value"], d["conversations"][1]["value"])
-            for d in _json_array_items(text) if len(d.get("conversations", ())) >= 2]
+            for d in json_array_items(text) if len(d.get("conversations", ())) >= 2]
 
 
 def load_sharegpt_second_turns(path: str | None, num: int, seed: int = 1,
@@ -101,7 +101,7 @@ def load_sharegpt_second_turns(path: str | None, num: int, seed: int = 1,
     chat client sends it). Conversations whose first three turns alternate human / gpt /
     human and fit `max_chars`, shuffled with `seed`."""
     with open(path or default_sharegpt_path(), encoding="utf-8") as f:
-        items = _json_array_items(f.read())
+        items = json_array_items(f.read())
     conversations = []
     for item in items:
         turns = item.get("conversations", ())[:3]
@@ -119,13 +119,13 @@ def load_sharegpt_conversations(path: str | None) -> list[list[dict]]:
     """Every conversation, all its turns, as chat messages (human: user, gpt: assistant;
     empty turns and other speakers left out), in file order."""
     with open(path or default_sharegpt_path(), encoding="utf-8") as f:
-        items = _json_array_items(f.read())
+        items = json_array_items(f.read())
     conversations = ([{"role": _CHAT_ROLES[t["from"]], "content": t["value"]} for t in item.get("conversations", ())
                       if t.get("from") in _CHAT_ROLES and t.get("value", "").strip()] for item in items)
     return [messages for messages in conversations if messages]
 
 
-def _json_array_items(text: str) -> list[dict]:
+def json_array_items(text: str) -> list[dict]:
     """The complete items of a JSON array, one at a time, so that a truncated file (the
     packaged ShareGPT file ends mid-conversation) still yields every whole item before the cut."""
     decoder = json.JSONDecoder()

@@ -6,7 +6,10 @@ post_attention_layernorm), `norm.weight`, `lm_head.weight` and the vocabulary ma
 (int64: draft id i is target id i + d2t[i]) and `t2d` (bool over the target vocabulary).
 The embedding is left out: the head borrows the target's. Loading also takes what other
 trainers write: a `model.` prefix on the names, an `embed_tokens.weight` of the head's own,
-a pytorch_model.bin, and no d2t/t2d for a head over the whole target vocabulary.
+a pytorch_model.bin, and no d2t/t2d for a head over the whole target vocabulary. A head saved
+with `fp8=True` (the form kept in the repository, fp8_rows.py) stores its matrices as float8
+with per-row scales and config.json says so (`weight_format`); `convert_head` writes it back
+as bf16 for engines that read only SGLang's plain layout.
 """
 from __future__ import annotations
 
@@ -18,14 +21,19 @@ from torch import nn
 
 from specserve.speculative.eagle_config import EagleHeadConfig
 from specserve.speculative.eagle_head import EagleHead
+from specserve.speculative.fp8_rows import dequantize_rows, quantize_rows
+
+WEIGHT_FORMAT_KEY = "weight_format"
+FP8_ROWS_FORMAT = "float8_e4m3 rows"
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 _VOCAB_MAPS = ("d2t", "t2d")
 
 
-def save_head(head: EagleHead, directory: str, dtype: torch.dtype | None = None) -> None:
-    """Writes config.json and model.safetensors; floating weights in `dtype` (default: as they are)."""
+def save_head(head: EagleHead, directory: str, dtype: torch.dtype | None = None, fp8: bool = False) -> None:
+    """Writes config.json and model.safetensors; floating weights in `dtype` (default: as they
+    are), or with `fp8` the matrices as float8 rows (read back in `dtype`, default bfloat16)."""
     from safetensors.torch import save_file
     os.makedirs(directory, exist_ok=True)
     state = {}
@@ -35,10 +43,19 @@ def save_head(head: EagleHead, directory: str, dtype: torch.dtype | None = None)
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)
         state[name] = tensor.detach().contiguous().cpu()
-    float_dtype = dtype or head.lm_head.weight.dtype
+    float_dtype = dtype or (torch.bfloat16 if fp8 else head.lm_head.weight.dtype)
+    config = head.config.to_json_dict(str(float_dtype).removeprefix("torch."))
+    if fp8:
+        state = quantize_rows(state)
+        config[WEIGHT_FORMAT_KEY] = FP8_ROWS_FORMAT
     with open(os.path.join(directory, CONFIG_FILE), "w") as f:
-        json.dump(head.config.to_json_dict(str(float_dtype).removeprefix("torch.")), f, indent=2)
+        json.dump(config, f, indent=2)
     save_file(state, os.path.join(directory, WEIGHTS_FILE))
+
+
+def convert_head(source: str, destination: str, dtype: torch.dtype = torch.bfloat16, fp8: bool = False) -> None:
+    """Rewrites the head in `source` into `destination`: plain `dtype` weights, or float8 rows."""
+    save_head(load_head(source), destination, dtype=dtype, fp8=fp8)
 
 
 def load_head(directory: str, target_num_layers: int | None = None, device: str | torch.device = "cpu",
@@ -56,7 +73,7 @@ def read_weights(directory: str) -> dict[str, torch.Tensor]:
     safetensors_path = os.path.join(directory, WEIGHTS_FILE)
     if os.path.isfile(safetensors_path):
         from safetensors.torch import load_file
-        return load_file(safetensors_path)
+        return dequantize_rows(load_file(safetensors_path))
     bin_path = os.path.join(directory, "pytorch_model.bin")
     if os.path.isfile(bin_path):
         return torch.load(bin_path, map_location="cpu", weights_only=True)

@@ -62,11 +62,15 @@ class EagleHeadConfig:
 
     @classmethod
     def for_target(cls, target: ModelConfig, algorithm: str = "EAGLE3",
-                   draft_vocab_size: int = DEFAULT_DRAFT_VOCAB_SIZE) -> EagleHeadConfig:
-        """A head shaped like one of the target's layers (as SpecForge's configs are)."""
+                   draft_vocab_size: int = DEFAULT_DRAFT_VOCAB_SIZE,
+                   intermediate_size: int | None = None) -> EagleHeadConfig:
+        """A head shaped like one of the target's layers (as SpecForge's configs are), its MLP
+        `intermediate_size` wide where given (a smaller head to keep and carry)."""
+        if intermediate_size is not None and intermediate_size <= 0:
+            raise ValueError(f"intermediate_size must be positive, got {intermediate_size}")
         if algorithm not in ("EAGLE3", "EAGLE"):
             raise ValueError(f"algorithm must be EAGLE3 or EAGLE, got {algorithm!r}")
-        return cls(hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
+        return cls(hidden_size=target.hidden_size, intermediate_size=intermediate_size or target.intermediate_size,
                    num_heads=target.num_heads, num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
                    rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta, rope_scaling=target.rope_scaling,
                    max_position_embeddings=target.max_position_embeddings, vocab_size=target.vocab_size,

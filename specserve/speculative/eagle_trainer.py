@@ -31,7 +31,7 @@ import torch
 
 from specserve.model.llama import DecoderLM
 from specserve.speculative.eagle_batches import BatchBuilder, TrainingBatch, plan_batches
-from specserve.speculative.eagle_checkpoint import load_head_state, read_weights, save_head
+from specserve.speculative.eagle_checkpoint import load_head, load_head_state, read_weights, save_head
 from specserve.speculative.eagle_config import EagleHeadConfig
 from specserve.speculative.eagle_data import Conversation
 from specserve.speculative.eagle_head import EagleHead
@@ -59,14 +59,28 @@ class TrainSettings:
     autocast_dtype: torch.dtype | None = None  # bfloat16 on a GPU: the head's weights stay fp32
 
 
-def build_head(target: DecoderLM, algorithm: str, draft_vocab: torch.Tensor, max_positions: int) -> EagleHead:
+def build_head(target: DecoderLM, algorithm: str, draft_vocab: torch.Tensor, max_positions: int,
+               intermediate_size: int | None = None) -> EagleHead:
     """A fresh fp32 head for `target` over `draft_vocab`, borrowing the target's embedding.
     (Starting the lm_head from the target's rows was tried: its confident, wrong first
     drafts made the loss start ten times higher and the trained head draft worse.)"""
     weight = target.embed_tokens.weight
-    config = EagleHeadConfig.for_target(target.config, algorithm, draft_vocab.numel())
+    config = EagleHeadConfig.for_target(target.config, algorithm, draft_vocab.numel(), intermediate_size)
     head = EagleHead(config, max_positions).to(weight.device)
     head.set_draft_vocab(draft_vocab)
+    head.share_embedding(weight)
+    return head
+
+
+def kept_head(target: DecoderLM, directory: str) -> EagleHead:
+    """A head saved earlier for `target` (a kept one's float8 rows read back as fp32), to
+    train on from where it ended; its draft vocabulary and sizes are the saved ones."""
+    weight = target.embed_tokens.weight
+    head = load_head(directory, target.config.num_layers, device=weight.device)
+    if (head.config.vocab_size, head.config.target_hidden_size) != (target.config.vocab_size, target.config.hidden_size):
+        raise ValueError(f"--init-from {directory}: a head for a target of vocabulary {head.config.vocab_size} and "
+                         f"hidden size {head.config.target_hidden_size}, not this one's "
+                         f"({target.config.vocab_size}, {target.config.hidden_size})")
     head.share_embedding(weight)
     return head
 

@@ -25,7 +25,7 @@ from specserve.speculative.eagle_engine import generating_engine
 from specserve.speculative.eagle_eval import accept_length
 from specserve.speculative.eagle_head import EagleHead
 from specserve.speculative.eagle_prep import PreparedText, TextPreparation, TextSettings
-from specserve.speculative.eagle_trainer import EagleTrainer, TrainSettings, build_head, target_lm_head
+from specserve.speculative.eagle_trainer import EagleTrainer, TrainSettings, build_head, kept_head, target_lm_head
 from specserve.speculative.eagle_ttt import ConversationBatch
 from specserve.speculative.target_features import TargetFeatureExtractor
 
@@ -133,10 +133,14 @@ def _train(args: argparse.Namespace, device: torch.device, target, train_data: l
     """Builds the head, trains it until the plan or the budget ends, saves it and prints
     the held-out accept length before and after."""
     settings = _settings(args, device, max_seconds=None)
-    draft_vocab = most_frequent_tokens((c.answer_tokens() for c in train_data), target.config.vocab_size,
-                                       min(args.draft_vocab_size, target.config.vocab_size))
     lengths = [len(c.tokens) for c in train_data + held_out]
-    head = build_head(target, args.algorithm, draft_vocab, max_positions=max(lengths) + args.ttt_steps + 1)
+    if args.init_from:
+        head = kept_head(target, args.init_from)
+    else:
+        draft_vocab = most_frequent_tokens((c.answer_tokens() for c in train_data), target.config.vocab_size,
+                                           min(args.draft_vocab_size, target.config.vocab_size))
+        head = build_head(target, args.algorithm, draft_vocab, max_positions=max(lengths) + args.ttt_steps + 1,
+                          intermediate_size=args.intermediate_size)
     extractor = TargetFeatureExtractor(target, head.config.aux_layers, max(settings.batch_tokens, max(lengths)),
                                        max_sequences=max(1, settings.batch_tokens // min(lengths)),
                                        max_sequence_len=max(lengths))
