@@ -92,3 +92,19 @@ def test_init_from_and_resume_are_refused_together(tmp_path):
     from specserve.train_eagle import parse_args
     with pytest.raises(SystemExit):
         parse_args(["--output-dir", str(tmp_path), "--init-from", str(tmp_path), "--resume"])
+
+
+def test_a_resumed_run_trains_for_its_own_seconds(tmp_path):
+    from specserve.train_eagle import main
+    target = tmp_path / "target"
+    make_tiny_directory(target, vocab_size=320, weight_std=None, logit_scale=100.0)
+    argv = ["--model-path", str(target), "--device", "cpu", "--num-prompts", "12", "--held-out", "4",
+            "--max-prompt-len", "48", "--max-new-tokens", "12", "--epochs", "4", "--ttt-steps", "2",
+            "--batch-tokens", "128", "--draft-vocab-size", "64", "--checkpoint-every", "0",
+            "--max-train-seconds", "1e-6", "--output-dir", str(tmp_path / "head")]
+    state_file = tmp_path / "head" / "trainer_state.pt"
+    main(argv)                       # out of time after its first step
+    first = torch.load(state_file, weights_only=True)
+    main(argv + ["--resume"])        # its own 1e-6 s: one step more, not none (the first run's seconds are spent)
+    second = torch.load(state_file, weights_only=True)
+    assert first["step"] == 1 and second["step"] == 2 and second["plan_size"] > 2

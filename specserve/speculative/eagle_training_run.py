@@ -169,7 +169,11 @@ def _train(args: argparse.Namespace, device: torch.device, target, train_data: l
         # and training got 25 s of 140
         train_seconds = _seconds_left(args, started, score_seconds)
         trainer.settings = dataclasses.replace(trainer.settings, max_seconds=train_seconds)
-    if not (args.resume and trainer.resume()):
+    if args.resume and trainer.resume():
+        if train_seconds is not None:
+            # this run's seconds come on top of those trained before (a later call of one GPU lease)
+            trainer.settings = dataclasses.replace(trainer.settings, max_seconds=trainer.elapsed + train_seconds)
+    else:
         print(f"held-out accept length before training: {before:.3f} ({eval_steps} draft steps, greedy chain)")
     train_started = time.perf_counter()
     print(f"training from {train_started - started:.0f} s, for "
