@@ -228,7 +228,7 @@ if [ "$mode" = head-train ]; then
     --dataset-path .gpu/sharegpt_train.json --exclude-dataset-path .gpu/sharegpt_bench.json \
     --time-budget "${HEAD_BUDGET_S:-540}" --generation-share "${HEAD_GENERATION_SHARE:-0.5}" --max-running-requests 512 \
     --text-chats 600 --epochs 12 --intermediate-size 2048 --draft-vocab-size 16384 --eval-draft-steps 3 \
-    --checkpoint-every 0 "${start[@]}" 2>&1 | grep -v '%|' | tee -a "$OUT/head_train.txt" | tail -30
+    --checkpoint-every 0 "${start[@]}" 2>&1 | grep -v '%|' | tee -a /root/head-train.log | tail -30
 fi
 if [ "$mode" = head-keep ]; then
   # head-train's head as it is kept (float8 rows) into $OUT/kept in 15-MiB pieces (a call returns 16 MiB a file),
@@ -239,6 +239,8 @@ convert_head(sys.argv[1], sys.argv[2], fp8=True); convert_head(sys.argv[2], sys.
     "$(head_dir "$model" head-train)" "$kept" "$(head_dir "$model")" || exit 1
   cp "$kept/config.json" "$OUT/kept/" && (cd "$kept" && sha256sum model.safetensors > "$OUT/kept/SHA256SUMS") \
     && split -b 15M -d -a 1 "$kept/model.safetensors" "$OUT/kept/model.safetensors.part" && ls -l "$OUT/kept"
+  cp /root/head-train.log "$OUT/kept/train_eagle.log"
+  python3 -m lab.head_accept_plot /root/head-train.log --out "$OUT/kept/accept.png"   # a call returns 8 files
 fi
 if [ "$mode" = eagle-rows ]; then
   chain_rows "$OUT/eagle_rows" --concurrency 1 8 64 --num-prompts 64
