@@ -49,11 +49,11 @@ from collections import defaultdict
 import torch
 
 from lab.draft_step_workloads import WORKLOADS, code_edit_streams
-from specserve.bench.gpu_suite import set_drafter
 from lab.host_replay import ReplayForward, parse_config
 from lab.plain_step_host import MAX_PROMPT, sharegpt_streams
-from specserve.engine.detokenizer import IncrementalDetokenizer
+from specserve.bench.gpu_suite import set_drafter
 from specserve.engine.draft_ahead import DraftAhead, DraftStep
+from specserve.request.detokenizer import IncrementalDetokenizer
 from specserve.runner.tree_step import GreedyOutcome, TreeStepInputs, TreeStepOutputs, greedy_commit
 
 GRAPH_SIZES = [1, 4, 8, 16]   # what a GPU engine with 16 draft tokens captures

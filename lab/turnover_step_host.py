@@ -39,10 +39,10 @@ from collections import defaultdict
 
 import torch
 
-from specserve.bench.gpu_suite import DEFAULT_CONFIG, config_label, set_drafter
 from lab.plain_step_host import MAX_PROMPT, DeviceTimeReplay, sharegpt_streams
+from specserve.bench.gpu_suite import DEFAULT_CONFIG, config_label, set_drafter
 from specserve.engine.overlap import OverlapSchedule
-from specserve.engine.request import same_requests
+from specserve.request.req import same_requests
 from specserve.runner import model_runner
 
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from specserve.args import ServerArgs
-from specserve.sampling.params import SamplingParams
+from specserve.request.sampling_params import SamplingParams
 
 __all__ = ["Engine", "SamplingParams", "ServerArgs"]
 

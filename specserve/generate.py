@@ -98,7 +98,7 @@ def read_prompt(ns: argparse.Namespace) -> str:
 
 def sampling_params(ns: argparse.Namespace) -> dict:
     """The request's sampling parameters, checked now rather than after the model loads."""
-    from specserve.sampling.params import SamplingParams
+    from specserve.request.sampling_params import SamplingParams
     params = ns.sampling_params if ns.sampling_params is not None else {
         "max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature, "top_p": ns.top_p,
         "top_k": ns.top_k, "repetition_penalty": ns.repetition_penalty, "seed": ns.seed}

@@ -46,7 +46,7 @@ class FakeEngine:
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                              top_logprobs_num=0, stream=False, rid=None):
-        from specserve.sampling.params import SamplingParams
+        from specserve.request.sampling_params import SamplingParams
         params = SamplingParams.from_dict(sampling_params)
         text = self.tokenizer.decode(input_ids)[: params.max_new_tokens]
 

@@ -9,7 +9,7 @@ import pytest
 import transformers
 
 from spec_fixtures import save_bpe_tokenizer
-from specserve.engine.detokenizer import IncrementalDetokenizer, _direct_decode
+from specserve.request.detokenizer import IncrementalDetokenizer, _direct_decode
 
 
 @pytest.fixture(scope="module")

@@ -319,7 +319,7 @@ def test_head_rows_join_the_cache_at_release_and_nobody_waits_for_a_chunk():
     the first leaves, its prompt and output are cached with the head's rows, a later request
     adopts them, and the ledger's check (which covers the head's pool) holds at every step."""
     from specserve.kv.pool import KVPool
-    from specserve.engine.request import ReqState
+    from specserve.request.req import ReqState
     from tests.test_prefix_cache import SYSTEM, _req, _run_all, _scheduler, _step
     scheduler = _scheduler(chunk=128)
     head_pool = KVPool(1, 1, 2, 256, max_requests=8, max_context=512, dtype=torch.float32, device=torch.device("cpu"))

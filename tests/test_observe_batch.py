@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from specserve.engine.request import SpecStats
+from specserve.request.req import SpecStats
 from specserve.speculative import ngram
 from specserve.speculative.adaptive import AdaptiveDraftLength
 from specserve.speculative.ngram import NgramDrafter

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from specserve.engine.prefill_pacer import MIN_CHUNK, PREFILL_SHARE, PrefillPacer
-from specserve.engine.request import Batch, Req
 from specserve.engine.scheduler import Scheduler
 from specserve.kv.pool import KVPool
-from specserve.sampling.params import SamplingParams
+from specserve.request.req import Batch, Req
+from specserve.request.sampling_params import SamplingParams
 
 
 def test_pacer_starts_small_and_converges_to_the_share_of_a_decode_step():

@@ -11,11 +11,11 @@ import random
 import pytest
 import torch
 
-from specserve.engine.request import Batch, Req, ReqState
 from specserve.engine.scheduler import SHARED_PREFIX_MIN, Scheduler
 from specserve.kv.pool import KVPool, SlotAllocator
 from specserve.kv.radix_cache import RadixCache
-from specserve.sampling.params import SamplingParams
+from specserve.request.req import Batch, Req, ReqState
+from specserve.request.sampling_params import SamplingParams
 
 
 # ---- the radix tree ----

@@ -180,7 +180,7 @@ def test_model_drafters_refuse_grammars_naming_the_field(ngram, algorithm):
     from types import SimpleNamespace
 
     from specserve.engine.engine import Engine
-    from specserve.sampling.params import SamplingParams
+    from specserve.request.sampling_params import SamplingParams
 
     engine = SimpleNamespace(args=SimpleNamespace(speculative_algorithm=algorithm), grammars=ngram.grammars)
     with pytest.raises(ValueError, match=f"regex: .*{algorithm}"):

@@ -10,7 +10,7 @@ import pytest
 
 from lab import prefix_cache
 from specserve.bench.ttft_breakdown import StepTrace, fit_prefill_cost
-from specserve.engine.request import Batch
+from specserve.request.req import Batch
 
 
 def _req(rid: str) -> SimpleNamespace:

@@ -21,7 +21,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from specserve.engine.request import Req
+from specserve.request.req import Req
 
 
 @dataclass

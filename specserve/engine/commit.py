@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from specserve.engine.request import Req
 from specserve.engine.scheduler import Scheduler
+from specserve.request.req import Req
 from specserve.sampling.sampler import SampledStep
 
 if TYPE_CHECKING:

@@ -19,12 +19,12 @@ from specserve.engine.commit import (DeferredText, StepOutcome, can_defer_text, 
                                      finish_reason, unfinished)
 from specserve.engine.draft_ahead import DraftAhead, OutcomeCopies
 from specserve.engine.drafting_steps import DraftingSteps
-from specserve.engine.request import Batch, Req, ReqState, SpecStats
+from specserve.engine.overlap import OverlapSchedule, StepAhead
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.stats import SpecCounters, StepLogger
 from specserve.grammar.drafts import constrain_proposal
 from specserve.grammar.finish import grammar_finish
-from specserve.engine.overlap import OverlapSchedule, StepAhead
+from specserve.request.req import Batch, Req, ReqState, SpecStats
 from specserve.runner.model_runner import InFlight, ModelRunner
 from specserve.runner.tree_step import GreedyOutcome, pad_node_slots
 from specserve.sampling.sampler import Sampler, SampledStep

@@ -50,8 +50,8 @@ import numpy as np
 import torch
 
 from specserve.engine.commit import StepOutcome
-from specserve.engine.request import Req, same_requests
 from specserve.engine.scheduler import Scheduler
+from specserve.request.req import Req, same_requests
 from specserve.runner.model_runner import InFlight, ModelRunner
 from specserve.runner.tree_step import GreedyOutcome, pad_node_slots
 from specserve.speculative.drafter import Drafter

@@ -20,7 +20,7 @@ import numpy as np
 
 from specserve.engine.commit import unfinished
 from specserve.engine.draft_ahead import ChainedStep, DraftStep, launch_draft_step
-from specserve.engine.request import Req
+from specserve.request.req import Req
 from specserve.speculative.tree import TreeProposal
 
 if TYPE_CHECKING:

@@ -15,15 +15,15 @@ from typing import Any, Callable, Iterator
 
 from specserve.args import ServerArgs
 from specserve.engine.builder import build_core
-from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.failure_isolation import FailureIsolation
 from specserve.engine.front import (DONE, EngineFront, RequestLimits, capped_max_new_tokens, check_request,
                                     last_result)
 from specserve.engine.loop_mailbox import LoopMailboxes
 from specserve.engine.output import OutputTracker
-from specserve.engine.request import Req, ReqState
 from specserve.errors import EngineFatalError
 from specserve.grammar.compiler import GrammarCache
+from specserve.request.detokenizer import IncrementalDetokenizer
+from specserve.request.req import Req, ReqState
 
 logger = logging.getLogger("specserve")
 # the drafters whose steps verify through the sampler, which applies grammar masks to every node

@@ -18,8 +18,8 @@ import time
 
 from specserve.engine.core import EngineCore
 from specserve.engine.output import OutputTracker
-from specserve.engine.request import Req
 from specserve.errors import EngineFatalError
+from specserve.request.req import Req
 
 logger = logging.getLogger("specserve")
 

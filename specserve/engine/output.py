@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from specserve.engine.request import Req
+from specserve.request.req import Req
 
 
 class OutputTracker:

@@ -28,8 +28,8 @@ from typing import Callable
 
 import torch
 
-from specserve.engine.request import Batch, Req, ReqState, same_requests
 from specserve.engine.scheduler import Scheduler
+from specserve.request.req import Batch, Req, ReqState, same_requests
 from specserve.runner.model_runner import InFlight, ModelRunner
 
 

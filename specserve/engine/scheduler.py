@@ -34,9 +34,9 @@ import time
 from typing import Callable, Iterator
 
 from specserve.engine.prefill_pacer import PrefillPacer
-from specserve.engine.request import Batch, Req, ReqState
 from specserve.kv.ledger import KVLedger
 from specserve.kv.pool import KVPool
+from specserve.request.req import Batch, Req, ReqState
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 SHARED_PREFIX_MIN = 32     # tokens another request's chunk must add to a waiting one's cached prefix to hold it back

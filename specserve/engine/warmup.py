@@ -19,13 +19,13 @@ import logging
 import time
 from dataclasses import dataclass
 
-from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.kernel_cache import TritonCompileCounter, use_persistent_triton_cache
-from specserve.engine.request import Req
 from specserve.engine.stats import StepLogger
 from specserve.engine.warmup_plan import (DRAFT_PROMPT, SHORT_PROMPT, BatchShape, EngineShape, WarmupPlan,
                                           plan_warmup)
-from specserve.sampling.params import SamplingParams
+from specserve.request.detokenizer import IncrementalDetokenizer
+from specserve.request.req import Req
+from specserve.request.sampling_params import SamplingParams
 from specserve.speculative.adaptive import AdaptiveDraftLength
 
 logger = logging.getLogger("specserve")

@@ -24,7 +24,7 @@ import numpy as np
 from specserve.kv.pool import SlotAllocator
 
 if TYPE_CHECKING:
-    from specserve.engine.request import Req
+    from specserve.request.req import Req
 
 
 class DraftRows(Protocol):

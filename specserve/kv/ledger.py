@@ -36,7 +36,7 @@ from specserve.kv.pool import KVPool
 from specserve.kv.radix_cache import RadixCache
 
 if TYPE_CHECKING:
-    from specserve.engine.request import Req
+    from specserve.request.req import Req
 
 
 class KVLedger:

@@ -33,7 +33,7 @@ from specserve.runner.tree_step import pad_node_slots
 from specserve.speculative.tree import TreeProposal
 
 if TYPE_CHECKING:
-    from specserve.engine.request import Req
+    from specserve.request.req import Req
     from specserve.runner.eagle_runner import EagleHeadRunner
     from specserve.runner.model_runner import ModelRunner
 

@@ -52,7 +52,7 @@ from specserve.speculative.tree import DraftTrees, TreeProposal
 from specserve.speculative.verify import VerifyResult, verify_greedy, verify_sampling
 
 if TYPE_CHECKING:
-    from specserve.engine.request import Req
+    from specserve.request.req import Req
     from specserve.runner.eagle_runner import EagleHeadRunner
     from specserve.runner.model_runner import ModelRunner
 

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.engine.request import Req
 from specserve.grammar.apply import apply_grammar_bitmask
 from specserve.grammar.tree_masks import grammar_bitmask
+from specserve.request.req import Req
 from specserve.speculative.tree import DraftTrees
 from specserve.speculative.verify import SAMPLING_RULES, apply_penalties_to_tree, verify_greedy, verify_sampling
 

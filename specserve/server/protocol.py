@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from specserve.errors import EngineFatalError
-from specserve.sampling.params import INT64_MAX, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from specserve.request.sampling_params import INT64_MAX, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from specserve.server.response_format import ResponseFormat
 from specserve.server.sglang_fields import SGLangGenerateExtras, warn_once
 from specserve.server.tool_specs import NamedToolChoice, ToolSpec, check_tool_choice

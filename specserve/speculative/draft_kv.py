@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from specserve.kv.pool import KVPool
 
 if TYPE_CHECKING:
-    from specserve.engine.request import Req
+    from specserve.request.req import Req
 
 UNSET = -1   # the token of a row reserved for a draft: matches no real token
 

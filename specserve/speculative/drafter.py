@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-    from specserve.engine.request import Req
+    from specserve.request.req import Req
     from specserve.runner.model_runner import InFlight
     from specserve.runner.tree_step import GreedyOutcome
     from specserve.sampling.sampler import Sampler, SampledStep

@@ -38,7 +38,7 @@ from specserve.speculative.held_states import HeldTargetStates
 from specserve.speculative.model_proposals import chain_proposal, draft_temperature, tree_proposal
 
 if TYPE_CHECKING:
-    from specserve.engine.request import Req
+    from specserve.request.req import Req
     from specserve.runner.eagle_runner import EagleHeadRunner
 
 

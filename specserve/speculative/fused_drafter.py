@@ -47,7 +47,7 @@ from specserve.speculative.model_proposals import chain_proposal, draft_temperat
 from specserve.speculative.tree import TreeProposal
 
 if TYPE_CHECKING:
-    from specserve.engine.request import Req
+    from specserve.request.req import Req
     from specserve.runner.eagle_runner import EagleHeadRunner
     from specserve.runner.fused_chain import FusedChainRunner
     from specserve.runner.model_runner import InFlight

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 from specserve.kv.draft_rows import DraftRows
 
 if TYPE_CHECKING:
-    from specserve.engine.request import Req
     from specserve.kv.ledger import KVLedger
+    from specserve.request.req import Req
     from specserve.speculative.eagle import EagleDrafter
 
 

@@ -11,7 +11,7 @@ import torch
 from specserve.speculative.tree import TreeProposal
 
 if TYPE_CHECKING:
-    from specserve.engine.request import Req
+    from specserve.request.req import Req
 
 
 def chain_proposal(max_nodes: list[int], roots: list[int], drafted: list[int], drafts: list[list[int]],

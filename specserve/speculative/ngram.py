@@ -59,7 +59,7 @@ from specserve.speculative.tree import TreeProposal
 
 if TYPE_CHECKING:
     from specserve.args import ServerArgs
-    from specserve.engine.request import Req
+    from specserve.request.req import Req
 
 
 MATCH_KEY_CAP = 6         # suffix matches this long or longer count as one evidence class

@@ -27,7 +27,7 @@ from specserve.speculative.model_proposals import chain_proposal, draft_temperat
 from specserve.speculative.tree import TreeProposal
 
 if TYPE_CHECKING:
-    from specserve.engine.request import Req
+    from specserve.request.req import Req
     from specserve.runner.draft_runner import DraftModelRunner
 
 

@@ -11,8 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from specserve.engine.detokenizer import IncrementalDetokenizer
-from specserve.sampling.params import SamplingParams
+from specserve.request.detokenizer import IncrementalDetokenizer
+from specserve.request.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from specserve.grammar.matcher import RequestGrammar
