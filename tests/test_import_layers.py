@@ -31,8 +31,6 @@ KNOWN_CIRCLES = [
      "specserve.distributed.step_broadcast", "specserve.distributed.vocab_parallel",
      "specserve.distributed.vocab_weights", "specserve.distributed.worker", "specserve.model.llama",
      "specserve.runner.cuda_graph", "specserve.runner.model_runner", "specserve.runner.prefill_graph"},
-    {"specserve.engine.commit", "specserve.engine.core", "specserve.engine.draft_ahead",
-     "specserve.engine.drafting_steps"},
     {"specserve.runner.eagle_runner", "specserve.runner.fused_step"},
 ]
 KNOWN_UPWARD = {"specserve.speculative.eagle_chats imports specserve.bench.datasets",

@@ -22,7 +22,7 @@ from specserve.request.req import Req
 from specserve.sampling.sampler import SampledStep
 
 if TYPE_CHECKING:
-    from specserve.engine.core import StepOutput
+    from specserve.engine.step_output import StepOutput
 
 
 @dataclass

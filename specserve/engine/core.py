@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -22,6 +21,7 @@ from specserve.engine.drafting_steps import DraftingSteps
 from specserve.engine.overlap import OverlapSchedule, StepAhead
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.stats import SpecCounters, StepLogger
+from specserve.engine.step_output import StepOutput
 from specserve.grammar.drafts import constrain_proposal
 from specserve.grammar.finish import grammar_finish
 from specserve.request.req import Batch, Req, ReqState, SpecStats
@@ -34,14 +34,6 @@ from specserve.speculative.drafter import Drafter
 from specserve.speculative.tree import DraftTrees, TreeProposal
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StepOutput:
-    """What one step added to one request."""
-    req: Req
-    new_token_ids: list[int]
-    finished: bool
 
 
 class EngineCore(DraftingSteps):

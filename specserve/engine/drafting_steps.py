@@ -24,7 +24,7 @@ from specserve.request.req import Req
 from specserve.speculative.tree import TreeProposal
 
 if TYPE_CHECKING:
-    from specserve.engine.core import StepOutput
+    from specserve.engine.step_output import StepOutput
 
 
 class DraftingSteps:
