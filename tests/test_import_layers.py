@@ -27,10 +27,6 @@ ENTRY_MODULES = {"specserve", "specserve.cli", "specserve.launch_server", "specs
 UPPER_FOLDERS = ("specserve.engine", "specserve.server", "specserve.bench", "specserve.training")
 # still being taken apart: each entry must still be found (a stale one fails), nothing new may join
 KNOWN_CIRCLES = [
-    {"specserve.distributed.graph_steps", "specserve.distributed.launcher", "specserve.distributed.parallel_state",
-     "specserve.distributed.step_broadcast", "specserve.distributed.vocab_parallel",
-     "specserve.distributed.vocab_weights", "specserve.distributed.worker", "specserve.model.llama",
-     "specserve.runner.cuda_graph", "specserve.runner.model_runner", "specserve.runner.prefill_graph"},
     {"specserve.runner.eagle_runner", "specserve.runner.fused_step"},
 ]
 KNOWN_UPWARD = {"specserve.speculative.eagle_chats imports specserve.bench.datasets",

@@ -11,9 +11,9 @@ import torch
 
 from specserve.args import ServerArgs
 from specserve.bench.random_model import SHAPES, write_model_config, write_random_model
-from specserve.distributed.sharding import ModelShard
 from specserve.errors import ArgumentError, ModelFormatError, NotSupportedError
 from specserve.model.loader import check_load_format, default_model_path, read_model_config
+from specserve.model.parallel.sharding import ModelShard
 from specserve.model.random_weights import RandomWeights
 from tests.spec_fixtures import tiny_engine
 

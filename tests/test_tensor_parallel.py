@@ -17,12 +17,12 @@ import transformers
 from model_fixtures import TINY, RunnerDriver
 from spec_fixtures import make_tiny_directory, ngram_args, save_bpe_tokenizer, tiny_engine
 from lab.check_identity import compare
-from specserve.distributed.launcher import start_tensor_parallel
-from specserve.distributed.sharding import ModelShard
 from specserve.errors import ArgumentError, EngineFatalError
 from specserve.model.config import ModelConfig
 from specserve.model.loader import load_checkpoint
+from specserve.model.parallel.sharding import ModelShard
 from specserve.runner.model_runner import ModelRunner
+from specserve.runner.ranks.launcher import start_tensor_parallel
 
 GREEDY = {"temperature": 0, "max_new_tokens": 40}
 PROMPTS = [[5, 9, 13, 40, 2, 77], [7, 7, 8, 100, 3, 200, 7, 7, 8], [30, 31, 32, 33, 30, 31, 32]]

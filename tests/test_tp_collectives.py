@@ -22,10 +22,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from specserve.distributed.graph_steps import GraphStepHeader, announce_graph_step, replay_announced_step
-from specserve.distributed.parallel_state import TensorParallelError, TensorParallelGroup, create_process_group
 from specserve.kv.pool import KVPool
+from specserve.model.parallel.parallel_state import TensorParallelError, TensorParallelGroup, create_process_group
 from specserve.runner.cuda_graph import batch_size_buckets, capture_plan
+from specserve.runner.ranks.graph_steps import GraphStepHeader, announce_graph_step, replay_announced_step
 from specserve.runner.tree_step import TreeStepInputs
 
 VOCAB, VOCAB_PER_RANK, ROWS = 7, 4, 3          # the second shard's last column is padding

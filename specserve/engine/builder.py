@@ -13,19 +13,19 @@ from dataclasses import dataclass
 import torch
 
 from specserve.args import ServerArgs
+from specserve.engine import warmup
 from specserve.engine.core import EngineCore
 from specserve.engine.scheduler import Scheduler
-from specserve.engine import warmup
 from specserve.errors import DeviceError
-from specserve.distributed.sharding import check_tensor_parallel
 from specserve.model.config import ModelConfig
 from specserve.model.loader import (check_load_format, check_tokenizer_path, default_model_path, load_checkpoint,
                                     load_random_checkpoint, load_tokenizer, read_model_config, resolve_model_path)
+from specserve.model.parallel.sharding import check_tensor_parallel
 from specserve.runner.model_runner import ModelRunner, resolve_device, resolve_dtype
 from specserve.sampling.sampler import Sampler
 from specserve.speculative.adaptive import AdaptiveDraftLength
-from specserve.speculative.drafter import Drafter
 from specserve.speculative.draft_setup import check_draft_path, prepare_draft
+from specserve.speculative.drafter import Drafter
 from specserve.speculative.head_prefix_cache import cache_head_rows
 from specserve.speculative.registry import create_drafter, needs_draft_model
 
@@ -100,7 +100,7 @@ def build_core(args: ServerArgs):
 
 def start_ranks(args: ServerArgs, checked: Preflight):
     """Rank 0's tensor-parallel group; the worker ranks start loading their shards now."""
-    from specserve.distributed.launcher import start_tensor_parallel   # imported only for tp_size > 1
+    from specserve.runner.ranks.launcher import start_tensor_parallel   # imported only for tp_size > 1
     context_length = args.context_length or checked.tp_config.max_position_embeddings
     logger.info("starting %d tensor-parallel ranks ...", args.tp_size)
     return start_tensor_parallel(args, checked.model_path, checked.device, checked.dtype, context_length)

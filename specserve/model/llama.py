@@ -1,7 +1,7 @@
 """One decoder for Llama, Qwen2 and Qwen3: the differences are flags of ModelConfig
 (qkv bias for Qwen2, q/k RMSNorm for Qwen3, tied embeddings, rope scaling).
 
-With a tensor-parallel group the same modules hold one rank's shard (distributed/sharding.py):
+With a tensor-parallel group the same modules hold one rank's shard (model/parallel/sharding.py):
 its heads, MLP columns and vocabulary rows; the layer all-reduces after attention and after
 the MLP, and the logits' vocabulary shards are gathered on rank 0."""
 from __future__ import annotations
@@ -10,12 +10,12 @@ import torch
 from torch import nn
 
 from specserve.attention.base import AttentionBackend, ForwardBatch
-from specserve.distributed.parallel_state import TensorParallelGroup
-from specserve.distributed.sharding import ModelShard
-from specserve.distributed.vocab_parallel import VocabParallelEmbedding
 from specserve.model.config import ModelConfig
 from specserve.model.layers import (GatedMLP, RMSNorm, fused, fused_linear, gemv_ops, linear, takes_one_row_kernels,
                                     takes_row_kernels)
+from specserve.model.parallel.parallel_state import TensorParallelGroup
+from specserve.model.parallel.sharding import ModelShard
+from specserve.model.parallel.vocab_parallel import VocabParallelEmbedding
 from specserve.model.rope import RotaryEmbedding
 
 

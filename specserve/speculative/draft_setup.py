@@ -10,7 +10,7 @@ With tensor parallelism (tp_size > 1) the drafter runs once, on rank 0, with who
 the draft model or head is loaded unsharded; an EAGLE head reads rank 0's captured target
 states, which are whole (the residual stream is all-reduced); a head that borrows the
 target's embedding or lm_head gets whole copies gathered from the ranks' vocabulary shards
-(distributed/vocab_weights.py says why not the vocabulary-parallel path). The workers never
+(model/parallel/vocab_weights.py says why not the vocabulary-parallel path). The workers never
 see the drafter: they verify the same trees through rank 0's broadcast steps.
 """
 from __future__ import annotations
@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from specserve.args import FUSED_CHAIN_ALGORITHMS, ServerArgs
-from specserve.distributed.step_broadcast import sharded_model
-from specserve.distributed.vocab_weights import EMBEDDING, LM_HEAD, VocabularyCopies
 from specserve.errors import ArgumentError
 from specserve.model.config import ModelConfig
 from specserve.model.hidden_capture import HiddenCapture
 from specserve.model.loader import resolve_model_path
+from specserve.model.parallel.vocab_weights import EMBEDDING, LM_HEAD, VocabularyCopies
+from specserve.runner.ranks.step_broadcast import sharded_model
 from specserve.speculative.drafter import Drafter
 from specserve.speculative.token_map import read_token_map
 

@@ -23,15 +23,12 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
 
 from specserve.errors import EngineFatalError
-
-if TYPE_CHECKING:
-    from specserve.distributed.launcher import WorkerSet
 
 COLLECTIVE_TIMEOUT_S = 600.0   # a live rank that stops answering; a dead one is reported at once
 
@@ -57,9 +54,19 @@ def create_process_group(store: dist.Store, rank: int, size: int, device: torch.
     return dist.ProcessGroupNCCL(store, rank, size, options)
 
 
+class RankProcesses(Protocol):
+    """Rank 0's worker processes as the group sees them (the launcher's WorkerSet)."""
+
+    def failure(self) -> str | None:
+        """Why a worker is gone, or None while all are alive."""
+
+    def shutdown(self) -> None:
+        """Stops every worker process."""
+
+
 class TensorParallelGroup:
     def __init__(self, rank: int, size: int, process_group: dist.ProcessGroup, device: torch.device,
-                 workers: "WorkerSet | None" = None):
+                 workers: RankProcesses | None = None):
         """workers: on rank 0, the worker processes it started (their failures are this group's)."""
         self.rank, self.size, self.device = rank, size, device
         self.process_group = process_group

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from specserve.distributed.parallel_state import TensorParallelGroup
+from specserve.model.parallel.parallel_state import TensorParallelGroup
 
 
 class VocabParallelEmbedding(nn.Module):

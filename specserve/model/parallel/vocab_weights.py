@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specserve.distributed.parallel_state import TensorParallelGroup
-from specserve.distributed.sharding import ModelShard
 from specserve.model.config import ModelConfig
+from specserve.model.parallel.parallel_state import TensorParallelGroup
+from specserve.model.parallel.sharding import ModelShard
 
 EMBEDDING, LM_HEAD = "embedding", "lm_head"
 

@@ -19,8 +19,8 @@ from typing import Callable
 
 import torch
 
-from specserve.distributed.parallel_state import TensorParallelGroup
 from specserve.kv.pool import KVPool
+from specserve.model.parallel.parallel_state import TensorParallelGroup
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 from specserve.args import ServerArgs
-from specserve.distributed.parallel_state import TensorParallelError, TensorParallelGroup, create_process_group
-from specserve.distributed.worker import WorkerSpec, rank_device, run_worker
+from specserve.model.parallel.parallel_state import TensorParallelError, TensorParallelGroup, create_process_group
+from specserve.runner.ranks.worker import WorkerSpec, rank_device, run_worker
 
 JOIN_TIMEOUT_S = 300.0   # worker start-up (spawning Python and importing torch) before the rendezvous
 STOP_TIMEOUT_S = 5.0

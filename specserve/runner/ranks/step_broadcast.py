@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from specserve.attention.base import AttentionBackend, ForwardBatch, ForwardMode
-from specserve.distributed.parallel_state import TensorParallelGroup
 from specserve.kv.pool import KVPool
+from specserve.model.parallel.parallel_state import TensorParallelGroup
 
 # (bs,) and (num_tokens,) fields of ForwardBatch sent as they are, in this order
 _TOKEN_FIELDS = ("input_ids", "positions", "out_slots")

@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 
 from specserve.args import ServerArgs
-from specserve.distributed.parallel_state import TensorParallelError, TensorParallelGroup, create_process_group
-from specserve.distributed.graph_steps import GraphStepHeader
-from specserve.distributed.step_broadcast import StepHeader, unpack_step
-from specserve.distributed.vocab_weights import send_vocabulary_shard
+from specserve.model.parallel.parallel_state import TensorParallelError, TensorParallelGroup, create_process_group
+from specserve.model.parallel.vocab_weights import send_vocabulary_shard
+from specserve.runner.ranks.graph_steps import GraphStepHeader
+from specserve.runner.ranks.step_broadcast import StepHeader, unpack_step
 
 STORE_TIMEOUT_S = 300.0
 
