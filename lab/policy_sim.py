@@ -36,7 +36,7 @@ import random
 from dataclasses import dataclass, field
 
 from specserve.speculative.adaptive import AdaptiveDraftLength
-from specserve.speculative.tree import TreeProposal
+from specserve.verify.tree import TreeProposal
 
 TIERS = [1, 4, 8, 16]
 ECHO_STEPS = 3           # a chat's first proposals that match in full

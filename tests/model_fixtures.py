@@ -10,7 +10,7 @@ import transformers
 from specserve.args import ServerArgs
 from specserve.model.config import ModelConfig
 from specserve.runner.model_runner import ModelRunner
-from specserve.speculative.tree import TreeProposal
+from specserve.verify.tree import TreeProposal
 
 TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)

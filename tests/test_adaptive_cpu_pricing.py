@@ -9,7 +9,7 @@ import pytest
 
 from specserve.speculative.adaptive import AdaptiveDraftLength
 from specserve.speculative.adaptive_costs import StepCosts
-from specserve.speculative.tree import TreeProposal
+from specserve.verify.tree import TreeProposal
 
 TIERS = [1, 2, 4, 8, 16]
 PLAIN_S, SIXTEEN_S = 0.050, 0.200

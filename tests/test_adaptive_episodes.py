@@ -11,7 +11,7 @@ from specserve.speculative.adaptive import MAX_OPTIMISM, PLAIN_HOLD, SWITCH_MARG
 from specserve.speculative.adaptive_modes import EPISODE_WINDOW, BucketModes
 from specserve.speculative.adaptive_probes import (
     ADMIT_BACKOFF_DOUBLINGS, ADMIT_GAP, REOPEN_FOLLOW_UPS, ProbeSchedule)
-from specserve.speculative.tree import TreeProposal
+from specserve.verify.tree import TreeProposal
 
 CHAIN = ([9, 1, 2, 3], [-1, 0, 1, 2])
 

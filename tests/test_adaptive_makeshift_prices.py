@@ -8,7 +8,7 @@ import pytest
 
 from specserve.speculative.adaptive import SWITCH_MARGIN, AdaptiveDraftLength
 from specserve.speculative.adaptive_costs import MIN_SAMPLES, StepCosts
-from specserve.speculative.tree import TreeProposal
+from specserve.verify.tree import TreeProposal
 
 CHAIN = ([9, 1, 2, 3], [-1, 0, 1, 2])
 

@@ -205,7 +205,7 @@ def test_a_replayed_graph_s_outputs_cut_to_the_batch_when_read():
 
     from specserve.runner.cuda_graph import CutStepOutputs
     from specserve.runner.tree_step import TreeStepOutputs
-    from specserve.speculative.tree import DraftTrees
+    from specserve.verify.tree import DraftTrees
     bucket, n, bs, m = 4, 8, 3, 5
     trees = DraftTrees.chain(torch.arange(bucket * n).view(bucket, n))
     full = TreeStepOutputs(torch.randn(bucket, n, 11), trees, torch.arange(bucket * (1 + 2 * n)).view(bucket, -1),

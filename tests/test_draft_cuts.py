@@ -8,7 +8,7 @@ import pytest
 
 from specserve.speculative.adaptive import AdaptiveDraftLength
 from specserve.speculative.adaptive_costs import StepCosts, batch_bucket
-from specserve.speculative.tree import TreeProposal
+from specserve.verify.tree import TreeProposal
 
 CHAIN = ([9, 1, 2, 3, 4, 5, 6, 7], [-1, 0, 1, 2, 3, 4, 5, 6])
 # a verify step at 8 requests: plain 10 ms, then compute-bound, ~1.5 ms per node a request

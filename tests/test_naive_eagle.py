@@ -12,10 +12,10 @@ from collections import Counter
 import pytest
 import torch
 
+from specserve.errors import ArgumentError
 import specserve.runner.fused_chain
 import specserve.runner.fused_step
-from specserve.errors import ArgumentError
-from specserve.speculative import verify
+from specserve.verify import rules
 from tests.fused_fixtures import (FusedSpy, fused_args, save_random_eagle_head, save_random_mtp_head,
                                   wait_until_fused_state_is_free)
 from tests.spec_fixtures import make_tiny_directory, plain_greedy_outputs, tiny_engine, truncated_mid_path
@@ -122,7 +122,7 @@ def test_samples_follow_the_exact_distribution(sampling_models, monkeypatch, con
 def test_chi_square_catches_an_accept_rule_that_ignores_q(sampling_models, monkeypatch):
     def ignores_q(u, residual_x, residual_mass, draft_q_x):
         return u * residual_mass < residual_x
-    monkeypatch.setattr(verify, "_accept", ignores_q)
+    monkeypatch.setattr(rules, "_accept", ignores_q)
     outputs = sample(sampling_models, {"temperature": 1.0})
     p = chi_square_p(outputs, exact_joint(sampling_models[2], temperature=1.0))
     assert p < 1e-6, f"p = {p:.3g}: a verifier that ignores q went unnoticed"

@@ -15,7 +15,7 @@ from specserve.speculative import ngram
 from specserve.speculative.adaptive import AdaptiveDraftLength
 from specserve.speculative.ngram import NgramDrafter
 from specserve.speculative.ngram_config import NgramConfig
-from specserve.speculative.tree import TreeProposal
+from specserve.verify.tree import TreeProposal
 from tests.test_spec_kv import fake_req
 
 VOCAB = 4   # few tokens: committed streams often follow a proposal for a few steps

@@ -11,7 +11,7 @@ import torch
 
 from specserve.kv.pool import PADDING_SLOT
 from specserve.runner.tree_step import TreeStepInputs, forward_tree, pad_node_slots, ragged_layout
-from specserve.speculative.tree import TreeProposal, smallest_level
+from specserve.verify.tree import TreeProposal, smallest_level
 from tests.spec_fixtures import make_tiny_directory, tiny_engine
 from tests.test_tree_kernels import random_batch
 

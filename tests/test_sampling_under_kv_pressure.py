@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from specserve.speculative import verify
 from specserve.speculative.draft_cuts import fit_to_free_slots
+from specserve.verify import rules
 from tests.fused_fixtures import wait_until_fused_state_is_free
 from tests.spec_fixtures import tiny_engine, wait_until_all_kv_is_free
 from tests.standalone_fixtures import standalone_args, wait_until_draft_kv_is_free
@@ -103,7 +103,7 @@ def ignore_q(monkeypatch) -> None:
     """Sampled drafts accepted with probability r(x) instead of min(1, r(x) / q(x)): biased."""
     def ignores_q(u, residual_x, residual_mass, draft_q_x):
         return u * residual_mass < residual_x
-    monkeypatch.setattr(verify, "_accept", ignores_q)
+    monkeypatch.setattr(rules, "_accept", ignores_q)
 
 
 def test_chi_square_catches_a_standalone_rule_that_ignores_q(models, step_logits, monkeypatch):  # noqa: F811

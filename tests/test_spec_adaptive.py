@@ -18,7 +18,7 @@ from specserve.speculative.adaptive import (
 from specserve.speculative.adaptive_costs import RECHECK_GAP, StepCosts
 from specserve.speculative.adaptive_modes import GUARD_WINDOW
 from specserve.speculative.adaptive_probes import ADMIT_GAP, ProbeSchedule
-from specserve.speculative.tree import DraftTrees, TreeProposal
+from specserve.verify.tree import DraftTrees, TreeProposal
 
 from tests.spec_fixtures import CODE_PROMPT, SmolEngines, ngram_args, wait_until_all_kv_is_free
 

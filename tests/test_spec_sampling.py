@@ -26,10 +26,10 @@ import pytest
 import scipy.stats
 import torch
 
-import specserve.sampling.sampler
 from specserve.sampling import random as srandom
 from specserve.sampling.filters import apply_penalties
-from specserve.speculative import verify
+import specserve.sampling.sampler
+from specserve.verify import rules
 from tests.spec_fixtures import ProposeSpy, make_tiny_directory, ngram_args, tiny_engine, wait_until_all_kv_is_free
 
 VOCAB = 16
@@ -210,7 +210,7 @@ def test_chi_square_catches_a_biased_rejection_rule(model_dir, step_logits, monk
     through verification here."""
     def biased(u, residual_x, residual_mass, draft_q_x):
         return u * residual_mass < 1.3 * residual_x
-    monkeypatch.setattr(verify, "_accept", biased)
+    monkeypatch.setattr(rules, "_accept", biased)
     outputs, _ = sample(model_dir[0], [CONFIGS["temperature 1"]], rule="rejection")
     p = chi_square_p(outputs, exact_joint(step_logits, temperature=1.0))
     assert p < 1e-6, f"p = {p:.3g}: a biased accept rule went unnoticed"
@@ -224,7 +224,7 @@ def test_chi_square_catches_a_coupled_rule_that_reuses_the_root_position(model_d
 
     def root_position_race(probs, seeds, positions, salt=srandom.SALT_TOKEN):
         return race(probs, seeds, positions[:, :1].expand_as(positions), salt)
-    monkeypatch.setattr(verify, "exponential_race", root_position_race)
+    monkeypatch.setattr(rules, "exponential_race", root_position_race)
     outputs, _ = sample(model_dir[0], [CONFIGS["temperature 1"]])
     p = chi_square_p(outputs, exact_joint(step_logits, temperature=1.0))
     assert p < 1e-6, f"p = {p:.3g}: a coupled rule with shared noise went unnoticed"

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specserve.speculative.tree import TreeProposal
+from specserve.verify.tree import TreeProposal
 from tests.model_fixtures import ARCHITECTURES, RunnerDriver, tiny_hf_model
 
 ATOL = 1e-5

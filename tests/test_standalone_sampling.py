@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import specserve.sampling.sampler
-from specserve.speculative import verify
+from specserve.verify import rules
 from tests.spec_fixtures import make_tiny_directory, tiny_engine, wait_until_all_kv_is_free
 from tests.test_spec_sampling import (  # the same prompt, vocabulary and exact joint distribution
     PROMPT, SAMPLES, VOCAB, chi_square_p, exact_joint, exact_step_logits)
@@ -92,7 +92,7 @@ def test_chi_square_catches_an_accept_rule_that_ignores_q(models, step_logits, m
     """Sampled drafts accepted with probability r(x) instead of min(1, r(x) / q(x)): biased."""
     def ignores_q(u, residual_x, residual_mass, draft_q_x):
         return u * residual_mass < residual_x
-    monkeypatch.setattr(verify, "_accept", ignores_q)
+    monkeypatch.setattr(rules, "_accept", ignores_q)
     outputs = sample(models, CONFIGS["temperature 1"])
     p = chi_square_p(outputs, exact_joint(step_logits, temperature=1.0))
     assert p < 1e-6, f"p = {p:.3g}: a verifier that ignores q went unnoticed"

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from specserve.speculative.tree import DraftTrees
+from specserve.verify.tree import DraftTrees
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

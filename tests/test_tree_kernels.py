@@ -1,4 +1,4 @@
-"""The verify step's tree kernels (speculative/tree_kernels.py) compute exactly what the torch
+"""The verify step's tree kernels (verify/tree_kernels.py) compute exactly what the torch
 reference does: DraftTrees.build, and commit_path(verify_greedy(...)) with its table writes
 (Triton's interpreter on the CPU)."""
 from __future__ import annotations
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from specserve.kv.pool import PADDING_SLOT
-from specserve.speculative import tree_kernels
 from specserve.runner.tree_step import TreeStepInputs, commit_path, greedy_commit
-from specserve.speculative.tree import DraftTrees, TreeProposal
-from specserve.speculative.verify import verify_greedy
+from specserve.verify import tree_kernels
+from specserve.verify.rules import verify_greedy
+from specserve.verify.tree import DraftTrees, TreeProposal
 
 DEVICE = torch.device("cpu" if os.environ["TRITON_INTERPRET"] == "1" else "cuda")
 VOCAB = 5          # few tokens: children often match, several at once

@@ -12,9 +12,9 @@ from scipy.stats import chisquare
 
 from specserve.sampling import random as srandom
 from specserve.sampling.filters import apply_sampling_filters
-from specserve.speculative import verify as verify_module
-from specserve.speculative.tree import DraftTrees
-from specserve.speculative.verify import apply_penalties_to_tree, verify_greedy, verify_sampling
+from specserve.verify import rules as verify_module
+from specserve.verify.rules import apply_penalties_to_tree, verify_greedy, verify_sampling
+from specserve.verify.tree import DraftTrees
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 P_MIN = 1e-3

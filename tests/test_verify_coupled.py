@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from specserve.sampling import random as srandom
-from specserve.speculative import verify as verify_module
-from specserve.speculative.tree import DraftTrees
-from specserve.speculative.verify import verify_sampling
+from specserve.verify import rules as verify_module
+from specserve.verify.rules import verify_sampling
+from specserve.verify.tree import DraftTrees
 from tests.test_verify import FILTERS, P_MIN, MarkovTarget, draft_trees, joint_p_value
 
 # a vocabulary of two full race blocks and a partial one; peaked rows, so drafts of likely

@@ -45,7 +45,7 @@ from specserve.bench.decode_profile import events_time_us, kernel_times
 from specserve.bench.random_head import write_random_eagle3_head
 from specserve.bench.random_model import SHAPES, write_random_model
 from specserve.speculative.drafter import Drafter
-from specserve.speculative.tree import TreeProposal
+from specserve.verify.tree import TreeProposal
 
 class ChainDrafter(Drafter):
     """Proposes a chain of `size` nodes (random tokens) for every request, within its limit."""

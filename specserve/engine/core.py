@@ -31,7 +31,7 @@ from specserve.sampling.sampler import Sampler, SampledStep
 from specserve.speculative.adaptive import AdaptiveDraftLength
 from specserve.speculative.draft_cuts import fit_to_free_slots
 from specserve.speculative.drafter import Drafter
-from specserve.speculative.tree import DraftTrees, TreeProposal
+from specserve.verify.tree import DraftTrees, TreeProposal
 
 logger = logging.getLogger(__name__)
 

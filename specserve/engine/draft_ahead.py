@@ -55,7 +55,7 @@ from specserve.request.req import Req, same_requests
 from specserve.runner.model_runner import InFlight, ModelRunner
 from specserve.runner.tree_step import GreedyOutcome, pad_node_slots
 from specserve.speculative.drafter import Drafter
-from specserve.speculative.tree import TreeProposal
+from specserve.verify.tree import TreeProposal
 
 
 @dataclass

@@ -21,7 +21,7 @@ import numpy as np
 from specserve.engine.commit import unfinished
 from specserve.engine.draft_ahead import ChainedStep, DraftStep, launch_draft_step
 from specserve.request.req import Req
-from specserve.speculative.tree import TreeProposal
+from specserve.verify.tree import TreeProposal
 
 if TYPE_CHECKING:
     from specserve.engine.step_output import StepOutput

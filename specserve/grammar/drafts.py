@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from specserve.grammar.tree_masks import prune_proposal
-from specserve.speculative.tree import TreeProposal
+from specserve.verify.tree import TreeProposal
 
 
 def constrain_proposal(reqs: Sequence, proposal: TreeProposal, vocab_size: int, limits: Sequence[int]) -> TreeProposal:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from specserve.grammar.matcher import bitmask_words
-from specserve.speculative.tree import TreeProposal
+from specserve.verify.tree import TreeProposal
 
 ALL_ALLOWED = -1   # an int32 word with every bit set
 

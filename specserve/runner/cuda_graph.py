@@ -41,7 +41,7 @@ from specserve.model.hidden_capture import HiddenCapture
 from specserve.model.parallel.parallel_state import TensorParallelGroup
 from specserve.runner.ranks.graph_steps import GraphStepHeader, announce_graph_step, replay_announced_step
 from specserve.runner.tree_step import TreeStepInputs, TreeStepOutputs, forward_tree
-from specserve.speculative.tree import TreeProposal, smallest_level
+from specserve.verify.tree import TreeProposal, smallest_level
 
 logger = logging.getLogger("specserve")
 T = TypeVar("T")

@@ -30,7 +30,7 @@ from specserve.runner.model_runner import InFlight
 from specserve.runner.ranks.graph_steps import GraphStepHeader, announce_graph_step
 from specserve.runner.ranks.step_broadcast import sharded_model
 from specserve.runner.tree_step import pad_node_slots
-from specserve.speculative.tree import TreeProposal
+from specserve.verify.tree import TreeProposal
 
 if TYPE_CHECKING:
     from specserve.request.req import Req

@@ -48,8 +48,8 @@ from specserve.kv.pool import PADDING_SLOT
 from specserve.runner.draft_chain import ChainInputs, FedSpan, run_chain
 from specserve.runner.tree_step import TreeStepInputs, commit_path, forward_tree
 from specserve.speculative.model_proposals import draft_temperature
-from specserve.speculative.tree import DraftTrees, TreeProposal
-from specserve.speculative.verify import VerifyResult, verify_greedy, verify_sampling
+from specserve.verify.rules import VerifyResult, verify_greedy, verify_sampling
+from specserve.verify.tree import DraftTrees, TreeProposal
 
 if TYPE_CHECKING:
     from specserve.request.req import Req

@@ -22,7 +22,7 @@ from specserve.request.req import Req
 from specserve.runner.cpu_kv_budget import available_memory_bytes, cpu_default_kv_tokens
 from specserve.runner.ranks.step_broadcast import BroadcastingModel
 from specserve.runner.tree_step import TreeStepInputs, TreeStepOutputs, forward_tree, pad_node_slots
-from specserve.speculative.tree import TreeProposal
+from specserve.verify.tree import TreeProposal
 
 logger = logging.getLogger(__name__)
 DEFAULT_MEM_FRACTION = 0.85   # of the device's memory, for weights and the KV pool (--mem-fraction-static)

@@ -27,8 +27,8 @@ import torch
 from specserve.attention.base import ForwardBatch, ForwardMode
 from specserve.kv.pool import PADDING_SLOT, KVPool
 from specserve.model.hidden_capture import HiddenCapture
-from specserve.speculative.tree import DraftTrees, TreeProposal
-from specserve.speculative.verify import VerifyResult, accept_matching_children
+from specserve.verify.rules import VerifyResult, accept_matching_children
+from specserve.verify.tree import DraftTrees, TreeProposal
 
 
 @dataclass
@@ -265,7 +265,7 @@ def commit_targets(trees: DraftTrees, targets: torch.Tensor, inputs: TreeStepInp
     (bs, n). On CUDA: one Triton kernel (tree_kernels.verify_commit) instead of ~25 small
     torch kernels."""
     if trees.tokens.is_cuda:
-        from specserve.speculative import tree_kernels   # lazily: CPU-only installs never import Triton
+        from specserve.verify import tree_kernels   # lazily: CPU-only installs never import Triton
         if trees.num_slots <= tree_kernels.MAX_NODES:
             return tree_kernels.verify_commit(targets, trees.tokens, trees.parents, trees.depth,
                                               trees.ancestor_mask, inputs.out_slots, inputs.req_rows,

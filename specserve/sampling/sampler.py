@@ -14,8 +14,8 @@ import torch
 from specserve.grammar.apply import apply_grammar_bitmask
 from specserve.grammar.tree_masks import grammar_bitmask
 from specserve.request.req import Req
-from specserve.speculative.tree import DraftTrees
-from specserve.speculative.verify import SAMPLING_RULES, apply_penalties_to_tree, verify_greedy, verify_sampling
+from specserve.verify.rules import SAMPLING_RULES, apply_penalties_to_tree, verify_greedy, verify_sampling
+from specserve.verify.tree import DraftTrees
 
 
 @dataclass

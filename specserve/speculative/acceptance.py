@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 
-from specserve.speculative.tree import TreeProposal
+from specserve.verify.tree import TreeProposal
 
 ACCEPT_EMA = 0.3     # tokens per proposal change with the text
 

@@ -47,7 +47,7 @@ from specserve.speculative.adaptive_overshoot import ChoiceOvershoot
 from specserve.speculative.adaptive_probes import (
     MAX_PROBE_EVERY, PROBE_BUDGET, PROBE_COST_EMA, PROBE_REQUESTS, ProbeSchedule)
 from specserve.speculative.draft_cuts import PLAIN, ClassPart, DraftClasses, DraftCut
-from specserve.speculative.tree import TreeProposal, smallest_level
+from specserve.verify.tree import TreeProposal, smallest_level
 
 if TYPE_CHECKING:
     from specserve.speculative.drafter import Drafter

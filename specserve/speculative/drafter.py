@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from specserve.speculative.tree import TreeProposal
+from specserve.verify.tree import TreeProposal
 
 if TYPE_CHECKING:
     import numpy as np

@@ -44,7 +44,7 @@ from specserve.runner.tree_step import GreedyOutcome
 from specserve.sampling.sampler import SampledStep
 from specserve.speculative.eagle import EagleDrafter
 from specserve.speculative.model_proposals import chain_proposal, draft_temperature
-from specserve.speculative.tree import TreeProposal
+from specserve.verify.tree import TreeProposal
 
 if TYPE_CHECKING:
     from specserve.request.req import Req

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from specserve.speculative.tree import TreeProposal
+from specserve.verify.tree import TreeProposal
 
 if TYPE_CHECKING:
     from specserve.request.req import Req

@@ -55,7 +55,7 @@ import numpy as np
 from specserve.speculative.drafter import Drafter
 from specserve.speculative.ngram_trie import NgramConfig, NgramTrie
 from specserve.speculative.ngram_writer import TrieWriter
-from specserve.speculative.tree import TreeProposal
+from specserve.verify.tree import TreeProposal
 
 if TYPE_CHECKING:
     from specserve.args import ServerArgs

@@ -24,7 +24,7 @@ from specserve.runner.draft_chain import ChainRow
 from specserve.speculative.draft_kv import DraftKVTable
 from specserve.speculative.drafter import Drafter
 from specserve.speculative.model_proposals import chain_proposal, draft_temperature
-from specserve.speculative.tree import TreeProposal
+from specserve.verify.tree import TreeProposal
 
 if TYPE_CHECKING:
     from specserve.request.req import Req

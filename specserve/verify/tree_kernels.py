@@ -7,7 +7,7 @@ torch kernels (issue 10: inside a CUDA graph each costs ~2 us, mostly launch gap
                  target's argmax tokens
 
 One program per request; a tree (n <= MAX_NODES) fits in registers as (n, n) tiles, where
-a node's ancestor set is one int64 bit mask. The torch code (tree.py, verify.py,
+a node's ancestor set is one int64 bit mask. The torch code (tree.py, rules.py,
 tree_step.py) stays the reference and runs on CPUs; these kernels compute the same values
 bit for bit (tests/test_tree_kernels.py, Triton's interpreter). Imported on first CUDA use:
 CPU-only installs never import Triton.

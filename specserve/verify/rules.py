@@ -22,7 +22,7 @@ import torch
 
 from specserve.sampling.filters import apply_penalties, apply_sampling_filters
 from specserve.sampling.random import SALT_ACCEPT, SALT_TOKEN, exponential_race, uniform_at
-from specserve.speculative.tree import DraftTrees
+from specserve.verify.tree import DraftTrees
 
 
 @dataclass(frozen=True)

@@ -119,12 +119,12 @@ class DraftTrees(_BatchOfTrees):
 
         Parents of the root and of padding nodes are normalised to -1. Does not check that
         parents are topological (that needs a host sync): see `validate`. On CUDA, one
-        Triton kernel (speculative/tree_kernels.py) computes what the torch code below does.
+        Triton kernel (verify/tree_kernels.py) computes what the torch code below does.
         """
         bs, n = tokens.shape
         device = tokens.device
         if tokens.is_cuda:
-            from specserve.speculative import tree_kernels   # lazily: CPU-only installs never import Triton
+            from specserve.verify import tree_kernels   # lazily: CPU-only installs never import Triton
             if n <= tree_kernels.MAX_NODES:
                 num_nodes = num_nodes.to(device=device, dtype=torch.int64)
                 parents, depth, mask, first_child, next_sibling = tree_kernels.build_trees(parents, num_nodes)
