@@ -35,7 +35,7 @@ import json
 import random
 from dataclasses import dataclass, field
 
-from specserve.speculative.adaptive import AdaptiveDraftLength
+from specserve.speculative.adaptive.policy import AdaptiveDraftLength
 from specserve.verify.tree import TreeProposal
 
 TIERS = [1, 4, 8, 16]

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.speculative.adaptive import AdaptiveDraftLength
-from specserve.speculative.adaptive_costs import StepCosts
+from specserve.speculative.adaptive.costs import StepCosts
+from specserve.speculative.adaptive.policy import AdaptiveDraftLength
 from specserve.verify.tree import TreeProposal
 
 TIERS = [1, 2, 4, 8, 16]
@@ -64,7 +64,7 @@ def test_a_choice_rated_at_a_floor_price_leaves_no_overshoot():
 def test_a_losing_episode_that_priced_tiers_is_no_verdict(expected_gain, verdict):
     """An episode a probe started to price tiers (no gain expected) that loses neither doubles
     the bucket's hold nor sets a bypass budget; one that expected a gain and lost does both."""
-    from specserve.speculative.adaptive_modes import PLAIN_HOLD, BucketModes
+    from specserve.speculative.adaptive.modes import PLAIN_HOLD, BucketModes
     modes = BucketModes()
     assert not modes.should_draft(1, 0)
     for step in range(4):

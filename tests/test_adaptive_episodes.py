@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from lab.policy_sim import SCENARIOS, simulate
-from specserve.speculative.adaptive import MAX_OPTIMISM, PLAIN_HOLD, SWITCH_MARGIN, AdaptiveDraftLength
-from specserve.speculative.adaptive_modes import EPISODE_WINDOW, BucketModes
-from specserve.speculative.adaptive_probes import (
+from specserve.speculative.adaptive.modes import EPISODE_WINDOW, BucketModes
+from specserve.speculative.adaptive.policy import MAX_OPTIMISM, PLAIN_HOLD, SWITCH_MARGIN, AdaptiveDraftLength
+from specserve.speculative.adaptive.probes import (
     ADMIT_BACKOFF_DOUBLINGS, ADMIT_GAP, REOPEN_FOLLOW_UPS, ProbeSchedule)
 from specserve.verify.tree import TreeProposal
 

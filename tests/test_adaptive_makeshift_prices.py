@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.speculative.adaptive import SWITCH_MARGIN, AdaptiveDraftLength
-from specserve.speculative.adaptive_costs import MIN_SAMPLES, StepCosts
+from specserve.speculative.adaptive.costs import MIN_SAMPLES, StepCosts
+from specserve.speculative.adaptive.policy import SWITCH_MARGIN, AdaptiveDraftLength
 from specserve.verify.tree import TreeProposal
 
 CHAIN = ([9, 1, 2, 3], [-1, 0, 1, 2])

@@ -66,7 +66,7 @@ def test_outputs_equal_plain_and_steps_are_taken_from_ahead(engine_factory, plai
 
 
 def test_only_drafting_steps_launched_ahead_price_their_tier_steadily(engine_factory, plain_answers):
-    """adaptive_costs.py: a drafting step the scheduler asked for (the first after plain steps)
+    """adaptive/costs.py: a drafting step the scheduler asked for (the first after plain steps)
     also paid for its proposal; the steps launched ahead after it are what drafting costs."""
     engine = price_steps(ahead_on(engine_factory(max_total_tokens=4096, **ngram_args(8, adaptive=True))), 0.010, 0.001)
     record, steps = engine.core.adaptive.record_step, []

@@ -1,4 +1,4 @@
-"""The adaptive policy over a ragged verify step (speculative/draft_cuts.py): a step is priced
+"""The adaptive policy over a ragged verify step (speculative/adaptive/draft_cuts.py): a step is priced
 at its level (the smallest tier holding its nodes per request), and a choice cuts the drafts
 of classes that do not pay for their nodes to their root alone, while a policy that is not
 ragged (a fused drafter's) never cuts."""
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.speculative.adaptive import AdaptiveDraftLength
-from specserve.speculative.adaptive_costs import StepCosts, batch_bucket
+from specserve.speculative.adaptive.costs import StepCosts, batch_bucket
+from specserve.speculative.adaptive.policy import AdaptiveDraftLength
 from specserve.verify.tree import TreeProposal
 
 CHAIN = ([9, 1, 2, 3, 4, 5, 6, 7], [-1, 0, 1, 2, 3, 4, 5, 6])

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.bench.gpu_suite import set_drafter
 from lab.host_replay import ReplayForward, parse_config, replay
 from lab.plain_step_host import PREFILL_MARGIN, DeviceTimeReplay, time_plain_steps
+from specserve.bench.gpu_suite import set_drafter
 from specserve.engine.overlap import OverlapSchedule
-from specserve.speculative.adaptive import MAX_PROBE_EVERY
+from specserve.speculative.adaptive.policy import MAX_PROBE_EVERY
 from tests.spec_fixtures import make_tiny_directory, ngram_args, tiny_engine
 
 PROMPTS = [[5, 6, 7, 8, 9] * 6, [20, 21, 22, 23] * 5, list(range(30, 60)), [200, 201, 202] * 8]

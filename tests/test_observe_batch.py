@@ -12,7 +12,7 @@ import pytest
 
 from specserve.request.req import SpecStats
 from specserve.speculative import ngram
-from specserve.speculative.adaptive import AdaptiveDraftLength
+from specserve.speculative.adaptive.policy import AdaptiveDraftLength
 from specserve.speculative.ngram import NgramDrafter
 from specserve.speculative.ngram_config import NgramConfig
 from specserve.verify.tree import TreeProposal

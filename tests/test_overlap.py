@@ -224,7 +224,7 @@ def test_plain_steps_index_and_probe_only_every_kth_step(engine_factory, plain, 
     a few steps after an admission) and indexes committed tokens into the trie on those steps
     only: each probe proposes from a trie holding every token committed before its step.
     Outputs stay those of plain decoding."""
-    from specserve.speculative import adaptive as adaptive_module
+    from specserve.speculative.adaptive import policy as adaptive_module
     from tests.spec_fixtures import ngram_args
     monkeypatch.setattr(adaptive_module, "PROBE_BUDGET", 1e-12)   # every probe is dear: k = MAX_PROBE_EVERY
     monkeypatch.setattr(adaptive_module, "MAX_PROBE_EVERY", 4)

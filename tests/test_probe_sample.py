@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.speculative.adaptive_probes import PROBE_REQUESTS
+from specserve.speculative.adaptive.probes import PROBE_REQUESTS
 from tests.fused_fixtures import fused_args
 from tests.spec_fixtures import make_tiny_directory, plain_greedy_outputs, tiny_engine
 from tests.standalone_fixtures import make_noisy_draft, standalone_args

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from specserve.speculative.draft_cuts import fit_to_free_slots
+from specserve.speculative.adaptive.draft_cuts import fit_to_free_slots
 from specserve.verify import rules
 from tests.fused_fixtures import wait_until_fused_state_is_free
 from tests.spec_fixtures import tiny_engine, wait_until_all_kv_is_free

@@ -12,12 +12,12 @@ import torch
 
 from lab.policy_sim import SCENARIOS, simulate
 from specserve.engine.core import EngineCore
-from specserve.speculative.adaptive import (
+from specserve.speculative.adaptive.costs import RECHECK_GAP, StepCosts
+from specserve.speculative.adaptive.modes import GUARD_WINDOW
+from specserve.speculative.adaptive.policy import (
     BYPASS_BUDGET, GUARD_STEPS, MAX_PLAIN_HOLD, MAX_PROBE_EVERY, OPTIMISM_WINDOW, PLAIN_HOLD, PROBE_BUDGET, REFRESH_EVERY,
     SWITCH_MARGIN, AdaptiveDraftLength, tiers_for)
-from specserve.speculative.adaptive_costs import RECHECK_GAP, StepCosts
-from specserve.speculative.adaptive_modes import GUARD_WINDOW
-from specserve.speculative.adaptive_probes import ADMIT_GAP, ProbeSchedule
+from specserve.speculative.adaptive.probes import ADMIT_GAP, ProbeSchedule
 from specserve.verify.tree import DraftTrees, TreeProposal
 
 from tests.spec_fixtures import CODE_PROMPT, SmolEngines, ngram_args, wait_until_all_kv_is_free
@@ -903,7 +903,7 @@ def test_a_probe_that_costs_forwards_is_not_pulled_forward_by_a_large_batchs_adm
 def test_a_probes_verdict_goes_to_the_debug_log_with_its_rates(caplog, monkeypatch):
     """Why a bucket stays plain: each tier's expected rate, price and tokens a request, at most
     once per DECISION_LOG_INTERVAL_S per bucket."""
-    from specserve.speculative import adaptive as adaptive_module
+    from specserve.speculative.adaptive import policy as adaptive_module
     adaptive = AdaptiveDraftLength([1, 4])
     batch = [f"r{i}" for i in range(8)]
     measured(adaptive, {1: 0.05, 4: 0.08}, batch_size=8)

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 import specserve.engine.core
-from specserve.speculative.draft_cuts import fit_to_free_slots
+from specserve.speculative.adaptive.draft_cuts import fit_to_free_slots
 from specserve.speculative.ngram import NgramDrafter
 from specserve.speculative.ngram_trie import NgramConfig
 from tests.spec_fixtures import (

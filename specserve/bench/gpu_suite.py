@@ -38,7 +38,7 @@ from specserve.bench.host_load import busy_host
 from specserve.bench.offline import run_turn
 from specserve.bench.run_watch import RunWatch
 from specserve.gc_pauses import long_lived_objects_frozen
-from specserve.speculative.adaptive import AdaptiveDraftLength
+from specserve.speculative.adaptive.policy import AdaptiveDraftLength
 from specserve.speculative.ngram import NgramDrafter
 from specserve.speculative.ngram_trie import NgramConfig
 

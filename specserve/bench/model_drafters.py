@@ -31,7 +31,7 @@ from specserve.args import FUSED_CHAIN_ALGORITHMS
 from specserve.bench.gpu_suite import hold_plain, measure_copy_bandwidth, run, suite_workloads, weight_bytes
 from specserve.bench.run_watch import RunWatch
 from specserve.gc_pauses import long_lived_objects_frozen
-from specserve.speculative.adaptive import AdaptiveDraftLength
+from specserve.speculative.adaptive.policy import AdaptiveDraftLength
 
 
 def set_mode(engine, drafter, mode: str) -> None:

@@ -28,7 +28,7 @@ import json
 import statistics
 from collections import defaultdict
 
-from specserve.speculative.adaptive_costs import batch_bucket
+from specserve.speculative.adaptive.costs import batch_bucket
 
 
 class PolicyTrace:

@@ -23,7 +23,7 @@ from specserve.model.loader import (check_load_format, check_tokenizer_path, def
 from specserve.model.parallel.sharding import check_tensor_parallel
 from specserve.runner.model_runner import ModelRunner, resolve_device, resolve_dtype
 from specserve.sampling.sampler import Sampler
-from specserve.speculative.adaptive import AdaptiveDraftLength
+from specserve.speculative.adaptive.policy import AdaptiveDraftLength
 from specserve.speculative.draft_setup import check_draft_path, prepare_draft
 from specserve.speculative.drafter import Drafter
 from specserve.speculative.head_prefix_cache import cache_head_rows

@@ -28,8 +28,8 @@ from specserve.request.req import Batch, Req, ReqState, SpecStats
 from specserve.runner.model_runner import InFlight, ModelRunner
 from specserve.runner.tree_step import GreedyOutcome, pad_node_slots
 from specserve.sampling.sampler import Sampler, SampledStep
-from specserve.speculative.adaptive import AdaptiveDraftLength
-from specserve.speculative.draft_cuts import fit_to_free_slots
+from specserve.speculative.adaptive.draft_cuts import fit_to_free_slots
+from specserve.speculative.adaptive.policy import AdaptiveDraftLength
 from specserve.speculative.drafter import Drafter
 from specserve.verify.tree import DraftTrees, TreeProposal
 

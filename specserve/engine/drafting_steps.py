@@ -71,7 +71,7 @@ class DraftingSteps:
         is launched before the bookkeeping it does not need, or, for a fused chain, before
         this step is read (_launch_chained). `steady`: the step ran as drafting mode runs
         its steps (launched or chained ahead, or on an engine that launches none ahead);
-        only such steps price its tier for good (adaptive_costs.py): one launched when the
+        only such steps price its tier for good (adaptive/costs.py): one launched when the
         scheduler asked for it also paid for its proposal, and an episode's first a model
         drafter's catch-up of the plain stretch (H200, 1.5B EAGLE-3 at batch 4: one 7-ms
         first step priced the fused step at 4x a plain one, ended every episode at its

@@ -26,7 +26,7 @@ from specserve.engine.warmup_plan import (DRAFT_PROMPT, SHORT_PROMPT, BatchShape
 from specserve.request.detokenizer import IncrementalDetokenizer
 from specserve.request.req import Req
 from specserve.request.sampling_params import SamplingParams
-from specserve.speculative.adaptive import AdaptiveDraftLength
+from specserve.speculative.adaptive.policy import AdaptiveDraftLength
 
 logger = logging.getLogger("specserve")
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specserve.speculative.adaptive import tiers_for
+from specserve.speculative.adaptive.policy import tiers_for
 
 SHORT_PROMPT = 6           # tokens of the prompts in a batch (256 of them fit a 2048-token chunk)
 DRAFT_PROMPT = 64          # tokens of the prompt an adaptive draft length drafts for

@@ -12,12 +12,12 @@ so a proposal sees exactly the tokens flushed before it, whatever the timing: dr
 are the same from run to run and on every tensor-parallel rank. It therefore misses the
 tokens committed since the last flush (at least the step just before it), which have no
 continuation to offer yet anyway. Plain steps that do not probe skip the flush
-(adaptive.py), but once AUTO_FLUSH_TOKENS committed tokens are queued `observe` flushes
+(adaptive/policy.py), but once AUTO_FLUSH_TOKENS committed tokens are queued `observe` flushes
 them itself: at batch 64 a probe every 32 steps would otherwise hand over ~2000 tokens
 (~6 ms of indexing) that its proposal then waits for, in the open. A finished request's
 stream is let go after its last queued tokens.
 
-A probe (a plain step's proposals for a few requests, adaptive.py) waits for the same
+A probe (a plain step's proposals for a few requests, adaptive/policy.py) waits for the same
 indexing, so it is put off while more than PROBE_BACKLOG_TOKENS handed-over tokens are not
 indexed yet (`ready_to_probe`): the first probe after 64 multi-turn prompts arrived waited
 ~85 ms for them (H100, 1.5B, concurrency 64: 7% of the run), and with 2048 tokens allowed,

@@ -4,7 +4,7 @@ held plain, and the guard that stops drafting which realizes less than plain dec
 Two modes per batch bucket, which starts plain. Drafting: every step proposes and picks its
 tier; a step that picks 1 switches the bucket to plain. Plain: steps run on the overlapped
 plain path (the next step queued before this one's tokens are read), probes keep the
-evidence coming (adaptive_probes.py), and the bucket switches back to drafting as soon as a
+evidence coming (probes.py), and the bucket switches back to drafting as soon as a
 tier above 1 is expected to win.
 
 The policy's model can be wrong (a class's history may not transfer to new text, a probe
@@ -23,7 +23,7 @@ where one step's drafts were not worth verifying (an answer that leaves the copi
 an edit, a repeated turn that leaves the earlier answer's path at a near-tie), and the
 drafts that pay are often back a few tokens later. Such an episode leaves its bucket open
 (`go_plain` returns True): no hold, no request held against, and the policy has a small
-batch probe its next plain steps (adaptive_probes.py: reopen). Held PLAIN_HOLD steps and
+batch probe its next plain steps (probes.py: reopen). Held PLAIN_HOLD steps and
 probed every ~10th, a batch-1 repeated turn on an H200 (0.5B, session 34) spent 247-272 of
 its 300-350 steps plain after episodes that had made 3.4-8.8k tok/s against plain's 1.7k.
 
@@ -79,7 +79,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from specserve.speculative.adaptive_costs import RecentMedians
+from specserve.speculative.adaptive.costs import RecentMedians
 
 # realized plain-mode rate: the median over this many plain steps is the episodes' reference
 # (a median: plain steps that probe wait for the indexing of new prompts, tens of ms at 64)

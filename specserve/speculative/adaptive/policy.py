@@ -6,7 +6,7 @@ that maximises expected committed tokens per second of step time, at every batch
 Both factors are measured, not assumed:
 
 - cost(bucket, t): the wall time of whole steps, per batch-size bucket and tier, with
-  contenders re-measured now and then (adaptive_costs.py).
+  contenders re-measured now and then (costs.py).
 - E[tokens_i | t]: a moving average over past proposals of how many tokens a proposal, cut
   to its first t nodes, would have committed: per evidence class when the drafter gives one
   (NGRAM: the length of the matched suffix, so that one-token matches, which rarely pay,
@@ -14,9 +14,9 @@ Both factors are measured, not assumed:
   full proposals (acceptance.py).
 
 A bucket whose best tier is 1 decodes plainly, on the overlapped plain path, until a probe
-(proposals made on some plain steps, shadows only: adaptive_probes.py) says drafting is
+(proposals made on some plain steps, shadows only: probes.py) says drafting is
 expected to win by SWITCH_MARGIN; realized rates guard against the model being wrong
-(adaptive_modes.py). A drafting episode that realized SWITCH_MARGIN over plain leaves its
+(modes.py). A drafting episode that realized SWITCH_MARGIN over plain leaves its
 bucket open, and a small batch probes the plain steps right after it. A probe of new
 requests may switch a bucket held plain after a losing episode, but only once that
 episode's loss is BYPASS_BUDGET of the bucket's time since (ShareGPT first turns at 64 on
@@ -39,14 +39,14 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from specserve.speculative.acceptance import AcceptanceEvidence
-from specserve.speculative.adaptive_costs import COST_WINDOW, REFRESH_EVERY, StepCosts, batch_bucket
-from specserve.speculative.adaptive_modes import (
+from specserve.speculative.adaptive.acceptance import AcceptanceEvidence
+from specserve.speculative.adaptive.costs import COST_WINDOW, REFRESH_EVERY, StepCosts, batch_bucket
+from specserve.speculative.adaptive.draft_cuts import PLAIN, ClassPart, DraftClasses, DraftCut
+from specserve.speculative.adaptive.modes import (
     BYPASS_BUDGET, GUARD_RATIO, GUARD_STEPS, MAX_PLAIN_HOLD, PLAIN_HOLD, REALIZED_WINDOW, BucketModes)
-from specserve.speculative.adaptive_overshoot import ChoiceOvershoot
-from specserve.speculative.adaptive_probes import (
+from specserve.speculative.adaptive.overshoot import ChoiceOvershoot
+from specserve.speculative.adaptive.probes import (
     MAX_PROBE_EVERY, PROBE_BUDGET, PROBE_COST_EMA, PROBE_REQUESTS, ProbeSchedule)
-from specserve.speculative.draft_cuts import PLAIN, ClassPart, DraftClasses, DraftCut
 from specserve.verify.tree import TreeProposal, smallest_level
 
 if TYPE_CHECKING:
@@ -62,14 +62,14 @@ REFRESH_MARGIN = 0.8   # re-measure tiers expected to reach this fraction of the
 # a switch costs a step that is not launched ahead, and a probe sees only a sample, so
 # without a margin the two modes can alternate step by step
 SWITCH_MARGIN = 1.15
-# ... or when a drafting tier's price is stale (adaptive_costs.py) and, at that price, drafting
+# ... or when a drafting tier's price is stale (costs.py) and, at that price, drafting
 # is expected to reach this fraction of plain's rate: the episode re-prices it. Without it a
 # bucket held plain kept prices a few drafting steps took long before (H100, 0.5B, code-rename
 # at 64: tier 8 priced at ~18k tok/s against plain's 50.6k, held plain, 0.92x where it had
 # drafted at 1.24x); the guard stops an episode that loses after GUARD_STEPS steps.
 EXPLORE_RATIO = 0.6
 # A probe's switch is judged with the bucket's record: over its last OPTIMISM_WINDOW drafting
-# steps, the rate the choices expected over the rate the steps realized (adaptive_overshoot.py;
+# steps, the rate the choices expected over the rate the steps realized (overshoot.py;
 # at least 1, at most MAX_OPTIMISM) multiplies SWITCH_MARGIN. Where the model overshoots, each switch is a
 # drafting step that loses and two steps not launched ahead (H100, 1.5B, a 16-node chain,
 # ShareGPT at 64: 5-9 switches a run, expected/realized 1.12-1.35, ~15 ms lost each; at batch 1
@@ -103,7 +103,7 @@ class AdaptiveDraftLength:
         self.costs = StepCosts(self.tiers, cost_per_node)
         self.modes = BucketModes()
         # read from this module when the policy is built, so that tests which patch
-        # specserve.speculative.adaptive.PROBE_BUDGET / MAX_PROBE_EVERY set the schedule
+        # specserve.speculative.adaptive.policy.PROBE_BUDGET / MAX_PROBE_EVERY set the schedule
         self.probes = ProbeSchedule(PROBE_BUDGET, MAX_PROBE_EVERY)
         self.evidence = AcceptanceEvidence(self.tiers)
         self.steps_per_tier = {t: 0 for t in self.tiers}
@@ -200,7 +200,7 @@ class AdaptiveDraftLength:
         if max(num_nodes) == 1 or not self.modes.may_switch(bucket, self.costs.steps(bucket), rids):
             return False, None
         if not self.costs.steadily_priced(bucket, 1):
-            return False, None   # what drafting must beat is not known yet (adaptive_modes.py: plain_trial)
+            return False, None   # what drafting must beat is not known yet (modes.py: plain_trial)
         _, best, rates, cuts = self._best_cut(bucket, batch_size, rids, num_nodes, keys)
         if not rates:   # a level is not priced at this bucket yet: drafting prices it, if it may win
             return self._pricing_may_pay(bucket, rids, num_nodes, keys, self._switch_margin(bucket)), None
@@ -236,7 +236,7 @@ class AdaptiveDraftLength:
 
     def _switch_margin(self, bucket: int) -> float:
         """The switch margin, times how much the bucket's drafting choices, or the probes that
-        started its episodes (adaptive_modes.py: episode_overshoot), overshot of late."""
+        started its episodes (modes.py: episode_overshoot), overshot of late."""
         overshoot = max(self.optimism.get(bucket, 1.0), self.modes.episode_overshoot.get(bucket, 1.0), 1.0)
         return self.switch_margin * min(overshoot, MAX_OPTIMISM)
 
@@ -276,7 +276,7 @@ class AdaptiveDraftLength:
             if self.modes.go_plain(bucket, self.costs.steps(bucket), reopen_margin=self.switch_margin):
                 self.probes.reopen(bucket)   # an episode that won: its drafts may be back in a few tokens
         elif not self.costs.steadily_priced(bucket, 1) and self.modes.episode_steps(bucket) >= GUARD_STEPS:
-            # plain decoding was priced only by steps plain mode does not run (adaptive_modes.py)
+            # plain decoding was priced only by steps plain mode does not run (modes.py)
             self.modes.plain_trial(bucket, self.costs.steps(bucket))
             return PLAIN
         return choice
@@ -391,7 +391,7 @@ class AdaptiveDraftLength:
         the smallest tier holding its nodes per request. `tokens`: what it committed, for
         the realized rates of the bucket's modes. `steady`: False for a plain step that
         plain mode would not have run so (not launched ahead, or probing): it counts, but
-        does not price plain decoding (adaptive_costs.py)."""
+        does not price plain decoding (costs.py)."""
         bucket = batch_bucket(batch_size)
         if self.ragged and nodes is not None and tree_size > 1:
             tree_size = smallest_level(self.tiers, batch_size, nodes)

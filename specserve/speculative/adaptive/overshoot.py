@@ -1,6 +1,6 @@
 """ChoiceOvershoot: how much a bucket's drafting choices overshot, the rate a choice expected
 over the rate its step realized, over the bucket's last few drafting steps (the policy
-raises its switch margin by it: adaptive.py, OPTIMISM_WINDOW).
+raises its switch margin by it: policy.py, OPTIMISM_WINDOW).
 
 Tokens and time are read apart. The tokens a drafting step commits vary far more than its
 cost: where drafts copy text, most verify steps commit one or two tokens and one in several
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from specserve.speculative.adaptive_costs import RecentMedians
+from specserve.speculative.adaptive.costs import RecentMedians
 
 
 class ChoiceOvershoot:

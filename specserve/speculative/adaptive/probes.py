@@ -38,7 +38,7 @@ Sampling only the newly admitted requests in such a probe (and expecting of the 
 the last window probe saw) was tried and measured worse, A/B in one H200 lease (session 21,
 chat cells at 32/64, both rounds): geomean 0.903x plain against 0.944x (0.5B), 0.933x against
 0.942x (1.5B); reverted.
-After a drafting episode that won by the switch margin (adaptive_modes.py), a batch a
+After a drafting episode that won by the switch margin (modes.py), a batch a
 probe covers whole probes its next plain steps REOPEN_FOLLOW_UPS (`reopen`): the drafts that
 paid are often back within a few tokens (the copy resumes after an edit), and at k ~10 the
 bucket would decode plainly well past that (policy_sim's copies with edits at batch 1: 1.6x

@@ -2,7 +2,7 @@
 
 A verify step is ragged (runner/tree_step.py: forward_ragged): it runs only the nodes it
 verifies, so its cost follows the nodes of the requests that draft. The adaptive policy
-(adaptive.py) cuts every draft to a tier and, where a class of requests is not expected to
+(policy.py) cuts every draft to a tier and, where a class of requests is not expected to
 gain enough tokens for its nodes, cuts that class's drafts to their root alone. Classes
 are the drafter's evidence classes (NGRAM: the matched suffix's length) or, without them,
 each request.
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Hashable, NamedTuple
 
 if TYPE_CHECKING:
-    from specserve.speculative.acceptance import AcceptanceEvidence
+    from specserve.speculative.adaptive.acceptance import AcceptanceEvidence
 
 
 @dataclass(frozen=True)
