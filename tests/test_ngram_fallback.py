@@ -6,9 +6,9 @@ import logging
 
 import pytest
 
-from specserve.speculative import ngram_trie
-from specserve.speculative.ngram_config import NgramConfig
-from specserve.speculative.ngram_trie_py import PythonNgramTrie
+from specserve.speculative.ngram import trie as ngram_trie
+from specserve.speculative.ngram.config import NgramConfig
+from specserve.speculative.ngram.trie_py import PythonNgramTrie
 
 TOKENS = [5, 6, 7, 8, 5, 6, 7, 9, 5, 6, 7, 8, 1, 2]
 

@@ -8,9 +8,9 @@ import random
 import numpy as np
 import pytest
 
-from specserve.speculative.ngram import NgramDrafter
-from specserve.speculative.ngram_trie import NgramConfig, NgramTrie
-from specserve.speculative.ngram_trie_py import PythonNgramTrie
+from specserve.speculative.ngram.drafter import NgramDrafter
+from specserve.speculative.ngram.trie import NgramConfig, NgramTrie
+from specserve.speculative.ngram.trie_py import PythonNgramTrie
 
 
 def filled_tries(seed: int) -> tuple[NgramTrie, PythonNgramTrie, dict[int, list[int]]]:

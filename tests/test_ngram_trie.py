@@ -8,8 +8,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from specserve.speculative.ngram_trie import NgramConfig, NgramTrie
-from specserve.speculative.ngram_trie_py import PythonNgramTrie as ReferenceTrie
+from specserve.speculative.ngram.trie import NgramConfig, NgramTrie
+from specserve.speculative.ngram.trie_py import PythonNgramTrie as ReferenceTrie
 
 
 def make(**overrides) -> NgramTrie:
@@ -446,7 +446,7 @@ def test_the_trie_is_freed_with_its_owner():
 
 
 def test_no_compiler_is_a_clear_error(monkeypatch, tmp_path):
-    from specserve.speculative import ngram_trie
+    from specserve.speculative.ngram import trie as ngram_trie
     monkeypatch.setenv("CC", "")
     monkeypatch.setenv("PATH", str(tmp_path))  # no cc, gcc or clang there
     with pytest.raises(RuntimeError, match="no C compiler"):
@@ -467,7 +467,7 @@ def test_concurrent_first_uses_build_one_library(tmp_path):
     import os
     import subprocess
     import sys
-    script = ("from specserve.speculative.ngram_trie import NgramConfig, NgramTrie\n"
+    script = ("from specserve.speculative.ngram.trie import NgramConfig, NgramTrie\n"
               "t = NgramTrie(NgramConfig()); t.insert([1, 2, 3]); print(t.propose([1, 2], 4, True))")
     env = {**os.environ, "SPECSERVE_CACHE_DIR": str(tmp_path)}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

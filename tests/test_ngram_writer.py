@@ -12,11 +12,11 @@ import time
 
 import pytest
 
-from specserve.speculative import ngram
-from specserve.speculative.ngram import INLINE_WRITE_TOKENS, NgramDrafter
-from specserve.speculative.ngram_config import NgramConfig
-from specserve.speculative.ngram_trie import NgramTrie
-from specserve.speculative.ngram_writer import TrieWriterError
+from specserve.speculative.ngram import drafter as ngram
+from specserve.speculative.ngram.config import NgramConfig
+from specserve.speculative.ngram.drafter import INLINE_WRITE_TOKENS, NgramDrafter
+from specserve.speculative.ngram.trie import NgramTrie
+from specserve.speculative.ngram.writer import TrieWriterError
 from tests.test_spec_kv import fake_req
 
 WRITER_NAME = "ngram-trie-writer"
@@ -196,7 +196,7 @@ def test_a_drafter_nobody_closed_stops_its_thread_when_collected():
 
 def test_the_python_trie_indexes_at_flush_without_a_thread(monkeypatch):
     """The pure-Python trie holds the GIL throughout: its writes run at once on the caller's thread."""
-    from specserve.speculative import ngram_trie
+    from specserve.speculative.ngram import trie as ngram_trie
     monkeypatch.setattr(ngram_trie, "compiled_trie_unavailable", lambda: "no compiler (test)")
     before = len(writer_threads())
     drafter = NgramDrafter(NgramConfig(), one_branch=True)

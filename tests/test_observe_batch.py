@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 
 from specserve.request.req import SpecStats
-from specserve.speculative import ngram
 from specserve.speculative.adaptive.policy import AdaptiveDraftLength
-from specserve.speculative.ngram import NgramDrafter
-from specserve.speculative.ngram_config import NgramConfig
+from specserve.speculative.ngram import drafter as ngram
+from specserve.speculative.ngram.config import NgramConfig
+from specserve.speculative.ngram.drafter import NgramDrafter
 from specserve.verify.tree import TreeProposal
 from tests.test_spec_kv import fake_req
 

@@ -19,8 +19,8 @@ import pytest
 
 import specserve.engine.core
 from specserve.speculative.adaptive.draft_cuts import fit_to_free_slots
-from specserve.speculative.ngram import NgramDrafter
-from specserve.speculative.ngram_trie import NgramConfig
+from specserve.speculative.ngram.drafter import NgramDrafter
+from specserve.speculative.ngram.trie import NgramConfig
 from tests.spec_fixtures import (
     AllocSpy,
     make_tiny_directory,

@@ -13,7 +13,7 @@ import pytest
 from spec_fixtures import make_tiny_directory, tiny_engine
 from specserve.engine import warmup
 from specserve.engine.warmup_plan import BatchShape, WarmupPlan
-from specserve.speculative.ngram import NgramDrafter
+from specserve.speculative.ngram.drafter import NgramDrafter
 
 # every phase, small: lengths on both sides of the chunk size (24), a batch with a long
 # prompt, two tiers at two batch sizes, a prompt arriving while others decode, the variants

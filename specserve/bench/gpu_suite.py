@@ -39,8 +39,8 @@ from specserve.bench.offline import run_turn
 from specserve.bench.run_watch import RunWatch
 from specserve.gc_pauses import long_lived_objects_frozen
 from specserve.speculative.adaptive.policy import AdaptiveDraftLength
-from specserve.speculative.ngram import NgramDrafter
-from specserve.speculative.ngram_trie import NgramConfig
+from specserve.speculative.ngram.drafter import NgramDrafter
+from specserve.speculative.ngram.trie import NgramConfig
 
 MODELS = ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct")
 # (draft tokens, one branch, adaptive draft length); (16, True, True) is what default flags give

@@ -26,7 +26,7 @@ def create_drafter(args: "ServerArgs") -> "Drafter | None":
     if name is None:
         return None
     if name == "NGRAM":
-        from specserve.speculative.ngram import NgramDrafter
+        from specserve.speculative.ngram.drafter import NgramDrafter
         return NgramDrafter.from_args(args)
     if name in MODEL_DRAFTERS:
         raise ValueError(f"speculative_algorithm {name} drafts with a model: draft_setup.prepare_draft makes it")

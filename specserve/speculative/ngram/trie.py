@@ -4,14 +4,14 @@ Every path from the root is an n-gram (at most ``max_trie_depth`` tokens) that o
 some inserted sequence; a node's count is how often its n-gram occurred. A draft is the
 continuation of the longest suffix of a request's tokens that the trie has seen continued.
 
-The trie itself is C (``ngram_trie.c``, beside this file), compiled on first use with the
+The trie itself is C (``trie.c``, beside this file), compiled on first use with the
 system C compiler into ``$SPECSERVE_CACHE_DIR`` (default ``~/.cache/specserve``) and called
 through ctypes, one call per ``insert`` or ``propose``: ~2-5 us per token indexed where the
-pure-Python original (``ngram_trie_py.py``) takes ~20-70, and proposals several times
+pure-Python original (``trie_py.py``) takes ~20-70, and proposals several times
 cheaper (``python -m lab.bench_ngram`` from the repository root). This file is the Python face:
 the build, and the conversions. On a machine without a working C compiler, ``NgramTrie(config)``
 gives the pure-Python trie instead (same behaviour, one warning). A trie is not thread-safe:
-its caller keeps calls from overlapping (NgramDrafter: ngram_writer.py's lock); ``insert``
+its caller keeps calls from overlapping (NgramDrafter: writer.py's lock); ``insert``
 releases the GIL, the other calls keep it.
 
 - Insertion is incremental: a stream (one request, keyed by ``owner``) keeps its frontier,
@@ -55,12 +55,12 @@ from pathlib import Path
 
 import numpy as np
 
-from specserve.speculative.ngram_config import NgramConfig
-from specserve.speculative.ngram_trie_py import PythonNgramTrie
+from specserve.speculative.ngram.config import NgramConfig
+from specserve.speculative.ngram.trie_py import PythonNgramTrie
 
 logger = logging.getLogger("specserve")
 
-_SOURCE = Path(__file__).with_name("ngram_trie.c")
+_SOURCE = Path(__file__).with_name("trie.c")
 # -ffp-contract=off: PROB's path probabilities are computed exactly as Python computes them.
 _CFLAGS = ("-O2", "-std=c99", "-shared", "-fPIC", "-Wall", "-Wextra", "-ffp-contract=off")
 _EXTRA_CFLAGS_ENV = "SPECSERVE_NGRAM_CFLAGS"  # e.g. "-fsanitize=address,undefined -g"
@@ -382,7 +382,7 @@ def _library() -> ctypes.PyDLL:
 @functools.cache
 def _library_without_gil() -> ctypes.CDLL:
     """The same library through CDLL, whose calls release the GIL: inserts, which run on the
-    drafter's writer thread (ngram_writer.py) in parallel with the engine's step loop."""
+    drafter's writer thread (writer.py) in parallel with the engine's step loop."""
     _library()   # built
     return _load(ctypes.CDLL, _library_path()[0])
 

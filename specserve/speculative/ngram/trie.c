@@ -1,6 +1,6 @@
 /* The shared n-gram trie behind the NGRAM drafter, compiled: plain C99, no Python headers.
  *
- * ngram_trie.py loads this file with ctypes (it compiles it on first use) and documents the
+ * trie.py loads this file with ctypes (it compiles it on first use) and documents the
  * data structure: streams with frontiers, per-node counts and ranked children, owner-priority
  * follow maps, CLOCK eviction with reused ids, BFS / PROB proposals. The behaviour is the
  * pure-Python original's (tests/ngram_trie_reference.py) down to the node ids: the same ids
@@ -28,7 +28,7 @@
  * Return codes: >= 0 success, -1 out of memory, -2 bad argument (an unknown stream slot, a
  * node id out of range, an output buffer too small).
  *
- * ngt_insert and ngt_propose take int32 scalars only (besides pointers): ngram_trie.py calls
+ * ngt_insert and ngt_propose take int32 scalars only (besides pointers): trie.py calls
  * them without ctypes argument conversion, which costs more than the work of a short call.
  */
 #include <stdint.h>
@@ -1197,7 +1197,7 @@ void ngt_free(Trie *t) {
 }
 
 /* `breadths`: [(max_window + 1) * (depth + 1)] children expanded per node, by match length
-   and level (ngram_trie.py computes the table). */
+   and level (trie.py computes the table). */
 Trie *ngt_create(int64_t capacity, int64_t target, int64_t chunk, int32_t min_window,
                  int32_t max_window, int32_t breadth, int32_t depth, int32_t prob,
                  const int32_t *breadths) {

@@ -3,7 +3,7 @@
 The trie is fed every prompt when it arrives and every committed token; each request is an
 owner of its own stream, so its own prompt and output rank first when it is drafted for.
 Indexing costs ~2-5 us per token (a batch of 64 long prompts: ~200 ms), so it runs on the
-trie's writer thread (ngram_writer.py) in parallel with the step loop: `add_prompt` and
+trie's writer thread (writer.py) in parallel with the step loop: `add_prompt` and
 `observe_batch` queue tokens per request (cheap list appends; a request's tokens of several steps
 reach the trie in one call), and `flush`, which the engine calls right after launching a
 forward, hands the queue to the writer and returns. `propose` first waits until the writer
@@ -53,8 +53,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from specserve.speculative.drafter import Drafter
-from specserve.speculative.ngram_trie import NgramConfig, NgramTrie
-from specserve.speculative.ngram_writer import TrieWriter
+from specserve.speculative.ngram.trie import NgramConfig, NgramTrie
+from specserve.speculative.ngram.writer import TrieWriter
 from specserve.verify.tree import TreeProposal
 
 if TYPE_CHECKING:

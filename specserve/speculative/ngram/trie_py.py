@@ -1,10 +1,10 @@
-"""The pure-Python n-gram trie: the reference the compiled trie (ngram_trie.c) is tested
+"""The pure-Python n-gram trie: the reference the compiled trie (trie.c) is tested
 against (tests/test_ngram_trie.py), same behaviour to the node id, and the stand-in
 `NgramTrie(config)` returns on a machine without a C compiler. Its ``_token``/``_parent``/...
 lists are what the C file's node structs hold.
 
 The data structure and its behaviour (incremental insertion by stream, ranked ``top``
-children, CLOCK eviction, owner priority) are described in ngram_trie.py; ``gen`` here is
+children, CLOCK eviction, owner priority) are described in trie.py; ``gen`` here is
 the C file's generation of a reused id.
 
 Layout, for speed in pure Python: a node is an int id into flat lists (token, parent,
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from specserve.speculative.ngram_config import NgramConfig
+from specserve.speculative.ngram.config import NgramConfig
 
 _ROOT = 0
 _TOKEN_BITS = 32  # owner follow maps hold (gen << _TOKEN_BITS) | token
@@ -70,12 +70,12 @@ class PythonNgramTrie:
 
     # ---------------------------------------------------------------- insertion
     def insert_many(self, streams: Sequence[tuple[int | None, Sequence[int]]]) -> None:
-        """As ``NgramTrie.insert_many`` (ngram_trie.py)."""
+        """As ``NgramTrie.insert_many`` (trie.py)."""
         for owner, tokens in streams:
             self.insert(tokens, owner)
 
     def insert(self, tokens: Sequence[int], owner: int | None = None) -> None:
-        """As ``NgramTrie.insert`` (ngram_trie.py)."""
+        """As ``NgramTrie.insert`` (trie.py)."""
         tokens = _as_list(tokens)
         if owner is None:
             stream = _Stream(self._epoch, with_follow=False)
@@ -191,7 +191,7 @@ class PythonNgramTrie:
     # ---------------------------------------------------------------- proposal
     def propose_batch(self, contexts: Sequence[Sequence[int]], budgets: Sequence[int], one_branch: bool,
                       owners: Sequence[int | None]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """As ``NgramTrie.propose_batch`` (ngram_trie.py): ``propose`` per request."""
+        """As ``NgramTrie.propose_batch`` (trie.py): ``propose`` per request."""
         batch, width = len(contexts), max(budgets)
         tokens, parents = np.zeros((batch, width), dtype=np.int64), np.full((batch, width), -1, dtype=np.int64)
         num_nodes, match_lengths = np.ones(batch, dtype=np.int64), np.zeros(batch, dtype=np.int64)
@@ -206,7 +206,7 @@ class PythonNgramTrie:
 
     def propose(self, context: Sequence[int], num_draft_tokens: int, one_branch: bool,
                 owner: int | None = None) -> tuple[list[int], list[int]]:
-        """As ``NgramTrie.propose`` (ngram_trie.py)."""
+        """As ``NgramTrie.propose`` (trie.py)."""
         budget = num_draft_tokens - 1
         self.last_match_length = 0
         if budget <= 0:
@@ -361,7 +361,7 @@ class PythonNgramTrie:
 
     # ---------------------------------------------------------------- bookkeeping
     def release(self, owner: int) -> None:
-        """As ``NgramTrie.release`` (ngram_trie.py)."""
+        """As ``NgramTrie.release`` (trie.py)."""
         self._streams.pop(owner, None)
 
     def num_nodes(self) -> int:

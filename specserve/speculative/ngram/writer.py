@@ -2,7 +2,7 @@
 
 Indexing costs ~2-5 us per token (a batch of 64 prompts of ~1000 tokens: ~200 ms), too
 much for the engine's step loop, while the compiled trie's insert releases the GIL
-(ngram_trie.py calls it through ctypes.CDLL): a thread that runs it runs truly in parallel
+(trie.py calls it through ctypes.CDLL): a thread that runs it runs truly in parallel
 with the step loop, while the GPU computes and while the host does everything else.
 
 Jobs run one at a time, in the order they were submitted. Readers call `drain()` first,
@@ -17,7 +17,7 @@ the original error (an EngineFatalError: the engine fails every request with it)
 `TrieWriter(background=False)` runs each job at once on the caller's thread (the pure-Python
 trie, which holds the GIL throughout: a thread would only add switching), and
 `submit(job, inline=True)` runs a small job so where none is pending (the NGRAM drafter's
-flushes of a few tokens: ngram.py).
+flushes of a few tokens: drafter.py).
 """
 from __future__ import annotations
 
