@@ -1,10 +1,12 @@
 """Heads kept in the repository: float8 rows (one scale per row) round-trip within e4m3's
 rounding and leave vectors and vocabulary maps exact; a head saved that way loads, drafts
 as the fp32 head does, and converts back to plain bf16 safetensors; `train_eagle` trains a
-head of its own MLP width and goes on training a saved head (--init-from) from where it ended."""
+head of its own MLP width and goes on training a saved head (--init-from) from where it ended; every
+head kept under heads/ loads whole."""
 from __future__ import annotations
 
 import json
+import pathlib
 import re
 
 import pytest
@@ -108,3 +110,22 @@ def test_a_resumed_run_trains_for_its_own_seconds(tmp_path):
     main(argv + ["--resume"])        # its own 1e-6 s: one step more, not none (the first run's seconds are spent)
     second = torch.load(state_file, weights_only=True)
     assert first["step"] == 1 and second["step"] == 2 and second["plan_size"] > 2
+
+
+KEPT = sorted((pathlib.Path(__file__).parent.parent / "heads").glob("*/config.json"))
+
+
+@pytest.mark.parametrize("config_path", KEPT, ids=[p.parent.name for p in KEPT])
+def test_every_kept_head_loads_whole(config_path):
+    """Each head under heads/ is complete: float8 rows with their scales, every weight its
+    config's shape (load_head refuses any other), a draft vocabulary of distinct target ids."""
+    head = load_head(str(config_path.parent))
+    assert json.loads(config_path.read_text())["weight_format"] == "float8_e4m3 rows"
+    vocab = head.draft_vocab()
+    assert vocab.numel() == head.config.draft_vocab_size and bool((vocab[1:] > vocab[:-1]).all())
+    assert all(bool(torch.isfinite(p).all()) for p in head.parameters())
+    assert (config_path.parent / "README.md").is_file()
+
+
+def test_heads_are_kept():
+    assert KEPT, "heads/ holds no head"
