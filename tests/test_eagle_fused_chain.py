@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from specserve.runner.fused_step import reserved_head_rows
+from specserve.runner.eagle_runner import reserved_head_rows
 from specserve.speculative.eagle_batches import BatchBuilder
 from specserve.speculative.eagle_eval import accepted_runs, replay_decoding
 from tests.fused_fixtures import FusedSpy, fused_args, save_random_eagle_head, wait_until_fused_state_is_free
@@ -217,8 +217,8 @@ def test_a_chained_step_takes_the_kept_requests_and_the_outcome_s_drafts():
 
     from specserve.kv.pool import PADDING_SLOT
     from specserve.runner.fused_chain import kept_rows
-    from specserve.speculative.model_proposals import chain_proposal
     from specserve.runner.fused_step import FusedStepInputs, chain_inputs, cut_rows
+    from specserve.speculative.model_proposals import chain_proposal
 
     n, k = 3, 2
     source = FusedStepInputs.allocate(3, n, "cpu")

@@ -31,7 +31,6 @@ from specserve.runner.cuda_graph import batch_size_buckets
 from specserve.runner.draft_chain import ChainInputs, ChainRow, run_chain
 from specserve.runner.draft_tree import run_tree
 from specserve.runner.draft_runner import chain_context, drafter_backend
-from specserve.runner.fused_step import reserved_head_rows
 from specserve.speculative.eagle_checkpoint import load_head
 from specserve.speculative.eagle_head import EagleHead
 from specserve.speculative.eagle_serving import ServingEagleHead
@@ -76,9 +75,15 @@ def load_eagle_head(args: ServerArgs, target: ModelConfig, device: torch.device,
 
 def head_context(context_length: int, args: ServerArgs) -> int:
     """Rows (and RoPE positions) a head's cache spans: a tree's steps reach K rows past the
-    root's, a chain's fused step 2K - 1 (fused_step.reserved_head_rows)."""
+    root's, a chain's fused step 2K - 1 (reserved_head_rows)."""
     steps = args.speculative_steps
     return chain_context(context_length, 2 * steps - 1 if (args.speculative_eagle_topk or 1) == 1 else steps)
+
+
+def reserved_head_rows(num_steps: int) -> int:
+    """Head rows a fused step writes per request: the K + 1 fed rows and the K - 1 draft
+    steps' rows past them (a draft step sits after the last accepted row)."""
+    return 2 * num_steps
 
 
 def target_capture(head: EagleHead) -> HiddenCapture:

@@ -46,6 +46,7 @@ import torch
 from specserve.attention.base import ForwardBatch
 from specserve.kv.pool import PADDING_SLOT
 from specserve.runner.draft_chain import ChainInputs, FedSpan, run_chain
+from specserve.runner.eagle_runner import reserved_head_rows
 from specserve.runner.tree_step import TreeStepInputs, commit_path, forward_tree
 from specserve.speculative.model_proposals import draft_temperature
 from specserve.verify.rules import VerifyResult, verify_greedy, verify_sampling
@@ -55,12 +56,6 @@ if TYPE_CHECKING:
     from specserve.request.req import Req
     from specserve.runner.eagle_runner import EagleHeadRunner
     from specserve.runner.model_runner import ModelRunner
-
-
-def reserved_head_rows(num_steps: int) -> int:
-    """Head rows a fused step writes per request: the K + 1 fed rows and the K - 1 draft
-    steps' rows past them (a draft step sits after the last accepted row)."""
-    return 2 * num_steps
 
 
 @dataclass

@@ -13,7 +13,7 @@ position of the first) and its head cache fed up to the row before the root. A r
 without pending drafts (a prompt just prefilled, a resumed preemption, or a step the engine
 verified itself) first goes through EagleDrafter's chain: the catch-up of its rows from the
 stored target states, then its first K drafts (a host sync, on such steps only). Then every
-request gets its next 2K head rows reserved (fused_step.reserved_head_rows), and the step
+request gets its next 2K head rows reserved (eagle_runner.reserved_head_rows), and the step
 is fused.
 
 On the engine's greedy path (pinned drafting, or the adaptive policy while the batch's
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
-from specserve.runner.fused_step import reserved_head_rows
+from specserve.runner.eagle_runner import reserved_head_rows
 from specserve.runner.tree_step import GreedyOutcome
 from specserve.sampling.sampler import SampledStep
 from specserve.speculative.eagle import EagleDrafter
