@@ -1,11 +1,11 @@
-"""runner/catch_up_batch.py: a catch-up's EXTEND inputs, packed with numpy, are each request's
+"""speculative/model_drafters/catch_up_batch.py: a catch-up's EXTEND inputs, packed with numpy, are each request's
 tokens at positions starts[i].. in its slots and row, the last row the one logits row."""
 from __future__ import annotations
 
 import torch
 
 from specserve.attention.base import ForwardMode
-from specserve.runner.catch_up_batch import catch_up_batch
+from specserve.speculative.model_drafters.catch_up_batch import catch_up_batch
 
 
 def test_the_batch_holds_every_request_s_rows_in_order():

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.kv.pool import KVPool
-from specserve.speculative.draft_kv import UNSET, DraftKVTable
+from specserve.speculative.model_drafters.draft_kv import UNSET, DraftKVTable
 
 
 @dataclass

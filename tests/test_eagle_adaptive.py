@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from specserve.engine.overlap import OverlapSchedule
-from specserve.speculative import eagle
 from specserve.speculative.adaptive.policy import AdaptiveDraftLength
+from specserve.speculative.model_drafters import eagle
 from tests.fused_fixtures import FusedSpy, fused_args, save_random_eagle_head, wait_until_fused_state_is_free
 from tests.spec_fixtures import make_tiny_directory, plain_greedy_outputs, tiny_engine
 from tests.test_eagle_drafter import eagle_args, head_dir, target, wait_until_head_kv_is_free  # noqa: F401

@@ -1,4 +1,4 @@
-"""EAGLE / EAGLE3 chains of K drafts (top-k 1) through the fused step (runner/fused_step.py):
+"""EAGLE / EAGLE3 chains of K drafts (top-k 1) through the fused step (speculative/model_drafters/fused_step.py):
 one device function verifies the chain, commits the accepted path and drafts the next K
 tokens. With heads our trainer made (tests/test_eagle_drafter.py's fixtures, both kinds),
 greedy output equals plain decoding and every request's verify steps are exactly those the
@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from specserve.runner.eagle_runner import reserved_head_rows
 from specserve.speculative.eagle_batches import BatchBuilder
 from specserve.speculative.eagle_eval import accepted_runs, replay_decoding
+from specserve.speculative.model_drafters.eagle_runner import reserved_head_rows
 from tests.fused_fixtures import FusedSpy, fused_args, save_random_eagle_head, wait_until_fused_state_is_free
 from tests.spec_fixtures import make_tiny_directory, tiny_engine
 from tests.test_draft_ahead import ahead_on
@@ -184,8 +184,8 @@ def test_fused_inputs_rewrite_the_request_columns_only_for_another_batch():
     other head rows rewrite them; padding rows keep the padding values."""
     from types import SimpleNamespace
 
-    from specserve.runner.fused_step import FusedStepInputs
-    from specserve.speculative.model_proposals import chain_proposal
+    from specserve.speculative.model_drafters.fused_step import FusedStepInputs
+    from specserve.speculative.model_drafters.model_proposals import chain_proposal
 
     def request(row, temperature):
         params = SimpleNamespace(top_k=0, greedy=temperature == 0, temperature=temperature, top_p=0.9, min_p=0.0,
@@ -216,9 +216,9 @@ def test_a_chained_step_takes_the_kept_requests_and_the_outcome_s_drafts():
     from types import SimpleNamespace
 
     from specserve.kv.pool import PADDING_SLOT
-    from specserve.runner.fused_chain import kept_rows
-    from specserve.runner.fused_step import FusedStepInputs, chain_inputs, cut_rows
-    from specserve.speculative.model_proposals import chain_proposal
+    from specserve.speculative.model_drafters.fused_chain import kept_rows
+    from specserve.speculative.model_drafters.fused_step import FusedStepInputs, chain_inputs, cut_rows
+    from specserve.speculative.model_drafters.model_proposals import chain_proposal
 
     n, k = 3, 2
     source = FusedStepInputs.allocate(3, n, "cpu")

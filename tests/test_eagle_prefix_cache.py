@@ -1,4 +1,4 @@
-"""EAGLE heads with the prefix cache on (kv/draft_rows.py, speculative/head_prefix_cache.py):
+"""EAGLE heads with the prefix cache on (kv/draft_rows.py, speculative/model_drafters/head_prefix_cache.py):
 the tree keeps each cached position's head row beside the target's KV, so a request that
 hits a cached prefix feeds its head the target states of the uncached suffix only.
 

@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from specserve.speculative.held_states import HeldTargetStates
+from specserve.speculative.model_drafters.held_states import HeldTargetStates
 
 FEATURES = 3
 

@@ -1,4 +1,4 @@
-"""NAIVE_EAGLE and MTP (fused chains of one draft, runner/fused_chain.py) and, for sampling,
+"""NAIVE_EAGLE and MTP (fused chains of one draft, speculative/model_drafters/fused_chain.py) and, for sampling,
 EAGLE's fused chain of three: stops inside an accepted path are cut, sampling is lossless
 (chi-square against the exact distribution, with a control that ignores q), also when there
 is no q table and sampled drafts take the unfused chain; seeded requests get plain
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from specserve.errors import ArgumentError
-import specserve.runner.fused_chain
-import specserve.runner.fused_step
+import specserve.speculative.model_drafters.fused_chain
+import specserve.speculative.model_drafters.fused_step
 from specserve.verify import rules
 from tests.fused_fixtures import (FusedSpy, fused_args, save_random_eagle_head, save_random_mtp_head,
                                   wait_until_fused_state_is_free)
@@ -79,12 +79,12 @@ class FusedVerifySpy:
 
     def __init__(self, monkeypatch):
         self.rules = Counter()
-        original = specserve.runner.fused_step.verify_sampling
+        original = specserve.speculative.model_drafters.fused_step.verify_sampling
 
         def spy(trees, logits, *args, rule, **kwargs):
             self.rules[rule, args[-1] is not None] += 1     # the last positional argument: draft_probs
             return original(trees, logits, *args, rule=rule, **kwargs)
-        monkeypatch.setattr(specserve.runner.fused_step, "verify_sampling", spy)
+        monkeypatch.setattr(specserve.speculative.model_drafters.fused_step, "verify_sampling", spy)
 
 
 def sample(models, config: dict, fused: bool = True) -> list[dict]:
@@ -147,7 +147,7 @@ def test_seeded_requests_get_the_tokens_of_plain_decoding(sampling_models, monke
 def test_without_a_q_table_sampled_drafts_take_the_unfused_chain(sampling_models, monkeypatch):
     """A q table over the size limit: batches with sampled drafts are verified by the engine
     (EagleDrafter's chain hands its q over) and stay exact; seeded ones are still fused."""
-    monkeypatch.setattr(specserve.runner.fused_chain, "Q_TABLE_BYTES", 0)
+    monkeypatch.setattr(specserve.speculative.model_drafters.fused_chain, "Q_TABLE_BYTES", 0)
     outputs = sample(sampling_models, {"temperature": 1.0}, fused=False)
     assert chi_square_p(outputs, exact_joint(sampling_models[2], temperature=1.0)) > 1e-4
     target_path, args, _ = sampling_models

@@ -16,7 +16,7 @@ microseconds per step by phase (lab/host_phases.py: parse and commit, the
 proposal, the launch, the wait for the GPU): where the host time a verify step does not
 hide goes (H200, random 1.5B, batch 1: 0.2-0.45 ms a step, session 24).
 
-`--algorithm EAGLE3 --num-steps K` adds the fused EAGLE-3 step (runner/fused_step.py: the
+`--algorithm EAGLE3 --num-steps K` adds the fused EAGLE-3 step (speculative/model_drafters/fused_step.py: the
 target's verify of K + 1 chain nodes with three layers' states kept, verification, commit,
 the head's K + 1 fed rows and K - 1 draft steps, one graph) with a random head sized as a
 real one (random_head.py). Rows, in one process: plain and NGRAM-style verify of K + 1

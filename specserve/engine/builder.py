@@ -24,9 +24,9 @@ from specserve.model.parallel.sharding import check_tensor_parallel
 from specserve.runner.model_runner import ModelRunner, resolve_device, resolve_dtype
 from specserve.sampling.sampler import Sampler
 from specserve.speculative.adaptive.policy import AdaptiveDraftLength
-from specserve.speculative.draft_setup import check_draft_path, prepare_draft
 from specserve.speculative.drafter import Drafter
-from specserve.speculative.head_prefix_cache import cache_head_rows
+from specserve.speculative.model_drafters.draft_setup import check_draft_path, prepare_draft
+from specserve.speculative.model_drafters.head_prefix_cache import cache_head_rows
 from specserve.speculative.registry import create_drafter, needs_draft_model
 
 logger = logging.getLogger("specserve")

@@ -12,7 +12,7 @@ the target's KV of positions 0 .. m - 1 and the head's rows 0 .. m - 1; the requ
 prefill computes the target from position m on, and the head is fed those states only.
 A request's last token has no bigram: its KV is not cached (one token less than a token tree).
 
-The engine side (speculative/head_prefix_cache.py) implements `DraftRows`: the ledger hands
+The engine side (speculative/model_drafters/head_prefix_cache.py) implements `DraftRows`: the ledger hands
 a request the rows it matched, and asks it for the rows to cache beside the target's.
 """
 from __future__ import annotations

@@ -93,7 +93,7 @@ class Drafter:
                      kind: str = "greedy") -> "InFlight | None":
         """verify_fused's launch, without a host sync: the step's packed outcome on its way
         to the host, for read_fused; None where the engine verifies the batch itself.
-        kind: the verification (runner/fused_chain.KINDS)."""
+        kind: the verification (model_drafters/fused_chain.KINDS)."""
         return None
 
     def chain_nodes(self, reqs: list["Req"], launched: "InFlight") -> int:

@@ -1,5 +1,5 @@
 """EAGLE / EAGLE3 on a GPU (fp32): chains of K drafts (top-k 1) run through the fused step
-(runner/fused_chain.py), replayed from its CUDA graphs (one per batch bucket and
+(speculative/model_drafters/fused_chain.py), replayed from its CUDA graphs (one per batch bucket and
 verification kind) and eagerly (batches larger than the graphs): greedy output equals plain
 decoding and every request's verify steps are the ones the trainer's replay predicts (heads
 trained on the CPU by tests/test_eagle_drafter.py's fixtures); seeded sampling gives plain
@@ -15,9 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.speculative import eagle
 from specserve.speculative.eagle_batches import BatchBuilder
 from specserve.speculative.eagle_eval import accepted_runs, replay_decoding
+from specserve.speculative.model_drafters import eagle
 from tests.fused_fixtures import FusedSpy, wait_until_fused_state_is_free
 from tests.gpu.test_naive_eagle_cuda import GraphKinds
 from tests.spec_fixtures import tiny_engine

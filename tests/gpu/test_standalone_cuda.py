@@ -57,7 +57,7 @@ def test_the_target_as_its_own_draft_accepts_every_draft_on_cuda(target_dir, exp
 @pytest.mark.parametrize("sample", [False, True])
 def test_graph_chain_drafts_what_the_eager_chain_drafts(target_dir, noisy_draft, sample):
     """The same chain inputs through a graph replay and through run_chain eagerly."""
-    from specserve.runner.draft_chain import ChainRow
+    from specserve.speculative.model_drafters.draft_chain import ChainRow
     with tiny_engine(target_dir, device="cuda", max_total_tokens=4096, **standalone_args(noisy_draft, 4)) as engine:
         engine.generate(input_ids=PROMPTS[:3], sampling_params=GREEDY)   # the draft caches fill and go
         drafter = engine.core.drafter

@@ -31,15 +31,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from specserve.kv.pool import host_to_device_async
-from specserve.runner.draft_chain import ChainRow
-from specserve.speculative.draft_kv import DraftKVTable
 from specserve.speculative.drafter import Drafter
-from specserve.speculative.held_states import HeldTargetStates
-from specserve.speculative.model_proposals import chain_proposal, draft_temperature, tree_proposal
+from specserve.speculative.model_drafters.draft_chain import ChainRow
+from specserve.speculative.model_drafters.draft_kv import DraftKVTable
+from specserve.speculative.model_drafters.held_states import HeldTargetStates
+from specserve.speculative.model_drafters.model_proposals import chain_proposal, draft_temperature, tree_proposal
 
 if TYPE_CHECKING:
     from specserve.request.req import Req
-    from specserve.runner.eagle_runner import EagleHeadRunner
+    from specserve.speculative.model_drafters.eagle_runner import EagleHeadRunner
 
 
 # Plain steps of the adaptive policy (engine/core.py) keep the target's states but do not draft:

@@ -20,15 +20,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specserve.runner.draft_chain import ChainRow
-from specserve.speculative.draft_kv import DraftKVTable
 from specserve.speculative.drafter import Drafter
-from specserve.speculative.model_proposals import chain_proposal, draft_temperature
+from specserve.speculative.model_drafters.draft_chain import ChainRow
+from specserve.speculative.model_drafters.draft_kv import DraftKVTable
+from specserve.speculative.model_drafters.model_proposals import chain_proposal, draft_temperature
 from specserve.verify.tree import TreeProposal
 
 if TYPE_CHECKING:
     from specserve.request.req import Req
-    from specserve.runner.draft_runner import DraftModelRunner
+    from specserve.speculative.model_drafters.draft_runner import DraftModelRunner
 
 
 class StandaloneDrafter(Drafter):

@@ -48,7 +48,7 @@ class DraftSetup:
     def reads_target_states(self) -> bool:
         """An EAGLE head needs the target's state of every token it has no row for: a prefix
         served from the prefix cache has none, so the cache keeps the head's rows too
-        (speculative/head_prefix_cache.py; plain steps keep their states: engine/overlap.py)."""
+        (speculative/model_drafters/head_prefix_cache.py; plain steps keep their states: engine/overlap.py)."""
         return self.hidden_capture is not None
 
 
@@ -68,15 +68,15 @@ def check_draft_path(args: ServerArgs) -> None:
 def prepare_draft(args: ServerArgs, target: ModelConfig, device: torch.device, dtype: torch.dtype,
                   context_length: int) -> DraftSetup:
     if args.speculative == "STANDALONE":
-        from specserve.runner import draft_runner
-        from specserve.speculative.standalone import StandaloneDrafter
+        from specserve.speculative.model_drafters import draft_runner
+        from specserve.speculative.model_drafters.standalone import StandaloneDrafter
         model = draft_runner.load_draft_model(args, target, device, dtype, context_length)
         return DraftSetup(draft_runner.kv_bytes_per_token(model, dtype), None,
                           lambda runner: StandaloneDrafter(draft_runner.DraftModelRunner(args, model, runner.pool)))
     if fuses_chain(args):
         return prepare_fused_chain(args, target, device, dtype, context_length)
-    from specserve.runner import eagle_runner
-    from specserve.speculative.eagle import EagleDrafter
+    from specserve.speculative.model_drafters import eagle_runner
+    from specserve.speculative.model_drafters.eagle import EagleDrafter
     head = eagle_runner.load_eagle_head(args, target, device, dtype, context_length)
     copies = whole_vocabulary_copies(args, target, head, device, dtype)
 
@@ -99,9 +99,9 @@ def prepare_fused_chain(args: ServerArgs, target: ModelConfig, device: torch.dev
     """An EAGLE head of either kind (EAGLE, EAGLE3, NAIVE_EAGLE) or an MTP layer (MTP): the head
     drafts a chain of K tokens per step (K = 1 for NAIVE_EAGLE and MTP), verified and drafted
     again in one fused step (fused_drafter.py)."""
-    from specserve.runner import eagle_runner
-    from specserve.runner.fused_chain import FusedChainRunner
-    from specserve.speculative.fused_drafter import FusedChainDrafter
+    from specserve.speculative.model_drafters import eagle_runner
+    from specserve.speculative.model_drafters.fused_chain import FusedChainRunner
+    from specserve.speculative.model_drafters.fused_drafter import FusedChainDrafter
     from specserve.speculative.mtp_checkpoint import load_mtp_head
     if args.speculative == "MTP":
         head = load_mtp_head(args.speculative_draft_model_path, target, device, dtype,

@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from specserve.runner.cuda_graph import batch_size_buckets, capture_graph
-from specserve.runner.draft_chain import ChainInputs, ChainRow
+from specserve.speculative.model_drafters.draft_chain import ChainInputs, ChainRow
 
 logger = logging.getLogger("specserve")
 

@@ -16,7 +16,7 @@ from specserve.kv.draft_rows import DraftRows
 if TYPE_CHECKING:
     from specserve.kv.ledger import KVLedger
     from specserve.request.req import Req
-    from specserve.speculative.eagle import EagleDrafter
+    from specserve.speculative.model_drafters.eagle import EagleDrafter
 
 
 class HeadPrefixRows(DraftRows):

@@ -45,17 +45,17 @@ import torch
 
 from specserve.attention.base import ForwardBatch
 from specserve.kv.pool import PADDING_SLOT
-from specserve.runner.draft_chain import ChainInputs, FedSpan, run_chain
-from specserve.runner.eagle_runner import reserved_head_rows
 from specserve.runner.tree_step import TreeStepInputs, commit_path, forward_tree
-from specserve.speculative.model_proposals import draft_temperature
+from specserve.speculative.model_drafters.draft_chain import ChainInputs, FedSpan, run_chain
+from specserve.speculative.model_drafters.eagle_runner import reserved_head_rows
+from specserve.speculative.model_drafters.model_proposals import draft_temperature
 from specserve.verify.rules import VerifyResult, verify_greedy, verify_sampling
 from specserve.verify.tree import DraftTrees, TreeProposal
 
 if TYPE_CHECKING:
     from specserve.request.req import Req
-    from specserve.runner.eagle_runner import EagleHeadRunner
     from specserve.runner.model_runner import ModelRunner
+    from specserve.speculative.model_drafters.eagle_runner import EagleHeadRunner
 
 
 @dataclass

@@ -25,7 +25,7 @@ import torch
 
 from specserve.attention.base import ForwardBatch, ForwardMode
 from specserve.kv.pool import KVPool
-from specserve.runner.draft_chain import ChainInputs, ChainModel, ChainRow, fed_rows_batch
+from specserve.speculative.model_drafters.draft_chain import ChainInputs, ChainModel, ChainRow, fed_rows_batch
 
 
 def run_tree(model: ChainModel, pool: KVPool, inputs: ChainInputs, plan: Callable[[ForwardBatch], None],

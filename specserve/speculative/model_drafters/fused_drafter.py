@@ -1,6 +1,6 @@
 """The fused chain drafter: EAGLE / EAGLE3 with top-k 1 (a chain of K drafts), NAIVE_EAGLE and
 MTP (K = 1), where the target's verification of step N and the head's K drafts for step
-N + 1 run in one device function (runner/fused_step.py; one CUDA graph replay,
+N + 1 run in one device function (speculative/model_drafters/fused_step.py; one CUDA graph replay,
 fused_chain.py): no host round trip between them, one host sync per step, which reads the
 committed tokens and the next drafts together.
 
@@ -18,7 +18,7 @@ is fused.
 
 On the engine's greedy path (pinned drafting, or the adaptive policy while the batch's
 bucket drafts), the next fused step is queued before the host reads this one
-(launch_chained: runner/fused_chain.py derives its inputs from this step's outcome on the
+(launch_chained: speculative/model_drafters/fused_chain.py derives its inputs from this step's outcome on the
 device; engine/draft_ahead.py): its head rows are allocated then and taken into the head's
 table once this step is committed (adopt_chained).
 
@@ -39,19 +39,19 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
-from specserve.runner.eagle_runner import reserved_head_rows
 from specserve.runner.tree_step import GreedyOutcome
 from specserve.sampling.sampler import SampledStep
-from specserve.speculative.eagle import EagleDrafter
-from specserve.speculative.model_proposals import chain_proposal, draft_temperature
+from specserve.speculative.model_drafters.eagle import EagleDrafter
+from specserve.speculative.model_drafters.eagle_runner import reserved_head_rows
+from specserve.speculative.model_drafters.model_proposals import chain_proposal, draft_temperature
 from specserve.verify.tree import TreeProposal
 
 if TYPE_CHECKING:
     from specserve.request.req import Req
-    from specserve.runner.eagle_runner import EagleHeadRunner
-    from specserve.runner.fused_chain import FusedChainRunner
     from specserve.runner.model_runner import InFlight
     from specserve.sampling.sampler import Sampler
+    from specserve.speculative.model_drafters.eagle_runner import EagleHeadRunner
+    from specserve.speculative.model_drafters.fused_chain import FusedChainRunner
 
 
 class FusedChainDrafter(EagleDrafter):

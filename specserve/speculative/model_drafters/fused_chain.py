@@ -25,17 +25,17 @@ import numpy as np
 import torch
 
 from specserve.runner.cuda_graph import batch_size_buckets, capture_graph
-from specserve.runner.fused_step import FusedStepInputs, chain_inputs, cut_rows, run_fused_step
 from specserve.runner.model_runner import InFlight
 from specserve.runner.ranks.graph_steps import GraphStepHeader, announce_graph_step
 from specserve.runner.ranks.step_broadcast import sharded_model
 from specserve.runner.tree_step import pad_node_slots
+from specserve.speculative.model_drafters.fused_step import FusedStepInputs, chain_inputs, cut_rows, run_fused_step
 from specserve.verify.tree import TreeProposal
 
 if TYPE_CHECKING:
     from specserve.request.req import Req
-    from specserve.runner.eagle_runner import EagleHeadRunner
     from specserve.runner.model_runner import ModelRunner
+    from specserve.speculative.model_drafters.eagle_runner import EagleHeadRunner
 
 logger = logging.getLogger("specserve")
 

@@ -21,11 +21,11 @@ from specserve.kv.pool import KVPool
 from specserve.model.config import ModelConfig
 from specserve.model.llama import DecoderLM
 from specserve.model.loader import load_checkpoint, resolve_model_path
-from specserve.runner.catch_up_batch import catch_up_batch
-from specserve.runner.chain_graphs import ChainGraphs
 from specserve.runner.cuda_graph import batch_size_buckets
-from specserve.runner.draft_chain import ChainInputs, ChainRow, DecoderChainModel, run_chain
 from specserve.runner.model_runner import build_model
+from specserve.speculative.model_drafters.catch_up_batch import catch_up_batch
+from specserve.speculative.model_drafters.chain_graphs import ChainGraphs
+from specserve.speculative.model_drafters.draft_chain import ChainInputs, ChainRow, DecoderChainModel, run_chain
 
 logger = logging.getLogger("specserve")
 FED_ROWS = 2   # a chain feeds the last two tokens (see draft_chain.py)
