@@ -241,8 +241,8 @@ def instrument(core, clock: PhaseClock, phases: bool) -> contextlib.ExitStack:
     for name in ("record_proposals", "choose", "observe", "record_step", "should_draft", "would_draft"):
         patch(core.adaptive, name, "adaptive")
     patch(core.runner, "run_trees", "launch")
-    patch(core, "_commit_kv", "commit_kv")
-    patch(core, "_commit", "commit")
+    patch(core.committer, "kv", "commit_kv")
+    patch(core.committer, "one", "commit")
     patch(GreedyOutcome, "parse", "wait_parse")
     patch(DraftStep, "read", "wait_parse")
     patch(IncrementalDetokenizer, "add", "detokenize")

@@ -34,10 +34,10 @@ from specserve.runner.model_runner import InFlight
 
 # (attribute path from the core, phase): methods timed on their instance (a path through
 # None, e.g. a runner without CUDA graphs, is skipped)
-CORE_PHASES = (("_commit_verified", "commit"), ("_observe", "observe"), ("_probe", "probe"),
-               ("_after_plain_step", "after_step"), ("text.run", "detokenize"),
+CORE_PHASES = (("committer.verified", "commit"), ("planner.observe", "observe"), ("planner.probe", "probe"),
+               ("plain.after_step", "after_step"), ("text.run", "detokenize"),
                ("runner.launch_greedy_decode", "launch"), ("runner.graphs.replay", "replay"),
-               ("scheduler.schedule", "schedule"), ("_commit_kv", "commit_kv"), ("_propose", "propose"),
+               ("scheduler.schedule", "schedule"), ("committer.kv", "commit_kv"), ("planner.propose", "propose"),
                ("runner.run_trees", "run_trees"), ("drafter.launch_fused", "launch_fused"),
                ("drafter.writer.drain", "drain"))
 CPU_PHASES = (("runner.launch_greedy_decode", "launch_cpu"),)   # timed by this thread's CPU clock

@@ -133,17 +133,22 @@ class KindTimer:
         self.core, self.stand_in = core, stand_in
         self.cpu_us: dict[str, list[float]] = defaultdict(list)
         self.wall_us: dict[str, list[float]] = defaultdict(list)
-        self._ahead, self._extend, self._probe_due = core._run_decode_ahead, core._run_extend, core._probe_due
+        plain, prefill, planner = core.plain, core.prefill, core.planner
+        self._launch, self._commit, self._extend, self._probe_due = \
+            plain.launch, plain.commit, prefill.launch, planner.probe_due
         self._kind = None
         self._last_was_prefill = False
-        core._run_decode_ahead, core._run_extend = self._mark_plain, self._mark_extend
-        core._probe_due = self._mark_probe
+        plain.launch, plain.commit, prefill.launch = self._mark_plain, self._mark_finishing, self._mark_extend
+        planner.probe_due = self._mark_probe
 
-    def _mark_plain(self, reqs, start):
-        ahead = self.core.overlap.ahead
+    def _mark_plain(self, batch, started):
+        ahead, reqs = self.core.overlap.ahead, batch.reqs
         launched = ahead is not None and same_requests([r for r in ahead.reqs if not r.finished], reqs)
         self._kind = "steady" if launched else ("after_prefill" if self._last_was_prefill else "not_ahead")
-        outputs = self._ahead(reqs, start)
+        return self._launch(batch, started)
+
+    def _mark_finishing(self, launched, tokens):
+        outputs = self._commit(launched, tokens)
         if self._kind != "probe" and any(out.finished for out in outputs):
             self._kind = "finishing"
         return outputs
@@ -154,9 +159,9 @@ class KindTimer:
             self._kind = "probe"
         return due
 
-    def _mark_extend(self, batch):
+    def _mark_extend(self, batch, started):
         self._kind = "prefill"
-        return self._extend(batch)
+        return self._extend(batch, started)
 
     def step(self, record: bool):
         self._kind = "other"
@@ -172,8 +177,8 @@ class KindTimer:
         return outputs
 
     def close(self) -> None:
-        self.core._run_decode_ahead, self.core._run_extend, self.core._probe_due = \
-            self._ahead, self._extend, self._probe_due
+        del self.core.plain.launch, self.core.plain.commit, self.core.prefill.launch   # the classes' methods again
+        del self.core.planner.probe_due
 
 
 def run_turnover(engine, stand_in, prompts, spec, batch_size: int, output_len: int, group: int, warm_steps: int,

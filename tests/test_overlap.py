@@ -214,7 +214,7 @@ def test_a_plain_step_with_nothing_in_flight_shows_its_tokens_after_the_next_lau
     late = [i for i in range(1, len(events)) if events[i][0] == "observe" and events[i - 1][0] == "extend"
             and events[i][1] and not events[i][1] & events[i - 1][1]]
     assert len(late) >= 2, events
-    assert core._unsettled is None
+    assert core.ahead.after_plain is None
     wait_until_all_kv_is_free(engine)
 
 
@@ -246,28 +246,29 @@ def test_plain_steps_index_and_probe_only_every_kth_step(engine_factory, plain, 
                 note(steps[-1], result)
             return result
         setattr(owner, name, spied)
-    run_decode = core._run_decode
+    run_step = core._run
 
     def decode(batch):
-        steps.append({"batch_size": len(batch.reqs), "events": []})
-        return run_decode(batch)
-    core._run_decode = decode
+        if not batch.is_extend:
+            steps.append({"batch_size": len(batch.reqs), "events": []})
+        return run_step(batch)
+    core._run = decode
     spy(adaptive, "probe_due", lambda step, due: step["events"].append("due" if due else "skip"))
     spy(drafter, "flush", lambda step, _: step["events"].append("index"))
-    probe = core._probe
+    probe = core.planner.probe
 
     def probing(reqs):   # noted with the decode step during which it runs
         steps[-1]["events"].append(("probe", sum(map(len, drafter._pending.values())), len(steps) - 1))
         probe(reqs)
-    core._probe = probing
+    core.planner.probe = probing
     prompts = (SAMPLE_PROMPTS * 2)[:8]
     params = [dict(GREEDY, max_new_tokens=20 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
     expected = plain.generate(prompts, params)
     got = engine.generate(prompts, params)
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in expected]
     assert used["ahead"] > 10
-    # a plain step's probe runs during the next step, once that one has launched (core.py's
-    # _settle): it opens that step's events, and belongs to the step before
+    # a plain step's probe runs during the next step, once that one has launched
+    # (StepsAhead.settle): it opens that step's events, and belongs to the step before
     for before, step in zip(steps, steps[1:]):
         while step["events"] and isinstance(step["events"][0], tuple):
             before["events"].append(step["events"].pop(0))

@@ -32,7 +32,7 @@ class ProbeSpy:
 
     def __init__(self, core, missing=None):
         self.probes: list[tuple[list[str], list[str], dict[str, int]]] = []
-        probe, propose = core._probe, core.drafter.propose
+        probe, propose = core.planner.probe, core.drafter.propose
         batch: list = []
 
         def spied_probe(reqs):
@@ -44,7 +44,7 @@ class ProbeSpy:
                 lacking = {r.rid: missing(r) for r in batch} if missing is not None else {}
                 self.probes.append(([r.rid for r in batch], [r.rid for r in reqs], lacking))
             return propose(reqs, max_nodes)
-        core._probe, core.drafter.propose = spied_probe, spied_propose
+        core.planner.probe, core.drafter.propose = spied_probe, spied_propose
 
 
 def assert_probes_take_the_least_to_catch_up(path, engine_args: dict) -> None:

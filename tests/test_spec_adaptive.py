@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lab.policy_sim import SCENARIOS, simulate
-from specserve.engine.core import EngineCore
+from specserve.engine.draft_planner import DraftPlanner
 from specserve.speculative.adaptive.costs import RECHECK_GAP, StepCosts
 from specserve.speculative.adaptive.modes import GUARD_WINDOW
 from specserve.speculative.adaptive.policy import (
@@ -617,12 +617,12 @@ def test_adaptive_engine_equals_plain_and_switches_draft_sizes(smol):
 def test_a_drafter_behind_on_its_indexing_puts_the_probe_off():
     asked = []
     adaptive = SimpleNamespace(probe_due=lambda batch_size, every, most: asked.append(batch_size) or True)
-    core = SimpleNamespace(adaptive=adaptive, drafter=SimpleNamespace(ready_to_probe=lambda: False, probe_every=1,
-                                                                     probe_every_at_most=None))
-    assert not EngineCore._probe_due(core, ["a", "b"])
+    planner = SimpleNamespace(adaptive=adaptive, drafter=SimpleNamespace(ready_to_probe=lambda: False, probe_every=1,
+                                                                        probe_every_at_most=None))
+    assert not DraftPlanner.probe_due(planner, ["a", "b"])
     assert asked == []   # the probe counters did not move: the first step the drafter is ready for probes
-    core.drafter.ready_to_probe = lambda: True
-    assert EngineCore._probe_due(core, ["a", "b"]) and asked == [2]
+    planner.drafter.ready_to_probe = lambda: True
+    assert DraftPlanner.probe_due(planner, ["a", "b"]) and asked == [2]
 
 
 def test_plain_decoding_is_priced_by_the_steps_plain_mode_runs():
@@ -810,8 +810,8 @@ def test_plain_steps_of_a_drafting_bucket_launch_ahead_while_the_drafter_indexes
     adaptive.should_draft = adaptive.would_draft = lambda batch_size: True   # the bucket drafts
     behind = iter([False] * 12)                        # ... but the indexing is behind for a few steps
     core.drafter.ready_to_draft = lambda: next(behind, True)
-    thrown_away, drop = [], core._drop_ahead
-    core._drop_ahead = lambda: (thrown_away.append(core.overlap.ahead is not None), drop())[1]
+    thrown_away, drop = [], core.ahead.drop
+    core.ahead.drop = lambda: (thrown_away.append(core.overlap.ahead is not None), drop())[1]
     assert engine.generate(input_ids=prompt, sampling_params=params)["output_ids"] == expected
     assert used["ahead"] >= 4 and not any(thrown_away)
     assert any(n for t, n in adaptive.steps_per_tier.items() if t > 1)   # it drafted once caught up

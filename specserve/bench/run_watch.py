@@ -23,17 +23,17 @@ class RunWatch:
     `jit_compile_s` tells the two apart), Python's full GC collections and the caching
     allocator's cudaMalloc calls (one 386-ms drafting step with no compile in a suite run
     on an H200 is what these tell apart). A step drafts when the core
-    proposed drafts in it (`_propose`), read a drafting step launched ahead
-    (`_finish_draft_step`) or verified draft nodes (`run_trees`): EAGLE's fused steps verify
+    proposed drafts in it (`planner.propose`), read a greedy drafting step
+    (`drafting.read`) or verified draft nodes (`run_trees`): EAGLE's fused steps verify
     and draft inside the drafter's own graph and never reach run_trees, and a probe's
     proposals (the drafter's `propose`, shadows only) leave a plain step plain. Wraps the
-    core's `step`, `_propose` and `_finish_draft_step`, the scheduler's `schedule` and the
+    core's `step`, `planner.propose` and `drafting.read`, the scheduler's `schedule` and the
     runner's `run_trees`, and sets Triton's JIT hooks; `close` puts them back.
 
     The host's time per step by phase, and its wait for the GPU, come from `phase_timer`
     where one is set: a factory `core -> timer` with `reset()`, `end_step(kind, seconds)`,
     `summary()` and `close()`. The profiler that fills it (HostPhases, host_phases.py) wraps
-    private methods of the core by name, so the benchmarks leave it off and
+    methods of the core's parts by name, so the benchmarks leave it off and
     `host_us_per_step` is None; `python -m lab.suite_host_phases MODULE ...` runs one with it."""
 
     phase_timer = None
@@ -46,8 +46,8 @@ class RunWatch:
         self._step, self._schedule, self._run_trees = self.core.step, self.core.scheduler.schedule, self.core.runner.run_trees
         self.core.step, self.core.scheduler.schedule, self.core.runner.run_trees = (
             self._timed_step, self._watched_schedule, self._watched_run_trees)
-        self._propose, self._finish_draft_step = self.core._propose, self.core._finish_draft_step
-        self.core._propose, self.core._finish_draft_step = self._watched_propose, self._watched_finish_draft_step
+        self._propose, self._read_drafting = self.core.planner.propose, self.core.drafting.read
+        self.core.planner.propose, self.core.drafting.read = self._watched_propose, self._watched_read_drafting
         self._overlap = self.core.overlap   # plain steps read from a step launched ahead are counted
         if self._overlap is not None:
             self._current_step = self._overlap.current_step
@@ -105,7 +105,7 @@ class RunWatch:
             self._overlap.current_step = self._current_step
         self.core.step, self.core.scheduler.schedule, self.core.runner.run_trees = (
             self._step, self._schedule, self._run_trees)
-        del self.core._propose, self.core._finish_draft_step   # the class's methods again
+        del self.core.planner.propose, self.core.drafting.read   # the class's methods again
         self._compiles.__exit__(None, None, None)
 
     def _watched_schedule(self):
@@ -130,11 +130,11 @@ class RunWatch:
         self._drafted(proposal.num_slots)
         return proposal, num_nodes, record
 
-    def _watched_finish_draft_step(self, reqs, step, steady):
+    def _watched_read_drafting(self, launched):
         if self._kind is None:   # the step launched ahead, retired before a schedule (a request arrived)
             self._kind = "plain"
-        self._drafted(step.num_slots)
-        return self._finish_draft_step(reqs, step, steady)
+        self._drafted(launched.step.num_slots)
+        return self._read_drafting(launched)
 
     def _drafted(self, nodes: int) -> None:
         """A decode step with `nodes` per request: a drafting step if nodes > 1 (its nodes

@@ -190,6 +190,14 @@ class DraftAhead:
         self._release(step)
         return None
 
+    def keep_if_for(self, reqs: list[Req]) -> bool:
+        """Whether the step launched ahead is for exactly these requests; one for others is
+        dropped (its slots freed)."""
+        if self.step is not None and same_requests(self.step.reqs, reqs):
+            return True
+        self.drop()
+        return False
+
     def drop(self) -> None:
         """Forgets the step launched ahead, if any, and frees its slots."""
         step, self.step = self.step, None

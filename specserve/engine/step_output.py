@@ -12,3 +12,8 @@ class StepOutput:
     req: Req
     new_token_ids: list[int]
     finished: bool
+
+
+def committed_tokens(outputs: list[StepOutput]) -> int:
+    """How many tokens a step committed, all requests together."""
+    return sum(len(out.new_token_ids) for out in outputs)

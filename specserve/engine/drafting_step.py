@@ -1,0 +1,201 @@
+"""DraftingStep: greedy drafting steps, with the next step of the same batch proposed and
+launched between this step's commit and the bookkeeping it does not need, or, for a fused
+chain, before this step is read (draft_ahead.py says why and what stays the same).
+
+On a GPU the host time between reading one step's outcome and launching the next is what
+a drafting step adds to its forward, so that stretch holds only: the outcome's parse, the
+KV and token commit, the policy's evidence and price of this step (its next choice reads
+them), the proposal, the choice of its size, and the launch. The policy's shadows of the
+proposal, the drafter's observe and indexing, the text and everything after the step
+returns (streaming, the next schedule) run while the GPU computes.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from specserve.engine.commit import DeferredText, StepOutcome, unfinished
+from specserve.engine.committer import Committer
+from specserve.engine.draft_ahead import ChainedStep, DraftStep, OutcomeCopies, launch_draft_step
+from specserve.engine.draft_planner import DraftPlanner, Shadows
+from specserve.engine.scheduler import Scheduler
+from specserve.engine.step_output import StepOutput, committed_tokens
+from specserve.engine.steps_ahead import StepsAhead
+from specserve.engine.verify_step import drafts_with_slots
+from specserve.request.req import Batch, Req
+from specserve.runner.model_runner import ModelRunner
+from specserve.sampling.sampler import Sampler
+
+
+@dataclass
+class LaunchedDraft:
+    step: DraftStep
+    # the step ran as drafting mode runs its steps (launched or chained ahead, or on an engine
+    # that launches none ahead): only such steps price its tier for good (adaptive_costs.py)
+    steady: bool
+    chained: ChainedStep | None = None   # the next fused step, queued before this one was read
+
+
+class DraftingStep:
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler, planner: DraftPlanner,
+                 committer: Committer, text: DeferredText, ahead: StepsAhead):
+        self.runner, self.scheduler, self.sampler = runner, scheduler, sampler
+        self.planner, self.committer, self.text, self.ahead = planner, committer, text, ahead
+        self.copies = OutcomeCopies()   # the steps' outcomes on their way to the host
+
+    def ahead_of_another_batch(self) -> Batch | None:
+        """The batch of the drafting step launched ahead, where the scheduler's next batch is
+        another (a request arrived): that step is read and committed first."""
+        drafting = self.ahead.drafting
+        step = drafting.step if drafting is not None else None
+        if step is None or drafting.batch_is_next(step.reqs):
+            return None
+        self.ahead.settle()
+        return Batch(step.reqs, is_extend=False)
+
+    def launch(self, batch: Batch, started: float) -> LaunchedDraft:
+        """The step launched ahead for this batch, or one launched now: one launched when the
+        scheduler asked for it also paid for its proposal, and an episode's first a model
+        drafter's catch-up of the plain stretch (H200, 1.5B EAGLE-3 at batch 4: one 7-ms
+        first step priced the fused step at 4x a plain one, ended every episode at its first
+        choice and, as the floor of larger buckets, kept them from drafting where chained
+        steps won 1.08-1.17x): it is steady only where none is launched ahead."""
+        reqs = batch.reqs
+        held = self.ahead.drafting.take(reqs) if self.ahead.drafting is not None else None
+        if held is not None:
+            self.ahead.settle()
+            return LaunchedDraft(held, steady=True)
+        self.ahead.settle()   # proposals read what the last step showed
+        self.ahead.drop()
+        proposal, slots = drafts_with_slots(self.planner, self.scheduler, reqs, True, self.sampler.vocab_size)
+        try:
+            step = launch_draft_step(self.runner, self.planner.drafter, reqs, proposal, slots, started, self.copies)
+        except BaseException:
+            self.scheduler.free_slots(slots)  # no request holds them until commit
+            raise
+        self.text.run()   # while the GPU computes
+        self.planner.drafter.flush()
+        return LaunchedDraft(step, steady=self.ahead.drafting is None)
+
+    def read(self, launched: LaunchedDraft) -> StepOutcome:
+        """The step's outcome (the one host sync), the next fused step queued first."""
+        step = launched.step
+        reqs = step.reqs
+        launched.chained = self._launch_chained(reqs, step)
+        try:
+            outcome = step.read()
+            if outcome.hidden is not None:   # the states of the accepted nodes
+                self.planner.drafter.observe_hidden(reqs, [r.kv_len for r in reqs],
+                                            outcome.hidden.reshape(len(reqs) * step.num_slots, -1),
+                                            outcome.hidden_rows(step.num_slots))
+        except BaseException:
+            self.scheduler.free_slots(step.slots)
+            self._drop_chained(launched.chained)
+            raise
+        return outcome
+
+    def commit(self, launched: LaunchedDraft, outcome: StepOutcome) -> list[StepOutput]:
+        """The KV and tokens, the policy's evidence and price; then the next step of the same
+        batch held or launched ahead; then what that step does not need."""
+        step, chained = launched.step, launched.chained
+        reqs = step.reqs
+        try:
+            self.committer.kv(reqs, outcome, step.node_slots, step.num_nodes)
+            outputs = self.committer.verified(reqs, outcome, defer_text=True)
+        except BaseException:
+            self._drop_chained(chained)
+            raise
+        now = time.perf_counter()
+        live, committed = unfinished(outputs)
+        if self.planner.adaptive is not None:   # before the next step's choice, as on every path
+            self.planner.show_policy(live, committed)
+            self.planner.record_step(len(reqs), step.num_slots, now - step.started, committed_tokens(outputs),
+                                     launched.steady, int(step.num_nodes.sum()))
+        if chained is not None:
+            next_launched, shadows = self._hold_chained(chained, outputs, now)
+        else:
+            next_launched, shadows = self._launch_ahead(reqs, outputs, now)
+        try:
+            self.planner.record_shadows(shadows)
+            # after the proposal: it reads only what was flushed before it
+            self.planner.drafter.observe_batch(live, committed)
+            if next_launched:   # while the GPU computes the next step
+                self.text.run()
+                self.planner.drafter.flush()
+        except BaseException:
+            if next_launched:
+                self.ahead.drafting.drop()   # a failed step leaves nothing ahead
+            raise
+        return outputs
+
+    def _drafts_next(self, reqs: list[Req]) -> bool:
+        """Whether the scheduler's next step is a greedy drafting step of this same batch,
+        which may then be launched ahead (the policy asked last: should_draft moves its modes)."""
+        drafting = self.ahead.drafting
+        return (drafting is not None and drafting.batch_is_next(reqs) and self.sampler.argmax_is_enough(reqs)
+                and self.planner.drafts_next(reqs))
+
+    def _launch_ahead(self, reqs: list[Req], outputs: list[StepOutput], now: float) -> tuple[bool, Shadows | None]:
+        """Proposes and launches the next drafting step of the same batch, if it is next;
+        `now`: where its cost starts (this step's was taken at the same time: a whole cycle).
+        Returns whether it launched one, and its shadows."""
+        if any(out.finished for out in outputs) or not self.planner.drafter.proposes_ahead or not self._drafts_next(reqs):
+            return False, None
+        limits = self.planner.limits(reqs)
+        # its slots and one per request to spare: the scheduler preempts nobody while it is ahead
+        if self.scheduler.available_slots() < sum(limits) + len(reqs):
+            return False, None
+        proposal, num_nodes, shadows = self.planner.propose(reqs, limits)
+        slots = self.scheduler.alloc_slots(sum(num_nodes))
+        try:
+            self.ahead.drafting.hold(launch_draft_step(self.runner, self.planner.drafter, reqs, proposal, slots, now,
+                                                       self.copies))
+        except BaseException:
+            self.scheduler.free_slots(slots)
+            raise
+        return True, shadows
+
+    def _launch_chained(self, reqs: list[Req], step: DraftStep) -> ChainedStep | None:
+        """The next fused step of the same batch, queued before this one is read: its drafts
+        and positions come from this step's outcome on the device, so the host's read,
+        commit, proposal and launch run while the GPU computes it, as a plain step's do on
+        the overlap schedule. Under the adaptive policy, while the batch's bucket drafts: its
+        choice for the step is made once this one is committed (_hold_chained)."""
+        if step.read_fused is None or not self._drafts_next(reqs):
+            return None
+        n = self.planner.drafter.chain_nodes(reqs, step.launched)
+        # its slots and one per request to spare: the scheduler preempts nobody while it is ahead
+        if n == 0 or self.scheduler.available_slots() < len(reqs) * (n + 1):
+            return None
+        slots = self.scheduler.alloc_slots(len(reqs) * n)
+        node_slots = np.asarray(slots, dtype=np.int64).reshape(len(reqs), n)
+        try:
+            chained = self.planner.drafter.launch_chained(reqs, node_slots)
+        except BaseException:
+            self.scheduler.free_slots(slots)
+            raise
+        if chained is None:   # no room in the drafter's cache
+            self.scheduler.free_slots(slots)
+            return None
+        return ChainedStep(reqs, chained[0], node_slots, chained[1])
+
+    def _hold_chained(self, chained: ChainedStep, outputs: list[StepOutput], now: float
+                      ) -> tuple[bool, Shadows | None]:
+        """The chained step, once the step before is committed: held as the step ahead for
+        the requests that go on (the others' rows cut, their slots freed), priced from `now`
+        as a step launched ahead is, and chosen for by the policy (DraftPlanner.choose_chained).
+        Returns what _launch_ahead does; nothing held if every request ended."""
+        ended = [i for i, out in enumerate(outputs) if out.finished]
+        if ended:
+            chained.free(self.scheduler, self.planner.drafter, ended)
+        if len(ended) == len(outputs):
+            return False, None
+        step = chained.held(self.planner.drafter, [i for i, out in enumerate(outputs) if not out.finished], now)
+        self.ahead.drafting.hold(step)
+        return True, self.planner.choose_chained(step.reqs)
+
+    def _drop_chained(self, chained: ChainedStep | None) -> None:
+        if chained is not None:
+            chained.free(self.scheduler, self.planner.drafter, list(range(len(chained.reqs))))
