@@ -23,13 +23,33 @@ of ~4000.)
 Until the recent chunks differ enough in size to separate the two costs, the whole cost is
 taken per token (the chunk grows from MIN_CHUNK while a step is cheap); a chunk stuck at
 MIN_CHUNK with no fit yet doubles to find the slope. A fit reaches at most twice beyond the
-largest chunk measured. When recent chunks all have one size, the last slope is kept and
-the fixed part re-anchored to them, so costs that drift (attention deep into a long
-prompt) still move the size. Mixed steps count only what they took beyond a plain decode
-step, so one runs first when none was timed.
+largest chunk measured.
+
+On a busy CPU, and deep into a long prompt, three things misled it (a 4k-token prompt
+beside 8 streams of a 135M model: stream gaps of 8-27x the usual one, against 2.5x):
+- Costs drift: deep into a prompt every token also attends to the whole prefix (~4 ms a
+  prompt token at depth 0, ~6.5 ms at depth 3,000: CPU time at one thread). While recent chunks all have one size,
+  the last fit's slope was kept and the drift charged to its fixed part alone, which then
+  looked like a fixed cost above the target: chunks grew to amortize it, each larger chunk
+  raised the estimate again, and steps reached 3-4x the target with no noise at all. Both
+  parts of the last fit are now scaled together to the recent steps (so the chunk that
+  amortizes a fixed part stays what the fit said).
+- Other processes make some steps 2-3x slower, never faster. A least-squares line through
+  such steps put the fixed part above the target with a slope near zero, and the amortizing
+  chunk (fixed / slope) came out tens of tokens. The fit is now Theil-Sen (median slope over
+  pairs of steps, median intercept), the scaling a median ratio, and an amortizing chunk is
+  at most what the largest chunk's cost per token says costs twice the fixed part.
+- One slow decode step raised the target through a moving average; the usual decode step
+  is now the median of the recent ones.
+A fit whose slope is zero (the sizes did not show in the costs) takes the whole cost per
+token while the fixed part is within the target, which overstates a token's cost. Mixed
+steps count only what they took beyond a plain decode step, so one runs first when none
+was timed.
 """
 from __future__ import annotations
 
+import itertools
+import statistics
 from collections import deque
 
 PREFILL_SHARE = 1.5      # the prefill part of a step, in decode steps: gaps stay within 2.5x the usual one
@@ -41,7 +61,7 @@ MIN_CHUNK = 4            # a long prompt always moves forward, however slow a pr
 MIN_PREFILL_S = 0.025
 FIT_WINDOW = 8           # recent prefill parts the cost model is fitted to
 MIN_SPREAD = 1.5         # chunk sizes must differ by this factor to separate fixed and per-token cost
-_SMOOTHING = 0.5         # weight of the newest decode step in its moving average
+DECODE_WINDOW = 8        # recent decode steps whose median is the usual one (one slow step does not move it)
 
 
 class PrefillPacer:
@@ -49,9 +69,10 @@ class PrefillPacer:
         self.max_chunk = max_chunk
         self.share = share
         self.min_chunk = min(min_chunk, max_chunk)
-        self.decode_step_s: float | None = None               # a plain decode step
+        self.decode_step_s: float | None = None               # a plain decode step: the median of the recent ones
+        self._decode_steps: deque[float] = deque(maxlen=DECODE_WINDOW)
         self._parts: deque[tuple[int, float]] = deque(maxlen=FIT_WINDOW)   # (prompt tokens, seconds)
-        self._slope: float | None = None                      # seconds per prompt token, from the last fit
+        self._fit: tuple[float, float] | None = None          # (fixed s, s per prompt token) of the last fit
 
     def budget(self, decoding: bool) -> int:
         """Prompt tokens the next step may carry: all that fit one chunk when nobody decodes."""
@@ -60,7 +81,7 @@ class PrefillPacer:
         if self.decode_step_s is None or not self._parts:
             return self.min_chunk
         target = max(self.share * self.decode_step_s, MIN_PREFILL_S)
-        if self._slope is None:
+        if self._fit is None:
             tokens = self._proportional(target)
         else:
             tokens = self._from_fit(target)
@@ -70,8 +91,8 @@ class PrefillPacer:
         """A step's wall time, with the prompt tokens it carried and the requests it decoded."""
         if prefill_tokens == 0:
             if decode_reqs:
-                self.decode_step_s = seconds if self.decode_step_s is None else (
-                    (1 - _SMOOTHING) * self.decode_step_s + _SMOOTHING * seconds)
+                self._decode_steps.append(seconds)
+                self.decode_step_s = statistics.median(self._decode_steps)
             return
         if decode_reqs:   # a mixed step: its prefill part is what it took beyond a decode step
             if self.decode_step_s is None:
@@ -82,33 +103,46 @@ class PrefillPacer:
 
     # --- the cost model ---
     def _refit(self) -> None:
+        """Theil-Sen: the median slope over pairs of steps, the median intercept under it. A
+        busy machine makes some steps 2-3x slower, never faster; least squares through such
+        a step moved the fixed part above the target."""
         sizes = [tokens for tokens, _ in self._parts]
         if max(sizes) < MIN_SPREAD * min(sizes):
-            return   # one size: the last slope stands (the fixed part re-anchors in _fixed_cost)
-        mean_c = sum(sizes) / len(sizes)
-        mean_t = sum(t for _, t in self._parts) / len(self._parts)
-        covariance = sum((c - mean_c) * (t - mean_t) for c, t in self._parts)
-        variance = sum((c - mean_c) ** 2 for c in sizes)
-        self._slope = max(covariance / variance, 0.0)
+            return   # one size: the last fit stands, scaled to the recent steps in _scaled_fit
+        slope = max(statistics.median((t2 - t1) / (c2 - c1) for (c1, t1), (c2, t2)
+                                      in itertools.combinations(self._parts, 2) if c1 != c2), 0.0)
+        self._fit = (max(statistics.median(t - slope * c for c, t in self._parts), 0.0), slope)
 
-    def _fixed_cost(self) -> float:
-        """The fixed part that, with the slope, matches the recent steps on average."""
-        mean_c = sum(c for c, _ in self._parts) / len(self._parts)
-        mean_t = sum(t for _, t in self._parts) / len(self._parts)
-        return max(mean_t - self._slope * mean_c, 0.0)
+    def _scaled_fit(self) -> tuple[float, float]:
+        """The last fit's fixed part and slope, both scaled by the recent steps' median ratio to it."""
+        fixed, slope = self._fit
+        if fixed + slope <= 0:
+            return fixed, slope
+        scale = statistics.median(t / (fixed + slope * c) for c, t in self._parts)
+        return fixed * scale, slope * scale
 
     def _from_fit(self, target: float) -> int:
-        fixed = self._fixed_cost()
+        fixed, slope = self._scaled_fit()
         reach = 2 * max(c for c, _ in self._parts)   # the fit is trusted near the sizes it saw
-        if self._slope <= 0:
-            return reach
-        return int(min(max(target - fixed, fixed) / self._slope, reach))
+        if fixed >= target:
+            # no chunk keeps to it: tokens that cost as much as the fixed part, at most where
+            # the largest chunk's cost per token (which overstates a larger one's) says a
+            # step costs twice the fixed part, so a slope that noise made small does not
+            # make chunks many times that
+            largest, largest_s = max(self._parts)
+            amortizing = 2 * fixed * largest / largest_s
+            if slope > 0:
+                amortizing = min(amortizing, fixed / slope)
+            return int(min(amortizing, reach))
+        if slope <= 0:   # the sizes did not show in the costs: the whole cost per token
+            return min(self._proportional(target), reach)
+        return int(min((target - fixed) / slope, reach))
 
     def _proportional(self, target: float) -> int:
-        """No slope yet: the whole cost per token. Stuck at the floor, double to find the slope."""
+        """The whole cost per token. Stuck at the floor with no fit yet, double to find the slope."""
         last_tokens, last_s = self._parts[-1]
         per_token = sum(t for _, t in self._parts) / sum(c for c, _ in self._parts)
         tokens = int(min(target / per_token, self.max_chunk))
-        if tokens <= self.min_chunk and last_tokens <= self.min_chunk:
+        if self._fit is None and tokens <= self.min_chunk and last_tokens <= self.min_chunk:
             return 2 * last_tokens
         return tokens
