@@ -82,3 +82,24 @@ def test_batches_whose_states_are_computed_per_step_train_alike(conversations):
     torch.testing.assert_close(torch.tensor(live.history), torch.tensor(stored.history), rtol=1e-6, atol=1e-6)
     for name, value in fingerprint(stored.head).items():
         assert fingerprint(live.head)[name] == pytest.approx(value, rel=1e-6, abs=1e-6), name
+
+
+def test_a_training_step_waits_for_the_device_once(conversations):
+    trainer = eagle_train_host.tiny_trainer(conversations, 512, 3, autocast=False)
+    counts = eagle_train_host.count_ops(trainer, steps=2)
+    assert counts["sync_sites"] == {} and counts["syncs_per_step"] == 1, counts["sync_sites"]
+    assert counts["device_ops_per_step"] > 100 and counts["host_ops_per_step"] > 0
+
+
+def test_the_op_counter_sees_a_sync_on_a_device_tensor_only():
+    on_device, on_host = torch.arange(6.0), torch.arange(6.0)
+    device_tensors = WeakTensorKeyDictionary()
+    device_tensors[on_device] = True
+    counter = eagle_train_host.OpCounter(device_tensors)
+    with counter:
+        on_host[on_host > 2].sum().item()          # host work: no GPU would wait for it
+        doubled = on_device * 2                    # a device op: its output lives on the device too
+        doubled[doubled > 2].sum()                 # boolean indexing: a sync
+        doubled.max().item()                       # a sync
+    assert sum(counter.syncs.values()) == 2, counter.syncs
+    assert counter.device_ops["mul.Tensor"] == 1 and counter.host_ops["gt.Scalar"] == 1

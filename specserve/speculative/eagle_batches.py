@@ -16,12 +16,15 @@ for the device to say which rows are which.
 """
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specserve.kv.pool import host_to_device_async
 from specserve.speculative.eagle_data import Conversation
 from specserve.speculative.eagle_ttt import ConversationBatch
 from specserve.speculative.target_features import StateStore, TargetFeatureExtractor, TargetStates
@@ -65,8 +68,8 @@ class TrainingBatch:
             if bool((teacher_rows < 0).any()):
                 raise AssertionError("a draft row without a teacher: predicts_answer and the teacher rows disagree")
             parts += [index_among_learning[rows], teacher_rows]
-        sizes = [len(part) for part in parts]
-        on_device = list(_to_device(torch.cat(parts), self.conversations.tokens.device).split(sizes))
+        sizes = [part.numel() for part in parts]
+        on_device = list(host_to_device_async(torch.cat(parts), self.conversations.tokens.device).split(sizes))
         teacher_choice = self.teacher_probs.argmax(-1)
         return on_device[0], [StepTargets(rows, teacher_rows, teacher_choice[teacher_rows])
                               for rows, teacher_rows in zip(on_device[1::2], on_device[2::2])]
@@ -75,11 +78,27 @@ class TrainingBatch:
 def learned_tokens(conversations: list[Conversation], width: int) -> torch.Tensor:
     """(B, width) bool: the tokens a draft step predicts: every answer token but each
     answer's first (at serving time prefill makes it, and drafting starts after it)."""
-    learned = torch.zeros((len(conversations), width), dtype=torch.bool)
-    for row, conversation in enumerate(conversations):
-        for start, end in conversation.answers():
-            learned[row, start + 1:end] = True
-    return learned
+    spans = [(row, start + 1, end) for row, conversation in enumerate(conversations)
+             for start, end in conversation.answers() if start + 1 < end]
+    # +1 where a span starts, -1 where it ends: a running sum > 0 inside some span
+    edges = torch.zeros((len(conversations), width + 1), dtype=torch.int32)
+    if spans:
+        rows, starts, ends = torch.tensor(spans).t()
+        ones = torch.ones(len(spans), dtype=torch.int32)
+        edges.index_put_((rows, starts), ones, accumulate=True)
+        edges.index_put_((rows, ends), -ones, accumulate=True)
+    return edges.cumsum(1)[:, :width] > 0
+
+
+def padded_tokens(conversations: list[Conversation], width: int) -> torch.Tensor:
+    """(B, width) int64: each conversation's tokens from column 0, zeros after them."""
+    lengths = torch.tensor([len(c.tokens) for c in conversations])
+    flat = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(c.tokens for c in conversations),
+                                        dtype=np.int64, count=int(lengths.sum())))
+    # token i of the concatenation sits at b * width + (i - the first index of its conversation)
+    shift = torch.arange(len(conversations)) * width - (lengths.cumsum(0) - lengths)
+    places = torch.arange(len(flat)) + shift.repeat_interleave(lengths)
+    return torch.zeros(len(conversations) * width, dtype=torch.long).index_copy_(0, places, flat).view(-1, width)
 
 
 def plan_batches(lengths: list[int], batch_tokens: int, seed: int) -> list[list[int]]:
@@ -121,9 +140,7 @@ class BatchBuilder:
         prompt_lens = torch.tensor([c.prompt_len for c in conversations])
         b, t = len(conversations), int(lengths.max())
         positions = torch.arange(t)
-        in_sequence = positions < lengths.unsqueeze(1)                           # (B, T)
-        tokens = torch.zeros((b, t), dtype=torch.long)
-        tokens[in_sequence] = torch.tensor([token for c in conversations for token in c.tokens])
+        tokens = padded_tokens(conversations, t)
         learned = learned_tokens(conversations, t)
         host = ConversationBatch(tokens, lengths, prompt_lens, None, learned)
         # the state of every padded position: the conversation's own rows (padding repeats its
@@ -133,8 +150,8 @@ class BatchBuilder:
         taught = F.pad(learned[:, 1:], (0, 1))
         taught_rows = state_rows[taught]
         parts = [tokens.flatten(), lengths, prompt_lens, learned.flatten().long()]
-        tokens_d, lengths_d, prompt_lens_d, learned_d = _to_device(torch.cat(parts), device).split(
-            [len(p) for p in parts])
+        tokens_d, lengths_d, prompt_lens_d, learned_d = host_to_device_async(torch.cat(parts), device).split(
+            [p.numel() for p in parts])
         flat = states.layers if self.uses_aux_layers else states.final
         target_states = _gather(flat, state_rows.flatten(), device).view(b, t, -1)
         batch = ConversationBatch(tokens_d.view(b, t), lengths_d, prompt_lens_d, target_states,
@@ -147,15 +164,8 @@ class BatchBuilder:
         return TrainingBatch(batch, teacher_logits.float().softmax(-1), host, teacher_index)
 
 
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`, without waiting for the device's queued work."""
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
-
-
 def _gather(rows: torch.Tensor, index: torch.Tensor, device: torch.device) -> torch.Tensor:
     """rows[index] on `device` (rows on the device, or a store in host memory)."""
     if rows.device.type == "cpu" and device.type == "cuda":
-        return _to_device(rows.index_select(0, index), device)
-    return rows.index_select(0, _to_device(index, rows.device))
+        return host_to_device_async(rows.index_select(0, index), device)
+    return rows.index_select(0, host_to_device_async(index, rows.device))

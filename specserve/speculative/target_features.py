@@ -17,13 +17,15 @@ stored whole or not at all, each of its training steps ran the target too (an es
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specserve.attention.base import ForwardBatch, ForwardMode
 from specserve.attention.registry import create_attention_backend
-from specserve.kv.pool import KVPool
+from specserve.kv.pool import KVPool, host_to_device_async
 from specserve.model.hidden_capture import HiddenCapture
 from specserve.model.llama import DecoderLM
 
@@ -69,16 +71,21 @@ class TargetFeatureExtractor:
             raise ValueError(f"a batch of {len(sequences)} sequences, {total} tokens, the longest {max(lengths)}, "
                              f"exceeds the extractor's max_sequences={max_sequences} / max_tokens={self.max_tokens} "
                              f"/ max_sequence_len={max_len}")
-        device = self.device
-        as_long = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
-        positions = torch.cat([torch.arange(length) for length in lengths]).to(device)
+        device, lengths_host = self.device, torch.tensor(lengths)
+        input_ids = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(sequences), dtype=np.int64, count=total))
+        starts = lengths_host.cumsum(0) - lengths_host
+        positions = torch.arange(total) - starts.repeat_interleave(lengths_host)
+        # one copy that does not wait for the device: the batch's integer inputs side by side
+        parts = [input_ids, positions, torch.zeros_like(lengths_host), lengths_host, torch.tensor([total - 1])]
+        input_ids, positions, prefix_lens, extend_lens, logits_indices = host_to_device_async(
+            torch.cat(parts), device).split([len(part) for part in parts])
         return ForwardBatch(
-            mode=ForwardMode.EXTEND, input_ids=as_long([t for ids in sequences for t in ids]), positions=positions,
+            mode=ForwardMode.EXTEND, input_ids=input_ids, positions=positions,
             out_slots=torch.arange(1, total + 1, device=device), req_rows=torch.arange(len(sequences), device=device),
-            prefix_lens=as_long([0] * len(sequences)), extend_lens=as_long(lengths),
+            prefix_lens=prefix_lens, extend_lens=extend_lens,
             prefix_lens_host=[0] * len(sequences), extend_lens_host=lengths, kv_pool=self.pool,
             # the logits are not needed: ask for one row, the cheapest valid request
-            logits_indices=as_long([total - 1]), hidden_capture=capture)
+            logits_indices=logits_indices, hidden_capture=capture)
 
 
 # the store stays on the GPU while it takes at most this share of the memory free for it:
