@@ -144,8 +144,11 @@ class EagleTrainer:
                                device_token_budget(builder.extractor))
         self.store = StateStore(builder.extractor, [c.tokens for c in conversations], stored) if stored else None
         self.step, self.elapsed = 0, 0.0
-        # where a step's time goes: the host (building the batch, launching its kernels) and
-        # the wait for the device at its end (the device's share of the step)
+        # where a step's time goes: until its launches end (building the batch, launching its
+        # kernels) and the wait for the device at its end. Not a host/device split: once the
+        # driver's launch queue is full (on the order of a thousand kernels; a step launches
+        # ~1,200), each launch waits for the device, so a device-bound step shows much of its
+        # device time in the first part
         self.host_seconds, self.wait_seconds, self.timed_steps = 0.0, 0.0, 0
         self.history: list[float] = []   # loss per optimizer step
         self.scores: list[tuple[int, float]] = []   # (step, held-out score) of each evaluation
