@@ -232,7 +232,8 @@ def _report_step_split(trainer: EagleTrainer, device: torch.device) -> None:
         retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
         memory = f"; allocator retries: {retries}, peak {torch.cuda.max_memory_allocated(device) / 2 ** 30:.1f} GiB"
     # launches block once the device's queue is full: a short wait does not prove the step host-bound
-    print(f"per training step: {1e3 * trainer.host_seconds / steps:.0f} ms on the host (batch, launches), "
+    print(f"per training step: {1e3 * trainer.host_seconds / steps:.0f} ms building and launching (a launch "
+          f"waits while the device's queue is full: not host work alone), "
           f"{1e3 * trainer.wait_seconds / steps:.0f} ms waiting for the device{memory}", flush=True)
 
 
