@@ -5,7 +5,10 @@ conversations a batch, 100-2000 tokens each, some of them multi-turn fixed text)
 
 Per optimizer step it reports:
 - the process CPU time of a step, and cProfile's split of it into Python code (self time of
-  Python functions) and torch's C functions (ops: on a GPU, their dispatch and launch);
+  Python functions, which holds the ops written as operators, `a * b` or `x[rows]`, and so
+  some arithmetic on a CPU) and torch's C functions (ops: on a GPU, their dispatch and launch);
+- the host part of building a batch (from the stored states, with its draft targets), timed
+  with the teacher cut to 4 draft tokens so that little device arithmetic is left in it;
 - the ops a step issues, from a TorchDispatchMode below autograd (the forward, backward and
   optimizer as the dispatcher runs them, views left out): "device ops" read or write a
   tensor that lives on the training device on a GPU (the weights, the target's states and
