@@ -170,7 +170,7 @@ def count_ops(trainer: EagleTrainer, steps: int) -> dict:
 def _device_tensors(trainer: EagleTrainer) -> WeakTensorKeyDictionary:
     """The tensors a GPU run keeps on the device: the head's, the target's, the stored states."""
     device_tensors = WeakTensorKeyDictionary()
-    stored = [] if trainer.store is None else [trainer.store.final, trainer.store.layers]
+    stored = [] if trainer.store is None else trainer.store.tensors()
     for tensor in [*trainer.head.parameters(), *trainer.head.buffers(), trainer.builder.draft_lm_head,
                    *trainer.builder.extractor.model.parameters(), *stored]:
         if tensor is not None:
@@ -209,6 +209,7 @@ def time_batch_building(trainer: EagleTrainer, count: int) -> dict:
     the device ops' arithmetic (the states' gather) is small beside it; and the host ops a batch."""
     full = trainer.builder
     builder = BatchBuilder(full.extractor, full.draft_lm_head[:4], full.uses_aux_layers)
+    trainer.store.fill(full.extractor, [c.tokens for c in trainer.conversations], trainer.plan[:count])
 
     def build_all() -> float:
         started = time.perf_counter()

@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> None:
                              autocast_dtype=torch.bfloat16 if on_gpu else None)
     started, started_cpu = time.perf_counter(), time.process_time()
     trainer = EagleTrainer(head, builder, conversations, settings)
+    if ns.states == "auto" and hasattr(trainer.store, "fill"):   # a store that keeps batches as they first train
+        trainer.store.fill(extractor, [c.tokens for c in conversations], trainer.plan)   # as many as fit, up front
     setup_s, setup_cpu_s = time.perf_counter() - started, time.process_time() - started_cpu
     if ns.states == "per-batch":
         trainer.store = None

@@ -83,6 +83,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument("--init-from", default=None,
                        help="a saved head (heads/TARGET, or an --output-dir) to go on training: its sizes and draft "
                             "vocabulary, a fresh optimizer")
+    train.add_argument("--state-dtype", default="auto", choices=("auto", "bfloat16", "float8"),
+                       help="how the target's states of the batches are kept between epochs (float8: e4m3, a scale "
+                            "per token and layer, half of bf16's bytes); auto: the model's dtype where every batch's "
+                            "fit the device, float8 where not")
+    train.add_argument("--state-memory-share", type=float, default=None,
+                       help="share of the device memory free at the start of training for the kept states "
+                            "(default 0.4: state_store.DEVICE_SHARE); the batches beyond it are computed each time")
     train.add_argument("--checkpoint-every", type=int, default=200, help="optimizer steps; 0: at the end only")
     train.add_argument("--resume", action="store_true", help="continue from the checkpoint in --output-dir")
     train.add_argument("--seed", type=int, default=0)
@@ -94,6 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--generation-share must lie in (0, 1), got {args.generation_share}")
     if args.init_from and args.resume:
         p.error("--init-from starts a new run from a saved head; --resume continues the run in --output-dir: give one")
+    if args.state_memory_share is not None and not 0 < args.state_memory_share <= 1:
+        p.error(f"--state-memory-share must lie in (0, 1], got {args.state_memory_share}")
     if args.intermediate_size is not None and args.intermediate_size <= 0:
         p.error(f"--intermediate-size must be positive, got {args.intermediate_size}")
     return args

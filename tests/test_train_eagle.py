@@ -20,7 +20,8 @@ from specserve.speculative.eagle_data import generate_conversations
 from specserve.speculative.eagle_eval import accept_length, replay_decoding
 from specserve.speculative.eagle_trainer import (EagleTrainer, SoftCrossEntropy, TrainSettings, build_head,
                                                   target_lm_head)
-from specserve.speculative.target_features import StateStore, TargetFeatureExtractor
+from specserve.speculative.state_store import StateStore
+from specserve.speculative.target_features import TargetFeatureExtractor
 from tests.spec_fixtures import make_tiny_directory, tiny_engine
 
 VOCAB = 16
@@ -222,13 +223,14 @@ def test_state_store_keeps_what_the_target_computes(tiny_target):
     model, train, _ = tiny_target
     _, builder = make_builder(model, train)
     lengths = [len(c.tokens) for c in train]
-    store = StateStore(builder.extractor, [c.tokens for c in train], plan_batches(lengths, 128, seed=0))
-    assert store.device.type == "cpu" and store.final.shape[0] == sum(lengths) and store.covers(range(len(train)))
+    store = StateStore(builder.extractor, sum(lengths), torch.float32)
+    store.fill(builder.extractor, [c.tokens for c in train], plan_batches(lengths, 128, seed=0))
+    assert store.device.type == "cpu" and store.used == sum(lengths) and store.covers(range(len(train)))
     for index in (0, 7, len(train) - 1):
         alone = builder.extractor([train[index].tokens])
-        rows = slice(store.starts[index], store.starts[index] + lengths[index])
-        torch.testing.assert_close(store.layers[rows], alone.layers)
-        torch.testing.assert_close(store.final[rows], alone.final)
+        rows = torch.arange(store.starts[index], store.starts[index] + lengths[index])
+        torch.testing.assert_close(store.layers.gather(rows), alone.layers)
+        torch.testing.assert_close(store.final.gather(rows), alone.final)
     group = plan_batches(lengths, 256, seed=1)[0]
     live, stored = builder([train[i] for i in group]), builder.from_store(store, group, [train[i] for i in group])
     torch.testing.assert_close(stored.conversations.target_states, live.conversations.target_states)
@@ -332,19 +334,21 @@ def test_an_unset_batch_size_halves_where_the_gpu_has_less_free():
 
 
 def test_batches_the_store_lacks_compute_their_states_and_train_alike(tiny_target, monkeypatch):
-    """A store of the batches that fit (half the tokens here): the others' states are
-    computed as they train, and the losses are those of a run that stored every batch."""
-    from specserve.speculative import eagle_trainer
+    """A store with room for half the tokens: the batches it keeps are those first computed
+    while it had room, the others' states are computed each time they train, and the losses
+    are those of a run that kept every batch."""
+    from specserve.speculative import state_store
     model, train, _ = tiny_target
+    total = sum(len(c.tokens) for c in train)
     whole, _ = make_trainer(model, train, epochs=2)
-    assert whole.store.covers(range(len(train)))
     whole.train()
-    monkeypatch.setattr(eagle_trainer, "device_token_budget", lambda extractor: sum(len(c.tokens) for c in train) // 2)
-    part, _ = make_trainer(model, train, epochs=2)
-    stored = [group for group in part.plan if part.store.covers(group)]
-    assert 0 < len(stored) < len(part.plan)
-    assert part.store.final.shape[0] <= sum(len(c.tokens) for c in train) // 2
+    assert whole.store.covers(range(len(train))) and whole.target_forwards == len(whole.plan) // 2
+    monkeypatch.setattr(state_store, "device_token_budget", lambda extractor, dtype, share: total // 2)
+    part, _ = make_trainer(model, train, epochs=2, state_dtype=torch.float32)   # as the model's: losses alike
     part.train()
+    kept = [group for group in part.plan[:len(part.plan) // 2] if part.store.covers(group)]
+    assert 0 < len(kept) < len(part.plan) // 2 and part.store.used <= total // 2
+    assert part.target_forwards == len(part.plan) - len(kept)
     torch.testing.assert_close(torch.tensor(part.history), torch.tensor(whole.history))
 
 

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from specserve.kv.pool import host_to_device_async
 from specserve.speculative.eagle_data import Conversation
 from specserve.speculative.eagle_ttt import ConversationBatch
-from specserve.speculative.target_features import StateStore, TargetFeatureExtractor, TargetStates
+from specserve.speculative.state_store import StateStore, StoredRows
+from specserve.speculative.target_features import TargetFeatureExtractor
 
 
 @dataclass
@@ -121,20 +122,28 @@ class BatchBuilder:
         vocabulary; None builds batches without a teacher (evaluation)."""
         self.extractor, self.draft_lm_head, self.uses_aux_layers = extractor, draft_lm_head, uses_aux_layers
 
-    def __call__(self, conversations: list[Conversation]) -> TrainingBatch:
-        """A batch whose states the target computes now."""
+    def __call__(self, conversations: list[Conversation], keep_in: StateStore | None = None,
+                 indices: list[int] | None = None) -> TrainingBatch:
+        """A batch whose states the target computes now; kept in `keep_in` as its sequences
+        `indices` (those of `conversations`) where it has room."""
         states = self.extractor([c.tokens for c in conversations])
+        lengths = [len(c.tokens) for c in conversations]
+        if keep_in is not None:
+            keep_in.keep(indices, lengths, states)
         starts = [0]
-        for conversation in conversations[:-1]:
-            starts.append(starts[-1] + len(conversation.tokens))
-        return self._build(conversations, states, starts)
+        for length in lengths[:-1]:
+            starts.append(starts[-1] + length)
+        return self._build(conversations, states.layers if self.uses_aux_layers else states.final, states.final, starts)
 
     def from_store(self, store: StateStore, indices: list[int], conversations: list[Conversation]) -> TrainingBatch:
         """A batch of the store's sequences `indices` (those of `conversations`)."""
-        return self._build(conversations, store.states(), [store.starts[i] for i in indices])
+        features = store.layers if self.uses_aux_layers else store.final
+        return self._build(conversations, features, store.final, [store.starts[i] for i in indices])
 
-    def _build(self, conversations: list[Conversation], states: TargetStates, starts: list[int]) -> TrainingBatch:
-        """states: rows of flat per-token states; conversation i's tokens are rows starts[i]..."""
+    def _build(self, conversations: list[Conversation], features: torch.Tensor | StoredRows,
+               final: torch.Tensor | StoredRows, starts: list[int]) -> TrainingBatch:
+        """features, final: rows of per-token states (the head's input; the final-normed
+        state); conversation i's tokens are rows starts[i]..."""
         device = self.extractor.device
         lengths = torch.tensor([len(c.tokens) for c in conversations])
         prompt_lens = torch.tensor([c.prompt_len for c in conversations])
@@ -152,20 +161,21 @@ class BatchBuilder:
         parts = [tokens.flatten(), lengths, prompt_lens, learned.flatten().long()]
         tokens_d, lengths_d, prompt_lens_d, learned_d = host_to_device_async(torch.cat(parts), device).split(
             [p.numel() for p in parts])
-        flat = states.layers if self.uses_aux_layers else states.final
-        target_states = _gather(flat, state_rows.flatten(), device).view(b, t, -1)
+        target_states = _gather(features, state_rows.flatten(), device).view(b, t, -1)
         batch = ConversationBatch(tokens_d.view(b, t), lengths_d, prompt_lens_d, target_states,
                                   learned_d.view(b, t).bool())
         if self.draft_lm_head is None:
             return TrainingBatch(batch, None, host, None)
-        teacher_logits = _gather(states.final, taught_rows, device) @ self.draft_lm_head.t()
+        teacher_logits = _gather(final, taught_rows, device) @ self.draft_lm_head.t()
         teacher_index = torch.full((b * t,), -1, dtype=torch.long)
         teacher_index[taught.flatten()] = torch.arange(len(taught_rows))
         return TrainingBatch(batch, teacher_logits.float().softmax(-1), host, teacher_index)
 
 
-def _gather(rows: torch.Tensor, index: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """rows[index] on `device` (rows on the device, or a store in host memory)."""
+def _gather(rows: torch.Tensor | StoredRows, index: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """rows[index] on `device` (rows on the device, kept ones read back, or rows in host memory)."""
+    if isinstance(rows, StoredRows):
+        return rows.gather(host_to_device_async(index, rows.device))
     if rows.device.type == "cpu" and device.type == "cuda":
         return host_to_device_async(rows.index_select(0, index), device)
     return rows.index_select(0, host_to_device_async(index, rows.device))

@@ -6,11 +6,10 @@ cross-entropy between the head's draft-vocabulary distribution and the target's,
 linear warm-up then cosine decay, where progress is the larger of steps done and time
 spent (so a --max-train-seconds budget ends on a decayed learning rate). Checkpoints are
 the head in SGLang's layout plus the optimizer state; a resumed run continues the same
-seeded batch order where it stopped. The target's states of the training conversations
-are computed once, when the trainer is made, and read back every epoch (StateStore), for
-as many whole batches as fit on the device beside training (the batches are the same
-groups every epoch, in another order); the other batches' states are computed each time
-they train.
+seeded batch order where it stopped. The target's states of a batch are computed the
+first time it trains and kept (state_store.py: the batches are the same groups every
+epoch, in another order), for as many batches as fit on the device beside training; the
+other batches' states are computed each time they train.
 
 With an `evaluate` callable (the held-out accept length) the trainer scores the head every
 `eval_every` steps and at the end, and keeps the best head it saw: a head that starts to
@@ -36,7 +35,7 @@ from specserve.speculative.eagle_config import EagleHeadConfig
 from specserve.speculative.eagle_data import Conversation
 from specserve.speculative.eagle_head import EagleHead
 from specserve.speculative.eagle_ttt import unroll
-from specserve.speculative.target_features import StateStore, device_token_budget, groups_within
+from specserve.speculative.state_store import DEVICE_SHARE, make_state_store
 
 TRAINER_STATE_FILE = "trainer_state.pt"
 
@@ -57,6 +56,8 @@ class TrainSettings:
     eval_every: int = 0                 # optimizer steps between held-out scores (keep the best); 0: never
     seed: int = 0
     autocast_dtype: torch.dtype | None = None  # bfloat16 on a GPU: the head's weights stay fp32
+    state_dtype: torch.dtype | None = None     # of the kept target states; None: the model's where all fit, else float8
+    state_memory_share: float = DEVICE_SHARE   # of the device memory free at the start, for the kept states
 
 
 def build_head(target: DecoderLM, algorithm: str, draft_vocab: torch.Tensor, max_positions: int,
@@ -139,11 +140,11 @@ class EagleTrainer:
         lengths = [len(c.tokens) for c in conversations]
         self.plan = [group for epoch in range(settings.epochs)
                      for group in plan_batches(lengths, settings.batch_tokens, settings.seed + epoch)]
-        # the target's states, once for every epoch, of the batches that fit (a batch fits the extractor)
-        stored = groups_within(plan_batches(lengths, settings.batch_tokens, settings.seed), lengths,
-                               device_token_budget(builder.extractor))
-        self.store = StateStore(builder.extractor, [c.tokens for c in conversations], stored) if stored else None
+        # the target's states of each batch as first computed, while they fit
+        self.store = make_state_store(builder.extractor, sum(lengths), settings.state_dtype,
+                                      settings.state_memory_share)
         self.step, self.elapsed = 0, 0.0
+        self.target_forwards = 0   # batches whose states the target computed (not read from the store)
         # where a step's time goes: until its launches end (building the batch, launching its
         # kernels) and the wait for the device at its end. Not a host/device split: once the
         # driver's launch queue is full (on the order of a thousand kernels; a step launches
@@ -202,8 +203,11 @@ class EagleTrainer:
         for param_group in self.optimizer.param_groups:
             param_group["lr"] = self.learning_rate()
         conversations = [self.conversations[i] for i in group]
-        batch = (self.builder.from_store(self.store, group, conversations)
-                 if self.store is not None and self.store.covers(group) else self.builder(conversations))
+        if self.store is not None and self.store.covers(group):
+            batch = self.builder.from_store(self.store, group, conversations)
+        else:
+            batch = self.builder(conversations, keep_in=self.store, indices=group)
+            self.target_forwards += 1
         device_type = batch.conversations.tokens.device.type
         with torch.autocast(device_type, dtype=settings.autocast_dtype, enabled=settings.autocast_dtype is not None):
             loss, accuracies = ttt_loss(self.head, batch, settings.ttt_steps, settings.step_weight)

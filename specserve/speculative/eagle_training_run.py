@@ -27,6 +27,8 @@ from specserve.speculative.eagle_head import EagleHead
 from specserve.speculative.eagle_prep import PreparedText, TextPreparation, TextSettings
 from specserve.speculative.eagle_trainer import EagleTrainer, TrainSettings, build_head, kept_head, target_lm_head
 from specserve.speculative.eagle_ttt import ConversationBatch
+from specserve.speculative.fp8_rows import FP8
+from specserve.speculative.state_store import DEVICE_SHARE
 from specserve.speculative.target_features import TargetFeatureExtractor
 
 DATA_FILE = "conversations.json"
@@ -46,6 +48,7 @@ LARGE_BATCH_FREE = 100 * 2 ** 30
 # was every run's rate before). Other batch sizes scale it by the square root of their size.
 GPU_LR, GPU_LR_BATCH_TOKENS = 1e-3, 32768
 CPU_LR = 5e-4
+STATE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float8": FP8}   # --state-dtype
 
 
 def train_head(args: argparse.Namespace, started: float, device_defaults: dict[str, dict]) -> None:
@@ -150,23 +153,15 @@ def _train(args: argparse.Namespace, device: torch.device, target, train_data: l
     before = score(head)
     score_seconds = time.perf_counter() - scoring_started
     if args.time_budget:
-        _seconds_left(args, started, score_seconds)   # spent already: stop before keeping the states
+        _seconds_left(args, started, score_seconds)   # spent already: stop before making the store
     settings = _settings(args, device, args.max_train_seconds)
     builder = BatchBuilder(extractor, target_lm_head(target)[head.draft_vocab()], bool(head.config.aux_layers))
-    states_started = time.perf_counter()
     trainer = EagleTrainer(head, builder, train_data, settings, args.output_dir,
                            evaluate=score if args.eval_every else None)
-    if trainer.store is not None:
-        print(f"target states: {trainer.store.final.shape[0]} of {sum(len(c.tokens) for c in train_data)} tokens "
-              f"in {time.perf_counter() - states_started:.1f} s ({trainer.store.nbytes / 2 ** 30:.2f} GiB, kept on "
-              f"{trainer.store.device.type}; the other batches' computed as they train)", flush=True)
-    else:
-        print("target states: computed for each batch (not one batch's fit on the device)", flush=True)
+    _report_state_store(trainer, "room")
     train_seconds = args.max_train_seconds
     if args.time_budget:
-        # what is left once the states are kept, as they took: priced beforehand at the held-out
-        # prefill's (cold) rate, 4.6M tokens of an H200 1.5B run cost 131 s where they took 23 s,
-        # and training got 25 s of 140
+        # what is left now: the states are kept as the batches first train, inside training's seconds
         train_seconds = _seconds_left(args, started, score_seconds)
         trainer.settings = dataclasses.replace(trainer.settings, max_seconds=train_seconds)
     if args.resume and trainer.resume():
@@ -185,6 +180,7 @@ def _train(args: argparse.Namespace, device: torch.device, target, train_data: l
     print(f"trained {trainer.step} steps in {time.perf_counter() - train_started:.1f} s "
           f"(final loss {trainer.history[-1] if trainer.history else float('nan'):.3f}); head saved to {args.output_dir}")
     _report_step_split(trainer, device)
+    _report_state_store(trainer, "kept")
     if trainer.scores:
         best_step, best = trainer.best_score
         print("held-out accept length by step: " + " ".join(f"{step}:{value:.3f}" for step, value in trainer.scores)
@@ -222,6 +218,24 @@ def default_lr(device: torch.device, batch_tokens: int) -> float:
     if device.type != "cuda":
         return CPU_LR
     return GPU_LR * math.sqrt(batch_tokens / GPU_LR_BATCH_TOKENS)
+
+
+def _report_state_store(trainer: EagleTrainer, when: str) -> None:
+    """when "room": what the store can keep (before training); "kept": what it keeps and how
+    many batches the target computed."""
+    store, total = trainer.store, sum(len(c.tokens) for c in trainer.conversations)
+    if store is None:
+        print("target states: computed for each batch (not one batch's fit on the device)", flush=True)
+        return
+    dtype = "float8 e4m3" if store.dtype == FP8 else str(store.dtype).removeprefix("torch.")
+    if when == "room":
+        print(f"target states: room for {min(store.capacity, total)} of {total} tokens as {dtype} "
+              f"({store.nbytes / 2 ** 30:.2f} GiB on {store.device.type}), kept as the batches are first computed",
+              flush=True)
+        return
+    print(f"target states: {store.used} of {total} tokens kept as {dtype} ({store.nbytes / 2 ** 30:.2f} GiB on "
+          f"{store.device.type}); {trainer.target_forwards} batches' states computed by the target in this run, "
+          f"the others' read back", flush=True)
 
 
 def _report_step_split(trainer: EagleTrainer, device: torch.device) -> None:
@@ -269,7 +283,9 @@ def _settings(args: argparse.Namespace, device: torch.device, max_seconds: float
     return TrainSettings(ttt_steps=args.ttt_steps, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
                          max_seconds=max_seconds, checkpoint_every=args.checkpoint_every, seed=args.seed,
                          weight_decay=args.weight_decay, eval_every=args.eval_every,
-                         autocast_dtype=torch.bfloat16 if on_gpu else None)
+                         autocast_dtype=torch.bfloat16 if on_gpu else None,
+                         state_dtype=STATE_DTYPES[args.state_dtype],
+                         state_memory_share=args.state_memory_share or DEVICE_SHARE)
 
 
 def _seconds_left(args: argparse.Namespace, started: float, still_to_spend: float) -> float:

@@ -7,13 +7,8 @@ the distribution the head learns to match). One EXTEND forward of our own decode
 them for a batch of sequences; its K/V go to a scratch pool that the next batch overwrites.
 
 A head trains over the same conversations for many epochs, and the target's forward costs
-about as much as the head's whole training step (1.5B target, 8k tokens: ~21 TFLOP, the
-head's 7-step step ~25): `StateStore` computes the states once and keeps them on the
-device, as many whole batches of them as fit beside training (~12 KB a token for a 1.5B's
-EAGLE-3 head); the other batches' states are computed each time they train (a host copy
-would need as much host memory, pinned). On an H200 the 1.5B's 6.8M tokens took 82 GB:
-stored whole or not at all, each of its training steps ran the target too (an estimated
-~40% of a 32k-token step's kernel time: 100 TFLOP of the target's forward).
+about as much as the head's whole training step: state_store.py keeps the states of the
+batches computed here, so that each is computed once.
 """
 from __future__ import annotations
 
@@ -86,79 +81,3 @@ class TargetFeatureExtractor:
             prefix_lens_host=[0] * len(sequences), extend_lens_host=lengths, kv_pool=self.pool,
             # the logits are not needed: ask for one row, the cheapest valid request
             logits_indices=logits_indices, hidden_capture=capture)
-
-
-# the store stays on the GPU while it takes at most this share of the memory free for it:
-# the rest is for training (a 7-step 1.5B head's 32k-token steps peaked at 70.1 GiB on an
-# H200, 134 GiB free: a store of half would have left too little)
-DEVICE_SHARE = 0.4
-
-
-class StateStore:
-    """The target's states of every token of some of a list of sequences, computed once."""
-
-    def __init__(self, extractor: TargetFeatureExtractor, sequences: list[list[int]], groups: list[list[int]]):
-        """groups: the sequence indices of each extractor call (each index at most once),
-        each group within the extractor's limits (a training batch's is): the sequences stored."""
-        config = extractor.model.config
-        self.starts: dict[int, int] = {}     # sequence index -> its first row
-        total = 0
-        for index in (i for group in groups for i in group):
-            self.starts[index] = total
-            total += len(sequences[index])
-        dtype, feature_size = extractor.model.embed_tokens.weight.dtype, len(extractor.aux_layers) * config.hidden_size
-        self.device = extractor.device
-        new = lambda size: torch.empty((total, size), dtype=dtype, device=self.device)  # noqa: E731
-        self.final = new(config.hidden_size)
-        self.layers = new(feature_size) if extractor.aux_layers else None
-        for group in groups:   # the groups' sequences are stored in order: one run of rows a group
-            states = extractor([sequences[i] for i in group])
-            first = self.starts[group[0]]
-            rows = slice(first, first + states.final.shape[0])
-            self.final[rows] = states.final.to(self.device)
-            if self.layers is not None:
-                self.layers[rows] = states.layers.to(self.device)
-
-    def covers(self, indices: list[int]) -> bool:
-        """Whether the states of all these sequences are stored."""
-        return all(i in self.starts for i in indices)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.final, self.layers) if t is not None)
-
-    def states(self) -> TargetStates:
-        """The stored sequences' states, concatenated (sequence i from starts[i])."""
-        return TargetStates(self.layers, self.final)
-
-
-def state_bytes(extractor: TargetFeatureExtractor, num_tokens: int) -> int:
-    """What a StateStore of num_tokens tokens takes."""
-    config = extractor.model.config
-    feature_size = len(extractor.aux_layers) * config.hidden_size
-    return num_tokens * (feature_size + config.hidden_size) * extractor.model.embed_tokens.weight.dtype.itemsize
-
-
-def device_token_budget(extractor: TargetFeatureExtractor) -> int | None:
-    """Tokens whose states fit DEVICE_SHARE of the GPU memory free for them (None on a CPU:
-    no bound, the states are a small part of what a CPU run holds)."""
-    device = extractor.device
-    if device.type != "cuda":
-        return None
-    free, _ = torch.cuda.mem_get_info(device)
-    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # PyTorch's cache is free to it
-    return int(DEVICE_SHARE * free) // state_bytes(extractor, 1)
-
-
-def groups_within(groups: list[list[int]], lengths: list[int], budget: int | None) -> list[list[int]]:
-    """The leading groups whose tokens add up to at most `budget` (None: all of them)."""
-    if budget is None:
-        return list(groups)
-    kept, used = [], 0
-    for group in groups:
-        tokens = sum(lengths[i] for i in group)
-        if used + tokens > budget:
-            break
-        kept.append(group)
-        used += tokens
-    return kept
