@@ -12,6 +12,7 @@ import torch
 
 from lab.policy_sim import SCENARIOS, simulate
 from specserve.engine.draft_planner import DraftPlanner
+from specserve.speculative.drafter import ProposalHints
 from specserve.speculative.adaptive.costs import RECHECK_GAP, StepCosts
 from specserve.speculative.adaptive.modes import GUARD_WINDOW
 from specserve.speculative.adaptive.policy import (
@@ -617,8 +618,9 @@ def test_adaptive_engine_equals_plain_and_switches_draft_sizes(smol):
 def test_a_drafter_behind_on_its_indexing_puts_the_probe_off():
     asked = []
     adaptive = SimpleNamespace(probe_due=lambda batch_size, every, most: asked.append(batch_size) or True)
-    planner = SimpleNamespace(adaptive=adaptive, drafter=SimpleNamespace(ready_to_probe=lambda: False, probe_every=1,
-                                                                        probe_every_at_most=None))
+    drafter = ProposalHints()   # a drafter whose background work is far behind
+    drafter.ready_to_probe, drafter.probe_every, drafter.probe_every_at_most = (lambda: False), 1, None
+    planner = SimpleNamespace(adaptive=adaptive, drafter=drafter)
     assert not DraftPlanner.probe_due(planner, ["a", "b"])
     assert asked == []   # the probe counters did not move: the first step the drafter is ready for probes
     planner.drafter.ready_to_probe = lambda: True

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any, Protocol
 
 from specserve.engine.commit import DeferredText
 from specserve.engine.committer import Committer
 from specserve.engine.draft_ahead import DraftAhead
 from specserve.engine.draft_planner import DraftPlanner
 from specserve.engine.drafting_step import DraftingStep
-from specserve.engine.overlap import OverlapSchedule
+from specserve.engine.overlap import OverlapSchedule, StepAhead
 from specserve.engine.plain_step import PlainStep
 from specserve.engine.prefill_step import PrefillStep
 from specserve.engine.scheduler import Scheduler
@@ -36,6 +37,19 @@ from specserve.speculative.drafter import Drafter
 logger = logging.getLogger(__name__)
 
 __all__ = ["EngineCore", "StepOutput"]
+
+
+class StepPipeline(Protocol):
+    """One kind of step (engine/*_step.py)."""
+
+    def launch(self, batch: Batch, started: float) -> Any:
+        """The drafts and the forward, or the step launched ahead for the batch."""
+
+    def read(self, launched: Any) -> Any:
+        """The verification: what each request commits (the step's one wait for the device)."""
+
+    def commit(self, launched: Any, outcome: Any) -> list[StepOutput]:
+        """KV, tokens, the drafter and the policy; where it can, the next step launched first."""
 
 
 class PartAttribute:
@@ -107,39 +121,48 @@ class EngineCore:
         return self.scheduler.has_work()
 
     def step(self) -> list[StepOutput]:
-        """One step. A drafting step launched ahead for a batch that is no longer next (a
-        request arrived) is read and committed first; a plain step launched ahead that a
-        prefill comes after is read after it (`kept`)."""
-        batch = self.drafting.ahead_of_another_batch()
-        kept = None
+        """One step: schedule -> (draft) -> forward -> verify -> commit, by the pipeline of its kind."""
+        batch, kept = self._schedule()
         if batch is None:
-            batch = self.scheduler.schedule()
-            kept = self.plain.keep_through(batch)
-            if batch is None or batch.is_extend:
-                self.ahead.drop()
-            if batch is None:
-                self.ahead.settle()   # a prefill runs it after its launch, a decode step where its pipeline says
-                self.text.run()
-                return []
+            return self._idle()
         self.last_batch_reqs = batch.reqs if kept is None else batch.reqs + kept.reqs
         try:
             outputs = self._run(batch)
         except BaseException:
             self.plain.release(kept)
             raise
-        if kept is not None:
+        if kept is not None:   # the plain step launched ahead of this prefill, read after it
             outputs = self.plain.commit_kept(kept) + outputs
         self.stats.maybe_log(self.scheduler)
         return outputs
 
+    def _schedule(self) -> tuple[Batch | None, StepAhead | None]:
+        """The step's batch: that of the drafting step launched ahead where the scheduler's
+        next batch is another (a request arrived: that step is read and committed first),
+        else the scheduler's; and the plain step launched ahead that a prefill keeps (its
+        tokens still count, read after the prefill). Other steps ahead go before a prefill."""
+        retiring = self.drafting.ahead_of_another_batch()
+        if retiring is not None:
+            return retiring, None
+        batch = self.scheduler.schedule()
+        kept = self.plain.keep_through(batch)
+        if batch is None or batch.is_extend:
+            self.ahead.drop()
+        return batch, kept
+
     def _run(self, batch: Batch) -> list[StepOutput]:
         started = time.perf_counter()   # a decode step's price counts from here
         pipeline = self.pipeline_for(batch)
-        launched = pipeline.launch(batch, started)     # (draft) + forward, or the step launched ahead
-        outcome = pipeline.read(launched)              # verify: the step's wait for the device
-        return pipeline.commit(launched, outcome)      # KV, tokens, drafter, policy (the next launch first)
+        launched = pipeline.launch(batch, started)     # draft + forward (or the step launched ahead)
+        outcome = pipeline.read(launched)              # verify: the step's one wait for the device
+        return pipeline.commit(launched, outcome)      # commit (the next step launched before the rest)
 
-    def pipeline_for(self, batch: Batch):
+    def _idle(self) -> list[StepOutput]:
+        self.ahead.settle()   # a prefill runs it after its launch, a decode step where its pipeline says
+        self.text.run()
+        return []
+
+    def pipeline_for(self, batch: Batch) -> StepPipeline:
         """The pipeline of the batch's kind of step (profilers hook here to learn it)."""
         reqs = batch.reqs
         if batch.is_extend:

@@ -26,7 +26,7 @@ greedy requests (their commit needs the argmax alone).
 A fused chain's step goes further (`ChainedStep`; under the adaptive policy while the
 batch's bucket drafts, the policy's choice for it made once the step before is committed):
 its next drafts come out of the step itself, on the device, so step N+1 is queued before
-N is read (Drafter.launch_chained: its root, drafts and prefix lengths derived from N's
+N is read (ChainedSteps.launch_chained: its root, drafts and prefix lengths derived from N's
 outcome on the device, its KV slots allocated by the host beforehand), and the read,
 commit, proposal bookkeeping and launch all run while the GPU computes N+1, as on the
 plain overlap schedule. Once N is committed the drafter takes N+1's head rows for the requests
@@ -54,7 +54,7 @@ from specserve.engine.scheduler import Scheduler
 from specserve.request.req import Req, same_requests
 from specserve.runner.model_runner import InFlight, ModelRunner
 from specserve.runner.tree_step import GreedyOutcome, pad_node_slots
-from specserve.speculative.drafter import Drafter
+from specserve.speculative.drafter import ChainedSteps, Drafter, FusedSteps
 from specserve.verify.tree import TreeProposal
 
 
@@ -94,14 +94,14 @@ class DraftStep:
 
 @dataclass
 class ChainedStep:
-    """A fused step queued before the host read the step before it (Drafter.launch_chained):
+    """A fused step queued before the host read the step before it (ChainedSteps.launch_chained):
     its slots are nobody's until that step is committed and this one is held."""
     reqs: list[Req]
     launched: InFlight
     node_slots: np.ndarray     # (bs, n) the target's KV slots
     reserved: np.ndarray       # (bs, r) the drafter's own (its head's rows)
 
-    def held(self, drafter: Drafter, live: list[int], started: float) -> DraftStep:
+    def held(self, drafter: ChainedSteps, live: list[int], started: float) -> DraftStep:
         """The step for the requests at rows `live` (those the step before did not end), the
         drafter holding their reserved rows; the other rows are cut when it is read.
         started: where its cost counts from (the step before's pricing, as for any step
@@ -113,7 +113,7 @@ class ChainedStep:
                          node_slots.ravel().tolist(), self.launched, None, started,
                          functools.partial(drafter.read_fused, reqs), None if len(live) == len(self.reqs) else live)
 
-    def free(self, scheduler: Scheduler, drafter: Drafter, rows: list[int]) -> None:
+    def free(self, scheduler: Scheduler, drafter: ChainedSteps, rows: list[int]) -> None:
         """Frees these rows' slots (the step may still write them: whoever gets them next
         writes after it, in stream order)."""
         scheduler.free_slots(self.node_slots[rows].ravel().tolist())
@@ -153,7 +153,7 @@ def launch_draft_step(runner: ModelRunner, drafter: Drafter, reqs: list[Req], pr
     drafter's fused step (verification and the next drafts), where it serves the batch."""
     n = proposal.num_slots
     node_slots = pad_node_slots(slots, proposal.num_nodes, n)
-    fused = drafter.launch_fused(reqs, proposal, slots)
+    fused = drafter.launch_fused(reqs, proposal, slots) if isinstance(drafter, FusedSteps) else None
     if fused is not None:
         return DraftStep(reqs, proposal.num_nodes, node_slots, slots, fused, None, started,
                          functools.partial(drafter.read_fused, reqs))

@@ -17,7 +17,7 @@ from specserve.engine.step_output import StepOutput
 from specserve.request.req import Req
 from specserve.sampling.sampler import Sampler
 from specserve.speculative.adaptive.policy import AdaptiveDraftLength
-from specserve.speculative.drafter import Drafter
+from specserve.speculative.drafter import Drafter, hints
 from specserve.verify.tree import TreeProposal
 
 
@@ -56,7 +56,7 @@ class DraftPlanner:
         drafting mode."""
         adaptive = self.adaptive
         draft = self.drafter is not None and (adaptive is None or adaptive.should_draft(len(reqs)))
-        if draft and adaptive is not None and (not self.drafter.ready_to_draft() or plain_step_ahead):
+        if draft and adaptive is not None and (not hints(self.drafter).ready_to_draft() or plain_step_ahead):
             return False
         return draft
 
@@ -76,7 +76,7 @@ class DraftPlanner:
         proposal, num_nodes = self.drafter.propose(reqs, limits if limits is not None else self.limits(reqs))
         if self.adaptive is None:
             return proposal, num_nodes, None
-        shadows = Shadows([r.rid for r in reqs], proposal, num_nodes, self.drafter.proposal_keys())
+        shadows = Shadows([r.rid for r in reqs], proposal, num_nodes, hints(self.drafter).proposal_keys())
         nodes = self.adaptive.choose_nodes(shadows.rids, num_nodes, shadows.keys)
         return proposal.cut(nodes), nodes, shadows
 
@@ -87,8 +87,8 @@ class DraftPlanner:
         the next step). Returns its shadows."""
         if self.adaptive is None:
             return None
-        proposal, num_nodes = self.drafter.chained_proposal(reqs)
-        shadows = Shadows([r.rid for r in reqs], proposal, num_nodes, self.drafter.proposal_keys())
+        proposal, num_nodes = self.drafter.chained_proposal(reqs)   # a ChainedSteps drafter's
+        shadows = Shadows([r.rid for r in reqs], proposal, num_nodes, hints(self.drafter).proposal_keys())
         self.adaptive.choose(shadows.rids, num_nodes, shadows.keys)
         return shadows
 
@@ -103,7 +103,8 @@ class DraftPlanner:
         each one not launched ahead left the GPU idle while the host worked (H200, 0.5B,
         ShareGPT second turns at 32: the first 20 steps of a run, 1.55-1.77 ms each against
         ~1.2 launched ahead, while 32 new prompts were indexed)."""
-        return not (self.adaptive is not None and self.adaptive.would_draft(batch_size) and self.drafter.ready_to_draft())
+        adaptive = self.adaptive
+        return not (adaptive is not None and adaptive.would_draft(batch_size) and hints(self.drafter).ready_to_draft())
 
     # --- after a step ---
     def admit(self) -> None:
@@ -149,7 +150,7 @@ class DraftPlanner:
         probes' measured host time; at least every `drafter.probe_every`-th for a model
         drafter, whose proposals cost draft forwards, and at most `drafter.probe_every_at_most`);
         put off while the drafter's background bookkeeping is far behind (the probe would wait for it)."""
-        return (self.adaptive is not None and self.drafter.ready_to_probe()
+        return (self.adaptive is not None and hints(self.drafter).ready_to_probe()
                 and self.adaptive.probe_due(len(reqs), self.drafter.probe_every, self.drafter.probe_every_at_most))
 
     def rare_probe(self, reqs: list[Req], probing: bool) -> bool:
@@ -169,7 +170,7 @@ class DraftPlanner:
         sample = self._probe_sample(reqs)
         if sample:
             proposal, num_nodes = self.drafter.propose(sample, self.limits(sample))
-            rids, keys = [r.rid for r in sample], self.drafter.proposal_keys()
+            rids, keys = [r.rid for r in sample], hints(self.drafter).proposal_keys()
             self.adaptive.record_proposals(rids, proposal, num_nodes, keys)
             self.adaptive.probe(len(reqs), rids, num_nodes, keys)
         self.adaptive.record_probe(len(reqs), time.perf_counter() - start)
@@ -184,7 +185,7 @@ class DraftPlanner:
         window = self.adaptive.probe_requests(len(reqs))   # at most the batch: no request twice
         if len(window) < len(reqs):
             live = [r for r in reqs if not r.finished]
-            order = self.drafter.probe_order(live)
+            order = hints(self.drafter).probe_order(live)
             if order is not None:
                 return [live[i] for i in order[:len(window)]]
         return [reqs[i % len(reqs)] for i in window if not reqs[i % len(reqs)].finished]

@@ -27,6 +27,7 @@ from specserve.engine.verify_step import drafts_with_slots
 from specserve.request.req import Batch, Req
 from specserve.runner.model_runner import ModelRunner
 from specserve.sampling.sampler import Sampler
+from specserve.speculative.drafter import ChainedSteps, ReadsHiddenStates
 
 
 @dataclass
@@ -86,7 +87,7 @@ class DraftingStep:
         launched.chained = self._launch_chained(reqs, step)
         try:
             outcome = step.read()
-            if outcome.hidden is not None:   # the states of the accepted nodes
+            if outcome.hidden is not None and isinstance(self.planner.drafter, ReadsHiddenStates):   # the accepted nodes'
                 self.planner.drafter.observe_hidden(reqs, [r.kv_len for r in reqs],
                                             outcome.hidden.reshape(len(reqs) * step.num_slots, -1),
                                             outcome.hidden_rows(step.num_slots))
@@ -163,16 +164,17 @@ class DraftingStep:
         commit, proposal and launch run while the GPU computes it, as a plain step's do on
         the overlap schedule. Under the adaptive policy, while the batch's bucket drafts: its
         choice for the step is made once this one is committed (_hold_chained)."""
-        if step.read_fused is None or not self._drafts_next(reqs):
+        drafter = self.planner.drafter
+        if step.read_fused is None or not self._drafts_next(reqs) or not isinstance(drafter, ChainedSteps):
             return None
-        n = self.planner.drafter.chain_nodes(reqs, step.launched)
+        n = drafter.chain_nodes(reqs, step.launched)
         # its slots and one per request to spare: the scheduler preempts nobody while it is ahead
         if n == 0 or self.scheduler.available_slots() < len(reqs) * (n + 1):
             return None
         slots = self.scheduler.alloc_slots(len(reqs) * n)
         node_slots = np.asarray(slots, dtype=np.int64).reshape(len(reqs), n)
         try:
-            chained = self.planner.drafter.launch_chained(reqs, node_slots)
+            chained = drafter.launch_chained(reqs, node_slots)
         except BaseException:
             self.scheduler.free_slots(slots)
             raise

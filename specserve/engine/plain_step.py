@@ -24,6 +24,7 @@ from specserve.engine.steps_ahead import StepsAhead
 from specserve.request.req import Batch, Req
 from specserve.runner.model_runner import ModelRunner
 from specserve.sampling.sampler import SampledStep
+from specserve.speculative.drafter import ReadsHiddenStates
 
 
 @dataclass
@@ -141,7 +142,7 @@ class PlainStep:
         """A plain step's tokens, read: its KV slots (in the table already: the step wrote
         them), its hidden states to the drafter (a head's, fed when it drafts again), its commit."""
         reqs = step.reqs
-        if step.hidden is not None and self.planner.drafter is not None:
+        if step.hidden is not None and isinstance(self.planner.drafter, ReadsHiddenStates):
             # the runner copied them out of the decode graph (launch_greedy_decode): no second copy
             self.planner.drafter.observe_hidden(reqs, [r.kv_len for r in reqs], step.hidden, step.hidden_rows(), owned=True)
         self.scheduler.append_kv(reqs, [[slot] for slot in step.slots], write_table=False)

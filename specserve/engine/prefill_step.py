@@ -17,6 +17,7 @@ from specserve.engine.steps_ahead import StepsAhead
 from specserve.request.req import Batch, Req
 from specserve.runner.model_runner import ModelRunner
 from specserve.sampling.sampler import Sampler, SampledStep
+from specserve.speculative.drafter import ReadsHiddenStates
 from specserve.verify.tree import DraftTrees
 
 
@@ -56,7 +57,7 @@ class PrefillStep:
         drafter; the first token of each request whose prompt ends here is sampled."""
         batch = step.batch
         self.scheduler.append_kv(batch.reqs, split(step.slots, batch.extend_lens))
-        if step.capture is not None and self.planner.drafter is not None:   # every token's state, request after request
+        if step.capture is not None and isinstance(self.planner.drafter, ReadsHiddenStates):   # every token's state, request after request
             self.planner.drafter.observe_hidden(batch.reqs, step.starts, step.capture.features(), split(
                 list(range(sum(batch.extend_lens))), batch.extend_lens))
         sampling = [req for req, samples in zip(batch.reqs, batch.samples) if samples]

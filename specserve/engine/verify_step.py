@@ -25,6 +25,7 @@ from specserve.runner.model_runner import InFlight, ModelRunner
 from specserve.runner.tree_step import GreedyOutcome, pad_node_slots
 from specserve.sampling.sampler import Sampler, SampledStep
 from specserve.speculative.adaptive.draft_cuts import fit_to_free_slots
+from specserve.speculative.drafter import FusedSteps, ReadsHiddenStates
 from specserve.verify.tree import TreeProposal
 
 
@@ -92,8 +93,9 @@ class VerifyStep:
 
     def _forward(self, step: LaunchedVerify) -> None:
         reqs, proposal = step.reqs, step.proposal
-        if self.drafts:   # a plain step's never fuses: its next step may be plain too
-            step.fused = self.planner.drafter.verify_fused(reqs, proposal, step.slots, self.sampler, self.text.run)
+        drafter = self.planner.drafter
+        if self.drafts and isinstance(drafter, FusedSteps):   # a plain step's never fuses: its next step may be plain too
+            step.fused = drafter.verify_fused(reqs, proposal, step.slots, self.sampler, self.text.run)
             if step.fused is not None:   # the text ran while the GPU computed the step
                 return
         greedy = proposal.num_slots > 1 and self.sampler.argmax_is_enough(reqs)
@@ -130,7 +132,7 @@ class VerifyStep:
         """The accepted nodes' states to the drafter, the KV and the tokens committed and
         shown; under the adaptive policy the probe and the step's price."""
         reqs, proposal = step.reqs, step.proposal
-        if outcome.hidden is not None and self.planner.drafter is not None:   # the states of the accepted nodes
+        if outcome.hidden is not None and isinstance(self.planner.drafter, ReadsHiddenStates):   # the states of the accepted nodes
             self.planner.drafter.observe_hidden(reqs, [r.kv_len for r in reqs],
                                         outcome.hidden.reshape(len(reqs) * proposal.num_slots, -1),
                                         outcome.hidden_rows(proposal.num_slots))

@@ -1,9 +1,16 @@
-"""The Drafter protocol every speculative algorithm implements (registry.py creates them by name).
+"""The Drafter protocol every speculative algorithm implements (registry.py creates them by
+name), and the optional capabilities a drafter may add, which the engine's step pipelines
+check for (engine/draft_planner.py, engine/*_step.py).
 
 A drafter proposes one draft tree per request (node 0 = the request's last token), is
 shown every committed token (a model drafter learns there which of its drafts were
 accepted, and keeps their draft KV), and forgets a request when it ends. Drafts sampled
 from a distribution come with it (TreeProposal.draft_probs) for residual rejection.
+
+Capabilities: `ProposalHints` (what the adaptive policy may ask about the proposals and the
+drafter's background work), `ReadsHiddenStates` (the target's hidden states, for a head that
+drafts from them), `FusedSteps` (the drafter runs the verify step itself, its next drafts
+with it) and `ChainedSteps` (a fused step queued before the host read the step before it).
 """
 from __future__ import annotations
 
@@ -49,18 +56,6 @@ class Drafter:
         host. Returns the padded trees and each tree's real node count."""
         raise NotImplementedError
 
-    def probe_order(self, reqs: list["Req"]) -> list[int] | None:
-        """Indices of `reqs`, cheapest to propose for first, where that cost depends on the
-        request (a model drafter first feeds what plain steps committed since its last
-        proposal); None where every request costs alike (the policy's probes then rotate
-        through the batch)."""
-        return None
-
-    def proposal_keys(self) -> list[int] | None:
-        """Per request of the last `propose`: an evidence class that predicts how much of
-        the draft will be accepted (for the adaptive draft length), or None."""
-        return None
-
     def observe(self, req: "Req", committed: list[int]) -> None:
         """Tokens the request just committed."""
 
@@ -70,78 +65,10 @@ class Drafter:
         for req, tokens in zip(reqs, committed):
             self.observe(req, tokens)
 
-    def observe_hidden(self, reqs: list["Req"], starts: list[int], states: "torch.Tensor",
-                       rows: list[list[int]], owned: bool = False) -> None:
-        """The target's hidden states (when the runner keeps them: see ModelRunner's
-        hidden_capture) of the tokens a step put in the KV cache: request i's tokens at
-        positions starts[i], starts[i] + 1, ... have states[rows[i]]. owned: `states` is the
-        caller's own copy, which nothing overwrites (else a graph's output, valid until its
-        next replay)."""
-
-    def verify_fused(self, reqs: list["Req"], proposal: TreeProposal, slots: list[int], sampler: "Sampler",
-                     while_running: "Callable[[], None] | None" = None) -> "SampledStep | None":
-        """A drafter whose next drafts come out of the verify step itself (NAIVE_EAGLE, MTP:
-        the target's forward, verification and the head's next draft in one device function)
-        runs the step: returns what each request commits, the accepted nodes' KV slots
-        written into the target's table. slots: the nodes' KV slots, request after request.
-        None: the engine verifies this batch itself (every other drafter, and batches the
-        fused step does not serve). while_running: host work to do between the launch and
-        the outcome's read (the engine's deferred detokenizing)."""
-        return None
-
-    def launch_fused(self, reqs: list["Req"], proposal: TreeProposal, slots: list[int],
-                     kind: str = "greedy") -> "InFlight | None":
-        """verify_fused's launch, without a host sync: the step's packed outcome on its way
-        to the host, for read_fused; None where the engine verifies the batch itself.
-        kind: the verification (model_drafters/fused_chain.KINDS)."""
-        return None
-
-    def chain_nodes(self, reqs: list["Req"], launched: "InFlight") -> int:
-        """Nodes per request of the greedy step launch_chained can queue right after the
-        step `launched` (launch_fused's, not read yet) for the same requests; 0: none can
-        (engine/draft_ahead.py: a fused chain's next step needs nothing the host reads)."""
-        return 0
-
-    def launch_chained(self, reqs: list["Req"], node_slots: "np.ndarray") -> "tuple[InFlight, np.ndarray] | None":
-        """Queues that step, its drafts and positions derived on the device from the step
-        before, its nodes in node_slots (bs, chain_nodes) of the target's cache. Returns it
-        and the slots it reserved in the drafter's own cache (adopt_chained's, once the step
-        before is committed; free_chained's if it is dropped), or None if they do not fit."""
-        return None
-
-    def chained_proposal(self, reqs: list["Req"]) -> tuple[TreeProposal, list[int]]:
-        """What the step launch_chained queued verifies for these requests, on the host once
-        the step before was read (what the adaptive policy's shadows walk)."""
-        raise NotImplementedError
-
-    def adopt_chained(self, reqs: list["Req"], reserved: "np.ndarray") -> None:
-        """The step launch_chained queued goes on for these requests (those the step before
-        did not end), after the step before was read and committed: its reserved slots
-        (their rows of launch_chained's) become theirs."""
-
-    def free_chained(self, reserved: "np.ndarray") -> None:
-        """Returns reserved slots of a chained step (rows dropped) to the drafter's cache."""
-
-    def read_fused(self, reqs: list["Req"], outcome: "torch.Tensor") -> "GreedyOutcome":
-        """What each request commits in the step launch_fused queued (its outcome on the
-        host), with the drafter's own bookkeeping of the next drafts."""
-        raise NotImplementedError
-
     def flush(self) -> None:
         """Deferred bookkeeping (e.g. indexing observed tokens), started in the background
         or done at once. The engine calls it right after launching a forward; on plain steps
         of the adaptive policy only before a probe."""
-
-    def ready_to_probe(self) -> bool:
-        """Whether a probe's proposals would start at once: False while the background
-        bookkeeping handed over earlier (e.g. indexing a batch of new prompts) is far
-        behind, which a proposal would wait for while the GPU idles."""
-        return True
-
-    def ready_to_draft(self) -> bool:
-        """Whether a drafting step's proposals would start soon enough to be worth the wait
-        (a looser bound than a probe's: a probe can be put off, drafting cannot)."""
-        return True
 
     def release(self, req: "Req") -> None:
         """The request finished or was aborted."""
@@ -158,3 +85,109 @@ class Drafter:
         warm-up's). A drafter whose state is per request only may return itself."""
         return self
 
+
+class ProposalHints:
+    """What the adaptive policy may ask a drafter (a drafter without this answers as here)."""
+
+    def probe_order(self, reqs: list["Req"]) -> list[int] | None:
+        """Indices of `reqs`, cheapest to propose for first, where that cost depends on the
+        request (a model drafter first feeds what plain steps committed since its last
+        proposal); None where every request costs alike (the policy's probes then rotate
+        through the batch)."""
+        return None
+
+    def proposal_keys(self) -> list[int] | None:
+        """Per request of the last `propose`: an evidence class that predicts how much of
+        the draft will be accepted (for the adaptive draft length), or None."""
+        return None
+
+    def ready_to_probe(self) -> bool:
+        """Whether a probe's proposals would start at once: False while the background
+        bookkeeping handed over earlier (e.g. indexing a batch of new prompts) is far
+        behind, which a proposal would wait for while the GPU idles."""
+        return True
+
+    def ready_to_draft(self) -> bool:
+        """Whether a drafting step's proposals would start soon enough to be worth the wait
+        (a looser bound than a probe's: a probe can be put off, drafting cannot)."""
+        return True
+
+
+NO_HINTS = ProposalHints()
+
+
+def hints(drafter: Drafter) -> ProposalHints:
+    """The drafter's answers to the policy's questions, or the defaults."""
+    return drafter if isinstance(drafter, ProposalHints) else NO_HINTS
+
+
+class ReadsHiddenStates:
+    """A drafter that drafts from the target's hidden states (an EAGLE head, an MTP layer)."""
+
+    def observe_hidden(self, reqs: list["Req"], starts: list[int], states: "torch.Tensor",
+                       rows: list[list[int]], owned: bool = False) -> None:
+        """The target's hidden states (when the runner keeps them: see ModelRunner's
+        hidden_capture) of the tokens a step put in the KV cache: request i's tokens at
+        positions starts[i], starts[i] + 1, ... have states[rows[i]]. owned: `states` is the
+        caller's own copy, which nothing overwrites (else a graph's output, valid until its
+        next replay)."""
+        raise NotImplementedError
+
+
+class FusedSteps:
+    """A drafter whose next drafts come out of the verify step itself (NAIVE_EAGLE, MTP,
+    EAGLE chains: the target's forward, verification and the head's next draft in one
+    device function)."""
+
+    def verify_fused(self, reqs: list["Req"], proposal: TreeProposal, slots: list[int], sampler: "Sampler",
+                     while_running: "Callable[[], None] | None" = None) -> "SampledStep | None":
+        """Runs the step: returns what each request commits, the accepted nodes' KV slots
+        written into the target's table. slots: the nodes' KV slots, request after request.
+        None: the engine verifies this batch itself (batches the fused step does not serve).
+        while_running: host work to do between the launch and the outcome's read (the
+        engine's deferred detokenizing)."""
+        raise NotImplementedError
+
+    def launch_fused(self, reqs: list["Req"], proposal: TreeProposal, slots: list[int],
+                     kind: str = "greedy") -> "InFlight | None":
+        """verify_fused's launch, without a host sync: the step's packed outcome on its way
+        to the host, for read_fused; None where the engine verifies the batch itself.
+        kind: the verification (runner/fused_chain.KINDS)."""
+        raise NotImplementedError
+
+    def read_fused(self, reqs: list["Req"], outcome: "torch.Tensor") -> "GreedyOutcome":
+        """What each request commits in the step launch_fused queued (its outcome on the
+        host), with the drafter's own bookkeeping of the next drafts."""
+        raise NotImplementedError
+
+
+class ChainedSteps(FusedSteps):
+    """A fused drafter whose next greedy step can be queued before the host reads the step
+    before it (engine/draft_ahead.py: its inputs come from that step's outcome on the device)."""
+
+    def chain_nodes(self, reqs: list["Req"], launched: "InFlight") -> int:
+        """Nodes per request of the greedy step launch_chained can queue right after the
+        step `launched` (launch_fused's, not read yet) for the same requests; 0: none can."""
+        raise NotImplementedError
+
+    def launch_chained(self, reqs: list["Req"], node_slots: "np.ndarray") -> "tuple[InFlight, np.ndarray] | None":
+        """Queues that step, its drafts and positions derived on the device from the step
+        before, its nodes in node_slots (bs, chain_nodes) of the target's cache. Returns it
+        and the slots it reserved in the drafter's own cache (adopt_chained's, once the step
+        before is committed; free_chained's if it is dropped), or None if they do not fit."""
+        raise NotImplementedError
+
+    def chained_proposal(self, reqs: list["Req"]) -> tuple[TreeProposal, list[int]]:
+        """What the step launch_chained queued verifies for these requests, on the host once
+        the step before was read (what the adaptive policy's shadows walk)."""
+        raise NotImplementedError
+
+    def adopt_chained(self, reqs: list["Req"], reserved: "np.ndarray") -> None:
+        """The step launch_chained queued goes on for these requests (those the step before
+        did not end), after the step before was read and committed: its reserved slots
+        (their rows of launch_chained's) become theirs."""
+        raise NotImplementedError
+
+    def free_chained(self, reserved: "np.ndarray") -> None:
+        """Returns reserved slots of a chained step (rows dropped) to the drafter's cache."""
+        raise NotImplementedError

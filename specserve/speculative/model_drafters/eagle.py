@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specserve.kv.pool import host_to_device_async
-from specserve.speculative.drafter import Drafter
+from specserve.speculative.drafter import Drafter, ProposalHints, ReadsHiddenStates
 from specserve.speculative.model_drafters.draft_chain import ChainRow
 from specserve.speculative.model_drafters.draft_kv import DraftKVTable
 from specserve.speculative.model_drafters.held_states import HeldTargetStates
@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 HELD_STATES_BYTES = 256 << 20
 
 
-class EagleDrafter(Drafter):
+class EagleDrafter(Drafter, ProposalHints, ReadsHiddenStates):
     probe_every = 16   # a probe costs the head's forwards and a host sync
     # H200, 1.5B at batch 1: a probe step took 5.4 ms against 1.25 ms; probing every 32nd plain
     # step cost ~10% where the head is not worth drafting (new requests are still probed at once)

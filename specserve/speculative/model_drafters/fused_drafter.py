@@ -41,6 +41,7 @@ import torch
 
 from specserve.runner.tree_step import GreedyOutcome
 from specserve.sampling.sampler import SampledStep
+from specserve.speculative.drafter import ChainedSteps
 from specserve.speculative.model_drafters.eagle import EagleDrafter
 from specserve.speculative.model_drafters.eagle_runner import reserved_head_rows
 from specserve.speculative.model_drafters.model_proposals import chain_proposal, draft_temperature
@@ -54,7 +55,7 @@ if TYPE_CHECKING:
     from specserve.speculative.model_drafters.fused_chain import FusedChainRunner
 
 
-class FusedChainDrafter(EagleDrafter):
+class FusedChainDrafter(EagleDrafter, ChainedSteps):
     """EAGLE's chain drafter whose verify steps it runs itself (verify_fused, or launch_fused
     and read_fused on the engine's greedy path, which launches the next step before the
     bookkeeping it does not need: engine/draft_ahead.py)."""

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specserve.speculative.drafter import Drafter
+from specserve.speculative.drafter import Drafter, ProposalHints
 from specserve.speculative.model_drafters.draft_chain import ChainRow
 from specserve.speculative.model_drafters.draft_kv import DraftKVTable
 from specserve.speculative.model_drafters.model_proposals import chain_proposal, draft_temperature
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from specserve.speculative.model_drafters.draft_runner import DraftModelRunner
 
 
-class StandaloneDrafter(Drafter):
+class StandaloneDrafter(Drafter, ProposalHints):
     probe_every = 16   # a probe costs a catch-up and a chain of draft forwards for its requests
     probe_every_at_most = 128   # as EagleDrafter's: a probe costs several plain steps
 

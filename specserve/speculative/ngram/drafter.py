@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from specserve.speculative.drafter import Drafter
+from specserve.speculative.drafter import Drafter, ProposalHints
 from specserve.speculative.ngram.trie import NgramConfig, NgramTrie
 from specserve.speculative.ngram.writer import TrieWriter
 from specserve.verify.tree import TreeProposal
@@ -76,7 +76,7 @@ DRAFT_BACKLOG_TOKENS = 512
 INLINE_WRITE_TOKENS = 32   # a flush of at most this many tokens is indexed on the caller's thread (batch 1-2 drafting)
 
 
-class NgramDrafter(Drafter):
+class NgramDrafter(Drafter, ProposalHints):
     proposes_ahead = True   # a proposal reads the trie as of the last flush and the committed tokens
 
     def __init__(self, config: NgramConfig, one_branch: bool, background: bool | None = None):
