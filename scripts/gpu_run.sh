@@ -221,14 +221,17 @@ fi
 if [ "$mode" = head-train ]; then
   # a head of the kept sizes (MLP 2048 wide, 16384 draft tokens: small enough to keep, heads/README.md) trained
   # into /root/head-train-SIZE for HEAD_BUDGET_S (540); HEAD_RESUME=1 goes on with that run (a later call on the
-  # same warm machine), HEAD_INIT=heads/MODEL starts from the kept head
+  # same warm machine), HEAD_INIT=heads/MODEL starts from the kept head. The target states of every batch kept
+  # after its first epoch: 0.6 of the ~133 GiB free holds 13M tokens' as float8 (76 GiB); this head's training
+  # took ~29 GiB beyond its store
   model=${HEAD_MODEL:-qwen2.5-coder-1.5b-instruct}; start=()
   [ -n "${HEAD_RESUME:-}" ] && start=(--resume); [ -n "${HEAD_INIT:-}" ] && start=(--init-from "$HEAD_INIT")
   python3 -m specserve.train_eagle --model-path "/root/models/$model.gguf" --output-dir "$(head_dir "$model" head-train)" \
     --dataset-path .gpu/sharegpt_train.json --exclude-dataset-path .gpu/sharegpt_bench.json \
     --time-budget "${HEAD_BUDGET_S:-540}" --generation-share "${HEAD_GENERATION_SHARE:-0.5}" --max-running-requests 512 \
     --text-chats 600 --epochs 12 --intermediate-size 2048 --draft-vocab-size 16384 --eval-draft-steps 3 \
-    --checkpoint-every 0 "${start[@]}" 2>&1 | grep -v '%|' | tee -a /root/head-train.log | tail -30
+    --state-memory-share "${HEAD_STATE_SHARE:-0.6}" --checkpoint-every 0 "${start[@]}" 2>&1 | grep -v '%|' \
+    | tee -a /root/head-train.log | tail -30
 fi
 if [ "$mode" = head-keep ]; then
   # head-train's head as it is kept (float8 rows) into $OUT/kept in 15-MiB pieces (a call returns 16 MiB a file),
