@@ -62,9 +62,9 @@ def compare(reference: list[list[int]], candidate: list[list[int]]) -> dict:
 def write_random_eagle_head(model_path: str, directory: str, algorithm: str = "EAGLE3") -> None:
     """An untrained head shaped for the target (it borrows the target's embedding)."""
     from specserve.model.loader import read_model_config
-    from specserve.speculative.eagle_checkpoint import save_head
-    from specserve.speculative.eagle_config import EagleHeadConfig
-    from specserve.speculative.eagle_head import EagleHead
+    from specserve.speculative.heads.eagle_checkpoint import save_head
+    from specserve.speculative.heads.eagle_config import EagleHeadConfig
+    from specserve.speculative.heads.eagle_head import EagleHead
     save_head(EagleHead(EagleHeadConfig.for_target(read_model_config(model_path), algorithm)), directory)
 
 

@@ -17,11 +17,11 @@ import time
 import torch
 
 from specserve.runner.model_runner import resolve_device, resolve_dtype
-from specserve.speculative.eagle_batches import BatchBuilder, plan_batches
-from specserve.speculative.eagle_chats import reply_text_conversations, training_chats, turn_prompts
-from specserve.speculative.eagle_data import Conversation, generate_conversations
-from specserve.speculative.eagle_trainer import target_lm_head
-from specserve.speculative.target_features import TargetFeatureExtractor
+from specserve.training.eagle_batches import BatchBuilder, plan_batches
+from specserve.training.eagle_chats import reply_text_conversations, training_chats, turn_prompts
+from specserve.training.eagle_data import Conversation, generate_conversations
+from specserve.training.eagle_trainer import target_lm_head
+from specserve.training.target_features import TargetFeatureExtractor
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

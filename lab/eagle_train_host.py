@@ -42,11 +42,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from specserve.speculative import eagle_batches, target_features
-from specserve.speculative.eagle_batches import BatchBuilder
-from specserve.speculative.eagle_data import Conversation
-from specserve.speculative.eagle_trainer import EagleTrainer, TrainSettings, build_head, target_lm_head
-from specserve.speculative.target_features import TargetFeatureExtractor
+from specserve.training import eagle_batches, target_features
+from specserve.training.eagle_batches import BatchBuilder
+from specserve.training.eagle_data import Conversation
+from specserve.training.eagle_trainer import EagleTrainer, TrainSettings, build_head, target_lm_head
+from specserve.training.target_features import TargetFeatureExtractor
 
 aten = torch.ops.aten
 TINY_TARGET = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=32, intermediate_size=64,

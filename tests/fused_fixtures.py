@@ -9,10 +9,10 @@ import torch
 
 from specserve.model.loader import load_checkpoint
 from specserve.runner.model_runner import build_model
-from specserve.speculative.eagle_checkpoint import save_head
-from specserve.speculative.eagle_trainer import build_head
-from specserve.speculative.mtp_checkpoint import save_mtp_head
-from specserve.speculative.mtp_head import MtpHead, MtpHeadConfig
+from specserve.speculative.heads.eagle_checkpoint import save_head
+from specserve.speculative.heads.mtp_checkpoint import save_mtp_head
+from specserve.speculative.heads.mtp_head import MtpHead, MtpHeadConfig
+from specserve.training.eagle_trainer import build_head
 from tests.spec_fixtures import wait_until_all_kv_is_free
 from tests.standalone_fixtures import wait_until_draft_kv_is_free
 

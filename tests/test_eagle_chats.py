@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.speculative.eagle_chats import reply_text_conversation, reply_text_conversations, turn_prompts
+from specserve.training.eagle_chats import reply_text_conversation, reply_text_conversations, turn_prompts
 
 CHAT = [
     {"role": "user", "content": "What is the capital of France?"},
@@ -76,7 +76,7 @@ def test_reply_text_spans_are_the_assistant_turns(tokenizer):
 @pytest.fixture(scope="module")
 def sharegpt_chats():
     """Real chats, of one to many turns, some longer than the prompts' 256 tokens."""
-    from specserve.speculative.eagle_chats import training_chats
+    from specserve.training.eagle_chats import training_chats
     return training_chats(None, None)[:48]
 
 
@@ -97,7 +97,7 @@ def test_reply_text_in_worker_processes_equals_the_serial_one(tokenizer, sharegp
 
 
 def test_few_chats_or_one_core_are_tokenized_serially():
-    from specserve.speculative.chat_pool import pool_workers
+    from specserve.training.chat_pool import pool_workers
     assert pool_workers(10_000, chat_seconds=0.01, cores=1) == 1
     assert pool_workers(40, chat_seconds=0.01, cores=16) == 1          # 0.4 s of work: less than a start
     assert pool_workers(600, chat_seconds=0.006, cores=2) == 1         # saves 1.8 s, starting costs 2.5 s

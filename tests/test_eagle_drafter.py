@@ -18,13 +18,13 @@ import scipy.stats
 import torch
 
 from specserve.errors import ArgumentError, NotSupportedError
-from specserve.speculative.draft_vocab import most_frequent_tokens
-from specserve.speculative.eagle_batches import BatchBuilder
-from specserve.speculative.eagle_checkpoint import save_head
-from specserve.speculative.eagle_data import generate_conversations
-from specserve.speculative.eagle_trainer import EagleTrainer, TrainSettings, build_head, target_lm_head
+from specserve.speculative.heads.eagle_checkpoint import save_head
 from specserve.speculative.model_drafters.eagle import EagleDrafter
-from specserve.speculative.target_features import TargetFeatureExtractor
+from specserve.training.draft_vocab import most_frequent_tokens
+from specserve.training.eagle_batches import BatchBuilder
+from specserve.training.eagle_data import generate_conversations
+from specserve.training.eagle_trainer import EagleTrainer, TrainSettings, build_head, target_lm_head
+from specserve.training.target_features import TargetFeatureExtractor
 from tests.spec_fixtures import (assert_draft_pool_is_free, cached_draft_rows, make_tiny_directory, tiny_engine,
                                  wait_until_all_kv_is_free)
 

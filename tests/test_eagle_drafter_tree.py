@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specserve.speculative.eagle_checkpoint import save_head
-from specserve.speculative.eagle_trainer import build_head
-from specserve.speculative.target_features import TargetFeatureExtractor
+from specserve.speculative.heads.eagle_checkpoint import save_head
+from specserve.training.eagle_trainer import build_head
+from specserve.training.target_features import TargetFeatureExtractor
 from tests.spec_fixtures import tiny_engine
 from tests.test_eagle_drafter import VOCAB, eagle_args, head_dir, target, wait_until_head_kv_is_free  # noqa: F401
 

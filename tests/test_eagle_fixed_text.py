@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.speculative.draft_vocab import most_frequent_tokens
-from specserve.speculative.eagle_batches import BatchBuilder
-from specserve.speculative.eagle_data import Conversation, generate_conversations
-from specserve.speculative.eagle_eval import accept_length
-from specserve.speculative.eagle_trainer import EagleTrainer, TrainSettings, build_head, target_lm_head
-from specserve.speculative.target_features import TargetFeatureExtractor
+from specserve.training.draft_vocab import most_frequent_tokens
+from specserve.training.eagle_batches import BatchBuilder
+from specserve.training.eagle_data import Conversation, generate_conversations
+from specserve.training.eagle_eval import accept_length
+from specserve.training.eagle_trainer import EagleTrainer, TrainSettings, build_head, target_lm_head
+from specserve.training.target_features import TargetFeatureExtractor
 from tests.spec_fixtures import make_tiny_directory, tiny_engine
 
 VOCAB = 16

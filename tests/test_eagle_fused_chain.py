@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from specserve.speculative.eagle_batches import BatchBuilder
-from specserve.speculative.eagle_eval import accepted_runs, replay_decoding
 from specserve.speculative.model_drafters.eagle_runner import reserved_head_rows
+from specserve.training.eagle_batches import BatchBuilder
+from specserve.training.eagle_eval import accepted_runs, replay_decoding
 from tests.fused_fixtures import FusedSpy, fused_args, save_random_eagle_head, wait_until_fused_state_is_free
 from tests.spec_fixtures import make_tiny_directory, tiny_engine
 from tests.test_draft_ahead import ahead_on

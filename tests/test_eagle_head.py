@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specserve.speculative.eagle_checkpoint import load_head, load_head_state, save_head
-from specserve.speculative.eagle_config import EagleHeadConfig
-from specserve.speculative.eagle_head import EagleHead
-from specserve.speculative.eagle_ttt import ConversationBatch, unroll
+from specserve.speculative.heads.eagle_checkpoint import load_head, load_head_state, save_head
+from specserve.speculative.heads.eagle_config import EagleHeadConfig
+from specserve.speculative.heads.eagle_head import EagleHead
+from specserve.training.eagle_ttt import ConversationBatch, unroll
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 50, 32, 4, 2, 8
 

@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from specserve.speculative.eagle_engine import StartupLog, engine_kwargs
-from specserve.speculative.eagle_prep import TextPreparation, TextSettings, prepare_text
+from specserve.training.eagle_engine import StartupLog, engine_kwargs
+from specserve.training.eagle_prep import TextPreparation, TextSettings, prepare_text
 
 
 def settings(**changes) -> TextSettings:

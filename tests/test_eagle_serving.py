@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specserve.speculative.eagle_serving import ServingEagleHead
+from specserve.speculative.heads.eagle_serving import ServingEagleHead
 from tests.test_eagle_head import VOCAB, causal_attention, random_head, tiny_config
 
 

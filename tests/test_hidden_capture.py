@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specserve.model.hidden_capture import HiddenCapture, eagle3_layers
-from specserve.speculative.target_features import TargetFeatureExtractor
+from specserve.training.target_features import TargetFeatureExtractor
 from tests.model_fixtures import RunnerDriver
 
 ATOL, RTOL = 2e-3, 1e-5  # fp32, 30 layers; a few residual-stream lanes are in the thousands

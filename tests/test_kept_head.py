@@ -12,8 +12,8 @@ import re
 import pytest
 import torch
 
-from specserve.speculative.eagle_checkpoint import convert_head, load_head, read_weights, save_head
-from specserve.speculative.fp8_rows import FP8, SCALE_SUFFIX, dequantize_rows, quantize_rows
+from specserve.speculative.heads.eagle_checkpoint import convert_head, load_head, read_weights, save_head
+from specserve.speculative.heads.fp8_rows import FP8, SCALE_SUFFIX, dequantize_rows, quantize_rows
 from tests.spec_fixtures import make_tiny_directory
 from tests.test_eagle_head import draft_logits, random_head, tiny_config
 

@@ -23,7 +23,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from specserve.errors import ArgumentError
-from specserve.speculative.mtp_checkpoint import read_mtp_head, save_mtp_head
+from specserve.speculative.heads.mtp_checkpoint import read_mtp_head, save_mtp_head
 from tests.fused_fixtures import FusedSpy, fused_args, save_random_mtp_head, wait_until_fused_state_is_free
 from tests.spec_fixtures import TINY, plain_greedy_outputs, save_bpe_tokenizer, tiny_engine
 

@@ -274,7 +274,7 @@ def test_an_eagle3_engine_without_a_head_is_an_error_row_before_any_install(tmp_
 def test_vllm_reads_a_view_of_the_head_with_its_layer_numbers(tiny_hf_root, tmp_path):
     """SGLang (and we) capture the output of layer id; vLLM's V1 runner captures after id
     layers: its view says id + 1 at the top level, which both of vLLM's runners read first."""
-    from specserve.speculative.eagle_checkpoint import load_head
+    from specserve.speculative.heads.eagle_checkpoint import load_head
     head = tmp_path / "head"
     save_random_eagle_head(tiny_hf_root / "tiny", head, draft_vocab=torch.arange(0, 512, 2))
     saved = json.load(open(head / "config.json"))

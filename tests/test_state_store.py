@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from lab import eagle_train_host
-from specserve.speculative import eagle_training_run, state_store
-from specserve.speculative.fp8_rows import FP8
-from specserve.speculative.state_store import StateStore, StoredRows, make_state_store, state_bytes
-from specserve.speculative.target_features import TargetFeatureExtractor
+from specserve.speculative.heads.fp8_rows import FP8
+from specserve.training import eagle_training_run, state_store
+from specserve.training.state_store import StateStore, StoredRows, make_state_store, state_bytes
+from specserve.training.target_features import TargetFeatureExtractor
 
 E4M3_MANTISSA_BITS = 3
 E4M3_SMALLEST_SUBNORMAL = 2.0 ** -9   # in units of the scale: values below 2 ** -6 have fewer mantissa bits

@@ -10,7 +10,7 @@ import pytest
 from specserve.bench import step_cost
 from specserve.bench.random_head import write_random_eagle3_head
 from specserve.bench.random_model import SHAPES
-from specserve.speculative.eagle_checkpoint import load_head
+from specserve.speculative.heads.eagle_checkpoint import load_head
 
 TINY = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=64, intermediate_size=128,
             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=4096,

@@ -21,10 +21,10 @@ from specserve.args import ServerArgs
 from specserve.build_token_map import conversation_text, count_tokens
 from specserve.build_token_map import main as build_token_map
 from specserve.errors import ArgumentError, NotSupportedError
-from specserve.speculative.eagle_checkpoint import load_head, save_head
-from specserve.speculative.eagle_trainer import build_head
+from specserve.speculative.heads.eagle_checkpoint import load_head, save_head
+from specserve.speculative.heads.token_map import hot_token_ids, read_token_map, write_token_map
 from specserve.speculative.model_drafters import fused_chain
-from specserve.speculative.token_map import hot_token_ids, read_token_map, write_token_map
+from specserve.training.eagle_trainer import build_head
 from tests.spec_fixtures import LETTERS, ProposeSpy, make_tiny_directory, plain_greedy_outputs, tiny_engine
 from tests.test_draft_ahead import ahead_on
 from tests.test_eagle_drafter import NUM_STEPS, eagle_args, head_dir, target  # noqa: F401

@@ -14,14 +14,14 @@ import time
 import pytest
 import torch
 
-from specserve.speculative.draft_vocab import most_frequent_tokens
-from specserve.speculative.eagle_batches import BatchBuilder, plan_batches
-from specserve.speculative.eagle_data import generate_conversations
-from specserve.speculative.eagle_eval import accept_length, replay_decoding
-from specserve.speculative.eagle_trainer import (EagleTrainer, SoftCrossEntropy, TrainSettings, build_head,
+from specserve.training.draft_vocab import most_frequent_tokens
+from specserve.training.eagle_batches import BatchBuilder, plan_batches
+from specserve.training.eagle_data import generate_conversations
+from specserve.training.eagle_eval import accept_length, replay_decoding
+from specserve.training.eagle_trainer import (EagleTrainer, SoftCrossEntropy, TrainSettings, build_head,
                                                   target_lm_head)
-from specserve.speculative.state_store import StateStore
-from specserve.speculative.target_features import TargetFeatureExtractor
+from specserve.training.state_store import StateStore
+from specserve.training.target_features import TargetFeatureExtractor
 from tests.spec_fixtures import make_tiny_directory, tiny_engine
 
 VOCAB = 16
@@ -130,8 +130,8 @@ def test_time_budget_counts_the_states_as_they_were_kept(tmp_path, capsys, monke
     import re
     import time
     from specserve import train_eagle
-    from specserve.speculative import eagle_training_run
-    from specserve.speculative.eagle_trainer import EagleTrainer
+    from specserve.training import eagle_training_run
+    from specserve.training.eagle_trainer import EagleTrainer
 
     class SlowStore(EagleTrainer):
         def __init__(self, *args, **kwargs):
@@ -179,7 +179,7 @@ def test_most_frequent_tokens():
 
 
 def test_benchmark_chats_are_excluded(tmp_path):
-    from specserve.speculative.eagle_chats import training_chats
+    from specserve.training.eagle_chats import training_chats
 
     def write(path, prompts):
         path.write_text(json.dumps([{"conversations": [{"from": "human", "value": p}, {"from": "gpt", "value": "ok"},
@@ -305,8 +305,8 @@ def test_generation_share_counts_from_when_generation_starts(monkeypatch, tmp_pa
     import argparse
     import types
 
-    from specserve.speculative import eagle_training_run
-    from specserve.speculative.eagle_prep import PreparedText
+    from specserve.training import eagle_training_run
+    from specserve.training.eagle_prep import PreparedText
     deadlines = []
 
     def recording_generate(*args, deadline=None, **kwargs):
@@ -327,7 +327,7 @@ def test_generation_share_counts_from_when_generation_starts(monkeypatch, tmp_pa
 
 
 def test_an_unset_batch_size_halves_where_the_gpu_has_less_free():
-    from specserve.speculative.eagle_training_run import LARGE_BATCH_FREE, batch_tokens_for_memory
+    from specserve.training.eagle_training_run import LARGE_BATCH_FREE, batch_tokens_for_memory
     assert batch_tokens_for_memory(32768, 134 * 2 ** 30) == 32768        # an H200 once the engine is gone
     assert batch_tokens_for_memory(32768, 75 * 2 ** 30) == 16384         # an 80-GB H100
     assert batch_tokens_for_memory(32768, LARGE_BATCH_FREE) == 32768
@@ -337,7 +337,7 @@ def test_batches_the_store_lacks_compute_their_states_and_train_alike(tiny_targe
     """A store with room for half the tokens: the batches it keeps are those first computed
     while it had room, the others' states are computed each time they train, and the losses
     are those of a run that kept every batch."""
-    from specserve.speculative import state_store
+    from specserve.training import state_store
     model, train, _ = tiny_target
     total = sum(len(c.tokens) for c in train)
     whole, _ = make_trainer(model, train, epochs=2)
@@ -355,7 +355,7 @@ def test_batches_the_store_lacks_compute_their_states_and_train_alike(tiny_targe
 def test_default_learning_rate_follows_the_device_and_batch():
     """1e-3 for a GPU's 32k-token batches (measured against 5e-4), the square root of the batch
     ratio for others (8k: the 5e-4 every earlier GPU run used), a CPU run's small batches 5e-4."""
-    from specserve.speculative.eagle_training_run import default_lr
+    from specserve.training.eagle_training_run import default_lr
     assert default_lr(torch.device("cuda"), 32768) == pytest.approx(1e-3)
     assert default_lr(torch.device("cuda"), 8192) == pytest.approx(5e-4)
     assert default_lr(torch.device("cuda"), 16384) == pytest.approx(1e-3 / 2 ** 0.5)
@@ -366,7 +366,7 @@ def _run_without_training_answers(tmp_path, monkeypatch, text_chats: int) -> Non
     """train_eagle's CLI on a tiny target where --time-budget ends generation before the target
     answers a training prompt (the held-out answers, generated first, took it all)."""
     from specserve import train_eagle
-    from specserve.speculative import eagle_training_run
+    from specserve.training import eagle_training_run
     real_generate = eagle_training_run.generate_conversations
 
     def held_out_only(engine, prompts, *args, deadline=None, **kwargs):
@@ -398,6 +398,6 @@ def test_a_run_with_nothing_to_train_on_is_refused(tmp_path, monkeypatch):
 
 
 def test_the_gpu_draft_vocabulary_default_is_the_heads():
-    from specserve.speculative.eagle_config import DEFAULT_DRAFT_VOCAB_SIZE
+    from specserve.speculative.heads.eagle_config import DEFAULT_DRAFT_VOCAB_SIZE
     from specserve.train_eagle import DEVICE_DEFAULTS
     assert DEVICE_DEFAULTS["cuda"]["draft_vocab_size"] == DEFAULT_DRAFT_VOCAB_SIZE

@@ -15,9 +15,9 @@ import torch
 
 from specserve.bench.random_model import SHAPES
 from specserve.model.config import ModelConfig
-from specserve.speculative.eagle_checkpoint import save_head
-from specserve.speculative.eagle_config import DEFAULT_DRAFT_VOCAB_SIZE, EagleHeadConfig
-from specserve.speculative.eagle_head import EagleHead
+from specserve.speculative.heads.eagle_checkpoint import save_head
+from specserve.speculative.heads.eagle_config import DEFAULT_DRAFT_VOCAB_SIZE, EagleHeadConfig
+from specserve.speculative.heads.eagle_head import EagleHead
 
 
 def write_random_eagle3_head(directory: str, shape: str, draft_vocab_size: int = DEFAULT_DRAFT_VOCAB_SIZE,

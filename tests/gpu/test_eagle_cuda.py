@@ -15,9 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.speculative.eagle_batches import BatchBuilder
-from specserve.speculative.eagle_eval import accepted_runs, replay_decoding
 from specserve.speculative.model_drafters import eagle
+from specserve.training.eagle_batches import BatchBuilder
+from specserve.training.eagle_eval import accepted_runs, replay_decoding
 from tests.fused_fixtures import FusedSpy, wait_until_fused_state_is_free
 from tests.gpu.test_naive_eagle_cuda import GraphKinds
 from tests.spec_fixtures import tiny_engine

@@ -11,9 +11,9 @@ from specserve.attention.base import ForwardBatch, ForwardMode
 from specserve.attention.registry import create_attention_backend
 from specserve.kv.pool import KVPool
 from specserve.model.rope import RotaryEmbedding
-from specserve.speculative.eagle_config import EagleHeadConfig
-from specserve.speculative.eagle_head import EagleHead
-from specserve.speculative.eagle_serving import ServingEagleHead
+from specserve.speculative.heads.eagle_config import EagleHeadConfig
+from specserve.speculative.heads.eagle_head import EagleHead
+from specserve.speculative.heads.eagle_serving import ServingEagleHead
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 300, 256, 4, 2, 64
 

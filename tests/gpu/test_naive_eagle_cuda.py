@@ -12,9 +12,9 @@ from collections import Counter
 import pytest
 import torch
 
-from specserve.speculative.eagle_batches import BatchBuilder
-from specserve.speculative.eagle_eval import accepted_runs, replay_decoding
 from specserve.speculative.model_drafters.fused_chain import FusedGraphs
+from specserve.training.eagle_batches import BatchBuilder
+from specserve.training.eagle_eval import accepted_runs, replay_decoding
 from tests.fused_fixtures import FusedSpy, fused_args, wait_until_fused_state_is_free
 from tests.spec_fixtures import tiny_engine
 from tests.test_eagle_drafter import head_dir, target  # noqa: F401

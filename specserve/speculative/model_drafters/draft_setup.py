@@ -30,7 +30,7 @@ from specserve.model.loader import resolve_model_path
 from specserve.model.parallel.vocab_weights import EMBEDDING, LM_HEAD, VocabularyCopies
 from specserve.runner.ranks.step_broadcast import sharded_model
 from specserve.speculative.drafter import Drafter
-from specserve.speculative.token_map import read_token_map
+from specserve.speculative.heads.token_map import read_token_map
 
 if TYPE_CHECKING:
     from specserve.runner.model_runner import ModelRunner
@@ -99,10 +99,10 @@ def prepare_fused_chain(args: ServerArgs, target: ModelConfig, device: torch.dev
     """An EAGLE head of either kind (EAGLE, EAGLE3, NAIVE_EAGLE) or an MTP layer (MTP): the head
     drafts a chain of K tokens per step (K = 1 for NAIVE_EAGLE and MTP), verified and drafted
     again in one fused step (fused_drafter.py)."""
+    from specserve.speculative.heads.mtp_checkpoint import load_mtp_head
     from specserve.speculative.model_drafters import eagle_runner
     from specserve.speculative.model_drafters.fused_chain import FusedChainRunner
     from specserve.speculative.model_drafters.fused_drafter import FusedChainDrafter
-    from specserve.speculative.mtp_checkpoint import load_mtp_head
     if args.speculative == "MTP":
         head = load_mtp_head(args.speculative_draft_model_path, target, device, dtype,
                              eagle_runner.head_context(context_length, args))
@@ -148,7 +148,7 @@ def lend_vocabulary(head, runner: "ModelRunner", copies: VocabularyCopies | None
 def borrowed_parts(head, tie_word_embeddings: bool) -> dict[str, str]:
     """What the head borrows from the target ("embedding", "lm_head") -> the target's
     vocabulary-parallel weight that holds it (vocab_weights.EMBEDDING or LM_HEAD)."""
-    from specserve.speculative.mtp_head import MtpHead
+    from specserve.speculative.heads.mtp_head import MtpHead
     if not isinstance(head, MtpHead):   # an EAGLE head: its own lm_head, perhaps the target's embedding
         return {"embedding": EMBEDDING} if head.embed_tokens is None else {}
     borrowed = {} if head.own_embedding else {"embedding": EMBEDDING}

@@ -26,16 +26,16 @@ from specserve.model.config import ModelConfig
 from specserve.model.hidden_capture import HiddenCapture
 from specserve.model.rope import RotaryEmbedding
 from specserve.runner.cuda_graph import batch_size_buckets
-from specserve.speculative.eagle_checkpoint import load_head
-from specserve.speculative.eagle_head import EagleHead
-from specserve.speculative.eagle_serving import ServingEagleHead
+from specserve.speculative.heads.eagle_checkpoint import load_head
+from specserve.speculative.heads.eagle_head import EagleHead
+from specserve.speculative.heads.eagle_serving import ServingEagleHead
+from specserve.speculative.heads.mtp_head import MtpChainModel, MtpHead
+from specserve.speculative.heads.token_map import apply_token_map
 from specserve.speculative.model_drafters.catch_up_batch import catch_up_batch
 from specserve.speculative.model_drafters.chain_graphs import ChainGraphs
 from specserve.speculative.model_drafters.draft_chain import ChainInputs, ChainRow, run_chain
 from specserve.speculative.model_drafters.draft_runner import chain_context, drafter_backend
 from specserve.speculative.model_drafters.draft_tree import run_tree
-from specserve.speculative.mtp_head import MtpChainModel, MtpHead
-from specserve.speculative.token_map import apply_token_map
 
 logger = logging.getLogger("specserve")
 

@@ -19,9 +19,9 @@ import os
 import torch
 from torch import nn
 
-from specserve.speculative.eagle_config import EagleHeadConfig
-from specserve.speculative.eagle_head import EagleHead
-from specserve.speculative.fp8_rows import dequantize_rows, quantize_rows
+from specserve.speculative.heads.eagle_config import EagleHeadConfig
+from specserve.speculative.heads.eagle_head import EagleHead
+from specserve.speculative.heads.fp8_rows import dequantize_rows, quantize_rows
 
 WEIGHT_FORMAT_KEY = "weight_format"
 FP8_ROWS_FORMAT = "float8_e4m3 rows"

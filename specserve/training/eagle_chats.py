@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from specserve.speculative.chat_pool import pool_workers, run_in_chunks
-from specserve.speculative.eagle_data import Conversation
+from specserve.training.chat_pool import pool_workers, run_in_chunks
+from specserve.training.eagle_data import Conversation
 
 Messages = list[dict]
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.speculative.eagle_head import EagleHead
-from specserve.speculative.eagle_ttt import ConversationBatch, unroll
+from specserve.speculative.heads.eagle_head import EagleHead
+from specserve.training.eagle_ttt import ConversationBatch, unroll
 
 
 @dataclass

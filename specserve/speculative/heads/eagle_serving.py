@@ -22,7 +22,7 @@ from torch import nn
 
 from specserve.attention.base import AttentionBackend, ForwardBatch
 from specserve.model.layers import GatedMLP, RMSNorm, fused, gemv_ops, linear, takes_one_row_kernels
-from specserve.speculative.eagle_head import EagleDecoderLayer, EagleHead, TrainableRMSNorm
+from specserve.speculative.heads.eagle_head import EagleDecoderLayer, EagleHead, TrainableRMSNorm
 
 
 def _serving_norm(norm: TrainableRMSNorm) -> RMSNorm:

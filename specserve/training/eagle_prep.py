@@ -24,9 +24,9 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from specserve.speculative.chat_pool import available_cores
-from specserve.speculative.eagle_chats import Messages, reply_text_conversations, training_chats, turn_prompts
-from specserve.speculative.eagle_data import Conversation
+from specserve.training.chat_pool import available_cores
+from specserve.training.eagle_chats import Messages, reply_text_conversations, training_chats, turn_prompts
+from specserve.training.eagle_data import Conversation
 
 # cores a background preparation leaves to the process loading the engine (its weights and
 # kernel compiles run on one core at a time)

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from specserve.speculative.fp8_rows import FP8, dequantize_matrix, quantize_matrix
-from specserve.speculative.target_features import TargetFeatureExtractor, TargetStates
+from specserve.speculative.heads.fp8_rows import FP8, dequantize_matrix, quantize_matrix
+from specserve.training.target_features import TargetFeatureExtractor, TargetStates
 
 # the store takes at most this share of the device memory free when training starts: the
 # rest is for training (a 7-step 1.5B head of MLP 8960 and 32k draft tokens peaked at 70.1

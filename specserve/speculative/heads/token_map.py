@@ -33,7 +33,7 @@ import torch
 from specserve.errors import ArgumentError, one_line
 
 if TYPE_CHECKING:
-    from specserve.speculative.eagle_head import EagleHead
+    from specserve.speculative.heads.eagle_head import EagleHead
 
 logger = logging.getLogger("specserve")
 FIELD = "speculative_token_map"

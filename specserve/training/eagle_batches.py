@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 
 from specserve.kv.pool import host_to_device_async
-from specserve.speculative.eagle_data import Conversation
-from specserve.speculative.eagle_ttt import ConversationBatch
-from specserve.speculative.state_store import StateStore, StoredRows
-from specserve.speculative.target_features import TargetFeatureExtractor
+from specserve.training.eagle_data import Conversation
+from specserve.training.eagle_ttt import ConversationBatch
+from specserve.training.state_store import StateStore, StoredRows
+from specserve.training.target_features import TargetFeatureExtractor
 
 
 @dataclass

@@ -28,7 +28,7 @@ from torch import nn
 
 from specserve.model.layers import RMSNorm, rms_norm
 from specserve.model.rope import RotaryEmbedding
-from specserve.speculative.eagle_config import EagleHeadConfig
+from specserve.speculative.heads.eagle_config import EagleHeadConfig
 
 # (q (N, heads, head_dim), k (N, kv_heads, head_dim), v) -> (N, heads, head_dim)
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

@@ -28,7 +28,7 @@ import torch
 from specserve.errors import ArgumentError
 from specserve.model.config import ModelConfig
 from specserve.model.llama import _fused_target   # HF name -> (fused parameter, row offset), the target's loader's
-from specserve.speculative.mtp_head import MtpHead, MtpHeadConfig
+from specserve.speculative.heads.mtp_head import MtpHead, MtpHeadConfig
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from specserve.speculative.eagle_head import EagleHead
+from specserve.speculative.heads.eagle_head import EagleHead
 
 # every batch has a shape of its own: cuDNN's attention builds an execution plan per new
 # shape on the host (forward and backward), the flash and memory-efficient kernels do not

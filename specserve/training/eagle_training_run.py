@@ -16,20 +16,20 @@ import time
 import torch
 
 from specserve.runner.model_runner import resolve_device, resolve_dtype
-from specserve.speculative.draft_vocab import most_frequent_tokens
-from specserve.speculative.eagle_batches import BatchBuilder, plan_batches
-from specserve.speculative.eagle_checkpoint import save_head
-from specserve.speculative.eagle_data import (Conversation, generate_conversations, load_conversations,
+from specserve.speculative.heads.eagle_checkpoint import save_head
+from specserve.speculative.heads.eagle_head import EagleHead
+from specserve.speculative.heads.fp8_rows import FP8
+from specserve.training.draft_vocab import most_frequent_tokens
+from specserve.training.eagle_batches import BatchBuilder, plan_batches
+from specserve.training.eagle_data import (Conversation, generate_conversations, load_conversations,
                                                save_conversations)
-from specserve.speculative.eagle_engine import generating_engine
-from specserve.speculative.eagle_eval import accept_length
-from specserve.speculative.eagle_head import EagleHead
-from specserve.speculative.eagle_prep import PreparedText, TextPreparation, TextSettings
-from specserve.speculative.eagle_trainer import EagleTrainer, TrainSettings, build_head, kept_head, target_lm_head
-from specserve.speculative.eagle_ttt import ConversationBatch
-from specserve.speculative.fp8_rows import FP8
-from specserve.speculative.state_store import DEVICE_SHARE
-from specserve.speculative.target_features import TargetFeatureExtractor
+from specserve.training.eagle_engine import generating_engine
+from specserve.training.eagle_eval import accept_length
+from specserve.training.eagle_prep import PreparedText, TextPreparation, TextSettings
+from specserve.training.eagle_trainer import EagleTrainer, TrainSettings, build_head, kept_head, target_lm_head
+from specserve.training.eagle_ttt import ConversationBatch
+from specserve.training.state_store import DEVICE_SHARE
+from specserve.training.target_features import TargetFeatureExtractor
 
 DATA_FILE = "conversations.json"
 # what a run keeps back from --time-budget for the end: the last held-out score (timed at

@@ -29,13 +29,13 @@ from dataclasses import dataclass
 import torch
 
 from specserve.model.llama import DecoderLM
-from specserve.speculative.eagle_batches import BatchBuilder, TrainingBatch, plan_batches
-from specserve.speculative.eagle_checkpoint import load_head, load_head_state, read_weights, save_head
-from specserve.speculative.eagle_config import EagleHeadConfig
-from specserve.speculative.eagle_data import Conversation
-from specserve.speculative.eagle_head import EagleHead
-from specserve.speculative.eagle_ttt import unroll
-from specserve.speculative.state_store import DEVICE_SHARE, make_state_store
+from specserve.speculative.heads.eagle_checkpoint import load_head, load_head_state, read_weights, save_head
+from specserve.speculative.heads.eagle_config import EagleHeadConfig
+from specserve.speculative.heads.eagle_head import EagleHead
+from specserve.training.eagle_batches import BatchBuilder, TrainingBatch, plan_batches
+from specserve.training.eagle_data import Conversation
+from specserve.training.eagle_ttt import unroll
+from specserve.training.state_store import DEVICE_SHARE, make_state_store
 
 TRAINER_STATE_FILE = "trainer_state.pt"
 
