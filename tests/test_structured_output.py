@@ -150,8 +150,8 @@ def test_forbidden_drafts_are_cut_with_their_subtrees(ngram):
     import torch
 
     from specserve.grammar.apply import apply_grammar_bitmask
-    from specserve.grammar.spec import GrammarSpec
     from specserve.grammar.tree_masks import grammar_bitmask, prune_proposal, token_allowed
+    from specserve.request.grammar_spec import GrammarSpec
     from specserve.verify.tree import TreeProposal
 
     token = lambda text: ngram.tokenizer.convert_tokens_to_ids(text)

@@ -18,7 +18,7 @@ from specserve.bench.agentic_tools import REPORT_SCHEMA, TOOLS
 from specserve.bench.extraction import SCHEMAS, extraction_requests
 from specserve.bench.structured_requests import (StructuredRequest, answer_validates, encode_request,
                                                   tools_in_system_prompt)
-from specserve.grammar.spec import GrammarSpec, check_grammar
+from specserve.request.grammar_spec import GrammarSpec, check_grammar
 
 
 def scalars(value) -> list:

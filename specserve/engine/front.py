@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 from specserve.engine.loop_mailbox import LoopMailboxes
-from specserve.grammar.spec import check_grammar
+from specserve.request.grammar_spec import check_grammar
 from specserve.request.sampling_params import SamplingParams
 
 DONE = object()   # a request's last item in its sink: no output follows

@@ -11,7 +11,7 @@ from collections import OrderedDict
 from typing import Any, Sequence
 
 from specserve.grammar.matcher import RequestGrammar
-from specserve.grammar.spec import GrammarSpec, _first_line
+from specserve.request.grammar_spec import GrammarSpec, _first_line
 
 # whitespace characters a JSON schema allows between two tokens of JSON: enough for any
 # indentation a model writes, and a small model cannot loop on newlines until max_new_tokens

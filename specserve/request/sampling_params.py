@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from specserve.grammar.spec import GRAMMAR_FIELDS, GrammarSpec, grammar_spec, grammar_text
+from specserve.request.grammar_spec import GRAMMAR_FIELDS, GrammarSpec, grammar_spec, grammar_text
 _NUMBER = (int, float)
 INT64_MAX = 2 ** 63 - 1          # integers ride in int64 tensors (seeds, top-k, token ids)
 # a request's stop conditions are checked at every token it commits, in the step loop that all

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from specserve.grammar.spec import JSON_OBJECT_SCHEMA, GrammarSpec, check_grammar
+from specserve.request.grammar_spec import JSON_OBJECT_SCHEMA, GrammarSpec, check_grammar
 
 
 class JSONSchemaFormat(BaseModel):

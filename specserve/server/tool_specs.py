@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from specserve.grammar.spec import GrammarSpec, check_grammar
+from specserve.request.grammar_spec import GrammarSpec, check_grammar
 
 
 class _Strict(BaseModel):

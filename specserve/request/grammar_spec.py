@@ -43,7 +43,7 @@ def grammar_spec(params: Any) -> GrammarSpec | None:
 
 def check_grammar(spec: GrammarSpec) -> None:
     """Parses the grammar (xgrammar, without a tokenizer): a ValueError naming the field when
-    it is not a valid one. Compiling it for a vocabulary (compiler.py) gives the same verdict."""
+    it is not a valid one. Compiling it for a vocabulary (grammar/compiler.py) gives the same verdict."""
     import xgrammar   # lazily: an engine that never sees a grammar never loads it
     parse = {"json_schema": xgrammar.Grammar.from_json_schema, "regex": xgrammar.Grammar.from_regex,
              "ebnf": xgrammar.Grammar.from_ebnf, "structural_tag": xgrammar.Grammar.from_structural_tag}[spec.kind]
