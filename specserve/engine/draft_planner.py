@@ -146,7 +146,7 @@ class DraftPlanner:
 
     # --- probes: a plain step's proposals for a few requests, shadows only ---
     def probe_due(self, reqs: list[Req]) -> bool:
-        """Whether this plain step probes (adaptive.py: every k-th plain step, k from the
+        """Whether this plain step probes (adaptive/policy.py: every k-th plain step, k from the
         probes' measured host time; at least every `drafter.probe_every`-th for a model
         drafter, whose proposals cost draft forwards, and at most `drafter.probe_every_at_most`);
         put off while the drafter's background bookkeeping is far behind (the probe would wait for it)."""
