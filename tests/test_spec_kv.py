@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
-import specserve.engine.core
+import specserve.engine.verify_step
 from specserve.speculative.adaptive.draft_cuts import fit_to_free_slots
 from specserve.speculative.ngram.drafter import NgramDrafter
 from specserve.speculative.ngram.trie import NgramConfig
@@ -205,7 +205,7 @@ def test_drafts_that_do_not_fit_are_cut_to_the_room_left(model_dir, plain_output
         cuts.append(fitted != num_nodes)
         assert sum(fitted) <= free
         return fitted
-    monkeypatch.setattr(specserve.engine.core, "fit_to_free_slots", fit)
+    monkeypatch.setattr(specserve.engine.verify_step, "fit_to_free_slots", fit)
     short, long_ = PROMPTS[2], PROMPTS[0]
     params = [{**GREEDY, "max_new_tokens": 6}, GREEDY]
     with tiny_engine(model_dir, **ngram_args(16), max_total_tokens=len(short) + len(long_) + 12) as engine:
