@@ -37,6 +37,11 @@ def launch_server(args: ServerArgs) -> None:
             engine.shutdown()
         if server.engine_stopped_at is not None:
             raise SystemExit(ENGINE_STOPPED_EXIT_CODE)
+        if server.interrupted:
+            # uvicorn raises a captured Ctrl-C again once it has shut down, but asyncio's runner, whose
+            # SIGINT handler uvicorn restores, may take it as a cancel of a task that has already ended:
+            # then run() returns and the process would exit 0
+            raise KeyboardInterrupt
 
 
 @contextlib.contextmanager

@@ -44,6 +44,7 @@ class ServingServer(uvicorn.Server):
         self.engine_stopped_at: float | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._cut_requested = False
+        self.interrupted = False   # a Ctrl-C came: the process ends as interrupted (exit status 130)
 
     async def on_tick(self, counter: int) -> bool:
         """Every 0.1 s on the event loop (uvicorn's main loop)."""
@@ -65,6 +66,7 @@ class ServingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame) -> None:
         """A signal handler (the main thread, between two bytecodes of the event loop's)."""
+        self.interrupted = self.interrupted or sig == signal.SIGINT
         if self.should_exit and sig == signal.SIGINT and not self._cut_requested and self._loop is not None:
             self._cut_requested = True   # the second Ctrl-C: end the running requests now, cleanly
             self._loop.call_soon_threadsafe(self.state.drain.cut, "the server is shutting down (interrupted)")
