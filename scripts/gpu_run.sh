@@ -58,6 +58,9 @@ OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
     && echo "$wanted" > /tmp/site/.wheels ) 9>/tmp/site.lock || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+# .gpu/ (ignored) travels only in the call that carries it and is not kept in the checkout between calls:
+# keep a copy outside it, and bring it back in a later call of the same lease
+if [ -d .gpu ]; then mkdir -p /root/keep && cp -ru .gpu /root/keep/; elif [ -d /root/keep/.gpu ]; then cp -r /root/keep/.gpu .; fi
 # benchmarks sample the subset's first 1000 conversations; EAGLE heads and token maps learn from the other
 # 3000, so no benchmark prompt was trained on
 # (scripts/sharegpt_split.py writes both files, the training one as .xz; an older .gpu/sharegpt_subset.json also serves)
