@@ -55,6 +55,3 @@ def dequantize_rows(state: dict[str, torch.Tensor], dtype: torch.dtype = torch.f
             out[name] = tensor
     return out
 
-
-def is_quantized(state: dict[str, torch.Tensor]) -> bool:
-    return any(tensor.dtype == FP8 for tensor in state.values())
