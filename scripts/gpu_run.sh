@@ -54,8 +54,9 @@ set -uo pipefail
 mode=${1:-all}; shift || true
 models=("$@"); [ ${#models[@]} -gt 0 ] || models=(smollm2-135m-instruct qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct)
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
-# once a machine, under a lock: jobs on its other GPUs (scripts/gpu_parallel.sh) start with the same install
-( flock 9; wanted=$(ls .whl); [ "$(cat /tmp/site/.wheels 2>/dev/null)" = "$wanted" ] && exit 0
+# once a machine, under a lock: jobs on its other GPUs (scripts/gpu_parallel.sh) start with the same install;
+# a later call of the lease need not carry .whl/ again
+( flock 9; [ -d .whl ] || { [ -f /tmp/site/.wheels ] && exit 0; }; wanted=$(ls .whl); [ "$(cat /tmp/site/.wheels 2>/dev/null)" = "$wanted" ] && exit 0
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && echo "$wanted" > /tmp/site/.wheels ) 9>/tmp/site.lock || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
