@@ -25,6 +25,7 @@ import time
 import torch
 
 from specserve.bench.gpu_suite import run, set_drafter
+from specserve.engine.step_events import StepListener
 from specserve.runner.tree_step import TreeStepInputs, TreeStepOutputs, greedy_commit, pad_node_slots
 
 
@@ -122,25 +123,26 @@ class ReplayForward:
             runner.extend, runner.run_trees, torch.Tensor.argmax = extend, run_trees, argmax
 
 
-class DecodeStepTimer:
-    """Wall time of each decode/verify step less the stand-in's time, and its batch size."""
+class DecodeStepTimer(StepListener):
+    """Wall time of each decode/verify step (from its schedule to its commit) less the
+    stand-in's time, and its batch size."""
 
     def __init__(self, core, replay: ReplayForward):
         self.core, self.replay, self.steps = core, replay, []
-        self._original = core._run
-        core._run = self._run_decode
+        self.started = None   # (batch size, replay seconds, perf_counter) of the decode step in progress
+        core.events.add(self)
 
-    def _run_decode(self, batch):
-        if batch.is_extend:
-            return self._original(batch)
-        before, start = self.replay.seconds, time.perf_counter()
-        outputs = self._original(batch)
-        host = time.perf_counter() - start - (self.replay.seconds - before)
-        self.steps.append((len(batch.reqs), host))
-        return outputs
+    def step_scheduled(self, batch) -> None:
+        self.started = None if batch.is_extend else (len(batch.reqs), self.replay.seconds, time.perf_counter())
+
+    def step_committed(self, outputs) -> None:
+        if self.started is not None:
+            batch_size, before, start = self.started
+            self.steps.append((batch_size, time.perf_counter() - start - (self.replay.seconds - before)))
+            self.started = None
 
     def close(self) -> None:
-        del self.core._run   # the class's method again
+        self.core.events.remove(self)
 
 
 def parse_config(name: str) -> tuple | None:

@@ -31,6 +31,7 @@ import torch
 from specserve.bench.gpu_suite import DEFAULT_CONFIG, config_label, set_drafter
 from lab.host_replay import ReplayForward
 from specserve.engine.overlap import OverlapSchedule
+from specserve.engine.step_events import StepListener
 
 MAX_PROMPT = 1024     # tokens: keeps the KV cache of a batch of 64 small on the CPU
 PREFILL_MARGIN = 64   # tokens a request may decode while the rest of its batch is prefilled
@@ -71,22 +72,20 @@ def sharegpt_streams(engine, count: int, min_output: int, dataset_path: str | No
     raise ValueError(f"only {len(prompts)} ShareGPT conversations have a second reply of {min_output} tokens")
 
 
-class PlainStepTimer:
-    """Steps the core as the engine's loop does; keeps the host time of each step that went
-    through the overlapped plain path: this thread's CPU time less the stand-in's (CPU time,
+class PlainStepTimer(StepListener):
+    """Steps the core as the engine's loop does; keeps the host time of each plain decode step
+    (the overlapped plain path, here): this thread's CPU time less the stand-in's (CPU time,
     not wall time: what other processes on the machine take does not count)."""
 
     def __init__(self, core, stand_in: DeviceTimeReplay):
         self.core, self.stand_in = core, stand_in
         self.plain_us: list[float] = []
         self.other_steps = 0
-        self._ahead = core.plain.launch
         self._plain = False
-        core.plain.launch = self._mark_plain
+        core.events.add(self)
 
-    def _mark_plain(self, *args):
-        self._plain = True
-        return self._ahead(*args)
+    def step_launched(self, kind, nodes, from_ahead) -> None:
+        self._plain = kind == "plain"
 
     def step(self) -> None:
         self._plain = False
@@ -100,7 +99,7 @@ class PlainStepTimer:
             self.other_steps += 1
 
     def close(self) -> None:
-        del self.core.plain.launch   # the class's method again
+        self.core.events.remove(self)
 
 
 def time_plain_steps(engine, stand_in: DeviceTimeReplay, prompts: list[list[int]], spec: tuple | None,

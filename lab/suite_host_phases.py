@@ -1,7 +1,7 @@
 """A benchmark of specserve/bench run with the host's time per step split by phase: every
 RunWatch it makes, and bench.step_cost's step loop, time their steps with HostPhases (where
 a step's host time goes, and how long the host waited for the GPU), which the benchmarks
-leave off because it wraps private methods of the engine core by name.
+leave off: it wraps the device's waits and launches, which costs every step some time.
 
     python -m lab.suite_host_phases specserve.bench.gpu_suite --models-dir /root/models ...
     python -m lab.suite_host_phases specserve.bench.model_drafters --algorithm EAGLE3 ...

@@ -42,7 +42,7 @@ import torch
 from lab.plain_step_host import MAX_PROMPT, DeviceTimeReplay, sharegpt_streams
 from specserve.bench.gpu_suite import DEFAULT_CONFIG, config_label, set_drafter
 from specserve.engine.overlap import OverlapSchedule
-from specserve.request.req import same_requests
+from specserve.engine.step_events import StepListener
 from specserve.runner import model_runner
 
 
@@ -126,42 +126,34 @@ class VirtualGPU:
             in_flight.launch, in_flight.wait, core.sampler.sample = launch, wait, sample
 
 
-class KindTimer:
+class KindTimer(StepListener):
     """Steps the core as the engine's loop does and keeps each step's host time by kind."""
 
     def __init__(self, core, stand_in: SleepingReplay):
         self.core, self.stand_in = core, stand_in
         self.cpu_us: dict[str, list[float]] = defaultdict(list)
         self.wall_us: dict[str, list[float]] = defaultdict(list)
-        plain, prefill, planner = core.plain, core.prefill, core.planner
-        self._launch, self._commit, self._extend, self._probe_due = \
-            plain.launch, plain.commit, prefill.launch, planner.probe_due
+        self._probe_due = core.planner.probe_due   # a probe is no step event: the planner's answer is watched
         self._kind = None
         self._last_was_prefill = False
-        plain.launch, plain.commit, prefill.launch = self._mark_plain, self._mark_finishing, self._mark_extend
-        planner.probe_due = self._mark_probe
+        core.planner.probe_due = self._mark_probe
+        core.events.add(self)
 
-    def _mark_plain(self, batch, started):
-        ahead, reqs = self.core.overlap.ahead, batch.reqs
-        launched = ahead is not None and same_requests([r for r in ahead.reqs if not r.finished], reqs)
-        self._kind = "steady" if launched else ("after_prefill" if self._last_was_prefill else "not_ahead")
-        return self._launch(batch, started)
+    def step_launched(self, kind, nodes, from_ahead):
+        if kind == "prefill":
+            self._kind = "prefill"
+        elif kind == "plain" and self._kind != "probe":
+            self._kind = "steady" if from_ahead else ("after_prefill" if self._last_was_prefill else "not_ahead")
 
-    def _mark_finishing(self, launched, tokens):
-        outputs = self._commit(launched, tokens)
-        if self._kind != "probe" and any(out.finished for out in outputs):
+    def step_committed(self, outputs):
+        if self._kind not in ("probe", "prefill", "other") and any(out.finished for out in outputs):
             self._kind = "finishing"
-        return outputs
 
     def _mark_probe(self, reqs):
         due = self._probe_due(reqs)
         if due:
             self._kind = "probe"
         return due
-
-    def _mark_extend(self, batch, started):
-        self._kind = "prefill"
-        return self._extend(batch, started)
 
     def step(self, record: bool):
         self._kind = "other"
@@ -177,8 +169,8 @@ class KindTimer:
         return outputs
 
     def close(self) -> None:
-        del self.core.plain.launch, self.core.plain.commit, self.core.prefill.launch   # the classes' methods again
-        del self.core.planner.probe_due
+        self.core.events.remove(self)
+        del self.core.planner.probe_due   # the class's method again
 
 
 def run_turnover(engine, stand_in, prompts, spec, batch_size: int, output_len: int, group: int, warm_steps: int,

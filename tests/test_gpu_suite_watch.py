@@ -19,8 +19,6 @@ from specserve.speculative.ngram.writer import TrieWriterError
 from tests.spec_fixtures import make_tiny_directory, tiny_engine
 
 PROMPTS = [[5, 6, 7, 8, 9] * 4, [20, 21, 22, 23] * 5, list(range(30, 50))]
-# (part of the core, method) that the host-phase timer wraps and puts back
-CORE_PHASE_METHODS = (("committer", "verified"), ("planner", "observe"), ("planner", "probe"), ("plain", "after_step"))
 STALL_S = 0.2
 
 
@@ -36,53 +34,58 @@ def fake_runtime():
     return SimpleNamespace(jit_cache_hook=None, jit_post_compile_hook=None)
 
 
+def in_the_next_step(core, stall) -> None:
+    """Runs `stall()` inside the core's next step (in its schedule)."""
+    schedule, pending = core.scheduler.schedule, [True]
+
+    def stalling_schedule():
+        if pending:
+            pending.clear()
+            stall()
+        return schedule()
+
+    core.scheduler.schedule = stalling_schedule
+
+
 def compile_once_in_a_step(core, runtime):
     """Makes the core's next step "compile" a kernel: Triton calls the cache hook, compiles
     (here: sleeps), then calls the post-compile hook, all inside the step."""
-    step, pending = core.step, [True]
-
-    def stalling_step():
-        if pending:
-            pending.clear()
-            assert runtime.jit_cache_hook(key="k", repr="kernel", fn=None, compile={},
-                                          is_manual_warmup=False, already_compiled=False) is None
-            time.sleep(STALL_S)
-            runtime.jit_post_compile_hook(key="k", repr="kernel", fn=None, compile={},
-                                          is_manual_warmup=False, already_compiled=False)
-        return step()
-
-    core.step = stalling_step
+    def compile_kernel():
+        assert runtime.jit_cache_hook(key="k", repr="kernel", fn=None, compile={},
+                                      is_manual_warmup=False, already_compiled=False) is None
+        time.sleep(STALL_S)
+        runtime.jit_post_compile_hook(key="k", repr="kernel", fn=None, compile={},
+                                      is_manual_warmup=False, already_compiled=False)
+    in_the_next_step(core, compile_kernel)
 
 
 def test_watch_reports_the_stall_and_the_compile_of_its_run_only(engine):
     runtime = fake_runtime()
-    original_step = engine.core.step
     compile_once_in_a_step(engine.core, runtime)
     watch = RunWatch(engine, triton_runtime=runtime)
     try:
         first, second = run(engine, PROMPTS, 2, 6, "plain", turns=2, watch=watch)
     finally:
         watch.close()
+        del engine.core.scheduler.schedule   # the class's method again
     assert first["jit_compiles"] == 1 and first["jit_compile_s"] >= STALL_S
     assert first["longest_step_s"] >= STALL_S
     assert second["jit_compiles"] == 0 and second["jit_compile_s"] == 0.0
     assert 0.0 < second["longest_step_s"] < STALL_S
     assert first["output_tokens"] == second["output_tokens"] == 6 * len(PROMPTS)
-    # close() gives the step and the hooks back
+    # close() gives the hooks back and stops listening
     assert runtime.jit_cache_hook is None and runtime.jit_post_compile_hook is None
-    engine.core.step = original_step
+    assert watch not in engine.core.events.listeners
 
 
 def test_watch_leaves_someone_elses_hooks_alone(engine):
     theirs = lambda **_: None  # noqa: E731
     runtime = SimpleNamespace(jit_cache_hook=theirs, jit_post_compile_hook=None)
-    step = engine.core.step
     watch = RunWatch(engine, triton_runtime=runtime)
     [summary] = run(engine, PROMPTS[:1], 1, 3, "plain", watch=watch)
     watch.close()
     assert runtime.jit_cache_hook is theirs and runtime.jit_post_compile_hook is None
     assert summary["jit_compiles"] is None and summary["longest_step_s"] > 0
-    assert engine.core.step == step
 
 
 def test_watch_splits_the_run_into_prefill_plain_and_drafting_steps(engine):
@@ -104,7 +107,6 @@ def test_watch_splits_the_run_into_prefill_plain_and_drafting_steps(engine):
     assert drafted["step_mix"]["draft"]["steps"] >= 1 and drafted["step_mix"]["draft"]["ms"] > 0
     assert drafted["step_mix"]["draft"]["from_ahead"] == 0   # no drafting step launched ahead on a CPU
     assert 1 < drafted["draft_nodes_mean"] <= 4
-    assert engine.core.runner.run_trees == watch._run_trees
 
 
 def test_watch_counts_drafting_steps_read_from_a_launch_ahead(engine, monkeypatch):
@@ -209,21 +211,13 @@ def test_each_run_starts_from_an_empty_prefix_cache(engine):
 def test_watch_names_the_longest_step_and_counts_full_gc_collections(engine):
     """A stall's suspects other than a compile: the longest step is described (kind, batch
     size, nodes per request), and full GC collections during the run are counted."""
-    original_step, pending = engine.core.step, [True]
-
-    def collecting_step():
-        if pending:
-            pending.clear()
-            gc.collect()   # a full collection inside the run's first step
-        return original_step()
-
-    engine.core.step = collecting_step
+    in_the_next_step(engine.core, gc.collect)   # a full collection inside the run's first step
     watch = RunWatch(engine, triton_runtime=fake_runtime())
     try:
         first, second = run(engine, PROMPTS, 2, 6, "plain", turns=2, watch=watch)
     finally:
         watch.close()
-        engine.core.step = original_step
+        del engine.core.scheduler.schedule
     assert first["full_gc_collections"] >= 1 and second["full_gc_collections"] == 0
     assert first["longest_step"]["kind"] in ("prefill", "plain") and first["longest_step"]["batch_size"] >= 1
     assert first["longest_step"]["nodes"] == 1
@@ -232,7 +226,7 @@ def test_watch_names_the_longest_step_and_counts_full_gc_collections(engine):
 
 def test_watch_splits_host_time_by_phase_and_counts_the_wait_for_the_device(engine, monkeypatch):
     """HostPhases as RunWatch's phase timer: a step's wait on its outcome is the GPU's time,
-    not the host's; every phase is per step of its kind; closing puts every wrapped method back."""
+    not the host's; every phase is per step of its kind; closing puts the wait back."""
     from lab.host_phases import HostPhases
     from specserve.engine.overlap import OverlapSchedule
     from specserve.runner.model_runner import InFlight
@@ -257,22 +251,19 @@ def test_watch_splits_host_time_by_phase_and_counts_the_wait_for_the_device(engi
     assert waits and phases["gpu_wait"] >= 2000 * len(waits) / plain["step_mix"]["plain"]["steps"] * 0.99
     assert 0 < phases["host"] == pytest.approx(phases["step"] - phases["gpu_wait"], abs=0.2)
     assert 0 < phases["commit"] < phases["host"] and 0 < phases["schedule"] < phases["host"]
+    assert phases["read"] >= phases["gpu_wait"]   # the outcome's wait is part of the step's read
+    assert phases["step"] == pytest.approx(sum(phases[p] for p in ("schedule", "launch", "read", "commit", "after")),
+                                           abs=1.0)
     assert "prefill" in plain["host_us_per_step"]
-    assert InFlight.wait is slow_wait
-    for part, name in CORE_PHASE_METHODS:
-        assert name not in vars(getattr(core, part))
-    assert "run" not in vars(core.text) and "launch_greedy_decode" not in vars(core.runner)
+    assert InFlight.wait is slow_wait and core.events.listeners == []
     assert 0 < phases["launch_cpu"] <= phases["launch"] * 1.05 + 5
-    assert core.scheduler.schedule == watch._schedule   # RunWatch's own wrapper went last
 
 
-def test_watch_without_a_phase_timer_wraps_no_private_method_of_the_core(engine):
-    """By default RunWatch times steps whole: the core's commit, observe and probe stay the
-    class's own methods and the summary has no phases."""
+def test_watch_without_a_phase_timer_times_steps_whole(engine):
+    """By default RunWatch is the core's one step listener and the summary has no phases."""
     watch = RunWatch(engine)
     try:
-        for part, name in CORE_PHASE_METHODS:
-            assert name not in vars(getattr(engine.core, part))
+        assert engine.core.events.listeners == [watch]
         [plain] = run(engine, PROMPTS, 3, 8, "plain", watch=watch)
     finally:
         watch.close()
@@ -335,17 +326,18 @@ def test_host_phases_time_a_writers_drain_and_skip_a_drafter_without_one():
     from types import SimpleNamespace
 
     from lab.host_phases import HostPhases
+    from specserve.engine.step_events import StepEvents
     from specserve.speculative.ngram.writer import TrieWriter
     writer = TrieWriter(background=True)
     try:
         writer.submit(lambda: time.sleep(0.003))
-        phases = HostPhases(SimpleNamespace(drafter=SimpleNamespace(writer=writer)))
+        phases = HostPhases(SimpleNamespace(drafter=SimpleNamespace(writer=writer), events=StepEvents()))
         writer.drain()                                 # waits for the job
         phases.end_step("draft", 0.004)
         phases.close()
         assert phases.summary()["draft"]["drain"] >= 1000
         assert "drain" not in vars(writer)
-        without = HostPhases(SimpleNamespace(drafter=SimpleNamespace()))
+        without = HostPhases(SimpleNamespace(drafter=SimpleNamespace(), events=StepEvents()))
         without.close()
     finally:
         writer.close()

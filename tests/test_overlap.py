@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from specserve.bench.prompts import SAMPLE_PROMPTS
+from specserve.engine.step_events import StepListener
 
 from tests.test_kv_accounting import wait_until_all_kv_is_free
 
@@ -246,13 +247,12 @@ def test_plain_steps_index_and_probe_only_every_kth_step(engine_factory, plain, 
                 note(steps[-1], result)
             return result
         setattr(owner, name, spied)
-    run_step = core._run
 
-    def decode(batch):
-        if not batch.is_extend:
-            steps.append({"batch_size": len(batch.reqs), "events": []})
-        return run_step(batch)
-    core._run = decode
+    class DecodeSteps(StepListener):
+        def step_scheduled(self, batch):
+            if not batch.is_extend:
+                steps.append({"batch_size": len(batch.reqs), "events": []})
+    core.events.add(DecodeSteps())
     spy(adaptive, "probe_due", lambda step, due: step["events"].append("due" if due else "skip"))
     spy(drafter, "flush", lambda step, _: step["events"].append("index"))
     probe = core.planner.probe

@@ -55,9 +55,8 @@ def test_eagle3_rows_on_the_cpu(tmp_path, tiny_shape):
 
 
 def test_host_phases_of_each_step(tmp_path, tiny_shape):
-    """Under lab.suite_host_phases each row has the host's microseconds per step by phase: a
-    plain step's commit, a verify step's proposal, KV commit and tree launch, a fused step's
-    drafter step."""
+    """Under lab.suite_host_phases each row has the host's microseconds per step by phase,
+    between the core's step events: every step's launch, read and commit."""
     from lab.suite_host_phases import host_phases_timed
     with host_phases_timed():
         rows = step_cost.main(["--shape", tiny_shape, "--algorithm", "EAGLE3", "--num-steps", "2", "--draft-vocab", "1024",
@@ -66,9 +65,9 @@ def test_host_phases_of_each_step(tmp_path, tiny_shape):
     for row in rows:
         phases = row["host_us"]
         assert phases["step"] >= phases["host"] > 0 and phases["commit"] > 0
-    verify = [r["host_us"] for r in rows if r["step"] == "verify"]
-    assert verify and all(p["propose"] > 0 and p["commit_kv"] > 0 and p["run_trees"] > 0 for p in verify)
-    assert all(r["host_us"]["launch_fused"] > 0 for r in rows if r["step"] == "fused")
+        assert phases["launch"] > 0 and phases["read"] > 0
+        assert phases["step"] >= phases["schedule"] + phases["launch"] + phases["read"] + phases["commit"]
+    assert {r["step"] for r in rows} >= {"plain", "verify", "fused"}
 
 
 def test_split_of_a_fused_step_is_the_difference_of_its_references():

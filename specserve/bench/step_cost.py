@@ -12,8 +12,8 @@ sums their times (torch.profiler) and lists the N slowest kernels: issue 10's co
 a verify step with a plain one is
 `--batch-sizes 1 8 --sizes 1 8 16 --steps 100 --kernels 40`. Run through
 `python -m lab.suite_host_phases specserve.bench.step_cost ...`, a row also has the host's
-microseconds per step by phase (lab/host_phases.py: parse and commit, the
-proposal, the launch, the wait for the GPU): where the host time a verify step does not
+microseconds per step by phase (lab/host_phases.py: the schedule, the launch, the read
+and the wait for the GPU in it, the commit): where the host time a verify step does not
 hide goes (H200, random 1.5B, batch 1: 0.2-0.45 ms a step, session 24).
 
 `--algorithm EAGLE3 --num-steps K` adds the fused EAGLE-3 step (speculative/model_drafters/fused_step.py: the
@@ -101,8 +101,8 @@ def start_requests(engine, bs: int, step: str, size: int, steps: int, prompt_len
     return reqs
 
 
-# A profiler of the host's time by phase (called with the engine core; end_step, summary, close),
-# set by lab/suite_host_phases.py; the product's benchmarks time no private method of the core.
+# A profiler of the host's time by phase (called with the engine core, it listens to its step
+# events; summary, close), set by lab/suite_host_phases.py.
 PHASE_TIMER = None
 
 
@@ -118,17 +118,14 @@ def time_steps(engine, bs: int, step: str, size: int, steps: int, kernels: int =
     synchronize()
     start = time.perf_counter()
     for _ in range(steps):
-        step_start = time.perf_counter()
         core.step()
-        if phases is not None:
-            phases.end_step(step, time.perf_counter() - step_start)
     synchronize()
     wall_ms = (time.perf_counter() - start) / steps * 1e3
     # tokens per request and step: random drafts are (almost) never accepted, which a step's cost does not depend on
     row = {"batch_size": bs, "step": step, "draft_size": size, "wall_ms": wall_ms,
            "accept_length": (sum(len(r.output_ids) for r in reqs) - tokens_before) / (steps * bs)}
     if phases is not None:   # us per step by phase; `host`: the step's wall time less its wait for the GPU
-        row["host_us"] = phases.summary().get(step)
+        row["host_us"] = phases.summary().get("plain" if step == "plain" else "draft")
         phases.close()   # before FusedStepCount's: each puts back what it wrapped
     if fused_steps is not None:   # steps the engine verified itself (not fused) would make the row a mix
         row.update(fused_share=fused_steps.close() / steps, drafts="a random head's: accept length is not the point")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Protocol
 
 from specserve.engine.commit import DeferredText
 from specserve.engine.committer import Committer
@@ -25,7 +24,9 @@ from specserve.engine.plain_step import PlainStep
 from specserve.engine.prefill_step import PrefillStep
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.stats import StepLogger
+from specserve.engine.step_events import StepEvents
 from specserve.engine.step_output import StepOutput
+from specserve.engine.step_parts import StepParts, StepPipeline
 from specserve.engine.steps_ahead import StepsAhead
 from specserve.engine.verify_step import VerifyStep
 from specserve.request.req import Batch, Req, ReqState
@@ -37,19 +38,6 @@ from specserve.speculative.drafter import Drafter
 logger = logging.getLogger(__name__)
 
 __all__ = ["EngineCore", "StepOutput"]
-
-
-class StepPipeline(Protocol):
-    """One kind of step (engine/*_step.py)."""
-
-    def launch(self, batch: Batch, started: float) -> Any:
-        """The drafts and the forward, or the step launched ahead for the batch."""
-
-    def read(self, launched: Any) -> Any:
-        """The verification: what each request commits (the step's one wait for the device)."""
-
-    def commit(self, launched: Any, outcome: Any) -> list[StepOutput]:
-        """KV, tokens, the drafter and the policy; where it can, the next step launched first."""
 
 
 class PartAttribute:
@@ -80,12 +68,11 @@ class EngineCore:
         self.requests: dict[str, Req] = {}
         self.committer = Committer(scheduler, self.planner, self.text,
                                    StepLogger(log_interval_s, speculative=drafter is not None), self.requests)
-        parts = (self.planner, self.committer, self.text, self.ahead)
-        self.prefill = PrefillStep(runner, scheduler, sampler, *parts)
-        self.plain = PlainStep(runner, scheduler, *parts)
-        self.drafting = DraftingStep(runner, scheduler, sampler, *parts)
-        self.verify = VerifyStep(True, runner, scheduler, sampler, *parts)
-        self.verify_plain = VerifyStep(False, runner, scheduler, sampler, *parts)   # nothing launched ahead
+        self.events = StepEvents()   # profilers add their listeners here
+        parts = StepParts(runner, scheduler, sampler, self.planner, self.committer, self.text, self.ahead, self.events)
+        self.prefill, self.plain, self.drafting = PrefillStep(parts), PlainStep(parts), DraftingStep(parts)
+        self.verify = VerifyStep(parts, drafts=True)
+        self.verify_plain = VerifyStep(parts, drafts=False)   # plain steps where none is launched ahead
         self.last_batch_reqs: list[Req] = []   # the requests of the step in flight, failed together if it raises
         scheduler.preempt_listeners.append(self._preempted)
 
@@ -122,19 +109,12 @@ class EngineCore:
 
     def step(self) -> list[StepOutput]:
         """One step: schedule -> (draft) -> forward -> verify -> commit, by the pipeline of its kind."""
-        batch, kept = self._schedule()
-        if batch is None:
-            return self._idle()
-        self.last_batch_reqs = batch.reqs if kept is None else batch.reqs + kept.reqs
+        self.events.began()
         try:
-            outputs = self._run(batch)
-        except BaseException:
-            self.plain.release(kept)
-            raise
-        if kept is not None:   # the plain step launched ahead of this prefill, read after it
-            outputs = self.plain.commit_kept(kept) + outputs
-        self.stats.maybe_log(self.scheduler)
-        return outputs
+            batch, kept = self._schedule()
+            return self._idle() if batch is None else self._run(batch, kept)
+        finally:
+            self.events.ended()
 
     def _schedule(self) -> tuple[Batch | None, StepAhead | None]:
         """The step's batch: that of the drafting step launched ahead where the scheduler's
@@ -150,12 +130,25 @@ class EngineCore:
             self.ahead.drop()
         return batch, kept
 
-    def _run(self, batch: Batch) -> list[StepOutput]:
-        started = time.perf_counter()   # a decode step's price counts from here
-        pipeline = self.pipeline_for(batch)
-        launched = pipeline.launch(batch, started)     # draft + forward (or the step launched ahead)
-        outcome = pipeline.read(launched)              # verify: the step's one wait for the device
-        return pipeline.commit(launched, outcome)      # commit (the next step launched before the rest)
+    def _run(self, batch: Batch, kept: StepAhead | None) -> list[StepOutput]:
+        """The batch's step, by the pipeline of its kind; then the plain step a prefill kept."""
+        self.events.scheduled(batch)
+        self.last_batch_reqs = batch.reqs if kept is None else batch.reqs + kept.reqs
+        try:
+            started = time.perf_counter()   # a decode step's price counts from here
+            pipeline = self.pipeline_for(batch)
+            launched = pipeline.launch(batch, started)     # draft + forward (or the step launched ahead)
+            outcome = pipeline.read(launched)              # verify: the step's one wait for the device
+            self.events.read()
+            outputs = pipeline.commit(launched, outcome)   # commit (the next step launched before the rest)
+        except BaseException:
+            self.plain.release(kept)
+            raise
+        self.events.committed(outputs)
+        if kept is not None:   # launched ahead of this prefill, read after it
+            outputs = self.plain.commit_kept(kept) + outputs
+        self.stats.maybe_log(self.scheduler)
+        return outputs
 
     def _idle(self) -> list[StepOutput]:
         self.ahead.settle()   # a prefill runs it after its launch, a decode step where its pipeline says
@@ -163,7 +156,7 @@ class EngineCore:
         return []
 
     def pipeline_for(self, batch: Batch) -> StepPipeline:
-        """The pipeline of the batch's kind of step (profilers hook here to learn it)."""
+        """The pipeline of the batch's kind of step."""
         reqs = batch.reqs
         if batch.is_extend:
             return self.prefill

@@ -16,17 +16,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specserve.engine.commit import DeferredText, StepOutcome, unfinished
-from specserve.engine.committer import Committer
+from specserve.engine.commit import StepOutcome, unfinished
 from specserve.engine.draft_ahead import ChainedStep, DraftStep, OutcomeCopies, launch_draft_step
-from specserve.engine.draft_planner import DraftPlanner, Shadows
-from specserve.engine.scheduler import Scheduler
+from specserve.engine.draft_planner import Shadows
 from specserve.engine.step_output import StepOutput, committed_tokens
-from specserve.engine.steps_ahead import StepsAhead
+from specserve.engine.step_parts import StepParts, StepPipeline
 from specserve.engine.verify_step import drafts_with_slots
 from specserve.request.req import Batch, Req
-from specserve.runner.model_runner import ModelRunner
-from specserve.sampling.sampler import Sampler
 from specserve.speculative.drafter import ChainedSteps, ReadsHiddenStates
 
 
@@ -39,11 +35,9 @@ class LaunchedDraft:
     chained: ChainedStep | None = None   # the next fused step, queued before this one was read
 
 
-class DraftingStep:
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler, planner: DraftPlanner,
-                 committer: Committer, text: DeferredText, ahead: StepsAhead):
-        self.runner, self.scheduler, self.sampler = runner, scheduler, sampler
-        self.planner, self.committer, self.text, self.ahead = planner, committer, text, ahead
+class DraftingStep(StepPipeline):
+    def __init__(self, parts: StepParts):
+        super().__init__(parts)
         self.copies = OutcomeCopies()   # the steps' outcomes on their way to the host
 
     def ahead_of_another_batch(self) -> Batch | None:
@@ -67,6 +61,7 @@ class DraftingStep:
         held = self.ahead.drafting.take(reqs) if self.ahead.drafting is not None else None
         if held is not None:
             self.ahead.settle()
+            self.events.launched("draft", held.num_slots, from_ahead=True)
             return LaunchedDraft(held, steady=True)
         self.ahead.settle()   # proposals read what the last step showed
         self.ahead.drop()
@@ -76,6 +71,7 @@ class DraftingStep:
         except BaseException:
             self.scheduler.free_slots(slots)  # no request holds them until commit
             raise
+        self.events.launched("draft" if step.num_slots > 1 else "plain", step.num_slots)
         self.text.run()   # while the GPU computes
         self.planner.drafter.flush()
         return LaunchedDraft(step, steady=self.ahead.drafting is None)

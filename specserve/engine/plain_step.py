@@ -14,15 +14,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from specserve.engine.commit import DeferredText
-from specserve.engine.committer import Committer
-from specserve.engine.draft_planner import DraftPlanner
 from specserve.engine.overlap import StepAhead
-from specserve.engine.scheduler import Scheduler
 from specserve.engine.step_output import StepOutput
-from specserve.engine.steps_ahead import StepsAhead
+from specserve.engine.step_parts import StepPipeline
 from specserve.request.req import Batch, Req
-from specserve.runner.model_runner import ModelRunner
 from specserve.sampling.sampler import SampledStep
 from specserve.speculative.drafter import ReadsHiddenStates
 
@@ -51,12 +46,7 @@ class AfterPlainStep:
         self.pipeline.after_step(self)
 
 
-class PlainStep:
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, planner: DraftPlanner, committer: Committer,
-                 text: DeferredText, ahead: StepsAhead):
-        self.runner, self.scheduler, self.planner, self.committer, self.text, self.ahead = \
-            runner, scheduler, planner, committer, text, ahead
-
+class PlainStep(StepPipeline):
     def launch(self, batch: Batch, started: float) -> LaunchedPlain:
         """This step (from the launch ahead, or launched now) and, for the requests it does not
         end, the next one; then the host work the GPU hides. A probe's host time hides behind
@@ -66,6 +56,7 @@ class PlainStep:
         launched_ahead, current = overlap.ahead, None
         try:
             current = overlap.current_step(reqs, lambda: [r.last_token for r in reqs])
+            self.events.launched("plain", 1, current is launched_ahead)
             keep = self._next_rows(reqs)
             if keep:
                 overlap.launch_next(current, keep)

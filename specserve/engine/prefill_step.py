@@ -8,15 +8,10 @@ from typing import Any
 
 import torch
 
-from specserve.engine.commit import DeferredText
-from specserve.engine.committer import Committer
-from specserve.engine.draft_planner import DraftPlanner
-from specserve.engine.scheduler import Scheduler
 from specserve.engine.step_output import StepOutput
-from specserve.engine.steps_ahead import StepsAhead
+from specserve.engine.step_parts import StepPipeline
 from specserve.request.req import Batch, Req
-from specserve.runner.model_runner import ModelRunner
-from specserve.sampling.sampler import Sampler, SampledStep
+from specserve.sampling.sampler import SampledStep
 from specserve.speculative.drafter import ReadsHiddenStates
 from specserve.verify.tree import DraftTrees
 
@@ -30,12 +25,7 @@ class LaunchedPrefill:
     capture: Any          # every token's hidden state, where the runner keeps them
 
 
-class PrefillStep:
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler, planner: DraftPlanner,
-                 committer: Committer, text: DeferredText, ahead: StepsAhead):
-        self.runner, self.scheduler, self.sampler = runner, scheduler, sampler
-        self.planner, self.committer, self.text, self.ahead = planner, committer, text, ahead
-
+class PrefillStep(StepPipeline):
     def launch(self, batch: Batch, started: float) -> LaunchedPrefill:
         slots = self.scheduler.alloc_slots(sum(batch.extend_lens))
         assert slots is not None, "the scheduler reserves the cache a prefill needs"
@@ -50,6 +40,7 @@ class PrefillStep:
         except BaseException:
             self.scheduler.free_slots(slots)  # no request holds them yet
             raise
+        self.events.launched("prefill")
         return LaunchedPrefill(batch, slots, starts, logits, capture)
 
     def read(self, step: LaunchedPrefill) -> tuple[list[Req], SampledStep | None]:

@@ -13,17 +13,16 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from specserve.engine.commit import DeferredText, StepOutcome
-from specserve.engine.committer import Committer
+from specserve.engine.commit import StepOutcome
 from specserve.engine.draft_planner import DraftPlanner
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.step_output import StepOutput, committed_tokens
-from specserve.engine.steps_ahead import StepsAhead
+from specserve.engine.step_parts import StepParts, StepPipeline
 from specserve.grammar.drafts import constrain_proposal
 from specserve.request.req import Batch, Req
-from specserve.runner.model_runner import InFlight, ModelRunner
+from specserve.runner.model_runner import InFlight
 from specserve.runner.tree_step import GreedyOutcome, pad_node_slots
-from specserve.sampling.sampler import Sampler, SampledStep
+from specserve.sampling.sampler import SampledStep
 from specserve.speculative.adaptive.draft_cuts import fit_to_free_slots
 from specserve.speculative.drafter import FusedSteps, ReadsHiddenStates
 from specserve.verify.tree import TreeProposal
@@ -64,12 +63,10 @@ class LaunchedVerify:
     prepared: Any = None                    # the sampler's tensors, sent before the forward
 
 
-class VerifyStep:
-    def __init__(self, drafts: bool, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler,
-                 planner: DraftPlanner, committer: Committer, text: DeferredText, ahead: StepsAhead):
-        self.drafts = drafts
-        self.runner, self.scheduler, self.sampler = runner, scheduler, sampler
-        self.planner, self.committer, self.text, self.ahead = planner, committer, text, ahead
+class VerifyStep(StepPipeline):
+    def __init__(self, parts: StepParts, drafts: bool):
+        super().__init__(parts)
+        self.drafts = drafts   # False: plain steps of an engine that launches none ahead
 
     def launch(self, batch: Batch, started: float) -> LaunchedVerify:
         """The drafts (a plain step's probe decided) and the forward. Greedy trees are
@@ -89,6 +86,7 @@ class VerifyStep:
         except BaseException:
             self.scheduler.free_slots(slots)  # no request holds them until commit
             raise
+        self.events.launched("draft" if proposal.num_slots > 1 else "plain", proposal.num_slots)
         return step
 
     def _forward(self, step: LaunchedVerify) -> None:
