@@ -28,6 +28,8 @@ MODEL_ALGORITHMS = ("STANDALONE", "EAGLE", "EAGLE3", "NAIVE_EAGLE", "MTP")
 FUSED_CHAIN_ALGORITHMS = ("NAIVE_EAGLE", "MTP")
 # draft with an EAGLE head, whose lm_head an FR-Spec token map (speculative_token_map) restricts
 TOKEN_MAP_ALGORITHMS = ("EAGLE", "EAGLE3")
+# an EAGLE head whose requests may draft from the n-gram trie instead (speculative_hybrid_ngram)
+HYBRID_ALGORITHMS = ("EAGLE", "EAGLE3")
 DEFAULT_NUM_STEPS = 3                # SGLang's choice when --speculative-num-steps is not given
 DEFAULT_NUM_DRAFT_TOKENS = 8
 # NGRAM with the adaptive draft length: a chain of up to 16 nodes, cut to 4 / 8 / 16 per step. A
@@ -145,6 +147,11 @@ class ServerArgs:
     speculative_token_map: str | None = _spec(None, "EAGLE / EAGLE3: FR-Spec hot-token map, a torch.save'd list of "
                                                     "target token ids (SGLang's format; python -m "
                                                     "specserve.build_token_map makes one): the head drafts only them")
+    speculative_hybrid_ngram: bool = _spec(False, "EAGLE / EAGLE3 (specserve's, not SGLang's): each request's step "
+                                                  "drafts from the n-gram trie (the --speculative-ngram-* settings) "
+                                                  "or from the head, whichever is measured to commit more for it, "
+                                                  "both verified in one step (the head's argmax drafts, unfused; "
+                                                  "trees of up to speculative_num_draft_tokens nodes)")
     speculative_ngram_capacity: int = _spec(10_000_000, "most n-gram trie nodes, shared by all requests "
                                                         "(~160 bytes each, allocated as they fill)")
     speculative_ngram_min_match_window_size: int = _spec(1, "shortest suffix of a request that may match")
@@ -200,12 +207,17 @@ class ServerArgs:
         if self.speculative_num_draft_tokens is None:
             default = NGRAM_ADAPTIVE_DRAFT_TOKENS if adaptive_ngram else DEFAULT_NUM_DRAFT_TOKENS
             object.__setattr__(self, "speculative_num_draft_tokens", default)
-        if self.speculative_one_branch is None:
-            object.__setattr__(self, "speculative_one_branch", adaptive_ngram)
+        if self.speculative_one_branch is None:   # chains where the policy cuts the trie's drafts
+            one_branch = adaptive_ngram or (self.speculative_hybrid_ngram and not self.speculative_disable_adaptive)
+            object.__setattr__(self, "speculative_one_branch", one_branch)
 
     def _check_speculative(self) -> None:
         self._resolve_speculative_defaults()
         algorithm = self.speculative_algorithm
+        if self.speculative_hybrid_ngram and self.speculative not in HYBRID_ALGORITHMS:
+            raise ArgumentError(f"speculative_hybrid_ngram drafts from an EAGLE head or the n-gram trie: it needs "
+                                f"speculative_algorithm {' or '.join(HYBRID_ALGORITHMS)} (and "
+                                f"speculative_draft_model_path), got {algorithm!r}")
         if algorithm is None:
             return
         if algorithm.upper() not in SPECULATIVE_ALGORITHMS:
@@ -215,12 +227,14 @@ class ServerArgs:
             raise ArgumentError(f"speculative_num_draft_tokens must be >= 1, got {self.speculative_num_draft_tokens}")
         if self.speculative in MODEL_ALGORITHMS:
             self._check_draft_model()
-            return
-        for name in ("speculative_draft_model_path", "speculative_token_map", "speculative_num_steps",
-                     "speculative_eagle_topk"):
-            if getattr(self, name) is not None:
-                raise NotSupportedError(f"{name} belongs to EAGLE / draft-model speculation, "
-                                        "not to speculative_algorithm NGRAM")
+            if not self.speculative_hybrid_ngram:
+                return
+        else:
+            for name in ("speculative_draft_model_path", "speculative_token_map", "speculative_num_steps",
+                         "speculative_eagle_topk"):
+                if getattr(self, name) is not None:
+                    raise NotSupportedError(f"{name} belongs to EAGLE / draft-model speculation, "
+                                            "not to speculative_algorithm NGRAM")
         _check_positive(self, "speculative_ngram_capacity", "speculative_ngram_min_match_window_size",
                         "speculative_ngram_min_bfs_breadth", "speculative_ngram_branch_length")
         if self.speculative_ngram_max_match_window_size < self.speculative_ngram_min_match_window_size:
@@ -269,6 +283,8 @@ class ServerArgs:
         (speculative_num_draft_tokens does not apply to it: SGLang also sets it to num_steps + 1
         for top-k 1), or a tree (NGRAM's, EAGLE-2's)."""
         if self.speculative in MODEL_ALGORITHMS and (self.speculative_eagle_topk or 1) == 1:
+            if self.speculative_hybrid_ngram:   # the trie's drafts may be longer than the head's chain
+                return max(self.speculative_steps + 1, self.speculative_num_draft_tokens)
             return self.speculative_steps + 1
         return self.speculative_num_draft_tokens
 

@@ -25,6 +25,7 @@ from specserve.runner.model_runner import ModelRunner, resolve_device, resolve_d
 from specserve.sampling.sampler import Sampler
 from specserve.speculative.adaptive.policy import AdaptiveDraftLength
 from specserve.speculative.drafter import Drafter
+from specserve.speculative.hybrid.drafter import HybridDrafter
 from specserve.speculative.model_drafters.draft_setup import check_draft_path, prepare_draft
 from specserve.speculative.model_drafters.head_prefix_cache import cache_head_rows
 from specserve.speculative.registry import create_drafter, needs_draft_model
@@ -142,7 +143,7 @@ def _build_core(args: ServerArgs, checked: Preflight, tp):
         scheduler.draft_capacity = drafter.kv.pool.size
     if draft is not None and draft.reads_target_states:
         # a cached prefix has no target states: the tree keeps the head's rows beside the target's KV
-        cache_head_rows(scheduler.kv, drafter)
+        cache_head_rows(scheduler.kv, drafter.head if isinstance(drafter, HybridDrafter) else drafter)
     adaptive = None
     if drafter is not None and not args.speculative_disable_adaptive:
         graph_sizes = runner.graphs.sizes if runner.graphs is not None else None

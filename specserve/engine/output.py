@@ -85,6 +85,8 @@ class OutputTracker:
             meta["spec_verify_ct"] = req.spec.verify_steps
             meta["spec_accept_length"] = req.spec.accept_length
             meta["spec_accept_histogram"] = dict(sorted(req.spec.accept_length_histogram.items()))
+            if req.spec.draft_sources:   # a hybrid drafter's (speculative/hybrid/)
+                meta["spec_draft_sources"] = dict(req.spec.draft_sources)
         if req.return_logprob:
             ids = req.output_ids[logprobs_from:]
             meta["output_token_logprobs"] = [(lp, tok, None) for lp, tok in zip(req.output_logprobs[logprobs_from:], ids)]

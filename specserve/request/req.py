@@ -32,9 +32,10 @@ class SpecStats:
     step cost ~20-30 us of host time): every token of the request's output that no recorded
     step committed was a plain step's, but the first, which its prefill committed (a
     preempted request's prefill recomputes the cache and commits nothing). Drafting steps
-    are recorded (`record_step`)."""
+    are recorded (`record_step`). A drafter with several sources of drafts counts here the
+    proposals each made for the request (`draft_sources`: source -> proposals)."""
 
-    __slots__ = ("_output", "_steps", "_tokens", "_histogram", "_plain", "_accounted")
+    __slots__ = ("_output", "_steps", "_tokens", "_histogram", "_plain", "_accounted", "draft_sources")
 
     def __init__(self, output: list[int]):
         self._output = output            # the request's output_ids (the same list, as it grows)
@@ -43,6 +44,7 @@ class SpecStats:
         self._plain = 0                  # plain steps before the last recorded step
         # output tokens counted by then: the prefill's first, and each recorded step's (cut or not)
         self._accounted = 1
+        self.draft_sources: dict[str, int] = {}
 
     @staticmethod
     def record_step(reqs: list["Req"], tokens: list[list[int]]) -> None:

@@ -48,6 +48,11 @@ class AcceptanceEvidence:
             return self._by_key.get(key, self._prior)[tier]
         return self._expected.get(rid, self._prior)[tier]
 
+    def knows(self, key: int) -> bool:
+        """Whether some walk of a proposal of evidence class `key` has ended (its estimate is
+        measured, not the prior)."""
+        return key in self._by_key
+
     def record(self, rids: list[str], trees: TreeProposal, num_nodes: list[int],
                keys: list[int] | None = None) -> None:
         """Full proposals (before any cut, verified or probes), one shadow per real draft."""

@@ -82,16 +82,27 @@ def prepare_draft(args: ServerArgs, target: ModelConfig, device: torch.device, d
 
     def make_drafter(runner: "ModelRunner") -> Drafter:
         lend_vocabulary(head, runner, copies)
-        return EagleDrafter(eagle_runner.EagleHeadRunner(args, head, runner.model, runner.pool))
+        drafter = EagleDrafter(eagle_runner.EagleHeadRunner(args, head, runner.model, runner.pool))
+        return with_ngram(args, drafter) if args.speculative_hybrid_ngram else drafter
 
     return DraftSetup(eagle_runner.kv_bytes_per_token(head, dtype), eagle_runner.target_capture(head), make_drafter)
 
 
 def fuses_chain(args: ServerArgs) -> bool:
     """Whether the drafter verifies and drafts in one fused step (fused_drafter.py): NAIVE_EAGLE
-    and MTP always, EAGLE / EAGLE3 when they draft a chain (top-k 1); EAGLE-2's trees do not."""
+    and MTP always, EAGLE / EAGLE3 when they draft a chain (top-k 1), unless drafts may come
+    from the n-gram trie too (speculative/hybrid/drafter.py says why); EAGLE-2's trees do not."""
     return args.speculative in FUSED_CHAIN_ALGORITHMS or (
-        args.speculative in ("EAGLE", "EAGLE3") and (args.speculative_eagle_topk or 1) == 1)
+        args.speculative in ("EAGLE", "EAGLE3") and (args.speculative_eagle_topk or 1) == 1
+        and not args.speculative_hybrid_ngram)
+
+
+def with_ngram(args: ServerArgs, head: Drafter) -> Drafter:
+    """--speculative-hybrid-ngram: the head's drafter and an n-gram trie, each request's step
+    drafted by either (speculative/hybrid/)."""
+    from specserve.speculative.hybrid.drafter import HybridDrafter
+    from specserve.speculative.ngram.drafter import NgramDrafter
+    return HybridDrafter(NgramDrafter.from_args(args), head, args.speculative_verify_size)
 
 
 def prepare_fused_chain(args: ServerArgs, target: ModelConfig, device: torch.device, dtype: torch.dtype,

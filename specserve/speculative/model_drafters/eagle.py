@@ -62,6 +62,10 @@ class EagleDrafter(Drafter, ProposalHints, ReadsHiddenStates):
     # H200, 1.5B at batch 1: a probe step took 5.4 ms against 1.25 ms; probing every 32nd plain
     # step cost ~10% where the head is not worth drafting (new requests are still probed at once)
     probe_every_at_most = 128
+    # False: every request's chain drafts the head's argmax (a deterministic function of the
+    # context, verified without a q): drafts that share a step with another source's, which
+    # has no q (speculative/hybrid/drafter.py), need it
+    sampled_drafts = True
 
     def __init__(self, runner: "EagleHeadRunner"):
         self.runner = runner
@@ -127,7 +131,7 @@ class EagleDrafter(Drafter, ProposalHints, ReadsHiddenStates):
             rows.append(ChainRow(tokens=seq.tokens[chain_start:end],
                                  slots=seq.slots[chain_start:end] + seq.slots[end:end + self.runner.draft_slots],
                                  req_row=seq.row, prefix_len=chain_start, seed=req.seed,
-                                 temperature=draft_temperature(req)))
+                                 temperature=draft_temperature(req) if self.sampled_drafts else 0.0))
             chain_features.append(fed[chain_start - first:])
         if lagging:
             self._catch_up(lagging)

@@ -1,0 +1,143 @@
+"""HybridDrafter: EAGLE / EAGLE3 with --speculative-hybrid-ngram. Each request's step drafts
+from the n-gram trie or from the head, whichever is expected to commit more
+(source_choice.py), and the batch's trees, of either source, are verified in one step.
+
+The trie proposes for the whole batch first (one call, microseconds); then the head drafts,
+in one forward, for the requests that chose it. A request that took the trie's draft gives
+its head nothing to do that step: the target's states of the tokens it commits wait in the
+head's store (EagleDrafter.observe_hidden) and the head is fed them at its next draft for
+the request, as after plain steps of the adaptive policy; its rows in the prefix cache are
+fed when it finishes (head_prefix_cache.py). The trie sees every prompt and every committed
+token, whichever source drafted.
+
+Both sources' drafts are deterministic functions of the context: the head drafts its argmax
+(top-k 1) or its top-k tree, never a sampled chain, whose q a step that also verifies trie
+drafts (which have none) could not carry (verify/rules.py verifies a batch with or without
+q). Sampled requests are verified exactly either way; sampled head drafts would only accept
+somewhat more often at high temperatures.
+
+The head here runs EagleDrafter's own chain, not the fused step that verifies and drafts in
+one device function (fused_drafter.py): the fused step launches the next chain from the
+device before the host chooses a source, so it cannot carry trees the host picked. Its speed
+on a GPU has not been measured.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from specserve.speculative.drafter import Drafter, ProposalHints, ReadsHiddenStates
+from specserve.speculative.hybrid.source_choice import HEAD, NGRAM, SourceChoice
+from specserve.verify.tree import TreeProposal
+
+if TYPE_CHECKING:
+    import torch
+
+    from specserve.request.req import Req
+    from specserve.speculative.model_drafters.eagle import EagleDrafter
+    from specserve.speculative.ngram.drafter import NgramDrafter
+
+
+class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates):
+    # a probe costs what the head's does where it drafts for any of the probed requests
+    probe_every = 16
+    probe_every_at_most = 128
+
+    def __init__(self, ngram: "NgramDrafter", head: "EagleDrafter", max_nodes: int):
+        self.ngram, self.head = ngram, head
+        head.sampled_drafts = False   # see the module docstring
+        self.max_nodes = max_nodes
+        self.choice = SourceChoice(max_nodes)
+        self._keys: list[int] = []
+        self.proposals = {NGRAM: 0, HEAD: 0}   # drafts proposed by each source, over all requests
+
+    # --- the two sources ---
+    def add_prompt(self, req: "Req") -> None:
+        self.ngram.add_prompt(req)
+        self.head.add_prompt(req)
+
+    def propose(self, reqs: list["Req"], max_nodes: list[int]) -> tuple[TreeProposal, list[int]]:
+        rids = [req.rid for req in reqs]
+        trie, trie_nodes = self.ngram.propose(reqs, max_nodes)
+        trie_keys = self.ngram.proposal_keys()
+        use_trie = self.choice.choose(rids, trie_nodes, trie_keys)
+        head, head_nodes = self.head.propose(reqs, [1 if t else m for t, m in zip(use_trie.tolist(), max_nodes)])
+        # a request the head could not draft for (its cache full) takes the trie's draft
+        use_trie |= np.asarray(head_nodes) <= 1
+        self.choice.record(rids, trie, trie_nodes, trie_keys, head, head_nodes)
+        proposal = merge_proposals(trie, head, use_trie)
+        num_nodes = proposal.num_nodes.tolist()
+        self._count(reqs, use_trie, num_nodes)
+        self._keys = self.choice.policy_keys(rids, use_trie, trie_keys)
+        return proposal, num_nodes
+
+    def _count(self, reqs: list["Req"], use_trie: np.ndarray, num_nodes: list[int]) -> None:
+        for req, trie, nodes in zip(reqs, use_trie.tolist(), num_nodes):
+            if nodes > 1:
+                source = NGRAM if trie else HEAD
+                self.proposals[source] += 1
+                req.spec.draft_sources[source] = req.spec.draft_sources.get(source, 0) + 1
+
+    def observe_hidden(self, reqs: list["Req"], starts: list[int], states: "torch.Tensor",
+                       rows: list[list[int]], owned: bool = False) -> None:
+        self.head.observe_hidden(reqs, starts, states, rows, owned)
+
+    def observe(self, req: "Req", committed: list[int]) -> None:
+        self.observe_batch([req], [committed])
+
+    def observe_batch(self, reqs: list["Req"], committed: list[list[int]]) -> None:
+        self.choice.observe_batch([req.rid for req in reqs], committed)
+        self.ngram.observe_batch(reqs, committed)
+        self.head.observe_batch(reqs, committed)
+
+    def flush(self) -> None:
+        self.ngram.flush()
+        self.head.flush()
+
+    def release(self, req: "Req") -> None:
+        self.choice.release(req.rid)
+        self.ngram.release(req)
+        self.head.release(req)
+
+    def preempted(self, req: "Req") -> None:
+        self.ngram.preempted(req)
+        self.head.preempted(req)
+
+    def close(self) -> None:
+        self.ngram.close()
+        self.head.close()
+
+    def scratch(self) -> "HybridDrafter":
+        """The trie's scratch and a fresh choice; the head keeps per-request state only."""
+        return HybridDrafter(self.ngram.scratch(), self.head.scratch(), self.max_nodes)
+
+    # --- what the adaptive policy asks ---
+    def proposal_keys(self) -> list[int]:
+        return self._keys
+
+    def probe_order(self, reqs: list["Req"]) -> list[int]:
+        return self.head.probe_order(reqs)
+
+    def ready_to_probe(self) -> bool:
+        return self.ngram.ready_to_probe()
+
+    def ready_to_draft(self) -> bool:
+        return self.ngram.ready_to_draft()
+
+
+def merge_proposals(trie: TreeProposal, head: TreeProposal, use_trie: np.ndarray) -> TreeProposal:
+    """Row i from `trie` where use_trie[i], else from `head`, padded to the wider of the two
+    (padding: token 0, parent -1). Neither carries a q (both sources draft deterministically)."""
+    assert trie.draft_probs is None and head.draft_probs is None
+    width = max(trie.num_slots, head.num_slots)
+    tokens = np.where(use_trie[:, None], _padded(trie.tokens, width, 0), _padded(head.tokens, width, 0))
+    parents = np.where(use_trie[:, None], _padded(trie.parents, width, -1), _padded(head.parents, width, -1))
+    num_nodes = np.where(use_trie, trie.num_nodes, head.num_nodes)
+    return TreeProposal(tokens, parents, num_nodes)
+
+
+def _padded(array: np.ndarray, width: int, fill: int) -> np.ndarray:
+    if array.shape[1] == width:
+        return array
+    return np.concatenate([array, np.full((array.shape[0], width - array.shape[1]), fill, dtype=array.dtype)], axis=1)

@@ -1,0 +1,93 @@
+"""SourceChoice: for each request's step, whether its draft comes from the n-gram trie or the
+EAGLE head, by which is expected to commit more.
+
+The evidence is measured, as the adaptive policy's is (adaptive/acceptance.py: a proposal's
+"shadow" is walked down the tokens the request commits next, which in greedy decoding do not
+depend on the drafts, so what any proposal would have committed is known):
+
+- the trie: per evidence class, the length of the matched suffix (NgramDrafter's keys: a
+  one-token match rarely pays, a long one often does; a class not measured yet borrows the
+  measure of the longest shorter match). The trie proposes for every request
+  of every drafting step whichever source is chosen (microseconds), so its classes learn from
+  every step, and the counts behind a match show in the class's measured acceptance (the
+  trie does not report them per proposal);
+- the head: per request (a head is good on some text and poor on other), from the steps it
+  drafted for the request, or the head's estimate over all requests before the request has one.
+
+A request drafts from the trie where it matched, its class (or a shorter match's) has been
+measured, and the class expects more tokens than the head does for the request; otherwise from the head (the source
+the user loaded). The head's estimate of a request moves only while the head drafts for it,
+so a request the trie has drafted for HEAD_RECHECK_STEPS steps in a row takes the head once.
+
+The adaptive policy prices both: `policy_keys` gives it evidence classes that tell the
+sources apart (the trie's classes, and the head's by its expected tokens for the request).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from specserve.speculative.adaptive.acceptance import AcceptanceEvidence
+from specserve.verify.tree import TreeProposal
+
+NGRAM, HEAD = "ngram", "head"
+# a request drafted by the trie this many steps in a row takes the head's drafts once, so
+# that its head estimate follows the text
+HEAD_RECHECK_STEPS = 16
+# the policy's evidence classes of head drafts: HEAD_KEY_BASE + twice the tokens the head is
+# expected to commit for the request (the trie's classes are match lengths, 0 .. 6)
+HEAD_KEY_BASE = 100
+HEAD_KEY_CAP = 32
+
+
+class SourceChoice:
+    def __init__(self, max_nodes: int):
+        """max_nodes: the largest draft a step verifies (the root included): both sources'
+        proposals are compared whole."""
+        self.max_nodes = max_nodes
+        self.ngram = AcceptanceEvidence([max_nodes])   # per match-length class
+        self.head = AcceptanceEvidence([max_nodes])    # per request
+        self._trie_streak: dict[str, int] = {}         # rid -> steps the trie drafted in a row
+
+    def expected_from_trie(self, key: int) -> float | None:
+        """Tokens a trie proposal of class `key` is expected to commit: its class's measure, or
+        that of the longest shorter match measured (a longer match is no weaker evidence); None
+        where no match this long or shorter has been measured."""
+        for shorter in range(key, -1, -1):
+            if self.ngram.knows(shorter):
+                return self.ngram.expected_tokens("", self.max_nodes, shorter)
+        return None
+
+    def expected_from_head(self, rid: str) -> float:
+        return self.head.expected_tokens(rid, self.max_nodes)
+
+    def choose(self, rids: list[str], trie_nodes: list[int], trie_keys: list[int]) -> np.ndarray:
+        """(bs,) bool: True where the request drafts from the trie this step."""
+        use_trie = np.zeros(len(rids), dtype=bool)
+        for i, (rid, nodes, key) in enumerate(zip(rids, trie_nodes, trie_keys)):
+            trie = self.expected_from_trie(key) if nodes > 1 else None
+            streak = self._trie_streak.get(rid, 0)
+            use_trie[i] = (trie is not None and streak < HEAD_RECHECK_STEPS
+                           and trie > self.expected_from_head(rid))
+            self._trie_streak[rid] = streak + 1 if use_trie[i] else 0
+        return use_trie
+
+    def record(self, rids: list[str], trie: TreeProposal, trie_nodes: list[int], trie_keys: list[int],
+               head: TreeProposal, head_nodes: list[int]) -> None:
+        """Every trie proposal, and the head's (those of the requests it drafted for), as
+        shadows to walk."""
+        self.ngram.record(rids, trie, trie_nodes, trie_keys)
+        self.head.record(rids, head, head_nodes)
+
+    def observe_batch(self, rids: list[str], committed: list[list[int]]) -> None:
+        self.ngram.observe_batch(rids, committed)
+        self.head.observe_batch(rids, committed)
+
+    def policy_keys(self, rids: list[str], use_trie: np.ndarray, trie_keys: list[int]) -> list[int]:
+        """The adaptive policy's evidence class of each request's draft."""
+        return [key if trie else HEAD_KEY_BASE + min(int(2 * self.expected_from_head(rid)), HEAD_KEY_CAP)
+                for rid, trie, key in zip(rids, use_trie.tolist(), trie_keys)]
+
+    def release(self, rid: str) -> None:
+        self.ngram.release(rid)
+        self.head.release(rid)
+        self._trie_streak.pop(rid, None)

@@ -1,0 +1,208 @@
+"""Hybrid drafting (--speculative-hybrid-ngram, speculative/hybrid/): an EAGLE-3 head and the
+n-gram trie, each request's step drafted by whichever is measured to commit more.
+
+Greedy output is plain decoding's with the prefix cache on and off (head chains and EAGLE-2
+trees, every step drafting or under the adaptive policy), and every target and head slot is
+free or cached afterwards; the trie drafts where the text repeats and the head where the trie
+has nothing; seeded sampling gives plain decoding's tokens; sampled output follows the
+target's distribution (chi-square) with both sources drafting in the same steps; flags
+outside EAGLE / EAGLE3 are refused naming the field. Random tiny targets and heads.
+"""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from specserve.args import ServerArgs
+from specserve.errors import ArgumentError
+from specserve.speculative.hybrid.drafter import merge_proposals
+from specserve.speculative.hybrid.source_choice import HEAD_RECHECK_STEPS, SourceChoice
+from specserve.verify.tree import TreeProposal
+from tests.fused_fixtures import save_random_eagle_head
+from tests.spec_fixtures import (assert_draft_pool_is_free, cached_draft_rows, make_tiny_directory, tiny_engine,
+                                 wait_until_all_kv_is_free)
+from tests.test_spec_sampling import (ALPHA, MAX_NEW_TOKENS, PROMPT, VOCAB, chi_square_p, exact_joint,
+                                      exact_step_logits)
+
+GREEDY = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}
+SEEDED = {"temperature": 0.8, "top_p": 0.95, "seed": 11, "max_new_tokens": 32, "ignore_eos": True}
+REPEATING = [20, 21, 22, 23] * 5          # the target's answer to it falls into a loop (92, 245, 92, ...)
+DISTINCT = list(range(30, 72))            # ... and to this one starts with tokens the prompt lacks
+PROMPTS = [[5, 6, 7, 8, 9] * 6 + [10, 11], REPEATING, DISTINCT, [100, 101] * 9]
+FOLLOW_UP = [3, 4, 5, 6]
+SHAPES = {"chain": {"speculative_num_steps": 3},
+          "tree": {"speculative_num_steps": 3, "speculative_eagle_topk": 2, "speculative_num_draft_tokens": 6}}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(target, head): a random 256-token target of HF's initialisation (its greedy answers
+    repeat themselves after a while), a random EAGLE-3 head over its even tokens."""
+    root = tmp_path_factory.mktemp("hybrid")
+    make_tiny_directory(root / "target", "llama", seed=1, weight_std=None)
+    save_random_eagle_head(root / "target", root / "head", algorithm="EAGLE3", draft_vocab=torch.arange(0, 256, 2))
+    return root / "target", root / "head"
+
+
+def hybrid_args(head, shape: str = "chain", adaptive: bool = False, **extra) -> dict:
+    return {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": str(head),
+            "speculative_hybrid_ngram": True, "speculative_disable_adaptive": not adaptive, **SHAPES[shape], **extra}
+
+
+def two_turns(engine, params: dict) -> list[dict]:
+    first = engine.generate(input_ids=PROMPTS, sampling_params=params)
+    seconds = [p + o["output_ids"] + FOLLOW_UP for p, o in zip(PROMPTS, first)]
+    return first + engine.generate(input_ids=seconds, sampling_params=params)
+
+
+def sources(outputs: list[dict]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for out in outputs:
+        for source, count in out["meta_info"].get("spec_draft_sources", {}).items():
+            total[source] = total.get(source, 0) + count
+    return total
+
+
+def wait_until_everything_is_free(engine) -> None:
+    """Every target slot and every head slot is free or the prefix cache's, exactly once."""
+    wait_until_all_kv_is_free(engine)
+    head = engine.core.drafter.head
+    assert not head.kv.sequences and head.states.held_rows == 0
+    assert_draft_pool_is_free(head.kv.pool, cached_draft_rows(engine))
+
+
+@pytest.fixture(scope="module")
+def plain(models):
+    with tiny_engine(models[0]) as engine:
+        return {"greedy": [o["output_ids"] for o in two_turns(engine, GREEDY)],
+                "seeded": [o["output_ids"] for o in two_turns(engine, SEEDED)]}
+
+
+@pytest.mark.parametrize("shape, adaptive", [("chain", False), ("tree", False), ("chain", True)],
+                         ids=["chain", "tree", "chain-adaptive"])
+@pytest.mark.parametrize("disable_radix_cache", [False, True], ids=["cached", "uncached"])
+def test_greedy_output_is_plain_decodings(models, plain, shape, adaptive, disable_radix_cache):
+    target, head = models
+    with tiny_engine(target, **hybrid_args(head, shape, adaptive), disable_radix_cache=disable_radix_cache) as engine:
+        outputs = two_turns(engine, GREEDY)
+        assert [o["output_ids"] for o in outputs] == plain["greedy"]
+        used = sources(outputs)
+        assert used.get("ngram", 0) > 0 and used.get("head", 0) > 0, used
+        assert used == engine.core.drafter.proposals
+        if not disable_radix_cache:
+            assert min(o["meta_info"]["cached_tokens"] for o in outputs[len(PROMPTS):]) > 0
+        wait_until_everything_is_free(engine)
+
+
+def test_seeded_sampling_is_plain_decodings(models, plain):
+    """The coupled rule: a seeded request samples plain decoding's tokens, whichever source drafted."""
+    target, head = models
+    with tiny_engine(target, **hybrid_args(head)) as engine:
+        outputs = two_turns(engine, SEEDED)
+        assert [o["output_ids"] for o in outputs] == plain["seeded"]
+        assert len(sources(outputs)) == 2
+        wait_until_everything_is_free(engine)
+
+
+def test_the_trie_drafts_where_the_text_repeats(models):
+    """The answer falls into a loop after ~20 tokens: there the trie drafts, and its long drafts
+    are accepted (a step commits more than the head's chain of 3 could), the random head's not."""
+    target, head = models
+    with tiny_engine(target, **hybrid_args(head)) as engine:
+        out = engine.generate(input_ids=REPEATING, sampling_params={**GREEDY, "max_new_tokens": 128})
+        used, histogram = out["meta_info"]["spec_draft_sources"], out["meta_info"]["spec_accept_histogram"]
+        assert used["ngram"] >= 10, used
+        assert sum(count for length, count in histogram.items() if length > 4) >= 8, histogram
+        assert out["meta_info"]["spec_accept_length"] > 3.0
+
+
+def test_the_head_drafts_where_the_trie_has_nothing(models):
+    target, head = models
+    with tiny_engine(target, **hybrid_args(head)) as engine:
+        out = engine.generate(input_ids=DISTINCT, sampling_params={**GREEDY, "max_new_tokens": 8})
+        used = out["meta_info"]["spec_draft_sources"]
+        # every step drafted, the head's drafts, but the last (one token left: nothing to draft)
+        assert list(used) == ["head"] and used["head"] == out["meta_info"]["spec_verify_ct"] - 1, used
+
+
+def test_the_choice_follows_measured_acceptance():
+    """A trie class that committed more than the head did for the request wins; the head
+    wins where the class is unmeasured or there is no match, and rechecks after a streak."""
+    choice = SourceChoice(4)
+    chain = TreeProposal.from_lists([([0, 1, 2, 3], [-1, 0, 1, 2])])
+    choice.record(["a"], chain, [4], [5], TreeProposal.from_lists([([0, 7, 8], [-1, 0, 1])]), [3])
+    assert choice.choose(["a"], [4], [5]).tolist() == [False]         # class 5 not measured yet
+    choice.observe_batch(["a"], [[1, 2, 3, 9]])                        # the trie's chain all accepted, the head's none
+    assert choice.expected_from_trie(5) > choice.expected_from_head("a")
+    picks = [choice.choose(["a"], [4], [5])[0] for _ in range(HEAD_RECHECK_STEPS + 1)]
+    assert picks == [True] * HEAD_RECHECK_STEPS + [False]
+    assert choice.choose(["a"], [1], [5]).tolist() == [False]          # no match: the head
+    assert choice.choose(["a"], [4], [2]).tolist() == [False]          # no class this short measured
+    assert choice.expected_from_trie(6) == choice.expected_from_trie(5)   # a longer match borrows class 5's
+
+
+def test_proposals_merge_row_by_row():
+    trie = TreeProposal.from_lists([([5, 1, 2, 3, 4], [-1, 0, 1, 2, 3]), ([6], [-1])])
+    head = TreeProposal.from_lists([([5, 9], [-1, 0]), ([6, 7, 8], [-1, 0, 0])])
+    merged = merge_proposals(trie, head, np.array([True, False]))
+    assert merged.num_nodes.tolist() == [5, 3]
+    assert merged.tokens.tolist() == [[5, 1, 2, 3, 4], [6, 7, 8, 0, 0]]
+    assert merged.parents.tolist() == [[-1, 0, 1, 2, 3], [-1, 0, 0, -1, -1]]
+
+
+def test_flags_outside_eagle_are_refused(models):
+    target, head = models
+    for algorithm in (None, "NGRAM", "STANDALONE", "NAIVE_EAGLE"):
+        extra = {"speculative_draft_model_path": str(head)} if algorithm not in (None, "NGRAM") else {}
+        with pytest.raises(ArgumentError, match="speculative_hybrid_ngram.*EAGLE or EAGLE3"):
+            ServerArgs(speculative_algorithm=algorithm, speculative_hybrid_ngram=True, **extra)
+    with pytest.raises(ArgumentError, match="speculative_hybrid_ngram"):
+        tiny_engine(target, speculative_algorithm="NGRAM", speculative_hybrid_ngram=True)
+    with pytest.raises(ArgumentError, match="speculative_ngram_max_bfs_breadth"):   # the trie's settings are checked
+        ServerArgs(**hybrid_args(head), speculative_ngram_min_bfs_breadth=4, speculative_ngram_max_bfs_breadth=2)
+    args = ServerArgs(**hybrid_args(head, speculative_num_draft_tokens=8))
+    assert args.speculative_verify_size == 8 and args.speculative_one_branch is False
+
+
+# ---- sampling: the target's distribution, with drafts from both sources in the same steps ----
+SAMPLES = 4000
+
+
+@pytest.fixture(scope="module")
+def letters(tmp_path_factory):
+    """test_spec_sampling's 16-token target (its exact distribution enumerable) and a random head for it."""
+    root = tmp_path_factory.mktemp("hybrid-letters")
+    model = make_tiny_directory(root / "target", "llama", vocab_size=VOCAB, tokenizer="letters", weight_std=None,
+                                logit_scale=20.0)
+    save_random_eagle_head(root / "target", root / "head", algorithm="EAGLE3")
+    return root / "target", root / "head", model.double()
+
+
+@pytest.mark.parametrize("rule", ["coupled", "rejection"])
+def test_sampled_output_follows_the_target_with_drafts_from_either_source(letters, rule):
+    """Half the requests (by id) take the trie's drafts, half the head's, in the same verify
+    steps; the first four tokens' joint distribution is the target's, with either rule."""
+    target, head, model = letters
+    with tiny_engine(target, **hybrid_args(head, speculative_num_draft_tokens=4), max_running_requests=1024,
+                     max_total_tokens=32768) as engine:
+        engine.core.sampler.sampling_rule = rule
+        drafter = engine.core.drafter
+        choose = drafter.choice.choose
+
+        def half_and_half(rids, trie_nodes, trie_keys):
+            choose(rids, trie_nodes, trie_keys)   # its bookkeeping
+            return np.array([nodes > 1 and zlib.crc32(rid.encode()) % 2 == 0 for rid, nodes in zip(rids, trie_nodes)])
+
+        drafter.choice.choose = half_and_half
+        params = [{"temperature": 1.0, "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True, "seed": i}
+                  for i in range(SAMPLES)]
+        outputs = engine.generate(input_ids=[PROMPT] * SAMPLES, sampling_params=params)
+        used = sources(outputs)
+        assert min(used.get("ngram", 0), used.get("head", 0)) > SAMPLES // 4, used
+        assert sum(o["meta_info"]["spec_accept_length"] > 1 for o in outputs) > SAMPLES // 4
+        wait_until_everything_is_free(engine)
+    p = chi_square_p(outputs, exact_joint(exact_step_logits(model), temperature=1.0))
+    assert p > ALPHA, f"chi-square p = {p:.3g}"
