@@ -19,7 +19,7 @@ import torch
 from specserve.args import ServerArgs
 from specserve.errors import ArgumentError
 from specserve.speculative.hybrid.drafter import merge_proposals
-from specserve.speculative.hybrid.source_choice import HEAD_RECHECK_STEPS, SourceChoice
+from specserve.speculative.hybrid.source_choice import HEAD_KEY_BASE, HEAD_KEY_CAP, HEAD_RECHECK_STEPS, SourceChoice
 from specserve.verify.tree import TreeProposal
 from tests.fused_fixtures import save_random_eagle_head
 from tests.spec_fixtures import (assert_draft_pool_is_free, cached_draft_rows, make_tiny_directory, tiny_engine,
@@ -94,6 +94,20 @@ def test_greedy_output_is_plain_decodings(models, plain, shape, adaptive, disabl
         assert used == engine.core.drafter.proposals
         if not disable_radix_cache:
             assert min(o["meta_info"]["cached_tokens"] for o in outputs[len(PROMPTS):]) > 0
+        if adaptive:   # the policy prices the sources apart: trie classes (match lengths) and head classes
+            known = [key for key in range(HEAD_KEY_BASE + HEAD_KEY_CAP + 1) if engine.core.adaptive.evidence.knows(key)]
+            assert min(known) < HEAD_KEY_BASE <= max(known), known
+        wait_until_everything_is_free(engine)
+
+
+def test_a_small_cache_preempts_and_evicts_without_changing_the_output(models, plain):
+    """A cache that holds one or two requests, prompts in chunks: requests are preempted (the
+    head forgets them, the trie does not) and cached prefixes evicted with their head rows."""
+    target, head = models
+    with tiny_engine(target, **hybrid_args(head, "tree"), max_total_tokens=160, chunked_prefill_size=16) as engine:
+        outputs = two_turns(engine, GREEDY)
+        assert [o["output_ids"] for o in outputs] == plain["greedy"]
+        assert sum(o["meta_info"]["preemptions"] for o in outputs) > 0
         wait_until_everything_is_free(engine)
 
 
@@ -131,7 +145,8 @@ def test_the_head_drafts_where_the_trie_has_nothing(models):
 def test_the_choice_follows_measured_acceptance():
     """A trie class that committed more than the head did for the request wins; the head
     wins where the class is unmeasured or there is no match, and rechecks after a streak."""
-    choice = SourceChoice(4)
+    choice = SourceChoice(4, head_depth=2)
+    assert choice.expected_from_head("a") == 3.0                      # before any measure: every head draft accepted
     chain = TreeProposal.from_lists([([0, 1, 2, 3], [-1, 0, 1, 2])])
     choice.record(["a"], chain, [4], [5], TreeProposal.from_lists([([0, 7, 8], [-1, 0, 1])]), [3])
     assert choice.choose(["a"], [4], [5]).tolist() == [False]         # class 5 not measured yet

@@ -48,7 +48,7 @@ class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates):
         self.ngram, self.head = ngram, head
         head.sampled_drafts = False   # see the module docstring
         self.max_nodes = max_nodes
-        self.choice = SourceChoice(max_nodes)
+        self.choice = SourceChoice(max_nodes, head.num_steps)
         self._keys: list[int] = []
         self.proposals = {NGRAM: 0, HEAD: 0}   # drafts proposed by each source, over all requests
 

@@ -40,10 +40,13 @@ HEAD_KEY_CAP = 32
 
 
 class SourceChoice:
-    def __init__(self, max_nodes: int):
+    def __init__(self, max_nodes: int, head_depth: int):
         """max_nodes: the largest draft a step verifies (the root included): both sources'
-        proposals are compared whole."""
+        proposals are compared whole. head_depth: the head's drafts' depth (its steps), which
+        bounds what they commit: the head's estimate starts there, every draft accepted, and
+        comes down as its drafts are measured."""
         self.max_nodes = max_nodes
+        self.head_most = head_depth + 1
         self.ngram = AcceptanceEvidence([max_nodes])   # per match-length class
         self.head = AcceptanceEvidence([max_nodes])    # per request
         self._trie_streak: dict[str, int] = {}         # rid -> steps the trie drafted in a row
@@ -58,7 +61,7 @@ class SourceChoice:
         return None
 
     def expected_from_head(self, rid: str) -> float:
-        return self.head.expected_tokens(rid, self.max_nodes)
+        return min(self.head.expected_tokens(rid, self.max_nodes), self.head_most)
 
     def choose(self, rids: list[str], trie_nodes: list[int], trie_keys: list[int]) -> np.ndarray:
         """(bs,) bool: True where the request drafts from the trie this step."""
