@@ -6,6 +6,10 @@ functions and under `if TYPE_CHECKING:`, relative imports, `importlib.import_mod
 with a literal name, and names a package re-exports lazily through its `__getattr__` (the
 arrow goes from the module that asks for the name to the module that defines it).
 
+Nor does any circle run between the package's folders (specserve/kv/, specserve/verify/,
+...; a loose module at the package root counts as a folder of its own): each folder is one
+floor, however its modules import one another.
+
 Floors, top down: the entry modules (`python -m specserve.X`, the package's own
 `__init__`), `server/`, `bench/` and `training/` (they run an `Engine`), then `engine/`;
 every other folder and loose module is a lower floor and may import none of those."""
@@ -198,6 +202,31 @@ def describe(component: list[str], circle: list[str], graph: dict[str, dict[str,
     return f"{len(component)} modules in one circle ({', '.join(component)}); e.g. {arrows} -> {circle[-1]}"
 
 
+def folder_of(name: str) -> str:
+    """The package folder a module lives in (specserve.kv for specserve.kv.pool, for
+    specserve.kv.parts.x and for specserve.kv itself); a loose module is its own."""
+    return ".".join(name.split(".")[:2])
+
+
+def folder_graph(graph: dict[str, dict[str, int]]) -> dict[str, dict[str, str]]:
+    """folder -> {folder it imports: "module:line" of the first import behind the arrow}."""
+    folders: dict[str, dict[str, str]] = {}
+    for importer, edges in sorted(graph.items()):
+        arrows = folders.setdefault(folder_of(importer), {})
+        for imported, line in sorted(edges.items()):
+            if folder_of(imported) != folder_of(importer):
+                arrows.setdefault(folder_of(imported), f"{importer}:{line}")
+                folders.setdefault(folder_of(imported), {})
+    return folders
+
+
+def folder_circles(graph: dict[str, dict[str, int]]) -> list[str]:
+    folders = folder_graph(graph)
+    return [f"{len(component)} folders in one circle ({', '.join(component)}); e.g. "
+            + " -> ".join(f"{a} ({folders[a][b]})" for a, b in zip(circle, circle[1:])) + f" -> {circle[-1]}"
+            for component, circle in circles(folders)]
+
+
 def upward_imports(graph: dict[str, dict[str, int]]) -> list[str]:
     return sorted(f"{importer}:{line} imports {imported}" for importer, edges in graph.items() if not is_upper(importer)
                   for imported, line in edges.items() if is_upper(imported))
@@ -206,6 +235,11 @@ def upward_imports(graph: dict[str, dict[str, int]]) -> list[str]:
 def test_no_import_circle():
     graph = import_graph(package_modules())
     found = [describe(component, circle, graph) for component, circle in circles(graph)]
+    assert found == [], "\n".join(found)
+
+
+def test_no_import_circle_between_folders():
+    found = folder_circles(import_graph(package_modules()))
     assert found == [], "\n".join(found)
 
 
@@ -258,6 +292,21 @@ def test_the_scan_finds_an_import_of_a_module_that_is_gone():
     modules = {"specserve.kv.pool": (ast.parse("def f():\n    from specserve.kv.gone import x\n"), False),
                "specserve.kv.ledger": (ast.parse("from specserve.kv.pool import f\n"), False)}
     assert missing_modules(modules, modules) == ["specserve.kv.pool:2 imports specserve.kv.gone"]
+
+
+def test_the_scan_finds_a_circle_between_folders_of_modules_in_none():
+    graph = graph_of({
+        "specserve.kv": "", "specserve.kv.pool": "from specserve.request.req import Req\n",
+        "specserve.kv.ledger": "", "specserve.request.req": "",
+        "specserve.request.slots": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                   "    from specserve.kv.ledger import KVLedger\n",
+    })
+    assert circles(graph) == []
+    assert folder_circles(graph) == [
+        "2 folders in one circle (specserve.kv, specserve.request); e.g. specserve.kv "
+        "(specserve.kv.pool:1) -> specserve.request (specserve.request.slots:3) -> specserve.kv"]
+    assert folder_of("specserve.kv") == folder_of("specserve.kv.parts.x") == "specserve.kv"
+    assert folder_of("specserve.cli") == "specserve.cli"
 
 
 def test_the_scan_finds_a_circle():

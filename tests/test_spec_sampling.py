@@ -26,8 +26,8 @@ import pytest
 import scipy.stats
 import torch
 
-from specserve.sampling import random as srandom
-from specserve.sampling.filters import apply_penalties
+from specserve.verify import random as srandom
+from specserve.verify.filters import apply_penalties
 import specserve.sampling.sampler
 from specserve.verify import rules
 from tests.spec_fixtures import ProposeSpy, make_tiny_directory, ngram_args, tiny_engine, wait_until_all_kv_is_free
@@ -51,7 +51,7 @@ ALPHA = 1e-4                          # seeds are fixed, but drafts depend on ba
 def filtered(logits: torch.Tensor, temperature: float, top_k: int = -1,
              top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Probabilities (..., V) as SamplingParams define them, written out independently of
-    specserve.sampling.filters, and a (...) mask of the rows whose top-k / top-p boundary is a
+    specserve.verify.filters, and a (...) mask of the rows whose top-k / top-p boundary is a
     near-tie that float32 could decide differently."""
     probs = torch.softmax(logits / temperature, dim=-1)
     sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)

@@ -10,8 +10,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specserve.sampling import random as srandom
-from specserve.sampling.filters import apply_sampling_filters
+from specserve.verify import random as srandom
+from specserve.verify.filters import apply_sampling_filters
 from specserve.verify import rules as verify_module
 from specserve.verify.rules import apply_penalties_to_tree, verify_greedy, verify_sampling
 from specserve.verify.tree import DraftTrees

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from specserve.sampling import random as srandom
+from specserve.verify import random as srandom
 from specserve.verify import rules as verify_module
 from specserve.verify.rules import verify_sampling
 from specserve.verify.tree import DraftTrees

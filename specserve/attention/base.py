@@ -22,7 +22,6 @@ import torch
 
 if TYPE_CHECKING:
     from specserve.kv.pool import KVPool
-    from specserve.model.hidden_capture import HiddenCapture
 
 
 class ForwardMode(enum.Enum):
@@ -48,7 +47,9 @@ class ForwardBatch:
     logits_indices: torch.Tensor     # (num_logits,) rows of the hidden states that get logits
     tree_mask: torch.Tensor | None = None   # VERIFY: (bs, n, n) bool, [b, i, j] = node i sees node j
     attn_metadata: Any = field(default=None)  # filled by AttentionBackend.plan
-    hidden_capture: "HiddenCapture | None" = None  # hidden states the model keeps besides the logits (EAGLE)
+    # hidden states the model keeps besides the logits (EAGLE): a model.hidden_capture.HiddenCapture,
+    # untyped here: the model's floor is above this one
+    hidden_capture: Any = None
     # VERIFY only: request b has extend_lens[b] nodes (1..n, n = tree_mask.shape[-1]), request
     # after request, and the tokens past their sum are padding of no request (out_slots
     # PADDING_SLOT; their attention output is zero). A graph's extend_lens vary per replay:

@@ -11,7 +11,7 @@ from collections import OrderedDict
 from typing import Any, Sequence
 
 from specserve.grammar.matcher import RequestGrammar
-from specserve.request.grammar_spec import GrammarSpec, _first_line
+from specserve.request.grammar_spec import GrammarSpec, first_line
 
 # whitespace characters a JSON schema allows between two tokens of JSON: enough for any
 # indentation a model writes, and a small model cannot loop on newlines until max_new_tokens
@@ -42,7 +42,7 @@ class GrammarCache:
         try:   # outside the lock: another request's cached grammar need not wait for this one
             compiled = _COMPILE[spec.kind](compiler, spec.text)
         except Exception as error:
-            raise ValueError(f"{spec.kind} could not be compiled: {_first_line(error)}") from None
+            raise ValueError(f"{spec.kind} could not be compiled: {first_line(error)}") from None
         with self._lock:
             self._compiled[spec.cache_key] = compiled
             while len(self._compiled) > self.max_entries:

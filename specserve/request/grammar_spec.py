@@ -52,14 +52,14 @@ def check_grammar(spec: GrammarSpec) -> None:
             json.loads(spec.text)
         parse(spec.text)
     except Exception as error:   # xgrammar raises RuntimeError / ValueError / its own kinds
-        raise ValueError(f"{spec.kind} is not a valid {_WHAT[spec.kind]}: {_first_line(error)}") from None
+        raise ValueError(f"{spec.kind} is not a valid {_WHAT[spec.kind]}: {first_line(error)}") from None
 
 
 _WHAT = {"json_schema": "JSON schema", "regex": "regular expression", "ebnf": "EBNF grammar",
          "structural_tag": "structural tag"}
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
     """xgrammar's messages start with a timestamp and a source location: keep what follows."""
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     if text.startswith("[") and ": " in text:

@@ -9,14 +9,10 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 from specserve.request.detokenizer import IncrementalDetokenizer
 from specserve.request.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from specserve.grammar.matcher import RequestGrammar
-    from specserve.kv.radix_cache import TreeNode
 
 
 class ReqState(enum.Enum):
@@ -104,7 +100,9 @@ class Req:
     length_cap_message: str | None = None
     return_logprob: bool = False
     top_logprobs_num: int = 0
-    grammar: RequestGrammar | None = None      # structured output: advanced with every committed token
+    # structured output, advanced with every committed token: a grammar.matcher.RequestGrammar
+    # (the fields of other floors' types are untyped here: every floor imports this one)
+    grammar: Any = None
     arrival_time: float = field(default_factory=time.perf_counter)
     # filled by the scheduler
     state: ReqState = ReqState.WAITING
@@ -112,7 +110,7 @@ class Req:
     row: int | None = None                     # row of req_to_token while RUNNING
     kv_slots: list[int] = field(default_factory=list)   # slots of cached tokens, by position
     cached_len: int = 0                        # leading kv_slots held by the prefix cache (kv/ledger.py)
-    cache_node: TreeNode | None = None         # the prefix cache's node whose lock keeps them
+    cache_node: Any = None                     # the prefix cache's node whose lock keeps them (kv.radix_cache.TreeNode)
     cached_tokens: int = 0                     # prompt tokens served from the prefix cache at admission
     preemptions: int = 0
     # filled at commit

@@ -12,7 +12,7 @@ exact sample of the target's (filtered) distribution, whatever the drafts. Two r
   speculation, at any draft size (`_verify_coupled`);
 - residual rejection (`_verify_rejection`), for drafts drawn from a distribution q.
 Random numbers are keyed by (seed, position of the token being decided, salt, index), see
-specserve/sampling/random.py.
+specserve/verify/random.py.
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.sampling.filters import apply_penalties, apply_sampling_filters
-from specserve.sampling.random import SALT_ACCEPT, SALT_TOKEN, exponential_race, uniform_at
+from specserve.verify.filters import apply_penalties, apply_sampling_filters
+from specserve.verify.random import SALT_ACCEPT, SALT_TOKEN, exponential_race, uniform_at
 from specserve.verify.tree import DraftTrees
 
 

@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from specserve.sampling import random as srandom
+from specserve.verify import random as srandom
 from specserve.verify.rules import apply_penalties_to_tree, verify_greedy, verify_sampling
 from specserve.verify.tree import DraftTrees
 from tests.test_verify import random_trees

@@ -35,8 +35,8 @@ import torch
 
 from specserve.attention.base import ForwardBatch, ForwardMode
 from specserve.kv.pool import PADDING_SLOT, KVPool
-from specserve.sampling.filters import apply_sampling_filters
-from specserve.sampling.random import SALT_DRAFT, exponential_race
+from specserve.verify.filters import apply_sampling_filters
+from specserve.verify.random import SALT_DRAFT, exponential_race
 
 
 class ChainModel(Protocol):
