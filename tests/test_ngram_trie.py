@@ -342,8 +342,8 @@ def reference_nodes(trie: ReferenceTrie) -> dict[int, tuple[int, int, int, int]]
     nodes, stack = {}, [0]
     while stack:
         node = stack.pop()
-        for token, child in (trie._children[node] or {}).items():
-            nodes[child] = (token, node, trie._count[child], trie._stamp[child])
+        for token, child in (trie.nodes.children[node] or {}).items():
+            nodes[child] = (token, node, trie.nodes.count[child], trie.nodes.stamp[child])
             stack.append(child)
     return nodes
 
