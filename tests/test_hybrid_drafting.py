@@ -196,27 +196,41 @@ def letters(tmp_path_factory):
     return root / "target", root / "head", model.double()
 
 
-@pytest.mark.parametrize("rule", ["coupled", "rejection"])
-def test_sampled_output_follows_the_target_with_drafts_from_either_source(letters, rule):
+@pytest.mark.parametrize("split, rule", [("half", "coupled"), ("half", "rejection"), ("head", "rejection")])
+def test_sampled_output_follows_the_target_with_drafts_from_either_source(letters, split, rule):
     """Half the requests (by id) take the trie's drafts, half the head's, in the same verify
-    steps; the first four tokens' joint distribution is the target's, with either rule."""
+    steps (the head's argmax chains there: no q), or every request the head's (chains sampled
+    from q, verified with it). The first four tokens' joint distribution is the target's.
+    Unseeded requests: a seeded one's chain is always the head's argmax."""
     target, head, model = letters
     with tiny_engine(target, **hybrid_args(head, speculative_num_draft_tokens=4), max_running_requests=1024,
                      max_total_tokens=32768) as engine:
         engine.core.sampler.sampling_rule = rule
         drafter = engine.core.drafter
-        choose = drafter.choice.choose
+        choose, propose, steps = drafter.choice.choose, drafter.head.propose, []
 
-        def half_and_half(rids, trie_nodes, trie_keys):
+        def forced(rids, trie_nodes, trie_keys):
             choose(rids, trie_nodes, trie_keys)   # its bookkeeping
-            return np.array([nodes > 1 and zlib.crc32(rid.encode()) % 2 == 0 for rid, nodes in zip(rids, trie_nodes)])
+            use_trie = np.array([split == "half" and nodes > 1 and zlib.crc32(rid.encode()) % 2 == 0
+                                 for rid, nodes in zip(rids, trie_nodes)])
+            steps.append([use_trie.any(), None])
+            return use_trie
 
-        drafter.choice.choose = half_and_half
-        params = [{"temperature": 1.0, "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True, "seed": i}
-                  for i in range(SAMPLES)]
+        def head_propose(reqs, max_nodes):   # whether the head's drafts came with their q
+            proposal, num_nodes = propose(reqs, max_nodes)
+            steps[-1][1] = proposal.draft_probs is not None if max(num_nodes) > 1 else None
+            return proposal, num_nodes
+
+        drafter.choice.choose, drafter.head.propose = forced, head_propose
+        params = [{"temperature": 1.0, "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True}] * SAMPLES
         outputs = engine.generate(input_ids=[PROMPT] * SAMPLES, sampling_params=params)
         used = sources(outputs)
-        assert min(used.get("ngram", 0), used.get("head", 0)) > SAMPLES // 4, used
+        if split == "half":
+            assert min(used.get("ngram", 0), used.get("head", 0)) > SAMPLES // 4, used
+        else:
+            assert list(used) == ["head"], used
+        drafted = [(trie, sampled) for trie, sampled in steps if sampled is not None]
+        assert drafted and all(sampled == (not trie) for trie, sampled in drafted), drafted
         assert sum(o["meta_info"]["spec_accept_length"] > 1 for o in outputs) > SAMPLES // 4
         wait_until_everything_is_free(engine)
     p = chi_square_p(outputs, exact_joint(exact_step_logits(model), temperature=1.0))

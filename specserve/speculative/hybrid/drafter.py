@@ -10,11 +10,12 @@ the request, as after plain steps of the adaptive policy; its rows in the prefix
 fed when it finishes (head_prefix_cache.py). The trie sees every prompt and every committed
 token, whichever source drafted.
 
-Both sources' drafts are deterministic functions of the context: the head drafts its argmax
-(top-k 1) or its top-k tree, never a sampled chain, whose q a step that also verifies trie
-drafts (which have none) could not carry (verify/rules.py verifies a batch with or without
-q). Sampled requests are verified exactly either way; sampled head drafts would only accept
-somewhat more often at high temperatures.
+A step that verifies trie drafts verifies deterministic drafts only: the head then drafts
+its argmax (top-k 1) or its top-k tree, not a sampled chain, whose q could not share a step
+with trie drafts, which have none (verify/rules.py verifies a batch with or without q).
+Where no request of the step takes the trie's draft, the head drafts as EAGLE alone does
+(sampled requests' chains sampled, with their q). Sampled requests are verified exactly
+either way.
 
 The head here runs EagleDrafter's own chain, not the fused step that verifies and drafts in
 one device function (fused_drafter.py): the fused step launches the next chain from the
@@ -46,7 +47,6 @@ class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates):
 
     def __init__(self, ngram: "NgramDrafter", head: "EagleDrafter", max_nodes: int):
         self.ngram, self.head = ngram, head
-        head.sampled_drafts = False   # see the module docstring
         self.max_nodes = max_nodes
         self.choice = SourceChoice(max_nodes, head.num_steps)
         self._keys: list[int] = []
@@ -62,9 +62,10 @@ class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates):
         trie, trie_nodes = self.ngram.propose(reqs, max_nodes)
         trie_keys = self.ngram.proposal_keys()
         use_trie = self.choice.choose(rids, trie_nodes, trie_keys)
+        self.head.sampled_drafts = not use_trie.any()   # see the module docstring
         head, head_nodes = self.head.propose(reqs, [1 if t else m for t, m in zip(use_trie.tolist(), max_nodes)])
-        # a request the head could not draft for (its cache full) takes the trie's draft
-        use_trie |= np.asarray(head_nodes) <= 1
+        if head.draft_probs is None:   # a request the head could not draft for (its cache full) takes the trie's
+            use_trie |= np.asarray(head_nodes) <= 1
         self.choice.record(rids, trie, trie_nodes, trie_keys, head, head_nodes)
         proposal = merge_proposals(trie, head, use_trie)
         num_nodes = proposal.num_nodes.tolist()
@@ -128,8 +129,10 @@ class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates):
 
 def merge_proposals(trie: TreeProposal, head: TreeProposal, use_trie: np.ndarray) -> TreeProposal:
     """Row i from `trie` where use_trie[i], else from `head`, padded to the wider of the two
-    (padding: token 0, parent -1). Neither carries a q (both sources draft deterministically)."""
-    assert trie.draft_probs is None and head.draft_probs is None
+    (padding: token 0, parent -1). Only a proposal of the head's alone may carry a q."""
+    if not use_trie.any():
+        return head
+    assert head.draft_probs is None, "a sampled head draft shares a step with trie drafts"
     width = max(trie.num_slots, head.num_slots)
     tokens = np.where(use_trie[:, None], _padded(trie.tokens, width, 0), _padded(head.tokens, width, 0))
     parents = np.where(use_trie[:, None], _padded(trie.parents, width, -1), _padded(head.parents, width, -1))
