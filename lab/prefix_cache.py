@@ -39,8 +39,8 @@ from typing import Iterator
 
 import torch
 
+from lab.ttft_breakdown import StepTrace, fit_prefill_cost, format_breakdown, format_prefill_cost
 from specserve.args import ServerArgs
-from specserve.bench.ttft_breakdown import StepTrace, fit_prefill_cost, format_breakdown, format_prefill_cost
 from specserve.cli import ArgumentParser, check_file, setup_logging, stage
 
 WORKLOADS = ("multiturn", "system-prompt", "unique")

@@ -1,11 +1,11 @@
 """A benchmark of specserve/bench run with the host's time per step split by phase: every
-RunWatch it makes, and bench.step_cost's step loop, time their steps with HostPhases (where
+RunWatch it makes, and lab.step_cost's step loop, time their steps with HostPhases (where
 a step's host time goes, and how long the host waited for the GPU), which the benchmarks
 leave off: it wraps the device's waits and launches, which costs every step some time.
 
     python -m lab.suite_host_phases specserve.bench.gpu_suite --models-dir /root/models ...
     python -m lab.suite_host_phases specserve.bench.model_drafters --algorithm EAGLE3 ...
-    python -m lab.suite_host_phases specserve.bench.step_cost --batch-sizes 1 --sizes 1 8
+    python -m lab.suite_host_phases lab.step_cost --batch-sizes 1 --sizes 1 8
 
 Each run's row then carries `host_us_per_step`: microseconds per step by kind and phase.
 """
@@ -16,8 +16,8 @@ import importlib
 import sys
 from typing import Iterator
 
+from lab import step_cost
 from lab.host_phases import HostPhases
-from specserve.bench import step_cost
 from specserve.bench.run_watch import RunWatch
 
 

@@ -108,9 +108,9 @@ if [ "$mode" = checks ] || [ "$mode" = all ]; then
   done
 fi
 if [ "$mode" = step-cost ]; then
-  python3 -m lab.suite_host_phases specserve.bench.step_cost --batch-sizes 1 8 --sizes 1 4 8 --steps 60 \
+  python3 -m lab.suite_host_phases lab.step_cost --batch-sizes 1 8 --sizes 1 4 8 --steps 60 \
     --out "$OUT/step_cost" 2>&1 | grep '^{' | tail -20
-  python3 -m lab.suite_host_phases specserve.bench.step_cost --algorithm EAGLE3 --num-steps 3 --batch-sizes 1 8 \
+  python3 -m lab.suite_host_phases lab.step_cost --algorithm EAGLE3 --num-steps 3 --batch-sizes 1 8 \
     --steps 60 --out "$OUT/step_cost_eagle3" 2>&1 | grep '^{' | tail -20
 fi
 if [ "$mode" = standalone ]; then

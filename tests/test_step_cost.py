@@ -1,4 +1,4 @@
-"""bench.step_cost on the CPU: a tiny random target and a random EAGLE-3 head written in the
+"""lab.step_cost on the CPU: a tiny random target and a random EAGLE-3 head written in the
 checkpoint layout, the plain / verify / fused-step rows of both engines, and the split of
 a fused step's GPU time (from rows as the GPU writes them)."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from specserve.bench import step_cost
-from specserve.bench.random_head import write_random_eagle3_head
+from lab import step_cost
+from lab.random_head import write_random_eagle3_head
 from specserve.bench.random_model import SHAPES
 from specserve.speculative.heads.eagle_checkpoint import load_head
 

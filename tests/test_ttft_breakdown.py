@@ -1,4 +1,4 @@
-"""The TTFT breakdown (bench/ttft_breakdown.py) on scripted steps, and the prefix-cache
+"""The TTFT breakdown (lab/ttft_breakdown.py) on scripted steps, and the prefix-cache
 benchmark (lab/prefix_cache.py) end to end on SmolLM2: one engine runs both modes, the
 modes alternate across rounds, and each phase's TTFT splits into queue + prefill."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from lab import prefix_cache
-from specserve.bench.ttft_breakdown import StepTrace, fit_prefill_cost
+from lab.ttft_breakdown import StepTrace, fit_prefill_cost
 from specserve.request.req import Batch
 
 
@@ -76,7 +76,7 @@ def test_prefill_cost_fit_separates_fixed_and_per_token_cost():
     fit = fit_prefill_cost(steps)
     assert fit["fixed_s"] == pytest.approx(0.020) and fit["per_token_s"] == pytest.approx(1e-5)
     assert fit_prefill_cost([(100, 0.02), (100, 0.03)]) == {}
-    lengths = [16, 100, 300, 1000, 2000]   # bench.prefill_cost's default lengths: 20 ms + 6 us per token
+    lengths = [16, 100, 300, 1000, 2000]   # lab.prefill_cost's default lengths: 20 ms + 6 us per token
     fit = fit_prefill_cost([(n, 0.020 + 6e-6 * n) for n in lengths])
     assert fit["fixed_s"] == pytest.approx(0.020) and fit["per_token_s"] == pytest.approx(6e-6)
 

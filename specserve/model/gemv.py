@@ -37,7 +37,7 @@ from specserve.pdl import uses_pdl
 
 logger = logging.getLogger(__name__)
 
-ENABLED = True  # False: one-row matmuls go to cuBLAS like any other (the A/B of bench.decode_profile)
+ENABLED = True  # False: one-row matmuls go to cuBLAS like any other (the A/B of lab.decode_profile)
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages): small row blocks, long K chunks and deeper
 # pipelining keep more loads in flight; which wins depends on the shape and the GPU

@@ -2,7 +2,7 @@
 
 An eager prefill step is host-bound for prompts up to a few thousand tokens: the forward of
 Qwen2.5-Coder-1.5B launches ~320 kernels through ~300 module calls, 11 ms of host time for
-a step whose GPU work takes 3 ms at 100 tokens (H100, `bench.prefill_cost`, 2026-11-24).
+a step whose GPU work takes 3 ms at 100 tokens (H100, `lab.prefill_cost`, 2026-11-24).
 Every prefill step paid it: a turn's time to first token, and the prefill steps of a busy
 server (~45% of its time at concurrency 64).
 

@@ -75,7 +75,7 @@ def generating_engine(args: argparse.Namespace, device: torch.device, dtype: tor
 
 @contextlib.contextmanager
 def _one_row_matmuls_on_cublas(device: torch.device) -> Iterator[None]:
-    """No GEMV autotune (see the module docstring): gemv.ENABLED, bench.decode_profile's switch."""
+    """No GEMV autotune (see the module docstring): gemv.ENABLED, lab.decode_profile's switch."""
     if device.type != "cuda":
         yield
         return

@@ -1,6 +1,6 @@
 """What one decode, verify or fused EAGLE-3 step costs, by batch size and draft size, on a
 real model's shapes with random weights (no checkpoint or head to stage):
-`python -m specserve.bench.step_cost --shape qwen2.5-coder-1.5b --batch-sizes 1 8 32 64 --sizes 1 4 8 16`.
+`python -m lab.step_cost --shape qwen2.5-coder-1.5b --batch-sizes 1 8 32 64 --sizes 1 4 8 16`.
 
 For each (batch size, step) the engine's own step loop runs requests whose drafter always
 proposes a full chain of that size (size 1: plain decoding, on the overlap schedule), and
@@ -11,7 +11,7 @@ a step costs. With `--kernels N` a row also counts the kernel launches of its gr
 sums their times (torch.profiler) and lists the N slowest kernels: issue 10's comparison of
 a verify step with a plain one is
 `--batch-sizes 1 8 --sizes 1 8 16 --steps 100 --kernels 40`. Run through
-`python -m lab.suite_host_phases specserve.bench.step_cost ...`, a row also has the host's
+`python -m lab.suite_host_phases lab.step_cost ...`, a row also has the host's
 microseconds per step by phase (lab/host_phases.py: the schedule, the launch, the read
 and the wait for the GPU in it, the commit): where the host time a verify step does not
 hide goes (H200, random 1.5B, batch 1: 0.2-0.45 ms a step, session 24).
@@ -40,9 +40,9 @@ from typing import Callable
 import numpy as np
 import torch
 
+from lab.decode_profile import events_time_us, kernel_times
+from lab.random_head import write_random_eagle3_head
 from specserve.attention.triton_backend import TritonBackend
-from specserve.bench.decode_profile import events_time_us, kernel_times
-from specserve.bench.random_head import write_random_eagle3_head
 from specserve.bench.random_model import SHAPES, write_random_model
 from specserve.speculative.drafter import Drafter
 from specserve.verify.tree import TreeProposal

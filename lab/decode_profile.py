@@ -1,5 +1,5 @@
 """Where a batch-1 decode step of a real-size model spends its time on the GPU, without
-staging a checkpoint: `python -m specserve.bench.decode_profile --shape qwen2.5-coder-1.5b`.
+staging a checkpoint: `python -m lab.decode_profile --shape qwen2.5-coder-1.5b`.
 
 Prints (and writes to $OUT/decode_profile.jsonl): the copy bandwidth; each linear layer's
 one-row matmul time and bandwidth, cuBLAS against the Triton GEMV at several tile sizes

@@ -1,5 +1,5 @@
 """What a prefill step costs, by prompt length, on a real model's shapes with random weights
-(no checkpoint to stage): `python -m specserve.bench.prefill_cost --shape qwen2.5-coder-1.5b
+(no checkpoint to stage): `python -m lab.prefill_cost --shape qwen2.5-coder-1.5b
 --lengths 16 100 300 1000 2000`.
 
 For each length one request of that many tokens is prefilled by the engine's own step loop
@@ -19,8 +19,8 @@ import time
 
 import torch
 
+from lab.ttft_breakdown import fit_prefill_cost, format_prefill_cost
 from specserve.bench.random_model import SHAPES, write_random_model
-from specserve.bench.ttft_breakdown import fit_prefill_cost, format_prefill_cost
 
 
 def synchronize() -> None:
