@@ -235,3 +235,19 @@ def test_sampled_output_follows_the_target_with_drafts_from_either_source(letter
         wait_until_everything_is_free(engine)
     p = chi_square_p(outputs, exact_joint(exact_step_logits(model), temperature=1.0))
     assert p > ALPHA, f"chi-square p = {p:.3g}"
+
+
+def test_the_warmup_leaves_the_hybrid_drafter_as_it_found_it(models):
+    """The start-up warm-up (a GPU engine's; handed a small plan here) drafts through a scratch
+    hybrid drafter: afterwards the trie holds none of its prompts, the head none of its rows,
+    and outputs are a cold engine's."""
+    from tests.test_warmup import EVERY_PHASE, planned_warmup
+    target, head = models
+    args = {**hybrid_args(head, adaptive=True, speculative_num_draft_tokens=4), "chunked_prefill_size": 24}
+    with tiny_engine(target, **args) as cold:
+        expected = [o["output_ids"] for o in two_turns(cold, GREEDY)]
+        with planned_warmup(EVERY_PHASE) as reports, tiny_engine(target, **args) as warm:
+            assert reports[0].steps >= 30 and "trees of 2/4 nodes" in reports[0].summary()
+            assert warm.core.drafter.ngram.trie.num_nodes() == 0 and not warm.core.drafter.head.kv.sequences
+            assert [o["output_ids"] for o in two_turns(warm, GREEDY)] == expected
+            wait_until_everything_is_free(warm)
