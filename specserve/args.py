@@ -214,12 +214,12 @@ class ServerArgs:
     def _check_speculative(self) -> None:
         self._resolve_speculative_defaults()
         algorithm = self.speculative_algorithm
+        if algorithm is None:   # every speculative setting idles without speculation (--compare-plain's engine)
+            return
         if self.speculative_hybrid_ngram and self.speculative not in HYBRID_ALGORITHMS:
             raise ArgumentError(f"speculative_hybrid_ngram drafts from an EAGLE head or the n-gram trie: it needs "
                                 f"speculative_algorithm {' or '.join(HYBRID_ALGORITHMS)} (and "
                                 f"speculative_draft_model_path), got {algorithm!r}")
-        if algorithm is None:
-            return
         if algorithm.upper() not in SPECULATIVE_ALGORITHMS:
             raise ArgumentError(f"speculative_algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)}; "
                                 f"got {algorithm!r}")

@@ -170,14 +170,16 @@ def test_proposals_merge_row_by_row():
 
 def test_flags_outside_eagle_are_refused(models):
     target, head = models
-    for algorithm in (None, "NGRAM", "STANDALONE", "NAIVE_EAGLE"):
-        extra = {"speculative_draft_model_path": str(head)} if algorithm not in (None, "NGRAM") else {}
+    for algorithm in ("NGRAM", "LOOKAHEAD", "STANDALONE", "NAIVE_EAGLE", "MTP"):
+        extra = {"speculative_draft_model_path": str(head)} if algorithm not in ("NGRAM", "LOOKAHEAD") else {}
         with pytest.raises(ArgumentError, match="speculative_hybrid_ngram.*EAGLE or EAGLE3"):
             ServerArgs(speculative_algorithm=algorithm, speculative_hybrid_ngram=True, **extra)
     with pytest.raises(ArgumentError, match="speculative_hybrid_ngram"):
         tiny_engine(target, speculative_algorithm="NGRAM", speculative_hybrid_ngram=True)
     with pytest.raises(ArgumentError, match="speculative_ngram_max_bfs_breadth"):   # the trie's settings are checked
         ServerArgs(**hybrid_args(head), speculative_ngram_min_bfs_breadth=4, speculative_ngram_max_bfs_breadth=2)
+    # without speculation it idles, as every speculative setting does (--compare-plain's plain engine)
+    assert ServerArgs(**hybrid_args(head)).replace(speculative_algorithm=None).speculative is None
     args = ServerArgs(**hybrid_args(head, speculative_num_draft_tokens=8))
     assert args.speculative_verify_size == 8 and args.speculative_one_branch is False
 
