@@ -108,11 +108,6 @@ def uniform_at(seeds: torch.Tensor, positions: torch.Tensor, salt: int, index: t
     return _stream(key, index, dtype)
 
 
-def uniform_per_row(seeds: torch.Tensor, positions: torch.Tensor, salt: int) -> torch.Tensor:
-    """One float32 uniform in (0, 1) per row: (bs,) (or positions' shape)."""
-    return uniform(seeds, positions, salt)
-
-
 # Tokens per block of the two-level race. Part of the sampling rule: changing it changes
 # which token a seed gives (like changing the hash), never the distribution.
 RACE_BLOCK = 256

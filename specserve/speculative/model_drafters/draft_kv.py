@@ -220,10 +220,6 @@ class DraftKVTable:
     def own_slots(self) -> dict[str, list[int]]:
         return {rid: seq.slots[seq.shared:] for rid, seq in self.sequences.items()}
 
-    def slots_held(self) -> int:
-        """Slots the requests hold alone (not the prefix cache's)."""
-        return sum(len(seq.slots) - seq.shared for seq in self.sequences.values())
-
     def write_table(self) -> None:
         """One req_to_token write for every slot handed out since the last call."""
         rows, positions, slots = [], [], []
