@@ -10,8 +10,8 @@ TTFT = queue + prefill:
 With prompt tokens served from the prefix cache, `own` should shrink with the uncached
 tokens; if it does not, a prefill step's cost is a fixed one the cache cannot remove.
 
-`StepTrace` wraps one engine core's `step` and its scheduler's `schedule` (a benchmark's
-instrument: the engine itself is unchanged) and keeps a `RequestTrace` per request id. It
+`StepTrace` listens to one engine core's step events (engine/step_events.py) and keeps a
+`RequestTrace` per request id. It
 also keeps every prefill step's (tokens, wall time) and fits fixed + per-token cost to
 them (`prefill_cost`): where the fixed part dominates, computing fewer tokens saves little.
 """
@@ -21,6 +21,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from specserve.engine.step_events import StepListener
 from specserve.request.req import Req
 
 
@@ -44,7 +45,7 @@ class RequestTrace:
         return self.first_token_s - self.first_chunk_s
 
 
-class StepTrace:
+class StepTrace(StepListener):
     """Per-request TTFT breakdown of every request an engine core runs while attached."""
 
     def __init__(self, core):
@@ -53,25 +54,21 @@ class StepTrace:
         self._chunks: dict[str, tuple[Req, int]] = {}          # this step's prompt chunks (request, tokens) by id
         self.prefill_steps: list[tuple[int, float]] = []          # (prompt tokens, seconds) of steps without decoding
         self._decoding = 0                                       # requests the step being scheduled decodes
-        self._schedule, self._step = core.scheduler.schedule, core.step
-        core.scheduler.schedule = self._traced_schedule
-        core.step = self._traced_step
+        self._start = 0.0
+        core.events.add(self)
 
-    def _traced_schedule(self):
-        batch = self._schedule()
-        if batch is not None and batch.is_extend:
+    def step_began(self) -> None:
+        self._chunks, self._decoding = {}, 0
+        self._start = time.perf_counter()
+
+    def step_scheduled(self, batch) -> None:
+        if batch.is_extend:
             self._chunks = {req.rid: (req, length) for req, length in zip(batch.reqs, batch.extend_lens)
                             if req.first_token_time is None}   # decoding requests of a mixed step have theirs
             self._decoding = len(batch.reqs) - len(self._chunks)
-        return batch
 
-    def _traced_step(self):
-        self._chunks, self._decoding = {}, 0
-        start = time.perf_counter()
-        try:
-            return self._step()
-        finally:
-            self._record(start, time.perf_counter())
+    def step_ended(self) -> None:
+        self._record(self._start, time.perf_counter())
 
     def _record(self, start: float, end: float) -> None:
         chunks, self._chunks = self._chunks, {}

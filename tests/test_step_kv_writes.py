@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from specserve.engine.step_events import StepListener
 from tests.spec_fixtures import (make_tiny_directory, ngram_args, plain_greedy_outputs, tiny_engine,
                                  wait_until_all_kv_is_free)
 
@@ -36,7 +37,7 @@ def plain_outputs(model_dir) -> list[list[int]]:
     return plain_greedy_outputs(model_dir, PROMPTS, GREEDY)
 
 
-class TableWriteSpy:
+class TableWriteSpy(StepListener):
     """In the engine's thread: counts the writes into req_to_token per decode step and, after each step, compares every running request's table row with
     its slot list."""
 
@@ -46,20 +47,20 @@ class TableWriteSpy:
         self.batch_sizes: list[int] = []
         self.mismatches: list[str] = []
         self._writes = 0
+        self._decoding: int | None = None   # the batch size of the decode step in progress
         pool.write_entries_async = self._counting(pool.write_entries_async)  # the scheduler's only table write
-        original_run = core._run
+        core.events.add(self)
 
-        def run_decode(batch):
-            if batch.is_extend:
-                return original_run(batch)
-            self._writes = 0
-            outputs = original_run(batch)
+    def step_scheduled(self, batch):
+        self._decoding = None if batch.is_extend else len(batch.reqs)
+        self._writes = 0
+
+    def step_committed(self, outputs):
+        if self._decoding is not None:
             self.writes_per_step.append(self._writes)
-            self.batch_sizes.append(len(batch.reqs))
+            self.batch_sizes.append(self._decoding)
             self._check_table()
-            return outputs
-
-        core._run = run_decode
+            self._decoding = None
 
     def _counting(self, method):
         def counted(*args, **kwargs):

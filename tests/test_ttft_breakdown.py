@@ -10,6 +10,7 @@ import pytest
 
 from lab import prefix_cache
 from lab.ttft_breakdown import StepTrace, fit_prefill_cost
+from specserve.engine.step_events import StepEvents
 from specserve.request.req import Batch
 
 
@@ -18,22 +19,21 @@ def _req(rid: str) -> SimpleNamespace:
 
 
 class ScriptedCore:
-    """A core whose steps run a fixed list of (batch, requests that get their first token)."""
+    """A core whose steps run a fixed list of (batch, requests that get their first token),
+    with the step events of EngineCore.step."""
 
     def __init__(self, script):
         self.script = list(script)
-        self.scheduler = SimpleNamespace(schedule=self._schedule)
-        self._current = None
-
-    def _schedule(self):
-        self._current = self.script.pop(0)
-        return self._current[0]
+        self.events = StepEvents()
 
     def step(self):
-        batch, firsts = self.scheduler.schedule(), self._current[1]
+        self.events.began()
+        batch, firsts = self.script.pop(0)
+        self.events.scheduled(batch)
         time.sleep(0.002)
         for req in firsts:
             req.first_token_time = time.perf_counter()
+        self.events.ended()
         return []
 
 
