@@ -40,6 +40,12 @@
 #                                                   chains of 3 and NAIVE_EAGLE, pinned and adaptive, against plain, on chat and
 #                                                   code-types at 1/8/64: what drafting with the head would give and what the
 #                                                   policy makes of it; ~80 s)
+#   scripts/gpu_run.sh hybrid-rows                 (after `eagle-head` on the same warm machine: plain, the default NGRAM
+#                                                   engine (ngram-default), EAGLE-3 chains of 3 with that head, pinned and
+#                                                   adaptive, and the hybrid of that head and the n-gram trie
+#                                                   (--speculative-hybrid-ngram, adaptive; HYBRID_MODES="pinned adaptive"
+#                                                   adds it pinned) on chat and code-types at 1/8/64, side by side; the
+#                                                   hybrid's rows count its drafts by source; three engines, ~150 s)
 #   scripts/gpu_run.sh peers-eagle [ENGINE...]     (the peers benchmark's EAGLE-3 chains of 3 with that head on the 1.5B:
 #                                                   specserve-eagle3 sglang-eagle3 vllm-eagle3 by default (any engines
 #                                                   of bench/peers_engines.py; PEERS_MODEL another model, its head in
@@ -253,6 +259,10 @@ convert_head(sys.argv[1], sys.argv[2], fp8=True); convert_head(sys.argv[2], sys.
 fi
 if [ "$mode" = eagle-rows ]; then
   chain_rows "$OUT/eagle_rows" --concurrency 1 8 64 --num-prompts 64
+fi
+if [ "$mode" = hybrid-rows ]; then
+  CHAIN_ALGORITHMS=EAGLE3 chain_rows "$OUT/hybrid_rows" --concurrency 1 8 64 --num-prompts 64 \
+    --hybrid-modes ${HYBRID_MODES:-adaptive} --ngram-default
 fi
 if [ "$mode" = peers-eagle ]; then
   engines=("$@"); [ ${#engines[@]} -gt 0 ] || engines=(specserve-eagle3 sglang-eagle3 vllm-eagle3)

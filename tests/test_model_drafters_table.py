@@ -1,5 +1,5 @@
 """bench.model_drafters' table: each run against plain decoding of its cell, and how many of
-its decode steps drafted (what an adaptive engine chose)."""
+its decode steps drafted (what an adaptive engine chose), and a hybrid's proposals by source."""
 from __future__ import annotations
 
 from specserve.bench.model_drafters import write_table
@@ -14,11 +14,15 @@ def run(config: str, tok_s: float, draft_steps: int, plain_steps: int, **extra) 
 def test_the_table_gives_speedup_accept_length_and_drafting_steps(tmp_path):
     rows = [run("plain", 4000.0, 0, 250), {"kind": "engine", "config": "eagle3-3"},
             run("eagle3-3-adaptive", 4320.0, 99, 61, accept_length=1.67, draft_ms_per_step=5.48),
-            run("eagle3-3-pinned", 4640.0, 132, 0, accept_length=1.99)]
+            run("eagle3-3-pinned", 4640.0, 132, 0, accept_length=1.99),
+            run("eagle3-3-hybrid-adaptive", 4800.0, 90, 40, accept_length=2.4,
+                draft_sources={"ngram": 120, "head": 310})]
     path = tmp_path / "table.md"
     write_table(rows, str(path))
     lines = path.read_text().splitlines()
-    assert lines[0].endswith("| drafting steps |") and len(lines) == 5
-    assert lines[2] == "| code-types | 8 | eagle3-3-adaptive | 4320.0 | 1.08x | 1.67 | 5.48 | 99 / 160 |"
-    assert lines[3] == "| code-types | 8 | eagle3-3-pinned | 4640.0 | 1.16x | 1.99 |  | 132 / 132 |"
-    assert lines[4] == "| code-types | 8 | plain | 4000.0 | 1.00x |  |  | 0 / 250 |"
+    assert lines[0].endswith("| drafting steps | drafts by source |") and len(lines) == 6
+    assert lines[2] == "| code-types | 8 | eagle3-3-adaptive | 4320.0 | 1.08x | 1.67 | 5.48 | 99 / 160 |  |"
+    assert lines[3] == ("| code-types | 8 | eagle3-3-hybrid-adaptive | 4800.0 | 1.20x | 2.40 |  | 90 / 130 "
+                        "| head 310 / ngram 120 |")
+    assert lines[4] == "| code-types | 8 | eagle3-3-pinned | 4640.0 | 1.16x | 1.99 |  | 132 / 132 |  |"
+    assert lines[5] == "| code-types | 8 | plain | 4000.0 | 1.00x |  |  | 0 / 250 |  |"

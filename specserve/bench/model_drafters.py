@@ -4,6 +4,10 @@ Qwen2.5-Coder-0.5B drafting for the 1.5B), EAGLE / EAGLE3 (a head, e.g. one
 and drafted again in one CUDA graph), on the suite's workloads (gpu_suite.py) at batch 1
 and concurrency 8/32/64, with the draft length pinned and with the adaptive policy; accept lengths, the target's roofline, and the greedy match rate in the run dtype.
 Several --algorithm values compare them in one call (e.g. EAGLE3 NAIVE_EAGLE with the same head).
+--hybrid-modes adds, for each EAGLE / EAGLE3 config, an engine of the same head drafting from
+the n-gram trie too (--speculative-hybrid-ngram, speculative/hybrid/; rows `eagle3-3-hybrid-MODE`,
+with their proposals by source summed over requests); --ngram-default adds the NGRAM engine of
+default flags (adaptive; rows `ngram-default`) on the same prompts.
 
     python -m specserve.bench.model_drafters --target /root/models/qwen2.5-coder-1.5b-instruct.gguf \\
         --algorithm STANDALONE --draft /root/models/qwen2.5-coder-0.5b-instruct.gguf \\
@@ -12,7 +16,9 @@ Several --algorithm values compare them in one call (e.g. EAGLE3 NAIVE_EAGLE wit
 One engine per draft length (the draft chain's graphs are captured for it); plain decoding
 runs on the same engine with the drafter set aside. --token-map FILE (EAGLE / EAGLE3) runs
 every config again with that FR-Spec map (speculative_token_map), to compare the draft step
-time and the accept length with and without it. Rows go to model_drafters.jsonl;
+time and the accept length with and without it. A drafter that keeps an n-gram trie (NGRAM's,
+the hybrid's) starts each cell with an empty one, as gpu_suite's cells do: a cell's prompts
+begin with the cell before's, whose answers the trie would otherwise hold. Rows go to model_drafters.jsonl;
 model_drafters_table.md gives tokens per second, the speed-up over plain, the accept length
 and the draft step time per (workload, concurrency); for NAIVE_EAGLE / MTP that time is the
 host's share only (first drafts of new requests): their drafting runs inside the verify graph.
@@ -24,14 +30,27 @@ import gc
 import json
 import os
 import time
+from typing import NamedTuple
 
 import torch
 
-from specserve.args import FUSED_CHAIN_ALGORITHMS
+from specserve.args import FUSED_CHAIN_ALGORITHMS, HYBRID_ALGORITHMS
 from specserve.bench.gpu_suite import hold_plain, measure_copy_bandwidth, run, suite_workloads, weight_bytes
 from specserve.bench.run_watch import RunWatch
 from specserve.gc_pauses import long_lived_objects_frozen
 from specserve.speculative.adaptive.policy import AdaptiveDraftLength
+from specserve.speculative.hybrid.drafter import HybridDrafter
+
+NGRAM_DEFAULT = "ngram-default"
+
+
+class Config(NamedTuple):
+    """One engine: an algorithm's drafter of one shape (NGRAM: the default flags')."""
+    algorithm: str
+    num_steps: int = 1
+    topk: int = 1
+    token_map: str | None = None
+    hybrid: bool = False      # speculative_hybrid_ngram
 
 
 def set_mode(engine, drafter, mode: str) -> None:
@@ -45,7 +64,8 @@ def set_mode(engine, drafter, mode: str) -> None:
         return
     core.drafter, core.num_draft_tokens = drafter, engine.args.speculative_verify_size
     graph_sizes = core.runner.graphs.sizes if core.runner.graphs is not None else None
-    core.adaptive = AdaptiveDraftLength.for_drafter(core.drafter, core.num_draft_tokens, graph_sizes) \
+    core.adaptive = AdaptiveDraftLength.for_drafter(core.drafter, core.num_draft_tokens, graph_sizes,
+                                                    on_cpu=core.runner.device.type == "cpu") \
         if mode in ("adaptive", "held") else None
     if mode == "held":
         hold_plain(core.adaptive, drafter)
@@ -59,9 +79,6 @@ class DraftTimer:
     def __init__(self, drafter):
         self.drafter, self._propose = drafter, drafter.propose
         drafter.propose = self._timed_propose
-        self.reset()
-
-    def reset(self) -> None:
         self.seconds, self.calls = 0.0, 0
 
     def summary(self) -> dict:
@@ -79,6 +96,16 @@ class DraftTimer:
             self.calls += 1
 
 
+def fresh_drafter(drafter):
+    """The drafter a cell starts with: a scratch one (an empty trie, a fresh source choice; the
+    same head) for a drafter that learns from the text, the drafter itself otherwise. The one
+    replaced is closed: its trie's writer thread (the hybrid's head starts none)."""
+    fresh = drafter.scratch()
+    if fresh is not drafter:
+        drafter.close()
+    return fresh
+
+
 def greedy_match_rate(engine, drafter, prompts: list[list[int]], max_new_tokens: int) -> float:
     params = {"temperature": 0, "max_new_tokens": max_new_tokens}
     set_mode(engine, drafter, "plain")
@@ -88,78 +115,130 @@ def greedy_match_rate(engine, drafter, prompts: list[list[int]], max_new_tokens:
     return sum(a == b for a, b in zip(plain, drafted)) / len(prompts)
 
 
-def bench_modes(engine, drafter, ns, name: str, workloads: dict, roofline: float, write) -> None:
-    """Every (concurrency, workload) cell of one drafter: plain (unless --no-plain), then --modes."""
-    watch, timer = RunWatch(engine), DraftTimer(drafter)
-    modes = (["plain"] if ns.plain else []) + ns.modes
+def mode_labels(ns, config: Config, name: str) -> dict[str, str]:
+    """mode -> row label of one engine: plain (unless --no-plain) and --modes; a hybrid's
+    --hybrid-modes; the NGRAM engine its default policy only (adaptive)."""
+    if config.algorithm == "NGRAM":
+        modes = {"adaptive": name}
+    else:
+        modes = {mode: f"{name}-{mode}" for mode in (ns.hybrid_modes if config.hybrid else ns.modes)}
+    return {"plain": "plain", **modes} if ns.plain else modes
+
+
+def bench_modes(engine, drafter, ns, labels: dict[str, str], workloads: dict, roofline: float, write):
+    """Every (concurrency, workload) cell of one engine, in each mode of `labels`; returns the
+    drafter of the last cell."""
+    watch = RunWatch(engine)
     for concurrency in ns.concurrency:
         count = ns.bs1_prompts if concurrency == 1 else min(ns.num_prompts, max(concurrency * 2, 16))
         for workload, (prompts, warm_prompts) in workloads.items():
             if workload not in ns.workloads:
                 continue
-            for mode in modes:
-                label = "plain" if mode == "plain" else f"{name}-{mode}"
+            for mode, label in labels.items():
+                if mode != "plain":
+                    drafter = fresh_drafter(drafter)
                 set_mode(engine, drafter, mode)
                 run(engine, warm_prompts[:count], concurrency, ns.max_new_tokens // 2, f"warm-up {label}")
-                timer.reset()
-                for summary in run(engine, prompts[:count], concurrency, ns.max_new_tokens, label, 1, watch):
-                    write({"kind": "specserve", "workload": workload, "concurrency": concurrency, "config": label,
-                           **summary, **timer.summary(), "roofline_fraction": summary["output_tokens_per_s"] / roofline
-                           if concurrency == 1 else None})
+                timer = DraftTimer(drafter)
+                try:
+                    for summary in run(engine, prompts[:count], concurrency, ns.max_new_tokens, label, 1, watch):
+                        write({"kind": "specserve", "workload": workload, "concurrency": concurrency, "config": label,
+                               **summary, **timer.summary(), "roofline_fraction":
+                               summary["output_tokens_per_s"] / roofline if concurrency == 1 else None})
+                finally:
+                    timer.close()
     watch.close()
-    timer.close()
+    return drafter
 
 
-def bench(ns, algorithm: str, num_steps: int, topk: int, token_map: str | None, bandwidth: float, write) -> None:
+def make_engine(ns, config: Config):
     from specserve.engine.engine import Engine
-    start = time.perf_counter()
-    fused = algorithm in FUSED_CHAIN_ALGORITHMS
-    engine = Engine(model_path=ns.target, speculative_algorithm=algorithm, speculative_draft_model_path=ns.draft,
-                    speculative_num_steps=num_steps, speculative_eagle_topk=topk,
-                    speculative_num_draft_tokens=2 if fused else ns.num_draft_tokens, speculative_token_map=token_map,
-                    cuda_graph_max_bs=64, log_level="warning", dtype=ns.dtype, device=ns.device,
-                    mem_fraction_static=ns.mem_fraction_static)
-    drafter = engine.core.drafter
-    draft_model = getattr(drafter.runner, "model", None) or drafter.runner.head
-    name = algorithm.lower() if fused else \
-        f"{algorithm.lower()}-{num_steps}" + (f"-top{topk}-{ns.num_draft_tokens}" if topk > 1 else "")
-    if token_map is not None:
+    common = {"cuda_graph_max_bs": 64, "log_level": "warning", "dtype": ns.dtype, "device": ns.device,
+              "mem_fraction_static": ns.mem_fraction_static}
+    if config.algorithm == "NGRAM":
+        return Engine(model_path=ns.target, speculative_algorithm="NGRAM", **common)
+    fused = config.algorithm in FUSED_CHAIN_ALGORITHMS
+    return Engine(model_path=ns.target, speculative_algorithm=config.algorithm, speculative_draft_model_path=ns.draft,
+                  speculative_num_steps=config.num_steps, speculative_eagle_topk=config.topk,
+                  speculative_num_draft_tokens=2 if fused else ns.num_draft_tokens,
+                  speculative_token_map=config.token_map, speculative_hybrid_ngram=config.hybrid, **common)
+
+
+def config_name(ns, config: Config, draft_model) -> str:
+    if config.algorithm == "NGRAM":
+        return NGRAM_DEFAULT
+    if config.algorithm in FUSED_CHAIN_ALGORITHMS:
+        return config.algorithm.lower()
+    name = f"{config.algorithm.lower()}-{config.num_steps}" + \
+        (f"-top{config.topk}-{ns.num_draft_tokens}" if config.topk > 1 else "") + ("-hybrid" if config.hybrid else "")
+    if config.token_map is not None:
         name += f"-map{draft_model.config.draft_vocab_size}"      # the draft vocabulary the map leaves
-    own_weights = [p for name, p in draft_model.named_parameters() if not name.startswith("embed_tokens.")
-                   or draft_model is getattr(drafter.runner, "model", None)]   # a head borrows the target's embedding
+    return name
+
+
+def engine_row(engine, drafter, draft_model) -> dict:
+    """The engine's KV room and weights, the draft model's own (none for NGRAM)."""
+    own_weights = [] if draft_model is None else \
+        [p for name, p in draft_model.named_parameters() if not name.startswith("embed_tokens.")
+         or draft_model is getattr(drafter.runner, "model", None)]   # a head borrows the target's embedding
+    return {"kv_tokens": engine.core.runner.pool.size, "target_weight_bytes": weight_bytes(engine),
+            "draft_weight_bytes": sum(p.numel() * p.element_size() for p in own_weights),
+            "draft_vocab_size": getattr(getattr(draft_model, "config", None), "draft_vocab_size", None)}   # a head's
+
+
+def bench(ns, config: Config, bandwidth: float, write) -> None:
+    start = time.perf_counter()
+    engine = make_engine(ns, config)
+    drafter = engine.core.drafter
+    model_drafter = drafter.head if isinstance(drafter, HybridDrafter) else drafter
+    runner = getattr(model_drafter, "runner", None)     # NGRAM's drafter has none
+    draft_model = None if runner is None else getattr(runner, "model", None) or runner.head
+    name = config_name(ns, config, draft_model)
     write({"kind": "engine", "config": name, "start_s": time.perf_counter() - start,
-           "kv_tokens": engine.core.runner.pool.size, "target_weight_bytes": weight_bytes(engine),
-           "draft_weight_bytes": sum(p.numel() * p.element_size() for p in own_weights),
-           "draft_vocab_size": getattr(draft_model.config, "draft_vocab_size", None)})   # an EAGLE head's
+           **engine_row(engine, model_drafter, draft_model)})
     roofline = bandwidth / weight_bytes(engine)
     workloads = suite_workloads(engine, ns)
     with long_lived_objects_frozen():   # as a server's process: no full-heap walk in a timed run
-        bench_modes(engine, drafter, ns, name, workloads, roofline, write)
+        drafter = bench_modes(engine, drafter, ns, mode_labels(ns, config, name), workloads, roofline, write)
     code, chat = workloads["code-types"][0], workloads["sharegpt-multiturn"][0]
     write({"kind": "greedy_match_rate", "config": name, "dtype": ns.dtype,
-           "rate": greedy_match_rate(engine, drafter, code[:8] + chat[:8], ns.max_new_tokens)})
+           "rate": greedy_match_rate(engine, fresh_drafter(drafter), code[:8] + chat[:8], ns.max_new_tokens)})
     engine.shutdown()
-    del engine, drafter
+    del engine, drafter, model_drafter, runner, draft_model
     gc.collect()
     if ns.device == "cuda":
         torch.cuda.empty_cache()
 
 
+def engine_configs(ns) -> list[Config]:
+    """The engines, in order: each --algorithm per draft length, top-k and map; then the
+    hybrid of each EAGLE / EAGLE3 one (--hybrid-modes); then NGRAM's (--ngram-default)."""
+    maps = [None, ns.token_map] if ns.token_map is not None else [None]
+    configs = [Config(algorithm) if algorithm in FUSED_CHAIN_ALGORITHMS else Config(algorithm, steps, topk, token_map)
+               for algorithm in ns.algorithm for steps in ns.num_steps for topk in ns.topk for token_map in maps]
+    if ns.hybrid_modes:
+        configs += [c._replace(hybrid=True) for c in configs if c.algorithm in HYBRID_ALGORITHMS]
+    if ns.ngram_default:
+        configs.append(Config("NGRAM"))
+    return list(dict.fromkeys(configs))      # a fused chain has one shape: once
+
+
 def write_table(rows: list[dict], path: str) -> None:
     """Tokens per second per (workload, concurrency, config), the speed-up over plain, the
-    accept length, the mean draft step time and the decode steps that drafted (what an
-    adaptive engine chose: drafting steps / all decode steps)."""
+    accept length, the mean draft step time, the decode steps that drafted (what an
+    adaptive engine chose: drafting steps / all decode steps) and a hybrid's proposals by
+    source (which it chose)."""
     runs = [r for r in rows if r.get("kind") == "specserve"]
     plain = {(r["workload"], r["concurrency"]): r["output_tokens_per_s"] for r in runs if r["config"] == "plain"}
-    lines = ["| workload | concurrency | config | tok/s | vs plain | accept length | draft ms/step | drafting steps |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| workload | concurrency | config | tok/s | vs plain | accept length | draft ms/step | drafting steps "
+             "| drafts by source |", "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(runs, key=lambda r: (r["workload"], r["concurrency"], r["config"])):
         base = plain.get((r["workload"], r["concurrency"]))
         speedup = f"{r['output_tokens_per_s'] / base:.2f}x" if base else ""
         accept = f"{r['accept_length']:.2f}" if "accept_length" in r else ""
         draft_ms = f"{r['draft_ms_per_step']:.2f}" if r.get("draft_ms_per_step") is not None else ""
         lines.append(f"| {r['workload']} | {r['concurrency']} | {r['config']} | {r['output_tokens_per_s']:.1f} | "
-                     f"{speedup} | {accept} | {draft_ms} | {drafting_steps(r)} |")
+                     f"{speedup} | {accept} | {draft_ms} | {drafting_steps(r)} | {draft_sources(r)} |")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -171,6 +250,11 @@ def drafting_steps(run: dict) -> str:
         return ""
     drafting = mix.get("draft", {}).get("steps", 0)
     return f"{drafting} / {drafting + mix.get('plain', {}).get('steps', 0)}"
+
+
+def draft_sources(run: dict) -> str:
+    """A hybrid run's proposals by source, e.g. "head 310 / ngram 95" ("" for other drafters)."""
+    return " / ".join(f"{source} {count}" for source, count in sorted(run.get("draft_sources", {}).items()))
 
 
 def main(argv=None) -> None:
@@ -202,10 +286,17 @@ def main(argv=None) -> None:
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 32, 64])
     parser.add_argument("--modes", nargs="+", default=["pinned", "adaptive"], choices=("pinned", "adaptive", "held"),
                         help="the drafter's modes beside plain; held: see set_mode")
+    parser.add_argument("--hybrid-modes", nargs="*", default=[], choices=("pinned", "adaptive", "held"),
+                        help="EAGLE / EAGLE3: one more engine per config, the same head drafting from the n-gram "
+                             "trie too (--speculative-hybrid-ngram), in these modes")
+    parser.add_argument("--ngram-default", action="store_true",
+                        help="also the NGRAM engine of default flags (adaptive) on the same prompts")
     parser.add_argument("--no-plain", dest="plain", action="store_false", help="skip plain decoding (measured once)")
     ns = parser.parse_args(argv)
     if ns.token_map is not None and "STANDALONE" in ns.algorithm:
         parser.error("--token-map restricts an EAGLE head: it needs --algorithm EAGLE or EAGLE3")
+    if ns.hybrid_modes and not set(HYBRID_ALGORITHMS) & set(ns.algorithm):
+        parser.error("--hybrid-modes: the hybrid drafts from an EAGLE head: it needs --algorithm EAGLE or EAGLE3")
     os.makedirs(ns.out, exist_ok=True)
     results_path = os.path.join(ns.out, "model_drafters.jsonl")
     rows: list[dict] = []
@@ -219,13 +310,8 @@ def main(argv=None) -> None:
     bandwidth = measure_copy_bandwidth(ns.device)
     write({"kind": "device", "name": torch.cuda.get_device_name() if ns.device == "cuda" else "cpu",
            "copy_bandwidth_GBps": bandwidth / 1e9, "target": ns.target, "algorithm": ns.algorithm, "draft": ns.draft})
-    maps = [None, ns.token_map] if ns.token_map is not None else [None]
-    configs = [(algorithm, 1, 1, None) if algorithm in FUSED_CHAIN_ALGORITHMS else (algorithm, steps, topk, token_map)
-               for algorithm in ns.algorithm for steps in ns.num_steps for topk in ns.topk for token_map in maps]
-    configs = list(dict.fromkeys(configs))      # a fused chain has one shape: once
-    for index, (algorithm, num_steps, topk, token_map) in enumerate(configs):   # plain: with the first engine only
-        bench(ns if index == 0 else argparse.Namespace(**{**vars(ns), "plain": False}), algorithm, num_steps, topk,
-              token_map, bandwidth, write)
+    for index, config in enumerate(engine_configs(ns)):   # plain: with the first engine only
+        bench(ns if index == 0 else argparse.Namespace(**{**vars(ns), "plain": False}), config, bandwidth, write)
     write_table(rows, os.path.join(ns.out, "model_drafters_table.md"))
 
 

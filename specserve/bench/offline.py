@@ -111,6 +111,12 @@ def summarize(outputs: list[dict], latencies: list[float], duration: float, labe
     verify = sum(o["meta_info"].get("spec_verify_ct", 0) for o in outputs)
     if verify:
         summary["accept_length"] = tokens / verify
+    sources: dict[str, int] = {}   # a hybrid drafter's proposals by source (speculative/hybrid/), over all requests
+    for o in outputs:
+        for source, count in o["meta_info"].get("spec_draft_sources", {}).items():
+            sources[source] = sources.get(source, 0) + count
+    if sources:
+        summary["draft_sources"] = sources
     return summary
 
 
