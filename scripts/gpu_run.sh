@@ -9,7 +9,8 @@
 #                                                   the xgrammar, apache-tvm-ffi, jsonschema, jsonschema-specifications,
 #                                                   referencing, rpds-py and attrs wheels in .whl/; STRUCTURED_WORKLOADS
 #                                                   other workloads, e.g. "agentic-tools-free schema-extraction-free": the
-#                                                   same requests without their grammar, what it costs; STRUCTURED_CONCURRENCY)
+#                                                   same requests without their grammar, what it costs; STRUCTURED_CONCURRENCY;
+#                                                   512 new tokens at most (STRUCTURED_MAX_NEW_TOKENS): room to finish the JSON)
 #   scripts/gpu_run.sh suite-ab MODEL              (AB_OLD=.ab/old AB_RUNS=2: the suite at 32/64 for an old tree and this
 #                                                   one, alternating, then where each tree's losing cells lose; ~1.5 min a run)
 #   AB_TREE=DIR scripts/gpu_run.sh suite-tree MODEL (one tree's half of suite-ab, for two GPUs at once: gpu_parallel.sh)
@@ -180,6 +181,7 @@ if [ "$mode" = structured ]; then
   for model in "${models[@]}"; do
     python3 -m specserve.bench.gpu_suite --models-dir /root/models --models "$model" --configs default --rounds 2 \
       --bs1-prompts 6 --no-transformers --num-prompts 128 --workloads ${STRUCTURED_WORKLOADS:-agentic-tools schema-extraction} \
+      --max-new-tokens ${STRUCTURED_MAX_NEW_TOKENS:-512} \
       --concurrency ${STRUCTURED_CONCURRENCY:-1 8 32 64} --out "$OUT/structured_$model" 2>&1 | grep -v '%|' | tail -30
   done
 fi

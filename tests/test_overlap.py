@@ -66,6 +66,32 @@ def test_outputs_equal_the_normal_path(plain, ahead):
     wait_until_all_kv_is_free(ahead)
 
 
+def test_constrained_requests_run_ahead_under_their_grammars(plain, ahead):
+    """Greedy requests under a JSON schema, a regex and an EBNF grammar, beside an
+    unconstrained one: their plain steps are launched ahead, each argmax taken under its
+    request's mask once the step before is committed. The outputs are those of the normal
+    path token for token, and they parse."""
+    import json
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+              "required": ["name", "age"]}
+    prompts = SAMPLE_PROMPTS[:4]
+    params = [dict(GREEDY, max_new_tokens=40, json_schema=json.dumps(schema)),
+              dict(GREEDY, max_new_tokens=30, regex=r"(yes|no), because [a-z ]{3,20}\."),
+              dict(GREEDY, max_new_tokens=30, ebnf='root ::= "Answer: " ("A" | "B" | "C") "."'),
+              dict(GREEDY, max_new_tokens=20)]
+    expected = plain.generate(prompts, params)
+    before = ahead.used["ahead"]
+    got = ahead.generate(prompts, params)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in expected]
+    assert ahead.used["ahead"] - before > 15          # their steps came from launches ahead
+    assert set(json.loads(got[0]["text"])) == {"name", "age"}
+    assert got[2]["text"] in ("Answer: A.", "Answer: B.", "Answer: C.")
+    alone = ahead.generate(prompts[0], params[0])    # batch 1: every step masked after the last commit
+    assert alone["output_ids"] == expected[0]["output_ids"]
+    wait_until_all_kv_is_free(ahead)
+
+
 def test_abort_while_a_step_is_ahead_frees_everything(ahead):
     stream = ahead.generate(SAMPLE_PROMPTS[0], dict(GREEDY, max_new_tokens=64, ignore_eos=True), stream=True)
     for chunks, _ in enumerate(stream, start=1):

@@ -13,7 +13,7 @@ from specserve.runner.model_runner import InFlight
 
 
 def launched_step(finished: list[bool]) -> tuple[list, StepAhead]:
-    reqs = [SimpleNamespace(finished=f, kv_len=5 + i) for i, f in enumerate(finished)]
+    reqs = [SimpleNamespace(finished=f, kv_len=5 + i, grammar=None) for i, f in enumerate(finished)]
     argmax = torch.tensor([70 + i for i in range(len(reqs))])
     hidden = torch.arange(2.0 * len(reqs)).reshape(len(reqs), 2)
     return reqs, StepAhead(list(reqs), [10 + i for i in range(len(reqs))], InFlight(argmax, argmax, None), hidden)
@@ -51,7 +51,7 @@ def test_a_cut_step_that_no_longer_matches_the_batch_is_dropped_whole():
     schedule = schedule_with(step, freed)
     schedule.scheduler.alloc_slots = lambda n: [20 + i for i in range(n)]
     schedule.runner = SimpleNamespace(launch_greedy_decode=lambda reqs, kv_lens, slots, roots: (
-        InFlight(torch.tensor(roots), torch.tensor(roots), None), None))
+        InFlight(torch.tensor(roots), torch.tensor(roots), None), None, None))
     relaunched = schedule.current_step([reqs[2]], lambda: [99])
     assert sorted(freed) == [10, 11, 12]
     assert relaunched is not step and relaunched.slots == [20] and relaunched.tokens() == [99]

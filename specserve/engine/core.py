@@ -163,7 +163,7 @@ class EngineCore:
         if self.ahead.drafting_step_for(reqs):
             return self.drafting
         draft = self.planner.drafts(reqs, self.ahead.plain_step_for(reqs))
-        if not draft and self.ahead.plain is not None and self.sampler.argmax_is_enough(reqs):
+        if not draft and self.ahead.plain is not None and self.sampler.masked_argmax_is_enough(reqs):
             return self.plain
         if draft and self.planner.drafts_greedily(reqs):
             return self.drafting

@@ -17,6 +17,9 @@ request arrived, was preempted or aborted) is dropped: its slots are freed and i
 ignored. Only steps
 that need nothing but the argmax qualify (greedy, no penalties, logprobs or min_new_tokens
 still in force): every other sampling option depends on tokens the host has not seen yet.
+Requests under a grammar qualify too: their step's argmax is taken under their masks
+(grammar/next_masks.py), queued behind the forward once the previous step's tokens are
+committed (`after_commit`), or at once for a step launched with the batch's last tokens.
 Where the runner keeps hidden states (an EAGLE head or MTP layer drafts), each step keeps a
 copy of its own, made on the device before the next step's replay overwrites the graph's
 output: the engine hands them to the drafter when it reads the step.
@@ -29,6 +32,7 @@ from typing import Callable
 import torch
 
 from specserve.engine.scheduler import Scheduler
+from specserve.grammar.next_masks import masked_argmax
 from specserve.request.req import Batch, Req, ReqState, same_requests
 from specserve.runner.model_runner import InFlight, ModelRunner
 
@@ -41,9 +45,18 @@ class StepAhead:
     launched: InFlight        # its argmax: on the device, and on the way to the host
     hidden: torch.Tensor | None = None   # (bs, features) the target states the runner keeps (an EAGLE head's)
     rows: list[int] | None = None   # each request's row of the launch, once rows of ended requests were cut
+    logits: torch.Tensor | None = None   # (bs, vocab) while its grammar masks are still to be applied
+
+    def constrain(self) -> None:
+        """Its argmax taken again under its requests' grammar masks, the matchers advanced past
+        every token committed before this step (a request that ended meanwhile allows all)."""
+        assert self.rows is None, "a step is constrained before its rows are cut"
+        self.launched = InFlight.launch(masked_argmax(self.logits, [r.grammar for r in self.reqs]))
+        self.logits = None
 
     def tokens(self) -> list[int]:
         """Its requests' argmax, once the step is done."""
+        assert self.logits is None, "a step under a grammar is read once its masks are applied"
         tokens = self.launched.wait().tolist()
         return tokens if self.rows is None else [tokens[row] for row in self.rows]
 
@@ -78,7 +91,7 @@ class OverlapSchedule:
         self.release(ahead)
         slots = self.scheduler.alloc_slots(len(reqs))
         assert slots is not None, "the scheduler reserves a slot per decoding request"
-        return self._launch(reqs, [r.kv_len for r in reqs], slots, last_tokens())
+        return self._launch(reqs, [r.kv_len for r in reqs], slots, last_tokens(), constrain_now=True)
 
     def holds_step_for(self, reqs: list[Req]) -> bool:
         """Whether the step launched ahead is for exactly these requests (those a stop token
@@ -93,7 +106,19 @@ class OverlapSchedule:
         slots = self.scheduler.alloc_slots(len(reqs))
         if slots is None:
             return
-        self.ahead = self._launch(reqs, [r.kv_len + 1 for r in reqs], slots, current.roots(keep))
+        self.ahead = self._launch(reqs, [r.kv_len + 1 for r in reqs], slots, current.roots(keep), constrain_now=False)
+
+    def after_commit(self) -> None:
+        """Once the step before the one launched ahead is committed: where a stop token (or a
+        grammar's end) ended every request of the step ahead, it is dropped, so an idle engine
+        holds no slot for it; otherwise its grammar masks are applied, if any."""
+        ahead = self.ahead
+        if ahead is None:
+            return
+        if all(r.finished for r in ahead.reqs):
+            self.drop()
+        elif ahead.logits is not None:
+            ahead.constrain()
 
     def _cut_ended(self, step: StepAhead) -> None:
         """Cuts the rows of requests that a stop token ended after `step` was launched: their
@@ -106,9 +131,16 @@ class OverlapSchedule:
         step.rows = live if step.rows is None else [step.rows[i] for i in live]
         step.reqs, step.slots = [step.reqs[i] for i in live], [step.slots[i] for i in live]
 
-    def _launch(self, reqs: list[Req], kv_lens: list[int], slots: list[int], roots) -> StepAhead:
-        launched, hidden = self.runner.launch_greedy_decode(reqs, kv_lens, slots, roots)
-        return StepAhead(list(reqs), slots, launched, hidden=hidden)
+    def _launch(self, reqs: list[Req], kv_lens: list[int], slots: list[int], roots, constrain_now: bool) -> StepAhead:
+        """constrain_now: the matchers have seen every token before this step (its roots are on
+        the host), so its grammar masks apply at once; else they wait for constrain_ahead."""
+        launched, hidden, logits = self.runner.launch_greedy_decode(reqs, kv_lens, slots, roots)
+        step = StepAhead(list(reqs), slots, launched, hidden=hidden)
+        if any(r.grammar is not None for r in reqs):
+            step.logits = logits
+            if constrain_now:
+                step.constrain()
+        return step
 
     def keep_through(self, batch: Batch) -> StepAhead | None:
         """The step launched ahead, taken out to be read after `batch` (a prefill the scheduler

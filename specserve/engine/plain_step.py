@@ -83,6 +83,7 @@ class PlainStep(StepPipeline):
         scheduler has work (with nothing in flight the next launch is a prefill as a rule)."""
         reqs = step.current.reqs
         outputs = self._commit_tokens(step.current, tokens)
+        self.ahead.plain.after_commit()   # the step ahead: its grammar masks, now that the matchers saw these tokens
         probing = step.probing
         if probing and self.ahead.plain.ahead is None:   # the launch found no slots: nothing in flight
             self.planner.put_off_probe(reqs)

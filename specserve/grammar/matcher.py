@@ -32,6 +32,14 @@ class RequestGrammar:
         """The grammar is complete and its stop token was accepted: the request ends here."""
         return self._matcher.is_terminated()
 
+    def fill_next(self, out: torch.Tensor, row: int) -> None:
+        """out[row] (int32 words): the tokens allowed next; every token once the grammar has
+        ended (the request ends with this step: its token is never committed)."""
+        if self._matcher.is_terminated():
+            out[row] = -1
+        else:
+            self._matcher.fill_next_token_bitmask(out, row)
+
     def forced_tokens(self) -> list[int]:
         """Tokens the grammar forces next (a fixed key, a closing brace), in xgrammar's own
         tokenization of the forced text, which may differ from the model's: as drafts they

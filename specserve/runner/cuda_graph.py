@@ -174,12 +174,13 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def launch_decode(self, req_rows: list[int], kv_lens: list[int], slots: list[int],
                       roots: list[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event,
-                                                                 torch.Tensor | None]:
+                                                                 torch.Tensor | None, torch.Tensor]:
         """A plain greedy decode step (one node per request) with the argmax in its graph.
         roots: the last tokens on the host, or (bs,) on the device. Returns the argmax on the
         device, its host copy (valid once the event fires, until the second decode launch of
-        the bucket after this one), the event, and the hidden states the graph keeps (bs, 1,
-        features) or None: views of graph memory."""
+        the bucket after this one), the event, the hidden states the graph keeps (bs, 1,
+        features) or None, and the logits (bs, vocab): views of graph memory, valid until the
+        bucket's graph runs again."""
         bs = len(req_rows)
         key = (self.buckets[bisect.bisect_left(self.buckets, bs)], 1)
         on_device = isinstance(roots, torch.Tensor) and roots.is_cuda
@@ -190,8 +191,8 @@ class CudaGraphRunner:
         if reads is None:
             reads = self._decode_reads[key] = _DecodeReads(key[0])
         host, done = reads.copy(argmax)
-        hidden = self.outputs[key].hidden
-        return argmax, host, done, None if hidden is None else hidden[:bs]
+        outputs = self.outputs[key]
+        return argmax, host, done, None if outputs.hidden is None else outputs.hidden[:bs], outputs.logits[:bs, 0]
 
     def _host_buffer(self, key: tuple[int, int]) -> TreeStepInputs:
         """The bucket's pinned input buffer, once the previous copy out of it is done (a step

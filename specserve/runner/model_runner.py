@@ -185,21 +185,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch_greedy_decode(self, reqs: list[Req], kv_lens: list[int], slots: list[int],
-                             roots: list[int] | torch.Tensor) -> tuple["InFlight", torch.Tensor | None]:
+                             roots: list[int] | torch.Tensor) -> tuple["InFlight", torch.Tensor | None, torch.Tensor]:
         """A plain greedy decode step, queued without waiting for it. roots (bs,): the last
         tokens, on the host, or on the device for a step launched before the previous one's
         tokens reached the host (its argmax). Its InFlight's device tensor is the argmax.
         Also returns the hidden states the runner keeps (bs, features), None without: a copy
-        of the graph's output, which the step launched after this one overwrites."""
+        of the graph's output, which the step launched after this one overwrites; and the
+        step's logits (bs, vocab), valid until the next decode step of this batch size runs
+        (a grammar's mask picks its argmax from them, queued before that)."""
         on_device = isinstance(roots, torch.Tensor) and roots.device.type != "cpu"
         graphs = self.graphs
         if graphs is not None and graphs.can_launch_decode(len(reqs)):   # the lean launch (cuda_graph.py)
-            argmax, host, done, hidden = graphs.launch_decode([r.row for r in reqs], kv_lens, slots, roots)
-            return InFlight(argmax, host, done), None if hidden is None else hidden.reshape(len(reqs), -1).clone()
+            argmax, host, done, hidden, logits = graphs.launch_decode([r.row for r in reqs], kv_lens, slots, roots)
+            return InFlight(argmax, host, done), None if hidden is None else hidden.reshape(len(reqs), -1).clone(), logits
         proposal = TreeProposal.root_only([0] * len(reqs) if on_device else roots)
         step = self.run_trees(reqs, proposal, slots, kv_lens, roots if on_device else None)
         hidden = step.hidden.reshape(len(reqs), -1).clone() if step.hidden is not None else None
-        return InFlight.launch(step.logits[:, 0].argmax(-1)), hidden
+        return InFlight.launch(step.logits[:, 0].argmax(-1)), hidden, step.logits[:, 0]
 
     def shutdown(self) -> None:
         """Stops the tensor-parallel worker processes (nothing to do without them)."""

@@ -57,6 +57,13 @@ class Sampler:
         return all(r.params.greedy and not r.params.has_penalties and not r.return_logprob
                    and r.params.min_new_tokens <= len(r.output_ids) and r.grammar is None for r in reqs)
 
+    @staticmethod
+    def masked_argmax_is_enough(reqs: list[Req]) -> bool:
+        """Whether their plain decode steps need nothing but the argmax under each request's
+        grammar mask, if any (the overlap schedule's steps: engine/overlap.py)."""
+        return all(r.params.greedy and not r.params.has_penalties and not r.return_logprob
+                   and r.params.min_new_tokens <= len(r.output_ids) for r in reqs)
+
     def prepare(self, trees: DraftTrees, reqs: list[Req], draft_probs: torch.Tensor | None = None) -> "PreparedSampling":
         """Builds the per-request tensors and moves the (host) trees to the device. Called
         before the forward is launched: a host to device copy issued after it would wait
@@ -76,7 +83,7 @@ class Sampler:
         prepared = prepared or self.prepare(trees, reqs)
         if prepared.device_trees is None:  # greedy decode without extras: the argmax is all there is
             return SampledStep.plain(logits[:, 0].argmax(-1).tolist())
-        trees = prepared.device_trees
+        host_trees, trees = trees, prepared.device_trees
         raw_logits = logits
         if prepared.penalties is not None:
             logits = apply_penalties_to_tree(logits, trees, *prepared.penalties)
@@ -84,7 +91,7 @@ class Sampler:
             too_early, stop_mask = prepared.early_stops
             logits = logits.masked_fill(too_early.unsqueeze(-1) & stop_mask.unsqueeze(1), float("-inf"))
         if any(r.grammar is not None for r in reqs):
-            logits = apply_grammar_bitmask(logits, self._grammar_bitmask(trees, reqs))
+            logits = apply_grammar_bitmask(logits, self._grammar_bitmask(host_trees, reqs))
         if prepared.sampling is None:
             result = verify_greedy(trees, logits)
         else:
@@ -131,9 +138,9 @@ class Sampler:
 
     def _grammar_bitmask(self, trees: DraftTrees, reqs: list[Req]) -> torch.Tensor:
         """The grammar's mask of every node (grammar/tree_masks.py), walked on the host once
-        the forward is launched (the matchers' work overlaps the device's) and sent from
-        pinned memory without waiting for the forward."""
-        host = lambda t: t.cpu().numpy()
+        the forward is launched (the matchers' work overlaps the device's: `trees` are the
+        host's, so nothing waits for the forward) and sent from pinned memory."""
+        host = lambda t: t.numpy()
         mask = grammar_bitmask(reqs, host(trees.tokens), host(trees.parents), host(trees.num_nodes), self.vocab_size)
         if torch.device(self.device).type == "cuda":
             mask = mask.pin_memory()
