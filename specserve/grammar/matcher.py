@@ -32,14 +32,6 @@ class RequestGrammar:
         """The grammar is complete and its stop token was accepted: the request ends here."""
         return self._matcher.is_terminated()
 
-    def fill_next(self, out: torch.Tensor, row: int) -> None:
-        """out[row] (int32 words): the tokens allowed next; every token once the grammar has
-        ended (the request ends with this step: its token is never committed)."""
-        if self._matcher.is_terminated():
-            out[row] = -1
-        else:
-            self._matcher.fill_next_token_bitmask(out, row)
-
     def forced_tokens(self) -> list[int]:
         """Tokens the grammar forces next (a fixed key, a closing brace), in xgrammar's own
         tokenization of the forced text, which may differ from the model's: as drafts they
@@ -65,3 +57,28 @@ class RequestGrammar:
         as_tensor = lambda a: torch.from_numpy(as_array(a))
         self._matcher.traverse_draft_tree(as_tensor(first_child), as_tensor(next_sibling), as_tensor(tokens), out)
         self._walked = (key, out.clone())
+
+
+# From this many requests a step's masks are filled by xgrammar's threads, which release the
+# GIL (a mask costs ~10-70 us inside a JSON schema on a 150k vocabulary: ~4 ms at 64 requests)
+BATCH_FILL_MIN = 8
+_batch_filler = None
+
+
+def fill_next_masks(grammars: list[RequestGrammar | None], out: torch.Tensor) -> None:
+    """out (bs, words): row i the tokens grammars[i] allows next, every token once it has ended
+    (the request ends with this step: its token is never committed); rows without a grammar
+    are left as they are."""
+    global _batch_filler
+    live = [(row, g) for row, g in enumerate(grammars) if g is not None and not g.terminated]
+    for row, grammar in enumerate(grammars):
+        if grammar is not None and grammar.terminated:
+            out[row] = -1
+    if len(live) < BATCH_FILL_MIN:
+        for row, grammar in live:
+            grammar._matcher.fill_next_token_bitmask(out, row)
+        return
+    if _batch_filler is None:
+        import xgrammar
+        _batch_filler = xgrammar.BatchGrammarMatcher(max_threads="auto")
+    _batch_filler.batch_fill_next_token_bitmask([g._matcher for _, g in live], out, [row for row, _ in live])

@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 
 from specserve.grammar.apply import apply_grammar_bitmask
-from specserve.grammar.matcher import RequestGrammar, bitmask_words
+from specserve.grammar.matcher import RequestGrammar, bitmask_words, fill_next_masks
 
 
 def next_token_bitmask(grammars: Sequence[RequestGrammar | None], vocab_size: int,
@@ -23,9 +23,7 @@ def next_token_bitmask(grammars: Sequence[RequestGrammar | None], vocab_size: in
     """(bs, words) int32 on the host: the tokens each request's grammar allows next; every
     token for a request without one."""
     out = torch.full((len(grammars), bitmask_words(vocab_size)), -1, dtype=torch.int32, pin_memory=pinned)
-    for row, grammar in enumerate(grammars):
-        if grammar is not None:
-            grammar.fill_next(out, row)
+    fill_next_masks(list(grammars), out)
     return out
 
 
