@@ -264,7 +264,7 @@ if [ "$mode" = eagle-rows ]; then
 fi
 if [ "$mode" = hybrid-rows ]; then
   CHAIN_ALGORITHMS=EAGLE3 chain_rows "$OUT/hybrid_rows" --concurrency 1 8 64 --num-prompts 64 \
-    --hybrid-modes ${HYBRID_MODES:-adaptive} --ngram-default
+    --hybrid-modes ${HYBRID_MODES:-adaptive} --ngram-default --policy-trace-dir "$OUT/hybrid_rows/traces"
 fi
 if [ "$mode" = peers-eagle ]; then
   engines=("$@"); [ ${#engines[@]} -gt 0 ] || engines=(specserve-eagle3 sglang-eagle3 vllm-eagle3)

@@ -28,7 +28,7 @@ def test_one_call_gives_plain_ngram_eagle_and_hybrid_rows(models, tmp_path, monk
                          "--device", "cpu", "--dtype", "float32", "--workloads", "code-types", "sharegpt-multiturn",
                          "--concurrency", "1", "4", "--num-prompts", "4", "--bs1-prompts", "2",
                          "--max-new-tokens", "24", "--hybrid-modes", "pinned", "adaptive", "--ngram-default",
-                         "--out", str(tmp_path)])
+                         "--policy-trace-dir", str(tmp_path / "traces"), "--out", str(tmp_path)])
     rows = [json.loads(line) for line in (tmp_path / "model_drafters.jsonl").read_text().splitlines()]
     assert [r["config"] for r in rows if r["kind"] == "engine"] == ["eagle3-3", "eagle3-3-hybrid", "ngram-default"]
     ngram_engine = next(r for r in rows if r["kind"] == "engine" and r["config"] == "ngram-default")
@@ -52,6 +52,10 @@ def test_one_call_gives_plain_ngram_eagle_and_hybrid_rows(models, tmp_path, monk
     assert table[0].endswith("| drafting steps | drafts by source |") and len(table) == 2 + len(runs)
     hybrid_lines = [line for line in table if "-hybrid-" in line]
     assert len(hybrid_lines) == 2 * len(cells) and all("head " in line or "ngram " in line for line in hybrid_lines)
+    # each engine's adaptive runs traced, one file an engine, each run named by its cell and label
+    traced = {path.parent.name: path.read_text() for path in (tmp_path / "traces").glob("*/policy_trace.jsonl")}
+    assert set(traced) == {"eagle3-3", "eagle3-3-hybrid", "ngram-default"}, traced.keys()
+    assert "code-types c4 eagle3-3-adaptive" in traced["eagle3-3"] and "ngram-default" in traced["ngram-default"]
 
 
 def test_a_cell_starts_with_an_empty_trie():

@@ -125,10 +125,11 @@ def mode_labels(ns, config: Config, name: str) -> dict[str, str]:
     return {"plain": "plain", **modes} if ns.plain else modes
 
 
-def bench_modes(engine, drafter, ns, labels: dict[str, str], workloads: dict, roofline: float, write):
-    """Every (concurrency, workload) cell of one engine, in each mode of `labels`; returns the
-    drafter of the last cell."""
-    watch = RunWatch(engine)
+def bench_modes(engine, drafter, ns, name: str, labels: dict[str, str], workloads: dict, roofline: float, write):
+    """Every (concurrency, workload) cell of engine `name`, in each mode of `labels`; returns the
+    drafter of the last cell. Its adaptive runs' policy traces go to POLICY_TRACE_DIR/name."""
+    trace_dir = getattr(ns, "policy_trace_dir", None)
+    watch = RunWatch(engine, trace_dir=trace_dir and os.path.join(trace_dir, name))
     for concurrency in ns.concurrency:
         count = ns.bs1_prompts if concurrency == 1 else min(ns.num_prompts, max(concurrency * 2, 16))
         for workload, (prompts, warm_prompts) in workloads.items():
@@ -140,6 +141,7 @@ def bench_modes(engine, drafter, ns, labels: dict[str, str], workloads: dict, ro
                 set_mode(engine, drafter, mode)
                 run(engine, warm_prompts[:count], concurrency, ns.max_new_tokens // 2, f"warm-up {label}")
                 timer = DraftTimer(drafter)
+                watch.cell = f"{workload} c{concurrency}"
                 try:
                     for summary in run(engine, prompts[:count], concurrency, ns.max_new_tokens, label, 1, watch):
                         write({"kind": "specserve", "workload": workload, "concurrency": concurrency, "config": label,
@@ -199,7 +201,7 @@ def bench(ns, config: Config, bandwidth: float, write) -> None:
     roofline = bandwidth / weight_bytes(engine)
     workloads = suite_workloads(engine, ns)
     with long_lived_objects_frozen():   # as a server's process: no full-heap walk in a timed run
-        drafter = bench_modes(engine, drafter, ns, mode_labels(ns, config, name), workloads, roofline, write)
+        drafter = bench_modes(engine, drafter, ns, name, mode_labels(ns, config, name), workloads, roofline, write)
     code, chat = workloads["code-types"][0], workloads["sharegpt-multiturn"][0]
     write({"kind": "greedy_match_rate", "config": name, "dtype": ns.dtype,
            "rate": greedy_match_rate(engine, fresh_drafter(drafter), code[:8] + chat[:8], ns.max_new_tokens)})
@@ -291,6 +293,8 @@ def main(argv=None) -> None:
                              "trie too (--speculative-hybrid-ngram), in these modes")
     parser.add_argument("--ngram-default", action="store_true",
                         help="also the NGRAM engine of default flags (adaptive) on the same prompts")
+    parser.add_argument("--policy-trace-dir", default=None,
+                        help="where the adaptive policy's trace of each timed run goes (bench/policy_trace.py)")
     parser.add_argument("--no-plain", dest="plain", action="store_false", help="skip plain decoding (measured once)")
     ns = parser.parse_args(argv)
     if ns.token_map is not None and "STANDALONE" in ns.algorithm:
