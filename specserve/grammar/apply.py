@@ -20,6 +20,8 @@ def apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.
         out = logits.contiguous().clone()
         xgrammar.apply_token_bitmask_inplace(out.view(-1, vocab), bitmask.contiguous().view(-1, words))
         return out
-    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).to(torch.bool).flatten(-2)[..., :vocab]
-    return logits.masked_fill(~allowed, float("-inf"))
+    # bytes, not words, are unpacked: bit k of byte i (little-endian words) allows token 8i + k,
+    # and the intermediate takes a byte a token (32 bits a token would be 4x a step's logits)
+    bits = torch.tensor([1 << k for k in range(8)], dtype=torch.uint8, device=logits.device)
+    allowed = (bitmask.contiguous().view(torch.uint8).unsqueeze(-1) & bits).flatten(-2)[..., :vocab]
+    return logits.masked_fill(allowed == 0, float("-inf"))

@@ -21,13 +21,13 @@ ALL_ALLOWED = -1   # an int32 word with every bit set
 
 
 def grammar_bitmask(reqs: Sequence, tokens: np.ndarray, parents: np.ndarray, num_nodes: np.ndarray,
-                    vocab_size: int) -> torch.Tensor:
+                    vocab_size: int, pinned: bool = False) -> torch.Tensor:
     """(bs, n, words) int32 on the host: the tokens allowed after each node. Requests without
     a grammar, padding nodes, nodes the grammar forbids (never accepted: their parent's mask
     excludes them) and nodes after the grammar's end (never committed: the request ends
     there) allow every token, so that no row of logits is masked out entirely."""
     bs, n = tokens.shape
-    out = torch.full((bs, n, bitmask_words(vocab_size)), ALL_ALLOWED, dtype=torch.int32)
+    out = torch.full((bs, n, bitmask_words(vocab_size)), ALL_ALLOWED, dtype=torch.int32, pin_memory=pinned)
     for row, req in enumerate(reqs):
         if req.grammar is not None:
             masks = _tree_masks(req.grammar, tokens[row], parents[row], int(num_nodes[row]), out.shape[-1])

@@ -141,9 +141,9 @@ class Sampler:
         the forward is launched (the matchers' work overlaps the device's: `trees` are the
         host's, so nothing waits for the forward) and sent from pinned memory."""
         host = lambda t: t.numpy()
-        mask = grammar_bitmask(reqs, host(trees.tokens), host(trees.parents), host(trees.num_nodes), self.vocab_size)
-        if torch.device(self.device).type == "cuda":
-            mask = mask.pin_memory()
+        pinned = torch.device(self.device).type == "cuda"
+        mask = grammar_bitmask(reqs, host(trees.tokens), host(trees.parents), host(trees.num_nodes), self.vocab_size,
+                               pinned=pinned)
         return mask.to(self.device, non_blocking=True)
 
     def _sampling_tensors(self, reqs: list[Req], draft_probs: torch.Tensor | None) -> dict:
