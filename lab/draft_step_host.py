@@ -194,8 +194,8 @@ def _pin_drafting(core) -> None:
         return tier
     adaptive.costs.record = record_keeping_plain_dear
     for bucket in (1, 2, 4, 8, 16, 32, 64):
-        adaptive._cost[(bucket, 1)] = 1.0
-        adaptive._measured_at[(bucket, 1)] = 0
+        adaptive.costs.seconds[(bucket, 1)] = 1.0
+        adaptive.costs.measured_at[(bucket, 1)] = 0
 
 
 def _marking(clock: PhaseClock, function, name: str, after: bool):

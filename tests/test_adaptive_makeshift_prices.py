@@ -20,9 +20,9 @@ def test_one_makeshift_step_leaves_a_drafting_tier_unpriced_until_a_steady_one()
     assert costs.unpriced(4, [1, 4]) == [4]
     assert costs.price(4, 4) == pytest.approx(0.002)   # its floor: nothing steady says it adds more
     costs.record(4, 4, 0.003)                          # chained: steady, replaces the makeshift price
-    assert costs.unpriced(4, [1, 4]) == [] and costs.cost(4, 4) == pytest.approx(0.003)
+    assert costs.unpriced(4, [1, 4]) == [] and costs.seconds[(4, 4)] == pytest.approx(0.003)
     costs.record(4, 4, 0.009, steady=False)            # later makeshift steps only advance the clock
-    assert costs.cost(4, 4) == pytest.approx(0.003)
+    assert costs.seconds[(4, 4)] == pytest.approx(0.003)
 
 
 def test_makeshift_steps_price_a_tier_once_there_are_enough_of_them():
@@ -33,7 +33,7 @@ def test_makeshift_steps_price_a_tier_once_there_are_enough_of_them():
     for seconds in [0.007, 0.004, 0.005][:MIN_SAMPLES]:
         assert costs.unpriced(4, [4]) == [4]
         costs.record(4, 4, seconds, steady=False)
-    assert costs.unpriced(4, [4]) == [] and costs.cost(4, 4) == pytest.approx(0.005)
+    assert costs.unpriced(4, [4]) == [] and costs.seconds[(4, 4)] == pytest.approx(0.005)
 
 
 def test_a_makeshift_price_is_no_floor_for_other_buckets():

@@ -161,11 +161,11 @@ def test_watch_traces_the_adaptive_policy_of_each_run(engine, tmp_path):
         policy = engine.core.adaptive
         watch.cell = "repeat c3"
         [summary] = run(engine, PROMPTS, 3, 24, "adaptive", watch=watch)
-        assert "_best_cut" in vars(policy) and "go_plain" in vars(policy.modes)   # wrapped during the run
+        assert policy.listener is watch.trace and policy.modes.listener is watch.trace   # heard during the run
     finally:
         set_drafter(engine, None)
         watch.close()
-    assert "_best_cut" not in vars(policy) and "request_switch" not in vars(policy.modes)   # unwrapped
+    assert policy.listener is None and policy.modes.listener is None   # and no more after it
     mix, buckets = summary["step_mix"], summary["policy"]
     decode_steps = mix["plain"]["steps"] + mix["draft"]["steps"]
     assert sum(b["plain_steps"] + b["draft_steps"] for b in buckets.values()) == decode_steps

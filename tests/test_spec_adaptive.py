@@ -104,7 +104,7 @@ def test_while_plain_wins_the_bucket_decodes_plainly_until_a_probe_says_drafts_p
             adaptive.observe(rid, [7])
     assert adaptive.choose(batch, [6] * len(batch)) == 1
     assert not adaptive.should_draft(8) and not adaptive.would_draft(8)   # plain mode, no drafting step
-    assert not adaptive.should_draft(16) and adaptive._hold == {8: PLAIN_HOLD, 16: PLAIN_HOLD}  # per bucket
+    assert not adaptive.should_draft(16) and adaptive.modes.hold == {8: PLAIN_HOLD, 16: PLAIN_HOLD}  # per bucket
     window = adaptive.probe_requests(8)
     assert len(window) == 8 and adaptive.probe_requests(40) != adaptive.probe_requests(40)   # rotates
     adaptive.probe(8, batch, [6] * len(batch))         # drafts still miss: stay plain
@@ -141,7 +141,7 @@ def test_a_probe_switch_waits_for_the_step_launched_ahead():
     next step ahead: a switch must not throw away a step already launched."""
     adaptive = AdaptiveDraftLength([1, 4])
     measured(adaptive, {1: 0.05, 4: 0.06})
-    adaptive._plain.add(1)
+    adaptive.modes.plain.add(1)
     adaptive.record_step(1, 1, 0.05, tokens=1)         # a plain step: the rate drafting is judged against
     adaptive.probe(1, ["r"], [4])                      # the prior: every draft node accepted
     assert not adaptive.should_draft(1)                # this step runs the one launched ahead
@@ -155,7 +155,7 @@ def test_a_drafting_episode_below_the_plain_rate_is_stopped_and_the_hold_doubles
     bucket plain twice as long (up to MAX_PLAIN_HOLD); a won episode resets the hold."""
     adaptive = AdaptiveDraftLength([1, 4])
     measured(adaptive, {1: 0.05, 4: 0.06})             # the prior expects 4 tokens per 0.06 s: draft
-    adaptive._plain.add(1)
+    adaptive.modes.plain.add(1)
     hold_out(adaptive, 1)                              # plain: 20 tokens/s realized
     holds = []
     for _ in range(8):
@@ -166,7 +166,7 @@ def test_a_drafting_episode_below_the_plain_rate_is_stopped_and_the_hold_doubles
             assert adaptive.choose(["r"], [4]) == 4
             adaptive.record_step(1, 4, 0.06, tokens=1)
         assert not adaptive.should_draft(1)
-        holds.append(adaptive._hold[1])
+        holds.append(adaptive.modes.hold[1])
         adaptive.probe(1, ["r"], [4])
         assert not adaptive.would_draft(1)             # held
         hold_out(adaptive, 1, holds[-1])
@@ -180,7 +180,7 @@ def test_a_drafting_episode_below_the_plain_rate_is_stopped_and_the_hold_doubles
         propose(adaptive, "r", chain)
         adaptive.observe("r", [7])
     assert adaptive.choose(["r"], [4]) == 1
-    assert adaptive._hold[1] == PLAIN_HOLD             # the episode won: back to the short hold
+    assert adaptive.modes.hold[1] == PLAIN_HOLD             # the episode won: back to the short hold
 
 
 def lose_an_episode(adaptive: AdaptiveDraftLength, rid: str) -> None:
@@ -206,10 +206,10 @@ def test_a_hold_is_about_the_requests_that_lost_not_the_next_ones():
     at once."""
     adaptive = AdaptiveDraftLength([1, 4])
     measured(adaptive, {1: 0.05, 4: 0.06})
-    adaptive._plain.add(1)
+    adaptive.modes.plain.add(1)
     hold_out(adaptive, 1)
     lose_an_episode(adaptive, "old")
-    assert adaptive._hold[1] == 2 * PLAIN_HOLD
+    assert adaptive.modes.hold[1] == 2 * PLAIN_HOLD
     adaptive.probe(1, ["old"], [4])
     assert not adaptive.would_draft(1)                 # held against the request that lost
     hold_out(adaptive, 1, bypass_wait(0.06, 1, 0.05))  # the old chat decodes on, plainly
@@ -220,7 +220,7 @@ def test_a_hold_is_about_the_requests_that_lost_not_the_next_ones():
     # a batch judged on a sample: any request of the lost episode keeps the hold
     wide = AdaptiveDraftLength([1, 4])
     measured(wide, {1: 0.05, 4: 0.06}, batch_size=4)
-    wide._plain.add(4)
+    wide.modes.plain.add(4)
     hold_out(wide, 4)
     wide.probe(4, ["a", "b", "c", "d"], [4] * 4)
     assert switches(wide, 4)
@@ -250,7 +250,7 @@ def test_after_a_losing_episode_a_bypass_waits_until_the_loss_is_paid_for():
     BYPASS_BUDGET of the bucket's time: a new request's probe waits that long."""
     adaptive = AdaptiveDraftLength([1, 4])
     measured(adaptive, {1: 0.05, 4: 0.06})
-    adaptive._plain.add(1)
+    adaptive.modes.plain.add(1)
     hold_out(adaptive, 1)
     lose_an_episode(adaptive, "chat0")
     waits = []
@@ -397,7 +397,7 @@ def test_a_probe_switches_back_only_with_a_margin():
     for _ in range(30):                                # 2 tokens per 0.09 s tier-4 step: 1.11x plain
         propose(adaptive, "r", chain)
         adaptive.observe("r", [1, 8])
-    adaptive._plain.add(1)                             # the bucket decodes plainly
+    adaptive.modes.plain.add(1)                             # the bucket decodes plainly
     rate_4 = adaptive.expected_tokens("r", 4) / 0.090
     assert 1 / 0.05 < rate_4 < SWITCH_MARGIN / 0.05
     adaptive.probe(1, ["r"], [4])
@@ -630,13 +630,13 @@ def test_a_drafter_behind_on_its_indexing_puts_the_probe_off():
 def test_plain_decoding_is_priced_by_the_steps_plain_mode_runs():
     costs = StepCosts([1, 4, 8])
     costs.record(64, 1, 0.0035, steady=False)   # a plain step inside a drafting episode: a makeshift price
-    assert costs.cost(64, 1) == 0.0035
+    assert costs.seconds[(64, 1)] == 0.0035
     for seconds in (0.0019, 0.0020, 0.0018):     # overlapped plain steps replace it
         costs.record(64, 1, seconds)
-    assert costs.cost(64, 1) == 0.0019
+    assert costs.seconds[(64, 1)] == 0.0019
     measured = costs.measured_at[(64, 1)]
     costs.record(64, 1, 0.0044, steady=False)    # a probing step: counted, not priced
-    assert costs.cost(64, 1) == 0.0019 and costs.measured_at[(64, 1)] == measured
+    assert costs.seconds[(64, 1)] == 0.0019 and costs.measured_at[(64, 1)] == measured
     assert costs.steps(64) == 5
 
 
@@ -668,7 +668,7 @@ def test_realized_rates_are_per_request_so_a_filling_batch_does_not_flatter_draf
     1.55 ms): judged per request, the guard stops it."""
     adaptive = AdaptiveDraftLength([1, 8])
     measured(adaptive, {1: 0.00155, 8: 0.005}, batch_size=32)
-    adaptive._plain.add(32)
+    adaptive.modes.plain.add(32)
     hold_out(adaptive, 20, seconds=0.00155)            # 12.9k tok/s; 645 tok/s a request
     rids = [f"r{i}" for i in range(32)]
     adaptive.probe(32, rids, [8] * 32)                 # the prior: every node accepted
@@ -684,7 +684,7 @@ def drafting_at_batch_1() -> AdaptiveDraftLength:
     0.05 s a step (20 tokens/s realized), drafts of 4 nodes at 0.06 s."""
     adaptive = AdaptiveDraftLength([1, 4])
     measured(adaptive, {1: 0.05, 4: 0.06})
-    adaptive._plain.add(1)
+    adaptive.modes.plain.add(1)
     hold_out(adaptive, 1)
     adaptive.probe(1, ["r"], [4])
     assert switches(adaptive, 1)
@@ -723,7 +723,7 @@ def test_a_bucket_drafting_without_a_steady_plain_price_tries_plain_decoding():
         chosen.append(adaptive.choose(rids, [8] * 32))
         adaptive.record_step(32, chosen[-1], 0.005 if chosen[-1] > 1 else 0.003, tokens=70, steady=chosen[-1] > 1)
     assert len(chosen) == GUARD_STEPS - 1 and not adaptive.should_draft(32)   # (+ its first step, above)
-    assert adaptive._hold[32] == PLAIN_HOLD            # a trial, not a lost episode
+    assert adaptive.modes.hold[32] == PLAIN_HOLD            # a trial, not a lost episode
     for _ in range(PLAIN_HOLD):                        # past its hold, but only makeshift steps
         adaptive.record_step(32, 1, 0.003, tokens=32, steady=False)
     adaptive.probe(32, rids, [8] * 32)
@@ -773,7 +773,7 @@ def test_an_exploration_that_drafts_no_step_is_no_lost_episode():
         propose(adaptive, "r", chain)
         adaptive.observe("r", [7])
     assert adaptive.choose(["r"], [4]) == 1
-    assert adaptive._hold[1] == PLAIN_HOLD
+    assert adaptive.modes.hold[1] == PLAIN_HOLD
 
 
 def plain_code_answer(smol) -> tuple[list[int], dict, list[int]]:

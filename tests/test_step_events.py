@@ -17,7 +17,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [[5, 6, 7, 8, 9] * 4, [20, 21, 22, 23] * 5]
 GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
 # the instruments that hear the core through its step events
-INSTRUMENTS = ("specserve/bench/run_watch.py", "lab/host_phases.py", "lab/host_replay.py", "lab/ttft_breakdown.py")
+INSTRUMENTS = ("specserve/bench/run_watch.py", "lab/host_phases.py", "lab/host_replay.py", "lab/ttft_breakdown.py",
+               "specserve/bench/policy_trace.py")   # ... and the adaptive policy's listener (adaptive/listener.py)
 
 
 class Recorder(StepListener):

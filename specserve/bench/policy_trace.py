@@ -19,8 +19,7 @@ losing-episode budget explained them. The trace records, per event:
 
 `summary()` condenses them per bucket: switches and bypasses, episodes won and lost,
 drafting steps, and how far the rate expected at the chosen tier was from the realized
-one (the model's optimism). It wraps the policy instance's methods and `close()` removes
-the wrappers (the class's methods show through again).
+one (the model's optimism). It listens to the policy (adaptive/listener.py) until `close()`.
 """
 from __future__ import annotations
 
@@ -28,25 +27,18 @@ import json
 import statistics
 from collections import defaultdict
 
-from specserve.speculative.adaptive.costs import batch_bucket
+from specserve.speculative.adaptive.listener import PolicyListener
 
 
-class PolicyTrace:
+class PolicyTrace(PolicyListener):
     def __init__(self, policy):
         self.policy = policy
         self.events: list[dict] = []
-        self._wrapped: list[tuple[object, str]] = []
-        self._wrap(policy, "_best_cut", self._on_rates)
-        self._wrap(policy, "record_step", self._on_step)
-        self._wrap(policy, "record_probe", self._on_probe)
         self._probed = False   # the next recorded step is the plain step whose probe was just recorded
-        self._wrap(policy.modes, "request_switch", self._on_switch)
-        self._wrap(policy.modes, "go_plain", self._on_go_plain)
+        policy.listen(self)
 
     def close(self) -> None:
-        for owner, name in self._wrapped:
-            delattr(owner, name)
-        self._wrapped.clear()
+        self.policy.listen(None)
 
     def dump(self, path: str, run: str) -> None:
         """Appends the events to `path`, each tagged with the run's name (one file holds a
@@ -55,58 +47,38 @@ class PolicyTrace:
             for event in self.events:
                 f.write(json.dumps({"run": run, **event}) + "\n")
 
-    # --- the hooks ---
-    def _wrap(self, owner, name: str, hook) -> None:
-        original = getattr(owner, name)
-        setattr(owner, name, lambda *args, **kwargs: hook(original, *args, **kwargs))
-        self._wrapped.append((owner, name))
-
-    def _on_rates(self, original, bucket, batch_size, rids, num_nodes, keys, measure=False):
-        choice, best, rates, _ = result = original(bucket, batch_size, rids, num_nodes, keys, measure=measure)
+    # --- the policy's events ---
+    def rated(self, bucket, batch_size, rids, num_nodes, keys, choosing, choice, rates):
         drafted = sum(n > 1 for n in num_nodes) if choice.drafted is None else sum(
             n > 1 and choice.drafts(c) for n, c in zip(num_nodes, keys if keys is not None else rids))
         self.events.append({"e": "rates", "bucket": bucket, "bs": batch_size, "sampled": len(rids),
-                            "with_draft": sum(n > 1 for n in num_nodes), "choose": measure, "choice": choice.tier,
+                            "with_draft": sum(n > 1 for n in num_nodes), "choose": choosing, "choice": choice.tier,
                             "level": choice.level, "drafted": drafted,
                             "rates": {t: round(r) for t, r in rates.items()}})
-        return result
 
-    def _on_step(self, original, batch_size, tree_size, seconds, tokens=None, steady=True, nodes=None):
-        bucket = batch_bucket(batch_size)
-        # the drafting choice this step ran, if it was one: (expected tokens, priced seconds) -> tokens a second
-        choice = self.policy._expected.get(bucket)
-        expected = choice[0] / choice[1] if choice is not None and choice[1] > 0 else None
+    def step_recorded(self, bucket, batch_size, tree_size, seconds, tokens, steady, nodes, expected):
+        rate = expected[0] / expected[1] if expected is not None and expected[1] > 0 else None   # its choice's tok/s
         self.events.append({"e": "step", "bucket": bucket, "bs": batch_size, "tree": tree_size,
                             "ms": round(seconds * 1e3, 3), "tokens": tokens,
                             "plain": bucket in self.policy.modes.plain,
-                            "expected": expected if tree_size > 1 else None, "steady": steady,
+                            "expected": rate if tree_size > 1 else None, "steady": steady,
                             "probe": self._probed, "nodes": nodes})
         self._probed = False
-        return original(batch_size, tree_size, seconds, tokens, steady, nodes)
 
-    def _on_probe(self, original, batch_size, seconds):
-        self.events.append({"e": "probe", "bucket": batch_bucket(batch_size), "bs": batch_size,
-                            "ms": round(seconds * 1e3, 3)})
+    def probe_recorded(self, bucket, batch_size, seconds):
+        self.events.append({"e": "probe", "bucket": bucket, "bs": batch_size, "ms": round(seconds * 1e3, 3)})
         self._probed = True   # the engine prices the step right after its probe (_after_plain_step)
-        return original(batch_size, seconds)
 
-    def _on_switch(self, original, bucket, expected_gain=None):
-        modes = self.policy.modes
-        held = self.policy.costs.steps(bucket) < modes.plain_until.get(bucket, 0)
+    def switch_requested(self, bucket, expected_gain):
+        held = self.policy.costs.steps(bucket) < self.policy.modes.plain_until.get(bucket, 0)
         self.events.append({"e": "switch", "bucket": bucket, "bypass": held,
                             "expected_gain": None if expected_gain is None else round(expected_gain, 3)})
-        return original(bucket, expected_gain)
 
-    def _on_go_plain(self, original, bucket, steps, reopen_margin=None):
-        modes = self.policy.modes
-        episode, plain_rate = modes._episodes.get(bucket), modes.plain_rate.get(bucket)
-        reopened = original(bucket, steps, reopen_margin)
-        if episode is not None:
-            self.events.append({"e": "episode", "bucket": bucket, "steps": episode.steps, "tokens": episode.tokens,
-                                "ms": round(episode.seconds * 1e3, 3), "rate": round(episode.rate()),
-                                "plain_rate": None if plain_rate is None else round(plain_rate),
-                                "reopened": reopened})
-        return reopened
+    def episode_ended(self, bucket, episode, plain_rate, reopened):
+        self.events.append({"e": "episode", "bucket": bucket, "steps": episode.steps, "tokens": episode.tokens,
+                            "ms": round(episode.seconds * 1e3, 3), "rate": round(episode.rate()),
+                            "plain_rate": None if plain_rate is None else round(plain_rate),
+                            "reopened": reopened})
 
     # --- the condensed view ---
     def summary(self) -> dict:

@@ -126,9 +126,6 @@ class StepCosts:
         """The tier's price at the bucket where a choice may rate it (see rateable), else its floor."""
         return self.seconds[(bucket, tier)] if self.rateable(bucket, tier) else self.floor(bucket, tier)
 
-    def cost(self, bucket: int, tier: int) -> float:
-        return self.seconds[(bucket, tier)]
-
     def refresh_due(self, bucket: int) -> bool:
         """Whether this drafting step of the bucket re-measures a contender."""
         return self.steps(bucket) % REFRESH_EVERY == REFRESH_EVERY - 1
@@ -170,10 +167,6 @@ class StepCosts:
                 least = (seconds - base) * share
                 fixed = least if fixed is None else min(fixed, least)
         return plain + max(added, fixed or 0.0)
-
-    def stalest(self, bucket: int, tiers: list[int]) -> int:
-        """Of these (priced) tiers, the one measured longest ago."""
-        return min(tiers, key=lambda t: self.measured_at[(bucket, t)])
 
 
 def batch_bucket(batch_size: int) -> int:

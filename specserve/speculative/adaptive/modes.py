@@ -94,7 +94,7 @@ EPISODE_WINDOW = 5     # episodes whose expected / realized gain make a bucket's
 
 
 @dataclass
-class _Episode:
+class Episode:
     """A bucket's drafting run since it last switched to drafting: tokens per request of
     the batch, and seconds, in all and over its last GUARD_WINDOW steps."""
     tokens: float = 0.0
@@ -132,11 +132,12 @@ class BucketModes:
         self.plain_until: dict[int, int] = {}              # bucket -> step count before which probes wait
         self.plain_rate: dict[int, float] = {}             # bucket -> realized tokens/s a request, plain steps
         self._plain_rates = RecentMedians(REALIZED_WINDOW)  # bucket -> its last plain steps' rates
-        self._episodes: dict[int, _Episode] = {}           # bucket -> its current drafting episode
+        self._episodes: dict[int, Episode] = {}           # bucket -> its current drafting episode
         self.drafted: dict[int, list[str]] = {}            # bucket -> the requests of its last drafting step
         self._held_for: dict[int, frozenset[str]] = {}     # bucket -> the requests its hold is about
         self.clock: dict[int, float] = {}                  # bucket -> seconds of its steps so far
         self.bypass_after: dict[int, float] = {}           # bucket -> clock before which no probe bypasses
+        self.listener = None                               # a PolicyListener: hears episodes end (listener.py)
 
     def should_draft(self, bucket: int, steps: int) -> bool:
         """Whether this step drafts: False while the bucket is in plain mode. A switch a
@@ -149,7 +150,7 @@ class BucketModes:
             del self.switching[bucket]
             self.plain.discard(bucket)
             gain = self._switch_gain.pop(bucket, None)
-            self._episodes[bucket] = _Episode(expected_gain=gain, pricing=gain is None)
+            self._episodes[bucket] = Episode(expected_gain=gain, pricing=gain is None)
         return bucket not in self.plain
 
     def would_draft(self, bucket: int, steps: int) -> bool:
@@ -203,7 +204,8 @@ class BucketModes:
         whether the episode beat plain decoding's realized rate. One that beat it by
         `reopen_margin` (None: never) holds nothing: the bucket stays open to the next
         probe, and the return is True."""
-        episode = self._episodes.pop(bucket, _Episode())
+        ended = self._episodes.pop(bucket, None)
+        episode = Episode() if ended is None else ended
         plain_rate = self.plain_rate.get(bucket)
         hold = self.hold.get(bucket, PLAIN_HOLD)
         judged = plain_rate is not None and episode.steps > 0
@@ -223,6 +225,8 @@ class BucketModes:
         self.plain_until[bucket] = steps if won else steps + self.hold[bucket]
         self._held_for[bucket] = frozenset() if won else frozenset(self.drafted.get(bucket, ()))
         self.plain.add(bucket)
+        if self.listener is not None and ended is not None:
+            self.listener.episode_ended(bucket, ended, plain_rate, won)
         return won
 
     def plain_trial(self, bucket: int, steps: int) -> None:
@@ -246,7 +250,7 @@ class BucketModes:
         if bucket in self.plain:
             self.plain_rate[bucket] = self._plain_rates.add(bucket, per_request / seconds)
             return
-        episode = self._episodes.setdefault(bucket, _Episode())
+        episode = self._episodes.setdefault(bucket, Episode())
         episode.add(per_request, seconds)
         plain_rate = self.plain_rate.get(bucket)
         if (episode.steps >= GUARD_STEPS and plain_rate is not None

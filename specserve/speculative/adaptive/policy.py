@@ -21,8 +21,7 @@ bucket open, and a small batch probes the plain steps right after it. A probe of
 requests may switch a bucket held plain after a losing episode, but only once that
 episode's loss is BYPASS_BUDGET of the bucket's time since (ShareGPT first turns at 64 on
 an H100: each completed prefill started another losing episode, 144 drafting steps at
-accept 1.6, 0.65x). This file makes the choice and
-wires the parts together.
+accept 1.6, 0.65x). This file makes the choice and wires the parts together.
 
 Cutting a tree to its first t nodes keeps a valid tree (parents come before children),
 and the tiers are sizes the CUDA graphs were captured for, so replay stays valid.
@@ -30,8 +29,8 @@ and the tiers are sizes the CUDA graphs were captured for, so replay stays valid
 Ragged (drafters whose steps verify through the runner's ragged step: its cost follows the
 nodes verified, not the largest tree): a step is priced at its level, the smallest tier
 that holds its nodes per request, and a choice at tier t may cut the classes whose drafts
-do not pay for their nodes to their root alone (draft_cuts.py: DraftCut); a level not
-priced at the bucket yet is rated at its floor and priced by the steps that choose it.
+do not pay for their nodes to their root alone (draft_cuts.py: TierCuts rates the cuts); a
+level not priced at the bucket yet is rated at its floor and priced by the steps that choose it.
 """
 from __future__ import annotations
 
@@ -41,23 +40,23 @@ from typing import TYPE_CHECKING
 
 from specserve.speculative.adaptive.acceptance import AcceptanceEvidence
 from specserve.speculative.adaptive.costs import COST_WINDOW, REFRESH_EVERY, StepCosts, batch_bucket
-from specserve.speculative.adaptive.draft_cuts import PLAIN, ClassPart, DraftClasses, DraftCut
+from specserve.speculative.adaptive.draft_cuts import PLAIN, REFRESH_MARGIN, DraftClasses, DraftCut, TierCuts
 from specserve.speculative.adaptive.modes import (
     BYPASS_BUDGET, GUARD_RATIO, GUARD_STEPS, MAX_PLAIN_HOLD, PLAIN_HOLD, REALIZED_WINDOW, BucketModes)
 from specserve.speculative.adaptive.overshoot import ChoiceOvershoot
 from specserve.speculative.adaptive.probes import (
     MAX_PROBE_EVERY, PROBE_BUDGET, PROBE_COST_EMA, PROBE_REQUESTS, ProbeSchedule)
-from specserve.verify.tree import TreeProposal, smallest_level
 
 if TYPE_CHECKING:
+    from specserve.speculative.adaptive.listener import PolicyListener
     from specserve.speculative.drafter import Drafter
+    from specserve.verify.tree import TreeProposal
 
 __all__ = [
     "AdaptiveDraftLength", "tiers_for", "COST_WINDOW", "REFRESH_EVERY", "REFRESH_MARGIN", "SWITCH_MARGIN", "EXPLORE_RATIO",
     "BYPASS_BUDGET", "GUARD_RATIO", "GUARD_STEPS", "MAX_PLAIN_HOLD", "PLAIN_HOLD", "REALIZED_WINDOW",
     "MAX_PROBE_EVERY", "PROBE_BUDGET", "PROBE_COST_EMA", "PROBE_REQUESTS", "OPTIMISM_WINDOW", "MAX_OPTIMISM"]
 
-REFRESH_MARGIN = 0.8   # re-measure tiers expected to reach this fraction of the best rate
 # a plain bucket drafts again only when drafting is expected to beat plain by this much:
 # a switch costs a step that is not launched ahead, and a probe sees only a sample, so
 # without a margin the two modes can alternate step by step
@@ -81,8 +80,7 @@ EXPLORE_RATIO = 0.6
 OPTIMISM_WINDOW = 8
 MAX_OPTIMISM = 1.5
 # A probe's verdict goes to the debug log at most this often per bucket: why a speculative
-# server keeps a batch size plain (or drafts) is otherwise invisible from outside (session 22:
-# an EAGLE-3 server kept every step of 20 benchmark cells plain, with nothing to say why)
+# server keeps a batch size plain (or drafts) is otherwise invisible from outside
 DECISION_LOG_INTERVAL_S = 5.0
 
 logger = logging.getLogger("specserve")
@@ -106,10 +104,11 @@ class AdaptiveDraftLength:
         # specserve.speculative.adaptive.policy.PROBE_BUDGET / MAX_PROBE_EVERY set the schedule
         self.probes = ProbeSchedule(PROBE_BUDGET, MAX_PROBE_EVERY)
         self.evidence = AcceptanceEvidence(self.tiers)
+        self.cuts = TierCuts(self.tiers, ragged, self.costs, self.evidence)
+        self.listener: PolicyListener | None = None   # see listen
         self.steps_per_tier = {t: 0 for t in self.tiers}
         self._explore: dict[int, int] = {}   # bucket -> a stale tier its next drafting step re-prices
-        # bucket -> (tokens, seconds) its drafting choice expected
-        self._expected: dict[int, tuple[float, float]] = {}
+        self._expected: dict[int, tuple[float, float]] = {}   # bucket -> (tokens, seconds) its choice expected
         self._overshoots = ChoiceOvershoot(OPTIMISM_WINDOW)
         self.optimism: dict[int, float] = {}   # bucket -> expected / realized rate of its drafting steps
         self._decision_logged_at: dict[int, float] = {}   # bucket -> when a probe's verdict was last logged
@@ -123,27 +122,9 @@ class AdaptiveDraftLength:
         return cls(tiers_for(num_draft_tokens, graph_sizes), drafter.switch_margin, drafter.ragged_verify,
                    cost_per_node=on_cpu)
 
-    # the parts' state under the names diagnostics and benches read (and write):
-    # lab/draft_step_host.py pins prices, one-off scripts dump the policy's state
-    @property
-    def _cost(self) -> dict[tuple[int, int], float]:
-        return self.costs.seconds
-
-    @property
-    def _measured_at(self) -> dict[tuple[int, int], int]:
-        return self.costs.measured_at
-
-    @property
-    def _plain(self) -> set[int]:
-        return self.modes.plain
-
-    @property
-    def _hold(self) -> dict[int, int]:
-        return self.modes.hold
-
-    @property
-    def _plain_rate(self) -> dict[int, float]:
-        return self.modes.plain_rate
+    def listen(self, listener: PolicyListener | None) -> None:
+        """Sends the policy's decisions and their steps to `listener` (None: to nobody)."""
+        self.listener = self.modes.listener = listener
 
     # --- the mode of a step ---
     def should_draft(self, batch_size: int) -> bool:
@@ -182,6 +163,8 @@ class AdaptiveDraftLength:
         """The host time of a probe (its proposals, shadows and the indexing they needed);
         sets the bucket's k against its plain step's current cost."""
         bucket = batch_bucket(batch_size)
+        if self.listener is not None:
+            self.listener.probe_recorded(bucket, batch_size, seconds)
         self.probes.record(bucket, seconds, self.costs.seconds.get((bucket, 1)))
 
     def probe(self, batch_size: int, rids: list[str], num_nodes: list[int], keys: list[int] | None = None) -> None:
@@ -190,6 +173,8 @@ class AdaptiveDraftLength:
         bucket = batch_bucket(batch_size)
         switched, expected_gain = self._probe_verdict(bucket, batch_size, rids, num_nodes, keys)
         if switched:
+            if self.listener is not None:
+                self.listener.switch_requested(bucket, expected_gain)
             self.modes.request_switch(bucket, expected_gain)
         self.probes.verdict(bucket, switched)
 
@@ -201,9 +186,9 @@ class AdaptiveDraftLength:
             return False, None
         if not self.costs.steadily_priced(bucket, 1):
             return False, None   # what drafting must beat is not known yet (modes.py: plain_trial)
-        _, best, rates, cuts = self._best_cut(bucket, batch_size, rids, num_nodes, keys)
+        _, best, rates, cuts = self._rate(bucket, batch_size, rids, num_nodes, keys)
         if not rates:   # a level is not priced at this bucket yet: drafting prices it, if it may win
-            return self._pricing_may_pay(bucket, rids, num_nodes, keys, self._switch_margin(bucket)), None
+            return self.cuts.may_pay(bucket, rids, num_nodes, keys, self._switch_margin(bucket)), None
         prices = {t: self.costs.price(bucket, cut.level) for t, cut in cuts.items()}
         if best.tier > 1 and rates[best.tier] >= self._switch_margin(bucket) * rates[1]:
             self._log_decision(bucket, batch_size, rates, prices, "drafts")
@@ -263,10 +248,10 @@ class AdaptiveDraftLength:
         if max(num_nodes) == 1:
             return PLAIN  # nothing to verify: says nothing about whether drafting pays
         explore = self._explore.pop(bucket, None)
-        if explore is not None and explore in self._useful_tiers(max(num_nodes)):
-            return self._cuts(bucket, DraftClasses(rids, num_nodes, keys), len(rids), [explore])[explore]
-        choice, best, rates, _ = self._best_cut(bucket, len(rids), rids, num_nodes, keys, measure=True)
-        if not rates and choice.tier > 1 and not self._pricing_may_pay(bucket, rids, num_nodes, keys, 1.0):
+        if explore is not None and explore in self.cuts.useful(max(num_nodes)):
+            return self.cuts.at_tiers(bucket, DraftClasses(rids, num_nodes, keys), len(rids), [explore])[explore]
+        choice, best, rates, _ = self._rate(bucket, len(rids), rids, num_nodes, keys, choosing=True)
+        if not rates and choice.tier > 1 and not self.cuts.may_pay(bucket, rids, num_nodes, keys, 1.0):
             best = choice = PLAIN   # what is left to price cannot win: the episode ends
         if choice.tier > 1 and rates and self.costs.rateable(bucket, choice.level):
             # a choice rated at a floor price (a level not priced yet) expected a lower bound on
@@ -281,102 +266,13 @@ class AdaptiveDraftLength:
             return PLAIN
         return choice
 
-    def _best_cut(self, bucket: int, batch_size: int, rids: list[str], num_nodes: list[int],
-                  keys: list[int] | None, measure: bool = False
-                  ) -> tuple[DraftCut, DraftCut, dict[int, float], dict[int, DraftCut]]:
-        """(the cut to run, the cut of the highest expected rate, the rates (tokens per
-        second) of every useful tier's cut, those cuts). The cut to run is the best one, except that a
-        tier not priced at this bucket yet (and, with `measure`, now and then the stalest
-        contender) is run to be priced; while tiers are unpriced there are no rates. A
-        ragged policy prices levels as it goes: an unpriced level is rated at its floor
-        (StepCosts.floor), so the cuts that may win at it run and price it, rather than every
-        level in turn by whole drafts (at 64 requests, 16-node drafts: ~11 ms a step on an
-        H200, 1.5B, where plain takes 2.3)."""
-        tiers = self._useful_tiers(max(num_nodes))
-        classes = DraftClasses(rids, num_nodes, keys)
-        if self.ragged:
-            cuts = self._cuts(bucket, classes, len(rids), tiers)
-            if not self.costs.rateable(bucket, 1):   # what drafting must beat: priced first
-                return cuts[1], cuts[1], {}, cuts
-        else:
-            cuts = self._cuts(bucket, classes, len(rids), tiers, whole=True)
-            unpriced = self.costs.unpriced(bucket, tiers)
-            if unpriced:  # each tier is priced once per bucket, cheapest first
-                return cuts[unpriced[0]], cuts[unpriced[0]], {}, cuts
-        scale = batch_size / len(rids)   # a probe sees a sample of the batch
-        rates = {t: scale * cut.tokens / self.costs.price(bucket, cut.level) for t, cut in cuts.items()}
-        best = max(tiers, key=rates.get)
-        if measure and self.costs.refresh_due(bucket):
-            # plain decoding always contends: it is what drafting must beat, and a price taken
-            # in a slow step would otherwise stand while the bucket drafts (a CPU replay with
-            # H100-like costs: tier 1 priced at 41 ms a step, 5x its real cost)
-            contenders = [t for t in tiers if t == 1 or rates[t] >= REFRESH_MARGIN * rates[best]]
-            stalest = min(contenders, key=lambda t: self.costs.measured_at.get((bucket, cuts[t].level), -1))
-            return cuts[stalest], cuts[best], rates, cuts
-        return cuts[best], cuts[best], rates, cuts
-
-    def _pricing_may_pay(self, bucket: int, rids: list[str], num_nodes: list[int], keys: list[int] | None,
-                         margin: float) -> bool:
-        """Whether some tier may beat plain decoding by `margin` at the bucket, its unpriced
-        levels at their floor price (StepCosts.floor): if none may, pricing them is drafting
-        steps that lose. Without this, each bucket a draining batch passes through was
-        priced by drafting whatever the evidence said (H200, 1.5B, ShareGPT second turns at
-        32: ~40% of a run's drafting steps, at buckets 8 and 16, accept ~1.1-1.3)."""
-        cuts = self._cuts(bucket, DraftClasses(rids, num_nodes, keys), len(rids), self._useful_tiers(max(num_nodes)))
-        prices = {t: self.costs.price(bucket, cut.level) for t, cut in cuts.items()}
-        if any(price is None for price in prices.values()):
-            return True   # plain decoding is unpriced here: nothing bounds what drafting costs
-        return any(cuts[t].tokens / prices[t] >= margin * cuts[1].tokens / prices[1] for t in cuts if t > 1)
-
-    def _cuts(self, bucket: int, classes: DraftClasses, requests: int, tiers: list[int],
-              whole: bool = False) -> dict[int, DraftCut]:
-        """Per tier, the cut a step of `requests` at it verifies: every draft cut to the tier
-        (`whole`, or a policy that is not ragged), else the classes whose drafts pay for
-        their nodes (_ragged_cut)."""
-        cuts = {}
-        for tier in tiers:
-            parts = classes.at_tier(tier, self.evidence) if tier > 1 else []
-            if whole or not self.ragged or tier == 1:
-                tokens = requests + sum(part.gain for part in parts)
-                nodes = requests + sum(part.extra for part in parts)
-                cuts[tier] = DraftCut(tier, self._level(tier, requests, nodes), tokens, None)
-            else:
-                cuts[tier] = self._ragged_cut(bucket, tier, requests, parts)
-        return cuts
-
-    def _ragged_cut(self, bucket: int, tier: int, requests: int, parts: list[ClassPart]) -> DraftCut:
-        """The best cut at the tier: the classes that gain most tokens per node draft, as many
-        as give the highest rate at their level's price (or its floor), the others verify
-        their root alone. Cutting a weak class saves its nodes: at 64 requests a step of 8
-        nodes each costs ~2.5x a plain one on an H200 (1.5B), one where a few draft about 1x."""
-        parts = sorted(parts, key=lambda part: part.gain / max(part.extra, 1), reverse=True)
-        prices: dict[int, float | None] = {}   # per level (a floor walks every price the policy holds)
-        best, best_rate = (0, 1, float(requests)), -1.0     # (classes drafting, level, tokens)
-        tokens = nodes = float(requests)
-        for j, part in enumerate(parts):
-            tokens, nodes = tokens + part.gain, nodes + part.extra
-            level = self._level(tier, requests, nodes)
-            if level not in prices:
-                prices[level] = self.costs.price(bucket, level)
-            rate = tokens / prices[level] if prices[level] else 0.0
-            if rate > best_rate:
-                best, best_rate = (j + 1, level, tokens), rate
-        drafting, level, tokens = best
-        return DraftCut(tier, level, tokens, frozenset(part.cls for part in parts[:drafting]))
-
-    def _level(self, tier: int, requests: int, nodes: float) -> int:
-        """The level a step of `nodes` verified nodes over `requests` is priced at: its tier,
-        or for a ragged policy the smallest tier holding its nodes per request."""
-        return smallest_level(self.tiers, requests, nodes) if self.ragged else tier
-
-    def _useful_tiers(self, largest: int) -> list[int]:
-        """Tiers up to the first that holds every proposal (larger ones run the same forward)."""
-        useful = []
-        for tier in self.tiers:
-            useful.append(tier)
-            if tier >= largest:
-                break
-        return useful
+    def _rate(self, bucket: int, batch_size: int, rids: list[str], num_nodes: list[int], keys: list[int] | None,
+              choosing: bool = False) -> tuple[DraftCut, DraftCut, dict[int, float], dict[int, DraftCut]]:
+        """A decision's cuts and rates (TierCuts.best), heard by the listener."""
+        rated = self.cuts.best(bucket, batch_size, rids, num_nodes, keys, measure=choosing)
+        if self.listener is not None:
+            self.listener.rated(bucket, batch_size, rids, num_nodes, keys, choosing, rated[0], rated[2])
+        return rated
 
     def expected_tokens(self, rid: str, tier: int, key: int | None = None) -> float:
         """Tokens a step at this tier is expected to commit for the request (given a draft
@@ -393,10 +289,12 @@ class AdaptiveDraftLength:
         plain mode would not have run so (not launched ahead, or probing): it counts, but
         does not price plain decoding (costs.py)."""
         bucket = batch_bucket(batch_size)
-        if self.ragged and nodes is not None and tree_size > 1:
-            tree_size = smallest_level(self.tiers, batch_size, nodes)
-        self.probes.note_step(bucket)
         expected = self._expected.pop(bucket, None)   # what this step's choice expected, if it drafted
+        if self.listener is not None:
+            self.listener.step_recorded(bucket, batch_size, tree_size, seconds, tokens, steady, nodes, expected)
+        if nodes is not None and tree_size > 1:
+            tree_size = self.cuts.level(tree_size, batch_size, nodes)
+        self.probes.note_step(bucket)
         if expected is not None and tree_size > 1 and tokens is not None and seconds > 0:
             self.optimism[bucket] = self._overshoots.add(bucket, *expected, tokens=tokens, seconds=seconds)
         tier = self.costs.record(bucket, tree_size, seconds, steady)
