@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from lab.policy_sim import SCENARIOS, simulate
+from specserve.speculative.adaptive.listener import PolicyListener
 from specserve.speculative.adaptive.modes import EPISODE_WINDOW, BucketModes
 from specserve.speculative.adaptive.policy import MAX_OPTIMISM, PLAIN_HOLD, SWITCH_MARGIN, AdaptiveDraftLength
 from specserve.speculative.adaptive.probes import (
@@ -20,11 +21,12 @@ def propose(adaptive: AdaptiveDraftLength, rid: str) -> None:
     adaptive.record_proposals([rid], TreeProposal.from_lists([CHAIN]), [len(CHAIN[0])])
 
 
-def drafting_bucket(tokens_per_step: int) -> AdaptiveDraftLength:
+def drafting_bucket(tokens_per_step: int, listener: PolicyListener | None = None) -> AdaptiveDraftLength:
     """Batch 1, plain steps of 0.05 s (20 tokens/s realized), then a drafting episode of
     three 0.06-s tier-4 steps committing `tokens_per_step` each, which then sees drafts that
-    miss: its choice goes plain and ends the episode."""
+    miss: its choice goes plain and ends the episode. `listener` hears it all."""
     adaptive = AdaptiveDraftLength([1, 4])
+    adaptive.listen(listener)
     adaptive.record_step(1, 4, 0.06)
     assert not adaptive.should_draft(1)                    # a new bucket starts plain
     for _ in range(PLAIN_HOLD):
@@ -38,6 +40,31 @@ def drafting_bucket(tokens_per_step: int) -> AdaptiveDraftLength:
         adaptive.observe("r", [7])
     assert adaptive.choose(["r"], [4]) == 1
     return adaptive
+
+
+class Heard(PolicyListener):
+    """Hears the switch and the episode's end only (the other events stay no-ops)."""
+
+    def __init__(self):
+        self.events: list[tuple] = []
+
+    def switch_requested(self, bucket, expected_gain):
+        self.events.append(("switch", bucket, expected_gain))
+
+    def episode_ended(self, bucket, episode, plain_rate, reopened):
+        self.events.append(("ended", bucket, episode.steps, episode.tokens, plain_rate, reopened))
+
+
+@pytest.mark.parametrize("tokens_per_step, won", [(3, True), (1, False)])
+def test_a_listener_hears_the_probes_switch_and_the_episode_it_started_end(tokens_per_step, won):
+    heard = Heard()
+    adaptive = drafting_bucket(tokens_per_step, heard)
+    [switch, ended] = heard.events
+    assert switch[:2] == ("switch", 1) and switch[2] == pytest.approx((4 / 0.06) / (1 / 0.05), rel=0.05)
+    assert ended == ("ended", 1, 3, 3 * tokens_per_step, pytest.approx(20.0), won)
+    adaptive.listen(None)
+    adaptive.record_step(1, 1, 0.05, tokens=1)
+    assert len(heard.events) == 2 and adaptive.listener is None and adaptive.modes.listener is None
 
 
 def plain_steps_that_probe(adaptive: AdaptiveDraftLength, steps: int) -> list[int]:
