@@ -265,6 +265,8 @@ fi
 if [ "$mode" = hybrid-rows ]; then
   CHAIN_ALGORITHMS=EAGLE3 chain_rows "$OUT/hybrid_rows" --concurrency 1 8 64 --num-prompts 64 \
     --hybrid-modes ${HYBRID_MODES:-adaptive} --ngram-default --policy-trace-dir "$OUT/hybrid_rows/traces"
+  # the traces' folders are deeper than a call returns: one tar instead
+  tar -cf "$OUT/hybrid_traces.tar" -C "$OUT/hybrid_rows" traces && rm -rf "$OUT/hybrid_rows/traces"
 fi
 if [ "$mode" = peers-eagle ]; then
   engines=("$@"); [ ${#engines[@]} -gt 0 ] || engines=(specserve-eagle3 sglang-eagle3 vllm-eagle3)
