@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 # SGLang's sampling-param fields that constrain the output, at most one per request
@@ -43,16 +44,23 @@ def grammar_spec(params: Any) -> GrammarSpec | None:
 
 def check_grammar(spec: GrammarSpec) -> None:
     """Parses the grammar (xgrammar, without a tokenizer): a ValueError naming the field when
-    it is not a valid one. Compiling it for a vocabulary (grammar/compiler.py) gives the same verdict."""
+    it is not a valid one. Compiling it for a vocabulary (grammar/compiler.py) gives the same verdict.
+    A grammar found valid is not parsed again: requests of one application send the same few,
+    and a structural tag's parse takes ~3 ms on the request's thread, beside the engine's."""
+    _checked(spec.kind, spec.text)
+
+
+@lru_cache(maxsize=1024)   # a bad grammar raises, which is not cached: it is refused every time
+def _checked(kind: str, text: str) -> None:
     import xgrammar   # lazily: an engine that never sees a grammar never loads it
     parse = {"json_schema": xgrammar.Grammar.from_json_schema, "regex": xgrammar.Grammar.from_regex,
-             "ebnf": xgrammar.Grammar.from_ebnf, "structural_tag": xgrammar.Grammar.from_structural_tag}[spec.kind]
+             "ebnf": xgrammar.Grammar.from_ebnf, "structural_tag": xgrammar.Grammar.from_structural_tag}[kind]
     try:
-        if spec.kind == "json_schema":
-            json.loads(spec.text)
-        parse(spec.text)
+        if kind == "json_schema":
+            json.loads(text)
+        parse(text)
     except Exception as error:   # xgrammar raises RuntimeError / ValueError / its own kinds
-        raise ValueError(f"{spec.kind} is not a valid {_WHAT[spec.kind]}: {first_line(error)}") from None
+        raise ValueError(f"{kind} is not a valid {_WHAT[kind]}: {first_line(error)}") from None
 
 
 _WHAT = {"json_schema": "JSON schema", "regex": "regular expression", "ebnf": "EBNF grammar",
