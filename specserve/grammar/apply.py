@@ -22,6 +22,17 @@ def apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.
         return out
     # bytes, not words, are unpacked: bit k of byte i (little-endian words) allows token 8i + k,
     # and the intermediate takes a byte a token (32 bits a token would be 4x a step's logits)
-    bits = torch.tensor([1 << k for k in range(8)], dtype=torch.uint8, device=logits.device)
-    allowed = (bitmask.contiguous().view(torch.uint8).unsqueeze(-1) & bits).flatten(-2)[..., :vocab]
+    allowed = (bitmask.contiguous().view(torch.uint8).unsqueeze(-1) & _bits(logits.device)).flatten(-2)[..., :vocab]
     return logits.masked_fill(allowed == 0, float("-inf"))
+
+
+_BITS: dict[torch.device, torch.Tensor] = {}
+
+
+def _bits(device: torch.device) -> torch.Tensor:
+    """(8,) uint8: 1, 2, 4, ... 128 on the device, made once: a tensor built from host values
+    is a blocking copy, which would wait for the forward that a step's mask follows."""
+    bits = _BITS.get(device)
+    if bits is None:
+        bits = _BITS[device] = torch.tensor([1 << k for k in range(8)], dtype=torch.uint8, device=device)
+    return bits
