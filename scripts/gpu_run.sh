@@ -18,6 +18,8 @@
 #   scripts/gpu_run.sh step-cost                   (no models staged, ~3 min: plain, 4- and 8-node verify and the fused
 #                                                   EAGLE-3 step at batch 1 and 8 on random 1.5B weights, each with the
 #                                                   host's time by phase: where a verify step's unhidden host time goes)
+#   scripts/gpu_run.sh row-kernels [MODEL]         (the opt-in few-row kernels (SPECSERVE_ROW_KERNELS=1): their tests on the
+#                                                   GPU, then greedy outputs with and without them; ~2 min with the 1.5B)
 #   scripts/gpu_run.sh standalone [NUM_STEPS...]   (STANDALONE 0.5B -> 1.5B against plain; tests/gpu/test_standalone_cuda.py)
 #   scripts/gpu_run.sh eagle [NUM_STEPS...]        (trains an EAGLE-3 head for the 1.5B in 7.5 minutes, then EAGLE3
 #                                                   chains and top-4 trees of 8 nodes against plain; then frspec)
@@ -119,6 +121,14 @@ if [ "$mode" = step-cost ]; then
     --out "$OUT/step_cost" 2>&1 | grep '^{' | tail -20
   python3 -m lab.suite_host_phases lab.step_cost --algorithm EAGLE3 --num-steps 3 --batch-sizes 1 8 \
     --steps 60 --out "$OUT/step_cost_eagle3" 2>&1 | grep '^{' | tail -20
+fi
+if [ "$mode" = row-kernels ]; then
+  # whether the opt-in few-row kernels compute cuBLAS's rows: their tests at the GPU's sizes and configs, then
+  # greedy outputs of the last MODEL with and without them (lab/row_kernel_identity.py)
+  TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/test_rows_linear.py 2>&1 | tail -8
+  for kernels in 0 1; do
+    SPECSERVE_ROW_KERNELS=$kernels python3 -m lab.row_kernel_identity "/root/models/${models[-1]}.gguf" "$OUT" 2>&1 | tail -2
+  done
 fi
 if [ "$mode" = standalone ]; then
   steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(4)
