@@ -117,3 +117,41 @@ def test_decoder_row_kernels_match_the_batched_path(arch, monkeypatch):
     for pools in zip(drivers[0].runner.pool.k_buffers + drivers[0].runner.pool.v_buffers,
                      drivers[1].runner.pool.k_buffers + drivers[1].runner.pool.v_buffers):
         torch.testing.assert_close(*pools, rtol=1e-5, atol=1e-5)
+
+
+# The 1.5B's matrices at their real K (1536, or 8960 for down_proj), N cut to a few lane
+# blocks with a ragged tail: (N, K, silu_mul, add_norm, rope heads (q, kv, head_dim))
+REAL_K = {"qkv": ((4 + 2) * 128, 1536, False, True, (4, 1, 128)), "o_proj": (200, 1536, False, False, None),
+          "gate_up": (400, 1536, True, True, None), "down": (200, 8960, False, False, None)}
+
+
+@pytest.mark.parametrize("rows", [3, 17])
+@pytest.mark.parametrize("matrix", list(REAL_K))
+def test_every_tuned_config_at_real_k_matches_the_unfused_path(matrix, rows):
+    """Every config the tuner may pick (candidates_for: lanes 32-128, K split 1-16 ways), at
+    the K slices the real shapes give, against F.linear and the separate norm/SiLU/RoPE."""
+    from specserve.model.rope import RotaryEmbedding
+    n, k, silu_mul, add_norm, heads = REAL_K[matrix]
+    torch.manual_seed(rows + n + k)
+    x, w, b = torch.randn(rows, k, device=DEVICE), torch.randn(n, k, device=DEVICE) / k ** 0.5, None
+    norm = AddNorm(torch.randn(rows, k, device=DEVICE), torch.randn(k, device=DEVICE), 1e-6) if add_norm else None
+    if heads:
+        b = torch.randn(n, device=DEVICE)
+        tables = RotaryEmbedding(heads[2], 4096, 1e6, None).to(DEVICE)
+        positions, slots = torch.randint(0, 4096, (rows,), device=DEVICE), torch.randperm(64, device=DEVICE)[:rows]
+        pools = [torch.randn(64, heads[1], heads[2], device=DEVICE) for _ in range(2)]
+    lanes = n // 2 if silu_mul or heads else n
+    configs = rows_linear.candidates_for(lanes, rows_linear.padded_rows(rows))
+    assert any(c[2] > 1 for c in configs) and any(c[2] == 1 for c in configs)
+    for config in configs:
+        rope, expected_rope = ((RopeStore(tables.cos, tables.sin, positions, slots, kp.clone(), vp.clone(), heads[0])
+                                for kp, vp in (pools, pools)) if heads else (None, None))
+        got = rows_linear.rows_gemm(x, w, b, silu_mul, config, add_norm=norm, rope=rope)
+        expected = gemv.reference(x, w, b, silu_mul, add_norm=norm, rope=expected_rope)
+        if add_norm:
+            torch.testing.assert_close(got[1], expected[1])
+            got, expected = got[0], expected[0]
+        close(got, expected)
+        if heads:
+            close(rope.k_buffer, expected_rope.k_buffer)
+            close(rope.v_buffer, expected_rope.v_buffer)

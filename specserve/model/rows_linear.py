@@ -147,12 +147,19 @@ def _rows_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, R, N_OUT, K, out_stride,
         arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
         if arrived == SPLIT - 1:
             acc = tl.load(block + tile, cache_modifier=".cg")
-            tl.store(block + tile, tl.zeros((BLOCK_N, ROWS), dtype=tl.float32))
             if TWO:
                 acc_second = tl.load(block + BLOCK_N * ROWS + tile, cache_modifier=".cg")
-                tl.store(block + BLOCK_N * ROWS + tile, tl.zeros((BLOCK_N, ROWS), dtype=tl.float32))
             if ADD_NORM:
                 squares = tl.load(squares_ptr + pid_n * ROWS + rows, cache_modifier=".cg")
+            # Every thread reads before any thread zeroes: a value may be held by several threads
+            # (each row's sum of squares is loaded by every warp, and only one warp's store is
+            # kept), and a warp that zeroed it first left the others reading 0, so their lanes
+            # of that row were scaled by 1 / sqrt(eps) (sm_90 PTX: no barrier between the two).
+            tl.debug_barrier()
+            tl.store(block + tile, tl.zeros((BLOCK_N, ROWS), dtype=tl.float32))
+            if TWO:
+                tl.store(block + BLOCK_N * ROWS + tile, tl.zeros((BLOCK_N, ROWS), dtype=tl.float32))
+            if ADD_NORM:
                 tl.store(squares_ptr + pid_n * ROWS + rows, tl.zeros((ROWS,), dtype=tl.float32))
             tl.store(count_ptr + pid_n, 0)
             _rows_epilogue(acc, acc_second, squares, lanes, lane_ok, w_index, second_index, rows, row_ok, K, eps,
