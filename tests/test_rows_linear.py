@@ -123,6 +123,7 @@ def test_decoder_row_kernels_match_the_batched_path(arch, monkeypatch):
 # blocks with a ragged tail: (N, K, silu_mul, add_norm, rope heads (q, kv, head_dim))
 REAL_K = {"qkv": ((4 + 2) * 128, 1536, False, True, (4, 1, 128)), "o_proj": (200, 1536, False, False, None),
           "gate_up": (400, 1536, True, True, None), "down": (200, 8960, False, False, None)}
+REPEATS = 20 if DEVICE == "cuda" else 1
 
 
 @pytest.mark.parametrize("rows", [3, 17])
@@ -144,14 +145,15 @@ def test_every_tuned_config_at_real_k_matches_the_unfused_path(matrix, rows):
     configs = rows_linear.candidates_for(lanes, rows_linear.padded_rows(rows))
     assert any(c[2] > 1 for c in configs) and any(c[2] == 1 for c in configs)
     for config in configs:
-        rope, expected_rope = ((RopeStore(tables.cos, tables.sin, positions, slots, kp.clone(), vp.clone(), heads[0])
-                                for kp, vp in (pools, pools)) if heads else (None, None))
-        got = rows_linear.rows_gemm(x, w, b, silu_mul, config, add_norm=norm, rope=rope)
-        expected = gemv.reference(x, w, b, silu_mul, add_norm=norm, rope=expected_rope)
-        if add_norm:
-            torch.testing.assert_close(got[1], expected[1])
-            got, expected = got[0], expected[0]
-        close(got, expected)
-        if heads:
-            close(rope.k_buffer, expected_rope.k_buffer)
-            close(rope.v_buffer, expected_rope.v_buffer)
+        for _ in range(REPEATS):  # on a GPU, a race between threads or programs shows in some of them
+            rope, expected_rope = ((RopeStore(tables.cos, tables.sin, positions, slots, kp.clone(), vp.clone(),
+                                              heads[0]) for kp, vp in (pools, pools)) if heads else (None, None))
+            got = rows_linear.rows_gemm(x, w, b, silu_mul, config, add_norm=norm, rope=rope)
+            expected = gemv.reference(x, w, b, silu_mul, add_norm=norm, rope=expected_rope)
+            if add_norm:
+                torch.testing.assert_close(got[1], expected[1])
+                got, expected = got[0], expected[0]
+            close(got, expected)
+            if heads:
+                close(rope.k_buffer, expected_rope.k_buffer)
+                close(rope.v_buffer, expected_rope.v_buffer)
