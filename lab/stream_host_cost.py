@@ -25,7 +25,7 @@ import subprocess
 import time
 
 from specserve.args import ServerArgs
-from specserve.bench.server_overhead import (offline_tokens_per_s, pick_prompts, server_tokens_per_s, start_server,
+from lab.server_overhead import (offline_tokens_per_s, pick_prompts, server_tokens_per_s, start_server,
                                              wait_healthy)
 
 MODEL_DIR = "/tmp/specserve-stream-host-cost"

@@ -13,7 +13,7 @@ import pytest
 
 from specserve.bench.datasets import json_array_items, sample_random_requests, sample_sharegpt_requests
 from specserve.bench.serving import RequestResult, _percentile, summarize
-from specserve.bench.server_overhead import wait_healthy
+from lab.server_overhead import wait_healthy
 from tests.server_process import ROOT, free_port, start_server, stop_server
 
 

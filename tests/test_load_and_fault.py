@@ -15,7 +15,7 @@ import pytest
 
 from malformed_requests import malformed_requests
 from server_process import free_port, start_server, stop_server, wait_idle
-from specserve.bench.server_overhead import wait_healthy
+from lab.server_overhead import wait_healthy
 
 # 32 requests of 20-50 tokens at once do not fit 384 slots: the newest are preempted
 SERVER_FLAGS = ("--max-total-tokens", "384", "--max-running-requests", "32")

@@ -14,7 +14,7 @@ import pytest
 
 from fake_engine import SLOW_TEXT_RELEASE, FakeEngine
 from server_process import free_port, server_load, start_server, stop_server, wait_idle
-from specserve.bench.server_overhead import wait_healthy
+from lab.server_overhead import wait_healthy
 
 
 GREEDY = {"temperature": 0.0}

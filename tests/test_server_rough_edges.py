@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from server_process import free_port, start_server, stop_server
-from specserve.bench.server_overhead import wait_healthy
+from lab.server_overhead import wait_healthy
 
 SERVED_NAME = "smol-test"
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from server_process import engine_pid, free_port, server_load, start_server
-from specserve.bench.server_overhead import wait_healthy
+from lab.server_overhead import wait_healthy
 
 LONG = {"max_tokens": 3000, "temperature": 0, "ignore_eos": True}
 CHAT = [{"role": "user", "content": "Tell me a very long story about a lighthouse keeper."}]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from specserve.args import ServerArgs
-from specserve.bench.server_overhead import wait_healthy
+from lab.server_overhead import wait_healthy
 from specserve.errors import ArgumentError, NotSupportedError
 from tests.server_process import free_port, start_server, stop_server
 from tests.spec_fixtures import make_tiny_directory, plain_greedy_outputs, tiny_engine, truncated_mid_path, \

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from server_process import free_port, start_server, stop_server
-from specserve.bench.server_overhead import wait_healthy
+from lab.server_overhead import wait_healthy
 
 CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                          "population": {"type": "integer"}},

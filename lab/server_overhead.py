@@ -1,7 +1,7 @@
 """Serving overhead: output tokens/s of the offline Engine against the same engine behind the
 HTTP server, on the same prompts at the same concurrency (greedy, fixed output length).
 
-    python -m specserve.bench.server_overhead [--num-prompts 32] [--output-len 64]
+    python -m lab.server_overhead [--num-prompts 32] [--output-len 64]
         [--concurrency 8] [--rounds 2] [ServerArgs flags, e.g. --dtype float32]
 
 The server starts in a subprocess (launch_server: HTTP in that process, its engine in a child
@@ -115,7 +115,7 @@ def _event_loop_cpu_s(pid: int) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, list[float]]:
-    parser = argparse.ArgumentParser(prog="python -m specserve.bench.server_overhead", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m lab.server_overhead", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=64)
