@@ -133,7 +133,7 @@ class OverlapSchedule:
 
     def _launch(self, reqs: list[Req], kv_lens: list[int], slots: list[int], roots, constrain_now: bool) -> StepAhead:
         """constrain_now: the matchers have seen every token before this step (its roots are on
-        the host), so its grammar masks apply at once; else they wait for constrain_ahead."""
+        the host), so its grammar masks apply at once; else they wait for after_commit."""
         launched, hidden, logits = self.runner.launch_greedy_decode(reqs, kv_lens, slots, roots)
         step = StepAhead(list(reqs), slots, launched, hidden=hidden)
         if any(r.grammar is not None for r in reqs):

@@ -70,15 +70,20 @@ def fill_next_masks(grammars: list[RequestGrammar | None], out: torch.Tensor) ->
     (the request ends with this step: its token is never committed); rows without a grammar
     are left as they are."""
     global _batch_filler
-    live = [(row, g) for row, g in enumerate(grammars) if g is not None and not g.terminated]
+    rows, matchers = [], []
     for row, grammar in enumerate(grammars):
-        if grammar is not None and grammar.terminated:
+        if grammar is None:
+            continue
+        if grammar.terminated:
             out[row] = -1
-    if len(live) < BATCH_FILL_MIN:
-        for row, grammar in live:
-            grammar._matcher.fill_next_token_bitmask(out, row)
+        else:
+            rows.append(row)
+            matchers.append(grammar._matcher)
+    if len(rows) < BATCH_FILL_MIN:
+        for row, matcher in zip(rows, matchers):
+            matcher.fill_next_token_bitmask(out, row)
         return
     if _batch_filler is None:
         import xgrammar
         _batch_filler = xgrammar.BatchGrammarMatcher(max_threads="auto")
-    _batch_filler.batch_fill_next_token_bitmask([g._matcher for _, g in live], out, [row for row, _ in live])
+    _batch_filler.batch_fill_next_token_bitmask(matchers, out, rows)
