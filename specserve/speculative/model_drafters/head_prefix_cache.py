@@ -4,7 +4,7 @@ The ledger caches a request's positions only where its head has rows for them to
 request's head is fed the target's states when it drafts (a catch-up, or the chain's first
 step), so right after a prefill it holds no rows for the new tokens: the prefill is cached
 once the request leaves (finish or preemption), when what the head still lacks is fed in
-one catch-up forward from the states it kept. A second chat turn then finds the first
+one catch-up forward from the states it kept (the requests one step finishes, in one forward together). A second chat turn then finds the first
 turn's prompt and answer cached for the target and the head alike.
 """
 from __future__ import annotations
@@ -26,6 +26,14 @@ class HeadPrefixRows(DraftRows):
 
     def adopt(self, req: "Req", slots: list[int]) -> None:
         self.kv.adopt(req, slots)
+
+    def before_leaving(self, reqs: list["Req"]) -> None:
+        # one catch-up forward for the step's finishing requests: an engine whose policy holds
+        # the head back feeds it every answer whole at the end, and a forward each (eager,
+        # launch-bound) cost more at batch 64 than the plain steps themselves
+        feedable = [req for req in reqs if self.drafter.can_feed(req)]
+        if feedable:
+            self.drafter.feed(feedable)
 
     def rows_to_cache(self, req: "Req", start: int, end: int, finishing: bool) -> list[int]:
         held = self.kv.held_rows(req, start, end)
