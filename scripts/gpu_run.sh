@@ -18,7 +18,7 @@
 #   scripts/gpu_run.sh step-cost                   (no models staged, ~3 min: plain, 4- and 8-node verify and the fused
 #                                                   EAGLE-3 step at batch 1 and 8 on random 1.5B weights, each with the
 #                                                   host's time by phase: where a verify step's unhidden host time goes)
-#   scripts/gpu_run.sh row-kernels [MODEL]         (the opt-in few-row kernels (SPECSERVE_ROW_KERNELS=1): their tests on the
+#   scripts/gpu_run.sh row-kernels [MODEL]         (the few-row kernels (SPECSERVE_ROW_KERNELS=0 turns them off): their tests on the
 #                                                   GPU, then greedy outputs with and without them; ~2 min with the 1.5B)
 #   scripts/gpu_run.sh standalone [NUM_STEPS...]   (STANDALONE 0.5B -> 1.5B against plain; tests/gpu/test_standalone_cuda.py)
 #   scripts/gpu_run.sh eagle [NUM_STEPS...]        (trains an EAGLE-3 head for the 1.5B in 7.5 minutes, then EAGLE3

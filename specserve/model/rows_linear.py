@@ -44,13 +44,12 @@ logger = logging.getLogger(__name__)
 # Above 32 rows cuBLAS's tiles win on every matrix of a 1.5B (H200: a batch-8 verify of 64
 # nodes took 0.1 ms longer through these kernels), so larger steps keep the unfused path.
 MAX_ROWS = 32
-# Opt-in (SPECSERVE_ROW_KERNELS=1); by default 2-32 rows go to cuBLAS and the separate norm /
-# RoPE / SiLU kernels. On an H200 (1.5B, bf16) with these kernels on, NGRAM's drafting rows at
-# concurrency 32 committed 4-6 tokens instead of ~10 and the engine fell back to plain steps
-# (code-types: 0.86x plain against 1.85x with them off, same tree); NAIVE_EAGLE's greedy
-# outputs matched plain decoding 0 of 16 times (EAGLE-3's 9 of 16). Until the rows they
-# compute are shown equal to cuBLAS's on a GPU at every row count and tile, they stay off.
-ENABLED = os.environ.get("SPECSERVE_ROW_KERNELS", "0") == "1"
+# On by default; SPECSERVE_ROW_KERNELS=0 sends 2-32 rows to cuBLAS and the separate norm / RoPE /
+# SiLU kernels. A split-K race once made them compute wrong rows on a GPU (a warp read a row's sum
+# of squares after another had zeroed it), which halved NGRAM's accepted drafts at concurrency;
+# tests/test_rows_linear_ptx.py checks the barrier in the compiled PTX, and
+# lab/row_kernel_identity.py compares greedy outputs with them and without on a GPU.
+ENABLED = os.environ.get("SPECSERVE_ROW_KERNELS", "1") == "1"
 
 # (BLOCK_N, BLOCK_K, SPLIT, num_warps, num_stages): at 16 rows (a verify step at batch 1)
 # (wide lane blocks keep the input's re-reads small; split K restores the program count)
