@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from lab.policy_sim import SCENARIOS, simulate
+from lab.policy_sim_b1 import timed_cell
 from specserve.speculative.adaptive.listener import PolicyListener
 from specserve.speculative.adaptive.modes import EPISODE_WINDOW, BucketModes
 from specserve.speculative.adaptive.policy import MAX_OPTIMISM, PLAIN_HOLD, SWITCH_MARGIN, AdaptiveDraftLength
@@ -207,3 +208,65 @@ def test_simulated_copies_with_edits_draft_again_after_each_edit(name, at_least,
     profiles, concurrency = SCENARIOS[name]
     result, vs_plain = simulate(profiles(0), concurrency, ragged=ragged)
     assert result.drafting_fraction > 0.45 and vs_plain > at_least, (result, vs_plain)
+
+
+def won_by_a_run_of_misses() -> AdaptiveDraftLength:
+    """Batch 1, plain steps of 0.05 s (20 tokens/s), tier 4 priced 0.06 s; a probe switches and
+    the episode's choices draft "r": 6 steps commit all 4 tokens, then drafts miss until its
+    estimate falls below plain's and the choice ends the episode (~1.9x plain: won)."""
+    adaptive = AdaptiveDraftLength([1, 4])
+    adaptive.record_step(1, 4, 0.06)
+    assert not adaptive.should_draft(1)
+    for _ in range(PLAIN_HOLD):
+        adaptive.record_step(1, 1, 0.05, tokens=1)
+    adaptive.probe(1, ["r"], [4])
+    assert not adaptive.should_draft(1) and adaptive.should_draft(1)
+    for committed in [[1, 2, 3, 8]] * 6 + [[7]] * 20:
+        propose(adaptive, "r")
+        if adaptive.choose(["r"], [4]) == 1:
+            return adaptive
+        adaptive.observe("r", committed)
+        adaptive.record_step(1, 4, 0.06, tokens=len(committed))
+    raise AssertionError("the choice never ended the episode")
+
+
+def test_an_episode_that_won_leaves_no_overshoot_to_raise_the_next_switchs_margin():
+    """The steps an episode ends on disappointed its choice (that is why it ended), so its last
+    window reads as overshoot whatever the model's mean: kept, the margin rose to SWITCH_MARGIN
+    x MAX_OPTIMISM and a probe expecting 1.67x (a kept EAGLE-3 head at batch 1) stayed plain."""
+    adaptive = won_by_a_run_of_misses()
+    assert adaptive.modes.plain_until[1] == adaptive.costs.steps(1)   # won: the bucket is open
+    assert adaptive._switch_margin(1) == pytest.approx(SWITCH_MARGIN)
+    for _ in range(20):                                    # a new request: one draft of three accepted
+        propose(adaptive, "s")
+        adaptive.observe("s", [1, 8])
+    gain = adaptive.expected_tokens("s", 4) / 0.06 / 20
+    assert SWITCH_MARGIN < gain < SWITCH_MARGIN * MAX_OPTIMISM
+    adaptive.probe(1, ["s"], [4])
+    assert adaptive.would_draft(1)
+
+
+def test_an_episode_that_lost_keeps_its_overshoot():
+    modes = BucketModes()
+    modes.should_draft(1, 0)
+    modes.record_outcome(1, 1, 0.05, 1)                    # plain: 20 tokens/s
+    modes.request_switch(1, 3.0)
+    modes.should_draft(1, 1), modes.should_draft(1, 1)
+    modes.record_outcome(1, 15, 1.0, 2)                    # 15 tokens/s: lost
+    assert not modes.go_plain(1, 3, reopen_margin=SWITCH_MARGIN)
+    assert modes.episode_overshoot[1] == pytest.approx(3.0 / 0.75)
+    modes.request_switch(1, 3.0)
+    modes.should_draft(1, 3), modes.should_draft(1, 3)
+    modes.record_outcome(1, 30, 1.0, 4)                    # 30 tokens/s: won by the margin, no record
+    assert modes.go_plain(1, 5, reopen_margin=SWITCH_MARGIN)
+    assert modes.episode_overshoot[1] == pytest.approx(3.0 / 0.75)
+
+
+def test_a_batch1_eagle_bucket_whose_drafts_pay_drafts_most_of_its_timed_steps():
+    """lab/policy_sim_b1: a warm-up, then the timed answers on the same policy, an H200 trace's
+    costs and drafts accepted as on code-types (~2.95 tokens a step at 1.76x plain's cost): with
+    the warm-up's won episodes raising the switch margin it drafted 0.65 of the steps (8 seeds;
+    0.73 without), the slowest cell 1.11x plain (1.25x)."""
+    cells = [timed_cell(0.8, seed) for seed in range(8)]
+    assert sum(fraction for fraction, _ in cells) / len(cells) > 0.7
+    assert min(speed for _, speed in cells) > 1.15

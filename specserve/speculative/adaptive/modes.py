@@ -34,6 +34,10 @@ A drafting step's own choice may expect what it then realizes while the episode 
 disappoints the probe that started it: on an H200 (1.5B, multi-turn chat at 32, session 34)
 probes expected 1.56-1.57x, the episodes realized 1.03-1.06x, each switch a step not launched
 ahead and requests pulled apart.
+An episode that won by the switch margin adds no record: its switch paid, and the run of
+disappointing steps its choice ended it on is no measure of the probe (H200, 1.5B, EAGLE-3 at
+batch 1, code-types: the records a warm-up left raised the margin above the 1.28x the timed
+run's first probe expected, and the bucket stayed plain where drafting made 1.53x).
 
 A hold is a verdict on the requests that lost, not on the bucket forever: the episode's
 requests are kept with it, and a probe whose sample holds none of them (a new
@@ -218,7 +222,7 @@ class BucketModes:
         if lost:   # what it lost: its time minus what plain steps would have taken for its tokens
             loss = episode.seconds - episode.tokens / plain_rate
             self.bypass_after[bucket] = self.clock.get(bucket, 0.0) + loss / BYPASS_BUDGET
-        if judged and episode.expected_gain is not None and episode.tokens > 0:
+        if judged and not won and episode.expected_gain is not None and episode.tokens > 0:
             realized = episode.rate() / plain_rate
             self.episode_overshoot[bucket] = self._overshoots.add(bucket, episode.expected_gain / realized)
         self.hold[bucket] = min(2 * hold, MAX_PLAIN_HOLD) if lost else PLAIN_HOLD

@@ -260,6 +260,9 @@ class AdaptiveDraftLength:
         if best.tier == 1:  # not a re-measurement of tier 1: plain decoding is expected to win
             if self.modes.go_plain(bucket, self.costs.steps(bucket), reopen_margin=self.switch_margin):
                 self.probes.reopen(bucket)   # an episode that won: its drafts may be back in a few tokens
+                # ... and it ended on the steps that disappointed its choice: no record of overshoot
+                self._overshoots.clear(bucket)
+                self.optimism.pop(bucket, None)
         elif not self.costs.steadily_priced(bucket, 1) and self.modes.episode_steps(bucket) >= GUARD_STEPS:
             # plain decoding was priced only by steps plain mode does not run (modes.py)
             self.modes.plain_trial(bucket, self.costs.steps(bucket))
