@@ -108,15 +108,18 @@ class ProposalSpy:
 
 
 class StatesSpy:
-    """The most target states held (all requests) after a step's observe (what waits for the head)."""
+    """The most target states held (all requests) after a step's observe (what waits for the
+    head), but those of finished requests that wait to be released together (engine/parked.py),
+    which are fed then."""
 
-    def __init__(self, drafter):
+    def __init__(self, drafter, scheduler):
         self.most = 0
         observe_batch = drafter.observe_batch
 
         def spy(reqs, committed):
             observe_batch(reqs, committed)
-            self.most = max(self.most, drafter.states.held_rows)
+            parked = sum(drafter.states.count(req.rid) for req in scheduler.parked.reqs)
+            self.most = max(self.most, drafter.states.held_rows - parked)
         drafter.observe_batch = spy
 
 
@@ -139,7 +142,7 @@ def check_tree_stretches(target, random_head, overlap: bool, **engine_args) -> "
     with tiny_engine(path, **eagle_args(algorithm, head_path, speculative_num_steps=steps, speculative_eagle_topk=topk,
                                         speculative_num_draft_tokens=nodes, adaptive=True), **engine_args) as engine:
         policy = scripted(engine, overlap)
-        spy, held = ProposalSpy(engine.core.drafter, nodes), StatesSpy(engine.core.drafter)
+        spy, held = ProposalSpy(engine.core.drafter, nodes), StatesSpy(engine.core.drafter, engine.core.scheduler)
         outputs = engine.generate(input_ids=[c.tokens[:c.prompt_len] for c in held_out[:4]],
                                   sampling_params={"temperature": 0.0, "max_new_tokens": 32})
         assert [o["output_ids"] for o in outputs] == [c.tokens[c.prompt_len:] for c in held_out[:4]]

@@ -17,6 +17,7 @@ import torch
 from specserve.kv.draft_rows import EvictingSlots, bigrams
 from specserve.kv.pool import SlotAllocator
 from specserve.kv.radix_cache import RadixCache
+from specserve.request.req import ReqState
 from tests.fused_fixtures import fused_args, save_random_eagle_head, save_random_mtp_head
 from tests.spec_fixtures import (assert_draft_pool_is_free, cached_draft_rows, make_tiny_directory, tiny_engine,
                                  wait_until_all_kv_is_free)
@@ -189,6 +190,7 @@ def test_a_second_turn_feeds_the_head_only_its_new_tokens(models, disable_radix_
     with engine_for(models, "EAGLE3-tree", disable_radix_cache=disable_radix_cache) as engine:
         answer = engine.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
         second = prompt + answer + FOLLOW_UP
+        wait_until_everything_is_free(engine)   # turn 1 released (its head fed), counted apart
         counter = RowCounter(engine.core.drafter)
         out = engine.generate(input_ids=second, sampling_params={**GREEDY, "max_new_tokens": 1})
         cached = out["meta_info"]["cached_tokens"]
@@ -209,20 +211,24 @@ def test_a_second_turn_feeds_the_head_only_its_new_tokens(models, disable_radix_
             wait_until_everything_is_free(engine)
 
 
-def test_requests_that_end_in_one_step_feed_the_head_in_one_forward(models):
-    """Four requests the same step ends (their prefill's first token is their last) leave the
+def test_requests_that_end_apart_feed_the_head_in_one_forward(models):
+    """Requests that end at different steps wait (parked: Scheduler.release_parked) and leave the
     head one catch-up forward over all of their rows, not one forward each; every row is
     cached and the next turn finds them."""
     with engine_for(models, "EAGLE3-chain") as engine:
         drafter = engine.core.drafter
         feeds, feed = [], drafter.feed
         drafter.feed = lambda reqs: (feeds.append(len(reqs)), feed(reqs))[1]
-        outputs = engine.generate(input_ids=PROMPTS[1:], sampling_params={**GREEDY, "max_new_tokens": 1})
-        assert feeds == [len(PROMPTS) - 1]
+        params = [{**GREEDY, "max_new_tokens": 1 + 3 * i} for i in range(len(PROMPTS) - 1)]
+        outputs = engine.generate(input_ids=PROMPTS[1:], sampling_params=params)
         wait_until_everything_is_free(engine)
+        assert sorted(len(o["output_ids"]) for o in outputs) == [1, 4, 7, 10]
+        assert sum(feeds) == len(PROMPTS) - 1 and len(feeds) < len(PROMPTS) - 1   # drafting feeds count too
+        feeds.clear()
         seconds = [p + o["output_ids"] + FOLLOW_UP for p, o in zip(PROMPTS[1:], outputs)]
         again = engine.generate(input_ids=seconds, sampling_params={**GREEDY, "max_new_tokens": 1})
-        assert [o["meta_info"]["cached_tokens"] for o in again] == [len(p) for p in PROMPTS[1:]]
+        assert [o["meta_info"]["cached_tokens"] for o in again] == \
+            [len(p) + len(o["output_ids"]) - 1 for p, o in zip(PROMPTS[1:], outputs)]
         wait_until_everything_is_free(engine)
 
 
@@ -364,3 +370,31 @@ def test_head_rows_join_the_cache_at_release_and_nobody_waits_for_a_chunk():
     assert third.cached_tokens == len(SYSTEM) + 1 + 3 and len(head.cached_rows(third)) == third.cached_tokens
     _run_all(scheduler)
     assert scheduler.flush_cache() > 0 and head_pool.slots.available() == head_pool.size
+
+
+def test_a_parked_request_is_released_when_its_next_turn_waits():
+    """With head rows in the cache a finished request is parked, not released, while others run;
+    a waiting request that continues it (a chat's next turn) releases it before admission, so
+    it finds the first turn cached. One that does not continue it leaves it parked."""
+    from specserve.kv.pool import KVPool
+    from tests.test_prefix_cache import SYSTEM, _req, _scheduler, _step
+    scheduler = _scheduler(chunk=128, size=512)
+    head_pool = KVPool(1, 1, 2, 512, max_requests=8, max_context=512, dtype=torch.float32, device=torch.device("cpu"))
+    scheduler.kv.keep_draft_rows(UnfedHead(head_pool), head_pool)
+    short, long = _req("a", SYSTEM + [201], max_new_tokens=2), _req("b", [7, 8, 9], max_new_tokens=40)
+    scheduler.add(short)
+    scheduler.add(long)
+    while short.state is not ReqState.FINISHED:
+        _step(scheduler)
+    assert scheduler.parked.reqs == [short] and short.kv_slots and scheduler.cached_slots() == 0
+    stranger = _req("c", [50, 51, 52], max_new_tokens=40)
+    scheduler.add(stranger)
+    _step(scheduler)
+    assert scheduler.parked.reqs == [short] and stranger.cached_tokens == 0
+    next_turn = _req("d", short.all_ids + [301, 302])
+    scheduler.add(next_turn)
+    _step(scheduler)
+    assert scheduler.parked.reqs == [] and not short.kv_slots
+    while next_turn.state is ReqState.WAITING:   # admitted at the next prefill turn
+        _step(scheduler)
+    assert next_turn.cached_tokens == len(short.all_ids) - 1   # all but its last token (bigram keys)

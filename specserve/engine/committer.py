@@ -87,10 +87,7 @@ class Committer:
         return new_tokens
 
     def finish_together(self, ending: list[tuple[Req, dict]]) -> None:
-        """Finishes the requests one step ended. The prefix cache's work for them runs first,
-        in one go: an EAGLE head is fed what each lacks in one forward, not one forward each."""
-        if ending:
-            self.scheduler.before_finishing([req for req, _ in ending])
+        """Finishes the requests the step ended, once all its tokens are committed."""
         for req, reason in ending:
             self.finish(req, reason)
 
@@ -98,6 +95,7 @@ class Committer:
         self.text.drain(req)
         if reason["type"] != "stop" or not isinstance(reason.get("matched"), str):
             req.detokenizer.flush()
-        self.scheduler.finish(req, reason)
+        parked = self.scheduler.finish(req, reason)
         self.requests.pop(req.rid, None)
-        self.planner.release(req)
+        if not parked:   # else once it is released (Scheduler.parked_listeners)
+            self.planner.release(req)

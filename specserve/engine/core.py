@@ -75,6 +75,7 @@ class EngineCore:
         self.verify_plain = VerifyStep(parts, drafts=False)   # plain steps where none is launched ahead
         self.last_batch_reqs: list[Req] = []   # the requests of the step in flight, failed together if it raises
         scheduler.preempt_listeners.append(self._preempted)
+        scheduler.parked.listeners.append(self.planner.release)   # a finished request released late
 
     # --- public surface ---
     def add_request(self, req: Req) -> None:

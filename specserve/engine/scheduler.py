@@ -18,6 +18,9 @@ computes only what the cache lacks, and one whose uncached prompt starts with to
 another request is prefilling in this very step waits a step for them to be cached
 (SHARED_PREFIX_MIN): under fcfs everyone behind it waits too, under lpm others go first.
 
+With an EAGLE head's rows in the prefix cache, finished requests are released a few at a
+time (engine/parked.py): each release may feed the head, and one feed serves many.
+
 When the cache cannot grow, the most recently arrived running request is preempted: its
 slots are released (with the prefix cache on, its written KV stays cached until evicted)
 and it is queued again at the front, to rebuild its cache later from prompt + output so
@@ -33,6 +36,7 @@ import contextlib
 import time
 from typing import Callable, Iterator
 
+from specserve.engine.parked import ParkedRequests
 from specserve.engine.prefill_pacer import PrefillPacer
 from specserve.kv.ledger import KVLedger
 from specserve.kv.pool import KVPool
@@ -60,6 +64,7 @@ class Scheduler:
         self._last_step: tuple[int, int] | None = None   # (prompt tokens, decoding requests) of the last batch
         # called with each preempted request (the core tells the drafter: a draft model's cache goes too)
         self.preempt_listeners: list[Callable[[Req], None]] = []
+        self.parked = ParkedRequests()   # finished requests whose slots are released later, together (`finish`)
         # slots a decoding request's step may take, which admission leaves free for each: its
         # token and, with a drafter, its draft nodes (the engine sets it). With one, a full
         # pool left no room for drafts: a prompt-sharing batch decoded one token a step
@@ -73,6 +78,7 @@ class Scheduler:
     # --- intake ---
     def add(self, req: Req) -> None:
         self.waiting.append(req)
+        self.parked.arrived(req)
 
     def abort(self, req: Req) -> None:
         if req in self.waiting:
@@ -82,12 +88,14 @@ class Scheduler:
         self._release(req, keep_cache=False)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.parked.reqs)
 
     # --- scheduling ---
     def schedule(self) -> Batch | None:
         """The next step's batch (see the module docstring for the policy)."""
         self._cache_prefilled()
+        if self.parked.due(bool(self.running), self.kv.available() < self.pool.size // 4):
+            self.parked.release(self.kv.before_release, lambda req: self._release(req, keep_cache=True))
         decoding = [r for r in self._candidates(self.running) if r.kv_len == r.num_tokens - 1]
         # a mixed step's prefill part is timed against a plain decode step: one runs first
         mixed = self.mixed_chunk and self.pacer.decode_step_s is not None
@@ -274,8 +282,8 @@ class Scheduler:
             self.kv = saved
 
     def check_kv(self) -> None:
-        """Raises AssertionError unless every KV slot is free, cached or held by one running request."""
-        self.kv.check(self.running)
+        """Raises AssertionError unless every KV slot is free, cached or held by one running (or parked) request."""
+        self.kv.check(self.running + self.parked.reqs)
 
     def append_kv(self, reqs: list[Req], slot_lists: list[list[int]], write_table: bool = True) -> None:
         """The tokens at each request's next positions now live in its `slot_lists` entry,
@@ -300,17 +308,19 @@ class Scheduler:
         if slots and write_table:
             self.pool.write_entries_async(rows, positions, slots)
 
-    def before_finishing(self, reqs: list[Req]) -> None:
-        """These requests finish in this step, one `finish` each next (the cache's work for them in one go)."""
-        self.kv.before_release(reqs)
-
-    def finish(self, req: Req, reason: dict) -> None:
+    def finish(self, req: Req, reason: dict) -> bool:
+        """The request is done; its slots join the cache now, or, where the ledger defers
+        releases, with other finished requests (engine/parked.py). True: parked."""
         req.state = ReqState.FINISHED
         req.finish_reason = reason
         req.finish_time = time.perf_counter()
         if req in self.running:
             self.running.remove(req)
+        if self.kv.defers_release:
+            self.parked.park(req)
+            return True
         self._release(req, keep_cache=True)
+        return False
 
     def trim_kv(self, req: Req) -> None:
         """Restores the invariant kv_len <= num_tokens - 1 after a step that failed between
@@ -322,5 +332,4 @@ class Scheduler:
         if req.row is not None:
             self.pool.free_row(req.row)
             req.row = None
-
 

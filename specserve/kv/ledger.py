@@ -134,6 +134,13 @@ class KVLedger:
             self.tree.unlock(req.cache_node)
         req.cached_len, req.cache_node = length, inserted.node
 
+    @property
+    def defers_release(self) -> bool:
+        """Whether finished requests should be released a few at a time (Scheduler.release_parked):
+        where the tree keeps draft rows, a release may first feed the head what it lacks, and
+        one feed for many requests costs what one for a single request does."""
+        return self.tree is not None and self.draft is not None
+
     def before_release(self, reqs: list[Req]) -> None:
         """These requests are about to be released together, keeping their KV: their draft
         rows (if the tree keeps them) are made ready in one go (DraftRows.before_leaving)."""
