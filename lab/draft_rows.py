@@ -1,6 +1,6 @@
 """What NGRAM's drafting steps commit per request row at concurrency, and whether the drafter
-saw every request's tokens in order: gpu_suite's code-edit cells (bench_cells: warm-up,
-RunWatch, the policy trace) with two counters beside them.
+saw every request's tokens in order: gpu_suite's cells of one workload (bench_cells: warm-up,
+RunWatch, the policy trace) with two counters beside them, per turn (sharegpt-repeat has two).
 
 A cell's accept length (output tokens per verify step) counts plain steps as steps of one
 token, so it falls both when drafts get worse and when the adaptive policy decodes plainly
@@ -14,7 +14,9 @@ what the design allows).
 
 On a CPU it forces what a GPU engine has on (the overlap schedule, drafting steps launched
 ahead): `python -m lab.draft_rows --concurrency 8 --num-prompts 16 --max-new-tokens 64`
-(SmolLM2, ~1 min a cell). On a GPU: `--device cuda --dtype bfloat16 --model-path M.gguf`.
+(SmolLM2, ~1 min a cell); `--workload sharegpt-repeat` prints a row per turn (turn 2: the same
+requests again, the trie holding turn 1's answers), and `--dump F.jsonl` keeps each turn's counters and
+outputs, to compare two trees run alike. On a GPU: `--device cuda --dtype bfloat16 --model-path M.gguf`.
 `--price MS` prices the adaptive policy's steps at a 10-ms plain step plus MS a verified
 node a request (tests/spec_fixtures.price_steps' model), the CPU's timings out of it.
 """
@@ -22,9 +24,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import types
 
-from specserve.bench import gpu_suite
+from specserve.bench import gpu_suite, offline
 from specserve.runner import tree_step
 
 
@@ -100,6 +103,32 @@ def priced(policy, plain_ms: float, node_ms: float) -> None:
     policy.record_step = record_priced
 
 
+def watch_turns(counts: collections.Counter, streams: collections.Counter) -> list:
+    """Splits the counters by turn (a sharegpt-repeat run has two): every timed or warm-up turn
+    starts them from zero and leaves (counts, streams, output tokens) in the list returned; a run
+    clears the list first, so after a cell's timed run it holds that run's turns."""
+    turns: list = []
+    run_turn, summarize, run = gpu_suite.run_turn, offline.summarize, gpu_suite.run
+    outputs: list = []
+
+    async def counted_run_turn(*args, **kwargs):
+        counts.clear()
+        streams.clear()
+        summary = await run_turn(*args, **kwargs)
+        turns.append((collections.Counter(counts), collections.Counter(streams), list(outputs)))
+        return summary
+
+    def kept_summarize(results, *args, **kwargs):
+        outputs[:] = [out["output_ids"] for out in results]
+        return summarize(results, *args, **kwargs)
+
+    def cleared_run(*args, **kwargs):
+        turns.clear()
+        return run(*args, **kwargs)
+    gpu_suite.run_turn, offline.summarize, gpu_suite.run = counted_run_turn, kept_summarize, cleared_run
+    return turns
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-path", default=None, help="default: SmolLM2-135M's GGUF")
@@ -108,10 +137,13 @@ def main(argv=None) -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[8])
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--edit", choices=("types", "rename"), default="types")
+    parser.add_argument("--workload", choices=("code-types", "code-rename", "sharegpt-repeat"), default="code-types",
+                        help="sharegpt-repeat runs two turns (the same requests again): a row per turn")
     parser.add_argument("--configs", nargs="+", default=["default"], help="gpu_suite labels, or 'default'")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--price", type=float, default=None, metavar="MS")
+    parser.add_argument("--dump", default=None, metavar="JSONL",
+                        help="per turn: the counters and every request's output tokens (to compare two trees)")
     ns = parser.parse_args(argv)
     from specserve.engine.draft_ahead import DraftAhead
     from specserve.engine.engine import Engine
@@ -132,35 +164,36 @@ def main(argv=None) -> None:
             if core.adaptive is not None and ns.price is not None:
                 priced(core.adaptive, 10.0, ns.price)
     gpu_suite.set_drafter = watched_set_drafter
-    run = gpu_suite.run
-
-    def counted_run(engine, prompts, concurrency, max_new_tokens, label, *args, **kwargs):
-        rows.counts.clear()
-        streams.clear()
-        return run(engine, prompts, concurrency, max_new_tokens, label, *args, **kwargs)
-    gpu_suite.run = counted_run
+    turns = watch_turns(rows.counts, streams)
 
     def write(row: dict) -> None:
         if row.get("kind") != "specserve":
             return
-        counts = rows.counts
+        counts, seen, outputs = turns.pop(0)
         mix = {kind: (m["steps"], m["mean_batch"]) for kind, m in row["step_mix"].items()}
         per_row = counts["accepted"] / counts["rows"] if counts["rows"] else None
-        print(f"{row['workload']} c{row['concurrency']} {row['config']} r{row['round']}: "
+        print(f"{row['workload']} c{row['concurrency']} {row['config']} r{row['round']} t{row.get('turn', 1)}: "
               f"accept {row.get('accept_length') or 0:.2f}, {row['output_tokens_per_s']:.0f} tok/s, "
-              f"steps (count, batch) {mix}; drafting rows {dict(counts)}, accepted per drafting row "
-              f"{per_row if per_row is None else round(per_row, 2)}; streams {dict(streams)}", flush=True)
-    encode = lambda messages: engine.tokenizer(engine.apply_chat_template(messages)).input_ids
-    from specserve.bench.code_edit import code_edit_messages
-    workloads = {f"code-{ns.edit}": ([encode(m) for m in code_edit_messages(ns.num_prompts, ns.edit)],
-                                     [encode(m) for m in code_edit_messages(ns.num_prompts, ns.edit, offset=82)])}
+              f"{row['output_tokens']} tokens, steps (count, batch) {mix}; drafting rows {dict(counts)}, "
+              f"accepted per drafting row {per_row if per_row is None else round(per_row, 2)}; streams {dict(seen)}",
+              flush=True)
+        if dump is not None:
+            dump.write(json.dumps({"workload": row["workload"], "concurrency": row["concurrency"],
+                                   "config": row["config"], "round": row["round"], "turn": row.get("turn", 1),
+                                   "counts": dict(counts), "streams": dict(seen), "outputs": outputs}) + "\n")
+            dump.flush()   # a run cut short keeps its cells
+    ns.workloads, ns.dataset_path = [ns.workload], None
+    workloads = {ns.workload: gpu_suite.suite_workloads(engine, ns)[ns.workload]}
     cells = types.SimpleNamespace(concurrency=ns.concurrency, num_prompts=ns.num_prompts, bs1_prompts=4,
                                   configs=ns.configs, rounds=ns.rounds, max_new_tokens=ns.max_new_tokens, repeats=1,
                                   policy_trace_dir=None)
+    dump = open(ns.dump, "w") if ns.dump else None
     try:
         gpu_suite.bench_cells(engine, cells, "model", workloads, 1.0, write)
     finally:
         engine.shutdown()
+        if dump is not None:
+            dump.close()
 
 
 if __name__ == "__main__":
