@@ -6,7 +6,10 @@ running streams, with the pacer's view of it, to see where a stream's gap goes.
 
 Runs lab.prefill_stall's scenario once (the default, alternating mode) and prints, per 500
 tokens of the long prompt's depth, the prefill steps' chunk and wall and CPU time against
-the pacer's target, so a cost that grows with the prefix (not with the chunk) stands out.
+the pacer's target, so a cost that grows with the prefix (not with the chunk) stands out,
+and over the usual decode step's CPU time the gap around each prefill step and the gap its
+prefill part alone makes (what the pacer decides; with speculation the verify steps vary
+by themselves). lab.prefill_pacer_replay replays a trace through the pacer as it now is.
 --out writes every step: wall time, the step thread's CPU time (with --threads 1 all of
 its compute), the prompt tokens and decoding requests it carried, the depth (tokens
 cached before it), the pacer's target and its (fixed, per-token) fit.
@@ -14,6 +17,7 @@ cached before it), the pacer's target and its (fixed, per-token) fit.
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import statistics
 import time
@@ -63,20 +67,44 @@ def trace_steps(engine, rows: list[StepRow]) -> None:
     scheduler.record_step_time = record
 
 
+def _usual_decode_cpu(rows: list[StepRow], around: int) -> list[tuple[int, int, float]]:
+    """Per prefill step after a decode step: (its index, the decode step's before it, the median
+    CPU time of the `around` decode steps either side)."""
+    decode_at = [i for i, r in enumerate(rows) if not r.prefill_tokens and r.decode_reqs]
+    out = []
+    for i, row in enumerate(rows):
+        k = bisect.bisect_left(decode_at, i)
+        if row.prefill_tokens and k:
+            near = decode_at[max(0, k - around):k + around]
+            out.append((i, decode_at[k - 1], statistics.median(rows[j].cpu_s for j in near)))
+    return out
+
+
 def cpu_gap_ratios(rows: list[StepRow], around: int = 10) -> list[float]:
     """Per prefill step: the streams' gap in CPU time (the decode step before it plus the
     step) over the median decode step among the `around` decode steps either side. What
     the pacer decides, without the time other processes took (at --threads 1)."""
-    decode_at = [i for i, r in enumerate(rows) if not r.prefill_tokens and r.decode_reqs]
-    ratios = []
-    for i, row in enumerate(rows):
-        before = [j for j in decode_at if j < i]
-        if not row.prefill_tokens or not before:
-            continue
-        k = len(before)
-        near = [rows[j].cpu_s for j in decode_at[max(0, k - around):k + around]]
-        ratios.append((rows[before[-1]].cpu_s + row.cpu_s) / statistics.median(near))
-    return ratios
+    return [(rows[before].cpu_s + rows[i].cpu_s) / usual for i, before, usual in _usual_decode_cpu(rows, around)]
+
+
+def prefill_part_ratios(rows: list[StepRow], around: int = 10) -> list[float]:
+    """Per prefill step: 1 + its CPU time over the usual decode step's (as in cpu_gap_ratios),
+    the gap the prefill makes of a usual step. With speculation the decode steps themselves
+    vary (a verify step of many drafts costs several plain ones, prefill or not), and the
+    gap above also counts how long the step before happened to be; this counts only what
+    the pacer decided."""
+    return [1 + rows[i].cpu_s / usual for i, _, usual in _usual_decode_cpu(rows, around)]
+
+
+def _spread(ratios: list[float]) -> str:
+    ratios = sorted(ratios)
+    return (f"worst {ratios[-1]:.2f}x, p99 {ratios[int(0.99 * (len(ratios) - 1))]:.2f}x, "
+            f"median {statistics.median(ratios):.2f}x" if ratios else "none")
+
+
+def gap_summary(rows: list[StepRow]) -> str:
+    """The CPU-time gap around prefill steps, and the prefill part's alone, over the usual decode step."""
+    return f"CPU-time gap {_spread(cpu_gap_ratios(rows))}; prefill part {_spread(prefill_part_ratios(rows))}"
 
 
 def summarize(rows: list[StepRow]) -> None:
@@ -85,10 +113,7 @@ def summarize(rows: list[StepRow]) -> None:
     if decode:
         print(f"decode steps: {len(decode)}, median {statistics.median(r.seconds for r in decode) * 1000:.1f} ms"
               f" (CPU {statistics.median(r.cpu_s for r in decode) * 1000:.1f} ms)")
-    ratios = sorted(cpu_gap_ratios(rows))
-    if ratios:
-        print(f"CPU-time gap around a prefill step over the usual decode step: worst {ratios[-1]:.2f}x, "
-              f"p99 {ratios[int(0.99 * (len(ratios) - 1))]:.2f}x, median {statistics.median(ratios):.2f}x")
+    print(f"over the usual decode step: {gap_summary(rows)}")
     print("depth      steps  chunk  prefill-step ms (mean / max)  CPU ms (mean)  target ms")
     for low in range(0, max((r.depth for r in prefill), default=0) + 1, 500):
         band = [r for r in prefill if low <= r.depth < low + 500]
