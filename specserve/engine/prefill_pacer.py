@@ -57,6 +57,9 @@ Two more, under load (a busy 2-core machine: CPU-time gaps of 4.7x at p99, 5.6x 
   chunks underpriced one twice their size (40-60 tokens at ~2x the target). Beyond the
   largest chunk measured, a token now costs what that chunk's did on average (never less
   for a larger chunk, whatever the shape between memory- and compute-bound).
+And on an idle machine chunks went over the target by 10-25% where the cost steps with a
+matrix tile (a 33-token chunk 18% dearer than a 32-token one) and the line through recent
+chunks does not: no chunk is now as large as one that overran in the last OVERRUN_WINDOW.
 A fit whose slope is zero (the sizes did not show in the costs) takes the whole cost per
 token, which overstates a token's cost while a fixed part is within the target. Mixed
 steps count only what they took beyond a usual decode step, so one runs first when none
@@ -77,6 +80,9 @@ MIN_CHUNK = 4            # a long prompt always moves forward, however slow a pr
 MIN_PREFILL_S = 0.025
 FIT_WINDOW = 8           # recent prefill parts the cost model is fitted to
 MIN_SPREAD = 1.5         # chunk sizes must differ by this factor to separate fixed and per-token cost
+# recent prefill parts whose overruns bound the chunk: a prompt's tokens cost more as it goes
+# deeper, so a size that overran stays over; one that a load slowed holds chunks back this long
+OVERRUN_WINDOW = 64
 DECODE_WINDOW = 16       # recent decode steps whose lower quartile is the usual one (see the docstring)
 
 
@@ -88,6 +94,7 @@ class PrefillPacer:
         self.decode_step_s: float | None = None               # the usual decode step: see the docstring
         self._decode_steps: deque[float] = deque(maxlen=DECODE_WINDOW)
         self._parts: deque[tuple[int, float]] = deque(maxlen=FIT_WINDOW)   # (prompt tokens, seconds)
+        self._history: deque[tuple[int, float]] = deque(maxlen=OVERRUN_WINDOW)
         # (fixed s, s per prompt token, the fixed part under a steep slope) of the last fit
         self._fit: tuple[float, float, float] | None = None
 
@@ -116,6 +123,7 @@ class PrefillPacer:
                 return
             seconds -= self.decode_step_s
         self._parts.append((prefill_tokens, max(seconds, 1e-9)))   # a step is never free
+        self._history.append(self._parts[-1])
         self._refit()
 
     # --- the cost model ---
@@ -155,7 +163,7 @@ class PrefillPacer:
             # the sizes did not show in the costs, or steps measured kept to a target the fit's
             # fixed part says no chunk keeps to (other processes slowed the smaller ones): the
             # whole cost per token
-            return min(self._proportional(target), reach)
+            return self._below_overruns(min(self._proportional(target), reach), target)
         tokens = (target - fixed) / slope
         largest, largest_s = max(self._parts)
         if tokens > largest:
@@ -163,7 +171,15 @@ class PrefillPacer:
             # smaller chunks, whose few rows are memory-bound, underprices a larger one's)
             largest_s = max(largest_s, fixed + slope * largest)
             tokens = min(tokens, max(largest, largest * target / largest_s))
-        return int(min(tokens, reach))
+        return self._below_overruns(int(min(tokens, reach)), target)
+
+    def _below_overruns(self, tokens: int, target: float) -> int:
+        """Fewer tokens than any recent chunk that took longer than the target: a larger chunk
+        costs no less. A line misses steps in the cost (on a CPU a 33-token chunk took 18%
+        longer than a 32-token one, a matrix tile more), and chunks priced at the line's
+        median ratio to the recent steps went over the target whenever they met one."""
+        over = [c for c, t in self._history if t > target and c <= tokens]
+        return min(over) - 1 if over else tokens
 
     def _proportional(self, target: float) -> int:
         """The whole cost per token. Stuck at the floor with no fit yet, double to find the slope."""
