@@ -59,7 +59,8 @@ Two more, under load (a busy 2-core machine: CPU-time gaps of 4.7x at p99, 5.6x 
   for a larger chunk, whatever the shape between memory- and compute-bound).
 And on an idle machine chunks went over the target by 10-25% where the cost steps with a
 matrix tile (a 33-token chunk 18% dearer than a 32-token one) and the line through recent
-chunks does not: no chunk is now as large as one that overran in the last OVERRUN_WINDOW.
+chunks does not: while overruns are rare, no chunk is now as large as one that overran
+(beyond OVERRUN_MARGIN) in the last OVERRUN_WINDOW.
 A fit whose slope is zero (the sizes did not show in the costs) takes the whole cost per
 token, which overstates a token's cost while a fixed part is within the target. Mixed
 steps count only what they took beyond a usual decode step, so one runs first when none
@@ -81,8 +82,9 @@ MIN_PREFILL_S = 0.025
 FIT_WINDOW = 8           # recent prefill parts the cost model is fitted to
 MIN_SPREAD = 1.5         # chunk sizes must differ by this factor to separate fixed and per-token cost
 # recent prefill parts whose overruns bound the chunk: a prompt's tokens cost more as it goes
-# deeper, so a size that overran stays over; one that a load slowed holds chunks back this long
+# deeper, so a size that overran stays over
 OVERRUN_WINDOW = 64
+OVERRUN_MARGIN = 0.05    # a chunk's cost varies this much on an idle CPU; a matrix tile more costs 10-20%
 DECODE_WINDOW = 16       # recent decode steps whose lower quartile is the usual one (see the docstring)
 
 
@@ -174,12 +176,17 @@ class PrefillPacer:
         return self._below_overruns(int(min(tokens, reach)), target)
 
     def _below_overruns(self, tokens: int, target: float) -> int:
-        """Fewer tokens than any recent chunk that took longer than the target: a larger chunk
-        costs no less. A line misses steps in the cost (on a CPU a 33-token chunk took 18%
-        longer than a 32-token one, a matrix tile more), and chunks priced at the line's
-        median ratio to the recent steps went over the target whenever they met one."""
-        over = [c for c, t in self._history if t > target and c <= tokens]
-        return min(over) - 1 if over else tokens
+        """Fewer tokens than any recent chunk that overran the target: a larger chunk costs no
+        less. A line misses steps in the cost (on a CPU a 33-token chunk took 18% longer than a
+        32-token one, a matrix tile more), and chunks priced at the line's median ratio to the
+        recent steps went over the target whenever they met one. Only while overruns are rare:
+        under a load that slows steps at random, every size overruns now and then, and chunks
+        bounded by each overrun ratcheted down to MIN_CHUNK (a 4k prompt then took minutes)."""
+        limit = (1 + OVERRUN_MARGIN) * target
+        over = [c for c, t in self._history if t > limit]
+        if len(over) > max(2, len(self._history) // 8):
+            return tokens
+        return min([c - 1 for c in over if c <= tokens], default=tokens)
 
     def _proportional(self, target: float) -> int:
         """The whole cost per token. Stuck at the floor with no fit yet, double to find the slope."""
