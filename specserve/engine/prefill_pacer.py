@@ -37,10 +37,11 @@ beside 8 streams of a 135M model: stream gaps of 8-27x the usual one, against 2.
 - Other processes make some steps 2-3x slower, never faster. A least-squares line through
   such steps put the fixed part above the target with a slope near zero, and the amortizing
   chunk (fixed / slope) came out tens of tokens. The fit is now Theil-Sen (median slope over
-  pairs of steps, median intercept), the scaling a median ratio, and an amortizing chunk is
+  pairs of steps, median intercept), the scaling a quantile of ratios (not a mean), and an amortizing chunk is
   at most what the largest chunk's cost per token says costs twice the fixed part.
 - One slow decode step raised the target through a moving average. The usual decode step
-  is now the lower quartile of the last DECODE_WINDOW: other processes only lengthen steps,
+  is now the lower quartile of the last DECODE_WINDOW (and the prefill parts are read at
+  theirs, see _scaled_fit): other processes only lengthen steps,
   and with speculation a decode step is a verify step whose cost depends on its drafts
   (NGRAM on a CPU: ~110 ms, ~200 ms with many, the adaptive policy's choice, prefill or
   not). Where the dear kind made half of the last eight, their median put the target at
@@ -144,11 +145,15 @@ class PrefillPacer:
         self._fit = (intercept(slope), slope, intercept(steep))
 
     def _scaled_fit(self) -> tuple[float, float, float]:
-        """The last fit, all its parts scaled by the recent steps' median ratio to it."""
+        """The last fit, all its parts scaled by the recent steps' lower-quartile ratio to it: the
+        statistic of the usual decode step, so that under a load which slows steps at random
+        both are read at their unslowed level (read at its median against the decode step's
+        lower quartile, a prefill part looked dearer than it was: under a load of ~5 on 2 cores
+        chunks went down to MIN_CHUNK and a 4k prompt took over 7 minutes, 2 before)."""
         fixed, slope, fixed_low = self._fit
         if fixed + slope <= 0:
             return self._fit
-        scale = statistics.median(t / (fixed + slope * c) for c, t in self._parts)
+        scale = sorted(t / (fixed + slope * c) for c, t in self._parts)[(len(self._parts) - 1) // 4]
         return fixed * scale, slope * scale, fixed_low * scale
 
     def _from_fit(self, target: float) -> int:
