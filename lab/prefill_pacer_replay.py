@@ -15,7 +15,7 @@ idle machine came back within 0.05x of the recorded figures; a loaded machine's 
 worse than recorded (5.6x worst, replayed 10.1x: the load a small chunk met, put on a large
 one), so under load a replay only ranks pacers, the engine's own run measures them.
 The model is a line: the few-row steps at a prompt's start, cheaper per token than a line
-says, are not in it (tests/test_prefill_pacer_noise.py has them).
+says, are not in it.
 """
 from __future__ import annotations
 

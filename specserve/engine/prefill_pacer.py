@@ -25,7 +25,7 @@ taken per token (the chunk grows from MIN_CHUNK while a step is cheap); a chunk 
 MIN_CHUNK with no fit yet doubles to find the slope. A fit reaches at most twice beyond the
 largest chunk measured.
 
-On a busy CPU, and deep into a long prompt, these misled it (a 4k-token prompt
+On a busy CPU, and deep into a long prompt, three things misled it (a 4k-token prompt
 beside 8 streams of a 135M model: stream gaps of 8-27x the usual one, against 2.5x):
 - Costs drift: deep into a prompt every token also attends to the whole prefix (~4 ms a
   prompt token at depth 0, ~6.5 ms at depth 3,000: CPU time at one thread). While recent chunks all have one size,
@@ -37,34 +37,13 @@ beside 8 streams of a 135M model: stream gaps of 8-27x the usual one, against 2.
 - Other processes make some steps 2-3x slower, never faster. A least-squares line through
   such steps put the fixed part above the target with a slope near zero, and the amortizing
   chunk (fixed / slope) came out tens of tokens. The fit is now Theil-Sen (median slope over
-  pairs of steps, median intercept), the scaling a quantile of ratios (not a mean), and an amortizing chunk is
+  pairs of steps, median intercept), the scaling a median ratio, and an amortizing chunk is
   at most what the largest chunk's cost per token says costs twice the fixed part.
-- One slow decode step raised the target through a moving average. The usual decode step
-  is now the lower quartile of the last DECODE_WINDOW (and the prefill parts are read at
-  theirs, see _scaled_fit): other processes only lengthen steps,
-  and with speculation a decode step is a verify step whose cost depends on its drafts
-  (NGRAM on a CPU: ~110 ms, ~200 ms with many, the adaptive policy's choice, prefill or
-  not). Where the dear kind made half of the last eight, their median put the target at
-  it, and chunks cost up to 2.4x the usual step of CPU time.
-Two more, under load (a busy 2-core machine: CPU-time gaps of 4.7x at p99, 5.6x worst):
-- A load that rose while chunks shrank made smaller chunks cost more: the fit's slope came
-  out zero, or a fraction of a token's cost, and its fixed part above the target, and the
-  rule for a fixed cost no chunk keeps to grew the chunk to 2x (steps 4.6x a decode step of
-  CPU time). That rule now needs a positive slope, a fixed part above the target even under
-  the steep end of the pairs' slopes (their upper quartile), and every recent step above
-  the target; otherwise the fit's fixed part is not trusted and the whole cost per token is.
-- At a prompt's start the chunks measured were the streams' short prompts: a few rows are
-  memory-bound and cost little each, more rows pay their compute, so a line through small
-  chunks underpriced one twice their size (40-60 tokens at ~2x the target). Beyond the
-  largest chunk measured, a token now costs what that chunk's did on average (never less
-  for a larger chunk, whatever the shape between memory- and compute-bound).
-And on an idle machine chunks went over the target by 10-25% where the cost steps with a
-matrix tile (a 33-token chunk 18% dearer than a 32-token one) and the line through recent
-chunks does not: while overruns are rare, no chunk is now as large as one that overran
-(beyond OVERRUN_MARGIN) in the last OVERRUN_WINDOW.
+- One slow decode step raised the target through a moving average; the usual decode step
+  is now the median of the recent ones.
 A fit whose slope is zero (the sizes did not show in the costs) takes the whole cost per
-token, which overstates a token's cost while a fixed part is within the target. Mixed
-steps count only what they took beyond a usual decode step, so one runs first when none
+token while the fixed part is within the target, which overstates a token's cost. Mixed
+steps count only what they took beyond a plain decode step, so one runs first when none
 was timed.
 """
 from __future__ import annotations
@@ -82,11 +61,7 @@ MIN_CHUNK = 4            # a long prompt always moves forward, however slow a pr
 MIN_PREFILL_S = 0.025
 FIT_WINDOW = 8           # recent prefill parts the cost model is fitted to
 MIN_SPREAD = 1.5         # chunk sizes must differ by this factor to separate fixed and per-token cost
-# recent prefill parts whose overruns bound the chunk: a prompt's tokens cost more as it goes
-# deeper, so a size that overran stays over
-OVERRUN_WINDOW = 64
-OVERRUN_MARGIN = 0.05    # a chunk's cost varies this much on an idle CPU; a matrix tile more costs 10-20%
-DECODE_WINDOW = 16       # recent decode steps whose lower quartile is the usual one (see the docstring)
+DECODE_WINDOW = 8        # recent decode steps whose median is the usual one (one slow step does not move it)
 
 
 class PrefillPacer:
@@ -94,12 +69,10 @@ class PrefillPacer:
         self.max_chunk = max_chunk
         self.share = share
         self.min_chunk = min(min_chunk, max_chunk)
-        self.decode_step_s: float | None = None               # the usual decode step: see the docstring
+        self.decode_step_s: float | None = None               # a plain decode step: the median of the recent ones
         self._decode_steps: deque[float] = deque(maxlen=DECODE_WINDOW)
         self._parts: deque[tuple[int, float]] = deque(maxlen=FIT_WINDOW)   # (prompt tokens, seconds)
-        self._history: deque[tuple[int, float]] = deque(maxlen=OVERRUN_WINDOW)
-        # (fixed s, s per prompt token, the fixed part under a steep slope) of the last fit
-        self._fit: tuple[float, float, float] | None = None
+        self._fit: tuple[float, float] | None = None          # (fixed s, s per prompt token) of the last fit
 
     def budget(self, decoding: bool) -> int:
         """Prompt tokens the next step may carry: all that fit one chunk when nobody decodes."""
@@ -119,14 +92,13 @@ class PrefillPacer:
         if prefill_tokens == 0:
             if decode_reqs:
                 self._decode_steps.append(seconds)
-                self.decode_step_s = sorted(self._decode_steps)[(len(self._decode_steps) - 1) // 4]
+                self.decode_step_s = statistics.median(self._decode_steps)
             return
         if decode_reqs:   # a mixed step: its prefill part is what it took beyond a decode step
             if self.decode_step_s is None:
                 return
             seconds -= self.decode_step_s
         self._parts.append((prefill_tokens, max(seconds, 1e-9)))   # a step is never free
-        self._history.append(self._parts[-1])
         self._refit()
 
     # --- the cost model ---
@@ -137,61 +109,34 @@ class PrefillPacer:
         sizes = [tokens for tokens, _ in self._parts]
         if max(sizes) < MIN_SPREAD * min(sizes):
             return   # one size: the last fit stands, scaled to the recent steps in _scaled_fit
-        slopes = sorted((t2 - t1) / (c2 - c1) for (c1, t1), (c2, t2) in itertools.combinations(self._parts, 2)
-                        if c1 != c2)
-        slope = max(statistics.median(slopes), 0.0)
-        steep = max(slopes[3 * (len(slopes) - 1) // 4], slope)   # the upper quartile
-        intercept = lambda s: max(statistics.median(t - s * c for c, t in self._parts), 0.0)
-        self._fit = (intercept(slope), slope, intercept(steep))
+        slope = max(statistics.median((t2 - t1) / (c2 - c1) for (c1, t1), (c2, t2)
+                                      in itertools.combinations(self._parts, 2) if c1 != c2), 0.0)
+        self._fit = (max(statistics.median(t - slope * c for c, t in self._parts), 0.0), slope)
 
-    def _scaled_fit(self) -> tuple[float, float, float]:
-        """The last fit, all its parts scaled by the recent steps' lower-quartile ratio to it: the
-        statistic of the usual decode step, so that under a load which slows steps at random
-        both are read at their unslowed level (read at its median against the decode step's
-        lower quartile, a prefill part looked dearer than it was: under a load of ~5 on 2 cores
-        chunks went down to MIN_CHUNK and a 4k prompt took over 7 minutes, 2 before)."""
-        fixed, slope, fixed_low = self._fit
+    def _scaled_fit(self) -> tuple[float, float]:
+        """The last fit's fixed part and slope, both scaled by the recent steps' median ratio to it."""
+        fixed, slope = self._fit
         if fixed + slope <= 0:
-            return self._fit
-        scale = sorted(t / (fixed + slope * c) for c, t in self._parts)[(len(self._parts) - 1) // 4]
-        return fixed * scale, slope * scale, fixed_low * scale
+            return fixed, slope
+        scale = statistics.median(t / (fixed + slope * c) for c, t in self._parts)
+        return fixed * scale, slope * scale
 
     def _from_fit(self, target: float) -> int:
-        fixed, slope, fixed_low = self._scaled_fit()
+        fixed, slope = self._scaled_fit()
         reach = 2 * max(c for c, _ in self._parts)   # the fit is trusted near the sizes it saw
-        if fixed_low >= target and slope > 0 and min(t for _, t in self._parts) >= target:
+        if fixed >= target:
             # no chunk keeps to it: tokens that cost as much as the fixed part, at most where
             # the largest chunk's cost per token (which overstates a larger one's) says a
             # step costs twice the fixed part, so a slope that noise made small does not
             # make chunks many times that
             largest, largest_s = max(self._parts)
-            return int(min(2 * fixed * largest / largest_s, fixed / slope, reach))
-        if fixed >= target or slope <= 0:
-            # the sizes did not show in the costs, or steps measured kept to a target the fit's
-            # fixed part says no chunk keeps to (other processes slowed the smaller ones): the
-            # whole cost per token
-            return self._below_overruns(min(self._proportional(target), reach), target)
-        tokens = (target - fixed) / slope
-        largest, largest_s = max(self._parts)
-        if tokens > largest:
-            # beyond the sizes measured, a token costs what the largest chunk's do (a line through
-            # smaller chunks, whose few rows are memory-bound, underprices a larger one's)
-            largest_s = max(largest_s, fixed + slope * largest)
-            tokens = min(tokens, max(largest, largest * target / largest_s))
-        return self._below_overruns(int(min(tokens, reach)), target)
-
-    def _below_overruns(self, tokens: int, target: float) -> int:
-        """Fewer tokens than any recent chunk that overran the target: a larger chunk costs no
-        less. A line misses steps in the cost (on a CPU a 33-token chunk took 18% longer than a
-        32-token one, a matrix tile more), and chunks priced at the line's median ratio to the
-        recent steps went over the target whenever they met one. Only while overruns are rare:
-        under a load that slows steps at random, every size overruns now and then, and chunks
-        bounded by each overrun ratcheted down to MIN_CHUNK (a 4k prompt then took minutes)."""
-        limit = (1 + OVERRUN_MARGIN) * target
-        over = [c for c, t in self._history if t > limit]
-        if len(over) > max(2, len(self._history) // 8):
-            return tokens
-        return min([c - 1 for c in over if c <= tokens], default=tokens)
+            amortizing = 2 * fixed * largest / largest_s
+            if slope > 0:
+                amortizing = min(amortizing, fixed / slope)
+            return int(min(amortizing, reach))
+        if slope <= 0:   # the sizes did not show in the costs: the whole cost per token
+            return min(self._proportional(target), reach)
+        return int(min((target - fixed) / slope, reach))
 
     def _proportional(self, target: float) -> int:
         """The whole cost per token. Stuck at the floor with no fit yet, double to find the slope."""
