@@ -97,5 +97,5 @@ class Committer:
             req.detokenizer.flush()
         parked = self.scheduler.finish(req, reason)
         self.requests.pop(req.rid, None)
-        if not parked:   # else once it is released (Scheduler.parked_listeners)
+        if not parked:   # else once it is released (ParkedRequests.listeners)
             self.planner.release(req)

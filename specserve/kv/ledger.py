@@ -136,7 +136,7 @@ class KVLedger:
 
     @property
     def defers_release(self) -> bool:
-        """Whether finished requests should be released a few at a time (Scheduler.release_parked):
+        """Whether finished requests should be released a few at a time (engine/parked.py):
         where the tree keeps draft rows, a release may first feed the head what it lacks, and
         one feed for many requests costs what one for a single request does."""
         return self.tree is not None and self.draft is not None
