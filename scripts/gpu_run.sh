@@ -78,7 +78,8 @@ if [ -d .gpu ]; then mkdir -p /root/keep && cp -ru .gpu /root/keep/; elif [ -d /
 # (scripts/sharegpt_split.py writes both files, the training one as .xz; an older .gpu/sharegpt_subset.json also serves)
 [ -f .gpu/sharegpt_bench.json ] || python3 -c "import json; d = json.load(open('.gpu/sharegpt_subset.json')); \
 json.dump(d[:1000], open('.gpu/sharegpt_bench.json', 'w')); json.dump(d[1000:], open('.gpu/sharegpt_train.json', 'w'))"
-[ -f .gpu/sharegpt_train.json ] || python3 -c "import lzma, shutil; \
+# (only where it travelled: the training file is needed by head training alone)
+[ -f .gpu/sharegpt_train.json ] || [ ! -f .gpu/sharegpt_train.json.xz ] || python3 -c "import lzma, shutil; \
 shutil.copyfileobj(lzma.open('.gpu/sharegpt_train.json.xz'), open('.gpu/sharegpt_train.json', 'wb'))"
 chain_rows() {   # OUT_DIR [model_drafters flags]: /root/eagle3-1.5b's NAIVE_EAGLE and EAGLE-3 chains of 3 (or
                  # $CHAIN_ALGORITHMS), pinned and adaptive
