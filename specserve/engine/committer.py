@@ -40,20 +40,12 @@ class Committer:
             if not plain:
                 SpecStats.record_step(reqs, sampled.tokens)
             self.spec_counters.count_commit(len(reqs), len(reqs) if plain else sum(map(len, sampled.tokens)))
-        return self.tokens(reqs, sampled, defer_text)
+        return [self.one(req, sampled, i, defer_text) for i, req in enumerate(reqs)]
 
-    def tokens(self, reqs: list[Req], sampled: SampledStep | StepOutcome, defer_text: bool = False) -> list[StepOutput]:
-        """Appends each request's committed tokens (their KV slots were committed before) and
-        checks for their ends (the caller shows them to the drafter and the policy). The
-        requests that end are finished together once all are committed (`finish_together`).
+    def one(self, req: Req, sampled: SampledStep | StepOutcome, index: int, defer_text: bool = False) -> StepOutput:
+        """Appends the request's committed tokens (its KV slots were committed before) and
+        checks for its end (the caller shows them to the drafter and the policy).
         `defer_text`: detokenizing waits for the next step's GPU time (commit.py)."""
-        ending: list[tuple[Req, dict]] = []
-        committed = [self._one(req, sampled, i, defer_text, ending) for i, req in enumerate(reqs)]
-        self.finish_together(ending)
-        return [StepOutput(req=req, new_token_ids=tokens, finished=req.finished) for req, tokens in zip(reqs, committed)]
-
-    def _one(self, req: Req, sampled: SampledStep | StepOutcome, index: int, defer_text: bool,
-             ending: list[tuple[Req, dict]]) -> list[int]:
         tokens = sampled.tokens[index]
         if req.first_token_time is None:
             req.first_token_time = time.perf_counter()
@@ -63,13 +55,12 @@ class Committer:
             text.defer(req, tokens)
             new_tokens = tokens
         else:
-            new_tokens = self._tokens(req, sampled, index, text, ending)
+            new_tokens = self._tokens(req, sampled, index, text)
         self.stats.count_tokens(len(new_tokens))
-        return new_tokens
+        return StepOutput(req=req, new_token_ids=new_tokens, finished=req.finished)
 
-    def _tokens(self, req: Req, sampled: SampledStep | StepOutcome, index: int, text: DeferredText | None,
-                ending: list[tuple[Req, dict]]) -> list[int]:
-        """The tokens one by one, up to the one that ends the request (then in `ending`)."""
+    def _tokens(self, req: Req, sampled: SampledStep | StepOutcome, index: int, text: DeferredText | None) -> list[int]:
+        """The tokens one by one, up to the one that ends the request."""
         new_tokens = []
         for position, token in enumerate(sampled.tokens[index]):
             new_tokens.append(token)
@@ -82,14 +73,9 @@ class Committer:
             if req.grammar is not None:
                 reason = grammar_finish(req, token, reason)
             if reason is not None:
-                ending.append((req, reason))
+                self.finish(req, reason)
                 break
         return new_tokens
-
-    def finish_together(self, ending: list[tuple[Req, dict]]) -> None:
-        """Finishes the requests the step ended, once all its tokens are committed."""
-        for req, reason in ending:
-            self.finish(req, reason)
 
     def finish(self, req: Req, reason: dict) -> None:
         self.text.drain(req)

@@ -62,7 +62,7 @@ class PrefillStep(StepPipeline):
         sampling, sampled = first
         if not sampling:
             return []
-        return self.planner.observe(self.committer.tokens(sampling, sampled))
+        return self.planner.observe([self.committer.one(req, sampled, i) for i, req in enumerate(sampling)])
 
 
 def split(items: list[int], counts: list[int]) -> list[list[int]]:

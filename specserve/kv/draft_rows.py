@@ -34,8 +34,8 @@ class DraftRows(Protocol):
         """The request starts with these cached rows (0 .. len - 1), held by the tree."""
 
     def before_leaving(self, reqs: list["Req"]) -> None:
-        """These requests leave together (one step finished them): what their heads lack may be
-        fed now in one forward, so that `rows_to_cache(finishing=True)` need not feed each alone."""
+        """These requests leave together (engine/parked.py): what their heads lack may be fed
+        now in one forward, so that `rows_to_cache(finishing=True)` need not feed each alone."""
 
     def rows_to_cache(self, req: "Req", start: int, end: int, finishing: bool) -> list[int]:
         """The request's own head slots of rows start .. start + k - 1 (k <= end - start: as

@@ -4,8 +4,9 @@ The ledger caches a request's positions only where its head has rows for them to
 request's head is fed the target's states when it drafts (a catch-up, or the chain's first
 step), so right after a prefill it holds no rows for the new tokens: the prefill is cached
 once the request leaves (finish or preemption), when what the head still lacks is fed in
-one catch-up forward from the states it kept (the requests one step finishes, in one forward together). A second chat turn then finds the first
-turn's prompt and answer cached for the target and the head alike.
+one catch-up forward from the states it kept (finished requests are released a few at a
+time, engine/parked.py, and fed in one forward together). A second chat turn then finds the
+first turn's prompt and answer cached for the target and the head alike.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ class HeadPrefixRows(DraftRows):
         self.kv.adopt(req, slots)
 
     def before_leaving(self, reqs: list["Req"]) -> None:
-        # one catch-up forward for the step's finishing requests: an engine whose policy holds
+        # one catch-up forward for the requests released together: an engine whose policy holds
         # the head back feeds it every answer whole at the end, and a forward each (eager,
         # launch-bound) cost more at batch 64 than the plain steps themselves
         feedable = [req for req in reqs if self.drafter.can_feed(req)]
