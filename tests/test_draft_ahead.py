@@ -216,3 +216,18 @@ def test_a_replayed_graph_s_outputs_cut_to_the_batch_when_read():
     assert torch.equal(cut.trees.ancestor_mask, trees.ancestor_mask[:bs, :m, :m])
     assert CutStepOutputs(full, bucket, n).outcome is full.outcome
     assert CutStepOutputs(TreeStepOutputs(full.logits, None, None), bs, m).trees is None
+
+
+def test_constrained_drafting_steps_are_launched_ahead(engine_factory, plain):
+    """Verified unmasked, then kept to their grammars on the host (grammar/greedy_paths.py),
+    constrained greedy drafting steps run launched ahead like the others, plain's outputs."""
+    from tests.test_structured_output import constrained_requests
+
+    requests = [(prompt, params) for _, prompt, params in constrained_requests() if params["temperature"] == 0]
+    prompts, params = [p for p, _ in requests], [q for _, q in requests]
+    engine = ahead_on(engine_factory(max_total_tokens=4096, **ngram_args(6)))
+    expected = plain.generate(prompts, params)
+    got = engine.generate(prompts, params)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in expected]
+    assert engine.core.draft_ahead.steps_taken > 10
+    wait_until_all_kv_is_free(engine)

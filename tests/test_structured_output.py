@@ -160,7 +160,7 @@ def test_forbidden_drafts_are_cut_with_their_subtrees(ngram):
     plain_req = SimpleNamespace(grammar=None)
     proposal = TreeProposal.from_lists([([0, yes, maybe, comma, comma], [-1, 0, 0, 1, 2]),
                                         ([0, maybe, comma], [-1, 0, 1])])
-    pruned = prune_proposal([req, plain_req], proposal, ngram.vocab_size)
+    pruned = prune_proposal([req, plain_req], proposal)
     assert pruned.tokens[0, :3].tolist() == [0, yes, comma] and pruned.parents[0, :3].tolist() == [-1, 0, 1]
     assert pruned.num_nodes.tolist() == [3, 3]   # the tree without a grammar is whole
     masks = grammar_bitmask([req, plain_req], pruned.tokens, pruned.parents, pruned.num_nodes, ngram.vocab_size)
@@ -171,6 +171,50 @@ def test_forbidden_drafts_are_cut_with_their_subtrees(ngram):
     logits = apply_grammar_bitmask(torch.zeros(2, 3, ngram.vocab_size), masks)
     assert torch.isfinite(logits[0, 0]).sum() == int(sum(token_allowed(root, t) for t in range(ngram.vocab_size)))
     assert torch.isfinite(logits[1]).all()
+
+
+def test_a_path_that_strays_from_the_grammar_takes_the_masked_picks(ngram):
+    """Greedy paths verified without masks, then kept to the regex: where the model's argmax is
+    outside the grammar the masked argmax replaces it and the walk goes on down the child that
+    drafted it (the KV table then needs writing); a path the grammar allows stays as it is."""
+    import numpy as np
+    import torch
+
+    from specserve.grammar.greedy_paths import keep_to_grammar
+    from specserve.request.grammar_spec import GrammarSpec
+
+    def token(text):
+        ids = ngram.tokenizer.encode(text, add_special_tokens=False)
+        assert len(ids) == 1, (text, ids)
+        return ids[0]
+    yes, no, maybe, comma, because, it, newline = (token(t) for t in ("yes", "no", "maybe", ",", " because", " it", "\n"))
+    fresh, after_yes = (ngram.grammars.matcher(GrammarSpec("regex", REGEX)) for _ in range(2))
+    assert after_yes.accept(yes)
+    # row 0: a lone root, the model's pick "maybe" forbidden, "no" the best allowed one
+    # row 1: root "yes" -> "," -> " because" drafted; the model wants a newline after "yes"
+    # row 2: no grammar, its path left alone
+    logits = torch.zeros(3, 3, ngram.vocab_size)
+    logits[0, 0, maybe], logits[0, 0, no], logits[0, 0, yes] = 9.0, 5.0, 4.0
+    logits[1, 0, newline], logits[1, 0, comma] = 9.0, 5.0
+    logits[1, 1, because] = 9.0
+    logits[1, 2, it] = 9.0
+    tree_tokens = np.array([[0, 0, 0], [yes, comma, because], [7, 8, 0]])
+    tree_parents = np.array([[-1, -1, -1], [-1, 0, 1], [-1, 0, -1]])
+    num_nodes = np.array([1, 3, 2])
+    tokens = [[maybe], [newline], [8, 5]]
+    accepted = np.array([[0, -1, -1], [0, -1, -1], [0, 1, -1]])
+    accept_lens = np.array([1, 1, 2])
+    rewritten = keep_to_grammar([fresh, after_yes, None], tokens, accepted, accept_lens,
+                                lambda rows, nodes: logits[rows, nodes], tree_tokens, tree_parents, num_nodes)
+    assert tokens == [[no], [comma, because, it], [8, 5]]
+    assert accepted.tolist() == [[0, -1, -1], [0, 1, 2], [0, 1, -1]] and accept_lens.tolist() == [1, 3, 2]
+    assert rewritten
+    assert fresh.accept(no) and after_yes.accept(comma)   # the matchers were left where they were
+    # a path the grammar allows throughout: nothing read, nothing changed
+    tokens, accepted = [[because, it]], np.array([[0, 1, -1]])
+    assert not keep_to_grammar([after_yes], tokens, accepted, np.array([2]), None, tree_tokens[1:2], tree_parents[1:2],
+                               num_nodes[1:2])
+    assert tokens == [[because, it]]
 
 
 @pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3", "NAIVE_EAGLE", "STANDALONE"])

@@ -21,7 +21,8 @@ host work included. Only drafters whose proposals read nothing but committed tok
 and what was indexed or read with the step qualify (`Drafter.proposes_ahead`: NGRAM, and
 the fused EAGLE / NAIVE_EAGLE / MTP chain, whose steps are launched through the drafter's
 launch_fused where it serves the batch: the next drafts come with the outcome), and only
-greedy requests (their commit needs the argmax alone).
+greedy requests (their commit needs the argmax alone; under a grammar, the argmax and, where
+the model strays from it, one node's mask: grammar/greedy_paths.py).
 
 A fused chain's step goes further (`ChainedStep`; under the adaptive policy while the
 batch's bucket drafts, the policy's choice for it made once the step before is committed):
@@ -51,6 +52,7 @@ import torch
 
 from specserve.engine.commit import StepOutcome
 from specserve.engine.scheduler import Scheduler
+from specserve.grammar.greedy_paths import LogitsAt, keep_to_grammar
 from specserve.request.req import Req, same_requests
 from specserve.runner.model_runner import InFlight, ModelRunner
 from specserve.runner.tree_step import GreedyOutcome, pad_node_slots
@@ -71,6 +73,9 @@ class DraftStep:
     # a fused drafter's step (its own outcome layout, with the next drafts): the drafter's read_fused
     read_fused: Callable[[torch.Tensor], GreedyOutcome] | None = None
     rows: list[int] | None = None   # each request's row of the outcome, once rows of ended requests were cut
+    # the trees and their logits, read where a constrained request strays from its grammar
+    tree: TreeProposal | None = None
+    logits_at: LogitsAt | None = None
 
     @property
     def num_slots(self) -> int:
@@ -86,10 +91,17 @@ class DraftStep:
             return StepOutcome(parsed.tokens, parsed.accepted, parsed.accept_lens, True, None)
         if self.num_slots == 1:   # no drafts: the argmax is the outcome, the step wrote its slots in the table
             bs = len(self.reqs)
-            return StepOutcome([[token] for token in packed.tolist()], np.zeros((bs, 1), dtype=np.int64),
-                               np.ones(bs, dtype=np.int64), True, self.hidden)
-        parsed = GreedyOutcome.parse(packed)
-        return StepOutcome(parsed.tokens, parsed.accepted, parsed.accept_lens, True, self.hidden)
+            outcome = StepOutcome([[token] for token in packed.tolist()], np.zeros((bs, 1), dtype=np.int64),
+                                  np.ones(bs, dtype=np.int64), True, self.hidden)
+        else:
+            parsed = GreedyOutcome.parse(packed)
+            outcome = StepOutcome(parsed.tokens, parsed.accepted, parsed.accept_lens, True, self.hidden)
+        if any(r.grammar is not None for r in self.reqs):   # verified unmasked: greedy_paths.py
+            tree = self.tree
+            moved = keep_to_grammar([r.grammar for r in self.reqs], outcome.tokens, outcome.accepted,
+                                    outcome.accept_lens, self.logits_at, tree.tokens, tree.parents, tree.num_nodes)
+            outcome.table_written = not moved   # the commit writes the table where a path left the device's
+        return outcome
 
 
 @dataclass
@@ -159,7 +171,8 @@ def launch_draft_step(runner: ModelRunner, drafter: Drafter, reqs: list[Req], pr
                          functools.partial(drafter.read_fused, reqs))
     step = runner.run_trees(reqs, proposal, slots)
     launched = copies.launch(step.outcome if n > 1 else step.logits[:, 0].argmax(-1))
-    return DraftStep(reqs, proposal.num_nodes, node_slots, slots, launched, step.hidden, started)
+    return DraftStep(reqs, proposal.num_nodes, node_slots, slots, launched, step.hidden, started,
+                     tree=proposal, logits_at=step.logits_at)
 
 
 class DraftAhead:

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 
 from specserve.engine.commit import unfinished
 from specserve.engine.step_output import StepOutput
+from specserve.grammar.drafts import constrain_proposal
 from specserve.request.req import Req
 from specserve.sampling.sampler import Sampler
 from specserve.speculative.adaptive.policy import AdaptiveDraftLength
-from specserve.speculative.drafter import Drafter, hints
+from specserve.speculative.drafter import Drafter, FusedSteps, hints
 from specserve.verify.tree import TreeProposal
 
 
@@ -62,8 +63,13 @@ class DraftPlanner:
 
     def drafts_greedily(self, reqs: list[Req]) -> bool:
         """Whether a drafting step of these requests runs launched ahead (drafting_step.py):
-        proposals that read committed tokens only, and greedy requests."""
-        return self.drafter.proposes_ahead and self.sampler.argmax_is_enough(reqs)
+        proposals that read committed tokens only, and greedy requests, with or without a grammar."""
+        if not self.drafter.proposes_ahead:
+            return False
+        # a grammar's masks apply after the device's unmasked verification (grammar/greedy_paths.py),
+        # except in a fused drafter's step, whose next drafts follow the unmasked outcome on the device
+        return self.sampler.argmax_is_enough(reqs) or (
+            self.sampler.masked_argmax_is_enough(reqs) and not isinstance(self.drafter, FusedSteps))
 
     def drafts_next(self, reqs: list[Req]) -> bool:
         """Whether the next step of this batch drafts, asked as the step is launched ahead
@@ -71,14 +77,20 @@ class DraftPlanner:
         return self.adaptive is None or self.adaptive.should_draft(len(reqs))
 
     def propose(self, reqs: list[Req], limits: list[int] | None = None) -> tuple[TreeProposal, list[int], Shadows | None]:
-        """The proposal cut to the policy's choice of size, and its full proposals as the
+        """The proposal cut to the policy's choice of size, then to the requests' grammars (their
+        forbidden drafts cut, forced ones added: grammar/drafts.py), and its full proposals as the
         policy's shadows (None without a policy), for record_shadows once the step is launched."""
-        proposal, num_nodes = self.drafter.propose(reqs, limits if limits is not None else self.limits(reqs))
-        if self.adaptive is None:
-            return proposal, num_nodes, None
-        shadows = Shadows([r.rid for r in reqs], proposal, num_nodes, hints(self.drafter).proposal_keys())
-        nodes = self.adaptive.choose_nodes(shadows.rids, num_nodes, shadows.keys)
-        return proposal.cut(nodes), nodes, shadows
+        limits = limits if limits is not None else self.limits(reqs)
+        proposal, num_nodes = self.drafter.propose(reqs, limits)
+        shadows = None
+        if self.adaptive is not None:
+            shadows = Shadows([r.rid for r in reqs], proposal, num_nodes, hints(self.drafter).proposal_keys())
+            num_nodes = self.adaptive.choose_nodes(shadows.rids, num_nodes, shadows.keys)
+            proposal = proposal.cut(num_nodes)
+        if any(r.grammar is not None for r in reqs):
+            proposal = constrain_proposal(reqs, proposal, limits)
+            num_nodes = proposal.num_nodes.tolist()
+        return proposal, num_nodes, shadows
 
     def choose_chained(self, reqs: list[Req]) -> Shadows | None:
         """The policy's choice for a fused chain's step queued before the step before was read

@@ -65,7 +65,7 @@ class DraftingStep(StepPipeline):
             return LaunchedDraft(held, steady=True)
         self.ahead.settle()   # proposals read what the last step showed
         self.ahead.drop()
-        proposal, slots = drafts_with_slots(self.planner, self.scheduler, reqs, True, self.sampler.vocab_size)
+        proposal, slots = drafts_with_slots(self.planner, self.scheduler, reqs, True)
         try:
             step = launch_draft_step(self.runner, self.planner.drafter, reqs, proposal, slots, started, self.copies)
         except BaseException:
@@ -131,7 +131,7 @@ class DraftingStep(StepPipeline):
         """Whether the scheduler's next step is a greedy drafting step of this same batch,
         which may then be launched ahead (the policy asked last: should_draft moves its modes)."""
         drafting = self.ahead.drafting
-        return (drafting is not None and drafting.batch_is_next(reqs) and self.sampler.argmax_is_enough(reqs)
+        return (drafting is not None and drafting.batch_is_next(reqs) and self.planner.drafts_greedily(reqs)
                 and self.planner.drafts_next(reqs))
 
     def _launch_ahead(self, reqs: list[Req], outputs: list[StepOutput], now: float) -> tuple[bool, Shadows | None]:

@@ -18,7 +18,6 @@ from specserve.engine.draft_planner import DraftPlanner
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.step_output import StepOutput, committed_tokens
 from specserve.engine.step_parts import StepParts, StepPipeline
-from specserve.grammar.drafts import constrain_proposal
 from specserve.request.req import Batch, Req
 from specserve.runner.model_runner import InFlight
 from specserve.runner.tree_step import GreedyOutcome, pad_node_slots
@@ -28,17 +27,14 @@ from specserve.speculative.drafter import FusedSteps, ReadsHiddenStates
 from specserve.verify.tree import TreeProposal
 
 
-def drafts_with_slots(planner: DraftPlanner, scheduler: Scheduler, reqs: list[Req], draft: bool,
-                      vocab_size: int) -> tuple[TreeProposal, list[int]]:
+def drafts_with_slots(planner: DraftPlanner, scheduler: Scheduler, reqs: list[Req],
+                      draft: bool) -> tuple[TreeProposal, list[int]]:
     """The step's draft trees (root only unless it drafts; a grammar's forbidden drafts cut,
     forced ones added) and their KV slots, request after request. The cache fits one token
     a request (the scheduler made sure), not every draft: drafts that do not fit are cut."""
     if draft:
         proposal, num_nodes, shadows = planner.propose(reqs)
         planner.record_shadows(shadows)
-        if any(r.grammar is not None for r in reqs):
-            proposal = constrain_proposal(reqs, proposal, vocab_size, planner.limits(reqs))
-            num_nodes = proposal.num_nodes.tolist()
     else:
         proposal, num_nodes = TreeProposal.root_only([r.last_token for r in reqs]), [1] * len(reqs)
     free = scheduler.available_slots()
@@ -79,7 +75,7 @@ class VerifyStep(StepPipeline):
         self.ahead.settle()   # proposals, probes and prices below read what the last step showed
         self.ahead.drop()
         probing = not self.drafts and self.planner.probe_due(reqs)
-        proposal, slots = drafts_with_slots(self.planner, self.scheduler, reqs, self.drafts, self.sampler.vocab_size)
+        proposal, slots = drafts_with_slots(self.planner, self.scheduler, reqs, self.drafts)
         step = LaunchedVerify(reqs, proposal, slots, started, probing)
         try:
             self._forward(step)

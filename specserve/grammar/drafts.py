@@ -12,10 +12,10 @@ from specserve.grammar.tree_masks import prune_proposal
 from specserve.verify.tree import TreeProposal
 
 
-def constrain_proposal(reqs: Sequence, proposal: TreeProposal, vocab_size: int, limits: Sequence[int]) -> TreeProposal:
+def constrain_proposal(reqs: Sequence, proposal: TreeProposal, limits: Sequence[int]) -> TreeProposal:
     """The proposal a step verifies for these requests, some with a grammar: pruned, then
     forced chains where a tree is left with its root alone (limits: nodes per request)."""
-    return add_forced_drafts(reqs, prune_proposal(reqs, proposal, vocab_size), limits)
+    return add_forced_drafts(reqs, prune_proposal(reqs, proposal), limits)
 
 
 def add_forced_drafts(reqs: Sequence, proposal: TreeProposal, limits: Sequence[int]) -> TreeProposal:

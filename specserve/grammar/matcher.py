@@ -5,6 +5,8 @@ Bitmasks are xgrammar's: int32 words, bit j of word w allows token 32 * w + j.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -13,19 +15,44 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+class PathCheck(NamedTuple):
+    allowed: int                 # the tokens the grammar takes, up to the first it forbids or its end
+    ended: bool                  # the grammar has ended after them (its stop token among them)
+    mask: torch.Tensor | None    # (1, words): what it allows instead of the next token, where it forbids that
+
+
 class RequestGrammar:
     def __init__(self, compiled, vocab_size: int):
         import xgrammar
         self._matcher = xgrammar.GrammarMatcher(compiled)
         self.vocab_size = vocab_size
-        # the last tree's masks: a drafting step walks its tree to prune it, then again to
-        # sample, the same tree where nothing was pruned; valid until the next accept
-        self._walked: tuple[bytes, torch.Tensor] | None = None
 
     def accept(self, token: int) -> bool:
-        """Advances the matcher past a committed token; False if the grammar forbids it."""
-        self._walked = None
+        """Advances the matcher past a token; False (and no move) if the grammar forbids it
+        there, or has ended."""
         return self._matcher.accept_token(token)
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undoes the last num_tokens accepts (a walk over drafts that were not committed)."""
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
+
+    def check_path(self, tokens: list[int]) -> PathCheck:
+        """How far the grammar follows `tokens` (a step's tokens, in order) from the matcher's
+        state, which is left as it was (PathCheck)."""
+        accepted = 0
+        try:
+            for token in tokens:
+                if self._matcher.is_terminated():
+                    return PathCheck(accepted, True, None)
+                if not self._matcher.accept_token(token):
+                    mask = torch.empty((1, bitmask_words(self.vocab_size)), dtype=torch.int32)
+                    self._matcher.fill_next_token_bitmask(mask, 0)
+                    return PathCheck(accepted, False, mask)
+                accepted += 1
+            return PathCheck(accepted, self._matcher.is_terminated(), None)
+        finally:
+            self.rollback(accepted)
 
     @property
     def terminated(self) -> bool:
@@ -49,14 +76,8 @@ class RequestGrammar:
             self._matcher.fill_next_token_bitmask(out, 0)
             out[1:] = 0
             return
-        as_array = lambda a: np.ascontiguousarray(a, dtype=np.int64)
-        key = as_array(tokens).tobytes() + as_array(first_child).tobytes() + as_array(next_sibling).tobytes()
-        if self._walked is not None and self._walked[0] == key:
-            out.copy_(self._walked[1])
-            return
-        as_tensor = lambda a: torch.from_numpy(as_array(a))
+        as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
         self._matcher.traverse_draft_tree(as_tensor(first_child), as_tensor(next_sibling), as_tensor(tokens), out)
-        self._walked = (key, out.clone())
 
 
 # From this many requests a step's masks are filled by xgrammar's threads, which release the

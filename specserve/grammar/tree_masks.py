@@ -2,10 +2,12 @@
 
 Every node's logits predict the token after the path root -> node, so each node is masked
 by the matcher state after that path (RequestGrammar.fill_tree walks the tree with accept
-and roll back). Greedy verification then accepts exactly the tokens plain constrained
-decoding would pick, and sampled verification draws from the masked distribution. A draft
-token the grammar forbids at its parent can never be accepted: `prune_proposal` cuts it and
-its subtree before the step runs, so it costs neither a KV slot nor a forward position.
+and roll back). Sampled verification then draws from the masked distribution (greedy
+verification needs no mask per node: greedy_paths.py). A draft token the grammar forbids at
+its parent can never be accepted: `prune_proposal` cuts it and its subtree before the step
+runs, so it costs neither a KV slot nor a forward position. Pruning asks the matcher about
+each draft token only (an accept and a roll back, microseconds), not for a node's mask (a
+pass over the vocabulary, ~10-70 us inside a JSON schema).
 """
 from __future__ import annotations
 
@@ -37,22 +39,42 @@ def grammar_bitmask(reqs: Sequence, tokens: np.ndarray, parents: np.ndarray, num
     return out
 
 
-def prune_proposal(reqs: Sequence, proposal: TreeProposal, vocab_size: int) -> TreeProposal:
+def prune_proposal(reqs: Sequence, proposal: TreeProposal) -> TreeProposal:
     """The proposal without the draft nodes a request's grammar forbids (each cut with its
     subtree); trees of requests without a grammar are kept whole."""
     keep = np.arange(proposal.num_slots)[None, :] < proposal.num_nodes[:, None]     # (bs, n)
-    words = bitmask_words(vocab_size)
     for row, req in enumerate(reqs):
         k = int(proposal.num_nodes[row])
-        if req.grammar is None or k == 1:
-            continue
-        masks = _tree_masks(req.grammar, proposal.tokens[row], proposal.parents[row], k, words).numpy()
-        for node in range(1, k):   # parents come first: a parent's verdict is known
-            parent, token = int(proposal.parents[row, node]), int(proposal.tokens[row, node])
-            keep[row, node] = keep[row, parent] and token_allowed(masks[parent], token)
+        if req.grammar is not None and k > 1:
+            keep[row, :k] = allowed_nodes(req.grammar, proposal.tokens[row], proposal.parents[row], k)
     if keep.sum() == proposal.num_nodes.sum():
         return proposal
     return proposal.keep(keep)
+
+
+def allowed_nodes(grammar, tokens: np.ndarray, parents: np.ndarray, num_nodes: int) -> np.ndarray:
+    """(num_nodes,) bool: whether the grammar allows every token on the path root -> node
+    (the root's is committed already; nothing after the grammar's end). The matcher's state
+    is unchanged: the walk accepts each path's tokens and rolls them back."""
+    first_child, next_sibling = child_links(parents, num_nodes)
+    keep = np.zeros(num_nodes, dtype=bool)
+    keep[0] = True
+    stack = [int(first_child[0])]   # the next child to try at each depth of the path
+    while stack:
+        node = stack[-1]
+        if node < 0:   # every child of this depth's parent tried: back to it
+            stack.pop()
+            if stack:
+                grammar.rollback(1)
+                stack[-1] = int(next_sibling[stack[-1]])
+        elif grammar.terminated:   # nothing follows the grammar's end
+            stack[-1] = -1
+        elif grammar.accept(int(tokens[node])):
+            keep[node] = True
+            stack.append(int(first_child[node]))
+        else:
+            stack[-1] = int(next_sibling[node])
+    return keep
 
 
 def token_allowed(mask: np.ndarray, token: int) -> bool:

@@ -250,6 +250,9 @@ class CutStepOutputs:
     def hidden(self) -> torch.Tensor | None:
         return self._full.node_hidden(self._bs, self._m)
 
+    def logits_at(self, rows: list[int], nodes: list[int]) -> torch.Tensor:
+        return self._full.logits_at(rows, nodes)   # rows < bs and nodes < m index the same nodes
+
 
 class _DecodeReads:
     """Two pinned host buffers for a bucket's decode argmax, used in turn, each with its own

@@ -129,6 +129,10 @@ class TreeStepOutputs:
     def node_hidden(self, bs: int, m: int) -> torch.Tensor | None:
         return self.hidden[:bs, :m] if self.hidden is not None else None
 
+    def logits_at(self, rows: list[int], nodes: list[int]) -> torch.Tensor:
+        """(len(rows), vocab): node nodes[i] of request rows[i] (grammar/greedy_paths.py)."""
+        return self.logits[_index(rows, self.logits), _index(nodes, self.logits)]
+
 
 class RaggedStepOutputs:
     """What a ragged verify step leaves on the device, TreeStepOutputs' fields in its (bs, n)
@@ -153,6 +157,14 @@ class RaggedStepOutputs:
 
     def node_hidden(self, bs: int, m: int) -> torch.Tensor | None:
         return self.token_hidden[self.node_rows[:bs, :m]] if self.token_hidden is not None else None
+
+    def logits_at(self, rows: list[int], nodes: list[int]) -> torch.Tensor:
+        """(len(rows), vocab): node nodes[i] of request rows[i], without gathering the others."""
+        return self.token_logits[self.node_rows[_index(rows, self.node_rows), _index(nodes, self.node_rows)]]
+
+
+def _index(values: list[int], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long).to(like.device, non_blocking=True)
 
 
 def forward_tree(model, backend, pool: KVPool, inputs: TreeStepInputs,
