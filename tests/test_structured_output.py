@@ -209,7 +209,7 @@ def test_a_path_that_strays_from_the_grammar_takes_the_masked_picks(ngram):
     assert tokens == [[no], [comma, because, it], [8, 5]]
     assert accepted.tolist() == [[0, -1, -1], [0, 1, 2], [0, 1, -1]] and accept_lens.tolist() == [1, 3, 2]
     assert rewritten
-    assert fresh.accept(no) and after_yes.accept(comma)   # the matchers were left where they were
+    assert fresh.accept(no) and after_yes.accept(comma)   # what the commit accepts: the kept paths
     # a path the grammar allows throughout: nothing read, nothing changed
     tokens, accepted = [[because, it]], np.array([[0, 1, -1]])
     assert not keep_to_grammar([after_yes], tokens, accepted, np.array([2]), None, tree_tokens[1:2], tree_parents[1:2],

@@ -67,13 +67,14 @@ def runs(model_dir) -> dict:
 
 
 def spy_verified_trees(runner) -> list[tuple[list[int], list[int], list[int]]]:
-    """Records each verified tree as (the request's output before the step, tokens, parents)."""
+    """Records each verified tree of a sampled request as (the request's output before the step,
+    tokens, parents): only those are pruned (a greedy path is kept to its grammar after the step)."""
     trees, original = [], runner.run_trees
 
     def run_trees(reqs, proposal, *args, **kwargs):
         for row, req in enumerate(reqs):
             count = int(proposal.num_nodes[row])
-            if count > 1:
+            if count > 1 and not req.params.greedy:
                 trees.append((list(req.output_ids), proposal.tokens[row, :count].tolist(),
                               proposal.parents[row, :count].tolist()))
         return original(reqs, proposal, *args, **kwargs)

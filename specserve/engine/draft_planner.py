@@ -88,7 +88,8 @@ class DraftPlanner:
             num_nodes = self.adaptive.choose_nodes(shadows.rids, num_nodes, shadows.keys)
             proposal = proposal.cut(num_nodes)
         if any(r.grammar is not None for r in reqs):
-            proposal = constrain_proposal(reqs, proposal, limits)
+            masked = [not self.sampler.masked_argmax_is_enough([r]) for r in reqs]   # sampling: masks every node
+            proposal = constrain_proposal(reqs, proposal, limits, masked)
             num_nodes = proposal.num_nodes.tolist()
         return proposal, num_nodes, shadows
 

@@ -56,7 +56,7 @@ def keep_to_grammar(grammars: Sequence[RequestGrammar | None], tokens: list[list
     for row, grammar in enumerate(grammars):
         if grammar is None:
             continue
-        check = grammar.check_path(tokens[row])
+        check = grammar.check_path(tokens[row], keep=True)   # a path it allows: its commit confirms it
         if check.mask is not None:
             position = check.allowed
             strays.append(_Stray(row, grammar, accepted[row, :position + 1].tolist(), tokens[row][:position],
@@ -120,6 +120,7 @@ def _walk_down(stray: _Stray, tree_tokens: np.ndarray, tree_parents: np.ndarray,
 
 def _settle(stray: _Stray, tokens: list[list[int]], accepted: np.ndarray, accept_lens: np.ndarray) -> None:
     row, k = stray.row, len(stray.nodes)
+    stray.grammar.take_ahead(stray.tokens)
     tokens[row] = stray.tokens
     accepted[row, :k] = stray.nodes
     accepted[row, k:] = -1

@@ -26,10 +26,19 @@ class RequestGrammar:
         import xgrammar
         self._matcher = xgrammar.GrammarMatcher(compiled)
         self.vocab_size = vocab_size
+        # tokens the matcher took before their commit (a greedy step's path, checked as the step
+        # is read: greedy_paths.py), which the commit's accepts then only confirm; left over
+        # only where the request ended within the step
+        self._ahead: list[int] = []
 
     def accept(self, token: int) -> bool:
         """Advances the matcher past a token; False (and no move) if the grammar forbids it
         there, or has ended."""
+        if self._ahead:
+            if self._ahead[0] == token:
+                del self._ahead[0]
+                return True
+            self._drop_ahead()
         return self._matcher.accept_token(token)
 
     def rollback(self, num_tokens: int) -> None:
@@ -37,27 +46,41 @@ class RequestGrammar:
         if num_tokens:
             self._matcher.rollback(num_tokens)
 
-    def check_path(self, tokens: list[int]) -> PathCheck:
+    def check_path(self, tokens: list[int], keep: bool = False) -> PathCheck:
         """How far the grammar follows `tokens` (a step's tokens, in order) from the matcher's
-        state, which is left as it was (PathCheck)."""
-        accepted = 0
+        state (PathCheck). The matcher is left as it was; with `keep`, where the grammar forbids
+        none of them, past the ones it took, for the commit to confirm (accept)."""
+        self._drop_ahead()
+        accepted, mask = 0, None
         try:
             for token in tokens:
                 if self._matcher.is_terminated():
-                    return PathCheck(accepted, True, None)
+                    break
                 if not self._matcher.accept_token(token):
                     mask = torch.empty((1, bitmask_words(self.vocab_size)), dtype=torch.int32)
                     self._matcher.fill_next_token_bitmask(mask, 0)
-                    return PathCheck(accepted, False, mask)
+                    break
                 accepted += 1
-            return PathCheck(accepted, self._matcher.is_terminated(), None)
+            check = PathCheck(accepted, self._matcher.is_terminated(), mask)
+            if keep and mask is None:
+                self._ahead, accepted = list(tokens[:accepted]), 0
+            return check
         finally:
             self.rollback(accepted)
+
+    def take_ahead(self, tokens: list[int]) -> None:
+        """Takes a step's tokens, all allowed (check_path said so), before their commit confirms them."""
+        check = self.check_path(tokens, keep=True)
+        assert check.mask is None, "take_ahead: a token outside the grammar"
+
+    def _drop_ahead(self) -> None:
+        self.rollback(len(self._ahead))
+        self._ahead = []
 
     @property
     def terminated(self) -> bool:
         """The grammar is complete and its stop token was accepted: the request ends here."""
-        return self._matcher.is_terminated()
+        return not self._ahead and self._matcher.is_terminated()
 
     def forced_tokens(self) -> list[int]:
         """Tokens the grammar forces next (a fixed key, a closing brace), in xgrammar's own

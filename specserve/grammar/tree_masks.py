@@ -39,13 +39,14 @@ def grammar_bitmask(reqs: Sequence, tokens: np.ndarray, parents: np.ndarray, num
     return out
 
 
-def prune_proposal(reqs: Sequence, proposal: TreeProposal) -> TreeProposal:
+def prune_proposal(reqs: Sequence, proposal: TreeProposal, rows: Sequence[bool] | None = None) -> TreeProposal:
     """The proposal without the draft nodes a request's grammar forbids (each cut with its
-    subtree); trees of requests without a grammar are kept whole."""
+    subtree), in the trees of `rows` (default: all); trees of requests without a grammar are
+    kept whole."""
     keep = np.arange(proposal.num_slots)[None, :] < proposal.num_nodes[:, None]     # (bs, n)
     for row, req in enumerate(reqs):
         k = int(proposal.num_nodes[row])
-        if req.grammar is not None and k > 1:
+        if req.grammar is not None and k > 1 and (rows is None or rows[row]):
             keep[row, :k] = allowed_nodes(req.grammar, proposal.tokens[row], proposal.parents[row], k)
     if keep.sum() == proposal.num_nodes.sum():
         return proposal
