@@ -15,7 +15,7 @@ import pytest
 
 from specserve.bench.agentic import SCENARIOS, agentic_requests
 from specserve.bench.agentic_tools import REPORT_SCHEMA, TOOLS
-from specserve.bench.extraction import SCHEMAS, extraction_requests
+from specserve.bench.extraction import SCHEMAS, extraction_records, extraction_requests
 from specserve.bench.structured_requests import (StructuredRequest, answer_validates, encode_request,
                                                   tools_in_system_prompt)
 from specserve.request.grammar_spec import GrammarSpec, check_grammar
@@ -100,6 +100,21 @@ def test_extraction_cycles_the_record_kinds_with_the_record_in_the_prompt():
         assert json.dumps(request.json_schema) in system["content"] and len(user["content"]) > 80
         assert request.tools is None and request.tool_choice == "none"
 
+
+
+def test_each_extraction_record_comes_with_its_right_answer():
+    """The answer validates and every value of it is written in the record's text (a price
+    to two decimals); the requests are extraction_requests' own."""
+    records = extraction_records(30, seed=3)
+    assert [request for request, _ in records] == extraction_requests(30, seed=3)
+    for request, answer in records:
+        assert answer_validates(request, json.dumps(answer))
+        text = request.messages[-1]["content"]
+        for key, value in answer.items():
+            for item in value if isinstance(value, list) else [value]:
+                if not isinstance(item, (dict, bool)):   # line items and in_stock are worded
+                    written = f"{item:.2f}" if isinstance(item, float) else str(item)
+                    assert written in text or str(item) in text, (key, item)
 
 def test_a_request_is_a_forced_call_or_a_schema_and_says_so():
     with pytest.raises(ValueError, match="StructuredRequest"):

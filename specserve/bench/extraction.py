@@ -1,8 +1,9 @@
 """The schema-extraction workload: a record written as free text (an invoice email, a contact's
 introduction, a shop's product listing) to extract as JSON of a given schema, sent with a
 JSON-schema `response_format`. Records are drawn from a seeded generator and worded by one
-of several templates, so the same seed gives the same requests; the answer copies names,
-numbers and dates from the prompt into the schema's keys (what n-gram drafts predict)."""
+of several templates, so the same seed gives the same requests (extraction_records: each with
+its right answer); the answer copies names, numbers and dates from the prompt into the
+schema's keys (what n-gram drafts predict)."""
 from __future__ import annotations
 
 import json
@@ -45,37 +46,49 @@ SCHEMAS = {
 }
 
 
-def invoice(rng: random.Random) -> str:
+def invoice(rng: random.Random) -> tuple[str, dict]:
     issued = date(2026, 1, 1) + timedelta(days=rng.randint(0, 300))
     items = [(product, rng.randint(1, 40), round(rng.uniform(5, 600), 2))
              for product in rng.sample(PRODUCTS, rng.randint(1, 2))]
     total = round(sum(quantity * price for _, quantity, price in items), 2)
     currency = rng.choice(["USD", "EUR", "GBP"])
     vendor, customer = rng.sample(COMPANIES, 2)
+    number = f"INV-{rng.randint(10000, 99999)}"
+    due = issued + timedelta(days=rng.choice([14, 30, 45]))
     lines = "\n".join(f"- {quantity} x {product} at {price:.2f} {currency} each" for product, quantity, price in items)
-    return (f"Hi team,\n\nplease find below invoice INV-{rng.randint(10000, 99999)} from {vendor} to {customer}, issued "
-            f"{issued.isoformat()} and due {(issued + timedelta(days=rng.choice([14, 30, 45]))).isoformat()}.\n\n"
-            f"{lines}\n\nTotal due: {total:.2f} {currency}.\n\nBest regards,\n{vendor} accounts")
+    answer = {"invoice_number": number, "issue_date": issued.isoformat(), "due_date": due.isoformat(),
+              "vendor": vendor, "customer": customer, "currency": currency,
+              "line_items": [{"description": product, "quantity": quantity, "unit_price": price}
+                             for product, quantity, price in items], "total": total}
+    return (f"Hi team,\n\nplease find below invoice {number} from {vendor} to {customer}, issued "
+            f"{issued.isoformat()} and due {due.isoformat()}.\n\n"
+            f"{lines}\n\nTotal due: {total:.2f} {currency}.\n\nBest regards,\n{vendor} accounts"), answer
 
 
-def contact(rng: random.Random) -> str:
+def contact(rng: random.Random) -> tuple[str, dict]:
     first, last = rng.choice(NAMES).title(), rng.choice(SURNAMES).title()
     company, title, (city, _) = rng.choice(COMPANIES), rng.choice(TITLES), rng.choice(CITIES)
-    skills = ", ".join(rng.sample(SKILLS, rng.randint(1, 4)))
+    skills = rng.sample(SKILLS, rng.randint(1, 4))
     phone = f"+{rng.randint(1, 99)} {rng.randint(100, 999)} {rng.randint(1000, 9999)}"
+    email = f"{first.lower()}.{last.lower()}@{company.split()[0].lower()}.example.com"
+    answer = {"name": f"{first} {last}", "email": email, "phone": phone, "company": company, "title": title,
+              "city": city, "skills": skills}
     return (f"Let me introduce {first} {last}, our new {title} at {company}, based in {city}. {first} works with "
-            f"{skills}. You can reach {first} at {first.lower()}.{last.lower()}@{company.split()[0].lower()}.example.com "
-            f"or on {phone}.")
+            f"{', '.join(skills)}. You can reach {first} at {email} or on {phone}."), answer
 
 
-def product(rng: random.Random) -> str:
+def product(rng: random.Random) -> tuple[str, dict]:
     brand, kind = rng.choice(BRANDS), rng.choice(PRODUCTS)
     name = f"{brand} {kind.title()} {rng.choice(['Pro', 'Lite', 'Max', 'S2', 'Air'])}"
-    features = "; ".join(rng.sample(FEATURES, rng.randint(2, 4)))
-    stock = rng.choice(["In stock, ships tomorrow.", "Currently out of stock."])
-    return (f"{name} by {brand}. {rng.choice(['USD', 'EUR', 'GBP'])} {rng.randint(20, 900)}.99. "
-            f"Rated {rng.randint(30, 50) / 10} out of 5 by {rng.randint(5, 3000)} buyers. Features: {features}. "
-            f"Weight {rng.randint(10, 400) / 10} kg. {stock}")
+    features = rng.sample(FEATURES, rng.randint(2, 4))
+    in_stock = rng.choice([True, False])
+    currency, price = rng.choice(['USD', 'EUR', 'GBP']), rng.randint(20, 900) + 0.99
+    rating, buyers, weight = rng.randint(30, 50) / 10, rng.randint(5, 3000), rng.randint(10, 400) / 10
+    answer = {"name": name, "brand": brand, "price": price, "currency": currency, "in_stock": in_stock,
+              "rating": rating, "features": features, "weight_kg": weight}
+    stock = "In stock, ships tomorrow." if in_stock else "Currently out of stock."
+    return (f"{name} by {brand}. {currency} {price:.2f}. Rated {rating} out of 5 by {buyers} buyers. "
+            f"Features: {'; '.join(features)}. Weight {weight} kg. {stock}"), answer
 
 
 RECORDS = {"invoice": invoice, "contact": contact, "product": product}
@@ -91,6 +104,15 @@ def extraction_request(kind: str, record_text: str) -> StructuredRequest:
 
 def extraction_requests(num: int, seed: int = 1) -> list[StructuredRequest]:
     """`num` requests, the record kinds in turn; the same seed gives the same requests."""
+    return [request for request, _ in extraction_records(num, seed)]
+
+
+def extraction_records(num: int, seed: int = 1) -> list[tuple[StructuredRequest, dict]]:
+    """extraction_requests' requests, each with its right answer: the record as JSON of its schema."""
     rng = random.Random(seed)
     kinds = list(RECORDS)
-    return [extraction_request(kinds[i % len(kinds)], RECORDS[kinds[i % len(kinds)]](rng)) for i in range(num)]
+    records = []
+    for i in range(num):
+        record_text, answer = RECORDS[kinds[i % len(kinds)]](rng)
+        records.append((extraction_request(kinds[i % len(kinds)], record_text), answer))
+    return records
