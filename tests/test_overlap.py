@@ -92,6 +92,28 @@ def test_constrained_requests_run_ahead_under_their_grammars(plain, ahead):
     wait_until_all_kv_is_free(ahead)
 
 
+
+def test_masks_filled_on_threads_across_the_engine_loop_change_nothing(plain, ahead, monkeypatch):
+    """Enough constrained requests for a step's masks to be filled on MaskFiller's threads,
+    from the commit before it until the next engine step begins: the outputs are the normal
+    path's token for token."""
+    import json
+    from specserve.grammar.mask_fill import MaskFiller
+    schemas = [{"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"]},
+               {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+                "required": ["n", "ok"]}]
+    prompts = [SAMPLE_PROMPTS[i % 6] for i in range(12)]
+    params = [dict(GREEDY, max_new_tokens=32, json_schema=json.dumps(schemas[i % 2])) for i in range(12)]
+    expected = plain.generate(prompts, params)
+    started, start = [], MaskFiller.start
+    monkeypatch.setattr(MaskFiller, "start", lambda self, *args: started.append(len(args[2])) or start(self, *args))
+    got = ahead.generate(prompts, params)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in expected]
+    assert max(started) == 12                         # a full batch's masks came from the threads
+    for output in got:
+        json.loads(output["text"])
+    wait_until_all_kv_is_free(ahead)
+
 def test_abort_while_a_step_is_ahead_frees_everything(ahead):
     stream = ahead.generate(SAMPLE_PROMPTS[0], dict(GREEDY, max_new_tokens=64, ignore_eos=True), stream=True)
     for chunks, _ in enumerate(stream, start=1):

@@ -18,8 +18,9 @@ ignored. Only steps
 that need nothing but the argmax qualify (greedy, no penalties, logprobs or min_new_tokens
 still in force): every other sampling option depends on tokens the host has not seen yet.
 Requests under a grammar qualify too: their step's argmax is taken under their masks
-(grammar/next_masks.py), queued behind the forward once the previous step's tokens are
-committed (`after_commit`), or at once for a step launched with the batch's last tokens.
+(grammar/next_masks.py): filled on threads from the previous step's commit (`after_commit`)
+until the next engine step begins (`finish_masks`), then queued behind the forward; for a step
+launched with the batch's last tokens, before its argmax is first needed.
 Where the runner keeps hidden states (an EAGLE head or MTP layer drafts), each step keeps a
 copy of its own, made on the device before the next step's replay overwrites the graph's
 output: the engine hands them to the drafter when it reads the step.
@@ -32,7 +33,7 @@ from typing import Callable
 import torch
 
 from specserve.engine.scheduler import Scheduler
-from specserve.grammar.next_masks import masked_argmax
+from specserve.grammar.next_masks import MaskedArgmax
 from specserve.request.req import Batch, Req, ReqState, same_requests
 from specserve.runner.model_runner import InFlight, ModelRunner
 
@@ -46,17 +47,27 @@ class StepAhead:
     hidden: torch.Tensor | None = None   # (bs, features) the target states the runner keeps (an EAGLE head's)
     rows: list[int] | None = None   # each request's row of the launch, once rows of ended requests were cut
     logits: torch.Tensor | None = None   # (bs, vocab) while its grammar masks are still to be applied
+    masking: MaskedArgmax | None = None  # its grammar masks, being filled on threads
 
     def constrain(self) -> None:
         """Its argmax taken again under its requests' grammar masks, the matchers advanced past
-        every token committed before this step (a request that ended meanwhile allows all)."""
+        every token committed before this step (a request that ended meanwhile allows all):
+        the masks are filled on threads until `finish_masks`."""
         assert self.rows is None, "a step is constrained before its rows are cut"
-        self.launched = InFlight.launch(masked_argmax(self.logits, [r.grammar for r in self.reqs]))
+        self.masking = MaskedArgmax(self.logits, [r.grammar for r in self.reqs])
         self.logits = None
+
+    def finish_masks(self) -> None:
+        """Its masked argmax queued once its masks are filled; the matchers are free again.
+        Where the fill raised, the step's argmax is not under the masks: it is to be released."""
+        masking, self.masking = self.masking, None
+        if masking is not None:
+            self.launched = InFlight.launch(masking.result())
 
     def tokens(self) -> list[int]:
         """Its requests' argmax, once the step is done."""
         assert self.logits is None, "a step under a grammar is read once its masks are applied"
+        self.finish_masks()
         tokens = self.launched.wait().tolist()
         return tokens if self.rows is None else [tokens[row] for row in self.rows]
 
@@ -66,6 +77,7 @@ class StepAhead:
 
     def roots(self, keep: list[int]) -> torch.Tensor:
         """The argmax of requests `keep` (indices into reqs), on the device: the next step's roots."""
+        self.finish_masks()
         argmax = self.launched.device
         if self.rows is None and len(keep) == argmax.shape[0]:   # keep is ascending: every row, in order
             return argmax
@@ -111,7 +123,9 @@ class OverlapSchedule:
     def after_commit(self) -> None:
         """Once the step before the one launched ahead is committed: where a stop token (or a
         grammar's end) ended every request of the step ahead, it is dropped, so an idle engine
-        holds no slot for it; otherwise its grammar masks are applied, if any."""
+        holds no slot for it; otherwise its grammar masks are started, if any: filled on
+        threads while the host publishes this step's outputs and comes back to the next step
+        (finish_masks)."""
         ahead = self.ahead
         if ahead is None:
             return
@@ -119,6 +133,18 @@ class OverlapSchedule:
             self.drop()
         elif ahead.logits is not None:
             ahead.constrain()
+
+    def finish_masks(self) -> None:
+        """The step ahead's masked argmax queued, once its masks are filled: called as the next
+        engine step begins, before anything there may touch the matchers (a drafting step's
+        tree masks, a commit's accepts) and before that step's launch needs the argmax."""
+        if self.ahead is None:
+            return
+        try:
+            self.ahead.finish_masks()
+        except BaseException:
+            self.drop()   # its argmax is not under the masks: never to be read
+            raise
 
     def _cut_ended(self, step: StepAhead) -> None:
         """Cuts the rows of requests that a stop token ended after `step` was launched: their
@@ -166,6 +192,13 @@ class OverlapSchedule:
         self.release(ahead)
 
     def release(self, step: StepAhead | None) -> None:
-        """Frees a step's slots (no request holds them before its commit)."""
-        if step is not None:
+        """Frees a step's slots (no request holds them before its commit), once its masks, if
+        any, are filled (their threads use the matchers)."""
+        if step is None:
+            return
+        masking, step.masking = step.masking, None
+        try:
+            if masking is not None:
+                masking.wait()   # it returns once every thread is done, also where one raised
+        finally:
             self.scheduler.free_slots(step.slots)

@@ -10,6 +10,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from specserve.grammar.mask_fill import DONE, Filling, MaskFiller
+
 
 def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
@@ -103,8 +105,8 @@ class RequestGrammar:
         self._matcher.traverse_draft_tree(as_tensor(first_child), as_tensor(next_sibling), as_tensor(tokens), out)
 
 
-# From this many requests a step's masks are filled by xgrammar's threads, which release the
-# GIL (a mask costs ~10-70 us inside a JSON schema on a 150k vocabulary: ~4 ms at 64 requests)
+# From this many requests a step's masks are filled on MaskFiller's threads, which release the
+# GIL (a mask costs ~2-110 us inside a JSON schema on a 150k vocabulary: ~2 ms at 64 requests)
 BATCH_FILL_MIN = 8
 _batch_filler = None
 
@@ -113,6 +115,13 @@ def fill_next_masks(grammars: list[RequestGrammar | None], out: torch.Tensor) ->
     """out (bs, words): row i the tokens grammars[i] allows next, every token once it has ended
     (the request ends with this step: its token is never committed); rows without a grammar
     are left as they are."""
+    start_next_masks(grammars, out).wait()
+
+
+def start_next_masks(grammars: list[RequestGrammar | None], out: torch.Tensor) -> Filling:
+    """fill_next_masks, where many masks are filled on threads while the caller goes on: its
+    wait() returns once `out` is filled; until then neither the matchers nor `out` may be
+    touched (a matcher's accept during its fill would race with it)."""
     global _batch_filler
     rows, matchers = [], []
     for row, grammar in enumerate(grammars):
@@ -126,8 +135,7 @@ def fill_next_masks(grammars: list[RequestGrammar | None], out: torch.Tensor) ->
     if len(rows) < BATCH_FILL_MIN:
         for row, matcher in zip(rows, matchers):
             matcher.fill_next_token_bitmask(out, row)
-        return
+        return DONE
     if _batch_filler is None:
-        import xgrammar
-        _batch_filler = xgrammar.BatchGrammarMatcher(max_threads="auto")
-    _batch_filler.batch_fill_next_token_bitmask(matchers, out, rows)
+        _batch_filler = MaskFiller()
+    return _batch_filler.start(matchers, out, rows)
