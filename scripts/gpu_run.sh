@@ -189,11 +189,17 @@ if [ "$mode" = suite ]; then
   done
 fi
 if [ "$mode" = structured ]; then
+  # AB_TREE=.ab/NAME: that tree's code (its rows in structured_NAME_MODEL); STRUCTURED_CONFIGS: gpu_suite's --configs
+  # ("default ngram-16-one": the policy's part in a cell); the policy traces in one tar (a call returns 8 files)
+  root=${AB_TREE:-.}; tag=; [ "$root" = . ] || tag=$(basename "$root")_
   for model in "${models[@]}"; do
-    python3 -m specserve.bench.gpu_suite --models-dir /root/models --models "$model" --configs default --rounds 2 \
+    out="$OUT/structured_$tag$model"
+    PYTHONPATH=/tmp/site:$PWD/$root python3 -m specserve.bench.gpu_suite --models-dir /root/models --models "$model" \
+      --configs ${STRUCTURED_CONFIGS:-default} --rounds 2 \
       --bs1-prompts 6 --no-transformers --num-prompts 128 --workloads ${STRUCTURED_WORKLOADS:-agentic-tools schema-extraction} \
-      --max-new-tokens ${STRUCTURED_MAX_NEW_TOKENS:-512} \
-      --concurrency ${STRUCTURED_CONCURRENCY:-1 8 32 64} --out "$OUT/structured_$model" 2>&1 | grep -v '%|' | tail -30
+      --max-new-tokens ${STRUCTURED_MAX_NEW_TOKENS:-512} --policy-trace-dir "$out/traces" \
+      --concurrency ${STRUCTURED_CONCURRENCY:-1 8 32 64} --out "$out" 2>&1 | grep -v '%|' | tail -30
+    tar -cJf "$out/traces.tar.xz" -C "$out" traces && rm -rf "$out/traces"
   done
 fi
 suite_32_64() {   # TREE_ROOT OUT_DIR: the default NGRAM engine (or $SUITE_CONFIGS, e.g. "default ngram-16-one-held
