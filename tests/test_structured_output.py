@@ -173,6 +173,33 @@ def test_forbidden_drafts_are_cut_with_their_subtrees(ngram):
     assert torch.isfinite(logits[1]).all()
 
 
+def test_greedy_trees_are_pruned_only_while_the_constrained_drafts_are_few(ngram):
+    """A greedy request's tree (its verification unmasked) loses its forbidden branch while the
+    step's constrained drafts are at most PRUNE_GREEDY_NODES nodes; beyond, it is verified whole
+    and its path kept to the grammar afterwards. A sampling request's tree is always pruned."""
+    from types import SimpleNamespace
+
+    from specserve.grammar.drafts import PRUNE_GREEDY_NODES, constrain_proposal
+    from specserve.request.grammar_spec import GrammarSpec
+    from specserve.verify.tree import TreeProposal
+
+    token = lambda text: ngram.tokenizer.convert_tokens_to_ids(text)
+    yes, maybe, comma = token("yes"), token("maybe"), token(",")
+    tree = ([0, yes, maybe, comma, comma], [-1, 0, 0, 1, 2])
+    # the branch of `maybe` (forbidden at the root) is cut where pruned: 3 nodes kept of 5
+    kept = lambda proposal, rows: proposal.num_nodes.tolist()[:rows]
+
+    def requests(n):
+        return [SimpleNamespace(grammar=ngram.grammars.matcher(GrammarSpec("regex", REGEX))) for _ in range(n)]
+
+    few = requests(2)
+    assert kept(constrain_proposal(few, TreeProposal.from_lists([tree] * 2), [16] * 2, [False] * 2), 2) == [3, 3]
+    many = PRUNE_GREEDY_NODES // len(tree[0]) + 1                    # more constrained nodes than the bound
+    reqs = requests(many)
+    big = constrain_proposal(reqs, TreeProposal.from_lists([tree] * many), [16] * many, [True] + [False] * (many - 1))
+    assert kept(big, many) == [3] + [5] * (many - 1)
+
+
 def test_a_path_that_strays_from_the_grammar_takes_the_masked_picks(ngram):
     """Greedy paths verified without masks, then kept to the regex: where the model's argmax is
     outside the grammar the masked argmax replaces it and the walk goes on down the child that
