@@ -1,16 +1,16 @@
 """Host time of a constrained plain decode step's grammar work, phase by phase, on the
 schema-extraction workload with a real vocabulary (Qwen2.5's 151k, from the GGUF file).
 
-On the overlap schedule (engine/overlap.py) a constrained step's grammar work runs on the host
-while the device runs the forward: the commit advances each request's matcher past its token
-(`commit`: grammar_finish), the next step's masks are allocated and their fill handed to
-MaskFiller's threads (`start`), which fill them while the host goes on (`fill`: the wall time
-left after `start`, waited for at once here), then the copy, the masks applied and the argmax
-queued (`apply`: on a GPU only; on a CPU that is compute, not host work). Requests replay their
-right answers (bench/extraction.py's records as JSON, tokenized by the model's tokenizer, then
-its stop token), `--batch-size` of them at a time, a finished one replaced by the next, so the
-matchers pass through the states a real run's do, without a model. SPECSERVE_MASK_THREADS sets
-the fill's threads.
+On the overlap schedule (engine/overlap.py) a constrained greedy step is launched on the
+previous step's unmasked argmax, no mask filled before it; as the step is read, each request's
+token is checked by its matcher and taken ahead (`check`: grammar/next_masks.py, an accept a
+row), then the commit confirms it (`commit`: grammar_finish). Only a token the grammar forbids
+costs a mask fill and a read of the step's logits (and its row of the step ahead): these
+replays follow their grammars, so they time the steps without a stray, which is every step
+where the model writes what its grammar allows. Requests replay their right answers
+(bench/extraction.py's records as JSON, tokenized by the model's tokenizer, then its stop
+token), `--batch-size` of them at a time, a finished one replaced by the next, so the matchers
+pass through the states a real run's do, without a model.
 
 `python -m lab.grammar_step_host --batch-sizes 1 64 [--requests 128] [--indent 2] [--repeats 3]`
 prints one JSON line per batch size: ms a step per phase, wall and the process's CPU time
@@ -31,10 +31,10 @@ import numpy as np
 import torch
 
 from specserve.grammar.finish import grammar_finish
-from specserve.grammar.next_masks import MaskedArgmax
+from specserve.grammar.next_masks import keep_plain_to_grammar
 
 DEFAULT_MODEL = "models/qwen2.5-coder-1.5b-instruct.gguf"
-PHASES = ("commit", "start", "fill", "apply")
+PHASES = ("check", "commit")
 
 
 @dataclass
@@ -71,17 +71,14 @@ def _clock() -> np.ndarray:
 class Replay:
     """`batch_size` rows at a time over the answers; each step's phases timed."""
 
-    def __init__(self, grammars, answers: list[tuple[str, list[int]]], batch_size: int, vocab_size: int,
-                 device: str):
+    def __init__(self, grammars, answers: list[tuple[str, list[int]]], batch_size: int, vocab_size: int):
         from specserve.request.grammar_spec import GrammarSpec
         self.pending = [Row(str(i), grammars.matcher(GrammarSpec("json_schema", schema)), tokens)
                         for i, (schema, tokens) in enumerate(answers)]
         self.pending.reverse()
         self.rows: list[Row] = []
-        self.batch_size, self.vocab_size, self.device = batch_size, vocab_size, device
-        # on a CPU only their shape counts: applying the masks there is compute, a GPU's work
-        self.logits = torch.randn((batch_size, vocab_size), device=device, dtype=torch.bfloat16) \
-            if device != "cpu" else torch.empty((batch_size, vocab_size))
+        self.batch_size = batch_size
+        self.logits = torch.empty((batch_size, vocab_size))   # read only where a grammar forbids a token: never here
         self.seconds = {phase: [] for phase in PHASES}       # wall
         self.cpu_seconds = {phase: [] for phase in PHASES}   # the process's CPU, every thread's
         self.live_rows: list[int] = []
@@ -93,29 +90,20 @@ class Replay:
 
     def step(self) -> None:
         rows = self.rows
+        tokens = [row.tokens[row.done] for row in rows]
         clocks = [_clock()]
-        ended = [grammar_finish(row, row.tokens[row.done], None) is not None for row in rows]
+        assert not keep_plain_to_grammar([row.grammar for row in rows], tokens, self.logits[:len(rows)])
         clocks.append(_clock())
+        ended = [grammar_finish(row, token, None) is not None for row, token in zip(rows, tokens)]
+        clocks.append(_clock())
+        for phase, span in zip(PHASES, (clocks[1] - clocks[0], clocks[2] - clocks[1])):
+            self.seconds[phase].append(span[0])
+            self.cpu_seconds[phase].append(span[1])
+        self.live_rows.append(len(rows))
         for row in rows:
             row.done += 1
         self.rows = [row for row, end in zip(rows, ended) if not end]
         self._refill()
-        grammars = [row.grammar for row in self.rows]
-        if not grammars:
-            return
-        clocks.append(_clock())
-        masking = MaskedArgmax(self.logits[:len(grammars)], grammars)
-        clocks.append(_clock())
-        masking.wait()
-        clocks.append(_clock())
-        if self.device != "cpu":   # the copy, the masks applied and the argmax queued (not waited for)
-            masking.result()
-        clocks.append(_clock())
-        spans = (clocks[1] - clocks[0], clocks[3] - clocks[2], clocks[4] - clocks[3], clocks[5] - clocks[4])
-        for phase, span in zip(PHASES, spans):
-            self.seconds[phase].append(span[0])
-            self.cpu_seconds[phase].append(span[1])
-        self.live_rows.append(len(grammars))
 
     def _refill(self) -> None:
         while len(self.rows) < self.batch_size and self.pending:
@@ -133,21 +121,20 @@ def main(argv=None) -> None:
     ns = parser.parse_args(argv)
     tokenizer, vocab_size, stops = load_vocabulary(ns.model_path)
     grammars = GrammarCache(tokenizer, vocab_size, stops)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     for batch_size in ns.batch_sizes:
         count = ns.requests or max(2 * batch_size, 16)
         replies = answers(tokenizer, stops[0], count, ns.indent)
-        Replay(grammars, replies[:batch_size], batch_size, vocab_size, device).run()   # warm-up, compiles
+        Replay(grammars, replies[:batch_size], batch_size, vocab_size).run()   # warm-up, compiles
         repeats = []
         for _ in range(ns.repeats):
-            replay = Replay(grammars, replies, batch_size, vocab_size, device)
+            replay = Replay(grammars, replies, batch_size, vocab_size)
             replay.run()
             repeats.append(replay)
         totals = [sum(map(sum, r.seconds.values())) / len(r.live_rows) for r in repeats]
         best = repeats[totals.index(min(totals))]
         full = [i for i, rows in enumerate(best.live_rows) if rows == batch_size]   # before the last ones drain
         print(json.dumps({"batch_size": batch_size, "requests": count, "steps": len(best.live_rows),
-                          "mean_rows": round(statistics.mean(best.live_rows), 1), "device": device,
+                          "mean_rows": round(statistics.mean(best.live_rows), 1),
                           **{f"{phase}_ms": round(1e3 * statistics.mean(best.seconds[phase]), 3) for phase in PHASES},
                           **{f"{phase}_cpu_ms": round(1e3 * statistics.mean(best.cpu_seconds[phase]), 3)
                              for phase in PHASES},

@@ -68,9 +68,9 @@ def test_outputs_equal_the_normal_path(plain, ahead):
 
 def test_constrained_requests_run_ahead_under_their_grammars(plain, ahead):
     """Greedy requests under a JSON schema, a regex and an EBNF grammar, beside an
-    unconstrained one: their plain steps are launched ahead, each argmax taken under its
-    request's mask once the step before is committed. The outputs are those of the normal
-    path token for token, and they parse."""
+    unconstrained one: their plain steps are launched ahead on the unmasked argmax, each token
+    kept to its request's grammar as its step is read (test_unmasked_plain_steps.py). The
+    outputs are those of the normal path token for token, and they parse."""
     import json
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                                "age": {"type": "integer", "minimum": 0, "maximum": 150}},
@@ -87,32 +87,10 @@ def test_constrained_requests_run_ahead_under_their_grammars(plain, ahead):
     assert ahead.used["ahead"] - before > 15          # their steps came from launches ahead
     assert set(json.loads(got[0]["text"])) == {"name", "age"}
     assert got[2]["text"] in ("Answer: A.", "Answer: B.", "Answer: C.")
-    alone = ahead.generate(prompts[0], params[0])    # batch 1: every step masked after the last commit
+    alone = ahead.generate(prompts[0], params[0])    # batch 1: every step checked as it is read
     assert alone["output_ids"] == expected[0]["output_ids"]
     wait_until_all_kv_is_free(ahead)
 
-
-
-def test_masks_filled_on_threads_across_the_engine_loop_change_nothing(plain, ahead, monkeypatch):
-    """Enough constrained requests for a step's masks to be filled on MaskFiller's threads,
-    from the commit before it until the next engine step begins: the outputs are the normal
-    path's token for token."""
-    import json
-    from specserve.grammar.mask_fill import MaskFiller
-    schemas = [{"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"]},
-               {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
-                "required": ["n", "ok"]}]
-    prompts = [SAMPLE_PROMPTS[i % 6] for i in range(12)]
-    params = [dict(GREEDY, max_new_tokens=32, json_schema=json.dumps(schemas[i % 2])) for i in range(12)]
-    expected = plain.generate(prompts, params)
-    started, start = [], MaskFiller.start
-    monkeypatch.setattr(MaskFiller, "start", lambda self, *args: started.append(len(args[2])) or start(self, *args))
-    got = ahead.generate(prompts, params)
-    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in expected]
-    assert max(started) == 12                         # a full batch's masks came from the threads
-    for output in got:
-        json.loads(output["text"])
-    wait_until_all_kv_is_free(ahead)
 
 def test_abort_while_a_step_is_ahead_frees_everything(ahead):
     stream = ahead.generate(SAMPLE_PROMPTS[0], dict(GREEDY, max_new_tokens=64, ignore_eos=True), stream=True)

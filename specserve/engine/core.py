@@ -112,8 +112,6 @@ class EngineCore:
         """One step: schedule -> (draft) -> forward -> verify -> commit, by the pipeline of its kind."""
         self.events.began()
         try:
-            if self.ahead.plain is not None:   # its masks were filled while the last step's outputs went out
-                self.ahead.plain.finish_masks()
             batch, kept = self._schedule()
             return self._idle() if batch is None else self._run(batch, kept)
         finally:

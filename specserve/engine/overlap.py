@@ -17,10 +17,14 @@ request arrived, was preempted or aborted) is dropped: its slots are freed and i
 ignored. Only steps
 that need nothing but the argmax qualify (greedy, no penalties, logprobs or min_new_tokens
 still in force): every other sampling option depends on tokens the host has not seen yet.
-Requests under a grammar qualify too: their step's argmax is taken under their masks
-(grammar/next_masks.py): filled on threads from the previous step's commit (`after_commit`)
-until the next engine step begins (`finish_masks`), then queued behind the forward; for a step
-launched with the batch's last tokens, before its argmax is first needed.
+Requests under a grammar qualify too, greedy ones (sampling ones take the sampler's masked
+path): their steps are launched on the previous step's unmasked argmax like any other, no
+mask filled before the launch (filled first, at 64 requests the fill, ~1 ms a step on an H200's
+host, was on the critical path). As a step is read, each constrained request's token is checked
+by its matcher (grammar/next_masks.py); where the grammar forbids one, its masked argmax, from
+the step's logits (kept: the next launch overwrites a graph's), is committed instead, and the
+request's row of the step launched ahead on the forbidden token is cut (`read`): the request
+waits a step, launched with the next one at its committed token, while the others run on.
 Where the runner keeps hidden states (an EAGLE head or MTP layer drafts), each step keeps a
 copy of its own, made on the device before the next step's replay overwrites the graph's
 output: the engine hands them to the drafter when it reads the step.
@@ -33,7 +37,7 @@ from typing import Callable
 import torch
 
 from specserve.engine.scheduler import Scheduler
-from specserve.grammar.next_masks import MaskedArgmax
+from specserve.grammar.next_masks import keep_plain_to_grammar
 from specserve.request.req import Batch, Req, ReqState, same_requests
 from specserve.runner.model_runner import InFlight, ModelRunner
 
@@ -46,38 +50,29 @@ class StepAhead:
     launched: InFlight        # its argmax: on the device, and on the way to the host
     hidden: torch.Tensor | None = None   # (bs, features) the target states the runner keeps (an EAGLE head's)
     rows: list[int] | None = None   # each request's row of the launch, once rows of ended requests were cut
-    logits: torch.Tensor | None = None   # (bs, vocab) while its grammar masks are still to be applied
-    masking: MaskedArgmax | None = None  # its grammar masks, being filled on threads
-
-    def constrain(self) -> None:
-        """Its argmax taken again under its requests' grammar masks, the matchers advanced past
-        every token committed before this step (a request that ended meanwhile allows all):
-        the masks are filled on threads until `finish_masks`."""
-        assert self.rows is None, "a step is constrained before its rows are cut"
-        self.masking = MaskedArgmax(self.logits, [r.grammar for r in self.reqs])
-        self.logits = None
-
-    def finish_masks(self) -> None:
-        """Its masked argmax queued once its masks are filled; the matchers are free again.
-        Where the fill raised, the step's argmax is not under the masks: it is to be released."""
-        masking, self.masking = self.masking, None
-        if masking is not None:
-            self.launched = InFlight.launch(masking.result())
+    logits: torch.Tensor | None = None   # (bs, vocab) a copy of its logits, where a request has a grammar
 
     def tokens(self) -> list[int]:
-        """Its requests' argmax, once the step is done."""
-        assert self.logits is None, "a step under a grammar is read once its masks are applied"
-        self.finish_masks()
+        """Its requests' argmax, once the step is done: unmasked (to_grammar makes it the masked one)."""
         tokens = self.launched.wait().tolist()
         return tokens if self.rows is None else [tokens[row] for row in self.rows]
+
+    def to_grammar(self, tokens: list[int]) -> list[int]:
+        """Makes `tokens` (from `tokens()`) the argmax under each request's grammar, in place.
+        Returns the requests (indices) whose grammar forbade their unmasked argmax: the next
+        step's rows launched on those are wrong. Only then are the logits read (their masked
+        argmax), which waits for the device's queue, the step launched ahead included."""
+        if self.logits is None:
+            return []
+        logits = self.logits if self.rows is None else self.logits[self.rows]
+        return keep_plain_to_grammar([r.grammar for r in self.reqs], tokens, logits)
 
     def hidden_rows(self) -> list[list[int]]:
         """Each request's row of `hidden`."""
         return [[row] for row in (self.rows if self.rows is not None else range(len(self.reqs)))]
 
     def roots(self, keep: list[int]) -> torch.Tensor:
-        """The argmax of requests `keep` (indices into reqs), on the device: the next step's roots."""
-        self.finish_masks()
+        """The unmasked argmax of requests `keep` (indices into reqs), on the device: the next step's roots."""
         argmax = self.launched.device
         if self.rows is None and len(keep) == argmax.shape[0]:   # keep is ascending: every row, in order
             return argmax
@@ -91,65 +86,102 @@ class OverlapSchedule:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler):
         self.runner, self.scheduler = runner, scheduler
         self.ahead: StepAhead | None = None
+        # requests whose row of the step ahead was cut, as a grammar forbade the token it was
+        # launched on: they have no step in flight, and join the next launch at their last token
+        self.waiting: set[int] = set()   # their ids
+        self.relaunches = 0   # such rows cut, all told
 
     def current_step(self, reqs: list[Req], last_tokens: Callable[[], list[int]]) -> StepAhead:
-        """The step to read now: the one launched ahead for exactly these requests, or a
-        new launch rooted at their last tokens."""
+        """The step to read now: the one launched ahead for exactly these requests (but those
+        waiting: `read`), or a new launch rooted at their last tokens."""
         ahead, self.ahead = self.ahead, None
         if ahead is not None:
             self._cut_ended(ahead)
-        if ahead is not None and same_requests(ahead.reqs, reqs):
+        if ahead is not None and self._serves(ahead, reqs):
             return ahead
         self.release(ahead)
         slots = self.scheduler.alloc_slots(len(reqs))
         assert slots is not None, "the scheduler reserves a slot per decoding request"
-        return self._launch(reqs, [r.kv_len for r in reqs], slots, last_tokens(), constrain_now=True)
+        return self._launch(reqs, [r.kv_len for r in reqs], slots, last_tokens())
 
     def holds_step_for(self, reqs: list[Req]) -> bool:
         """Whether the step launched ahead is for exactly these requests (those a stop token
-        ended since aside): current_step would read it."""
+        ended since aside, those waiting aside): current_step would read it."""
         ahead = self.ahead
-        return ahead is not None and same_requests([r for r in ahead.reqs if not r.finished], reqs)
+        return ahead is not None and same_requests([r for r in ahead.reqs if not r.finished],
+                                                   [r for r in reqs if id(r) not in self.waiting])
 
-    def launch_next(self, current: StepAhead, keep: list[int]) -> None:
-        """Queues the step after `current` (whose tokens are not committed yet) for its
-        requests `keep` (indices: those that do not end with `current`)."""
-        reqs = [current.reqs[i] for i in keep]
+    def _serves(self, ahead: StepAhead, reqs: list[Req]) -> bool:
+        """Whether `ahead` is the step of these requests: all of them, in order, but those
+        waiting (no step in flight: the next launch takes them)."""
+        return bool(ahead.reqs) and same_requests(ahead.reqs, [r for r in reqs if id(r) not in self.waiting])
+
+    def launch_next(self, current: StepAhead, batch: list[Req], keep: list[int]) -> None:
+        """Queues the step after `current` (whose tokens are not committed yet) for the batch's
+        requests `keep` (indices into batch, its order): current's that do not end with it,
+        rooted at its argmax on the device, and any waiting, not in current, at their last tokens."""
+        in_current = {id(r): i for i, r in enumerate(current.reqs)}
+        reqs = [batch[i] for i in keep]
         slots = self.scheduler.alloc_slots(len(reqs))
         if slots is None:
             return
-        self.ahead = self._launch(reqs, [r.kv_len + 1 for r in reqs], slots, current.roots(keep), constrain_now=False)
+        rows = [in_current.get(id(r)) for r in reqs]
+        kv_lens = [r.kv_len + (row is not None) for r, row in zip(reqs, rows)]
+        self.ahead = self._launch(reqs, kv_lens, slots, self._roots(current, reqs, rows))
+
+    @staticmethod
+    def _roots(current: StepAhead, reqs: list[Req], rows: list[int | None]) -> torch.Tensor:
+        """The next step's roots on the device: current's argmax at rows (indices into its
+        reqs), the last token of a request waiting (row None), copied without waiting."""
+        from_current = current.roots([row for row in rows if row is not None])
+        waiting = [r.last_token for r, row in zip(reqs, rows) if row is None]
+        if not waiting:
+            return from_current
+        device, pinned = from_current.device, from_current.is_cuda
+        tokens = torch.tensor(waiting, dtype=from_current.dtype, pin_memory=pinned).to(device, non_blocking=True)
+        order, n = [], 0   # each request's index into [from_current, tokens]
+        for row in rows:
+            order.append(n if row is not None else len(from_current) + len(order) - n)
+            n += row is not None
+        index = torch.tensor(order, dtype=torch.long, pin_memory=pinned).to(device, non_blocking=True)
+        return torch.cat([from_current, tokens]).index_select(0, index)
+
+    def read(self, step: StepAhead) -> list[int]:
+        """The step's tokens, each under its request's grammar. Where a grammar forbade one, the
+        request's row of the step launched ahead, if any, is cut (its slot freed): that step is
+        `step`'s successor, rooted at its unmasked argmax (nothing else is launched between a
+        step's launch and its read; a step kept through a prefill has none). The request then
+        waits, its step launched with the next at the token committed, while the others' steps
+        run on (a row that strays costs it one step, not the batch its overlap)."""
+        tokens = step.tokens()
+        changed = step.to_grammar(tokens)
+        self.waiting = set()
+        ahead = self.ahead
+        if changed and ahead is not None:
+            strayed = {id(step.reqs[i]) for i in changed}
+            live = [i for i, r in enumerate(ahead.reqs) if id(r) not in strayed]
+            self.relaunches += len(ahead.reqs) - len(live)
+            self.waiting = {id(r) for r in ahead.reqs if id(r) in strayed}
+            self._cut(ahead, live)
+            if not ahead.reqs:
+                self.drop()
+        return tokens
 
     def after_commit(self) -> None:
         """Once the step before the one launched ahead is committed: where a stop token (or a
         grammar's end) ended every request of the step ahead, it is dropped, so an idle engine
-        holds no slot for it; otherwise its grammar masks are started, if any: filled on
-        threads while the host publishes this step's outputs and comes back to the next step
-        (finish_masks)."""
+        holds no slot for it."""
         ahead = self.ahead
-        if ahead is None:
-            return
-        if all(r.finished for r in ahead.reqs):
+        if ahead is not None and all(r.finished for r in ahead.reqs):
             self.drop()
-        elif ahead.logits is not None:
-            ahead.constrain()
-
-    def finish_masks(self) -> None:
-        """The step ahead's masked argmax queued, once its masks are filled: called as the next
-        engine step begins, before anything there may touch the matchers (a drafting step's
-        tree masks, a commit's accepts) and before that step's launch needs the argmax."""
-        if self.ahead is None:
-            return
-        try:
-            self.ahead.finish_masks()
-        except BaseException:
-            self.drop()   # its argmax is not under the masks: never to be read
-            raise
 
     def _cut_ended(self, step: StepAhead) -> None:
-        """Cuts the rows of requests that a stop token ended after `step` was launched: their
-        slots freed (no request holds them), their tokens never read."""
-        live = [i for i, r in enumerate(step.reqs) if not r.finished]
+        """Cuts the rows of requests that a stop token ended after `step` was launched."""
+        self._cut(step, [i for i, r in enumerate(step.reqs) if not r.finished])
+
+    def _cut(self, step: StepAhead, live: list[int]) -> None:
+        """Keeps only the rows of step's requests `live` (ascending indices): the others' slots
+        freed (no request holds them), their tokens never read."""
         if len(live) == len(step.reqs):
             return
         kept = set(live)
@@ -157,15 +189,14 @@ class OverlapSchedule:
         step.rows = live if step.rows is None else [step.rows[i] for i in live]
         step.reqs, step.slots = [step.reqs[i] for i in live], [step.slots[i] for i in live]
 
-    def _launch(self, reqs: list[Req], kv_lens: list[int], slots: list[int], roots, constrain_now: bool) -> StepAhead:
-        """constrain_now: the matchers have seen every token before this step (its roots are on
-        the host), so its grammar masks apply at once; else they wait for after_commit."""
+    def _launch(self, reqs: list[Req], kv_lens: list[int], slots: list[int], roots) -> StepAhead:
         launched, hidden, logits = self.runner.launch_greedy_decode(reqs, kv_lens, slots, roots)
         step = StepAhead(list(reqs), slots, launched, hidden=hidden)
         if any(r.grammar is not None for r in reqs):
-            step.logits = logits
-            if constrain_now:
-                step.constrain()
+            # copied before the next launch overwrites a graph's logits (64 x 151k fp32 logits:
+            # ~40 MB, some 25 us of an H200's bandwidth, not measured), read only where a grammar
+            # forbids a token
+            step.logits = logits.clone()
         return step
 
     def keep_through(self, batch: Batch) -> StepAhead | None:
@@ -187,18 +218,12 @@ class OverlapSchedule:
         return ahead
 
     def drop(self) -> None:
-        """Forgets the step launched ahead, if any."""
+        """Forgets the step launched ahead, if any (the next step is launched afresh for all)."""
         ahead, self.ahead = self.ahead, None
+        self.waiting = set()
         self.release(ahead)
 
     def release(self, step: StepAhead | None) -> None:
-        """Frees a step's slots (no request holds them before its commit), once its masks, if
-        any, are filled (their threads use the matchers)."""
-        if step is None:
-            return
-        masking, step.masking = step.masking, None
-        try:
-            if masking is not None:
-                masking.wait()   # it returns once every thread is done, also where one raised
-        finally:
+        """Frees a step's slots (no request holds them before its commit)."""
+        if step is not None:
             self.scheduler.free_slots(step.slots)

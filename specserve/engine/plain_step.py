@@ -57,9 +57,9 @@ class PlainStep(StepPipeline):
         try:
             current = overlap.current_step(reqs, lambda: [r.last_token for r in reqs])
             self.events.launched("plain", 1, current is launched_ahead)
-            keep = self._next_rows(reqs)
+            keep = self._next_rows(reqs, current)
             if keep:
-                overlap.launch_next(current, keep)
+                overlap.launch_next(current, reqs, keep)
             self.ahead.settle()   # the last plain step's after-work, while the GPU runs this one and the next
             probing = bool(keep) and self.planner.probe_due(reqs)
             self.text.run()   # a drafting step's, before this step's tokens reach the detokenizers
@@ -72,7 +72,7 @@ class PlainStep(StepPipeline):
 
     def read(self, step: LaunchedPlain) -> list[int]:
         try:
-            return step.current.tokens()
+            return self.ahead.plain.read(step.current)
         except BaseException:
             self._fail(step.current)
             raise
@@ -83,7 +83,7 @@ class PlainStep(StepPipeline):
         scheduler has work (with nothing in flight the next launch is a prefill as a rule)."""
         reqs = step.current.reqs
         outputs = self._commit_tokens(step.current, tokens)
-        self.ahead.plain.after_commit()   # the step ahead: its grammar masks, now that the matchers saw these tokens
+        self.ahead.plain.after_commit()   # the step ahead dropped where its requests all ended here
         probing = step.probing
         if probing and self.ahead.plain.ahead is None:   # the launch found no slots: nothing in flight
             self.planner.put_off_probe(reqs)
@@ -120,7 +120,7 @@ class PlainStep(StepPipeline):
         """That step, read once the prefill has run: its tokens are shown to the drafter and
         the policy, not priced (its time is the prefill's too)."""
         try:
-            tokens = kept.tokens()
+            tokens = self.ahead.plain.read(kept)
         except BaseException:
             self.release(kept)
             raise
@@ -142,11 +142,18 @@ class PlainStep(StepPipeline):
         # time a step that otherwise sits between reading this step and launching the one after next
         return self.committer.verified(reqs, SampledStep.plain(tokens), defer_text=True, plain=True)
 
-    def _next_rows(self, reqs: list[Req]) -> list[int]:
+    def _next_rows(self, reqs: list[Req], current: StepAhead) -> list[int]:
         """The requests (indices) whose next step can be launched before this one's tokens are
-        read: those this step does not end by length or context; none where that step would draft."""
-        context = self.runner.context_length
-        keep = [i for i, r in enumerate(reqs) if len(r.output_ids) + 1 < r.max_new_tokens and r.kv_len + 2 <= context]
+        read: those this step does not end by length or context, and those without a row in it
+        (a grammar forbade the token their row of it was launched on: overlap.py) that the
+        context leaves room; none where that step would draft."""
+        context, in_step = self.runner.context_length, {id(r) for r in current.reqs}
+
+        def runs_on(r: Req) -> bool:
+            if id(r) in in_step:
+                return len(r.output_ids) + 1 < r.max_new_tokens and r.kv_len + 2 <= context
+            return r.kv_len + 1 <= context
+        keep = [i for i, r in enumerate(reqs) if runs_on(r)]
         return keep if keep and self.planner.plain_rows_may_run_ahead(len(keep)) else []
 
     def _fail(self, current: StepAhead | None) -> None:

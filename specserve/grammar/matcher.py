@@ -10,7 +10,6 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from specserve.grammar.mask_fill import DONE, Filling, MaskFiller
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -103,39 +102,3 @@ class RequestGrammar:
             return
         as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
         self._matcher.traverse_draft_tree(as_tensor(first_child), as_tensor(next_sibling), as_tensor(tokens), out)
-
-
-# From this many requests a step's masks are filled on MaskFiller's threads, which release the
-# GIL (a mask costs ~2-110 us inside a JSON schema on a 150k vocabulary: ~2 ms at 64 requests)
-BATCH_FILL_MIN = 8
-_batch_filler = None
-
-
-def fill_next_masks(grammars: list[RequestGrammar | None], out: torch.Tensor) -> None:
-    """out (bs, words): row i the tokens grammars[i] allows next, every token once it has ended
-    (the request ends with this step: its token is never committed); rows without a grammar
-    are left as they are."""
-    start_next_masks(grammars, out).wait()
-
-
-def start_next_masks(grammars: list[RequestGrammar | None], out: torch.Tensor) -> Filling:
-    """fill_next_masks, where many masks are filled on threads while the caller goes on: its
-    wait() returns once `out` is filled; until then neither the matchers nor `out` may be
-    touched (a matcher's accept during its fill would race with it)."""
-    global _batch_filler
-    rows, matchers = [], []
-    for row, grammar in enumerate(grammars):
-        if grammar is None:
-            continue
-        if grammar.terminated:
-            out[row] = -1
-        else:
-            rows.append(row)
-            matchers.append(grammar._matcher)
-    if len(rows) < BATCH_FILL_MIN:
-        for row, matcher in zip(rows, matchers):
-            matcher.fill_next_token_bitmask(out, row)
-        return DONE
-    if _batch_filler is None:
-        _batch_filler = MaskFiller()
-    return _batch_filler.start(matchers, out, rows)

@@ -1,68 +1,43 @@
-"""A plain decode step's argmax under its requests' grammars: each constrained request's mask
-of the tokens allowed next, applied on the device to the step's logits.
+"""A plain greedy step of constrained requests, run unmasked and its tokens kept to each
+request's grammar on the host once they are read.
 
-The forward of a plain step does not depend on the mask, only its argmax does. So on the
-overlap schedule (engine/overlap.py) a step of constrained requests is launched as any other,
-before the previous step's tokens are read; once they are committed (each matcher advanced
-past its token), the masks are filled on MaskFiller's threads while the device runs the
-forward and the host goes on with the rest of the step (its commit's bookkeeping, the
-outputs' publishing), and the masked argmax is queued behind the forward before anything
-touches the matchers again (`MaskedArgmax.result`). The matchers' work is then hidden wherever
-it takes less than a forward.
+The masked argmax of a step (the argmax over the tokens the grammar allows) is the model's
+own argmax wherever the grammar allows that: no allowed token has larger logits, and torch's
+argmax picks the first of tied maxima, so a tied allowed token earlier in the vocabulary would
+have been the argmax itself. So on the overlap schedule (engine/overlap.py) a constrained
+step is launched on the previous step's unmasked argmax, as an unconstrained one is, and no
+mask is filled before a launch: filling the step's masks first (xgrammar: ~70-110 us a mask
+inside a string with a maxLength on a 151k vocabulary, ~1 ms a step at 64 requests even on 8
+threads on an H200's host) put that fill on the critical path of every step at 64. Once a
+step's tokens are read, each constrained request's token is checked by its matcher (an
+accept, ~2 us, which the commit then confirms); only where the grammar forbids it is that
+request's mask filled, the masked argmax taken from the step's kept logits and committed
+instead, and its row of the step launched ahead on the forbidden token cut (the caller's part).
+This is greedy drafting's check (greedy_paths.py) on a tree of one node: the same code.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
-from specserve.grammar.apply import apply_grammar_bitmask
-from specserve.grammar.matcher import RequestGrammar, bitmask_words, fill_next_masks, start_next_masks
+from specserve.grammar.greedy_paths import keep_to_grammar
+from specserve.grammar.matcher import RequestGrammar
 
 
-def next_token_bitmask(grammars: Sequence[RequestGrammar | None], vocab_size: int,
-                       pinned: bool = False) -> torch.Tensor:
-    """(bs, words) int32 on the host: the tokens each request's grammar allows next; every
-    token for a request without one."""
-    out = _unfilled(grammars, vocab_size, pinned)
-    fill_next_masks(list(grammars), out)
-    return out
-
-
-class MaskedArgmax:
-    """The argmax of logits (bs, vocab) over the tokens each grammar allows, its masks being
-    filled on threads from its making until `result`: the matchers are not to be touched
-    meanwhile."""
-
-    def __init__(self, logits: torch.Tensor, grammars: Sequence[RequestGrammar | None]):
-        self.logits = logits
-        self.mask = _unfilled(grammars, logits.shape[-1], pinned=logits.is_cuda)
-        self.filling = start_next_masks(list(grammars), self.mask)
-
-    def wait(self) -> None:
-        """Once the masks are filled: the matchers are free again."""
-        self.filling.wait()
-
-    def result(self) -> torch.Tensor:
-        """(bs,) the masked argmax, queued on logits' device without waiting for it (the mask
-        goes from pinned memory)."""
-        self.wait()
-        mask = self.mask.to(self.logits.device, non_blocking=True)
-        return apply_grammar_bitmask(self.logits, mask).argmax(-1)
-
-
-def masked_argmax(logits: torch.Tensor, grammars: Sequence[RequestGrammar | None]) -> torch.Tensor:
-    """(bs,) the argmax of logits (bs, vocab) over the tokens each grammar allows, queued on
-    logits' device without waiting for it."""
-    return MaskedArgmax(logits, grammars).result()
-
-
-def _unfilled(grammars: Sequence[RequestGrammar | None], vocab_size: int, pinned: bool) -> torch.Tensor:
-    """The bitmask before its fill: every token allowed in the rows of requests without a
-    grammar; the others are left as allocated, every word of them written by the fill
-    (a -1 written over 1.2 MB at 64 requests on a 151k vocabulary first was wasted)."""
-    out = torch.empty((len(grammars), bitmask_words(vocab_size)), dtype=torch.int32, pin_memory=pinned)
-    free = [row for row, grammar in enumerate(grammars) if grammar is None]
-    if free:
-        out[free] = -1
-    return out
+def keep_plain_to_grammar(grammars: Sequence[RequestGrammar | None], tokens: list[int],
+                          logits: torch.Tensor) -> list[int]:
+    """Makes `tokens` (a plain greedy step's unmasked argmax, one per request) the step's masked
+    argmax under each request's grammar, in place; logits (bs, vocab): the step's, on its device,
+    read only where a grammar forbids its request's token. Returns the rows whose token changed."""
+    bs = len(tokens)
+    paths = [[token] for token in tokens]
+    one_node = np.zeros((bs, 1), dtype=np.int64)
+    keep_to_grammar(grammars, paths, one_node.copy(), np.ones(bs, dtype=np.int64),
+                    lambda rows, nodes: logits[rows], np.asarray(tokens, dtype=np.int64).reshape(bs, 1),
+                    np.full((bs, 1), -1, dtype=np.int64), np.ones(bs, dtype=np.int64))
+    changed = [row for row, (path, token) in enumerate(zip(paths, tokens)) if path[0] != token]
+    for row in changed:
+        tokens[row] = paths[row][0]
+    return changed
