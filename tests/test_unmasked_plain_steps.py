@@ -98,3 +98,22 @@ def test_no_mask_is_filled_before_a_launch(plain, ahead, monkeypatch):
     assert fills["read"] == sum(changed) > 0
     assert changed.count(0) > 5                        # steps with every token allowed: no mask
     wait_until_all_kv_is_free(ahead)
+
+
+def test_a_benchmark_run_reports_its_grammar_relaunches(ahead):
+    """RunWatch (the GPU suite's per-run record) counts the rows a grammar sent back in its run
+    only: how often a real model's unmasked pick strays is what the H200 rows must show."""
+    from specserve.bench.run_watch import RunWatch
+
+    prompts = SAMPLE_PROMPTS[:len(STRAYING)]
+    watch = RunWatch(ahead)
+    try:
+        ahead.generate(prompts, STRAYING)                  # before the reset: not this run's
+        watch.reset()
+        before = ahead.core.overlap.relaunches
+        ahead.generate(prompts, STRAYING)
+        summary = watch.summary()
+    finally:
+        watch.close()
+    assert summary["grammar_relaunches"] == ahead.core.overlap.relaunches - before > 0
+    wait_until_all_kv_is_free(ahead)

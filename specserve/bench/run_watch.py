@@ -23,7 +23,8 @@ class RunWatch(StepListener):
     run (first use in this process; a compile found in Triton's disk cache only loads, so
     `jit_compile_s` tells the two apart), Python's full GC collections and the caching
     allocator's cudaMalloc calls (one 386-ms drafting step with no compile in a suite run
-    on an H200 is what these tell apart). A probe's proposals leave a plain step plain.
+    on an H200 is what these tell apart); the rows of plain steps launched ahead that a
+    grammar sent back (`grammar_relaunches`). A probe's proposals leave a plain step plain.
     It listens to the core's step events (engine/step_events.py) and sets Triton's JIT
     hooks; `close` takes both back.
 
@@ -52,6 +53,7 @@ class RunWatch(StepListener):
         self.longest_step: dict | None = None   # what the longest step was: kind, batch size, nodes
         self._full_collections = _full_gc_collections()
         self._device_allocs = _device_allocs()
+        self._relaunches = self._grammar_relaunches()
         self.mix = {kind: {"steps": 0, "s": 0.0, "requests": 0, "ahead": 0, "tokens": 0}
                     for kind in ("prefill", "plain", "draft")}
         self._draft_nodes = 0
@@ -73,8 +75,15 @@ class RunWatch(StepListener):
                 "jit_compile_s": self._compiles.seconds if counted else None,
                 "step_mix": {kind: _mix_row(m) for kind, m in self.mix.items()},
                 "draft_nodes_mean": self._draft_nodes / drafts if drafts else None,
+                "grammar_relaunches": self._grammar_relaunches() - self._relaunches,
                 "host_us_per_step": self.host.summary() if self.host is not None else None,
                 "policy": self.trace.summary() if self.trace is not None else None}
+
+    def _grammar_relaunches(self) -> int:
+        """Rows of plain steps launched ahead on a token the request's grammar forbade, cut and
+        launched again (overlap.py): what greedy constrained decoding's unmasked launches cost."""
+        overlap = self.core.overlap
+        return overlap.relaunches if overlap is not None else 0
 
     def dump_trace(self, name: str) -> None:
         """The run's policy events, appended to trace_dir/policy_trace.jsonl with `"run": NAME`
