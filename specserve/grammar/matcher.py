@@ -11,7 +11,6 @@ import numpy as np
 import torch
 
 
-
 def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 

@@ -33,8 +33,7 @@ def keep_plain_to_grammar(grammars: Sequence[RequestGrammar | None], tokens: lis
     read only where a grammar forbids its request's token. Returns the rows whose token changed."""
     bs = len(tokens)
     paths = [[token] for token in tokens]
-    one_node = np.zeros((bs, 1), dtype=np.int64)
-    keep_to_grammar(grammars, paths, one_node.copy(), np.ones(bs, dtype=np.int64),
+    keep_to_grammar(grammars, paths, np.zeros((bs, 1), dtype=np.int64), np.ones(bs, dtype=np.int64),
                     lambda rows, nodes: logits[rows], np.asarray(tokens, dtype=np.int64).reshape(bs, 1),
                     np.full((bs, 1), -1, dtype=np.int64), np.ones(bs, dtype=np.int64))
     changed = [row for row, (path, token) in enumerate(zip(paths, tokens)) if path[0] != token]
