@@ -9,7 +9,7 @@ import argparse
 
 import pytest
 
-from specserve.bench.gpu_suite import STRUCTURED_WORKLOADS, bench_cells, main, suite_workloads
+from specserve.bench.gpu_suite import STRUCTURED_WORKLOADS, bench_cells, compile_grammars, main, suite_workloads
 from specserve.bench.report import markdown
 from specserve.bench.structured_requests import EncodedRequest
 from tests.spec_fixtures import ngram_args
@@ -55,6 +55,21 @@ def test_a_free_workload_is_the_same_requests_without_their_grammar(engine, ns):
     assert [r.input_ids for r in free_warm] == [r.input_ids for r in warm]
     assert all(r.sampling_params == {} for r in free + free_warm)
     assert all(r.sampling_params for r in constrained)   # the constrained ones keep theirs
+
+
+def test_the_timed_requests_grammars_are_compiled_before_any_configuration_runs(engine, workloads, monkeypatch):
+    """No configuration's first round pays the compiles: each timed grammar is in the engine's
+    cache before the cell runs, and a second call compiles nothing again."""
+    timed = workloads["agentic-tools"][0] + workloads["schema-extraction"][0]
+    compiled = []
+    compile_ = type(engine.grammars).compile
+    monkeypatch.setattr(type(engine.grammars), "compile", lambda self, spec: compiled.append(spec) or compile_(self, spec))
+    compile_grammars(engine, timed)
+    assert len(compiled) == len(timed)
+    cached = len(engine.grammars)
+    compile_grammars(engine, timed)
+    assert len(engine.grammars) == cached
+    assert engine.grammars.compile(compiled[0]) is engine.grammars.compile(compiled[0])
 
 
 def test_every_answer_validates_plain_and_with_ngram(engine, ns, workloads):

@@ -40,6 +40,7 @@ from specserve.engine.scheduler import Scheduler
 from specserve.grammar.next_masks import keep_plain_to_grammar
 from specserve.request.req import Batch, Req, ReqState, same_requests
 from specserve.runner.model_runner import InFlight, ModelRunner
+from specserve.runner.side_stream import beside
 
 
 @dataclass
@@ -51,6 +52,7 @@ class StepAhead:
     hidden: torch.Tensor | None = None   # (bs, features) the target states the runner keeps (an EAGLE head's)
     rows: list[int] | None = None   # each request's row of the launch, once rows of ended requests were cut
     logits: torch.Tensor | None = None   # (bs, vocab) a copy of its logits, where a request has a grammar
+    logits_copied: torch.cuda.Event | None = None   # fired once that copy is made (on a GPU)
 
     def tokens(self) -> list[int]:
         """Its requests' argmax, once the step is done: unmasked (to_grammar makes it the masked one)."""
@@ -61,11 +63,13 @@ class StepAhead:
         """Makes `tokens` (from `tokens()`) the argmax under each request's grammar, in place.
         Returns the requests (indices) whose grammar forbade their unmasked argmax: the next
         step's rows launched on those are wrong. Only then are the logits read (their masked
-        argmax), which waits for the device's queue, the step launched ahead included."""
+        argmax), on a side stream: the read waits for this step's logits, not for the step
+        launched ahead, so the GPU runs on while the host picks and launches the next one."""
         if self.logits is None:
             return []
-        logits = self.logits if self.rows is None else self.logits[self.rows]
-        return keep_plain_to_grammar([r.grammar for r in self.reqs], tokens, logits)
+        with beside(self.logits_copied):
+            logits = self.logits if self.rows is None else self.logits[self.rows]
+            return keep_plain_to_grammar([r.grammar for r in self.reqs], tokens, logits)
 
     def hidden_rows(self) -> list[list[int]]:
         """Each request's row of `hidden`."""
@@ -197,6 +201,9 @@ class OverlapSchedule:
             # ~40 MB, some 25 us of an H200's bandwidth, not measured), read only where a grammar
             # forbids a token
             step.logits = logits.clone()
+            if logits.is_cuda:
+                step.logits_copied = torch.cuda.Event()
+                step.logits_copied.record()
         return step
 
     def keep_through(self, batch: Batch) -> StepAhead | None:
