@@ -6,14 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from specserve.engine.step_output import StepOutput
 from specserve.engine.step_parts import StepPipeline
 from specserve.request.req import Batch, Req
 from specserve.sampling.sampler import SampledStep
 from specserve.speculative.drafter import ReadsHiddenStates
-from specserve.verify.tree import DraftTrees
 
 
 @dataclass
@@ -55,8 +52,7 @@ class PrefillStep(StepPipeline):
         if not sampling:
             return sampling, None
         self.planner.admit()   # they decode from the next step: a probe looks at them first
-        trees = DraftTrees.root_only(torch.tensor([r.last_token for r in sampling]))
-        return sampling, self.sampler.sample(step.logits, trees, sampling, self.sampler.prepare(trees, sampling))
+        return sampling, self.sampler.first_tokens(step.logits, sampling)
 
     def commit(self, step: LaunchedPrefill, first: tuple[list[Req], SampledStep | None]) -> list[StepOutput]:
         sampling, sampled = first

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.grammar.apply import apply_grammar_bitmask
+from specserve.grammar.next_masks import keep_plain_to_grammar
 from specserve.grammar.tree_masks import grammar_bitmask
 from specserve.request.req import Req
 from specserve.verify.rules import SAMPLING_RULES, apply_penalties_to_tree, verify_greedy, verify_sampling
@@ -63,6 +64,19 @@ class Sampler:
         grammar mask, if any (the overlap schedule's steps: engine/overlap.py)."""
         return all(r.params.greedy and not r.params.has_penalties and not r.return_logprob
                    and r.params.min_new_tokens <= len(r.output_ids) for r in reqs)
+
+    def first_tokens(self, logits: torch.Tensor, reqs: list[Req]) -> SampledStep:
+        """A prefill's first tokens (logits (bs, 1, vocab)). Where each request needs only the
+        argmax under its grammar (masked_argmax_is_enough), they are the argmax, kept to the
+        grammars as a plain step's are (grammar/next_masks.py): no mask is filled or applied
+        unless the model's pick is forbidden. Otherwise the sampler's full path."""
+        if not self.masked_argmax_is_enough(reqs):
+            trees = DraftTrees.root_only(torch.tensor([r.last_token for r in reqs]))
+            return self.sample(logits, trees, reqs, self.prepare(trees, reqs))
+        tokens = logits[:, 0].argmax(-1).tolist()
+        if any(r.grammar is not None for r in reqs):
+            keep_plain_to_grammar([r.grammar for r in reqs], tokens, logits[:, 0])
+        return SampledStep.plain(tokens)
 
     def prepare(self, trees: DraftTrees, reqs: list[Req], draft_probs: torch.Tensor | None = None) -> "PreparedSampling":
         """Builds the per-request tensors and moves the (host) trees to the device. Called
