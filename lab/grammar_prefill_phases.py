@@ -1,6 +1,7 @@
 """Where a prefill under a grammar spends its extra host time (H200, 1.5B: ~2 ms a prefill
 more than the same prompt without one). `python -m lab.grammar_prefill_phases [--model M]`
-runs serial greedy requests (batch 1) with and without a regex, times the prefill step's
+runs serial greedy requests (batch 1) with and without a regex (and with it through the
+sampler's masked path, as prefills took it before Sampler.first_tokens), times the prefill step's
 launch, read and commit and the sampler's prepare / sample, and prints one JSON line per
 mode with each phase's median in ms, then the top host ops of one constrained prefill
 (torch.profiler). Without --model: a tiny random llama with a small BPE vocabulary."""
@@ -43,13 +44,27 @@ def main() -> None:
     from specserve.engine.prefill_step import PrefillStep
     for attr in ("launch", "read", "commit"):
         timed(phases, "prefill." + attr, PrefillStep, attr)
+    from specserve.engine import core as core_module
+    engine_class = type(engine.core)
+    assert engine_class.__module__ == core_module.__name__
+    timed(phases, "core._schedule", engine_class, "_schedule")
+    timed(phases, "core.step", engine_class, "step")
     from specserve.sampling.sampler import Sampler
     for attr in ("prepare", "sample", "_grammar_bitmask"):
         timed(phases, "sampler." + attr, Sampler, attr)
     prompt = list(range(5, 205))
     modes = {"free": {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True},
              "regex": {"temperature": 0, "max_new_tokens": 4, "regex": r"[a-z ]{4,40}"}}
+    full_path = Sampler.first_tokens
+
+    def masked_first_tokens(self, logits, reqs):   # the sampler's masked path, as before first_tokens kept to grammars
+        import torch
+        from specserve.verify.tree import DraftTrees
+        trees = DraftTrees.root_only(torch.tensor([r.last_token for r in reqs]))
+        return self.sample(logits, trees, reqs, self.prepare(trees, reqs))
+    modes["regex-masked"] = modes["regex"]
     for mode, params in modes.items():
+        Sampler.first_tokens = masked_first_tokens if mode == "regex-masked" else full_path
         for _ in range(5):
             engine.generate(input_ids=prompt, sampling_params=params)
         phases.clear()
