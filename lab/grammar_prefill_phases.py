@@ -39,7 +39,8 @@ def main() -> None:
         from tests.spec_fixtures import make_tiny_directory
         path = tempfile.mkdtemp()
         make_tiny_directory(path, "llama", seed=5)
-    engine = Engine(model_path=path, device=ns.device, dtype="bfloat16" if ns.device == "cuda" else "float32", log_level="warning", max_total_tokens=65536)
+    engine = Engine(model_path=path, device=ns.device, dtype="bfloat16" if ns.device == "cuda" else "float32",
+                    log_level="warning", max_total_tokens=65536)
     phases = defaultdict(list)
     from specserve.engine.prefill_step import PrefillStep
     for attr in ("launch", "read", "commit"):

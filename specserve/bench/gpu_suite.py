@@ -203,12 +203,11 @@ def compile_grammars(engine, prompts: list) -> None:
     """The grammars of a structured workload's timed requests, compiled before any configuration
     runs them (a server that has seen its applications' schemas): otherwise the first
     configuration timed pays every compile, ~0.1-1 s each, and its round compares with none."""
-    from specserve.request.grammar_spec import GRAMMAR_FIELDS, GrammarSpec, grammar_text
+    from specserve.request.sampling_params import SamplingParams
     for request in prompts:
-        params = getattr(request, "sampling_params", None) or {}
-        for name in GRAMMAR_FIELDS:
-            if params.get(name) is not None:
-                engine.grammars.compile(GrammarSpec(name, grammar_text(name, params[name])))
+        spec = SamplingParams.from_dict(getattr(request, "sampling_params", None)).grammar
+        if spec is not None:
+            engine.grammars.compile(spec)
 
 
 def greedy_match_rate(engine, prompts, max_new_tokens: int, spec: tuple[int, bool, bool]) -> float:
