@@ -191,10 +191,12 @@ fi
 if [ "$mode" = structured ]; then
   # AB_TREE=.ab/NAME: that tree's code (its rows in structured_NAME_MODEL); STRUCTURED_CONFIGS: gpu_suite's --configs
   # ("default ngram-16-one": the policy's part in a cell); the policy traces in one tar (a call returns 8 files)
+  # STRUCTURED_HOST_PHASES=1: each row with the host's microseconds per step by phase (lab.suite_host_phases)
   root=${AB_TREE:-.}; tag=; [ "$root" = . ] || tag=$(basename "$root")_
+  suite=specserve.bench.gpu_suite; [ -n "${STRUCTURED_HOST_PHASES:-}" ] && suite="lab.suite_host_phases $suite"
   for model in "${models[@]}"; do
     out="$OUT/structured_$tag$model"
-    PYTHONPATH=/tmp/site:$PWD/$root python3 -m specserve.bench.gpu_suite --models-dir /root/models --models "$model" \
+    PYTHONPATH=/tmp/site:$PWD/$root python3 -m $suite --models-dir /root/models --models "$model" \
       --configs ${STRUCTURED_CONFIGS:-default} --rounds 2 \
       --bs1-prompts 6 --no-transformers --num-prompts 128 --workloads ${STRUCTURED_WORKLOADS:-agentic-tools schema-extraction} \
       --max-new-tokens ${STRUCTURED_MAX_NEW_TOKENS:-512} --policy-trace-dir "$out/traces" \
