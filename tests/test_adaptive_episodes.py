@@ -9,7 +9,7 @@ import pytest
 from lab.policy_sim import SCENARIOS, simulate
 from lab.policy_sim_b1 import timed_cell
 from specserve.speculative.adaptive.listener import PolicyListener
-from specserve.speculative.adaptive.modes import EPISODE_WINDOW, BucketModes
+from specserve.speculative.adaptive.modes import BYPASS_BUDGET, EPISODE_WINDOW, MAX_PLAIN_HOLD, BucketModes
 from specserve.speculative.adaptive.policy import MAX_OPTIMISM, PLAIN_HOLD, SWITCH_MARGIN, AdaptiveDraftLength
 from specserve.speculative.adaptive.probes import (
     ADMIT_BACKOFF_DOUBLINGS, ADMIT_GAP, REOPEN_FOLLOW_UPS, ProbeSchedule)
@@ -270,3 +270,27 @@ def test_a_batch1_eagle_bucket_whose_drafts_pay_drafts_most_of_its_timed_steps()
     cells = [timed_cell(0.8, seed) for seed in range(8)]
     assert sum(fraction for fraction, _ in cells) / len(cells) > 0.7
     assert min(speed for _, speed in cells) > 1.15
+
+
+@pytest.mark.parametrize("draft_steps, step_s, doubles", [(2, 0.06, False), (6, 0.10, True)])
+def test_a_lost_episode_doubles_the_hold_only_where_its_loss_outweighs_the_short_hold(draft_steps, step_s, doubles):
+    """Batch 1, plain at 20 tokens/s, drafting steps that commit one token each. Two of 0.06 s
+    (a short episode whose drafts missed) lose 0.02 s, paid back within BYPASS_BUDGET by 4
+    plain steps, fewer than PLAIN_HOLD: the hold stays as it was, still against the request
+    that lost and with a bypass budget. Six of 0.1 s lose 0.3 s (60 plain steps): it doubles."""
+    modes = BucketModes()
+    assert not modes.should_draft(1, 0)
+    modes.hold[1] = 2 * PLAIN_HOLD   # an earlier loss had doubled it
+    for step in range(4):
+        modes.record_outcome(1, tokens=1, seconds=0.05, steps=step)
+    modes.drafted[1] = ["r"]
+    modes.request_switch(1, expected_gain=1.5)
+    assert modes.would_draft(1, 4) and modes.should_draft(1, 4)
+    for step in range(4, 4 + draft_steps):
+        modes.record_outcome(1, tokens=1, seconds=step_s, steps=step)
+    modes.go_plain(1, 4 + draft_steps)
+    payback_steps = draft_steps * (step_s - 0.05) / BYPASS_BUDGET * 20
+    assert (payback_steps > PLAIN_HOLD) is doubles
+    assert modes.hold[1] == (min(4 * PLAIN_HOLD, MAX_PLAIN_HOLD) if doubles else 2 * PLAIN_HOLD)
+    assert modes.bypass_after[1] > 0
+    assert not modes.may_switch(1, 4 + draft_steps + 1, ["r"])   # held against the request either way

@@ -151,20 +151,21 @@ def test_a_probe_switch_waits_for_the_step_launched_ahead():
 
 def test_a_drafting_episode_below_the_plain_rate_is_stopped_and_the_hold_doubles():
     """Whatever the model expects, drafting that commits fewer tokens per second than
-    plain decoding did is stopped after GUARD_STEPS steps; each lost episode keeps the
-    bucket plain twice as long (up to MAX_PLAIN_HOLD); a won episode resets the hold."""
+    plain decoding did is stopped after GUARD_STEPS steps; each lost episode (here 0.16 s,
+    what 32 plain steps pay back at BYPASS_BUDGET) keeps the bucket plain twice as long (up
+    to MAX_PLAIN_HOLD); a won episode resets the hold."""
     adaptive = AdaptiveDraftLength([1, 4])
-    measured(adaptive, {1: 0.05, 4: 0.06})             # the prior expects 4 tokens per 0.06 s: draft
+    measured(adaptive, {1: 0.05, 4: 0.07})             # the prior expects 4 tokens per 0.07 s: draft
     adaptive.modes.plain.add(1)
     hold_out(adaptive, 1)                              # plain: 20 tokens/s realized
     holds = []
     for _ in range(8):
         adaptive.probe(1, ["r"], [4])
         assert switches(adaptive, 1)
-        for step in range(GUARD_STEPS):                # drafting realizes 1 token per 0.06 s
+        for step in range(GUARD_STEPS):                # drafting realizes 1 token per 0.07 s
             assert adaptive.should_draft(1), step
             assert adaptive.choose(["r"], [4]) == 4
-            adaptive.record_step(1, 4, 0.06, tokens=1)
+            adaptive.record_step(1, 4, 0.07, tokens=1)
         assert not adaptive.should_draft(1)
         holds.append(adaptive.modes.hold[1])
         adaptive.probe(1, ["r"], [4])
@@ -185,18 +186,18 @@ def test_a_drafting_episode_below_the_plain_rate_is_stopped_and_the_hold_doubles
 
 def lose_an_episode(adaptive: AdaptiveDraftLength, rid: str) -> None:
     """Batch 1: the bucket drafts for `rid` (the prior expects every node accepted) and
-    realizes 1 token per 0.06 s step against plain's 20 tokens/s: the guard stops it."""
+    realizes 1 token per 0.065 s step against plain's 20 tokens/s: the guard stops it."""
     adaptive.probe(1, [rid], [4])
     assert switches(adaptive, 1)
     draft_and_lose(adaptive, rid)
 
 
 def draft_and_lose(adaptive: AdaptiveDraftLength, rid: str) -> None:
-    """A drafting episode of `rid` at batch 1 that the guard stops: 1 token per 0.06 s."""
+    """A drafting episode of `rid` at batch 1 that the guard stops: 1 token per 0.065 s."""
     for _ in range(GUARD_STEPS):
         tier = adaptive.choose([rid], [4])
         assert tier in (1, 4)   # 1: plain decoding re-priced now and then (it always contends)
-        adaptive.record_step(1, tier, 0.06 if tier == 4 else 0.05, tokens=1)
+        adaptive.record_step(1, tier, 0.065 if tier == 4 else 0.05, tokens=1)
     assert not adaptive.should_draft(1)
 
 
@@ -205,14 +206,14 @@ def test_a_hold_is_about_the_requests_that_lost_not_the_next_ones():
     that episode; a probe of a new request (the next conversation at batch 1) may switch
     at once."""
     adaptive = AdaptiveDraftLength([1, 4])
-    measured(adaptive, {1: 0.05, 4: 0.06})
+    measured(adaptive, {1: 0.05, 4: 0.065})
     adaptive.modes.plain.add(1)
     hold_out(adaptive, 1)
     lose_an_episode(adaptive, "old")
     assert adaptive.modes.hold[1] == 2 * PLAIN_HOLD
     adaptive.probe(1, ["old"], [4])
     assert not adaptive.would_draft(1)                 # held against the request that lost
-    hold_out(adaptive, 1, bypass_wait(0.06, 1, 0.05))  # the old chat decodes on, plainly
+    hold_out(adaptive, 1, bypass_wait(0.065, 1, 0.05) + 1)  # the old chat decodes on, plainly (+1: float sums)
     adaptive.probe(1, ["old"], [4])
     assert not adaptive.would_draft(1)
     adaptive.probe(1, ["new"], [4])
@@ -249,7 +250,7 @@ def test_after_a_losing_episode_a_bypass_waits_until_the_loss_is_paid_for():
     """Whatever the model expects of new requests, episodes that lose cost at most about
     BYPASS_BUDGET of the bucket's time: a new request's probe waits that long."""
     adaptive = AdaptiveDraftLength([1, 4])
-    measured(adaptive, {1: 0.05, 4: 0.06})
+    measured(adaptive, {1: 0.05, 4: 0.065})
     adaptive.modes.plain.add(1)
     hold_out(adaptive, 1)
     lose_an_episode(adaptive, "chat0")
@@ -265,10 +266,10 @@ def test_after_a_losing_episode_a_bypass_waits_until_the_loss_is_paid_for():
         waits.append(steps)
         assert adaptive.should_draft(1)
         draft_and_lose(adaptive, f"chat{i}")
-    # 8 steps of 0.06 s for 8 tokens plain decodes in 0.4 s: 0.08 s lost, 0.8 s (16 plain steps) to wait
-    assert bypass_wait(0.06, 1, 0.05) == 16
-    # 17: float sums of the clock; 15: an episode whose step re-priced plain decoding lost less
-    assert all(15 <= wait <= 17 for wait in waits), waits
+    # 8 steps of 0.065 s for 8 tokens plain decodes in 0.4 s: 0.12 s lost, 1.2 s (24 plain steps) to wait
+    assert bypass_wait(0.065, 1, 0.05) == 24
+    # 25: float sums of the clock; 23: an episode whose step re-priced plain decoding lost less
+    assert all(23 <= wait <= 25 for wait in waits), waits
     assert all(hold > w for hold, w in zip([2 * PLAIN_HOLD, 4 * PLAIN_HOLD, 8 * PLAIN_HOLD], waits))
 
 
