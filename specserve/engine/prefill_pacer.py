@@ -10,7 +10,7 @@ time, whether prefill steps alternate with decode steps or ride inside them (mix
 4k-token prompt beside 8 streams of a 135M model on an idle 2-core CPU
 (lab.prefill_step_trace): the prefill part at a median of 2.49x a decode step, p99
 2.62-2.87x, worst 2.67-3.02x. The tail: in the first ~2k tokens, where each chunk costs more
-than the last, runs of steps 5-10% over while the fit catches up, and anywhere single steps
+than the last, runs of steps 2-10% over while the fit catches up, and anywhere single steps
 whose CPU time rose 20-40% against the same chunk before and after. Holding the 99th
 percentile to the target costs the long prompt's time to first token a third or more: an aim
 below the target learned from overruns gave p99 2.56-2.61x for 36-66% more, a share of 1.2

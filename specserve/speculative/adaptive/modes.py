@@ -21,10 +21,11 @@ of throwing it away.
 Only a loss that PLAIN_HOLD plain steps do not pay back within BYPASS_BUDGET doubles the
 hold; a smaller one leaves it as it was (a hold of PLAIN_HOLD steps already pays it back).
 At batch 1 an episode of two or three steps whose drafts missed loses 1.4-1.7 ms, what 11-14
-plain steps pay back: an H200 policy trace (1.5B, agentic tool calls under their grammars,
-default NGRAM 1.47x plain where a fixed 16-node chain made 2.1x) held its request 32 steps
-after such an episode, 62 in all before a probe switched again, and the run's last 27 after the next.
-Episodes at 64 lose 10-25 ms (50-120 plain steps) and double as before.
+plain steps pay back at BYPASS_BUDGET: an H200 policy trace (1.5B, agentic tool calls under
+their grammars, default NGRAM 1.47x plain where a fixed 16-node chain made 2.1x) held its
+request 32 steps after such an episode, 62 in all before a probe switched again, and the
+run's last 27 after the next. Episodes at 64 lose 10-25 ms (50-120 plain steps) and double
+as before.
 
 An episode that won by the switch margin is no verdict against drafting at all: it ended
 where one step's drafts were not worth verifying (an answer that leaves the copied text at
