@@ -228,17 +228,16 @@ class BucketModes:
         # held it plain ~40 steps, a third of a 175-token answer whose 4-node drafts paid
         lost = judged and episode.rate() < plain_rate and not episode.pricing
         won = judged and reopen_margin is not None and episode.rate() >= reopen_margin * plain_rate
-        loss = 0.0
         if lost:   # what it lost: its time minus what plain steps would have taken for its tokens
             loss = episode.seconds - episode.tokens / plain_rate
             self.bypass_after[bucket] = self.clock.get(bucket, 0.0) + loss / BYPASS_BUDGET
+            if loss / BYPASS_BUDGET * plain_rate > PLAIN_HOLD:   # plain steps (a token a request) to pay it back
+                hold = min(2 * hold, MAX_PLAIN_HOLD)
+        else:
+            hold = PLAIN_HOLD
         if judged and not won and episode.expected_gain is not None and episode.tokens > 0:
             realized = episode.rate() / plain_rate
             self.episode_overshoot[bucket] = self._overshoots.add(bucket, episode.expected_gain / realized)
-        if not lost:
-            hold = PLAIN_HOLD
-        elif loss / BYPASS_BUDGET * plain_rate > PLAIN_HOLD:   # plain steps (a token a request) to pay it back
-            hold = min(2 * hold, MAX_PLAIN_HOLD)
         self.hold[bucket] = hold
         self.plain_until[bucket] = steps if won else steps + self.hold[bucket]
         self._held_for[bucket] = frozenset() if won else frozenset(self.drafted.get(bucket, ()))
