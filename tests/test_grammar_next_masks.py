@@ -100,3 +100,26 @@ def test_an_allowed_token_fills_no_mask_and_reads_no_logits(plain, monkeypatch):
     assert not fills
     for grammar, token in zip(grammars[:-2], answer):   # taken ahead: the commit's accept confirms it
         assert grammar.accept(token)
+
+
+def test_a_token_the_grammar_forces_replaces_a_stray_without_reading_the_logits(plain):
+    """Where the grammar allows one token only (a fixed key, a closing brace, the stop token
+    after the answer), a plain step's stray takes it from the mask: no read of the device."""
+    from specserve.grammar.greedy_paths import _only_token
+    vocab = plain.core.runner.config.vocab_size
+    forced = []
+    for grammar in grammars_in_several_states(plain)[:-2]:   # the live ones
+        mask = torch.zeros((1, bitmask_words(vocab)), dtype=torch.int32)
+        grammar._matcher.fill_next_token_bitmask(mask, 0)
+        token = _only_token(mask)
+        if token is not None:
+            forced.append((grammar, token))
+    assert forced, "a state of the answer where the schema allows one token"
+
+    class NoLogits:
+        def __getitem__(self, rows):
+            raise AssertionError("the logits were read for a token the grammar forces")
+    grammars = [grammar for grammar, _ in forced]
+    strays = [(token + 1) % vocab for _, token in forced]
+    assert keep_plain_to_grammar(grammars, strays, NoLogits()) == list(range(len(forced)))
+    assert strays == [token for _, token in forced]

@@ -119,11 +119,12 @@ def test_a_benchmark_run_reports_its_grammar_relaunches(ahead):
     wait_until_all_kv_is_free(ahead)
 
 
-def test_a_prefills_first_token_fills_a_mask_only_where_the_model_strays(plain, monkeypatch):
-    """A greedy prefill's first token under a grammar (Sampler.first_tokens) is the model's argmax
-    kept to the grammar: the sampler's masked pick (what a request asking for logprobs gets,
-    which takes the full path), with no mask filled where the grammar allows the model's own pick
-    and one where it forbids it."""
+def test_a_prefills_first_token_is_its_masked_argmax_from_one_mask_a_request(plain, monkeypatch):
+    """A greedy prefill's first token under a grammar (Sampler.first_tokens) is the sampler's
+    masked pick (what a request asking for logprobs gets, which takes the full path): the model's
+    own first token where the grammar allows it, another where it forbids it, from one mask
+    filled a constrained request either way (first tokens stray often: the mask is applied
+    before the one read rather than read for again), none for a request without a grammar."""
     import re
 
     import xgrammar
@@ -133,15 +134,16 @@ def test_a_prefills_first_token_fills_a_mask_only_where_the_model_strays(plain, 
                         lambda self, *a, **kw: fills.__setitem__("n", fills["n"] + 1) or fill(self, *a, **kw))
     prompts = SAMPLE_PROMPTS[:3]
     firsts = plain.generate(prompts, [dict(GREEDY, max_new_tokens=1)] * 3)
+    assert fills["n"] == 0
     # a grammar that allows each prompt's unconstrained first token, then anything short
     allowing = [dict(GREEDY, max_new_tokens=1, regex=re.escape(o["text"]) + "[a-z ]{0,8}") for o in firsts]
-    fills["n"] = 0
     kept = plain.generate(prompts, allowing)
-    assert fills["n"] == 0
+    assert fills["n"] == len(prompts)
     assert [o["output_ids"] for o in kept] == [o["output_ids"] for o in firsts]
     forbidding = [dict(p, max_new_tokens=1) for p in STRAYING]
+    fills["n"] = 0
     strayed = plain.generate(prompts, forbidding)
-    assert fills["n"] == len(prompts)                  # one mask each: every first pick was forbidden
+    assert fills["n"] == len(prompts)
     masked = plain.generate(prompts, forbidding, return_logprob=True)
     assert [o["output_ids"] for o in strayed] == [o["output_ids"] for o in masked]
     assert all(o["output_ids"] != f["output_ids"] for o, f in zip(strayed, firsts))

@@ -64,7 +64,10 @@ def keep_to_grammar(grammars: Sequence[RequestGrammar | None], tokens: list[list
     if not strays:
         return False
     first_nodes = {s.row: len(s.nodes) for s in strays}
-    _read_picks(strays, logits_at, num_slots=tree_tokens.shape[1])
+    # root-only trees (a plain step's) have no children to walk down: a pick the mask forces
+    # needs no read of the device then
+    slots = tree_tokens.shape[1]
+    _read_picks(strays, logits_at, num_slots=slots if slots > 1 else 0)
     while strays:
         for stray in strays:
             _walk_down(stray, tree_tokens[stray.row], tree_parents[stray.row], int(num_nodes[stray.row]))
