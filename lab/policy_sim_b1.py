@@ -109,7 +109,8 @@ class ChainBucket:
 
 def timed_cell(p: float, seed: int) -> tuple[float, float]:
     """(drafting fraction, speed against plain decoding) of the timed run after the warm-up."""
-    policy = AdaptiveDraftLength(TIERS, switch_margin=FusedChainDrafter.switch_margin, ragged=False)
+    policy = AdaptiveDraftLength(TIERS, switch_margin=FusedChainDrafter.switch_margin, ragged=False,
+                                 leave_margin=FusedChainDrafter.leave_margin)
     bucket = ChainBucket(p, seed, policy)
     bucket.run(*WARM_UP)
     steps, drafting, seconds = bucket.run(*TIMED)

@@ -294,3 +294,32 @@ def test_a_lost_episode_doubles_the_hold_only_where_its_loss_outweighs_the_short
     assert modes.hold[1] == (min(4 * PLAIN_HOLD, MAX_PLAIN_HOLD) if doubles else 2 * PLAIN_HOLD)
     assert modes.bypass_after[1] > 0
     assert not modes.may_switch(1, 4 + draft_steps + 1, ["r"])   # held against the request either way
+
+
+def test_a_drafter_dear_to_restart_drafts_on_while_plain_is_expected_to_win_by_little():
+    """The drafter's leave margin: an episode ends where its best tier is expected below that
+    fraction of plain's rate, not where plain is first expected to win. Batch 1, plain at 20
+    tokens/s, drafts that commit one token a step: tier 4 priced at 0.055 s (0.91x plain) ends
+    the episode at the default margin and goes on at 0.85; at 0.0625 s (0.8x) it ends at both."""
+    def choice(leave_margin, tier_seconds):
+        adaptive = AdaptiveDraftLength([1, 4], leave_margin=leave_margin)
+        adaptive.record_step(1, 1, 0.05)
+        adaptive.record_step(1, 4, tier_seconds)
+        for _ in range(30):
+            propose(adaptive, "r")
+            adaptive.observe("r", [7])
+        assert adaptive.expected_tokens("r", 4) == pytest.approx(1.0, abs=1e-3)
+        return adaptive.choose(["r"], [4])
+
+    assert choice(None, 0.055) == 1
+    assert choice(0.85, 0.055) == 4
+    assert choice(0.85, 0.0625) == choice(None, 0.0625) == 1
+
+
+def test_a_batch1_eagle_chain_at_chat_accept_drafts_more_with_its_leave_margin():
+    """lab/policy_sim_b1 with drafts accepted as on chat (~2.24 tokens a 2.2-ms step, pinned
+    ~1.27x plain): the fused chain's leave margin (0.85) drafts 0.22 of the timed steps, 1.07x
+    plain, where ending at plain's rate drafted 0.08, 1.02x (24 seeds)."""
+    cells = [timed_cell(0.62, seed) for seed in range(24)]
+    assert sum(fraction for fraction, _ in cells) / len(cells) > 0.15
+    assert sum(speed for _, speed in cells) / len(cells) > 1.04

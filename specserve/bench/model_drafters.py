@@ -139,9 +139,10 @@ def bench_modes(engine, drafter, ns, name: str, labels: dict[str, str], workload
                 if mode != "plain":
                     drafter = fresh_drafter(drafter)
                 set_mode(engine, drafter, mode)
-                run(engine, warm_prompts[:count], concurrency, ns.max_new_tokens // 2, f"warm-up {label}")
-                timer = DraftTimer(drafter)
+                # traced too: what the policy carries into the timed run is decided here
                 watch.cell = f"{workload} c{concurrency}"
+                run(engine, warm_prompts[:count], concurrency, ns.max_new_tokens // 2, f"warm-up {label}", 1, watch)
+                timer = DraftTimer(drafter)
                 try:
                     for summary in run(engine, prompts[:count], concurrency, ns.max_new_tokens, label, 1, watch):
                         write({"kind": "specserve", "workload": workload, "concurrency": concurrency, "config": label,
@@ -295,7 +296,7 @@ def main(argv=None) -> None:
     parser.add_argument("--ngram-default", action="store_true",
                         help="also the NGRAM engine of default flags (adaptive) on the same prompts")
     parser.add_argument("--policy-trace-dir", default=None,
-                        help="where the adaptive policy's trace of each timed run goes (bench/policy_trace.py)")
+                        help="where the adaptive policy's trace of each run, warm-ups too, goes (bench/policy_trace.py)")
     parser.add_argument("--no-plain", dest="plain", action="store_false", help="skip plain decoding (measured once)")
     ns = parser.parse_args(argv)
     if ns.token_map is not None and "STANDALONE" in ns.algorithm:

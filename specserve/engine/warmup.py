@@ -135,7 +135,7 @@ def _run_plan(core, driver: "_Driver", plan: WarmupPlan, args) -> None:
             driver.run_drafted(plan, drafter)
         if real_adaptive is not None:
             policy = AdaptiveDraftLength(real_adaptive.tiers, real_adaptive.switch_margin, real_adaptive.ragged,
-                                         real_adaptive.cost_per_node)
+                                         real_adaptive.cost_per_node, real_adaptive.leave_margin)
             with _swapped(core, real_drafter.scratch(), policy):
                 driver.run([driver.request(driver.draft_prompt(DRAFT_PROMPT, 0), 2 * plan.longest_tier + 2)])
 

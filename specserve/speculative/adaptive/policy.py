@@ -88,8 +88,10 @@ logger = logging.getLogger("specserve")
 
 class AdaptiveDraftLength:
     def __init__(self, tiers: list[int], switch_margin: float | None = None, ragged: bool = False,
-                 cost_per_node: bool = False):
-        """switch_margin: SWITCH_MARGIN where None (a drafter's own: Drafter.switch_margin).
+                 cost_per_node: bool = False, leave_margin: float | None = None):
+        """switch_margin: SWITCH_MARGIN where None (a drafter's own: Drafter.switch_margin);
+        leave_margin: a drafting episode goes on while its best tier is expected to reach this
+        fraction of plain decoding's rate (None: 1.0; a drafter's own: Drafter.leave_margin).
         ragged: a step's cost follows the nodes it verifies (Drafter.ragged_verify): a step is
         priced at its level (nodes per request, see record_step) and a choice may cut some
         requests' drafts to their root (DraftCut). cost_per_node: the engine runs on a CPU,
@@ -98,6 +100,7 @@ class AdaptiveDraftLength:
         self.ragged = ragged
         self.cost_per_node = cost_per_node
         self.switch_margin = SWITCH_MARGIN if switch_margin is None else switch_margin
+        self.leave_margin = 1.0 if leave_margin is None else leave_margin
         self.costs = StepCosts(self.tiers, cost_per_node)
         self.modes = BucketModes()
         # read from this module when the policy is built, so that tests which patch
@@ -120,7 +123,7 @@ class AdaptiveDraftLength:
         drafter's switch margin, ragged where its steps verify through the ragged step, and
         step costs that grow with the draft nodes on a CPU."""
         return cls(tiers_for(num_draft_tokens, graph_sizes), drafter.switch_margin, drafter.ragged_verify,
-                   cost_per_node=on_cpu)
+                   cost_per_node=on_cpu, leave_margin=drafter.leave_margin)
 
     def listen(self, listener: PolicyListener | None) -> None:
         """Sends the policy's decisions and their steps to `listener` (None: to nobody)."""
@@ -250,7 +253,9 @@ class AdaptiveDraftLength:
         explore = self._explore.pop(bucket, None)
         if explore is not None and explore in self.cuts.useful(max(num_nodes)):
             return self.cuts.at_tiers(bucket, DraftClasses(rids, num_nodes, keys), len(rids), [explore])[explore]
-        choice, best, rates, _ = self._rate(bucket, len(rids), rids, num_nodes, keys, choosing=True)
+        choice, best, rates, cuts = self._rate(bucket, len(rids), rids, num_nodes, keys, choosing=True)
+        if best.tier == 1 and rates:
+            choice, best = self._staying(choice, best, rates, cuts)
         if not rates and choice.tier > 1 and not self.cuts.may_pay(bucket, rids, num_nodes, keys, 1.0):
             best = choice = PLAIN   # what is left to price cannot win: the episode ends
         if choice.tier > 1 and rates and self.costs.rateable(bucket, choice.level):
@@ -268,6 +273,17 @@ class AdaptiveDraftLength:
             self.modes.plain_trial(bucket, self.costs.steps(bucket))
             return PLAIN
         return choice
+
+    def _staying(self, choice: DraftCut, best: DraftCut, rates: dict[int, float],
+                 cuts: dict[int, DraftCut]) -> tuple[DraftCut, DraftCut]:
+        """Where plain decoding is expected to win (best is tier 1), the episode goes on at the
+        best drafting tier still expected to reach leave_margin of plain's rate; a choice that
+        re-prices another tier stands."""
+        drafting = [t for t in rates if t > 1]
+        stay = max(drafting, key=rates.get) if drafting else None
+        if stay is None or rates[stay] < self.leave_margin * rates[1]:
+            return choice, best
+        return (cuts[stay] if choice.tier == 1 else choice), cuts[stay]
 
     def _rate(self, bucket: int, batch_size: int, rids: list[str], num_nodes: list[int], keys: list[int] | None,
               choosing: bool = False) -> tuple[DraftCut, DraftCut, dict[int, float], dict[int, DraftCut]]:

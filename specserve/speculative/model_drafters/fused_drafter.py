@@ -69,6 +69,15 @@ class FusedChainDrafter(EagleDrafter, ChainedSteps):
     # catch-up of the plain stretch is paid once; 1.15 kept plain the batches of 8 where chained
     # steps won 1.08-1.17x (H200, 1.5B, session 28: expected 1.08-1.16x at the steps' prices)
     switch_margin = 1.05
+    # An episode is dear to restart: a probe costs the head's forwards and a host sync (5-15 ms
+    # on an H200 at batch 1, 1.5B) and the episode's first step the head's catch-up (~4.7 ms
+    # against ~2.4 chained), and the request's evidence keeps the dip it ended on until the next
+    # probe, 16-128 plain steps later. Ended where plain decoding was first expected to win, on
+    # chat at batch 1 (accept ~2.2 of 4) episodes that realized 1.20-1.27x over plain ended on
+    # two or three one-token steps (the best tier expected at 0.92-0.95x plain), and the bucket
+    # decoded plainly for 60-110 steps at a time: 0.95-1.01x where pinned chains made 1.23-1.27x.
+    # The guard (modes.py) still stops an episode whose realized rate falls below plain's.
+    leave_margin = 0.85
 
     def __init__(self, runner: "EagleHeadRunner", fused: "FusedChainRunner"):
         super().__init__(runner)
