@@ -123,3 +123,23 @@ def test_a_token_the_grammar_forces_replaces_a_stray_without_reading_the_logits(
     strays = [(token + 1) % vocab for _, token in forced]
     assert keep_plain_to_grammar(grammars, strays, NoLogits()) == list(range(len(forced)))
     assert strays == [token for _, token in forced]
+
+
+def test_a_path_ends_at_its_stop_token_and_only_a_path_without_one_is_confirmed_whole(plain):
+    """check_path asks whether the grammar ended only after a stop token; a path through the stop
+    token ends there (the tokens after it not taken, nothing masked), and the commit confirms a
+    path taken ahead at once only where no token of it can end the grammar."""
+    eos = plain.tokenizer.eos_token_id
+    answer = plain.tokenizer('{"a": 12}').input_ids
+    grammar = plain.grammars.matcher(GrammarSpec("json_schema", SCHEMA))
+    check = grammar.check_path(answer + [eos, 5], keep=True)
+    assert (check.allowed, check.ended, check.mask) == (len(answer) + 1, True, None)
+    assert not grammar.confirm_ahead(answer + [eos])          # its stop token: one by one
+    assert all(grammar.accept(token) for token in answer + [eos]) and grammar.terminated
+
+    grammar = plain.grammars.matcher(GrammarSpec("json_schema", SCHEMA))
+    check = grammar.check_path(answer, keep=True)
+    assert (check.allowed, check.ended, check.mask) == (len(answer), False, None)
+    assert not grammar.confirm_ahead(answer[:1] + [5])         # not what was taken ahead
+    assert grammar.confirm_ahead(answer) and not grammar.terminated
+    assert grammar.accept(eos) and grammar.terminated

@@ -50,8 +50,10 @@ class Committer:
         if req.first_token_time is None:
             req.first_token_time = time.perf_counter()
         text = self.text if defer_text and can_defer_text(req) else None
-        if text is not None and sampled.logprobs is None and req.grammar is None and not ends_within(req, tokens):
-            req.output_ids.extend(tokens)   # no token ends it: no per-token checks
+        # no token ends it (nor its grammar, whose matcher took them as the step was read): no per-token checks
+        if (text is not None and sampled.logprobs is None and not ends_within(req, tokens)
+                and (req.grammar is None or req.grammar.confirm_ahead(tokens))):
+            req.output_ids.extend(tokens)
             text.defer(req, tokens)
             new_tokens = tokens
         else:

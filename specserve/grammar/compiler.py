@@ -23,6 +23,7 @@ class GrammarCache:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size        # the model's (its logits' width), may exceed the tokenizer's
         self.stop_token_ids = sorted(stop_token_ids)   # what ends a grammar's output (the model's eos)
+        self._stop_set = frozenset(stop_token_ids)      # ... as each matcher asks it
         self.max_entries = max_entries
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lock = threading.Lock()
@@ -30,7 +31,7 @@ class GrammarCache:
 
     def matcher(self, spec: GrammarSpec) -> RequestGrammar:
         """A fresh matcher for one request; ValueError naming the field if the grammar is bad."""
-        return RequestGrammar(self.compile(spec), self.vocab_size)
+        return RequestGrammar(self.compile(spec), self.vocab_size, self._stop_set)
 
     def compile(self, spec: GrammarSpec) -> Any:
         with self._lock:

@@ -22,10 +22,11 @@ class PathCheck(NamedTuple):
 
 
 class RequestGrammar:
-    def __init__(self, compiled, vocab_size: int):
+    def __init__(self, compiled, vocab_size: int, stop_token_ids: frozenset[int] = frozenset()):
         import xgrammar
         self._matcher = xgrammar.GrammarMatcher(compiled)
         self.vocab_size = vocab_size
+        self.stop_token_ids = stop_token_ids   # the tokens that end the grammar (its end takes one)
         # tokens the matcher took before their commit (a greedy step's path, checked as the step
         # is read: greedy_paths.py), which the commit's accepts then only confirm; left over
         # only where the request ended within the step
@@ -41,6 +42,16 @@ class RequestGrammar:
             self._drop_ahead()
         return self._matcher.accept_token(token)
 
+    def confirm_ahead(self, tokens: list[int]) -> bool:
+        """Confirms `tokens` where they are what the matcher took ahead (check_path's `keep`) and
+        none is a stop token, so none can end the grammar: the commit need not check them one by
+        one. False, and nothing changed, otherwise."""
+        count = len(tokens)
+        if self._ahead[:count] != tokens or not self.stop_token_ids.isdisjoint(tokens):
+            return False
+        del self._ahead[:count]
+        return True
+
     def rollback(self, num_tokens: int) -> None:
         """Undoes the last num_tokens accepts (a walk over drafts that were not committed)."""
         if num_tokens:
@@ -54,19 +65,29 @@ class RequestGrammar:
         accepted, mask = 0, None
         try:
             for token in tokens:
-                if self._matcher.is_terminated():
+                # a grammar ends on a stop token: only after one can it have ended within the path
+                # (one that had ended before it has finished its request, which takes no step);
+                # asked at every token, the check was two of a plain step's three calls a request
+                if accepted and self._may_have_ended(tokens[accepted - 1]) and self._matcher.is_terminated():
                     break
                 if not self._matcher.accept_token(token):
-                    mask = torch.empty((1, bitmask_words(self.vocab_size)), dtype=torch.int32)
-                    self._matcher.fill_next_token_bitmask(mask, 0)
+                    if not self._matcher.is_terminated():   # forbidden, not ended: what it allows instead
+                        mask = torch.empty((1, bitmask_words(self.vocab_size)), dtype=torch.int32)
+                        self._matcher.fill_next_token_bitmask(mask, 0)
                     break
                 accepted += 1
-            check = PathCheck(accepted, self._matcher.is_terminated(), mask)
+            ended = (self._may_have_ended(tokens[accepted - 1]) if accepted else True) and self._matcher.is_terminated()
+            check = PathCheck(accepted, ended, mask)
             if keep and mask is None:
                 self._ahead, accepted = list(tokens[:accepted]), 0
             return check
         finally:
             self.rollback(accepted)
+
+    def _may_have_ended(self, last: int) -> bool:
+        """Whether the grammar may have ended with token `last` just taken (a stop token; any
+        token where the stop tokens are not known)."""
+        return not self.stop_token_ids or last in self.stop_token_ids
 
     def take_ahead(self, tokens: list[int]) -> None:
         """Takes a step's tokens, all allowed (check_path said so), before their commit confirms them."""
