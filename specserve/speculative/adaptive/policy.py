@@ -254,7 +254,7 @@ class AdaptiveDraftLength:
         if explore is not None and explore in self.cuts.useful(max(num_nodes)):
             return self.cuts.at_tiers(bucket, DraftClasses(rids, num_nodes, keys), len(rids), [explore])[explore]
         choice, best, rates, cuts = self._rate(bucket, len(rids), rids, num_nodes, keys, choosing=True)
-        if best.tier == 1 and rates:
+        if best.tier == 1 and rates and self.leave_margin < 1.0:
             choice, best = self._staying(choice, best, rates, cuts)
         if not rates and choice.tier > 1 and not self.cuts.may_pay(bucket, rids, num_nodes, keys, 1.0):
             best = choice = PLAIN   # what is left to price cannot win: the episode ends
