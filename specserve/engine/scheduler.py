@@ -106,7 +106,7 @@ class Scheduler:
         if batch is None and decoding:
             decoding = self._reserve_decode_slots(decoding)
             batch, decode_count = (Batch(reqs=decoding, is_extend=False), len(decoding)) if decoding else (None, 0)
-        if batch is None and not prefill_turn:   # a decode turn, but preemption left nobody to decode
+        if batch is None:   # a decode turn, or preemption freed room for a prompt: nobody decodes
             batch, decode_count = self._schedule_extend([])
         self._last_step = None if batch is None else (sum(batch.extend_lens[decode_count:]), decode_count)
         self._prefilled = batch.reqs[decode_count:] if batch is not None and batch.is_extend else []
@@ -141,18 +141,24 @@ class Scheduler:
         if self.policy == "lpm":
             self._sort_waiting_by_cached_prefix()
         # a prompt with one token left to cache decodes it: it is in `decoding`, not here
-        started = self._candidates(r for r in self.running
-                                   if r.kv_len < r.prefill_target and not any(r is d for d in decoding))
+        in_batch = {id(r) for r in decoding}
+        started = self._candidates(r for r in self.running if r.kv_len < r.prefill_target and id(r) not in in_batch)
         candidates = started + self._candidates(self.waiting)
-        decode_reserve = self.decode_room * sum(1 for r in self.running if r.kv_len >= r.prefill_target)
+        # (so a mixed step's decoding requests need room beside those whose prompts are cached)
+        decode_reserve = self.decode_room * sum(1 for r in self.running
+                                                if r.kv_len >= r.prefill_target or id(r) in in_batch)
         # others' streams wait while a chunk runs: paced unless nobody else decodes (or they are paused)
         budget = self.pacer.budget(decoding=decode_reserve > 0 and self.focus is None)
-        oldest_chunk = self._oldest_prompt_chunk(started, len(candidates) > len(started), budget)
+        oldest_chunk = self._oldest_prompt_chunk(started, len(candidates) > len(started), budget, decode_reserve)
         planned = 0   # slots this step's chunks take, together
+        # prompt tokens the requests already given a chunk still owe after it: a later prompt's
+        # chunk never takes their room, else two prompts partway through fill the pool together
+        # and neither can finish (nobody decodes, so nobody is preempted: the engine stalls)
+        owed = 0
         draft_demand = sum(self._draft_need(r) for r in self.running) if self.draft_capacity is not None else 0
         reqs, lens, samples = list(decoding), [1] * len(decoding), [True] * len(decoding)
         for req in candidates:
-            if budget <= 0 or self.kv.available() - decode_reserve - planned <= 0:
+            if budget <= 0 or self.kv.available() - decode_reserve - planned - owed <= 0:
                 break
             if req.state is ReqState.WAITING:
                 if self._shares_a_chunk_in_this_step(req, reqs[len(decoding):], lens[len(decoding):]):
@@ -162,11 +168,12 @@ class Scheduler:
                 if (self.draft_capacity is not None and self.running
                         and draft_demand + self._draft_need(req) > self.draft_capacity):
                     break   # (alone, a request runs: drafts it gets no room for are cut)
-                if not self._admit(req, decode_reserve + planned):
+                if not self._admit(req, decode_reserve + planned + owed):
                     break
                 draft_demand += self._draft_need(req)
             # admission locks the request's cached prefix: what is free is counted again
-            length = min(req.prefill_target - req.kv_len, budget, self.kv.available() - decode_reserve - planned)
+            length = min(req.prefill_target - req.kv_len, budget,
+                         self.kv.available() - decode_reserve - planned - owed)
             if started and req is started[0]:
                 length = min(length, oldest_chunk)
             reqs.append(req)
@@ -174,6 +181,7 @@ class Scheduler:
             samples.append(req.kv_len + length == req.num_tokens)
             budget -= length
             planned += length
+            owed += req.prefill_target - req.kv_len - length
         if len(reqs) == len(decoding):
             return None, 0
         return Batch(reqs=reqs, is_extend=True, extend_lens=lens, samples=samples), len(decoding)
@@ -182,14 +190,18 @@ class Scheduler:
         """Slots of the drafter's own cache a request takes at its next drafting step."""
         return req.num_tokens + self.decode_room
 
-    def _oldest_prompt_chunk(self, started: list[Req], others_wait: bool, budget: int) -> int:
+    def _oldest_prompt_chunk(self, started: list[Req], others_wait: bool, budget: int, decode_reserve: int) -> int:
         """The most tokens the oldest prompt partway through its prefill takes this step: half
         the budget while another prompt is partway too or a waiting one could start, so a
         short request that arrives during a long prefill shares its steps instead of waiting
         for its end (a 4k-token prompt on a CPU: 62-66 s to a newcomer's first token, 0.18 s
-        idle); the whole budget otherwise."""
+        idle); the whole budget otherwise, and when the pool holds no room beyond the rest of
+        the oldest's prompt (the others could not take the other half)."""
         may_start = others_wait and len(self.running) < self.max_running and self.pool.free_rows() > 0
         if not started or (len(started) == 1 and not may_start):
+            return budget
+        oldest = started[0]
+        if self.kv.available() - decode_reserve - (oldest.prefill_target - oldest.kv_len) <= 0:
             return budget
         return max(budget // 2, 1)   # the long prompt still moves forward
 
