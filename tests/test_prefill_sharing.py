@@ -85,3 +85,39 @@ def test_on_a_tiny_model_a_newcomer_gets_its_first_token_before_the_long_prefill
     stream_tokens = [tokens for tokens, _, _ in events]
     # the stream gets a token at least every other step while the long prompt prefills
     assert all(later > earlier for earlier, later in zip(stream_tokens, stream_tokens[2:])), stream_tokens
+
+
+def test_on_a_tiny_model_two_prompts_that_fit_only_one_at_a_time_both_finish(tmp_path):
+    """Prompts of 150 and 140 tokens in a cache of 200, chunks of at most 32: the second
+    arrives after the first's first chunk and shares its steps only with room the first no
+    longer needs (both partway, a full cache stalled the engine: nobody decoded, so nobody was
+    preempted); each answer is what it is alone."""
+    path = tmp_path / "tiny"
+    make_tiny_directory(path)
+    engine = tiny_engine(path, chunked_prefill_size=32, max_total_tokens=200, disable_radix_cache=True)
+    engine.shutdown()   # the step loop stops: the test steps the core itself
+    core = engine.core
+    params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+
+    def request(rid: str, length: int, offset: int):
+        return engine._make_request([3 + (offset + 7 * i) % 200 for i in range(length)], params, False, 0, rid)
+
+    def alone(rid: str, length: int, offset: int) -> list[int]:
+        req = request(rid, length, offset)
+        core.add_request(req)
+        while not req.finished:
+            core.step()
+        return list(req.output_ids)
+
+    expected = [alone("first-alone", 150, 0), alone("second-alone", 140, 50)]
+    first, second = request("first", 150, 0), request("second", 140, 50)
+    core.add_request(first)
+    core.step()
+    core.add_request(second)
+    for _ in range(200):
+        if first.finished and second.finished:
+            break
+        core.step()
+    assert first.finished and second.finished, [(r.rid, r.kv_len, r.prefill_target) for r in core.scheduler.running]
+    assert [list(first.output_ids), list(second.output_ids)] == expected
+    assert core.scheduler.available_slots() == 200
