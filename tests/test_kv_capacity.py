@@ -14,6 +14,7 @@ from specserve.args import ServerArgs
 from specserve.bench.random_model import SHAPES, write_model_config
 from specserve.runner.model_runner import ModelRunner
 from tests.spec_fixtures import tiny_engine
+from tests.test_kv_accounting import run_in_thread
 
 TINY_QWEN = dict(SHAPES["qwen2.5-7b"], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=4096, max_position_embeddings=1024,
@@ -26,6 +27,21 @@ GREEDY = {"temperature": 0, "max_new_tokens": OUTPUT_TOKENS, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return write_model_config(str(tmp_path_factory.mktemp("tiny-qwen")), TINY_QWEN)
+
+
+def test_long_prompts_in_chunks_that_overflow_the_pool_all_finish(model_dir):
+    """8 prompts of 150-240 tokens prefilled in chunks of 32 tokens beside each other, in a
+    pool that holds one or two of them (at scale: 64 requests of 32k tokens): prompts partway
+    through their prefills never fill the pool together, the ones that run out of room are
+    preempted, and every answer is its answer alone."""
+    rng = random.Random(1)
+    prompts = [[rng.randrange(2, 4000) for _ in range(rng.randrange(150, 240))] for _ in range(8)]
+    params = {**GREEDY, "max_new_tokens": 12}
+    with tiny_engine(model_dir, load_format="dummy", max_total_tokens=POOL_TOKENS, chunked_prefill_size=32) as engine:
+        alone = [engine.generate(input_ids=p, sampling_params=params)["output_ids"] for p in prompts]
+        together = run_in_thread(lambda: engine.generate(input_ids=prompts, sampling_params=params))()
+        assert [o["output_ids"] for o in together] == alone
+        assert_every_slot_and_row_free(engine)
 
 
 def test_requests_that_overflow_the_pool_are_preempted_and_all_finish(model_dir, caplog):
