@@ -9,7 +9,10 @@ same EXTEND step as the decoding requests' next tokens.
 
 While a prompt is partway through a chunked prefill and another prompt is too, or a waiting
 one could start, the oldest takes at most half of the step's prompt tokens: newcomers start
-beside a long prefill instead of behind it, within the pacer's budget for the step.
+beside a long prefill instead of behind it, within the pacer's budget for the step. A later
+prompt takes only the room that the rests of the prompts before it leave free, so prompts
+partway through never fill the pool together (none could finish, and with nobody decoding
+nobody would be preempted).
 
 Waiting requests are admitted in arrival order (`fcfs`), or, with `schedule_policy="lpm"`
 (SGLang's longest prefix match), those with the longest cached prefix first, so requests
