@@ -311,9 +311,9 @@ def test_a_drafter_dear_to_restart_drafts_on_while_plain_is_expected_to_win_by_l
         assert adaptive.expected_tokens("r", 4) == pytest.approx(1.0, abs=1e-3)
         return adaptive.choose(["r"], [4])
 
-    assert choice(None, 0.055) == 1
+    assert choice(1.0, 0.055) == 1
     assert choice(0.85, 0.055) == 4
-    assert choice(0.85, 0.0625) == choice(None, 0.0625) == 1
+    assert choice(0.85, 0.0625) == choice(1.0, 0.0625) == 1
 
 
 def test_a_batch1_eagle_chain_at_chat_accept_drafts_more_with_its_leave_margin():

@@ -65,10 +65,7 @@ class RequestGrammar:
         accepted, mask = 0, None
         try:
             for token in tokens:
-                # a grammar ends on a stop token: only after one can it have ended within the path
-                # (one that had ended before it has finished its request, which takes no step);
-                # asked at every token, the check was two of a plain step's three calls a request
-                if accepted and self._may_have_ended(tokens[accepted - 1]) and self._matcher.is_terminated():
+                if accepted and self._ended_after(tokens[accepted - 1]):
                     break
                 if not self._matcher.accept_token(token):
                     if not self._matcher.is_terminated():   # forbidden, not ended: what it allows instead
@@ -76,18 +73,22 @@ class RequestGrammar:
                         self._matcher.fill_next_token_bitmask(mask, 0)
                     break
                 accepted += 1
-            ended = (self._may_have_ended(tokens[accepted - 1]) if accepted else True) and self._matcher.is_terminated()
-            check = PathCheck(accepted, ended, mask)
+            check = PathCheck(accepted, self._ended_after(tokens[accepted - 1] if accepted else None), mask)
             if keep and mask is None:
                 self._ahead, accepted = list(tokens[:accepted]), 0
             return check
         finally:
             self.rollback(accepted)
 
-    def _may_have_ended(self, last: int) -> bool:
-        """Whether the grammar may have ended with token `last` just taken (a stop token; any
-        token where the stop tokens are not known)."""
-        return not self.stop_token_ids or last in self.stop_token_ids
+    def _ended_after(self, last: int | None) -> bool:
+        """Whether the grammar has ended, `last` the token it took last (None: none of the path
+        yet). A grammar ends on a stop token, so the matcher is asked only after one (or after
+        any token where the stop tokens are not known): asked at every token, the question was
+        two of a plain step's three matcher calls a request. One that had ended before the path
+        has finished its request, which takes no step."""
+        if last is not None and self.stop_token_ids and last not in self.stop_token_ids:
+            return False
+        return self._matcher.is_terminated()
 
     def take_ahead(self, tokens: list[int]) -> None:
         """Takes a step's tokens, all allowed (check_path said so), before their commit confirms them."""

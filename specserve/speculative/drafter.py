@@ -44,8 +44,8 @@ class Drafter:
     # bucket of the adaptive policy drafts again (None: adaptive.SWITCH_MARGIN)
     switch_margin: float | None = None
     # ... and how far below plain decoding's rate the best tier's may be expected before a
-    # drafting episode ends (None: 1.0, the episode ends where plain decoding is expected to win)
-    leave_margin: float | None = None
+    # drafting episode ends (1.0: it ends where plain decoding is expected to win)
+    leave_margin: float = 1.0
     # whether its steps verify through the runner's ragged verify step (run_trees), whose cost
     # follows the nodes verified: the adaptive policy may then cut some requests' drafts to
     # their root alone; a fused drafter's step runs its chains whatever the cut

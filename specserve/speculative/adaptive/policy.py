@@ -88,10 +88,11 @@ logger = logging.getLogger("specserve")
 
 class AdaptiveDraftLength:
     def __init__(self, tiers: list[int], switch_margin: float | None = None, ragged: bool = False,
-                 cost_per_node: bool = False, leave_margin: float | None = None):
+                 cost_per_node: bool = False, leave_margin: float = 1.0):
         """switch_margin: SWITCH_MARGIN where None (a drafter's own: Drafter.switch_margin);
         leave_margin: a drafting episode goes on while its best tier is expected to reach this
-        fraction of plain decoding's rate (None: 1.0; a drafter's own: Drafter.leave_margin).
+        fraction of plain decoding's rate (1.0: until plain is expected to win; a drafter's own:
+        Drafter.leave_margin).
         ragged: a step's cost follows the nodes it verifies (Drafter.ragged_verify): a step is
         priced at its level (nodes per request, see record_step) and a choice may cut some
         requests' drafts to their root (DraftCut). cost_per_node: the engine runs on a CPU,
@@ -100,7 +101,7 @@ class AdaptiveDraftLength:
         self.ragged = ragged
         self.cost_per_node = cost_per_node
         self.switch_margin = SWITCH_MARGIN if switch_margin is None else switch_margin
-        self.leave_margin = 1.0 if leave_margin is None else leave_margin
+        self.leave_margin = leave_margin
         self.costs = StepCosts(self.tiers, cost_per_node)
         self.modes = BucketModes()
         # read from this module when the policy is built, so that tests which patch
