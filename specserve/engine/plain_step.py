@@ -117,8 +117,8 @@ class PlainStep(StepPipeline):
         return overlap.keep_through(batch)
 
     def commit_kept(self, kept: StepAhead) -> list[StepOutput]:
-        """That step, read once the prefill has run: its tokens are shown to the drafter and
-        the policy, not priced (its time is the prefill's too)."""
+        """That step, read once the prefill is launched (its GPU work came first): its tokens
+        are shown to the drafter and the policy, not priced (its time is the prefill's too)."""
         try:
             tokens = self.ahead.plain.read(kept)
         except BaseException:
