@@ -143,3 +143,18 @@ def test_a_path_ends_at_its_stop_token_and_only_a_path_without_one_is_confirmed_
     assert not grammar.confirm_ahead(answer[:1] + [5])         # not what was taken ahead
     assert grammar.confirm_ahead(answer) and not grammar.terminated
     assert grammar.accept(eos) and grammar.terminated
+
+
+def test_take_one_takes_an_allowed_token_ahead_and_leaves_a_forbidden_one_untaken(plain):
+    """The plain step's one matcher call a row: an allowed token is taken ahead (the commit
+    confirms it without a second accept); a forbidden one, or any token after the grammar's
+    end, returns False with the matcher as it was."""
+    grammars = grammars_in_several_states(plain)
+    answer = plain.tokenizer('{"a": 12}').input_ids + [plain.tokenizer.eos_token_id]
+    first, ended = grammars[0], grammars[-2]
+    stray = plain.tokenizer("x").input_ids[0]
+    assert not first.take_one(stray)                  # forbidden at the start of a JSON object
+    assert first.check_path([stray]).mask is not None   # ... and still forbidden: nothing moved
+    assert first.take_one(answer[0]) and first.confirm_ahead([answer[0]])
+    assert first.accept(answer[1])                    # the matcher is one token on, as if accepted
+    assert not ended.take_one(answer[0]) and ended.terminated

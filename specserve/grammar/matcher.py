@@ -52,6 +52,17 @@ class RequestGrammar:
         del self._ahead[:count]
         return True
 
+    def take_one(self, token: int) -> bool:
+        """check_path([token], keep=True) where the grammar allows the token: taken ahead, for the
+        commit to confirm. False, the matcher as it was, where it does not (forbidden, or ended):
+        check_path then says which, and what it allows instead."""
+        if self._ahead:
+            self._drop_ahead()
+        if not self._matcher.accept_token(token):
+            return False
+        self._ahead = [token]
+        return True
+
     def rollback(self, num_tokens: int) -> None:
         """Undoes the last num_tokens accepts (a walk over drafts that were not committed)."""
         if num_tokens:

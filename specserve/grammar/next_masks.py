@@ -31,9 +31,15 @@ def keep_plain_to_grammar(grammars: Sequence[RequestGrammar | None], tokens: lis
     """Makes `tokens` (a plain greedy step's unmasked argmax, one per request) the step's masked
     argmax under each request's grammar, in place; logits (bs, vocab): the step's, on its device,
     read only where a grammar forbids its request's token. Returns the rows whose token changed."""
+    # an allowed token (the common case) is taken ahead in one matcher call; the general walk,
+    # several Python calls and arrays a row, runs only for the rows whose grammar forbids theirs
+    strayed = [grammar if grammar is not None and not grammar.take_one(token) else None
+               for grammar, token in zip(grammars, tokens)]
+    if all(grammar is None for grammar in strayed):
+        return []
     bs = len(tokens)
     paths = [[token] for token in tokens]
-    keep_to_grammar(grammars, paths, np.zeros((bs, 1), dtype=np.int64), np.ones(bs, dtype=np.int64),
+    keep_to_grammar(strayed, paths, np.zeros((bs, 1), dtype=np.int64), np.ones(bs, dtype=np.int64),
                     lambda rows, nodes: logits[rows], np.asarray(tokens, dtype=np.int64).reshape(bs, 1),
                     np.full((bs, 1), -1, dtype=np.int64), np.ones(bs, dtype=np.int64))
     changed = [row for row, (path, token) in enumerate(zip(paths, tokens)) if path[0] != token]
