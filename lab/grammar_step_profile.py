@@ -11,14 +11,27 @@ each after a warm-up, with cProfile on the engine thread during every step of on
 functions whose own time differs most between the modes (ms a step), then each mode's top
 functions by cumulative time. Profiling slows every Python call alike: compare the modes, not
 the absolute times with a run's.
+
+`--measure gaps` profiles nothing; it asks whether a dearer decode step is the GPU's or the
+host's time. With the grammar, plain steps at 64 took 2.14-2.18 ms against 1.99 without while
+the host's work in them (1.6 ms) stayed below the GPU's (2 ms): either the GPU ran longer (the
+step's logits copied for a stray's read: 64 x 151k fp32) or the host was late to launch some
+steps. CUDA events around every graph replay of a plain step give, per mode, the graph's own
+GPU time, and the GPU time from one replay's end to the next's start (the logits copy and the
+launch's small copies, and any wait for the host's launch), as mean and percentiles, with the
+copy of a (64, vocab) fp32 tensor timed alone beside them.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import cProfile
+import json
 import pstats
+import statistics
 import time
+
+import torch
 
 
 def profiled_steps(core_class, kind: str):
@@ -42,6 +55,64 @@ def profiled_steps(core_class, kind: str):
     return state, lambda: setattr(core_class, "_run", original)
 
 
+class GraphGaps:
+    """CUDA events around each graph replay during plain decode steps (core._run wrapped, as
+    profiled_steps does), for the replays' GPU time and the GPU time between consecutive ones;
+    a pair is counted only where no other kind of step ran between them."""
+
+    def __init__(self, core_class):
+        self.marks: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
+        self.other_steps = 0
+        self.steps = 0
+        self._in_plain = False
+        run, replay = core_class._run, torch.cuda.CUDAGraph.replay
+        gaps = self
+
+        def timed_run(core, batch, kept):
+            if batch.is_extend:
+                gaps.other_steps += 1
+                return run(core, batch, kept)
+            gaps._in_plain, gaps.steps = True, gaps.steps + 1
+            try:
+                return run(core, batch, kept)
+            finally:
+                gaps._in_plain = False
+
+        def timed_replay(graph):
+            if not gaps._in_plain:
+                return replay(graph)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            replay(graph)
+            end.record()
+            gaps.marks.append((start, end, gaps.other_steps))
+        core_class._run, torch.cuda.CUDAGraph.replay = timed_run, timed_replay
+        self.restore = lambda: (setattr(core_class, "_run", run), setattr(torch.cuda.CUDAGraph, "replay", replay))
+
+    def summary(self) -> dict:
+        torch.cuda.synchronize()
+        graph = [start.elapsed_time(end) for start, end, _ in self.marks]
+        between = [end.elapsed_time(start) for (_, end, seen), (start, _, seen_next) in zip(self.marks, self.marks[1:])
+                   if seen == seen_next]
+        cuts = lambda xs: {"mean": statistics.fmean(xs), **{f"p{q}": statistics.quantiles(xs, n=100)[q - 1]
+                                                             for q in (50, 90, 99)}} if len(xs) > 2 else {}
+        return {"plain_steps": self.steps, "replays": len(graph), "graph_ms": cuts(graph), "between_ms": cuts(between),
+                "between_over_0.1ms": sum(b > 0.1 for b in between) / max(1, len(between))}
+
+
+def copy_ms(rows: int, vocab: int, repeats: int = 50) -> float:
+    """GPU time of one clone of a (rows, vocab) fp32 tensor."""
+    logits = torch.randn(rows, vocab, device="cuda")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    logits.clone()
+    start.record()
+    for _ in range(repeats):
+        logits.clone()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
 def own_times(profile: cProfile.Profile) -> dict[str, float]:
     """function -> its own (total minus callees') seconds."""
     stats = pstats.Stats(profile).stats
@@ -57,6 +128,7 @@ def main() -> None:
     parser.add_argument("--steps", default="prefill", choices=["prefill", "plain"])
     parser.add_argument("--max-new-tokens", type=int, default=512)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--measure", default="profile", choices=["profile", "gaps"])
     ns = parser.parse_args()
     from specserve.bench.agentic import agentic_requests
     from specserve.bench.extraction import extraction_requests
@@ -79,6 +151,15 @@ def main() -> None:
         pick = (lambda r: r) if mode == "grammar" else without_grammar
         asyncio.run(run_turn(engine, [pick(r) for r in warm], params, ns.concurrency, "warm-up"))
         engine.flush_cache()
+        if ns.measure == "gaps":
+            gaps = GraphGaps(type(engine.core))
+            try:
+                summary = asyncio.run(run_turn(engine, [pick(r) for r in timed], params, ns.concurrency, mode))
+            finally:
+                gaps.restore()
+            engine.flush_cache()
+            print(json.dumps({"mode": mode, "tok_s": round(summary["output_tokens_per_s"]), **gaps.summary()}), flush=True)
+            continue
         state, restore = profiled_steps(type(engine.core), ns.steps)
         try:
             summary = asyncio.run(run_turn(engine, [pick(r) for r in timed], params, ns.concurrency, mode))
@@ -88,6 +169,11 @@ def main() -> None:
         results[mode] = state   # the second round's (the first warms what the warm-up did not)
         print(f"{mode}: {summary['output_tokens_per_s']:.0f} tok/s, {state['steps']} {ns.steps} steps, "
               f"{1e3 * state['seconds'] / max(1, state['steps']):.3f} ms a step (profiled)", flush=True)
+    if ns.measure == "gaps":
+        vocab = engine.core.runner.config.vocab_size
+        print(json.dumps({"copy_ms": copy_ms(ns.concurrency, vocab), "rows": ns.concurrency, "vocab": vocab}))
+        engine.shutdown()
+        return
     per_step = {mode: {f: 1e3 * s / max(1, state["steps"]) for f, s in own_times(state["profile"]).items()}
                 for mode, state in results.items()}
     grammar, free = per_step["grammar"], per_step["free"]
