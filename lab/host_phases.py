@@ -11,9 +11,10 @@ The phases of a step come from the core's step events (engine/step_events.py), e
 time between two of them: `schedule` (the scheduler's pick), `launch` (the pipeline's
 choice, the drafts and the forward launched; `launch_cpu`: this thread's CPU time in it,
 less than its wall time where it waited for the GIL or the device), `read` (the outcome:
-the wait for the device, the sampler's work), `commit` (KV, tokens, the drafter and the
-policy shown them, a step launched ahead), `after` (the rest of the step: a plain step
-kept through a prefill, the statistics) and `step` (the whole). Timed besides, as the
+the wait for the device, the sampler's work; in a prefill, first the plain step it kept,
+read and committed while the prefill runs), `commit` (KV, tokens, the drafter and the
+policy shown them, a step launched ahead), `after` (the rest of the step: the statistics)
+and `step` (the whole). Timed besides, as the
 device's or the drafter's own calls: the time blocked on a step's outcome (`InFlight.wait`:
 the GPU is behind the host), every CUDA event wait (`event_sync`), CUDA's graph launch
 (`graph_launch`) and an n-gram drafter's wait for its writer thread's indexing (`drain`).
