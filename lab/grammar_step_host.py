@@ -92,7 +92,7 @@ class Replay:
         rows = self.rows
         tokens = [row.tokens[row.done] for row in rows]
         clocks = [_clock()]
-        assert not keep_plain_to_grammar([row.grammar for row in rows], tokens, self.logits[:len(rows)])
+        assert not keep_plain_to_grammar([row.grammar for row in rows], tokens, lambda picked: self.logits[picked])
         clocks.append(_clock())
         ended = [grammar_finish(row, token, None) is not None for row, token in zip(rows, tokens)]
         clocks.append(_clock())

@@ -45,7 +45,7 @@ def kept(grammars: list, logits: torch.Tensor) -> tuple[list[int], list[int]]:
     """keep_plain_to_grammar's tokens and changed rows; the matchers left as they were (the
     commit's accepts, which would confirm the tokens taken ahead, do not come here)."""
     tokens = logits.argmax(-1).tolist()
-    changed = keep_plain_to_grammar(grammars, tokens, logits)
+    changed = keep_plain_to_grammar(grammars, tokens, lambda rows: logits[rows])
     for grammar in grammars:
         if grammar is not None:
             grammar._drop_ahead()
@@ -93,10 +93,9 @@ def test_an_allowed_token_fills_no_mask_and_reads_no_logits(plain, monkeypatch):
     answer = plain.tokenizer('{"a": 12}').input_ids + [plain.tokenizer.eos_token_id]
     tokens = answer + [5, 5]   # each live matcher's next answer token; the ended one, the free one: any
 
-    class NoLogits:
-        def __getitem__(self, rows):
-            raise AssertionError("the logits were read where every token is allowed")
-    assert keep_plain_to_grammar(grammars, list(tokens), NoLogits()) == []
+    def no_logits(rows):
+        raise AssertionError("the logits were read where every token is allowed")
+    assert keep_plain_to_grammar(grammars, list(tokens), no_logits) == []
     assert not fills
     for grammar, token in zip(grammars[:-2], answer):   # taken ahead: the commit's accept confirms it
         assert grammar.accept(token)
@@ -116,12 +115,11 @@ def test_a_token_the_grammar_forces_replaces_a_stray_without_reading_the_logits(
             forced.append((grammar, token))
     assert forced, "a state of the answer where the schema allows one token"
 
-    class NoLogits:
-        def __getitem__(self, rows):
-            raise AssertionError("the logits were read for a token the grammar forces")
+    def no_logits(rows):
+        raise AssertionError("the logits were read for a token the grammar forces")
     grammars = [grammar for grammar, _ in forced]
     strays = [(token + 1) % vocab for _, token in forced]
-    assert keep_plain_to_grammar(grammars, strays, NoLogits()) == list(range(len(forced)))
+    assert keep_plain_to_grammar(grammars, strays, no_logits) == list(range(len(forced)))
     assert strays == [token for _, token in forced]
 
 

@@ -17,7 +17,7 @@ This is greedy drafting's check (greedy_paths.py) on a tree of one node: the sam
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -27,10 +27,11 @@ from specserve.grammar.matcher import RequestGrammar
 
 
 def keep_plain_to_grammar(grammars: Sequence[RequestGrammar | None], tokens: list[int],
-                          logits: torch.Tensor) -> list[int]:
+                          logits_at: Callable[[list[int]], torch.Tensor]) -> list[int]:
     """Makes `tokens` (a plain greedy step's unmasked argmax, one per request) the step's masked
-    argmax under each request's grammar, in place; logits (bs, vocab): the step's, on its device,
-    read only where a grammar forbids its request's token. Returns the rows whose token changed."""
+    argmax under each request's grammar, in place; logits_at(rows): those rows of the step's
+    logits (m, vocab), on its device, asked for only where a grammar forbids its request's
+    token. Returns the rows whose token changed."""
     # an allowed token (the common case) is taken ahead in one matcher call; the general walk,
     # several Python calls and arrays a row, runs only for the rows whose grammar forbids theirs
     strayed = [grammar if grammar is not None and not grammar.take_one(token) else None
@@ -40,7 +41,7 @@ def keep_plain_to_grammar(grammars: Sequence[RequestGrammar | None], tokens: lis
     bs = len(tokens)
     paths = [[token] for token in tokens]
     keep_to_grammar(strayed, paths, np.zeros((bs, 1), dtype=np.int64), np.ones(bs, dtype=np.int64),
-                    lambda rows, nodes: logits[rows], np.asarray(tokens, dtype=np.int64).reshape(bs, 1),
+                    lambda rows, nodes: logits_at(rows), np.asarray(tokens, dtype=np.int64).reshape(bs, 1),
                     np.full((bs, 1), -1, dtype=np.int64), np.ones(bs, dtype=np.int64))
     changed = [row for row, (path, token) in enumerate(zip(paths, tokens)) if path[0] != token]
     for row in changed:
