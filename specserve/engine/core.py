@@ -144,9 +144,10 @@ class EngineCore:
             if kept is not None:
                 # its GPU work came before the prefill's: reading it waits for that alone, and
                 # its commit (a grammar's checks: ~0.8 ms at 64 rows on an H200's host) is host
-                # work the prefill hides instead of time the GPU idles after it
-                kept, kept_step = None, kept
-                kept_outputs = self.plain.commit_kept(kept_step)
+                # work the prefill hides instead of time the GPU idles after it. commit_kept
+                # releases it itself if its read fails, so it is no longer ours to release.
+                step_ahead, kept = kept, None
+                kept_outputs = self.plain.commit_kept(step_ahead)
             outcome = pipeline.read(launched)              # verify: the step's one wait for the device
             self.events.read()
             outputs = pipeline.commit(launched, outcome)   # commit (the next step launched before the rest)

@@ -69,21 +69,24 @@ class StepAhead:
             return []
         # only the strays' rows are gathered (a step with rows cut gathered all of them each
         # step: 64 x 151k fp32 logits, ~39 MB, beside the step queued after it)
-        rows_in = (lambda rows: rows) if self.rows is None else (lambda rows: [self.rows[i] for i in rows])
         with beside(self.logits_copied):
             return keep_plain_to_grammar([r.grammar for r in self.reqs], tokens,
-                                         lambda rows: self.logits[rows_in(rows)])
+                                         lambda strays: self.logits[self._launch_rows(strays)])
+
+    def _launch_rows(self, indices: list[int]) -> list[int]:
+        """The rows of the launch that requests `indices` (into reqs) hold."""
+        return indices if self.rows is None else [self.rows[i] for i in indices]
 
     def hidden_rows(self) -> list[list[int]]:
         """Each request's row of `hidden`."""
-        return [[row] for row in (self.rows if self.rows is not None else range(len(self.reqs)))]
+        return [[row] for row in self._launch_rows(list(range(len(self.reqs))))]
 
     def roots(self, keep: list[int]) -> torch.Tensor:
         """The unmasked argmax of requests `keep` (indices into reqs), on the device: the next step's roots."""
         argmax = self.launched.device
         if self.rows is None and len(keep) == argmax.shape[0]:   # keep is ascending: every row, in order
             return argmax
-        rows = keep if self.rows is None else [self.rows[i] for i in keep]
+        rows = self._launch_rows(keep)
         # a pinned index copied without waiting: a pageable one would wait for the step in flight
         index = torch.tensor(rows, dtype=torch.long, pin_memory=argmax.is_cuda)
         return argmax.index_select(0, index.to(argmax.device, non_blocking=True))
