@@ -121,7 +121,7 @@ def run_once(args: ServerArgs, prompt: str, chat: bool, params: dict) -> Timed:
         start = time.perf_counter()
         out = engine.generate(prompt, params)
         timed = Timed(out["text"], out["meta_info"], time.perf_counter() - start)
-    # The model.s modules sit in reference cycles that keep its weights until the collector runs, and
+    # The model's modules sit in reference cycles that keep its weights until the collector runs, and
     # --compare-plain loads a second engine next: without this, now and then both were alive
     # (make run peaked at 3.8 GiB once in 5 runs, against 2.5 GiB)
     del engine
