@@ -19,7 +19,9 @@ step's logits copied for a stray's read: 64 x 151k fp32) or the host was late to
 steps. CUDA events around every graph replay of a plain step give, per mode, the graph's own
 GPU time, and the GPU time from one replay's end to the next's start (the logits copy and the
 launch's small copies, and any wait for the host's launch), as mean and percentiles, with the
-copy of a (64, vocab) fp32 tensor timed alone beside them.
+copy of a (64, vocab) fp32 tensor timed alone beside them. Answered on an H200 (1.5B, ae2b656):
+the graph's GPU time is the same with and without the grammar (2.00 ms); between replays 0.040-0.045 ms
+against 0.026, the clone (0.022 ms alone); the rest of a constrained step's extra is host time.
 """
 from __future__ import annotations
 
