@@ -10,6 +10,7 @@ import pytest
 from specserve.bench.prompts import SAMPLE_PROMPTS
 from specserve.engine.draft_ahead import DraftAhead
 from specserve.engine.overlap import OverlapSchedule
+from specserve.engine.step_events import StepListener
 
 from tests.spec_fixtures import CODE_PROMPT, ngram_args, price_steps
 from tests.test_kv_accounting import wait_until_all_kv_is_free
@@ -17,10 +18,11 @@ from tests.test_kv_accounting import wait_until_all_kv_is_free
 GREEDY = {"temperature": 0, "max_new_tokens": 24}
 
 
-def ahead_on(engine):
-    """What a GPU engine has: plain steps and drafting steps launched ahead."""
+def ahead_on(engine, plain_steps: bool = True):
+    """What a GPU engine has: plain steps and drafting steps launched ahead (plain_steps=False:
+    drafting steps alone, so that a step with nothing to draft stays a drafting step)."""
     core = engine.core
-    core.overlap = OverlapSchedule(core.runner, core.scheduler)
+    core.overlap = OverlapSchedule(core.runner, core.scheduler) if plain_steps else None
     core.draft_ahead = DraftAhead(core.scheduler)
     return engine
 
@@ -101,14 +103,52 @@ def _proposals(engine, prompt: str, max_new_tokens: int) -> tuple[list, list[int
 
 def test_drafts_are_those_of_synchronous_steps(engine_factory):
     """What a proposal sees (the trie as of the last hand-over, the committed tokens) does
-    not depend on the schedule, so the drafts are the same step by step."""
+    not depend on when the drafting step is launched, so the drafts are the same step by step
+    (without plain steps ahead, which a proposal of roots alone hands the batch to, so that
+    the drafting steps launched ahead are all there is to compare)."""
     sync = engine_factory(max_total_tokens=4096, **ngram_args(8))
-    ahead = ahead_on(engine_factory(max_total_tokens=4096, **ngram_args(8)))
+    ahead = ahead_on(engine_factory(max_total_tokens=4096, **ngram_args(8)), plain_steps=False)
     expected, expected_ids = _proposals(sync, CODE_PROMPT, 64)
     got, ids = _proposals(ahead, CODE_PROMPT, 64)
     assert ids == expected_ids
     assert got == expected and len(got) > 5
     assert ahead.core.draft_ahead.steps_taken > 5
+
+
+class LaunchRecorder(StepListener):
+    def __init__(self):
+        self.launches: list[tuple[str, int, bool]] = []
+
+    def step_launched(self, kind, nodes, from_ahead):
+        self.launches.append((kind, nodes, from_ahead))
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_a_batch_that_runs_dry_decodes_on_plain_steps_launched_ahead(engine_factory, plain, adaptive):
+    """A drafting step's successor whose proposal holds roots alone runs as a plain step
+    launched ahead, and the plain steps after it too while the drafter still proposes nothing;
+    a proposal with drafts ends the stretch. The outputs are plain decoding's."""
+    engine = ahead_on(engine_factory(max_total_tokens=4096, **ngram_args(8, adaptive=adaptive)))
+    if adaptive:
+        price_steps(engine, 0.010, 0.001)
+    recorder = LaunchRecorder()
+    engine.core.events.add(recorder)
+    prompt = SAMPLE_PROMPTS[4]   # a story: a few drafts (names it repeats), stretches without
+    params = dict(GREEDY, max_new_tokens=64, ignore_eos=True)
+    got = engine.generate(prompt, params)
+    assert got["output_ids"] == plain.generate(prompt, params)["output_ids"]
+    launches = recorder.launches[1:]   # after the prefill
+    drafting = [nodes for kind, nodes, _ in launches if kind == "draft"]
+    assert drafting and min(drafting) > 1, launches   # no step verified roots alone
+    runs, run = [], 0   # stretches of plain steps, each launched ahead
+    for kind, _, from_ahead in launches:
+        if kind == "plain" and from_ahead:
+            run += 1
+        elif run:
+            runs.append(run)
+            run = 0
+    assert max(runs + [run]) >= 3, launches
+    wait_until_all_kv_is_free(engine)
 
 
 def _step_until_ahead(core, reqs, limit: int = 50) -> None:

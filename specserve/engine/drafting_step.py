@@ -7,7 +7,9 @@ a drafting step adds to its forward, so that stretch holds only: the outcome's p
 KV and token commit, the policy's evidence and price of this step (its next choice reads
 them), the proposal, the choice of its size, and the launch. The policy's shadows of the
 proposal, the drafter's observe and indexing, the text and everything after the step
-returns (streaming, the next schedule) run while the GPU computes.
+returns (streaming, the next schedule) run while the GPU computes. A next step whose
+proposal holds roots alone is launched ahead as a plain step instead (plain_step.py: a batch
+that runs dry).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from specserve.engine.step_output import StepOutput, committed_tokens
 from specserve.engine.step_parts import StepParts, StepPipeline
 from specserve.engine.verify_step import drafts_with_slots
 from specserve.request.req import Batch, Req
-from specserve.speculative.drafter import ChainedSteps, ReadsHiddenStates
+from specserve.speculative.drafter import ChainedSteps, FusedSteps, ReadsHiddenStates
 
 
 @dataclass
@@ -123,7 +125,7 @@ class DraftingStep(StepPipeline):
                 self.planner.drafter.flush()
         except BaseException:
             if next_launched:
-                self.ahead.drafting.drop()   # a failed step leaves nothing ahead
+                self.ahead.drop()   # a failed step leaves nothing ahead
             raise
         return outputs
 
@@ -145,6 +147,9 @@ class DraftingStep(StepPipeline):
         if self.scheduler.available_slots() < sum(limits) + len(reqs):
             return False, None
         proposal, num_nodes, shadows = self.planner.propose(reqs, limits)
+        if proposal.num_slots == 1 and self._plain_runs_ahead(reqs):
+            # roots alone: a plain step, and the steps after it launched ahead while the batch runs dry
+            return self.ahead.plain.launch_ahead(reqs), shadows
         slots = self.scheduler.alloc_slots(sum(num_nodes))
         try:
             self.ahead.drafting.hold(launch_draft_step(self.runner, self.planner.drafter, reqs, proposal, slots, now,
@@ -153,6 +158,13 @@ class DraftingStep(StepPipeline):
             self.scheduler.free_slots(slots)
             raise
         return True, shadows
+
+    def _plain_runs_ahead(self, reqs: list[Req]) -> bool:
+        """Whether a step with nothing to verify may run as a plain step on the overlap schedule
+        (plain_step.py), which launches its successors ahead while the drafter has nothing to
+        propose: greedy requests, and a drafter whose steps the engine verifies itself."""
+        return (self.ahead.plain is not None and self.sampler.masked_argmax_is_enough(reqs)
+                and not isinstance(self.planner.drafter, FusedSteps))
 
     def _launch_chained(self, reqs: list[Req], step: DraftStep) -> ChainedStep | None:
         """The next fused step of the same batch, queued before this one is read: its drafts

@@ -114,6 +114,17 @@ class OverlapSchedule:
         assert slots is not None, "the scheduler reserves a slot per decoding request"
         return self._launch(reqs, [r.kv_len for r in reqs], slots, last_tokens())
 
+    def launch_ahead(self, reqs: list[Req]) -> bool:
+        """Queues a step for these requests at their last (committed) tokens as the step ahead,
+        which the next plain step reads (a drafting step's successor that has nothing to draft).
+        Returns False where no slots are left (nothing launched)."""
+        self.drop()
+        slots = self.scheduler.alloc_slots(len(reqs))
+        if slots is None:
+            return False
+        self.ahead = self._launch(reqs, [r.kv_len for r in reqs], slots, [r.last_token for r in reqs])
+        return True
+
     def holds_step_for(self, reqs: list[Req]) -> bool:
         """Whether the step launched ahead is for exactly these requests (those a stop token
         ended since aside, those waiting aside): current_step would read it."""

@@ -8,6 +8,12 @@ is put off in turn while a drafter runs and more work is queued (`AfterPlainStep
 drafter's observe, the policy's and its probe cost ~0.1-0.2 ms of host time a step at 32-64
 requests on an H200's host (0.5B, 1.5B), and between reading this step and launching the
 one after next that time is the GPU's, wherever the host is behind (the steps that probe).
+
+Plain steps also run inside a drafting episode where the drafter has nothing to propose (a
+batch that runs dry: a greedy drafting step whose proposal held roots alone launches a plain
+step ahead instead, drafting_step.py): while the drafter's proposals stay empty, each such
+step launches the next one ahead too, so a stretch without drafts costs what plain decoding
+does.
 """
 from __future__ import annotations
 
@@ -146,7 +152,8 @@ class PlainStep(StepPipeline):
         """The requests (indices) whose next step can be launched before this one's tokens are
         read: those this step does not end by length or context, and those without a row in it
         (a grammar forbade the token their row of it was launched on: overlap.py) that the
-        context leaves room; none where that step would draft."""
+        context leaves room; none where that step would draft (it would not where the drafter
+        has nothing to propose: `_runs_dry`)."""
         context, in_step = self.runner.context_length, {id(r) for r in current.reqs}
 
         def runs_on(r: Req) -> bool:
@@ -154,7 +161,19 @@ class PlainStep(StepPipeline):
                 return len(r.output_ids) + 1 < r.max_new_tokens and r.kv_len + 2 <= context
             return r.kv_len + 1 <= context
         keep = [i for i, r in enumerate(reqs) if runs_on(r)]
-        return keep if keep and self.planner.plain_rows_may_run_ahead(len(keep)) else []
+        if not keep or self.planner.plain_rows_may_run_ahead(len(keep)):
+            return keep
+        return keep if self._runs_dry([reqs[i] for i in keep]) else []
+
+    def _runs_dry(self, reqs: list[Req]) -> bool:
+        """Whether the drafter proposes nothing for these requests (DraftPlanner.runs_dry), asked
+        with the tokens committed so far while the GPU runs this step: the last plain step's
+        tokens are shown to the drafter first. A stretch ends a step late where this step's token
+        starts a match: the plain step launched ahead commits one token, then drafting resumes."""
+        if not self.planner.drafter.proposes_cheaply:
+            return False
+        self.ahead.settle()
+        return self.planner.runs_dry(reqs)
 
     def _fail(self, current: StepAhead | None) -> None:
         self.ahead.plain.release(current)

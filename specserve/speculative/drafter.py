@@ -40,6 +40,11 @@ class Drafter:
     # engine then proposes (and launches, through launch_fused where the drafter fuses the
     # batch) a greedy batch's next step before showing this step's tokens (engine/draft_ahead.py)
     proposes_ahead = False
+    # whether a proposal costs host time alone, about a trie lookup's (no forwards, no host
+    # sync): a plain step in a drafting episode may then ask, while the GPU runs, whether the
+    # next step would draft at all, and launch a plain one ahead where it would not
+    # (engine/plain_step.py: a batch that runs dry)
+    proposes_cheaply = False
     # how much better drafting must be expected to do than plain decoding before a plain
     # bucket of the adaptive policy drafts again (None: adaptive.SWITCH_MARGIN)
     switch_margin: float | None = None

@@ -78,6 +78,7 @@ INLINE_WRITE_TOKENS = 32   # a flush of at most this many tokens is indexed on t
 
 class NgramDrafter(Drafter, ProposalHints):
     proposes_ahead = True   # a proposal reads the trie as of the last flush and the committed tokens
+    proposes_cheaply = True
 
     def __init__(self, config: NgramConfig, one_branch: bool, background: bool | None = None):
         """background: index on a writer thread (default: with the compiled trie only)."""
