@@ -374,8 +374,9 @@ def test_head_rows_join_the_cache_at_release_and_nobody_waits_for_a_chunk():
 
 def test_a_parked_request_is_released_when_its_next_turn_waits():
     """With head rows in the cache a finished request is parked, not released, while others run;
-    a waiting request that continues it (a chat's next turn) releases it before admission, so
-    it finds the first turn cached. One that does not continue it leaves it parked."""
+    a waiting request that continues it (a chat's next turn, whose answer may be tokenized
+    otherwise) releases it before admission, so it finds the first turn cached. One that does
+    not continue it leaves it parked."""
     from specserve.kv.pool import KVPool
     from tests.test_prefix_cache import SYSTEM, _req, _scheduler, _step
     scheduler = _scheduler(chunk=128, size=512)
@@ -391,10 +392,11 @@ def test_a_parked_request_is_released_when_its_next_turn_waits():
     scheduler.add(stranger)
     _step(scheduler)
     assert scheduler.parked.reqs == [short] and stranger.cached_tokens == 0
-    next_turn = _req("d", short.all_ids + [301, 302])
+    answer_again = short.output_ids[:1] + [999]   # the answer's text tokenized again: its tokens may differ
+    next_turn = _req("d", short.prompt_ids + answer_again + [301, 302])
     scheduler.add(next_turn)
     _step(scheduler)
     assert scheduler.parked.reqs == [] and not short.kv_slots
     while next_turn.state is ReqState.WAITING:   # admitted at the next prefill turn
         _step(scheduler)
-    assert next_turn.cached_tokens == len(short.all_ids) - 1   # all but its last token (bigram keys)
+    assert next_turn.cached_tokens == len(short.prompt_ids)   # up to where the answer's tokens differ
