@@ -149,7 +149,7 @@ class DraftingStep(StepPipeline):
         proposal, num_nodes, shadows = self.planner.propose(reqs, limits)
         if proposal.num_slots == 1 and self._plain_runs_ahead(reqs):
             # roots alone: a plain step, and the steps after it launched ahead while the batch runs dry
-            return self.ahead.plain.launch_ahead(reqs), shadows
+            return self.ahead.plain.launch_ahead(reqs, opens_dry_stretch=True), shadows
         slots = self.scheduler.alloc_slots(sum(num_nodes))
         try:
             self.ahead.drafting.hold(launch_draft_step(self.runner, self.planner.drafter, reqs, proposal, slots, now,

@@ -53,6 +53,8 @@ class StepAhead:
     rows: list[int] | None = None   # each request's row of the launch, once rows of ended requests were cut
     logits: torch.Tensor | None = None   # (bs, vocab) a copy of its logits, where a request has a grammar
     logits_copied: torch.cuda.Event | None = None   # fired once that copy is made (on a GPU)
+    # the first step of a batch that runs dry (plain_step.py): the step after it waits for its token
+    opens_dry_stretch: bool = False
 
     def tokens(self) -> list[int]:
         """Its requests' argmax, once the step is done: unmasked (to_grammar makes it the masked one)."""
@@ -114,15 +116,16 @@ class OverlapSchedule:
         assert slots is not None, "the scheduler reserves a slot per decoding request"
         return self._launch(reqs, [r.kv_len for r in reqs], slots, last_tokens())
 
-    def launch_ahead(self, reqs: list[Req]) -> bool:
+    def launch_ahead(self, reqs: list[Req], opens_dry_stretch: bool = False) -> bool:
         """Queues a step for these requests at their last (committed) tokens as the step ahead,
-        which the next plain step reads (a drafting step's successor that has nothing to draft).
-        Returns False where no slots are left (nothing launched)."""
+        which the next plain step reads (the successor of a step whose batch has nothing to
+        draft: plain_step.py). Returns False where no slots are left (nothing launched)."""
         self.drop()
         slots = self.scheduler.alloc_slots(len(reqs))
         if slots is None:
             return False
         self.ahead = self._launch(reqs, [r.kv_len for r in reqs], slots, [r.last_token for r in reqs])
+        self.ahead.opens_dry_stretch = opens_dry_stretch
         return True
 
     def holds_step_for(self, reqs: list[Req]) -> bool:

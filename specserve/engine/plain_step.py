@@ -11,9 +11,10 @@ one after next that time is the GPU's, wherever the host is behind (the steps th
 
 Plain steps also run inside a drafting episode where the drafter has nothing to propose (a
 batch that runs dry: a greedy drafting step whose proposal held roots alone launches a plain
-step ahead instead, drafting_step.py): while the drafter's proposals stay empty, each such
-step launches the next one ahead too, so a stretch without drafts costs what plain decoding
-does.
+step ahead instead, drafting_step.py). Once that first step's token is committed, and the
+drafter still proposes nothing, the stretch goes on on the overlap schedule: each step
+launches the next one ahead while the proposals stay empty, so a stretch without drafts costs
+what plain decoding does.
 """
 from __future__ import annotations
 
@@ -90,6 +91,8 @@ class PlainStep(StepPipeline):
         reqs = step.current.reqs
         outputs = self._commit_tokens(step.current, tokens)
         self.ahead.plain.after_commit()   # the step ahead dropped where its requests all ended here
+        if step.current.opens_dry_stretch and self.ahead.plain.ahead is None:
+            self._go_on_dry(reqs, outputs)
         probing = step.probing
         if probing and self.ahead.plain.ahead is None:   # the launch found no slots: nothing in flight
             self.planner.put_off_probe(reqs)
@@ -163,6 +166,8 @@ class PlainStep(StepPipeline):
         keep = [i for i, r in enumerate(reqs) if runs_on(r)]
         if not keep or self.planner.plain_rows_may_run_ahead(len(keep)):
             return keep
+        if current.opens_dry_stretch:   # its token may start a match: the stretch goes on from its commit
+            return []
         return keep if self._runs_dry([reqs[i] for i in keep]) else []
 
     def _runs_dry(self, reqs: list[Req]) -> bool:
@@ -174,6 +179,21 @@ class PlainStep(StepPipeline):
             return False
         self.ahead.settle()
         return self.planner.runs_dry(reqs)
+
+    def _go_on_dry(self, reqs: list[Req], outputs: list[StepOutput]) -> None:
+        """After the first step of a dry stretch: where the drafter, shown its token, still has
+        nothing to propose for the batch, and the batch decodes on, the next plain step is
+        launched now, and the steps after it ahead (`_next_rows`). Waiting for the first step's
+        token keeps the stretch of a one-token mismatch (a copied answer that differs in a word)
+        from delaying its drafts a step; longer stretches run on the overlap schedule from their
+        third token."""
+        drafting = self.ahead.drafting
+        context = self.runner.context_length
+        if (any(out.finished for out in outputs) or drafting is None or not drafting.batch_is_next(reqs)
+                or any(r.kv_len + 1 > context for r in reqs) or self.planner.plain_rows_may_run_ahead(len(reqs))
+                or not self._runs_dry(reqs)):
+            return
+        self.ahead.plain.launch_ahead(reqs)
 
     def _fail(self, current: StepAhead | None) -> None:
         self.ahead.plain.release(current)
