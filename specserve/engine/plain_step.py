@@ -12,9 +12,9 @@ one after next that time is the GPU's, wherever the host is behind (the steps th
 Plain steps also run inside a drafting episode where the drafter has nothing to propose (a
 batch that runs dry: a greedy drafting step whose proposal held roots alone launches a plain
 step ahead instead, drafting_step.py). Once that first step's token is committed, and the
-drafter still proposes nothing, the stretch goes on on the overlap schedule: each step
-launches the next one ahead while the proposals stay empty, so a stretch without drafts costs
-what plain decoding does.
+drafter still proposes nothing, the next step is launched, and from it on the stretch runs on
+the overlap schedule: each step launches the next one ahead while the proposals stay empty,
+so a stretch without drafts costs what plain decoding does.
 """
 from __future__ import annotations
 
