@@ -133,9 +133,18 @@ def test_a_batch_that_runs_dry_decodes_on_plain_steps_launched_ahead(engine_fact
         price_steps(engine, 0.010, 0.001)
     recorder = LaunchRecorder()
     engine.core.events.add(recorder)
+    overlap, openers = engine.core.overlap, []   # whether each stretch's first step launched a step after it
+    launch_next = overlap.launch_next
+
+    def recording(current, batch, keep):
+        openers.append(current.opens_dry_stretch)
+        launch_next(current, batch, keep)
+    overlap.launch_next = recording
     prompt = SAMPLE_PROMPTS[4]   # a story: a few drafts (names it repeats), stretches without
     params = dict(GREEDY, max_new_tokens=64, ignore_eos=True)
     got = engine.generate(prompt, params)
+    # a stretch's first step is read before the next is launched: its token may start a match
+    assert openers and not any(openers)
     assert got["output_ids"] == plain.generate(prompt, params)["output_ids"]
     launches = recorder.launches[1:]   # after the prefill
     drafting = [nodes for kind, nodes, _ in launches if kind == "draft"]
