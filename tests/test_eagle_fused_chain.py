@@ -148,38 +148,6 @@ def test_preemption_and_aborts_with_every_accept_length(target, head_dir, ahead)
     assert set(accept_histogram(outputs)) == {1, 2, 3, 4}
 
 
-def test_a_request_arriving_while_a_fused_step_is_ahead_is_prefilled_behind_it(target, head_dir):  # noqa: F811
-    """Requests that arrive while a long one decodes on fused steps launched ahead: each
-    prefill is launched behind the fused step ahead, which is then read and committed
-    (DraftingStep.keep_through), not read first. Every output stays plain decoding's and the
-    head's state is all freed."""
-    path, _, _, held_out = target
-    algorithm, head_path, _, _ = head_dir
-    long = {"temperature": 0, "max_new_tokens": 160, "ignore_eos": True}
-    prompts = [c.tokens[:c.prompt_len] for c in held_out[:4]]
-    with tiny_engine(path) as plain:
-        expected_long = plain.generate(input_ids=prompts[0], sampling_params=long)["output_ids"]
-    with tiny_engine(path, max_running_requests=8, **chain_args(algorithm, head_path, 3)) as engine:
-        ahead_on(engine)
-        drafting, kept = engine.core.drafting, []
-        keep_through = drafting.keep_through
-
-        def counting_keep_through(batch):
-            step = keep_through(batch)
-            kept.append(step is not None)
-            return step
-        drafting.keep_through = counting_keep_through
-        chunks = iter(engine.generate(input_ids=prompts[0], sampling_params=long, stream=True))
-        streamed = list(next(chunks)["output_ids"])
-        got = [engine.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"] for prompt in prompts[1:]]
-        for chunk in chunks:
-            streamed += chunk["output_ids"]
-        wait_until_fused_state_is_free(engine)
-    assert streamed == expected_long
-    assert got == [c.tokens[c.prompt_len:] for c in held_out[1:4]]
-    assert sum(kept) >= 2, kept
-
-
 class HeadRowsSpy:
     """After each fused step: the head's cache holds, per request, its committed rows and the
     step's reserved rows, nothing more; the rows the step fed count as committed only at the

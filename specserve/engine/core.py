@@ -19,14 +19,14 @@ from specserve.engine.committer import Committer
 from specserve.engine.draft_ahead import DraftAhead
 from specserve.engine.draft_planner import DraftPlanner
 from specserve.engine.drafting_step import DraftingStep
-from specserve.engine.overlap import OverlapSchedule
+from specserve.engine.overlap import OverlapSchedule, StepAhead
 from specserve.engine.plain_step import PlainStep
 from specserve.engine.prefill_step import PrefillStep
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.stats import StepLogger
 from specserve.engine.step_events import StepEvents
 from specserve.engine.step_output import StepOutput
-from specserve.engine.step_parts import KeptStep, StepParts, StepPipeline
+from specserve.engine.step_parts import StepParts, StepPipeline
 from specserve.engine.steps_ahead import StepsAhead
 from specserve.engine.verify_step import VerifyStep
 from specserve.request.req import Batch, Req, ReqState
@@ -117,23 +117,23 @@ class EngineCore:
         finally:
             self.events.ended()
 
-    def _schedule(self) -> tuple[Batch | None, KeptStep | None]:
+    def _schedule(self) -> tuple[Batch | None, StepAhead | None]:
         """The step's batch: that of the drafting step launched ahead where the scheduler's
-        next batch is another that cannot keep it (that step is read and committed first),
-        else the scheduler's; and the step launched ahead that a prefill keeps (its tokens
-        still count, read once the prefill is launched). Other steps ahead go before a prefill."""
+        next batch is another (a request arrived: that step is read and committed first),
+        else the scheduler's; and the plain step launched ahead that a prefill keeps (its
+        tokens still count, read once the prefill is launched). Other steps ahead go before a prefill."""
         retiring = self.drafting.ahead_of_another_batch()
         if retiring is not None:
             return retiring, None
         batch = self.scheduler.schedule()
-        kept = self.drafting.keep_through(batch) or self.plain.keep_through(batch)
+        kept = self.plain.keep_through(batch)
         if batch is None or batch.is_extend:
             self.ahead.drop()
         return batch, kept
 
-    def _run(self, batch: Batch, kept: KeptStep | None) -> list[StepOutput]:
-        """The batch's step, by the pipeline of its kind; a step a prefill kept is read and
-        committed while the GPU runs the prefill (its outputs go first)."""
+    def _run(self, batch: Batch, kept: StepAhead | None) -> list[StepOutput]:
+        """The batch's step, by the pipeline of its kind; a plain step a prefill kept is read
+        and committed while the GPU runs the prefill (its outputs go first)."""
         self.events.scheduled(batch)
         self.last_batch_reqs = batch.reqs if kept is None else batch.reqs + kept.reqs
         kept_outputs: list[StepOutput] = []
@@ -146,14 +146,13 @@ class EngineCore:
                 # its commit (a grammar's checks: ~0.8 ms at 64 rows on an H200's host) is host
                 # work the prefill hides instead of time the GPU idles after it. commit_kept
                 # releases it itself if its read fails, so it is no longer ours to release.
-                keeping, kept = kept, None
-                kept_outputs = keeping.commit()
+                step_ahead, kept = kept, None
+                kept_outputs = self.plain.commit_kept(step_ahead)
             outcome = pipeline.read(launched)              # verify: the step's one wait for the device
             self.events.read()
             outputs = pipeline.commit(launched, outcome)   # commit (the next step launched before the rest)
         except BaseException:
-            if kept is not None:
-                kept.release()
+            self.plain.release(kept)
             raise
         self.events.committed(outputs)
         self.stats.maybe_log(self.scheduler)

@@ -37,10 +37,8 @@ after it is launched from the host again.
 
 The step launched ahead is for exactly the batch the scheduler would pick next (nobody
 waiting, nobody else running, no failure being isolated). Should that change before it
-is read (a request arrives), its tokens still count: a prefill the scheduler picks is
-launched behind it and the step is read and committed while the GPU runs the prefill
-(`DraftingStep.keep_through`), or, where mixed chunks may decode its requests themselves,
-it is read and committed first (`DraftingStep.ahead_of_another_batch`); an abort drops it (its slots are freed; its device writes land in those slots and in
+is read (a request arrives), the step is still read and committed first (`retire`);
+an abort drops it (its slots are freed; its device writes land in those slots and in
 table positions past every request's committed length, rewritten before they are read).
 """
 from __future__ import annotations
@@ -204,11 +202,6 @@ class DraftAhead:
             return step
         self._release(step)
         return None
-
-    def take_out(self) -> DraftStep | None:
-        """The step launched ahead, no longer held: its slots are the taker's to free."""
-        step, self.step = self.step, None
-        return step
 
     def keep_if_for(self, reqs: list[Req]) -> bool:
         """Whether the step launched ahead is for exactly these requests; one for others is

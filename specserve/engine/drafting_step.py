@@ -22,7 +22,7 @@ from specserve.engine.commit import StepOutcome, unfinished
 from specserve.engine.draft_ahead import ChainedStep, DraftStep, OutcomeCopies, launch_draft_step
 from specserve.engine.draft_planner import Shadows
 from specserve.engine.step_output import StepOutput, committed_tokens
-from specserve.engine.step_parts import KeptStep, StepParts, StepPipeline
+from specserve.engine.step_parts import StepParts, StepPipeline
 from specserve.engine.verify_step import drafts_with_slots
 from specserve.request.req import Batch, Req
 from specserve.speculative.drafter import ChainedSteps, FusedSteps, ReadsHiddenStates
@@ -35,7 +35,6 @@ class LaunchedDraft:
     # that launches none ahead): only such steps price its tier for good (adaptive_costs.py)
     steady: bool
     chained: ChainedStep | None = None   # the next fused step, queued before this one was read
-    kept: bool = False   # read after a prefill launched behind it (keep_through): not priced
 
 
 class DraftingStep(StepPipeline):
@@ -45,40 +44,13 @@ class DraftingStep(StepPipeline):
 
     def ahead_of_another_batch(self) -> Batch | None:
         """The batch of the drafting step launched ahead, where the scheduler's next batch is
-        another (a request arrived) that cannot keep it: mixed chunks may decode its requests
-        themselves, and a failure being isolated runs a few requests alone. That step is read
-        and committed first. Where a prefill can keep it, None (keep_through)."""
+        another (a request arrived): that step is read and committed first."""
         drafting = self.ahead.drafting
         step = drafting.step if drafting is not None else None
         if step is None or drafting.batch_is_next(step.reqs):
             return None
         self.ahead.settle()
-        if not self.scheduler.mixed_chunk and self.scheduler.focus is None:
-            return None
         return Batch(step.reqs, is_extend=False)
-
-    def keep_through(self, batch: Batch | None) -> KeptStep | None:
-        """The drafting step launched ahead, taken out to be read after `batch` where that is a
-        prefill that leaves its requests running, none of them in it; else None. Its GPU work
-        comes before the prefill's, so the prefill's first tokens wait for it on the GPU alone,
-        not for its read and commit as well (H200, 1.5B, EAGLE-3 chains at 4 conversations
-        at once: a second turn waited 2.7-3.7 ms for its prefill, against 0.5 ms with plain
-        steps ahead, which prefills kept)."""
-        drafting = self.ahead.drafting
-        if drafting is None or drafting.step is None or batch is None or not batch.is_extend:
-            return None
-        if not self.scheduler.run_beside(drafting.step.reqs, batch):
-            return None
-        return KeptStep(self, drafting.take_out())
-
-    def commit_kept(self, step: DraftStep) -> list[StepOutput]:
-        """That step, read and committed once the prefill is launched: not priced (its time is
-        the prefill's too), nothing launched after it (another batch is next)."""
-        launched = LaunchedDraft(step, steady=False, kept=True)
-        return self.commit(launched, self.read(launched))
-
-    def release_kept(self, step: DraftStep) -> None:
-        self.scheduler.free_slots(step.slots)
 
     def launch(self, batch: Batch, started: float) -> LaunchedDraft:
         """The step launched ahead for this batch, or one launched now: one launched when the
@@ -138,7 +110,6 @@ class DraftingStep(StepPipeline):
         live, committed = unfinished(outputs)
         if self.planner.adaptive is not None:   # before the next step's choice, as on every path
             self.planner.show_policy(live, committed)
-        if self.planner.adaptive is not None and not launched.kept:
             self.planner.record_step(len(reqs), step.num_slots, now - step.started, committed_tokens(outputs),
                                      launched.steady, int(step.num_nodes.sum()))
         if chained is not None:

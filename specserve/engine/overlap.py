@@ -38,7 +38,7 @@ import torch
 
 from specserve.engine.scheduler import Scheduler
 from specserve.grammar.next_masks import keep_plain_to_grammar
-from specserve.request.req import Batch, Req, same_requests
+from specserve.request.req import Batch, Req, ReqState, same_requests
 from specserve.runner.model_runner import InFlight, ModelRunner
 from specserve.runner.side_stream import beside
 
@@ -237,7 +237,9 @@ class OverlapSchedule:
         if ahead is None or self.scheduler.focus is not None:
             return None
         self._cut_ended(ahead)
-        if not ahead.reqs or not self.scheduler.run_beside(ahead.reqs, batch):
+        running, batched = {id(r) for r in self.scheduler.running}, {id(r) for r in batch.reqs}
+        if not ahead.reqs or any(r.state is not ReqState.RUNNING or r.row is None or id(r) not in running
+                                 or id(r) in batched for r in ahead.reqs):
             return None
         self.ahead = None
         return ahead

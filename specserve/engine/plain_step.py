@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from specserve.engine.overlap import StepAhead
 from specserve.engine.step_output import StepOutput
-from specserve.engine.step_parts import KeptStep, StepPipeline
+from specserve.engine.step_parts import StepPipeline
 from specserve.request.req import Batch, Req
 from specserve.sampling.sampler import SampledStep
 from specserve.speculative.drafter import ReadsHiddenStates
@@ -117,14 +117,13 @@ class PlainStep(StepPipeline):
         self.planner.record_step(len(after.reqs), 1, seconds, len(after.outputs), steady)   # a token each
 
     # --- the step launched ahead that a prefill came after ---
-    def keep_through(self, batch: Batch | None) -> KeptStep | None:
+    def keep_through(self, batch: Batch | None):
         """The step launched ahead, taken out to be read after `batch` if that is a prefill
         that leaves its requests running (OverlapSchedule.keep_through); else None."""
         overlap = self.ahead.plain
         if overlap is None or batch is None or not batch.is_extend:
             return None
-        step = overlap.keep_through(batch)
-        return None if step is None else KeptStep(self, step)
+        return overlap.keep_through(batch)
 
     def commit_kept(self, kept: StepAhead) -> list[StepOutput]:
         """That step, read once the prefill is launched (its GPU work came first): its tokens
@@ -132,12 +131,13 @@ class PlainStep(StepPipeline):
         try:
             tokens = self.ahead.plain.read(kept)
         except BaseException:
-            self.release_kept(kept)
+            self.release(kept)
             raise
         return self.planner.observe(self._commit_tokens(kept, tokens))
 
-    def release_kept(self, step: StepAhead) -> None:
-        self.ahead.plain.release(step)
+    def release(self, step: StepAhead | None) -> None:
+        if step is not None:
+            self.ahead.plain.release(step)
 
     def _commit_tokens(self, step: StepAhead, tokens: list[int]) -> list[StepOutput]:
         """A plain step's tokens, read: its KV slots (in the table already: the step wrote

@@ -115,13 +115,6 @@ class Scheduler:
         self._prefilled = batch.reqs[decode_count:] if batch is not None and batch.is_extend else []
         return batch
 
-    def run_beside(self, reqs: list[Req], batch: Batch) -> bool:
-        """Whether every one of these requests still runs, with its row, and none is in `batch`
-        (a mixed chunk's decode rows): a step launched ahead for them may then be read after it."""
-        running, batched = {id(r) for r in self.running}, {id(r) for r in batch.reqs}
-        return all(r.state is ReqState.RUNNING and r.row is not None and id(r) in running and id(r) not in batched
-                   for r in reqs)
-
     def _cache_prefilled(self) -> None:
         """The prompt chunks of the last step join the prefix cache (a step that failed and was
         trimmed leaves only what it committed); done here, once the step has fully committed."""

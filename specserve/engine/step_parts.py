@@ -1,6 +1,5 @@
 """StepParts: what every step pipeline works with, built once by the core; StepPipeline: the
-base of the pipelines (engine/*_step.py), one per kind of step; KeptStep: a decode step
-launched ahead that a prefill keeps."""
+base of the pipelines (engine/*_step.py), one per kind of step."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,7 +12,7 @@ from specserve.engine.scheduler import Scheduler
 from specserve.engine.step_events import StepEvents
 from specserve.engine.step_output import StepOutput
 from specserve.engine.steps_ahead import StepsAhead
-from specserve.request.req import Batch, Req
+from specserve.request.req import Batch
 from specserve.runner.model_runner import ModelRunner
 from specserve.sampling.sampler import Sampler
 
@@ -49,25 +48,3 @@ class StepPipeline:
     def commit(self, launched: Any, outcome: Any) -> list[StepOutput]:
         """KV, tokens, the drafter and the policy; where it can, the next step launched first."""
         raise NotImplementedError
-
-
-@dataclass
-class KeptStep:
-    """A decode step launched ahead that a prefill came after (a request arrived): its tokens
-    still count, so the pipeline that launched it reads and commits it once the prefill is
-    launched behind it (its GPU work came first), where before the prefill waited for its
-    read and commit (EngineCore._run)."""
-    pipeline: Any   # PlainStep or DraftingStep: commit_kept, release_kept
-    step: Any       # its StepAhead or DraftStep
-
-    @property
-    def reqs(self) -> list[Req]:
-        return self.step.reqs
-
-    def commit(self) -> list[StepOutput]:
-        """Read and committed; released by the pipeline itself if its read fails."""
-        return self.pipeline.commit_kept(self.step)
-
-    def release(self) -> None:
-        """Its slots freed (no request holds them before its commit)."""
-        self.pipeline.release_kept(self.step)
