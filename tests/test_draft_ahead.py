@@ -160,6 +160,29 @@ def test_a_batch_that_runs_dry_decodes_on_plain_steps_launched_ahead(engine_fact
     wait_until_all_kv_is_free(engine)
 
 
+def test_a_larger_batch_with_nothing_to_draft_verifies_roots_alone(engine_factory, plain):
+    """Above DRY_STRETCH_MAX_BATCH a drafting step's successor whose proposal holds roots alone
+    stays a drafting step launched ahead: no stretch of plain steps opens (on a GPU at batch 8
+    they cost the repeated turn 10-20%). The outputs are plain decoding's."""
+    engine = ahead_on(engine_factory(max_total_tokens=4096, **ngram_args(8)))
+    recorder = LaunchRecorder()
+    engine.core.events.add(recorder)
+    overlap, opened = engine.core.overlap, []
+    launch_ahead = overlap.launch_ahead
+
+    def recording(reqs, opens_dry_stretch=False):
+        opened.append((len(reqs), opens_dry_stretch))
+        return launch_ahead(reqs, opens_dry_stretch)
+    overlap.launch_ahead = recording
+    prompts = [SAMPLE_PROMPTS[4], SAMPLE_PROMPTS[3]]   # stories: stretches without drafts
+    params = dict(GREEDY, max_new_tokens=48, ignore_eos=True)
+    got = engine.generate(prompts, params)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in plain.generate(prompts, params)]
+    assert not any(size > 1 and dry for size, dry in opened), opened
+    assert ("draft", 1, True) in recorder.launches, recorder.launches   # roots alone, verified
+    wait_until_all_kv_is_free(engine)
+
+
 def _step_until_ahead(core, reqs, limit: int = 50) -> None:
     for _ in range(limit):
         core.step()

@@ -22,6 +22,14 @@ from specserve.speculative.drafter import Drafter, FusedSteps, hints
 from specserve.verify.tree import TreeProposal
 
 
+# The largest batch whose steps with nothing to draft run as plain steps launched ahead (runs_dry).
+# H200, 1.5B, NGRAM with default flags, against 98f114d (which verified roots alone): at batch 1,
+# code edits with types +8% (every round above every round before), the rest within their spread;
+# at batch 8, the repeated turn's throughput 0.78-0.90 of 98f114d's in each of five comparisons over
+# two days. With the limit at 1, that turn at 8 ran 8541-10182 tok/s against 6802-8445 (one lease).
+DRY_STRETCH_MAX_BATCH = 1
+
+
 @dataclass
 class Shadows:
     """A step's full proposals, recorded as the policy's shadows once the step is launched
@@ -121,6 +129,11 @@ class DraftPlanner:
             return True
         return not ((adaptive is None or adaptive.would_draft(batch_size)) and hints(drafter).ready_to_draft())
 
+    def may_run_dry(self, batch_size: int) -> bool:
+        """Whether a batch of this size with nothing to draft may decode on plain steps launched
+        ahead (DRY_STRETCH_MAX_BATCH), where larger ones verify roots alone."""
+        return batch_size <= DRY_STRETCH_MAX_BATCH
+
     def runs_dry(self, reqs: list[Req]) -> bool:
         """Whether the drafter, whose proposals are cheap, proposes nothing to verify for any of
         these requests now: the step after this plain one would verify roots alone, a plain step
@@ -128,7 +141,7 @@ class DraftPlanner:
         tools: 1.8-2.1 ms against 1.2-1.4 launched ahead, ~30 such steps a run), so it is launched
         ahead as a plain step instead. The proposal is not the policy's evidence: it is asked
         again, one token later, by the drafting step that follows a stretch that ends."""
-        if not self.drafter.proposes_cheaply:
+        if not self.drafter.proposes_cheaply or not self.may_run_dry(len(reqs)):
             return False
         self.drafter.flush()   # the tokens the last plain steps committed, indexed first
         _, num_nodes = self.drafter.propose(reqs, self.limits(reqs))

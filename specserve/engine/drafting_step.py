@@ -162,8 +162,10 @@ class DraftingStep(StepPipeline):
     def _plain_runs_ahead(self, reqs: list[Req]) -> bool:
         """Whether a step with nothing to verify may run as a plain step on the overlap schedule
         (plain_step.py), which launches its successors ahead while the drafter has nothing to
-        propose: greedy requests, and a drafter whose steps the engine verifies itself."""
-        return (self.ahead.plain is not None and self.sampler.masked_argmax_is_enough(reqs)
+        propose: greedy requests of a batch small enough (DraftPlanner.may_run_dry), and a
+        drafter whose steps the engine verifies itself."""
+        return (self.ahead.plain is not None and self.planner.may_run_dry(len(reqs))
+                and self.sampler.masked_argmax_is_enough(reqs)
                 and not isinstance(self.planner.drafter, FusedSteps))
 
     def _launch_chained(self, reqs: list[Req], step: DraftStep) -> ChainedStep | None:
