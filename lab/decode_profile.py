@@ -19,7 +19,7 @@ import random
 import torch
 
 from specserve.bench.gpu_suite import measure_copy_bandwidth, weight_bytes
-from specserve.bench.random_model import SHAPES, write_random_model
+from specserve.bench.random_model import SHAPES, write_model_config
 
 def events_time_us(fn, reps: int = 50) -> float:
     """GPU time per fn() call for work that is already a graph replay."""
@@ -126,12 +126,12 @@ def main(argv=None) -> None:
         bench_linears(SHAPES[ns.shape], write)
     from specserve.engine.engine import Engine
     from specserve.model import gemv
-    path = write_random_model(f"/tmp/random-{ns.shape}", ns.shape)
+    path = write_model_config(f"/tmp/random-{ns.shape}", ns.shape)   # weights: --load-format dummy
     # cuBLAS, no overlap (the previous engine) -> + one-row GEMV kernels -> + the overlap schedule
     for use_gemv, overlap in ((False, False), (True, False), (True, True)):
         gemv.ENABLED = use_gemv
-        engine = Engine(model_path=path, log_level="warning", cuda_graph_max_bs=8, max_total_tokens=100_000,
-                        disable_overlap_schedule=not overlap)
+        engine = Engine(model_path=path, load_format="dummy", log_level="warning", cuda_graph_max_bs=8,
+                        max_total_tokens=100_000, disable_overlap_schedule=not overlap)
         roofline = bandwidth / weight_bytes(engine)
         write({"kind": "roofline", "gemv": use_gemv, "overlap": overlap, "weight_bytes": weight_bytes(engine),
                "roofline_tok_s_bs1": roofline})

@@ -43,7 +43,7 @@ import torch
 from lab.decode_profile import events_time_us, kernel_times
 from lab.random_head import write_random_eagle3_head
 from specserve.attention.triton_backend import TritonBackend
-from specserve.bench.random_model import SHAPES, write_random_model
+from specserve.bench.random_model import SHAPES, write_model_config
 from specserve.speculative.drafter import Drafter
 from specserve.verify.tree import TreeProposal
 
@@ -198,7 +198,8 @@ def engine_rows(ns, shape: str, path: str, algorithm: str, sizes: list[int], wri
         "speculative_num_steps": ns.num_steps, "speculative_eagle_topk": 1,
         "speculative_draft_model_path": write_random_eagle3_head(
             os.path.join(ns.model_dir, f"random-{shape}-eagle3-head"), shape, ns.draft_vocab)}
-    engine = Engine(model_path=path, log_level="warning", speculative_algorithm=algorithm, device=ns.device,
+    engine = Engine(model_path=path, load_format="dummy", log_level="warning", speculative_algorithm=algorithm,
+                    device=ns.device,
                     cuda_graph_max_bs=max(ns.batch_sizes), max_total_tokens=200_000, skip_server_warmup=True, **extra)
     engine.shutdown()  # the step loop is driven from this thread
     fused_drafter = engine.core.drafter if algorithm == "EAGLE3" else None
@@ -266,7 +267,9 @@ def main(argv=None) -> list[dict]:
 
     rows = []
     for shape in ns.shape:
-        path = write_random_model(os.path.join(ns.model_dir, f"random-{shape}"), shape, device=ns.device)
+        # config and tokenizer only: the engines make random weights on the device (--load-format dummy),
+        # where writing a 7B shape's 15 GB and reading it back took minutes of a lease
+        path = write_model_config(os.path.join(ns.model_dir, f"random-{shape}"), shape)
         shape_rows = engine_rows(ns, shape, path, "NGRAM", sizes, write)
         if eagle:
             shape_rows += engine_rows(ns, shape, path, "EAGLE3", sizes, write)
