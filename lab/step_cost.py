@@ -95,7 +95,12 @@ def start_requests(engine, bs: int, step: str, size: int, steps: int, prompt_len
         core.add_request(req)
         reqs.append(req)
     while any(r.kv_len < len(r.prompt_ids) for r in reqs):  # prefill
+        # the step times go to the prefill pacer as the engine's loop gives them: without them
+        # chunks stay at its floor (4 tokens) once some requests decode, and a batch whose
+        # prompts exceed one chunk (32 x 600 tokens) takes thousands of steps to start
+        start = time.perf_counter()
         core.step()
+        core.scheduler.record_step_time(time.perf_counter() - start)
     for _ in range(warm_steps):
         core.step()
     return reqs

@@ -44,15 +44,17 @@ def test_split_workspace_is_left_clear_for_the_next_call(config):
 
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("silu_mul,bias", [(False, True), (True, False)])
-def test_rows_with_add_norm_match_add_rmsnorm_then_linear(config, silu_mul, bias):
-    """The pre-norm inside the kernel: residual + x written out, rmsnorm(residual + x) * w as
-    input, each row normalised by its own sum of squares."""
+@pytest.mark.parametrize("prenormed", [False, True])
+def test_rows_with_add_norm_match_add_rmsnorm_then_linear(config, silu_mul, bias, prenormed):
+    """The pre-norm inside the kernel's loop or by its own kernel first (prenormed): residual
+    + x written out, rmsnorm(residual + x) * w as input, each row normalised by its own sum
+    of squares."""
     torch.manual_seed(4)
     rows, k, n = 6, 300, 2 * 37
     x, residual = torch.randn(rows, k, device=DEVICE), torch.randn(rows, k, device=DEVICE) * 3
     norm = AddNorm(residual, torch.randn(k, device=DEVICE), 1e-6)
     w, b = torch.randn(n, k, device=DEVICE), (torch.randn(n, device=DEVICE) if bias else None)
-    out, residual_out = rows_linear.rows_gemm(x, w, b, silu_mul, config, add_norm=norm)
+    out, residual_out = rows_linear.rows_gemm(x, w, b, silu_mul, config, add_norm=norm, prenormed=prenormed)
     expected, expected_residual = gemv.reference(x, w, b, silu_mul, add_norm=norm)
     torch.testing.assert_close(residual_out, expected_residual)
     close(out, expected)
@@ -60,8 +62,8 @@ def test_rows_with_add_norm_match_add_rmsnorm_then_linear(config, silu_mul, bias
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-@pytest.mark.parametrize("add_norm", [False, True])
-def test_rows_with_rope_match_linear_then_rope_and_store(config, add_norm):
+@pytest.mark.parametrize("add_norm,prenormed", [(False, False), (True, False), (True, True)])
+def test_rows_with_rope_match_linear_then_rope_and_store(config, add_norm, prenormed):
     """The qkv epilogue per row: q rotated at the row's position and returned, k rotated and
     v copied into the row's pool slot (3 q heads share 1 kv head); other slots untouched."""
     from specserve.model.rope import RotaryEmbedding
@@ -76,7 +78,7 @@ def test_rows_with_rope_match_linear_then_rope_and_store(config, add_norm):
     positions, slots = torch.tensor([7, 8, 11], device=DEVICE), torch.tensor([4, 1, 6], device=DEVICE)
     rope, expected_rope = (RopeStore(tables.cos, tables.sin, positions, slots, k_pool, v_pool, num_q)
                            for k_pool, v_pool in (pools, [p.clone() for p in pools]))
-    out = rows_linear.rows_gemm(x, w, b, config=config, add_norm=norm, rope=rope)
+    out = rows_linear.rows_gemm(x, w, b, config=config, add_norm=norm, rope=rope, prenormed=prenormed)
     expected = gemv.reference(x, w, b, False, add_norm=norm, rope=expected_rope)
     if add_norm:
         (out, residual_out), (expected, expected_residual) = out, expected
@@ -90,8 +92,8 @@ def test_rows_with_rope_match_linear_then_rope_and_store(config, add_norm):
         torch.testing.assert_close(written[[0, 2, 3, 5, 7]], before[[0, 2, 3, 5, 7]], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3"])
-def test_decoder_row_kernels_match_the_batched_path(arch, monkeypatch):
+@pytest.mark.parametrize("arch,prenormed", [("qwen2", False), ("qwen2", True), ("llama", True), ("qwen3", False)])
+def test_decoder_row_kernels_match_the_batched_path(arch, prenormed, monkeypatch):
     """DecoderLayer's fused path for several rows (pre-norms inside the kernels, RoPE + KV
     write in the qkv kernel's epilogue; Qwen3's q/k norms keep the separate RoPE) gives the
     batched path's logits for a prefill and a verify step, and leaves the same K/V in the pool."""
@@ -110,7 +112,7 @@ def test_decoder_row_kernels_match_the_batched_path(arch, monkeypatch):
     for module in (layers, llama):
         monkeypatch.setattr(module, "takes_row_kernels", lambda x: x.shape[0] <= rows_linear.MAX_ROWS)
     monkeypatch.setattr(gemv, "best_config", lambda *args: gemv.CANDIDATES[0])
-    monkeypatch.setattr(rows_linear, "best_config", lambda *args: CONFIGS[2])
+    monkeypatch.setattr(rows_linear, "best_config", lambda *args: (CONFIGS[2], prenormed))
     got = run(drivers[1])
     for g, e in zip(got, expected):
         close(g, e)
@@ -144,11 +146,14 @@ def test_every_tuned_config_at_real_k_matches_the_unfused_path(matrix, rows):
     lanes = n // 2 if silu_mul or heads else n
     configs = rows_linear.candidates_for(lanes, rows_linear.padded_rows(rows))
     assert any(c[2] > 1 for c in configs) and any(c[2] == 1 for c in configs)
-    for config in configs:
+    # prenormed inputs with one config of each epilogue path (split K or not): the loop is the bare one
+    variants = [(c, False) for c in configs] + ([(next(c for c in configs if c[2] == s), True) for s in
+                                                 (1, max(c[2] for c in configs))] if add_norm else [])
+    for config, prenormed in variants:
         for _ in range(REPEATS):  # on a GPU, a race between threads or programs shows in some of them
             rope, expected_rope = ((RopeStore(tables.cos, tables.sin, positions, slots, kp.clone(), vp.clone(),
                                               heads[0]) for kp, vp in (pools, pools)) if heads else (None, None))
-            got = rows_linear.rows_gemm(x, w, b, silu_mul, config, add_norm=norm, rope=rope)
+            got = rows_linear.rows_gemm(x, w, b, silu_mul, config, add_norm=norm, rope=rope, prenormed=prenormed)
             expected = gemv.reference(x, w, b, silu_mul, add_norm=norm, rope=expected_rope)
             if add_norm:
                 torch.testing.assert_close(got[1], expected[1])

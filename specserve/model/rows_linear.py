@@ -18,9 +18,19 @@ The layout here (y^T = W x^T, the weights as the wide operand of a tensor-core d
 - the slices of a lane block meet in a float32 workspace: each adds its partial sums
   atomically, and the last to arrive (a per-block counter) runs the epilogue and zeroes
   the workspace and counter for the next call (no clearing kernel, graph-safe);
-- the pre-norm costs no pass of its own, as in gemv.py: the input is (w * s) with
-  s = residual + x, the row's sum of squares is accumulated beside it, and the rsqrt
-  scale multiplies the dot products at the end.
+- the pre-norm's rsqrt scale multiplies the dot products at the end, as in gemv.py: the
+  input is (w * s) with s = residual + x, unscaled. Either every program computes it tile
+  by tile in its loop, accumulating each row's sum of squares beside it (no pass of its
+  own), or a small kernel first writes it once with each row's scale, and the loop only
+  loads it ("prenormed"). The loop's own norm work costs more than the extra kernel on the
+  large matrices: H200, 8 rows, gate_up + norm 21.4 us against 16.6 us for the same
+  matrix bare (1.5B), 82-88 against 70 (7B shape); the tuner times both;
+- with PDL a program lets the next kernel launch only after its loop. Let go at its
+  start (as the one-row GEMV does), the next kernel's programs took SM slots while this
+  one still had programs to place, and timings in isolation stopped predicting the step:
+  the prenormed choices the tuner made slowed a 1.5B batch-8 decode step from 1.63 to
+  1.80 ms; with the late trigger the same choices gave 1.49 ms, a batch-1 4-node verify
+  1.64 -> 1.49 ms (lab.step_cost, docs/bench/h200_2026-12-04c/).
 
 Tile configs and cuBLAS are timed per (weight shape, epilogue, padded row count) the
 first time they are seen (before the engine captures its graphs), so the faster path
@@ -66,16 +76,16 @@ MAX_SPLIT_LANES = 32768
 def _rows_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, R, N_OUT, K, out_stride,
                  res_ptr, norm_w_ptr, res_out_ptr, eps,
                  cos_ptr, sin_ptr, positions_ptr, slots_ptr, k_buf_ptr, v_buf_ptr, num_q_heads, num_kv_heads,
-                 ws_ptr, squares_ptr, count_ptr,
+                 ws_ptr, squares_ptr, count_ptr, scale_ptr,
                  HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, ADD_NORM: tl.constexpr, ROPE: tl.constexpr,
+                 ROW_SCALE: tl.constexpr,
                  HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
                  SPLIT: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     # x: (R, K) rows; W: (N, K). A lane reads two weight rows with SILU_MUL (gate row, up row
     # N_OUT further) and with ROPE (dims d and d + HALF of one head), one row otherwise.
+    # ROW_SCALE: x is prenormed, scale_ptr holds each row's rsqrt factor.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
     TWO: tl.constexpr = SILU_MUL or ROPE
     lanes = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     lane_ok = lanes < N_OUT
@@ -118,6 +128,8 @@ def _rows_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, R, N_OUT, K, out_stride,
         if TWO:
             w2 = tl.load(w_second + k + cols[None, :], mask=w_mask, other=0.0)
             acc_second = tl.dot(w2, tl.trans(x), acc_second, input_precision=PRECISION)
+    if USE_PDL:  # the next kernel may launch now, not earlier (see the module docstring)
+        tl.extra.cuda.gdc_launch_dependents()
     if ADD_NORM:
         if pid_n == 0:  # residual + x written out once, by the first lane block's slices
             for k in range(k_lo, k_hi, BLOCK_K):
@@ -129,7 +141,8 @@ def _rows_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, R, N_OUT, K, out_stride,
     if SPLIT == 1:
         _rows_epilogue(acc, acc_second, squares, lanes, lane_ok, w_index, second_index, rows, row_ok, K, eps,
                        bias_ptr, out_ptr, out_stride, cos_ptr, sin_ptr, positions_ptr, slots_ptr, k_buf_ptr,
-                       v_buf_ptr, num_q_heads, num_kv_heads, HAS_BIAS, SILU_MUL, ADD_NORM, ROPE, HALF)
+                       v_buf_ptr, num_q_heads, num_kv_heads, scale_ptr, HAS_BIAS, SILU_MUL, ADD_NORM, ROPE,
+                       ROW_SCALE, HALF)
     else:
         # the slices of this lane block meet in the workspace; the last one finishes the block
         block = ws_ptr + pid_n * (2 * BLOCK_N * ROWS)
@@ -163,7 +176,8 @@ def _rows_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, R, N_OUT, K, out_stride,
             tl.store(count_ptr + pid_n, 0)
             _rows_epilogue(acc, acc_second, squares, lanes, lane_ok, w_index, second_index, rows, row_ok, K, eps,
                            bias_ptr, out_ptr, out_stride, cos_ptr, sin_ptr, positions_ptr, slots_ptr, k_buf_ptr,
-                           v_buf_ptr, num_q_heads, num_kv_heads, HAS_BIAS, SILU_MUL, ADD_NORM, ROPE, HALF)
+                           v_buf_ptr, num_q_heads, num_kv_heads, scale_ptr, HAS_BIAS, SILU_MUL, ADD_NORM, ROPE,
+                           ROW_SCALE, HALF)
 
 
 @triton.jit
@@ -185,13 +199,16 @@ def _rows_input(x_ptr, res_ptr, norm_w_ptr, rows, row_ok, cols, col_ok, K, ADD_N
 @triton.jit
 def _rows_epilogue(acc, acc_second, squares, lanes, lane_ok, w_index, second_index, rows, row_ok, K, eps,
                    bias_ptr, out_ptr, out_stride, cos_ptr, sin_ptr, positions_ptr, slots_ptr, k_buf_ptr,
-                   v_buf_ptr, num_q_heads, num_kv_heads, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
-                   ADD_NORM: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr):
+                   v_buf_ptr, num_q_heads, num_kv_heads, scale_ptr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+                   ADD_NORM: tl.constexpr, ROPE: tl.constexpr, ROW_SCALE: tl.constexpr, HALF: tl.constexpr):
     """acc: (BLOCK_N, ROWS) dot products, lane by row. Norm scale, bias, rounding to the
     model dtype (as the unfused matmul rounds before SiLU * up or RoPE), then the output."""
     y, y_second = acc, acc_second
-    if ADD_NORM:
-        inv_rms = tl.rsqrt(squares / K + eps)
+    if ADD_NORM or ROW_SCALE:
+        if ADD_NORM:
+            inv_rms = tl.rsqrt(squares / K + eps)
+        else:
+            inv_rms = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
         y *= inv_rms[None, :]
         y_second *= inv_rms[None, :]
     if HAS_BIAS:
@@ -237,6 +254,39 @@ def _rows_rope(first, second, lanes, rows, row_ok, ok, q_ptr, q_stride, cos_ptr,
     tl.store(v_buf_ptr + offset + HALF, rotated_second.to(v_buf_ptr.dtype.element_ty), mask=ok & is_v)
 
 
+@triton.jit
+def _prenorm_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, normed_ptr, scale_ptr, K, eps,
+                    BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    """One row: residual + x (rounded as torch adds) written out; norm_w * (residual + x),
+    unscaled, in the model dtype as the fused loop rounds it; and the row's rsqrt factor."""
+    row = tl.program_id(0).to(tl.int64)
+    if USE_PDL:  # the linear behind may start streaming its weights; x is the previous kernel's
+        tl.extra.cuda.gdc_launch_dependents()
+    cols = tl.arange(0, BLOCK)
+    ok = cols < K
+    norm_w = tl.load(norm_w_ptr + cols, mask=ok, other=0.0).to(tl.float32)   # a parameter
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    summed = tl.load(x_ptr + row * K + cols, mask=ok, other=0.0) + tl.load(res_ptr + row * K + cols, mask=ok,
+                                                                          other=0.0)
+    tl.store(res_out_ptr + row * K + cols, summed, mask=ok)
+    summed = summed.to(tl.float32)
+    tl.store(normed_ptr + row * K + cols, (norm_w * summed).to(normed_ptr.dtype.element_ty), mask=ok)
+    tl.store(scale_ptr + row, tl.rsqrt(tl.sum(summed * summed, axis=0) / K + eps))
+
+
+def prenorm(x: torch.Tensor, add_norm: AddNorm, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """(norm_w * (residual + x) in `dtype`, residual + x, each row's rsqrt factor (float32))."""
+    count, k = x.shape
+    normed = torch.empty((count, k), dtype=dtype, device=x.device)
+    residual_out = torch.empty_like(x)
+    scale = torch.empty(count, dtype=torch.float32, device=x.device)
+    pdl = uses_pdl(x.device)
+    _prenorm_kernel[(count,)](x, add_norm.residual, add_norm.weight, residual_out, normed, scale, k, add_norm.eps,
+                              BLOCK=triton.next_power_of_2(k), USE_PDL=pdl, **({"launch_pdl": True} if pdl else {}))
+    return normed, residual_out, scale
+
+
 def padded_rows(rows: int) -> int:
     """The rows a kernel instance computes: tl.dot's smallest width, 16, or a power of two."""
     return max(16, triton.next_power_of_2(rows))
@@ -255,10 +305,11 @@ def _workspace(device: torch.device, lane_blocks: int, block_n: int) -> tuple[to
 
 def rows_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
               config: tuple[int, int, int, int, int] = CANDIDATES[0], add_norm: AddNorm | None = None,
-              rope: RopeStore | None = None):
+              rope: RopeStore | None = None, prenormed: bool = False):
     """x: (R, K) contiguous, R <= MAX_ROWS; weight: (N, K) contiguous. Returns (R, N),
     (R, N / 2) with silu_mul, or q (R, num_q_heads * head_dim) with rope (k and v go to the
-    pool slots rope.slots[:R]). With add_norm, returns (output, residual + x)."""
+    pool slots rope.slots[:R]). With add_norm, returns (output, residual + x), the norm's
+    input made by the loop or, `prenormed`, by a kernel of its own first."""
     count, k = x.shape
     if count > MAX_ROWS:
         raise ValueError(f"rows_gemm takes at most {MAX_ROWS} rows, got {count}")
@@ -267,7 +318,12 @@ def rows_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     block_n, block_k, split, warps, stages = config
     width = rope.num_q_heads * rope.heads[2] if rope is not None else lanes
     out = torch.empty((count, width), dtype=x.dtype, device=x.device)
-    residual_out = torch.empty_like(x) if add_norm is not None else None
+    scale = None
+    if add_norm is not None and prenormed:
+        normed, residual_out, scale = prenorm(x, add_norm, weight.dtype)
+        x, add_norm = normed, None
+    else:
+        residual_out = torch.empty_like(x) if add_norm is not None else None
     norm = add_norm or AddNorm(x, x, 0.0)  # unused pointers when there is no norm
     r = rope or RopeStore(x, x, x, x, x, x, 0)  # likewise
     lane_blocks = triton.cdiv(lanes, block_n)
@@ -277,12 +333,13 @@ def rows_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
         x, weight, bias if bias is not None else weight, out, count, lanes, k, width,
         norm.residual, norm.weight, residual_out if residual_out is not None else out, norm.eps,
         r.cos, r.sin, r.positions, r.slots, r.k_buffer, r.v_buffer, r.num_q_heads, r.heads[1] if rope else 0,
-        sums, squares, counts,
+        sums, squares, counts, scale if scale is not None else sums,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, ADD_NORM=add_norm is not None, ROPE=rope is not None,
+        ROW_SCALE=scale is not None,
         HALF=r.heads[2] // 2 if rope else 1, BLOCK_N=block_n, BLOCK_K=min(block_k, max(16, triton.next_power_of_2(k))),
         ROWS=padded_rows(count), SPLIT=split, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         USE_PDL=pdl, num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}))
-    return out if add_norm is None else (out, residual_out)
+    return out if residual_out is None else (out, residual_out)
 
 
 def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
@@ -290,18 +347,19 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """x @ W^T (+ bias) (then silu_mul or rope) for 2-MAX_ROWS CUDA rows, by the fastest
     measured path; with add_norm the input is normalised first and (output, residual + x)
     is returned."""
-    config = best_config(tuple(weight.shape), weight.dtype, bias is not None, silu_mul, add_norm is not None,
+    choice = best_config(tuple(weight.shape), weight.dtype, bias is not None, silu_mul, add_norm is not None,
                          rope.heads if rope is not None else None, padded_rows(x.shape[0]), weight.device)
-    if config is None:
+    if choice is None:
         return unfused(x, weight, bias, silu_mul, add_norm, rope)
-    return rows_gemm(x, weight, bias, silu_mul, config, add_norm, rope)
+    config, prenormed = choice
+    return rows_gemm(x, weight, bias, silu_mul, config, add_norm, rope, prenormed)
 
 
 @functools.lru_cache(maxsize=None)
 def best_config(shape: tuple[int, int], dtype: torch.dtype, has_bias: bool, silu_mul: bool, add_norm: bool,
                 rope_heads: tuple[int, int, int] | None, rows: int, device: torch.device):
-    """The fastest tile config for this weight shape and padded row count, or None when
-    cuBLAS and the separate kernels are faster."""
+    """The fastest (tile config, prenormed) for this weight shape and padded row count, or
+    None when cuBLAS and the separate kernels are faster."""
     times = candidate_times(shape, dtype, has_bias, silu_mul, add_norm, device, rope_heads, rows)
     logger.info("%d-row matmul %s%s%s%s: %s", rows, shape, " + add_norm" if add_norm else "",
                 " + silu_mul" if silu_mul else "", " + rope" if rope_heads else "",
@@ -318,15 +376,17 @@ def candidates_for(lanes: int, rows: int) -> list[tuple[int, int, int, int, int]
 
 def candidate_times(shape: tuple[int, int], dtype: torch.dtype, has_bias: bool, silu_mul: bool, add_norm: bool,
                     device: torch.device, rope_heads: tuple[int, int, int] | None = None, rows: int = 16) -> dict:
-    """GPU microseconds per call of the unfused path (key None) and each config, at `rows`
-    rows, with the weights read from HBM (gemv.timing_inputs)."""
+    """GPU microseconds per call of the unfused path (key None) and each (config, prenormed),
+    at `rows` rows, with the weights read from HBM (gemv.timing_inputs). Without a norm,
+    prenormed is False only."""
     weights, bias, x, norm, rope = timing_inputs(shape, dtype, has_bias, add_norm, device, rope_heads, rows)
     times = {None: graph_time_us([lambda w=w: unfused(x, w, bias, silu_mul, norm, rope) for w in weights])}
     lanes = shape[0] // 2 if silu_mul or rope_heads else shape[0]
     for config in candidates_for(lanes, rows):
-        try:
-            times[config] = graph_time_us([lambda w=w: rows_gemm(x, w, bias, silu_mul, config, norm, rope)
-                                           for w in weights])
-        except Exception as error:  # e.g. a tile that needs more shared memory than this GPU has
-            logger.warning("rows config %s failed on %s: %s", config, shape, error)
+        for prenormed in (False, True) if add_norm else (False,):
+            try:
+                times[config, prenormed] = graph_time_us(
+                    [lambda w=w: rows_gemm(x, w, bias, silu_mul, config, norm, rope, prenormed) for w in weights])
+            except Exception as error:  # e.g. a tile that needs more shared memory than this GPU has
+                logger.warning("rows config %s failed on %s: %s", config, shape, error)
     return times
