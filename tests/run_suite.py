@@ -17,6 +17,9 @@ with its share of the cores as torch threads (OMP_NUM_THREADS, which conftest.py
 two processes of two threads each on CI's two cores would spin against each other. Memory
 stays near two of the largest processes, ~12 GB. A group's line is printed when it ends.
 
+Under each group's line, its SLOWEST tests (pytest's --durations): where CI's time goes, in
+every CI log.
+
 `python tests/run_suite.py [--jobs N] [FILES...] [-- PYTEST ARGS]` runs some files, with
 pytest flags.
 """
@@ -35,6 +38,8 @@ from concurrent.futures import ThreadPoolExecutor
 KERNEL_TESTS = {"test_triton_attention.py", "test_fused_ops.py", "test_gemv.py", "test_prefill_graph.py",
                 "test_tree_kernels.py"}
 LOADS_A_MODEL = re.compile(r"smollm2|Engine\(|engine_factory|launch_server|start_server")
+SLOWEST = 5   # tests listed under each group's line, by duration
+DURATION = re.compile(r"^\d+\.\d+s (call|setup|teardown) ")
 COUNTS = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected)")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # seconds per process in CI (2 cores, one process at a time): they only order the processes
@@ -66,7 +71,7 @@ def run_group(paths: list[str], pytest_args: list[str], threads: int = 0) -> tup
     if os.path.basename(paths[0]) in KERNEL_TESTS:
         env["TRITON_INTERPRET"] = "1"
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                             "--continue-on-collection-errors", *paths, *pytest_args],
+                             "--continue-on-collection-errors", f"--durations={SLOWEST}", *paths, *pytest_args],
                             cwd=ROOT, env=env, capture_output=True, text=True)
     output = result.stdout + result.stderr
     lines = [line for line in output.splitlines() if COUNTS.search(line)]
@@ -101,6 +106,9 @@ def main(argv: list[str]) -> int:
             totals.update(counts)
             print(f"[{ended}/{len(batches)}] {name} ... {summary} ({time.perf_counter() - group_start:.0f} s)",
                   flush=True)
+            for line in output.splitlines():
+                if DURATION.match(line):
+                    print(f"    {line}", flush=True)
             if status not in (0, 5):
                 failures.extend(paths)
                 print(output, flush=True)
