@@ -43,9 +43,10 @@ DURATION = re.compile(r"^\d+\.\d+s (call|setup|teardown) ")
 COUNTS = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected)")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # seconds per process in CI (2 cores, one process at a time): they only order the processes
-SECONDS = {"kernels": 61, "light": 323, "test_seeded_speculation.py": 144, "test_peers_bench.py": 133,
-           "test_generation.py": 93, "test_prefix_cache_engine.py": 84, "test_draft_ahead.py": 81,
-           "test_overlap.py": 63, "test_spec_greedy.py": 54, "test_engine_sampling.py": 47, "test_server.py": 41}
+SECONDS = {"kernels": 60, "light": 756, "test_seeded_speculation.py": 190, "test_peers_bench.py": 143,
+           "test_draft_ahead.py": 128, "test_structured_suite.py": 111, "test_overlap.py": 99,
+           "test_prefix_cache_engine.py": 94, "test_generation.py": 90, "test_spec_greedy.py": 60,
+           "test_engine_sampling.py": 58, "test_server_shutdown.py": 55, "test_server.py": 46}
 
 
 def groups(files: list[str]) -> list[list[str]]:
