@@ -19,6 +19,9 @@
 #   scripts/gpu_run.sh step-cost                   (no models staged, ~3 min: plain, 4- and 8-node verify and the fused
 #                                                   EAGLE-3 step at batch 1 and 8 on random 1.5B weights, each with the
 #                                                   host's time by phase: where a verify step's unhidden host time goes)
+#   AB_OLD=.ab/old scripts/gpu_run.sh step-cost-ab  (no models staged: lab.step_cost for an old tree (`git archive REV
+#                                                   specserve lab | tar -x -C .ab/old`, carried) and this one, alternating,
+#                                                   AB_RUNS=2 times each; STEP_COST_ARGS replaces the default 1.5B rows)
 #   scripts/gpu_run.sh row-kernels [MODEL]         (the few-row kernels (SPECSERVE_ROW_KERNELS=0 turns them off): their tests on the
 #                                                   GPU, then greedy outputs with and without them; ~2 min with the 1.5B)
 #   scripts/gpu_run.sh standalone [NUM_STEPS...]   (STANDALONE 0.5B -> 1.5B against plain; tests/gpu/test_standalone_cuda.py)
@@ -126,6 +129,23 @@ if [ "$mode" = step-cost ]; then
     --out "$OUT/step_cost" 2>&1 | grep '^{' | tail -20
   python3 -m lab.suite_host_phases lab.step_cost --algorithm EAGLE3 --num-steps 3 --batch-sizes 1 8 \
     --steps 60 --out "$OUT/step_cost_eagle3" 2>&1 | grep '^{' | tail -20
+fi
+if [ "$mode" = step-cost-ab ]; then
+  # one line per row: tree, round, batch, step, draft size, wall and GPU ms. Compare GPU times: they repeat
+  # within ~0.01 ms between processes on a warm machine; wall times (host included) move 0.1-0.3 ms
+  for run in $(seq "${AB_RUNS:-2}"); do
+    for tree in old new; do
+      root=$PWD; [ $tree = old ] && root=$PWD/${AB_OLD:?AB_OLD names the old tree directory}
+      (cd "$root" && PYTHONPATH=/tmp/site:$root python3 -m lab.step_cost \
+        ${STEP_COST_ARGS:---shape qwen2.5-coder-1.5b --batch-sizes 1 8 --sizes 1 4 8 --steps 60} \
+        --out "$OUT/step_cost_${tree}_$run" 2>&1 | grep '^{' | python3 -c "
+import json, sys
+for line in sys.stdin:
+    r = json.loads(line)
+    print('$tree', $run, r['shape'], r['batch_size'], r['step'], r['draft_size'], 'wall', round(r['wall_ms'], 3),
+          'gpu', round(r.get('graph_gpu_ms', 0), 3))")
+    done
+  done
 fi
 if [ "$mode" = row-kernels ]; then
   # whether the opt-in few-row kernels compute cuBLAS's rows: their tests at the GPU's sizes and configs, then
