@@ -204,8 +204,8 @@ def engine_rows(ns, shape: str, path: str, algorithm: str, sizes: list[int], wri
         "speculative_draft_model_path": write_random_eagle3_head(
             os.path.join(ns.model_dir, f"random-{shape}-eagle3-head"), shape, ns.draft_vocab)}
     engine = Engine(model_path=path, load_format="dummy", log_level="warning", speculative_algorithm=algorithm,
-                    device=ns.device,
-                    cuda_graph_max_bs=max(ns.batch_sizes), max_total_tokens=200_000, skip_server_warmup=True, **extra)
+                    device=ns.device, cuda_graph_max_bs=max(ns.batch_sizes), max_total_tokens=200_000,
+                    skip_server_warmup=True, **extra)
     engine.shutdown()  # the step loop is driven from this thread
     fused_drafter = engine.core.drafter if algorithm == "EAGLE3" else None
     plan = [("plain" if size == 1 else "verify", size) for size in sorted(sizes)]
