@@ -142,6 +142,8 @@ if [ "$mode" = step-cost-ab ]; then
 import json, sys
 for line in sys.stdin:
     r = json.loads(line)
+    if r['kind'] != 'step_cost':
+        continue
     print('$tree', $run, r['shape'], r['batch_size'], r['step'], r['draft_size'], 'wall', round(r['wall_ms'], 3),
           'gpu', round(r.get('graph_gpu_ms', 0), 3))")
     done

@@ -89,3 +89,14 @@ def test_bad_num_steps_is_refused(capsys):
     with pytest.raises(SystemExit):
         step_cost.main(["--algorithm", "EAGLE3", "--num-steps", "0"])
     assert "--num-steps" in capsys.readouterr().err
+
+
+def test_fused_step_ops_are_counted_by_the_line_that_issued_them(tiny_shape, capsys):
+    from lab import fused_step_ops
+    by_line = fused_step_ops.main(["--shape", tiny_shape, "--device", "cpu", "--draft-vocab", "1024", "--top", "3"])
+    lines = list(by_line)
+    assert any("model_drafters/fused_step.py" in line and "write_head_table" in line for line in lines)
+    assert any("model_drafters/draft_chain.py" in line for line in lines)
+    assert "?" not in by_line and all(count > 0 for count in by_line.values())
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == f"ops per step: {sum(by_line.values()):.0f}" and len(printed) == 4

@@ -55,6 +55,7 @@ from specserve.engine.scheduler import Scheduler
 from specserve.grammar.greedy_paths import LogitsAt, keep_to_grammar
 from specserve.request.req import Req, same_requests
 from specserve.runner.model_runner import InFlight, ModelRunner
+from specserve.runner.stream_events import record
 from specserve.runner.tree_step import GreedyOutcome, pad_node_slots
 from specserve.speculative.drafter import ChainedSteps, Drafter, FusedSteps
 from specserve.verify.tree import TreeProposal
@@ -154,7 +155,7 @@ class OutcomeCopies:
         host.copy_(tensor, non_blocking=True)
         if self._done is None:
             self._done = torch.cuda.Event()
-        self._done.record()
+        record(self._done)
         return InFlight(tensor, host, self._done)
 
 

@@ -41,6 +41,7 @@ from specserve.grammar.next_masks import keep_plain_to_grammar
 from specserve.request.req import Batch, Req, ReqState, same_requests
 from specserve.runner.model_runner import InFlight, ModelRunner
 from specserve.runner.side_stream import beside
+from specserve.runner.stream_events import record
 
 
 @dataclass
@@ -222,8 +223,7 @@ class OverlapSchedule:
             # forbids a token
             step.logits = logits.clone()
             if logits.is_cuda:
-                step.logits_copied = torch.cuda.Event()
-                step.logits_copied.record()
+                step.logits_copied = record(torch.cuda.Event())
         return step
 
     def keep_through(self, batch: Batch) -> StepAhead | None:

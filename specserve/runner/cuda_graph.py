@@ -40,6 +40,7 @@ from specserve.kv.pool import KVPool
 from specserve.model.hidden_capture import HiddenCapture
 from specserve.model.parallel.parallel_state import TensorParallelGroup
 from specserve.runner.ranks.graph_steps import GraphStepHeader, announce_graph_step, replay_announced_step
+from specserve.runner.stream_events import record
 from specserve.runner.tree_step import TreeStepInputs, TreeStepOutputs, forward_tree
 from specserve.verify.tree import TreeProposal, smallest_level
 
@@ -210,7 +211,7 @@ class CudaGraphRunner:
         copied = self._copied.get(key)
         if copied is None:
             copied = self._copied[key] = torch.cuda.Event()
-        copied.record()
+        record(copied)
         if self.tp is not None:
             announce_graph_step(self.tp, GraphStepHeader(key, bs, max(kv_lens)), device.packed, device.req_rows,
                                 self.pool)
@@ -270,5 +271,5 @@ class _DecodeReads:
         turn, self._turn = self._turn, 1 - self._turn
         host = self._hosts[turn][:argmax.shape[0]]
         host.copy_(argmax, non_blocking=True)
-        self._events[turn].record()
+        record(self._events[turn])
         return host, self._events[turn]

@@ -21,6 +21,7 @@ from specserve.model.parallel.parallel_state import TensorParallelGroup
 from specserve.request.req import Req
 from specserve.runner.cpu_kv_budget import available_memory_bytes, cpu_default_kv_tokens
 from specserve.runner.ranks.step_broadcast import BroadcastingModel
+from specserve.runner.stream_events import record
 from specserve.runner.tree_step import TreeStepInputs, TreeStepOutputs, forward_tree, pad_node_slots
 from specserve.verify.tree import TreeProposal
 
@@ -234,8 +235,7 @@ class InFlight:
             return cls(tensor, tensor, None)
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         host.copy_(tensor, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
+        done = record(torch.cuda.Event())
         return cls(tensor, host, done)
 
     def wait(self) -> torch.Tensor:

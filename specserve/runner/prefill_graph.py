@@ -33,6 +33,7 @@ from specserve.attention.base import AttentionBackend, ForwardBatch, ForwardMode
 from specserve.kv.pool import PADDING_SLOT, KVPool
 from specserve.model.hidden_capture import HiddenCapture
 from specserve.runner.cuda_graph import capture_graph
+from specserve.runner.stream_events import record
 
 logger = logging.getLogger("specserve")
 
@@ -146,7 +147,7 @@ class PrefillGraphRunner:
             self._copied[tokens].synchronize()
         host.fill(input_ids, positions, slots, req_rows, prefix_lens, extend_lens, logits_rows, self.pool.scratch_row)
         device.packed.copy_(host.packed, non_blocking=True)
-        self._copied.setdefault(tokens, torch.cuda.Event()).record()
+        record(self._copied.setdefault(tokens, torch.cuda.Event()))
         self.graphs[tokens].replay()
         if capture is not None:
             capture.give_features(self.features[tokens][:len(input_ids)])

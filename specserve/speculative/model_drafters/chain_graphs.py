@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 
 from specserve.runner.cuda_graph import batch_size_buckets, capture_graph
+from specserve.runner.stream_events import record
 from specserve.speculative.model_drafters.draft_chain import ChainInputs, ChainRow
 
 logger = logging.getLogger("specserve")
@@ -61,6 +62,6 @@ class ChainGraphs:
             self._copied[bucket].synchronize()   # the previous copy out of this pinned buffer is done
         host.fill(rows, self.scratch_row)
         device.packed.copy_(host.packed, non_blocking=True)
-        self._copied.setdefault(bucket, torch.cuda.Event()).record()
+        record(self._copied.setdefault(bucket, torch.cuda.Event()))
         self.graphs[bucket, sample].replay()
         return self.drafts[bucket, sample][:bs], self.probs[:bs] if sample else None

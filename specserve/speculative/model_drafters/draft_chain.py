@@ -4,8 +4,8 @@ batch bucket (chain_graphs.py). A draft model (STANDALONE) and an EAGLE head bot
 way; `ChainModel` is what differs between them.
 
 Per request, the chain starts with up to n rows fed in one VERIFY-mode forward (a chain
-mask among the real ones, `num_fed` of them; the rest are padding that sees only itself and
-writes to the padding slot), and the drafter's state at the last fed row gives draft 1:
+mask; `num_fed` of them are real, the rest are padding whose outputs nobody reads and whose
+writes go to the padding slot), and the drafter's state at the last fed row gives draft 1:
 - STANDALONE: n = 2, the last two tokens t[L-2], t[L-1] (L tokens so far). Feeding t[L-2]
   again makes every request start alike: after a verify step that accepted every draft,
   the last draft is the one token the draft model never saw; otherwise its slot is
@@ -28,6 +28,7 @@ prefix 0, one fed row and the padding slot: their writes land in slot PADDING_SL
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
@@ -150,50 +151,75 @@ def run_chain(model: ChainModel, pool: KVPool, inputs: ChainInputs, plan: Callab
     plan_and = lambda batch, features: (plan(batch), model.forward(batch, features))[1]  # noqa: E731
     state = plan_and(fed_rows_batch(inputs, pool, host_prefix), first_features)
     last = inputs.prefix_lens + inputs.num_fed - 1                  # the last fed row
+    # the draft steps' rows and slots, one (bs,) line per step, made at once: each small
+    # kernel costs ~2 us of a CUDA graph's time, and these would be several per step
+    rows = last + constant_range(1, num_steps, device).unsqueeze(1)  # (K - 1, bs)
+    step_slots = inputs.slots[:, n:].t().contiguous()
     drafts = []
     for step in range(1, num_steps + 1):
-        position = last + step + model.token_offset                 # where draft `step` goes
-        drafts.append(pick(model, state, inputs, position, None if probs_out is None else probs_out[:bs, step - 1]))
+        probs = None if probs_out is None else probs_out[:bs, step - 1]
+        position = None if probs is None else last + (step + model.token_offset)   # where draft `step` goes
+        drafts.append(pick(model, state, inputs, position, probs))
         if step == num_steps:
             break
-        row = last + step
+        row = rows[step - 1]
         batch = ForwardBatch(
-            mode=ForwardMode.DECODE, input_ids=drafts[-1], positions=row,
-            out_slots=inputs.slots[:, n + step - 1].contiguous(), req_rows=inputs.req_rows, prefix_lens=row,
-            extend_lens=torch.ones(bs, dtype=torch.long, device=device),
+            mode=ForwardMode.DECODE, input_ids=drafts[-1], positions=row, out_slots=step_slots[step - 1],
+            req_rows=inputs.req_rows, prefix_lens=row, extend_lens=constant_full(bs, 1, device),
             prefix_lens_host=[r + step for r in host_last], extend_lens_host=[1] * bs,
-            kv_pool=pool, logits_indices=torch.arange(bs, device=device))
+            kv_pool=pool, logits_indices=constant_range(0, bs, device))
         state = plan_and(batch, state)
     return torch.stack(drafts, dim=1)
 
 
 def fed_rows_batch(inputs: ChainInputs, pool: KVPool, host_prefix: list[int], rows_per_req: int = 1) -> ForwardBatch:
     """The VERIFY-mode forward of the fed rows, the state taken at each request's last one.
-    rows_per_req: table rows a request owns (a tree's beams); the fed rows use the first."""
+    rows_per_req: table rows a request owns (a tree's beams); the fed rows use the first.
+    The mask is the chain's, padding rows included: a real row has only real rows before
+    it, so it sees what a mask of real rows alone gives it; a padding row's output is never
+    read, and what it writes (its own K/V) does not depend on the mask."""
     bs, n = inputs.batch_size, inputs.rows_per_req
     device = inputs.tokens.device
-    node = torch.arange(n, device=device)
-    real = node < inputs.num_fed.unsqueeze(1)                                       # (bs, n)
-    chain = node.view(1, n, 1) >= node.view(1, 1, n)
-    mask = (chain & real.unsqueeze(1) & real.unsqueeze(2)) | torch.eye(n, dtype=torch.bool, device=device)
     return ForwardBatch(
         mode=ForwardMode.VERIFY, input_ids=inputs.tokens.reshape(-1),
-        positions=(inputs.prefix_lens.unsqueeze(1) + node).reshape(-1),
-        out_slots=inputs.slots[:, :n].reshape(-1), req_rows=inputs.req_rows * rows_per_req, prefix_lens=inputs.prefix_lens,
-        extend_lens=torch.full((bs,), n, dtype=torch.long, device=device), prefix_lens_host=host_prefix,
+        positions=(inputs.prefix_lens.unsqueeze(1) + constant_range(0, n, device)).reshape(-1),
+        out_slots=inputs.slots[:, :n].reshape(-1),
+        req_rows=inputs.req_rows * rows_per_req if rows_per_req != 1 else inputs.req_rows,
+        prefix_lens=inputs.prefix_lens, extend_lens=constant_full(bs, n, device), prefix_lens_host=host_prefix,
         extend_lens_host=[n] * bs, kv_pool=pool,
-        logits_indices=torch.arange(bs, device=device) * n + inputs.num_fed - 1, tree_mask=mask)
+        logits_indices=inputs.num_fed + constant_range(-1, n * bs - 1, device, n),
+        tree_mask=chain_mask(n, device).expand(bs, n, n))
 
 
-def pick(model: ChainModel, state: torch.Tensor, inputs: ChainInputs, position: torch.Tensor,
+@functools.lru_cache(maxsize=None)
+def constant_range(start: int, end: int, device: torch.device, step: int = 1) -> torch.Tensor:
+    """torch.arange(start, end, step) (int64), made once per device: never written."""
+    return torch.arange(start, end, step, device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def constant_full(size: int, value: int, device: torch.device) -> torch.Tensor:
+    """torch.full((size,), value) (int64), made once per device: never written."""
+    return torch.full((size,), value, dtype=torch.long, device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def chain_mask(n: int, device: torch.device) -> torch.Tensor:
+    """(1, n, n) bool, [0, i, j] = j <= i: node i sees itself and every node before it."""
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril().unsqueeze(0)
+
+
+def pick(model: ChainModel, state: torch.Tensor, inputs: ChainInputs, position: torch.Tensor | None,
           probs_out: torch.Tensor | None) -> torch.Tensor:
-    """One draft per row (a target id): the argmax, or a sample of q written to probs_out (bs, V)."""
-    logits = model.draft_logits(state).float()
+    """One draft per row (a target id): the argmax (of the logits as they come: a float32
+    copy would change no maximum), or a sample of q written to probs_out (bs, V) at
+    `position` (bs,)."""
+    logits = model.draft_logits(state)
     vocab = model.draft_vocab
     if probs_out is None:
         ids = logits.argmax(dim=-1)
     else:
-        q = draft_distribution(logits, inputs.temperatures)
+        q = draft_distribution(logits.float(), inputs.temperatures)
         if vocab is None:
             probs_out.copy_(q)
         else:

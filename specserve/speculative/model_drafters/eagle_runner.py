@@ -19,7 +19,7 @@ import time
 import torch
 
 from specserve.args import ServerArgs
-from specserve.attention.base import ForwardBatch
+from specserve.attention.base import ForwardBatch, ForwardMode
 from specserve.errors import ArgumentError
 from specserve.kv.pool import KVPool, host_to_device_async
 from specserve.model.config import ModelConfig
@@ -114,7 +114,9 @@ class HeadChainModel:
         self.draft_vocab = head.draft_vocab()          # (draft vocab,) target ids
 
     def forward(self, batch: ForwardBatch, features: torch.Tensor | None) -> torch.Tensor:
-        return self.head.step(batch, self.backend, features)[batch.logits_indices]
+        state = self.head.step(batch, self.backend, features)
+        # a decode step's logits rows are all its rows, in order: no gather kernel for them
+        return state if batch.mode is ForwardMode.DECODE else state[batch.logits_indices]
 
     def draft_logits(self, state: torch.Tensor) -> torch.Tensor:
         return self.head.logits(state)

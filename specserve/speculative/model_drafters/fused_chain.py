@@ -28,6 +28,7 @@ from specserve.runner.cuda_graph import batch_size_buckets, capture_graph
 from specserve.runner.model_runner import InFlight
 from specserve.runner.ranks.graph_steps import GraphStepHeader, announce_graph_step
 from specserve.runner.ranks.step_broadcast import sharded_model
+from specserve.runner.stream_events import record
 from specserve.runner.tree_step import pad_node_slots
 from specserve.speculative.model_drafters.fused_step import FusedStepInputs, chain_inputs, cut_rows, run_fused_step
 from specserve.verify.tree import TreeProposal
@@ -244,7 +245,7 @@ class FusedGraphs:
             self._copied[bucket].synchronize()   # the previous copy out of this pinned buffer is done
         host.fill(reqs, proposal, node_slots, head_slots, head_rows, self.runner.scratch_rows, self.runner.vocab_size)
         device.packed.copy_(host.packed, non_blocking=True)
-        self._copied.setdefault(bucket, torch.cuda.Event()).record()
+        record(self._copied.setdefault(bucket, torch.cuda.Event()))
         if self.runner.target.tp is not None:
             self._announce(bucket, device, bs, max(r.kv_len for r in reqs))
         self.graphs[bucket, kind].replay()
@@ -269,7 +270,7 @@ class FusedGraphs:
             host[:bs, n + r] = rows
         staged_device = self._chain_slots_device[bucket][:bs]
         staged_device.copy_(staged[:bs], non_blocking=True)
-        self._chain_copied.setdefault(bucket, torch.cuda.Event()).record()
+        record(self._chain_copied.setdefault(bucket, torch.cuda.Event()))
         inputs, outcome = self.device_inputs[bucket], last.outcome
         if rows is not None:
             index = staged_device[:, n + r]
@@ -284,7 +285,7 @@ class FusedGraphs:
         outcome, host_outcome = self.outcomes[bucket, kind][:bs], self.host_outcomes[bucket][turn][:bs]
         host_outcome.copy_(outcome, non_blocking=True)
         read = self._outcome_read[bucket][turn]
-        read.record()
+        record(read)
         return InFlight(outcome, host_outcome, read)
 
 

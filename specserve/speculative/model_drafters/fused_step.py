@@ -45,11 +45,11 @@ import torch
 
 from specserve.attention.base import ForwardBatch
 from specserve.kv.pool import PADDING_SLOT
-from specserve.runner.tree_step import TreeStepInputs, commit_path, forward_tree
-from specserve.speculative.model_drafters.draft_chain import ChainInputs, FedSpan, run_chain
+from specserve.runner.tree_step import TreeStepInputs, commit_path, forward_tree, greedy_commit
+from specserve.speculative.model_drafters.draft_chain import ChainInputs, FedSpan, constant_range, run_chain
 from specserve.speculative.model_drafters.eagle_runner import reserved_head_rows
 from specserve.speculative.model_drafters.model_proposals import draft_temperature
-from specserve.verify.rules import VerifyResult, verify_greedy, verify_sampling
+from specserve.verify.rules import VerifyResult, verify_sampling
 from specserve.verify.tree import DraftTrees, TreeProposal
 
 if TYPE_CHECKING:
@@ -150,12 +150,12 @@ def run_fused_step(target: "ModelRunner", head: "EagleHeadRunner", inputs: Fused
     model = target.model if target_model is None else target_model
     step = forward_tree(model, target.attn_backend, target.pool, inputs.tree, plan_target, kv_lens_host,
                         commit=False, capture=target.hidden_capture)
-    result = _verify(kind, step.trees, step.logits, inputs, q_table)
-    outcome = commit_path(result, inputs.tree, target.pool)
+    outcome = _verify_and_commit(kind, step.trees, step.logits, inputs, q_table, target.pool)
     write_head_table(head.pool, inputs)
-    bs = inputs.tree.shape[0]
+    bs, n = inputs.tree.shape
     probs = None if probs_out is None else probs_out[:bs]
-    drafts = _draft_next(head, result, step.hidden, inputs, plan_head, kv_lens_host, probs)
+    drafts = _draft_next(head, outcome[:, 0], outcome[:, 1 + n:], step.hidden, inputs, plan_head, kv_lens_host,
+                         probs)
     if probs is not None:
         q_table.index_copy_(0, inputs.tree.req_rows, probs)
     return torch.cat([outcome, drafts], dim=1)
@@ -200,15 +200,23 @@ def write_head_table(pool, inputs: FusedStepInputs) -> None:
     head_slots[:, j], written inside the step from the packed inputs: no table write of its
     own per step (DraftKVTable.reserve leaves these rows to the step). Padding requests
     write their padding slots into the head's padding row."""
-    columns = inputs.tree.prefix_lens.unsqueeze(1) + torch.arange(inputs.head_slots.shape[1],
-                                                                    device=inputs.head_slots.device)
+    columns = inputs.tree.prefix_lens.unsqueeze(1) + constant_range(0, inputs.head_slots.shape[1],
+                                                                      inputs.head_slots.device)
     pool.req_to_token[inputs.head_rows.unsqueeze(1), columns] = inputs.head_slots.to(pool.req_to_token.dtype)
 
 
-def _verify(kind: str, trees: DraftTrees, logits: torch.Tensor, inputs: FusedStepInputs,
-            q_table: torch.Tensor | None) -> VerifyResult:
+def _verify_and_commit(kind: str, trees: DraftTrees, logits: torch.Tensor, inputs: FusedStepInputs,
+                       q_table: torch.Tensor | None, pool) -> torch.Tensor:
+    """Verification and the accepted path's KV-table commit: commit_path's (bs, 1 + 2n)
+    outcome. Greedy chains take the verify step's own kernel on a GPU (one launch, where
+    verify_greedy and commit_path are ~35 small torch kernels, ~60 us of a batch-1 step)."""
     if kind == "greedy":
-        return verify_greedy(trees, logits)
+        return greedy_commit(trees, logits, inputs.tree, pool)
+    return commit_path(_verify_sampling(kind, trees, logits, inputs, q_table), inputs.tree, pool)
+
+
+def _verify_sampling(kind: str, trees: DraftTrees, logits: torch.Tensor, inputs: FusedStepInputs,
+                     q_table: torch.Tensor | None) -> VerifyResult:
     draft_probs = None
     if kind == "rejection":   # node j's child was drawn from q_table[row, j]; the last node has none, its q is never read
         q = q_table.index_select(0, inputs.tree.req_rows)
@@ -219,17 +227,16 @@ def _verify(kind: str, trees: DraftTrees, logits: torch.Tensor, inputs: FusedSte
                            inputs.seeds, inputs.tree.prefix_lens, draft_probs, rule=kind)
 
 
-def _draft_next(head: "EagleHeadRunner", result: VerifyResult, hidden: torch.Tensor, inputs: FusedStepInputs,
-                plan: Callable[[ForwardBatch], None], kv_lens_host: list[int] | None,
-                probs: torch.Tensor | None) -> torch.Tensor:
-    """The head's chain over the committed tokens and the target's states: (bs, K) next
-    drafts (target ids)."""
+def _draft_next(head: "EagleHeadRunner", accept_lens: torch.Tensor, committed_tokens: torch.Tensor,
+                hidden: torch.Tensor, inputs: FusedStepInputs, plan: Callable[[ForwardBatch], None],
+                kv_lens_host: list[int] | None, probs: torch.Tensor | None) -> torch.Tensor:
+    """The head's chain over the committed tokens (bs, n; -1 past the accept length) and the
+    target's states: (bs, K) next drafts (target ids)."""
     bs, n = inputs.tree.shape
-    accept_lens = result.accept_lens
     # draft step j (1 .. K - 1) sits at row L - 2 + a + j: column a - 1 + j of the reserved rows
-    step_columns = accept_lens.unsqueeze(1) - 1 + torch.arange(1, n - 1, device=accept_lens.device)
+    step_columns = accept_lens.unsqueeze(1) + constant_range(0, n - 2, accept_lens.device)
     slots = torch.cat([inputs.head_slots[:, :n], inputs.head_slots.gather(1, step_columns)], dim=1)
-    chain = ChainInputs(inputs.packed, tokens=result.committed_tokens.clamp(min=0), num_fed=accept_lens, slots=slots,
+    chain = ChainInputs(inputs.packed, tokens=committed_tokens.clamp(min=0), num_fed=accept_lens, slots=slots,
                         req_rows=inputs.head_rows, prefix_lens=inputs.tree.prefix_lens, seeds=inputs.seeds,
                         temperatures=inputs.draft_temperatures)
     features = head.head.project(hidden.reshape(bs * n, -1).to(head.dtype))
