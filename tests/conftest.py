@@ -14,7 +14,8 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 # OMP_NUM_THREADS where set: run_suite.py sets it to a process's share of the cores
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, min(4, os.cpu_count() or 1)))
 
@@ -34,9 +35,14 @@ def smollm2_checkpoint(smollm2_path):
 
 @pytest.fixture(scope="session")
 def smollm2_hf(smollm2_path):
+    """transformers' own load of the GGUF (fp32), the reference. Parsing a GGUF takes
+    transformers ~20 s a process (its tokenizer most of it); what it loaded is saved once,
+    under build/test-cache (bench.gguf_to_hf, the same weights bit for bit), and every test
+    process after the first reads that in under a second."""
     import transformers
-    directory, name = os.path.split(smollm2_path)
-    return transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+    from specserve.bench.gguf_to_hf import convert
+    directory = convert(smollm2_path, os.path.join(ROOT, "build", "test-cache", "smollm2-float32"), "float32")
+    return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")

@@ -23,11 +23,14 @@ def converted_smollm2(smollm2_path, tmp_path_factory):
     return convert(smollm2_path, str(tmp_path_factory.mktemp("hf") / "smollm2"), "bfloat16")
 
 
-def test_conversion_keeps_weights_tokenizer_and_template(converted_smollm2, smollm2_hf, smollm2_path):
+def test_conversion_keeps_weights_tokenizer_and_template(converted_smollm2, smollm2_path):
     from safetensors.torch import load_file
-    from transformers import AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    # the reference straight from the GGUF (conftest's smollm2_hf is itself a conversion)
+    gguf = AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path),
+                                                dtype=torch.float32)
     saved = load_file(os.path.join(converted_smollm2, "model.safetensors"))
-    reference = {name: t for name, t in smollm2_hf.state_dict().items() if name != "lm_head.weight"}  # tied
+    reference = {name: t for name, t in gguf.state_dict().items() if name != "lm_head.weight"}  # tied
     assert saved.keys() == reference.keys()
     assert all(saved[name].dtype == torch.bfloat16 and torch.equal(saved[name], reference[name].to(torch.bfloat16))
                for name in saved)
