@@ -56,3 +56,15 @@ def test_silu_mul_matches_torch():
     gate_up = torch.randn(3, 80, device=DEVICE)
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(fused_ops.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-6)
+
+
+def test_eagle3_input_is_the_embedding_the_two_norms_and_their_concatenation():
+    torch.manual_seed(3)
+    vocab, hidden, rows = 50, 48, 4
+    embed, features = torch.randn(vocab, hidden, device=DEVICE), torch.randn(rows + 2, hidden, device=DEVICE)[:rows]
+    embed_norm, hidden_norm = torch.randn(hidden, device=DEVICE), torch.randn(hidden, device=DEVICE)
+    tokens = torch.tensor([7, 0, 49, 7], device=DEVICE)
+    out = fused_ops.eagle3_input(tokens, embed, embed_norm, 1e-6, features, hidden_norm, 1e-5)
+    expected = torch.cat([rms_norm(embed[tokens], embed_norm, 1e-6), rms_norm(features, hidden_norm, 1e-5)], dim=-1)
+    assert out.shape == (rows, 2 * hidden)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

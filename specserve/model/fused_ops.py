@@ -2,12 +2,13 @@
 
 A decode step of a small model is bound by kernel count, not bytes: unfused, every layer
 runs ~60 tiny kernels (RMSNorm in fp32 pieces, rotate-half RoPE, two index_puts, SiLU
-and a multiply), ~1.2 us each even inside a CUDA graph. These three kernels do the same
+and a multiply), ~1.2 us each even inside a CUDA graph. These kernels do the same
 arithmetic, with the same roundings as the torch code in layers.py, in one pass each:
 
   add_rmsnorm:    residual += x (optional); out = weight * rmsnorm(residual)
   rope_and_store: rotate q in place; rotate k and write k, v into their KV-pool slots
   silu_mul:       silu(gate) * up from the fused gate_up projection
+  eagle3_input:   an EAGLE-3 head's [norm(embed(token)), norm(features)], one kernel for four
 
 layers.py uses them for CUDA tensors; CPU runs keep the torch code (tested equal under
 TRITON_INTERPRET=1). On Hopper they are launched with programmatic dependent launch
@@ -45,10 +46,16 @@ def _add_rmsnorm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, n_cols, eps,
         # the residual add rounds to the model dtype first, as `residual + x` does in torch
         x = x + tl.load(residual_ptr + row * n_cols + cols, mask=mask, other=0.0)
         tl.store(residual_ptr + row * n_cols + cols, x, mask=mask)
+    tl.store(out_ptr + row * n_cols + cols, _rmsnorm(x, weight, n_cols, eps), mask=mask)
+
+
+@triton.jit
+def _rmsnorm(x, weight, n_cols, eps):
+    """weight * rmsnorm(x) in x's dtype, rounding as layers.rms_norm does (masked lanes: 0)."""
     x32 = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x32 * x32, axis=0) / n_cols + eps)
     normed = (x32 * inv_rms).to(x.dtype)
-    tl.store(out_ptr + row * n_cols + cols, (weight.to(tl.float32) * normed.to(tl.float32)).to(x.dtype), mask=mask)
+    return (weight.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
 
 
 def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -59,6 +66,39 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
     _add_rmsnorm_kernel[(rows,)](x, residual if residual is not None else x, weight, out, hidden, eps,
                                  HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(hidden),
                                  **_pdl_launch(x.device))
+    return out
+
+
+@triton.jit
+def _eagle3_input_kernel(tokens_ptr, embed_ptr, embed_norm_ptr, features_ptr, features_stride, hidden_norm_ptr,
+                         out_ptr, n_cols, embed_eps, hidden_eps, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:  # the next kernel may start
+        tl.extra.cuda.gdc_launch_dependents()
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    embed_weight = tl.load(embed_norm_ptr + cols, mask=mask, other=0.0)   # parameters: no kernel writes them
+    hidden_weight = tl.load(hidden_norm_ptr + cols, mask=mask, other=0.0)
+    if USE_PDL:  # the tokens (the last draft) and the features are earlier kernels' outputs
+        tl.extra.cuda.gdc_wait()
+    token = tl.load(tokens_ptr + row).to(tl.int64)
+    embed = tl.load(embed_ptr + token * n_cols + cols, mask=mask, other=0.0)
+    features = tl.load(features_ptr + row * features_stride + cols, mask=mask, other=0.0)
+    out_row = out_ptr + row * 2 * n_cols
+    tl.store(out_row + cols, _rmsnorm(embed, embed_weight, n_cols, embed_eps), mask=mask)
+    tl.store(out_row + n_cols + cols, _rmsnorm(features, hidden_weight, n_cols, hidden_eps), mask=mask)
+
+
+def eagle3_input(tokens: torch.Tensor, embed: torch.Tensor, embed_norm: torch.Tensor, embed_eps: float,
+                 features: torch.Tensor, hidden_norm: torch.Tensor, hidden_eps: float) -> torch.Tensor:
+    """An EAGLE-3 head layer's input, (rows, 2 * hidden): [embed_norm * rmsnorm(embed[tokens]),
+    hidden_norm * rmsnorm(features)], what the embedding, the two norms and their concatenation
+    compute in four kernels. tokens (rows,); embed (vocab, hidden) contiguous; features (rows,
+    hidden) with contiguous rows, of embed's dtype."""
+    rows, hidden = features.shape
+    out = torch.empty((rows, 2 * hidden), dtype=features.dtype, device=features.device)
+    _eagle3_input_kernel[(rows,)](tokens, embed, embed_norm, features, features.stride(0), hidden_norm, out, hidden,
+                                  embed_eps, hidden_eps, BLOCK=triton.next_power_of_2(hidden), **_pdl_launch(out.device))
     return out
 
 

@@ -6,10 +6,11 @@ step), q/k/v and gate/up as separate projections, RoPE in torch ops, differentia
 form served every draft step: ~60 kernels for one decoder layer whose weights take ~50 us
 to read on an H200, and a chain of 3 steps took ~0.85 ms of GPU time (1.5B, session 9).
 Here the same weights (shared, not copied: q/k/v and gate/up become views of one fused
-weight each) go through what the target's layers use: the fused RMSNorm kernel, one qkv
-projection with RoPE and the KV write in one kernel, gate/up with SiLU * up fused, and at
-one row the GEMV kernels (layers.linear). On a CPU the blocks fall back to the same torch
-ops as the training form.
+weight each) go through what the target's layers use: one qkv projection with RoPE and
+the KV write in one kernel, gate/up with SiLU * up fused and, for the few rows of a draft
+step, the weight-streaming kernels (layers.fused_linear) with the post-attention norm and
+its residual add inside gate/up's; the input's embedding, two norms and concatenation are
+one kernel. On a CPU the blocks fall back to the same torch ops as the training form.
 
     features -> x = concat(input_layernorm(embed(token)), hidden_norm(features))
              -> h = features + o_proj(attention(rope(qkv_proj(x))))
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from specserve.attention.base import AttentionBackend, ForwardBatch
-from specserve.model.layers import GatedMLP, RMSNorm, fused, gemv_ops, linear, takes_one_row_kernels
+from specserve.model.layers import GatedMLP, RMSNorm, fused, fused_linear, gemv_ops, linear, takes_row_kernels
 from specserve.speculative.heads.eagle_head import EagleDecoderLayer, EagleHead, TrainableRMSNorm
 
 
@@ -68,16 +69,28 @@ class ServingEagleLayer(nn.Module):
         # RoPE and the KV write as one kernel needs a power-of-two head_dim (as the target's Attention)
         self.fuses_rope = self.head_dim & (self.head_dim - 1) == 0
 
-    def forward(self, embeds: torch.Tensor, features: torch.Tensor, batch: ForwardBatch,
+    def forward(self, tokens: torch.Tensor, embedding: nn.Embedding, features: torch.Tensor, batch: ForwardBatch,
                 backend: AttentionBackend, rope) -> torch.Tensor:
-        x = torch.cat([self.input_layernorm(embeds).to(features.dtype), self.hidden_norm(features)], dim=-1)
-        h = features + self._attend(linear(self.qkv_proj, x), batch, backend, rope)
-        return h + self._mlp(self.post_attention_layernorm(h))
+        x = self._input(tokens, embedding, features)
+        attended = self._attend(linear(self.qkv_proj, x), batch, backend, rope)
+        norm = self.post_attention_layernorm
+        if takes_row_kernels(attended):   # the residual add and its norm inside gate_up's kernel, as the target's
+            act, h = fused_linear(attended, self.mlp.gate_up_proj.weight, silu_mul=True,
+                                  add_norm=gemv_ops().AddNorm(features, norm.weight, norm.eps))
+            return h + linear(self.mlp.down_proj, act)
+        h = features + attended
+        return h + self.mlp(norm(h))
 
-    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        if takes_one_row_kernels(x):   # a batch-1 draft step: gate, up and SiLU * up in one GEMV
-            return linear(self.mlp.down_proj, gemv_ops().one_row_linear(x, self.mlp.gate_up_proj.weight, silu_mul=True))
-        return self.mlp(x)
+    def _input(self, tokens: torch.Tensor, embedding: nn.Embedding, features: torch.Tensor) -> torch.Tensor:
+        """x = [input_layernorm(embed(tokens)), hidden_norm(features)]: on a GPU one kernel
+        (embedding, two norms and their concatenation: four launches a draft step otherwise)."""
+        weight = embedding.weight
+        if features.is_cuda and features.dim() == 2 and features.stride(1) == 1 and weight.dtype == features.dtype:
+            first, second = self.input_layernorm, self.hidden_norm
+            return fused().eagle3_input(tokens.contiguous(), weight, first.weight, first.eps, features, second.weight,
+                                        second.eps)
+        embeds = embedding(tokens)
+        return torch.cat([self.input_layernorm(embeds).to(features.dtype), self.hidden_norm(features)], dim=-1)
 
     def _attend(self, qkv: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend, rope) -> torch.Tensor:
         """RoPE, the K/V write to layer 0 of the batch's (the head's) pool, attention, o_proj."""
@@ -110,7 +123,7 @@ class ServingEagleHead:
     def step(self, batch: ForwardBatch, backend: AttentionBackend, features: torch.Tensor) -> torch.Tensor:
         """One draft step for the batch's token rows (features (N, hidden)); returns the next
         features (N, hidden), whose logits() are this step's draft."""
-        return self.layer(self.head.embed_tokens(batch.input_ids), features, batch, backend, self.head.rope)
+        return self.layer(batch.input_ids, self.head.embed_tokens, features, batch, backend, self.head.rope)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, draft_vocab)."""

@@ -217,6 +217,10 @@ def pick(model: ChainModel, state: torch.Tensor, inputs: ChainInputs, position: 
     logits = model.draft_logits(state)
     vocab = model.draft_vocab
     if probs_out is None:
+        if logits.is_cuda:
+            from specserve.speculative.model_drafters import draft_argmax   # lazily: Triton on GPU machines only
+            if draft_argmax.fits(logits):
+                return draft_argmax.argmax_to_target(logits, vocab)
         ids = logits.argmax(dim=-1)
     else:
         q = draft_distribution(logits.float(), inputs.temperatures)
