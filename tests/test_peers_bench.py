@@ -131,6 +131,7 @@ def test_specserve_engines_run_and_a_peer_without_wheels_is_reported(tiny_hf_roo
                    for c in by_engine[name]), name
     started = {r["engine"]: r for r in rows if r["kind"] == "engine" and "error" not in r}
     assert started["specserve-ngram"]["settings"]["chunked_prefill_size"] == 2048   # what the server reports
+    assert all(row["kv_tokens"] > 0 for row in started.values())   # the KV capacity each server reports
     assert started["specserve-ngram"]["settings"]["speculative_num_draft_tokens"] >= 2
     assert f"--speculative-draft-model-path {tmp_path / 'head'}" in started["specserve-eagle3"]["command"]
     assert started["specserve-eagle3"]["settings"]["speculative_num_draft_tokens"] == 4

@@ -49,7 +49,7 @@ import time
 from types import SimpleNamespace
 
 from specserve.bench.peers_engines import (ENGINES, EngineConfig, ServerFailed, ServerProcess, accept_between,
-                                           server_settings, spec_counters)
+                                           kv_capacity, server_settings, spec_counters)
 from specserve.bench.peers_heads import HeadMissing, eagle2_head_for_engine, head_for_engine, parse_model_map
 from specserve.bench.peers_install import WheelsMissing, engine_version, install, server_env
 from specserve.bench.peers_report import write_report
@@ -255,7 +255,8 @@ def run_engine(config: EngineConfig, model: str, model_dir: str, workloads: dict
         startup_s = server.wait_ready(budget_end)
         write({"kind": "engine", **base, "version": engine_version(config.engine, site, REPO_ROOT),
                "startup_s": round(startup_s, 1), "command": " ".join(command[1:]),
-               "settings": server_settings(server.base_url)})
+               "settings": server_settings(server.base_url),
+               "kv_tokens": kv_capacity(server.base_url, server.log_tail(chars=10 ** 6))})
         asyncio.run(measure_engine(server, model, workloads, ns, budget_end, lambda row: write({**base, **row})))
     except ServerFailed as error:
         write({"kind": "engine", **base, "error": str(error)})

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -241,6 +242,25 @@ def server_settings(base_url: str) -> dict:
     such route, like vLLM's): a peer's defaults are part of what the table compares."""
     info = _server_info(base_url)
     return {key: info[key] for key in SETTINGS_KEYS if key in info}
+
+
+# how each engine's start-up log states its KV capacity in tokens
+KV_CAPACITY_LOG = (re.compile(r"max_total_num_tokens=(\d+)"),          # SGLang's scheduler
+                   re.compile(r"GPU KV cache size: ([\d,]+) tokens"),   # vLLM's
+                   re.compile(r"KV cache: (\d+) tokens"))               # specserve's
+
+
+def kv_capacity(base_url: str, log_text: str) -> int | None:
+    """The KV tokens a ready server has room for: /get_server_info's max_total_num_tokens
+    (specserve's and SGLang's), else the figure its start-up log states (vLLM has no such
+    route); None where neither says."""
+    tokens = _server_info(base_url).get("max_total_num_tokens")
+    if isinstance(tokens, int):
+        return tokens
+    for pattern in KV_CAPACITY_LOG:
+        if (match := pattern.search(log_text)) is not None:
+            return int(match.group(1).replace(",", ""))
+    return None
 
 
 def spec_counters(base_url: str) -> tuple[int, int] | None:

@@ -134,12 +134,14 @@ def drafting_table(cells: dict[CellKey, dict[str, dict]], order: list[str]) -> l
 
 
 def engine_lines(rows: list[dict]) -> list[str]:
-    """Which build of each engine configuration the table's numbers come from, and when."""
+    """Which build of each engine configuration the table's numbers come from, and when, and
+    the KV tokens it had room for (all run at the same memory fraction)."""
     latest = {(r["model"], r["engine"]): r for r in rows if r.get("kind") == "engine" and not r.get("error")}
-    lines = ["| model | engine | version | date | start-up (s) |", "|---|---|---|---|---|"]
+    lines = ["| model | engine | version | date | start-up (s) | KV tokens |", "|---|---|---|---|---|---|"]
     for (model, engine), row in sorted(latest.items()):
+        kv_tokens = row.get("kv_tokens")
         lines.append(f"| {model} | {engine} | {row.get('version', '?')} | {row.get('date', '?')} | "
-                     f"{row.get('startup_s', '?')} |")
+                     f"{row.get('startup_s', '?')} | {'?' if kv_tokens is None else f'{kv_tokens:,}'} |")
     return lines
 
 

@@ -27,6 +27,10 @@ from specserve.verify.tree import TreeProposal
 
 logger = logging.getLogger(__name__)
 DEFAULT_MEM_FRACTION = 0.85   # of the device's memory, for weights and the KV pool (--mem-fraction-static)
+# Activations, logits and CUDA graphs' pools live in the memory the fraction leaves out, as in
+# SGLang (the same --mem-fraction-static gives the same KV capacity); where that is less than
+# this, the difference comes out of the pool.
+ACTIVATION_HEADROOM = 2 * 1024 ** 3
 
 DTYPE_NAMES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
                "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -132,9 +136,8 @@ class ModelRunner:
         # memory this process's allocator keeps cached (an engine closed before this one) is ours to reuse
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)
         budget = total * fraction - torch.cuda.memory_allocated(self.device) - used_by_others
-        # leave room for activations and logits of the largest step
-        activation_reserve = 2 * 1024 ** 3
-        tokens = int((budget - activation_reserve) // per_token)
+        budget -= max(0.0, ACTIVATION_HEADROOM - total * (1 - fraction))
+        tokens = int(budget // per_token)
         if tokens < 1024:
             raise ValueError(f"mem_fraction_static={fraction} leaves room for only {tokens} KV tokens")
         return tokens
