@@ -53,6 +53,11 @@
 #                                                   (--speculative-hybrid-ngram, adaptive; HYBRID_MODES="pinned adaptive"
 #                                                   adds it pinned) on chat and code-types at 1/8/64, side by side; the
 #                                                   hybrid's rows count its drafts by source; three engines, ~150 s)
+#   scripts/gpu_run.sh peers-size [SHAPE [ENGINE...]] (issue 59's cells for a shape of bench/random_model.SHAPES,
+#                                                   qwen2.5-7b by default, on random weights (--load-format dummy):
+#                                                   PEERS_SIZE_PART=decode (random-512, random-2048 at 1/8/32/64, 256 out)
+#                                                   or long (prefill-2k/8k/32k, context-32k at 1/8); specserve-plain
+#                                                   vllm-plain sglang-plain by default; needs the peers' wheels staged)
 #   scripts/gpu_run.sh peers-eagle [ENGINE...]     (the peers benchmark's EAGLE-3 chains of 3 with that head on the 1.5B:
 #                                                   specserve-eagle3 sglang-eagle3 vllm-eagle3 by default (any engines
 #                                                   of bench/peers_engines.py; PEERS_MODEL another model, its head in
@@ -314,6 +319,20 @@ if [ "$mode" = hybrid-rows ]; then
     --hybrid-modes ${HYBRID_MODES:-adaptive} --ngram-default --policy-trace-dir "$OUT/hybrid_rows/traces"
   # the traces' folders are deeper than a call returns: one tar instead
   tar -cf "$OUT/hybrid_traces.tar" -C "$OUT/hybrid_rows" traces && rm -rf "$OUT/hybrid_rows/traces"
+fi
+if [ "$mode" = peers-size ]; then
+  # issue 59's cells for one shape, random weights on all three engines (the peers' wheels staged first):
+  # PEERS_SIZE_PART=decode: random-512 random-2048 at 1/8/32/64; =long: prefill-2k/8k/32k and context-32k at 1/8
+  shape=${1:-qwen2.5-7b}; engines=("${@:2}"); [ ${#engines[@]} -gt 0 ] || engines=(specserve-plain vllm-plain sglang-plain)
+  if [ "${PEERS_SIZE_PART:-decode}" = decode ]; then
+    size_args=(--workloads random-512 random-2048 --concurrency 1 8 32 64)
+  else
+    size_args=(--workloads prefill-2k prefill-8k prefill-32k context-32k --concurrency 1 8)
+  fi
+  python3 -m specserve.bench.peers run --quick --load-format dummy --models "$shape" "${size_args[@]}" \
+    --max-new-tokens 256 --engines "${engines[@]}" --engine-budget-s 560 --deadline-s "${PEERS_DEADLINE_S:-570}" \
+    --out "$OUT/peers_size" 2>&1 | grep -v '%|' | tail -40
+  tar -cf "$OUT/peers_size.tar" -C "$OUT" peers_size && rm -rf "$OUT/peers_size"   # a call returns 8 files at most
 fi
 if [ "$mode" = peers-eagle ]; then
   engines=("$@"); [ ${#engines[@]} -gt 0 ] || engines=(specserve-eagle3 sglang-eagle3 vllm-eagle3)

@@ -33,6 +33,9 @@ calls merge with `peers report`.
       --engines specserve-standalone --draft-model qwen2.5-coder-1.5b-instruct=qwen2.5-coder-0.5b-instruct
   python -m specserve.bench.peers run --quick --load-format dummy --models qwen2.5-7b llama-3.1-8b \
       --engines specserve-plain vllm-plain sglang-plain     # random weights of real shapes, no checkpoints
+  python -m specserve.bench.peers run --quick --load-format dummy --models qwen2.5-7b --max-new-tokens 256 \
+      --workloads prefill-2k prefill-32k context-32k --concurrency 1 8 \
+      --engines specserve-plain vllm-plain sglang-plain     # fixed sizes: bench/size_workloads.py
   python -m specserve.bench.peers report out1/peers.jsonl out2/peers.jsonl --out docs/bench/peers
 """
 from __future__ import annotations
@@ -53,11 +56,14 @@ from specserve.bench.peers_engines import (ENGINES, EngineConfig, ServerFailed, 
 from specserve.bench.peers_heads import HeadMissing, eagle2_head_for_engine, head_for_engine, parse_model_map
 from specserve.bench.peers_install import WheelsMissing, engine_version, install, server_env
 from specserve.bench.peers_report import write_report
+from specserve.bench.size_workloads import SizeWorkload
+from specserve.bench.size_workloads import parse as parse_size_workload
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODELS = ("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct")
 WARM_PROMPTS, WARM_TOKENS, WARM_CONCURRENCY = 16, 32, 16
 REPORT_RESERVE_S = 20.0      # kept back from the deadline to stop the last server and write the table
+WARM_PROMPT_TOKENS = 16384   # a size workload warms on this many prompt tokens at most (one prompt at least)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -97,6 +103,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      "with only config.json and a tokenizer: sizes without checkpoints; a model named in "
                      "random_model.SHAPES (qwen2.5-7b, llama-3.1-8b, qwen2.5-14b, ...) without one in --hf-root "
                      "gets one written there")
+    run.add_argument("--workloads", nargs="+", default=None, metavar="WORKLOAD",
+                     help="the suite's workloads (default its four: code-types code-rename sharegpt-multiturn "
+                     "sharegpt-repeat) and workloads of "
+                     "fixed sizes (bench/size_workloads.py): random-N (N-token prompts), prefill-N (time to first "
+                     "token of one N-token prompt at a time), context-N (decode speed with N tokens of context); "
+                     "N in tokens or thousands (2k, 8k, 32k)")
     run.add_argument("--specserve-args", default="", help="extra flags for specserve's servers, e.g. '--device cpu'")
     run.add_argument("--out", default=os.environ.get("OUT", "peers-out"))
     report = commands.add_parser("report", help="merge peers.jsonl files into one table")
@@ -144,9 +156,38 @@ class _HFTokenizerAsEngine:
 
 
 def build_workloads(model_dir: str, ns: argparse.Namespace) -> dict[str, tuple[list[list[int]], list[list[int]]]]:
-    """name -> (timed prompts, warm-up prompts), as token ids: every engine gets the same ids."""
+    """name -> (timed prompts, warm-up prompts), as token ids: every engine gets the same ids.
+    Sets ns.sizes: the size workloads among them, by name."""
     from specserve.bench.gpu_suite import suite_workloads
-    return suite_workloads(_HFTokenizerAsEngine(model_dir), ns)
+    engine = _HFTokenizerAsEngine(model_dir)
+    requested = ns.workloads or []
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    ns.sizes = {name: size for name in requested if (size := parse_size_workload(
+        name, ns.max_new_tokens, int(config.get("max_position_embeddings", 32768)))) is not None}
+    others = [name for name in requested if name not in ns.sizes]
+    suite = suite_workloads(engine, SimpleNamespace(**{**vars(ns), "workloads": others or None})) \
+        if others or not requested else {}    # no names: the suite's default four
+    vocab = min(engine.tokenizer.vocab_size, int(config.get("vocab_size", engine.tokenizer.vocab_size)))
+    workloads = {}
+    for name in requested or list(suite):
+        size = ns.sizes.get(name)
+        if size is None:
+            workloads[name] = suite[name]
+            continue
+        warm_count = max(1, min(WARM_PROMPTS, WARM_PROMPT_TOKENS // size.prompt_len))
+        workloads[name] = (size.prompts(ns.num_prompts, vocab, seed=0), size.prompts(warm_count, vocab, seed=1))
+    return workloads
+
+
+def engine_cells(workloads: dict, ns: argparse.Namespace) -> list[tuple[str, int]]:
+    """(workload, concurrency) in the order they are measured: concurrency by concurrency; a
+    prefill-N workload at concurrency 1 only."""
+    sizes: dict[str, SizeWorkload] = getattr(ns, "sizes", {})
+    per = {name: sizes[name].concurrencies(ns.concurrency) if name in sizes else ns.concurrency for name in workloads}
+    order = sorted({c for cs in per.values() for c in cs},
+                   key=lambda c: ns.concurrency.index(c) if c in ns.concurrency else -1)
+    return [(name, c) for c in order for name in workloads if c in per[name]]
 
 
 def model_directory(model: str, ns: argparse.Namespace, load_format: str = "auto") -> str:
@@ -269,7 +310,8 @@ def run_engine(config: EngineConfig, model: str, model_dir: str, workloads: dict
 async def measure_engine(server: ServerProcess, model: str, workloads: dict, ns: argparse.Namespace,
                          budget_end: float, write) -> None:
     import aiohttp
-    cells = [(workload, concurrency) for concurrency in ns.concurrency for workload in workloads]
+    cells = engine_cells(workloads, ns)
+    sizes: dict[str, SizeWorkload] = getattr(ns, "sizes", {})
     timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         try:
@@ -280,17 +322,20 @@ async def measure_engine(server: ServerProcess, model: str, workloads: dict, ns:
             return _not_run(cells, write)
         for index, (workload, concurrency) in enumerate(cells):
             prompts = workloads[workload][0][:prompts_per_cell(ns, concurrency)]
+            size = sizes.get(workload)
+            max_tokens = size.max_tokens(ns.max_new_tokens) if size else ns.max_new_tokens
             for turn in (1, 2) if workload == "sharegpt-repeat" else (1,):
                 cell = {"kind": "cell", "workload": workload, "turn": turn, "concurrency": concurrency}
                 counted = spec_counters(server.base_url)   # the cell's accept length: what it adds
                 try:
                     results, duration = await _time_left(
-                        _run_prompts(session, server.base_url, model, prompts, concurrency, ns.max_new_tokens),
-                        budget_end)
+                        _run_prompts(session, server.base_url, model, prompts, concurrency, max_tokens), budget_end)
                 except TimeoutError:
                     return _not_run(cells[index:], write)
-                write({**cell, **cell_summary(results, duration, server),
-                       **accept_between(counted, spec_counters(server.base_url))})
+                summary = cell_summary(results, duration, server)
+                if size is not None:
+                    summary = size_cell(size, concurrency, summary)
+                write({**cell, **summary, **accept_between(counted, spec_counters(server.base_url))})
                 if not server.alive():
                     raise ServerFailed(f"the server died during {workload} at concurrency {concurrency}: "
                                        f"{server.log_tail()}")
@@ -336,6 +381,16 @@ def cell_summary(results: list, duration: float, server: ServerProcess) -> dict:
     if errors:
         row.update(failed=len(errors), error=f"{len(errors)} requests failed; the first: {errors[0][:500]}"
                    + ("" if server.alive() else f"; server log: {server.log_tail(800)}"))
+    return row
+
+
+def size_cell(size: SizeWorkload, concurrency: int, summary: dict) -> dict:
+    """A size workload's cell: its prompt length, and tok_s as its kind reads it (prefill or
+    decode rate), the output throughput kept as output_tok_s."""
+    row = {**summary, "prompt_len": size.prompt_len, "output_tok_s": summary["tok_s"]}
+    if summary["tok_s"] is not None:
+        rate = size.rate(concurrency, summary["mean_ttft_ms"] or 0.0, summary["median_itl_ms"] or 0.0)
+        row["tok_s"] = summary["tok_s"] if rate is None else round(rate, 2)
     return row
 
 

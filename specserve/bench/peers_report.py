@@ -171,7 +171,7 @@ def render(rows: list[dict]) -> str:
     parts = ["# Peers: specserve, vLLM and SGLang on the same GPU, model directory and prompts", "",
              f"Device: {', '.join(devices) or 'unknown'}. Versions: {', '.join(versions) or 'unknown'}.",
              "Output tok/s of one client (streaming /v1/completions, greedy, fixed output length with ignore_eos); "
-             "cells sorted by specserve's best over the best peer, worst first.", ""]
+             "cells sorted by specserve's best over the best peer, worst first." + _size_note(rows), ""]
     parts += speed_table(cells, order) + ["", "## Greedy agreement (bf16; reported, not required)", ""]
     parts += agreement_table(cells, order)
     drafting = drafting_table(cells, order)
@@ -182,6 +182,14 @@ def render(rows: list[dict]) -> str:
     if errors:
         parts += ["", "## Errors", ""] + errors
     return "\n".join(parts) + "\n"
+
+
+def _size_note(rows: list[dict]) -> str:
+    """What a size workload's tok_s reads (bench/size_workloads.py), where the table has one."""
+    kinds = {r["workload"].split("-")[0] for r in rows if r.get("kind") == "cell" and "prompt_len" in r}
+    notes = {"prefill": "prefill-N cells: prompt tokens per second of time to first token, one prompt at a time",
+             "context": "context-N cells: decode tokens per second with N tokens of context (the prefill left out)"}
+    return "".join(f" {notes[kind]}." for kind in sorted(kinds) if kind in notes)
 
 
 def write_report(paths: list[str], out_dir: str) -> str:
