@@ -1,9 +1,10 @@
 """Shared fixtures: the real SmolLM2 model (our loader and transformers' reference) and
 engines over it, created once per test session because loading costs seconds.
 
-`make test` (tests/run_suite.py) runs each file that loads SmolLM2 in its own process, so a
-session is one file and what it loads is freed with it; engines a test makes are freed
-when the test ends (_free_engines_made_by_the_test)."""
+`make test` (tests/run_suite.py) runs each long file that loads SmolLM2 in its own process
+and the short ones a few to a process; engines a test makes are freed when the test ends
+(_free_engines_made_by_the_test), engines a file's module fixtures make when the file ends
+(_free_engines_made_by_the_module), so a process holds one file's engines at a time."""
 from __future__ import annotations
 
 import ctypes
@@ -82,10 +83,36 @@ def engine_factory(smollm2_path, smollm2_checkpoint):
         engines.append(engine)
         return engine
 
-    make.engines = engines   # for _free_engines_made_by_the_test
+    make.engines = engines   # for _free_engines_made_by_the_test and _free_engines_made_by_the_module
+    _factories.append(make)
     yield make
+    _factories.remove(make)
     for engine in engines:
         engine.shutdown()
+
+
+_factories: list = []   # the session's engine_factory once made (a module fixture may make it first)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_engines_made_by_the_module():
+    """Engines that a file's module fixtures made with engine_factory are shut down when the
+    file ends, as when each file had a process of its own, so that the next file in a shared
+    process does not start with them still alive. (Autouse, so set up before the file's other
+    module fixtures and torn down after them.)"""
+    before = len(_factories[0].engines) if _factories else 0
+    yield
+    if not _factories:
+        return
+    engines = _factories[0].engines
+    made, engines[before:] = engines[before:], []
+    if not made:
+        return
+    for engine in made:
+        engine.shutdown()
+    del made
+    gc.collect()
+    _return_free_memory()
 
 
 @pytest.fixture(autouse=True)

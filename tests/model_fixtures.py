@@ -43,7 +43,9 @@ class RunnerDriver:
     def __init__(self, config: ModelConfig, state_dict: dict, attention_backend: str = "torch_native",
                  kv_tokens: int = 512):
         args = ServerArgs(max_total_tokens=kv_tokens, attention_backend=attention_backend, max_running_requests=4)
-        self.runner = ModelRunner(args, config, state_dict, torch.device("cpu"), torch.float32, 256)
+        # the runner empties the dict it gets: a copy, so that a session's checkpoint (conftest's
+        # smollm2_checkpoint) keeps its weights for the next file sharing the process
+        self.runner = ModelRunner(args, config, dict(state_dict), torch.device("cpu"), torch.float32, 256)
         self.req = SimpleNamespace(all_ids=[], kv_slots=[], row=self.runner.pool.alloc_row())
 
     @classmethod

@@ -4,9 +4,14 @@ line with the totals ("total: N passed, N failed", errors counted as failures).
 Why processes: a process keeps what its tests loaded (models, engines, compiled kernels),
 and one process for the whole suite grew past 18 GB. So each file that loads a real model
 or starts an engine or a server (it names `smollm2`, `Engine(`, `engine_factory`,
-`launch_server` or `start_server`) runs alone: the largest, test_spec_greedy.py and
-test_overlap.py, peak at ~6 GB (four SmolLM2 engines alive at once, each ~1 GB of fp32
-weights and their oneDNN-packed copy). The other files, tiny random models and pure
+`launch_server` or `start_server`) runs alone when it is long: the largest,
+test_spec_greedy.py and test_overlap.py, peak at ~6 GB (four SmolLM2 engines alive at once,
+each ~1 GB of fp32 weights and their oneDNN-packed copy). The short ones (under
+SHARED_BELOW seconds in SECONDS; a file it lacks counts as short) share processes of about
+SHARED_PROCESS seconds each, longest first: each process of its own paid ~4 s of Python,
+torch and pytest start-up and ~4 s of parsing SmolLM2's GGUF again. What a file's module
+loads is freed when the file ends (conftest.py's _free_engines_made_by_the_module), so a
+shared process peaks near its largest file. The other files, tiny random models and pure
 functions, share one process; the Triton kernel tests share another, under Triton's
 interpreter (TRITON_INTERPRET=1 must be set before Triton is first imported). A file that
 fails to import fails alone (--continue-on-collection-errors).
@@ -42,27 +47,63 @@ SLOWEST = 5   # tests listed under each group's line, by duration
 DURATION = re.compile(r"^\d+\.\d+s (call|setup|teardown) ")
 COUNTS = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected)")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# seconds per process in CI (2 cores, one process at a time): they only order the processes
+# seconds per file in CI (2 cores, two processes at a time): they order the processes and say
+# which files that load a model are short enough to share one (the light group and the kernel
+# group are one process each; from the 2026-12-04 CI run, and three quarters of a local run's
+# seconds, this machine being slower, for the files that run lacked)
 SECONDS = {"kernels": 60, "light": 756, "test_seeded_speculation.py": 190, "test_peers_bench.py": 143,
            "test_draft_ahead.py": 128, "test_structured_suite.py": 111, "test_overlap.py": 99,
            "test_prefix_cache_engine.py": 94, "test_generation.py": 90, "test_spec_greedy.py": 60,
-           "test_engine_sampling.py": 58, "test_server_shutdown.py": 55, "test_server.py": 46}
+           "test_engine_sampling.py": 58, "test_server_shutdown.py": 55, "test_server.py": 46,
+           "test_failure_isolation.py": 54, "test_kv_accounting.py": 49, "test_load_and_fault.py": 49,
+           "test_engine_process.py": 46, "test_first_contact.py": 41, "test_engine_errors.py": 38,
+           "test_bench_serving.py": 32, "test_structured_server.py": 32, "test_spec_adaptive.py": 29,
+           "test_gguf_tokenizer.py": 27, "test_hidden_capture.py": 23, "test_import_layers.py": 23,
+           "test_loader.py": 22, "test_peers_dummy.py": 20, "test_model_logits.py": 18, "test_standalone.py": 18,
+           "test_ngram_writer.py": 17, "test_train_eagle.py": 17, "test_token_map.py": 16, "test_gguf_file.py": 15,
+           "test_server_rough_edges.py": 15, "test_eagle_chats.py": 14, "test_bench_offline.py": 13,
+           "test_sglang_generate_fields.py": 12, "test_run_suite.py": 11, "test_structured_workloads.py": 4}
+UNKNOWN_SECONDS = 20
+SHARED_BELOW = 80      # a file that loads a model and runs shorter than this shares a process
+SHARED_PROCESS = 150   # ... with others, up to about this many seconds in all
 
 
 def groups(files: list[str]) -> list[list[str]]:
-    """The kernel tests together, the light files together, each heavy file alone."""
+    """The kernel tests together, the light files together, each long heavy file alone, the
+    short heavy files packed into shared processes."""
     kernels = [f for f in files if os.path.basename(f) in KERNEL_TESTS]
     rest = [f for f in files if f not in kernels]
     heavy = [f for f in rest if LOADS_A_MODEL.search(open(os.path.join(ROOT, f), encoding="utf-8").read())]
     light = [f for f in rest if f not in heavy]
-    return [group for group in (kernels, light, *([f] for f in heavy)) if group]
+    alone = [[f] for f in heavy if file_seconds(f) >= SHARED_BELOW]
+    return [group for group in (kernels, light, *alone, *packed([f for f in heavy if file_seconds(f) < SHARED_BELOW]))
+            if group]
+
+
+def file_seconds(path: str) -> int:
+    return SECONDS.get(os.path.basename(path), UNKNOWN_SECONDS)
+
+
+def packed(files: list[str]) -> list[list[str]]:
+    """Short heavy files in processes of up to ~SHARED_PROCESS seconds: longest first, each into
+    the first process with room (first-fit decreasing), a file in the order given within one."""
+    bins: list[list[str]] = []
+    for f in sorted(files, key=file_seconds, reverse=True):
+        fits = next((b for b in bins if sum(map(file_seconds, b)) + file_seconds(f) <= SHARED_PROCESS), None)
+        if fits is None:
+            bins.append([f])
+        else:
+            fits.append(f)
+    return [sorted(b) for b in bins]
 
 
 def expected_seconds(paths: list[str]) -> int:
-    """How long a group ran in CI: the kernel group, the light group (several files), or one file."""
+    """How long a group ran in CI: the kernel group, the light group, or the sum of its files."""
     if os.path.basename(paths[0]) in KERNEL_TESTS:
         return SECONDS["kernels"]
-    return SECONDS["light"] if len(paths) > 1 else SECONDS.get(os.path.basename(paths[0]), 20)
+    if not LOADS_A_MODEL.search(open(os.path.join(ROOT, paths[0]), encoding="utf-8").read()) and len(paths) > 1:
+        return SECONDS["light"]
+    return sum(map(file_seconds, paths))
 
 
 def run_group(paths: list[str], pytest_args: list[str], threads: int = 0) -> tuple[Counter, str, int, str]:

@@ -1,5 +1,5 @@
-"""`make test`'s runner: files that load a model run alone, the rest together, and the
-totals end in the closing line CI reads."""
+"""`make test`'s runner: files that load a model run alone (the short ones a few to a process),
+the rest together, and the totals end in the closing line CI reads."""
 from __future__ import annotations
 
 import os
@@ -19,6 +19,20 @@ def test_files_that_load_a_model_run_alone(tmp_path):
     heavy = write(tmp_path / "test_h.py", "def test_x(engine_factory):\n    engine_factory()\n")
     kernel = write(tmp_path / "test_gemv.py", "def test_x():\n    assert True\n")
     assert run_suite.groups([*light, heavy, kernel]) == [[kernel], light, [heavy]]
+
+
+def test_short_files_that_load_a_model_share_processes_longest_first(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_suite, "SECONDS", {"test_long.py": 500, "test_a.py": 70, "test_b.py": 60,
+                                               "test_c.py": 50, "test_d.py": 40})
+    monkeypatch.setattr(run_suite, "SHARED_BELOW", 80)
+    monkeypatch.setattr(run_suite, "SHARED_PROCESS", 150)
+    heavy = {name: write(tmp_path / name, "def test_x(engine_factory):\n    engine_factory()\n")
+             for name in ("test_long.py", "test_a.py", "test_b.py", "test_c.py", "test_d.py", "test_e.py")}
+    groups = run_suite.groups(sorted(heavy.values()))
+    # first-fit decreasing: a (70) + b (60), then c (50) and d (40) need another, e (unknown: 20) fills the first
+    assert groups == [[heavy["test_long.py"]], [heavy["test_a.py"], heavy["test_b.py"], heavy["test_e.py"]],
+                      [heavy["test_c.py"], heavy["test_d.py"]]]
+    assert [run_suite.expected_seconds(g) for g in groups] == [500, 150, 90]
 
 
 def test_a_group_reports_its_counts_and_a_broken_file_fails_alone(tmp_path):
