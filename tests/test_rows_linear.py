@@ -9,6 +9,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 
 import pytest
 import torch
+import triton
 
 from specserve.model import gemv, rows_linear
 from specserve.model.gemv import AddNorm, RopeStore
@@ -122,10 +123,31 @@ def test_decoder_row_kernels_match_the_batched_path(arch, prenormed, monkeypatch
 
 
 # The 1.5B's matrices at their real K (1536, or 8960 for down_proj), N cut to a few lane
-# blocks with a ragged tail: (N, K, silu_mul, add_norm, rope heads (q, kv, head_dim))
+# blocks with a ragged tail: (N, K, silu_mul, add_norm, rope heads (q, kv, head_dim)).
+# Under the interpreter (its time grows with K) down_proj's K is 5376, which slices alike for
+# every candidate (down_k_slices_like_the_real_one checks it): the same slices equal or the
+# last one shorter, at least 3 whole K blocks in each, no partial block; 8960 on a GPU.
+DOWN_K = 8960 if DEVICE == "cuda" else 5376
 REAL_K = {"qkv": ((4 + 2) * 128, 1536, False, True, (4, 1, 128)), "o_proj": (200, 1536, False, False, None),
-          "gate_up": (400, 1536, True, True, None), "down": (200, 8960, False, False, None)}
+          "gate_up": (400, 1536, True, True, None), "down": (200, DOWN_K, False, False, None)}
 REPEATS = 20 if DEVICE == "cuda" else 1
+
+
+def k_slices(k: int, config: tuple[int, int, int, int, int]) -> tuple:
+    """How _rows_kernel cuts K for a config: per slice, "full", or "short" (fewer blocks than
+    the first; at least 3 or how many), with min(blocks in a full slice, 3) and whether K ends
+    on a block boundary."""
+    block_k, split = min(config[1], max(16, triton.next_power_of_2(k))), config[2]
+    slice_len = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    blocks = [triton.cdiv(max(0, min(k, (i + 1) * slice_len) - i * slice_len), block_k) for i in range(split)]
+    return (min(blocks[0], 3), k % block_k == 0,
+            tuple("full" if b == blocks[0] else "short" if b >= 3 else f"short {b}" for b in blocks))
+
+
+def test_down_k_slices_like_the_real_one():
+    configs = set(rows_linear.candidates_for(200, 16)) | set(rows_linear.candidates_for(200, 32))
+    assert [k_slices(DOWN_K, c) for c in sorted(configs)] == [k_slices(8960, c) for c in sorted(configs)]
+    assert any("short" in k_slices(DOWN_K, c)[2] for c in configs)
 
 
 @pytest.mark.parametrize("rows", [3, 17])
