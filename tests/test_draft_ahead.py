@@ -123,8 +123,17 @@ class LaunchRecorder(StepListener):
         self.launches.append((kind, nodes, from_ahead))
 
 
+STORY, STORY_PARAMS = SAMPLE_PROMPTS[4], dict(GREEDY, max_new_tokens=64, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def plain_story(plain) -> list[int]:
+    """Plain decoding's answer to the story below, once for both parametrizations of the test."""
+    return plain.generate(STORY, STORY_PARAMS)["output_ids"]
+
+
 @pytest.mark.parametrize("adaptive", [False, True])
-def test_a_batch_that_runs_dry_decodes_on_plain_steps_launched_ahead(engine_factory, plain, adaptive):
+def test_a_batch_that_runs_dry_decodes_on_plain_steps_launched_ahead(engine_factory, plain_story, adaptive):
     """A drafting step's successor whose proposal holds roots alone runs as a plain step
     launched ahead, and the plain steps after it too while the drafter still proposes nothing;
     a proposal with drafts ends the stretch. The outputs are plain decoding's."""
@@ -140,12 +149,10 @@ def test_a_batch_that_runs_dry_decodes_on_plain_steps_launched_ahead(engine_fact
         openers.append(current.opens_dry_stretch)
         launch_next(current, batch, keep)
     overlap.launch_next = recording
-    prompt = SAMPLE_PROMPTS[4]   # a story: a few drafts (names it repeats), stretches without
-    params = dict(GREEDY, max_new_tokens=64, ignore_eos=True)
-    got = engine.generate(prompt, params)
+    got = engine.generate(STORY, STORY_PARAMS)   # a story: a few drafts (names it repeats), stretches without
     # a stretch's first step is read before the next is launched: its token may start a match
     assert openers and not any(openers)
-    assert got["output_ids"] == plain.generate(prompt, params)["output_ids"]
+    assert got["output_ids"] == plain_story
     launches = recorder.launches[1:]   # after the prefill
     drafting = [nodes for kind, nodes, _ in launches if kind == "draft"]
     assert drafting and min(drafting) > 1, launches   # no step verified roots alone
