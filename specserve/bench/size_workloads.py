@@ -19,7 +19,6 @@ import random
 import re
 from dataclasses import dataclass
 
-KINDS = ("random", "prefill", "context")
 _NAME = re.compile(r"^(random|prefill|context)-(\d+)(k?)$")
 # ids below this are left out: byte and control tokens of some vocabularies
 _FIRST_ID = 100
