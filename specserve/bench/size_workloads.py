@@ -60,9 +60,9 @@ def parse(name: str, output_len: int, context_length: int = 32768) -> SizeWorklo
         return None
     kind, count, thousands = match.groups()
     length = int(count) * (1024 if thousands else 1)
-    room = context_length - (1 if kind == "prefill" else output_len) - _CONTEXT_MARGIN
-    if not 0 < length:
+    if length <= 0:
         raise ValueError(f"workload {name}: the prompt length must be positive")
+    room = context_length - (1 if kind == "prefill" else output_len) - _CONTEXT_MARGIN
     if room <= 0:
         raise ValueError(f"workload {name}: a context of {context_length} tokens leaves no room for the output")
     return SizeWorkload(name, kind, min(length, room))
