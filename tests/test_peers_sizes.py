@@ -41,12 +41,34 @@ def test_prefill_cells_run_one_prompt_at_a_time_with_one_token_out():
     assert ns.sizes["prefill-2k"].max_tokens(256) == 1 and ns.sizes["context-2k"].max_tokens(256) == 256
 
 
-def test_a_cell_reads_its_rate_as_its_kind_says():
-    summary = {"tok_s": 50.0, "mean_ttft_ms": 200.0, "median_itl_ms": 10.0}
-    assert peers.size_cell(parse("prefill-2k", 256), 1, summary)["tok_s"] == 2048 * 1000 / 200.0
-    context = peers.size_cell(parse("context-2k", 256), 8, summary)
-    assert context["tok_s"] == 8 * 1000 / 10.0 and context["output_tok_s"] == 50.0 and context["prompt_len"] == 2048
+def test_a_cell_reads_its_rate_as_its_kind_says_from_request_latencies():
+    # streamed text plays no part: the first chunk's time (mean_ttft_ms) and the gaps are ignored
+    summary = {"tok_s": 50.0, "prompts": 8, "output_tokens": 8 * 256, "mean_ttft_ms": 0.0, "median_itl_ms": 0.0,
+               "mean_latency_ms": 3000.0}
+    prefill = peers.size_cell(parse("prefill-2k", 256), 1, {**summary, "output_tokens": 8, "mean_latency_ms": 200.0})
+    assert prefill["tok_s"] == 2048 * 1000 / 200.0
+    context = peers.size_cell(parse("context-2k", 256), 8, summary, prefill_latency_ms=450.0)
+    assert context["tok_s"] == round(8 * 255 * 1000 / (3000.0 - 450.0), 2)
+    assert context["output_tok_s"] == 50.0 and context["prompt_len"] == 2048 and context["prefill_latency_ms"] == 450.0
     assert peers.size_cell(parse("random-512", 256), 8, summary)["tok_s"] == 50.0
+    # a decode that took no time says nothing: the output throughput stands
+    assert peers.size_cell(parse("context-2k", 256), 8, summary, prefill_latency_ms=3000.0)["tok_s"] == 50.0
+
+
+def test_engines_get_a_context_as_long_as_the_longest_request(tmp_path):
+    hf_root = tmp_path / "hf"
+    write_model_config(str(hf_root / "tiny"), {**TINY, "max_position_embeddings": 32768})
+    ns = peers.parse_args(["run", "--quick", "--concurrency", "1", "--num-prompts", "1", "--max-new-tokens", "16",
+                           "--workloads", "random-512"])
+    peers.build_workloads(str(hf_root / "tiny"), ns)
+    assert ns.context_length == 4096
+    ns = peers.parse_args(["run", "--quick", "--concurrency", "1", "--num-prompts", "1", "--max-new-tokens", "16",
+                           "--workloads", "random-512", "context-32k"])
+    workloads = peers.build_workloads(str(hf_root / "tiny"), ns)
+    assert ns.context_length == 32768 and len(workloads["context-32k"][0][0]) == 32768 - 16 - 64
+    for name in ("specserve-plain", "vllm-plain", "sglang-plain"):
+        command = " ".join(peers.ENGINES[name].command("/hf/m", "m", 8000, context_length=ns.context_length))
+        assert "4096" not in command and ("--context-length 32768" in command or "--max-model-len 32768" in command)
 
 
 def test_specserve_runs_the_size_workloads_on_random_weights(tmp_path):
@@ -66,8 +88,12 @@ def test_specserve_runs_the_size_workloads_on_random_weights(tmp_path):
     assert all("error" not in c and c["tok_s"] > 0 for c in cells.values())
     prefill = cells["prefill-96", 1]
     assert prefill["prompt_len"] == 96 and prefill["output_tokens"] == prefill["prompts"]   # one token each
-    assert prefill["tok_s"] == pytest.approx(96 * 1000 / prefill["mean_ttft_ms"], rel=0.01)
-    assert cells["context-64", 2]["output_tokens"] == cells["context-64", 2]["prompts"] * 6
+    assert prefill["tok_s"] == pytest.approx(96 * 1000 / prefill["mean_latency_ms"], rel=0.01)
+    context = cells["context-64", 2]
+    assert context["output_tokens"] == context["prompts"] * 6
+    assert 0 < context["prefill_latency_ms"] < context["mean_latency_ms"]
+    assert context["tok_s"] == pytest.approx(2 * 5 * 1000 / (context["mean_latency_ms"] - context["prefill_latency_ms"]),
+                                             rel=0.01)
     table = open(out / "peers_table.md").read()
     assert "prefill-N cells: prompt tokens per second of time to first token" in table
     assert "context-N cells: decode tokens per second" in table

@@ -51,8 +51,8 @@ import sys
 import time
 from types import SimpleNamespace
 
-from specserve.bench.peers_engines import (ENGINES, EngineConfig, ServerFailed, ServerProcess, accept_between,
-                                           kv_capacity, server_settings, spec_counters)
+from specserve.bench.peers_engines import (CONTEXT_LENGTH, ENGINES, EngineConfig, ServerFailed, ServerProcess,
+                                           accept_between, kv_capacity, server_settings, spec_counters)
 from specserve.bench.peers_heads import HeadMissing, eagle2_head_for_engine, head_for_engine, parse_model_map
 from specserve.bench.peers_install import WheelsMissing, engine_version, install, server_env
 from specserve.bench.peers_report import write_report
@@ -125,6 +125,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                               "qwen2.5-coder-1.5b-instruct=qwen2.5-coder-0.5b-instruct")
         except ValueError as error:
             parser.error(str(error))
+    if ns.command == "run":
+        ns.context_length = CONTEXT_LENGTH   # build_workloads raises it for long size workloads
     if ns.command == "run" and ns.quick:
         ns.bs1_prompts = min(ns.bs1_prompts, 2)
         ns.num_prompts = max(min(ns.num_prompts, 64), max(ns.concurrency))
@@ -163,8 +165,13 @@ def build_workloads(model_dir: str, ns: argparse.Namespace) -> dict[str, tuple[l
     requested = ns.workloads or []
     with open(os.path.join(model_dir, "config.json")) as f:
         config = json.load(f)
-    ns.sizes = {name: size for name in requested if (size := parse_size_workload(
-        name, ns.max_new_tokens, int(config.get("max_position_embeddings", 32768)))) is not None}
+    positions = int(config.get("max_position_embeddings", 32768))
+    ns.sizes = {name: size for name in requested
+                if (size := parse_size_workload(name, ns.max_new_tokens, positions)) is not None}
+    # the engines' context: the suite's unless a size workload needs more (then the model's, which
+    # parse cut its prompts to fit)
+    needed = max((size.context_needed(ns.max_new_tokens) for size in ns.sizes.values()), default=0)
+    ns.context_length = CONTEXT_LENGTH if needed <= CONTEXT_LENGTH else positions
     others = [name for name in requested if name not in ns.sizes]
     suite = suite_workloads(engine, SimpleNamespace(**{**vars(ns), "workloads": others or None})) \
         if others or not requested else {}    # no names: the suite's default four
@@ -282,7 +289,8 @@ def run_engine(config: EngineConfig, model: str, model_dir: str, workloads: dict
         write({"kind": "engine", **base, "error": str(error)})
         return
     port = _free_port()
-    command = config.command(model_dir, model, port, load_format=ns.load_format, **drafters)
+    command = config.command(model_dir, model, port, load_format=ns.load_format,
+                             context_length=ns.context_length, **drafters)
     if config.engine == "specserve":
         command += ns.specserve_args.split()
     os.makedirs(os.path.join(ns.out, "logs"), exist_ok=True)
@@ -328,13 +336,17 @@ async def measure_engine(server: ServerProcess, model: str, workloads: dict, ns:
                 cell = {"kind": "cell", "workload": workload, "turn": turn, "concurrency": concurrency}
                 counted = spec_counters(server.base_url)   # the cell's accept length: what it adds
                 try:
+                    prefill_ms = 0.0
+                    if size is not None and size.needs_prefill_baseline():
+                        prefill_ms = await _time_left(
+                            _prefill_latency(session, server.base_url, model, prompts, concurrency), budget_end)
                     results, duration = await _time_left(
                         _run_prompts(session, server.base_url, model, prompts, concurrency, max_tokens), budget_end)
                 except TimeoutError:
                     return _not_run(cells[index:], write)
                 summary = cell_summary(results, duration, server)
                 if size is not None:
-                    summary = size_cell(size, concurrency, summary)
+                    summary = size_cell(size, concurrency, summary, prefill_ms)
                 write({**cell, **summary, **accept_between(counted, spec_counters(server.base_url))})
                 if not server.alive():
                     raise ServerFailed(f"the server died during {workload} at concurrency {concurrency}: "
@@ -368,6 +380,18 @@ async def _run_prompts(session, base_url: str, model: str, prompts: list[list[in
     return await run_turn(rows, send, args, 1)
 
 
+async def _prefill_latency(session, base_url: str, model: str, prompts: list[list[int]], concurrency: int) -> float:
+    """The mean latency of one-token requests of the prompts' lengths at `concurrency`: their
+    prefill. The prompts go reversed, the same lengths with other prefixes, so that the prefix
+    cache cannot serve the cell's own requests after them."""
+    from specserve.bench.serving import summarize
+    results, duration = await _run_prompts(session, base_url, model, [p[::-1] for p in prompts], concurrency, 1)
+    failed = [r.error for r in results if not r.success]
+    if failed:
+        raise RuntimeError(f"the one-token requests that time the prefill failed: {failed[0][:500]}")
+    return summarize(results, duration, None)["mean_e2e_latency_ms"]
+
+
 def cell_summary(results: list, duration: float, server: ServerProcess) -> dict:
     from specserve.bench.serving import summarize
     metrics = summarize(results, duration, None)
@@ -375,6 +399,7 @@ def cell_summary(results: list, duration: float, server: ServerProcess) -> dict:
     row = {"prompts": len(results), "tok_s": metrics["output_throughput"] if not errors else None,
            "output_tokens": metrics["total_output_tokens"], "duration_s": round(duration, 3),
            "mean_ttft_ms": metrics["mean_ttft_ms"], "median_itl_ms": metrics["median_itl_ms"],
+           "mean_latency_ms": metrics["mean_e2e_latency_ms"],
            # in request order: a stall shows as who waited (a long prompt, the ones queued behind it)
            "ttft_ms": [round(r.ttft * 1000, 1) for r in results],
            "output_hashes": [hashlib.sha1(r.generated_text.encode()).hexdigest()[:12] for r in results]}
@@ -384,12 +409,15 @@ def cell_summary(results: list, duration: float, server: ServerProcess) -> dict:
     return row
 
 
-def size_cell(size: SizeWorkload, concurrency: int, summary: dict) -> dict:
+def size_cell(size: SizeWorkload, concurrency: int, summary: dict, prefill_latency_ms: float = 0.0) -> dict:
     """A size workload's cell: its prompt length, and tok_s as its kind reads it (prefill or
     decode rate), the output throughput kept as output_tok_s."""
     row = {**summary, "prompt_len": size.prompt_len, "output_tok_s": summary["tok_s"]}
+    if size.needs_prefill_baseline():
+        row["prefill_latency_ms"] = round(prefill_latency_ms, 1)
     if summary["tok_s"] is not None:
-        rate = size.rate(concurrency, summary["mean_ttft_ms"] or 0.0, summary["median_itl_ms"] or 0.0)
+        output_len = summary["output_tokens"] // max(1, summary["prompts"])
+        rate = size.rate(concurrency, output_len, summary["mean_latency_ms"], prefill_latency_ms)
         row["tok_s"] = summary["tok_s"] if rate is None else round(rate, 2)
     return row
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 MAX_RUNNING = 64           # the largest concurrency measured: no engine queues at 64
 MEMORY_FRACTION = 0.80     # weights + KV cache; the rest for activations and graphs
-CONTEXT_LENGTH = 4096      # prompts of the suite stay under 2k tokens, outputs at 128
+CONTEXT_LENGTH = 4096      # prompts of the suite stay under 2k tokens, outputs at 128 (longer workloads pass their own)
 # vLLM's documented n-gram settings (docs: features/speculative_decoding/n_gram)
 VLLM_NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}
 # vLLM's suffix decoding with its defaults (tree depth 24 = the most tokens drafted per step)
@@ -80,11 +80,13 @@ class EngineConfig:
         return any(placeholder in arg for arg in self.extra_args)
 
     def command(self, model_dir: str, served_name: str, port: int, eagle_head: str | None = None,
-                draft_model: str | None = None, eagle2_head: str | None = None, load_format: str = "auto") -> list[str]:
+                draft_model: str | None = None, eagle2_head: str | None = None, load_format: str = "auto",
+                context_length: int = CONTEXT_LENGTH) -> list[str]:
         """The server's command line; `eagle_head`, `eagle2_head` and `draft_model`
         (directories) replace EAGLE_HEAD, EAGLE2_HEAD and DRAFT_MODEL in the flags.
         load_format dummy: the target's weights are random (all three engines spell it
-        --load-format dummy; specserve's drafters still load from their files)."""
+        --load-format dummy; specserve's drafters still load from their files). context_length:
+        the most tokens a request may hold, prompt and output."""
         fills = {EAGLE_HEAD: ("eagle_head", "an EAGLE-3 head", eagle_head),
                  EAGLE2_HEAD: ("eagle2_head", "an EAGLE-2 head", eagle2_head),
                  DRAFT_MODEL: ("draft_model", "a draft model", draft_model)}
@@ -94,31 +96,31 @@ class EngineConfig:
                 raise ValueError(f"{self.name} drafts with {what}: {argument} must name its directory")
             extra = [arg.replace(placeholder, directory) if directory else arg for arg in extra]
         loading = [] if load_format == "auto" else ["--load-format", load_format]
-        return BASE_COMMANDS[self.engine](model_dir, served_name, port) + loading + extra
+        return BASE_COMMANDS[self.engine](model_dir, served_name, port, context_length) + loading + extra
 
 
-def _specserve(model_dir: str, served_name: str, port: int) -> list[str]:
+def _specserve(model_dir: str, served_name: str, port: int, context_length: int) -> list[str]:
     return [sys.executable, "-m", "specserve.launch_server", "--model-path", model_dir, "--served-model-name",
             served_name, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
             "--mem-fraction-static", str(MEMORY_FRACTION), "--max-running-requests", str(MAX_RUNNING),
-            "--cuda-graph-max-bs", str(MAX_RUNNING), "--context-length", str(CONTEXT_LENGTH), "--log-level", "warning"]
+            "--cuda-graph-max-bs", str(MAX_RUNNING), "--context-length", str(context_length), "--log-level", "warning"]
 
 
-def _vllm(model_dir: str, served_name: str, port: int) -> list[str]:
+def _vllm(model_dir: str, served_name: str, port: int, context_length: int) -> list[str]:
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name",
             served_name, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
             "--gpu-memory-utilization", str(MEMORY_FRACTION), "--max-num-seqs", str(MAX_RUNNING),
-            "--max-model-len", str(CONTEXT_LENGTH), "--seed", "0", "--disable-uvicorn-access-log",
+            "--max-model-len", str(context_length), "--seed", "0", "--disable-uvicorn-access-log",
             # vLLM's own choice on an H100 (its vllm_flash_attn, FA3), named so that a failure is an error
             # rather than a silent fall-back to Triton attention
             "--attention-backend", "FLASH_ATTN"]
 
 
-def _sglang(model_dir: str, served_name: str, port: int) -> list[str]:
+def _sglang(model_dir: str, served_name: str, port: int, context_length: int) -> list[str]:
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", model_dir, "--served-model-name",
             served_name, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
             "--mem-fraction-static", str(MEMORY_FRACTION), "--max-running-requests", str(MAX_RUNNING),
-            "--cuda-graph-max-bs-decode", str(MAX_RUNNING), "--context-length", str(CONTEXT_LENGTH),
+            "--cuda-graph-max-bs-decode", str(MAX_RUNNING), "--context-length", str(context_length),
             "--log-level", "warning",
             # FlashAttention-3 from sgl-kernel (SGLang's H100 default), torch sampling and no autotuning:
             # flashinfer is carried only because SGLang's sampler module imports it; its kernels compile on

@@ -6,8 +6,9 @@
   prefill-N   one N-token prompt at a time, one token out: time to first token; the cell's
               tok_s is prefill throughput (prompt tokens per second of time to first token)
   context-N   N-token prompts, the run's output length, at every concurrency: decode speed with
-              that much context; the cell's tok_s is the decode rate alone (concurrency x tokens
-              per second of the median gap between two tokens), the prefill left out
+              that much context; the cell's tok_s is the decode rate alone: concurrency x the
+              output's tokens after the first over the mean request latency less that of
+              one-token requests of other prompts of the same length (the prefill)
 
 N is a token count, or thousands with k (2k = 2048); a prompt of 32k is cut to leave room
 for the output (and 64 tokens) in a 32768-token context. The prompts are random token ids below the
@@ -36,6 +37,10 @@ class SizeWorkload:
     def max_tokens(self, output_len: int) -> int:
         return 1 if self.kind == "prefill" else output_len
 
+    def context_needed(self, output_len: int) -> int:
+        """Tokens a request of this workload holds in an engine, prompt, output and margin."""
+        return self.prompt_len + self.max_tokens(output_len) + _CONTEXT_MARGIN
+
     def concurrencies(self, concurrencies: list[int]) -> list[int]:
         return [1] if self.kind == "prefill" else concurrencies
 
@@ -43,13 +48,23 @@ class SizeWorkload:
         rng = random.Random(f"{self.name}-{seed}")
         return [[rng.randrange(_FIRST_ID, vocab_size) for _ in range(self.prompt_len)] for _ in range(count)]
 
-    def rate(self, concurrency: int, mean_ttft_ms: float, median_itl_ms: float) -> float | None:
-        """What the cell's tok_s says for this kind (None: the output throughput as measured)."""
+    def rate(self, concurrency: int, output_len: int, latency_ms: float, prefill_latency_ms: float) -> float | None:
+        """What the cell's tok_s says for this kind (None: the output throughput as measured), from
+        whole-request latencies, never from streamed text: random weights often answer with tokens
+        that decode to nothing (a lone byte of a UTF-8 character, an id past the tokenizer's), which
+        servers do not stream, so a first chunk of text comes late or never.
+        prefill: latency_ms is the mean of one-token requests, which is the time to first token.
+        context: latency_ms of requests of `output_len` tokens, prefill_latency_ms of one-token
+        requests of the same lengths at the same concurrency; the difference is the decode."""
         if self.kind == "prefill":
-            return self.prompt_len * 1000 / mean_ttft_ms if mean_ttft_ms > 0 else None
+            return self.prompt_len * 1000 / latency_ms if latency_ms > 0 else None
         if self.kind == "context":
-            return concurrency * 1000 / median_itl_ms if median_itl_ms > 0 else None
+            decode_ms = latency_ms - prefill_latency_ms
+            return concurrency * (output_len - 1) * 1000 / decode_ms if decode_ms > 0 and output_len > 1 else None
         return None
+
+    def needs_prefill_baseline(self) -> bool:
+        return self.kind == "context"
 
 
 def parse(name: str, output_len: int, context_length: int = 32768) -> SizeWorkload | None:
