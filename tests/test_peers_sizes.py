@@ -11,7 +11,8 @@ import pytest
 
 from specserve.bench import peers
 from specserve.bench.random_model import write_model_config
-from specserve.bench.size_workloads import parse
+from specserve.bench.serving import arrivals as arrivals_of
+from specserve.bench.size_workloads import full_batch_gaps, parse
 from tests.test_peers_dummy import TINY
 
 
@@ -19,8 +20,11 @@ def test_names_say_kind_and_length_and_leave_room_for_the_output():
     assert parse("code-types", 256) is None
     assert parse("random-512", 256).prompt_len == 512
     assert parse("prefill-8k", 256).prompt_len == 8192
-    assert parse("context-32k", 256).prompt_len == 32768 - 256 - 64    # a 32k context holds the output too
-    assert parse("prefill-32k", 256).prompt_len == 32768 - 1 - 64
+    assert (parse("random-2k", 256).prompt_len, parse("random-2k", 256).output_len) == (2048, 256)
+    # a 32k context holds the output too, and a context-N output is N/16 tokens at least
+    assert (parse("context-32k", 256).prompt_len, parse("context-32k", 256).output_len) == (32768 - 2048 - 64, 2048)
+    assert parse("context-2k", 256).output_len == 256
+    assert (parse("prefill-32k", 256).prompt_len, parse("prefill-32k", 256).output_len) == (32768 - 1 - 64, 1)
     with pytest.raises(ValueError, match="random-0"):
         parse("random-0", 256)
 
@@ -38,21 +42,36 @@ def test_prefill_cells_run_one_prompt_at_a_time_with_one_token_out():
     cells = peers.engine_cells({"random-512": None, "prefill-2k": None, "context-2k": None}, ns)
     assert cells == [("random-512", 8), ("context-2k", 8), ("random-512", 1), ("prefill-2k", 1), ("context-2k", 1),
                      ("random-512", 32), ("context-2k", 32)]
-    assert ns.sizes["prefill-2k"].max_tokens(256) == 1 and ns.sizes["context-2k"].max_tokens(256) == 256
 
 
-def test_a_cell_reads_its_rate_as_its_kind_says_from_request_latencies():
-    # streamed text plays no part: the first chunk's time (mean_ttft_ms) and the gaps are ignored
-    summary = {"tok_s": 50.0, "prompts": 8, "output_tokens": 8 * 256, "mean_ttft_ms": 0.0, "median_itl_ms": 0.0,
-               "mean_latency_ms": 3000.0}
-    prefill = peers.size_cell(parse("prefill-2k", 256), 1, {**summary, "output_tokens": 8, "mean_latency_ms": 200.0})
-    assert prefill["tok_s"] == 2048 * 1000 / 200.0
-    context = peers.size_cell(parse("context-2k", 256), 8, summary, prefill_latency_ms=450.0)
-    assert context["tok_s"] == round(8 * 255 * 1000 / (3000.0 - 450.0), 2)
-    assert context["output_tok_s"] == 50.0 and context["prompt_len"] == 2048 and context["prefill_latency_ms"] == 450.0
-    assert peers.size_cell(parse("random-512", 256), 8, summary)["tok_s"] == 50.0
-    # a decode that took no time says nothing: the output throughput stands
-    assert peers.size_cell(parse("context-2k", 256), 8, summary, prefill_latency_ms=3000.0)["tok_s"] == 50.0
+def _result(start: float, first: float, gaps: list[float]) -> SimpleNamespace:
+    return SimpleNamespace(start=start, ttft=first, itl=gaps)
+
+
+def test_a_full_batch_is_while_every_request_of_the_wave_decodes():
+    # three requests' token times: the third starts late (a prefill after the others') and the first
+    # ends early; only gaps ending in [3.9, 5], when all three decode, are a full batch's
+    arrivals = [[1.0, 2.0, 3.0, 4.0, 5.0], [1.5, 2.5, 3.5, 4.5, 5.5, 6.5], [3.9, 4.4, 4.9, 5.4]]
+    assert sorted(full_batch_gaps(arrivals, 3)) == pytest.approx([0.5, 0.5, 1.0, 1.0, 1.0])
+    assert len(full_batch_gaps(arrivals, 1)) == 4 + 5 + 3
+    assert full_batch_gaps([[1.0, 2.0], [3.0, 4.0]], 2) == []     # the first ended before the second began
+    assert arrivals_of(_result(10.0, 0.5, [0.25, 0.25])) == [10.5, 10.75, 11.0]
+
+
+def test_a_cell_reads_its_rate_as_its_kind_says_never_from_streamed_text():
+    summary = {"tok_s": 50.0, "prompts": 2, "output_tokens": 8, "mean_ttft_ms": 0.0, "median_itl_ms": 0.0,
+               "mean_latency_ms": 200.0}
+    # prefill: one-token requests' whole latency is their time to first token
+    assert peers.size_cell(parse("prefill-2k", 256), 1, summary, [])["tok_s"] == 2048 * 1000 / 200.0
+    # context: two requests of 4 tokens 10 ms apart while both decode
+    both = [_result(0.0, 1.0, [0.01, 0.01, 0.01]), _result(0.0, 1.005, [0.01, 0.01, 0.01])]
+    context = peers.size_cell(parse("context-2k", 256), 2, summary, both)
+    assert context["tok_s"] == pytest.approx(2 * 1000 / 10.0) and context["output_tok_s"] == 50.0
+    assert context["prompt_len"] == 2048 and context["full_batch_gaps"] == 5
+    apart = [_result(0.0, 1.0, [0.01]), _result(0.0, 2.0, [0.01])]
+    context = peers.size_cell(parse("context-2k", 256), 2, summary, apart)
+    assert context["tok_s"] is None and "all 2 requests were decoding" in context["error"]
+    assert peers.size_cell(parse("random-512", 256), 8, summary, both)["tok_s"] == 50.0
 
 
 def test_engines_get_a_context_as_long_as_the_longest_request(tmp_path):
@@ -65,7 +84,7 @@ def test_engines_get_a_context_as_long_as_the_longest_request(tmp_path):
     ns = peers.parse_args(["run", "--quick", "--concurrency", "1", "--num-prompts", "1", "--max-new-tokens", "16",
                            "--workloads", "random-512", "context-32k"])
     workloads = peers.build_workloads(str(hf_root / "tiny"), ns)
-    assert ns.context_length == 32768 and len(workloads["context-32k"][0][0]) == 32768 - 16 - 64
+    assert ns.context_length == 32768 and len(workloads["context-32k"][0][0]) == 32768 - 2048 - 64
     for name in ("specserve-plain", "vllm-plain", "sglang-plain"):
         command = " ".join(peers.ENGINES[name].command("/hf/m", "m", 8000, context_length=ns.context_length))
         assert "4096" not in command and ("--context-length 32768" in command or "--max-model-len 32768" in command)
@@ -90,10 +109,7 @@ def test_specserve_runs_the_size_workloads_on_random_weights(tmp_path):
     assert prefill["prompt_len"] == 96 and prefill["output_tokens"] == prefill["prompts"]   # one token each
     assert prefill["tok_s"] == pytest.approx(96 * 1000 / prefill["mean_latency_ms"], rel=0.01)
     context = cells["context-64", 2]
-    assert context["output_tokens"] == context["prompts"] * 6
-    assert 0 < context["prefill_latency_ms"] < context["mean_latency_ms"]
-    assert context["tok_s"] == pytest.approx(2 * 5 * 1000 / (context["mean_latency_ms"] - context["prefill_latency_ms"]),
-                                             rel=0.01)
+    assert context["output_tokens"] == context["prompts"] * 6 and context["full_batch_gaps"] > 0
     table = open(out / "peers_table.md").read()
     assert "prefill-N cells: prompt tokens per second of time to first token" in table
     assert "context-N cells: decode tokens per second" in table

@@ -56,7 +56,7 @@ from specserve.bench.peers_engines import (CONTEXT_LENGTH, ENGINES, EngineConfig
 from specserve.bench.peers_heads import HeadMissing, eagle2_head_for_engine, head_for_engine, parse_model_map
 from specserve.bench.peers_install import WheelsMissing, engine_version, install, server_env
 from specserve.bench.peers_report import write_report
-from specserve.bench.size_workloads import SizeWorkload
+from specserve.bench.size_workloads import SizeWorkload, full_batch_gaps
 from specserve.bench.size_workloads import parse as parse_size_workload
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -170,7 +170,7 @@ def build_workloads(model_dir: str, ns: argparse.Namespace) -> dict[str, tuple[l
                 if (size := parse_size_workload(name, ns.max_new_tokens, positions)) is not None}
     # the engines' context: the suite's unless a size workload needs more (then the model's, which
     # parse cut its prompts to fit)
-    needed = max((size.context_needed(ns.max_new_tokens) for size in ns.sizes.values()), default=0)
+    needed = max((size.context_needed() for size in ns.sizes.values()), default=0)
     ns.context_length = CONTEXT_LENGTH if needed <= CONTEXT_LENGTH else positions
     others = [name for name in requested if name not in ns.sizes]
     suite = suite_workloads(engine, SimpleNamespace(**{**vars(ns), "workloads": others or None})) \
@@ -331,22 +331,18 @@ async def measure_engine(server: ServerProcess, model: str, workloads: dict, ns:
         for index, (workload, concurrency) in enumerate(cells):
             prompts = workloads[workload][0][:prompts_per_cell(ns, concurrency)]
             size = sizes.get(workload)
-            max_tokens = size.max_tokens(ns.max_new_tokens) if size else ns.max_new_tokens
+            max_tokens = size.output_len if size else ns.max_new_tokens
             for turn in (1, 2) if workload == "sharegpt-repeat" else (1,):
                 cell = {"kind": "cell", "workload": workload, "turn": turn, "concurrency": concurrency}
                 counted = spec_counters(server.base_url)   # the cell's accept length: what it adds
                 try:
-                    prefill_ms = 0.0
-                    if size is not None and size.needs_prefill_baseline():
-                        prefill_ms = await _time_left(
-                            _prefill_latency(session, server.base_url, model, prompts, concurrency), budget_end)
                     results, duration = await _time_left(
                         _run_prompts(session, server.base_url, model, prompts, concurrency, max_tokens), budget_end)
                 except TimeoutError:
                     return _not_run(cells[index:], write)
                 summary = cell_summary(results, duration, server)
                 if size is not None:
-                    summary = size_cell(size, concurrency, summary, prefill_ms)
+                    summary = size_cell(size, concurrency, summary, results)
                 write({**cell, **summary, **accept_between(counted, spec_counters(server.base_url))})
                 if not server.alive():
                     raise ServerFailed(f"the server died during {workload} at concurrency {concurrency}: "
@@ -380,18 +376,6 @@ async def _run_prompts(session, base_url: str, model: str, prompts: list[list[in
     return await run_turn(rows, send, args, 1)
 
 
-async def _prefill_latency(session, base_url: str, model: str, prompts: list[list[int]], concurrency: int) -> float:
-    """The mean latency of one-token requests of the prompts' lengths at `concurrency`: their
-    prefill. The prompts go reversed, the same lengths with other prefixes, so that the prefix
-    cache cannot serve the cell's own requests after them."""
-    from specserve.bench.serving import summarize
-    results, duration = await _run_prompts(session, base_url, model, [p[::-1] for p in prompts], concurrency, 1)
-    failed = [r.error for r in results if not r.success]
-    if failed:
-        raise RuntimeError(f"the one-token requests that time the prefill failed: {failed[0][:500]}")
-    return summarize(results, duration, None)["mean_e2e_latency_ms"]
-
-
 def cell_summary(results: list, duration: float, server: ServerProcess) -> dict:
     from specserve.bench.serving import summarize
     metrics = summarize(results, duration, None)
@@ -409,16 +393,23 @@ def cell_summary(results: list, duration: float, server: ServerProcess) -> dict:
     return row
 
 
-def size_cell(size: SizeWorkload, concurrency: int, summary: dict, prefill_latency_ms: float = 0.0) -> dict:
+def size_cell(size: SizeWorkload, concurrency: int, summary: dict, results: list) -> dict:
     """A size workload's cell: its prompt length, and tok_s as its kind reads it (prefill or
     decode rate), the output throughput kept as output_tok_s."""
+    from specserve.bench.serving import arrivals
     row = {**summary, "prompt_len": size.prompt_len, "output_tok_s": summary["tok_s"]}
-    if size.needs_prefill_baseline():
-        row["prefill_latency_ms"] = round(prefill_latency_ms, 1)
-    if summary["tok_s"] is not None:
-        output_len = summary["output_tokens"] // max(1, summary["prompts"])
-        rate = size.rate(concurrency, output_len, summary["mean_latency_ms"], prefill_latency_ms)
-        row["tok_s"] = summary["tok_s"] if rate is None else round(rate, 2)
+    if summary["tok_s"] is None:
+        return row
+    gaps = full_batch_gaps([arrivals(r) for r in results], concurrency) if size.kind == "context" else []
+    rate = size.rate(concurrency, summary["mean_latency_ms"], [gap * 1000 for gap in gaps])
+    if size.kind == "context":
+        row["full_batch_gaps"] = len(gaps)
+    if rate is not None:
+        row["tok_s"] = round(rate, 2)
+    elif size.kind == "context":
+        row.update(tok_s=None, error=f"no two tokens of a request came while all {concurrency} requests were "
+                                     "decoding: the first ended before the last began (a longer output, or fewer "
+                                     "requests)")
     return row
 
 

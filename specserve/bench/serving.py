@@ -41,6 +41,7 @@ class RequestResult:
     prompt_len: int = 0
     output_len: int = 0
     generated_text: str = ""
+    start: float = 0.0     # time.perf_counter() when the request was sent
     ttft: float = 0.0
     itl: list[float] = field(default_factory=list)
     latency: float = 0.0
@@ -74,7 +75,7 @@ async def request_native(session, url: str, row: DatasetRow, args) -> RequestRes
         else:
             sampling[key] = value
     result = RequestResult(prompt_len=row.prompt_len)
-    start = last = time.perf_counter()
+    start = last = result.start = time.perf_counter()
     async with session.post(url + "/generate", json=body, headers=_auth(args)) as response:
         if response.status != 200:
             result.error = f"HTTP {response.status}: {await response.text()}"
@@ -117,7 +118,7 @@ async def request_openai(session, url: str, row: DatasetRow, args, model: str, c
     if not args.disable_stream:
         body["stream_options"] = {"include_usage": True}
     result = RequestResult(prompt_len=row.prompt_len)
-    start = last = time.perf_counter()
+    start = last = result.start = time.perf_counter()
     path = "/v1/chat/completions" if chat else "/v1/completions"
     async with session.post(url + path, json=body, headers=_auth(args)) as response:
         if response.status != 200:
@@ -136,7 +137,10 @@ async def request_openai(session, url: str, row: DatasetRow, args, model: str, c
                 continue
             choice = out["choices"][0]
             piece = (choice.get("message") or choice.get("delta") or {}).get("content") if chat else choice.get("text")
-            if not piece:
+            # a completion chunk brings tokens even when their text is empty (a byte of a UTF-8
+            # character not yet whole): SGLang and vLLM stream one a step; a chat stream's first
+            # chunk carries only the role
+            if not piece and (chat or piece is None):
                 continue
             now = time.perf_counter()
             if chunks == 0:
@@ -144,7 +148,7 @@ async def request_openai(session, url: str, row: DatasetRow, args, model: str, c
             else:
                 result.itl.append(now - last)
             chunks, last = chunks + 1, now
-            text.append(piece)
+            text.append(piece or "")
     result.latency = time.perf_counter() - start
     result.generated_text = "".join(text)
     result.output_len = result.output_len or chunks
@@ -197,6 +201,14 @@ async def run_turn(rows: list[DatasetRow], send: Callable[[DatasetRow], Awaitabl
     if progress is not None:
         progress.close()
     return results, duration
+
+
+def arrivals(result: RequestResult) -> list[float]:
+    """When each of the result's streamed chunks arrived (time.perf_counter()), the first token's first."""
+    times = [result.start + result.ttft]
+    for gap in result.itl:
+        times.append(times[-1] + gap)
+    return times
 
 
 def summarize(results: list[RequestResult], duration: float, accept_length: float | None) -> dict:

@@ -238,7 +238,9 @@ async def _completion_events(state: ServerState, reply: _Reply, streams: list[As
             reason = meta["finish_reason"]
             if reason is not None:
                 finals[index] = meta
-            if not chunk["text"] and reason is None and not (logprobs and chunk["output_ids"]):
+            # a step's tokens make a chunk even when their text is empty (a byte of a UTF-8 character
+            # not yet whole), as SGLang's and vLLM's completions stream: a client sees each step
+            if not chunk["text"] and reason is None and not chunk["output_ids"]:
                 continue
             choice = {"index": index, "text": chunk["text"], "logprobs": None, "finish_reason": finish_reason(reason)}
             if logprobs:
