@@ -1,10 +1,12 @@
-"""What a prefill step costs, by prompt length, on a real model's shapes with random weights
-(no checkpoint to stage): `python -m lab.prefill_cost --shape qwen2.5-coder-1.5b
---lengths 16 100 300 1000 2000`.
+"""What a prefill costs, by prompt length, on a real model's shapes with random weights
+(no checkpoint to stage, weights made on the device): `python -m lab.prefill_cost --shape
+qwen2.5-coder-1.5b --lengths 16 100 300 1000 2000`, or at a 7B's long prompts `--shape
+qwen2.5-7b --lengths 2048 8192 32000 --profile 32000 [--chunked-prefill-size 8192]`.
 
 For each length one request of that many tokens is prefilled by the engine's own step loop
-(plain decoding, CUDA graphs on for the decode steps); the bench reports the median wall time
-of the prefill step, a "fixed + per token" fit over the lengths, and, for the lengths given
+(plain decoding, CUDA graphs on for the decode steps), every chunk up to its first token; the
+bench reports the median wall time of the prefill, a "fixed + per token" fit over the lengths,
+and, for the lengths given
 to --profile, the torch profiler's top entries by device time and by host time: where a
 step of a few hundred tokens spends its time when its GPU work should take a few ms.
 """
@@ -20,7 +22,7 @@ import time
 import torch
 
 from lab.ttft_breakdown import fit_prefill_cost, format_prefill_cost
-from specserve.bench.random_model import SHAPES, write_random_model
+from specserve.bench.random_model import SHAPES, write_model_config
 
 
 def synchronize() -> None:
@@ -29,8 +31,9 @@ def synchronize() -> None:
 
 
 def prefill_step_ms(core, engine, length: int, rng: random.Random, tag: str) -> tuple[float, float]:
-    """(wall time of the step that prefills one request of `length` tokens, of its forward
-    alone), both synchronized: the difference is the step's host work around the model."""
+    """(wall time of the steps that prefill one request of `length` tokens, up to its first
+    token: every chunk of a prompt longer than --chunked-prefill-size; of their forwards
+    alone), both synchronized: the difference is the steps' host work around the model."""
     prompt = [rng.randrange(10, 4000) for _ in range(length)]
     req = engine._make_request(prompt, {"temperature": 0, "max_new_tokens": 1, "ignore_eos": True}, False, 0, tag)
     core.add_request(req)
@@ -47,7 +50,8 @@ def prefill_step_ms(core, engine, length: int, rng: random.Random, tag: str) -> 
     core.runner.extend = timed_extend
     synchronize()
     start = time.perf_counter()
-    core.step()
+    while not req.output_ids:
+        core.step()
     synchronize()
     elapsed = (time.perf_counter() - start) * 1e3
     del core.runner.extend
@@ -76,12 +80,15 @@ def main(argv=None) -> None:
     parser.add_argument("--profile", type=int, nargs="*", default=[100], help="lengths to profile")
     parser.add_argument("--rows", type=int, default=20)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--chunked-prefill-size", type=int, default=None, help="the engine's, if not its default")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     ns = parser.parse_args(argv)
     os.makedirs(ns.out, exist_ok=True)
     from specserve.engine.engine import Engine
-    path = write_random_model(f"/tmp/random-{ns.shape}", ns.shape, device=ns.device)
-    engine = Engine(model_path=path, device=ns.device, log_level="warning", max_total_tokens=200_000, skip_server_warmup=True)
+    path = write_model_config(f"/tmp/random-{ns.shape}", ns.shape)   # weights made on the device
+    chunking = {} if ns.chunked_prefill_size is None else {"chunked_prefill_size": ns.chunked_prefill_size}
+    engine = Engine(model_path=path, load_format="dummy", device=ns.device, log_level="warning",
+                    max_total_tokens=max(200_000, 2 * max(ns.lengths)), skip_server_warmup=True, **chunking)
     engine.shutdown()  # the step loop is driven from this thread
     core, rng = engine.core, random.Random(0)
     for length in ns.lengths:   # warm: Triton compiles, allocator
@@ -91,7 +98,8 @@ def main(argv=None) -> None:
         runs = [prefill_step_ms(core, engine, length, rng, f"p-{length}-{i}") for i in range(ns.repeats)]
         times = [wall for wall, _ in runs]
         medians.append(statistics.median(times))
-        row = {"kind": "prefill_cost", "shape": ns.shape, "length": length, "median_ms": round(medians[-1], 3),
+        row = {"kind": "prefill_cost", "shape": ns.shape, "length": length,
+               "chunked_prefill_size": engine.args.chunked_prefill_size, "median_ms": round(medians[-1], 3),
                "min_ms": round(min(times), 3), "forward_median_ms": round(statistics.median(f for _, f in runs), 3),
                "device": torch.cuda.get_device_name() if ns.device == "cuda" else ns.device, "date": time.strftime("%Y-%m-%d")}
         print(json.dumps(row), flush=True)

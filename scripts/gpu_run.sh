@@ -57,7 +57,9 @@
 #                                                   qwen2.5-7b by default, on random weights (--load-format dummy):
 #                                                   PEERS_SIZE_PART=decode (random-512, random-2048 at 1/8/32/64, 256 out)
 #                                                   or long (prefill-2k/8k/32k, context-32k at 1/8); specserve-plain
-#                                                   vllm-plain sglang-plain by default; needs the peers' wheels staged)
+#                                                   vllm-plain sglang-plain by default; needs the peers' wheels staged;
+#                                                   on a fresh machine each engine's first 7B start takes 130-145 s of
+#                                                   compiles, so give each engine a call of its own there)
 #   scripts/gpu_run.sh peers-eagle [ENGINE...]     (the peers benchmark's EAGLE-3 chains of 3 with that head on the 1.5B:
 #                                                   specserve-eagle3 sglang-eagle3 vllm-eagle3 by default (any engines
 #                                                   of bench/peers_engines.py; PEERS_MODEL another model, its head in

@@ -19,6 +19,7 @@ import triton  # noqa: E402,F401  -- no triton must fail these tests, never skip
 
 from specserve.attention.base import ForwardBatch, ForwardMode  # noqa: E402
 from specserve.attention.kernels import decode as decode_kernels  # noqa: E402
+from specserve.attention.kernels.extend import extend_attention, num_row_blocks  # noqa: E402
 from specserve.attention.torch_native import TorchNativeBackend  # noqa: E402
 from specserve.attention.triton_backend import TritonBackend  # noqa: E402
 from specserve.kv.pool import PADDING_SLOT, KVPool  # noqa: E402
@@ -159,6 +160,25 @@ def test_extend_splits_only_a_long_prefix_against_few_new_tokens():
     batch = compare((6, 2, 64), ForwardMode.EXTEND, prefix_lens=[300, 130, 0], extend_lens=[4, 45, 5])
     counts = split_counts(batch)
     assert min(counts[:4]) > 1 and set(counts[4:]) == {1}
+
+
+@pytest.mark.parametrize("config", [dict(BLOCK_M=32, BLOCK_N=16, num_warps=2, num_stages=1),
+                                    dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)])
+def test_extend_with_another_launch_configuration(config):
+    """A configuration other than CONFIG (row blocks counted with its BLOCK_M) gives the same
+    attention: the lab's sweeps time them, and a long prompt's chunk may take another."""
+    heads = (8, 2, 128)
+    batch = compare(heads, ForwardMode.EXTEND, prefix_lens=[37, 130, 0], extend_lens=[16, 45, 5])
+    q, _, _ = random_qkv(batch.num_tokens, *heads)
+    meta, pool = batch.attn_metadata, batch.kv_pool
+    expected = TorchNativeBackend(*heads)
+    expected.plan(batch)
+    want = expected.forward(q, None, None, 0, batch)       # K/V as compare() stored them
+    got = torch.empty_like(q)
+    extend_attention(q, pool.k_buffers[0], pool.v_buffers[0], pool.req_to_token, meta.req_rows, meta.prefix_lens,
+                     meta.qo_indptr, batch.out_slots, got, TritonBackend(*heads).scale,
+                     num_row_blocks(45, 4, config["BLOCK_M"]), config=config)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 def test_extend_one_split_writes_output_directly():

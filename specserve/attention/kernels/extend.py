@@ -45,9 +45,9 @@ WIDE_HEAD_BLOCK_N = 32   # BLOCK_N for head_dim >= 128
 KEYS_PER_NEW_TOKEN = tl.constexpr(4)
 
 
-def num_row_blocks(tokens_per_req: int, group: int) -> int:
+def num_row_blocks(tokens_per_req: int, group: int, block_m: int = CONFIG["BLOCK_M"]) -> int:
     """Query blocks per request along grid axis 0 (rows are tokens x heads of the group)."""
-    return triton.cdiv(max(tokens_per_req, 1) * group, CONFIG["BLOCK_M"])
+    return triton.cdiv(max(tokens_per_req, 1) * group, block_m)
 
 
 @triton.jit
@@ -166,7 +166,7 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
                      row_blocks: int, tree_mask: torch.Tensor | None = None,
                      partial_out: torch.Tensor | None = None, partial_lse: torch.Tensor | None = None,
                      split_counts: torch.Tensor | None = None,
-                     block_table: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                     block_table: tuple[torch.Tensor, torch.Tensor] | None = None, config: dict | None = None) -> None:
     """q, out: (num_tokens, num_heads, head_dim), request b's tokens are
     qo_indptr[b]:qo_indptr[b+1] (int32, (bs+1,)); req_rows, prefix_lens: (bs,) int32;
     out_slots: (num_tokens,) int64; row_blocks: `num_row_blocks` of the longest request
@@ -177,7 +177,8 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     batch's padding: no program writes them, the merge visits only partial_out's rows).
     block_table: (request, row block) int32 pairs, one program each (`ragged_block_table`),
     replacing the bs x row_blocks grid: prompts of different lengths launch only the blocks
-    they fill (row_blocks is then ignored)."""
+    they fill (row_blocks is then ignored). config: the launch configuration, CONFIG's keys
+    (BLOCK_N included); row_blocks and a block table must count its BLOCK_M."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     bs = req_rows.shape[0]
@@ -196,6 +197,7 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     block_reqs, block_rows = block_table if block_table is not None else (qo_indptr, qo_indptr)  # dummies
     programs = block_reqs.shape[0] if block_table is not None else bs * row_blocks
     pdl = uses_pdl(q.device)
+    config = config or dict(CONFIG, BLOCK_N=WIDE_HEAD_BLOCK_N if head_dim >= 128 else CONFIG["BLOCK_N"])
     _extend_kernel[(programs, num_kv_heads, num_splits)](
         q, k_buffer, v_buffer, req_to_token, req_rows, prefix_lens, qo_indptr, out_slots, tree, target, lse, out,
         split_counts if split_out else qo_indptr, block_reqs, block_rows,
@@ -203,11 +205,11 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         tree.stride(0) if tree_mask is not None else 0, tree.stride(1) if tree_mask is not None else 0,
         target.stride(0), target.stride(1), target.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
         row_blocks, scale * LOG2_E,
-        HEAD_DIM=head_dim, GROUP=group, TREE_MASK=tree_mask is not None, BLOCK_M=CONFIG["BLOCK_M"],
-        BLOCK_N=WIDE_HEAD_BLOCK_N if head_dim >= 128 else CONFIG["BLOCK_N"], BLOCK_D=block_d,
+        HEAD_DIM=head_dim, GROUP=group, TREE_MASK=tree_mask is not None, BLOCK_M=config["BLOCK_M"],
+        BLOCK_N=config["BLOCK_N"], BLOCK_D=block_d,
         STORE_LSE=split_out, DOT_PRECISION=dot_precision(q.dtype),
-        BLOCK_TABLE=block_table is not None, USE_PDL=pdl, num_warps=CONFIG["num_warps"],
-        num_stages=CONFIG["num_stages"], **({"launch_pdl": True} if pdl else {}))
+        BLOCK_TABLE=block_table is not None, USE_PDL=pdl, num_warps=config["num_warps"],
+        num_stages=config["num_stages"], **({"launch_pdl": True} if pdl else {}))
     if split_out:
         merge_splits(partial_out, partial_lse, out, split_counts)
 
