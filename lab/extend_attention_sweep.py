@@ -25,7 +25,7 @@ import torch
 from specserve.attention.kernels.extend import extend_attention, num_row_blocks
 from specserve.bench.random_model import SHAPES
 
-GRID = dict(BLOCK_M=(64, 128), BLOCK_N=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3, 4))
+GRID = dict(BLOCK_M=(64, 128), BLOCK_N=(32, 64), num_warps=(4, 8), num_stages=(2, 3))
 
 
 def parse_args(argv=None) -> argparse.Namespace:

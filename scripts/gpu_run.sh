@@ -22,6 +22,11 @@
 #   AB_OLD=.ab/old scripts/gpu_run.sh step-cost-ab  (no models staged: lab.step_cost for an old tree (`git archive REV
 #                                                   specserve lab | tar -x -C .ab/old`, carried) and this one, alternating,
 #                                                   AB_RUNS=2 times each; STEP_COST_ARGS replaces the default 1.5B rows)
+#   scripts/gpu_run.sh prefill-cost [SHAPE]         (no models staged, issue 59's long prompts on random weights, qwen2.5-7b
+#                                                   by default: the extend kernel's launch configurations against torch's
+#                                                   SDPA at 2k/8k chunks 0-30k deep, then whole 2k/8k/32k prefills with
+#                                                   chunks of 2048 (the default) and 8192 (SGLang's on an H100/H200),
+#                                                   the 32k one profiled)
 #   scripts/gpu_run.sh row-kernels [MODEL]         (the few-row kernels (SPECSERVE_ROW_KERNELS=0 turns them off): their tests on the
 #                                                   GPU, then greedy outputs with and without them; ~2 min with the 1.5B)
 #   scripts/gpu_run.sh standalone [NUM_STEPS...]   (STANDALONE 0.5B -> 1.5B against plain; tests/gpu/test_standalone_cuda.py)
@@ -136,6 +141,19 @@ if [ "$mode" = step-cost ]; then
     --out "$OUT/step_cost" 2>&1 | grep '^{' | tail -20
   python3 -m lab.suite_host_phases lab.step_cost --algorithm EAGLE3 --num-steps 3 --batch-sizes 1 8 \
     --steps 60 --out "$OUT/step_cost_eagle3" 2>&1 | grep '^{' | tail -20
+fi
+if [ "$mode" = prefill-cost ]; then
+  shape=${1:-qwen2.5-7b}
+  python3 -m lab.extend_attention_sweep --shape "$shape" > "$OUT/extend_attention_sweep.jsonl"
+  python3 -c "import json, sys; rows = [json.loads(l) for l in open(sys.argv[1])]; ok = [r for r in rows if 'ms' in r]
+for key in sorted({(r['chunk'], r['depth']) for r in ok}):
+    best = sorted((r for r in ok if (r['chunk'], r['depth']) == key), key=lambda r: r['ms'])[:4]
+    print(key, [(r['kernel'], r.get('BLOCK_M'), r.get('BLOCK_N'), r.get('num_warps'), r.get('num_stages'),
+                 r.get('splits'), r['ms'], r['tflops']) for r in best])" "$OUT/extend_attention_sweep.jsonl"
+  for chunk in 2048 8192; do
+    python3 -m lab.prefill_cost --shape "$shape" --lengths 2048 8192 32000 --repeats 3 --profile 32000 \
+      --chunked-prefill-size $chunk --out "$OUT/prefill_cost_$chunk" 2>&1 | grep -v '^ ' | head -40
+  done
 fi
 if [ "$mode" = step-cost-ab ]; then
   # one line per row: tree, round, batch, step, draft size, wall and GPU ms. Compare GPU times: they repeat
