@@ -165,6 +165,13 @@ def test_each_engine_gets_a_share_of_the_time_left_weighted_by_its_start_up():
     assert peers.engine_budget_end(0.0, 550.0, eagle[1:], 300.0) < vllm_end
 
 
+def test_a_server_that_started_late_still_measures():
+    # a 7B's first start: 133 s of a 139-s share; it measures MEASURE_S more, within the run's limit
+    assert peers.measuring_end(139.0, 133.0, 560.0) == 133.0 + peers.MEASURE_S
+    assert peers.measuring_end(139.0, 133.0, 150.0) == 150.0     # never past the engine's latest end
+    assert peers.measuring_end(300.0, 40.0, 560.0) == 300.0      # a quick start keeps its share
+
+
 def test_an_unreadable_wheel_archive_is_the_engines_row_not_a_crash(tmp_path):
     wheels = tmp_path / "wheels"
     wheels.mkdir()

@@ -233,6 +233,14 @@ def engine_budget_end(now: float, deadline: float, engines_left: list[EngineConf
     return min(deadline, now + min(cap_s, share))
 
 
+def measuring_end(budget_end: float, ready_at: float, latest_end: float) -> float:
+    """When a server ready at `ready_at` stops measuring: at the end of its share, or, if its
+    start-up took most of that share (a 7B's first start compiles for minutes), MEASURE_S after
+    it was ready but never past `latest_end`: a server already started is worth measuring, and
+    the engines after it share what is left."""
+    return max(budget_end, min(latest_end, ready_at + MEASURE_S))
+
+
 class NotStartable(RuntimeError):
     """An engine configuration that cannot start here (no wheels, no drafter): its row says why."""
 
@@ -279,9 +287,10 @@ def _draft_model_dir(config: EngineConfig, model: str, ns: argparse.Namespace) -
 
 
 def run_engine(config: EngineConfig, model: str, model_dir: str, workloads: dict, ns: argparse.Namespace,
-               write, budget_end: float) -> None:
+               write, budget_end: float, latest_end: float | None = None) -> None:
     """Installs the engine's wheels, starts its server, measures every cell it has time for
-    before `budget_end` (a time.monotonic() value), stops it. Whatever fails is a row."""
+    before `budget_end` (a time.monotonic() value), stops it. Whatever fails is a row. A server
+    that started late may measure until `latest_end` (measuring_end)."""
     base = {"model": model, "engine": config.name, "engine_family": config.engine, "algorithm": config.algorithm}
     try:
         drafters, site = _prepare(config, model, ns)
@@ -306,7 +315,8 @@ def run_engine(config: EngineConfig, model: str, model_dir: str, workloads: dict
                "startup_s": round(startup_s, 1), "command": " ".join(command[1:]),
                "settings": server_settings(server.base_url),
                "kv_tokens": kv_capacity(server.base_url, server.log_tail(chars=10 ** 6))})
-        asyncio.run(measure_engine(server, model, workloads, ns, budget_end, lambda row: write({**base, **row})))
+        measure_end = measuring_end(budget_end, time.monotonic(), budget_end if latest_end is None else latest_end)
+        asyncio.run(measure_engine(server, model, workloads, ns, measure_end, lambda row: write({**base, **row})))
     except ServerFailed as error:
         write({"kind": "engine", **base, "error": str(error)})
     except Exception as error:   # a peer's failure of any kind is a result; the next engine runs
@@ -448,7 +458,8 @@ def run(ns: argparse.Namespace) -> str:
                 continue
             engines_left = ns.engines[index:] + ns.engines * (len(ns.models) - model_index - 1)
             run_engine(ENGINES[name], model, model_dir, workloads, ns, write,
-                       engine_budget_end(now, deadline, [ENGINES[e] for e in engines_left], ns.engine_budget_s))
+                       engine_budget_end(now, deadline, [ENGINES[e] for e in engines_left], ns.engine_budget_s),
+                       latest_end=min(deadline, now + ns.engine_budget_s))
     return write_report([results_path], ns.out)
 
 
