@@ -71,7 +71,8 @@ def test_a_cell_reads_its_rate_as_its_kind_says_never_from_streamed_text():
     apart = [_result(0.0, 1.0, [0.01]), _result(0.0, 2.0, [0.01])]
     context = peers.size_cell(parse("context-2k", 256), 2, summary, apart)
     assert context["tok_s"] is None and "all 2 requests were decoding" in context["error"]
-    assert peers.size_cell(parse("random-512", 256), 8, summary, both)["tok_s"] == 50.0
+    random = peers.size_cell(parse("random-512", 256), 2, summary, both)
+    assert random["tok_s"] == 50.0 and random["full_batch_tok_s"] == pytest.approx(2 * 1000 / 10.0)
 
 
 def test_engines_get_a_context_as_long_as_the_longest_request(tmp_path):

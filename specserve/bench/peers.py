@@ -56,7 +56,7 @@ from specserve.bench.peers_engines import (CONTEXT_LENGTH, ENGINES, EngineConfig
 from specserve.bench.peers_heads import HeadMissing, eagle2_head_for_engine, head_for_engine, parse_model_map
 from specserve.bench.peers_install import WheelsMissing, engine_version, install, server_env
 from specserve.bench.peers_report import write_report
-from specserve.bench.size_workloads import SizeWorkload, full_batch_gaps
+from specserve.bench.size_workloads import SizeWorkload, full_batch_gaps, full_batch_rate
 from specserve.bench.size_workloads import parse as parse_size_workload
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -405,15 +405,20 @@ def cell_summary(results: list, duration: float, server: ServerProcess) -> dict:
 
 def size_cell(size: SizeWorkload, concurrency: int, summary: dict, results: list) -> dict:
     """A size workload's cell: its prompt length, and tok_s as its kind reads it (prefill or
-    decode rate), the output throughput kept as output_tok_s."""
+    decode rate), the output throughput kept as output_tok_s. Cells that decode also get
+    full_batch_tok_s, the rate of their full-batch stretch (size_workloads.full_batch_gaps):
+    a random-N cell's tok_s counts its wave's prefill, this one its decode steps alone."""
     from specserve.bench.serving import arrivals
     row = {**summary, "prompt_len": size.prompt_len, "output_tok_s": summary["tok_s"]}
     if summary["tok_s"] is None:
         return row
-    gaps = full_batch_gaps([arrivals(r) for r in results], concurrency) if size.kind == "context" else []
-    rate = size.rate(concurrency, summary["mean_latency_ms"], [gap * 1000 for gap in gaps])
+    gaps_ms = [] if size.kind == "prefill" else \
+        [gap * 1000 for gap in full_batch_gaps([arrivals(r) for r in results], concurrency)]
+    if gaps_ms:
+        row["full_batch_tok_s"] = round(full_batch_rate(gaps_ms, concurrency), 2)
+    rate = size.rate(concurrency, summary["mean_latency_ms"], gaps_ms)
     if size.kind == "context":
-        row["full_batch_gaps"] = len(gaps)
+        row["full_batch_gaps"] = len(gaps_ms)
     if rate is not None:
         row["tok_s"] = round(rate, 2)
     elif size.kind == "context":

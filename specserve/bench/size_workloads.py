@@ -60,7 +60,7 @@ class SizeWorkload:
         if self.kind == "prefill":
             return self.prompt_len * 1000 / latency_ms if latency_ms > 0 else None
         if self.kind == "context":
-            return concurrency * 1000 / statistics.median(full_batch_gaps_ms) if full_batch_gaps_ms else None
+            return full_batch_rate(full_batch_gaps_ms, concurrency)
         return None
 
 
@@ -76,6 +76,11 @@ def full_batch_gaps(arrivals: list[list[float]], concurrency: int) -> list[float
             if sum(first <= at <= last for first, last in spans) >= concurrency:
                 gaps.append(at - before)
     return gaps
+
+
+def full_batch_rate(gaps_ms: list[float], concurrency: int) -> float | None:
+    """Tokens per second of `concurrency` requests decoding with these gaps (the median's)."""
+    return concurrency * 1000 / statistics.median(gaps_ms) if gaps_ms else None
 
 
 def parse(name: str, output_len: int, context_length: int = 32768) -> SizeWorkload | None:
