@@ -125,8 +125,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                               "qwen2.5-coder-1.5b-instruct=qwen2.5-coder-0.5b-instruct")
         except ValueError as error:
             parser.error(str(error))
-    if ns.command == "run":
-        ns.context_length = CONTEXT_LENGTH   # build_workloads raises it for long size workloads
+    if ns.command == "run":   # build_workloads sets both for size workloads
+        ns.context_length, ns.sizes = CONTEXT_LENGTH, {}
     if ns.command == "run" and ns.quick:
         ns.bs1_prompts = min(ns.bs1_prompts, 2)
         ns.num_prompts = max(min(ns.num_prompts, 64), max(ns.concurrency))
@@ -190,7 +190,7 @@ def build_workloads(model_dir: str, ns: argparse.Namespace) -> dict[str, tuple[l
 def engine_cells(workloads: dict, ns: argparse.Namespace) -> list[tuple[str, int]]:
     """(workload, concurrency) in the order they are measured: concurrency by concurrency; a
     prefill-N workload at concurrency 1 only."""
-    sizes: dict[str, SizeWorkload] = getattr(ns, "sizes", {})
+    sizes: dict[str, SizeWorkload] = ns.sizes
     per = {name: sizes[name].concurrencies(ns.concurrency) if name in sizes else ns.concurrency for name in workloads}
     order = sorted({c for cs in per.values() for c in cs},
                    key=lambda c: ns.concurrency.index(c) if c in ns.concurrency else -1)
@@ -329,7 +329,7 @@ async def measure_engine(server: ServerProcess, model: str, workloads: dict, ns:
                          budget_end: float, write) -> None:
     import aiohttp
     cells = engine_cells(workloads, ns)
-    sizes: dict[str, SizeWorkload] = getattr(ns, "sizes", {})
+    sizes: dict[str, SizeWorkload] = ns.sizes
     timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         try:
@@ -414,9 +414,10 @@ def size_cell(size: SizeWorkload, concurrency: int, summary: dict, results: list
         return row
     gaps_ms = [] if size.kind == "prefill" else \
         [gap * 1000 for gap in full_batch_gaps([arrivals(r) for r in results], concurrency)]
-    if gaps_ms:
-        row["full_batch_tok_s"] = round(full_batch_rate(gaps_ms, concurrency), 2)
-    rate = size.rate(concurrency, summary["mean_latency_ms"], gaps_ms)
+    decode_rate = full_batch_rate(gaps_ms, concurrency)
+    if decode_rate is not None:
+        row["full_batch_tok_s"] = round(decode_rate, 2)
+    rate = size.rate(summary["mean_latency_ms"], decode_rate)
     if size.kind == "context":
         row["full_batch_gaps"] = len(gaps_ms)
     if rate is not None:

@@ -51,16 +51,16 @@ class SizeWorkload:
         rng = random.Random(f"{self.name}-{seed}")
         return [[rng.randrange(_FIRST_ID, vocab_size) for _ in range(self.prompt_len)] for _ in range(count)]
 
-    def rate(self, concurrency: int, latency_ms: float, full_batch_gaps_ms: list[float]) -> float | None:
+    def rate(self, latency_ms: float, full_batch_tok_s: float | None) -> float | None:
         """What the cell's tok_s says for this kind (None: the output throughput as measured).
         prefill: latency_ms is the mean of one-token requests, which is their time to first token
         (a whole-request latency, not the first streamed text: random weights often answer with
-        tokens whose text is empty). context: the cell's concurrency over the median gap between
-        two tokens of a request while every request of the wave was decoding (full_batch_gaps)."""
+        tokens whose text is empty). context: the decode rate while every request of the wave was
+        decoding (full_batch_rate)."""
         if self.kind == "prefill":
             return self.prompt_len * 1000 / latency_ms if latency_ms > 0 else None
         if self.kind == "context":
-            return full_batch_rate(full_batch_gaps_ms, concurrency)
+            return full_batch_tok_s
         return None
 
 
