@@ -75,7 +75,7 @@ def _compile(config, rows: int, flags: dict) -> str:
     from specserve.model import rows_linear
     block_n, block_k, split, warps, stages = config
     constants = {"HAS_BIAS": True, "SILU_MUL": False, "ADD_NORM": False, "ROPE": False, "ROW_SCALE": False, "ROW_PARTS": False,
-                 "NORM_OUT": False, "HALF": 1,
+                 "NORM_OUT": False, "BLOCK_PARTS": 32, "HALF": 1,
                  "BLOCK_N": block_n, "BLOCK_K": block_k, "ROWS": rows, "SPLIT": split, "PRECISION": "tf32",
                  "USE_PDL": True, **flags}
     if constants["ROPE"]:

@@ -86,7 +86,7 @@ def _rows_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, R, N_OUT, K, out_stride,
                  cos_ptr, sin_ptr, positions_ptr, slots_ptr, k_buf_ptr, v_buf_ptr, num_q_heads, num_kv_heads,
                  ws_ptr, squares_ptr, count_ptr, scale_ptr, parts_ptr, num_parts,
                  HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, ADD_NORM: tl.constexpr, ROPE: tl.constexpr,
-                 ROW_SCALE: tl.constexpr, ROW_PARTS: tl.constexpr, NORM_OUT: tl.constexpr,
+                 ROW_SCALE: tl.constexpr, ROW_PARTS: tl.constexpr, NORM_OUT: tl.constexpr, BLOCK_PARTS: tl.constexpr,
                  HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
                  SPLIT: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     # x: (R, K) rows; W: (N, K). A lane reads two weight rows with SILU_MUL (gate row, up row
@@ -153,7 +153,7 @@ def _rows_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, R, N_OUT, K, out_stride,
                        bias_ptr, out_ptr, out_stride, cos_ptr, sin_ptr, positions_ptr, slots_ptr, k_buf_ptr,
                        v_buf_ptr, num_q_heads, num_kv_heads, scale_ptr, parts_ptr, num_parts, pid_n, res_ptr,
                        norm_w_ptr, res_out_ptr, HAS_BIAS, SILU_MUL, ADD_NORM, ROPE, ROW_SCALE, ROW_PARTS, NORM_OUT,
-                       HALF)
+                       BLOCK_PARTS, HALF)
     else:
         # the slices of this lane block meet in the workspace; the last one finishes the block
         block = ws_ptr + pid_n * (2 * BLOCK_N * ROWS)
@@ -189,7 +189,7 @@ def _rows_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, R, N_OUT, K, out_stride,
                            bias_ptr, out_ptr, out_stride, cos_ptr, sin_ptr, positions_ptr, slots_ptr, k_buf_ptr,
                            v_buf_ptr, num_q_heads, num_kv_heads, scale_ptr, parts_ptr, num_parts, pid_n, res_ptr,
                            norm_w_ptr, res_out_ptr, HAS_BIAS, SILU_MUL, ADD_NORM, ROPE, ROW_SCALE, ROW_PARTS,
-                           NORM_OUT, HALF)
+                           NORM_OUT, BLOCK_PARTS, HALF)
 
 
 @triton.jit
@@ -214,7 +214,7 @@ def _rows_epilogue(acc, acc_second, squares, lanes, lane_ok, w_index, second_ind
                    v_buf_ptr, num_q_heads, num_kv_heads, scale_ptr, parts_ptr, num_parts, pid_n, res_ptr, norm_w_ptr,
                    res_out_ptr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, ADD_NORM: tl.constexpr,
                    ROPE: tl.constexpr, ROW_SCALE: tl.constexpr, ROW_PARTS: tl.constexpr, NORM_OUT: tl.constexpr,
-                   HALF: tl.constexpr):
+                   BLOCK_PARTS: tl.constexpr, HALF: tl.constexpr):
     """acc: (BLOCK_N, ROWS) dot products, lane by row. Norm scale, bias, rounding to the
     model dtype (as the unfused matmul rounds before SiLU * up or RoPE), then the output."""
     y, y_second = acc, acc_second
@@ -223,11 +223,12 @@ def _rows_epilogue(acc, acc_second, squares, lanes, lane_ok, w_index, second_ind
             inv_rms = tl.rsqrt(squares / K + eps)
         elif ROW_SCALE:
             inv_rms = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
-        else:  # the producer's lane blocks' sums, added in a fixed order (no atomics: runs repeat exactly)
-            total = tl.zeros(rows.shape, dtype=tl.float32)
-            for part in range(0, num_parts):
-                total += tl.load(parts_ptr + part * rows.shape[0] + rows, mask=row_ok, other=0.0)
-            inv_rms = tl.rsqrt(total / K + eps)
+        else:  # the producer's lane blocks' sums in one load (a loop would chain ~24-80 load latencies),
+            # added by one reduction of a fixed shape (no atomics: runs repeat exactly)
+            parts = tl.arange(0, BLOCK_PARTS)
+            sums = tl.load(parts_ptr + parts[:, None] * rows.shape[0] + rows[None, :],
+                           mask=(parts < num_parts)[:, None] & row_ok[None, :], other=0.0)
+            inv_rms = tl.rsqrt(tl.sum(sums, axis=0) / K + eps)
         y *= inv_rms[None, :]
         y_second *= inv_rms[None, :]
     if HAS_BIAS:
@@ -390,14 +391,16 @@ def rows_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     rows = padded_rows(count)
     parts = normed_input.parts if normed_input is not None else \
         torch.empty((lane_blocks, rows), dtype=torch.float32, device=x.device) if norm_out is not None else sums
+    num_parts = normed_input.parts.shape[0] if normed_input is not None else 0   # the sums a consumer adds
     pdl = uses_pdl(x.device)
     _rows_kernel[(lane_blocks, split)](
         x, weight, bias if bias is not None else weight, out, count, lanes, k, width,
         norm.residual, norm.weight, residual_out if residual_out is not None else out, norm.eps,
         r.cos, r.sin, r.positions, r.slots, r.k_buffer, r.v_buffer, r.num_q_heads, r.heads[1] if rope else 0,
-        sums, squares, counts, scale if scale is not None else sums, parts, parts.shape[0] if parts is not sums else 0,
+        sums, squares, counts, scale if scale is not None else sums, parts, num_parts,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, ADD_NORM=add_norm is not None, ROPE=rope is not None,
         ROW_SCALE=scale is not None, ROW_PARTS=normed_input is not None, NORM_OUT=norm_out is not None,
+        BLOCK_PARTS=triton.next_power_of_2(max(num_parts, 1)),
         HALF=r.heads[2] // 2 if rope else 1, BLOCK_N=block_n, BLOCK_K=min(block_k, max(16, triton.next_power_of_2(k))),
         ROWS=rows, SPLIT=split, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         USE_PDL=pdl, num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}))
