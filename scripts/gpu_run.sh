@@ -21,7 +21,9 @@
 #                                                   host's time by phase: where a verify step's unhidden host time goes)
 #   AB_OLD=.ab/old scripts/gpu_run.sh step-cost-ab  (no models staged: lab.step_cost for an old tree (`git archive REV
 #                                                   specserve lab | tar -x -C .ab/old`, carried) and this one, alternating,
-#                                                   AB_RUNS=2 times each; STEP_COST_ARGS replaces the default 1.5B rows)
+#                                                   AB_RUNS=2 times each; STEP_COST_ARGS replaces the default 1.5B rows;
+#                                                   AB_OLD_ENV="SPECSERVE_NORM_IN_PRODUCER=0": this tree under those
+#                                                   variables as the old one)
 #   scripts/gpu_run.sh prefill-cost [SHAPE]         (no models staged, issue 59's long prompts on random weights, qwen2.5-7b
 #                                                   by default: the extend kernel's launch configurations against torch's
 #                                                   SDPA at 2k/8k chunks 0-30k deep, then whole 2k/8k/32k prefills with
@@ -160,8 +162,10 @@ if [ "$mode" = step-cost-ab ]; then
   # within ~0.01 ms between processes on a warm machine; wall times (host included) move 0.1-0.3 ms
   for run in $(seq "${AB_RUNS:-2}"); do
     for tree in old new; do
-      root=$PWD; [ $tree = old ] && root=$PWD/${AB_OLD:?AB_OLD names the old tree directory}
-      (cd "$root" && PYTHONPATH=/tmp/site:$root python3 -m lab.step_cost \
+      root=$PWD; env_old=()
+      if [ $tree = old ] && [ -n "${AB_OLD_ENV:-}" ]; then env_old=($AB_OLD_ENV)   # this tree, switched by environment
+      elif [ $tree = old ]; then root=$PWD/${AB_OLD:?AB_OLD names the old tree directory, or AB_OLD_ENV its variables}; fi
+      (cd "$root" && env "${env_old[@]}" PYTHONPATH=/tmp/site:$root python3 -m lab.step_cost \
         ${STEP_COST_ARGS:---shape qwen2.5-coder-1.5b --batch-sizes 1 8 --sizes 1 4 8 --steps 60} \
         --out "$OUT/step_cost_${tree}_$run" 2>&1 | grep '^{' | python3 -c "
 import json, sys
