@@ -107,7 +107,9 @@ class ServerArgs:
                                            "(SGLang's other policies are not implemented)", choices=SCHEDULE_POLICIES)
     disable_radix_cache: bool = _memory(False, "recompute every prompt instead of reusing the KV of cached prefixes")
     # --- kernels ---
-    attention_backend: str = _kernels("auto", "auto = triton on a GPU, torch_native on a CPU", choices=ATTENTION_BACKENDS)
+    attention_backend: str = _kernels("auto", "auto = triton on a GPU, torch_native on a CPU; SGLang's names "
+                                              "(fa3, flashinfer, ...) serve as auto",
+                                      choices=ATTENTION_BACKENDS + sglang_compat.SGLANG_ATTENTION_BACKENDS)
     disable_cuda_graph: bool = _kernels(False, "run decode and verify steps eagerly")
     disable_overlap_schedule: bool = _kernels(False,
         "launch plain greedy decode steps only after the previous step's tokens reached the host "
@@ -181,6 +183,7 @@ class ServerArgs:
             raise ArgumentError(f"prefill_cuda_graph_max_tokens must be 0 or more, got {self.prefill_cuda_graph_max_tokens}")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ArgumentError(f"chunked_prefill_size must be positive or -1, got {self.chunked_prefill_size}")
+        object.__setattr__(self, "attention_backend", sglang_compat.own_attention_backend(self.attention_backend))
         for name, choices in (("dtype", DTYPES), ("load_format", LOAD_FORMATS),
                               ("attention_backend", ATTENTION_BACKENDS), ("log_level", LOG_LEVELS),
                               ("schedule_policy", SCHEDULE_POLICIES)):

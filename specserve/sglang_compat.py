@@ -358,6 +358,26 @@ SGLANG_FLAG_ALIASES = {"pp_size": ("--pipeline-parallel-size",), "dp_size": ("--
 
 _warned: set[str] = set()
 
+# SGLang's --attention-backend values (0.5.17's choices) that specserve serves with its own
+# kernels: NVIDIA's and Intel AMX's (a CPU). FlashAttention 3/4 and FlashInfer are the usual
+# settings on an H100/H200; a command line that names one keeps working. AMD's (aiter, wave),
+# Ascend's and Intel XPU's name hardware specserve does not run on and stay refused.
+SGLANG_ATTENTION_BACKENDS = ("flex_attention", "fa3", "fa4", "flashinfer", "trtllm_mha", "dual_chunk_flash_attn",
+                             "hpc_ops", "cutlass_mla", "flashmla", "trtllm_mla", "cutedsl_mla", "tokenspeed_mla",
+                             "dsa", "nsa", "dsv4", "compressed", "intel_amx")
+
+
+def own_attention_backend(value: str) -> str:
+    """specserve's attention backend for an --attention-backend value: "auto" (its own
+    kernels, one warning a process) for one of SGLang's above, else the value itself."""
+    if value not in SGLANG_ATTENTION_BACKENDS:
+        return value
+    if "attention_backend" not in _warned:
+        _warned.add("attention_backend")
+        logger.warning("serving SGLang's attention_backend=%r with specserve's own kernels (auto: triton on a GPU, "
+                       "torch_native on a CPU)", value)
+    return "auto"
+
 
 def accept_sglang_option(name: str, value: Any) -> None:
     """Check one SGLang-only option: silent at SGLang's default, one warning (per process)

@@ -171,6 +171,21 @@ def test_tuning_options_of_sglang_are_accepted_with_one_warning(caplog, monkeypa
     assert any("radix_eviction_policy" in m and "prefix" in m for m in messages)
 
 
+def test_sglang_attention_backends_serve_with_our_kernels(caplog, monkeypatch):
+    """--attention-backend fa3 / flashinfer (SGLang's usual settings on an H100) serve as auto
+    with one warning; AMD's backend stays refused, naming the field."""
+    monkeypatch.setattr(sglang_compat, "_warned", set())
+    parser = ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    with caplog.at_level(logging.WARNING, logger="specserve"):
+        for value in ("fa3", "flashinfer"):
+            assert ServerArgs.from_cli_args(parser.parse_args(["--attention-backend", value])).attention_backend == "auto"
+        assert ServerArgs(attention_backend="triton").attention_backend == "triton"
+    assert len(caplog.records) == 1 and "fa3" in caplog.records[0].getMessage()
+    with pytest.raises(errors.ArgumentError, match="attention_backend"):
+        ServerArgs(attention_backend="aiter")
+
+
 def test_every_sglang_name_is_accepted_at_its_default_and_features_refused_otherwise(caplog):
     with caplog.at_level(logging.WARNING, logger="specserve"):
         ServerArgs.from_kwargs(**{name: default for name, (default, _) in sglang_compat.SGLANG_ONLY_FIELDS.items()})
