@@ -154,6 +154,16 @@ def test_chunked_extend(heads):
     compare(heads, ForwardMode.EXTEND, prefix_lens=[37, 130, 0], extend_lens=[16, 45, 5])
 
 
+@pytest.mark.parametrize("prefix", [0, 37])
+def test_one_prompt_takes_the_causal_bias_not_a_dense_mask(prefix):
+    """torch_native runs one request's prompt or chunk through SDPA's lower-right causal bias
+    (flash attention on a GPU); it and the extend kernel agree."""
+    from specserve.attention.torch_native import build_padded_layout
+    batch = compare(HEADS[0], ForwardMode.EXTEND, prefix_lens=[prefix], extend_lens=[21])
+    layout = build_padded_layout(batch)
+    assert layout.causal and layout.mask is None
+
+
 def test_extend_splits_only_a_long_prefix_against_few_new_tokens():
     """4 new tokens after 300 keys are split and merged; 45 after 130 are not (fewer than
     KEYS_PER_NEW_TOKEN keys each), nor a prompt of 5 with no prefix."""

@@ -7,7 +7,9 @@ grouped by kind (single tokens, longer extends) and by key length within a facto
 padded together, every short request would gather as many keys as the longest one, and a
 decode step beside one 4k-token context (or a prompt chunk deep into one) would cost a
 CPU seconds instead of tens of milliseconds. A ragged VERIFY batch's tokens past its
-requests' (padding of no request) get a zero output.
+requests' (padding of no request) get a zero output. A group of one request's prompt or
+chunk needs no mask tensor: SDPA's lower-right causal bias says it, and takes flash
+attention on a GPU (`--prefill-attention-backend torch_native`).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from specserve.attention.base import AttentionBackend, ForwardBatch, ForwardMode
 
@@ -26,8 +29,12 @@ MIN_BUCKET_KEYS = 256   # requests with fewer keys share one group: padding them
 class PaddedLayout:
     kv_slots: torch.Tensor            # (bs, max_kv) int64, slot of every key; padding -> slot 0
     query_rows: torch.Tensor | None   # (num_tokens,) flat index into (bs * max_q); None: no query padding
-    mask: torch.Tensor | None         # (bs, 1, max_q, max_kv) bool, True = may attend; None: attend to all
+    mask: torch.Tensor | None         # (bs, 1, max_q, max_kv) bool, True = may attend; None: see causal
     max_q: int
+    # with mask None: the queries are the last max_q of max_kv positions, causal among themselves
+    # (one request's prompt or chunk: SDPA's lower-right causal bias, which a GPU runs as flash
+    # attention and a CPU, when there is no prefix, as its flash kernel); False: attend to all
+    causal: bool = False
 
 
 @dataclass
@@ -65,7 +72,8 @@ class TorchNativeBackend(AttentionBackend):
             padded_q = q.new_zeros((bs * max_q, self.num_heads, self.head_dim))
             padded_q[layout.query_rows] = q
         padded_q = padded_q.view(bs, max_q, self.num_heads, self.head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(padded_q, keys, values, attn_mask=layout.mask,
+        mask = causal_lower_right(max_q, keys.shape[2]) if layout.causal else layout.mask
+        out = F.scaled_dot_product_attention(padded_q, keys, values, attn_mask=mask,
                                              scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
         # (bs, num_heads, max_q, head_dim) -> (num_tokens, num_heads, head_dim)
         out = out.transpose(1, 2).reshape(bs * max_q, self.num_heads, self.head_dim)
@@ -155,5 +163,6 @@ def build_padded_layout(batch: ForwardBatch) -> PaddedLayout:
     # decode steps of equal-length requests need neither query padding nor a mask
     uniform_queries = all(e == max_q for e in batch.extend_lens_host)
     unmasked = max_q == 1 and all(p + 1 == max_kv for p in batch.prefix_lens_host)
+    causal = not unmasked and bs == 1 and batch.mode is ForwardMode.EXTEND
     return PaddedLayout(kv_slots=kv_slots, query_rows=None if uniform_queries else query_rows,
-                        mask=None if unmasked else mask.unsqueeze(1), max_q=max_q)
+                        mask=None if unmasked or causal else mask.unsqueeze(1), max_q=max_q, causal=causal)
