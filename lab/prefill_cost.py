@@ -81,12 +81,15 @@ def main(argv=None) -> None:
     parser.add_argument("--rows", type=int, default=20)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--chunked-prefill-size", type=int, default=None, help="the engine's, if not its default")
+    parser.add_argument("--prefill-attention-backend", default=None, help="the engine's, if not its default")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     ns = parser.parse_args(argv)
     os.makedirs(ns.out, exist_ok=True)
     from specserve.engine.engine import Engine
     path = write_model_config(f"/tmp/random-{ns.shape}", ns.shape)   # weights made on the device
     chunking = {} if ns.chunked_prefill_size is None else {"chunked_prefill_size": ns.chunked_prefill_size}
+    if ns.prefill_attention_backend is not None:
+        chunking["prefill_attention_backend"] = ns.prefill_attention_backend
     engine = Engine(model_path=path, load_format="dummy", device=ns.device, log_level="warning",
                     max_total_tokens=max(200_000, 2 * max(ns.lengths)), skip_server_warmup=True, **chunking)
     engine.shutdown()  # the step loop is driven from this thread
@@ -99,7 +102,8 @@ def main(argv=None) -> None:
         times = [wall for wall, _ in runs]
         medians.append(statistics.median(times))
         row = {"kind": "prefill_cost", "shape": ns.shape, "length": length,
-               "chunked_prefill_size": engine.args.chunked_prefill_size, "median_ms": round(medians[-1], 3),
+               "chunked_prefill_size": engine.args.chunked_prefill_size,
+               "prefill_attention_backend": engine.args.prefill_attention_backend, "median_ms": round(medians[-1], 3),
                "min_ms": round(min(times), 3), "forward_median_ms": round(statistics.median(f for _, f in runs), 3),
                "device": torch.cuda.get_device_name() if ns.device == "cuda" else ns.device, "date": time.strftime("%Y-%m-%d")}
         print(json.dumps(row), flush=True)

@@ -28,7 +28,8 @@
 #                                                   by default: the extend kernel's launch configurations against torch's
 #                                                   SDPA at 2k/8k chunks 0-30k deep, then whole 2k/8k/32k prefills with
 #                                                   chunks of 2048 (the default) and 8192 (SGLang's on an H100/H200),
-#                                                   the 32k one profiled)
+#                                                   the 32k one profiled; then chunks of 8192 with
+#                                                   --prefill-attention-backend torch_native: torch's flash attention)
 #   scripts/gpu_run.sh row-kernels [MODEL]         (the few-row kernels (SPECSERVE_ROW_KERNELS=0 turns them off): their tests on the
 #                                                   GPU, then greedy outputs with and without them; ~2 min with the 1.5B)
 #   scripts/gpu_run.sh standalone [NUM_STEPS...]   (STANDALONE 0.5B -> 1.5B against plain; tests/gpu/test_standalone_cuda.py)
@@ -156,6 +157,10 @@ for key in sorted({(r['chunk'], r['depth']) for r in ok}):
     python3 -m lab.prefill_cost --shape "$shape" --lengths 2048 8192 32000 --repeats 3 --profile 32000 \
       --chunked-prefill-size $chunk --out "$OUT/prefill_cost_$chunk" 2>&1 | grep -v '^ ' | head -40
   done
+  # the prompts through torch's SDPA (flash attention with the lower-right causal bias) instead of the extend kernel
+  python3 -m lab.prefill_cost --shape "$shape" --lengths 2048 8192 32000 --repeats 3 --profile \
+    --chunked-prefill-size 8192 --prefill-attention-backend torch_native --out "$OUT/prefill_cost_sdpa" 2>&1 \
+    | grep -v '^ ' | head -40
 fi
 if [ "$mode" = step-cost-ab ]; then
   # one line per row: tree, round, batch, step, draft size, wall and GPU ms. Compare GPU times: they repeat

@@ -41,6 +41,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp
 # SGLang's and vLLM's names: the formats the loader reads, and dummy (random weights)
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton")
+OPTIONAL_BACKENDS = (None,) + ATTENTION_BACKENDS   # --prefill- and --decode-attention-backend: unset or one of them
 LOG_LEVELS = ("debug", "info", "warning", "error")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 # specserve's earlier spelling -> SGLang's (the field's name): keyword and flag
@@ -110,6 +111,13 @@ class ServerArgs:
     attention_backend: str = _kernels("auto", "auto = triton on a GPU, torch_native on a CPU; SGLang's names "
                                               "(fa3, flashinfer, ...) serve as auto",
                                       choices=ATTENTION_BACKENDS + sglang_compat.SGLANG_ATTENTION_BACKENDS)
+    prefill_attention_backend: str | None = _kernels(
+        None, "the backend of prompts and their chunks run eagerly (prompts within the prefill graphs, decode and "
+              "verify steps stay on the decode backend's); default: --attention-backend",
+        choices=ATTENTION_BACKENDS + sglang_compat.SGLANG_ATTENTION_BACKENDS)
+    decode_attention_backend: str | None = _kernels(
+        None, "the backend of decode and verify steps (and of graphed prompts); default: --attention-backend",
+        choices=ATTENTION_BACKENDS + sglang_compat.SGLANG_ATTENTION_BACKENDS)
     disable_cuda_graph: bool = _kernels(False, "run decode and verify steps eagerly")
     disable_overlap_schedule: bool = _kernels(False,
         "launch plain greedy decode steps only after the previous step's tokens reached the host "
@@ -183,12 +191,15 @@ class ServerArgs:
             raise ArgumentError(f"prefill_cuda_graph_max_tokens must be 0 or more, got {self.prefill_cuda_graph_max_tokens}")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ArgumentError(f"chunked_prefill_size must be positive or -1, got {self.chunked_prefill_size}")
-        object.__setattr__(self, "attention_backend", sglang_compat.own_attention_backend(self.attention_backend))
+        for name in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, sglang_compat.own_attention_backend(getattr(self, name)))
         for name, choices in (("dtype", DTYPES), ("load_format", LOAD_FORMATS),
                               ("attention_backend", ATTENTION_BACKENDS), ("log_level", LOG_LEVELS),
-                              ("schedule_policy", SCHEDULE_POLICIES)):
+                              ("schedule_policy", SCHEDULE_POLICIES), ("prefill_attention_backend", OPTIONAL_BACKENDS),
+                              ("decode_attention_backend", OPTIONAL_BACKENDS)):
             if getattr(self, name) not in choices:
-                raise ArgumentError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
+                raise ArgumentError(f"{name} must be one of {', '.join(c for c in choices if c is not None)}; got {getattr(self, name)!r}")
         if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ArgumentError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
         _check_positive(self, "tp_size")

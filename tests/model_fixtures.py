@@ -41,8 +41,9 @@ class RunnerDriver:
     """Feeds one sequence through ModelRunner the way the engine does, without the scheduler."""
 
     def __init__(self, config: ModelConfig, state_dict: dict, attention_backend: str = "torch_native",
-                 kv_tokens: int = 512):
-        args = ServerArgs(max_total_tokens=kv_tokens, attention_backend=attention_backend, max_running_requests=4)
+                 kv_tokens: int = 512, **server_args):
+        args = ServerArgs(max_total_tokens=kv_tokens, attention_backend=attention_backend, max_running_requests=4,
+                          **server_args)
         # the runner empties the dict it gets: a copy, so that a session's checkpoint (conftest's
         # smollm2_checkpoint) keeps its weights for the next file sharing the process
         self.runner = ModelRunner(args, config, dict(state_dict), torch.device("cpu"), torch.float32, 256)

@@ -47,6 +47,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor     # (num_logits,) rows of the hidden states that get logits
     tree_mask: torch.Tensor | None = None   # VERIFY: (bs, n, n) bool, [b, i, j] = node i sees node j
     attn_metadata: Any = field(default=None)  # filled by AttentionBackend.plan
+    planned_by: Any = None   # the backend of a HybridBackend that planned this forward (hybrid.py)
     # hidden states the model keeps besides the logits (EAGLE): a model.hidden_capture.HiddenCapture,
     # untyped here: the model's floor is above this one
     hidden_capture: Any = None

@@ -10,7 +10,7 @@ import torch
 
 from specserve.args import ServerArgs
 from specserve.attention.base import ForwardBatch, ForwardMode
-from specserve.attention.registry import create_attention_backend
+from specserve.attention.registry import backend_name, create_split_backend
 from specserve.kv.pool import KVPool
 from specserve.model.config import ModelConfig
 from specserve.model.cpu_linear import use_cpu_linears
@@ -73,10 +73,11 @@ class ModelRunner:
         self.max_running_requests = args.max_running_requests or (256 if device.type == "cuda" else 64)
         self.pool = KVPool(config.num_layers, shard.num_kv_heads, config.head_dim, self._kv_tokens(shard.num_kv_heads),
                            self.max_running_requests + 1, context_length, dtype, device)
-        backend = args.attention_backend
-        if backend == "auto":
-            backend = "triton" if device.type == "cuda" else "torch_native"
-        self.attn_backend = create_attention_backend(backend, shard.num_heads, shard.num_kv_heads, config.head_dim)
+        main = backend_name(args.attention_backend, device.type)
+        prefill, decode = (backend_name(name or main, device.type)
+                           for name in (args.prefill_attention_backend, args.decode_attention_backend))
+        self.attn_backend = create_split_backend(prefill, decode, shard.num_heads, shard.num_kv_heads, config.head_dim)
+        backend = decode if prefill == decode else f"{decode} ({prefill} for prompts)"
         logger.info("KV cache: %d tokens (max_total_num_tokens; %.2f GiB, %s), attention backend %s",
                     self.pool.size, self._kv_bytes() / 1024 ** 3, self._kv_sized_by(), backend)
         self.graphs = self._capture_graphs()

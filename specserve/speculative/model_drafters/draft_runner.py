@@ -15,7 +15,7 @@ import time
 import torch
 
 from specserve.args import ServerArgs
-from specserve.attention.registry import create_attention_backend
+from specserve.attention.registry import backend_name, create_attention_backend
 from specserve.errors import ArgumentError
 from specserve.kv.pool import KVPool
 from specserve.model.config import ModelConfig
@@ -58,10 +58,8 @@ def chain_context(context_length: int, num_steps: int) -> int:
 
 def drafter_backend(args: ServerArgs, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int):
     """The attention backend the target uses (--attention-backend), for a drafter's own layers."""
-    name = args.attention_backend
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch_native"
-    return create_attention_backend(name, num_heads, num_kv_heads, head_dim)
+    return create_attention_backend(backend_name(args.attention_backend, device.type), num_heads, num_kv_heads,
+                                    head_dim)
 
 
 def kv_bytes_per_token(model: DecoderLM, dtype: torch.dtype) -> int:
