@@ -157,7 +157,10 @@ for key in sorted({(r['chunk'], r['depth']) for r in ok}):
     python3 -m lab.prefill_cost --shape "$shape" --lengths 2048 8192 32000 --repeats 3 --profile 32000 \
       --chunked-prefill-size $chunk --out "$OUT/prefill_cost_$chunk" 2>&1 | grep -v '^ ' | head -40
   done
-  # the prompts through torch's SDPA (flash attention with the lower-right causal bias) instead of the extend kernel
+  # the prompts through torch's SDPA (flash attention, causal aligned to the lower right) instead of the extend
+  # kernel, once its bf16 output is checked against the math backend
+  TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py -k last_queries_causal \
+    2>&1 | tail -3
   python3 -m lab.prefill_cost --shape "$shape" --lengths 2048 8192 32000 --repeats 3 --profile \
     --chunked-prefill-size 8192 --prefill-attention-backend torch_native --out "$OUT/prefill_cost_sdpa" 2>&1 \
     | grep -v '^ ' | head -40

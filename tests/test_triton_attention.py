@@ -155,13 +155,32 @@ def test_chunked_extend(heads):
 
 
 @pytest.mark.parametrize("prefix", [0, 37])
-def test_one_prompt_takes_the_causal_bias_not_a_dense_mask(prefix):
-    """torch_native runs one request's prompt or chunk through SDPA's lower-right causal bias
-    (flash attention on a GPU); it and the extend kernel agree."""
+def test_one_prompt_is_attended_causally_without_a_mask_tensor(prefix):
+    """torch_native attends one request's prompt or chunk causally aligned to the lower right
+    with no mask tensor (last_queries_causal); it and the extend kernel agree."""
     from specserve.attention.torch_native import build_padded_layout
     batch = compare(HEADS[0], ForwardMode.EXTEND, prefix_lens=[prefix], extend_lens=[21])
     layout = build_padded_layout(batch)
     assert layout.causal and layout.mask is None
+
+
+@pytest.mark.parametrize("prefix", [0, 300])
+def test_last_queries_causal_equals_a_lower_right_mask(prefix):
+    """torch_native's one-prompt attention (flash attention on a GPU, in bf16) against the
+    math backend with the mask written out: GQA, queries the last 70 of the keys' positions."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from specserve.attention.torch_native import last_queries_causal
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    gen = torch.Generator().manual_seed(prefix)
+    q, k, v = (torch.randn((1, heads, length, 64), generator=gen).to(DEVICE, dtype)
+               for heads, length in ((6, 70), (2, prefix + 70), (2, prefix + 70)))
+    mask = torch.ones((70, prefix + 70), dtype=torch.bool, device=DEVICE).tril(prefix)
+    with sdpa_kernel([SDPBackend.MATH]):
+        expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
+                                                                    scale=0.125, enable_gqa=True)
+    got = last_queries_causal(q, k, v, 0.125, True)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
 
 
 def test_extend_splits_only_a_long_prefix_against_few_new_tokens():

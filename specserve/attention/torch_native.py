@@ -8,8 +8,8 @@ padded together, every short request would gather as many keys as the longest on
 decode step beside one 4k-token context (or a prompt chunk deep into one) would cost a
 CPU seconds instead of tens of milliseconds. A ragged VERIFY batch's tokens past its
 requests' (padding of no request) get a zero output. A group of one request's prompt or
-chunk needs no mask tensor: SDPA's lower-right causal bias says it, and takes flash
-attention on a GPU (`--prefill-attention-backend torch_native`).
+chunk needs no mask tensor: it is causal aligned to the lower right, which flash attention
+runs on a GPU (`--prefill-attention-backend torch_native`).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
+from torch.backends.cuda import SDPAParams, can_use_flash_attention
 
 from specserve.attention.base import AttentionBackend, ForwardBatch, ForwardMode
 
@@ -32,8 +32,8 @@ class PaddedLayout:
     mask: torch.Tensor | None         # (bs, 1, max_q, max_kv) bool, True = may attend; None: see causal
     max_q: int
     # with mask None: the queries are the last max_q of max_kv positions, causal among themselves
-    # (one request's prompt or chunk: SDPA's lower-right causal bias, which a GPU runs as flash
-    # attention and a CPU, when there is no prefix, as its flash kernel); False: attend to all
+    # (one request's prompt or chunk: last_queries_causal, flash attention on a GPU, and on a
+    # CPU its flash kernel where there is no prefix); False: attend to all
     causal: bool = False
 
 
@@ -72,12 +72,31 @@ class TorchNativeBackend(AttentionBackend):
             padded_q = q.new_zeros((bs * max_q, self.num_heads, self.head_dim))
             padded_q[layout.query_rows] = q
         padded_q = padded_q.view(bs, max_q, self.num_heads, self.head_dim).transpose(1, 2)
-        mask = causal_lower_right(max_q, keys.shape[2]) if layout.causal else layout.mask
-        out = F.scaled_dot_product_attention(padded_q, keys, values, attn_mask=mask,
-                                             scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+        gqa = self.num_heads != self.num_kv_heads
+        if layout.causal:
+            out = last_queries_causal(padded_q, keys, values, self.scale, gqa)
+        else:
+            out = F.scaled_dot_product_attention(padded_q, keys, values, attn_mask=layout.mask, scale=self.scale,
+                                                 enable_gqa=gqa)
         # (bs, num_heads, max_q, head_dim) -> (num_tokens, num_heads, head_dim)
         out = out.transpose(1, 2).reshape(bs * max_q, self.num_heads, self.head_dim)
         return out if layout.query_rows is None else out[layout.query_rows]
+
+
+def last_queries_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, gqa: bool) -> torch.Tensor:
+    """Attention of queries that are the last of the keys' positions, causal among themselves
+    (the causal mask aligned to the lower right): q (1, heads, q_len, dim), k and v (1, kv
+    heads, k_len, dim). Without a prefix (q_len == k_len) SDPA's is_causal; with one, on a GPU,
+    flash attention, whose causal mask is aligned so when keys outnumber queries (what torch's
+    CausalBias runs; that tensor subclass itself fails under a TorchDispatchMode such as a
+    FLOP counter), else a mask tensor."""
+    q_len, k_len = q.shape[2], k.shape[2]
+    if q_len == k_len:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    if q.is_cuda and can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, False, gqa)):
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)[0]
+    mask = torch.ones((q_len, k_len), dtype=torch.bool, device=q.device).tril(k_len - q_len)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
 def gather_slots(buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
