@@ -67,7 +67,8 @@
 #                                                   or long (prefill-2k/8k/32k, context-32k at 1/8); specserve-plain
 #                                                   vllm-plain sglang-plain by default; needs the peers' wheels staged;
 #                                                   on a fresh machine each engine's first 7B start takes 130-145 s of
-#                                                   compiles, so give each engine a call of its own there)
+#                                                   compiles, so give each engine a call of its own there;
+#                                                   PEERS_SPECSERVE_ARGS: more flags for specserve's server)
 #   scripts/gpu_run.sh peers-eagle [ENGINE...]     (the peers benchmark's EAGLE-3 chains of 3 with that head on the 1.5B:
 #                                                   specserve-eagle3 sglang-eagle3 vllm-eagle3 by default (any engines
 #                                                   of bench/peers_engines.py; PEERS_MODEL another model, its head in
@@ -363,6 +364,7 @@ if [ "$mode" = peers-size ]; then
   fi
   python3 -m specserve.bench.peers run --quick --load-format dummy --models "$shape" "${size_args[@]}" \
     --max-new-tokens 256 --engines "${engines[@]}" --engine-budget-s 560 --deadline-s "${PEERS_DEADLINE_S:-570}" \
+    --specserve-args="${PEERS_SPECSERVE_ARGS:-}" \
     --out "$OUT/peers_size" 2>&1 | grep -v '%|' | tail -40
   tar -cf "$OUT/peers_size.tar" -C "$OUT" peers_size && rm -rf "$OUT/peers_size"   # a call returns 8 files at most
 fi
