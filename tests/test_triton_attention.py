@@ -164,6 +164,23 @@ def test_one_prompt_is_attended_causally_without_a_mask_tensor(prefix):
     assert layout.causal and layout.mask is None
 
 
+def test_prompts_alone_attend_as_padded_together(monkeypatch):
+    """Each prompt or chunk its own group (torch_native on a GPU), decode rows shared: the
+    same output as the CPU's padded groups."""
+    from specserve.attention import torch_native
+    heads = HEADS[0]
+    pool = make_pool(heads[1], heads[2])
+    batch = make_batch(pool, ForwardMode.EXTEND, prefix_lens=[37, 0, 12, 40], extend_lens=[16, 23, 1, 1])
+    q, k, v = random_qkv(batch.num_tokens, *heads)
+    expected = attend(TorchNativeBackend(*heads), batch, q, k, v)
+    monkeypatch.setattr(torch_native, "prompts_alone", lambda batch: True)
+    got = attend(TorchNativeBackend(*heads), batch, q, k, v)
+    groups = batch.attn_metadata
+    assert sorted(len(g.layout.kv_slots) for g in groups) == [1, 1, 2]
+    assert sum(g.layout.causal for g in groups) == 2
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("prefix", [0, 300])
 def test_last_queries_causal_equals_a_lower_right_mask(prefix):
     """torch_native's one-prompt attention (flash attention on a GPU, in bf16) against the

@@ -114,13 +114,15 @@ def gather_slots(buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 def plan_groups(batch: ForwardBatch) -> list[LayoutGroup]:
     """A padded layout per group of requests of the same kind and key-length bucket; the
-    tokens past the requests' (a ragged batch's padding) are in no group."""
+    tokens past the requests' (a ragged batch's padding) are in no group; where
+    prompts_alone, each prompt or chunk of more than one token is a group of its own."""
     lens, prefixes = batch.extend_lens_host, batch.prefix_lens_host
+    own_groups = prompts_alone(batch)
     groups: dict[tuple[bool, int], list[int]] = {}
     for i, (prefix, length) in enumerate(zip(prefixes, lens)):
         # keys padded to at most twice a request's own
         bucket = max(prefix + length - 1, MIN_BUCKET_KEYS).bit_length()
-        groups.setdefault((length == 1, bucket), []).append(i)
+        groups.setdefault((False, -1 - i) if own_groups and length > 1 else (length == 1, bucket), []).append(i)
     if len(groups) == 1 and sum(lens) == batch.num_tokens:
         return [LayoutGroup(None, build_padded_layout(batch))]
     starts = [0]
@@ -128,6 +130,14 @@ def plan_groups(batch: ForwardBatch) -> list[LayoutGroup]:
         starts.append(starts[-1] + length)
     return [_group(batch, reqs, starts) for reqs in groups.values()]
 
+
+
+def prompts_alone(batch: ForwardBatch) -> bool:
+    """An EXTEND batch on a GPU: a prompt alone is attended causally with no mask tensor, by
+    flash attention; padded beside another, its mask would send SDPA to a kernel that takes
+    one (not flash), at worst the math backend, whose (requests, heads, queries, keys) scores
+    do not fit at 32k-token contexts. A CPU pads them together: fewer calls."""
+    return batch.input_ids.is_cuda and batch.mode is ForwardMode.EXTEND
 
 
 def _group(batch: ForwardBatch, reqs: list[int], starts: list[int]) -> LayoutGroup:
