@@ -16,9 +16,10 @@ def backend_name(name: str, device_type: str) -> str:
     return "triton" if device_type == "cuda" else "torch_native"
 
 
-def create_split_backend(prefill: str, decode: str, num_heads: int, num_kv_heads: int,
-                         head_dim: int) -> AttentionBackend:
-    """One backend, or a HybridBackend where prompts take another than decode steps."""
+def create_target_backend(prefill: str, decode: str, num_heads: int, num_kv_heads: int,
+                          head_dim: int) -> AttentionBackend:
+    """The target model's backend: one, or a HybridBackend where prompts take another than
+    decode and verify steps (--prefill- / --decode-attention-backend)."""
     decoding = create_attention_backend(decode, num_heads, num_kv_heads, head_dim)
     if prefill == decode:
         return decoding

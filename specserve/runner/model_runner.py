@@ -10,7 +10,7 @@ import torch
 
 from specserve.args import ServerArgs
 from specserve.attention.base import ForwardBatch, ForwardMode
-from specserve.attention.registry import backend_name, create_split_backend
+from specserve.attention.registry import backend_name, create_target_backend
 from specserve.kv.pool import KVPool
 from specserve.model.config import ModelConfig
 from specserve.model.cpu_linear import use_cpu_linears
@@ -76,7 +76,7 @@ class ModelRunner:
         main = backend_name(args.attention_backend, device.type)
         prefill, decode = (backend_name(name or main, device.type)
                            for name in (args.prefill_attention_backend, args.decode_attention_backend))
-        self.attn_backend = create_split_backend(prefill, decode, shard.num_heads, shard.num_kv_heads, config.head_dim)
+        self.attn_backend = create_target_backend(prefill, decode, shard.num_heads, shard.num_kv_heads, config.head_dim)
         backend = decode if prefill == decode else f"{decode} ({prefill} for prompts)"
         logger.info("KV cache: %d tokens (max_total_num_tokens; %.2f GiB, %s), attention backend %s",
                     self.pool.size, self._kv_bytes() / 1024 ** 3, self._kv_sized_by(), backend)
