@@ -377,7 +377,9 @@ def rows_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
         normed, residual_out, scale = prenorm(x, add_norm, weight.dtype)
         x, add_norm = normed, None
     elif norm_out is not None:
-        assert add_norm is None and rope is None and not silu_mul and norm_out.residual.is_contiguous()
+        assert add_norm is None and rope is None and not silu_mul
+        # the residual is read at the output's offsets: (R, N) contiguous (a view of a contiguous one is no copy)
+        norm_out = AddNorm(norm_out.residual.contiguous(), norm_out.weight, norm_out.eps)
         residual_out = torch.empty_like(norm_out.residual)
     else:
         residual_out = torch.empty_like(x) if add_norm is not None else None
