@@ -42,6 +42,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton")
 OPTIONAL_BACKENDS = (None,) + ATTENTION_BACKENDS   # --prefill- and --decode-attention-backend: unset or one of them
+# what the three attention flags take: ours, and SGLang's names (served as auto: sglang_compat.own_attention_backend)
+ATTENTION_BACKEND_NAMES = ATTENTION_BACKENDS + sglang_compat.SGLANG_ATTENTION_BACKENDS
 LOG_LEVELS = ("debug", "info", "warning", "error")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 # specserve's earlier spelling -> SGLang's (the field's name): keyword and flag
@@ -110,14 +112,14 @@ class ServerArgs:
     # --- kernels ---
     attention_backend: str = _kernels("auto", "auto = triton on a GPU, torch_native on a CPU; SGLang's names "
                                               "(fa3, flashinfer, ...) serve as auto",
-                                      choices=ATTENTION_BACKENDS + sglang_compat.SGLANG_ATTENTION_BACKENDS)
+                                      choices=ATTENTION_BACKEND_NAMES)
     prefill_attention_backend: str | None = _kernels(
         None, "the backend of prompts and their chunks run eagerly (prompts within the prefill graphs, decode and "
               "verify steps stay on the decode backend's); default: --attention-backend",
-        choices=ATTENTION_BACKENDS + sglang_compat.SGLANG_ATTENTION_BACKENDS)
+        choices=ATTENTION_BACKEND_NAMES)
     decode_attention_backend: str | None = _kernels(
         None, "the backend of decode and verify steps (and of graphed prompts); default: --attention-backend",
-        choices=ATTENTION_BACKENDS + sglang_compat.SGLANG_ATTENTION_BACKENDS)
+        choices=ATTENTION_BACKEND_NAMES)
     disable_cuda_graph: bool = _kernels(False, "run decode and verify steps eagerly")
     disable_overlap_schedule: bool = _kernels(False,
         "launch plain greedy decode steps only after the previous step's tokens reached the host "
