@@ -23,7 +23,8 @@
 #                                                   specserve lab | tar -x -C .ab/old`, carried) and this one, alternating,
 #                                                   AB_RUNS=2 times each; STEP_COST_ARGS replaces the default 1.5B rows;
 #                                                   AB_OLD_ENV="SPECSERVE_NORM_IN_PRODUCER=0": this tree under those
-#                                                   variables as the old one)
+#                                                   variables as the old one, e.g. with SPECSERVE_NORM_IN_PRODUCER=1
+#                                                   exported for the new side)
 #   scripts/gpu_run.sh prefill-cost [SHAPE]         (no models staged, issue 59's long prompts on random weights, qwen2.5-7b
 #                                                   by default: the extend kernel's launch configurations against torch's
 #                                                   SDPA at 2k/8k chunks 0-30k deep, then whole 2k/8k/32k prefills with

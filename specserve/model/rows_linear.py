@@ -26,7 +26,7 @@ The layout here (y^T = W x^T, the weights as the wide operand of a tensor-core d
   large matrices: H200, 8 rows, gate_up + norm 21.4 us against 16.6 us for the same
   matrix bare (1.5B), 82-88 against 70 (7B shape); the tuner times both. Where it picks
   prenormed, the linear before (o_proj before gate_up, the last layer's down_proj before
-  qkv) writes the prenormed rows in its epilogue instead, with each row's sum of squares
+  qkv) can write the prenormed rows in its epilogue instead (NORM_IN_PRODUCER, not yet timed), with each row's sum of squares
   over its lanes (NormedRows, norm_in_producer): the kernel's work on rows already in
   registers, and one launch fewer (56 a 1.5B verify step, ~0.12 ms of its 1.52 GPU);
 - with PDL a program lets the next kernel launch only after its loop. Let go at its
@@ -73,9 +73,11 @@ CANDIDATES = ((64, 64, 1, 4, 4), (64, 128, 1, 4, 3), (64, 64, 2, 4, 4), (64, 64,
               (32, 64, 8, 4, 4), (64, 128, 4, 4, 3))
 # fewer at 32 rows (each row count compiles its own kernels; the accumulators grow)
 WIDE_CANDIDATES = ((64, 64, 4, 4, 4), (128, 64, 4, 8, 3), (64, 64, 8, 4, 3), (64, 128, 1, 4, 3))
-# The next linear's pre-norm written by the linear before it (norm_in_producer); =0 keeps the
-# consumer's own (in its loop, or prenormed by a kernel of its own), for an A/B in one tree.
-NORM_IN_PRODUCER = os.environ.get("SPECSERVE_NORM_IN_PRODUCER", "1") == "1"
+# The next linear's pre-norm written by the linear before it (norm_in_producer), with
+# SPECSERVE_NORM_IN_PRODUCER=1. Off by default until a GPU measures it (exact on the CPU, sm_90
+# PTX compiles, not timed): the step costs in BENCHMARKS.md are the consumer's own pre-norm's
+# (in its loop, or prenormed by a kernel of its own).
+NORM_IN_PRODUCER = os.environ.get("SPECSERVE_NORM_IN_PRODUCER", "0") == "1"
 # a workspace holds (lane blocks, 2, BLOCK_N, MAX_ROWS) floats: split only where that stays small
 MAX_SPLIT_LANES = 32768
 
