@@ -93,15 +93,11 @@ def test_rows_with_rope_match_linear_then_rope_and_store(config, add_norm, preno
         torch.testing.assert_close(written[[0, 2, 3, 5, 7]], before[[0, 2, 3, 5, 7]], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("arch,prenormed,in_producer", [("qwen2", False, True), ("qwen2", True, False),
-                                                       ("qwen2", True, True), ("llama", True, True),
-                                                       ("qwen3", True, True), ("qwen3", False, True)])
-def test_decoder_row_kernels_match_the_batched_path(arch, prenormed, in_producer, monkeypatch):
-    """DecoderLayer's fused path for several rows (pre-norms inside the kernels, by a kernel of
-    their own, or prenormed chosen and written by o_proj and the last layer's down_proj;
-    RoPE + KV write in the qkv kernel's epilogue, Qwen3's q/k norms keep the separate RoPE)
-    gives the batched path's logits for a prefill and a verify step, and leaves the same K/V
-    in the pool."""
+@pytest.mark.parametrize("arch,prenormed", [("qwen2", False), ("qwen2", True), ("llama", True), ("qwen3", False)])
+def test_decoder_row_kernels_match_the_batched_path(arch, prenormed, monkeypatch):
+    """DecoderLayer's fused path for several rows (pre-norms inside the kernels, RoPE + KV
+    write in the qkv kernel's epilogue; Qwen3's q/k norms keep the separate RoPE) gives the
+    batched path's logits for a prefill and a verify step, and leaves the same K/V in the pool."""
     from specserve.model import layers, llama
     from specserve.runner import model_runner
     from tests.model_fixtures import RunnerDriver, tiny_hf_model
@@ -118,26 +114,12 @@ def test_decoder_row_kernels_match_the_batched_path(arch, prenormed, in_producer
         monkeypatch.setattr(module, "takes_row_kernels", lambda x: x.shape[0] <= rows_linear.MAX_ROWS)
     monkeypatch.setattr(gemv, "best_config", lambda *args: gemv.CANDIDATES[0])
     monkeypatch.setattr(rows_linear, "best_config", lambda *args: (CONFIGS[2], prenormed))
-    monkeypatch.setattr(rows_linear, "NORM_IN_PRODUCER", in_producer)
-    producers = []
-    monkeypatch.setattr(rows_linear, "rows_gemm", _counted(rows_linear.rows_gemm, producers))
     got = run(drivers[1])
-    assert len(producers) == (2 * (2 * hf.config.num_hidden_layers - 1) if prenormed and in_producer else 0)
     for g, e in zip(got, expected):
         close(g, e)
     for pools in zip(drivers[0].runner.pool.k_buffers + drivers[0].runner.pool.v_buffers,
                      drivers[1].runner.pool.k_buffers + drivers[1].runner.pool.v_buffers):
         torch.testing.assert_close(*pools, rtol=1e-5, atol=1e-5)
-
-
-def _counted(rows_gemm, producers: list):
-    """rows_gemm, with the calls that write the next linear's pre-norm appended to `producers`."""
-    def counted(*args, **kwargs):
-        out = rows_gemm(*args, **kwargs)
-        if kwargs.get("norm_out") is not None:
-            producers.append(out)
-        return out
-    return counted
 
 
 # The 1.5B's matrices at their real K (1536, or 8960 for down_proj), N cut to a few lane
@@ -202,48 +184,3 @@ def test_every_tuned_config_at_real_k_matches_the_unfused_path(matrix, rows):
             if heads:
                 close(rope.k_buffer, expected_rope.k_buffer)
                 close(rope.v_buffer, expected_rope.v_buffer)
-
-
-@pytest.mark.parametrize("producer_config", CONFIGS)
-@pytest.mark.parametrize("consumer_config", [CONFIGS[0], CONFIGS[2]])
-@pytest.mark.parametrize("silu_mul,bias", [(False, True), (True, False)])
-def test_norm_out_feeds_the_next_linear_as_its_own_pre_norm_would(producer_config, consumer_config, silu_mul, bias):
-    """A producer with norm_out (o_proj before gate_up, down_proj before qkv) writes residual +
-    y and the normed rows, and each lane block's sums of squares; the consumer scales by their
-    total: the two equal the producer's linear, then the consumer with its own pre-norm."""
-    torch.manual_seed(6)
-    rows, k_in, hidden, n = 5, 72, 300, 2 * 37
-    x, residual = torch.randn(rows, k_in, device=DEVICE), torch.randn(rows, hidden, device=DEVICE) * 3
-    w_producer, w_consumer = torch.randn(hidden, k_in, device=DEVICE), torch.randn(n, hidden, device=DEVICE)
-    norm = AddNorm(residual, torch.randn(hidden, device=DEVICE), 1e-6)
-    b = torch.randn(n, device=DEVICE) if bias else None
-    normed = rows_linear.rows_gemm(x, w_producer, config=producer_config, norm_out=norm)
-    out, summed = rows_linear.rows_gemm(normed.normed, w_consumer, b, silu_mul, consumer_config, normed_input=normed)
-    y = gemv.reference(x, w_producer, None, False)
-    expected, expected_summed = gemv.reference(y, w_consumer, b, silu_mul, add_norm=norm)
-    assert summed is normed.summed and normed.parts.shape == (triton.cdiv(hidden, producer_config[0]), 16)
-    close(summed, expected_summed)
-    close(out, expected)
-
-
-def test_norm_out_feeds_a_qkv_with_rope():
-    """down_proj's normed rows into the next layer's qkv, whose epilogue rotates and stores."""
-    from specserve.model.rope import RotaryEmbedding
-    torch.manual_seed(7)
-    rows, num_q, num_kv, head_dim, hidden = 3, 3, 1, 16, 48
-    act, residual = torch.randn(rows, 96, device=DEVICE), torch.randn(rows, hidden, device=DEVICE)
-    w_down, w_qkv = torch.randn(hidden, 96, device=DEVICE), torch.randn((num_q + 2 * num_kv) * head_dim, hidden,
-                                                                        device=DEVICE)
-    norm = AddNorm(residual, torch.randn(hidden, device=DEVICE), 1e-6)
-    tables = RotaryEmbedding(head_dim, 12, 10000.0, None).to(DEVICE)
-    positions, slots = torch.tensor([7, 8, 11], device=DEVICE), torch.tensor([4, 1, 6], device=DEVICE)
-    rope, expected_rope = (RopeStore(tables.cos, tables.sin, positions, slots,
-                                     torch.zeros(8, num_kv, head_dim, device=DEVICE),
-                                     torch.zeros(8, num_kv, head_dim, device=DEVICE), num_q) for _ in range(2))
-    normed = rows_linear.rows_gemm(act, w_down, config=CONFIGS[1], norm_out=norm)
-    q, _ = rows_linear.rows_gemm(normed.normed, w_qkv, config=CONFIGS[0], rope=rope, normed_input=normed)
-    expected_q, _ = gemv.reference(gemv.reference(act, w_down, None, False), w_qkv, None, False, add_norm=norm,
-                                   rope=expected_rope)
-    close(q, expected_q)
-    close(rope.k_buffer, expected_rope.k_buffer)
-    close(rope.v_buffer, expected_rope.v_buffer)

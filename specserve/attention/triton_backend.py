@@ -46,7 +46,7 @@ import triton
 
 from specserve.attention.base import AttentionBackend, ForwardBatch, ForwardMode
 from specserve.attention.kernels.decode import decode_attention, row_owners
-from specserve.attention.kernels.extend import (CONFIG, extend_attention, num_row_blocks, ragged_block_table,
+from specserve.attention.kernels.extend import (extend_attention, num_row_blocks, ragged_block_table,
                                                 ragged_blocks_bound)
 from specserve.attention.kernels.online_softmax import MAX_SPLITS
 from specserve.kv.pool import KVPool
@@ -68,7 +68,6 @@ class TritonMetadata:
     tree_rows: bool = False  # VERIFY through the decode kernel, a row per tree node (split_counters per node)
     row_owner: torch.Tensor | None = None  # tree_rows: (num_tokens,) int32, each row's request, -1 for padding
     zero_out: bool = False   # ragged VERIFY through the extend kernel: padding tokens' output is zeroed
-    config: dict | None = None  # the extend kernel's launch configuration (None: extend.CONFIG's)
 
 
 @dataclass
@@ -100,12 +99,6 @@ class TritonBackend(AttentionBackend):
     # VERIFY batches of up to this many tokens (tree nodes, ragged padding included) run as decode rows; measured
     # on an H200 at batch 1 (9-17 nodes: 2-3x faster than extend + merge) and batch 8 (step_cost)
     max_tree_rows = 64
-    # A launch configuration (extend.CONFIG's keys) for eager prompt chunks of at least
-    # long_extend_tokens new tokens in a request, where one measures faster at long prompts than
-    # CONFIG's, which was chosen on prompts of up to 2000 tokens (lab.extend_attention_sweep;
-    # lab.prefill_cost --long-extend-config times whole prompts with one); None: CONFIG's.
-    long_extend_config: dict | None = None
-    long_extend_tokens = 1024
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__(num_heads, num_kv_heads, head_dim)
@@ -124,11 +117,8 @@ class TritonBackend(AttentionBackend):
             tree_mask = batch.tree_mask.to(torch.uint8).contiguous()
         max_kv = max((p + e for p, e in zip(batch.prefix_lens_host, batch.extend_lens_host)), default=0)
         tree_rows = self._tree_rows(batch)
-        longest = max(batch.extend_lens_host, default=0)
-        config = self.long_extend_config if batch.mode is ForwardMode.EXTEND and \
-            longest >= self.long_extend_tokens else None
-        row_blocks, splits = self._grid(batch.mode, bs, longest, max_kv, device, tree_rows=num_tokens if tree_rows else 0,
-                                        block_m=config["BLOCK_M"] if config else CONFIG["BLOCK_M"])
+        row_blocks, splits = self._grid(batch.mode, bs, max(batch.extend_lens_host, default=0), max_kv, device,
+                                        tree_rows=num_tokens if tree_rows else 0)
         padded = batch.ragged and sum(batch.extend_lens_host) < num_tokens
         partial_out = partial_lse = split_counters = split_counts = None
         if splits > 1:
@@ -145,7 +135,7 @@ class TritonBackend(AttentionBackend):
             partial_out=partial_out, partial_lse=partial_lse,
             split_counters=split_counters, split_counts=split_counts, tree_rows=tree_rows,
             row_owner=row_owners(qo_indptr, num_tokens) if tree_rows else None,
-            zero_out=padded and not tree_rows, config=config)
+            zero_out=padded and not tree_rows)
 
     def _tree_rows(self, batch: ForwardBatch) -> bool:
         """Whether this VERIFY batch goes through the decode kernel's TREE mode: a tree mask,
@@ -175,7 +165,7 @@ class TritonBackend(AttentionBackend):
         else:
             extend_attention(q, *buffers, meta.qo_indptr, batch.out_slots, out, self.scale, meta.row_blocks,
                              tree_mask=meta.tree_mask, partial_out=meta.partial_out, partial_lse=meta.partial_lse,
-                             split_counts=meta.split_counts, block_table=meta.block_table, config=meta.config)
+                             split_counts=meta.split_counts, block_table=meta.block_table)
         return out
 
     # --- prefill CUDA graphs ---
@@ -283,14 +273,13 @@ class TritonBackend(AttentionBackend):
 
     # --- grid ---
     def _grid(self, mode: ForwardMode, bs: int, tokens_per_req: int, max_kv_len: int,
-              device: torch.device, tree_rows: int = 0, block_m: int = CONFIG["BLOCK_M"]) -> tuple[int, int]:
+              device: torch.device, tree_rows: int = 0) -> tuple[int, int]:
         """(row blocks per request, kv splits): split a request's keys only as far as
         needed to give the GPU about `target_programs` programs. `tree_rows`: a VERIFY batch
-        through the decode kernel, its row count (one row and one merge counter per token).
-        block_m: the extend kernel's query rows per block in this forward's configuration."""
+        through the decode kernel, its row count (one row and one merge counter per token)."""
         if tree_rows:
             return 1, self._splits(tree_rows, max_kv_len, self.max_decode_splits, device)
-        row_blocks = 1 if mode is ForwardMode.DECODE else num_row_blocks(tokens_per_req, self.group, block_m)
+        row_blocks = 1 if mode is ForwardMode.DECODE else num_row_blocks(tokens_per_req, self.group)
         most = self.max_decode_splits if mode is ForwardMode.DECODE else MAX_SPLITS
         return row_blocks, self._splits(bs * row_blocks, max_kv_len, most, device)
 

@@ -42,36 +42,21 @@ def takes_row_kernels(x: torch.Tensor) -> bool:
     return 1 < x.shape[0] <= rows_ops().MAX_ROWS and rows_ops().ENABLED
 
 
-def fused_linear(x, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
+def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
                  add_norm=None, rope=None):
     """x @ W^T (+ bias) (then SiLU * up, or RoPE + the KV write) for the rows of a step that
     takes_row_kernels: one row by gemv.py, more by rows_linear.py, each the fastest path
-    measured for its shape. With add_norm (gemv.AddNorm), returns (output, residual + x); so
-    does x given as rows_linear.NormedRows, whose producer did the pre-norm (add_norm unused)."""
-    if isinstance(x, rows_ops().NormedRows):
-        return rows_ops().rows_linear(x.normed, weight, bias, silu_mul, rope=rope, normed_input=x)
+    measured for its shape. With add_norm (gemv.AddNorm), returns (output, residual + x)."""
     if x.shape[0] == 1:
         return gemv_ops().one_row_linear(x, weight, bias, silu_mul, add_norm, rope)
     return rows_ops().rows_linear(x, weight, bias, silu_mul, add_norm, rope)
 
 
-def linear(layer: nn.Linear, x: torch.Tensor, norm_out=None):
-    """layer(x); a few CUDA rows take the fastest measured weight-streaming kernel. norm_out
-    (gemv.AddNorm: the next linear's pre-norm, where norms_in_producer says so) returns
-    rows_linear.NormedRows for that linear instead of the output."""
-    if norm_out is not None:
-        return rows_ops().rows_linear(x, layer.weight, layer.bias, norm_out=norm_out)
+def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """layer(x); a few CUDA rows take the fastest measured weight-streaming kernel."""
     if takes_row_kernels(x):
         return fused_linear(x, layer.weight, layer.bias)
     return layer(x)
-
-
-def norms_in_producer(producer: nn.Linear, x: torch.Tensor, consumer_weight: torch.Tensor,
-                      consumer_bias: torch.Tensor | None, silu_mul: bool = False, rope_heads=None) -> bool:
-    """Whether `producer`'s few-row kernel writes the next linear's pre-norm for x's rows
-    (rows_linear.norm_in_producer); never for one row (gemv.py's kernels norm in their loop)."""
-    return x.shape[0] > 1 and rows_ops().norm_in_producer(producer.weight, consumer_weight, consumer_bias is not None,
-                                                          silu_mul, rope_heads, x.shape[0])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

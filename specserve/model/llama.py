@@ -11,8 +11,8 @@ from torch import nn
 
 from specserve.attention.base import AttentionBackend, ForwardBatch
 from specserve.model.config import ModelConfig
-from specserve.model.layers import (GatedMLP, RMSNorm, fused, fused_linear, gemv_ops, linear, norms_in_producer,
-                                    takes_one_row_kernels, takes_row_kernels)
+from specserve.model.layers import (GatedMLP, RMSNorm, fused, fused_linear, gemv_ops, linear, takes_one_row_kernels,
+                                    takes_row_kernels)
 from specserve.model.parallel.parallel_state import TensorParallelGroup
 from specserve.model.parallel.sharding import ModelShard
 from specserve.model.parallel.vocab_parallel import VocabParallelEmbedding
@@ -37,9 +37,8 @@ class Attention(nn.Module):
         return self.attend(linear(self.qkv_proj, x), batch, backend, rope)
 
     def attend(self, qkv: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend,
-               rope: RotaryEmbedding, norm_out=None):
-        """Everything after the qkv projection: q/k norms, RoPE, the KV write, attention, o_proj
-        (norm_out: as layers.linear's)."""
+               rope: RotaryEmbedding) -> torch.Tensor:
+        """Everything after the qkv projection: q/k norms, RoPE, the KV write, attention, o_proj."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)      # (num_tokens, num_heads, head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)   # (num_tokens, num_kv_heads, head_dim)
@@ -50,10 +49,10 @@ class Attention(nn.Module):
             pool = batch.kv_pool
             fused().rope_and_store(q, k, v, rope.cos, rope.sin, batch.positions, batch.out_slots,
                                    pool.k_buffers[self.layer], pool.v_buffers[self.layer])
-            return self.attend_stored(q, batch, backend, norm_out)
+            return self.attend_stored(q, batch, backend)
         q, k = rope(batch.positions, q, k)
         out = backend.forward(q, k, v, self.layer, batch)
-        return linear(self.o_proj, out.reshape(-1, self.q_size), norm_out)
+        return linear(self.o_proj, out.reshape(-1, self.q_size))
 
     @property
     def fuses_rope(self) -> bool:
@@ -61,18 +60,13 @@ class Attention(nn.Module):
         head_dim a power of two, and no q/k norm between the projection and RoPE."""
         return self.q_norm is None and self.head_dim & (self.head_dim - 1) == 0
 
-    def attend_stored(self, q: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend, norm_out=None):
+    def attend_stored(self, q: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         """Attention and o_proj for rotated q, the token's k and v already in the KV pool. q may
         be a row-strided view of the qkv projection: the attention kernels take its strides
-        (no copy kernel per layer). norm_out: as layers.linear's."""
+        (no copy kernel per layer)."""
         q = q.reshape(-1, self.num_heads, self.head_dim)  # (num_tokens, num_heads, head_dim), no copy
         out = backend.forward(q, None, None, self.layer, batch)
-        return linear(self.o_proj, out.reshape(-1, self.q_size), norm_out)
-
-    @property
-    def rope_heads(self) -> tuple[int, int, int] | None:
-        """The qkv kernel's RoPE epilogue's heads (gemv.RopeStore.heads), None where it has none."""
-        return (self.num_heads, self.num_kv_heads, self.head_dim) if self.fuses_rope else None
+        return linear(self.o_proj, out.reshape(-1, self.q_size))
 
     def rope_store(self, batch: ForwardBatch, rope: RotaryEmbedding):
         """The qkv GEMV epilogue's arguments for this layer (see gemv.RopeStore)."""
@@ -96,13 +90,10 @@ class DecoderLayer(nn.Module):
         """A row-parallel output (o_proj's, down_proj's) summed over the ranks' shards."""
         return partial if self.tp is None else self.tp.all_reduce(partial)
 
-    def forward(self, x, residual, batch, backend, rope, next_layer: "DecoderLayer | None" = None):
-        """Residual-stream form: returns (mlp output, residual); the caller adds them. On the
-        few-row path x may come, and the output go, as rows_linear.NormedRows (the residual
-        stream and the next layer's normed input at once; residual None): next_layer is the
-        layer whose pre-norm this one's last linear may write."""
-        if not isinstance(x, torch.Tensor) or takes_row_kernels(x):
-            return self._forward_fused(x, residual, batch, backend, rope, next_layer)
+    def forward(self, x, residual, batch, backend, rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual-stream form: returns (mlp output, residual); the caller adds them."""
+        if takes_row_kernels(x):
+            return self._forward_fused(x, residual, batch, backend, rope)
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
@@ -111,46 +102,26 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
         return self._sum_over_ranks(self.mlp(h)), residual
 
-    def _forward_fused(self, x, residual, batch, backend, rope, next_layer) -> tuple:
+    def _forward_fused(self, x, residual, batch, backend, rope) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode or verify step of a few rows on a GPU: each pre-norm runs inside the
-        linear that consumes it, or in the epilogue of the one before it (norms_in_producer),
-        and gate, up and SiLU * up are one kernel (a layer is a chain of ~5 kernels)."""
+        linear that consumes it, and gate, up and SiLU * up are one kernel (a layer is a
+        chain of ~5 kernels)."""
+        if residual is None:  # the first layer: residual 0 + x is exactly x
+            residual = torch.zeros_like(x)
         gemv, attn, mlp, norm = gemv_ops(), self.self_attn, self.mlp, self.input_layernorm
-        pre_norm = None
-        if isinstance(x, torch.Tensor):   # else NormedRows: the last layer's down_proj normed it
-            if residual is None:  # the first layer: residual 0 + x is exactly x
-                residual = torch.zeros_like(x)
-            pre_norm = gemv.AddNorm(residual, norm.weight, norm.eps)
+        pre_norm = gemv.AddNorm(residual, norm.weight, norm.eps)
         qkv_weight, qkv_bias = attn.qkv_proj.weight, attn.qkv_proj.bias
-        gate_up, post = mlp.gate_up_proj.weight, self.post_attention_layernorm
         if attn.fuses_rope:  # RoPE and the KV write in the qkv kernel's epilogue
             q, residual = fused_linear(x, qkv_weight, qkv_bias, add_norm=pre_norm, rope=attn.rope_store(batch, rope))
+            h = attn.attend_stored(q, batch, backend)
         else:
             qkv, residual = fused_linear(x, qkv_weight, qkv_bias, add_norm=pre_norm)
-        post_norm = gemv.AddNorm(residual, post.weight, post.eps)
-        # o_proj writes gate_up's pre-norm where that pays; never across ranks (the all-reduce is between)
-        o_norm = post_norm if self.tp is None and norms_in_producer(attn.o_proj, residual, gate_up, None,
-                                                                    silu_mul=True) else None
-        if attn.fuses_rope:
-            h = attn.attend_stored(q, batch, backend, o_norm)
-        else:
-            h = attn.attend(qkv, batch, backend, rope, o_norm)
+            h = attn.attend(qkv, batch, backend, rope)
         h = self._sum_over_ranks(h)
-        act, residual = fused_linear(h, gate_up, silu_mul=True, add_norm=None if o_norm else post_norm)
-        down_norm = self._next_pre_norm(residual, next_layer)
-        out = self._sum_over_ranks(linear(mlp.down_proj, act, down_norm))
-        return (out, None) if down_norm is not None else (out, residual)
-
-    def _next_pre_norm(self, residual: torch.Tensor, next_layer: "DecoderLayer | None"):
-        """The next layer's pre-norm (gemv.AddNorm) where this layer's down_proj should write
-        it (norms_in_producer), else None."""
-        if next_layer is None or self.tp is not None:
-            return None
-        following, attn = next_layer.input_layernorm, next_layer.self_attn
-        if not norms_in_producer(self.mlp.down_proj, residual, attn.qkv_proj.weight, attn.qkv_proj.bias,
-                                 rope_heads=attn.rope_heads):
-            return None
-        return gemv_ops().AddNorm(residual, following.weight, following.eps)
+        norm = self.post_attention_layernorm
+        act, residual = fused_linear(h, mlp.gate_up_proj.weight, silu_mul=True,
+                                     add_norm=gemv.AddNorm(residual, norm.weight, norm.eps))
+        return self._sum_over_ranks(linear(mlp.down_proj, act)), residual
 
 
 class DecoderLM(nn.Module):
@@ -180,12 +151,10 @@ class DecoderLM(nn.Module):
         if capture is not None:
             capture.check(len(self.layers))
         x, residual = self.embed_tokens(batch.input_ids), None
-        layers = list(self.layers)
-        for index, (layer, next_layer) in enumerate(zip(layers, layers[1:] + [None])):
-            x, residual = layer(x, residual, batch, backend, self.rope, next_layer)
+        for index, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, batch, backend, self.rope)
             if capture is not None and index in capture.layers:
-                # a new tensor: the next layer updates residual in place (NormedRows' summed it only reads)
-                capture.keep(index, residual + x if residual is not None else x.summed)
+                capture.keep(index, residual + x)  # a new tensor: the next layer updates residual in place
         if capture is not None and capture.final:
             capture.keep_final(self.norm(residual + x))
         if takes_one_row_kernels(x) and batch.logits_indices.numel() == 1:  # the final norm inside the lm_head GEMV

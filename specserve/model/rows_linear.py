@@ -24,11 +24,7 @@ The layout here (y^T = W x^T, the weights as the wide operand of a tensor-core d
   own), or a small kernel first writes it once with each row's scale, and the loop only
   loads it ("prenormed"). The loop's own norm work costs more than the extra kernel on the
   large matrices: H200, 8 rows, gate_up + norm 21.4 us against 16.6 us for the same
-  matrix bare (1.5B), 82-88 against 70 (7B shape); the tuner times both. Where it picks
-  prenormed, the linear before (o_proj before gate_up, the last layer's down_proj before
-  qkv) can write the prenormed rows in its epilogue instead (NORM_IN_PRODUCER, not yet timed), with each row's sum of squares
-  over its lanes (NormedRows, norm_in_producer): the kernel's work on rows already in
-  registers, and one launch fewer (56 a 1.5B verify step, ~0.12 ms of its 1.52 GPU);
+  matrix bare (1.5B), 82-88 against 70 (7B shape); the tuner times both;
 - with PDL a program lets the next kernel launch only after its loop. Let go at its
   start (as the one-row GEMV does), the next kernel's programs took SM slots while this
   one still had programs to place, and timings in isolation stopped predicting the step:
@@ -45,7 +41,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -73,11 +68,6 @@ CANDIDATES = ((64, 64, 1, 4, 4), (64, 128, 1, 4, 3), (64, 64, 2, 4, 4), (64, 64,
               (32, 64, 8, 4, 4), (64, 128, 4, 4, 3))
 # fewer at 32 rows (each row count compiles its own kernels; the accumulators grow)
 WIDE_CANDIDATES = ((64, 64, 4, 4, 4), (128, 64, 4, 8, 3), (64, 64, 8, 4, 3), (64, 128, 1, 4, 3))
-# The next linear's pre-norm written by the linear before it (norm_in_producer), with
-# SPECSERVE_NORM_IN_PRODUCER=1. Off by default until a GPU measures it (exact on the CPU, sm_90
-# PTX compiles, not timed): the step costs in BENCHMARKS.md are the consumer's own pre-norm's
-# (in its loop, or prenormed by a kernel of its own).
-NORM_IN_PRODUCER = os.environ.get("SPECSERVE_NORM_IN_PRODUCER", "0") == "1"
 # a workspace holds (lane blocks, 2, BLOCK_N, MAX_ROWS) floats: split only where that stays small
 MAX_SPLIT_LANES = 32768
 
@@ -86,16 +76,14 @@ MAX_SPLIT_LANES = 32768
 def _rows_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, R, N_OUT, K, out_stride,
                  res_ptr, norm_w_ptr, res_out_ptr, eps,
                  cos_ptr, sin_ptr, positions_ptr, slots_ptr, k_buf_ptr, v_buf_ptr, num_q_heads, num_kv_heads,
-                 ws_ptr, squares_ptr, count_ptr, scale_ptr, parts_ptr, num_parts,
+                 ws_ptr, squares_ptr, count_ptr, scale_ptr,
                  HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, ADD_NORM: tl.constexpr, ROPE: tl.constexpr,
-                 ROW_SCALE: tl.constexpr, ROW_PARTS: tl.constexpr, NORM_OUT: tl.constexpr, BLOCK_PARTS: tl.constexpr,
+                 ROW_SCALE: tl.constexpr,
                  HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
                  SPLIT: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     # x: (R, K) rows; W: (N, K). A lane reads two weight rows with SILU_MUL (gate row, up row
     # N_OUT further) and with ROPE (dims d and d + HALF of one head), one row otherwise.
-    # ROW_SCALE: x is prenormed, scale_ptr holds each row's rsqrt factor; ROW_PARTS: x is
-    # prenormed, parts_ptr holds num_parts partial sums of squares per row (a producer's NORM_OUT).
-    # NORM_OUT: the output is added to res_ptr's rows and normed for the next linear (see NormedRows).
+    # ROW_SCALE: x is prenormed, scale_ptr holds each row's rsqrt factor.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     TWO: tl.constexpr = SILU_MUL or ROPE
@@ -153,9 +141,8 @@ def _rows_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, R, N_OUT, K, out_stride,
     if SPLIT == 1:
         _rows_epilogue(acc, acc_second, squares, lanes, lane_ok, w_index, second_index, rows, row_ok, K, eps,
                        bias_ptr, out_ptr, out_stride, cos_ptr, sin_ptr, positions_ptr, slots_ptr, k_buf_ptr,
-                       v_buf_ptr, num_q_heads, num_kv_heads, scale_ptr, parts_ptr, num_parts, pid_n, res_ptr,
-                       norm_w_ptr, res_out_ptr, HAS_BIAS, SILU_MUL, ADD_NORM, ROPE, ROW_SCALE, ROW_PARTS, NORM_OUT,
-                       BLOCK_PARTS, HALF)
+                       v_buf_ptr, num_q_heads, num_kv_heads, scale_ptr, HAS_BIAS, SILU_MUL, ADD_NORM, ROPE,
+                       ROW_SCALE, HALF)
     else:
         # the slices of this lane block meet in the workspace; the last one finishes the block
         block = ws_ptr + pid_n * (2 * BLOCK_N * ROWS)
@@ -189,9 +176,8 @@ def _rows_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, R, N_OUT, K, out_stride,
             tl.store(count_ptr + pid_n, 0)
             _rows_epilogue(acc, acc_second, squares, lanes, lane_ok, w_index, second_index, rows, row_ok, K, eps,
                            bias_ptr, out_ptr, out_stride, cos_ptr, sin_ptr, positions_ptr, slots_ptr, k_buf_ptr,
-                           v_buf_ptr, num_q_heads, num_kv_heads, scale_ptr, parts_ptr, num_parts, pid_n, res_ptr,
-                           norm_w_ptr, res_out_ptr, HAS_BIAS, SILU_MUL, ADD_NORM, ROPE, ROW_SCALE, ROW_PARTS,
-                           NORM_OUT, BLOCK_PARTS, HALF)
+                           v_buf_ptr, num_q_heads, num_kv_heads, scale_ptr, HAS_BIAS, SILU_MUL, ADD_NORM, ROPE,
+                           ROW_SCALE, HALF)
 
 
 @triton.jit
@@ -213,24 +199,16 @@ def _rows_input(x_ptr, res_ptr, norm_w_ptr, rows, row_ok, cols, col_ok, K, ADD_N
 @triton.jit
 def _rows_epilogue(acc, acc_second, squares, lanes, lane_ok, w_index, second_index, rows, row_ok, K, eps,
                    bias_ptr, out_ptr, out_stride, cos_ptr, sin_ptr, positions_ptr, slots_ptr, k_buf_ptr,
-                   v_buf_ptr, num_q_heads, num_kv_heads, scale_ptr, parts_ptr, num_parts, pid_n, res_ptr, norm_w_ptr,
-                   res_out_ptr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, ADD_NORM: tl.constexpr,
-                   ROPE: tl.constexpr, ROW_SCALE: tl.constexpr, ROW_PARTS: tl.constexpr, NORM_OUT: tl.constexpr,
-                   BLOCK_PARTS: tl.constexpr, HALF: tl.constexpr):
+                   v_buf_ptr, num_q_heads, num_kv_heads, scale_ptr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+                   ADD_NORM: tl.constexpr, ROPE: tl.constexpr, ROW_SCALE: tl.constexpr, HALF: tl.constexpr):
     """acc: (BLOCK_N, ROWS) dot products, lane by row. Norm scale, bias, rounding to the
     model dtype (as the unfused matmul rounds before SiLU * up or RoPE), then the output."""
     y, y_second = acc, acc_second
-    if ADD_NORM or ROW_SCALE or ROW_PARTS:
+    if ADD_NORM or ROW_SCALE:
         if ADD_NORM:
             inv_rms = tl.rsqrt(squares / K + eps)
-        elif ROW_SCALE:
+        else:
             inv_rms = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
-        else:  # the producer's lane blocks' sums in one load (a loop would chain ~24-80 load latencies),
-            # added by one reduction of a fixed shape (no atomics: runs repeat exactly)
-            parts = tl.arange(0, BLOCK_PARTS)
-            sums = tl.load(parts_ptr + parts[:, None] * rows.shape[0] + rows[None, :],
-                           mask=(parts < num_parts)[:, None] & row_ok[None, :], other=0.0)
-            inv_rms = tl.rsqrt(tl.sum(sums, axis=0) / K + eps)
         y *= inv_rms[None, :]
         y_second *= inv_rms[None, :]
     if HAS_BIAS:
@@ -243,30 +221,10 @@ def _rows_epilogue(acc, acc_second, squares, lanes, lane_ok, w_index, second_ind
     if ROPE:
         _rows_rope(y, y_second, lanes, rows, row_ok, ok, out_ptr, out_stride, cos_ptr, sin_ptr, positions_ptr, slots_ptr,
                    k_buf_ptr, v_buf_ptr, num_q_heads, num_kv_heads, HALF)
-    elif NORM_OUT:
-        _rows_norm_out(y, lanes, lane_ok, rows, row_ok, ok, out_ptr, out_stride, res_ptr, norm_w_ptr, res_out_ptr,
-                       parts_ptr, pid_n)
     else:
         if SILU_MUL:
             y = (y / (1.0 + tl.exp(-y))).to(out_ptr.dtype.element_ty).to(tl.float32) * y_second
         tl.store(out_ptr + rows[None, :] * out_stride + lanes[:, None], y.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _rows_norm_out(y, lanes, lane_ok, rows, row_ok, ok, out_ptr, out_stride, res_ptr, norm_w_ptr, res_out_ptr,
-                   parts_ptr, pid_n):
-    """The next linear's pre-norm, done here on this block's lanes: s = residual + y (rounded
-    as torch adds) to res_out_ptr, norm_w * s (unscaled, in the model dtype, as the prenormed
-    input is rounded) to out_ptr, and each row's sum of squares over these lanes to
-    parts_ptr[pid_n] (the consumer adds the blocks' sums and takes the rsqrt)."""
-    dtype: tl.constexpr = out_ptr.dtype.element_ty
-    offsets = rows[None, :] * out_stride + lanes[:, None]
-    summed = y.to(dtype) + tl.load(res_ptr + offsets, mask=ok, other=0.0)
-    tl.store(res_out_ptr + offsets, summed, mask=ok)
-    summed = summed.to(tl.float32)
-    norm_w = tl.load(norm_w_ptr + lanes, mask=lane_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offsets, (norm_w[:, None] * summed).to(dtype), mask=ok)
-    tl.store(parts_ptr + pid_n * rows.shape[0] + rows, tl.sum(summed * summed, axis=0), mask=row_ok)
 
 
 @triton.jit
@@ -329,17 +287,6 @@ def prenorm(x: torch.Tensor, add_norm: AddNorm, dtype: torch.dtype) -> tuple[tor
     return normed, residual_out, scale
 
 
-@dataclass(frozen=True)
-class NormedRows:
-    """A few-row linear's output already added to the residual and normed for the next linear
-    (rows_gemm's norm_out: o_proj's for gate_up, down_proj's for the next layer's qkv), so
-    that linear needs no pre-norm of its own, in its loop or in a kernel before it."""
-    normed: torch.Tensor   # (R, N) norm_w * (residual + y), unscaled, in the model dtype
-    summed: torch.Tensor   # (R, N) residual + y: the residual stream from here on
-    parts: torch.Tensor    # (lane blocks, padded R) float32: each row's sum of squares of summed, per lane block
-    eps: float
-
-
 def padded_rows(rows: int) -> int:
     """The rows a kernel instance computes: tl.dot's smallest width, 16, or a power of two."""
     return max(16, triton.next_power_of_2(rows))
@@ -358,14 +305,11 @@ def _workspace(device: torch.device, lane_blocks: int, block_n: int) -> tuple[to
 
 def rows_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
               config: tuple[int, int, int, int, int] = CANDIDATES[0], add_norm: AddNorm | None = None,
-              rope: RopeStore | None = None, prenormed: bool = False, norm_out: AddNorm | None = None,
-              normed_input: "NormedRows | None" = None):
+              rope: RopeStore | None = None, prenormed: bool = False):
     """x: (R, K) contiguous, R <= MAX_ROWS; weight: (N, K) contiguous. Returns (R, N),
     (R, N / 2) with silu_mul, or q (R, num_q_heads * head_dim) with rope (k and v go to the
     pool slots rope.slots[:R]). With add_norm, returns (output, residual + x), the norm's
-    input made by the loop or, `prenormed`, by a kernel of its own first. With norm_out (the
-    next linear's pre-norm, its residual (R, N)), returns NormedRows for that linear's
-    normed_input, which takes x = its normed rows and returns (output, its summed rows)."""
+    input made by the loop or, `prenormed`, by a kernel of its own first."""
     count, k = x.shape
     if count > MAX_ROWS:
         raise ValueError(f"rows_gemm takes at most {MAX_ROWS} rows, got {count}")
@@ -378,75 +322,37 @@ def rows_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     if add_norm is not None and prenormed:
         normed, residual_out, scale = prenorm(x, add_norm, weight.dtype)
         x, add_norm = normed, None
-    elif norm_out is not None:
-        assert add_norm is None and rope is None and not silu_mul
-        # the residual is read at the output's offsets: (R, N) contiguous (a view of a contiguous one is no copy)
-        norm_out = AddNorm(norm_out.residual.contiguous(), norm_out.weight, norm_out.eps)
-        residual_out = torch.empty_like(norm_out.residual)
     else:
         residual_out = torch.empty_like(x) if add_norm is not None else None
-    norm = add_norm or norm_out or AddNorm(x, x, 0.0)  # unused pointers when there is no norm
-    if normed_input is not None:
-        assert add_norm is None and x is normed_input.normed and normed_input.parts.shape[1] == padded_rows(count)
-        norm = AddNorm(x, x, normed_input.eps)
+    norm = add_norm or AddNorm(x, x, 0.0)  # unused pointers when there is no norm
     r = rope or RopeStore(x, x, x, x, x, x, 0)  # likewise
     lane_blocks = triton.cdiv(lanes, block_n)
     sums, squares, counts = _workspace(x.device, lane_blocks, block_n) if split > 1 else (x, x, x)
-    rows = padded_rows(count)
-    parts = normed_input.parts if normed_input is not None else \
-        torch.empty((lane_blocks, rows), dtype=torch.float32, device=x.device) if norm_out is not None else sums
-    num_parts = normed_input.parts.shape[0] if normed_input is not None else 0   # the sums a consumer adds
     pdl = uses_pdl(x.device)
     _rows_kernel[(lane_blocks, split)](
         x, weight, bias if bias is not None else weight, out, count, lanes, k, width,
         norm.residual, norm.weight, residual_out if residual_out is not None else out, norm.eps,
         r.cos, r.sin, r.positions, r.slots, r.k_buffer, r.v_buffer, r.num_q_heads, r.heads[1] if rope else 0,
-        sums, squares, counts, scale if scale is not None else sums, parts, num_parts,
+        sums, squares, counts, scale if scale is not None else sums,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, ADD_NORM=add_norm is not None, ROPE=rope is not None,
-        ROW_SCALE=scale is not None, ROW_PARTS=normed_input is not None, NORM_OUT=norm_out is not None,
-        BLOCK_PARTS=triton.next_power_of_2(max(num_parts, 1)),
+        ROW_SCALE=scale is not None,
         HALF=r.heads[2] // 2 if rope else 1, BLOCK_N=block_n, BLOCK_K=min(block_k, max(16, triton.next_power_of_2(k))),
-        ROWS=rows, SPLIT=split, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        ROWS=padded_rows(count), SPLIT=split, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         USE_PDL=pdl, num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}))
-    if norm_out is not None:
-        return NormedRows(out, residual_out, parts, norm_out.eps)
-    if normed_input is not None:
-        return out, normed_input.summed
     return out if residual_out is None else (out, residual_out)
 
 
 def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
-                add_norm: AddNorm | None = None, rope: RopeStore | None = None, norm_out: AddNorm | None = None,
-                normed_input: NormedRows | None = None):
+                add_norm: AddNorm | None = None, rope: RopeStore | None = None):
     """x @ W^T (+ bias) (then silu_mul or rope) for 2-MAX_ROWS CUDA rows, by the fastest
     measured path; with add_norm the input is normalised first and (output, residual + x)
-    is returned. norm_out and normed_input (see rows_gemm) only where norm_in_producer said
-    so for the pair: both matrices then take their tuned configs."""
-    choice = best_config(tuple(weight.shape), weight.dtype, bias is not None, silu_mul,
-                         add_norm is not None or normed_input is not None, rope.heads if rope is not None else None,
-                         padded_rows(x.shape[0]), weight.device)
-    if norm_out is not None or normed_input is not None:
-        config, _ = choice
-        return rows_gemm(x, weight, bias, silu_mul, config, rope=rope, norm_out=norm_out, normed_input=normed_input)
+    is returned."""
+    choice = best_config(tuple(weight.shape), weight.dtype, bias is not None, silu_mul, add_norm is not None,
+                         rope.heads if rope is not None else None, padded_rows(x.shape[0]), weight.device)
     if choice is None:
         return unfused(x, weight, bias, silu_mul, add_norm, rope)
     config, prenormed = choice
     return rows_gemm(x, weight, bias, silu_mul, config, add_norm, rope, prenormed)
-
-
-def norm_in_producer(producer: torch.Tensor, consumer: torch.Tensor, consumer_bias: bool, silu_mul: bool,
-                     rope_heads: tuple[int, int, int] | None, rows: int) -> bool:
-    """Whether the linear of weight `producer` (o_proj, down_proj) should write the pre-norm of
-    the next one (gate_up, qkv) at `rows` rows: where both take the row kernels and the
-    consumer's tuned choice is a prenormed input, the producer's epilogue does the separate
-    kernel's work on rows it holds anyway (~2 us a launch saved, two a layer)."""
-    if not NORM_IN_PRODUCER:
-        return False
-    rows = padded_rows(rows)
-    made = best_config(tuple(producer.shape), producer.dtype, False, False, False, None, rows, producer.device)
-    used = best_config(tuple(consumer.shape), consumer.dtype, consumer_bias, silu_mul, True, rope_heads, rows,
-                       consumer.device)
-    return made is not None and used is not None and used[1]
 
 
 @functools.lru_cache(maxsize=None)

@@ -22,8 +22,7 @@ import torch
 from torch import nn
 
 from specserve.attention.base import AttentionBackend, ForwardBatch
-from specserve.model.layers import (GatedMLP, RMSNorm, fused, fused_linear, gemv_ops, linear, norms_in_producer,
-                                    takes_row_kernels)
+from specserve.model.layers import GatedMLP, RMSNorm, fused, fused_linear, gemv_ops, linear, takes_row_kernels
 from specserve.speculative.heads.eagle_head import EagleDecoderLayer, EagleHead, TrainableRMSNorm
 
 
@@ -72,16 +71,14 @@ class ServingEagleLayer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, embedding: nn.Embedding, features: torch.Tensor, batch: ForwardBatch,
                 backend: AttentionBackend, rope) -> torch.Tensor:
-        qkv = linear(self.qkv_proj, self._input(tokens, embedding, features))
-        norm, gate_up = self.post_attention_layernorm, self.mlp.gate_up_proj.weight
-        if takes_row_kernels(qkv):
-            # the residual add and its norm inside gate_up's kernel, or o_proj's epilogue, as the target's
-            post_norm = gemv_ops().AddNorm(features, norm.weight, norm.eps)
-            o_norm = post_norm if norms_in_producer(self.o_proj, qkv, gate_up, None, silu_mul=True) else None
-            attended = self._attend(qkv, batch, backend, rope, o_norm)
-            act, h = fused_linear(attended, gate_up, silu_mul=True, add_norm=None if o_norm else post_norm)
+        x = self._input(tokens, embedding, features)
+        attended = self._attend(linear(self.qkv_proj, x), batch, backend, rope)
+        norm = self.post_attention_layernorm
+        if takes_row_kernels(attended):   # the residual add and its norm inside gate_up's kernel, as the target's
+            act, h = fused_linear(attended, self.mlp.gate_up_proj.weight, silu_mul=True,
+                                  add_norm=gemv_ops().AddNorm(features, norm.weight, norm.eps))
             return h + linear(self.mlp.down_proj, act)
-        h = features + self._attend(qkv, batch, backend, rope)
+        h = features + attended
         return h + self.mlp(norm(h))
 
     def _input(self, tokens: torch.Tensor, embedding: nn.Embedding, features: torch.Tensor) -> torch.Tensor:
@@ -95,9 +92,8 @@ class ServingEagleLayer(nn.Module):
         embeds = embedding(tokens)
         return torch.cat([self.input_layernorm(embeds).to(features.dtype), self.hidden_norm(features)], dim=-1)
 
-    def _attend(self, qkv: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend, rope, norm_out=None):
-        """RoPE, the K/V write to layer 0 of the batch's (the head's) pool, attention, o_proj
-        (norm_out: as layers.linear's)."""
+    def _attend(self, qkv: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend, rope) -> torch.Tensor:
+        """RoPE, the K/V write to layer 0 of the batch's (the head's) pool, attention, o_proj."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -110,7 +106,7 @@ class ServingEagleLayer(nn.Module):
         else:
             q, k = rope(batch.positions, q, k)
             out = backend.forward(q, k, v, 0, batch)
-        return linear(self.o_proj, out.reshape(-1, self.q_size), norm_out)
+        return linear(self.o_proj, out.reshape(-1, self.q_size))
 
 
 class ServingEagleHead:
