@@ -114,7 +114,7 @@ def run_engine(ns: argparse.Namespace, algorithm: str) -> Iterator[dict]:
            "warmup_s": report.seconds if report else None, "warmup": report.summary() if report else None}
     watch = RunWatch(engine)
     try:
-        shapes = request_shapes(engine, args)
+        shapes = request_shapes(engine)
         target = TARGETS["cuda" if device == "cuda" else "cpu"]
         for shape in ns.shapes:
             yield measure(engine, watch, algorithm, shape, shapes[shape], ns, target)
@@ -123,7 +123,7 @@ def run_engine(ns: argparse.Namespace, algorithm: str) -> Iterator[dict]:
         engine.shutdown()
 
 
-def request_shapes(engine, args: ServerArgs) -> dict[str, list[int]]:
+def request_shapes(engine) -> dict[str, list[int]]:
     """Token ids of each of SHAPES."""
     from specserve.bench.code_edit import code_edit_messages
     encode = lambda messages: engine.tokenizer(_as_prompt(engine, messages)).input_ids
@@ -131,7 +131,7 @@ def request_shapes(engine, args: ServerArgs) -> dict[str, list[int]]:
     edits = [encode(m) for m in code_edit_messages(164)]
     for target in CODE_EDIT_TOKENS:
         shapes[f"code-edit-{target}"] = min(edits, key=lambda ids: abs(len(ids) - target))
-    chunk = args.chunked_prefill_size if args.chunked_prefill_size > 0 else engine.context_length
+    chunk = engine.core.runner.chunk_size
     shapes["long"] = _long_prompt(engine, min(chunk, engine.context_length // 2) - LONG_MARGIN)
     return shapes
 

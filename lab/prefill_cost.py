@@ -82,21 +82,10 @@ def main(argv=None) -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--chunked-prefill-size", type=int, default=None, help="the engine's, if not its default")
     parser.add_argument("--prefill-attention-backend", default=None, help="the engine's, if not its default")
-    parser.add_argument("--long-extend-config", default=None, metavar="M,N,WARPS,STAGES",
-                        help="TritonBackend.long_extend_config: the extend kernel's launch configuration for chunks "
-                             "of at least --long-extend-tokens")
-    parser.add_argument("--long-extend-tokens", type=int, default=None)
     parser.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     ns = parser.parse_args(argv)
     os.makedirs(ns.out, exist_ok=True)
     from specserve.engine.engine import Engine
-    if ns.long_extend_config or ns.long_extend_tokens:
-        from specserve.attention.triton_backend import TritonBackend
-        if ns.long_extend_config:
-            TritonBackend.long_extend_config = dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"),
-                                                        map(int, ns.long_extend_config.split(","))))
-        if ns.long_extend_tokens:
-            TritonBackend.long_extend_tokens = ns.long_extend_tokens
     path = write_model_config(f"/tmp/random-{ns.shape}", ns.shape)   # weights made on the device
     chunking = {} if ns.chunked_prefill_size is None else {"chunked_prefill_size": ns.chunked_prefill_size}
     if ns.prefill_attention_backend is not None:
@@ -113,9 +102,9 @@ def main(argv=None) -> None:
         times = [wall for wall, _ in runs]
         medians.append(statistics.median(times))
         row = {"kind": "prefill_cost", "shape": ns.shape, "length": length,
-               "chunked_prefill_size": engine.args.chunked_prefill_size,
+               "chunked_prefill_size": core.runner.chunk_size,
                "prefill_attention_backend": engine.args.prefill_attention_backend,
-               "long_extend_config": ns.long_extend_config, "median_ms": round(medians[-1], 3),
+               "median_ms": round(medians[-1], 3),
                "min_ms": round(min(times), 3), "forward_median_ms": round(statistics.median(f for _, f in runs), 3),
                "device": torch.cuda.get_device_name() if ns.device == "cuda" else ns.device, "date": time.strftime("%Y-%m-%d")}
         print(json.dumps(row), flush=True)

@@ -22,18 +22,13 @@
 #   AB_OLD=.ab/old scripts/gpu_run.sh step-cost-ab  (no models staged: lab.step_cost for an old tree (`git archive REV
 #                                                   specserve lab | tar -x -C .ab/old`, carried) and this one, alternating,
 #                                                   AB_RUNS=2 times each; STEP_COST_ARGS replaces the default 1.5B rows;
-#                                                   AB_OLD_ENV="SPECSERVE_NORM_IN_PRODUCER=0": this tree under those
-#                                                   variables as the old one, e.g. with SPECSERVE_NORM_IN_PRODUCER=1
-#                                                   exported for the new side)
+#                                                   AB_OLD_ENV="SPECSERVE_ROW_KERNELS=0": this tree under those
+#                                                   variables as the old one)
 #   scripts/gpu_run.sh prefill-cost [SHAPE]         (no models staged, issue 59's long prompts on random weights, qwen2.5-7b
 #                                                   by default: the extend kernel's launch configurations against torch's
 #                                                   SDPA at 2k/8k chunks 0-30k deep, then whole 2k/8k/32k prefills with
 #                                                   chunks of 2048 (the default) and 8192 (SGLang's on an H100/H200),
 #                                                   the 32k one profiled)
-#   scripts/gpu_run.sh prefill-ab [SHAPE]           (after prefill-cost on the same machine: whole prompts in chunks of
-#                                                   8192 through torch's flash attention (--prefill-attention-backend
-#                                                   torch_native) and through the extend kernel in the sweep's fastest
-#                                                   configuration for such chunks (TritonBackend.long_extend_config))
 #   scripts/gpu_run.sh row-kernels [MODEL]         (the few-row kernels (SPECSERVE_ROW_KERNELS=0 turns them off): their tests on the
 #                                                   GPU, then greedy outputs with and without them; ~2 min with the 1.5B)
 #   scripts/gpu_run.sh standalone [NUM_STEPS...]   (STANDALONE 0.5B -> 1.5B against plain; tests/gpu/test_standalone_cuda.py)
@@ -153,7 +148,6 @@ fi
 if [ "$mode" = prefill-cost ]; then
   shape=${1:-qwen2.5-7b}
   python3 -m lab.extend_attention_sweep --shape "$shape" > "$OUT/extend_attention_sweep.jsonl"
-  cp "$OUT/extend_attention_sweep.jsonl" /tmp/   # prefill-ab, a later call on the same machine, reads it
   python3 -c "import json, sys; rows = [json.loads(l) for l in open(sys.argv[1])]; ok = [r for r in rows if 'ms' in r]
 for key in sorted({(r['chunk'], r['depth']) for r in ok}):
     best = sorted((r for r in ok if (r['chunk'], r['depth']) == key), key=lambda r: r['ms'])[:4]
@@ -163,27 +157,6 @@ for key in sorted({(r['chunk'], r['depth']) for r in ok}):
     python3 -m lab.prefill_cost --shape "$shape" --lengths 2048 8192 32000 --repeats 3 --profile 32000 \
       --chunked-prefill-size $chunk --out "$OUT/prefill_cost_$chunk" 2>&1 | grep -v '^ ' | head -40
   done
-fi
-if [ "$mode" = prefill-ab ]; then
-  # whole prompts in chunks of 8192 two other ways, beside prefill-cost's (an earlier call on this machine):
-  # through torch's SDPA (flash attention, causal aligned to the lower right; its bf16 output checked first),
-  # and through the extend kernel in the sweep's fastest configuration for 8192-token chunks
-  shape=${1:-qwen2.5-7b}
-  TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py -k last_queries_causal \
-    2>&1 | tail -3
-  python3 -m lab.prefill_cost --shape "$shape" --lengths 2048 8192 32000 --repeats 3 --profile \
-    --chunked-prefill-size 8192 --prefill-attention-backend torch_native --out "$OUT/prefill_cost_sdpa" 2>&1 \
-    | grep -v '^ ' | head -40
-  best=$(python3 -c "import json, collections; rows = [json.loads(l) for l in open('/tmp/extend_attention_sweep.jsonl')]
-total = collections.defaultdict(float)
-for r in rows:
-    if r['kernel'] == 'specserve' and r['chunk'] == 8192 and r.get('splits') == 1 and 'ms' in r and r['max_err'] < 0.1:
-        total[r['BLOCK_M'], r['BLOCK_N'], r['num_warps'], r['num_stages']] += r['ms']
-print(','.join(map(str, min(total, key=total.get))))") || { echo "no sweep in /tmp: run prefill-cost first"; exit 1; }
-  echo "the sweep's fastest configuration at 8192-token chunks: $best"
-  python3 -m lab.prefill_cost --shape "$shape" --lengths 2048 8192 32000 --repeats 3 --profile \
-    --chunked-prefill-size 8192 --long-extend-config "$best" --out "$OUT/prefill_cost_config" 2>&1 \
-    | grep -v '^ ' | head -40
 fi
 if [ "$mode" = step-cost-ab ]; then
   # one line per row: tree, round, batch, step, draft size, wall and GPU ms. Compare GPU times: they repeat

@@ -104,7 +104,9 @@ class ServerArgs:
                                                  "4096-16384 tokens and a tenth of the available memory")
     mem_fraction_static: float | None = _memory(None, "fraction of GPU memory for weights + KV cache (default 0.85)")
     max_running_requests: int | None = _memory(None, "default: 256 on a GPU, 64 on a CPU")
-    chunked_prefill_size: int = _memory(2048, "largest number of prompt tokens in one prefill step; -1 disables chunking")
+    chunked_prefill_size: int | None = _memory(
+        None, "largest number of prompt tokens in one prefill step; -1 disables chunking; default: 8192 on a GPU "
+              "of 60 GiB or more (SGLang's on an H100 or H200), else 2048")
     enable_mixed_chunk: bool = _memory(False, "prefill chunks ride in decode steps instead of alternating with them")
     schedule_policy: str = _memory("fcfs", "fcfs: first come, first served; lpm: longest cached prefix first "
                                            "(SGLang's other policies are not implemented)", choices=SCHEDULE_POLICIES)
@@ -191,7 +193,7 @@ class ServerArgs:
             raise ArgumentError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         if self.prefill_cuda_graph_max_tokens < 0:
             raise ArgumentError(f"prefill_cuda_graph_max_tokens must be 0 or more, got {self.prefill_cuda_graph_max_tokens}")
-        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
+        if self.chunked_prefill_size is not None and (self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1):
             raise ArgumentError(f"chunked_prefill_size must be positive or -1, got {self.chunked_prefill_size}")
         for name in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
             if getattr(self, name) is not None:

@@ -13,8 +13,12 @@ import pytest
 import torch
 
 from specserve.args import ServerArgs
+from specserve.attention.base import ForwardMode
 from specserve.attention.hybrid import HybridBackend
+from specserve.attention.registry import create_target_backend
+from specserve.attention.torch_native import TorchNativeBackend
 from tests.model_fixtures import RunnerDriver, tiny_hf_model
+from tests.test_triton_attention import attend, make_batch, make_pool, random_qkv
 
 
 def run(driver: RunnerDriver) -> list[torch.Tensor]:
@@ -51,3 +55,26 @@ def test_one_backend_for_both_is_no_hybrid():
 def test_sglang_names_for_the_two_serve_as_auto():
     args = ServerArgs(prefill_attention_backend="fa3", decode_attention_backend="flashinfer")
     assert (args.prefill_attention_backend, args.decode_attention_backend) == ("auto", "auto")
+
+
+def test_auto_on_a_gpu_sends_a_prompt_alone_to_torch_flash_attention():
+    """auto on a GPU: a step of one prompt or chunk through torch_native (flash attention), a step
+    of several prompts and every decode and verify step through Triton; anywhere else, or with a
+    backend named, no such split."""
+    backend = create_target_backend("auto", None, None, "cuda", 8, 2, 64)
+    assert isinstance(backend, HybridBackend) and backend.lone_prompts
+    assert backend.name == "triton (torch_native for a prompt alone in its step)"
+    heads = (8, 2, 64)
+    pool = make_pool(heads[1], heads[2])
+    steps = ((ForwardMode.EXTEND, [37], [45], backend.prefill), (ForwardMode.EXTEND, [37, 0], [45, 5], backend.decode),
+             (ForwardMode.DECODE, [37, 20], [1, 1], backend.decode))
+    for mode, prefix_lens, extend_lens, expected in steps:
+        batch = make_batch(pool, mode, prefix_lens=prefix_lens, extend_lens=extend_lens)
+        q, k, v = random_qkv(batch.num_tokens, *heads)
+        want = attend(TorchNativeBackend(*heads), batch, q, k, v)
+        torch.testing.assert_close(attend(backend, batch, q, k, v), want, atol=1e-4, rtol=1e-4)
+        assert batch.planned_by is expected
+    assert not isinstance(create_target_backend("auto", None, None, "cpu", *heads), HybridBackend)
+    assert not isinstance(create_target_backend("triton", None, None, "cuda", *heads), HybridBackend)
+    named = create_target_backend("auto", "triton", "torch_native", "cuda", *heads)
+    assert not named.lone_prompts and named.name == "torch_native (triton for prompts)"

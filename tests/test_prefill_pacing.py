@@ -245,3 +245,19 @@ def test_grouped_attention_equals_one_padded_call(mode, prefix_lens, extend_lens
     grouped = backend.forward(q, k, v, 0, batch)
     batch.attn_metadata = [LayoutGroup(None, build_padded_layout(batch))]
     torch.testing.assert_close(grouped, backend.forward(q, k, v, 0, batch), atol=1e-5, rtol=1e-5)
+
+
+def test_chunk_size_default_follows_the_gpu_memory(monkeypatch):
+    """--chunked-prefill-size unset: 8192 on a GPU of 60 GiB or more (SGLang's on an H100/H200),
+    2048 on a smaller one and on a CPU; a given size stands, -1 is the whole context."""
+    from types import SimpleNamespace
+
+    from specserve.runner.model_runner import prefill_chunk_size
+    gpu = torch.device("cuda", 0)
+    for gib, expected in ((80, 8192), (141, 8192), (24, 2048)):
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device, gib=gib: SimpleNamespace(
+            total_memory=gib * 2 ** 30))
+        assert prefill_chunk_size(None, gpu, 32768) == expected
+    assert prefill_chunk_size(None, torch.device("cpu"), 32768) == 2048
+    assert prefill_chunk_size(512, gpu, 32768) == 512
+    assert prefill_chunk_size(-1, torch.device("cpu"), 32768) == 32768

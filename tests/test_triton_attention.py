@@ -227,24 +227,6 @@ def test_extend_with_another_launch_configuration(config):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-def test_long_prompt_chunks_take_the_long_extend_configuration():
-    """Chunks of at least long_extend_tokens take long_extend_config (their row blocks counted
-    with its BLOCK_M), shorter ones and verify steps CONFIG's; both attend alike."""
-    heads = (8, 2, 128)
-    long_config = dict(BLOCK_M=32, BLOCK_N=16, num_warps=2, num_stages=1)
-    pool = make_pool(heads[1], heads[2])
-    for extend_lens, uses_long in (([40, 45, 5], True), ([16, 20, 5], False)):
-        batch = make_batch(pool, ForwardMode.EXTEND, prefix_lens=[37, 130, 0], extend_lens=extend_lens)
-        q, k, v = random_qkv(batch.num_tokens, *heads)
-        expected = attend(TorchNativeBackend(*heads), batch, q, k, v)
-        backend = TritonBackend(*heads)
-        backend.long_extend_config, backend.long_extend_tokens = long_config, 32
-        got = attend(backend, batch, q, k, v)
-        assert (batch.attn_metadata.config is long_config) == uses_long
-        assert batch.attn_metadata.row_blocks == num_row_blocks(max(extend_lens), 4, 32 if uses_long else 64)
-        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
-
-
 def test_extend_one_split_writes_output_directly():
     batch = compare((6, 2, 64), ForwardMode.EXTEND, [0, 90], [30, 12], target_programs=1)
     assert batch.attn_metadata.partial_out is None

@@ -69,6 +69,7 @@ class ForwardBatch:
 
 class AttentionBackend:
     """Stores new K/V and attends; see the module docstring for the modes."""
+    name = "?"   # as --attention-backend names it
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         self.num_heads = num_heads

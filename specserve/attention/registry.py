@@ -16,15 +16,29 @@ def backend_name(name: str, device_type: str) -> str:
     return "triton" if device_type == "cuda" else "torch_native"
 
 
-def create_target_backend(prefill: str, decode: str, num_heads: int, num_kv_heads: int,
-                          head_dim: int) -> AttentionBackend:
-    """The target model's backend: one, or a HybridBackend where prompts take another than
-    decode and verify steps (--prefill- / --decode-attention-backend)."""
-    decoding = create_attention_backend(decode, num_heads, num_kv_heads, head_dim)
-    if prefill == decode:
+# On a GPU, auto sends a prompt or chunk alone in its step here: torch's SDPA (FlashAttention-2)
+# took 0.79-0.93x the Triton extend kernel's time at every chunk (2k, 8k tokens) and depth (0-30k)
+# measured, and a whole 32k-token prompt 1314 against 1494 ms (H200, bf16, Qwen2.5-7B heads,
+# docs/bench/h200_2026-12-05). Steps of several prompts stay on the Triton kernel: torch_native
+# would attend them one SDPA call a prompt.
+LONE_PROMPT_BACKEND = "torch_native"
+
+
+def create_target_backend(attention: str, prefill: str | None, decode: str | None, device_type: str,
+                          num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
+    """The target model's backend from the three attention flags (None: not given): one, or a
+    HybridBackend where prompts take another than decode and verify steps."""
+    main = backend_name(attention, device_type)
+    decode_name = backend_name(decode or main, device_type)
+    decoding = create_attention_backend(decode_name, num_heads, num_kv_heads, head_dim)
+    lone_prompts = device_type == "cuda" and attention == "auto" and prefill in (None, "auto") \
+        and decode_name == "triton"
+    prefill_name = LONE_PROMPT_BACKEND if lone_prompts else backend_name(prefill or main, device_type)
+    if prefill_name == decode_name:
         return decoding
     from specserve.attention.hybrid import HybridBackend
-    return HybridBackend(create_attention_backend(prefill, num_heads, num_kv_heads, head_dim), decoding)
+    return HybridBackend(create_attention_backend(prefill_name, num_heads, num_kv_heads, head_dim), decoding,
+                         lone_prompts=lone_prompts)
 
 
 def create_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:

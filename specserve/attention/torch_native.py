@@ -44,6 +44,7 @@ class LayoutGroup:
 
 
 class TorchNativeBackend(AttentionBackend):
+    name = "torch_native"
 
     def plan(self, batch: ForwardBatch) -> None:
         batch.attn_metadata = plan_groups(batch)
@@ -175,8 +176,21 @@ def build_padded_layout(batch: ForwardBatch) -> PaddedLayout:
     token_req = torch.repeat_interleave(torch.arange(bs, device=device), extend, output_size=batch.num_tokens)
     token_offset = torch.arange(batch.num_tokens, device=device) - extend_starts[token_req]
     query_rows = token_req * max_q + token_offset
+    # decode steps of equal-length requests need neither query padding nor a mask
+    uniform_queries = all(e == max_q for e in batch.extend_lens_host)
+    unmasked = max_q == 1 and all(p + 1 == max_kv for p in batch.prefix_lens_host)
+    causal = not unmasked and bs == 1 and batch.mode is ForwardMode.EXTEND
+    mask = None if unmasked or causal else _mask(batch, query_pos, prefix_part, new_part, new_index, extend)
+    return PaddedLayout(kv_slots=kv_slots, query_rows=None if uniform_queries else query_rows,
+                        mask=mask, max_q=max_q, causal=causal)
 
-    # new-token part of the mask: causal, or the draft tree's ancestor mask
+
+def _mask(batch: ForwardBatch, query_pos, prefix_part, new_part, new_index, extend) -> torch.Tensor:
+    """(bs, 1, max_q, max_kv) bool: a query may attend the prefix, and among the new tokens
+    causally or as the draft tree's ancestor mask says. Not built for a prompt alone
+    (last_queries_causal masks it its own way): 8k queries over 40k keys would make 0.3 GB
+    of it, and more while it is made."""
+    bs, max_q, max_kv = new_index.shape[0], query_pos.shape[0], new_index.shape[1]
     qi = query_pos.view(1, max_q, 1)
     kj = new_index.unsqueeze(1)                                           # (bs, 1, max_kv)
     if batch.mode is ForwardMode.VERIFY and batch.tree_mask is not None:
@@ -189,9 +203,4 @@ def build_padded_layout(batch: ForwardBatch) -> PaddedLayout:
     # padded query rows must see one key or softmax gives NaN; their output is dropped
     padded_query = query_pos.view(1, max_q) >= extend.view(bs, 1)
     mask[:, :, 0] |= padded_query
-    # decode steps of equal-length requests need neither query padding nor a mask
-    uniform_queries = all(e == max_q for e in batch.extend_lens_host)
-    unmasked = max_q == 1 and all(p + 1 == max_kv for p in batch.prefix_lens_host)
-    causal = not unmasked and bs == 1 and batch.mode is ForwardMode.EXTEND
-    return PaddedLayout(kv_slots=kv_slots, query_rows=None if uniform_queries else query_rows,
-                        mask=None if unmasked or causal else mask.unsqueeze(1), max_q=max_q, causal=causal)
+    return mask.unsqueeze(1)

@@ -88,6 +88,7 @@ class _GraphBuffers:
 
 
 class TritonBackend(AttentionBackend):
+    name = "triton"
     supports_cuda_graph = True
     # a split reads at least this many keys: fewer would cost more in merging than it gains
     min_keys_per_split = 128

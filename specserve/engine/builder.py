@@ -132,8 +132,7 @@ def _build_core(args: ServerArgs, checked: Preflight, tp):
                          hidden_capture=draft.hidden_capture if draft else None, tp=tp)
     del checkpoint.state_dict
     logger.info("runner ready in %.1f s", time.perf_counter() - start)
-    scheduler = Scheduler(runner.pool, runner.max_running_requests,
-                          args.chunked_prefill_size if args.chunked_prefill_size > 0 else context_length,
+    scheduler = Scheduler(runner.pool, runner.max_running_requests, runner.chunk_size,
                           enable_mixed_chunk=args.enable_mixed_chunk,
                           prefix_cache=not args.disable_radix_cache, schedule_policy=args.schedule_policy)
     drafter = checked.drafter if draft is None else draft.make_drafter(runner)

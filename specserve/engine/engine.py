@@ -97,6 +97,7 @@ class Engine(EngineFront):
 
     def get_server_info(self) -> dict:
         return {**{k: v for k, v in vars(self.args).items()}, "model_path": self.model_path,
+                "chunked_prefill_size": self.core.runner.chunk_size,
                 "context_length": self.context_length, "max_total_tokens": self.core.runner.pool.size,
                 "max_total_num_tokens": self.core.runner.pool.size}   # SGLang's name: KV tokens that fit
 

@@ -63,7 +63,7 @@ class EngineShape:
                    graph_tree_sizes=tuple(graphs.sizes) if graphs is not None else (),
                    max_running=runner.max_running_requests, kv_slots=runner.pool.size,
                    context_length=runner.context_length,
-                   chunk_size=args.chunked_prefill_size if args.chunked_prefill_size > 0 else runner.context_length,
+                   chunk_size=runner.chunk_size,
                    num_draft_tokens=core.num_draft_tokens if core.drafter is not None else None)
 
 

@@ -10,7 +10,7 @@ import torch
 
 from specserve.args import ServerArgs
 from specserve.attention.base import ForwardBatch, ForwardMode
-from specserve.attention.registry import backend_name, create_target_backend
+from specserve.attention.registry import create_target_backend
 from specserve.kv.pool import KVPool
 from specserve.model.config import ModelConfig
 from specserve.model.cpu_linear import use_cpu_linears
@@ -52,6 +52,22 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPE_NAMES[name]
 
 
+# --chunked-prefill-size's default: 8192 on a GPU of 60 GiB or more, as SGLang sets it on an
+# H100 or H200 (a 32k-token prompt of a Qwen2.5-7B shape: 1494 ms against 1719 in chunks of 2048,
+# H200, docs/bench/h200_2026-12-05); 2048 elsewhere
+LARGE_GPU_CHUNK, LARGE_GPU_BYTES, DEFAULT_CHUNK = 8192, 60 * 2 ** 30, 2048
+
+
+def prefill_chunk_size(requested: int | None, device: torch.device, context_length: int) -> int:
+    """Prompt tokens one prefill step carries at most: --chunked-prefill-size resolved (-1: no chunks)."""
+    if requested == -1:
+        return context_length
+    if requested is not None:
+        return requested
+    large = device.type == "cuda" and torch.cuda.get_device_properties(device).total_memory >= LARGE_GPU_BYTES
+    return LARGE_GPU_CHUNK if large else DEFAULT_CHUNK
+
+
 class ModelRunner:
     def __init__(self, args: ServerArgs, config: ModelConfig, state_dict: dict[str, torch.Tensor],
                  device: torch.device, dtype: torch.dtype, context_length: int, draft_kv_bytes_per_token: int = 0,
@@ -66,6 +82,7 @@ class ModelRunner:
         self.hidden_capture = hidden_capture
         self.draft_kv_bytes_per_token = draft_kv_bytes_per_token
         self.context_length = context_length
+        self.chunk_size = prefill_chunk_size(args.chunked_prefill_size, device, context_length)
         self.tp = tp
         self.model = build_model(config, state_dict, device, dtype, context_length, tp)
         release_weights(state_dict, device)   # before the KV pool is sized from the memory left
@@ -73,13 +90,11 @@ class ModelRunner:
         self.max_running_requests = args.max_running_requests or (256 if device.type == "cuda" else 64)
         self.pool = KVPool(config.num_layers, shard.num_kv_heads, config.head_dim, self._kv_tokens(shard.num_kv_heads),
                            self.max_running_requests + 1, context_length, dtype, device)
-        main = backend_name(args.attention_backend, device.type)
-        prefill, decode = (backend_name(name or main, device.type)
-                           for name in (args.prefill_attention_backend, args.decode_attention_backend))
-        self.attn_backend = create_target_backend(prefill, decode, shard.num_heads, shard.num_kv_heads, config.head_dim)
-        backend = decode if prefill == decode else f"{decode} ({prefill} for prompts)"
+        self.attn_backend = create_target_backend(args.attention_backend, args.prefill_attention_backend,
+                                                  args.decode_attention_backend, device.type, shard.num_heads,
+                                                  shard.num_kv_heads, config.head_dim)
         logger.info("KV cache: %d tokens (max_total_num_tokens; %.2f GiB, %s), attention backend %s",
-                    self.pool.size, self._kv_bytes() / 1024 ** 3, self._kv_sized_by(), backend)
+                    self.pool.size, self._kv_bytes() / 1024 ** 3, self._kv_sized_by(), self.attn_backend.name)
         self.graphs = self._capture_graphs()
         self.prefill_graphs = self._capture_prefill_graphs()
         if tp is not None and tp.is_driver:
@@ -98,9 +113,7 @@ class ModelRunner:
 
     def _capture_prefill_graphs(self):
         args = self.args
-        max_tokens = args.prefill_cuda_graph_max_tokens
-        if args.chunked_prefill_size > 0:
-            max_tokens = min(max_tokens, args.chunked_prefill_size)
+        max_tokens = min(args.prefill_cuda_graph_max_tokens, self.chunk_size)
         if self.graphs is None or self.tp is not None or max_tokens == 0 or not self.attn_backend.supports_prefill_graph:
             return None
         from specserve.runner.prefill_graph import MAX_REQUESTS, PrefillGraphRunner
