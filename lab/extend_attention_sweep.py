@@ -12,6 +12,12 @@ gives one long prompt. `splits` is how many parts the keys are cut into (merged 
 product's plan picks up to (depth + chunk) / (4 x chunk) for a chunk (KEYS_PER_NEW_TOKEN).
 The question it answers: how far the kernel is from a FlashAttention-class one at 8k-32k
 prompts, and which configuration closes it (issue 59: time to first token at 8k and 32k).
+
+`split-flash` and `split-cudnn` attend the prefix with no mask and the chunk causally, two
+calls merged by their log-sum-exps: cuDNN's causal kernel ran 1.8x flash attention's on a
+chunk with no prefix, but took a prefix only as a mask tensor, slower than flash (H200, 7B
+heads); the split gives it no mask to take. cuDNN gets K/V with every query head's copy (made
+in the timed launch); `split-math` is the same on a CPU, for the test.
 """
 from __future__ import annotations
 
@@ -125,11 +131,48 @@ class Case:
                     q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)[0].transpose(0, 1))
         return launch
 
+    def split(self, how: str):
+        """The prefix without a mask and the chunk causally, merged (see the module's doc)."""
+        q, k, v = (t.transpose(0, 1)[None] for t in (self.q, self.k, self.v))   # (1, heads, tokens, dim)
+        depth, group = self.depth, self.group
+
+        def part(keys, values, causal):
+            if how == "cudnn":
+                keys, values = (t.repeat_interleave(group, dim=1) for t in (keys, values))
+                out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+                    q, keys, values, None, True, 0.0, causal, False, scale=self.scale)[:2]
+            elif how == "flash":
+                out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+                    q, keys, values, 0.0, causal, False, scale=self.scale)[:2]
+            else:
+                out, lse = math_with_lse(q, keys, values, causal, self.scale, group)
+            return out, lse.float()
+
+        def launch():
+            out, lse = part(k[:, :, depth:], v[:, :, depth:], True)
+            if depth:
+                prefix_out, prefix_lse = part(k[:, :, :depth], v[:, :, :depth], False)
+                top = torch.maximum(lse, prefix_lse)
+                w_new, w_prefix = (lse - top).exp().unsqueeze(-1), (prefix_lse - top).exp().unsqueeze(-1)
+                out = (out * w_new + prefix_out * w_prefix) / (w_new + w_prefix)
+            self.out.copy_(out[0].transpose(0, 1))
+        return launch
+
     def reference(self) -> torch.Tensor:
         from torch.nn.attention import SDPBackend
         with torch.no_grad():
             self.sdpa(SDPBackend.MATH)()
         return self.out.float().clone()
+
+
+def math_with_lse(q, k, v, causal: bool, scale: float, group: int):
+    """Attention and its log-sum-exp per query, (1, heads, q_len, dim) and (1, heads, q_len)."""
+    k, v = (t.repeat_interleave(group, dim=1).float() for t in (k, v))
+    scores = q.float() @ k.transpose(-1, -2) * scale
+    if causal:
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    lse = scores.logsumexp(-1)
+    return ((scores - lse.unsqueeze(-1)).exp() @ v).to(q.dtype), lse
 
 
 def sweep(ns: argparse.Namespace):
@@ -142,6 +185,8 @@ def sweep(ns: argparse.Namespace):
         tflop = causal_tflop(shape[0], shape[2], chunk, depth)
         kernels = [(f"sdpa-{b.name.lower()}", case.sdpa(b), {}) for b in
                    (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)]
+        kernels += [(f"split-{how}", case.split(how), {})
+                    for how in (("flash", "cudnn") if device.type == "cuda" else ("math",))]
         kernels += [("specserve", case.ours(config, splits), dict(config, splits=splits))
                     for config in configs(ns) for splits in ns.splits]
         for name, launch, settings in kernels:

@@ -16,6 +16,8 @@ def test_every_swept_kernel_matches_the_math_backend_or_says_why_not():
     ours = [r for r in rows if r["kernel"] == "specserve"]
     assert len(ours) == 2 * 2 * 2 and all(r["max_err"] < 1e-3 for r in ours)
     assert all("max_err" in r or "error" in r for r in rows)
+    # the prefix and the chunk attended apart and merged: the same attention
+    assert [r["max_err"] < 1e-4 for r in rows if r["kernel"] == "split-math"] == [True, True]
 
 
 def test_causal_work_counts_the_keys_each_new_token_sees():
