@@ -14,10 +14,9 @@ The question it answers: how far the kernel is from a FlashAttention-class one a
 prompts, and which configuration closes it (issue 59: time to first token at 8k and 32k).
 
 `split-flash` and `split-cudnn` attend the prefix with no mask and the chunk causally, two
-calls merged by their log-sum-exps: cuDNN's causal kernel ran 1.8x flash attention's on a
-chunk with no prefix, but took a prefix only as a mask tensor, slower than flash (H200, 7B
-heads); the split gives it no mask to take. cuDNN gets K/V with every query head's copy (made
-in the timed launch); `split-math` is the same on a CPU, for the test.
+calls merged by their log-sum-exps (specserve/attention/prefix_split.py says why); cuDNN gets
+K/V with every query head's copy, made in the timed launch. `split-math` is the same on a CPU,
+for the test.
 """
 from __future__ import annotations
 
@@ -29,6 +28,7 @@ import statistics
 import torch
 
 from specserve.attention.kernels.extend import extend_attention, num_row_blocks
+from specserve.attention.prefix_split import attend_in_two
 from specserve.bench.random_model import SHAPES
 
 GRID = dict(BLOCK_M=(64, 128), BLOCK_N=(32, 64), num_warps=(4, 8), num_stages=(2, 3))
@@ -131,31 +131,12 @@ class Case:
                     q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)[0].transpose(0, 1))
         return launch
 
-    def split(self, how: str):
-        """The prefix without a mask and the chunk causally, merged (see the module's doc)."""
+    def split(self, kernel: str):
+        """The prefix without a mask and the chunk causally, merged (attention/prefix_split.py)."""
         q, k, v = (t.transpose(0, 1)[None] for t in (self.q, self.k, self.v))   # (1, heads, tokens, dim)
-        depth, group = self.depth, self.group
-
-        def part(keys, values, causal):
-            if how == "cudnn":
-                keys, values = (t.repeat_interleave(group, dim=1) for t in (keys, values))
-                out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-                    q, keys, values, None, True, 0.0, causal, False, scale=self.scale)[:2]
-            elif how == "flash":
-                out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
-                    q, keys, values, 0.0, causal, False, scale=self.scale)[:2]
-            else:
-                out, lse = math_with_lse(q, keys, values, causal, self.scale, group)
-            return out, lse.float()
 
         def launch():
-            out, lse = part(k[:, :, depth:], v[:, :, depth:], True)
-            if depth:
-                prefix_out, prefix_lse = part(k[:, :, :depth], v[:, :, :depth], False)
-                top = torch.maximum(lse, prefix_lse)
-                w_new, w_prefix = (lse - top).exp().unsqueeze(-1), (prefix_lse - top).exp().unsqueeze(-1)
-                out = (out * w_new + prefix_out * w_prefix) / (w_new + w_prefix)
-            self.out.copy_(out[0].transpose(0, 1))
+            self.out.copy_(attend_in_two(q, k, v, self.scale, kernel)[0].transpose(0, 1))
         return launch
 
     def reference(self) -> torch.Tensor:
@@ -163,16 +144,6 @@ class Case:
         with torch.no_grad():
             self.sdpa(SDPBackend.MATH)()
         return self.out.float().clone()
-
-
-def math_with_lse(q, k, v, causal: bool, scale: float, group: int):
-    """Attention and its log-sum-exp per query, (1, heads, q_len, dim) and (1, heads, q_len)."""
-    k, v = (t.repeat_interleave(group, dim=1).float() for t in (k, v))
-    scores = q.float() @ k.transpose(-1, -2) * scale
-    if causal:
-        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
-    lse = scores.logsumexp(-1)
-    return ((scores - lse.unsqueeze(-1)).exp() @ v).to(q.dtype), lse
 
 
 def sweep(ns: argparse.Namespace):

@@ -22,6 +22,7 @@ import time
 import torch
 
 from lab.ttft_breakdown import fit_prefill_cost, format_prefill_cost
+from specserve.attention import prefix_split
 from specserve.bench.random_model import SHAPES, write_model_config
 
 
@@ -82,10 +83,13 @@ def main(argv=None) -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--chunked-prefill-size", type=int, default=None, help="the engine's, if not its default")
     parser.add_argument("--prefill-attention-backend", default=None, help="the engine's, if not its default")
+    parser.add_argument("--prefix-split", default=None, choices=prefix_split.KERNELS,
+                        help="a prompt chunk's attention in two calls with this kernel (attention/prefix_split.py)")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     ns = parser.parse_args(argv)
     os.makedirs(ns.out, exist_ok=True)
     from specserve.engine.engine import Engine
+    prefix_split.KERNEL = ns.prefix_split
     path = write_model_config(f"/tmp/random-{ns.shape}", ns.shape)   # weights made on the device
     chunking = {} if ns.chunked_prefill_size is None else {"chunked_prefill_size": ns.chunked_prefill_size}
     if ns.prefill_attention_backend is not None:
@@ -103,7 +107,7 @@ def main(argv=None) -> None:
         medians.append(statistics.median(times))
         row = {"kind": "prefill_cost", "shape": ns.shape, "length": length,
                "chunked_prefill_size": core.runner.chunk_size,
-               "prefill_attention_backend": engine.args.prefill_attention_backend,
+               "prefill_attention_backend": engine.args.prefill_attention_backend, "prefix_split": ns.prefix_split,
                "median_ms": round(medians[-1], 3),
                "min_ms": round(min(times), 3), "forward_median_ms": round(statistics.median(f for _, f in runs), 3),
                "device": torch.cuda.get_device_name() if ns.device == "cuda" else ns.device, "date": time.strftime("%Y-%m-%d")}

@@ -25,10 +25,10 @@
 #                                                   AB_OLD_ENV="SPECSERVE_ROW_KERNELS=0": this tree under those
 #                                                   variables as the old one)
 #   scripts/gpu_run.sh prefill-cost [SHAPE]         (no models staged, issue 59's long prompts on random weights, qwen2.5-7b
-#                                                   by default: the extend kernel's launch configurations against torch's
-#                                                   SDPA at 2k/8k chunks 0-30k deep, then whole 2k/8k/32k prefills with
-#                                                   chunks of 2048 (the default) and 8192 (SGLang's on an H100/H200),
-#                                                   the 32k one profiled)
+#                                                   by default: one chunk of a long prompt (2k/8k tokens 0-30k deep) through
+#                                                   torch's SDPA backends, two extend-kernel configurations and the split of
+#                                                   attention/prefix_split.py, then whole 2k/8k/32k prefills on the defaults
+#                                                   and with that split through cuDNN and through flash attention; ~4 min)
 #   scripts/gpu_run.sh row-kernels [MODEL]         (the few-row kernels (SPECSERVE_ROW_KERNELS=0 turns them off): their tests on the
 #                                                   GPU, then greedy outputs with and without them; ~2 min with the 1.5B)
 #   scripts/gpu_run.sh standalone [NUM_STEPS...]   (STANDALONE 0.5B -> 1.5B against plain; tests/gpu/test_standalone_cuda.py)
@@ -147,15 +147,15 @@ if [ "$mode" = step-cost ]; then
 fi
 if [ "$mode" = prefill-cost ]; then
   shape=${1:-qwen2.5-7b}
-  python3 -m lab.extend_attention_sweep --shape "$shape" > "$OUT/extend_attention_sweep.jsonl"
-  python3 -c "import json, sys; rows = [json.loads(l) for l in open(sys.argv[1])]; ok = [r for r in rows if 'ms' in r]
-for key in sorted({(r['chunk'], r['depth']) for r in ok}):
-    best = sorted((r for r in ok if (r['chunk'], r['depth']) == key), key=lambda r: r['ms'])[:4]
-    print(key, [(r['kernel'], r.get('BLOCK_M'), r.get('BLOCK_N'), r.get('num_warps'), r.get('num_stages'),
-                 r.get('splits'), r['ms'], r['tflops']) for r in best])" "$OUT/extend_attention_sweep.jsonl"
-  for chunk in 2048 8192; do
-    python3 -m lab.prefill_cost --shape "$shape" --lengths 2048 8192 32000 --repeats 3 --profile 32000 \
-      --chunked-prefill-size $chunk --out "$OUT/prefill_cost_$chunk" 2>&1 | grep -v '^ ' | head -40
+  python3 -m lab.extend_attention_sweep --shape "$shape" --configs 64,64,4,3 128,32,4,3 --splits 1 \
+    > "$OUT/extend_attention_sweep.jsonl"
+  python3 -c "import json, sys; rows = [json.loads(l) for l in open(sys.argv[1])]
+for r in rows:
+    print(r['chunk'], r['depth'], r['kernel'], r.get('BLOCK_M'), r.get('ms'), r.get('tflops'), r.get('max_err'),
+          r.get('error', '')[:80])" "$OUT/extend_attention_sweep.jsonl"
+  for split in none cudnn flash; do   # whole prompts on the defaults, then a chunk's attention in two calls
+    python3 -m lab.prefill_cost --shape "$shape" --lengths 2048 8192 32000 --repeats 3 --profile \
+      $([ $split = none ] || echo --prefix-split $split) --out "$OUT/prefill_cost_$split" 2>&1 | grep '^{' | head -5
   done
 fi
 if [ "$mode" = step-cost-ab ]; then

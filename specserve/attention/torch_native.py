@@ -9,7 +9,7 @@ decode step beside one 4k-token context (or a prompt chunk deep into one) would 
 CPU seconds instead of tens of milliseconds. A ragged VERIFY batch's tokens past its
 requests' (padding of no request) get a zero output. A group of one request's prompt or
 chunk needs no mask tensor: it is causal aligned to the lower right, which flash attention
-runs on a GPU (`--prefill-attention-backend torch_native`).
+runs on a GPU (there, by default, every prefill step of one prompt or chunk: registry.py).
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.backends.cuda import SDPAParams, can_use_flash_attention
 
+from specserve.attention import prefix_split
 from specserve.attention.base import AttentionBackend, ForwardBatch, ForwardMode
 
 MIN_BUCKET_KEYS = 256   # requests with fewer keys share one group: padding them is cheap
@@ -91,6 +92,8 @@ def last_queries_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     flash attention, whose causal mask is aligned so when keys outnumber queries (what torch's
     CausalBias runs; that tensor subclass itself fails under a TorchDispatchMode such as a
     FLOP counter), else a mask tensor."""
+    if prefix_split.KERNEL is not None:
+        return prefix_split.attend_in_two(q, k, v, scale, prefix_split.KERNEL)
     q_len, k_len = q.shape[2], k.shape[2]
     if q_len == k_len:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
