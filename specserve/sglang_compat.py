@@ -378,18 +378,23 @@ def own_attention_backend(value: str) -> str:
 
 
 def accept_sglang_option(name: str, value: Any) -> None:
-    """Check one SGLang-only option: silent at SGLang's default, one warning (per process)
-    for a tuning option, a NotSupportedError for a feature specserve lacks."""
-    default, _ = SGLANG_ONLY_FIELDS[name]
+    """Check one SGLang-only option (accept_foreign_option)."""
+    accept_foreign_option("SGLang", name, value, SGLANG_ONLY_FIELDS[name][0], TUNING.get(name))
+
+
+def accept_foreign_option(engine: str, name: str, value: Any, default: Any, tuning: str | None) -> None:
+    """Check one option of another engine (SGLang's here, vLLM's in vllm_compat) that specserve
+    has no setting for: silent at `default`; with `tuning` (what specserve does instead), one
+    warning (per process); otherwise a NotSupportedError for a feature specserve lacks."""
     if _same(value, default):
         return
-    if name in TUNING:
+    if tuning is not None:
         if name not in _warned:
             _warned.add(name)
-            logger.warning("ignoring SGLang's %s=%r: %s", name, value, TUNING[name])
+            logger.warning("ignoring %s's %s=%r: %s", engine, name, value, tuning)
         return
-    raise NotSupportedError(f"{name}={value!r} asks for an SGLang feature specserve does not have; "
-                            f"leave it at SGLang's default ({default!r})")
+    raise NotSupportedError(f"{name}={value!r} asks for a feature of {engine} that specserve does not have; "
+                            f"leave it at {engine}'s default ({default!r})")
 
 
 def _same(value: Any, default: Any) -> bool:

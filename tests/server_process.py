@@ -1,5 +1,5 @@
-"""`python -m specserve.launch_server` in a subprocess on a free loopback port, for the
-tests that drive the real server over HTTP."""
+"""`python -m specserve.launch_server` (or another server entry point) in a subprocess on a
+free loopback port, for the tests that drive the real server over HTTP."""
 from __future__ import annotations
 
 import os
@@ -22,10 +22,15 @@ def free_port() -> int:
 
 def start_server(port: int, *flags: str, log: IO | None = None) -> subprocess.Popen:
     """fp32 on the CPU, warnings and errors only; `log` gets its stdout and stderr."""
-    cmd = [sys.executable, "-m", "specserve.launch_server", "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float32", "--log-level", "warning", *flags]
+    return start_server_module("specserve.launch_server", "--host", "127.0.0.1", "--port", str(port),
+                               "--dtype", "float32", "--log-level", "warning", *flags, log=log)
+
+
+def start_server_module(module: str, *args: str, log: IO | None = None) -> subprocess.Popen:
+    """`python -m module *args` (a server's entry point) run from the repository root."""
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT if log else None)
+    return subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, env=env, stdout=log,
+                            stderr=subprocess.STDOUT if log else None)
 
 
 def stop_server(proc: subprocess.Popen) -> None:

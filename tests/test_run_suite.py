@@ -60,6 +60,7 @@ def test_two_at_a_time_longest_first_each_on_its_share_of_the_cores(tmp_path, ca
     assert longest_first[0] == [long]
     monkeypatch.setattr(run_suite.os, "cpu_count", lambda: 4)   # two processes of two threads
     assert run_suite.main(["--jobs", "2", short, long, light]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    # a group's slowest tests are listed under it only past pytest's 5 ms: on a busy machine, some
+    lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("    ")]
     assert len(lines) == 5 and "(2 at a time)" in lines[3], lines
     assert lines[-1] == "total: 3 passed, 0 failed"
