@@ -22,17 +22,15 @@ import argparse
 import json
 import logging
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from specserve.args import MODEL_ALGORITHMS, ServerArgs
-from specserve.cli import ArgumentParser
 from specserve.errors import ArgumentError, NotSupportedError, UnknownArgumentError, UserError, did_you_mean
 from specserve.sglang_compat import accept_foreign_option
 
 logger = logging.getLogger("specserve")
 
-PROG = "python -m specserve.vllm_serve"
 VLLM_PORT = 8000
 
 
@@ -253,22 +251,21 @@ VLLM_ONLY_OPTIONS: dict[str, tuple[Any, str, str | None]] = {
 }
 
 
-def server_args(argv: Sequence[str] | None = None) -> ServerArgs:
-    """The ServerArgs of a `vllm serve` command line (without `vllm serve`); warnings for the
-    tuning options it sets, a UserError (or argparse's exit) for what specserve cannot do."""
-    given = vars(build_parser().parse_args(argv))
+def server_args_of(given: dict[str, Any]) -> ServerArgs:
+    """The ServerArgs of a parsed `vllm serve` command line (flag dest -> value, only the flags
+    given); warnings for the tuning options it sets, a UserError for what specserve cannot do."""
     keywords: dict[str, Any] = {"port": VLLM_PORT}
     origins: dict[str, str] = {}   # ServerArgs field -> the vLLM flag that set it
     for name, mapped in MAPPED.items():
         if name in given:
             fields = mapped.to_fields(given[name])
             keywords.update(fields)
-            origins.update(dict.fromkeys(fields, _flag(name)))
+            origins.update(dict.fromkeys(fields, flag(name)))
     if "model_tag" in given:   # vllm serve's positional MODEL wins over --model, as in vLLM
         keywords["model_path"] = given["model_tag"]
     for name, (default, _, tuning) in VLLM_ONLY_OPTIONS.items():
         if name in given:
-            accept_foreign_option("vLLM", _flag(name), given[name], default, tuning)
+            accept_foreign_option("vLLM", flag(name), given[name], default, tuning)
     return _build(keywords, origins)
 
 
@@ -283,44 +280,14 @@ def _build(keywords: dict[str, Any], origins: dict[str, str]) -> ServerArgs:
         raise type(error)(f"{error} (set by vLLM's {', '.join(flags)})") from None
 
 
-# --- the command line ---
-def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(prog=PROG, usage="%(prog)s [MODEL] [vLLM flags]  (--help lists them)",
-                            description="Serve a model over HTTP (OpenAI and SGLang APIs), started with "
-                                        "vLLM's `vllm serve` flags.")
-    parser.add_argument("model_tag", nargs="?", default=argparse.SUPPRESS, metavar="MODEL",
-                        help="HF id, HF directory or .gguf file; default: SmolLM2-135M-Instruct")
-    group = parser.add_argument_group("vLLM flags and the specserve settings they set")
-    for name, mapped in MAPPED.items():
-        _add_flag(group, name, mapped.kind, mapped.help)
-    group = parser.add_argument_group(
-        "vLLM flags specserve has no setting for",
-        "one that tunes something specserve does its own way is ignored with a warning; one that asks for a "
-        "feature specserve lacks is an error unless it is at vLLM's default")
-    for name, (default, kind, tuning) in VLLM_ONLY_OPTIONS.items():
-        refused = "a feature specserve lacks" + ("" if default is None else f": only {default!r}")
-        _add_flag(group, name, kind, f"ignored: {tuning}" if tuning else refused)
-    return parser
-
-
-def _add_flag(group: argparse._ArgumentGroup, name: str, kind: str, help_text: str) -> None:
-    kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
-    if kind == "b":
-        kwargs["action"] = argparse.BooleanOptionalAction
-    else:
-        kwargs.update(type={"i": int, "f": float, "t": _tokens, "j": _json_object}.get(kind, str),
-                      nargs="+" if kind == "l" else None)
-    group.add_argument(_flag(name), *SHORT_FLAGS.get(name, ()), **kwargs)
-
-
-def _flag(name: str) -> str:
+def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
 _TOKEN_UNITS = {"": 1, "k": 10**3, "m": 10**6, "K": 2**10, "M": 2**20}
 
 
-def _tokens(text: str) -> int:
+def token_count(text: str) -> int:
     """A token count as vLLM reads one: 8192, or 32k (32000), 32K (32768), 1.5k."""
     match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmKM]?)", text.strip())
     count = float(match.group(1)) * _TOKEN_UNITS[match.group(2)] if match else None
@@ -329,7 +296,7 @@ def _tokens(text: str) -> int:
     return int(count)
 
 
-def _json_object(text: str) -> dict[str, Any]:
+def json_object(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as error:

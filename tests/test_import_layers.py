@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "specserve")
 
 # top-level modules a user runs; they may import anything
-ENTRY_MODULES = {"specserve", "specserve.cli", "specserve.launch_server", "specserve.generate",
+ENTRY_MODULES = {"specserve", "specserve.cli", "specserve.launch_server", "specserve.vllm_serve", "specserve.generate",
                  "specserve.bench_serving", "specserve.bench_offline", "specserve.train_eagle",
                  "specserve.build_token_map"}
 # folders above the engine or the engine itself: a lower floor imports none of them

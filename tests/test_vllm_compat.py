@@ -12,7 +12,7 @@ import pytest
 from specserve import sglang_compat, vllm_compat
 from specserve.args import ServerArgs
 from specserve.cli import run_cli
-from specserve.vllm_serve import main as vllm_serve_main
+from specserve.vllm_serve import main as vllm_serve_main, server_args
 
 from server_process import free_port, start_server_module, stop_server
 from lab.server_overhead import wait_healthy
@@ -28,7 +28,7 @@ def fresh_warnings(monkeypatch):
 
 
 def test_a_realistic_vllm_command_line_becomes_the_server_args_it_means():
-    args = vllm_compat.server_args([
+    args = server_args([
         "Qwen/Qwen2.5-Coder-1.5B-Instruct", "--host", "0.0.0.0", "--served-model-name", "coder",
         "--dtype", "bfloat16", "--max-model-len", "8192", "--gpu-memory-utilization", "0.9", "--max-num-seqs", "256",
         "--max-num-batched-tokens", "4096", "--no-enable-prefix-caching", "--enforce-eager", "-tp", "2",
@@ -46,31 +46,31 @@ def test_a_realistic_vllm_command_line_becomes_the_server_args_it_means():
 
 
 def test_model_drafters_from_the_speculative_config():
-    eagle3 = vllm_compat.server_args(["m", *spec(method="eagle3", model="/heads/eagle3", num_speculative_tokens=3)])
+    eagle3 = server_args(["m", *spec(method="eagle3", model="/heads/eagle3", num_speculative_tokens=3)])
     assert (eagle3.speculative_algorithm, eagle3.speculative_draft_model_path) == ("EAGLE3", "/heads/eagle3")
     assert eagle3.speculative_num_steps == 3 and eagle3.speculative_verify_size == 4   # a chain of 3 and its root
-    assert vllm_compat.server_args([*spec(model="/d/small", num_speculative_tokens=4)]).speculative_algorithm == "STANDALONE"
-    assert vllm_compat.server_args([*spec(model="yuhuili/EAGLE-LLaMA3-Instruct-8B")]).speculative_algorithm == "EAGLE"
+    assert server_args([*spec(model="/d/small", num_speculative_tokens=4)]).speculative_algorithm == "STANDALONE"
+    assert server_args([*spec(model="yuhuili/EAGLE-LLaMA3-Instruct-8B")]).speculative_algorithm == "EAGLE"
     for method in ("mtp", "qwen3_next_mtp"):
-        mtp = vllm_compat.server_args([*spec(method=method, model="/nextn", num_speculative_tokens=1)])
+        mtp = server_args([*spec(method=method, model="/nextn", num_speculative_tokens=1)])
         assert (mtp.speculative_algorithm, mtp.speculative_steps) == ("MTP", 1)
 
 
 def test_defaults_are_specserves_but_for_vllms_port():
-    args = vllm_compat.server_args([])
+    args = server_args([])
     assert args.port == vllm_compat.VLLM_PORT == 8000
     assert args.replace(port=30000) == ServerArgs()
 
 
 def test_flags_that_meet_and_vllms_token_counts():
     # vllm serve's positional MODEL wins over --model, as in vLLM
-    assert vllm_compat.server_args(["--model", "a", "b"]).model_path == "b"
-    assert vllm_compat.server_args(["--model", "a"]).model_path == "a"
+    assert server_args(["--model", "a", "b"]).model_path == "b"
+    assert server_args(["--model", "a"]).model_path == "a"
     # with chunking off, --max-num-batched-tokens only has to hold a prompt: unchunked prefill
-    off = vllm_compat.server_args(["--max-num-batched-tokens", "32K", "--no-enable-chunked-prefill"])
+    off = server_args(["--max-num-batched-tokens", "32K", "--no-enable-chunked-prefill"])
     assert off.chunked_prefill_size == -1
-    assert vllm_compat.server_args(["--max-model-len", "32k"]).context_length == 32000   # vLLM's k and K
-    assert vllm_compat.server_args(["--max-model-len", "32K"]).context_length == 32768
+    assert server_args(["--max-model-len", "32k"]).context_length == 32000   # vLLM's k and K
+    assert server_args(["--max-model-len", "32K"]).context_length == 32768
 
 
 def test_tuning_flags_are_accepted_with_one_warning_each(caplog):
@@ -79,7 +79,7 @@ def test_tuning_flags_are_accepted_with_one_warning_each(caplog):
             "hermes", "--served-model-name", "a", "b", *spec(method="ngram", disable_by_batch_size=4)]
     with caplog.at_level(logging.WARNING, logger="specserve"):
         for _ in range(2):
-            vllm_compat.server_args(line)
+            server_args(line)
     messages = [r.getMessage() for r in caplog.records]
     ignored = sorted(m.split("=")[0] for m in messages if m.startswith("ignoring vLLM's"))
     # at vLLM's default (fcfs, auto) or asking for what specserve does anyway (logs no requests,
@@ -125,7 +125,7 @@ def test_a_mistake_is_one_line_before_anything_loads(capfd, case):
 
 def test_refused_features_are_accepted_at_vllms_default(caplog):
     with caplog.at_level(logging.WARNING, logger="specserve"):
-        vllm_compat.server_args(["--no-enable-lora", "-pp", "1", "--kv-cache-dtype", "auto", "--max-lora-rank", "16",
+        server_args(["--no-enable-lora", "-pp", "1", "--kv-cache-dtype", "auto", "--max-lora-rank", "16",
                                  *spec(method="ngram", rejection_sample_method="standard", draft_tensor_parallel_size=1)])
     assert not caplog.records
 
