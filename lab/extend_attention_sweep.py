@@ -13,6 +13,8 @@ product's plan picks up to (depth + chunk) / (4 x chunk) for a chunk (KEYS_PER_N
 The question it answers: how far the kernel is from a FlashAttention-class one at 8k-32k
 prompts, and which configuration closes it (issue 59: time to first token at 8k and 32k).
 
+`fa3` is sgl_kernel's FlashAttention-3 over the pool's slots through a page table, as the fa3
+backend calls it (where the optional sglang-kernel package loads).
 `split-flash` and `split-cudnn` attend the prefix with no mask and the chunk causally, two
 calls merged by their log-sum-exps (specserve/attention/prefix_split.py says why); cuDNN gets
 K/V with every query head's copy, made in the timed launch. `split-math` is the same on a CPU,
@@ -139,11 +141,38 @@ class Case:
             self.out.copy_(attend_in_two(q, k, v, self.scale, kernel)[0].transpose(0, 1))
         return launch
 
+    def fa3(self):
+        """sgl_kernel's FA3 as attention/fa3_backend.py calls it: pages of one token."""
+        from specserve.attention.fa3_backend import load_kernel
+        kernel, why = load_kernel(self.q.dtype)
+        if kernel is None:
+            raise RuntimeError(why)
+        total = self.depth + self.chunk
+        lens = dict(page_table=self.req_to_token, cache_seqlens=torch.tensor([total], dtype=torch.int32,
+                                                                             device=self.q.device),
+                    cu_seqlens_q=self.qo_indptr, max_seqlen_q=self.chunk)
+
+        def launch():
+            self.out.copy_(kernel(self.q, self.k.unsqueeze(1), self.v.unsqueeze(1), softmax_scale=self.scale,
+                                  causal=True, **lens))
+        return launch
+
     def reference(self) -> torch.Tensor:
         from torch.nn.attention import SDPBackend
         with torch.no_grad():
             self.sdpa(SDPBackend.MATH)()
         return self.out.float().clone()
+
+
+def _deferred(make):
+    """A launch whose set-up errors (a kernel that does not load) surface as the row's error."""
+    launch = None
+
+    def run():
+        nonlocal launch
+        launch = launch or make()
+        launch()
+    return run
 
 
 def sweep(ns: argparse.Namespace):
@@ -158,6 +187,8 @@ def sweep(ns: argparse.Namespace):
                    (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)]
         kernels += [(f"split-{how}", case.split(how), {})
                     for how in (("flash", "cudnn") if device.type == "cuda" else ("math",))]
+        if device.type == "cuda":
+            kernels.append(("fa3", _deferred(case.fa3), {}))
         kernels += [("specserve", case.ours(config, splits), dict(config, splits=splits))
                     for config in configs(ns) for splits in ns.splits]
         for name, launch, settings in kernels:

@@ -108,6 +108,7 @@ def main(argv=None) -> None:
         row = {"kind": "prefill_cost", "shape": ns.shape, "length": length,
                "chunked_prefill_size": core.runner.chunk_size,
                "prefill_attention_backend": engine.args.prefill_attention_backend, "prefix_split": ns.prefix_split,
+               "attention": core.runner.attn_backend.name,
                "median_ms": round(medians[-1], 3),
                "min_ms": round(min(times), 3), "forward_median_ms": round(statistics.median(f for _, f in runs), 3),
                "device": torch.cuda.get_device_name() if ns.device == "cuda" else ns.device, "date": time.strftime("%Y-%m-%d")}

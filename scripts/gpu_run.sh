@@ -27,8 +27,9 @@
 #   scripts/gpu_run.sh prefill-cost [SHAPE]         (no models staged, issue 59's long prompts on random weights, qwen2.5-7b
 #                                                   by default: one chunk of a long prompt (2k/8k tokens 0-30k deep) through
 #                                                   torch's SDPA backends, two extend-kernel configurations and the split of
-#                                                   attention/prefix_split.py, then whole 2k/8k/32k prefills on the defaults
-#                                                   and with that split through cuDNN and through flash attention; ~4 min)
+#                                                   attention/prefix_split.py, FA3 (sgl_kernel), then whole 2k/8k/32k prefills on the defaults,
+#                                                   through FA3 (--prefill-attention-backend fa3, where sglang-kernel's wheel
+#                                                   is staged) and with that split through cuDNN; ~4 min)
 #   scripts/gpu_run.sh row-kernels [MODEL]         (the few-row kernels (SPECSERVE_ROW_KERNELS=0 turns them off): their tests on the
 #                                                   GPU, then greedy outputs with and without them; ~2 min with the 1.5B)
 #   scripts/gpu_run.sh standalone [NUM_STEPS...]   (STANDALONE 0.5B -> 1.5B against plain; tests/gpu/test_standalone_cuda.py)
@@ -91,6 +92,12 @@ OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && echo "$wanted" > /tmp/site/.wheels ) 9>/tmp/site.lock || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+# the optional FA3 kernels (--attention-backend fa3: pip's specserve[fa3]), where sglang-kernel's wheel was
+# staged into /root/models (scripts/split_for_device.sh .peers_wheels/sglang/sglang_kernel-*.whl)
+for wheel in /root/models/sglang_kernel-*.whl; do
+  [ -f "$wheel" ] && [ ! -d /tmp/site/sgl_kernel ] && python3 -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --target /tmp/site "$wheel"
+done
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 # .gpu/ (ignored) travels only in the call that carries it and is not kept in the checkout between calls:
 # keep a copy outside it, and bring it back in a later call of the same lease
@@ -153,9 +160,11 @@ if [ "$mode" = prefill-cost ]; then
 for r in rows:
     print(r['chunk'], r['depth'], r['kernel'], r.get('BLOCK_M'), r.get('ms'), r.get('tflops'), r.get('max_err'),
           r.get('error', '')[:80])" "$OUT/extend_attention_sweep.jsonl"
-  for split in none cudnn flash; do   # whole prompts on the defaults, then a chunk's attention in two calls
-    python3 -m lab.prefill_cost --shape "$shape" --lengths 2048 8192 32000 --repeats 3 --profile \
-      $([ $split = none ] || echo --prefix-split $split) --out "$OUT/prefill_cost_$split" 2>&1 | grep '^{' | head -5
+  # whole prompts on the defaults, through FA3 (where sglang-kernel was staged), with a chunk's attention in two calls
+  for variant in default fa3 split-cudnn; do
+    case $variant in default) flags=();; fa3) flags=(--prefill-attention-backend fa3);; *) flags=(--prefix-split cudnn);; esac
+    python3 -m lab.prefill_cost --shape "$shape" --lengths 2048 8192 32000 --repeats 3 --profile "${flags[@]}" \
+      --out "$OUT/prefill_cost_$variant" 2>&1 | grep '^{' | head -5
   done
 fi
 if [ "$mode" = step-cost-ab ]; then

@@ -40,7 +40,7 @@ NGRAM_ADAPTIVE_DRAFT_TOKENS = 16
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp32", "fp16")
 # SGLang's and vLLM's names: the formats the loader reads, and dummy (random weights)
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
-ATTENTION_BACKENDS = ("auto", "torch_native", "triton")
+ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "fa3")
 OPTIONAL_BACKENDS = (None,) + ATTENTION_BACKENDS   # --prefill- and --decode-attention-backend: unset or one of them
 # what the three attention flags take: ours, and SGLang's names (served as auto: sglang_compat.own_attention_backend)
 ATTENTION_BACKEND_NAMES = ATTENTION_BACKENDS + sglang_compat.SGLANG_ATTENTION_BACKENDS

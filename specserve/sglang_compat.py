@@ -360,7 +360,7 @@ _warned: set[str] = set()
 # kernels: NVIDIA's and Intel AMX's (a CPU). FlashAttention 3/4 and FlashInfer are the usual
 # settings on an H100/H200; a command line that names one keeps working. AMD's (aiter, wave),
 # Ascend's and Intel XPU's name hardware specserve does not run on and stay refused.
-SGLANG_ATTENTION_BACKENDS = ("flex_attention", "fa3", "fa4", "flashinfer", "trtllm_mha", "dual_chunk_flash_attn",
+SGLANG_ATTENTION_BACKENDS = ("flex_attention", "fa4", "flashinfer", "trtllm_mha", "dual_chunk_flash_attn",
                              "hpc_ops", "cutlass_mla", "flashmla", "trtllm_mla", "cutedsl_mla", "tokenspeed_mla",
                              "dsa", "nsa", "dsv4", "compressed", "intel_amx")
 

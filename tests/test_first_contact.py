@@ -172,16 +172,18 @@ def test_tuning_options_of_sglang_are_accepted_with_one_warning(caplog, monkeypa
 
 
 def test_sglang_attention_backends_serve_with_our_kernels(caplog, monkeypatch):
-    """--attention-backend fa3 / flashinfer (SGLang's usual settings on an H100) serve as auto
-    with one warning; AMD's backend stays refused, naming the field."""
+    """--attention-backend fa4 / flashinfer (SGLang's usual settings on an H100 and a B200) serve
+    as auto with one warning (fa3 is ours: tests/test_fa3_backend.py); AMD's backend stays
+    refused, naming the field."""
     monkeypatch.setattr(sglang_compat, "_warned", set())
     parser = ArgumentParser()
     ServerArgs.add_cli_args(parser)
     with caplog.at_level(logging.WARNING, logger="specserve"):
-        for value in ("fa3", "flashinfer"):
+        for value in ("fa4", "flashinfer"):
             assert ServerArgs.from_cli_args(parser.parse_args(["--attention-backend", value])).attention_backend == "auto"
         assert ServerArgs(attention_backend="triton").attention_backend == "triton"
-    assert len(caplog.records) == 1 and "fa3" in caplog.records[0].getMessage()
+    assert len(caplog.records) == 1 and "fa4" in caplog.records[0].getMessage()
+    assert ServerArgs(attention_backend="fa3").attention_backend == "fa3"
     with pytest.raises(errors.ArgumentError, match="attention_backend"):
         ServerArgs(attention_backend="aiter")
 

@@ -53,7 +53,7 @@ def test_one_backend_for_both_is_no_hybrid():
 
 
 def test_sglang_names_for_the_two_serve_as_auto():
-    args = ServerArgs(prefill_attention_backend="fa3", decode_attention_backend="flashinfer")
+    args = ServerArgs(prefill_attention_backend="fa4", decode_attention_backend="flashinfer")
     assert (args.prefill_attention_backend, args.decode_attention_backend) == ("auto", "auto")
 
 

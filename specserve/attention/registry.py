@@ -4,9 +4,17 @@ The registry lives apart from base.py: the backends import the interface from ba
 so base.py must not import them back."""
 from __future__ import annotations
 
+import logging
+
+import torch
+
 from specserve.attention.base import AttentionBackend
 
-BACKEND_NAMES = ("torch_native", "triton")
+logger = logging.getLogger(__name__)
+
+BACKEND_NAMES = ("torch_native", "triton", "fa3")
+# backends that attend prompts alone: decode and verify steps, and CUDA graphs, go to triton
+PROMPTS_ONLY = ("fa3",)
 
 
 def backend_name(name: str, device_type: str) -> str:
@@ -25,11 +33,15 @@ LONE_PROMPT_BACKEND = "torch_native"
 
 
 def create_target_backend(attention: str, prefill: str | None, decode: str | None, device_type: str,
-                          num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
+                          num_heads: int, num_kv_heads: int, head_dim: int,
+                          dtype: torch.dtype = torch.bfloat16) -> AttentionBackend:
     """The target model's backend from the three attention flags (None: not given): one, or a
     HybridBackend where prompts take another than decode and verify steps."""
+    attention, prefill, decode = (loadable(name, device_type, dtype) for name in (attention, prefill, decode))
     main = backend_name(attention, device_type)
     decode_name = backend_name(decode or main, device_type)
+    if decode_name in PROMPTS_ONLY:
+        decode_name = "triton"
     decoding = create_attention_backend(decode_name, num_heads, num_kv_heads, head_dim)
     lone_prompts = device_type == "cuda" and attention == "auto" and prefill in (None, "auto") \
         and decode_name == "triton"
@@ -41,6 +53,18 @@ def create_target_backend(attention: str, prefill: str | None, decode: str | Non
                          lone_prompts=lone_prompts)
 
 
+def loadable(name: str | None, device_type: str, dtype: torch.dtype) -> str | None:
+    """The flag's value, or auto (with a warning) where it names fa3 and FA3 does not run here."""
+    if name != "fa3":
+        return name
+    from specserve.attention.fa3_backend import load_kernel
+    kernel, why = load_kernel(dtype) if device_type == "cuda" else (None, "FA3 needs a CUDA GPU")
+    if kernel is None:
+        logger.warning("attention backend fa3 serves as auto: %s", why)
+        return "auto"
+    return name
+
+
 def create_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
     if name == "torch_native":
         from specserve.attention.torch_native import TorchNativeBackend
@@ -48,4 +72,7 @@ def create_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_
     if name == "triton":
         from specserve.attention.triton_backend import TritonBackend
         return TritonBackend(num_heads, num_kv_heads, head_dim)
+    if name == "fa3":
+        from specserve.attention.fa3_backend import FA3Backend
+        return FA3Backend(num_heads, num_kv_heads, head_dim)
     raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {name!r}")

@@ -92,7 +92,7 @@ class ModelRunner:
                            self.max_running_requests + 1, context_length, dtype, device)
         self.attn_backend = create_target_backend(args.attention_backend, args.prefill_attention_backend,
                                                   args.decode_attention_backend, device.type, shard.num_heads,
-                                                  shard.num_kv_heads, config.head_dim)
+                                                  shard.num_kv_heads, config.head_dim, dtype)
         logger.info("KV cache: %d tokens (max_total_num_tokens; %.2f GiB, %s), attention backend %s",
                     self.pool.size, self._kv_bytes() / 1024 ** 3, self._kv_sized_by(), self.attn_backend.name)
         self.graphs = self._capture_graphs()
