@@ -29,7 +29,8 @@
 #                                                   torch's SDPA backends, two extend-kernel configurations and the split of
 #                                                   attention/prefix_split.py, FA3 (sgl_kernel), then whole 2k/8k/32k prefills on the defaults,
 #                                                   through FA3 (--prefill-attention-backend fa3, where sglang-kernel's wheel
-#                                                   is staged) and with that split through cuDNN; ~4 min)
+#                                                   is staged) and with that split through cuDNN; between them decode
+#                                                   attention, Triton's against FA3's (lab/decode_attention_sweep.py); ~5 min)
 #   scripts/gpu_run.sh row-kernels [MODEL]         (the few-row kernels (SPECSERVE_ROW_KERNELS=0 turns them off): their tests on the
 #                                                   GPU, then greedy outputs with and without them; ~2 min with the 1.5B)
 #   scripts/gpu_run.sh standalone [NUM_STEPS...]   (STANDALONE 0.5B -> 1.5B against plain; tests/gpu/test_standalone_cuda.py)
@@ -160,6 +161,7 @@ if [ "$mode" = prefill-cost ]; then
 for r in rows:
     print(r['chunk'], r['depth'], r['kernel'], r.get('BLOCK_M'), r.get('ms'), r.get('tflops'), r.get('max_err'),
           r.get('error', '')[:80])" "$OUT/extend_attention_sweep.jsonl"
+  python3 -m lab.decode_attention_sweep --shape "$shape" | tee "$OUT/decode_attention_sweep.jsonl"
   # whole prompts on the defaults, through FA3 (where sglang-kernel was staged), with a chunk's attention in two calls
   for variant in default fa3 split-cudnn; do
     case $variant in default) flags=();; fa3) flags=(--prefill-attention-backend fa3);; *) flags=(--prefix-split cudnn);; esac
