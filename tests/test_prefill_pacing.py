@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import statistics
+import time
 
 import pytest
 import torch
@@ -112,8 +113,9 @@ def _run(scheduler: Scheduler, batch: Batch) -> None:
     samples = batch.samples if batch.is_extend else [True] * batch.size
     for req, length, sample in zip(batch.reqs, lens, samples):
         scheduler.append_kv([req], [scheduler.alloc_slots(length)], write_table=False)
-        if sample:
+        if sample:   # as the committer does: a stream's first token is timed
             req.output_ids.append(7)
+            req.first_token_time = req.first_token_time or time.perf_counter()
 
 
 def _decoding_scheduler(mixed: bool) -> tuple[Scheduler, list[Req], Req]:
@@ -129,6 +131,32 @@ def _decoding_scheduler(mixed: bool) -> tuple[Scheduler, list[Req], Req]:
     long_prompt = _req("long", 4000)
     scheduler.add(long_prompt)
     return scheduler, streams, long_prompt
+
+
+def test_a_prompt_of_the_same_burst_is_not_paced_for_streams_that_started_after_it_arrived():
+    """Requests arriving together: the first ones stream, the pacer's costs are known, but the
+    prompt that arrived with them takes whole chunks (prefill first, as in SGLang), and is
+    paced only for a stream whose first token came before it arrived."""
+    scheduler, streams, long_prompt = _decoding_scheduler(mixed=False)
+    long_prompt.arrival_time = min(r.arrival_time for r in streams)   # arrived with them, queued behind
+    _run(scheduler, scheduler.schedule())   # the streams' turn: steps still alternate
+    batch = scheduler.schedule()
+    assert batch.is_extend and batch.reqs == [long_prompt] and batch.extend_lens == [2048]
+    _run(scheduler, batch)
+    _run(scheduler, scheduler.schedule())
+    latecomer = _req("late", 1500)   # arrives now, while the streams run: paced for their sake
+    scheduler.add(latecomer)
+    while long_prompt.kv_len < 4000:   # the burst's prompt unpaced, sharing its steps with the latecomer
+        batch = scheduler.schedule()
+        assert not batch.is_extend or sum(batch.extend_lens) >= 1024   # not the pacer's 30
+        _run(scheduler, batch)
+    kinds = []
+    while latecomer.kv_len < 1499:
+        batch = scheduler.schedule()
+        kinds.append("prefill" if batch.is_extend else "decode")
+        assert not batch.is_extend or batch.reqs == [latecomer] and batch.extend_lens[0] <= 30
+        _run(scheduler, batch)
+    assert kinds.count("decode") >= kinds.count("prefill") - 1
 
 
 def test_prefill_chunks_alternate_with_decode_steps():
