@@ -98,6 +98,21 @@ def test_fa3_takes_every_prompt_step_and_triton_the_rest(monkeypatch):
         assert batch.planned_by is part
 
 
+def test_auto_on_a_gpu_takes_fa3_for_prompts_where_it_loads(monkeypatch):
+    """auto on a GPU with sgl_kernel's FA3 loading: every prompt step to FA3, the rest to
+    triton; not for a float32 model, which FA3 does not take, and not with a backend named."""
+    monkeypatch.setattr(fa3_backend, "load_kernel",
+                        lambda dtype=torch.bfloat16: (paged_kernel, "") if dtype != torch.float32 else (None, "fp32"))
+    heads = (8, 2, 64)
+    backend = registry.create_target_backend("auto", None, None, "cuda", *heads)
+    assert isinstance(backend.prefill, FA3Backend) and not backend.lone_prompts
+    in_float32 = registry.create_target_backend("auto", None, None, "cuda", *heads, dtype=torch.float32)
+    assert isinstance(in_float32.prefill, TorchNativeBackend) and in_float32.lone_prompts
+    assert isinstance(registry.create_target_backend("triton", None, None, "cuda", *heads), TritonBackend)
+    assert isinstance(registry.create_target_backend("auto", "torch_native", None, "cuda", *heads).prefill,
+                      TorchNativeBackend)
+
+
 def test_fa3_where_it_does_not_run_serves_as_auto(monkeypatch, caplog):
     monkeypatch.setattr(fa3_backend, "load_kernel", lambda dtype=torch.bfloat16: (None, "sgl_kernel's FA3 does not load"))
     with caplog.at_level(logging.WARNING):

@@ -24,11 +24,13 @@ def backend_name(name: str, device_type: str) -> str:
     return "triton" if device_type == "cuda" else "torch_native"
 
 
-# On a GPU, auto sends a prompt or chunk alone in its step here: torch's SDPA (FlashAttention-2)
-# took 0.79-0.93x the Triton extend kernel's time at every chunk (2k, 8k tokens) and depth (0-30k)
-# measured, and a whole 32k-token prompt 1314 against 1494 ms (H200, bf16, Qwen2.5-7B heads,
-# docs/bench/h200_2026-12-05). Steps of several prompts stay on the Triton kernel: torch_native
-# would attend them one SDPA call a prompt.
+# On a GPU, auto sends every prompt step to FA3 where it loads (sgl_kernel, a half-precision
+# model): it took 0.45-0.67x flash attention's time at every chunk (2k, 8k tokens) and depth (0-30k)
+# measured, and a whole 32k-token prompt 1069 against 1308 ms (H200, bf16, Qwen2.5-7B heads,
+# docs/bench/h200_2026-12-05b). Without it, a prompt or chunk alone in its step goes here: torch's
+# SDPA (FlashAttention-2) took 0.79-0.93x the Triton extend kernel's time, a 32k-token prompt 1314
+# against 1494 ms (docs/bench/h200_2026-12-05). Steps of several prompts then stay on the Triton
+# kernel: torch_native would attend them one SDPA call a prompt.
 LONE_PROMPT_BACKEND = "torch_native"
 
 
@@ -43,9 +45,11 @@ def create_target_backend(attention: str, prefill: str | None, decode: str | Non
     if decode_name in PROMPTS_ONLY:
         decode_name = "triton"
     decoding = create_attention_backend(decode_name, num_heads, num_kv_heads, head_dim)
-    lone_prompts = device_type == "cuda" and attention == "auto" and prefill in (None, "auto") \
+    auto_prompts = device_type == "cuda" and attention == "auto" and prefill in (None, "auto") \
         and decode_name == "triton"
-    prefill_name = LONE_PROMPT_BACKEND if lone_prompts else backend_name(prefill or main, device_type)
+    fa3 = auto_prompts and _fa3_loads(dtype)
+    lone_prompts = auto_prompts and not fa3
+    prefill_name = "fa3" if fa3 else LONE_PROMPT_BACKEND if lone_prompts else backend_name(prefill or main, device_type)
     if prefill_name == decode_name:
         return decoding
     from specserve.attention.hybrid import HybridBackend
@@ -63,6 +67,11 @@ def loadable(name: str | None, device_type: str, dtype: torch.dtype) -> str | No
         logger.warning("attention backend fa3 serves as auto: %s", why)
         return "auto"
     return name
+
+
+def _fa3_loads(dtype: torch.dtype) -> bool:
+    from specserve.attention.fa3_backend import load_kernel
+    return load_kernel(dtype)[0] is not None
 
 
 def create_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
