@@ -47,7 +47,7 @@ def create_target_backend(attention: str, prefill: str | None, decode: str | Non
     decoding = create_attention_backend(decode_name, num_heads, num_kv_heads, head_dim)
     auto_prompts = device_type == "cuda" and attention == "auto" and prefill in (None, "auto") \
         and decode_name == "triton"
-    fa3 = auto_prompts and _fa3_loads(dtype)
+    fa3 = auto_prompts and not why_no_fa3(device_type, dtype)
     lone_prompts = auto_prompts and not fa3
     prefill_name = "fa3" if fa3 else LONE_PROMPT_BACKEND if lone_prompts else backend_name(prefill or main, device_type)
     if prefill_name == decode_name:
@@ -59,19 +59,19 @@ def create_target_backend(attention: str, prefill: str | None, decode: str | Non
 
 def loadable(name: str | None, device_type: str, dtype: torch.dtype) -> str | None:
     """The flag's value, or auto (with a warning) where it names fa3 and FA3 does not run here."""
-    if name != "fa3":
-        return name
-    from specserve.attention.fa3_backend import load_kernel
-    kernel, why = load_kernel(dtype) if device_type == "cuda" else (None, "FA3 needs a CUDA GPU")
-    if kernel is None:
+    why = why_no_fa3(device_type, dtype) if name == "fa3" else ""
+    if why:
         logger.warning("attention backend fa3 serves as auto: %s", why)
         return "auto"
     return name
 
 
-def _fa3_loads(dtype: torch.dtype) -> bool:
+def why_no_fa3(device_type: str, dtype: torch.dtype) -> str:
+    """"" where FA3 runs for a model in `dtype` on this device, else why not."""
+    if device_type != "cuda":
+        return "FA3 needs a CUDA GPU"
     from specserve.attention.fa3_backend import load_kernel
-    return load_kernel(dtype)[0] is not None
+    return load_kernel(dtype)[1]
 
 
 def create_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
