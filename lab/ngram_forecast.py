@@ -31,7 +31,10 @@ from lab.draft_step_workloads import code_edit_streams
 from lab.plain_step_host import sharegpt_streams
 from specserve.args import ServerArgs
 from specserve.speculative.ngram.drafter import NgramDrafter
+from specserve.runner.forecast_step import NO_ENTRY
+from specserve.speculative.ngram.forecast import forecast_table
 from specserve.speculative.ngram.trie import NgramTrie
+from specserve.verify.tree import TreeProposal
 
 
 @dataclass
@@ -75,20 +78,21 @@ def chain(trie: NgramTrie, context: list[int], draft_tokens: int, owner: int) ->
 def forecast(trie: NgramTrie, context: list[int], drafts: list[int], draft_tokens: int, candidates: int,
              owner: int, replay: Replay) -> dict[tuple[int, int], list[int]]:
     """(accept length, first token) -> the drafts after that token, for every accept length of
-    the chain `drafts` and the trie's `candidates` likeliest first tokens there."""
+    the chain `drafts` and the candidates the engine's forecast (speculative/ngram/forecast.py)
+    gives there."""
     start = time.perf_counter()
-    table = {}
+    chain_tree = TreeProposal.from_lists([([context[-1]] + drafts, list(range(-1, len(drafts))))])
+    table = forecast_table(trie, [context[-16:]], [owner], chain_tree, draft_tokens + 1, candidates, True, 6)
+    replay.forecast_calls += 2
+    forecasts = {}
+    n = draft_tokens + 1
     for a in range(len(drafts) + 1):
-        after = context + drafts[:a]
-        tokens, parents = trie.propose(after, candidates + 2, one_branch=False, owner=owner)
-        replay.forecast_calls += 1
-        firsts = [t for t, p in zip(tokens, parents) if p == -1 and (a == len(drafts) or t != drafts[a])]
-        for token in firsts[:candidates]:
-            table[a, token] = chain(trie, after + [token], draft_tokens, owner)
-            replay.forecast_calls += 1
-    replay.forecast_rows += len(table)
+        for entry in table[0, a]:
+            if entry[0] != NO_ENTRY:
+                forecasts[a, int(entry[0])] = entry[1:int(entry[2 * n - 1])].tolist()
+    replay.forecast_rows += len(forecasts)
     replay.forecast_s.append(time.perf_counter() - start)
-    return table
+    return forecasts
 
 
 def replay(prompts, answers, draft_tokens: int, candidates: int, ahead: bool, costs: StepCosts) -> Replay:

@@ -16,6 +16,10 @@ microseconds per step by phase (lab/host_phases.py: the schedule, the launch, th
 and the wait for the GPU in it, the commit): where the host time a verify step does not
 hide goes (H200, random 1.5B, batch 1: 0.2-0.45 ms a step, session 24).
 
+`--forecast` adds, for NGRAM, each verify size's steps launched before the step before them is
+read, their drafts picked on the device from a forecast table (runner/forecast_step.py): the
+host time such a step leaves unhidden, against the verify row's.
+
 `--algorithm EAGLE3 --num-steps K` adds the fused EAGLE-3 step (speculative/model_drafters/fused_step.py: the
 target's verify of K + 1 chain nodes with three layers' states kept, verification, commit,
 the head's K + 1 fed rows and K - 1 draft steps, one graph) with a random head sized as a
@@ -44,7 +48,8 @@ from lab.decode_profile import events_time_us, kernel_times
 from lab.random_head import write_random_eagle3_head
 from specserve.attention.triton_backend import TritonBackend
 from specserve.bench.random_model import SHAPES, write_model_config
-from specserve.speculative.drafter import Drafter
+from specserve.runner.forecast_step import empty_table, set_entry
+from specserve.speculative.drafter import Drafter, ForecastSteps
 from specserve.verify.tree import TreeProposal
 
 class ChainDrafter(Drafter):
@@ -64,15 +69,40 @@ class ChainDrafter(Drafter):
         return TreeProposal(tokens, parents, np.asarray(counts, dtype=np.int64)), counts
 
 
+class ForecastChainDrafter(ChainDrafter, ForecastSteps):
+    """ChainDrafter whose next step is launched before this one is read (runner/forecast_step.py):
+    a full table, `candidates` random bonus tokens a node each with a full chain. Random weights
+    make the target's token none of them, so every step verifies its root alone, in a forward
+    of the chain's size: the cost of a forecast step (and the host's table, sent each step)."""
+
+    def __init__(self, size: int, candidates: int = 2, seed: int = 0):
+        super().__init__(size, seed)
+        self.candidates = candidates
+
+    def forecasts(self, batch_size):
+        return True
+
+    def forecast(self, reqs, proposal, nodes):
+        table = empty_table(len(reqs), proposal.num_slots, self.candidates, nodes)
+        for b in range(len(reqs)):
+            for j in range(proposal.num_slots):
+                for c in range(self.candidates):
+                    drafts = self.rng.integers(10, 4000, size=nodes - 1).tolist()
+                    set_entry(table, b, j, c, int(self.rng.integers(10, 4000)), drafts, list(range(nodes - 1)), 0)
+        return table
+
+
 # a step's graph of a batch bucket, or None where the step runs eagerly (CPU, no graphs)
 GraphOf = Callable[[int], "torch.cuda.CUDAGraph | None"]
 
 
 def use_step(engine, step: str, size: int, fused_drafter: Drafter | None = None) -> GraphOf:
-    """Sets the core up for `step` ("plain", "verify" of `size` nodes, or "fused": the
-    engine's fused EAGLE drafter, `size` = K + 1); the engine is idle then."""
+    """Sets the core up for `step` ("plain", "verify" of `size` nodes, "forecast": verify
+    steps launched before the step before is read, or "fused": the engine's fused EAGLE
+    drafter, `size` = K + 1); the engine is idle then."""
     core = engine.core
-    drafter = {"plain": None, "verify": ChainDrafter(size), "fused": fused_drafter}[step]
+    drafter = {"plain": None, "verify": ChainDrafter(size), "forecast": ForecastChainDrafter(size),
+               "fused": fused_drafter}[step]
     core.drafter, core.adaptive = drafter, None
     core.num_draft_tokens = size if drafter is not None else 1
     core.stats.speculative = drafter is not None
@@ -209,6 +239,8 @@ def engine_rows(ns, shape: str, path: str, algorithm: str, sizes: list[int], wri
     engine.shutdown()  # the step loop is driven from this thread
     fused_drafter = engine.core.drafter if algorithm == "EAGLE3" else None
     plan = [("plain" if size == 1 else "verify", size) for size in sorted(sizes)]
+    if algorithm == "NGRAM" and ns.forecast:
+        plan += [("forecast", size) for size in sorted(sizes) if size > 1]
     if fused_drafter is not None:
         plan.append(("fused", ns.num_steps + 1))
     device = torch.cuda.get_device_name() if engine.core.runner.device.type == "cuda" else "cpu"
@@ -242,6 +274,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--warm-steps", type=int, default=10, help="untimed steps after the prefill")
     parser.add_argument("--prompt-len", type=int, default=300)
+    parser.add_argument("--forecast", action="store_true",
+                        help="NGRAM: also verify steps launched before the step before is read (forecast drafts)")
     parser.add_argument("--kernels", type=int, default=0, help="also list the N slowest kernels of each step's graph")
     parser.add_argument("--device", default="cuda", help="cuda (graph times) or cpu (wall times only: smoke runs)")
     parser.add_argument("--model-dir", default="/tmp", help="where the random model (and head) are written")

@@ -54,6 +54,14 @@ def test_outputs_equal_plain_and_steps_are_taken_from_ahead(engine_factory, plai
     engine = ahead_on(engine_factory(max_total_tokens=4096, **ngram_args(8, adaptive=adaptive)))
     if adaptive:
         price_steps(engine, 0.010, 0.001)   # a plain step 10 ms, 1 ms more per verified node
+    assert_plain_answers(engine, plain_answers)
+    assert engine.core.draft_ahead.steps_taken > 10
+    wait_until_all_kv_is_free(engine)
+
+
+def assert_plain_answers(engine, plain_answers) -> None:
+    """The engine answers requests() and the code prompt alone as plain decoding did, and
+    drafts the latter well."""
     prompts, params = requests()
     expected, expected_solo = plain_answers
     got = engine.generate(prompts, params)
@@ -63,8 +71,6 @@ def test_outputs_equal_plain_and_steps_are_taken_from_ahead(engine_factory, plai
     solo = engine.generate(CODE_PROMPT, dict(GREEDY, max_new_tokens=80))   # batch 1 all the way
     assert solo["output_ids"] == expected_solo["output_ids"]
     assert solo["meta_info"]["spec_accept_length"] > 2
-    assert engine.core.draft_ahead.steps_taken > 10
-    wait_until_all_kv_is_free(engine)
 
 
 def test_only_drafting_steps_launched_ahead_price_their_tier_steadily(engine_factory, plain_answers):

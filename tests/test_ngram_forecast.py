@@ -1,31 +1,144 @@
-"""The lab's replay of NGRAM drafts forecast before a step's outcome is read (lab/ngram_forecast.py):
-on an answer that repeats its prompt both ways draft nearly every token, and the forecast
-finds its row; on an answer the trie has never seen neither drafts, so every step is plain."""
+"""NGRAM steps launched before the step before them is read, their drafts picked on the device
+from the trie's forecast (runner/forecast_step.py, speculative/ngram/forecast.py,
+engine/draft_ahead.py's ForecastStep). The device's pick and the host's agree; an entry's
+tree is the one the trie proposes after that outcome; and an engine that forecasts (CPU,
+drafting steps launched ahead forced on) gives plain decoding's outputs, the very trees a
+proposal after the read would verify where the forecast hit, and every KV slot back."""
 from __future__ import annotations
 
-from lab.ngram_forecast import StepCosts, accepted, replay
+import numpy as np
+import pytest
+import torch
 
-COSTS = StepCosts(plain_ms=1.0, verify_ms=1.2, host_ms=0.3)
+from specserve.args import ArgumentError, NotSupportedError, ServerArgs
+from specserve.engine.draft_ahead import ForecastStep
+from specserve.kv.pool import PADDING_SLOT
+from specserve.runner.forecast_step import NO_ENTRY, empty_table, pick, select_on_device, set_entry
+from specserve.runner.tree_step import TreeStepInputs
+from specserve.speculative.ngram.config import NgramConfig
+from specserve.speculative.ngram.forecast import forecast_table
+from specserve.speculative.ngram.trie import NgramTrie
+from specserve.verify.tree import TreeProposal
 
-
-def test_a_repeated_answer_is_drafted_both_ways_and_forecast_ahead():
-    text = [(7 * i) % 50 + 10 for i in range(120)]
-    after = replay([text], [text[:100]], 4, 2, False, COSTS)
-    ahead = replay([text], [text[:100]], 4, 2, True, COSTS)
-    assert after.tokens == ahead.tokens == 100
-    assert after.tokens / after.steps > 4 and ahead.tokens / ahead.steps > 4
-    assert ahead.forecast_hits > 0.8 * ahead.steps and after.forecast_calls == 0
-    assert ahead.modelled_ms < after.modelled_ms   # the same steps, without the host time between them
-
-
-def test_an_unseen_answer_is_decoded_on_plain_steps():
-    prompt, answer = list(range(10, 40)), list(range(100, 130))
-    for ahead in (False, True):
-        result = replay([prompt], [answer], 4, 2, ahead, COSTS)
-        assert result.steps == result.tokens == 30 and result.drafted == 0
-        assert result.modelled_ms == 30 * COSTS.plain_ms
+from tests.spec_fixtures import ngram_args, price_steps
+from tests.test_draft_ahead import ahead_on, assert_plain_answers, plain, plain_answers  # noqa: F401 (fixtures)
+from tests.test_kv_accounting import wait_until_all_kv_is_free
 
 
-def test_a_chain_is_accepted_up_to_its_first_wrong_draft():
-    assert accepted([5, 6, 9], [5, 6, 7, 8], 0) == 2
-    assert accepted([7, 8, 9], [5, 6, 7, 8], 2) == 2
+def _outcome(accept_lens, accepted, committed) -> np.ndarray:
+    """commit_path's (bs, 1 + 2m) layout."""
+    return np.concatenate([np.asarray(accept_lens)[:, None], accepted, committed], axis=1)
+
+
+def test_device_and_host_pick_the_same_trees():
+    rng = np.random.default_rng(0)
+    bs, rows, candidates, n, m = 5, 3, 2, 4, 3
+    table = empty_table(bs, rows, candidates, n)
+    for b in range(bs):
+        for j in range(rows):
+            for c in range(candidates):
+                if rng.random() < 0.8:
+                    count = int(rng.integers(0, n))
+                    set_entry(table, b, j, c, int(rng.integers(0, 4)), rng.integers(10, 20, count).tolist(),
+                              list(range(count)), int(rng.integers(0, 6)))
+    accept_lens = rng.integers(1, m + 1, bs)
+    accepted = np.full((bs, m), -1)
+    committed = np.full((bs, m), -1)
+    for b, length in enumerate(accept_lens):
+        accepted[b, :length] = np.sort(rng.choice(m, length, replace=False))
+        accepted[b, 0] = 0
+        committed[b, :length] = rng.integers(0, 4, length)
+    outcome = _outcome(accept_lens, accepted, committed)
+    picked = pick(table, accept_lens, accepted, [row[:k].tolist() for row, k in zip(committed, accept_lens)])
+    assert 0 < picked.hits < bs   # some requests found their entry, some did not
+
+    width = 6   # a graph's buffer may be wider than n
+    inputs = TreeStepInputs.allocate(bs + 2, width, "cpu")
+    inputs.tokens.fill_(0)
+    inputs.parents.fill_(-1)
+    inputs.out_slots.fill_(PADDING_SLOT)
+    inputs.prefix_lens[:bs] = torch.arange(bs) * 100
+    node_slots = torch.arange(bs * n).view(bs, n) + 1000
+    select_on_device(inputs, torch.from_numpy(outcome), torch.from_numpy(table), node_slots)
+    proposal = picked.proposal
+    assert inputs.num_nodes[:bs].tolist() == proposal.num_nodes.tolist()
+    assert inputs.tokens[:bs, :n].tolist() == proposal.tokens.tolist()
+    assert inputs.parents[:bs, :n].tolist() == proposal.parents.tolist()
+    real = np.arange(n) < proposal.num_nodes[:, None]
+    assert inputs.out_slots[:bs, :n].tolist() == np.where(real, node_slots.numpy(), PADDING_SLOT).tolist()
+    assert inputs.prefix_lens[:bs].tolist() == (np.arange(bs) * 100 + accept_lens).tolist()
+    assert inputs.tokens[bs:].eq(0).all() and inputs.tokens[:, n:].eq(0).all()   # padding untouched
+
+
+def test_an_entry_is_the_tree_the_trie_proposes_after_that_outcome():
+    trie = NgramTrie(NgramConfig())
+    text = [1, 2, 3, 4, 5, 1, 2, 3, 7, 8, 1, 2, 9, 1, 2, 3, 4, 6]
+    trie.insert(text, 0)
+    context = [5, 1, 2]
+    # the chain N verifies: root 2, drafts 3 -> 4
+    proposal = TreeProposal.from_lists([([2, 3, 4], [-1, 0, 1])])
+    table = forecast_table(trie, [context], [0], proposal, 4, 2, True, 6)
+    assert table.shape == (1, 3, 2, 9)
+    paths = [[], [3], [3, 4]]
+    children = [{3}, {4}, set()]
+    for j, (path, excluded) in enumerate(zip(paths, children)):
+        after = context + path
+        for c in range(2):
+            entry = table[0, j, c]
+            if entry[0] == NO_ENTRY:
+                continue
+            assert entry[0] not in excluded
+            tokens, parents = trie.propose(after + [int(entry[0])], 4, True, 0)
+            count = int(entry[7])
+            assert count == 1 + len(tokens)
+            assert entry[1:count].tolist() == tokens
+            assert entry[4:3 + count].tolist() == [p + 1 for p in parents]   # propose counts its root as -1
+    # after "5 1 2" with 3 rejected, the trie's other continuation of "1 2" is 9
+    assert 9 in table[0, 0, :, 0].tolist()
+    # after "1 2 3" with 4 rejected: 7
+    assert table[0, 1, 0, 0] == 7
+
+
+def test_the_flag_is_checked():
+    assert ServerArgs(model_path="m", **ngram_args(8, speculative_ngram_forecast=2)).speculative_ngram_forecast == 2
+    with pytest.raises(ArgumentError, match="speculative_ngram_forecast"):
+        ServerArgs(model_path="m", **ngram_args(8, speculative_ngram_forecast=-1))
+    with pytest.raises(NotSupportedError, match="speculative_ngram_forecast"):
+        ServerArgs(model_path="m", speculative_algorithm="EAGLE", speculative_draft_model_path="h",
+                   speculative_ngram_forecast=2)
+
+
+def _count_holds(engine) -> list[tuple[list[int], list[int], list[int]]]:
+    """Records each forecast step held: the picked trees' node counts, and the trees a
+    proposal after the read proposes at that moment (the trie as the forecast saw it), cut
+    to the same size, for the hits."""
+    seen = []
+    hold = ForecastStep.hold
+    drafter = engine.core.drafter
+
+    def recording(self, scheduler, drafter_, before, live, started):
+        step, tree, num_nodes, keys = hold(self, scheduler, drafter_, before, live, started)
+        n = self.node_slots.shape[1]
+        after, counts = drafter.propose(step.reqs, [n] * len(step.reqs))
+        for i, count in enumerate(num_nodes):
+            if count > 1:   # a hit with drafts: the tree a proposal after the read makes
+                seen.append((tree.tokens[i, :count].tolist(), after.tokens[i, :counts[i]].tolist(),
+                             tree.parents[i, :count].tolist(), after.parents[i, :counts[i]].tolist()))
+        return step, tree, num_nodes, keys
+    return seen, recording
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_forecast_steps_give_plain_outputs_and_the_trees_of_a_proposal_after_the_read(
+        engine_factory, plain_answers, adaptive, monkeypatch):
+    engine = ahead_on(engine_factory(max_total_tokens=4096, **ngram_args(8, one_branch=True, adaptive=adaptive,
+                                                                         speculative_ngram_forecast=2)))
+    if adaptive:
+        price_steps(engine, 0.010, 0.001)
+    seen, recording = _count_holds(engine)
+    monkeypatch.setattr(ForecastStep, "hold", recording)
+    assert_plain_answers(engine, plain_answers)
+    assert len(seen) > 5
+    for tokens, after, parents, after_parents in seen:
+        assert tokens == after and parents == after_parents
+    wait_until_all_kv_is_free(engine)

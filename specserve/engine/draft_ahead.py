@@ -54,10 +54,12 @@ from specserve.engine.commit import StepOutcome
 from specserve.engine.scheduler import Scheduler
 from specserve.grammar.greedy_paths import LogitsAt, keep_to_grammar
 from specserve.request.req import Req, same_requests
+from specserve.kv.pool import PADDING_SLOT
+from specserve.runner.forecast_step import pick
 from specserve.runner.model_runner import InFlight, ModelRunner
 from specserve.runner.stream_events import record
 from specserve.runner.tree_step import GreedyOutcome, pad_node_slots
-from specserve.speculative.drafter import ChainedSteps, Drafter, FusedSteps
+from specserve.speculative.drafter import ChainedSteps, Drafter, FusedSteps, hints
 from specserve.verify.tree import TreeProposal
 
 
@@ -77,10 +79,16 @@ class DraftStep:
     # the trees and their logits, read where a constrained request strays from its grammar
     tree: TreeProposal | None = None
     logits_at: LogitsAt | None = None
+    nodes_run: int | None = None   # nodes the forward ran, where not its trees' (a forecast step's: every slot)
 
     @property
     def num_slots(self) -> int:
         return self.node_slots.shape[1]
+
+    @property
+    def nodes_priced(self) -> int:
+        """The nodes the step's forward ran, what the policy prices it by."""
+        return int(self.num_nodes.sum()) if self.nodes_run is None else self.nodes_run
 
     def read(self) -> StepOutcome:
         """Waits for the step (the one host sync) and parses its outcome."""
@@ -126,6 +134,16 @@ class ChainedStep:
                          node_slots.ravel().tolist(), self.launched, None, started,
                          functools.partial(drafter.read_fused, reqs), None if len(live) == len(self.reqs) else live)
 
+    def hold(self, scheduler: Scheduler, drafter: ChainedSteps, before: StepOutcome, live: list[int],
+             started: float) -> tuple[DraftStep, TreeProposal, list[int], list[int] | None]:
+        """`held`, and what the policy chooses from: the chains it verifies and their keys."""
+        ended = sorted(set(range(len(self.reqs))) - set(live))
+        if ended:
+            self.free(scheduler, drafter, ended)
+        step = self.held(drafter, live, started)
+        proposal, num_nodes = drafter.chained_proposal(step.reqs)
+        return step, proposal, num_nodes, hints(drafter).proposal_keys()
+
     def free(self, scheduler: Scheduler, drafter: ChainedSteps, rows: list[int]) -> None:
         """Frees these rows' slots (the step may still write them: whoever gets them next
         writes after it, in stream order)."""
@@ -133,30 +151,85 @@ class ChainedStep:
         drafter.free_chained(self.reserved[rows])
 
 
+@dataclass
+class ForecastStep:
+    """A verify step queued before the host read the step before it, its trees picked on the
+    device from the drafter's forecast by that step's outcome (runner/forecast_step.py): its
+    slots are nobody's until that step is committed and this one is held."""
+    reqs: list[Req]
+    launched: InFlight
+    node_slots: np.ndarray     # (bs, n) a slot for every node a picked tree may have
+    table: np.ndarray          # the forecast it picked from
+
+    def hold(self, scheduler: Scheduler, drafter: Drafter, before: StepOutcome, live: list[int],
+             started: float) -> tuple[DraftStep, TreeProposal, list[int], list[int]]:
+        """The step for the requests at rows `live` (those the step before did not end), its
+        trees the ones the step before's outcome picked (`before`), as on the device; the
+        slots of nodes no tree took are freed (the device wrote none of them: it gave them
+        the padding slot). Also returns the trees, their node counts and keys, for the policy."""
+        picked = pick(self.table, before.accept_lens, before.accepted, before.tokens)
+        bs, n = self.node_slots.shape
+        taken = np.arange(n) < picked.proposal.num_nodes[:, None]
+        ended = np.ones(bs, dtype=bool)
+        ended[live] = False
+        scheduler.free_slots(self.node_slots[~taken | ended[:, None]].tolist())
+        node_slots = np.where(taken, self.node_slots, PADDING_SLOT)[live]
+        num_nodes = picked.proposal.num_nodes[live]
+        tree = TreeProposal(picked.proposal.tokens[live], picked.proposal.parents[live], num_nodes)
+        reqs = [self.reqs[i] for i in live]
+        step = DraftStep(reqs, num_nodes, node_slots, node_slots[taken[live]].tolist(), self.launched, None, started,
+                         rows=None if len(live) == bs else live, tree=tree, nodes_run=bs * n)
+        return step, tree, num_nodes.tolist(), [picked.keys[i] for i in live]
+
+    def free(self, scheduler: Scheduler, drafter: Drafter, rows: list[int]) -> None:
+        """Frees these rows' slots (the step may still write them: whoever gets them next
+        writes after it, in stream order)."""
+        scheduler.free_slots(self.node_slots[rows].ravel().tolist())
+
+
+def launch_forecast_step(runner: ModelRunner, before: DraftStep, table: np.ndarray, slots: list[int],
+                         copies: "OutcomeCopies") -> ForecastStep:
+    """Queues the step after `before` (launched, not read) for the same requests, its trees
+    picked from `table` by before's outcome on the device, `slots` a request's n nodes after
+    another's, and the copy of its outcome to the host."""
+    reqs = before.reqs
+    node_slots = np.asarray(slots, dtype=np.int64).reshape(len(reqs), -1)
+    outcome = before.launched.device
+    if before.rows is not None:   # the rows of requests the step before that ended are cut
+        outcome = outcome.index_select(0, torch.tensor(before.rows, device=outcome.device))
+    step = runner.run_forecast_trees(reqs, [r.kv_len for r in reqs], node_slots, outcome, table)
+    return ForecastStep(reqs, copies.launch(step.outcome), node_slots, table)
+
+
 class OutcomeCopies:
-    """Where drafting steps' outcomes are copied to the host: a pinned buffer per shape and
-    one event. One drafting step's outcome is on its way at a time, and it is read (copied
-    out: GreedyOutcome.parse, tolist) before the next step is launched, or dropped (a later
-    copy into the same buffer lands after it, and the event then marks the later one); so
-    the buffers and the event serve every step, where a pinned allocation and an event per
-    step cost host time between two verify graphs."""
+    """Where drafting steps' outcomes are copied to the host: two pinned buffers per shape,
+    used in turn, and an event for each turn. At most two drafting steps' outcomes are on
+    their way at a time (a forecast step is launched before the step before it is read), and
+    each is read (copied out: GreedyOutcome.parse, tolist) before the step after next is
+    launched, or dropped (a later copy into the same buffer lands after it, and the event then
+    marks the later one); so the buffers and events serve every step, where a pinned
+    allocation and an event per step cost host time between two verify graphs."""
 
     def __init__(self):
-        self._buffers: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}
-        self._done: torch.cuda.Event | None = None
+        self._buffers: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+        self._done: list[torch.cuda.Event] = []
+        self._turn = 0
 
     def launch(self, tensor: torch.Tensor) -> InFlight:
         if not tensor.is_cuda:
             return InFlight.launch(tensor)
         key = (tuple(tensor.shape), tensor.dtype)
-        host = self._buffers.get(key)
-        if host is None:
-            host = self._buffers[key] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        hosts = self._buffers.get(key)
+        if hosts is None:
+            hosts = self._buffers[key] = [torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                                          for _ in range(2)]
+        if not self._done:
+            self._done = [torch.cuda.Event(), torch.cuda.Event()]
+        turn, self._turn = self._turn, 1 - self._turn
+        host = hosts[turn]
         host.copy_(tensor, non_blocking=True)
-        if self._done is None:
-            self._done = torch.cuda.Event()
-        record(self._done)
-        return InFlight(tensor, host, self._done)
+        record(self._done[turn])
+        return InFlight(tensor, host, self._done[turn])
 
 
 def launch_draft_step(runner: ModelRunner, drafter: Drafter, reqs: list[Req], proposal: TreeProposal,

@@ -101,15 +101,15 @@ class DraftPlanner:
             num_nodes = proposal.num_nodes.tolist()
         return proposal, num_nodes, shadows
 
-    def choose_chained(self, reqs: list[Req]) -> Shadows | None:
-        """The policy's choice for a fused chain's step queued before the step before was read
-        (its evidence and episode bookkeeping: the step verifies the whole chain whatever the
-        tier, which costs a fused step the same, and a choice of plain decoding applies from
-        the next step). Returns its shadows."""
+    def choose_chained(self, reqs: list[Req], proposal: TreeProposal, num_nodes: list[int],
+                       keys: list[int] | None) -> Shadows | None:
+        """The policy's choice for a step queued before the step before was read (a fused
+        chain's, or one picked from a forecast: its evidence and episode bookkeeping; the step
+        verifies its trees whatever the tier, and a choice of plain decoding applies from the
+        next step), given the trees it verifies. Returns its shadows."""
         if self.adaptive is None:
             return None
-        proposal, num_nodes = self.drafter.chained_proposal(reqs)   # a ChainedSteps drafter's
-        shadows = Shadows([r.rid for r in reqs], proposal, num_nodes, hints(self.drafter).proposal_keys())
+        shadows = Shadows([r.rid for r in reqs], proposal, num_nodes, keys)
         self.adaptive.choose(shadows.rids, num_nodes, shadows.keys)
         return shadows
 

@@ -19,13 +19,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from specserve.engine.commit import StepOutcome, unfinished
-from specserve.engine.draft_ahead import ChainedStep, DraftStep, OutcomeCopies, launch_draft_step
+from specserve.engine.draft_ahead import (ChainedStep, DraftStep, ForecastStep, OutcomeCopies, launch_draft_step,
+                                          launch_forecast_step)
 from specserve.engine.draft_planner import Shadows
 from specserve.engine.step_output import StepOutput, committed_tokens
 from specserve.engine.step_parts import StepParts, StepPipeline
 from specserve.engine.verify_step import drafts_with_slots
 from specserve.request.req import Batch, Req
-from specserve.speculative.drafter import ChainedSteps, FusedSteps, ReadsHiddenStates
+from specserve.speculative.drafter import ChainedSteps, ForecastSteps, FusedSteps, ReadsHiddenStates
 
 
 @dataclass
@@ -34,7 +35,8 @@ class LaunchedDraft:
     # the step ran as drafting mode runs its steps (launched or chained ahead, or on an engine
     # that launches none ahead): only such steps price its tier for good (adaptive_costs.py)
     steady: bool
-    chained: ChainedStep | None = None   # the next fused step, queued before this one was read
+    # the next step, queued before this one was read (a fused chain's, or picked from a forecast)
+    chained: ChainedStep | ForecastStep | None = None
 
 
 class DraftingStep(StepPipeline):
@@ -111,9 +113,9 @@ class DraftingStep(StepPipeline):
         if self.planner.adaptive is not None:   # before the next step's choice, as on every path
             self.planner.show_policy(live, committed)
             self.planner.record_step(len(reqs), step.num_slots, now - step.started, committed_tokens(outputs),
-                                     launched.steady, int(step.num_nodes.sum()))
+                                     launched.steady, step.nodes_priced)
         if chained is not None:
-            next_launched, shadows = self._hold_chained(chained, outputs, now)
+            next_launched, shadows = self._hold_chained(chained, outcome, outputs, now)
         else:
             next_launched, shadows = self._launch_ahead(reqs, outputs, now)
         try:
@@ -168,14 +170,17 @@ class DraftingStep(StepPipeline):
                 and self.sampler.masked_argmax_is_enough(reqs)
                 and not isinstance(self.planner.drafter, FusedSteps))
 
-    def _launch_chained(self, reqs: list[Req], step: DraftStep) -> ChainedStep | None:
-        """The next fused step of the same batch, queued before this one is read: its drafts
-        and positions come from this step's outcome on the device, so the host's read,
-        commit, proposal and launch run while the GPU computes it, as a plain step's do on
-        the overlap schedule. Under the adaptive policy, while the batch's bucket drafts: its
-        choice for the step is made once this one is committed (_hold_chained)."""
+    def _launch_chained(self, reqs: list[Req], step: DraftStep) -> ChainedStep | ForecastStep | None:
+        """The next step of the same batch, queued before this one is read: its drafts and
+        positions come from this step's outcome on the device (a fused chain's, or picked from
+        the drafter's forecast), so the host's read, commit, proposal and launch run while the
+        GPU computes it, as a plain step's do on the overlap schedule. Under the adaptive
+        policy, while the batch's bucket drafts: its choice for the step is made once this one
+        is committed (_hold_chained)."""
         drafter = self.planner.drafter
-        if step.read_fused is None or not self._drafts_next(reqs) or not isinstance(drafter, ChainedSteps):
+        if step.read_fused is None:
+            return self._launch_forecast(reqs, step) if isinstance(drafter, ForecastSteps) else None
+        if not self._drafts_next(reqs) or not isinstance(drafter, ChainedSteps):
             return None
         n = drafter.chain_nodes(reqs, step.launched)
         # its slots and one per request to spare: the scheduler preempts nobody while it is ahead
@@ -193,20 +198,45 @@ class DraftingStep(StepPipeline):
             return None
         return ChainedStep(reqs, chained[0], node_slots, chained[1])
 
-    def _hold_chained(self, chained: ChainedStep, outputs: list[StepOutput], now: float
-                      ) -> tuple[bool, Shadows | None]:
-        """The chained step, once the step before is committed: held as the step ahead for
-        the requests that go on (the others' rows cut, their slots freed), priced from `now`
-        as a step launched ahead is, and chosen for by the policy (DraftPlanner.choose_chained).
-        Returns what _launch_ahead does; nothing held if every request ended."""
+    def _launch_forecast(self, reqs: list[Req], step: DraftStep) -> ForecastStep | None:
+        """The next verify step of the same batch, its trees picked on the device from the
+        drafter's forecast by this step's outcome (runner/forecast_step.py): greedy requests
+        without a grammar (whose outcome the host may still move), no tensor parallelism
+        (workers replay from host-built inputs), room for both steps' nodes in every request's
+        context and table row."""
+        n, drafter = step.num_slots, self.planner.drafter
+        if (n == 1 or step.tree is None or self.runner.tp is not None or not drafter.forecasts(len(reqs))
+                or not self.sampler.argmax_is_enough(reqs)):
+            return None
+        room = min(self.planner.context_length, self.runner.pool.req_to_token.shape[1])
+        # its slots and one per request to spare: the scheduler preempts nobody while it is ahead
+        if any(r.kv_len + 2 * n >= room for r in reqs) or self.scheduler.available_slots() < len(reqs) * (n + 1):
+            return None
+        if not self._drafts_next(reqs):
+            return None
+        table = drafter.forecast(reqs, step.tree, n)
+        slots = self.scheduler.alloc_slots(len(reqs) * n)
+        try:
+            return launch_forecast_step(self.runner, step, table, slots, self.copies)
+        except BaseException:
+            self.scheduler.free_slots(slots)
+            raise
+
+    def _hold_chained(self, chained: ChainedStep | ForecastStep, before: StepOutcome, outputs: list[StepOutput],
+                      now: float) -> tuple[bool, Shadows | None]:
+        """The chained step, once the step before is committed (`before`: its outcome): held
+        as the step ahead for the requests that go on (the others' rows cut, their slots
+        freed), priced from `now` as a step launched ahead is, and chosen for by the policy
+        (DraftPlanner.choose_chained). Returns what _launch_ahead does; nothing held if every
+        request ended."""
         ended = [i for i, out in enumerate(outputs) if out.finished]
-        if ended:
-            chained.free(self.scheduler, self.planner.drafter, ended)
         if len(ended) == len(outputs):
+            chained.free(self.scheduler, self.planner.drafter, ended)
             return False, None
-        step = chained.held(self.planner.drafter, [i for i, out in enumerate(outputs) if not out.finished], now)
+        live = [i for i, out in enumerate(outputs) if not out.finished]
+        step, proposal, num_nodes, keys = chained.hold(self.scheduler, self.planner.drafter, before, live, now)
         self.ahead.drafting.hold(step)
-        return True, self.planner.choose_chained(step.reqs)
+        return True, self.planner.choose_chained(step.reqs, proposal, num_nodes, keys)
 
     def _drop_chained(self, chained: ChainedStep | None) -> None:
         if chained is not None:

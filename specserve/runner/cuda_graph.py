@@ -33,6 +33,7 @@ import time
 import zlib
 from typing import Callable, TypeVar
 
+import numpy as np
 import torch
 
 from specserve.attention.base import AttentionBackend
@@ -41,7 +42,7 @@ from specserve.model.hidden_capture import HiddenCapture
 from specserve.model.parallel.parallel_state import TensorParallelGroup
 from specserve.runner.ranks.graph_steps import GraphStepHeader, announce_graph_step, replay_announced_step
 from specserve.runner.stream_events import record
-from specserve.runner.tree_step import TreeStepInputs, TreeStepOutputs, forward_tree
+from specserve.runner.tree_step import TreeStepInputs, TreeStepOutputs, forward_tree, set_roots
 from specserve.verify.tree import TreeProposal, smallest_level
 
 logger = logging.getLogger("specserve")
@@ -145,29 +146,33 @@ class CudaGraphRunner:
             self.memory_pool = self.graphs[key].pool()
 
     @torch.inference_mode()
-    def replay(self, proposal: TreeProposal, node_slots: list[int], req_rows: list[int], kv_lens: list[int],
-               roots: torch.Tensor | None = None) -> "CutStepOutputs":
+    def replay(self, proposal: TreeProposal, node_slots: np.ndarray, req_rows: list[int], kv_lens: list[int],
+               derive: Callable[[TreeStepInputs], None] | None = None, every_node: bool = False) -> "CutStepOutputs":
         """Runs the graph that holds the batch: the bucket's decode graph for one node per
         request, else its verify graph of the smallest level that holds the real nodes.
         node_slots: proposal.num_slots slots per request (PADDING_SLOT for padding nodes).
-        roots: (bs,) on the device, replacing the proposal's root tokens (a decode step
-        launched before its inputs reached the host). Returns outputs cut to (bs, m)."""
+        derive: rewrites the device's copy of the inputs before the graph runs (root tokens
+        already on the device; a forecast's trees, runner/forecast_step.py), which with
+        `every_node` may give any request every one of proposal.num_slots nodes (the level is
+        chosen for that). Returns outputs cut to (bs, m)."""
         bs, m = proposal.tokens.shape
-        key = self.key_for(proposal)
+        key = self.key_for(proposal, every_node)
         host = self._host_buffer(key)
         host.fill(proposal, node_slots, req_rows, kv_lens, self.pool.scratch_row)
-        self._send_and_replay(key, bs, kv_lens, roots)
+        self._send_and_replay(key, bs, kv_lens, derive)
         return CutStepOutputs(self.outputs[key], bs, m)
 
-    def key_for(self, proposal: TreeProposal) -> tuple[int, int]:
+    def key_for(self, proposal: TreeProposal, every_node: bool = False) -> tuple[int, int]:
         """(bucket, tokens per request) of the graph a proposal replays: the bucket's decode
         graph for one node per request, else its verify graph of the smallest level whose
-        tokens hold the real nodes (a padding request has one)."""
+        tokens hold the real nodes (a padding request has one; every_node: each request may
+        have proposal.num_slots)."""
         bs, m = proposal.tokens.shape
         bucket = self.buckets[bisect.bisect_left(self.buckets, bs)]
         if m == 1:
             return bucket, 1
-        return bucket, smallest_level(self.levels, bucket, int(proposal.num_nodes.sum()) + bucket - bs)
+        nodes = bs * m if every_node else int(proposal.num_nodes.sum())
+        return bucket, smallest_level(self.levels, bucket, nodes + bucket - bs)
 
     def can_launch_decode(self, bs: int) -> bool:
         return bs <= self.max_bs and 1 in self.sizes
@@ -186,7 +191,7 @@ class CudaGraphRunner:
         key = (self.buckets[bisect.bisect_left(self.buckets, bs)], 1)
         on_device = isinstance(roots, torch.Tensor) and roots.is_cuda
         self._host_buffer(key).fill_decode(None if on_device else roots, slots, req_rows, kv_lens, self.pool.scratch_row)
-        self._send_and_replay(key, bs, kv_lens, roots if on_device else None)
+        self._send_and_replay(key, bs, kv_lens, functools.partial(set_roots, roots) if on_device else None)
         argmax = self.decode_argmax[key][:bs]
         reads = self._decode_reads.get(key)
         if reads is None:
@@ -202,12 +207,14 @@ class CudaGraphRunner:
             self._copied[key].synchronize()
         return self.host_inputs[key]
 
-    def _send_and_replay(self, key: tuple[int, int], bs: int, kv_lens: list[int], roots: torch.Tensor | None) -> None:
-        """The filled host buffer to the device (roots: (bs,) root tokens already there), then the graph."""
+    def _send_and_replay(self, key: tuple[int, int], bs: int, kv_lens: list[int],
+                         derive: Callable[[TreeStepInputs], None] | None) -> None:
+        """The filled host buffer to the device, `derive` (if any) rewriting what the device
+        already holds (root tokens, a forecast's trees), then the graph."""
         device = self.device_inputs[key]
         device.packed.copy_(self.host_inputs[key].packed, non_blocking=True)
-        if roots is not None:
-            device.tokens[:bs, 0].copy_(roots)
+        if derive is not None:
+            derive(device)
         copied = self._copied.get(key)
         if copied is None:
             copied = self._copied[key] = torch.cuda.Event()

@@ -2,10 +2,13 @@
 scheduled step (prompt chunks, or one draft tree per request) into a forward pass."""
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
+from typing import Callable
 
+import numpy as np
 import torch
 
 from specserve.args import ServerArgs
@@ -21,8 +24,9 @@ from specserve.model.parallel.parallel_state import TensorParallelGroup
 from specserve.request.req import Req
 from specserve.runner.cpu_kv_budget import available_memory_bytes, cpu_default_kv_tokens
 from specserve.runner.ranks.step_broadcast import BroadcastingModel
+from specserve.runner.forecast_step import select_on_device
 from specserve.runner.stream_events import record
-from specserve.runner.tree_step import TreeStepInputs, TreeStepOutputs, forward_tree, pad_node_slots
+from specserve.runner.tree_step import TreeStepInputs, TreeStepOutputs, forward_tree, pad_node_slots, set_roots
 from specserve.verify.tree import TreeProposal
 
 logger = logging.getLogger(__name__)
@@ -188,18 +192,51 @@ class ModelRunner:
         A replay returns cuda_graph.CutStepOutputs: the same fields, views made when read."""
         bs, n = proposal.tokens.shape
         kv_lens = kv_lens if kv_lens is not None else [r.kv_len for r in reqs]
-        node_slots = pad_node_slots(slots, proposal.num_nodes, n)
+        derive = None if roots is None else functools.partial(set_roots, roots)
+        return self._tree_step(reqs, proposal, pad_node_slots(slots, proposal.num_nodes, n), kv_lens, derive)
+
+    @torch.inference_mode()
+    def run_forecast_trees(self, reqs: list[Req], kv_lens: list[int], node_slots: np.ndarray,
+                           outcome: torch.Tensor, table: np.ndarray) -> TreeStepOutputs:
+        """Queues verify step N + 1 of these requests (step N's, in its order) before N's
+        outcome is read: its trees picked on the device from the forecast table by N's greedy
+        outcome (on the device), runner/forecast_step.py. kv_lens: N's prefix lengths;
+        node_slots (bs, n): KV slots for every node a picked tree may have. An eager step
+        (the CPU, a batch past the graphs) reads the picked trees' sizes for its planning."""
+        bs, n = node_slots.shape
+        device_table, slots = self._send(table), self._send(node_slots)
+        derive = lambda inputs: select_on_device(inputs, outcome, device_table, slots)
+        every_node = TreeProposal(np.zeros((bs, n), dtype=np.int64), np.full((bs, n), -1, dtype=np.int64),
+                                  np.full(bs, n, dtype=np.int64))   # the most a picked tree holds
+        return self._tree_step(reqs, every_node, node_slots, kv_lens, derive, sizes_derived=True)
+
+    def _tree_step(self, reqs: list[Req], proposal: TreeProposal, node_slots: np.ndarray, kv_lens: list[int],
+                   derive: Callable[[TreeStepInputs], None] | None, sizes_derived: bool = False) -> TreeStepOutputs:
+        """The step's inputs filled on the host from `proposal`, then rewritten on the device by
+        `derive` (if any); sizes_derived: it changes the trees' node counts and the prefix
+        lengths too (what eager planning then reads back: a host sync)."""
+        bs, n = proposal.tokens.shape
         rows = [r.row for r in reqs]
         if self.graphs is not None and self.graphs.can_run(bs, n):
-            return self.graphs.replay(proposal, node_slots, rows, kv_lens, roots)
+            return self.graphs.replay(proposal, node_slots, rows, kv_lens, derive, every_node=sizes_derived)
         host = TreeStepInputs.allocate(bs, n, "cpu", pin=self.device.type == "cuda")
         host.fill(proposal, node_slots, rows, kv_lens, self.pool.scratch_row)
         inputs = TreeStepInputs.view(host.packed.to(self.device, non_blocking=True), bs, n)
-        if roots is not None:
-            inputs.tokens[:, 0].copy_(roots)
-        num_nodes = proposal.num_nodes.tolist()
+        if derive is not None:
+            derive(inputs)
+        if sizes_derived:
+            kv_lens, num_nodes = inputs.prefix_lens.tolist(), inputs.num_nodes.tolist()
+        else:
+            num_nodes = proposal.num_nodes.tolist()
         return forward_tree(self.model, self.attn_backend, self.pool, inputs, self.attn_backend.plan, kv_lens,
                             capture=self.hidden_capture, token_budget=sum(num_nodes), num_nodes_host=num_nodes)
+
+    def _send(self, array: np.ndarray) -> torch.Tensor:
+        """A host array on the device, without waiting (through pinned memory on a GPU)."""
+        tensor = torch.from_numpy(array)
+        if self.device.type == "cuda":
+            tensor = tensor.pin_memory()
+        return tensor.to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def launch_greedy_decode(self, reqs: list[Req], kv_lens: list[int], slots: list[int],

@@ -104,6 +104,12 @@ class TreeStepInputs:
         return arrays
 
 
+def set_roots(roots: torch.Tensor, inputs: TreeStepInputs) -> None:
+    """(bs,) root tokens on the device into a step's inputs (a step launched before the step
+    before it was read)."""
+    inputs.tokens[:roots.shape[0], 0].copy_(roots)
+
+
 def pad_node_slots(slots: list[int] | np.ndarray, num_nodes: list[int] | np.ndarray, n: int) -> np.ndarray:
     """(bs, n) each request's node slots (`slots`: request after request), padded to n with
     the padding slot."""

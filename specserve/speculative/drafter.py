@@ -10,7 +10,8 @@ from a distribution come with it (TreeProposal.draft_probs) for residual rejecti
 Capabilities: `ProposalHints` (what the adaptive policy may ask about the proposals and the
 drafter's background work), `ReadsHiddenStates` (the target's hidden states, for a head that
 drafts from them), `FusedSteps` (the drafter runs the verify step itself, its next drafts
-with it) and `ChainedSteps` (a fused step queued before the host read the step before it).
+with it), `ChainedSteps` (a fused step queued before the host read the step before it) and
+`ForecastSteps` (drafts for the next step, for every way this one may end, made while it runs).
 """
 from __future__ import annotations
 
@@ -198,4 +199,19 @@ class ChainedSteps(FusedSteps):
 
     def free_chained(self, reserved: "np.ndarray") -> None:
         """Returns reserved slots of a chained step (rows dropped) to the drafter's cache."""
+        raise NotImplementedError
+
+
+class ForecastSteps:
+    """A drafter whose proposals are cheap enough to make for every way a verify step may end,
+    while it runs, so that the next greedy step can be queued before the host reads this one
+    (runner/forecast_step.py: the outcome picks the drafts on the device; engine/draft_ahead.py)."""
+
+    def forecasts(self, batch_size: int) -> bool:
+        """Whether it forecasts for a batch of this size."""
+        raise NotImplementedError
+
+    def forecast(self, reqs: list["Req"], proposal: TreeProposal, nodes: int) -> "np.ndarray":
+        """The forecast table (runner/forecast_step.py's layout) for the step after the one
+        verifying `proposal` for these requests, next trees of up to `nodes` nodes."""
         raise NotImplementedError

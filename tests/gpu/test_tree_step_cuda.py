@@ -62,3 +62,33 @@ def test_ragged_graph_steps_with_cut_drafts_equal_plain_on_cuda(model_dir):
             assert [o["output_ids"] for o in outputs] == expected
         assert any(level < width for level, width in levels), levels   # a level below the whole trees'
         wait_until_all_kv_is_free(engine)
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.parametrize("graph_max_bs", [8, 2])     # 2: the 5-request batches run eagerly
+def test_forecast_steps_equal_plain_on_cuda(model_dir, adaptive, graph_max_bs, monkeypatch):
+    """Verify steps launched before the step before them is read, their trees picked on the
+    device from the trie's forecast (runner/forecast_step.py, --speculative-ngram-forecast):
+    through the graphs (a derived input buffer, two outcomes on their way at once) and
+    eagerly, plain decoding's outputs, forecasts that hit, and every KV slot back."""
+    from specserve.engine.draft_ahead import ForecastStep
+    with tiny_engine(model_dir, device="cuda", disable_cuda_graph=True, max_total_tokens=4096) as plain:
+        expected = [o["output_ids"] for o in plain.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+    held, hold = [], ForecastStep.hold
+
+    def holding(self, *args):
+        step, tree, num_nodes, keys = hold(self, *args)
+        held.append(sum(count > 1 for count in num_nodes))
+        return step, tree, num_nodes, keys
+    monkeypatch.setattr(ForecastStep, "hold", holding)
+    with tiny_engine(model_dir, device="cuda", cuda_graph_max_bs=graph_max_bs, max_total_tokens=4096,
+                     **ngram_args(8, one_branch=True, adaptive=adaptive, speculative_ngram_forecast=2)) as engine:
+        if adaptive:
+            price_steps(engine, 0.010, 0.0001)
+        for _ in range(2):  # the second pass drafts from the first's outputs
+            outputs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+            assert [o["output_ids"] for o in outputs] == expected
+        solo = engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)["output_ids"]
+        assert solo == expected[0]
+        assert len(held) > 10 and sum(held) > 10, held   # held forecast steps, hits with drafts among them
+        wait_until_all_kv_is_free(engine)

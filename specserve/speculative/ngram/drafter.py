@@ -52,7 +52,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from specserve.speculative.drafter import Drafter, ProposalHints
+from specserve.speculative.drafter import Drafter, ForecastSteps, ProposalHints
+from specserve.speculative.ngram.forecast import forecast_table
 from specserve.speculative.ngram.trie import NgramConfig, NgramTrie
 from specserve.speculative.ngram.writer import TrieWriter
 from specserve.verify.tree import TreeProposal
@@ -76,15 +77,23 @@ DRAFT_BACKLOG_TOKENS = 512
 INLINE_WRITE_TOKENS = 32   # a flush of at most this many tokens is indexed on the caller's thread (batch 1-2 drafting)
 
 
-class NgramDrafter(Drafter, ProposalHints):
+# the largest batch whose steps are forecast (ForecastSteps): the host's two trie calls over
+# every node's candidates must fit in a step's GPU time
+FORECAST_MAX_BATCH = 8
+
+
+class NgramDrafter(Drafter, ProposalHints, ForecastSteps):
     proposes_ahead = True   # a proposal reads the trie as of the last flush and the committed tokens
     proposes_cheaply = True
 
-    def __init__(self, config: NgramConfig, one_branch: bool, background: bool | None = None):
-        """background: index on a writer thread (default: with the compiled trie only)."""
+    def __init__(self, config: NgramConfig, one_branch: bool, background: bool | None = None,
+                 forecast_candidates: int = 0):
+        """background: index on a writer thread (default: with the compiled trie only).
+        forecast_candidates: next tokens forecast a node (0: no forecasts, ForecastSteps)."""
         self.config = config
         self.trie = NgramTrie(config)
         self.one_branch = one_branch
+        self.forecast_candidates = forecast_candidates
         self.window = config.max_match_window
         self._owners: dict[str, int] = {}
         self._next_owner = itertools.count()
@@ -110,12 +119,12 @@ class NgramDrafter(Drafter, ProposalHints):
             max_bfs_breadth=args.speculative_ngram_max_bfs_breadth,
             max_trie_depth=args.speculative_ngram_max_trie_depth,
             match_type=args.speculative_ngram_match_type)
-        return cls(config, args.speculative_one_branch)
+        return cls(config, args.speculative_one_branch, forecast_candidates=args.speculative_ngram_forecast)
 
     def scratch(self) -> "NgramDrafter":
         """An empty trie of the same configuration (its writer thread stops when it is closed
         or collected)."""
-        return NgramDrafter(self.config, self.one_branch, self.writer.background)
+        return NgramDrafter(self.config, self.one_branch, self.writer.background, self.forecast_candidates)
 
     def add_prompt(self, req: "Req") -> None:
         self._queue(self._owner(req), req.prompt_ids)
@@ -134,6 +143,21 @@ class NgramDrafter(Drafter, ProposalHints):
         # copies: the trie reuses its output buffers
         proposal = TreeProposal(tokens[:, :n].copy(), parents[:, :n].copy(), num_nodes.copy())
         return proposal, num_nodes.tolist()
+
+    def forecasts(self, batch_size: int) -> bool:
+        return self.forecast_candidates > 0 and batch_size <= FORECAST_MAX_BATCH
+
+    def forecast(self, reqs: list["Req"], proposal: TreeProposal, nodes: int) -> np.ndarray:
+        """The trie's forecast for the step after `proposal`'s (ngram/forecast.py), as of
+        the same flushed tokens a proposal after the read would see (the step's own tokens
+        are observed after the next step is launched, forecast or not): for each tree it
+        proposes, the tree a proposal after the read would, had the outcome been its entry's."""
+        contexts = [_tail(req, self.window) for req in reqs]
+        owners = [self._owner(req) for req in reqs]
+        self.writer.drain()
+        with self.writer.lock:
+            return forecast_table(self.trie, contexts, owners, proposal, nodes, self.forecast_candidates,
+                                  self.one_branch, MATCH_KEY_CAP)
 
     def proposal_keys(self) -> list[int]:
         """The length of each proposal's matched suffix (capped): a one-token match is weak
