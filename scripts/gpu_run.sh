@@ -16,6 +16,10 @@
 #                                                   one, alternating, then where each tree's losing cells lose; ~1.5 min a run)
 #   AB_TREE=DIR scripts/gpu_run.sh suite-tree MODEL (one tree's half of suite-ab, for two GPUs at once: gpu_parallel.sh)
 #   AB_TREE=DIR scripts/gpu_run.sh drafters-tree   (EAGLE-3 chains of 3 with /root/eagle3-1.5b at 64, that tree's code)
+#   scripts/gpu_run.sh forecast [MODEL]            (--speculative-ngram-forecast: tests/gpu/test_tree_step_cuda.py, the
+#                                                   step's cost by lab.step_cost --forecast on random 1.5B weights, then
+#                                                   the suite's default NGRAM with and without it at 1 and 8, 2 rounds;
+#                                                   the last MODEL, qwen2.5-coder-1.5b-instruct by default; ~8 min)
 #   scripts/gpu_run.sh step-cost                   (no models staged, ~3 min: plain, 4- and 8-node verify and the fused
 #                                                   EAGLE-3 step at batch 1 and 8 on random 1.5B weights, each with the
 #                                                   host's time by phase: where a verify step's unhidden host time goes)
@@ -254,6 +258,24 @@ if [ "$mode" = suite ]; then
       --policy-trace-dir "$OUT/traces_$model" --out "$OUT/suite_$model" 2>&1 | grep -v '%|' | tail -30
     python3 -m lab.loss_split "$OUT/suite_$model/results.jsonl" >> "$OUT/suite_$model/table.md"
   done
+fi
+if [ "$mode" = forecast ]; then
+  # --speculative-ngram-forecast (runner/forecast_step.py): its GPU tests, the step's cost on random 1.5B
+  # weights (verify steps launched before the step before is read, against verify steps launched after),
+  # then the suite's default NGRAM with and without it at 1 and 8 (FORECAST_CONCURRENCY), 2 rounds alternated
+  python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tree_step_cuda.py 2>&1 | tail -4
+  python3 -m lab.suite_host_phases lab.step_cost --forecast --batch-sizes 1 8 --sizes 1 4 8 --steps 60 \
+    --out "$OUT/step_cost_forecast" 2>&1 | grep '^{' | python3 -c "
+import json, sys
+for line in sys.stdin:
+    r = json.loads(line)
+    print(r['batch_size'], r['step'], r['draft_size'], 'wall', round(r['wall_ms'], 3), 'gpu', round(r.get('graph_gpu_ms', 0), 3),
+          'host not hidden', round(r.get('host_not_hidden_ms', 0), 3), 'vs plain', r.get('vs_plain'))"
+  model=${models[-1]}
+  python3 -m specserve.bench.gpu_suite --models-dir /root/models --models "$model" \
+    --configs default ngram-16-one-adaptive-forecast${FORECAST_CANDIDATES:-2} --rounds 2 --bs1-prompts 6 \
+    --no-transformers --num-prompts 64 --dataset-path .gpu/sharegpt_bench.json \
+    --concurrency ${FORECAST_CONCURRENCY:-1 8} --out "$OUT/forecast_$model" 2>&1 | grep -v '%|' | tail -30
 fi
 if [ "$mode" = structured ]; then
   # the image lacks these; a missing one used to fail only after the model loaded (~2.5 device minutes)

@@ -8,11 +8,13 @@ from specserve.bench.gpu_suite import (CONCURRENT_CONFIGS, DEFAULT_CONFIG, SPEC_
 
 
 def test_labels_parse_back_to_their_configuration():
-    for spec in SPEC_CONFIGS + [(16, False, True), (2, True, False)]:
+    for spec in SPEC_CONFIGS + [(16, False, True), (2, True, False), (16, True, True, 2), (8, True, "held", 3)]:
         assert parse_config(config_label(spec)) == spec
+    assert config_label((16, True, True, 2)) == "ngram-16-one-adaptive-forecast2"
 
 
-@pytest.mark.parametrize("label", ["ngram-x-one", "ngram-8-wide", "eagle-8-one", "ngram-8-one-fast", "ngram"])
+@pytest.mark.parametrize("label", ["ngram-x-one", "ngram-8-wide", "eagle-8-one", "ngram-8-one-fast", "ngram",
+                                   "ngram-8-one-forecast0", "ngram-8-one-forecastx", "ngram-8-forecast2"])
 def test_a_malformed_label_is_refused_naming_the_flag(label):
     with pytest.raises(argparse.ArgumentTypeError, match="--configs"):
         config_choice(label)

@@ -82,9 +82,10 @@ HELD_MODES = ("held", "blind")
 
 
 def set_drafter(engine, num_draft_tokens: int | None, one_branch: bool = False,
-                adaptive: bool | str = False) -> None:
+                adaptive: bool | str = False, forecast: int = 0) -> None:
     """Swap speculation between runs (the engine is idle then): None = plain decoding.
-    `adaptive`: True for the adaptive policy, or one of HELD_MODES (diagnostics, above).
+    `adaptive`: True for the adaptive policy, or one of HELD_MODES (diagnostics, above);
+    `forecast`: --speculative-ngram-forecast's candidates (0: off).
     The drafter replaced is closed: its writer thread, left running, could be mid-insert into
     the compiled trie while the interpreter exits (a benchmark that swapped drafters crashed so, 1 run in 3)."""
     core = engine.core
@@ -94,7 +95,7 @@ def set_drafter(engine, num_draft_tokens: int | None, one_branch: bool = False,
         core.drafter, core.num_draft_tokens, core.adaptive = None, 1, None
         core.stats.speculative = False
         return
-    core.drafter = NgramDrafter(NgramConfig(), one_branch)
+    core.drafter = NgramDrafter(NgramConfig(), one_branch, forecast_candidates=forecast)
     core.num_draft_tokens = num_draft_tokens
     graph_sizes = core.runner.graphs.sizes if core.runner.graphs is not None else None
     core.adaptive = AdaptiveDraftLength.for_drafter(core.drafter, num_draft_tokens, graph_sizes,
@@ -113,15 +114,20 @@ def hold_plain(policy: AdaptiveDraftLength, drafter, blind: bool = False) -> Non
         drafter.add_prompt = drafter.observe_batch = lambda *args: None
 
 
-def parse_config(label: str) -> tuple[int, bool, bool | str]:
-    """A label of config_label's form back to (draft tokens, one branch, adaptive)."""
+def parse_config(label: str) -> tuple:
+    """A label of config_label's form back to (draft tokens, one branch, adaptive), with the
+    forecast's candidates after them where the label has a -forecastC part."""
     parts = label.split("-")
+    forecast = None
+    if len(parts) > 3 and parts[-1].startswith("forecast") and parts[-1][8:].isdigit() and int(parts[-1][8:]) > 0:
+        forecast = int(parts.pop()[8:])
     if len(parts) not in (3, 4) or parts[0] != "ngram" or not parts[1].isdigit() or parts[2] not in ("one", "multi") \
             or parts[3:] not in ([], ["adaptive"], *([mode] for mode in HELD_MODES)):
-        raise ValueError(f"not a configuration label (ngram-N-one|multi[-adaptive|-held|-blind]): {label!r}")
+        raise ValueError(f"not a configuration label (ngram-N-one|multi[-adaptive|-held|-blind][-forecastC]): {label!r}")
     mode = parts[3] if parts[3:] else None
     adaptive = True if mode == "adaptive" else mode or False   # a held mode's name stands for itself
-    return int(parts[1]), parts[2] == "one", adaptive
+    spec = (int(parts[1]), parts[2] == "one", adaptive)
+    return spec if forecast is None else spec + (forecast,)
 
 
 def config_choice(value: str) -> str:
@@ -148,9 +154,10 @@ def suite_configs(choices: list[str], concurrency: int) -> list[tuple]:
 def config_label(spec: tuple | None) -> str:
     if spec is None:
         return "plain"
-    n, one_branch, adaptive = spec
+    n, one_branch, adaptive, *forecast = spec
     mode = adaptive if adaptive in HELD_MODES else "adaptive" if adaptive else None
-    return f"ngram-{n}-{'one' if one_branch else 'multi'}" + (f"-{mode}" if mode else "")
+    return (f"ngram-{n}-{'one' if one_branch else 'multi'}" + (f"-{mode}" if mode else "")
+            + (f"-forecast{forecast[0]}" if forecast and forecast[0] else ""))
 
 
 def run(engine, prompts, concurrency: int, max_new_tokens: int, label: str, turns: int = 1,
@@ -359,7 +366,8 @@ def main(argv=None) -> None:
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 32, 64])
     parser.add_argument("--configs", nargs="+", type=config_choice, default=["all"],
                         help="NGRAM configurations beside plain: 'all' (the fixed ones too), 'default' (default "
-                             "flags), or labels such as ngram-16-multi-adaptive")
+                             "flags), or labels such as ngram-16-multi-adaptive (-forecast2: with "
+                             "--speculative-ngram-forecast 2, e.g. ngram-16-one-adaptive-forecast2)")
     parser.add_argument("--no-transformers", dest="transformers", action="store_false")
     parser.add_argument("--hf-workloads", nargs="*", default=["code-types", "sharegpt-multiturn"],
                         help="workloads transformers.generate runs (at batch 1)")
