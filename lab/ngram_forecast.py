@@ -32,7 +32,6 @@ from lab.plain_step_host import sharegpt_streams
 from specserve.args import ServerArgs
 from specserve.speculative.ngram.drafter import NgramDrafter
 from specserve.runner.forecast_step import NO_ENTRY
-from specserve.speculative.ngram.forecast import forecast_table
 from specserve.speculative.ngram.trie import NgramTrie
 from specserve.verify.tree import TreeProposal
 
@@ -44,7 +43,7 @@ class Replay:
     drafted: int = 0            # steps that verified at least one draft
     forecast_rows: int = 0      # rows of the forecast tables made
     forecast_hits: int = 0      # steps whose outcome found a row
-    forecast_calls: int = 0     # trie calls the forecasts made
+    forecast_calls: int = 0     # trie calls the forecasts made (one a step: trie.c's ngt_forecast)
     forecast_s: list[float] = field(default_factory=list)
     modelled_ms: float = 0.0    # the steps' time under StepCosts
 
@@ -82,8 +81,8 @@ def forecast(trie: NgramTrie, context: list[int], drafts: list[int], draft_token
     gives there."""
     start = time.perf_counter()
     chain_tree = TreeProposal.from_lists([([context[-1]] + drafts, list(range(-1, len(drafts))))])
-    table = forecast_table(trie, [context[-16:]], [owner], chain_tree, draft_tokens + 1, candidates, True, 6)
-    replay.forecast_calls += 2
+    table = trie.forecast([context[-16:]], [owner], chain_tree, draft_tokens + 1, candidates, True, 6)
+    replay.forecast_calls += 1
     forecasts = {}
     n = draft_tokens + 1
     for a in range(len(drafts) + 1):

@@ -99,6 +99,37 @@ def test_an_entry_is_the_tree_the_trie_proposes_after_that_outcome():
     assert table[0, 1, 0, 0] == 7
 
 
+@pytest.mark.parametrize("one_branch", [True, False])
+def test_the_c_forecast_is_the_python_one(one_branch):
+    """trie.c's ngt_forecast against forecast_table's loops over the same compiled trie, and the
+    pure-Python trie's forecast: random streams of a small vocabulary (long and short matches),
+    several owners, chains and trees of N's drafts (the trie's own proposals and random ones)."""
+    from specserve.speculative.ngram.trie_py import PythonNgramTrie
+    rng = np.random.default_rng(1)
+    compiled, python = NgramTrie(NgramConfig()), PythonNgramTrie(NgramConfig())
+    assert type(compiled) is NgramTrie   # the C trie (CI has a compiler)
+    streams = [rng.integers(0, 12, 400).tolist() for _ in range(3)]
+    for owner, stream in enumerate(streams):
+        for trie in (compiled, python):
+            trie.insert(stream[:300], owner)
+    contexts = [stream[:300] for stream in streams] + [rng.integers(0, 12, 5).tolist()]
+    owners = [0, 1, 2, 7]
+    rows = []
+    for context, owner in zip(contexts, owners):
+        tokens, parents = compiled.propose(context, 6, one_branch, owner)
+        rows.append(([context[-1]] + tokens, [-1] + [p + 1 for p in parents]))
+    rows.append(([contexts[0][-1], 3, 5, 3], [-1, 0, 0, 1]))   # a tree with a node of two children
+    contexts.append(contexts[0])
+    owners.append(0)
+    proposal = TreeProposal.from_lists(rows)
+    for nodes, candidates in ((5, 2), (2, 1), (9, 3)):
+        expected = forecast_table(compiled, contexts, owners, proposal, nodes, candidates, one_branch, 6)
+        got = compiled.forecast(contexts, owners, proposal, nodes, candidates, one_branch, 6)
+        assert got.tolist() == expected.tolist()
+        assert python.forecast(contexts, owners, proposal, nodes, candidates, one_branch, 6).tolist() == expected.tolist()
+        assert (expected[..., 0] != NO_ENTRY).sum() > len(rows)   # most nodes found candidates
+
+
 def test_the_flag_is_checked():
     assert ServerArgs(model_path="m", **ngram_args(8, speculative_ngram_forecast=2)).speculative_ngram_forecast == 2
     with pytest.raises(ArgumentError, match="speculative_ngram_forecast"):

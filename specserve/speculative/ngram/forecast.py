@@ -2,8 +2,10 @@
 table), made while that step runs: for every node j of each request's tree (the context is
 then the request's tokens and the tree's path to j) the trie's likeliest next tokens other
 than j's children (had one of them been the target's token, j would not be the last node
-accepted), each with the tree the trie would propose after it. Two trie calls for the whole
-batch: the candidates, then their trees.
+accepted), each with the tree the trie would propose after it. The compiled trie makes the
+table in one C call (trie.c's ngt_forecast); `forecast_table` is the same in Python over
+two batched proposals (the candidates, then their trees), for the pure-Python trie and as
+the C call's reference.
 
 Replayed without a model (`lab.ngram_forecast`, greedy answers of code edits and ShareGPT
 second turns, chains of 4-8 drafts, 2 candidates): the outcome found its entry in 77-94% of
@@ -12,13 +14,16 @@ that proposals made after the read did.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from specserve.runner.forecast_step import empty_table, set_entry
-from specserve.speculative.ngram.trie import NgramTrie
 from specserve.verify.tree import TreeProposal
+
+if TYPE_CHECKING:
+    from specserve.speculative.ngram.trie import NgramTrie
+    from specserve.speculative.ngram.trie_py import PythonNgramTrie
 
 # nodes asked of the trie per first-level candidate wanted: after a long match the trie expands
 # that match's one continuation in depth before the shorter suffixes' alternatives (the bonus
@@ -26,7 +31,7 @@ from specserve.verify.tree import TreeProposal
 CANDIDATE_SPAN = 4
 
 
-def forecast_table(trie: NgramTrie, contexts: Sequence[Sequence[int]], owners: Sequence[int],
+def forecast_table(trie: "NgramTrie | PythonNgramTrie", contexts: Sequence[Sequence[int]], owners: Sequence[int],
                    proposal: TreeProposal, nodes: int, candidates: int, one_branch: bool,
                    key_cap: int) -> np.ndarray:
     """The table for the step after `proposal`'s (contexts[b]: request b's last tokens, its

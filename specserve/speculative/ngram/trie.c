@@ -1166,6 +1166,93 @@ int64_t ngt_propose_batch(Trie *t, const int32_t *contexts, const int64_t *offse
     return 0;
 }
 
+/* The forecast of the step after a verify step (runner/forecast_step.py's table, whose layout
+ * and reasons speculative/ngram/forecast.py gives). Request b's context is contexts[offsets[b]
+ * .. offsets[b + 1]), its tree the rows b of tree_tokens / tree_parents ((batch, width) int64,
+ * the root first, parents counted from it, tree_counts[b] real nodes) and modes[b] its
+ * ngt_propose mode without the branch bit. For each node j (the context then ends with the
+ * path from the root to j), the trie's first-level continuations of a tree proposal of
+ * span * (candidates + j's children) drafts, j's children left out, the first `candidates`
+ * of them, each with the proposal of nodes - 1 drafts after it (a chain with one_branch),
+ * go into table[b, j, c] ((batch, width, candidates, 2 * nodes + 1) int64): the token, the
+ * drafts, their parents counted from it as node 0, 1 + drafts, the match length capped at
+ * key_cap. The table comes in empty (forecast.py's empty_table): entries not found stay so.
+ * Needs an output buffer (ngt_set_output) of span * (candidates + width) and nodes - 1. */
+int64_t ngt_forecast(Trie *t, const int32_t *contexts, const int64_t *offsets, int32_t batch,
+                     const int64_t *tree_tokens, const int64_t *tree_parents, const int64_t *tree_counts,
+                     int32_t width, const int32_t *modes, int32_t candidates, int32_t span, int32_t nodes,
+                     int32_t one_branch, int32_t key_cap, int64_t *table) {
+    if (batch < 0 || width < 1 || candidates < 1 || span < 1 || nodes < 2) return BAD_ARGUMENT;
+    if ((int64_t)span * (candidates + width) > t->out_cap || nodes - 1 > t->out_cap) return BAD_ARGUMENT;
+    const int64_t fields = 2 * (int64_t)nodes + 1;
+    int32_t *buffer = malloc(((size_t)t->max_window + (size_t)width + 1) * sizeof *buffer);
+    int32_t *chosen = malloc((size_t)candidates * sizeof *chosen);
+    int32_t *path = malloc((size_t)width * sizeof *path);
+    if (!buffer || !chosen || !path) {
+        free(buffer), free(chosen), free(path);
+        return NO_MEMORY;
+    }
+    int64_t status = 0;
+    for (int32_t b = 0; b < batch && status == 0; b++) {
+        const int64_t start = offsets[b], n = offsets[b + 1] - start;
+        const int64_t *tokens = tree_tokens + (int64_t)b * width, *parents = tree_parents + (int64_t)b * width;
+        const int64_t count = tree_counts[b];
+        if (n < 1 || count < 1 || count > width) {
+            status = BAD_ARGUMENT;
+            break;
+        }
+        const int64_t base = n < t->max_window ? n : t->max_window;
+        memcpy(buffer, contexts + start + n - base, (size_t)base * sizeof *buffer);
+        for (int64_t j = 0; j < count && status == 0; j++) {
+            int32_t depth = 0, children = 0;
+            for (int64_t node = j; node > 0; node = parents[node]) {
+                if (parents[node] < 0 || parents[node] >= node || depth >= width) {
+                    status = BAD_ARGUMENT;
+                    break;
+                }
+                path[depth++] = (int32_t)tokens[node];
+            }
+            if (status) break;
+            for (int32_t d = 0; d < depth; d++) buffer[base + d] = path[depth - 1 - d];   /* root's child first */
+            for (int64_t k = 1; k < count; k++) children += parents[k] == j;
+            const int32_t length = (int32_t)base + depth;
+            int64_t result = ngt_propose(t, buffer, length, span * (candidates + children), modes[b]);
+            if (result < 0) {
+                status = result;
+                break;
+            }
+            const int64_t found = result & 0xFFFFFFFF;
+            int32_t picked = 0;
+            for (int64_t i = 0; i < found && picked < candidates; i++) {
+                if (t->out[found + i] != -1) continue;   /* first level only */
+                int excluded = 0;
+                for (int64_t k = 1; k < count && !excluded; k++)
+                    excluded = parents[k] == j && tokens[k] == t->out[i];
+                if (!excluded) chosen[picked++] = t->out[i];
+            }
+            for (int32_t c = 0; c < picked; c++) {
+                buffer[length] = chosen[c];
+                result = ngt_propose(t, buffer, length + 1, nodes - 1, modes[b] | (one_branch ? 1 : 0));
+                if (result < 0) {
+                    status = result;
+                    break;
+                }
+                const int64_t drafts = result & 0xFFFFFFFF, matched = result >> 32;
+                int64_t *entry = table + (((int64_t)b * width + j) * candidates + c) * fields;
+                entry[0] = chosen[c];
+                for (int64_t i = 0; i < drafts; i++) {
+                    entry[1 + i] = t->out[i];
+                    entry[nodes + i] = (int64_t)t->out[drafts + i] + 1;
+                }
+                entry[2 * (int64_t)nodes - 1] = 1 + drafts;
+                entry[2 * (int64_t)nodes] = matched < key_cap ? matched : key_cap;
+            }
+        }
+    }
+    free(buffer), free(chosen), free(path);
+    return status;
+}
+
 /* ------------------------------------------------------------------ life cycle */
 
 void ngt_free(Trie *t) {

@@ -18,8 +18,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from specserve.speculative.ngram.config import NgramConfig
+from specserve.speculative.ngram.forecast import forecast_table
 from specserve.speculative.ngram.trie_py_drafts import TrieDrafts
 from specserve.speculative.ngram.trie_py_nodes import ROOT, TOKEN_BITS, Stream, TrieNodes, as_list
+from specserve.verify.tree import TreeProposal
 
 
 class PythonNgramTrie:
@@ -172,6 +174,11 @@ class PythonNgramTrie:
             num_nodes[row] += len(drafts)
             match_lengths[row] = self.last_match_length
         return tokens, parents, num_nodes, match_lengths
+
+    def forecast(self, contexts: Sequence[Sequence[int]], owners: Sequence[int], proposal: TreeProposal,
+                 nodes: int, candidates: int, one_branch: bool, key_cap: int) -> np.ndarray:
+        """As ``NgramTrie.forecast`` (trie.py): forecast.py's loops over propose_batch."""
+        return forecast_table(self, contexts, owners, proposal, nodes, candidates, one_branch, key_cap)
 
     def propose(self, context: Sequence[int], num_draft_tokens: int, one_branch: bool,
                 owner: int | None = None) -> tuple[list[int], list[int]]:
