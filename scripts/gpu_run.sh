@@ -263,7 +263,8 @@ if [ "$mode" = forecast ]; then
   # --speculative-ngram-forecast (runner/forecast_step.py): its GPU tests, the step's cost on random 1.5B
   # weights (verify steps launched before the step before is read, against verify steps launched after),
   # then the suite's default NGRAM with and without it at 1 and 8 (FORECAST_CONCURRENCY), 2 rounds alternated
-  python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tree_step_cuda.py 2>&1 | tail -4
+  TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/test_forecast_kernel.py tests/gpu/test_tree_step_cuda.py \
+    2>&1 | tail -4
   python3 -m lab.suite_host_phases lab.step_cost --forecast --batch-sizes 1 8 --sizes 1 4 8 --steps 60 \
     --out "$OUT/step_cost_forecast" 2>&1 | grep '^{' | python3 -c "
 import json, sys

@@ -25,31 +25,38 @@ from tests.test_draft_ahead import ahead_on, assert_plain_answers, plain, plain_
 from tests.test_kv_accounting import wait_until_all_kv_is_free
 
 
-def _outcome(accept_lens, accepted, committed) -> np.ndarray:
-    """commit_path's (bs, 1 + 2m) layout."""
-    return np.concatenate([np.asarray(accept_lens)[:, None], accepted, committed], axis=1)
-
-
-def test_device_and_host_pick_the_same_trees():
-    rng = np.random.default_rng(0)
-    bs, rows, candidates, n, m = 5, 3, 2, 4, 3
+def random_case(seed: int, bs: int, rows: int, candidates: int, n: int, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """A forecast table for trees of `rows` nodes (most entries filled, next trees of up to n
+    nodes) and an outcome of theirs in commit_path's (bs, 1 + 2m) layout, over a vocabulary
+    of three tokens, so that some outcomes find their entry and some do not."""
+    rng = np.random.default_rng(seed)
     table = empty_table(bs, rows, candidates, n)
     for b in range(bs):
         for j in range(rows):
             for c in range(candidates):
-                if rng.random() < 0.8:
+                if rng.random() < 0.7:
                     count = int(rng.integers(0, n))
-                    set_entry(table, b, j, c, int(rng.integers(0, 4)), rng.integers(10, 20, count).tolist(),
-                              list(range(count)), int(rng.integers(0, 6)))
-    accept_lens = rng.integers(1, m + 1, bs)
-    accepted = np.full((bs, m), -1)
-    committed = np.full((bs, m), -1)
-    for b, length in enumerate(accept_lens):
-        accepted[b, :length] = np.sort(rng.choice(m, length, replace=False))
-        accepted[b, 0] = 0
-        committed[b, :length] = rng.integers(0, 4, length)
-    outcome = _outcome(accept_lens, accepted, committed)
-    picked = pick(table, accept_lens, accepted, [row[:k].tolist() for row, k in zip(committed, accept_lens)])
+                    parents = [int(rng.integers(0, i + 1)) for i in range(count)]   # a tree: each before its children
+                    set_entry(table, b, j, c, int(rng.integers(0, 3)), rng.integers(10, 99, count).tolist(), parents,
+                              int(rng.integers(0, 6)))
+    accept_lens = rng.integers(1, min(m, rows) + 1, bs)
+    accepted, committed = np.full((bs, m), -1), np.full((bs, m), -1)
+    for b, length in enumerate(accept_lens):   # the root, then nodes of N's tree (< rows) in order
+        accepted[b, :length] = [0] + sorted(rng.choice(np.arange(1, rows), length - 1, replace=False).tolist())
+        committed[b, :length] = rng.integers(0, 3, length)
+    return table, np.concatenate([accept_lens[:, None], accepted, committed], axis=1)
+
+
+def picked_by_host(table: np.ndarray, outcome: np.ndarray):
+    m = (outcome.shape[1] - 1) // 2
+    return pick(table, outcome[:, 0], outcome[:, 1:1 + m], [row[:k].tolist() for row, k in
+                                                             zip(outcome[:, 1 + m:], outcome[:, 0])])
+
+
+def test_device_and_host_pick_the_same_trees():
+    bs, n = 6, 4
+    table, outcome = random_case(0, bs, 3, 2, n, 3)
+    picked = picked_by_host(table, outcome)
     assert 0 < picked.hits < bs   # some requests found their entry, some did not
 
     width = 6   # a graph's buffer may be wider than n
@@ -66,7 +73,7 @@ def test_device_and_host_pick_the_same_trees():
     assert inputs.parents[:bs, :n].tolist() == proposal.parents.tolist()
     real = np.arange(n) < proposal.num_nodes[:, None]
     assert inputs.out_slots[:bs, :n].tolist() == np.where(real, node_slots.numpy(), PADDING_SLOT).tolist()
-    assert inputs.prefix_lens[:bs].tolist() == (np.arange(bs) * 100 + accept_lens).tolist()
+    assert inputs.prefix_lens[:bs].tolist() == (np.arange(bs) * 100 + outcome[:, 0]).tolist()
     assert inputs.tokens[bs:].eq(0).all() and inputs.tokens[:, n:].eq(0).all()   # padding untouched
 
 

@@ -102,7 +102,19 @@ def select_on_device(inputs: TreeStepInputs, outcome: torch.Tensor, table: torch
     table rows, N's prefix lengths, padding past n nodes) from N's greedy outcome (bs, 1 + 2m:
     tree_step.commit_path's) and the forecast table (bs, R, C, 2n + 1): the picked trees'
     tokens, parents and node counts, the node slots of their real nodes (node_slots: (bs, n),
-    PADDING_SLOT past them), and prefix lengths longer by what N commits. No host sync."""
+    PADDING_SLOT past them), and prefix lengths longer by what N commits. No host sync. On
+    CUDA one Triton kernel (forecast_kernel.py) instead of ~25 small torch kernels."""
+    if table.is_cuda:
+        from specserve.runner import forecast_kernel   # lazily: CPU-only installs never import Triton
+        forecast_kernel.select(inputs.tokens, inputs.parents, inputs.out_slots, inputs.num_nodes, inputs.prefix_lens,
+                               outcome, table, node_slots, PADDING_SLOT)
+    else:
+        select_with_torch(inputs, outcome, table, node_slots)
+
+
+def select_with_torch(inputs: TreeStepInputs, outcome: torch.Tensor, table: torch.Tensor,
+                      node_slots: torch.Tensor) -> None:
+    """select_on_device in torch ops: the CPU's, and the kernel's reference."""
     bs, _, candidates, width = table.shape
     n = (width - 1) // 2
     m = (outcome.shape[1] - 1) // 2
