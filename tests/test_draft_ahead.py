@@ -217,8 +217,14 @@ def _drive(engine, prompt: str, params: dict, rid: str):
     return engine._make_request(engine.tokenizer(prompt).input_ids, params, False, 0, rid)
 
 
-def test_a_request_arriving_while_a_step_is_ahead_waits_for_its_commit(engine_factory, plain):
-    engine = ahead_on(engine_factory(max_total_tokens=4096, **ngram_args(8)))
+# each with the next step forecast too (--speculative-ngram-forecast: the step ahead is then
+# launched before the step before it is read)
+FORECAST = pytest.mark.parametrize("forecast", [0, 2])
+
+
+@FORECAST
+def test_a_request_arriving_while_a_step_is_ahead_waits_for_its_commit(engine_factory, plain, forecast):
+    engine = ahead_on(engine_factory(max_total_tokens=4096, **ngram_args(8, speculative_ngram_forecast=forecast)))
     core = _stepped_by_hand(engine)
     params = dict(GREEDY, max_new_tokens=40, ignore_eos=True)
     first = _drive(engine, CODE_PROMPT, params, "first")
@@ -238,8 +244,9 @@ def test_a_request_arriving_while_a_step_is_ahead_waits_for_its_commit(engine_fa
     assert core.scheduler.available_slots() == core.runner.pool.size
 
 
-def test_abort_while_a_step_is_ahead_frees_its_slots(engine_factory):
-    engine = ahead_on(engine_factory(max_total_tokens=4096, **ngram_args(8)))
+@FORECAST
+def test_abort_while_a_step_is_ahead_frees_its_slots(engine_factory, forecast):
+    engine = ahead_on(engine_factory(max_total_tokens=4096, **ngram_args(8, speculative_ngram_forecast=forecast)))
     core = _stepped_by_hand(engine)
     params = dict(GREEDY, max_new_tokens=40, ignore_eos=True)
     reqs = [_drive(engine, prompt, params, f"r{i}") for i, prompt in enumerate([CODE_PROMPT, CODE_PROMPT])]
@@ -255,8 +262,10 @@ def test_abort_while_a_step_is_ahead_frees_its_slots(engine_factory):
     assert core.scheduler.available_slots() == core.runner.pool.size
 
 
-def test_a_small_cache_preempts_and_keeps_outputs(engine_factory, plain):
-    small = ahead_on(engine_factory(max_total_tokens=200, max_running_requests=8, **ngram_args(8)))
+@FORECAST
+def test_a_small_cache_preempts_and_keeps_outputs(engine_factory, plain, forecast):
+    small = ahead_on(engine_factory(max_total_tokens=200, max_running_requests=8,
+                                    **ngram_args(8, speculative_ngram_forecast=forecast)))
     params = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}
     prompts = [CODE_PROMPT[:120]] + SAMPLE_PROMPTS[:5]
     expected = plain.generate(prompts, params)
@@ -266,12 +275,13 @@ def test_a_small_cache_preempts_and_keeps_outputs(engine_factory, plain):
     wait_until_all_kv_is_free(small)
 
 
-@pytest.mark.parametrize("method", ["observe_batch", "propose"])
-def test_a_failure_around_a_step_ahead_fails_its_request_alone(engine_factory, method):
+@pytest.mark.parametrize("method,forecast", [("observe_batch", 0), ("propose", 0), ("observe_batch", 2)])
+def test_a_failure_around_a_step_ahead_fails_its_request_alone(engine_factory, method, forecast):
     """observe runs after the next step is launched (that step is dropped with the failed
     one), propose while launching it: either way the victim fails alone and nothing leaks."""
     from tests.test_failure_isolation import assert_all_kv_free, failing_for_victim, run_together
-    engine = ahead_on(engine_factory(max_total_tokens=2048, max_running_requests=8, **ngram_args(4)))
+    engine = ahead_on(engine_factory(max_total_tokens=2048, max_running_requests=8,
+                                     **ngram_args(4, speculative_ngram_forecast=forecast)))
     expected = run_together(engine)
     taken = engine.core.draft_ahead.steps_taken
     with failing_for_victim(engine.core, "drafter", method, 4) as calls:
@@ -280,6 +290,22 @@ def test_a_failure_around_a_step_ahead_fails_its_request_alone(engine_factory, m
     assert isinstance(results[1], RuntimeError) and "injected failure" in str(results[1])
     assert [results[0]["output_ids"], results[2]["output_ids"]] == [expected[0]["output_ids"],
                                                                     expected[2]["output_ids"]]
+    assert_all_kv_free(engine)
+
+
+def test_a_failing_forecast_fails_no_request_and_leaks_nothing(engine_factory):
+    """A forecast runs only for a batch whose next step is launched ahead, so the failure
+    isolation's one-by-one steps (none ahead) never meet it: the batch's requests all finish
+    with plain decoding's outputs, and the failed steps' slots (the step whose read the
+    forecast came before) are all back."""
+    from tests.test_failure_isolation import assert_all_kv_free, failing_for_victim, run_together
+    engine = ahead_on(engine_factory(max_total_tokens=2048, max_running_requests=8,
+                                     **ngram_args(4, speculative_ngram_forecast=2)))
+    expected = run_together(engine)
+    with failing_for_victim(engine.core, "drafter", "forecast", 4) as calls:
+        results = run_together(engine)
+    assert calls["failed"] >= 1
+    assert [r["output_ids"] for r in results] == [r["output_ids"] for r in expected]
     assert_all_kv_free(engine)
 
 
@@ -303,14 +329,15 @@ def test_a_replayed_graph_s_outputs_cut_to_the_batch_when_read():
     assert CutStepOutputs(TreeStepOutputs(full.logits, None, None), bs, m).trees is None
 
 
-def test_constrained_drafting_steps_are_launched_ahead(engine_factory, plain):
+@FORECAST
+def test_constrained_drafting_steps_are_launched_ahead(engine_factory, plain, forecast):
     """Verified unmasked, then kept to their grammars on the host (grammar/greedy_paths.py),
     constrained greedy drafting steps run launched ahead like the others, plain's outputs."""
     from tests.test_structured_output import constrained_requests
 
     requests = [(prompt, params) for _, prompt, params in constrained_requests() if params["temperature"] == 0]
     prompts, params = [p for p, _ in requests], [q for _, q in requests]
-    engine = ahead_on(engine_factory(max_total_tokens=4096, **ngram_args(6)))
+    engine = ahead_on(engine_factory(max_total_tokens=4096, **ngram_args(6, speculative_ngram_forecast=forecast)))
     expected = plain.generate(prompts, params)
     got = engine.generate(prompts, params)
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in expected]

@@ -84,8 +84,8 @@ class DraftingStep(StepPipeline):
         """The step's outcome (the one host sync), the next fused step queued first."""
         step = launched.step
         reqs = step.reqs
-        launched.chained = self._launch_chained(reqs, step)
         try:
+            launched.chained = self._launch_chained(reqs, step)
             outcome = step.read()
             if outcome.hidden is not None and isinstance(self.planner.drafter, ReadsHiddenStates):   # the accepted nodes'
                 self.planner.drafter.observe_hidden(reqs, [r.kv_len for r in reqs],
