@@ -14,7 +14,7 @@ from specserve.runner import forecast_kernel
 from specserve.runner.forecast_step import select_with_torch
 from specserve.runner.tree_step import TreeStepInputs
 
-from tests.test_ngram_forecast import picked_by_host, random_case
+from tests.forecast_fixtures import picked_by_host, random_case
 
 DEVICE = torch.device("cpu" if os.environ["TRITON_INTERPRET"] == "1" else "cuda")
 

@@ -13,44 +13,17 @@ import torch
 from specserve.args import ArgumentError, NotSupportedError, ServerArgs
 from specserve.engine.draft_ahead import ForecastStep
 from specserve.kv.pool import PADDING_SLOT
-from specserve.runner.forecast_step import NO_ENTRY, empty_table, pick, select_on_device, set_entry
+from specserve.runner.forecast_step import NO_ENTRY, select_on_device
 from specserve.runner.tree_step import TreeStepInputs
 from specserve.speculative.ngram.config import NgramConfig
 from specserve.speculative.ngram.forecast import forecast_table
 from specserve.speculative.ngram.trie import NgramTrie
 from specserve.verify.tree import TreeProposal
 
+from tests.forecast_fixtures import picked_by_host, random_case
 from tests.spec_fixtures import ngram_args, price_steps
 from tests.test_draft_ahead import ahead_on, assert_plain_answers, plain, plain_answers  # noqa: F401 (fixtures)
 from tests.test_kv_accounting import wait_until_all_kv_is_free
-
-
-def random_case(seed: int, bs: int, rows: int, candidates: int, n: int, m: int) -> tuple[np.ndarray, np.ndarray]:
-    """A forecast table for trees of `rows` nodes (most entries filled, next trees of up to n
-    nodes) and an outcome of theirs in commit_path's (bs, 1 + 2m) layout, over a vocabulary
-    of three tokens, so that some outcomes find their entry and some do not."""
-    rng = np.random.default_rng(seed)
-    table = empty_table(bs, rows, candidates, n)
-    for b in range(bs):
-        for j in range(rows):
-            for c in range(candidates):
-                if rng.random() < 0.7:
-                    count = int(rng.integers(0, n))
-                    parents = [int(rng.integers(0, i + 1)) for i in range(count)]   # a tree: each before its children
-                    set_entry(table, b, j, c, int(rng.integers(0, 3)), rng.integers(10, 99, count).tolist(), parents,
-                              int(rng.integers(0, 6)))
-    accept_lens = rng.integers(1, min(m, rows) + 1, bs)
-    accepted, committed = np.full((bs, m), -1), np.full((bs, m), -1)
-    for b, length in enumerate(accept_lens):   # the root, then nodes of N's tree (< rows) in order
-        accepted[b, :length] = [0] + sorted(rng.choice(np.arange(1, rows), length - 1, replace=False).tolist())
-        committed[b, :length] = rng.integers(0, 3, length)
-    return table, np.concatenate([accept_lens[:, None], accepted, committed], axis=1)
-
-
-def picked_by_host(table: np.ndarray, outcome: np.ndarray):
-    m = (outcome.shape[1] - 1) // 2
-    return pick(table, outcome[:, 0], outcome[:, 1:1 + m], [row[:k].tolist() for row, k in
-                                                             zip(outcome[:, 1 + m:], outcome[:, 0])])
 
 
 def test_device_and_host_pick_the_same_trees():
