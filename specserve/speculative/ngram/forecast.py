@@ -14,16 +14,12 @@ that proposals made after the read did.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 
 from specserve.runner.forecast_step import empty_table, set_entry
 from specserve.verify.tree import TreeProposal
-
-if TYPE_CHECKING:
-    from specserve.speculative.ngram.trie import NgramTrie
-    from specserve.speculative.ngram.trie_py import PythonNgramTrie
 
 # nodes asked of the trie per first-level candidate wanted: after a long match the trie expands
 # that match's one continuation in depth before the shorter suffixes' alternatives (the bonus
@@ -31,7 +27,14 @@ if TYPE_CHECKING:
 CANDIDATE_SPAN = 4
 
 
-def forecast_table(trie: "NgramTrie | PythonNgramTrie", contexts: Sequence[Sequence[int]], owners: Sequence[int],
+class BatchProposals(Protocol):
+    """What the forecast asks of a trie (trie.py's and trie_py.py's, which import this file)."""
+
+    def propose_batch(self, contexts: Sequence[Sequence[int]], budgets: Sequence[int], one_branch: bool,
+                      owners: Sequence[int | None]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]: ...
+
+
+def forecast_table(trie: BatchProposals, contexts: Sequence[Sequence[int]], owners: Sequence[int],
                    proposal: TreeProposal, nodes: int, candidates: int, one_branch: bool,
                    key_cap: int) -> np.ndarray:
     """The table for the step after `proposal`'s (contexts[b]: request b's last tokens, its
