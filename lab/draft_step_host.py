@@ -153,7 +153,9 @@ class GraphStandIn(ReplayForward):
     def can_run(self, bs: int, n: int) -> bool:
         return True
 
-    def replay(self, proposal, node_slots, req_rows, kv_lens, roots=None) -> TreeStepOutputs:
+    def replay(self, proposal, node_slots, req_rows, kv_lens, derive=None, every_node=False) -> TreeStepOutputs:
+        """As CudaGraphRunner.replay; `derive` may set the roots only (the trees are read from
+        `proposal` on the host: no forecast steps)."""
         self.replays += 1
         bs, n = proposal.tokens.shape
         host = self.host_inputs.get((bs, n))
@@ -162,8 +164,8 @@ class GraphStandIn(ReplayForward):
         host.fill(proposal, node_slots, req_rows, kv_lens, self.runner.pool.scratch_row)
         with self.timed():
             inputs = TreeStepInputs.view(host.packed.clone(), bs, n)   # the device's copy
-            if roots is not None:
-                inputs.tokens[:, 0] = roots
+            if derive is not None:
+                derive(inputs)
             reqs = [self.reqs_by_row[row] for row in req_rows]
             trees = proposal.trees() if n > 1 else None
             depth = trees.depth.tolist() if trees is not None else [[0]] * bs
