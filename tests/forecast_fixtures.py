@@ -29,8 +29,8 @@ def random_case(seed: int, bs: int, rows: int, candidates: int, n: int, m: int) 
     return table, np.concatenate([accept_lens[:, None], accepted, committed], axis=1)
 
 
-def picked_by_host(table: np.ndarray, outcome: np.ndarray) -> Picked:
-    """What the host picks from `table` for that outcome."""
+def picked_by_host(table: np.ndarray, outcome: np.ndarray, nodes: int | None = None) -> Picked:
+    """What the host picks from `table` for that outcome (a step of `nodes` nodes a request)."""
     m = (outcome.shape[1] - 1) // 2
     return pick(table, outcome[:, 0], outcome[:, 1:1 + m], [row[:k].tolist() for row, k in
-                                                             zip(outcome[:, 1 + m:], outcome[:, 0])])
+                                                             zip(outcome[:, 1 + m:], outcome[:, 0])], nodes)

@@ -19,10 +19,12 @@ from tests.forecast_fixtures import picked_by_host, random_case
 DEVICE = torch.device("cpu" if os.environ["TRITON_INTERPRET"] == "1" else "cuda")
 
 
-@pytest.mark.parametrize("bs,rows,candidates,n,m,width", [(5, 3, 2, 4, 3, 6), (1, 8, 3, 8, 8, 8), (8, 2, 1, 2, 2, 2)])
-def test_the_kernel_writes_what_torch_does(bs, rows, candidates, n, m, width):
+@pytest.mark.parametrize("bs,rows,candidates,n,m,nodes,width", [(5, 3, 2, 4, 3, 4, 6), (1, 8, 3, 8, 8, 8, 8),
+                                                               (8, 2, 1, 2, 2, 2, 2), (6, 4, 2, 8, 4, 3, 4)])
+def test_the_kernel_writes_what_torch_does(bs, rows, candidates, n, m, nodes, width):
+    """Trees of the table's n nodes, a step of `nodes` (their first), in a buffer `width` wide."""
     table, outcome = random_case(bs * 7 + n, bs, rows, candidates, n, m)
-    node_slots = torch.arange(bs * n).view(bs, n) + 1000
+    node_slots = torch.arange(bs * nodes).view(bs, nodes) + 1000
     results = []
     for use_kernel in (False, True):
         inputs = TreeStepInputs.allocate(bs + 3, width, DEVICE)   # padding rows after the batch

@@ -26,28 +26,30 @@ from tests.test_draft_ahead import ahead_on, assert_plain_answers, plain, plain_
 from tests.test_kv_accounting import wait_until_all_kv_is_free
 
 
-def test_device_and_host_pick_the_same_trees():
+@pytest.mark.parametrize("nodes", [4, 3])   # the table's trees whole, or their first 3 nodes
+def test_device_and_host_pick_the_same_trees(nodes):
     bs, n = 6, 4
     table, outcome = random_case(0, bs, 3, 2, n, 3)
-    picked = picked_by_host(table, outcome)
+    picked = picked_by_host(table, outcome, nodes)
     assert 0 < picked.hits < bs   # some requests found their entry, some did not
+    assert picked.verified.tokens.tolist() == picked.full.tokens[:, :nodes].tolist()
 
-    width = 6   # a graph's buffer may be wider than n
+    width = 6   # a graph's buffer may be wider than the step's trees
     inputs = TreeStepInputs.allocate(bs + 2, width, "cpu")
     inputs.tokens.fill_(0)
     inputs.parents.fill_(-1)
     inputs.out_slots.fill_(PADDING_SLOT)
     inputs.prefix_lens[:bs] = torch.arange(bs) * 100
-    node_slots = torch.arange(bs * n).view(bs, n) + 1000
+    node_slots = torch.arange(bs * nodes).view(bs, nodes) + 1000
     select_on_device(inputs, torch.from_numpy(outcome), torch.from_numpy(table), node_slots)
-    proposal = picked.proposal
+    proposal = picked.verified
     assert inputs.num_nodes[:bs].tolist() == proposal.num_nodes.tolist()
-    assert inputs.tokens[:bs, :n].tolist() == proposal.tokens.tolist()
-    assert inputs.parents[:bs, :n].tolist() == proposal.parents.tolist()
-    real = np.arange(n) < proposal.num_nodes[:, None]
-    assert inputs.out_slots[:bs, :n].tolist() == np.where(real, node_slots.numpy(), PADDING_SLOT).tolist()
+    assert inputs.tokens[:bs, :nodes].tolist() == proposal.tokens.tolist()
+    assert inputs.parents[:bs, :nodes].tolist() == proposal.parents.tolist()
+    real = np.arange(nodes) < proposal.num_nodes[:, None]
+    assert inputs.out_slots[:bs, :nodes].tolist() == np.where(real, node_slots.numpy(), PADDING_SLOT).tolist()
     assert inputs.prefix_lens[:bs].tolist() == (np.arange(bs) * 100 + outcome[:, 0]).tolist()
-    assert inputs.tokens[bs:].eq(0).all() and inputs.tokens[:, n:].eq(0).all()   # padding untouched
+    assert inputs.tokens[bs:].eq(0).all() and inputs.tokens[:, nodes:].eq(0).all()   # padding untouched
 
 
 def test_an_entry_is_the_tree_the_trie_proposes_after_that_outcome():
@@ -119,24 +121,28 @@ def test_the_flag_is_checked():
                    speculative_ngram_forecast=2)
 
 
-def _count_holds(engine) -> list[tuple[list[int], list[int], list[int]]]:
-    """Records each forecast step held: the picked trees' node counts, and the trees a
-    proposal after the read proposes at that moment (the trie as the forecast saw it), cut
-    to the same size, for the hits."""
-    seen = []
+def _count_holds(engine) -> tuple[list, list, object]:
+    """Records each forecast step held: for the hits, its trees whole beside the trees a
+    proposal after the read makes at that moment (the trie as the forecast saw it) of as many
+    nodes; and each step's width, checking that it verifies its trees' first nodes."""
+    seen, widths = [], []
     hold = ForecastStep.hold
     drafter = engine.core.drafter
 
     def recording(self, scheduler, drafter_, before, live, started):
-        step, tree, num_nodes, keys = hold(self, scheduler, drafter_, before, live, started)
-        n = self.node_slots.shape[1]
-        after, counts = drafter.propose(step.reqs, [n] * len(step.reqs))
+        step, proposed, num_nodes, keys = hold(self, scheduler, drafter_, before, live, started)
+        width, whole = self.node_slots.shape[1], (self.table.shape[-1] - 1) // 2
+        widths.append(width)
+        verified = step.tree
+        assert verified.tokens.tolist() == proposed.tokens[:, :width].tolist()
+        assert verified.num_nodes.tolist() == np.minimum(proposed.num_nodes, width).tolist()
+        after, counts = drafter.propose(step.reqs, [whole] * len(step.reqs))
         for i, count in enumerate(num_nodes):
             if count > 1:   # a hit with drafts: the tree a proposal after the read makes
-                seen.append((tree.tokens[i, :count].tolist(), after.tokens[i, :counts[i]].tolist(),
-                             tree.parents[i, :count].tolist(), after.parents[i, :counts[i]].tolist()))
-        return step, tree, num_nodes, keys
-    return seen, recording
+                seen.append((proposed.tokens[i, :count].tolist(), after.tokens[i, :counts[i]].tolist(),
+                             proposed.parents[i, :count].tolist(), after.parents[i, :counts[i]].tolist()))
+        return step, proposed, num_nodes, keys
+    return seen, widths, recording
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
@@ -146,10 +152,12 @@ def test_forecast_steps_give_plain_outputs_and_the_trees_of_a_proposal_after_the
                                                                          speculative_ngram_forecast=2)))
     if adaptive:
         price_steps(engine, 0.010, 0.001)
-    seen, recording = _count_holds(engine)
+    seen, widths, recording = _count_holds(engine)
     monkeypatch.setattr(ForecastStep, "hold", recording)
     assert_plain_answers(engine, plain_answers)
     assert len(seen) > 5
+    # pinned, every step verifies the full size; the policy's widths follow its evidence
+    assert (len(set(widths)) > 1) if adaptive else (set(widths) == {8}), widths
     for tokens, after, parents, after_parents in seen:
         assert tokens == after and parents == after_parents
     wait_until_all_kv_is_free(engine)

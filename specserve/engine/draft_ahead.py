@@ -80,6 +80,9 @@ class DraftStep:
     tree: TreeProposal | None = None
     logits_at: LogitsAt | None = None
     nodes_run: int | None = None   # nodes the forward ran, where not its trees' (a forecast step's: every slot)
+    # a forecast step's: the nodes a request the policy chose, given its trees whole (the width
+    # of the forecast step after it)
+    next_width: int | None = None
 
     @property
     def num_slots(self) -> int:
@@ -158,28 +161,32 @@ class ForecastStep:
     slots are nobody's until that step is committed and this one is held."""
     reqs: list[Req]
     launched: InFlight
-    node_slots: np.ndarray     # (bs, n) a slot for every node a picked tree may have
-    table: np.ndarray          # the forecast it picked from
+    node_slots: np.ndarray     # (bs, n) a slot for every node a picked tree's first n may have
+    table: np.ndarray          # the forecast it picked from (trees of up to the table's width)
 
     def hold(self, scheduler: Scheduler, drafter: Drafter, before: StepOutcome, live: list[int],
              started: float) -> tuple[DraftStep, TreeProposal, list[int], list[int]]:
         """The step for the requests at rows `live` (those the step before did not end), its
-        trees the ones the step before's outcome picked (`before`), as on the device; the
-        slots of nodes no tree took are freed (the device wrote none of them: it gave them
-        the padding slot). Also returns the trees, their node counts and keys, for the policy."""
-        picked = pick(self.table, before.accept_lens, before.accepted, before.tokens)
+        trees the first n nodes of the ones the step before's outcome picked (`before`), as on
+        the device; the slots of nodes no tree took are freed (the device wrote none of them:
+        it gave them the padding slot). Also returns, for the policy, the trees whole (what
+        the drafter proposed), their node counts and keys."""
         bs, n = self.node_slots.shape
-        taken = np.arange(n) < picked.proposal.num_nodes[:, None]
+        picked = pick(self.table, before.accept_lens, before.accepted, before.tokens, n)
+        verified = picked.verified
+        taken = np.arange(n) < verified.num_nodes[:, None]
         ended = np.ones(bs, dtype=bool)
         ended[live] = False
         scheduler.free_slots(self.node_slots[~taken | ended[:, None]].tolist())
         node_slots = np.where(taken, self.node_slots, PADDING_SLOT)[live]
-        num_nodes = picked.proposal.num_nodes[live]
-        tree = TreeProposal(picked.proposal.tokens[live], picked.proposal.parents[live], num_nodes)
+        num_nodes = verified.num_nodes[live]
+        tree = TreeProposal(verified.tokens[live], verified.parents[live], num_nodes)
         reqs = [self.reqs[i] for i in live]
         step = DraftStep(reqs, num_nodes, node_slots, node_slots[taken[live]].tolist(), self.launched, None, started,
                          rows=None if len(live) == bs else live, tree=tree, nodes_run=bs * n)
-        return step, tree, num_nodes.tolist(), [picked.keys[i] for i in live]
+        full = picked.full
+        proposed = TreeProposal(full.tokens[live], full.parents[live], full.num_nodes[live])
+        return step, proposed, proposed.num_nodes.tolist(), [picked.keys[i] for i in live]
 
     def free(self, scheduler: Scheduler, drafter: Drafter, rows: list[int]) -> None:
         """Frees these rows' slots (the step may still write them: whoever gets them next
@@ -190,8 +197,8 @@ class ForecastStep:
 def launch_forecast_step(runner: ModelRunner, before: DraftStep, table: np.ndarray, slots: list[int],
                          copies: "OutcomeCopies") -> ForecastStep:
     """Queues the step after `before` (launched, not read) for the same requests, its trees
-    picked from `table` by before's outcome on the device, `slots` a request's n nodes after
-    another's, and the copy of its outcome to the host."""
+    picked from `table` by before's outcome on the device (their first n nodes), `slots` a
+    request's n nodes after another's, and the copy of its outcome to the host."""
     reqs = before.reqs
     node_slots = np.asarray(slots, dtype=np.int64).reshape(len(reqs), -1)
     outcome = before.launched.device

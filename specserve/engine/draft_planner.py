@@ -102,16 +102,16 @@ class DraftPlanner:
         return proposal, num_nodes, shadows
 
     def choose_chained(self, reqs: list[Req], proposal: TreeProposal, num_nodes: list[int],
-                       keys: list[int] | None) -> Shadows | None:
+                       keys: list[int] | None) -> tuple[Shadows | None, int | None]:
         """The policy's choice for a step queued before the step before was read (a fused
         chain's, or one picked from a forecast: its evidence and episode bookkeeping; the step
         verifies its trees whatever the tier, and a choice of plain decoding applies from the
-        next step), given the trees it verifies. Returns its shadows."""
+        next step), given the trees the drafter proposed. Returns its shadows and the tier
+        chosen (None without a policy)."""
         if self.adaptive is None:
-            return None
+            return None, None
         shadows = Shadows([r.rid for r in reqs], proposal, num_nodes, keys)
-        self.adaptive.choose(shadows.rids, num_nodes, shadows.keys)
-        return shadows
+        return shadows, self.adaptive.choose(shadows.rids, num_nodes, shadows.keys)
 
     def record_shadows(self, shadows: Shadows | None) -> None:
         if shadows is not None:

@@ -204,23 +204,33 @@ class DraftingStep(StepPipeline):
         without a grammar (whose outcome the host may still move), no tensor parallelism
         (workers replay from host-built inputs), room for both steps' nodes in every request's
         context and table row."""
-        n, drafter = step.num_slots, self.planner.drafter
-        if (n == 1 or step.tree is None or self.runner.tp is not None or not drafter.forecasts(len(reqs))
-                or not self.sampler.argmax_is_enough(reqs)):
+        drafter = self.planner.drafter
+        if (step.num_slots == 1 or step.tree is None or self.runner.tp is not None
+                or not drafter.forecasts(len(reqs)) or not self.sampler.argmax_is_enough(reqs)):
             return None
+        n, limit = self._forecast_width(step), self.planner.num_draft_tokens
         room = min(self.planner.context_length, self.runner.pool.req_to_token.shape[1])
         # its slots and one per request to spare: the scheduler preempts nobody while it is ahead
-        if any(r.kv_len + 2 * n >= room for r in reqs) or self.scheduler.available_slots() < len(reqs) * (n + 1):
+        if (any(r.kv_len + step.num_slots + n >= room for r in reqs)
+                or self.scheduler.available_slots() < len(reqs) * (n + 1)):
             return None
         if not self._drafts_next(reqs):
             return None
-        table = drafter.forecast(reqs, step.tree, n)
+        table = drafter.forecast(reqs, step.tree, limit)   # trees as large as a proposal's: the policy's shadows
         slots = self.scheduler.alloc_slots(len(reqs) * n)
         try:
             return launch_forecast_step(self.runner, step, table, slots, self.copies)
         except BaseException:
             self.scheduler.free_slots(slots)
             raise
+
+    def _forecast_width(self, step: DraftStep) -> int:
+        """Nodes a request of the forecast step after `step`: the tier the policy chose given
+        the trees `step` was picked from whole (so a forecast episode's width follows its
+        evidence, up and down), else `step`'s own width; without a policy, the pinned size."""
+        limit = self.planner.num_draft_tokens
+        width = step.next_width or (step.num_slots if self.planner.adaptive is not None else limit)
+        return max(2, min(width, limit))
 
     def _hold_chained(self, chained: ChainedStep | ForecastStep, before: StepOutcome, outputs: list[StepOutput],
                       now: float) -> tuple[bool, Shadows | None]:
@@ -236,7 +246,10 @@ class DraftingStep(StepPipeline):
         live = [i for i, out in enumerate(outputs) if not out.finished]
         step, proposal, num_nodes, keys = chained.hold(self.scheduler, self.planner.drafter, before, live, now)
         self.ahead.drafting.hold(step)
-        return True, self.planner.choose_chained(step.reqs, proposal, num_nodes, keys)
+        shadows, tier = self.planner.choose_chained(step.reqs, proposal, num_nodes, keys)
+        if isinstance(chained, ForecastStep) and tier is not None and tier > 1:
+            step.next_width = tier
+        return True, shadows
 
     def _drop_chained(self, chained: ChainedStep | None) -> None:
         if chained is not None:

@@ -15,7 +15,7 @@ import triton.language as tl
 @triton.jit
 def _select_kernel(outcome_ptr, outcome_s0, table_ptr, table_s0, table_s1, table_s2, slots_ptr, slots_s0,
                    tokens_ptr, parents_ptr, out_slots_ptr, inputs_s0, num_nodes_ptr, prefix_ptr,
-                   m, n, candidates, padding_slot, BLOCK: tl.constexpr):
+                   m, n, nodes, candidates, padding_slot, BLOCK: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     row = outcome_ptr + b * outcome_s0
     accepted = tl.load(row)                                    # N's accepted nodes = committed tokens
@@ -29,15 +29,15 @@ def _select_kernel(outcome_ptr, outcome_s0, table_ptr, table_s0, table_s1, table
         token = tl.load(entries + c * table_s2)
         hit = tl.where((hit < 0) & (token == bonus), c, hit)
     entry = entries + tl.maximum(hit, 0) * table_s2
-    count = tl.where(hit >= 0, tl.load(entry + 2 * n - 1), 1)
+    count = tl.minimum(tl.where(hit >= 0, tl.load(entry + 2 * n - 1), 1), nodes)   # its first `nodes` nodes
     node = tl.arange(0, BLOCK)
     real = node < count
-    is_draft = (node > 0) & (node < n)
+    is_draft = (node > 0) & (node < nodes)
     drafts = tl.load(entry + node, mask=is_draft & real, other=0)
     parents = tl.load(entry + n - 1 + node, mask=is_draft & real, other=-1)
     tokens = tl.where(node == 0, bonus, drafts)
-    slots = tl.load(slots_ptr + b * slots_s0 + node, mask=node < n, other=padding_slot)
-    inside = node < n
+    inside = node < nodes
+    slots = tl.load(slots_ptr + b * slots_s0 + node, mask=inside, other=padding_slot)
     tl.store(tokens_ptr + b * inputs_s0 + node, tokens, mask=inside)
     tl.store(parents_ptr + b * inputs_s0 + node, tl.where(node == 0, -1, parents), mask=inside)
     tl.store(out_slots_ptr + b * inputs_s0 + node, tl.where(real, slots, padding_slot), mask=inside)
@@ -50,13 +50,13 @@ def select(tokens: torch.Tensor, parents: torch.Tensor, out_slots: torch.Tensor,
            padding_slot: int) -> None:
     """select_on_device's writes (its docstring): tokens, parents, out_slots (>= bs, >= n, one
     row stride, the last dim contiguous) and num_nodes, prefix_lens (contiguous) of a step's
-    inputs; outcome (bs, 1 + 2m), table (bs, R, C, 2n + 1) and node_slots (bs, n), each row's
-    last dim contiguous."""
+    inputs; outcome (bs, 1 + 2m), table (bs, R, C, 2n + 1) and node_slots (bs, nodes <= n),
+    each row's last dim contiguous."""
     bs, _, candidates, width = table.shape
-    n = (width - 1) // 2
+    n, nodes = (width - 1) // 2, node_slots.shape[1]
     m = (outcome.shape[1] - 1) // 2
     assert tokens.stride() == parents.stride() == out_slots.stride() and tokens.stride(1) == 1
     _select_kernel[(bs,)](outcome, outcome.stride(0), table, table.stride(0), table.stride(1), table.stride(2),
                           node_slots, node_slots.stride(0), tokens, parents, out_slots, tokens.stride(0),
-                          num_nodes, prefix_lens, m, n, candidates, padding_slot,
-                          BLOCK=max(2, triton.next_power_of_2(n)), num_warps=1)
+                          num_nodes, prefix_lens, m, n, nodes, candidates, padding_slot,
+                          BLOCK=max(2, triton.next_power_of_2(nodes)), num_warps=1)

@@ -66,16 +66,20 @@ def set_entry(table: np.ndarray, b: int, j: int, c: int, root: int, tokens, pare
 
 @dataclass
 class Picked:
-    """The trees N's outcome picked, on the host: what step N + 1 verifies."""
-    proposal: TreeProposal      # (bs, n)
-    num_nodes: list[int]
+    """The trees N's outcome picked, on the host: the table's (`full`, what the drafter
+    proposes: the adaptive policy's shadows) and their first `nodes` nodes each (`verified`,
+    what step N + 1 verifies)."""
+    full: TreeProposal          # (bs, table's n)
+    verified: TreeProposal      # (bs, nodes)
     keys: list[int]
     hits: int                   # requests whose bonus token had an entry
 
 
-def pick(table: np.ndarray, accept_lens: np.ndarray, accepted: np.ndarray, tokens: list[list[int]]) -> Picked:
+def pick(table: np.ndarray, accept_lens: np.ndarray, accepted: np.ndarray, tokens: list[list[int]],
+         nodes: int | None = None) -> Picked:
     """What `select_on_device` picks, from N's outcome on the host (GreedyOutcome's fields:
-    accept lengths, accepted nodes, committed tokens per request)."""
+    accept lengths, accepted nodes, committed tokens per request), for a step of `nodes`
+    nodes a request (default: the table's n)."""
     bs, _, _, width = table.shape
     n = (width - 1) // 2
     out_tokens = np.zeros((bs, n), dtype=np.int64)
@@ -93,17 +97,23 @@ def pick(table: np.ndarray, accept_lens: np.ndarray, accepted: np.ndarray, token
                 num_nodes[b], keys[b] = count, int(entry[2 * n])
                 hits += 1
                 break
-    return Picked(TreeProposal(out_tokens, parents, np.asarray(num_nodes, dtype=np.int64)), num_nodes, keys, hits)
+    full = TreeProposal(out_tokens, parents, np.asarray(num_nodes, dtype=np.int64))
+    nodes = n if nodes is None else nodes
+    if nodes == n:
+        return Picked(full, full, keys, hits)
+    verified = TreeProposal(out_tokens[:, :nodes].copy(), parents[:, :nodes].copy(), np.minimum(full.num_nodes, nodes))
+    return Picked(full, verified, keys, hits)
 
 
 def select_on_device(inputs: TreeStepInputs, outcome: torch.Tensor, table: torch.Tensor,
                      node_slots: torch.Tensor) -> None:
     """Rewrites the first bs requests of `inputs` (filled by the host for step N + 1: its
-    table rows, N's prefix lengths, padding past n nodes) from N's greedy outcome (bs, 1 + 2m:
-    tree_step.commit_path's) and the forecast table (bs, R, C, 2n + 1): the picked trees'
-    tokens, parents and node counts, the node slots of their real nodes (node_slots: (bs, n),
-    PADDING_SLOT past them), and prefix lengths longer by what N commits. No host sync. On
-    CUDA one Triton kernel (forecast_kernel.py) instead of ~25 small torch kernels."""
+    table rows, N's prefix lengths, padding past its nodes) from N's greedy outcome (bs, 1 +
+    2m: tree_step.commit_path's) and the forecast table (bs, R, C, 2n + 1): the picked trees'
+    first `nodes` nodes (node_slots: (bs, nodes), nodes <= n; a tree's first nodes are a tree:
+    parents precede children), their tokens, parents and node counts, the node slots of their
+    real nodes (PADDING_SLOT past them), and prefix lengths longer by what N commits. No host
+    sync. On CUDA one Triton kernel (forecast_kernel.py) instead of ~25 small torch kernels."""
     if table.is_cuda:
         from specserve.runner import forecast_kernel   # lazily: CPU-only installs never import Triton
         forecast_kernel.select(inputs.tokens, inputs.parents, inputs.out_slots, inputs.num_nodes, inputs.prefix_lens,
@@ -116,7 +126,7 @@ def select_with_torch(inputs: TreeStepInputs, outcome: torch.Tensor, table: torc
                       node_slots: torch.Tensor) -> None:
     """select_on_device in torch ops: the CPU's, and the kernel's reference."""
     bs, _, candidates, width = table.shape
-    n = (width - 1) // 2
+    n, nodes = (width - 1) // 2, node_slots.shape[1]
     m = (outcome.shape[1] - 1) // 2
     last_index = (outcome[:, :1] - 1).clamp(min=0)                       # (bs, 1)
     bonus = outcome[:, 1 + m:].gather(1, last_index)                    # (bs, 1) N's last committed token
@@ -125,12 +135,12 @@ def select_with_torch(inputs: TreeStepInputs, outcome: torch.Tensor, table: torc
     hit = rows[:, :, 0] == bonus                                          # (bs, C)
     first = hit.to(torch.int32).argmax(dim=1)                             # the first hit (0 where none)
     entry = rows.gather(1, first.view(bs, 1, 1).expand(bs, 1, width)).squeeze(1)   # (bs, W)
-    count = torch.where(hit.any(dim=1), entry[:, 2 * n - 1], 1)          # (bs,)
-    real = torch.arange(n, device=count.device).unsqueeze(0) < count.unsqueeze(1)   # (bs, n)
-    drafts = torch.where(real[:, 1:], entry[:, 1:n], 0)
-    parents = torch.where(real[:, 1:], entry[:, n:2 * n - 1], -1)
-    inputs.tokens[:bs, :n] = torch.cat([bonus, drafts], dim=1)
-    inputs.parents[:bs, :n] = torch.cat([parents.new_full((bs, 1), -1), parents], dim=1)
-    inputs.out_slots[:bs, :n] = torch.where(real, node_slots, PADDING_SLOT)
+    count = torch.where(hit.any(dim=1), entry[:, 2 * n - 1], 1).clamp(max=nodes)   # (bs,)
+    real = torch.arange(nodes, device=count.device).unsqueeze(0) < count.unsqueeze(1)   # (bs, nodes)
+    drafts = torch.where(real[:, 1:], entry[:, 1:nodes], 0)
+    parents = torch.where(real[:, 1:], entry[:, n:n + nodes - 1], -1)
+    inputs.tokens[:bs, :nodes] = torch.cat([bonus, drafts], dim=1)
+    inputs.parents[:bs, :nodes] = torch.cat([parents.new_full((bs, 1), -1), parents], dim=1)
+    inputs.out_slots[:bs, :nodes] = torch.where(real, node_slots, PADDING_SLOT)
     inputs.num_nodes[:bs] = count
     inputs.prefix_lens[:bs] += outcome[:, 0]
