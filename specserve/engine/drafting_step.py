@@ -26,6 +26,7 @@ from specserve.engine.step_output import StepOutput, committed_tokens
 from specserve.engine.step_parts import StepParts, StepPipeline
 from specserve.engine.verify_step import drafts_with_slots
 from specserve.request.req import Batch, Req
+from specserve.runner.forecast_step import has_entries
 from specserve.speculative.drafter import ChainedSteps, ForecastSteps, FusedSteps, ReadsHiddenStates
 
 
@@ -217,6 +218,8 @@ class DraftingStep(StepPipeline):
         if not self._drafts_next(reqs):
             return None
         table = drafter.forecast(reqs, step.tree, limit)   # trees as large as a proposal's: the policy's shadows
+        if not has_entries(table):   # whatever N's outcome, nothing to verify: the step after the read decides
+            return None
         slots = self.scheduler.alloc_slots(len(reqs) * n)
         try:
             return launch_forecast_step(self.runner, step, table, slots, self.copies)

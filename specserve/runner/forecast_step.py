@@ -64,6 +64,11 @@ def set_entry(table: np.ndarray, b: int, j: int, c: int, root: int, tokens, pare
     entry[2 * n] = key
 
 
+def has_entries(table: np.ndarray) -> bool:
+    """Whether any outcome would find an entry (else every tree the table gives is a root)."""
+    return bool((table[..., 0] != NO_ENTRY).any())
+
+
 @dataclass
 class Picked:
     """The trees N's outcome picked, on the host: the table's (`full`, what the drafter
