@@ -1,13 +1,14 @@
-"""Would NGRAM drafts made before a step's outcome is read commit as much as drafts made after?
+"""Do NGRAM drafts made before a step's outcome is read commit as much as drafts made after?
 
-Today an NGRAM verify step N + 1 is proposed once N's outcome is on the host: the read, the
-commit, the trie's proposal and the launch lie between two steps on the GPU (0.15-0.45 ms at
-batch 1 on an H200). A step could instead be launched before N is read, as the fused EAGLE
-chain's is, if its drafts were chosen on the device from a table the host made while N ran:
-for each accept length a of N's chain, the trie's likeliest next tokens c after the context
-and N's first a drafts (past the rejected draft where a is short of the chain), each with the
-chain the trie continues it with. N's outcome (a, bonus token) picks the row; no row, no
-drafts (the step then commits one token at a verify's cost).
+Without forecasts an NGRAM verify step N + 1 is proposed once N's outcome is on the host: the
+read, the commit, the trie's proposal and the launch lie between two steps on the GPU
+(0.15-0.45 ms at batch 1 on an H200). With `--speculative-ngram-forecast` it is launched
+before N is read, its drafts chosen on the device from the trie's forecast made while N ran
+(speculative/ngram/forecast.py, which this replay calls): for each accept length a of N's
+chain, the trie's likeliest next tokens after the context and N's first a drafts (not the
+rejected draft where a is short of the chain), each with the chain the trie continues it
+with. N's outcome (a, bonus token) picks the entry; none, no drafts (the step then commits
+one token at a verify's cost).
 
 This replays greedy decoding without a model, as `lab.draft_step_host` does (each workload's
 answer is the text a good model writes), twice over the same answers with a trie each:
