@@ -13,7 +13,7 @@ import torch
 from specserve.args import ArgumentError, NotSupportedError, ServerArgs
 from specserve.engine.draft_ahead import ForecastStep
 from specserve.kv.pool import PADDING_SLOT
-from specserve.runner.forecast_step import NO_ENTRY, select_on_device
+from specserve.runner.forecast_step import NO_ENTRY, empty_table, select_on_device
 from specserve.runner.tree_step import TreeStepInputs
 from specserve.speculative.ngram.config import NgramConfig
 from specserve.speculative.ngram.forecast import forecast_table
@@ -161,3 +161,16 @@ def test_forecast_steps_give_plain_outputs_and_the_trees_of_a_proposal_after_the
     for tokens, after, parents, after_parents in seen:
         assert tokens == after and parents == after_parents
     wait_until_all_kv_is_free(engine)
+
+
+def test_a_table_without_entries_launches_no_step(engine_factory, plain_answers, monkeypatch):
+    """Whatever the outcome, such a table gives roots alone: no step is launched from it, and
+    the steps after the read are what they are without forecasts."""
+    engine = ahead_on(engine_factory(max_total_tokens=4096, **ngram_args(8, one_branch=True,
+                                                                         speculative_ngram_forecast=2)))
+    drafter, asked = engine.core.drafter, []
+    empty = lambda reqs, proposal, nodes: asked.append(len(reqs)) or empty_table(len(reqs), proposal.num_slots, 2, nodes)
+    monkeypatch.setattr(drafter, "forecast", empty)
+    monkeypatch.setattr(ForecastStep, "hold", lambda *args: pytest.fail("a step was launched from an empty table"))
+    assert_plain_answers(engine, plain_answers)
+    assert asked and engine.core.draft_ahead.steps_taken > 10   # asked, and steps ahead launched after the read
