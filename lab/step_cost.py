@@ -79,11 +79,13 @@ class ForecastChainDrafter(ChainDrafter, ForecastSteps):
     def __init__(self, size: int, candidates: int = 2, seed: int = 0):
         super().__init__(size, seed)
         self.candidates = candidates
+        self.made = 0   # tables made: steps launched from a forecast
 
     def forecasts(self, batch_size):
         return True
 
     def forecast(self, reqs, proposal, nodes):
+        self.made += 1
         table = empty_table(len(reqs), proposal.num_slots, self.candidates, nodes)
         table[..., 0] = self.rng.integers(10, 4000, size=table.shape[:3])     # bonus tokens
         table[..., 1:nodes] = self.rng.integers(10, 4000, size=table.shape[:3] + (nodes - 1,))
@@ -149,6 +151,7 @@ def time_steps(engine, bs: int, step: str, size: int, steps: int, kernels: int =
     fused_steps = FusedStepCount(fused_drafter) if step == "fused" else None
     synchronize = torch.cuda.synchronize if core.runner.device.type == "cuda" else lambda: None
     tokens_before = sum(len(r.output_ids) for r in reqs)
+    made_before = core.drafter.made if step == "forecast" else 0
     phases = PHASE_TIMER(core) if PHASE_TIMER is not None else None
     synchronize()
     start = time.perf_counter()
@@ -164,6 +167,8 @@ def time_steps(engine, bs: int, step: str, size: int, steps: int, kernels: int =
         phases.close()   # before FusedStepCount's: each puts back what it wrapped
     if fused_steps is not None:   # steps the engine verified itself (not fused) would make the row a mix
         row.update(fused_share=fused_steps.close() / steps, drafts="a random head's: accept length is not the point")
+    if step == "forecast":   # steps launched from a forecast, of those timed (the rest: after the read)
+        row["forecast_share"] = (core.drafter.made - made_before) / steps
     graph = graph_of(bs)
     if graph is not None:
         gpu_ms = events_time_us(graph.replay) / 1e3

@@ -271,7 +271,8 @@ import json, sys
 for line in sys.stdin:
     r = json.loads(line)
     print(r['batch_size'], r['step'], r['draft_size'], 'wall', round(r['wall_ms'], 3), 'gpu', round(r.get('graph_gpu_ms', 0), 3),
-          'host not hidden', round(r.get('host_not_hidden_ms', 0), 3), 'vs plain', r.get('vs_plain'))"
+          'host not hidden', round(r.get('host_not_hidden_ms', 0), 3), 'vs plain', r.get('vs_plain'),
+          'forecast share', r.get('forecast_share', '-'))"
   model=${models[-1]}
   python3 -m specserve.bench.gpu_suite --models-dir /root/models --models "$model" \
     --configs default ngram-16-one-adaptive-forecast${FORECAST_CANDIDATES:-2} --rounds 2 --bs1-prompts 6 \

@@ -54,6 +54,21 @@ def test_eagle3_rows_on_the_cpu(tmp_path, tiny_shape):
         assert [json.loads(line) for line in f] == rows
 
 
+def test_forecast_rows_launch_every_step_from_a_forecast(tmp_path, tiny_shape):
+    """With drafting steps launched ahead (a GPU engine's; forced here), a forecast row's steps
+    are each launched before the step before is read, from ForecastChainDrafter's table."""
+    from specserve.bench.random_model import write_model_config
+    from specserve.engine.draft_ahead import DraftAhead
+    from specserve.engine.engine import Engine
+    path = write_model_config(str(tmp_path / "tiny"), tiny_shape)
+    engine = Engine(model_path=path, load_format="dummy", log_level="warning", speculative_algorithm="NGRAM",
+                    device="cpu", max_total_tokens=4096, skip_server_warmup=True, speculative_num_draft_tokens=4)
+    engine.shutdown()
+    engine.core.draft_ahead = DraftAhead(engine.core.scheduler)
+    row = step_cost.time_steps(engine, 2, "forecast", 4, 5, prompt_len=16, warm_steps=2)
+    assert row["step"] == "forecast" and row["forecast_share"] == 1.0 and row["wall_ms"] > 0
+
+
 def test_host_phases_of_each_step(tmp_path, tiny_shape):
     """Under lab.suite_host_phases each row has the host's microseconds per step by phase,
     between the core's step events: every step's launch, read and commit."""
