@@ -35,6 +35,12 @@ that go on (`ChainedStep.held`); rows of requests N ended are cut when N+1 is re
 slots freed (their writes land in freed slots and past committed lengths), and the step
 after it is launched from the host again.
 
+An NGRAM step with forecasts does the same without a head (`ForecastStep`,
+--speculative-ngram-forecast): while N runs, the trie proposes for every way N may end (its
+last accepted node and the target's token after it), N+1 is queued before N is read with its
+trees picked on the device from that forecast by N's outcome (runner/forecast_step.py), and
+once N is committed the host picks the same trees and holds N+1.
+
 The step launched ahead is for exactly the batch the scheduler would pick next (nobody
 waiting, nobody else running, no failure being isolated). Should that change before it
 is read (a request arrives), the step is still read and committed first (`retire`);
@@ -53,8 +59,8 @@ import torch
 from specserve.engine.commit import StepOutcome
 from specserve.engine.scheduler import Scheduler
 from specserve.grammar.greedy_paths import LogitsAt, keep_to_grammar
-from specserve.request.req import Req, same_requests
 from specserve.kv.pool import PADDING_SLOT
+from specserve.request.req import Req, same_requests
 from specserve.runner.forecast_step import pick
 from specserve.runner.model_runner import InFlight, ModelRunner
 from specserve.runner.stream_events import record

@@ -1,6 +1,7 @@
 """DraftingStep: greedy drafting steps, with the next step of the same batch proposed and
 launched between this step's commit and the bookkeeping it does not need, or, for a fused
-chain, before this step is read (draft_ahead.py says why and what stays the same).
+chain and an NGRAM step with forecasts, before this step is read (draft_ahead.py says why and
+what stays the same).
 
 On a GPU the host time between reading one step's outcome and launching the next is what
 a drafting step adds to its forward, so that stretch holds only: the outcome's parse, the
@@ -254,6 +255,6 @@ class DraftingStep(StepPipeline):
             step.next_width = tier
         return True, shadows
 
-    def _drop_chained(self, chained: ChainedStep | None) -> None:
+    def _drop_chained(self, chained: ChainedStep | ForecastStep | None) -> None:
         if chained is not None:
             chained.free(self.scheduler, self.planner.drafter, list(range(len(chained.reqs))))
