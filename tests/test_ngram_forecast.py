@@ -156,8 +156,8 @@ def test_forecast_steps_give_plain_outputs_and_the_trees_of_a_proposal_after_the
     monkeypatch.setattr(ForecastStep, "hold", recording)
     assert_plain_answers(engine, plain_answers)
     assert len(seen) > 5
-    # pinned, every step verifies the full size; the policy's widths follow its evidence
-    assert (len(set(widths)) > 1) if adaptive else (set(widths) == {8}), widths
+    # pinned, every step verifies the full size; under the policy, its tiers (test_forecast_width)
+    assert set(widths) <= set(range(2, 9)) and (adaptive or set(widths) == {8}), widths
     for tokens, after, parents, after_parents in seen:
         assert tokens == after and parents == after_parents
     wait_until_all_kv_is_free(engine)
@@ -174,3 +174,35 @@ def test_a_table_without_entries_launches_no_step(engine_factory, plain_answers,
     monkeypatch.setattr(ForecastStep, "hold", lambda *args: pytest.fail("a step was launched from an empty table"))
     assert_plain_answers(engine, plain_answers)
     assert asked and engine.core.draft_ahead.steps_taken > 10   # asked, and steps ahead launched after the read
+
+
+def test_forecast_width():
+    """A forecast step's width: the tier the policy chose given the trees of the step before
+    whole, else that step's width; pinned, the full size; within [2, the full size]."""
+    from types import SimpleNamespace
+
+    from specserve.engine.draft_ahead import DraftStep
+    from specserve.engine.drafting_step import DraftingStep
+
+    def width(adaptive: bool, step_width: int, next_width: int | None) -> int:
+        pipeline = SimpleNamespace(planner=SimpleNamespace(num_draft_tokens=8, adaptive=object() if adaptive else None))
+        step = DraftStep([], np.ones(1, dtype=np.int64), np.zeros((1, step_width), dtype=np.int64), [], None, None,
+                         0.0, next_width=next_width)
+        return DraftingStep._forecast_width(pipeline, step)
+    assert width(True, 4, None) == 4 and width(True, 4, 6) == 6 and width(True, 4, 16) == 8
+    assert width(False, 4, None) == 8 and width(True, 1, None) == 2
+
+
+def test_the_policy_s_tier_is_the_next_forecast_step_s_width(engine_factory, plain_answers, monkeypatch):
+    """The tier choose_chained returns for a held forecast step (here forced to 3) is the width
+    of the forecast step launched from it; outputs stay plain decoding's."""
+    from specserve.engine.draft_planner import DraftPlanner
+    engine = ahead_on(engine_factory(max_total_tokens=4096, **ngram_args(8, one_branch=True, adaptive=True,
+                                                                         speculative_ngram_forecast=2)))
+    price_steps(engine, 0.010, 0.001)
+    seen, widths, recording = _count_holds(engine)
+    monkeypatch.setattr(ForecastStep, "hold", recording)
+    choose = DraftPlanner.choose_chained
+    monkeypatch.setattr(DraftPlanner, "choose_chained", lambda *args: (choose(*args)[0], 3))
+    assert_plain_answers(engine, plain_answers)
+    assert widths.count(3) >= len(widths) // 2 and 3 in widths, widths   # the first of a chain takes its step's
