@@ -206,3 +206,30 @@ def test_the_policy_s_tier_is_the_next_forecast_step_s_width(engine_factory, pla
     monkeypatch.setattr(DraftPlanner, "choose_chained", lambda *args: (choose(*args)[0], 3))
     assert_plain_answers(engine, plain_answers)
     assert widths.count(3) >= len(widths) // 2 and 3 in widths, widths   # the first of a chain takes its step's
+
+
+def test_forecasts_that_never_find_their_entry_give_way_to_proposals_after_the_read(
+        engine_factory, plain_answers, monkeypatch):
+    """Where no outcome finds its entry (every entry's token here one no outcome has), each
+    forecast step verifies a root alone: after a few, a request's steps are proposed after the
+    read again (request/forecast_record.py), with a probe now and then; the code prompt's
+    drafts stay long and outputs plain decoding's."""
+    engine = ahead_on(engine_factory(max_total_tokens=4096, **ngram_args(8, one_branch=True,
+                                                                         speculative_ngram_forecast=2)))
+    drafter, held = engine.core.drafter, []
+    forecast, hold = drafter.forecast, ForecastStep.hold
+
+    def never_found(reqs, proposal, nodes):
+        table = forecast(reqs, proposal, nodes)
+        table[..., 0][table[..., 0] != NO_ENTRY] = -2
+        return table
+
+    def counting(self, *args):
+        held.append(len(self.reqs))
+        return hold(self, *args)
+    monkeypatch.setattr(drafter, "forecast", never_found)
+    monkeypatch.setattr(ForecastStep, "hold", counting)
+    assert_plain_answers(engine, plain_answers)   # the code prompt alone commits > 2 tokens a step
+    taken = engine.core.draft_ahead.steps_taken
+    assert held and len(held) < taken / 2, (len(held), taken)   # its first misses, then probes
+    wait_until_all_kv_is_free(engine)

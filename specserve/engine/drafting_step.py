@@ -26,6 +26,7 @@ from specserve.engine.draft_planner import Shadows
 from specserve.engine.step_output import StepOutput, committed_tokens
 from specserve.engine.step_parts import StepParts, StepPipeline
 from specserve.engine.verify_step import drafts_with_slots
+from specserve.request.forecast_record import batch_wants_forecast
 from specserve.request.req import Batch, Req
 from specserve.runner.forecast_step import has_entries
 from specserve.speculative.drafter import ChainedSteps, ForecastSteps, FusedSteps, ReadsHiddenStates
@@ -205,7 +206,8 @@ class DraftingStep(StepPipeline):
         drafter's forecast by this step's outcome (runner/forecast_step.py): greedy requests
         without a grammar (whose outcome the host may still move), no tensor parallelism
         (workers replay from host-built inputs), room for both steps' nodes in every request's
-        context and table row."""
+        context and table row; and a batch whose requests' forecasts have been finding their
+        entries (request/forecast_record.py)."""
         drafter = self.planner.drafter
         if (step.num_slots == 1 or step.tree is None or self.runner.tp is not None
                 or not drafter.forecasts(len(reqs)) or not self.sampler.argmax_is_enough(reqs)):
@@ -217,6 +219,11 @@ class DraftingStep(StepPipeline):
                 or self.scheduler.available_slots() < len(reqs) * (n + 1)):
             return None
         if not self._drafts_next(reqs):
+            return None
+        records = [req.forecast for req in reqs]
+        if not batch_wants_forecast(records):   # misses cost more than the read they hide
+            for record in records:
+                record.skip()
             return None
         table = drafter.forecast(reqs, step.tree, limit)   # trees as large as a proposal's: the policy's shadows
         if not has_entries(table):   # whatever N's outcome, nothing to verify: the step after the read decides

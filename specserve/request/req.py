@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specserve.request.detokenizer import IncrementalDetokenizer
+from specserve.request.forecast_record import ForecastRecord
 from specserve.request.sampling_params import SamplingParams
 
 
@@ -113,6 +114,7 @@ class Req:
     cache_node: Any = None                     # the prefix cache's node whose lock keeps them (kv.radix_cache.TreeNode)
     cached_tokens: int = 0                     # prompt tokens served from the prefix cache at admission
     preemptions: int = 0
+    forecast: ForecastRecord = field(default_factory=ForecastRecord)   # NGRAM forecast steps' hits
     # filled at commit
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)

@@ -77,7 +77,11 @@ class Picked:
     full: TreeProposal          # (bs, table's n)
     verified: TreeProposal      # (bs, nodes)
     keys: list[int]
-    hits: int                   # requests whose bonus token had an entry
+    found: np.ndarray           # (bs,) bool: whether the request's bonus token had an entry
+
+    @property
+    def hits(self) -> int:
+        return int(self.found.sum())
 
 
 def pick(table: np.ndarray, accept_lens: np.ndarray, accepted: np.ndarray, tokens: list[list[int]],
@@ -89,7 +93,7 @@ def pick(table: np.ndarray, accept_lens: np.ndarray, accepted: np.ndarray, token
     n = (width - 1) // 2
     out_tokens = np.zeros((bs, n), dtype=np.int64)
     parents = np.full((bs, n), -1, dtype=np.int64)
-    num_nodes, keys, hits = [1] * bs, [0] * bs, 0
+    num_nodes, keys, found = [1] * bs, [0] * bs, np.zeros(bs, dtype=bool)
     for b in range(bs):
         bonus = tokens[b][-1]
         out_tokens[b, 0] = bonus
@@ -99,15 +103,14 @@ def pick(table: np.ndarray, accept_lens: np.ndarray, accepted: np.ndarray, token
                 count = int(entry[2 * n - 1])
                 out_tokens[b, 1:count] = entry[1:count]
                 parents[b, 1:count] = entry[n:n - 1 + count]
-                num_nodes[b], keys[b] = count, int(entry[2 * n])
-                hits += 1
+                num_nodes[b], keys[b], found[b] = count, int(entry[2 * n]), True
                 break
     full = TreeProposal(out_tokens, parents, np.asarray(num_nodes, dtype=np.int64))
     nodes = n if nodes is None else nodes
     if nodes == n:
-        return Picked(full, full, keys, hits)
+        return Picked(full, full, keys, found)
     verified = TreeProposal(out_tokens[:, :nodes].copy(), parents[:, :nodes].copy(), np.minimum(full.num_nodes, nodes))
-    return Picked(full, verified, keys, hits)
+    return Picked(full, verified, keys, found)
 
 
 def select_on_device(inputs: TreeStepInputs, outcome: torch.Tensor, table: torch.Tensor,
