@@ -12,7 +12,16 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# No argument is specialised on (Triton compiles a variant per integer that is 1 or a multiple
+# of 16, and per pointer's alignment): the table's strides follow the width of the step before,
+# the tier the width of this one, so each new combination was a compile of ~0.1 s in the middle
+# of serving. BLOCK follows the table's width, fixed for an engine: one variant, compiled at warm-up.
+_ARGS = ("outcome_ptr", "outcome_s0", "table_ptr", "table_s0", "table_s1", "table_s2", "slots_ptr", "slots_s0",
+         "tokens_ptr", "parents_ptr", "out_slots_ptr", "inputs_s0", "num_nodes_ptr", "prefix_ptr",
+         "m", "n", "nodes", "candidates", "padding_slot")
+
+
+@triton.jit(do_not_specialize=list(_ARGS))
 def _select_kernel(outcome_ptr, outcome_s0, table_ptr, table_s0, table_s1, table_s2, slots_ptr, slots_s0,
                    tokens_ptr, parents_ptr, out_slots_ptr, inputs_s0, num_nodes_ptr, prefix_ptr,
                    m, n, nodes, candidates, padding_slot, BLOCK: tl.constexpr):
@@ -59,4 +68,4 @@ def select(tokens: torch.Tensor, parents: torch.Tensor, out_slots: torch.Tensor,
     _select_kernel[(bs,)](outcome, outcome.stride(0), table, table.stride(0), table.stride(1), table.stride(2),
                           node_slots, node_slots.stride(0), tokens, parents, out_slots, tokens.stride(0),
                           num_nodes, prefix_lens, m, n, nodes, candidates, padding_slot,
-                          BLOCK=max(2, triton.next_power_of_2(nodes)), num_warps=1)
+                          BLOCK=max(2, triton.next_power_of_2(n)), num_warps=1)
