@@ -40,7 +40,7 @@ def test_probes_wait_longer_after_each_miss_up_to_the_cap():
     forecast = _forecast_steps([False] * 400)
     attempts = [i for i, f in enumerate(forecast) if f]
     gaps = [b - a for a, b in zip(attempts, attempts[1:])]
-    assert gaps[:2] == [1, 1]   # trusted at first: its first misses are forecast steps
+    assert gaps[:3] == [2, 3, 5]   # trusted until its first miss, then probes after 1, 2, 4 ... steps
     assert gaps == sorted(gaps) and max(gaps) == PROBE_WAIT_MAX + 1 and gaps[-1] == gaps[-2]
 
 
@@ -48,8 +48,8 @@ def test_a_text_turning_predictable_is_forecast_again():
     record = ForecastRecord()
     _forecast_steps([False] * 300, record)
     assert record.hit_rate < HIT_RATE_TO_FORECAST
-    after = _forecast_steps([True] * 120, record)
-    assert after.index(True) <= PROBE_WAIT_MAX and all(after[2 * PROBE_WAIT_MAX:]), after
+    after = _forecast_steps([True] * 160, record)
+    assert after.index(True) <= PROBE_WAIT_MAX and all(after[3 * PROBE_WAIT_MAX:]), after
 
 
 def test_a_batch_forecasts_where_half_its_requests_want_it():

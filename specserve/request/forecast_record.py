@@ -22,7 +22,7 @@ class ForecastRecord:
     __slots__ = ("hit_rate", "wait", "backoff")
 
     def __init__(self):
-        self.hit_rate = 1.0   # optimistic: a request's first steps try forecasts
+        self.hit_rate = HIT_RATE_TO_FORECAST   # trusted until its first miss (a chat request's costs one)
         self.wait = 0         # steps before its next probe, while its rate is low
         self.backoff = 1      # the last wait set below the rate
 
@@ -34,13 +34,16 @@ class ForecastRecord:
         """A forecast step of this request: whether the outcome before it found its entry.
         Below the rate, the next probe waits `backoff` steps, which doubles with each miss
         and halves with each hit (chat, hitting one step in five, probes rarely; a text that
-        turns predictable is trusted again within ~50 steps), and resets once the rate is back."""
+        turns predictable is trusted again within ~70 steps), and resets once the rate is back."""
         self.hit_rate += HIT_RATE_WEIGHT * (float(found) - self.hit_rate)
         if self.hit_rate >= HIT_RATE_TO_FORECAST:
             self.wait, self.backoff = 0, 1
             return
-        self.backoff = max(1, self.backoff // 2) if found else min(2 * self.backoff, PROBE_WAIT_MAX)
-        self.wait = self.backoff
+        if found:
+            self.backoff = max(1, self.backoff // 2)
+            self.wait = self.backoff
+        else:
+            self.wait, self.backoff = self.backoff, min(2 * self.backoff, PROBE_WAIT_MAX)
 
     def skip(self) -> None:
         """A drafting step after which no forecast step was queued for this request."""
