@@ -48,6 +48,7 @@ from lab.decode_profile import events_time_us, kernel_times
 from lab.random_head import write_random_eagle3_head
 from specserve.attention.triton_backend import TritonBackend
 from specserve.bench.random_model import SHAPES, write_model_config
+from specserve.request.forecast_record import ForecastRecord
 from specserve.runner.forecast_step import empty_table
 from specserve.speculative.drafter import Drafter, ForecastSteps
 from specserve.verify.tree import TreeProposal
@@ -94,6 +95,14 @@ class ForecastChainDrafter(ChainDrafter, ForecastSteps):
         return table
 
 
+class AlwaysForecast(ForecastRecord):
+    """A request each of whose steps is a forecast one: the random outcomes miss every entry,
+    which would stop an engine's requests from forecasting, and the row is such a step's cost."""
+
+    def wants(self) -> bool:
+        return True
+
+
 # a step's graph of a batch bucket, or None where the step runs eagerly (CPU, no graphs)
 GraphOf = Callable[[int], "torch.cuda.CUDAGraph | None"]
 
@@ -124,6 +133,8 @@ def start_requests(engine, bs: int, step: str, size: int, steps: int, prompt_len
         prompt = [rng.randrange(10, 4000) for _ in range(prompt_len)]
         req = engine._make_request(prompt, {"temperature": 0, "max_new_tokens": 4 * steps + 100, "ignore_eos": True},
                                    False, 0, f"step-cost-{step}-{bs}-{size}-{i}")
+        if step == "forecast":
+            req.forecast = AlwaysForecast()
         core.add_request(req)
         reqs.append(req)
     while any(r.kv_len < len(r.prompt_ids) for r in reqs):  # prefill
