@@ -263,8 +263,8 @@ if [ "$mode" = forecast ]; then
   # --speculative-ngram-forecast (runner/forecast_step.py): its GPU tests, the step's cost on random 1.5B
   # weights (verify steps launched before the step before is read, against verify steps launched after),
   # then the suite's default NGRAM with and without it at 1 and 8 (FORECAST_CONCURRENCY), 2 rounds alternated
-  TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/test_forecast_kernel.py tests/gpu/test_tree_step_cuda.py \
-    2>&1 | tail -4
+  TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/test_forecast_kernel.py tests/gpu/test_forecast_kernel_cuda.py \
+    tests/gpu/test_tree_step_cuda.py 2>&1 | tail -4 | tee "$OUT/pytest_forecast.txt"
   python3 -m lab.suite_host_phases lab.step_cost --forecast --batch-sizes 1 8 --sizes 1 4 8 --steps 60 \
     --out "$OUT/step_cost_forecast" 2>&1 | grep '^{' | python3 -c "
 import json, sys
@@ -277,7 +277,7 @@ for line in sys.stdin:
   python3 -m specserve.bench.gpu_suite --models-dir /root/models --models "$model" \
     --configs default ngram-16-one-adaptive-forecast${FORECAST_CANDIDATES:-2} --rounds 2 --bs1-prompts 6 \
     --no-transformers --num-prompts 64 --dataset-path .gpu/sharegpt_bench.json \
-    --concurrency ${FORECAST_CONCURRENCY:-1 8} --out "$OUT/forecast_$model" 2>&1 | grep -v '%|' | tail -30
+    --concurrency ${FORECAST_CONCURRENCY:-1 8} --out "$OUT/forecast_$model" 2>&1 | grep -v '%|' | grep -v '^{' | tail -30
 fi
 if [ "$mode" = structured ]; then
   # the image lacks these; a missing one used to fail only after the model loaded (~2.5 device minutes)
