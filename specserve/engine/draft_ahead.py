@@ -176,8 +176,8 @@ class ForecastStep:
         trees the first n nodes of the ones the step before's outcome picked (`before`), as on
         the device; the slots of nodes no tree took are freed (the device wrote none of them:
         it gave them the padding slot). Each live request's record notes whether it found its
-        entry. Also returns, for the policy, the trees whole (what
-        the drafter proposed), their node counts and keys."""
+        entry. Also returns, for the policy, the trees whole (what the drafter proposed), their
+        node counts and keys."""
         bs, n = self.node_slots.shape
         picked = pick(self.table, before.accept_lens, before.accepted, before.tokens, n)
         for i in live:   # the evidence for whether their next steps forecast (request/forecast_record.py)

@@ -6,7 +6,7 @@ tree picked from the trie's forecast by that step's outcome. Where the outcome h
 the step verifies its root alone: one token at a verify step's price, where a proposal made
 after the read would have verified a whole tree. A hit saves the host's read-to-launch time
 (~0.4 ms on a 1.5B H100 step of ~1.9 ms); a miss loses the tree. On an H100 at batch 1 the
-forecast paid above ~80% of steps hitting (code edits hit 85-95%, chat 20%), so a request
+forecast paid above ~80% of steps hitting (code edits hit 77-95%, chat ~20%), so a request
 forecasts while its hit rate stays at or above HIT_RATE_TO_FORECAST, and otherwise asks for
 a probe now and then (waits of 1, 2, 4 ... PROBE_WAIT_MAX steps between probes) so that a
 request whose text turns predictable gets forecasts again.
