@@ -13,15 +13,17 @@ import triton.language as tl
 
 
 # No argument is specialised on (Triton compiles a variant per integer that is 1 or a multiple
-# of 16, and per pointer's alignment): the table's strides follow the width of the step before,
-# the tier the width of this one, so each new combination was a compile of ~0.1 s in the middle
-# of serving. BLOCK follows the table's width, fixed for an engine: one variant, compiled at warm-up.
+# of 16, and per pointer that is 16-byte aligned or not: the step inputs are slices of one packed
+# buffer at offsets that follow its shape): the table's strides follow the width of the step
+# before, the tier the width of this one, so each new combination was a compile of ~0.1 s in the
+# middle of serving. BLOCK follows the table's width, fixed for an engine: one variant, compiled
+# at warm-up.
 _ARGS = ("outcome_ptr", "outcome_s0", "table_ptr", "table_s0", "table_s1", "table_s2", "slots_ptr", "slots_s0",
          "tokens_ptr", "parents_ptr", "out_slots_ptr", "inputs_s0", "num_nodes_ptr", "prefix_ptr",
          "m", "n", "nodes", "candidates", "padding_slot")
 
 
-@triton.jit(do_not_specialize=list(_ARGS))
+@triton.jit(do_not_specialize=list(_ARGS), do_not_specialize_on_alignment=[a for a in _ARGS if a.endswith("_ptr")])
 def _select_kernel(outcome_ptr, outcome_s0, table_ptr, table_s0, table_s1, table_s2, slots_ptr, slots_s0,
                    tokens_ptr, parents_ptr, out_slots_ptr, inputs_s0, num_nodes_ptr, prefix_ptr,
                    m, n, nodes, candidates, padding_slot, BLOCK: tl.constexpr):

@@ -1,6 +1,6 @@
 """The forecast's selection kernel (runner/forecast_kernel.py) compiles once for an engine:
-steps of every width after steps of every width, at any batch size, reuse that variant (a
-new one was a compile in the middle of serving)."""
+steps of every width after steps of every width, at any batch size, in input buffers of any
+shape, reuse that variant (a new one was a compile in the middle of serving)."""
 from __future__ import annotations
 
 import torch
@@ -17,7 +17,8 @@ N = 16   # the table's trees: an engine's num_draft_tokens
 
 def _select(bs: int, rows: int, nodes: int) -> None:
     table, outcome = random_case(bs + rows + nodes, bs, rows, 2, N, rows)
-    inputs = TreeStepInputs.allocate(8, N, torch.device("cuda"))
+    # inputs as wide as the step (each part of the packed buffer then starts at its own alignment)
+    inputs = TreeStepInputs.allocate(bs + 1, nodes, torch.device("cuda"))
     node_slots = torch.arange(bs * nodes, device="cuda").view(bs, nodes)
     forecast_kernel.select(inputs.tokens, inputs.parents, inputs.out_slots, inputs.num_nodes, inputs.prefix_lens,
                            torch.from_numpy(outcome).cuda(), torch.from_numpy(table).cuda(), node_slots,
