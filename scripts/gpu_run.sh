@@ -16,7 +16,7 @@
 #                                                   one, alternating, then where each tree's losing cells lose; ~1.5 min a run)
 #   AB_TREE=DIR scripts/gpu_run.sh suite-tree MODEL (one tree's half of suite-ab, for two GPUs at once: gpu_parallel.sh)
 #   AB_TREE=DIR scripts/gpu_run.sh drafters-tree   (EAGLE-3 chains of 3 with /root/eagle3-1.5b at 64, that tree's code)
-#   scripts/gpu_run.sh forecast [MODEL]            (--speculative-ngram-forecast: tests/gpu/test_tree_step_cuda.py, the
+#   scripts/gpu_run.sh forecast [MODEL]            (--speculative-ngram-forecast: its tests in tests/gpu (the others: checks), the
 #                                                   step's cost by lab.step_cost --forecast on random 1.5B weights, then
 #                                                   the suite's default NGRAM with and without it at 1 and 8, 2 rounds;
 #                                                   the last MODEL, qwen2.5-coder-1.5b-instruct by default; ~8 min)
@@ -266,7 +266,7 @@ if [ "$mode" = forecast ]; then
   # FORECAST_SUITE_ONLY=1: the suite alone (a second call of the lease, e.g. with other FORECAST_CANDIDATES)
   if [ -z "${FORECAST_SUITE_ONLY:-}" ]; then
     TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/test_forecast_kernel.py tests/gpu/test_forecast_kernel_cuda.py \
-      tests/gpu/test_tree_step_cuda.py 2>&1 | tail -4 | tee "$OUT/pytest_forecast.txt"
+      tests/gpu/test_tree_step_cuda.py -k forecast 2>&1 | tail -4 | tee "$OUT/pytest_forecast.txt"   # (the rest: checks)
     python3 -m lab.suite_host_phases lab.step_cost --forecast --batch-sizes 1 8 --sizes 1 4 8 --steps 60 \
       --out "$OUT/step_cost_forecast" 2>&1 | grep '^{' | python3 -c "
 import json, sys
