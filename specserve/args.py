@@ -176,8 +176,9 @@ class ServerArgs:
     speculative_ngram_forecast: int = _spec(0, "NGRAM (specserve's): greedy batches of up to 8 requests launch each "
                                                "verify step before the step before it is read, its drafts picked "
                                                "on the device from the trie's forecast: this many likeliest next "
-                                               "tokens for every node the step before may end on (0: off; each "
-                                               "step is then proposed after the read)")
+                                               "tokens for every node the step before may end on, for requests "
+                                               "whose forecasts keep finding their entry (0: off; each step is "
+                                               "then proposed after the read)")
     speculative_ngram_branch_length: int = _spec(18, "longest n-gram the trie stores "
                                                      "(alias --speculative-ngram-max-trie-depth)")
     # --- server and logging ---
