@@ -31,7 +31,7 @@ def test_device_and_host_pick_the_same_trees(nodes):
     bs, n = 6, 4
     table, outcome = random_case(0, bs, 3, 2, n, 3)
     picked = picked_by_host(table, outcome, nodes)
-    assert 0 < picked.hits < bs   # some requests found their entry, some did not
+    assert 0 < picked.found.sum() < bs   # some requests found their entry, some did not
     assert picked.verified.tokens.tolist() == picked.full.tokens[:, :nodes].tolist()
 
     width = 6   # a graph's buffer may be wider than the step's trees

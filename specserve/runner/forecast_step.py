@@ -79,10 +79,6 @@ class Picked:
     keys: list[int]
     found: np.ndarray           # (bs,) bool: whether the request's bonus token had an entry
 
-    @property
-    def hits(self) -> int:
-        return int(self.found.sum())
-
 
 def pick(table: np.ndarray, accept_lens: np.ndarray, accepted: np.ndarray, tokens: list[list[int]],
          nodes: int | None = None) -> Picked:
