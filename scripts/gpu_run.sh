@@ -263,7 +263,9 @@ if [ "$mode" = forecast ]; then
   # --speculative-ngram-forecast (runner/forecast_step.py): its GPU tests, the step's cost on random 1.5B
   # weights (verify steps launched before the step before is read, against verify steps launched after),
   # then the suite's default NGRAM with and without it at 1 and 8 (FORECAST_CONCURRENCY), 2 rounds alternated
-  # FORECAST_SUITE_ONLY=1: the suite alone (a second call of the lease, e.g. with other FORECAST_CANDIDATES)
+  # FORECAST_SUITE_ONLY=1: the suite alone (a second call of the lease, e.g. with other FORECAST_CANDIDATES);
+  # FORECAST_TESTS_ONLY=1: the tests and the step's cost alone (a fresh machine's compiles leave the suite too
+  # little of a call); FORECAST_ROUNDS: the suite's rounds (2)
   if [ -z "${FORECAST_SUITE_ONLY:-}" ]; then
     TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/test_forecast_kernel.py tests/gpu/test_forecast_kernel_cuda.py \
       tests/gpu/test_tree_step_cuda.py -k forecast 2>&1 | tail -4 | tee "$OUT/pytest_forecast.txt"   # (the rest: checks)
@@ -276,11 +278,12 @@ for line in sys.stdin:
           'host not hidden', round(r.get('host_not_hidden_ms', 0), 3), 'vs plain', r.get('vs_plain'),
           'forecast share', r.get('forecast_share', '-'))"
   fi
+  [ -n "${FORECAST_TESTS_ONLY:-}" ] && exit 0
   model=${models[-1]}
   # FORECAST_CANDIDATES="2 4": a configuration for each (each adds ~2.5 min to the suite)
   configs=(default); for c in ${FORECAST_CANDIDATES:-2}; do configs+=("ngram-16-one-adaptive-forecast$c"); done
   python3 -m specserve.bench.gpu_suite --models-dir /root/models --models "$model" \
-    --configs "${configs[@]}" --rounds 2 --bs1-prompts 6 \
+    --configs "${configs[@]}" --rounds ${FORECAST_ROUNDS:-2} --bs1-prompts 6 \
     --no-transformers --num-prompts 64 --dataset-path .gpu/sharegpt_bench.json \
     --concurrency ${FORECAST_CONCURRENCY:-1 8} --out "$OUT/forecast_$model" 2>&1 | grep -v '%|' | grep -v '^{' | tail -30
 fi
