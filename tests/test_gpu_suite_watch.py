@@ -50,11 +50,14 @@ def in_the_next_step(core, stall) -> None:
 def compile_once_in_a_step(core, runtime):
     """Makes the core's next step "compile" a kernel: Triton calls the cache hook, compiles
     (here: sleeps), then calls the post-compile hook, all inside the step."""
+    fn = SimpleNamespace(module=None, name="_kernel", jit_function=None)   # Triton's JitFunctionInfo
+    spec = "_kernel[num_warps=4](x_ptr: *bf16, n: i32)"
+
     def compile_kernel():
-        assert runtime.jit_cache_hook(key="k", repr="kernel", fn=None, compile={},
+        assert runtime.jit_cache_hook(key="k", repr=spec, fn=fn, compile={},
                                       is_manual_warmup=False, already_compiled=False) is None
         time.sleep(STALL_S)
-        runtime.jit_post_compile_hook(key="k", repr="kernel", fn=None, compile={},
+        runtime.jit_post_compile_hook(key="k", repr=spec, fn=fn, compile={},
                                       is_manual_warmup=False, already_compiled=False)
     in_the_next_step(core, compile_kernel)
 
@@ -69,6 +72,9 @@ def test_watch_reports_the_stall_and_the_compile_of_its_run_only(engine):
         watch.close()
         del engine.core.scheduler.schedule   # the class's method again
     assert first["jit_compiles"] == 1 and first["jit_compile_s"] >= STALL_S
+    [kernel] = first["jit_kernels"]   # which kernel, and the specialisation that was new
+    assert kernel["kernel"] == "_kernel" and kernel["s"] >= STALL_S and "n: i32" in kernel["specialization"]
+    assert second["jit_kernels"] == []
     assert first["longest_step_s"] >= STALL_S
     assert second["jit_compiles"] == 0 and second["jit_compile_s"] == 0.0
     assert 0.0 < second["longest_step_s"] < STALL_S
@@ -145,13 +151,16 @@ def test_report_shows_longest_step_and_compile_time():
     base = {"kind": "specserve", "model": "m", "workload": "w", "concurrency": 8, "turn": 1}
     rows = [{**base, "config": "plain", "output_tokens_per_s": 100.0, "longest_step_s": 0.004, "jit_compile_s": 0.0},
             {**base, "config": "ngram-8-multi", "output_tokens_per_s": 25.0, "accept_length": 2.0,
-             "longest_step_s": 1.5, "jit_compile_s": 1.45},
+             "longest_step_s": 1.5, "jit_compile_s": 1.45,
+             "jit_kernels": [{"kernel": "_extend_kernel", "s": 1.45, "specialization": "_extend_kernel(row_blocks: i32)"}]},
             {**base, "config": "ngram-4-one", "output_tokens_per_s": 75.0}]        # a row from before the watch
     by_config = {r["config"]: r for r in speed_rows(rows)}
     assert by_config["ngram-8-multi"]["speedup"] == 0.25 and by_config["ngram-8-multi"]["jit_compile_s"] == 1.45
     table = markdown(rows)
     assert "| 0.25x |  | 1500.0 | 1.45 |" in table
     assert "| ngram-4-one | 75.0 |  | 0.75x |  |  |  |" in table
+    # which kernel compiled in which run, and the specialisation that was new
+    assert "- m w turn 1 at 8, ngram-8-multi: `_extend_kernel` 1.45 s: _extend_kernel(row_blocks: i32)" in table
 
 
 def test_watch_traces_the_adaptive_policy_of_each_run(engine, tmp_path):

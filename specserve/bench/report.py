@@ -100,6 +100,7 @@ def markdown(rows: list[dict]) -> str:
                      f"{r['tok_s']:.1f} | {fmt(r['accept_length'], '.2f')} | {fmt(r['speedup'], '.2f')}x | "
                      f"{fmt(r['roofline_fraction'], '.0%')} | "
                      f"{fmt(longest_ms, '.1f')} | {fmt(r['jit_compile_s'], '.2f')} | {fmt(r['valid_fraction'], '.0%')} |")
+    lines += compile_lines(rows)
     hf = [r for r in rows if r.get("kind") == "transformers"]
     if hf:
         lines.append("\n| model | workload | transformers config (batch 1) | tok/s |")
@@ -107,6 +108,20 @@ def markdown(rows: list[dict]) -> str:
         for r in hf:
             lines.append(f"| {r['model']} | {r['workload']} | {r['config']} | {r['output_tokens_per_s']:.1f} |")
     return "\n".join(lines) + "\n"
+
+
+def compile_lines(rows: list[dict]) -> list[str]:
+    """Every timed run (each round, not only the median) that compiled a Triton kernel: which
+    kernel, for how long, and its specialisation (what made it new), to find the shape the
+    warm-up missed."""
+    lines = []
+    for r in rows:
+        for kernel in r.get("jit_kernels") or ():
+            seconds = "" if kernel["s"] is None else f" {kernel['s']:.2f} s"
+            round_ = "" if r.get("round") is None else f" round {r['round']}"
+            lines.append(f"- {r['model']} {r['workload']} turn {r.get('turn', 1)} at {r['concurrency']}, "
+                         f"{r['config']}{round_}: `{kernel['kernel']}`{seconds}: {kernel['specialization']}")
+    return ["\n**Kernels compiled inside a timed run**\n", *lines] if lines else []
 
 
 def plot(rows: list[dict], path: str) -> bool:

@@ -21,7 +21,8 @@ class RunWatch(StepListener):
     drafting steps, the mean nodes per request; its longest step (and its kind, batch size
     and nodes per request); what can stall one step: the Triton kernels compiled during the
     run (first use in this process; a compile found in Triton's disk cache only loads, so
-    `jit_compile_s` tells the two apart), Python's full GC collections and the caching
+    `jit_compile_s` tells the two apart; `jit_kernels` names each with its specialisation),
+    Python's full GC collections and the caching
     allocator's cudaMalloc calls (one 386-ms drafting step with no compile in a suite run
     on an H200 is what these tell apart); the rows of plain steps launched ahead that a
     grammar sent back (`grammar_relaunches`). A probe's proposals leave a plain step plain.
@@ -73,6 +74,7 @@ class RunWatch(StepListener):
                 "device_allocs": None if device_allocs is None else device_allocs - self._device_allocs,
                 "jit_compiles": self._compiles.compiles,
                 "jit_compile_s": self._compiles.seconds if counted else None,
+                "jit_kernels": list(self._compiles.kernels) if counted else None,
                 "step_mix": {kind: _mix_row(m) for kind, m in self.mix.items()},
                 "draft_nodes_mean": self._draft_nodes / drafts if drafts else None,
                 "grammar_relaunches": self._grammar_relaunches() - self._relaunches,

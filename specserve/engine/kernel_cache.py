@@ -55,6 +55,10 @@ class TritonCompileCounter:
     def __init__(self, runtime=None):
         self.compiles: int | None = None
         self.seconds = 0.0
+        # each compile's kernel, seconds and specialisation (Triton's repr: the argument types, with
+        # which integers were 1 or multiples of 16 and which pointers 16-byte aligned), which tells
+        # what shape made a kernel compile in the middle of serving
+        self.kernels: list[dict] = []
         self._given_runtime = runtime
         self._runtime = None
         self._started: float | None = None
@@ -81,13 +85,16 @@ class TritonCompileCounter:
     def reset(self) -> None:
         """Counts from zero again (the hooks stay)."""
         if self.compiles is not None:
-            self.compiles, self.seconds = 0, 0.0
+            self.compiles, self.seconds, self.kernels = 0, 0.0, []
 
     def _before_compile(self, **_) -> None:  # must return None: a true value makes Triton skip the compile
         self._started = time.perf_counter()
 
-    def _after_compile(self, **_) -> None:
+    def _after_compile(self, fn=None, repr: str | None = None, **_) -> None:
         self.compiles += 1
+        seconds = None
         if self._started is not None:
-            self.seconds += time.perf_counter() - self._started
+            seconds = time.perf_counter() - self._started
+            self.seconds += seconds
             self._started = None
+        self.kernels.append({"kernel": getattr(fn, "name", None), "s": seconds, "specialization": repr})
