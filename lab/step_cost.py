@@ -99,7 +99,7 @@ class AlwaysForecast(ForecastRecord):
     """A request each of whose steps is a forecast one: the random outcomes miss every entry,
     which would stop an engine's requests from forecasting, and the row is such a step's cost."""
 
-    def wants(self) -> bool:
+    def wants(self, step_ratio: float) -> bool:
         return True
 
 

@@ -176,9 +176,10 @@ class ServerArgs:
     speculative_ngram_forecast: int = _spec(0, "NGRAM (specserve's): greedy batches of up to 8 requests launch each "
                                                "verify step before the step before it is read, its drafts picked "
                                                "on the device from the trie's forecast: this many likeliest next "
-                                               "tokens for every node the step before may end on, for requests "
-                                               "whose forecasts keep finding their entry (0: off; each step is "
-                                               "then proposed after the read)")
+                                               "tokens for every node the step before may end on, where the "
+                                               "batch's requests' forecasts find their entry often enough to "
+                                               "pay for their misses (0: off; each step is then proposed after "
+                                               "the read)")
     speculative_ngram_branch_length: int = _spec(18, "longest n-gram the trie stores "
                                                      "(alias --speculative-ngram-max-trie-depth)")
     # --- server and logging ---

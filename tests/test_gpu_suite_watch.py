@@ -75,6 +75,7 @@ def test_watch_reports_the_stall_and_the_compile_of_its_run_only(engine):
     [kernel] = first["jit_kernels"]   # which kernel, and the specialisation that was new
     assert kernel["kernel"] == "_kernel" and kernel["s"] >= STALL_S and "n: i32" in kernel["specialization"]
     assert second["jit_kernels"] == []
+    assert first["forecast"] is None   # no NGRAM step was forecast
     assert first["longest_step_s"] >= STALL_S
     assert second["jit_compiles"] == 0 and second["jit_compile_s"] == 0.0
     assert 0.0 < second["longest_step_s"] < STALL_S

@@ -160,6 +160,8 @@ def test_forecast_steps_give_plain_outputs_and_the_trees_of_a_proposal_after_the
     assert set(widths) <= set(range(2, 9)) and (adaptive or set(widths) == {8}), widths
     for tokens, after, parents, after_parents in seen:
         assert tokens == after and parents == after_parents
+    gate = engine.core.drafting.forecast_gate
+    assert gate.picks >= len(seen) and 0 < gate.found <= gate.picks
     wait_until_all_kv_is_free(engine)
 
 
@@ -232,4 +234,6 @@ def test_forecasts_that_never_find_their_entry_give_way_to_proposals_after_the_r
     assert_plain_answers(engine, plain_answers)   # the code prompt alone commits > 2 tokens a step
     taken = engine.core.draft_ahead.steps_taken
     assert held and len(held) < taken / 2, (len(held), taken)   # its first misses, then probes
+    gate = engine.core.drafting.forecast_gate   # every request's pick counted, none found
+    assert gate.picks == sum(held) and gate.found == 0 and gate.hit_rate < 0.8   # a new request starts lower
     wait_until_all_kv_is_free(engine)

@@ -55,6 +55,8 @@ class RunWatch(StepListener):
         self._full_collections = _full_gc_collections()
         self._device_allocs = _device_allocs()
         self._relaunches = self._grammar_relaunches()
+        gate = self.core.drafting.forecast_gate
+        self._forecast_start = (gate.picks, gate.found)
         self.mix = {kind: {"steps": 0, "s": 0.0, "requests": 0, "ahead": 0, "tokens": 0}
                     for kind in ("prefill", "plain", "draft")}
         self._draft_nodes = 0
@@ -78,8 +80,19 @@ class RunWatch(StepListener):
                 "step_mix": {kind: _mix_row(m) for kind, m in self.mix.items()},
                 "draft_nodes_mean": self._draft_nodes / drafts if drafts else None,
                 "grammar_relaunches": self._grammar_relaunches() - self._relaunches,
+                "forecast": self._forecast(),
                 "host_us_per_step": self.host.summary() if self.host is not None else None,
                 "policy": self.trace.summary() if self.trace is not None else None}
+
+    def _forecast(self) -> dict | None:
+        """The run's NGRAM forecast steps (--speculative-ngram-forecast): requests' picks, the
+        share that found their entry, and the gate's measured step ratio at batch 1 and 8
+        (request/forecast_record.py); None where none was forecast."""
+        gate = self.core.drafting.forecast_gate
+        picks, found = gate.picks - self._forecast_start[0], gate.found - self._forecast_start[1]
+        if picks == 0:
+            return None
+        return {"picks": picks, "found": found / picks, "step_ratio": {bs: gate.cycles.ratio(bs) for bs in (1, 8)}}
 
     def _grammar_relaunches(self) -> int:
         """Rows of plain steps launched ahead on a token the request's grammar forbade, cut and

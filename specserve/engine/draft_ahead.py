@@ -60,6 +60,7 @@ from specserve.engine.commit import StepOutcome
 from specserve.engine.scheduler import Scheduler
 from specserve.grammar.greedy_paths import LogitsAt, keep_to_grammar
 from specserve.kv.pool import PADDING_SLOT
+from specserve.request.forecast_record import ForecastGate
 from specserve.request.req import Req, same_requests
 from specserve.runner.forecast_step import pick
 from specserve.runner.model_runner import InFlight, ModelRunner
@@ -89,6 +90,7 @@ class DraftStep:
     # a forecast step's: the nodes a request the policy chose, given its trees whole (the width
     # of the forecast step after it)
     next_width: int | None = None
+    forecast: bool = False         # picked from a forecast (ForecastStep), not proposed after the read
 
     @property
     def num_slots(self) -> int:
@@ -169,6 +171,8 @@ class ForecastStep:
     launched: InFlight
     node_slots: np.ndarray     # (bs, n) a slot for every node a picked tree's first n may have
     table: np.ndarray          # the forecast it picked from (trees of up to the table's width)
+    gate: ForecastGate         # its engine's, which hears what each request's pick found
+    step_ratio: float          # the gate's r when it was launched
 
     def hold(self, scheduler: Scheduler, drafter: Drafter, before: StepOutcome, live: list[int],
              started: float) -> tuple[DraftStep, TreeProposal, list[int], list[int]]:
@@ -181,7 +185,7 @@ class ForecastStep:
         bs, n = self.node_slots.shape
         picked = pick(self.table, before.accept_lens, before.accepted, before.tokens, n)
         for i in live:   # the evidence for whether their next steps forecast (request/forecast_record.py)
-            self.reqs[i].forecast.observe(bool(picked.found[i]))
+            self.gate.observe(self.reqs[i].forecast, bool(picked.found[i]), int(before.accept_lens[i]), self.step_ratio)
         verified = picked.verified
         taken = np.arange(n) < verified.num_nodes[:, None]
         ended = np.ones(bs, dtype=bool)
@@ -192,7 +196,7 @@ class ForecastStep:
         tree = TreeProposal(verified.tokens[live], verified.parents[live], num_nodes)
         reqs = [self.reqs[i] for i in live]
         step = DraftStep(reqs, num_nodes, node_slots, node_slots[taken[live]].tolist(), self.launched, None, started,
-                         rows=None if len(live) == bs else live, tree=tree, nodes_run=bs * n)
+                         rows=None if len(live) == bs else live, tree=tree, nodes_run=bs * n, forecast=True)
         full = picked.full
         proposed = TreeProposal(full.tokens[live], full.parents[live], full.num_nodes[live])
         return step, proposed, proposed.num_nodes.tolist(), [picked.keys[i] for i in live]
@@ -204,17 +208,18 @@ class ForecastStep:
 
 
 def launch_forecast_step(runner: ModelRunner, before: DraftStep, table: np.ndarray, slots: list[int],
-                         copies: "OutcomeCopies") -> ForecastStep:
+                         copies: "OutcomeCopies", gate: ForecastGate, step_ratio: float) -> ForecastStep:
     """Queues the step after `before` (launched, not read) for the same requests, its trees
     picked from `table` by before's outcome on the device (their first n nodes), `slots` a
-    request's n nodes after another's, and the copy of its outcome to the host."""
+    request's n nodes after another's, and the copy of its outcome to the host. `gate` hears
+    what its picks find, weighed at `step_ratio` (request/forecast_record.py)."""
     reqs = before.reqs
     node_slots = np.asarray(slots, dtype=np.int64).reshape(len(reqs), -1)
     outcome = before.launched.device
     if before.rows is not None:   # the rows of requests the step before that ended are cut
         outcome = outcome.index_select(0, torch.tensor(before.rows, device=outcome.device))
     step = runner.run_forecast_trees(reqs, [r.kv_len for r in reqs], node_slots, outcome, table)
-    return ForecastStep(reqs, copies.launch(step.outcome), node_slots, table)
+    return ForecastStep(reqs, copies.launch(step.outcome), node_slots, table, gate, step_ratio)
 
 
 class OutcomeCopies:

@@ -26,7 +26,7 @@ from specserve.engine.draft_planner import Shadows
 from specserve.engine.step_output import StepOutput, committed_tokens
 from specserve.engine.step_parts import StepParts, StepPipeline
 from specserve.engine.verify_step import drafts_with_slots
-from specserve.request.forecast_record import batch_wants_forecast
+from specserve.request.forecast_record import ForecastGate
 from specserve.request.req import Batch, Req
 from specserve.runner.forecast_step import has_entries
 from specserve.speculative.drafter import ChainedSteps, ForecastSteps, FusedSteps, ReadsHiddenStates
@@ -46,6 +46,7 @@ class DraftingStep(StepPipeline):
     def __init__(self, parts: StepParts):
         super().__init__(parts)
         self.copies = OutcomeCopies()   # the steps' outcomes on their way to the host
+        self.forecast_gate = ForecastGate()   # which batches' next steps are forecast (request/forecast_record.py)
 
     def ahead_of_another_batch(self) -> Batch | None:
         """The batch of the drafting step launched ahead, where the scheduler's next batch is
@@ -117,6 +118,7 @@ class DraftingStep(StepPipeline):
             self.planner.show_policy(live, committed)
             self.planner.record_step(len(reqs), step.num_slots, now - step.started, committed_tokens(outputs),
                                      launched.steady, step.nodes_priced)
+        self._count_cycle(launched, now)
         if chained is not None:
             next_launched, shadows = self._hold_chained(chained, outcome, outputs, now)
         else:
@@ -133,6 +135,16 @@ class DraftingStep(StepPipeline):
                 self.ahead.drop()   # a failed step leaves nothing ahead
             raise
         return outputs
+
+    def _count_cycle(self, launched: LaunchedDraft, now: float) -> None:
+        """A steady verify step of trees on a GPU, where the drafter forecasts: its cycle, by
+        whether it was picked from a forecast or proposed after the read (the gate's
+        ForecastCycles). On a CPU a launch runs the forward at once, inside the cycle of the
+        step before, and the gate keeps its assumed ratio."""
+        step, drafter = launched.step, self.planner.drafter
+        if (launched.steady and step.tree is not None and step.num_slots > 1 and self.runner.device.type == "cuda"
+                and isinstance(drafter, ForecastSteps) and drafter.forecasts(len(step.reqs))):
+            self.forecast_gate.cycles.record(len(step.reqs), step.forecast, now - step.started)
 
     def _drafts_next(self, reqs: list[Req]) -> bool:
         """Whether the scheduler's next step is a greedy drafting step of this same batch,
@@ -221,7 +233,8 @@ class DraftingStep(StepPipeline):
         if not self._drafts_next(reqs):
             return None
         records = [req.forecast for req in reqs]
-        if not batch_wants_forecast(records):   # misses cost more than the read they hide
+        wanted, step_ratio = self.forecast_gate.wants(records, len(reqs))
+        if not wanted:   # misses would cost more than the read they hide
             for record in records:
                 record.skip()
             return None
@@ -230,7 +243,7 @@ class DraftingStep(StepPipeline):
             return None
         slots = self.scheduler.alloc_slots(len(reqs) * n)
         try:
-            return launch_forecast_step(self.runner, step, table, slots, self.copies)
+            return launch_forecast_step(self.runner, step, table, slots, self.copies, self.forecast_gate, step_ratio)
         except BaseException:
             self.scheduler.free_slots(slots)
             raise
