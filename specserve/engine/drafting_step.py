@@ -26,7 +26,7 @@ from specserve.engine.draft_planner import Shadows
 from specserve.engine.step_output import StepOutput, committed_tokens
 from specserve.engine.step_parts import StepParts, StepPipeline
 from specserve.engine.verify_step import drafts_with_slots
-from specserve.request.forecast_record import ForecastGate
+from specserve.request.forecast_record import ForecastGate, ForecastRecord
 from specserve.request.req import Batch, Req
 from specserve.runner.forecast_step import has_entries
 from specserve.speculative.drafter import ChainedSteps, ForecastSteps, FusedSteps, ReadsHiddenStates
@@ -218,12 +218,32 @@ class DraftingStep(StepPipeline):
         drafter's forecast by this step's outcome (runner/forecast_step.py): greedy requests
         without a grammar (whose outcome the host may still move), no tensor parallelism
         (workers replay from host-built inputs), room for both steps' nodes in every request's
-        context and table row; and a batch whose requests' forecasts have been finding their
-        entries (request/forecast_record.py)."""
+        context and table row; and a batch whose requests stand to gain from it
+        (request/forecast_record.py). Where none is queued, the requests' records hear that
+        their next step is proposed after the read."""
         drafter = self.planner.drafter
         if (step.num_slots == 1 or step.tree is None or self.runner.tp is not None
                 or not drafter.forecasts(len(reqs)) or not self.sampler.argmax_is_enough(reqs)):
             return None
+        records = [req.forecast for req in reqs]
+        forecast = self._forecast_table(reqs, step, records)
+        if forecast is None:
+            for record in records:
+                record.skip()
+            return None
+        table, n, step_ratio = forecast
+        slots = self.scheduler.alloc_slots(len(reqs) * n)
+        try:
+            return launch_forecast_step(self.runner, step, table, slots, self.copies, self.forecast_gate, step_ratio)
+        except BaseException:
+            self.scheduler.free_slots(slots)
+            raise
+
+    def _forecast_table(self, reqs: list[Req], step: DraftStep,
+                        records: list[ForecastRecord]) -> tuple[np.ndarray, int, float] | None:
+        """The forecast the step after `step` picks from, its width and the gate's r; None where
+        no forecast step may follow: no room for both steps' nodes, another batch next, a gate
+        that finds misses would cost more than the read they hide, or no entry in the table."""
         n, limit = self._forecast_width(step), self.planner.num_draft_tokens
         room = min(self.planner.context_length, self.runner.pool.req_to_token.shape[1])
         # its slots and one per request to spare: the scheduler preempts nobody while it is ahead
@@ -232,21 +252,13 @@ class DraftingStep(StepPipeline):
             return None
         if not self._drafts_next(reqs):
             return None
-        records = [req.forecast for req in reqs]
         wanted, step_ratio = self.forecast_gate.wants(records, len(reqs))
-        if not wanted:   # misses would cost more than the read they hide
-            for record in records:
-                record.skip()
+        if not wanted:
             return None
-        table = drafter.forecast(reqs, step.tree, limit)   # trees as large as a proposal's: the policy's shadows
+        table = self.planner.drafter.forecast(reqs, step.tree, limit)   # trees as large as a proposal's: the policy's shadows
         if not has_entries(table):   # whatever N's outcome, nothing to verify: the step after the read decides
             return None
-        slots = self.scheduler.alloc_slots(len(reqs) * n)
-        try:
-            return launch_forecast_step(self.runner, step, table, slots, self.copies, self.forecast_gate, step_ratio)
-        except BaseException:
-            self.scheduler.free_slots(slots)
-            raise
+        return table, n, step_ratio
 
     def _forecast_width(self, step: DraftStep) -> int:
         """Nodes a request of the forecast step after `step`: the tier the policy chose given
