@@ -13,7 +13,7 @@ import torch
 from lab.policy_sim import SCENARIOS, simulate
 from specserve.engine.draft_planner import DraftPlanner
 from specserve.speculative.drafter import ProposalHints
-from specserve.speculative.adaptive.costs import RECHECK_GAP, StepCosts
+from specserve.speculative.adaptive.costs import RECHECK_GAP, STALE_AFTER, StepCosts
 from specserve.speculative.adaptive.modes import GUARD_WINDOW
 from specserve.speculative.adaptive.policy import (
     BYPASS_BUDGET, GUARD_STEPS, MAX_PLAIN_HOLD, MAX_PROBE_EVERY, OPTIMISM_WINDOW, PLAIN_HOLD, PROBE_BUDGET, REFRESH_EVERY,
@@ -757,6 +757,36 @@ def test_a_stale_drafting_price_is_re_measured_when_drafting_may_win():
         return True
     assert switched(8)        # 64 * 8 / 20 ms = 25.6k tok/s: 0.8 of plain's, at a stale price
     assert not switched(2)    # 6.4k tok/s
+
+
+def test_a_makeshift_re_pricing_step_is_followed_by_one_that_prices():
+    """A re-pricing episode's first step is launched when the scheduler asks for it
+    (makeshift): it does not move a steady price, so the level stayed stale and a whole
+    episode re-priced it again every few dozen steps. The step after it, launched ahead,
+    re-prices it once more; its steady price ends the re-pricing for RECHECK_GAP steps."""
+    adaptive = AdaptiveDraftLength([1, 8])
+    for _ in range(3):
+        adaptive.record_step(64, 8, 0.020, tokens=64 * 8)                # a steady price, taken long ago
+    adaptive.modes.plain.add(64)
+    hold_out(adaptive, 64, STALE_AFTER + 1, seconds=0.002)               # 32k tok/s: the price is stale
+    rids = [f"r{i}" for i in range(64)]
+    chain = ([9, 1, 2, 3, 4, 5, 6, 7], [-1, 0, 1, 2, 3, 4, 5, 6])
+    for _ in range(20):
+        for rid in rids[:16]:
+            propose(adaptive, rid, chain)
+            adaptive.observe(rid, [1, 2, 3, 4, 5, 6, 7, 99])
+    adaptive.probe(64, rids[:16], [8] * 16)
+    assert switches(adaptive, 64)
+    assert adaptive.costs.stale(64, 8)
+    assert adaptive.choose(rids, [8] * 64) == 8                          # the re-pricing step ...
+    adaptive.record_step(64, 8, 0.004, tokens=64 * 8, steady=False)      # ... makeshift: no price
+    assert adaptive.costs.stale(64, 8) and adaptive.costs.price(64, 8) == 0.020
+    # once more, launched ahead (at the stale price drafting makes 0.8 of plain's rate: a choice
+    # by the price alone would end the episode here, and the level would stay stale)
+    assert adaptive.choose(rids, [8] * 64) == 8
+    adaptive.record_step(64, 8, 0.004, tokens=64 * 8)
+    assert not adaptive.costs.stale(64, 8) and adaptive.costs.measured_at[(64, 8)] == adaptive.costs.steps(64)
+    assert adaptive._explore == {}                                       # nothing left to re-price
 
 
 def test_one_stall_does_not_stop_an_episode_that_wins():
