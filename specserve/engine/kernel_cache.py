@@ -90,11 +90,12 @@ class TritonCompileCounter:
     def _before_compile(self, **_) -> None:  # must return None: a true value makes Triton skip the compile
         self._started = time.perf_counter()
 
-    def _after_compile(self, fn=None, repr: str | None = None, **_) -> None:
+    def _after_compile(self, **hook) -> None:   # Triton's keywords: key, repr, fn, compile, ...
         self.compiles += 1
         seconds = None
         if self._started is not None:
             seconds = time.perf_counter() - self._started
             self.seconds += seconds
             self._started = None
-        self.kernels.append({"kernel": getattr(fn, "name", None), "s": seconds, "specialization": repr})
+        self.kernels.append({"kernel": getattr(hook.get("fn"), "name", None), "s": seconds,
+                             "specialization": hook.get("repr")})
