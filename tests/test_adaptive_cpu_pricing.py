@@ -23,8 +23,9 @@ def test_a_large_tier_floors_smaller_ones_by_their_nodes():
     added = SIXTEEN_S - PLAIN_S
     for tier in (2, 4, 8):
         assert costs.price(1, tier) == pytest.approx(PLAIN_S + added * (tier - 1) / 15)
-    costs.record(1, 2, 0.060)                            # the least a priced tier adds bounds them all
-    assert costs.price(1, 8) == pytest.approx(PLAIN_S + 0.010)
+    costs.record(1, 2, 0.100)                            # a smaller priced tier bounds larger ones whole
+    assert costs.price(1, 4) == pytest.approx(PLAIN_S + 0.050)
+    assert costs.price(1, 8) == pytest.approx(PLAIN_S + added * 7 / 15)   # ... the larger one still by its nodes
 
 
 def cpu_like_policy() -> AdaptiveDraftLength:

@@ -81,7 +81,9 @@ def test_an_unpriced_level_costs_at_least_the_fixed_part_of_a_drafting_step():
         costs.record(32, 1, 0.012)
         costs.record(4, 1, 0.009)
     assert costs.floor(32, 2) == pytest.approx(0.012 + 0.006)
-    assert costs.floor(4, 2) == pytest.approx(0.009)   # no drafting step priced at a bucket <= 4
+    # no drafting step priced at a bucket <= 4: bucket 8's tier 4 bounds it only by the draft rows,
+    # 2 of them (4 / 2 requests, one draft node each) against 8 x 3
+    assert costs.floor(4, 2) == pytest.approx(0.009 + 0.006 * 2 / 24)
 
 
 def test_on_a_cpu_an_unpriced_level_is_floored_in_proportion_to_its_draft_nodes():

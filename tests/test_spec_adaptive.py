@@ -855,7 +855,9 @@ def test_plain_steps_of_a_drafting_bucket_launch_ahead_while_the_drafter_indexes
 def test_an_unpriced_tier_costs_at_least_plain_plus_what_drafting_adds_elsewhere():
     """StepCosts.floor: bucket 32 adds 3 ms to its 2 ms plain step at tier 4; bucket 16 (plain
     1.8 ms) is not priced at tier 4: at least 1.8 + 3 * (16 / 2) / 32 ms; bucket 64, at least
-    its plain price plus all 3 ms; tier 2 nothing (no smaller drafting tier is priced)."""
+    its plain price plus all 3 ms; tier 2 at least bucket 32's tier 4 in proportion to the
+    draft rows each verifies (8 x 1 against 32 x 3). Bucket 64's tier 8, priced at 8.8 ms over
+    plain, floors its tier 4 by the same rule (64 x 3 against 64 x 7), above bucket 32's 3 ms."""
     costs = StepCosts([1, 2, 4, 8])
     costs.record(32, 1, 0.002)
     costs.record(32, 4, 0.005)
@@ -864,8 +866,11 @@ def test_an_unpriced_tier_costs_at_least_plain_plus_what_drafting_adds_elsewhere
     assert costs.floor(16, 4) == pytest.approx(0.0018 + 0.003 / 4)
     assert costs.floor(16, 8) == pytest.approx(0.0018 + 0.003 / 4)
     assert costs.floor(64, 4) == pytest.approx(0.0026 + 0.003)
-    assert costs.floor(16, 2) == pytest.approx(0.0018)
+    assert costs.floor(16, 2) == pytest.approx(0.0018 + 0.003 * 8 / 96)
     assert costs.floor(8, 4) is None                   # plain decoding unpriced there
+    costs.record(64, 8, 0.0114)
+    assert costs.floor(64, 4) == pytest.approx(0.0026 + 0.0088 * 3 / 7)
+    assert costs.floor(64, 2) == pytest.approx(0.0026 + 0.003)   # a seventh of 8.8 ms: the fixed part is more
 
 
 def draining_batch_policy(matched: list[int]) -> AdaptiveDraftLength:
