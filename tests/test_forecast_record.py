@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import random
 
-from specserve.request.forecast_record import (FORECAST_STEP_RATIO, MIN_CYCLES, PROBE_WAIT_MAX, UNKNOWN_TOKENS,
-                                               ForecastCycles, ForecastGate, ForecastRecord, forecast_gain)
+from specserve.request.forecast_record import (FORECAST_STEP_RATIO, MIN_CYCLES, NEW_PROBE_WAIT_MAX, PRIOR_WINDOW,
+                                               PROBE_WAIT_MAX, UNKNOWN_TOKENS, ForecastCycles, ForecastGate, ForecastRecord,
+                                               forecast_gain)
 
 R = FORECAST_STEP_RATIO
 
@@ -102,11 +103,65 @@ def test_a_new_request_starts_from_what_its_engines_requests_found():
     for _ in range(400):   # chat: one step in five finds its entry, a whole tree commits ~1.3 tokens
         gate.observe(first, rng.random() < 0.2, rng.choice((1, 1, 2)) if first.whole_tree else 1, R)
     later = ForecastRecord()
-    gate.wants([later], 1)
-    assert 0.1 < later.hit_rate < 0.35 and 1 <= later.tokens < 2
-    assert later.wait == 0 and later.wants(R)   # its first step probes ...
-    later.observe(False, 1, R)
-    assert not later.wants(R)                   # ... and a miss stops it at once
+    assert gate.wants([later], 1)[0]   # the engine's own probe: its first since its picks stopped paying
+    assert 0.05 < later.hit_rate < 0.4 and 1 <= later.tokens < 2
+    assert later.wait == PROBE_WAIT_MAX and not later.wants(R)   # the request waits before a probe of its own
+    # ... while the engine probes twice as seldom each time
+    probes = [i for i in range(2 * NEW_PROBE_WAIT_MAX) if gate.wants([later], 1)[0]]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == [3, 5, 9, 17, 33, 65][:len(gaps)] and len(gaps) >= 4, gaps
+
+
+def test_the_prior_follows_the_engines_last_picks():
+    """A moving average from 1.0 kept a code-rename engine's first ~15 new requests trusted
+    where 57.5% of picks found their entry; the last PRIOR_WINDOW picks' share does not."""
+    gate, record = ForecastGate(), _trusted()
+    for found in [True, False] * PRIOR_WINDOW:
+        gate.observe(record, found, 8, R)
+    assert gate.hit_rate == 0.5
+    for _ in range(PRIOR_WINDOW):
+        gate.observe(record, True, 8, R)
+    assert gate.hit_rate == 1.0   # a workload turning predictable is trusted again within a window
+
+
+def _wave_of_new_requests(gate: ForecastGate, size: int, hit_rate: float, rng: random.Random,
+                          steps: int = 14, tokens: int = 8) -> int:
+    """A batch of `size` new requests decoded `steps` steps (each forecast outcome found with
+    `hit_rate`); returns the requests' forecast picks."""
+    records, picks = [ForecastRecord() for _ in range(size)], 0
+    for _ in range(steps):
+        if gate.wants(records, size)[0]:
+            for record in records:
+                gate.observe(record, rng.random() < hit_rate, tokens if record.whole_tree else 1, R)
+            picks += size
+        else:
+            for record in records:
+                record.skip()
+    return picks
+
+
+def test_waves_of_new_requests_below_paying_stop_probing_their_first_steps():
+    """code-rename at batch 8 on an H100: 64 requests of ~14 steps, forecasts found 57.5% where
+    A ~8 asks ~80%. Each new request probing its first step made 73 picks and lost 17%."""
+    gate, rng = ForecastGate(), random.Random(0)
+    picks = [_wave_of_new_requests(gate, 8, 0.575, rng) for _ in range(8)]
+    assert picks[0] >= 8 and sum(picks[1:]) <= 8 * 4, picks   # then a probe every few waves
+    assert gate.new_wait >= 8
+
+
+def test_an_engine_whose_requests_turn_predictable_trusts_new_ones_again():
+    gate, rng = ForecastGate(), random.Random(0)
+    for _ in range(8):
+        _wave_of_new_requests(gate, 8, 0.3, rng)
+    picks = [_wave_of_new_requests(gate, 8, 1.0, rng, tokens=11) for _ in range(40)]
+    assert all(p >= 8 * 13 for p in picks[-5:]), picks
+
+
+def test_waves_of_new_requests_that_pay_forecast_every_step():
+    gate, rng = ForecastGate(), random.Random(0)
+    picks = [_wave_of_new_requests(gate, 8, 0.99, rng, tokens=11) for _ in range(4)]
+    assert all(p >= 8 * 13 for p in picks), picks
+    assert gate.new_wait == 0
 
 
 def test_only_whole_trees_count_into_what_a_request_commits():
