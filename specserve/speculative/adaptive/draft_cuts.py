@@ -8,15 +8,6 @@ are the drafter's evidence classes (NGRAM: the matched suffix's length) or, with
 each request.
 TierCuts makes a choice's cuts: per tier, the cut a step at a bucket verifies and the
 tokens a second it is expected to make (acceptance.py's evidence over costs.py's prices).
-
-A cut is rated by the tokens its step is worth to the batch's requests, not by the tokens
-it commits: a step that commits e_i tokens for request i shortens that request's remaining
-time by the factor e_i, so for the batch as a whole it is worth as much as a step in which
-every request commits the harmonic mean of the e_i (`equivalent`). Where drafts are even
-the two agree; where a few requests of a large batch draft long matches and the rest commit
-one token, the sum counts tokens that the others wait for: a drafting step priced at 2.4x a
-plain one committed ~3 tokens a request on average at chat's concurrency 32 and 64 (H100,
-1.5B), a 1.25x rate by the sum, while the cells ran 0.93x plain.
 """
 from __future__ import annotations
 
@@ -38,7 +29,6 @@ class DraftCut:
     level: int                     # the level its step is priced at (TierCuts.level)
     tokens: float                  # the tokens the batch is expected to commit
     drafted: frozenset | None      # the classes whose drafts are verified; None: every class
-    equivalent: float = 0.0        # what those tokens are worth to the batch (see equivalent_tokens)
 
     def drafts(self, cls: Hashable) -> bool:
         return self.drafted is None or cls in self.drafted
@@ -47,20 +37,12 @@ class DraftCut:
 PLAIN = DraftCut(1, 1, 0.0, frozenset())
 
 
-def equivalent_tokens(requests: int, relief: float) -> float:
-    """The tokens a step is worth to `requests` requests, of which the drafting ones lower
-    the sum of 1 / (tokens each commits) from `requests` by `relief` (ClassPart.relief): the
-    batch times the harmonic mean of the tokens each request commits."""
-    return requests * requests / (requests - relief)
-
-
 class ClassPart(NamedTuple):
     """What one class's drafts add to a step at a tier, over verifying their roots alone (a
     tuple: a choice makes dozens a step, and a frozen dataclass costs ~1 us each)."""
     cls: Hashable
     gain: float    # expected committed tokens beyond one a request
     extra: int     # nodes beyond the root
-    relief: float  # what its drafts take off the batch's sum of 1 / (tokens a request commits)
 
 
 class DraftClasses:
@@ -91,8 +73,7 @@ class DraftClasses:
                 count += requests
                 extra += requests * (min(n, tier) - 1)
             expected = evidence.expected_tokens("", tier, cls) if self.keys else evidence.expected_tokens(cls, tier)
-            expected = max(expected, 1.0)   # a step commits at least its root's token
-            parts.append(ClassPart(cls, count * (expected - 1.0), extra, count * (1.0 - 1.0 / expected)))
+            parts.append(ClassPart(cls, count * (expected - 1.0), extra))
         return parts
 
 
@@ -122,7 +103,7 @@ class TierCuts:
             if unpriced:  # each tier is priced once per bucket, cheapest first
                 return cuts[unpriced[0]], cuts[unpriced[0]], {}, cuts
         scale = batch_size / len(rids)   # a probe sees a sample of the batch
-        rates = {t: scale * cut.equivalent / self.costs.price(bucket, cut.level) for t, cut in cuts.items()}
+        rates = {t: scale * cut.tokens / self.costs.price(bucket, cut.level) for t, cut in cuts.items()}
         best = max(tiers, key=rates.get)
         if measure and self.costs.refresh_due(bucket):
             # plain decoding always contends: it is what drafting must beat, and a price taken
@@ -144,7 +125,7 @@ class TierCuts:
         prices = {t: self.costs.price(bucket, cut.level) for t, cut in cuts.items()}
         if any(price is None for price in prices.values()):
             return True   # plain decoding is unpriced here: nothing bounds what drafting costs
-        return any(cuts[t].equivalent / prices[t] >= margin * cuts[1].equivalent / prices[1] for t in cuts if t > 1)
+        return any(cuts[t].tokens / prices[t] >= margin * cuts[1].tokens / prices[1] for t in cuts if t > 1)
 
     def at_tiers(self, bucket: int, classes: DraftClasses, requests: int, tiers: list[int],
                  whole: bool = False) -> dict[int, DraftCut]:
@@ -157,33 +138,30 @@ class TierCuts:
             if whole or not self.ragged or tier == 1:
                 tokens = requests + sum(part.gain for part in parts)
                 nodes = requests + sum(part.extra for part in parts)
-                equivalent = equivalent_tokens(requests, sum(part.relief for part in parts))
-                cuts[tier] = DraftCut(tier, self.level(tier, requests, nodes), tokens, None, equivalent)
+                cuts[tier] = DraftCut(tier, self.level(tier, requests, nodes), tokens, None)
             else:
                 cuts[tier] = self._ragged_cut(bucket, tier, requests, parts)
         return cuts
 
     def _ragged_cut(self, bucket: int, tier: int, requests: int, parts: list[ClassPart]) -> DraftCut:
-        """The best cut at the tier: the classes whose drafts are worth most per node draft, as
-        many as give the highest rate at their level's price (or its floor), the others verify
+        """The best cut at the tier: the classes that gain most tokens per node draft, as many
+        as give the highest rate at their level's price (or its floor), the others verify
         their root alone. Cutting a weak class saves its nodes: at 64 requests a step of 8
         nodes each costs ~2.5x a plain one on an H200 (1.5B), one where a few draft about 1x."""
-        parts = sorted(parts, key=lambda part: part.relief / max(part.extra, 1), reverse=True)
+        parts = sorted(parts, key=lambda part: part.gain / max(part.extra, 1), reverse=True)
         prices: dict[int, float | None] = {}   # per level (a floor walks every price the policy holds)
-        best, best_rate = (0, 1, float(requests), float(requests)), -1.0   # (classes drafting, level, tokens, equivalent)
+        best, best_rate = (0, 1, float(requests)), -1.0     # (classes drafting, level, tokens)
         tokens = nodes = float(requests)
-        relief = 0.0
         for j, part in enumerate(parts):
-            tokens, nodes, relief = tokens + part.gain, nodes + part.extra, relief + part.relief
+            tokens, nodes = tokens + part.gain, nodes + part.extra
             level = self.level(tier, requests, nodes)
             if level not in prices:
                 prices[level] = self.costs.price(bucket, level)
-            equivalent = equivalent_tokens(requests, relief)
-            rate = equivalent / prices[level] if prices[level] else 0.0
+            rate = tokens / prices[level] if prices[level] else 0.0
             if rate > best_rate:
-                best, best_rate = (j + 1, level, tokens, equivalent), rate
-        drafting, level, tokens, equivalent = best
-        return DraftCut(tier, level, tokens, frozenset(part.cls for part in parts[:drafting]), equivalent)
+                best, best_rate = (j + 1, level, tokens), rate
+        drafting, level, tokens = best
+        return DraftCut(tier, level, tokens, frozenset(part.cls for part in parts[:drafting]))
 
     def level(self, tier: int, requests: int, nodes: float) -> int:
         """The level a step of `nodes` verified nodes over `requests` is priced at: its tier,

@@ -1,11 +1,9 @@
 """Adaptive draft length: each step verifies the draft size (a "tier", 1 = plain decoding)
-that maximises what its committed tokens are worth per second of step time, at every batch size.
+that maximises expected committed tokens per second of step time, at every batch size.
 
-    tier* = argmax_t  n * hmean_i E[tokens_i | t]  /  cost(batch bucket, t)
+    tier* = argmax_t  sum_i E[tokens_i | t]  /  cost(batch bucket, t)
 
-the tokens a step is worth to its n requests (each one's time shrinks by the tokens it
-commits: the harmonic mean, draft_cuts.py) over its price. Both factors are measured, not
-assumed:
+Both factors are measured, not assumed:
 
 - cost(bucket, t): the wall time of whole steps, per batch-size bucket and tier, with
   contenders re-measured now and then (costs.py).
@@ -201,11 +199,8 @@ class AdaptiveDraftLength:
         if best.tier > 1 and rates[best.tier] >= self._switch_margin(bucket) * rates[1]:
             self._log_decision(bucket, batch_size, rates, prices, "drafts")
             # a gain rated at a floor price (best's level not priced yet) is a bound, not an
-            # expectation: its episode prices the level and is no record of overshooting. The
-            # gain is in committed tokens, as the episode's realized rate counts them
-            if not self.costs.rateable(bucket, best.level):
-                return True, None
-            return True, (best.tokens / prices[best.tier]) / (cuts[1].tokens / prices[1])
+            # expectation: its episode prices the level and is no record of overshooting
+            return True, rates[best.tier] / rates[1] if self.costs.rateable(bucket, best.level) else None
         stale = [t for t, rate in rates.items() if t > 1 and rate >= EXPLORE_RATIO * rates[1]
                  and self.costs.stale(bucket, cuts[t].level)]
         if stale:   # the episode's first step runs the stale tier, whatever its old price says
