@@ -92,6 +92,7 @@ class SimRequest:
 class SimResult:
     decode_steps: int = 0
     drafting_steps: int = 0
+    prefill_steps: int = 0    # a drafting step that ends requests apart splits the prefills of the next ones
     tokens: int = 0
     seconds: float = 0.0
     drafting_by_request: dict[str, int] = field(default_factory=dict)   # drafting steps each took part in
@@ -134,6 +135,7 @@ class PolicySim:
             self._commit(req, 1)
         self.batch += [req for req in admitted if not req.finished]
         self.result.seconds += PREFILL_SECONDS
+        self.result.prefill_steps += 1
         if self.adaptive is not None:
             self.adaptive.admit()
 
@@ -217,12 +219,14 @@ class PolicySim:
             self.adaptive.observe(req.rid, tokens)
 
 
-def simulate(profiles: list[Profile], concurrency: int, seed: int = 0, ragged: bool = False) -> tuple[SimResult, float]:
-    """The adaptive policy's run and its time against a plain server's on the same requests
-    (ragged: the policy of a ragged verify step, whose steps cost the nodes they keep)."""
+def simulate(profiles: list[Profile], concurrency: int, seed: int = 0,
+             ragged: bool = False) -> tuple[SimResult, float, SimResult]:
+    """The adaptive policy's run, its time against a plain server's on the same requests,
+    and the plain server's run (ragged: the policy of a ragged verify step, whose steps cost
+    the nodes they keep)."""
     adaptive = PolicySim(profiles, concurrency, AdaptiveDraftLength(TIERS, ragged=ragged), seed=seed).run()
     plain = PolicySim(profiles, concurrency, None, seed=seed).run()
-    return adaptive, plain.seconds / adaptive.seconds
+    return adaptive, plain.seconds / adaptive.seconds, plain
 
 
 def chat_first_turns(count: int, seed: int = 0) -> list[Profile]:
@@ -254,9 +258,10 @@ def main() -> None:
     ns = parser.parse_args()
     for name, (profiles, concurrency) in SCENARIOS.items():
         for seed in range(ns.seeds):
-            result, vs_plain = simulate(profiles(seed), concurrency, seed, ns.ragged)
+            result, vs_plain, plain = simulate(profiles(seed), concurrency, seed, ns.ragged)
             print(json.dumps({"scenario": name, "ragged": ns.ragged, "seed": seed, "decode_steps": result.decode_steps,
                               "drafting_steps": result.drafting_steps,
+                              "prefill_steps": result.prefill_steps, "plain_prefill_steps": plain.prefill_steps,
                               "drafting_fraction": round(result.drafting_fraction, 3),
                               "accept_length": round(result.accept_length, 2),
                               "vs_plain": round(vs_plain, 3)}))

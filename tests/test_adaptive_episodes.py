@@ -206,7 +206,7 @@ def test_simulated_copies_with_edits_draft_again_after_each_edit(name, at_least,
     """policy_sim: answers that copy the prompt with an edit every 40 tokens. Each episode
     ends at an edit; held PLAIN_HOLD steps and probed at k, the bucket ran ~1.6x plain."""
     profiles, concurrency = SCENARIOS[name]
-    result, vs_plain = simulate(profiles(0), concurrency, ragged=ragged)
+    result, vs_plain, _ = simulate(profiles(0), concurrency, ragged=ragged)
     assert result.drafting_fraction > 0.45 and vs_plain > at_least, (result, vs_plain)
 
 

@@ -311,7 +311,7 @@ def test_simulated_servers_draft_where_it_pays(name, at_most, at_least, ragged):
     matches are known. Chats whose drafts rarely match decode plainly; repeated turns draft
     (the policy of a ragged verify step too, its steps costing the nodes they keep)."""
     profiles, concurrency = SCENARIOS[name]
-    result, vs_plain = simulate(profiles(0), concurrency, ragged=ragged)
+    result, vs_plain, _ = simulate(profiles(0), concurrency, ragged=ragged)
     assert at_least <= result.drafting_fraction <= at_most, result
     assert vs_plain > (2.0 if at_least else 0.9), vs_plain
 
@@ -321,7 +321,7 @@ def test_simulated_batch_1_drafts_for_a_good_request_right_after_a_bad_one(ragge
     """A chat whose drafts all miss (it drafts first: the prior), then repeated turns whose
     drafts match in full: those draft from their first steps."""
     profiles, concurrency = SCENARIOS["batch 1: a chat that misses, then repeated turns"]
-    result, vs_plain = simulate(profiles(0), concurrency, ragged=ragged)
+    result, vs_plain, _ = simulate(profiles(0), concurrency, ragged=ragged)
     good = ["r1", "r2", "r3"]   # the first also pays for pricing the tiers at batch 1
     drafted = sum(result.drafting_by_request[rid] for rid in good)
     assert drafted >= 0.8 * sum(result.steps_by_request[rid] for rid in good), result
