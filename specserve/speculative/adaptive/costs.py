@@ -175,8 +175,8 @@ class StepCosts:
                 share = 0.0
             added = max(added, share * (seconds - base))
             if other <= bucket:
-                share = min(1.0, (tier - 1) / (tier_priced - 1)) if self.cost_per_node else 1.0
-                least = (seconds - base) * share
+                node_share = min(1.0, (tier - 1) / (tier_priced - 1)) if self.cost_per_node else 1.0
+                least = (seconds - base) * node_share
                 fixed = least if fixed is None else min(fixed, least)
         return plain + max(added, fixed or 0.0)
 
