@@ -641,6 +641,26 @@ def test_plain_decoding_is_priced_by_the_steps_plain_mode_runs():
     assert costs.steps(64) == 5
 
 
+def test_makeshift_steps_that_cost_the_price_keep_it_fresh():
+    """Where the batch changes nearly every step, a level is seldom priced by a steady step:
+    makeshift steps that cost about its price confirm it, and it does not go stale; one far
+    from the price confirms nothing (a makeshift step may carry a catch-up, or show the
+    price too high)."""
+    def stale_after(makeshift_seconds: float) -> bool:
+        costs = StepCosts([1, 16])
+        costs.record(32, 1, 0.0022)
+        for _ in range(2):                       # two steady steps: fewer than MIN_SAMPLES
+            costs.record(32, 16, 0.0067)
+        for _ in range(3):
+            costs.record(32, 16, makeshift_seconds, steady=False)
+        for _ in range(RECHECK_GAP):
+            costs.record(32, 1, 0.0022)
+        assert costs.seconds[(32, 16)] == 0.0067  # a makeshift step never moves a steady price
+        return costs.stale(32, 16)
+    assert not stale_after(0.0072)
+    assert stale_after(0.0040) and stale_after(0.0120)
+
+
 def test_a_bucket_priced_by_overlapped_plain_steps_stays_plain_where_drafts_break_even():
     """H100 trace (0.5B, ShareGPT second turns at 64): drafting steps of 8 nodes ~5.4 ms;
     plain steps 1.9 ms overlapped, 3.3-4.4 ms when they probed or followed a drafting step.

@@ -9,7 +9,8 @@ losing-episode budget explained them. The trace records, per event:
 - `rates`: each tier's expected tokens per second as the policy computed them (a drafting
   step's choice, `measure`, or a probe's), with the batch size, the requests sampled and
   how many of them had a draft;
-- `switch`: a probe switching a plain bucket to drafting, and whether it bypassed a hold;
+- `switch`: a probe switching a plain bucket to drafting, whether it bypassed a hold, and the
+  stale tier it switched to re-price (`reprices`; None: a switch rated at prices or floors);
 - `episode`: a drafting episode's end, its realized rate against the bucket's plain rate;
 - `probe`: a probe's host ms; the plain step it followed is the next `step`, marked `probe`;
 - `step`: every decode step's batch size, tier, wall ms, committed tokens and mode; `steady`
@@ -71,7 +72,8 @@ class PolicyTrace(PolicyListener):
 
     def switch_requested(self, bucket, expected_gain):
         held = self.policy.costs.steps(bucket) < self.policy.modes.plain_until.get(bucket, 0)
-        self.events.append({"e": "switch", "bucket": bucket, "bypass": held,
+        reprices = self.policy.repricing(bucket)   # None: a rated switch, or one rated at a floor price
+        self.events.append({"e": "switch", "bucket": bucket, "bypass": held, "reprices": reprices,
                             "expected_gain": None if expected_gain is None else round(expected_gain, 3)})
 
     def episode_ended(self, bucket, episode, plain_rate, reopened):

@@ -209,6 +209,11 @@ class AdaptiveDraftLength:
                            f"drafts to re-price tier {self._explore[bucket][0]}" if stale else "stays plain")
         return bool(stale), None
 
+    def repricing(self, bucket: int) -> int | None:
+        """The stale tier the bucket's next drafting step re-prices, if a probe switched it for that."""
+        explore = self._explore.get(bucket)
+        return None if explore is None else explore[0]
+
     def _log_decision(self, bucket: int, batch_size: int, rates: dict[int, float], prices: dict[int, float],
                       verdict: str) -> None:
         """A probe's verdict with what it rests on, per tier: the expected rate, the step's
