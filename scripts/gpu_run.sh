@@ -97,6 +97,10 @@ OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && echo "$wanted" > /tmp/site/.wheels ) 9>/tmp/site.lock || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+# A mode that runs another tree's code (AB_TREE, AB_OLD) puts that tree on PYTHONPATH and runs `python3 -P`:
+# without -P, `python3 -m` puts the working directory (this checkout) first on sys.path, and the "old" tree's
+# code was never imported (every suite-ab, suite-tree, structured AB_TREE and drafters-tree A/B from 2026-11-28
+# to 2026-12-06 ran this checkout's code on both sides). gpu_suite's device row names the code it ran (`code`).
 # the optional FA3 kernels (--attention-backend fa3: pip's specserve[fa3]), where sglang-kernel's wheel was
 # staged into /root/models (scripts/split_for_device.sh .peers_wheels/sglang/sglang_kernel-*.whl)
 for wheel in /root/models/sglang_kernel-*.whl; do
@@ -118,7 +122,7 @@ shutil.copyfileobj(lzma.open('.gpu/sharegpt_train.json.xz'), open('.gpu/sharegpt
 chain_rows() {   # OUT_DIR [model_drafters flags]: /root/eagle3-1.5b's NAIVE_EAGLE and EAGLE-3 chains of 3 (or
                  # $CHAIN_ALGORITHMS), pinned and adaptive
   local out=$1; shift
-  python3 -m specserve.bench.model_drafters --algorithm ${CHAIN_ALGORITHMS:-NAIVE_EAGLE EAGLE3} --target /root/models/qwen2.5-coder-1.5b-instruct.gguf \
+  python3 -P -m specserve.bench.model_drafters --algorithm ${CHAIN_ALGORITHMS:-NAIVE_EAGLE EAGLE3} --target /root/models/qwen2.5-coder-1.5b-instruct.gguf \
     --draft /root/eagle3-1.5b --num-steps 3 --topk 1 --workloads sharegpt-multiturn code-types \
     --dataset-path .gpu/sharegpt_bench.json --out "$out" "$@" 2>&1 | grep -v '%|' | tail -40
 }
@@ -297,7 +301,7 @@ if [ "$mode" = structured ]; then
   suite=specserve.bench.gpu_suite; [ -n "${STRUCTURED_HOST_PHASES:-}" ] && suite="lab.suite_host_phases $suite"
   for model in "${models[@]}"; do
     out="$OUT/structured_$tag$model"
-    PYTHONPATH=/tmp/site:$PWD/$root python3 -m $suite --models-dir /root/models --models "$model" \
+    PYTHONPATH=/tmp/site:$PWD/$root python3 -P -m $suite --models-dir /root/models --models "$model" \
       --configs ${STRUCTURED_CONFIGS:-default} --rounds 2 \
       --bs1-prompts 6 --no-transformers --num-prompts 128 --workloads ${STRUCTURED_WORKLOADS:-agentic-tools schema-extraction} \
       --max-new-tokens ${STRUCTURED_MAX_NEW_TOKENS:-512} --policy-trace-dir "$out/traces" \
@@ -309,7 +313,7 @@ suite_32_64() {   # TREE_ROOT OUT_DIR: the default NGRAM engine (or $SUITE_CONFI
                   # ngram-16-one-blind": gpu_suite's diagnostics) against plain at 32/64 (2 rounds), the tree's own code;
                   # SUITE_HOST_LOAD=N: N busy-loop processes beside it (a shared host); SUITE_ARGS: more
                   # gpu_suite flags (e.g. --enable-mixed-chunk); SUITE_CONCURRENCY: other concurrencies ("1 8 32 64")
-  PYTHONPATH=/tmp/site:$1 python3 -m specserve.bench.gpu_suite --models-dir /root/models --models "${models[0]}" \
+  PYTHONPATH=/tmp/site:$1 python3 -P -m specserve.bench.gpu_suite --models-dir /root/models --models "${models[0]}" \
     --configs ${SUITE_CONFIGS:-default} --rounds 2 --bs1-prompts 6 --no-transformers --num-prompts 128 --dataset-path .gpu/sharegpt_bench.json \
     --concurrency ${SUITE_CONCURRENCY:-32 64} --policy-trace-dir "$2/traces" --out "$2" ${SUITE_HOST_LOAD:+--host-load $SUITE_HOST_LOAD} \
     ${SUITE_ARGS:-} 2>&1 | grep -v '%|' | tail -2

@@ -34,6 +34,7 @@ import time
 
 import torch
 
+import specserve
 from specserve.bench.host_load import busy_host
 from specserve.bench.offline import run_turn
 from specserve.bench.run_watch import RunWatch
@@ -391,7 +392,9 @@ def main(argv=None) -> None:
     bandwidth = measure_copy_bandwidth(ns.device)
     name = torch.cuda.get_device_name() if ns.device == "cuda" else "cpu"
     write({"kind": "device", "name": name, "copy_bandwidth_GBps": bandwidth / 1e9,
-           "date": time.strftime("%Y-%m-%d"), "host_load": ns.host_load, "enable_mixed_chunk": ns.enable_mixed_chunk})
+           "date": time.strftime("%Y-%m-%d"), "host_load": ns.host_load, "enable_mixed_chunk": ns.enable_mixed_chunk,
+           # which tree's code ran: an A/B of two trees is one only where the rows name both
+           "code": os.path.dirname(os.path.dirname(os.path.abspath(specserve.__file__)))})
     with busy_host(ns.host_load):
         for model in ns.models:
             path = os.path.join(ns.models_dir, model + ".gguf")
