@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 logger = logging.getLogger("specserve")
+KEY_CHARS = 1500   # of a compiled kernel's cache key kept with it (a key lists every argument's specialization)
 
 
 def specserve_cache_dir() -> Path:
@@ -97,5 +98,7 @@ class TritonCompileCounter:
             seconds = time.perf_counter() - self._started
             self.seconds += seconds
             self._started = None
+        # Triton's repr names the arguments but may not show their specialization (3.6: "(q_ptr: ()");
+        # its cache key holds each argument's type and alignment / divisibility, which tell a new variant
         self.kernels.append({"kernel": getattr(hook.get("fn"), "name", None), "s": seconds,
-                             "specialization": hook.get("repr")})
+                             "specialization": hook.get("repr"), "key": str(hook.get("key"))[:KEY_CHARS]})
