@@ -173,13 +173,13 @@ class ServerArgs:
     speculative_ngram_min_bfs_breadth: int = _spec(1, "fewest children expanded per draft node")
     speculative_ngram_max_bfs_breadth: int = _spec(10, "most children expanded per draft node")
     speculative_ngram_match_type: str = _spec("BFS", "BFS: by count; PROB: by path probability", choices=("BFS", "PROB"))
-    speculative_ngram_forecast: int = _spec(0, "NGRAM (specserve's): greedy batches of up to 8 requests launch each "
-                                               "verify step before the step before it is read, its drafts picked "
-                                               "on the device from the trie's forecast: this many likeliest next "
-                                               "tokens for every node the step before may end on, where the "
-                                               "batch's requests' forecasts find their entry often enough to "
-                                               "pay for their misses (0: off; each step is then proposed after "
-                                               "the read)")
+    speculative_ngram_forecast: int | None = _spec(None, "NGRAM (specserve's): greedy batches of up to 8 requests "
+                                               "launch each verify step before the step before it is read, its "
+                                               "drafts picked on the device from the trie's forecast: this many "
+                                               "likeliest next tokens for every node the step before may end on, "
+                                               "where the batch's requests' forecasts find their entry often enough "
+                                               "to pay for their misses (0: off; each step is then proposed after "
+                                               "the read); default: 2 on a GPU, 0 on a CPU")
     speculative_ngram_branch_length: int = _spec(18, "longest n-gram the trie stores "
                                                      "(alias --speculative-ngram-max-trie-depth)")
     # --- server and logging ---
@@ -250,7 +250,7 @@ class ServerArgs:
                                 f"got {algorithm!r}")
         if self.speculative_num_draft_tokens < 1:
             raise ArgumentError(f"speculative_num_draft_tokens must be >= 1, got {self.speculative_num_draft_tokens}")
-        if self.speculative_ngram_forecast < 0:
+        if self.speculative_ngram_forecast is not None and self.speculative_ngram_forecast < 0:
             raise ArgumentError(f"speculative_ngram_forecast must be >= 0 (0: off), got {self.speculative_ngram_forecast}")
         if self.speculative_ngram_forecast and self.speculative != "NGRAM":
             raise NotSupportedError(f"speculative_ngram_forecast forecasts the n-gram trie's drafts: it needs "

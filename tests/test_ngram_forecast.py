@@ -16,8 +16,10 @@ from specserve.kv.pool import PADDING_SLOT
 from specserve.runner.forecast_step import NO_ENTRY, empty_table, select_on_device
 from specserve.runner.tree_step import TreeStepInputs
 from specserve.speculative.ngram.config import NgramConfig
+from specserve.speculative.ngram.drafter import DEFAULT_FORECAST
 from specserve.speculative.ngram.forecast import forecast_table
 from specserve.speculative.ngram.trie import NgramTrie
+from specserve.speculative.registry import create_drafter
 from specserve.verify.tree import TreeProposal
 
 from tests.forecast_fixtures import picked_by_host, random_case
@@ -119,6 +121,19 @@ def test_the_flag_is_checked():
     with pytest.raises(NotSupportedError, match="speculative_ngram_forecast"):
         ServerArgs(model_path="m", speculative_algorithm="EAGLE", speculative_draft_model_path="h",
                    speculative_ngram_forecast=2)
+
+
+def test_the_forecast_is_on_by_default_on_a_gpu_only():
+    def candidates(on_gpu: bool, **flags) -> int:
+        drafter = create_drafter(ServerArgs(model_path="m", **ngram_args(8, **flags)), on_gpu)
+        try:
+            return drafter.forecast_candidates
+        finally:
+            drafter.close()
+    assert candidates(True) == DEFAULT_FORECAST > 0
+    assert candidates(False) == 0
+    assert candidates(True, speculative_ngram_forecast=0) == 0
+    assert candidates(False, speculative_ngram_forecast=3) == 3
 
 
 def _count_holds(engine) -> tuple[list, list, object]:

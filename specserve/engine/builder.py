@@ -60,7 +60,7 @@ def preflight(args: ServerArgs) -> Preflight:
         check_draft_path(args)   # a wrong path fails before the target loads
         drafter = None           # made in build_core, once its model is loaded
     else:
-        drafter = create_drafter(args)
+        drafter = create_drafter(args, on_gpu=device.type == "cuda")
     return Preflight(model_path, device, resolve_dtype(args.dtype, device), drafter, tp_config)
 
 

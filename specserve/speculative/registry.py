@@ -20,14 +20,15 @@ def needs_draft_model(args: "ServerArgs") -> bool:
     return args.speculative in MODEL_DRAFTERS
 
 
-def create_drafter(args: "ServerArgs") -> "Drafter | None":
-    """The model-free drafter `args.speculative` names (None without speculation)."""
+def create_drafter(args: "ServerArgs", on_gpu: bool = False) -> "Drafter | None":
+    """The model-free drafter `args.speculative` names (None without speculation); `on_gpu`:
+    the engine runs on a GPU (some defaults differ)."""
     name = args.speculative
     if name is None:
         return None
     if name == "NGRAM":
         from specserve.speculative.ngram.drafter import NgramDrafter
-        return NgramDrafter.from_args(args)
+        return NgramDrafter.from_args(args, on_gpu)
     if name in MODEL_DRAFTERS:
         raise ValueError(f"speculative_algorithm {name} drafts with a model: draft_setup.prepare_draft makes it")
     raise NotImplementedError(f"speculative_algorithm {args.speculative_algorithm!r} is not implemented")
