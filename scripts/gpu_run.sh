@@ -53,7 +53,9 @@
 #                                                   into /root/eagle2-SIZE, which peers-eagle's specserve-eagle serves)
 #   scripts/gpu_run.sh head-train                  (trains a head of the kept sizes for HEAD_BUDGET_S (540) into
 #                                                   /root/head-train-1.5b; HEAD_RESUME=1 on the same warm machine goes on
-#                                                   with it, HEAD_INIT=heads/MODEL starts from the kept head)
+#                                                   with it, HEAD_INIT=heads/MODEL starts from the kept head;
+#                                                   HEAD_ANSWERS_ONLY=1 gathers answers over calls, HEAD_REUSE_ANSWERS=1
+#                                                   trains on them)
 #   scripts/gpu_run.sh head-keep                   (that head as heads/ keeps it, float8 rows in 15-MiB pieces, into $OUT/kept,
 #                                                   and as bf16 into /root/eagle3-1.5b for eagle-rows; heads/README.md)
 #   scripts/gpu_run.sh eagle-rows                  (that head on the 1.5B, after `eagle-head` on the same warm machine: EAGLE-3
@@ -361,9 +363,12 @@ if [ "$mode" = head-train ]; then
   # into /root/head-train-SIZE for HEAD_BUDGET_S (540); HEAD_RESUME=1 goes on with that run (a later call on the
   # same warm machine), HEAD_INIT=heads/MODEL starts from the kept head. The target states of every batch kept
   # after its first epoch: 0.6 of the ~133 GiB free holds 13M tokens' as float8 (76 GiB); this head's training
-  # took ~29 GiB beyond its store
+  # took ~29 GiB beyond its store. More answers than one call makes (the kept head's 15.4k of 54.9k prompts):
+  # HEAD_ANSWERS_ONLY=1 in one call or more (each answers the prompts after those saved, for the whole budget),
+  # then HEAD_REUSE_ANSWERS=1 (with HEAD_INIT or not) trains on them, all on the same warm machine
   model=${HEAD_MODEL:-qwen2.5-coder-1.5b-instruct}; start=()
   [ -n "${HEAD_RESUME:-}" ] && start=(--resume); [ -n "${HEAD_INIT:-}" ] && start=(--init-from "$HEAD_INIT")
+  [ -n "${HEAD_ANSWERS_ONLY:-}" ] && start+=(--answers-only); [ -n "${HEAD_REUSE_ANSWERS:-}" ] && start+=(--reuse-answers)
   python3 -m specserve.train_eagle --model-path "/root/models/$model.gguf" --output-dir "$(head_dir "$model" head-train)" \
     --dataset-path .gpu/sharegpt_train.json --exclude-dataset-path .gpu/sharegpt_bench.json \
     --time-budget "${HEAD_BUDGET_S:-540}" --generation-share "${HEAD_GENERATION_SHARE:-0.5}" --max-running-requests 512 \

@@ -14,6 +14,8 @@ what only serving needs (eagle_engine.py; it prints where its start-up went). Th
 (config.json + model.safetensors), with checkpoints (--checkpoint-every) that --resume
 continues from; with --eval-every the best held-out head is the one kept. At the end it
 prints the held-out accept length of greedy chain drafting, untrained vs trained.
+--answers-only gathers the target's answers over several calls (each answers the prompts
+after those saved), and --reuse-answers trains on them (with --init-from too).
 
   python -m specserve.train_eagle --output-dir /tmp/eagle-smollm2                 # SmolLM2 on the CPU
   python -m specserve.train_eagle --model-path qwen2.5-coder-1.5b-instruct.gguf --output-dir /tmp/eagle-1.5b \\
@@ -63,6 +65,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help="GPU memory for the generating engine's weights and KV cache (freed for training)")
     data.add_argument("--max-running-requests", type=int, default=None,
                       help="answers generated at once (on a GPU each batch size up to it decodes in a CUDA graph)")
+    data.add_argument("--answers-only", action="store_true",
+                      help="generate the target's answers into --output-dir and stop (no training); where answers are "
+                           "saved there already, answer the prompts after them: several calls of one GPU lease "
+                           "gather more answers than one call's budget")
+    data.add_argument("--reuse-answers", action="store_true",
+                      help="train on the answers saved in --output-dir (by --answers-only) instead of generating")
     train = p.add_argument_group("training")
     train.add_argument("--ttt-steps", type=int, default=None, help="draft steps unrolled per batch (training-time test)")
     train.add_argument("--eval-draft-steps", type=int, default=None, help="chain length for the accept length; "
@@ -101,6 +109,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--generation-share must lie in (0, 1), got {args.generation_share}")
     if args.init_from and args.resume:
         p.error("--init-from starts a new run from a saved head; --resume continues the run in --output-dir: give one")
+    if args.answers_only and (args.resume or args.reuse_answers or args.init_from):
+        p.error("--answers-only generates answers and trains nothing: it takes no --resume, --reuse-answers or "
+                "--init-from")
     if args.state_memory_share is not None and not 0 < args.state_memory_share <= 1:
         p.error(f"--state-memory-share must lie in (0, 1], got {args.state_memory_share}")
     if args.intermediate_size is not None and args.intermediate_size <= 0:

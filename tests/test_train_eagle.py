@@ -123,6 +123,43 @@ def test_train_eagle_cli_end_to_end(tmp_path, capsys):
     assert "generated" not in printed and "before training" not in printed and "held-out accept length:" in printed
 
 
+def test_answers_gathered_over_calls_then_trained_on(tmp_path, capsys):
+    """--answers-only answers the prompts after those saved (the prompts come in the same order
+    for the same data flags), and --reuse-answers trains on what was gathered."""
+    from specserve.train_eagle import main
+    target = tmp_path / "target"
+    make_tiny_directory(target, vocab_size=320, weight_std=None, logit_scale=100.0)
+    output = tmp_path / "head"
+    argv = ["--model-path", str(target), "--output-dir", str(output), "--device", "cpu", "--held-out", "4",
+            "--max-prompt-len", "48", "--max-new-tokens", "12", "--text-chats", "2", "--epochs", "1",
+            "--ttt-steps", "2", "--batch-tokens", "256", "--draft-vocab-size", "64"]
+    data = output / "conversations.json"
+    main(argv + ["--answers-only", "--num-prompts", "5"])
+    first = json.loads(data.read_text())
+    assert len(first) == 4 + 5 and not (output / "model.safetensors").exists()   # nothing trained
+    main(argv + ["--answers-only", "--num-prompts", "9"])
+    printed = capsys.readouterr().out
+    assert "5 training answers saved already" in printed
+    gathered = json.loads(data.read_text())
+    assert len(gathered) == 4 + 9 and gathered[:len(first)] == first
+
+    with pytest.raises(SystemExit, match="give the --held-out it was made with"):
+        main(argv + ["--answers-only", "--num-prompts", "9", "--held-out", "20"])
+    main(argv + ["--reuse-answers", "--num-prompts", "9"])
+    printed = capsys.readouterr().out
+    assert "generated" not in printed and "data: 9 answers by the target" in printed
+    assert "held-out accept length:" in printed and (output / "model.safetensors").is_file()
+    assert json.loads(data.read_text()) == gathered
+
+
+def test_reusing_answers_that_were_never_made_is_refused(tmp_path):
+    from specserve.train_eagle import main
+    with pytest.raises(SystemExit, match="--answers-only first"):
+        main(["--output-dir", str(tmp_path / "none"), "--device", "cpu", "--reuse-answers"])
+    with pytest.raises(SystemExit):
+        main(["--output-dir", str(tmp_path / "none"), "--answers-only", "--resume"])
+
+
 def test_time_budget_counts_the_states_as_they_were_kept(tmp_path, capsys, monkeypatch):
     """Training gets what is left of --time-budget once the target's states are kept, as long
     as keeping them took (made 3 s here), with no estimate of it: a run that priced them at
@@ -315,7 +352,8 @@ def test_generation_share_counts_from_when_generation_starts(monkeypatch, tmp_pa
 
     monkeypatch.setattr(eagle_training_run, "generate_conversations", recording_generate)
     monkeypatch.setattr(eagle_training_run, "save_conversations", lambda *args: None)
-    args = argparse.Namespace(output_dir=str(tmp_path), resume=False, max_prompt_len=64, held_out=2, num_prompts=4,
+    args = argparse.Namespace(output_dir=str(tmp_path), resume=False, reuse_answers=False, answers_only=False,
+                              max_prompt_len=64, held_out=2, num_prompts=4,
                               max_new_tokens=4, temperature=0.0, seed=0, time_budget=10.0, generation_share=0.5)
     engine = types.SimpleNamespace(tokenizer=None, core=types.SimpleNamespace(
         runner=types.SimpleNamespace(max_running_requests=8)))

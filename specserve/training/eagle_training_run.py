@@ -35,6 +35,9 @@ DATA_FILE = "conversations.json"
 # what a run keeps back from --time-budget for the end: the last held-out score (timed at
 # the first), saving the head, and this much slack
 END_SLACK_SECONDS = 5.0
+# what --answers-only keeps back from --time-budget: the answers in flight at the deadline finish
+# (up to --max-new-tokens decode steps) and are saved
+ANSWERS_SLACK_SECONDS = 30.0
 # fewer optimizer steps than this leave a head close to its random start: its accept length says
 # little (a 240 s CPU run trained 1 step and scored 1.000)
 MIN_TRAIN_STEPS = 20
@@ -61,7 +64,15 @@ def train_head(args: argparse.Namespace, started: float, device_defaults: dict[s
         if getattr(args, name) is None:
             setattr(args, name, value)
     os.makedirs(args.output_dir, exist_ok=True)
+    if args.reuse_answers and not os.path.isfile(os.path.join(args.output_dir, DATA_FILE)):
+        raise SystemExit(f"train_eagle: --reuse-answers: no answers saved in {args.output_dir} ({DATA_FILE}); "
+                         "make them with --answers-only first")
     target, generated, held_out, reply_text = _prepare_data(args, device, dtype, started)
+    if args.answers_only:
+        print(f"answers saved: {len(generated)} training answers ({sum(c.answer_len for c in generated)} answer "
+              f"tokens) and {len(held_out)} held out, in {os.path.join(args.output_dir, DATA_FILE)} "
+              f"(at {time.perf_counter() - started:.0f} s); --reuse-answers trains on them", flush=True)
+        return
     free = _report_device_memory(device)
     if not batch_tokens_set and free is not None:
         args.batch_tokens = batch_tokens_for_memory(args.batch_tokens, free)
@@ -81,8 +92,8 @@ def _prepare_data(args: argparse.Namespace, device: torch.device, dtype: torch.d
     conversations). The text is tokenized while the engine starts (on a GPU, in a background
     process: eagle_prep.py); the engine is gone at the end, its KV cache and CUDA graphs
     freed for training, its model kept (the hidden states come from the same weights)."""
-    resuming = args.resume and os.path.isfile(os.path.join(args.output_dir, DATA_FILE))
-    with TextPreparation(_text_settings(args, need_prompts=not resuming), background=device.type == "cuda") as text:
+    reading = (args.resume or args.reuse_answers) and os.path.isfile(os.path.join(args.output_dir, DATA_FILE))
+    with TextPreparation(_text_settings(args, need_prompts=not reading), background=device.type == "cuda") as text:
         with generating_engine(args, device, dtype) as engine:
             print(f"engine ready in {time.perf_counter() - run_started:.0f} s", flush=True)
             prompts = text.prompts()
@@ -90,6 +101,8 @@ def _prepare_data(args: argparse.Namespace, device: torch.device, dtype: torch.d
             generated, held_out = _conversations(args, engine, prompts, run_started)
             target = engine.core.runner.model
         del engine
+        if args.answers_only:   # no training: the fixed text is not waited for
+            return target, generated, held_out, []
         whole = text.whole()   # its fixed text, made while the answers were generated
         print(f"fixed text: {len(whole.reply_text)} chats in {whole.stage_seconds['fixed text']:.1f} s"
               + _waited(text), flush=True)
@@ -253,29 +266,43 @@ def _report_step_split(trainer: EagleTrainer, device: torch.device) -> None:
 
 def _conversations(args: argparse.Namespace, engine, text: PreparedText,
                    run_started: float) -> tuple[list[Conversation], list[Conversation]]:
-    """(training, held-out) answers of the target: generated, or read back from --output-dir on --resume.
-    With --time-budget, generation stops at --generation-share of the time left once it
-    starts (H100, 1.5B: loading and tokenizing 9.5k prompts took 75 s, past a deadline
-    counted from the start: the head trained on no generated answer)."""
+    """(training, held-out) answers of the target: generated, or read back from --output-dir on
+    --resume or --reuse-answers. With --time-budget, generation stops at --generation-share of
+    the time left once it starts (H100, 1.5B: loading and tokenizing 9.5k prompts took 75 s,
+    past a deadline counted from the start: the head trained on no generated answer); with
+    --answers-only at the budget's end (ANSWERS_SLACK_SECONDS kept back), and answers saved
+    already are kept and the prompts after them answered (the prompts come in the same order
+    for the same data flags: turn_prompts)."""
     path = os.path.join(args.output_dir, DATA_FILE)
-    if args.resume and os.path.isfile(path):
-        conversations = load_conversations(path)
-        return conversations[args.held_out:], conversations[:args.held_out]
+    saved = load_conversations(path) if os.path.isfile(path) else None
+    if saved is not None and (args.resume or args.reuse_answers):
+        return saved[args.held_out:], saved[:args.held_out]
     started = time.perf_counter()
     deadline = None
     if args.time_budget:
-        deadline = started + args.generation_share * (args.time_budget - (started - run_started))
+        left = args.time_budget - (started - run_started)
+        deadline = started + (left - ANSWERS_SLACK_SECONDS if args.answers_only else args.generation_share * left)
     in_flight = engine.core.runner.max_running_requests
-    with _progress(len(text.held_out_prompts) + len(text.prompts), "generating answers") as bar:
-        held_out = generate_conversations(engine, text.held_out_prompts, args.max_new_tokens, 0.0, bar.update,
-                                          max_in_flight=in_flight)
-        train_data = generate_conversations(engine, text.prompts, args.max_new_tokens, args.temperature,
-                                            bar.update, seed=args.seed, max_in_flight=in_flight, deadline=deadline)
-    answer_tokens = sum(c.answer_len for c in held_out + train_data)
+    held_out, done = [], []
+    if args.answers_only and saved is not None:
+        held_out, done = saved[:args.held_out], saved[args.held_out:]
+        if len(held_out) != args.held_out:
+            raise SystemExit(f"train_eagle: {path} holds {len(saved)} answers, fewer than --held-out "
+                             f"{args.held_out}: give the --held-out it was made with")
+        print(f"{len(done)} training answers saved already: answering the prompts after them", flush=True)
+    prompts = text.prompts[len(done):]
+    with _progress(len(prompts) + (0 if held_out else len(text.held_out_prompts)), "generating answers") as bar:
+        if not held_out:
+            held_out = generate_conversations(engine, text.held_out_prompts, args.max_new_tokens, 0.0, bar.update,
+                                              max_in_flight=in_flight)
+        # the seeds follow each prompt's place in the whole list, as in one uninterrupted run
+        more = generate_conversations(engine, prompts, args.max_new_tokens, args.temperature, bar.update,
+                                      seed=args.seed + len(done), max_in_flight=in_flight, deadline=deadline)
+    answer_tokens = sum(c.answer_len for c in more) + (0 if done else sum(c.answer_len for c in held_out))
     elapsed = time.perf_counter() - started
     print(f"generated {answer_tokens} answer tokens in {elapsed:.1f} s ({answer_tokens / elapsed:.0f} tok/s)")
-    save_conversations(path, held_out + train_data)
-    return train_data, held_out
+    save_conversations(path, held_out + done + more)
+    return done + more, held_out
 
 
 def _settings(args: argparse.Namespace, device: torch.device, max_seconds: float | None) -> TrainSettings:
