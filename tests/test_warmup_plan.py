@@ -8,7 +8,7 @@ import os
 import torch
 
 from specserve.engine.kernel_cache import TritonCompileCounter, use_persistent_triton_cache
-from specserve.engine.warmup_plan import SHORT_PROMPT, SPLIT_CONTEXT, BatchShape, EngineShape, plan_warmup
+from specserve.engine.warmup_plan import SPLIT_CONTEXT, EngineShape, plan_warmup
 
 # the 1.5B on an H100 with NGRAM-16: graphs for 1..64 requests of 1, 4, 8 or 16 tokens
 GPU_ENGINE = EngineShape(cuda=True, graph_batch_sizes=(1, 2, 4, 8, 16, 32, 48, 64), graph_tree_sizes=(1, 4, 8, 16),
@@ -19,7 +19,7 @@ GPU_ENGINE = EngineShape(cuda=True, graph_batch_sizes=(1, 2, 4, 8, 16, 32, 48, 6
 def _fits(plan, shape: EngineShape) -> None:
     """Each batch's prompts fit one chunk (so it decodes as a whole) and the cache, with room to grow."""
     for batch in plan.decode_batches + plan.tier_batches:
-        prompts = (batch.size - 1) * SHORT_PROMPT + batch.longest
+        prompts = sum(batch.prompt_lengths)
         assert prompts <= shape.chunk_size and batch.size <= shape.max_running
         assert prompts + batch.size * (plan.new_tokens + plan.longest_tier) <= shape.kv_slots
         assert batch.longest + plan.new_tokens + plan.longest_tier < shape.context_length
@@ -38,6 +38,20 @@ def test_gpu_plan_covers_each_chunk_class_graph_bucket_eager_size_and_tier():
     assert {b.size for b in plan.tier_batches} == sizes - {256}  # its logits would take 2.5 GB
     assert plan.late_prompt_length == SPLIT_CONTEXT and plan.sampling_variants
     _fits(plan, GPU_ENGINE)
+
+
+def test_two_prompts_past_the_largest_prefill_graph_prefill_eagerly_where_chunks_are_larger():
+    """Few prompts in an eager prefill split their keys: the extend kernel's variant that only
+    such a step builds (H100, 1.5B, 8192-token chunks and 2048-token prefill graphs)."""
+    shape = dataclasses.replace(GPU_ENGINE, chunk_size=8192, prefill_graph_tokens=2048)
+    plan = plan_warmup(shape)
+    [pair] = [b for b in plan.decode_batches if b.long_prompts == 2]
+    assert pair.size == 2 and sum(pair.prompt_lengths) > 2048 and pair.prompt_lengths[0] == pair.prompt_lengths[1]
+    _fits(plan, shape)
+    # chunks no larger than the graphs, or no prefill graphs: no prompt step of two prompts runs eagerly
+    for graphs in (8192, 0):
+        plain = plan_warmup(dataclasses.replace(shape, prefill_graph_tokens=graphs))
+        assert all(b.long_prompts == 1 for b in plain.decode_batches)
 
 
 def test_plan_without_graphs_or_drafter_decodes_eagerly_at_powers_of_two():

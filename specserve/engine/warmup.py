@@ -198,8 +198,7 @@ class _Driver:
         return [ids[(offset + i) % len(ids)] for i in range(length)]
 
     def batch_requests(self, batch: BatchShape, prompt, max_new_tokens: int) -> list[Req]:
-        lengths = [batch.longest] + [SHORT_PROMPT] * (batch.size - 1)
-        return [self.request(prompt(length, i), max_new_tokens) for i, length in enumerate(lengths)]
+        return [self.request(prompt(length, i), max_new_tokens) for i, length in enumerate(batch.prompt_lengths)]
 
     def variant_requests(self, prompt, max_new_tokens: int) -> list[Req]:
         return [self.request(prompt(i), max_new_tokens, variant) for i, variant in enumerate(SAMPLING_VARIANTS)]

@@ -14,6 +14,10 @@ shape of a step, so the plan names shapes, a few per class:
   (above the largest graph, or all of them without graphs), there also with one request
   whose context is long enough for attention to split its keys (the split count follows
   the batch's longest context);
+- two prompts together, more tokens than the largest prefill graph takes (where chunks are
+  larger): an eager prefill of few prompts splits its keys (few row blocks fill the GPU
+  with splits), an extend-kernel variant no other shape builds (an H100 suite round
+  compiled it for 1.4 s inside a prefill of two ShareGPT second turns at 64);
 - draft tree sizes (the tiers an adaptive draft length chooses between, the full size
   otherwise), verified at every graph bucket and at the smaller eager sizes;
 - sampling variants (filters, penalties, logprobs, min_new_tokens, stop strings), in one
@@ -54,6 +58,7 @@ class EngineShape:
     context_length: int
     chunk_size: int
     num_draft_tokens: int | None           # None without a drafter
+    prefill_graph_tokens: int = 0          # the largest prefill graph's tokens; 0 without prefill graphs
 
     @classmethod
     def of(cls, core, args) -> "EngineShape":
@@ -64,14 +69,21 @@ class EngineShape:
                    max_running=runner.max_running_requests, kv_slots=runner.pool.size,
                    context_length=runner.context_length,
                    chunk_size=runner.chunk_size,
-                   num_draft_tokens=core.num_draft_tokens if core.drafter is not None else None)
+                   num_draft_tokens=core.num_draft_tokens if core.drafter is not None else None,
+                   prefill_graph_tokens=runner.prefill_graphs.buckets[-1] if runner.prefill_graphs else 0)
 
 
 @dataclass(frozen=True)
 class BatchShape:
-    """`size` requests prefilled together: one with a `longest`-token prompt, the others SHORT_PROMPT."""
+    """`size` requests prefilled together: `long_prompts` of them with a `longest`-token prompt,
+    the others SHORT_PROMPT."""
     size: int
     longest: int = SHORT_PROMPT
+    long_prompts: int = 1
+
+    @property
+    def prompt_lengths(self) -> list[int]:
+        return [self.longest] * self.long_prompts + [SHORT_PROMPT] * (self.size - self.long_prompts)
 
 
 @dataclass(frozen=True)
@@ -102,7 +114,7 @@ def plan_warmup(shape: EngineShape) -> WarmupPlan | None:
     # verified at the smaller eager sizes only (at 256 x 16 nodes they would take gigabytes)
     eager_trees = tuple(bs for bs in eager if bs <= max(eager[0], MAX_EAGER_TREE_BATCH)) if eager else ()
     return WarmupPlan(_prompt_lengths(shape.chunk_size, longest),
-                      _fitting(shape, _batches(shape.graph_batch_sizes, eager), 1), tiers,
+                      _fitting(shape, _batches(shape.graph_batch_sizes, eager), 1) + _eager_prompt_pair(shape), tiers,
                       _fitting(shape, _batches(shape.graph_batch_sizes, eager_trees), max(tiers)) if tiers else (),
                       late_prompt_length=max(0, min(SPLIT_CONTEXT, longest)))
 
@@ -110,6 +122,15 @@ def plan_warmup(shape: EngineShape) -> WarmupPlan | None:
 def _batches(graph_sizes: tuple[int, ...], eager: tuple[int, ...]) -> list[BatchShape]:
     """Short prompts at every size; outside the graphs also one with a long context."""
     return [BatchShape(bs) for bs in graph_sizes + eager] + [BatchShape(bs, SPLIT_CONTEXT) for bs in eager]
+
+
+def _eager_prompt_pair(shape: EngineShape) -> tuple[BatchShape, ...]:
+    """Two prompts whose tokens together pass the largest prefill graph, where a chunk may: none
+    without prefill graphs (every prompt step is eager, and the eager batches split their keys)."""
+    if not shape.prefill_graph_tokens or shape.prefill_graph_tokens >= shape.chunk_size:
+        return ()
+    pair = _fitting(shape, [BatchShape(2, shape.prefill_graph_tokens // 2 + SHORT_PROMPT, long_prompts=2)], 1)
+    return tuple(b for b in pair if 2 * b.longest > shape.prefill_graph_tokens)
 
 
 def _prompt_lengths(chunk: int, longest: int) -> tuple[int, ...]:
@@ -148,9 +169,10 @@ def _fitting(shape: EngineShape, batches: list[BatchShape], tree: int) -> tuple[
     requests fit the cache together, each with NEW_TOKENS more tokens and a `tree`-node draft."""
     kept = []
     for batch in batches:
-        others = (batch.size - 1) * SHORT_PROMPT
-        longest = min(batch.longest, shape.chunk_size - others, shape.context_length - NEW_TOKENS - tree - 1)
-        cache = others + longest + batch.size * (NEW_TOKENS + tree)
+        others = (batch.size - batch.long_prompts) * SHORT_PROMPT
+        longest = min(batch.longest, (shape.chunk_size - others) // batch.long_prompts,
+                      shape.context_length - NEW_TOKENS - tree - 1)
+        cache = others + batch.long_prompts * longest + batch.size * (NEW_TOKENS + tree)
         if longest >= SHORT_PROMPT and batch.size <= shape.max_running and cache <= shape.kv_slots:
-            kept.append(BatchShape(batch.size, longest))
+            kept.append(BatchShape(batch.size, longest, batch.long_prompts))
     return tuple(dict.fromkeys(kept))
