@@ -331,6 +331,9 @@ if [ "$mode" = suite-ab ]; then
     done
   done
   for tree in old new; do echo "== $tree"; python3 -m lab.loss_split "$OUT/ab_$tree/results.jsonl"; done
+  # the code each half ran (its device rows), then the cells side by side with a permutation p
+  for tree in old new; do echo "$tree ran: $(grep -ho '"code": "[^"]*"' "$OUT/ab_$tree/results.jsonl" | sort -u | tr '\n' ' ')"; done
+  python3 -m lab.ab_compare "$OUT/ab_old" -- "$OUT/ab_new"
 fi
 if [ "$mode" = suite-tree ]; then
   # one tree's half of an A/B whose trees run at once on two GPUs (scripts/gpu_parallel.sh): TREE_ROOT MODEL;
