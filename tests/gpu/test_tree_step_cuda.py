@@ -25,7 +25,9 @@ def test_greedy_ngram_equals_plain_on_cuda(model_dir, one_branch, graph_max_bs):
     with tiny_engine(model_dir, device="cuda", disable_cuda_graph=True, max_total_tokens=4096) as plain:
         expected = [o["output_ids"] for o in plain.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
     with tiny_engine(model_dir, device="cuda", cuda_graph_max_bs=graph_max_bs, max_total_tokens=4096,
-                     **ngram_args(16, one_branch=one_branch)) as engine:   # pinned size: full trees verified
+                     # pinned size: full trees verified; proposed after the read (the forecast's steps:
+                     # test_forecast_steps_equal_plain_on_cuda)
+                     **ngram_args(16, one_branch=one_branch, speculative_ngram_forecast=0)) as engine:
         accepted = 0
         for _ in range(2):  # the second pass drafts from the first's outputs: long accepted paths
             outputs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
@@ -44,7 +46,7 @@ def test_ragged_graph_steps_with_cut_drafts_equal_plain_on_cuda(model_dir):
     with tiny_engine(model_dir, device="cuda", disable_cuda_graph=True, max_total_tokens=4096) as plain:
         expected = [o["output_ids"] for o in plain.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
     with tiny_engine(model_dir, device="cuda", cuda_graph_max_bs=8, max_total_tokens=4096,
-                     **ngram_args(16, adaptive=True)) as engine:
+                     **ngram_args(16, adaptive=True, speculative_ngram_forecast=0)) as engine:
         price_steps(engine, 0.010, 0.0001)
         adaptive, graphs, levels = engine.core.adaptive, engine.core.runner.graphs, []
         choose_nodes, replay = adaptive.choose_nodes, graphs.replay
