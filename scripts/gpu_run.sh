@@ -18,7 +18,7 @@
 #   AB_TREE=DIR scripts/gpu_run.sh drafters-tree   (EAGLE-3 chains of 3 with /root/eagle3-1.5b at 64, that tree's code)
 #   scripts/gpu_run.sh forecast [MODEL]            (--speculative-ngram-forecast: its tests in tests/gpu (the others: checks), the
 #                                                   step's cost by lab.step_cost --forecast on random 1.5B weights, then
-#                                                   the suite's default NGRAM with and without it at 1 and 8, 2 rounds;
+#                                                   the suite's NGRAM chain with and without it at 1 and 8, 2 rounds;
 #                                                   the last MODEL, qwen2.5-coder-1.5b-instruct by default; ~8 min)
 #   scripts/gpu_run.sh step-cost                   (no models staged, ~3 min: plain, 4- and 8-node verify and the fused
 #                                                   EAGLE-3 step at batch 1 and 8 on random 1.5B weights, each with the
@@ -268,7 +268,7 @@ fi
 if [ "$mode" = forecast ]; then
   # --speculative-ngram-forecast (runner/forecast_step.py): its GPU tests, the step's cost on random 1.5B
   # weights (verify steps launched before the step before is read, against verify steps launched after),
-  # then the suite's default NGRAM with and without it at 1 and 8 (FORECAST_CONCURRENCY), 2 rounds alternated
+  # then the suite's NGRAM chain with and without it at 1 and 8 (FORECAST_CONCURRENCY), 2 rounds alternated
   # FORECAST_SUITE_ONLY=1: the suite alone (a second call of the lease, e.g. with other FORECAST_CANDIDATES);
   # FORECAST_TESTS_ONLY=1: the tests and the step's cost alone (a fresh machine's compiles leave the suite too
   # little of a call); FORECAST_ROUNDS: the suite's rounds (2)
@@ -286,8 +286,9 @@ for line in sys.stdin:
   fi
   [ -n "${FORECAST_TESTS_ONLY:-}" ] && exit 0
   model=${models[-1]}
-  # FORECAST_CANDIDATES="2 4": a configuration for each (each adds ~2.5 min to the suite)
-  configs=(default); for c in ${FORECAST_CANDIDATES:-2}; do configs+=("ngram-16-one-adaptive-forecast$c"); done
+  # FORECAST_CANDIDATES="2 4": a configuration for each (each adds ~2.5 min to the suite), beside the same chain
+  # without the forecast (the default on a GPU is forecast2 since 43085f0)
+  configs=(ngram-16-one-adaptive); for c in ${FORECAST_CANDIDATES:-2}; do configs+=("ngram-16-one-adaptive-forecast$c"); done
   python3 -m specserve.bench.gpu_suite --models-dir /root/models --models "$model" \
     --configs "${configs[@]}" --rounds ${FORECAST_ROUNDS:-2} --bs1-prompts 6 \
     --no-transformers --num-prompts 64 --dataset-path .gpu/sharegpt_bench.json \

@@ -40,12 +40,12 @@ from specserve.bench.offline import run_turn
 from specserve.bench.run_watch import RunWatch
 from specserve.gc_pauses import long_lived_objects_frozen
 from specserve.speculative.adaptive.policy import AdaptiveDraftLength
-from specserve.speculative.ngram.drafter import NgramDrafter
+from specserve.speculative.ngram.drafter import DEFAULT_FORECAST, NgramDrafter
 from specserve.speculative.ngram.trie import NgramConfig
 
 MODELS = ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct")
 # (draft tokens, one branch, adaptive draft length); (16, True, True) is what default flags give
-DEFAULT_CONFIG = (16, True, True)
+DEFAULT_CONFIG = (16, True, True)   # on a CPU; on a GPU with the forecast (default_config)
 SPEC_CONFIGS = [DEFAULT_CONFIG, (8, False, True), (8, False, False), (4, True, False), (16, True, False)]
 CONCURRENT_CONFIGS = [DEFAULT_CONFIG, (8, False, True), (8, False, False), (4, True, False)]
 DEFAULT_WORKLOADS = ("code-types", "code-rename", "sharegpt-multiturn", "sharegpt-repeat")
@@ -141,14 +141,23 @@ def config_choice(value: str) -> str:
     return value
 
 
-def suite_configs(choices: list[str], concurrency: int) -> list[tuple]:
-    """The NGRAM configurations a cell runs beside plain, in order, without repeats."""
+def default_config(device: str) -> tuple:
+    """What default flags run on `device`: the 16-node adaptive chain, on a GPU with the forecast
+    (--speculative-ngram-forecast left unset: NgramDrafter's DEFAULT_FORECAST)."""
+    return DEFAULT_CONFIG + (DEFAULT_FORECAST,) if device.startswith("cuda") else DEFAULT_CONFIG
+
+
+def suite_configs(choices: list[str], concurrency: int, device: str = "cpu") -> list[tuple]:
+    """The NGRAM configurations a cell runs beside plain, in order, without repeats ("default":
+    what default flags run on `device`)."""
+    default = default_config(device)
     configs = []
     for choice in choices:
         if choice == "all":
-            configs += SPEC_CONFIGS if concurrency == 1 else CONCURRENT_CONFIGS
+            configs += [default if spec == DEFAULT_CONFIG else spec
+                        for spec in (SPEC_CONFIGS if concurrency == 1 else CONCURRENT_CONFIGS)]
         else:
-            configs.append(DEFAULT_CONFIG if choice == "default" else parse_config(choice))
+            configs.append(default if choice == "default" else parse_config(choice))
     return list(dict.fromkeys(configs))
 
 
@@ -289,7 +298,7 @@ def bench_cells(engine, ns, name: str, workloads: dict, roofline: float, write) 
         count = ns.bs1_prompts if concurrency == 1 else min(ns.num_prompts, max(concurrency * 2, 16))
         for workload, (prompts, warm_prompts) in workloads.items():
             turns = 2 if workload == "sharegpt-repeat" else 1
-            configs = [None] + suite_configs(ns.configs, concurrency)
+            configs = [None] + suite_configs(ns.configs, concurrency, engine.core.runner.device.type)
             for round_index in range(ns.rounds):   # odd rounds run the configurations in reverse
                 for spec in configs[::-1] if round_index % 2 else configs:
                     for summary in timed_cell(engine, ns, watch, spec, workload, concurrency,
@@ -316,8 +325,9 @@ def bench_model(path: str, ns, bandwidth: float, write) -> None:
         bench_cells(engine, ns, name, workloads, roofline, write)
     if "code-types" in workloads and "sharegpt-multiturn" in workloads:
         code, chat = workloads["code-types"][0], workloads["sharegpt-multiturn"][0]
-        match = greedy_match_rate(engine, code[:8] + chat[:8], ns.max_new_tokens, DEFAULT_CONFIG)
-        write({"model": name, "kind": "greedy_match_rate_bf16", "ngram": config_label(DEFAULT_CONFIG), "rate": match})
+        default = default_config(engine.core.runner.device.type)
+        match = greedy_match_rate(engine, code[:8] + chat[:8], ns.max_new_tokens, default)
+        write({"model": name, "kind": "greedy_match_rate_bf16", "ngram": config_label(default), "rate": match})
     model_path = engine.model_path
     engine.shutdown()
     del engine
@@ -394,7 +404,8 @@ def main(argv=None) -> None:
     write({"kind": "device", "name": name, "copy_bandwidth_GBps": bandwidth / 1e9,
            "date": time.strftime("%Y-%m-%d"), "host_load": ns.host_load, "enable_mixed_chunk": ns.enable_mixed_chunk,
            # which tree's code ran: an A/B of two trees is one only where the rows name both
-           "code": os.path.dirname(os.path.dirname(os.path.abspath(specserve.__file__)))})
+           "code": os.path.dirname(os.path.dirname(os.path.abspath(specserve.__file__))),
+           "default_config": config_label(default_config(ns.device))})   # what report.py calls default
     with busy_host(ns.host_load):
         for model in ns.models:
             path = os.path.join(ns.models_dir, model + ".gguf")

@@ -46,7 +46,15 @@ def speed_rows(rows: list[dict]) -> list[dict]:
     return table
 
 
-DEFAULT_LABEL = "ngram-16-one-adaptive"   # what default flags run (before 2026-11-25: ngram-8-multi-adaptive)
+# what default flags run, where the device row does not say (gpu_suite's `default_config`: on a GPU
+# since 2026-12-06 with the forecast, ngram-16-one-adaptive-forecast2; before 2026-11-25 ngram-8-multi-adaptive)
+DEFAULT_LABEL = "ngram-16-one-adaptive"
+
+
+def default_label(rows: list[dict]) -> str:
+    """The configuration default flags ran in these rows (their device row's word, else DEFAULT_LABEL)."""
+    return next((r["default_config"] for r in rows if r.get("kind") == "device" and r.get("default_config")),
+                DEFAULT_LABEL)
 BEST_CASES = {("code-rename", 1), ("sharegpt-repeat", 2)}   # drafts trivially right: labelled as such
 
 
@@ -60,7 +68,8 @@ def ratio_summary(rows: list[dict]) -> list[str]:
     """The default configuration's speed over plain per (model, workload, concurrency), worst
     first, then the geometric mean of every configuration over all cells."""
     table = [r for r in speed_rows(rows) if r["speedup"] is not None and r["config"] != "plain"]
-    default = sorted((r for r in table if r["config"] == DEFAULT_LABEL), key=lambda r: r["speedup"])
+    label = default_label(rows)
+    default = sorted((r for r in table if r["config"] == label), key=lambda r: r["speedup"])
     if not default:
         return []
     lines = ["\n**Default flags (NGRAM, adaptive) vs plain, worst cell first** (several rounds: the median "
@@ -131,7 +140,7 @@ def plot(rows: list[dict], path: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    shown = ("plain", DEFAULT_LABEL, "ngram-8-multi", "ngram-8-multi-adaptive")
+    shown = ("plain", default_label(rows), "ngram-8-multi", "ngram-8-multi-adaptive")
     table = [r for r in speed_rows(rows) if r["config"] in shown]
     models = sorted({r["model"] for r in table})
     fig, axes = plt.subplots(1, max(len(models), 1), figsize=(6 * max(len(models), 1), 4), squeeze=False)
