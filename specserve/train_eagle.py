@@ -98,6 +98,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument("--state-memory-share", type=float, default=None,
                        help="share of the device memory free at the start of training for the kept states "
                             "(default 0.4: state_store.DEVICE_SHARE); the batches beyond it are computed each time")
+    train.add_argument("--host-state-share", type=float, default=None,
+                       help="on a GPU, share of the host memory available at the start of training for the states "
+                            "the device's share cannot keep (default 0.5: state_store.HOST_SHARE; 0: none), read back "
+                            "over PCIe instead of recomputed")
     train.add_argument("--checkpoint-every", type=int, default=200, help="optimizer steps; 0: at the end only")
     train.add_argument("--resume", action="store_true", help="continue from the checkpoint in --output-dir")
     train.add_argument("--seed", type=int, default=0)
@@ -114,6 +118,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 "--init-from")
     if args.state_memory_share is not None and not 0 < args.state_memory_share <= 1:
         p.error(f"--state-memory-share must lie in (0, 1], got {args.state_memory_share}")
+    if args.host_state_share is not None and not 0 <= args.host_state_share <= 1:
+        p.error(f"--host-state-share must lie in [0, 1], got {args.host_state_share}")
     if args.intermediate_size is not None and args.intermediate_size <= 0:
         p.error(f"--intermediate-size must be positive, got {args.intermediate_size}")
     return args

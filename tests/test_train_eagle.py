@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import types
 import time
 
 import pytest
@@ -388,6 +389,43 @@ def test_batches_the_store_lacks_compute_their_states_and_train_alike(tiny_targe
     assert 0 < len(kept) < len(part.plan) // 2 and part.store.used <= total // 2
     assert part.target_forwards == len(part.plan) - len(kept)
     torch.testing.assert_close(torch.tensor(part.history), torch.tensor(whole.history))
+
+
+def test_a_host_store_keeps_what_the_device_store_cannot_and_trains_alike(tiny_target, monkeypatch):
+    """Beside a device store with room for half the tokens, a host store keeps the batches it
+    could not: from the second epoch no batch is computed again, and the losses are those of a
+    run that kept every batch on the device."""
+    from specserve.training import state_store
+    from specserve.training.state_store import StateStore
+    model, train, _ = tiny_target
+    total = sum(len(c.tokens) for c in train)
+    whole, _ = make_trainer(model, train, epochs=2)
+    whole.train()
+    monkeypatch.setattr(state_store, "device_token_budget", lambda extractor, dtype, share: total // 2)
+    tiered, _ = make_trainer(model, train, epochs=2, state_dtype=torch.float32)
+    assert tiered.host_store is None   # a CPU run's store is host memory already: no second one made
+    tiered.host_store = StateStore(tiered.builder.extractor, total, torch.float32, device="cpu")
+    tiered.train()
+    first_epoch = len(tiered.plan) // 2
+    assert tiered.target_forwards == first_epoch   # every batch kept by one store or the other
+    assert 0 < tiered.store.used <= total // 2 and tiered.host_store.used > 0
+    assert tiered.store.used + tiered.host_store.used == total
+    torch.testing.assert_close(torch.tensor(tiered.history), torch.tensor(whole.history))
+
+
+def test_no_host_store_on_a_cpu_or_where_the_device_store_holds_all(tiny_target, monkeypatch):
+    from specserve.training import state_store
+    from specserve.training.state_store import host_token_budget, make_host_state_store
+    model, train, _ = tiny_target
+    trainer, _ = make_trainer(model, train, epochs=1)
+    extractor, total = trainer.builder.extractor, sum(len(c.tokens) for c in train)
+    assert make_host_state_store(extractor, trainer.store, total) is None            # a CPU run
+    gpu = types.SimpleNamespace(device=torch.device("cuda"), model=extractor.model, aux_layers=extractor.aux_layers)
+    assert make_host_state_store(gpu, trainer.store, total) is None                  # the device's holds all
+    assert make_host_state_store(gpu, None, total) is None                           # no device store to follow
+    monkeypatch.setattr(state_store, "available_memory_bytes", lambda: 10 * 2 ** 20)
+    per_token = state_store.state_bytes(extractor, 1, torch.float32)
+    assert host_token_budget(extractor, torch.float32, 0.5) == 5 * 2 ** 20 // per_token
 
 
 def test_default_learning_rate_follows_the_device_and_batch():

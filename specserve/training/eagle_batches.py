@@ -175,7 +175,7 @@ class BatchBuilder:
 def _gather(rows: torch.Tensor | StoredRows, index: torch.Tensor, device: torch.device) -> torch.Tensor:
     """rows[index] on `device` (rows on the device, kept ones read back, or rows in host memory)."""
     if isinstance(rows, StoredRows):
-        return rows.gather(host_to_device_async(index, rows.device))
+        return rows.gather(host_to_device_async(index, rows.device), device)
     if rows.device.type == "cpu" and device.type == "cuda":
         return host_to_device_async(rows.index_select(0, index), device)
     return rows.index_select(0, host_to_device_async(index, rows.device))

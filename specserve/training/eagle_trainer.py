@@ -8,8 +8,9 @@ spent (so a --max-train-seconds budget ends on a decayed learning rate). Checkpo
 the head in SGLang's layout plus the optimizer state; a resumed run continues the same
 seeded batch order where it stopped. The target's states of a batch are computed the
 first time it trains and kept (state_store.py: the batches are the same groups every
-epoch, in another order), for as many batches as fit on the device beside training; the
-other batches' states are computed each time they train.
+epoch, in another order), for as many batches as fit on the device beside training, then
+(on a GPU) as many more as fit in the host's memory; the other batches' states are computed
+each time they train.
 
 With an `evaluate` callable (the held-out accept length) the trainer scores the head every
 `eval_every` steps and at the end, and keeps the best head it saw: a head that starts to
@@ -35,7 +36,7 @@ from specserve.speculative.heads.eagle_head import EagleHead
 from specserve.training.eagle_batches import BatchBuilder, TrainingBatch, plan_batches
 from specserve.training.eagle_data import Conversation
 from specserve.training.eagle_ttt import unroll
-from specserve.training.state_store import DEVICE_SHARE, make_state_store
+from specserve.training.state_store import DEVICE_SHARE, HOST_SHARE, make_host_state_store, make_state_store
 
 TRAINER_STATE_FILE = "trainer_state.pt"
 
@@ -58,6 +59,7 @@ class TrainSettings:
     autocast_dtype: torch.dtype | None = None  # bfloat16 on a GPU: the head's weights stay fp32
     state_dtype: torch.dtype | None = None     # of the kept target states; None: the model's where all fit, else float8
     state_memory_share: float = DEVICE_SHARE   # of the device memory free at the start, for the kept states
+    host_state_share: float = HOST_SHARE       # of the host memory available, for the states the device's cannot keep
 
 
 def build_head(target: DecoderLM, algorithm: str, draft_vocab: torch.Tensor, max_positions: int,
@@ -143,6 +145,7 @@ class EagleTrainer:
         # the target's states of each batch as first computed, while they fit
         self.store = make_state_store(builder.extractor, sum(lengths), settings.state_dtype,
                                       settings.state_memory_share)
+        self.host_store = make_host_state_store(builder.extractor, self.store, sum(lengths), settings.host_state_share)
         self.step, self.elapsed = 0, 0.0
         self.target_forwards = 0   # batches whose states the target computed (not read from the store)
         # where a step's time goes: until its launches end (building the batch, launching its
@@ -203,10 +206,14 @@ class EagleTrainer:
         for param_group in self.optimizer.param_groups:
             param_group["lr"] = self.learning_rate()
         conversations = [self.conversations[i] for i in group]
-        if self.store is not None and self.store.covers(group):
-            batch = self.builder.from_store(self.store, group, conversations)
+        stores = [store for store in (self.store, self.host_store) if store is not None]
+        kept = next((store for store in stores if store.covers(group)), None)
+        if kept is not None:
+            batch = self.builder.from_store(kept, group, conversations)
         else:
-            batch = self.builder(conversations, keep_in=self.store, indices=group)
+            rows = sum(len(c.tokens) for c in conversations)
+            keep_in = next((store for store in stores if store.has_room(rows)), None)
+            batch = self.builder(conversations, keep_in=keep_in, indices=group)
             self.target_forwards += 1
         device_type = batch.conversations.tokens.device.type
         with torch.autocast(device_type, dtype=settings.autocast_dtype, enabled=settings.autocast_dtype is not None):

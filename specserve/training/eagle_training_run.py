@@ -28,7 +28,7 @@ from specserve.training.eagle_eval import accept_length
 from specserve.training.eagle_prep import PreparedText, TextPreparation, TextSettings
 from specserve.training.eagle_trainer import EagleTrainer, TrainSettings, build_head, kept_head, target_lm_head
 from specserve.training.eagle_ttt import ConversationBatch
-from specserve.training.state_store import DEVICE_SHARE
+from specserve.training.state_store import DEVICE_SHARE, HOST_SHARE
 from specserve.training.target_features import TargetFeatureExtractor
 
 DATA_FILE = "conversations.json"
@@ -242,13 +242,17 @@ def _report_state_store(trainer: EagleTrainer, when: str) -> None:
         return
     dtype = "float8 e4m3" if store.dtype == FP8 else str(store.dtype).removeprefix("torch.")
     if when == "room":
+        host = trainer.host_store
+        beside = "" if host is None else f", {host.capacity} more in host memory ({host.nbytes / 2 ** 30:.2f} GiB)"
         print(f"target states: room for {min(store.capacity, total)} of {total} tokens as {dtype} "
-              f"({store.nbytes / 2 ** 30:.2f} GiB on {store.device.type}), kept as the batches are first computed",
-              flush=True)
+              f"({store.nbytes / 2 ** 30:.2f} GiB on {store.device.type}){beside}, kept as the batches are first "
+              f"computed", flush=True)
         return
+    host = trainer.host_store
+    beside = "" if host is None else f", and {host.used} more in host memory ({host.nbytes / 2 ** 30:.2f} GiB)"
     print(f"target states: {store.used} of {total} tokens kept as {dtype} ({store.nbytes / 2 ** 30:.2f} GiB on "
-          f"{store.device.type}); {trainer.target_forwards} batches' states computed by the target in this run, "
-          f"the others' read back", flush=True)
+          f"{store.device.type}){beside}; {trainer.target_forwards} batches' states computed by the target in this "
+          f"run, the others' read back", flush=True)
 
 
 def _report_step_split(trainer: EagleTrainer, device: torch.device) -> None:
@@ -312,7 +316,8 @@ def _settings(args: argparse.Namespace, device: torch.device, max_seconds: float
                          weight_decay=args.weight_decay, eval_every=args.eval_every,
                          autocast_dtype=torch.bfloat16 if on_gpu else None,
                          state_dtype=STATE_DTYPES[args.state_dtype],
-                         state_memory_share=args.state_memory_share or DEVICE_SHARE)
+                         state_memory_share=args.state_memory_share or DEVICE_SHARE,
+                         host_state_share=HOST_SHARE if args.host_state_share is None else args.host_state_share)
 
 
 def _seconds_left(args: argparse.Namespace, started: float, still_to_spend: float) -> float:
