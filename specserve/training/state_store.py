@@ -62,10 +62,11 @@ class StoredRows:
         return [self.data] + ([self.scale] if self.scale is not None else [])
 
     def write(self, first: int, values: torch.Tensor) -> None:
-        """Rows first.. = values (num, width)."""
+        """Rows first.. = values (num, width), converted where they are (a GPU's, for a host store:
+        float8 then crosses PCIe at a byte a value)."""
         rows = slice(first, first + values.shape[0])
         if not self.quantized:
-            self.data[rows] = values
+            self.data[rows] = values.to(self.data.dtype)
             return
         quantized, scale = quantize_matrix(values.reshape(values.shape[0] * self.segments, -1))
         self.data[rows] = quantized.view(torch.uint8).view(values.shape)
@@ -111,9 +112,9 @@ class StateStore:
         num_rows = sum(lengths)
         if not self.has_room(num_rows) or self.covers(indices):
             return False
-        self.final.write(self.used, states.final.to(self.device))
+        self.final.write(self.used, states.final)
         if self.layers is not None:
-            self.layers.write(self.used, states.layers.to(self.device))
+            self.layers.write(self.used, states.layers)
         for index, length in zip(indices, lengths):
             self.starts[index] = self.used
             self.used += length
