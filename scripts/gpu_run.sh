@@ -313,11 +313,11 @@ if [ "$mode" = structured ]; then
   done
 fi
 suite_32_64() {   # TREE_ROOT OUT_DIR: the default NGRAM engine (or $SUITE_CONFIGS, e.g. "default ngram-16-one-held
-                  # ngram-16-one-blind": gpu_suite's diagnostics) against plain at 32/64 (2 rounds), the tree's own code;
+                  # ngram-16-one-blind": gpu_suite's diagnostics) against plain at 32/64 (SUITE_ROUNDS, 2), the tree's own code;
                   # SUITE_HOST_LOAD=N: N busy-loop processes beside it (a shared host); SUITE_ARGS: more
                   # gpu_suite flags (e.g. --enable-mixed-chunk); SUITE_CONCURRENCY: other concurrencies ("1 8 32 64")
   PYTHONPATH=/tmp/site:$1 python3 -P -m specserve.bench.gpu_suite --models-dir /root/models --models "${models[0]}" \
-    --configs ${SUITE_CONFIGS:-default} --rounds 2 --bs1-prompts 6 --no-transformers --num-prompts 128 --dataset-path .gpu/sharegpt_bench.json \
+    --configs ${SUITE_CONFIGS:-default} --rounds ${SUITE_ROUNDS:-2} --bs1-prompts 6 --no-transformers --num-prompts 128 --dataset-path .gpu/sharegpt_bench.json \
     --concurrency ${SUITE_CONCURRENCY:-32 64} --policy-trace-dir "$2/traces" --out "$2" ${SUITE_HOST_LOAD:+--host-load $SUITE_HOST_LOAD} \
     ${SUITE_ARGS:-} 2>&1 | grep -v '%|' | tail -2
 }
