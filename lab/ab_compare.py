@@ -6,7 +6,7 @@ the changes the suite A/Bs are meant to judge. For each cell this prints both tr
 rounds, and the share of label permutations whose difference of medians is at least the observed one
 (two-sided): a cell with p >= 0.1 has not moved beyond its spread. Read p with the number of cells in
 mind, and the rounds of one process are not independent: an A/A run (16 rounds of one commit split 8 / 8,
-2026-12-06) had 2 of its 8 cells at p = 0.01 and 0.04, moved 2.3 and 5.9 points.
+2026-12-06) had one of its 8 cells at p = 0.04 (1.7 points apart) and one at 0.10 (2.6 points).
 
     python -m lab.ab_compare OLD_DIR... -- NEW_DIR...
 
@@ -23,21 +23,21 @@ import statistics
 import sys
 from pathlib import Path
 
+from specserve.bench.report import speed_rows
+
 PERMUTATIONS = 20_000   # sampled where the exact count would be larger
 
 
 def cell_ratios(dirs: list[str]) -> dict[tuple, list[float]]:
-    """(workload, turn, concurrency, config) -> the ratio to plain of each round, over all dirs."""
+    """(workload, turn, concurrency, config) -> the ratio to plain of each round, over all dirs
+    (report.speed_rows pairs each round with plain's of the same run)."""
     ratios: dict[tuple, list[float]] = collections.defaultdict(list)
     for folder in dirs:
         rows = [json.loads(line) for line in (Path(folder) / "results.jsonl").read_text().splitlines() if line]
-        rows = [r for r in rows if r.get("kind") == "specserve"]
-        plain = {(r["workload"], r.get("turn"), r["concurrency"], r["round"]): r["output_tokens_per_s"]
-                 for r in rows if r["config"] == "plain"}
-        for r in rows:
-            key = (r["workload"], r.get("turn"), r["concurrency"], r["round"])
-            if r["config"] != "plain" and key in plain:
-                ratios[key[:3] + (r["config"],)].append(r["output_tokens_per_s"] / plain[key])
+        for cell in speed_rows(rows):
+            if cell["config"] != "plain" and cell["speedup"] is not None:
+                key = (cell["workload"], cell["turn"], cell["concurrency"], cell["config"])
+                ratios[key] += cell["round_speedups"] or [cell["speedup"]]
     return ratios
 
 

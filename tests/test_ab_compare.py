@@ -10,7 +10,8 @@ def write_rows(folder, ratios: list[float], workload: str = "sharegpt-multiturn"
     folder.mkdir()
     rows = [{"kind": "device", "name": "test"}]
     for round_, ratio in enumerate(ratios):
-        base = {"kind": "specserve", "workload": workload, "turn": 1, "concurrency": 32, "round": round_}
+        base = {"kind": "specserve", "model": "m", "workload": workload, "turn": 1, "concurrency": 32,
+                "round": round_}
         rows += [dict(base, config="plain", output_tokens_per_s=1000.0),
                  dict(base, config="default", output_tokens_per_s=1000.0 * ratio)]
     (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -351,3 +351,14 @@ def test_host_phases_time_a_writers_drain_and_skip_a_drafter_without_one():
         without.close()
     finally:
         writer.close()
+
+
+def test_runs_appended_to_one_file_divide_by_their_own_plain_rounds():
+    """Two suite runs in one file both number their rounds 0 and 1: each run's round is divided
+    by plain's of the same run, not by the last run's."""
+    base = {"kind": "specserve", "model": "m", "workload": "w", "concurrency": 32, "turn": 1}
+    runs = [[(100.0, 90.0), (100.0, 95.0)], [(200.0, 200.0), (200.0, 210.0)]]   # (plain, ngram) per round
+    rows = [{**base, "config": config, "round": i, "output_tokens_per_s": tok_s}
+            for run in runs for i, pair in enumerate(run) for config, tok_s in zip(("plain", DEFAULT_LABEL), pair)]
+    ngram = {r["config"]: r for r in speed_rows(rows)}[DEFAULT_LABEL]
+    assert sorted(ngram["round_speedups"]) == [0.9, 0.95, 1.0, 1.05]

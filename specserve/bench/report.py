@@ -18,12 +18,16 @@ def speed_rows(rows: list[dict]) -> list[dict]:
     """One row per (model, workload, concurrency, turn, config), with its speed over plain.
     A cell measured in several rounds (gpu_suite --rounds: plain and each configuration
     alternated) is divided round by round, then the median round (by speedup) stands for
-    it, with every round's speedup beside it in `round_speedups`."""
+    it, with every round's speedup beside it in `round_speedups`. Several suite runs appended to
+    one file repeat the round numbers: a round's i-th run of a configuration goes with plain's i-th."""
     groups = collections.defaultdict(lambda: collections.defaultdict(dict))
+    seen = collections.Counter()   # (cell, round, config) -> its runs so far
     for row in rows:
         if row.get("kind") == "specserve":
             key = (row["model"], row["workload"], row["concurrency"], row.get("turn", 1))
-            groups[key][row.get("round", 0)][row["config"]] = row
+            round_ = (row.get("round", 0), seen[key, row.get("round", 0), row["config"]])
+            seen[key, round_[0], row["config"]] += 1
+            groups[key][round_][row["config"]] = row
     table = []
     for (model, workload, concurrency, turn), rounds in sorted(groups.items()):
         measured = collections.defaultdict(list)   # config -> [(speedup, run)] over rounds
@@ -55,6 +59,8 @@ def default_label(rows: list[dict]) -> str:
     """The configuration default flags ran in these rows (their device row's word, else DEFAULT_LABEL)."""
     return next((r["default_config"] for r in rows if r.get("kind") == "device" and r.get("default_config")),
                 DEFAULT_LABEL)
+
+
 BEST_CASES = {("code-rename", 1), ("sharegpt-repeat", 2)}   # drafts trivially right: labelled as such
 
 
