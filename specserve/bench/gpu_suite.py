@@ -40,7 +40,7 @@ from specserve.bench.offline import run_turn
 from specserve.bench.run_watch import RunWatch
 from specserve.gc_pauses import long_lived_objects_frozen
 from specserve.speculative.adaptive.policy import AdaptiveDraftLength
-from specserve.speculative.ngram.drafter import DEFAULT_FORECAST, NgramDrafter
+from specserve.speculative.ngram.drafter import NgramDrafter, forecast_candidates
 from specserve.speculative.ngram.trie import NgramConfig
 
 MODELS = ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct")
@@ -142,9 +142,10 @@ def config_choice(value: str) -> str:
 
 
 def default_config(device: str) -> tuple:
-    """What default flags run on `device`: the 16-node adaptive chain, on a GPU with the forecast
-    (--speculative-ngram-forecast left unset: NgramDrafter's DEFAULT_FORECAST)."""
-    return DEFAULT_CONFIG + (DEFAULT_FORECAST,) if device.startswith("cuda") else DEFAULT_CONFIG
+    """What default flags run on `device`: the 16-node adaptive chain, with the forecast where
+    --speculative-ngram-forecast left unset turns it on (a GPU)."""
+    forecast = forecast_candidates(None, on_gpu=device.startswith("cuda"))
+    return DEFAULT_CONFIG + (forecast,) if forecast else DEFAULT_CONFIG
 
 
 def suite_configs(choices: list[str], concurrency: int, device: str = "cpu") -> list[tuple]:

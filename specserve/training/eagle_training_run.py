@@ -241,14 +241,13 @@ def _report_state_store(trainer: EagleTrainer, when: str) -> None:
         print("target states: computed for each batch (not one batch's fit on the device)", flush=True)
         return
     dtype = "float8 e4m3" if store.dtype == FP8 else str(store.dtype).removeprefix("torch.")
+    host = trainer.host_store
     if when == "room":
-        host = trainer.host_store
         beside = "" if host is None else f", {host.capacity} more in host memory ({host.nbytes / 2 ** 30:.2f} GiB)"
         print(f"target states: room for {min(store.capacity, total)} of {total} tokens as {dtype} "
               f"({store.nbytes / 2 ** 30:.2f} GiB on {store.device.type}){beside}, kept as the batches are first "
               f"computed", flush=True)
         return
-    host = trainer.host_store
     beside = "" if host is None else f", and {host.used} more in host memory ({host.nbytes / 2 ** 30:.2f} GiB)"
     print(f"target states: {store.used} of {total} tokens kept as {dtype} ({store.nbytes / 2 ** 30:.2f} GiB on "
           f"{store.device.type}){beside}; {trainer.target_forwards} batches' states computed by the target in this "
@@ -295,14 +294,15 @@ def _conversations(args: argparse.Namespace, engine, text: PreparedText,
                              f"{args.held_out}: give the --held-out it was made with")
         print(f"{len(done)} training answers saved already: answering the prompts after them", flush=True)
     prompts = text.prompts[len(done):]
-    with _progress(len(prompts) + (0 if held_out else len(text.held_out_prompts)), "generating answers") as bar:
-        if not held_out:
-            held_out = generate_conversations(engine, text.held_out_prompts, args.max_new_tokens, 0.0, bar.update,
-                                              max_in_flight=in_flight)
+    held_out_prompts = [] if held_out else text.held_out_prompts
+    with _progress(len(prompts) + len(held_out_prompts), "generating answers") as bar:
+        made_held_out = generate_conversations(engine, held_out_prompts, args.max_new_tokens, 0.0, bar.update,
+                                               max_in_flight=in_flight)
         # the seeds follow each prompt's place in the whole list, as in one uninterrupted run
         more = generate_conversations(engine, prompts, args.max_new_tokens, args.temperature, bar.update,
                                       seed=args.seed + len(done), max_in_flight=in_flight, deadline=deadline)
-    answer_tokens = sum(c.answer_len for c in more) + (0 if done else sum(c.answer_len for c in held_out))
+    held_out = held_out or made_held_out
+    answer_tokens = sum(c.answer_len for c in made_held_out + more)
     elapsed = time.perf_counter() - started
     print(f"generated {answer_tokens} answer tokens in {elapsed:.1f} s ({answer_tokens / elapsed:.0f} tok/s)")
     save_conversations(path, held_out + done + more)

@@ -87,6 +87,13 @@ FORECAST_MAX_BATCH = 8
 DEFAULT_FORECAST = 2
 
 
+def forecast_candidates(requested: int | None, on_gpu: bool) -> int:
+    """--speculative-ngram-forecast as given, or where unset (None) its default on this device."""
+    if requested is not None:
+        return requested
+    return DEFAULT_FORECAST if on_gpu else 0
+
+
 class NgramDrafter(Drafter, ProposalHints, ForecastSteps):
     proposes_ahead = True   # a proposal reads the trie as of the last flush and the committed tokens
     proposes_cheaply = True
@@ -124,10 +131,8 @@ class NgramDrafter(Drafter, ProposalHints, ForecastSteps):
             max_bfs_breadth=args.speculative_ngram_max_bfs_breadth,
             max_trie_depth=args.speculative_ngram_max_trie_depth,
             match_type=args.speculative_ngram_match_type)
-        forecast = args.speculative_ngram_forecast
-        if forecast is None:
-            forecast = DEFAULT_FORECAST if on_gpu else 0
-        return cls(config, args.speculative_one_branch, forecast_candidates=forecast)
+        return cls(config, args.speculative_one_branch,
+                   forecast_candidates=forecast_candidates(args.speculative_ngram_forecast, on_gpu))
 
     def scratch(self) -> "NgramDrafter":
         """An empty trie of the same configuration (its writer thread stops when it is closed
