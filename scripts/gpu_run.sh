@@ -55,7 +55,8 @@
 #                                                   /root/head-train-1.5b; HEAD_RESUME=1 on the same warm machine goes on
 #                                                   with it, HEAD_INIT=heads/MODEL starts from the kept head;
 #                                                   HEAD_ANSWERS_ONLY=1 gathers answers over calls, HEAD_REUSE_ANSWERS=1
-#                                                   trains on them)
+#                                                   trains on them, HEAD_ANSWERS_OUT=1 returns them for .gpu/answers/,
+#                                                   where a later lease starts from them; HEAD_LR sets --lr)
 #   scripts/gpu_run.sh head-keep                   (that head as heads/ keeps it, float8 rows in 15-MiB pieces, into $OUT/kept,
 #                                                   and as bf16 into /root/eagle3-1.5b for eagle-rows; heads/README.md)
 #   scripts/gpu_run.sh eagle-rows                  (that head on the 1.5B, after `eagle-head` on the same warm machine: EAGLE-3
@@ -370,15 +371,28 @@ if [ "$mode" = head-train ]; then
   # took ~29 GiB beyond its store. More answers than one call makes (the kept head's 15.4k of 54.9k prompts):
   # HEAD_ANSWERS_ONLY=1 in one call or more (each answers the prompts after those saved, for the whole budget),
   # then HEAD_REUSE_ANSWERS=1 (with HEAD_INIT or not) trains on them, all on the same warm machine
-  model=${HEAD_MODEL:-qwen2.5-coder-1.5b-instruct}; start=()
+  # Answers an earlier lease returned (HEAD_ANSWERS_OUT=1 below), kept in .gpu/answers/MODEL.json.xz, start the run's
+  # data where it has none yet: HEAD_REUSE_ANSWERS trains on them at once, HEAD_ANSWERS_ONLY answers the prompts after them
+  model=${HEAD_MODEL:-qwen2.5-coder-1.5b-instruct}; start=(); train_dir=$(head_dir "$model" head-train)
+  kept_answers=.gpu/answers/$model.json.xz
+  if [ -f "$kept_answers" ] && [ ! -f "$train_dir/conversations.json" ]; then
+    mkdir -p "$train_dir" && xz -dc "$kept_answers" > "$train_dir/conversations.json" && echo "answers from $kept_answers"
+  fi
   [ -n "${HEAD_RESUME:-}" ] && start=(--resume); [ -n "${HEAD_INIT:-}" ] && start=(--init-from "$HEAD_INIT")
   [ -n "${HEAD_ANSWERS_ONLY:-}" ] && start+=(--answers-only); [ -n "${HEAD_REUSE_ANSWERS:-}" ] && start+=(--reuse-answers)
-  python3 -m specserve.train_eagle --model-path "/root/models/$model.gguf" --output-dir "$(head_dir "$model" head-train)" \
+  [ -n "${HEAD_LR:-}" ] && start+=(--lr "$HEAD_LR")
+  python3 -m specserve.train_eagle --model-path "/root/models/$model.gguf" --output-dir "$train_dir" \
     --dataset-path .gpu/sharegpt_train.json --exclude-dataset-path .gpu/sharegpt_bench.json \
     --time-budget "${HEAD_BUDGET_S:-540}" --generation-share "${HEAD_GENERATION_SHARE:-0.5}" --max-running-requests 512 \
     --text-chats 600 --epochs 12 --intermediate-size 2048 --draft-vocab-size 16384 --eval-draft-steps 3 \
     --state-memory-share "${HEAD_STATE_SHARE:-0.6}" --checkpoint-every 0 "${start[@]}" 2>&1 | grep -v '%|' \
     | tee -a /root/head-train.log | tail -30
+  if [ -n "${HEAD_ANSWERS_OUT:-}" ] && [ -f "$train_dir/conversations.json" ]; then
+    # the answers back in 15-MiB pieces (~18 MB of xz for 31.5k answers): join them into $kept_answers here
+    mkdir -p "$OUT/answers" && xz -T16 -2 -c "$train_dir/conversations.json" > "/root/$model.json.xz" \
+      && (cd /root && sha256sum "$model.json.xz" > "$OUT/answers/SHA256SUMS") \
+      && split -b 15M -d -a 1 "/root/$model.json.xz" "$OUT/answers/$model.json.xz.part" && ls -l "$OUT/answers"
+  fi
 fi
 if [ "$mode" = head-keep ]; then
   # head-train's head as it is kept (float8 rows) into $OUT/kept in 15-MiB pieces (a call returns 16 MiB a file),

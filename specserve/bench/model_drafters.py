@@ -203,9 +203,9 @@ def bench(ns, config: Config, bandwidth: float, write) -> None:
     workloads = suite_workloads(engine, ns)
     with long_lived_objects_frozen():   # as a server's process: no full-heap walk in a timed run
         drafter = bench_modes(engine, drafter, ns, name, mode_labels(ns, config, name), workloads, roofline, write)
-    code, chat = workloads["code-types"][0], workloads["sharegpt-multiturn"][0]
+    sample = [prompt for timed, _ in workloads.values() for prompt in timed[:max(1, 16 // len(workloads))]]
     write({"kind": "greedy_match_rate", "config": name, "dtype": ns.dtype,
-           "rate": greedy_match_rate(engine, fresh_drafter(drafter), code[:8] + chat[:8], ns.max_new_tokens)})
+           "rate": greedy_match_rate(engine, fresh_drafter(drafter), sample, ns.max_new_tokens)})
     engine.shutdown()
     del engine, drafter, model_drafter, runner, draft_model
     gc.collect()
