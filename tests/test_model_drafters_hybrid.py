@@ -81,15 +81,16 @@ def test_a_cell_starts_with_an_empty_trie():
     assert model_drafters.fresh_drafter(head) is head and not head.closed
 
 
-def test_one_workload_alone_gives_its_rows_and_a_greedy_match_rate(models, tmp_path, monkeypatch):  # noqa: F811
+def test_one_workload_in_rounds_gives_its_rows_and_a_greedy_match_rate(models, tmp_path, monkeypatch):  # noqa: F811
     target, head = models    # the greedy-match sample is drawn from the workloads asked for, whichever they are
     monkeypatch.setattr(model_drafters, "suite_workloads", lambda engine, ns: {"sharegpt-multiturn": (PROMPTS, WARM)})
     monkeypatch.setattr(model_drafters, "measure_copy_bandwidth", lambda device: 1e9)
     model_drafters.main(["--target", str(target), "--draft", str(head), "--algorithm", "EAGLE3", "--num-steps", "3",
                          "--device", "cpu", "--dtype", "float32", "--workloads", "sharegpt-multiturn",
                          "--concurrency", "1", "--num-prompts", "2", "--bs1-prompts", "2", "--max-new-tokens", "12",
-                         "--modes", "pinned", "--out", str(tmp_path)])
+                         "--modes", "pinned", "--rounds", "2", "--out", str(tmp_path)])
     rows = [json.loads(line) for line in (tmp_path / "model_drafters.jsonl").read_text().splitlines()]
-    assert {(r["workload"], r["config"]) for r in rows if r["kind"] == "specserve"} == {
-        ("sharegpt-multiturn", "plain"), ("sharegpt-multiturn", "eagle3-3-pinned")}
+    runs = [(r["workload"], r["config"], r["round"]) for r in rows if r["kind"] == "specserve"]
+    assert runs == [("sharegpt-multiturn", config, round_) for round_ in (0, 1)
+                    for config in ("plain", "eagle3-3-pinned")]     # the modes in turn, round by round
     assert [r["rate"] for r in rows if r["kind"] == "greedy_match_rate"] == [1.0]
