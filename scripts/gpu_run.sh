@@ -57,6 +57,9 @@
 #                                                   HEAD_ANSWERS_ONLY=1 gathers answers over calls, HEAD_REUSE_ANSWERS=1
 #                                                   trains on them, HEAD_ANSWERS_OUT=1 returns them for .gpu/answers/,
 #                                                   where a later lease starts from them; HEAD_LR sets --lr)
+#   scripts/gpu_run.sh kernels-out                 (the machine's compiled kernels, xz in 15-MiB pieces, into $OUT/kernels: join
+#                                                   them into .kernels/specserve-cache.tar.xz and carry .kernels in the
+#                                                   second call of a later lease: its engines start without compiling)
 #   scripts/gpu_run.sh head-keep                   (that head as heads/ keeps it, float8 rows in 15-MiB pieces, into $OUT/kept,
 #                                                   and as bf16 into /root/eagle3-1.5b for eagle-rows; heads/README.md)
 #   scripts/gpu_run.sh eagle-rows                  (that head on the 1.5B, after `eagle-head` on the same warm machine: EAGLE-3
@@ -111,6 +114,14 @@ for wheel in /root/models/sglang_kernel-*.whl; do
     --no-cache-dir --target /tmp/site "$wheel"
 done
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+# Compiled kernels from an earlier lease (`kernels-out` below returns them; joined here into .kernels/, ignored):
+# a fresh machine's first engine start spends ~70 s of its ~95 s compiling Triton kernels (1.5B, H100). The
+# cache is keyed by each kernel's source and target, so an entry another machine or commit made is only unused.
+kernels_cache=${SPECSERVE_CACHE_DIR:-$HOME/.cache/specserve}
+if [ -f .kernels/specserve-cache.tar.xz ] && [ ! -d "$kernels_cache/triton" ]; then
+  mkdir -p "$kernels_cache" && tar -C "$kernels_cache" -xJf .kernels/specserve-cache.tar.xz \
+    && echo "kernels from .kernels/: $(find "$kernels_cache/triton" -name '*.cubin' | wc -l) compiled kernels"
+fi
 # .gpu/ (ignored) travels only in the call that carries it and is not kept in the checkout between calls:
 # keep a copy outside it, and bring it back in a later call of the same lease
 if [ -d .gpu ]; then mkdir -p /root/keep && cp -ru .gpu /root/keep/; elif [ -d /root/keep/.gpu ]; then cp -r /root/keep/.gpu .; fi
@@ -392,6 +403,16 @@ if [ "$mode" = head-train ]; then
     mkdir -p "$OUT/answers" && xz -T16 -2 -c "$train_dir/conversations.json" > "/root/$model.json.xz" \
       && (cd /root && sha256sum "$model.json.xz" > "$OUT/answers/SHA256SUMS") \
       && split -b 15M -d -a 1 "/root/$model.json.xz" "$OUT/answers/$model.json.xz.part" && ls -l "$OUT/answers"
+  fi
+fi
+if [ "$mode" = kernels-out ]; then
+  # the machine's compiled kernels back in 15-MiB pieces (at most 60 MB of xz: a call returns 64 MiB), for
+  # .kernels/specserve-cache.tar.xz here (cat the pieces; carry .kernels in a call of its own, before the engines start)
+  mkdir -p "$OUT/kernels" && tar -C "$kernels_cache" -cf - . | xz -T16 -6 > /root/specserve-cache.tar.xz
+  size=$(stat -c %s /root/specserve-cache.tar.xz); echo "compiled kernels: $size bytes of xz"
+  if [ "$size" -le 60000000 ]; then
+    (cd /root && sha256sum specserve-cache.tar.xz > "$OUT/kernels/SHA256SUMS") \
+      && split -b 15M -d -a 1 /root/specserve-cache.tar.xz "$OUT/kernels/specserve-cache.tar.xz.part" && ls -l "$OUT/kernels"
   fi
 fi
 if [ "$mode" = head-keep ]; then
