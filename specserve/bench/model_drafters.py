@@ -135,23 +135,33 @@ def bench_modes(engine, drafter, ns, name: str, labels: dict[str, str], workload
         for workload, (prompts, warm_prompts) in workloads.items():
             if workload not in ns.workloads:
                 continue
+            watch.cell = f"{workload} c{concurrency}"
             for round_ in range(ns.rounds):   # the modes in turn, each round: a round's ratio pairs like runs
+                cell = {"workload": workload, "concurrency": concurrency, "round": round_}
                 for mode, label in labels.items():
-                    if mode != "plain":
-                        drafter = fresh_drafter(drafter)
-                    set_mode(engine, drafter, mode)
-                    # traced too: what the policy carries into the timed run is decided here
-                    watch.cell = f"{workload} c{concurrency}"
-                    run(engine, warm_prompts[:count], concurrency, ns.max_new_tokens // 2, f"warm-up {label}", 1, watch)
-                    timer = DraftTimer(drafter)
-                    try:
-                        for summary in run(engine, prompts[:count], concurrency, ns.max_new_tokens, label, 1, watch):
-                            write({"kind": "specserve", "workload": workload, "concurrency": concurrency,
-                                   "config": label, "round": round_, **summary, **timer.summary(), "roofline_fraction":
-                                   summary["output_tokens_per_s"] / roofline if concurrency == 1 else None})
-                    finally:
-                        timer.close()
+                    drafter = time_mode(engine, drafter, ns, watch, mode, label, cell,
+                                        prompts[:count], warm_prompts[:count], roofline, write)
     watch.close()
+    return drafter
+
+
+def time_mode(engine, drafter, ns, watch: RunWatch, mode: str, label: str, cell: dict, prompts: list, warm_prompts: list,
+              roofline: float, write):
+    """One mode's timed run of a cell (`cell`: its workload, concurrency and round), after a
+    warm-up on other prompts of its kind; returns the drafter (a fresh one for a drafting mode)."""
+    if mode != "plain":
+        drafter = fresh_drafter(drafter)
+    set_mode(engine, drafter, mode)
+    concurrency = cell["concurrency"]
+    # traced too: what the policy carries into the timed run is decided here
+    run(engine, warm_prompts, concurrency, ns.max_new_tokens // 2, f"warm-up {label}", 1, watch)
+    timer = DraftTimer(drafter)
+    try:
+        for summary in run(engine, prompts, concurrency, ns.max_new_tokens, label, 1, watch):
+            write({"kind": "specserve", **cell, "config": label, **summary, **timer.summary(), "roofline_fraction":
+                   summary["output_tokens_per_s"] / roofline if concurrency == 1 else None})
+    finally:
+        timer.close()
     return drafter
 
 
