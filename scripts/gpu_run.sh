@@ -56,7 +56,8 @@
 #                                                   with it, HEAD_INIT=heads/MODEL starts from the kept head;
 #                                                   HEAD_ANSWERS_ONLY=1 gathers answers over calls, HEAD_REUSE_ANSWERS=1
 #                                                   trains on them, HEAD_ANSWERS_OUT=1 returns them for .gpu/answers/,
-#                                                   where a later lease starts from them; HEAD_LR sets --lr)
+#                                                   where a later lease starts from them; HEAD_LR sets --lr,
+#                                                   HEAD_TEXT_CHATS the chats whose own replies are fixed text (600))
 #   scripts/gpu_run.sh kernels-out                 (the machine's compiled kernels, xz in 15-MiB pieces, into $OUT/kernels: join
 #                                                   them into .kernels/specserve-cache.tar.xz and carry .kernels in the
 #                                                   second call of a later lease: its engines start without compiling)
@@ -395,7 +396,7 @@ if [ "$mode" = head-train ]; then
   python3 -m specserve.train_eagle --model-path "/root/models/$model.gguf" --output-dir "$train_dir" \
     --dataset-path .gpu/sharegpt_train.json --exclude-dataset-path .gpu/sharegpt_bench.json \
     --time-budget "${HEAD_BUDGET_S:-540}" --generation-share "${HEAD_GENERATION_SHARE:-0.5}" --max-running-requests 512 \
-    --text-chats 600 --epochs 12 --intermediate-size 2048 --draft-vocab-size 16384 --eval-draft-steps 3 \
+    --text-chats "${HEAD_TEXT_CHATS:-600}" --epochs 12 --intermediate-size 2048 --draft-vocab-size 16384 --eval-draft-steps 3 \
     --state-memory-share "${HEAD_STATE_SHARE:-0.6}" --checkpoint-every 0 "${start[@]}" 2>&1 | grep -v '%|' \
     | tee -a /root/head-train.log | tail -30
   if [ -n "${HEAD_ANSWERS_OUT:-}" ] && [ -f "$train_dir/conversations.json" ]; then
