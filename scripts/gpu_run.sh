@@ -134,6 +134,12 @@ json.dump(d[:1000], open('.gpu/sharegpt_bench.json', 'w')); json.dump(d[1000:], 
 # (only where it travelled: the training file is needed by head training alone)
 [ -f .gpu/sharegpt_train.json ] || [ ! -f .gpu/sharegpt_train.json.xz ] || python3 -c "import lzma, shutil; \
 shutil.copyfileobj(lzma.open('.gpu/sharegpt_train.json.xz'), open('.gpu/sharegpt_train.json', 'wb'))"
+pieces_out() {   # FILE DIR: FILE into DIR in 15-MiB pieces (a call returns 16 MiB a file) with its SHA256SUMS;
+                 # here: cat DIR/NAME.part* > NAME && sha256sum -c DIR/SHA256SUMS
+  local dir; mkdir -p "$2" && dir=$(realpath "$2") \
+    && (cd "$(dirname "$1")" && sha256sum "$(basename "$1")" > "$dir/SHA256SUMS") \
+    && split -b 15M -d -a 1 "$1" "$dir/$(basename "$1").part" && ls -l "$dir"
+}
 chain_rows() {   # OUT_DIR [model_drafters flags]: /root/eagle3-1.5b's NAIVE_EAGLE and EAGLE-3 chains of 3 (or
                  # $CHAIN_ALGORITHMS), pinned and adaptive
   local out=$1; shift
@@ -387,7 +393,9 @@ if [ "$mode" = head-train ]; then
   # data where it has none yet: HEAD_REUSE_ANSWERS trains on them at once, HEAD_ANSWERS_ONLY answers the prompts after them
   model=${HEAD_MODEL:-qwen2.5-coder-1.5b-instruct}; start=(); train_dir=$(head_dir "$model" head-train)
   kept_answers=.gpu/answers/$model.json.xz
-  if [ -f "$kept_answers" ] && [ ! -f "$train_dir/conversations.json" ]; then
+  # (not for a run that generates its own: it would write its answers over them)
+  if [ -n "${HEAD_REUSE_ANSWERS:-}${HEAD_ANSWERS_ONLY:-}" ] && [ -f "$kept_answers" ] \
+      && [ ! -f "$train_dir/conversations.json" ]; then
     mkdir -p "$train_dir" && xz -dc "$kept_answers" > "$train_dir/conversations.json" && echo "answers from $kept_answers"
   fi
   [ -n "${HEAD_RESUME:-}" ] && start=(--resume); [ -n "${HEAD_INIT:-}" ] && start=(--init-from "$HEAD_INIT")
@@ -401,20 +409,15 @@ if [ "$mode" = head-train ]; then
     | tee -a /root/head-train.log | tail -30
   if [ -n "${HEAD_ANSWERS_OUT:-}" ] && [ -f "$train_dir/conversations.json" ]; then
     # the answers back in 15-MiB pieces (~18 MB of xz for 31.5k answers): join them into $kept_answers here
-    mkdir -p "$OUT/answers" && xz -T16 -2 -c "$train_dir/conversations.json" > "/root/$model.json.xz" \
-      && (cd /root && sha256sum "$model.json.xz" > "$OUT/answers/SHA256SUMS") \
-      && split -b 15M -d -a 1 "/root/$model.json.xz" "$OUT/answers/$model.json.xz.part" && ls -l "$OUT/answers"
+    xz -T16 -2 -c "$train_dir/conversations.json" > "/root/$model.json.xz" && pieces_out "/root/$model.json.xz" "$OUT/answers"
   fi
 fi
 if [ "$mode" = kernels-out ]; then
   # the machine's compiled kernels back in 15-MiB pieces (at most 60 MB of xz: a call returns 64 MiB), for
   # .kernels/specserve-cache.tar.xz here (cat the pieces; carry .kernels in a call of its own, before the engines start)
-  mkdir -p "$OUT/kernels" && tar -C "$kernels_cache" -cf - . | xz -T16 -6 > /root/specserve-cache.tar.xz
+  tar -C "$kernels_cache" -cf - . | xz -T16 -6 > /root/specserve-cache.tar.xz
   size=$(stat -c %s /root/specserve-cache.tar.xz); echo "compiled kernels: $size bytes of xz"
-  if [ "$size" -le 60000000 ]; then
-    (cd /root && sha256sum specserve-cache.tar.xz > "$OUT/kernels/SHA256SUMS") \
-      && split -b 15M -d -a 1 /root/specserve-cache.tar.xz "$OUT/kernels/specserve-cache.tar.xz.part" && ls -l "$OUT/kernels"
-  fi
+  [ "$size" -le 60000000 ] && pieces_out /root/specserve-cache.tar.xz "$OUT/kernels" || echo "not returned: over 60 MB"
 fi
 if [ "$mode" = head-keep ]; then
   # head-train's head as it is kept (float8 rows) into $OUT/kept in 15-MiB pieces (a call returns 16 MiB a file),
@@ -423,8 +426,7 @@ if [ "$mode" = head-keep ]; then
   python3 -c "import sys, torch; from specserve.speculative.heads.eagle_checkpoint import convert_head; \
 convert_head(sys.argv[1], sys.argv[2], fp8=True); convert_head(sys.argv[2], sys.argv[3], torch.bfloat16)" \
     "$(head_dir "$model" head-train)" "$kept" "$(head_dir "$model")" || exit 1
-  cp "$kept/config.json" "$OUT/kept/" && (cd "$kept" && sha256sum model.safetensors > "$OUT/kept/SHA256SUMS") \
-    && split -b 15M -d -a 1 "$kept/model.safetensors" "$OUT/kept/model.safetensors.part" && ls -l "$OUT/kept"
+  cp "$kept/config.json" "$OUT/kept/" && pieces_out "$kept/model.safetensors" "$OUT/kept"
   cp /root/head-train.log "$OUT/kept/train_eagle.log"
   python3 -m lab.head_accept_plot /root/head-train.log --out "$OUT/kept/accept.png"   # a call returns 8 files
 fi
