@@ -1,0 +1,166 @@
+"""Where an EAGLE engine held plain loses to the plain engine at concurrency 32-64 (issue 56's
+>= 1.0x cells): each mode's timed run of ShareGPT second turns, then the same prompts again
+with the drafter's parts timed (its feeds, probes, the states it keeps after each step,
+the release of finished requests), then once more under torch.profiler for the kernels.
+
+    python -m lab.held_plain_profile --target /root/models/qwen2.5-coder-1.5b-instruct.gguf \\
+        --draft /root/eagle3-1.5b --dataset-path .gpu/sharegpt_bench.json --out $OUT/profile
+
+Modes as bench.model_drafters has them: plain (the drafter set aside), held (never drafts nor
+probes, still fed) and adaptive (the default). Rows to held_plain_profile.jsonl: per mode the
+unprofiled tok/s, the timed parts (calls, host ms, GPU ms between events around each), and
+the profiled run's GPU busy time against the wall, with the kernels by GPU time.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import functools
+import json
+import os
+import time
+
+import torch
+
+from specserve.bench.gpu_suite import run, suite_workloads
+from specserve.bench.model_drafters import Config, fresh_drafter, make_engine, set_mode
+
+# (module, class, method) marked in the profile: what a drafting engine does beside a plain one's step
+MARKED = [("specserve.speculative.model_drafters.eagle", "EagleDrafter", "feed"),
+          ("specserve.speculative.model_drafters.eagle", "EagleDrafter", "observe_hidden"),
+          ("specserve.speculative.model_drafters.eagle", "EagleDrafter", "observe_batch"),
+          ("specserve.speculative.model_drafters.eagle", "EagleDrafter", "propose"),
+          ("specserve.engine.draft_planner", "DraftPlanner", "probe"),
+          ("specserve.kv.ledger", "KVLedger", "before_release"),
+          ("specserve.kv.ledger", "KVLedger", "release")]
+
+
+class PartTimes:
+    """Per marked part: calls, host seconds, and GPU milliseconds between CUDA events recorded
+    around it on the current stream (the kernels it queued, plus any gap while the host
+    launched them). The engine runs in its own thread, where torch.profiler records no
+    host events, so the parts are timed here."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.calls, self.host = collections.Counter(), collections.Counter()
+        self.events: dict[str, list] = collections.defaultdict(list)
+
+    def timed(self, fn, name: str):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            if self.cuda:
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if self.cuda:
+                    end.record()
+                    self.events[name].append((begin, end))
+                self.calls[name] += 1
+                self.host[name] += time.perf_counter() - start
+        return wrapper
+
+    def summary(self) -> dict:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return {name: {"calls": self.calls[name], "host_ms": self.host[name] * 1e3,
+                       "gpu_ms": sum(b.elapsed_time(e) for b, e in self.events[name]) if self.cuda else None}
+                for name in self.calls}
+
+
+@contextlib.contextmanager
+def marked_methods(times: PartTimes):
+    """Each MARKED method timed into `times` while the block runs."""
+    import importlib
+    originals = []
+    for module_name, class_name, method in MARKED:
+        cls = getattr(importlib.import_module(module_name), class_name)
+        original = cls.__dict__[method]
+        originals.append((cls, method, original))
+        setattr(cls, method, times.timed(original, f"{class_name}.{method}"))
+    try:
+        yield
+    finally:
+        for cls, method, original in originals:
+            setattr(cls, method, original)
+
+
+def kernel_summary(prof, wall_s: float, top: int) -> dict:
+    """The GPU's busy time (kernels' sum) against the wall, and the top kernels."""
+    kernels, counts = collections.Counter(), collections.Counter()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.name] += event.device_time_total
+            counts[event.name] += 1
+    return {"wall_ms": wall_s * 1e3, "gpu_busy_ms": sum(kernels.values()) / 1e3,
+            "kernels": [{"name": name[:120], "calls": counts[name], "gpu_ms": us / 1e3}
+                        for name, us in kernels.most_common(top)]}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="/root/models/qwen2.5-coder-1.5b-instruct.gguf")
+    parser.add_argument("--draft", default="/root/eagle3-1.5b")
+    parser.add_argument("--dataset-path", default=None)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[32, 64])
+    parser.add_argument("--modes", nargs="+", default=["plain", "held", "adaptive"])
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3, help="unprofiled timed runs per mode, in turn")
+    parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
+    ns = parser.parse_args(argv)
+    ns.workloads, ns.mem_fraction_static, ns.disable_radix_cache = ["sharegpt-multiturn"], 0.8, False
+    ns.num_draft_tokens = 8
+    os.makedirs(ns.out, exist_ok=True)
+    path = os.path.join(ns.out, "held_plain_profile.jsonl")
+
+    def write(row: dict) -> None:
+        print(json.dumps(row), flush=True)
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    engine = make_engine(ns, Config("EAGLE3", num_steps=3))
+    drafter = engine.core.drafter
+    prompts, warm_prompts = suite_workloads(engine, ns)["sharegpt-multiturn"]
+    try:
+        for concurrency in ns.concurrency:
+            count = min(ns.num_prompts, 2 * concurrency)
+            for round_ in range(ns.rounds):
+                for mode in ns.modes:
+                    drafter = fresh_drafter(drafter)
+                    set_mode(engine, drafter, mode)
+                    run(engine, warm_prompts[:count], concurrency, ns.max_new_tokens // 2, f"warm-up {mode}")
+                    summary = run(engine, prompts[:count], concurrency, ns.max_new_tokens, mode)[0]
+                    write({"kind": "timed", "mode": mode, "concurrency": concurrency, "round": round_,
+                           "tok_s": summary["output_tokens_per_s"], "duration_s": summary["duration_s"],
+                           "accept_length": summary.get("accept_length")})
+            for mode in ns.modes:
+                drafter = fresh_drafter(drafter)
+                set_mode(engine, drafter, mode)
+                run(engine, warm_prompts[:count], concurrency, ns.max_new_tokens // 2, f"warm-up {mode}")
+                times = PartTimes(ns.device == "cuda")
+                with marked_methods(times):   # the parts timed, unprofiled
+                    summary = run(engine, prompts[:count], concurrency, ns.max_new_tokens, mode)[0]
+                write({"kind": "parts", "mode": mode, "concurrency": concurrency,
+                       "tok_s": summary["output_tokens_per_s"], "parts": times.summary()})
+                activities = [torch.profiler.ProfilerActivity.CPU] + \
+                    ([torch.profiler.ProfilerActivity.CUDA] if ns.device == "cuda" else [])
+                with torch.profiler.profile(activities=activities) as prof:
+                    start = time.perf_counter()
+                    run(engine, prompts[:count], concurrency, ns.max_new_tokens, mode)
+                    wall = time.perf_counter() - start
+                write({"kind": "kernels", "mode": mode, "concurrency": concurrency,
+                       **kernel_summary(prof, wall, ns.top)})
+    finally:
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
