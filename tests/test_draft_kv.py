@@ -65,3 +65,35 @@ def test_release_forgets_unsettled_rows():
     table.reserve(req, 4)
     table.release(req)
     assert table.pool.slots.available() == free_at_start and not table._unsettled
+
+
+def test_write_table_names_every_slot_handed_out_in_each_beams_row():
+    """Two requests' rows, one reserved in two parts, a tree's fanout of 2: every (beam row,
+    position) names the slot handed out for it; nothing else is written."""
+    table = DraftKVTable(KVPool(1, 1, 8, 64, 8, 32, torch.float32, torch.device("cpu")), token_offset=1, row_fanout=2)
+    a, b = FakeReq("a", 1, [5, 6, 7, 8]), FakeReq("b", 3, [9, 10])
+    table.reserve(a, 0)
+    table.reserve(b, 2)
+    a.output_ids += [11, 12]
+    table.reserve(a, 1)
+    table.write_table()
+    written = table.pool.req_to_token
+    for req in (a, b):
+        seq = table.sequences[req.rid]
+        for beam in (2 * req.row, 2 * req.row + 1):
+            assert written[beam, :len(seq.slots)].tolist() == seq.slots
+            assert not written[beam, len(seq.slots):].any()
+    assert int((written != 0).sum()) == 2 * sum(len(seq.slots) for seq in table.sequences.values())
+    table.write_table()   # nothing new: nothing written
+    assert table._new_entries == []
+
+
+def test_held_rows_stop_at_the_first_row_that_is_not_the_requests_token():
+    table = make_table()
+    req = FakeReq("a", 1, [5, 6, 7, 8, 9])
+    table.reserve(req, 0)                       # rows 0-3 hold tokens 6, 7, 8, 9
+    seq = table.sequences["a"]
+    assert table.held_rows(req, 0, 4) == seq.slots[:4] and table.held_rows(req, 1, 3) == seq.slots[1:3]
+    seq.tokens[2] = 99                          # row 2 holds another token (a draft the verify rejected)
+    assert table.held_rows(req, 0, 4) == seq.slots[:2]
+    assert table.held_rows(req, 0, 9) == seq.slots[:2]   # past the rows it has: as far as it holds

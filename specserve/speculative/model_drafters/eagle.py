@@ -26,6 +26,7 @@ head's top-k, a deterministic function of the context, which verification takes 
 """
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING
 
 import torch
@@ -145,7 +146,7 @@ class EagleDrafter(Drafter, ProposalHints, ReadsHiddenStates):
         first, stop, their target states)."""
         self.runner.catch_up([seq.row for seq, _, _, _ in lagging], [first for _, first, _, _ in lagging],
                              [seq.tokens[first:stop] for seq, first, stop, _ in lagging],
-                             [s for seq, first, stop, _ in lagging for s in seq.slots[first:stop]],
+                             list(itertools.chain.from_iterable(seq.slots[first:stop] for seq, first, stop, _ in lagging)),
                              torch.cat([states for _, _, _, states in lagging]))
 
     def probe_order(self, reqs: list["Req"]) -> list[int]:

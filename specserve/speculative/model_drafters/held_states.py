@@ -15,6 +15,7 @@ request gets one slice.
 """
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from dataclasses import dataclass
 
@@ -137,11 +138,12 @@ class HeldTargetStates:
         self.held_rows -= sum(self._journaled.values())   # _append counts them again
         self._journal, self._released_at = [], {}
         self._journaled.clear()
-        rids = [rid for step in journal for rid in step.rids]
-        codes: dict[str, int] = {}
-        code = np.fromiter((codes.setdefault(rid, len(codes)) for rid in rids), dtype=np.int64, count=len(rids))
+        rids = list(itertools.chain.from_iterable(step.rids for step in journal))
+        codes = {rid: code for code, rid in enumerate(dict.fromkeys(rids))}   # in order of first appearance
+        code = np.fromiter(map(codes.__getitem__, rids), dtype=np.int64, count=len(rids))
         step_of = np.repeat(np.arange(len(journal)), [len(step.rids) for step in journal])
-        starts = np.fromiter((start for step in journal for start in step.starts), dtype=np.int64, count=len(rids))
+        starts = np.fromiter(itertools.chain.from_iterable(step.starts for step in journal), dtype=np.int64,
+                             count=len(rids))
         order = np.lexsort((step_of, code))              # by request, then in the order the steps came
         states = torch.cat([step.states for step in journal])
         states = states.index_select(0, host_to_device_async(torch.from_numpy(order), states.device))
