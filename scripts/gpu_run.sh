@@ -67,6 +67,9 @@
 #                                                   chains of 3 and NAIVE_EAGLE, pinned and adaptive, against plain, on chat and
 #                                                   code-types at 1/8/64: what drafting with the head would give and what the
 #                                                   policy makes of it; ~80 s)
+#   scripts/gpu_run.sh held-profile                (after `eagle-head` on the same warm machine: lab.held_plain_profile, chat at
+#                                                   32 and 64, plain / held / adaptive, 2 rounds, the drafter's parts timed and
+#                                                   a kernel table each; ~90 s)
 #   scripts/gpu_run.sh hybrid-rows                 (after `eagle-head` on the same warm machine: plain, the default NGRAM
 #                                                   engine (ngram-default), EAGLE-3 chains of 3 with that head, pinned and
 #                                                   adaptive, and the hybrid of that head and the n-gram trie
@@ -124,8 +127,11 @@ if [ -f .kernels/specserve-cache.tar.xz ] && [ ! -d "$kernels_cache/triton" ]; t
     && echo "kernels from .kernels/: $(find "$kernels_cache/triton" -name '*.cubin' | wc -l) compiled kernels"
 fi
 # .gpu/ (ignored) travels only in the call that carries it and is not kept in the checkout between calls:
-# keep a copy outside it, and bring it back in a later call of the same lease
-if [ -d .gpu ]; then mkdir -p /root/keep && cp -ru .gpu /root/keep/; elif [ -d /root/keep/.gpu ]; then cp -r /root/keep/.gpu .; fi
+# keep a copy outside it, and bring it back in a later call of the same lease. Parts of it may travel in calls of
+# their own (with the answers, 56 MB, .gpu and the tree pass a call's 64 MiB: carry [".whl", ".gpu/sharegpt_bench.json",
+# ".gpu/sharegpt_train.json.xz"] in the first call and [".gpu/answers"] in the next): each part joins the copy
+if [ -d .gpu ]; then mkdir -p /root/keep && cp -ru .gpu /root/keep/; fi
+[ -d /root/keep/.gpu ] && cp -ru /root/keep/.gpu .
 # benchmarks sample the subset's first 1000 conversations; EAGLE heads and token maps learn from the other
 # 3000, so no benchmark prompt was trained on
 # (scripts/sharegpt_split.py writes both files, the training one as .xz; an older .gpu/sharegpt_subset.json also serves)
@@ -429,6 +435,12 @@ convert_head(sys.argv[1], sys.argv[2], fp8=True); convert_head(sys.argv[2], sys.
   cp "$kept/config.json" "$OUT/kept/" && pieces_out "$kept/model.safetensors" "$OUT/kept"
   cp /root/head-train.log "$OUT/kept/train_eagle.log"
   python3 -m lab.head_accept_plot /root/head-train.log --out "$OUT/kept/accept.png"   # a call returns 8 files
+fi
+if [ "$mode" = held-profile ]; then
+  # what an EAGLE engine the policy holds plain costs against plain decoding at 32 and 64 (lab/held_plain_profile.py)
+  python3 -P -m lab.held_plain_profile --target /root/models/qwen2.5-coder-1.5b-instruct.gguf \
+    --draft "$(head_dir qwen2.5-coder-1.5b-instruct)" --dataset-path .gpu/sharegpt_bench.json --out "$OUT/held_profile" \
+    2>&1 | grep -v '%|' | grep -v '"kernels"' | tail -20
 fi
 if [ "$mode" = eagle-rows ]; then
   chain_rows "$OUT/eagle_rows" --concurrency 1 8 64 --num-prompts 64
