@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import json
 import os
 import random
 
@@ -20,6 +19,7 @@ import torch
 
 from specserve.bench.gpu_suite import measure_copy_bandwidth, weight_bytes
 from specserve.bench.random_model import SHAPES, write_model_config
+from specserve.bench.result_rows import emit_row
 
 def events_time_us(fn, reps: int = 50) -> float:
     """GPU time per fn() call for work that is already a graph replay."""
@@ -116,9 +116,7 @@ def main(argv=None) -> None:
 
     def write(row: dict) -> None:
         row = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}
-        print(json.dumps(row), flush=True)
-        with open(os.path.join(ns.out, "decode_profile.jsonl"), "a") as f:
-            f.write(json.dumps(row) + "\n")
+        emit_row(os.path.join(ns.out, "decode_profile.jsonl"), row)
 
     bandwidth = measure_copy_bandwidth("cuda")
     write({"kind": "device", "name": torch.cuda.get_device_name(), "copy_bandwidth_GBps": bandwidth / 1e9})

@@ -17,7 +17,6 @@ import argparse
 import collections
 import contextlib
 import functools
-import json
 import os
 import time
 
@@ -25,6 +24,7 @@ import torch
 
 from specserve.bench.gpu_suite import run, suite_workloads
 from specserve.bench.model_drafters import Config, fresh_drafter, make_engine, set_mode
+from specserve.bench.result_rows import emit_row
 
 # (module, class, method) marked in the profile: what a drafting engine does beside a plain one's step
 MARKED = [("specserve.speculative.model_drafters.eagle", "EagleDrafter", "feed"),
@@ -119,12 +119,7 @@ def main(argv=None) -> None:
     ns.workloads, ns.mem_fraction_static, ns.disable_radix_cache = ["sharegpt-multiturn"], 0.8, False
     ns.num_draft_tokens = 8
     os.makedirs(ns.out, exist_ok=True)
-    path = os.path.join(ns.out, "held_plain_profile.jsonl")
-
-    def write(row: dict) -> None:
-        print(json.dumps(row), flush=True)
-        with open(path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+    write = functools.partial(emit_row, os.path.join(ns.out, "held_plain_profile.jsonl"))
 
     engine = make_engine(ns, Config("EAGLE3", num_steps=3))
     drafter = engine.core.drafter

@@ -13,7 +13,6 @@ step of a few hundred tokens spends its time when its GPU work should take a few
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -24,6 +23,7 @@ import torch
 from lab.ttft_breakdown import fit_prefill_cost, format_prefill_cost
 from specserve.attention import prefix_split
 from specserve.bench.random_model import SHAPES, write_model_config
+from specserve.bench.result_rows import emit_row
 
 
 def synchronize() -> None:
@@ -112,9 +112,7 @@ def main(argv=None) -> None:
                "median_ms": round(medians[-1], 3),
                "min_ms": round(min(times), 3), "forward_median_ms": round(statistics.median(f for _, f in runs), 3),
                "device": torch.cuda.get_device_name() if ns.device == "cuda" else ns.device, "date": time.strftime("%Y-%m-%d")}
-        print(json.dumps(row), flush=True)
-        with open(os.path.join(ns.out, "prefill_cost.jsonl"), "a") as f:
-            f.write(json.dumps(row) + "\n")
+        emit_row(os.path.join(ns.out, "prefill_cost.jsonl"), row)
     print(format_prefill_cost(fit_prefill_cost([(n, ms / 1e3) for n, ms in zip(ns.lengths, medians)])), flush=True)
     for length in ns.profile:
         table = profile_table(core, engine, length, rng, ns.rows)

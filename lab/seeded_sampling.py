@@ -17,10 +17,10 @@ Writes results.jsonl and table.md under --out, and prints the table.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 from specserve.bench.gpu_suite import config_label, set_drafter, suite_workloads
+from specserve.bench.result_rows import emit_row
 
 RULES = ("coupled", "rejection")
 # (draft tokens, one branch, adaptive): fixed sizes compare the rules on the same trees;
@@ -138,9 +138,7 @@ def main(argv=None) -> None:
 
     def write(row: dict) -> None:
         rows.append(row)
-        print(json.dumps(row), flush=True)
-        with open(os.path.join(ns.out, "results.jsonl"), "a") as f:
-            f.write(json.dumps(row) + "\n")
+        emit_row(os.path.join(ns.out, "results.jsonl"), row)
 
     paths = [None] if ns.models_dir is None else [
         p for p in (os.path.join(ns.models_dir, m + ".gguf") for m in ns.models) if os.path.exists(p)]

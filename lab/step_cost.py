@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import bisect
 import gc
-import json
 import os
 import random
 import time
@@ -48,6 +47,7 @@ from lab.decode_profile import events_time_us, kernel_times
 from lab.random_head import write_random_eagle3_head
 from specserve.attention.triton_backend import TritonBackend
 from specserve.bench.random_model import SHAPES, write_model_config
+from specserve.bench.result_rows import emit_row
 from specserve.request.forecast_record import ForecastRecord
 from specserve.runner.forecast_step import empty_table
 from specserve.speculative.drafter import Drafter, ForecastSteps
@@ -315,9 +315,7 @@ def main(argv=None) -> list[dict]:
         if row["kind"] == "step_cost":
             row["vs_plain"] = row["wall_ms"] / plain_ms[row["batch_size"]] if row["batch_size"] in plain_ms else None
         row = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}
-        print(json.dumps(row), flush=True)
-        with open(os.path.join(ns.out, "step_cost.jsonl"), "a") as f:
-            f.write(json.dumps(row) + "\n")
+        emit_row(os.path.join(ns.out, "step_cost.jsonl"), row)
         return row
 
     rows = []

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import os
 import time
 
@@ -37,6 +36,7 @@ import torch
 import specserve
 from specserve.bench.host_load import busy_host
 from specserve.bench.offline import run_turn
+from specserve.bench.result_rows import emit_row
 from specserve.bench.run_watch import RunWatch
 from specserve.gc_pauses import long_lived_objects_frozen
 from specserve.speculative.adaptive.policy import AdaptiveDraftLength
@@ -396,9 +396,7 @@ def main(argv=None) -> None:
     results_path = os.path.join(ns.out, "results.jsonl")
 
     def write(row: dict) -> None:
-        print(json.dumps(row), flush=True)
-        with open(results_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        emit_row(results_path, row)
 
     bandwidth = measure_copy_bandwidth(ns.device)
     name = torch.cuda.get_device_name() if ns.device == "cuda" else "cpu"

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import time
 from typing import NamedTuple
@@ -36,6 +35,7 @@ import torch
 
 from specserve.args import FUSED_CHAIN_ALGORITHMS, HYBRID_ALGORITHMS
 from specserve.bench.gpu_suite import hold_plain, measure_copy_bandwidth, run, suite_workloads, weight_bytes
+from specserve.bench.result_rows import emit_row
 from specserve.bench.run_watch import RunWatch
 from specserve.gc_pauses import long_lived_objects_frozen
 from specserve.speculative.adaptive.policy import AdaptiveDraftLength
@@ -338,9 +338,7 @@ def main(argv=None) -> None:
 
     def write(row: dict) -> None:
         rows.append(row)
-        print(json.dumps(row), flush=True)
-        with open(results_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        emit_row(results_path, row)
 
     bandwidth = measure_copy_bandwidth(ns.device)
     write({"kind": "device", "name": torch.cuda.get_device_name() if ns.device == "cuda" else "cpu",

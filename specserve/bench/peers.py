@@ -56,6 +56,7 @@ from specserve.bench.peers_engines import (CONTEXT_LENGTH, ENGINES, EngineConfig
 from specserve.bench.peers_heads import HeadMissing, eagle2_head_for_engine, head_for_engine, parse_model_map
 from specserve.bench.peers_install import WheelsMissing, engine_version, install, server_env
 from specserve.bench.peers_report import write_report
+from specserve.bench.result_rows import emit_row
 from specserve.bench.size_workloads import SizeWorkload, full_batch_gaps, full_batch_rate
 from specserve.bench.size_workloads import parse as parse_size_workload
 
@@ -443,9 +444,7 @@ def run(ns: argparse.Namespace) -> str:
     _use_own_wheels(ns)
 
     def write(row: dict) -> None:
-        print(json.dumps({k: v for k, v in row.items() if k != "output_hashes"}), flush=True)
-        with open(results_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        emit_row(results_path, row, {k: v for k, v in row.items() if k != "output_hashes"})
 
     write({"kind": "device", "name": _device_name(), "date": time.strftime("%Y-%m-%d"),
            "args": {k: v for k, v in vars(ns).items() if k != "command"}})
