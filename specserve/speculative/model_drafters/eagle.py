@@ -144,9 +144,9 @@ class EagleDrafter(Drafter, ProposalHints, ReadsHiddenStates):
     def _catch_up(self, lagging: list[tuple]) -> None:
         """One head forward without drafting over rows first .. stop - 1 of each (sequence,
         first, stop, their target states)."""
+        slots = list(itertools.chain.from_iterable(seq.slots[first:stop] for seq, first, stop, _ in lagging))
         self.runner.catch_up([seq.row for seq, _, _, _ in lagging], [first for _, first, _, _ in lagging],
-                             [seq.tokens[first:stop] for seq, first, stop, _ in lagging],
-                             list(itertools.chain.from_iterable(seq.slots[first:stop] for seq, first, stop, _ in lagging)),
+                             [seq.tokens[first:stop] for seq, first, stop, _ in lagging], slots,
                              torch.cat([states for _, _, _, states in lagging]))
 
     def probe_order(self, reqs: list["Req"]) -> list[int]:
