@@ -164,8 +164,9 @@ class ServerArgs:
     speculative_hybrid_ngram: bool = _spec(False, "EAGLE / EAGLE3 (specserve's, not SGLang's): each request's step "
                                                   "drafts from the n-gram trie (the --speculative-ngram-* settings) "
                                                   "or from the head, whichever is measured to commit more for it, "
-                                                  "both verified in one step (the head's argmax drafts, unfused; "
-                                                  "trees of up to speculative_num_draft_tokens nodes)")
+                                                  "both verified in one step (trees of up to speculative_num_draft_tokens "
+                                                  "nodes); a chain head's steps stay fused where no trie draft "
+                                                  "is expected to pay for breaking the chain")
     speculative_ngram_capacity: int = _spec(10_000_000, "most n-gram trie nodes, shared by all requests "
                                                         "(~160 bytes each, allocated as they fill)")
     speculative_ngram_min_match_window_size: int = _spec(1, "shortest suffix of a request that may match")

@@ -11,6 +11,7 @@ outside EAGLE / EAGLE3 are refused naming the field. Random tiny targets and hea
 from __future__ import annotations
 
 import zlib
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,12 +19,15 @@ import torch
 
 from specserve.args import ServerArgs
 from specserve.errors import ArgumentError
-from specserve.speculative.hybrid.drafter import merge_proposals
+from specserve.speculative.hybrid import source_choice
+from specserve.speculative.hybrid.drafter import HybridDrafter, merge_proposals
+from specserve.speculative.hybrid.fused_hybrid import FusedHybridDrafter
 from specserve.speculative.hybrid.source_choice import HEAD_KEY_BASE, HEAD_KEY_CAP, HEAD_RECHECK_STEPS, SourceChoice
 from specserve.verify.tree import TreeProposal
-from tests.fused_fixtures import save_random_eagle_head
+from tests.fused_fixtures import FusedSpy, save_random_eagle_head
 from tests.spec_fixtures import (assert_draft_pool_is_free, cached_draft_rows, make_tiny_directory, tiny_engine,
                                  wait_until_all_kv_is_free)
+from tests.test_draft_ahead import ahead_on
 from tests.test_spec_sampling import (ALPHA, MAX_NEW_TOKENS, PROMPT, VOCAB, chi_square_p, exact_joint,
                                       exact_step_logits)
 
@@ -87,6 +91,8 @@ def plain(models):
 def test_greedy_output_is_plain_decodings(models, plain, shape, adaptive, disable_radix_cache):
     target, head = models
     with tiny_engine(target, **hybrid_args(head, shape, adaptive), disable_radix_cache=disable_radix_cache) as engine:
+        if adaptive:   # as on a GPU: steps launched ahead
+            ahead_on(engine)
         outputs = two_turns(engine, GREEDY)
         assert [o["output_ids"] for o in outputs] == plain["greedy"]
         used = sources(outputs)
@@ -100,6 +106,44 @@ def test_greedy_output_is_plain_decodings(models, plain, shape, adaptive, disabl
         wait_until_everything_is_free(engine)
 
 
+def test_head_steps_are_fused_and_chained_beside_trie_steps(models, plain):
+    """A chain head's steps are the fused chain's (fused_hybrid.py), launched before the step
+    they follow is read where the batch stays the same, as on a GPU; trie steps, verified by
+    the engine, break the chain; the output is plain decoding's and everything is freed."""
+    target, head = models
+    with tiny_engine(target, **hybrid_args(head)) as engine:
+        ahead_on(engine)
+        drafter = engine.core.drafter
+        assert isinstance(drafter, FusedHybridDrafter)
+        spy = FusedSpy(drafter.head)
+        outputs = two_turns(engine, GREEDY)
+        assert [o["output_ids"] for o in outputs] == plain["greedy"]
+        used = sources(outputs)
+        assert used.get("ngram", 0) > 0 and used.get("head", 0) > 0, used
+        assert spy.fused > 0 and spy.chained > 0 and spy.engine > 0, vars(spy)
+        wait_until_everything_is_free(engine)
+
+
+def test_a_chained_head_gives_way_only_to_trie_drafts_worth_the_break():
+    """Where the head's steps are chained, the batch takes trie drafts only where they are
+    expected to commit BREAK_GAIN times the head's tokens more; unchained, wherever they beat it."""
+    choice = SourceChoice(8, head_depth=3)
+    trie = TreeProposal.from_lists([([0, 1, 2, 3, 4, 5], [-1, 0, 1, 2, 3, 4])] * 2)
+    head = TreeProposal.from_lists([([0, 1, 8, 9], [-1, 0, 1, 2])] * 2)
+    for _ in range(20):   # the trie's class 2 commits 5 tokens, the head 2
+        choice.record(["a", "b"], trie, [6, 6], [2, 2], head, [4, 4])
+        choice.observe_batch(["a", "b"], [[1, 2, 3, 4, 6], [1, 2, 3, 4, 6]])
+    assert choice.expected_from_trie(2) == pytest.approx(5, abs=0.01)
+    assert choice.expected_from_head("a") == pytest.approx(2, abs=0.01)
+    # one request's gain (3 tokens) is less than BREAK_GAIN times the batch's head tokens (4); two requests' is more
+    assert 3 < source_choice.BREAK_GAIN * 4 <= 6
+    assert choice.choose(["a", "b"], [6, 1], [2, 0], chained=False).tolist() == [True, False]
+    assert choice.choose(["a", "b"], [6, 1], [2, 0], chained=True).tolist() == [False, False]
+    assert not choice.breaks_chain(["a", "b"], [6, 1], [2, 0])
+    assert choice.choose(["a", "b"], [6, 6], [2, 2], chained=True).tolist() == [True, True]
+    assert choice.breaks_chain(["a", "b"], [6, 6], [2, 2])
+
+
 def test_a_small_cache_preempts_and_evicts_without_changing_the_output(models, plain):
     """A cache that holds one or two requests, prompts in chunks: requests are preempted (the
     head forgets them, the trie does not) and cached prefixes evicted with their head rows."""
@@ -111,8 +155,10 @@ def test_a_small_cache_preempts_and_evicts_without_changing_the_output(models, p
         wait_until_everything_is_free(engine)
 
 
-def test_seeded_sampling_is_plain_decodings(models, plain):
-    """The coupled rule: a seeded request samples plain decoding's tokens, whichever source drafted."""
+def test_seeded_sampling_is_plain_decodings(models, plain, monkeypatch):
+    """The coupled rule: a seeded request samples plain decoding's tokens, whichever source
+    drafted (the trie's drafts taken wherever they are expected to beat the head's, chain or not)."""
+    monkeypatch.setattr(source_choice, "BREAK_GAIN", 0.0)
     target, head = models
     with tiny_engine(target, **hybrid_args(head)) as engine:
         outputs = two_turns(engine, SEEDED)
@@ -121,11 +167,16 @@ def test_seeded_sampling_is_plain_decodings(models, plain):
         wait_until_everything_is_free(engine)
 
 
-def test_the_trie_drafts_where_the_text_repeats(models):
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "ahead"])
+def test_the_trie_drafts_where_the_text_repeats(models, ahead):
     """The answer falls into a loop after ~20 tokens: there the trie drafts, and its long drafts
-    are accepted (a step commits more than the head's chain of 3 could), the random head's not."""
+    are accepted (a step commits more than the head's chain of 3 could), the random head's not.
+    `ahead`: each step is proposed before the tokens of the one before are shown to the
+    drafter, whose measures of both sources still walk each proposal from its own root."""
     target, head = models
     with tiny_engine(target, **hybrid_args(head)) as engine:
+        if ahead:
+            ahead_on(engine)
         out = engine.generate(input_ids=REPEATING, sampling_params={**GREEDY, "max_new_tokens": 128})
         used, histogram = out["meta_info"]["spec_draft_sources"], out["meta_info"]["spec_accept_histogram"]
         assert used["ngram"] >= 10, used
@@ -157,6 +208,31 @@ def test_the_choice_follows_measured_acceptance():
     assert choice.choose(["a"], [1], [5]).tolist() == [False]          # no match: the head
     assert choice.choose(["a"], [4], [2]).tolist() == [False]          # no class this short measured
     assert choice.expected_from_trie(6) == choice.expected_from_trie(5)   # a longer match borrows class 5's
+
+
+def test_a_proposal_made_ahead_is_walked_from_its_own_root():
+    """A step proposed before the tokens of the one before were observed (launched ahead, as on
+    a GPU): its proposals join the choice's walks only after those tokens, so each is walked
+    by the tokens committed after its own root."""
+    def chain(tokens):
+        return TreeProposal.from_lists([([0, *tokens], list(range(-1, len(tokens))))])
+
+    trie = SimpleNamespace(next=None, proposal_keys=lambda: [3], observe_batch=lambda reqs, committed: None)
+    trie.propose = lambda reqs, max_nodes: (trie.next, [4])
+    head = SimpleNamespace(num_steps=3, propose=lambda reqs, max_nodes: (TreeProposal.root_only([0]), [1]),
+                           observe_batch=lambda reqs, committed: None)
+    hybrid = HybridDrafter(trie, head, 4)
+    req = SimpleNamespace(rid="a", num_tokens=10, last_token=0, spec=SimpleNamespace(draft_sources={}))
+    hybrid.observe_batch([req], [[0]])
+    trie.next = chain([1, 2, 3])
+    hybrid.propose([req], [4])                   # after the observe: walked from here
+    req.num_tokens = 14
+    trie.next = chain([5, 6, 7])
+    hybrid.propose([req], [4])                   # ahead of the observe of the step before's tokens
+    hybrid.observe_batch([req], [[1, 2, 3, 4]])
+    req.num_tokens = 18
+    hybrid.observe_batch([req], [[5, 6, 7, 8]])
+    assert hybrid.choice.expected_from_trie(3) == 4.0   # both drafts wholly accepted, as they were
 
 
 def test_proposals_merge_row_by_row():
@@ -201,29 +277,35 @@ def letters(tmp_path_factory):
 @pytest.mark.parametrize("split, rule", [("half", "coupled"), ("half", "rejection"), ("head", "rejection")])
 def test_sampled_output_follows_the_target_with_drafts_from_either_source(letters, split, rule):
     """Half the requests (by id) take the trie's drafts, half the head's, in the same verify
-    steps (the head's argmax chains there: no q), or every request the head's (chains sampled
-    from q, verified with it). The first four tokens' joint distribution is the target's.
+    steps (the head's argmax chains there: no q), or every request the head's (the fused
+    step's chains sampled from q, verified with it). The first four tokens' joint distribution is the target's.
     Unseeded requests: a seeded one's chain is always the head's argmax."""
     target, head, model = letters
     with tiny_engine(target, **hybrid_args(head, speculative_num_draft_tokens=4), max_running_requests=1024,
                      max_total_tokens=32768) as engine:
         engine.core.sampler.sampling_rule = rule
         drafter = engine.core.drafter
-        choose, propose, steps = drafter.choice.choose, drafter.head.propose, []
+        choose, steps = drafter.choice.choose, []
 
-        def forced(rids, trie_nodes, trie_keys):
-            choose(rids, trie_nodes, trie_keys)   # its bookkeeping
+        def forced(rids, trie_nodes, trie_keys, chained=False):
+            choose(rids, trie_nodes, trie_keys, chained)   # its bookkeeping
             use_trie = np.array([split == "half" and nodes > 1 and zlib.crc32(rid.encode()) % 2 == 0
                                  for rid, nodes in zip(rids, trie_nodes)])
             steps.append([use_trie.any(), None])
             return use_trie
 
-        def head_propose(reqs, max_nodes):   # whether the head's drafts came with their q
-            proposal, num_nodes = propose(reqs, max_nodes)
-            steps[-1][1] = proposal.draft_probs is not None if max(num_nodes) > 1 else None
-            return proposal, num_nodes
+        def spied(name):   # which of the head's proposals a step took, and whether it came with a q
+            method = getattr(drafter.head, name)
 
-        drafter.choice.choose, drafter.head.propose = forced, head_propose
+            def called(reqs, max_nodes):
+                proposal, num_nodes = method(reqs, max_nodes)
+                if max(num_nodes) > 1:
+                    steps[-1][1] = (name, proposal.draft_probs is not None)
+                return proposal, num_nodes
+            return called
+
+        drafter.choice.choose = forced
+        drafter.head.propose, drafter.head.argmax_chains = spied("propose"), spied("argmax_chains")
         params = [{"temperature": 1.0, "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True}] * SAMPLES
         outputs = engine.generate(input_ids=[PROMPT] * SAMPLES, sampling_params=params)
         used = sources(outputs)
@@ -231,8 +313,11 @@ def test_sampled_output_follows_the_target_with_drafts_from_either_source(letter
             assert min(used.get("ngram", 0), used.get("head", 0)) > SAMPLES // 4, used
         else:
             assert list(used) == ["head"], used
-        drafted = [(trie, sampled) for trie, sampled in steps if sampled is not None]
-        assert drafted and all(sampled == (not trie) for trie, sampled in drafted), drafted
+        # steps with trie drafts took the head's argmax chains (no q); the others its fused
+        # step's chains, whose q stays on the device (fused_chain.py's q table)
+        drafted = [(trie, taken) for trie, taken in steps if taken is not None]
+        assert drafted and all(taken == (("argmax_chains", False) if trie else ("propose", False))
+                               for trie, taken in drafted), drafted
         assert sum(o["meta_info"]["spec_accept_length"] > 1 for o in outputs) > SAMPLES // 4
         wait_until_everything_is_free(engine)
     p = chi_square_p(outputs, exact_joint(exact_step_logits(model), temperature=1.0))

@@ -17,10 +17,9 @@ Where no request of the step takes the trie's draft, the head drafts as EAGLE al
 (sampled requests' chains sampled, with their q). Sampled requests are verified exactly
 either way.
 
-The head here runs EagleDrafter's own chain, not the fused step that verifies and drafts in
-one device function (fused_drafter.py): the fused step launches the next chain from the
-device before the host chooses a source, so it cannot carry trees the host picked. Its speed
-on a GPU has not been measured.
+This class's head runs EagleDrafter's own chain or EAGLE-2's trees; a head that drafts chains
+is the fused chain's, whose steps verify and draft in one device function, chained ahead
+(fused_hybrid.py, a subclass).
 """
 from __future__ import annotations
 
@@ -51,6 +50,8 @@ class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates):
         self.choice = SourceChoice(max_nodes, head.num_steps)
         self._keys: list[int] = []
         self.proposals = {NGRAM: 0, HEAD: 0}   # drafts proposed by each source, over all requests
+        self._seen: dict[str, int] = {}        # rid -> its tokens when last observed
+        self._unrecorded: list[tuple] = []     # proposals made ahead of that (_record)
 
     # --- the two sources ---
     def add_prompt(self, req: "Req") -> None:
@@ -61,17 +62,37 @@ class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates):
         rids = [req.rid for req in reqs]
         trie, trie_nodes = self.ngram.propose(reqs, max_nodes)
         trie_keys = self.ngram.proposal_keys()
-        use_trie = self.choice.choose(rids, trie_nodes, trie_keys)
-        self.head.sampled_drafts = not use_trie.any()   # see the module docstring
-        head, head_nodes = self.head.propose(reqs, [1 if t else m for t, m in zip(use_trie.tolist(), max_nodes)])
-        if head.draft_probs is None:   # a request the head could not draft for (its cache full) takes the trie's
-            use_trie |= np.asarray(head_nodes) <= 1
-        self.choice.record(rids, trie, trie_nodes, trie_keys, head, head_nodes)
+        use_trie = self.choice.choose(rids, trie_nodes, trie_keys, self._chained(reqs))
+        head, head_nodes, use_trie = self._head_drafts(reqs, max_nodes, use_trie)
+        self._record(reqs, (rids, trie, trie_nodes, trie_keys, head, head_nodes))
         proposal = merge_proposals(trie, head, use_trie)
         num_nodes = proposal.num_nodes.tolist()
         self._count(reqs, use_trie, num_nodes)
         self._keys = self.choice.policy_keys(rids, use_trie, trie_keys)
         return proposal, num_nodes
+
+    def _chained(self, reqs: list["Req"]) -> bool:
+        """Whether the head's steps of this batch are chained (a trie step would break them)."""
+        return False
+
+    def _head_drafts(self, reqs: list["Req"], max_nodes: list[int],
+                     use_trie: np.ndarray) -> tuple[TreeProposal, list[int], np.ndarray]:
+        """The head's drafts for the requests that do not take the trie's, and which take the
+        trie's after them."""
+        self.head.sampled_drafts = not use_trie.any()   # see the module docstring
+        head, head_nodes = self.head.propose(reqs, [1 if t else m for t, m in zip(use_trie.tolist(), max_nodes)])
+        if head.draft_probs is None:   # a request the head could not draft for (its cache full) takes the trie's
+            use_trie = use_trie | (np.asarray(head_nodes) <= 1)
+        return head, head_nodes, use_trie
+
+    def _record(self, reqs: list["Req"], record: tuple) -> None:
+        """Both sources' proposals as the choice's shadows (SourceChoice.record's arguments).
+        A proposal made before the tokens of the step before were observed (launched ahead:
+        engine/draft_ahead.py) waits until they are, or those tokens would walk it."""
+        if all(self._seen.get(req.rid) == req.num_tokens for req in reqs):
+            self.choice.record(*record)
+        else:
+            self._unrecorded.append(record)
 
     def _count(self, reqs: list["Req"], use_trie: np.ndarray, num_nodes: list[int]) -> None:
         for req, trie, nodes in zip(reqs, use_trie.tolist(), num_nodes):
@@ -89,6 +110,11 @@ class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates):
 
     def observe_batch(self, reqs: list["Req"], committed: list[list[int]]) -> None:
         self.choice.observe_batch([req.rid for req in reqs], committed)
+        for record in self._unrecorded:
+            self.choice.record(*record)
+        self._unrecorded.clear()
+        for req in reqs:
+            self._seen[req.rid] = req.num_tokens
         self.ngram.observe_batch(reqs, committed)
         self.head.observe_batch(reqs, committed)
 
@@ -98,6 +124,7 @@ class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates):
 
     def release(self, req: "Req") -> None:
         self.choice.release(req.rid)
+        self._seen.pop(req.rid, None)
         self.ngram.release(req)
         self.head.release(req)
 
@@ -111,7 +138,7 @@ class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates):
 
     def scratch(self) -> "HybridDrafter":
         """The trie's scratch and a fresh choice; the head keeps per-request state only."""
-        return HybridDrafter(self.ngram.scratch(), self.head.scratch(), self.max_nodes)
+        return type(self)(self.ngram.scratch(), self.head.scratch(), self.max_nodes)
 
     # --- what the adaptive policy asks ---
     def proposal_keys(self) -> list[int]:

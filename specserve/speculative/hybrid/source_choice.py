@@ -37,6 +37,14 @@ HEAD_RECHECK_STEPS = 16
 # expected to commit for the request (the trie's classes are match lengths, 0 .. 6)
 HEAD_KEY_BASE = 100
 HEAD_KEY_CAP = 32
+# Where the head's steps are chained (fused_hybrid.py: each fused step drafts the next chain and
+# the next step is queued before this one is read), a step of trie drafts breaks the chain: it
+# is verified on its own, and the head's next step first catches up on the rows it skipped
+# (an eager forward and a host sync). At batch 1 on an H100 (1.5B, EAGLE-3 chains of 3) a
+# chained step took ~2.0 ms, the trie's verify step ~2.2 ms and a restarted head step ~4 ms: a
+# trie step and the restart it causes cost about two chained steps, so the batch's trie drafts
+# must be expected to commit BREAK_GAIN times the head's tokens more than the head's would.
+BREAK_GAIN = 1.0
 
 
 class SourceChoice:
@@ -63,16 +71,40 @@ class SourceChoice:
     def expected_from_head(self, rid: str) -> float:
         return min(self.head.expected_tokens(rid, self.max_nodes), self.head_most)
 
-    def choose(self, rids: list[str], trie_nodes: list[int], trie_keys: list[int]) -> np.ndarray:
-        """(bs,) bool: True where the request drafts from the trie this step."""
+    def choose(self, rids: list[str], trie_nodes: list[int], trie_keys: list[int], chained: bool = False) -> np.ndarray:
+        """(bs,) bool: True where the request drafts from the trie this step. chained: the
+        head's steps of this batch are chained, so trie drafts are taken only where they
+        pay for breaking the chain (BREAK_GAIN)."""
+        use_trie = self.preferred(rids, trie_nodes, trie_keys)
+        if chained and use_trie.any() and not self.pays_to_break(rids, use_trie, trie_keys):
+            use_trie[:] = False
+        for rid, trie in zip(rids, use_trie.tolist()):
+            self._trie_streak[rid] = self._trie_streak.get(rid, 0) + 1 if trie else 0
+        return use_trie
+
+    def preferred(self, rids: list[str], trie_nodes: list[int], trie_keys: list[int]) -> np.ndarray:
+        """(bs,) bool: where the trie's draft is expected to commit more than the head's, the
+        request not due for a recheck of the head."""
         use_trie = np.zeros(len(rids), dtype=bool)
         for i, (rid, nodes, key) in enumerate(zip(rids, trie_nodes, trie_keys)):
             trie = self.expected_from_trie(key) if nodes > 1 else None
-            streak = self._trie_streak.get(rid, 0)
-            use_trie[i] = (trie is not None and streak < HEAD_RECHECK_STEPS
+            use_trie[i] = (trie is not None and self._trie_streak.get(rid, 0) < HEAD_RECHECK_STEPS
                            and trie > self.expected_from_head(rid))
-            self._trie_streak[rid] = streak + 1 if use_trie[i] else 0
         return use_trie
+
+    def pays_to_break(self, rids: list[str], use_trie: np.ndarray, trie_keys: list[int]) -> bool:
+        """Whether the trie's drafts where `use_trie` are expected to commit BREAK_GAIN times
+        the batch's head tokens more than the head's drafts would."""
+        head = [self.expected_from_head(rid) for rid in rids]
+        gain = sum(self.expected_from_trie(key) - expected
+                   for trie, key, expected in zip(use_trie.tolist(), trie_keys, head) if trie)
+        return gain >= BREAK_GAIN * sum(head)
+
+    def breaks_chain(self, rids: list[str], trie_nodes: list[int], trie_keys: list[int]) -> bool:
+        """Whether trie drafts at these roots would have paid for breaking the head's chain
+        (a chained step's counterfactual: the next step is then proposed after its read)."""
+        use_trie = self.preferred(rids, trie_nodes, trie_keys)
+        return bool(use_trie.any()) and self.pays_to_break(rids, use_trie, trie_keys)
 
     def record(self, rids: list[str], trie: TreeProposal, trie_nodes: list[int], trie_keys: list[int],
                head: TreeProposal, head_nodes: list[int]) -> None:

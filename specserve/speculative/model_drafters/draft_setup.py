@@ -90,19 +90,21 @@ def prepare_draft(args: ServerArgs, target: ModelConfig, device: torch.device, d
 
 def fuses_chain(args: ServerArgs) -> bool:
     """Whether the drafter verifies and drafts in one fused step (fused_drafter.py): NAIVE_EAGLE
-    and MTP always, EAGLE / EAGLE3 when they draft a chain (top-k 1), unless drafts may come
-    from the n-gram trie too (speculative/hybrid/drafter.py says why); EAGLE-2's trees do not."""
+    and MTP always, EAGLE / EAGLE3 when they draft a chain (top-k 1), with or without the
+    n-gram trie beside them (speculative/hybrid/fused_hybrid.py); EAGLE-2's trees do not."""
     return args.speculative in FUSED_CHAIN_ALGORITHMS or (
-        args.speculative in ("EAGLE", "EAGLE3") and (args.speculative_eagle_topk or 1) == 1
-        and not args.speculative_hybrid_ngram)
+        args.speculative in ("EAGLE", "EAGLE3") and (args.speculative_eagle_topk or 1) == 1)
 
 
 def with_ngram(args: ServerArgs, head: Drafter) -> Drafter:
     """--speculative-hybrid-ngram: the head's drafter and an n-gram trie, each request's step
-    drafted by either (speculative/hybrid/)."""
+    drafted by either (speculative/hybrid/); a fused chain's head steps stay fused."""
     from specserve.speculative.hybrid.drafter import HybridDrafter
+    from specserve.speculative.hybrid.fused_hybrid import FusedHybridDrafter
+    from specserve.speculative.model_drafters.fused_drafter import FusedChainDrafter
     from specserve.speculative.ngram.drafter import NgramDrafter
-    return HybridDrafter(NgramDrafter.from_args(args), head, args.speculative_verify_size)
+    kind = FusedHybridDrafter if isinstance(head, FusedChainDrafter) else HybridDrafter
+    return kind(NgramDrafter.from_args(args), head, args.speculative_verify_size)
 
 
 def prepare_fused_chain(args: ServerArgs, target: ModelConfig, device: torch.device, dtype: torch.dtype,
@@ -126,7 +128,8 @@ def prepare_fused_chain(args: ServerArgs, target: ModelConfig, device: torch.dev
             head.share_target(sharded_model(runner.model))   # its norm; shards of the rest are replaced next
         lend_vocabulary(head, runner, copies)
         head_runner = eagle_runner.EagleHeadRunner(args, head, runner.model, runner.pool)
-        return FusedChainDrafter(head_runner, FusedChainRunner(runner, head_runner))
+        drafter = FusedChainDrafter(head_runner, FusedChainRunner(runner, head_runner))
+        return with_ngram(args, drafter) if args.speculative_hybrid_ngram else drafter
 
     return DraftSetup(eagle_runner.kv_bytes_per_token(head, dtype), eagle_runner.target_capture(head), make_drafter)
 

@@ -1,0 +1,107 @@
+"""FusedHybridDrafter: the hybrid (drafter.py) over a head that drafts chains (EAGLE / EAGLE3
+with top-k 1), whose head steps are the fused chain's (model_drafters/fused_drafter.py): the
+target's verification and the head's next chain in one device function, the next step queued
+before this one is read. Without that, a hybrid head step ran EagleDrafter's own chain (H100,
+1.5B, batch 1: 3.5-3.7 ms a step against ~2.0 ms fused and chained), and on chat the hybrid
+lost to EAGLE-3 alone in every cell.
+
+A step is one of two kinds:
+- every request drafts from the head: the fused step, chained to the next while the batch
+  stays the same. While it runs, the trie proposes at the chained step's roots too (a lookup,
+  microseconds), as a counterfactual the choice learns from; where those drafts would have
+  paid for breaking the chain (source_choice.BREAK_GAIN), no next step is chained, and the
+  next proposal, made once this step is read, looks again;
+- some request drafts from the trie: the engine verifies the step, the trie's drafts beside
+  the head's pending chains for the other requests (argmax drafts: FusedChainDrafter.argmax_chains).
+  The head's next drafts then start from a catch-up of the rows the step committed.
+
+A request's choice is the hybrid's (source_choice.py) with one more condition where the
+batch's head steps are chained: the trie's drafts must be expected to commit BREAK_GAIN times
+the head's tokens more than the head's, over the batch, so a lone request with a middling
+trie match does not break every request's chain.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+
+from specserve.speculative.drafter import ChainedSteps
+from specserve.speculative.hybrid.drafter import HybridDrafter
+from specserve.speculative.model_drafters.fused_drafter import FusedChainDrafter
+from specserve.verify.tree import TreeProposal
+
+if TYPE_CHECKING:
+    import torch
+
+    from specserve.request.req import Req
+    from specserve.runner.model_runner import InFlight
+    from specserve.runner.tree_step import GreedyOutcome
+    from specserve.sampling.sampler import SampledStep, Sampler
+    from specserve.speculative.ngram.drafter import NgramDrafter
+
+
+class FusedHybridDrafter(HybridDrafter, ChainedSteps):
+    proposes_ahead = True   # both sources: the trie's lookup, the fused head's pending drafts or catch-up
+    # the head's steps are the fused chain's, whose price the policy learns as the head's alone does
+    ragged_verify = FusedChainDrafter.ragged_verify
+    switch_margin = FusedChainDrafter.switch_margin
+    leave_margin = FusedChainDrafter.leave_margin
+
+    def __init__(self, ngram: "NgramDrafter", head: FusedChainDrafter, max_nodes: int):
+        super().__init__(ngram, head, max_nodes)
+        self.head: FusedChainDrafter = head
+        # the trie was expected to pay at the last chained step's roots: chain no step after it
+        self._trie_next = False
+
+    def _chained(self, reqs: list["Req"]) -> bool:
+        pending = self.head.pending
+        return any(pending.get(req.rid, (None,))[0] == req.num_tokens for req in reqs)
+
+    def _head_drafts(self, reqs: list["Req"], max_nodes: list[int],
+                     use_trie: np.ndarray) -> tuple[TreeProposal, list[int], np.ndarray]:
+        self._trie_next = False
+        if use_trie.any():
+            head, head_nodes = self.head.argmax_chains(reqs, [1 if t else m for t, m in zip(use_trie.tolist(),
+                                                                                             max_nodes)])
+            return head, head_nodes, use_trie | (np.asarray(head_nodes) <= 1)
+        head, head_nodes = self.head.propose(reqs, max_nodes)
+        return head, head_nodes, use_trie
+
+    # --- the fused head's steps ---
+    def verify_fused(self, reqs: list["Req"], proposal: TreeProposal, slots: list[int], sampler: "Sampler",
+                     while_running: Callable[[], None] | None = None) -> "SampledStep | None":
+        return self.head.verify_fused(reqs, proposal, slots, sampler, while_running)
+
+    def launch_fused(self, reqs: list["Req"], proposal: TreeProposal, slots: list[int],
+                     kind: str = "greedy") -> "InFlight | None":
+        return self.head.launch_fused(reqs, proposal, slots, kind)   # None after argmax_chains: nothing reserved
+
+    def read_fused(self, reqs: list["Req"], outcome: "torch.Tensor") -> "GreedyOutcome":
+        return self.head.read_fused(reqs, outcome)
+
+    def chain_nodes(self, reqs: list["Req"], launched: "InFlight") -> int:
+        return 0 if self._trie_next else self.head.chain_nodes(reqs, launched)
+
+    def launch_chained(self, reqs: list["Req"], node_slots: np.ndarray) -> "tuple[InFlight, np.ndarray] | None":
+        return self.head.launch_chained(reqs, node_slots)
+
+    def adopt_chained(self, reqs: list["Req"], reserved: np.ndarray) -> None:
+        self.head.adopt_chained(reqs, reserved)
+
+    def free_chained(self, reserved: np.ndarray) -> None:
+        self.head.free_chained(reserved)
+
+    def chained_proposal(self, reqs: list["Req"]) -> tuple[TreeProposal, list[int]]:
+        """The head's chains the chained step verifies; the trie's drafts at the same roots
+        are its counterfactual, and say whether the step after it is chained too."""
+        head, head_nodes = self.head.chained_proposal(reqs)
+        rids = [req.rid for req in reqs]
+        trie, trie_nodes = self.ngram.propose(reqs, [self.max_nodes] * len(reqs))
+        trie_keys = self.ngram.proposal_keys()
+        self._trie_next = self.choice.breaks_chain(rids, trie_nodes, trie_keys)
+        self._record(reqs, (rids, trie, trie_nodes, trie_keys, head, head_nodes))
+        head_only = np.zeros(len(reqs), dtype=bool)
+        self._count(reqs, head_only, head_nodes)
+        self._keys = self.choice.policy_keys(rids, head_only, trie_keys)
+        return head, head_nodes
