@@ -140,7 +140,8 @@ class ServerArgs:
                                                     "(the same with an MTP layer)")
     speculative_num_draft_tokens: int | None = _spec(None, "tree nodes per verify step, the root included (a chain "
                                                      "of STANDALONE / EAGLE: speculative_num_steps + 1; NAIVE_EAGLE "
-                                                     "/ MTP: 2); default: NGRAM with the adaptive draft length "
+                                                     "/ MTP: 2); default: NGRAM with the adaptive draft length, and "
+                                                     "the n-gram trie of speculative_hybrid_ngram beside a chain, "
                                                      f"{NGRAM_ADAPTIVE_DRAFT_TOKENS} (the largest size it picks), "
                                                      f"otherwise {DEFAULT_NUM_DRAFT_TOKENS}")
     speculative_one_branch: bool | None = _spec(None, "NGRAM: draft a single chain (--no-speculative-one-branch: "
@@ -230,8 +231,11 @@ class ServerArgs:
         algorithm = self.speculative_algorithm
         adaptive_ngram = (isinstance(algorithm, str) and algorithm.upper() in ("NGRAM", "LOOKAHEAD")
                           and not self.speculative_disable_adaptive)
+        # the hybrid's trie beside a chain head drafts what NGRAM's would (the head's chain is its own size)
+        adaptive_trie = adaptive_ngram or (self.speculative_hybrid_ngram and not self.speculative_disable_adaptive
+                                           and (self.speculative_eagle_topk or 1) == 1)
         if self.speculative_num_draft_tokens is None:
-            default = NGRAM_ADAPTIVE_DRAFT_TOKENS if adaptive_ngram else DEFAULT_NUM_DRAFT_TOKENS
+            default = NGRAM_ADAPTIVE_DRAFT_TOKENS if adaptive_trie else DEFAULT_NUM_DRAFT_TOKENS
             object.__setattr__(self, "speculative_num_draft_tokens", default)
         if self.speculative_one_branch is None:   # chains where the policy cuts the trie's drafts
             one_branch = adaptive_ngram or (self.speculative_hybrid_ngram and not self.speculative_disable_adaptive)

@@ -22,7 +22,7 @@ from specserve.errors import ArgumentError
 from specserve.speculative.hybrid import source_choice
 from specserve.speculative.hybrid.drafter import HybridDrafter, merge_proposals
 from specserve.speculative.hybrid.fused_hybrid import FusedHybridDrafter
-from specserve.speculative.hybrid.source_choice import HEAD_KEY_BASE, HEAD_KEY_CAP, HEAD_RECHECK_STEPS, SourceChoice
+from specserve.speculative.hybrid.source_choice import HEAD_RECHECK_STEPS, SourceChoice
 from specserve.verify.tree import TreeProposal
 from tests.fused_fixtures import FusedSpy, save_random_eagle_head
 from tests.spec_fixtures import (assert_draft_pool_is_free, cached_draft_rows, make_tiny_directory, tiny_engine,
@@ -91,8 +91,15 @@ def plain(models):
 def test_greedy_output_is_plain_decodings(models, plain, shape, adaptive, disable_radix_cache):
     target, head = models
     with tiny_engine(target, **hybrid_args(head, shape, adaptive), disable_radix_cache=disable_radix_cache) as engine:
+        keys = set()
         if adaptive:   # as on a GPU: steps launched ahead
             ahead_on(engine)
+            record = engine.core.adaptive.record_proposals
+
+            def recorded(rids, trees, num_nodes, proposal_keys=None):
+                keys.update(key for key, nodes in zip(proposal_keys, num_nodes) if nodes > 1)
+                return record(rids, trees, num_nodes, proposal_keys)
+            engine.core.adaptive.record_proposals = recorded
         outputs = two_turns(engine, GREEDY)
         assert [o["output_ids"] for o in outputs] == plain["greedy"]
         used = sources(outputs)
@@ -100,9 +107,8 @@ def test_greedy_output_is_plain_decodings(models, plain, shape, adaptive, disabl
         assert used == engine.core.drafter.proposals
         if not disable_radix_cache:
             assert min(o["meta_info"]["cached_tokens"] for o in outputs[len(PROMPTS):]) > 0
-        if adaptive:   # the policy prices the sources apart: trie classes (match lengths) and head classes
-            known = [key for key in range(HEAD_KEY_BASE + HEAD_KEY_CAP + 1) if engine.core.adaptive.evidence.knows(key)]
-            assert min(known) < HEAD_KEY_BASE <= max(known), known
+        if adaptive:   # the policy prices the sources apart: trie drafts by class (match length), head drafts per request
+            assert None in keys and any(key is not None for key in keys), keys
         wait_until_everything_is_free(engine)
 
 
@@ -258,6 +264,10 @@ def test_flags_outside_eagle_are_refused(models):
     assert ServerArgs(**hybrid_args(head)).replace(speculative_algorithm=None).speculative is None
     args = ServerArgs(**hybrid_args(head, speculative_num_draft_tokens=8))
     assert args.speculative_verify_size == 8 and args.speculative_one_branch is False
+    # under the adaptive policy the trie beside a chain drafts as NGRAM's does: chains of up to 16 nodes
+    args = ServerArgs(**hybrid_args(head, adaptive=True))
+    assert args.speculative_verify_size == 16 and args.speculative_one_branch is True
+    assert ServerArgs(**hybrid_args(head, "tree", adaptive=True)).speculative_verify_size == 6
 
 
 # ---- sampling: the target's distribution, with drafts from both sources in the same steps ----

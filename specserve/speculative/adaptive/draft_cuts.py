@@ -4,8 +4,8 @@ A verify step is ragged (runner/tree_step.py: forward_ragged): it runs only the 
 verifies, so its cost follows the nodes of the requests that draft. The adaptive policy
 (policy.py) cuts every draft to a tier and, where a class of requests is not expected to
 gain enough tokens for its nodes, cuts that class's drafts to their root alone. Classes
-are the drafter's evidence classes (NGRAM: the matched suffix's length) or, without them,
-each request.
+are the drafter's evidence classes (NGRAM: the matched suffix's length) or, without them
+(no keys, or a key None: the hybrid's head drafts), each request.
 TierCuts makes a choice's cuts: per tier, the cut a step at a bucket verifies and the
 tokens a second it is expected to make (acceptance.py's evidence over costs.py's prices).
 """
@@ -45,17 +45,23 @@ class ClassPart(NamedTuple):
     extra: int     # nodes beyond the root
 
 
+def draft_classes(rids: list[str], keys: list[int | None] | None) -> list[Hashable]:
+    """Each request's class: its evidence class (an int), or where it has none its id (a
+    str): its own evidence (AcceptanceEvidence.expected_tokens by request)."""
+    if keys is None:
+        return rids
+    return [rid if key is None else key for rid, key in zip(rids, keys)]
+
+
 class DraftClasses:
     """The requests with a draft (more than a root), grouped by class: per class, how many
     requests have drafts of each node count (a few counts: a choice runs per step, and a
     loop over 64 requests per tier cost ~100 us of host time a step on the critical path)."""
 
-    def __init__(self, rids: list[str], num_nodes: list[int], keys: list[int] | None):
-        self.keys = keys is not None
+    def __init__(self, rids: list[str], num_nodes: list[int], keys: list[int | None] | None):
         self._parts: dict[int, list[ClassPart]] = {}   # per tier: a choice reads them several times
         self.groups: dict[Hashable, dict[int, int]] = {}   # class -> {node count: requests}
-        classes = keys if keys is not None else rids
-        for cls, n in zip(classes, num_nodes):
+        for cls, n in zip(draft_classes(rids, keys), num_nodes):
             if n > 1:
                 sizes = self.groups.get(cls)
                 if sizes is None:
@@ -72,7 +78,7 @@ class DraftClasses:
             for n, requests in sizes.items():
                 count += requests
                 extra += requests * (min(n, tier) - 1)
-            expected = evidence.expected_tokens("", tier, cls) if self.keys else evidence.expected_tokens(cls, tier)
+            expected = evidence.expected_tokens(cls, tier) if isinstance(cls, str) else evidence.expected_tokens("", tier, cls)
             parts.append(ClassPart(cls, count * (expected - 1.0), extra))
         return parts
 

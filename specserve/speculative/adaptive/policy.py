@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING
 
 from specserve.speculative.adaptive.acceptance import AcceptanceEvidence
 from specserve.speculative.adaptive.costs import COST_WINDOW, REFRESH_EVERY, StepCosts, batch_bucket
-from specserve.speculative.adaptive.draft_cuts import PLAIN, REFRESH_MARGIN, DraftClasses, DraftCut, TierCuts
+from specserve.speculative.adaptive.draft_cuts import (PLAIN, REFRESH_MARGIN, DraftClasses, DraftCut, TierCuts,
+                                                     draft_classes)
 from specserve.speculative.adaptive.modes import (
     BYPASS_BUDGET, GUARD_RATIO, GUARD_STEPS, MAX_PLAIN_HOLD, PLAIN_HOLD, REALIZED_WINDOW, BucketModes)
 from specserve.speculative.adaptive.overshoot import ChoiceOvershoot
@@ -249,8 +250,7 @@ class AdaptiveDraftLength:
         tier, drafted = cut.tier, cut.drafted
         if drafted is None:
             return [min(n, tier) for n in num_nodes]
-        classes = keys if keys is not None else rids
-        return [min(n, tier) if c in drafted else 1 for n, c in zip(num_nodes, classes)]
+        return [min(n, tier) if c in drafted else 1 for n, c in zip(num_nodes, draft_classes(rids, keys))]
 
     def choose_cut(self, rids: list[str], num_nodes: list[int], keys: list[int] | None = None) -> DraftCut:
         """The cut of this drafting step's proposals (see choose)."""

@@ -68,7 +68,7 @@ class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates):
         proposal = merge_proposals(trie, head, use_trie)
         num_nodes = proposal.num_nodes.tolist()
         self._count(reqs, use_trie, num_nodes)
-        self._keys = self.choice.policy_keys(rids, use_trie, trie_keys)
+        self._keys = self.choice.policy_keys(use_trie, trie_keys)
         return proposal, num_nodes
 
     def _chained(self, reqs: list["Req"]) -> bool:

@@ -103,5 +103,5 @@ class FusedHybridDrafter(HybridDrafter, ChainedSteps):
         self._record(reqs, (rids, trie, trie_nodes, trie_keys, head, head_nodes))
         head_only = np.zeros(len(reqs), dtype=bool)
         self._count(reqs, head_only, head_nodes)
-        self._keys = self.choice.policy_keys(rids, head_only, trie_keys)
+        self._keys = self.choice.policy_keys(head_only, trie_keys)
         return head, head_nodes

@@ -19,8 +19,8 @@ measured, and the class expects more tokens than the head does for the request; 
 the user loaded). The head's estimate of a request moves only while the head drafts for it,
 so a request the trie has drafted for HEAD_RECHECK_STEPS steps in a row takes the head once.
 
-The adaptive policy prices both: `policy_keys` gives it evidence classes that tell the
-sources apart (the trie's classes, and the head's by its expected tokens for the request).
+The adaptive policy prices both: `policy_keys` gives it the trie's evidence classes, and
+for the head's drafts none, so that it measures them per request.
 """
 from __future__ import annotations
 
@@ -33,10 +33,6 @@ NGRAM, HEAD = "ngram", "head"
 # a request drafted by the trie this many steps in a row takes the head's drafts once, so
 # that its head estimate follows the text
 HEAD_RECHECK_STEPS = 16
-# the policy's evidence classes of head drafts: HEAD_KEY_BASE + twice the tokens the head is
-# expected to commit for the request (the trie's classes are match lengths, 0 .. 6)
-HEAD_KEY_BASE = 100
-HEAD_KEY_CAP = 32
 # Where the head's steps are chained (fused_hybrid.py: each fused step drafts the next chain and
 # the next step is queued before this one is read), a step of trie drafts breaks the chain: it
 # is verified on its own, and the head's next step first catches up on the rows it skipped
@@ -117,10 +113,14 @@ class SourceChoice:
         self.ngram.observe_batch(rids, committed)
         self.head.observe_batch(rids, committed)
 
-    def policy_keys(self, rids: list[str], use_trie: np.ndarray, trie_keys: list[int]) -> list[int]:
-        """The adaptive policy's evidence class of each request's draft."""
-        return [key if trie else HEAD_KEY_BASE + min(int(2 * self.expected_from_head(rid)), HEAD_KEY_CAP)
-                for rid, trie, key in zip(rids, use_trie.tolist(), trie_keys)]
+    def policy_keys(self, use_trie: np.ndarray, trie_keys: list[int]) -> list[int | None]:
+        """The adaptive policy's evidence class of each request's draft: the trie's match
+        length, or None for the head's, which the policy measures per request as it does
+        for a head alone (classes by the head's expected tokens, tried before, moved with
+        every step's outcome: each class's estimate rested on few walks, a chat episode at
+        batch 1 on an H100 ended on them where EAGLE-3 alone drafted on, and the bucket
+        stayed plain)."""
+        return [key if trie else None for trie, key in zip(use_trie.tolist(), trie_keys)]
 
     def release(self, rid: str) -> None:
         self.ngram.release(rid)
