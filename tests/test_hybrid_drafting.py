@@ -88,7 +88,11 @@ def plain(models):
 @pytest.mark.parametrize("shape, adaptive", [("chain", False), ("tree", False), ("chain", True)],
                          ids=["chain", "tree", "chain-adaptive"])
 @pytest.mark.parametrize("disable_radix_cache", [False, True], ids=["cached", "uncached"])
-def test_greedy_output_is_plain_decodings(models, plain, shape, adaptive, disable_radix_cache):
+def test_greedy_output_is_plain_decodings(models, plain, shape, adaptive, disable_radix_cache, monkeypatch):
+    """(Under the adaptive policy the random head drafts seldom: the trie's drafts are taken
+    wherever they beat it, so that both sources draft in this short run.)"""
+    if adaptive:
+        monkeypatch.setattr(source_choice, "BREAK_GAIN", 0.0)
     target, head = models
     with tiny_engine(target, **hybrid_args(head, shape, adaptive), disable_radix_cache=disable_radix_cache) as engine:
         keys = set()
@@ -130,9 +134,10 @@ def test_head_steps_are_fused_and_chained_beside_trie_steps(models, plain):
         wait_until_everything_is_free(engine)
 
 
-def test_a_chained_head_gives_way_only_to_trie_drafts_worth_the_break():
-    """Where the head's steps are chained, the batch takes trie drafts only where they are
-    expected to commit BREAK_GAIN times the head's tokens more; unchained, wherever they beat it."""
+def test_a_fused_head_gives_way_only_to_trie_drafts_worth_the_break():
+    """Where the head's steps are fused, the batch takes trie drafts only where they are
+    expected to commit BREAK_GAIN times the head's tokens more; beside an unfused head (trees),
+    wherever they beat it."""
     choice = SourceChoice(8, head_depth=3)
     trie = TreeProposal.from_lists([([0, 1, 2, 3, 4, 5], [-1, 0, 1, 2, 3, 4])] * 2)
     head = TreeProposal.from_lists([([0, 1, 8, 9], [-1, 0, 1, 2])] * 2)
@@ -143,10 +148,10 @@ def test_a_chained_head_gives_way_only_to_trie_drafts_worth_the_break():
     assert choice.expected_from_head("a") == pytest.approx(2, abs=0.01)
     # one request's gain (3 tokens) is less than BREAK_GAIN times the batch's head tokens (4); two requests' is more
     assert 3 < source_choice.BREAK_GAIN * 4 <= 6
-    assert choice.choose(["a", "b"], [6, 1], [2, 0], chained=False).tolist() == [True, False]
-    assert choice.choose(["a", "b"], [6, 1], [2, 0], chained=True).tolist() == [False, False]
+    assert choice.choose(["a", "b"], [6, 1], [2, 0], fused_head=False).tolist() == [True, False]
+    assert choice.choose(["a", "b"], [6, 1], [2, 0], fused_head=True).tolist() == [False, False]
     assert not choice.breaks_chain(["a", "b"], [6, 1], [2, 0])
-    assert choice.choose(["a", "b"], [6, 6], [2, 2], chained=True).tolist() == [True, True]
+    assert choice.choose(["a", "b"], [6, 6], [2, 2], fused_head=True).tolist() == [True, True]
     assert choice.breaks_chain(["a", "b"], [6, 6], [2, 2])
 
 
@@ -286,10 +291,12 @@ def letters(tmp_path_factory):
 
 @pytest.mark.parametrize("split, rule", [("half", "coupled"), ("half", "rejection"), ("head", "rejection")])
 def test_sampled_output_follows_the_target_with_drafts_from_either_source(letters, split, rule):
-    """Half the requests (by id) take the trie's drafts, half the head's, in the same verify
-    steps (the head's argmax chains there: no q), or every request the head's (the fused
-    step's chains sampled from q, verified with it). The first four tokens' joint distribution is the target's.
-    Unseeded requests: a seeded one's chain is always the head's argmax."""
+    """Half the requests (by id) take the trie's drafts on every other step, the others there
+    their roots alone (their pending chains were sampled from q, which a step of trie drafts
+    does not carry), and every request the head's on the steps between (the fused step's
+    chains sampled from q, verified with it); or every request the head's on every step. The
+    first four tokens' joint distribution is the target's. Unseeded requests: a seeded one's
+    chain is always the head's argmax."""
     target, head, model = letters
     with tiny_engine(target, **hybrid_args(head, speculative_num_draft_tokens=4), max_running_requests=1024,
                      max_total_tokens=32768) as engine:
@@ -297,9 +304,10 @@ def test_sampled_output_follows_the_target_with_drafts_from_either_source(letter
         drafter = engine.core.drafter
         choose, steps = drafter.choice.choose, []
 
-        def forced(rids, trie_nodes, trie_keys, chained=False):
-            choose(rids, trie_nodes, trie_keys, chained)   # its bookkeeping
-            use_trie = np.array([split == "half" and nodes > 1 and zlib.crc32(rid.encode()) % 2 == 0
+        def forced(rids, trie_nodes, trie_keys, fused_head=False):
+            choose(rids, trie_nodes, trie_keys, fused_head)   # its bookkeeping
+            trie_step = split == "half" and len(steps) % 2 == 0
+            use_trie = np.array([trie_step and nodes > 1 and zlib.crc32(rid.encode()) % 2 == 0
                                  for rid, nodes in zip(rids, trie_nodes)])
             steps.append([use_trie.any(), None])
             return use_trie
@@ -315,18 +323,18 @@ def test_sampled_output_follows_the_target_with_drafts_from_either_source(letter
             return called
 
         drafter.choice.choose = forced
-        drafter.head.propose, drafter.head.argmax_chains = spied("propose"), spied("argmax_chains")
+        drafter.head.propose, drafter.head.pending_chains = spied("propose"), spied("pending_chains")
         params = [{"temperature": 1.0, "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True}] * SAMPLES
         outputs = engine.generate(input_ids=[PROMPT] * SAMPLES, sampling_params=params)
         used = sources(outputs)
         if split == "half":
-            assert min(used.get("ngram", 0), used.get("head", 0)) > SAMPLES // 4, used
+            assert min(used.get("ngram", 0), used.get("head", 0)) > SAMPLES // 8, used
         else:
             assert list(used) == ["head"], used
-        # steps with trie drafts took the head's argmax chains (no q); the others its fused
+        # steps with trie drafts took the head's pending argmax chains (no q); the others its fused
         # step's chains, whose q stays on the device (fused_chain.py's q table)
         drafted = [(trie, taken) for trie, taken in steps if taken is not None]
-        assert drafted and all(taken == (("argmax_chains", False) if trie else ("propose", False))
+        assert drafted and all(taken == (("pending_chains", False) if trie else ("propose", False))
                                for trie, taken in drafted), drafted
         assert sum(o["meta_info"]["spec_accept_length"] > 1 for o in outputs) > SAMPLES // 4
         wait_until_everything_is_free(engine)

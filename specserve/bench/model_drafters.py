@@ -174,7 +174,9 @@ def make_engine(ns, config: Config):
     fused = config.algorithm in FUSED_CHAIN_ALGORITHMS
     return Engine(model_path=ns.target, speculative_algorithm=config.algorithm, speculative_draft_model_path=ns.draft,
                   speculative_num_steps=config.num_steps, speculative_eagle_topk=config.topk,
-                  speculative_num_draft_tokens=2 if fused else ns.num_draft_tokens,
+                  # a chain's hybrid: its trie's default size (the head's chain is its own)
+                  speculative_num_draft_tokens=2 if fused else None if config.hybrid and config.topk == 1
+                  else ns.num_draft_tokens,
                   speculative_token_map=config.token_map, speculative_hybrid_ngram=config.hybrid, **common)
 
 

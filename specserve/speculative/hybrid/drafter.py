@@ -43,6 +43,7 @@ class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates):
     # a probe costs what the head's does where it drafts for any of the probed requests
     probe_every = 16
     probe_every_at_most = 128
+    fused_head = False   # whether the head's steps are fused ones, which a trie step breaks (fused_hybrid.py)
 
     def __init__(self, ngram: "NgramDrafter", head: "EagleDrafter", max_nodes: int):
         self.ngram, self.head = ngram, head
@@ -62,7 +63,7 @@ class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates):
         rids = [req.rid for req in reqs]
         trie, trie_nodes = self.ngram.propose(reqs, max_nodes)
         trie_keys = self.ngram.proposal_keys()
-        use_trie = self.choice.choose(rids, trie_nodes, trie_keys, self._chained(reqs))
+        use_trie = self.choice.choose(rids, trie_nodes, trie_keys, self.fused_head)
         head, head_nodes, use_trie = self._head_drafts(reqs, max_nodes, use_trie)
         self._record(reqs, (rids, trie, trie_nodes, trie_keys, head, head_nodes))
         proposal = merge_proposals(trie, head, use_trie)
@@ -70,10 +71,6 @@ class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates):
         self._count(reqs, use_trie, num_nodes)
         self._keys = self.choice.policy_keys(use_trie, trie_keys)
         return proposal, num_nodes
-
-    def _chained(self, reqs: list["Req"]) -> bool:
-        """Whether the head's steps of this batch are chained (a trie step would break them)."""
-        return False
 
     def _head_drafts(self, reqs: list["Req"], max_nodes: list[int],
                      use_trie: np.ndarray) -> tuple[TreeProposal, list[int], np.ndarray]:

@@ -33,13 +33,17 @@ NGRAM, HEAD = "ngram", "head"
 # a request drafted by the trie this many steps in a row takes the head's drafts once, so
 # that its head estimate follows the text
 HEAD_RECHECK_STEPS = 16
-# Where the head's steps are chained (fused_hybrid.py: each fused step drafts the next chain and
+# Where the head's steps are fused (fused_hybrid.py: each fused step drafts the next chain and
 # the next step is queued before this one is read), a step of trie drafts breaks the chain: it
-# is verified on its own, and the head's next step first catches up on the rows it skipped
-# (an eager forward and a host sync). At batch 1 on an H100 (1.5B, EAGLE-3 chains of 3) a
-# chained step took ~2.0 ms, the trie's verify step ~2.2 ms and a restarted head step ~4 ms: a
+# is verified on its own, its other requests draft by EagleDrafter's unfused chain where they
+# have no pending drafts, and the head's next fused step first catches up on the rows it
+# skipped (an eager forward and a host sync). At batch 1 on an H100 (1.5B, EAGLE-3 chains of 3)
+# a chained step took ~2.0 ms, the trie's verify step ~2.2 ms and a restarted head step ~4 ms: a
 # trie step and the restart it causes cost about two chained steps, so the batch's trie drafts
-# must be expected to commit BREAK_GAIN times the head's tokens more than the head's would.
+# must be expected to commit BREAK_GAIN times the head's tokens more than the head's would. With
+# the rule only where the head's steps were chained, a batch of 8 on chat whose requests each
+# preferred the trie now and then never got back to fused steps: every step mixed, each with
+# the unfused chain's catch-up, 5.7-13.9 ms a step where fused ones took ~2.6 ms.
 BREAK_GAIN = 1.0
 
 
@@ -67,12 +71,12 @@ class SourceChoice:
     def expected_from_head(self, rid: str) -> float:
         return min(self.head.expected_tokens(rid, self.max_nodes), self.head_most)
 
-    def choose(self, rids: list[str], trie_nodes: list[int], trie_keys: list[int], chained: bool = False) -> np.ndarray:
-        """(bs,) bool: True where the request drafts from the trie this step. chained: the
-        head's steps of this batch are chained, so trie drafts are taken only where they
-        pay for breaking the chain (BREAK_GAIN)."""
+    def choose(self, rids: list[str], trie_nodes: list[int], trie_keys: list[int], fused_head: bool = False) -> np.ndarray:
+        """(bs,) bool: True where the request drafts from the trie this step. fused_head: the
+        head's steps are fused, so trie drafts are taken only where they pay for breaking
+        its chain (BREAK_GAIN)."""
         use_trie = self.preferred(rids, trie_nodes, trie_keys)
-        if chained and use_trie.any() and not self.pays_to_break(rids, use_trie, trie_keys):
+        if fused_head and use_trie.any() and not self.pays_to_break(rids, use_trie, trie_keys):
             use_trie[:] = False
         for rid, trie in zip(rids, use_trie.tolist()):
             self._trie_streak[rid] = self._trie_streak.get(rid, 0) + 1 if trie else 0

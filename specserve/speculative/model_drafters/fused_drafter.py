@@ -119,28 +119,20 @@ class FusedChainDrafter(EagleDrafter, ChainedSteps):
             proposal = self._with_q(proposal, reqs)
         return proposal, num_nodes
 
-    def argmax_chains(self, reqs: list["Req"], max_nodes: list[int]) -> tuple[TreeProposal, list[int]]:
+    def pending_chains(self, reqs: list["Req"], max_nodes: list[int]) -> tuple[TreeProposal, list[int]]:
         """Chains for a step the engine verifies beside another source's deterministic drafts
-        (the hybrid's trie: speculative/hybrid/fused_hybrid.py): argmax drafts only, which
-        verification takes without a q, and no fused rows reserved. Requests with limit 1
-        get no drafts and cost no head forward; the others take their pending drafts where
-        those are current and argmax (greedy and seeded requests), else EAGLE's chain of
-        argmax drafts (a catch-up, a chain and a host sync)."""
+        (the hybrid's trie: speculative/hybrid/fused_hybrid.py), at no head forward: the
+        pending drafts of requests with a limit above 1 where they are current and argmax
+        (greedy and seeded requests), which verification takes without a q; the others' roots
+        alone. No fused rows are reserved: the engine verifies the step."""
         self._reserved = {}
-        wanted = [i for i, limit in enumerate(max_nodes) if limit > 1]
-        pendings = {i: self._drafts_of(reqs[i]) for i in wanted}
-        lagging = [i for i in wanted if pendings[i] is None or draft_temperature(reqs[i]) > 0]
-        if lagging:
-            sampled, self.sampled_drafts = self.sampled_drafts, False
-            try:
-                self._first_drafts([reqs[i] for i in lagging])
-            finally:
-                self.sampled_drafts = sampled
-            for i in lagging:
-                pendings[i] = self._drafts_of(reqs[i])
-        drafted = [i for i in wanted if pendings[i] is not None]
-        return chain_proposal(max_nodes, [r.last_token for r in reqs], drafted, [pendings[i] for i in drafted],
-                              None, self.num_steps)
+        drafted, drafts = [], []
+        for index, (req, limit) in enumerate(zip(reqs, max_nodes)):
+            pending = self._drafts_of(req) if limit > 1 and draft_temperature(req) == 0 else None
+            if pending is not None:
+                drafted.append(index)
+                drafts.append(pending)
+        return chain_proposal(max_nodes, [r.last_token for r in reqs], drafted, drafts, None, self.num_steps)
 
     def _fuses(self, reqs: list["Req"]) -> bool:
         """Whether the fused step serves this batch (else the engine verifies it)."""
