@@ -9,7 +9,7 @@ A step is one of two kinds:
 - every request drafts from the head: the fused step, chained to the next while the batch
   stays the same. While it runs, the trie proposes at the chained step's roots too (a lookup,
   microseconds), as a counterfactual the choice learns from; where those drafts would have
-  paid for breaking the chain (source_choice.break_gain), no next step is chained, and the
+  paid for breaking the chain (source_choice.BREAK_GAIN), no next step is chained, and the
   next proposal, made once this step is read, looks again;
 - some request drafts from the trie: the engine verifies the step, the trie's drafts beside
   the head's pending chains for the other requests where they have current argmax ones
@@ -19,7 +19,7 @@ A step is one of two kinds:
   drafts start from a catch-up of the rows such steps committed.
 
 A request's choice is the hybrid's (source_choice.py) with one more condition: over the
-batch, the trie's drafts must be expected to commit break_gain times the head's tokens more
+batch, the trie's drafts must be expected to commit BREAK_GAIN times the head's tokens more
 than the head's would, so a lone request with a middling trie match does not break every
 request's chain (nor keep the batch off the fused steps).
 """

@@ -24,8 +24,6 @@ for the head's drafts none, so that it measures them per request.
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from specserve.speculative.adaptive.acceptance import AcceptanceEvidence
@@ -37,25 +35,20 @@ NGRAM, HEAD = "ngram", "head"
 HEAD_RECHECK_STEPS = 16
 # Where the head's steps are fused (fused_hybrid.py: each fused step drafts the next chain and
 # the next step is queued before this one is read), a step of trie drafts breaks the chain: it
-# is verified on its own, and the head's next fused step first catches up on the rows it skipped
-# (an eager forward and a host sync). Over the two steps, trie drafts committing T and the head's
-# H a request beat two fused steps where T - H > H * ((trie step + restarted step) / fused step - 2).
-# H100, 1.5B, EAGLE-3 chains of 3, ms (trie step, restarted head step, fused step): batch 1
-# (2.4, 3.5, 2.0), 8 (3.6, 6.0, 2.6), 64 (9.5, 15, 4.4): so BREAK_GAINS, by log2 of the batch
-# size, interpolated between. With one gain of 1.0 at every size, chat at 8 and 64 broke its
-# chains for trie drafts that did not repay the restart, and the hybrid lost 6-10% to EAGLE-3
-# alone there. A rule applied only where the head's steps were chained left batches of 8
-# whose requests each preferred the trie now and then off the fused steps for good.
-BREAK_GAINS = ((0, 1.0), (3, 1.7), (6, 3.6))
-
-
-def break_gain(batch_size: int) -> float:
-    """BREAK_GAINS at this batch size (log-linear between the measured sizes, flat beyond)."""
-    x = math.log2(max(batch_size, 1))
-    for (x0, g0), (x1, g1) in zip(BREAK_GAINS, BREAK_GAINS[1:]):
-        if x <= x1:
-            return g0 + (g1 - g0) * max(x - x0, 0) / (x1 - x0)
-    return BREAK_GAINS[-1][1]
+# is verified on its own, its other requests draft by EagleDrafter's unfused chain where they
+# have no pending drafts, and the head's next fused step first catches up on the rows it
+# skipped (an eager forward and a host sync). At batch 1 on an H100 (1.5B, EAGLE-3 chains of 3)
+# a chained step took ~2.0 ms, the trie's verify step ~2.2 ms and a restarted head step ~4 ms: a
+# trie step and the restart it causes cost about two chained steps, so the batch's trie drafts
+# must be expected to commit BREAK_GAIN times the head's tokens more than the head's would. With
+# the rule only where the head's steps were chained, a batch of 8 on chat whose requests each
+# preferred the trie now and then never got back to fused steps: every step mixed, each with
+# the unfused chain's catch-up, 5.7-13.9 ms a step where fused ones took ~2.6 ms. By the same
+# arithmetic over both steps (trie drafts T and the head's H a request beat two fused steps where
+# T - H > H * ((trie step + restarted step) / fused step - 2)) the gain would grow with the batch
+# (~1.7 at 8, ~3.6 at 64: restarts cost more there), but a gain scaled so measured worse than
+# this one in every cell of one lease (code edits at 8: 2.3x against 3.5x of plain).
+BREAK_GAIN = 1.0
 
 
 class SourceChoice:
@@ -85,7 +78,7 @@ class SourceChoice:
     def choose(self, rids: list[str], trie_nodes: list[int], trie_keys: list[int], fused_head: bool = False) -> np.ndarray:
         """(bs,) bool: True where the request drafts from the trie this step. fused_head: the
         head's steps are fused, so trie drafts are taken only where they pay for breaking
-        its chain (break_gain)."""
+        its chain (BREAK_GAIN)."""
         use_trie = self.preferred(rids, trie_nodes, trie_keys)
         if fused_head and use_trie.any() and not self.pays_to_break(rids, use_trie, trie_keys):
             use_trie[:] = False
@@ -104,12 +97,12 @@ class SourceChoice:
         return use_trie
 
     def pays_to_break(self, rids: list[str], use_trie: np.ndarray, trie_keys: list[int]) -> bool:
-        """Whether the trie's drafts where `use_trie` are expected to commit break_gain times
+        """Whether the trie's drafts where `use_trie` are expected to commit BREAK_GAIN times
         the batch's head tokens more than the head's drafts would."""
         head = [self.expected_from_head(rid) for rid in rids]
         gain = sum(self.expected_from_trie(key) - expected
                    for trie, key, expected in zip(use_trie.tolist(), trie_keys, head) if trie)
-        return gain >= break_gain(len(rids)) * sum(head)
+        return gain >= BREAK_GAIN * sum(head)
 
     def breaks_chain(self, rids: list[str], trie_nodes: list[int], trie_keys: list[int]) -> bool:
         """Whether trie drafts at these roots would have paid for breaking the head's chain
