@@ -70,6 +70,9 @@
 #   scripts/gpu_run.sh held-profile                (after `eagle-head` on the same warm machine: lab.held_plain_profile, chat at
 #                                                   32 and 64, plain / held / adaptive, 2 rounds, the drafter's parts timed and
 #                                                   a kernel table each; ~90 s)
+#   scripts/gpu_run.sh eagle-wide                  (after `eagle-head` on the same warm machine: EAGLE-3 chains of 3, adaptive
+#                                                   and pinned, chat at 32 and 64, 4 rounds, with the policy's traces
+#                                                   (one tar); ~70 s)
 #   scripts/gpu_run.sh hybrid-rows                 (after `eagle-head` on the same warm machine: plain, the default NGRAM
 #                                                   engine (ngram-default), EAGLE-3 chains of 3 with that head, pinned and
 #                                                   adaptive, and the hybrid of that head and the n-gram trie
@@ -444,6 +447,13 @@ if [ "$mode" = held-profile ]; then
 fi
 if [ "$mode" = eagle-rows ]; then
   chain_rows "$OUT/eagle_rows" --concurrency 1 8 64 --num-prompts 64
+fi
+if [ "$mode" = eagle-wide ]; then
+  # issue 56's chat cells at 32 and 64 over 4 rounds, adaptive against pinned, with the policy's traces (why the
+  # default holds the head back where drafting every step wins)
+  CHAIN_ALGORITHMS=EAGLE3 chain_rows "$OUT/eagle_wide" --workloads sharegpt-multiturn --concurrency 32 64 \
+    --num-prompts 64 --rounds 4 --modes adaptive pinned --policy-trace-dir "$OUT/eagle_wide/traces"
+  tar -cf "$OUT/eagle_wide_traces.tar" -C "$OUT/eagle_wide" traces && rm -rf "$OUT/eagle_wide/traces"
 fi
 if [ "$mode" = hybrid-rows ]; then
   CHAIN_ALGORITHMS=EAGLE3 chain_rows "$OUT/hybrid_rows" --concurrency 1 8 64 --num-prompts 64 \
