@@ -236,7 +236,8 @@ def test_help_shows_defaults_and_marks_what_is_not_implemented(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert ("--speculative-num-draft-tokens INT tree nodes per verify step, the root included (a chain of "
             "STANDALONE / EAGLE: speculative_num_steps + 1; NAIVE_EAGLE / MTP: 2); default: NGRAM with the "
-            "adaptive draft length 16 (the largest size it picks), otherwise 8") in text
+            "adaptive draft length, and the n-gram trie of speculative_hybrid_ngram beside a chain, 16 (the largest "
+            "size it picks), otherwise 8") in text
     assert "--speculative-one-branch, --no-speculative-one-branch NGRAM: draft a single chain" in text
     assert CPU_KV_MEMORY_FRACTION == 0.1
     assert (f"on a CPU the model's context length, within {CPU_MIN_KV_TOKENS}-{CPU_MAX_KV_TOKENS} tokens and "
