@@ -13,10 +13,10 @@ A step is one of two kinds:
   next proposal, made once this step is read, looks again;
 - some request drafts from the trie: the engine verifies the step, the trie's drafts beside
   the head's pending chains for the other requests where they have current argmax ones
-  (FusedChainDrafter.pending_chains), else their roots alone: a head forward for them there
-  (EagleDrafter's unfused chain, eager, with a host sync) took 5.7-13.9 ms a step at batch 8
-  and ~27 ms at 64 where fused steps took 2.6 ms and ~7 ms (H100, 1.5B). The head's next
-  drafts start from a catch-up of the rows such steps committed.
+  (FusedChainDrafter.pending_chains), else their roots alone. (Drafting for them there with
+  EagleDrafter's unfused chain, eager and with a host sync, made such steps 5.7-13.9 ms at
+  batch 8 and ~27 ms at 64, where fused steps took 2.6 and 4.4 ms: H100, 1.5B.) The head's
+  next drafts start from a catch-up of the rows such steps committed.
 
 A request's choice is the hybrid's (source_choice.py) with one more condition: over the
 batch, the trie's drafts must be expected to commit BREAK_GAIN times the head's tokens more
