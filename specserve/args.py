@@ -231,14 +231,14 @@ class ServerArgs:
         algorithm = self.speculative_algorithm
         adaptive_ngram = (isinstance(algorithm, str) and algorithm.upper() in ("NGRAM", "LOOKAHEAD")
                           and not self.speculative_disable_adaptive)
+        adaptive_hybrid = self.speculative_hybrid_ngram and not self.speculative_disable_adaptive
         # the hybrid's trie beside a chain head drafts what NGRAM's would (the head's chain is its own size)
-        adaptive_trie = adaptive_ngram or (self.speculative_hybrid_ngram and not self.speculative_disable_adaptive
-                                           and (self.speculative_eagle_topk or 1) == 1)
+        adaptive_trie = adaptive_ngram or (adaptive_hybrid and (self.speculative_eagle_topk or 1) == 1)
         if self.speculative_num_draft_tokens is None:
             default = NGRAM_ADAPTIVE_DRAFT_TOKENS if adaptive_trie else DEFAULT_NUM_DRAFT_TOKENS
             object.__setattr__(self, "speculative_num_draft_tokens", default)
         if self.speculative_one_branch is None:   # chains where the policy cuts the trie's drafts
-            one_branch = adaptive_ngram or (self.speculative_hybrid_ngram and not self.speculative_disable_adaptive)
+            one_branch = adaptive_ngram or adaptive_hybrid
             object.__setattr__(self, "speculative_one_branch", one_branch)
 
     def _check_speculative(self) -> None:

@@ -171,12 +171,12 @@ def make_engine(ns, config: Config):
               "mem_fraction_static": ns.mem_fraction_static, "disable_radix_cache": ns.disable_radix_cache}
     if config.algorithm == "NGRAM":
         return Engine(model_path=ns.target, speculative_algorithm="NGRAM", **common)
-    fused = config.algorithm in FUSED_CHAIN_ALGORITHMS
+    num_draft_tokens = 2 if config.algorithm in FUSED_CHAIN_ALGORITHMS else ns.num_draft_tokens
+    if config.hybrid and config.topk == 1:
+        num_draft_tokens = None   # the trie's default size beside a chain (the head's chain is its own)
     return Engine(model_path=ns.target, speculative_algorithm=config.algorithm, speculative_draft_model_path=ns.draft,
                   speculative_num_steps=config.num_steps, speculative_eagle_topk=config.topk,
-                  # a chain's hybrid: its trie's default size (the head's chain is its own)
-                  speculative_num_draft_tokens=2 if fused else None if config.hybrid and config.topk == 1
-                  else ns.num_draft_tokens,
+                  speculative_num_draft_tokens=num_draft_tokens,
                   speculative_token_map=config.token_map, speculative_hybrid_ngram=config.hybrid, **common)
 
 

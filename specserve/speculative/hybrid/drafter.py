@@ -65,7 +65,7 @@ class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates):
         trie_keys = self.ngram.proposal_keys()
         use_trie = self.choice.choose(rids, trie_nodes, trie_keys, self.fused_head)
         head, head_nodes, use_trie = self._head_drafts(reqs, max_nodes, use_trie)
-        self._record(reqs, (rids, trie, trie_nodes, trie_keys, head, head_nodes))
+        self._record(reqs, trie, trie_nodes, trie_keys, head, head_nodes)
         proposal = merge_proposals(trie, head, use_trie)
         num_nodes = proposal.num_nodes.tolist()
         self._count(reqs, use_trie, num_nodes)
@@ -82,10 +82,12 @@ class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates):
             use_trie = use_trie | (np.asarray(head_nodes) <= 1)
         return head, head_nodes, use_trie
 
-    def _record(self, reqs: list["Req"], record: tuple) -> None:
-        """Both sources' proposals as the choice's shadows (SourceChoice.record's arguments).
-        A proposal made before the tokens of the step before were observed (launched ahead:
-        engine/draft_ahead.py) waits until they are, or those tokens would walk it."""
+    def _record(self, reqs: list["Req"], trie: TreeProposal, trie_nodes: list[int], trie_keys: list[int],
+                head: TreeProposal, head_nodes: list[int]) -> None:
+        """Both sources' proposals as the choice's shadows. A proposal made before the tokens
+        of the step before were observed (launched ahead: engine/draft_ahead.py) waits until
+        they are, or those tokens would walk it."""
+        record = ([req.rid for req in reqs], trie, trie_nodes, trie_keys, head, head_nodes)
         if all(self._seen.get(req.rid) == req.num_tokens for req in reqs):
             self.choice.record(*record)
         else:

@@ -100,7 +100,7 @@ class FusedHybridDrafter(HybridDrafter, ChainedSteps):
         trie, trie_nodes = self.ngram.propose(reqs, [self.max_nodes] * len(reqs))
         trie_keys = self.ngram.proposal_keys()
         self._trie_next = self.choice.breaks_chain(rids, trie_nodes, trie_keys)
-        self._record(reqs, (rids, trie, trie_nodes, trie_keys, head, head_nodes))
+        self._record(reqs, trie, trie_nodes, trie_keys, head, head_nodes)
         head_only = np.zeros(len(reqs), dtype=bool)
         self._count(reqs, head_only, head_nodes)
         self._keys = self.choice.policy_keys(head_only, trie_keys)

@@ -35,15 +35,16 @@ NGRAM, HEAD = "ngram", "head"
 HEAD_RECHECK_STEPS = 16
 # Where the head's steps are fused (fused_hybrid.py: each fused step drafts the next chain and
 # the next step is queued before this one is read), a step of trie drafts breaks the chain: it
-# is verified on its own, its other requests draft by EagleDrafter's unfused chain where they
-# have no pending drafts, and the head's next fused step first catches up on the rows it
-# skipped (an eager forward and a host sync). At batch 1 on an H100 (1.5B, EAGLE-3 chains of 3)
+# is verified on its own (its other requests take their pending drafts or their roots alone),
+# and the head's next fused step first catches up on the rows it skipped (an eager forward and
+# a host sync). At batch 1 on an H100 (1.5B, EAGLE-3 chains of 3)
 # a chained step took ~2.0 ms, the trie's verify step ~2.2 ms and a restarted head step ~4 ms: a
 # trie step and the restart it causes cost about two chained steps, so the batch's trie drafts
 # must be expected to commit BREAK_GAIN times the head's tokens more than the head's would. With
 # the rule only where the head's steps were chained, a batch of 8 on chat whose requests each
-# preferred the trie now and then never got back to fused steps: every step mixed, each with
-# the unfused chain's catch-up, 5.7-13.9 ms a step where fused ones took ~2.6 ms. By the same
+# preferred the trie now and then never got back to fused steps: every step mixed, each (then)
+# with EagleDrafter's unfused chain for the head's requests, 5.7-13.9 ms a step where fused ones
+# took ~2.6 ms. By the same
 # arithmetic over both steps (trie drafts T and the head's H a request beat two fused steps where
 # T - H > H * ((trie step + restarted step) / fused step - 2)) the gain would grow with the batch
 # (~1.7 at 8, ~3.6 at 64: restarts cost more there), but a gain scaled so measured worse than
