@@ -97,9 +97,9 @@ def watch_streams(drafter, counts: collections.Counter) -> None:
 def priced(policy, plain_ms: float, node_ms: float) -> None:
     record = policy.record_step
 
-    def record_priced(batch_size, tree_size, seconds, tokens=None, steady=True, nodes=None):
+    def record_priced(batch_size, tree_size, seconds, tokens=None, steady=True, nodes=None, prefill=False):
         per_request = nodes / batch_size if nodes is not None and tree_size > 1 else tree_size
-        record(batch_size, tree_size, (plain_ms + node_ms * (per_request - 1)) / 1e3, tokens, steady, nodes)
+        record(batch_size, tree_size, (plain_ms + node_ms * (per_request - 1)) / 1e3, tokens, steady, nodes, prefill)
     policy.record_step = record_priced
 
 

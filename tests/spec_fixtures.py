@@ -79,9 +79,10 @@ def price_steps(engine, plain_seconds: float, seconds_per_node: float):
     adaptive = engine.core.adaptive
     record = adaptive.record_step
 
-    def priced(batch_size, tree_size, seconds, tokens=None, steady=True, nodes=None):
+    def priced(batch_size, tree_size, seconds, tokens=None, steady=True, nodes=None, prefill=False):
         per_request = nodes / batch_size if nodes is not None and tree_size > 1 else tree_size
-        record(batch_size, tree_size, plain_seconds + seconds_per_node * (per_request - 1), tokens, steady, nodes)
+        record(batch_size, tree_size, plain_seconds + seconds_per_node * (per_request - 1), tokens, steady, nodes,
+               prefill)
     adaptive.record_step = priced
     return engine
 

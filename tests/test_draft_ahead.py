@@ -79,9 +79,9 @@ def test_only_drafting_steps_launched_ahead_price_their_tier_steadily(engine_fac
     engine = price_steps(ahead_on(engine_factory(max_total_tokens=4096, **ngram_args(8, adaptive=True))), 0.010, 0.001)
     record, steps = engine.core.adaptive.record_step, []
 
-    def recording(batch_size, tree_size, seconds, tokens=None, steady=True, nodes=None):
+    def recording(batch_size, tree_size, seconds, tokens=None, steady=True, nodes=None, prefill=False):
         steps.append((tree_size, steady))
-        record(batch_size, tree_size, seconds, tokens, steady, nodes)
+        record(batch_size, tree_size, seconds, tokens, steady, nodes, prefill)
     engine.core.adaptive.record_step = recording
     out = engine.generate(CODE_PROMPT, dict(GREEDY, max_new_tokens=80))   # batch 1 all the way
     assert out["output_ids"] == plain_answers[1]["output_ids"]

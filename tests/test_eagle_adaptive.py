@@ -337,3 +337,27 @@ def test_the_policy_chains_fused_steps_while_it_drafts(target, head_dir):  # noq
         tiers = engine.core.adaptive.steps_per_tier
     assert fused.chained > 0 and fused.engine == 0, (fused.chained, fused.engine)
     assert tiers[max(tiers)] > 0 and tiers[1] > 0, tiers    # drafting episodes and plain ones (its probes)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["verify", "overlap"])
+def test_the_step_that_feeds_the_head_the_prompts_is_the_policys_one_prefill_step(target, random_head,  # noqa: F811
+                                                                                overlap):
+    """ProposalHints.took_prefill: the step whose proposals first fed the head a batch's
+    prompts is recorded as the drafter's prefill (the policy leaves it out of its episode);
+    the later drafting steps, after plain stretches too (their catch-up feeds decoded rows
+    only), are not."""
+    path, _, _, held_out = target
+    _, head_path, _, _ = random_head
+    with tiny_engine(path, **fused_args("EAGLE3", head_path, adaptive=True, speculative_num_steps=3)) as engine:
+        policy = scripted(engine, overlap)
+        steps, record = [], policy.record_step
+
+        def recording(batch_size, tree_size, seconds, tokens=None, steady=True, nodes=None, prefill=False):
+            steps.append((tree_size, prefill))
+            record(batch_size, tree_size, seconds, tokens, steady, nodes, prefill)
+        policy.record_step = recording
+        engine.generate(input_ids=[c.tokens[:c.prompt_len] for c in held_out[:4]],
+                        sampling_params={"temperature": 0.0, "max_new_tokens": 32})
+    drafting = [i for i, (tree_size, _) in enumerate(steps) if tree_size > 1]
+    assert len(drafting) >= 3 and any(steps[i - 1][0] == 1 for i in drafting[1:])   # episodes after plain stretches
+    assert [i for i, (_, prefill) in enumerate(steps) if prefill] == drafting[:1], steps

@@ -57,13 +57,13 @@ class PolicyTrace(PolicyListener):
                             "level": choice.level, "drafted": drafted,
                             "rates": {t: round(r) for t, r in rates.items()}})
 
-    def step_recorded(self, bucket, batch_size, tree_size, seconds, tokens, steady, nodes, expected):
+    def step_recorded(self, bucket, batch_size, tree_size, seconds, tokens, steady, nodes, expected, prefill):
         rate = expected[0] / expected[1] if expected is not None and expected[1] > 0 else None   # its choice's tok/s
         self.events.append({"e": "step", "bucket": bucket, "bs": batch_size, "tree": tree_size,
                             "ms": round(seconds * 1e3, 3), "tokens": tokens,
                             "plain": bucket in self.policy.modes.plain,
                             "expected": rate if tree_size > 1 else None, "steady": steady,
-                            "probe": self._probed, "nodes": nodes})
+                            "probe": self._probed, "nodes": nodes, "prefill": prefill})
         self._probed = False
 
     def probe_recorded(self, bucket, batch_size, seconds):

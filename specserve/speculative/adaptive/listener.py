@@ -12,8 +12,9 @@ class PolicyListener:
         `rates` in tokens a second (empty while a tier is unpriced); `choice`: the DraftCut it runs."""
 
     def step_recorded(self, bucket: int, batch_size: int, tree_size: int, seconds: float, tokens: int | None,
-                      steady: bool, nodes: int | None, expected: tuple[float, float] | None) -> None:
-        """record_step's step, before it counts; `expected`: the (tokens, seconds) its drafting choice expected."""
+                      steady: bool, nodes: int | None, expected: tuple[float, float] | None, prefill: bool) -> None:
+        """record_step's step, before it counts; `expected`: the (tokens, seconds) its drafting choice
+        expected; `prefill`: its proposals fed the drafter a prompt."""
 
     def probe_recorded(self, bucket: int, batch_size: int, seconds: float) -> None:
         """A probe's host time (the plain step it followed is recorded next)."""

@@ -259,13 +259,17 @@ class BucketModes:
         episode = self._episodes.get(bucket)
         return 0 if episode is None else episode.steps
 
-    def record_outcome(self, bucket: int, tokens: int, seconds: float, steps: int, batch_size: int = 1) -> None:
+    def record_outcome(self, bucket: int, tokens: int, seconds: float, steps: int, batch_size: int = 1,
+                       prefill: bool = False) -> None:
         """Plain mode: the reference rate. Drafting: the episode, stopped once its recent
-        steps are clearly below the reference."""
+        steps are clearly below the reference; a step that carried the drafter's prefill of
+        a prompt is not part of it (policy.record_step)."""
         self.clock[bucket] = self.clock.get(bucket, 0.0) + seconds
         per_request = tokens / batch_size
         if bucket in self.plain:
             self.plain_rate[bucket] = self._plain_rates.add(bucket, per_request / seconds)
+            return
+        if prefill:
             return
         episode = self._episodes.setdefault(bucket, Episode())
         episode.add(per_request, seconds)

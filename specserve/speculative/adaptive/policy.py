@@ -311,27 +311,31 @@ class AdaptiveDraftLength:
 
     # --- evidence ---
     def record_step(self, batch_size: int, tree_size: int, seconds: float, tokens: int | None = None,
-                    steady: bool = True, nodes: int | None = None) -> None:
+                    steady: bool = True, nodes: int | None = None, prefill: bool = False) -> None:
         """A step whose largest tree had tree_size nodes, priced as the smallest tier that
         holds it, or for a ragged policy given its `nodes` (verified in all) at its level,
         the smallest tier holding its nodes per request. `tokens`: what it committed, for
         the realized rates of the bucket's modes. `steady`: False for a plain step that
         plain mode would not have run so (not launched ahead, or probing): it counts, but
-        does not price plain decoding (costs.py)."""
+        does not price plain decoding (costs.py). `prefill`: its proposals fed the drafter a
+        prompt (ProposalHints.took_prefill): it is not steady, its choice's expectation is no
+        record of overshooting, and a drafting episode is not judged by it (modes.py)."""
+        steady = steady and not prefill
         bucket = batch_bucket(batch_size)
         expected = self._expected.pop(bucket, None)   # what this step's choice expected, if it drafted
         if self.listener is not None:
-            self.listener.step_recorded(bucket, batch_size, tree_size, seconds, tokens, steady, nodes, expected)
+            self.listener.step_recorded(bucket, batch_size, tree_size, seconds, tokens, steady, nodes, expected,
+                                        prefill)
         if nodes is not None and tree_size > 1:
             tree_size = self.cuts.level(tree_size, batch_size, nodes)
         self.probes.note_step(bucket)
-        if expected is not None and tree_size > 1 and tokens is not None and seconds > 0:
+        if expected is not None and tree_size > 1 and tokens is not None and seconds > 0 and not prefill:
             self.optimism[bucket] = self._overshoots.add(bucket, *expected, tokens=tokens, seconds=seconds)
         tier = self.costs.record(bucket, tree_size, seconds, steady)
         self.steps_per_tier[tier] += 1
         self._explored(bucket, tier, steady)
         if tokens is not None and seconds > 0:
-            self.modes.record_outcome(bucket, tokens, seconds, self.costs.steps(bucket), batch_size)
+            self.modes.record_outcome(bucket, tokens, seconds, self.costs.steps(bucket), batch_size, prefill)
 
     def _explored(self, bucket: int, level: int, steady: bool) -> None:
         """After a step that re-priced a stale tier: where it was makeshift (an episode's first

@@ -146,6 +146,9 @@ class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates):
     def probe_order(self, reqs: list["Req"]) -> list[int]:
         return self.head.probe_order(reqs)
 
+    def took_prefill(self) -> bool:
+        return self.head.took_prefill()
+
     def ready_to_probe(self) -> bool:
         return self.ngram.ready_to_probe()
 
