@@ -7,7 +7,10 @@ the release of finished requests), then once more under torch.profiler for the k
         --draft /root/eagle3-1.5b --dataset-path .gpu/sharegpt_bench.json --out $OUT/profile
 
 Modes as bench.model_drafters has them: plain (the drafter set aside), held (never drafts nor
-probes, still fed) and adaptive (the default). Rows to held_plain_profile.jsonl: per mode the
+probes, still fed), adaptive (the default) and pinned. With `--modes plain pinned` it says where
+a drafting engine's steps that admit new requests go: the first drafts' catch-up over the
+prompt (EagleDrafter._catch_up), their chain (EagleHeadRunner.draft) and the rest of
+FusedChainDrafter._first_drafts, its one host sync included. Rows to held_plain_profile.jsonl: per mode the
 unprofiled tok/s, the timed parts (calls, host ms, GPU ms between events around each), and
 the profiled run's GPU busy time against the wall, with the kernels by GPU time.
 """
@@ -31,6 +34,10 @@ MARKED = [("specserve.speculative.model_drafters.eagle", "EagleDrafter", "feed")
           ("specserve.speculative.model_drafters.eagle", "EagleDrafter", "observe_hidden"),
           ("specserve.speculative.model_drafters.eagle", "EagleDrafter", "observe_batch"),
           ("specserve.speculative.model_drafters.eagle", "EagleDrafter", "propose"),
+          ("specserve.speculative.model_drafters.eagle", "EagleDrafter", "_catch_up"),
+          ("specserve.speculative.model_drafters.eagle_runner", "EagleHeadRunner", "draft"),
+          ("specserve.speculative.model_drafters.fused_drafter", "FusedChainDrafter", "_first_drafts"),
+          ("specserve.speculative.model_drafters.fused_drafter", "FusedChainDrafter", "propose"),
           ("specserve.engine.draft_planner", "DraftPlanner", "probe"),
           ("specserve.kv.ledger", "KVLedger", "before_release"),
           ("specserve.kv.ledger", "KVLedger", "release")]

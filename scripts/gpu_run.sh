@@ -73,6 +73,11 @@
 #   scripts/gpu_run.sh eagle-wide                  (after `eagle-head` on the same warm machine: EAGLE-3 chains of 3, adaptive
 #                                                   and pinned, chat at 32 and 64, 4 rounds, with the policy's traces
 #                                                   (one tar); ~70 s)
+#   AB_OLD=.ab/old scripts/gpu_run.sh eagle-wide-ab (after `eagle-head`: eagle-wide's adaptive cells for an old tree and
+#                                                   this one, alternating AB_RUNS (2) times, with traces; ~40 s a run)
+#   scripts/gpu_run.sh admission-profile           (after `eagle-head`: lab.held_plain_profile --modes plain pinned at
+#                                                   ADMISSION_CONCURRENCY (32): what the steps that admit requests cost,
+#                                                   by part; ~60 s)
 #   scripts/gpu_run.sh hybrid-rows                 (after `eagle-head` on the same warm machine: plain, the default NGRAM
 #                                                   engine (ngram-default), EAGLE-3 chains of 3 with that head, pinned and
 #                                                   adaptive, and the hybrid of that head and the n-gram trie
@@ -444,6 +449,26 @@ if [ "$mode" = held-profile ]; then
   python3 -P -m lab.held_plain_profile --target /root/models/qwen2.5-coder-1.5b-instruct.gguf \
     --draft "$(head_dir qwen2.5-coder-1.5b-instruct)" --dataset-path .gpu/sharegpt_bench.json --out "$OUT/held_profile" \
     2>&1 | grep -v '%|' | grep -v '"kernels"' | tail -20
+fi
+if [ "$mode" = admission-profile ]; then
+  # where a pinned EAGLE-3 engine's steps that admit requests go at 32 (the head's catch-up over new prompts,
+  # the first chain and its sync; lab/held_plain_profile.py), against plain
+  python3 -P -m lab.held_plain_profile --target /root/models/qwen2.5-coder-1.5b-instruct.gguf \
+    --draft "$(head_dir qwen2.5-coder-1.5b-instruct)" --dataset-path .gpu/sharegpt_bench.json --out "$OUT/admission_profile" \
+    --modes plain pinned --concurrency ${ADMISSION_CONCURRENCY:-32} --rounds 1 2>&1 | grep -v '%|' | grep -v '"kernels"' | tail -20
+fi
+if [ "$mode" = eagle-wide-ab ]; then
+  # eagle-wide's adaptive cells for an old tree (AB_OLD, `git archive REV specserve lab | tar -x -C .ab/old`, carried)
+  # and this one, alternating AB_RUNS (2) times, each run's policy traces in one tar
+  for run in $(seq 1 "${AB_RUNS:-2}"); do
+    for side in old new; do
+      root=$PWD; [ "$side" = old ] && root=$PWD/${AB_OLD:?AB_OLD names the old tree: .ab/old}
+      PYTHONPATH=/tmp/site:$root CHAIN_ALGORITHMS=EAGLE3 chain_rows "$OUT/eagle_wide_ab/${side}_r$run" \
+        --workloads sharegpt-multiturn --concurrency 32 64 --num-prompts 64 --rounds 4 --modes adaptive \
+        --policy-trace-dir "$OUT/eagle_wide_ab/${side}_r$run/traces"
+    done
+  done
+  tar -cf "$OUT/eagle_wide_ab_traces.tar" -C "$OUT/eagle_wide_ab" . && find "$OUT/eagle_wide_ab" -name traces -type d -exec rm -rf {} +
 fi
 if [ "$mode" = eagle-rows ]; then
   chain_rows "$OUT/eagle_rows" --concurrency 1 8 64 --num-prompts 64
