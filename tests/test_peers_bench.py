@@ -367,3 +367,21 @@ def test_specserve_without_its_server_packages_is_an_error_row_before_start_up(t
     assert row["kind"] == "engine" and row["engine"] == "specserve-plain"
     assert row["error"].startswith("specserve's server needs uvicorn, which neither")
     assert "carry .peers_wheels/specserve" in row["error"]
+
+
+def test_vllm_acceptance_comes_from_its_prometheus_counters():
+    """vLLM logs no acceptance in a short run; its /metrics counters (one line per engine and
+    model) give the cell's steps and tokens: each verify step commits its accepted drafts + 1."""
+    from specserve.bench.peers_engines import accept_between, vllm_spec_counts
+    page = ('# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.\n'
+            '# TYPE vllm:spec_decode_num_drafts_total counter\n'
+            'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 100.0\n'
+            'vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 20.0\n'
+            'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 360.0\n'
+            'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 150.0\n'
+            'vllm:spec_decode_num_accepted_tokens_total{engine="1",model_name="m"} 30.0\n'
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="0"} 80.0\n')
+    assert vllm_spec_counts(page) == (120, 300)
+    assert vllm_spec_counts("vllm:num_requests_running 3.0\n") is None
+    before = vllm_spec_counts(page.replace("100.0", "40.0").replace("150.0", "60.0"))
+    assert accept_between(before, vllm_spec_counts(page)) == {"decode_steps": 60, "accept_length": 2.5}

@@ -13,10 +13,11 @@ the engine's carried wheels (peers_install.py), starts its OpenAI-compatible ser
 it on other prompts of every workload, then times the suite's workloads (gpu_suite:
 code-types, code-rename, sharegpt-multiturn second turns, sharegpt-repeat = first turns then
 the same list again) at each concurrency, streaming /v1/completions with token-id prompts,
-greedy, `max_tokens` fixed and `ignore_eos`. A speculative specserve server's cells also
-carry its decode steps and their mean committed tokens a request (`accept_length`, from its
-/get_server_info counters; plain steps of the adaptive policy count 1), so a cell that lost can
-be told apart from one that drafted and lost. Rows go to $OUT/peers.jsonl as they come (a
+greedy, `max_tokens` fixed and `ignore_eos`. A speculative specserve or vLLM server's cells also
+carry its decode steps and their mean committed tokens a request (`accept_length`, from
+specserve's /get_server_info counters, where plain steps of the adaptive policy count 1, or
+vLLM's /metrics counters), so a cell that lost can be told apart from one that drafted and lost,
+and two engines' EAGLE-3 steps compared at the same acceptance. Rows go to $OUT/peers.jsonl as they come (a
 killed call keeps what it measured); the table to $OUT/peers_table.md (peers_report.py).
 
 A peer that fails (no wheels, a crash, a timeout) gets rows saying so and the run goes on.

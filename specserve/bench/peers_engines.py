@@ -265,12 +265,39 @@ def kv_capacity(base_url: str, log_text: str) -> int | None:
     return None
 
 
+# vLLM's Prometheus counters (/metrics), summed over their label sets: verify steps that had
+# drafts, over all requests, and the drafts they accepted
+VLLM_DRAFTS, VLLM_ACCEPTED = "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total"
+PROMETHEUS_SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(?:\{[^}]*\})?\s+(\S+)", re.MULTILINE)   # name, labels, value
+
+
 def spec_counters(base_url: str) -> tuple[int, int] | None:
-    """(decode steps, tokens they committed) over the finished requests of a speculative
-    specserve server so far, from /get_server_info (None where it has no such counts)."""
+    """(decode steps, tokens they committed) over the requests of a speculative server so far:
+    specserve's /get_server_info counts (its finished requests), else vLLM's /metrics counters
+    (vllm_spec_counts); None where the server has neither."""
     info = _server_info(base_url)
     steps, tokens = info.get("spec_verify_steps_total"), info.get("spec_accepted_tokens_total")
-    return (steps, tokens) if isinstance(steps, int) and isinstance(tokens, int) else None
+    if isinstance(steps, int) and isinstance(tokens, int):
+        return steps, tokens
+    try:
+        with urllib.request.urlopen(base_url + "/metrics", timeout=5) as response:
+            return vllm_spec_counts(response.read().decode("utf-8", "replace"))
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+def vllm_spec_counts(metrics: str) -> tuple[int, int] | None:
+    """(verify steps with drafts, tokens they committed) from a Prometheus text page of vLLM's:
+    each such step commits its accepted drafts and one token of its own. None without them."""
+    sums: dict[str, float] = {}
+    for match in PROMETHEUS_SAMPLE.finditer(metrics):
+        name, value = match.groups()
+        if name in (VLLM_DRAFTS, VLLM_ACCEPTED):
+            sums[name] = sums.get(name, 0.0) + float(value)
+    if VLLM_DRAFTS not in sums or VLLM_ACCEPTED not in sums:
+        return None
+    steps = int(sums[VLLM_DRAFTS])
+    return steps, steps + int(sums[VLLM_ACCEPTED])
 
 
 def accept_between(before: tuple[int, int] | None, after: tuple[int, int] | None) -> dict:

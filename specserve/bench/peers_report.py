@@ -119,9 +119,10 @@ def agreement_table(cells: dict[CellKey, dict[str, dict]], order: list[str]) -> 
 
 
 def drafting_table(cells: dict[CellKey, dict[str, dict]], order: list[str]) -> list[str]:
-    """Per speculative specserve server: its accept length over the cells (tokens per decode
-    step, from its counters), and in how many cells it drafted at all (the adaptive policy may
-    keep every step plain, where the row measures plain decoding plus the drafter's upkeep)."""
+    """Per speculative server whose cells carry counts (specserve's, vLLM's): its accept length
+    over the cells (tokens per decode step), and in how many cells it drafted at all
+    (specserve's adaptive policy may keep every step plain, where the row measures plain
+    decoding plus the drafter's upkeep)."""
     lines = ["| engine | cells | accept length (min / median / max) | cells that drafted |", "|---|---|---|---|"]
     for name in order:
         accepts = sorted(by_engine[name]["accept_length"] for by_engine in cells.values()
@@ -176,7 +177,7 @@ def render(rows: list[dict]) -> str:
     parts += agreement_table(cells, order)
     drafting = drafting_table(cells, order)
     if len(drafting) > 2:
-        parts += ["", "## Drafting of specserve's speculative servers", ""] + drafting
+        parts += ["", "## Drafting of the speculative servers that count it (specserve's, vLLM's)", ""] + drafting
     parts += ["", "## Engines measured", ""] + engine_lines(rows)
     errors = error_lines(rows)
     if errors:
