@@ -253,3 +253,20 @@ def test_the_server_takes_sglang_flags(target_dir, noisy_draft, plain_outputs):
         assert info["internal_states"][0]["avg_spec_accept_length"] > 1.5
     finally:
         stop_server(proc)
+
+
+def test_a_proposal_that_feeds_a_prompt_is_the_draft_models_prefill(target_dir, noisy_draft):
+    """ProposalHints.took_prefill: once a request's first chain has fed the draft model its
+    prompt, the drafter says so once; the chains after it feed decoded tokens only."""
+    with tiny_engine(target_dir, **standalone_args(noisy_draft, 2)) as engine:
+        drafter, calls = engine.core.drafter, []
+        propose = drafter.propose
+
+        def watched(reqs, max_nodes):
+            out = propose(reqs, max_nodes)
+            calls.append(drafter.took_prefill())
+            return out
+        drafter.propose = watched
+        engine.generate(input_ids=PROMPTS[:1], sampling_params=GREEDY)
+        assert len(calls) >= 3 and calls[0] and not any(calls[1:]), calls
+        wait_until_draft_kv_is_free(engine)

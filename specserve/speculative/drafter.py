@@ -123,9 +123,9 @@ class ProposalHints:
 
     def took_prefill(self) -> bool:
         """Whether a proposal since the last call fed the drafter's model rows of a request's
-        prompt (its own prefill: an EAGLE head's first forward over the prompt's states). The
-        engine asks once a step; the adaptive policy leaves such a drafting step out of its
-        episode's realized rate, as the target's prefill is left out of every step's."""
+        prompt (its own prefill: an EAGLE head's or a draft model's first forward over the
+        prompt). The engine asks once a step; the adaptive policy leaves such a drafting step
+        out of its episode's realized rate, as the target's prefill is left out of every step's."""
         return False
 
 
