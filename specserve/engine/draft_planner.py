@@ -157,11 +157,8 @@ class DraftPlanner:
                     nodes: int | None = None) -> None:
         """The step's price (adaptive_costs.py); `steady`: it ran as its mode runs its steps.
         Whether its proposals fed the drafter a prompt goes with it (ProposalHints.took_prefill)."""
-        prefill = hints(self.drafter).took_prefill()
-        if nodes is None:
-            self.adaptive.record_step(batch_size, tree_size, seconds, tokens, steady, prefill=prefill)
-        else:
-            self.adaptive.record_step(batch_size, tree_size, seconds, tokens, steady, nodes, prefill=prefill)
+        self.adaptive.record_step(batch_size, tree_size, seconds, tokens, steady, nodes,
+                                  prefill=hints(self.drafter).took_prefill())
 
     def show_policy(self, reqs: list[Req], committed: list[list[int]]) -> None:
         """A drafting step's committed tokens, shown to the policy before the next step's choice."""

@@ -121,12 +121,16 @@ class ProposalHints:
         (a looser bound than a probe's: a probe can be put off, drafting cannot)."""
         return True
 
+    # set by a model drafter whose proposal feeds its model rows of a prompt; took_prefill reads it
+    prompt_fed = False
+
     def took_prefill(self) -> bool:
         """Whether a proposal since the last call fed the drafter's model rows of a request's
         prompt (its own prefill: an EAGLE head's or a draft model's first forward over the
         prompt). The engine asks once a step; the adaptive policy leaves such a drafting step
         out of its episode's realized rate, as the target's prefill is left out of every step's."""
-        return False
+        fed, self.prompt_fed = self.prompt_fed, False
+        return fed
 
 
 NO_HINTS = ProposalHints()

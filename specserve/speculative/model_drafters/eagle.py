@@ -73,7 +73,6 @@ class EagleDrafter(Drafter, ProposalHints, ReadsHiddenStates):
         self.num_steps = runner.num_steps
         self.kv = DraftKVTable(runner.pool, token_offset=1, row_fanout=runner.topk)
         self.states = HeldTargetStates()
-        self._prefilled = False   # a proposal since the last took_prefill fed rows of a prompt
 
     def observe_hidden(self, reqs: list["Req"], starts: list[int], states: torch.Tensor,
                        rows: list[list[int]], owned: bool = False) -> None:
@@ -127,8 +126,11 @@ class EagleDrafter(Drafter, ProposalHints, ReadsHiddenStates):
         lagging, rows, chain_features = [], [], []
         for (_, req, first), fed in zip(chained, features):
             seq, end = self.kv.sequences[req.rid], self.kv.rows_of(req)
-            # row r reads position r's state and token r + 1: rows before the prompt's last are its prefill
-            self._prefilled |= first < len(req.prompt_ids) - 1
+            # row r reads position r's state and token r + 1: rows before the prompt's last are its
+            # prefill, 15-20 ms for ~60 new chats at batch 64 on an H100 (1.5B) against ~4.5 ms for a
+            # chained step; judged with an episode's other steps, two such steps stopped one that had
+            # made 1.3x over plain, and the batch decoded plainly for its remaining ~130 (took_prefill)
+            self.prompt_fed |= first < len(req.prompt_ids) - 1
             chain_start = max(first, end - self.runner.fed_rows)    # the chain feeds rows chain_start .. end - 1
             if chain_start > first:
                 lagging.append((seq, first, chain_start, fed[:chain_start - first]))
@@ -155,14 +157,6 @@ class EagleDrafter(Drafter, ProposalHints, ReadsHiddenStates):
     def probe_order(self, reqs: list["Req"]) -> list[int]:
         """Fewest rows to catch up first (DraftKVTable.cheapest_first)."""
         return self.kv.cheapest_first(reqs)
-
-    def took_prefill(self) -> bool:
-        """A catch-up over a prompt the head has not read costs what a prefill of one layer does: 15-20 ms for ~60 new chats at batch 64 on an H100 (1.5B),
-        against ~4.5 ms for a chained step. Judged with the episode's other steps, two such steps
-        at the start of a run stopped an episode that had made 1.3x over plain for 19 steps,
-        and the batch decoded plainly for its remaining ~130 (ShareGPT second turns)."""
-        prefilled, self._prefilled = self._prefilled, False
-        return prefilled
 
     def observe(self, req: "Req", committed: list[int]) -> None:
         self.kv.sync(req)   # the chain's rows go back to the pool

@@ -39,7 +39,6 @@ class StandaloneDrafter(Drafter, ProposalHints):
         self.runner = runner
         self.num_steps = runner.num_steps
         self.kv = DraftKVTable(runner.pool)
-        self._prefilled = False   # a proposal since the last took_prefill fed positions of a prompt
 
     def propose(self, reqs: list["Req"], max_nodes: list[int]) -> tuple[TreeProposal, list[int]]:
         chained: list[tuple[int, "Req", ChainSlots]] = []
@@ -64,7 +63,7 @@ class StandaloneDrafter(Drafter, ProposalHints):
         self.kv.write_table()
         lagging = [(req, reserved) for req, reserved in chained if reserved.catch_up]
         # the chain feeds the prompt's last position with the root: earlier ones caught up are its prefill
-        self._prefilled |= any(reserved.catch_up.start < len(req.prompt_ids) - 1 for req, reserved in lagging)
+        self.prompt_fed |= any(reserved.catch_up.start < len(req.prompt_ids) - 1 for req, reserved in lagging)
         if lagging:
             sequences = [self.kv.sequences[req.rid] for req, _ in lagging]
             self.runner.catch_up(
@@ -91,11 +90,6 @@ class StandaloneDrafter(Drafter, ProposalHints):
     def probe_order(self, reqs: list["Req"]) -> list[int]:
         """Fewest rows to catch up first (DraftKVTable.cheapest_first)."""
         return self.kv.cheapest_first(reqs)
-
-    def took_prefill(self) -> bool:
-        """A catch-up over a prompt is the draft model's prefill of it (as EagleDrafter's)."""
-        prefilled, self._prefilled = self._prefilled, False
-        return prefilled
 
     def observe(self, req: "Req", committed: list[int]) -> None:
         """After a verify step: the rejected drafts' draft KV goes back to the pool now."""
