@@ -347,3 +347,18 @@ def test_steps_that_carried_the_drafters_prefill_do_not_stop_an_episode(prefill)
         modes.record_outcome(64, tokens=tokens, seconds=seconds, steps=next(steps), batch_size=64, prefill=prefill)
     assert (64 not in modes.plain) is prefill
     assert modes.episode_steps(64) == (14 if prefill else 0)
+
+
+@pytest.mark.parametrize("drafting", [True, False])
+def test_a_batch_that_shrinks_out_of_a_drafting_bucket_probes_at_once_with_costly_probes(drafting):
+    """A model drafter's probes (every_at_least 16) come 16 plain steps apart, about what a bucket
+    lasts while a wave drains. A batch that drafted at 32 and shrinks to 16, a plain bucket,
+    probes its first plain step there; one that decoded plainly at 32 waits as before."""
+    policy = AdaptiveDraftLength([1, 4])
+    assert not policy.should_draft(32)                     # a new bucket starts plain
+    if drafting:
+        policy.modes.request_switch(32, expected_gain=1.3)
+        assert not policy.should_draft(32) and policy.should_draft(32)
+    assert not policy.should_draft(16)
+    assert policy.probe_due(16, every_at_least=16, every_at_most=128) is drafting
+    assert not policy.probe_due(16, every_at_least=16, every_at_most=128)   # once

@@ -119,6 +119,7 @@ class AdaptiveDraftLength:
         self._overshoots = ChoiceOvershoot(OPTIMISM_WINDOW)
         self.optimism: dict[int, float] = {}   # bucket -> expected / realized rate of its drafting steps
         self._decision_logged_at: dict[int, float] = {}   # bucket -> when a probe's verdict was last logged
+        self._asked: tuple[int, bool] | None = None   # the last should_draft's bucket and answer
 
     @classmethod
     def for_drafter(cls, drafter: Drafter, num_draft_tokens: int, graph_sizes: list[int] | None,
@@ -136,9 +137,16 @@ class AdaptiveDraftLength:
     # --- the mode of a step ---
     def should_draft(self, batch_size: int) -> bool:
         """Whether this step drafts: False while its bucket is in plain mode. A switch a
-        probe asked for takes effect the step after next (see would_draft)."""
+        probe asked for takes effect the step after next (see would_draft). A batch that
+        shrinks out of a drafting bucket into a plain one has that bucket probe at once
+        (ProbeSchedule.left_drafting)."""
         bucket = batch_bucket(batch_size)
-        return self.modes.should_draft(bucket, self.costs.steps(bucket))
+        drafts = self.modes.should_draft(bucket, self.costs.steps(bucket))
+        last = self._asked
+        if not drafts and last is not None and last[1] and bucket < last[0]:
+            self.probes.left_drafting(bucket)
+        self._asked = (bucket, drafts)
+        return drafts
 
     def would_draft(self, batch_size: int) -> bool:
         """Whether the step after this one may draft (no plain step is launched ahead then)."""
