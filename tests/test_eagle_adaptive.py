@@ -288,11 +288,48 @@ def test_plain_stretches_copy_to_the_device_without_waiting_and_feed_only_past_t
     assert policy.plain_steps >= 95 and policy.drafting_steps == 0
     assert not blocking
     if held_rows is None:
-        # the probes, every 10 plain steps, feed what waits; the one feed is the request's release
-        # (what its head lacks is fed then, to be cached beside the target's KV: head_prefix_cache.py)
-        assert feeds == [1]
+        # the probes, every 10 plain steps, feed what waits; the feeds are the prompt's, at its
+        # prefill, and the request's release (what its head lacks is fed then, to be cached
+        # beside the target's KV: head_prefix_cache.py)
+        assert feeds == [1, 1]
     else:                  # 6 rows held (3 the batch's own) between probes: fed then
         assert len(feeds) >= 9 and set(feeds) == {1}
+
+
+@pytest.mark.parametrize("chunk", [None, 4], ids=["whole", "chunked"])
+def test_the_prefill_that_ends_a_prompt_feeds_the_head_its_rows(target, random_head, chunk):  # noqa: F811
+    """The head reads a prompt's rows 0 .. P - 2 in one forward queued by the prefill step whose
+    states reach the prompt's last token (chunks before it only hand their states over; with
+    chunks of 4 a chunk may end one token short, the last token cached by a decode step), so a
+    request's first drafting step catches nothing up: it feeds the chain's rows alone; output
+    stays plain's."""
+    path, _, _, held_out = target
+    _, head_path, _, _ = random_head
+    prompts = [c.tokens[:c.prompt_len] for c in held_out[:3]]
+    assert max(map(len, prompts)) > 4
+    params = {"temperature": 0.0, "max_new_tokens": 16}
+    with tiny_engine(path, chunked_prefill_size=chunk, **fused_args("EAGLE3", head_path)) as engine:
+        core, fed = engine.core, []
+        runner, launch = core.drafter.runner, core.prefill.launch
+        catch_up, in_prefill = runner.catch_up, []
+
+        def prefill_launch(*args):
+            in_prefill.append(True)
+            try:
+                return launch(*args)
+            finally:
+                in_prefill.pop()
+
+        def recording(rows, starts, tokens, slots, features):
+            fed.append((bool(in_prefill), starts, [len(t) for t in tokens]))
+            return catch_up(rows, starts, tokens, slots, features)
+        core.prefill.launch, runner.catch_up = prefill_launch, recording
+        outputs = engine.generate(input_ids=prompts, sampling_params=params)
+        wait_until_fused_state_is_free(engine)
+    assert [o["output_ids"] for o in outputs] == plain_greedy_outputs(path, prompts, params)
+    assert fed and all(during_prefill for during_prefill, _, _ in fed), fed
+    assert sorted(n for _, starts, lengths in fed for start, n in zip(starts, lengths) if start == 0) == \
+        sorted(len(p) - 1 for p in prompts), fed
 
 
 def test_step_mix_counts_fused_eagle_steps_as_drafting(target, random_head):  # noqa: F811

@@ -121,14 +121,16 @@ class ProposalHints:
         (a looser bound than a probe's: a probe can be put off, drafting cannot)."""
         return True
 
-    # set by a model drafter whose proposal feeds its model rows of a prompt; took_prefill reads it
+    # set by a model drafter whose proposal admits a prompt; took_prefill reads it
     prompt_fed = False
 
     def took_prefill(self) -> bool:
-        """Whether a proposal since the last call fed the drafter's model rows of a request's
-        prompt (its own prefill: an EAGLE head's or a draft model's first forward over the
-        prompt). The engine asks once a step; the adaptive policy leaves such a drafting step
-        out of its episode's realized rate, as the target's prefill is left out of every step's."""
+        """Whether a proposal since the last call admitted a request's prompt to the drafter's
+        model: fed it rows of the prompt (its own prefill: a draft model's first forward over
+        it) or drew its first chain after them (an EAGLE head's, whose prompt rows the
+        prefill's step fed: an unchained step with a host sync). The engine asks once a step;
+        the adaptive policy leaves such a drafting step out of its episode's realized rate, as
+        the target's prefill is left out of every step's."""
         fed, self.prompt_fed = self.prompt_fed, False
         return fed
 
@@ -152,6 +154,11 @@ class ReadsHiddenStates:
         caller's own copy, which nothing overwrites (else a graph's output, valid until its
         next replay)."""
         raise NotImplementedError
+
+    def prefilled(self, reqs: list["Req"]) -> None:
+        """A prefill of these requests' prompt chunks has just been queued and its states
+        observed: a head may read the prompts' rows now, while the device runs the prefill (no
+        step after it waits for them)."""
 
 
 class FusedSteps:

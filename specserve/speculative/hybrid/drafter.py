@@ -104,6 +104,9 @@ class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates):
                        rows: list[list[int]], owned: bool = False) -> None:
         self.head.observe_hidden(reqs, starts, states, rows, owned)
 
+    def prefilled(self, reqs: list["Req"]) -> None:
+        self.head.prefilled(reqs)
+
     def observe(self, req: "Req", committed: list[int]) -> None:
         self.observe_batch([req], [committed])
 

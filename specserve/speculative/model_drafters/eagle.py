@@ -90,6 +90,14 @@ class EagleDrafter(Drafter, ProposalHints, ReadsHiddenStates):
         for req, start, part in zip(reqs, starts, gathered.split([len(r) for r in rows])):
             self.states.append(req.rid, start, part)
 
+    def prefilled(self, reqs: list["Req"]) -> None:
+        """Feeds the new prompts whose every row can be fed: those whose states reach the
+        prompt's last token (a chunk before that only hands its states over; a prompt's last
+        token may be cached by a decode step, after a chunk that ends one short), unless the
+        request ends with its first token (it never drafts)."""
+        self.feed([req for req in reqs if not req.output_ids and req.max_new_tokens > 1 and self.can_feed(req)
+                   and self.states.end(req.rid) >= self.kv.rows_of(req)])
+
     def propose(self, reqs: list["Req"], max_nodes: list[int]):
         chained, features = [], []
         for index, (req, limit) in enumerate(zip(reqs, max_nodes)):
@@ -126,11 +134,13 @@ class EagleDrafter(Drafter, ProposalHints, ReadsHiddenStates):
         lagging, rows, chain_features = [], [], []
         for (_, req, first), fed in zip(chained, features):
             seq, end = self.kv.sequences[req.rid], self.kv.rows_of(req)
-            # row r reads position r's state and token r + 1: rows before the prompt's last are its
-            # prefill, 15-20 ms for ~60 new chats at batch 64 on an H100 (1.5B) against ~4.5 ms for a
-            # chained step; judged with an episode's other steps, two such steps stopped one that had
-            # made 1.3x over plain, and the batch decoded plainly for its remaining ~130 (took_prefill)
-            self.prompt_fed |= first < len(req.prompt_ids) - 1
+            # row r reads position r's state and token r + 1: a chain from the prompt's last row is
+            # a request's first, after its prompt's rows (fed by the prefill's step, or here where
+            # it could not be); with an unchained step and a host sync, such steps cost 15-20 ms
+            # for ~60 new chats at batch 64 on an H100 (1.5B) against ~4.5 ms for a chained step:
+            # judged with an episode's other steps, two of them stopped one that had made 1.3x
+            # over plain, and the batch decoded plainly for its remaining ~130 (took_prefill)
+            self.prompt_fed |= first <= len(req.prompt_ids) - 1
             chain_start = max(first, end - self.runner.fed_rows)    # the chain feeds rows chain_start .. end - 1
             if chain_start > first:
                 lagging.append((seq, first, chain_start, fed[:chain_start - first]))

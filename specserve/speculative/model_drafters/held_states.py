@@ -81,6 +81,12 @@ class HeldTargetStates:
         held = self._states.get(rid)
         return 0 if held is None else held.count
 
+    def end(self, rid: str) -> int:
+        """The position after the last state held for the request (0 if none)."""
+        self._settle(rid)
+        held = self._states.get(rid)
+        return 0 if held is None else held.first + held.count
+
     def rows(self, rid: str, start: int, end: int) -> torch.Tensor | None:
         """States of positions start .. end - 1, or None if some are missing."""
         self._settle(rid)
