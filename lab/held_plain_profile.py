@@ -9,7 +9,7 @@ the release of finished requests), then once more under torch.profiler for the k
 Modes as bench.model_drafters has them: plain (the drafter set aside), held (never drafts nor
 probes, still fed), adaptive (the default) and pinned. With `--modes plain pinned` it says where
 a drafting engine's steps that admit new requests go: the first drafts' catch-up over the
-prompt (EagleDrafter._catch_up), their chain (EagleHeadRunner.draft) and the rest of
+prompt (EagleDrafter._catch_up, or `prefilled`, in the prefill's step), their chain (EagleHeadRunner.draft) and the rest of
 FusedChainDrafter._first_drafts, its one host sync included. Rows to held_plain_profile.jsonl: per mode the
 unprofiled tok/s, the timed parts (calls, host ms, GPU ms between events around each), and
 the profiled run's GPU busy time against the wall, with the kernels by GPU time.
@@ -35,6 +35,8 @@ MARKED = [("specserve.speculative.model_drafters.eagle", "EagleDrafter", "feed")
           ("specserve.speculative.model_drafters.eagle", "EagleDrafter", "observe_batch"),
           ("specserve.speculative.model_drafters.eagle", "EagleDrafter", "propose"),
           ("specserve.speculative.model_drafters.eagle", "EagleDrafter", "_catch_up"),
+          ("specserve.speculative.model_drafters.eagle", "EagleDrafter", "prefilled"),
+          ("specserve.engine.prefill_step", "PrefillStep", "launch"),
           ("specserve.speculative.model_drafters.eagle_runner", "EagleHeadRunner", "draft"),
           ("specserve.speculative.model_drafters.fused_drafter", "FusedChainDrafter", "_first_drafts"),
           ("specserve.speculative.model_drafters.fused_drafter", "FusedChainDrafter", "propose"),
