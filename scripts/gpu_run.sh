@@ -73,8 +73,10 @@
 #   scripts/gpu_run.sh eagle-wide                  (after `eagle-head` on the same warm machine: EAGLE-3 chains of 3, adaptive
 #                                                   and pinned, chat at 32 and 64, 4 rounds, with the policy's traces
 #                                                   (one tar); ~70 s)
-#   AB_OLD=.ab/old scripts/gpu_run.sh eagle-wide-ab (after `eagle-head`: eagle-wide's adaptive cells for an old tree and
-#                                                   this one, alternating AB_RUNS (2) times, with traces; ~40 s a run)
+#   AB_OLD=.ab/old scripts/gpu_run.sh eagle-wide-ab (after `eagle-head`: eagle-wide's adaptive cells for old trees
+#                                                   (AB_OLD=".ab/a .ab/b") and this one, alternating AB_RUNS (2) times
+#                                                   (AB_MODES="adaptive pinned": pinned too),
+#                                                   with traces; ~40 s a tree a run)
 #   scripts/gpu_run.sh admission-profile           (after `eagle-head`: lab.held_plain_profile --modes plain pinned at
 #                                                   ADMISSION_CONCURRENCY (32): what the steps that admit requests cost,
 #                                                   by part; ~60 s)
@@ -460,13 +462,13 @@ if [ "$mode" = admission-profile ]; then
     --modes plain pinned --concurrency ${ADMISSION_CONCURRENCY:-32} --rounds 1 2>&1 | grep -v '%|' | grep -v '"kernels"' | tail -20
 fi
 if [ "$mode" = eagle-wide-ab ]; then
-  # eagle-wide's adaptive cells for an old tree (AB_OLD, `git archive REV specserve lab | tar -x -C .ab/old`, carried)
-  # and this one, alternating AB_RUNS (2) times, each run's policy traces in one tar
+  # eagle-wide's adaptive cells for old trees (AB_OLD, one or more: `git archive REV specserve lab | tar -x -C
+  # .ab/NAME`, carried) and this one, alternating AB_RUNS (2) times, each run's policy traces in one tar
   for run in $(seq 1 "${AB_RUNS:-2}"); do
-    for side in old new; do
-      root=$PWD; [ "$side" = old ] && root=$PWD/${AB_OLD:?AB_OLD names the old tree: .ab/old}
-      PYTHONPATH=/tmp/site:$root CHAIN_ALGORITHMS=EAGLE3 chain_rows "$OUT/eagle_wide_ab/${side}_r$run" \
-        --workloads sharegpt-multiturn --concurrency 32 64 --num-prompts 64 --rounds 4 --modes adaptive \
+    for tree in ${AB_OLD:?AB_OLD names the old trees: .ab/old} .; do
+      side=$(basename "$tree"); [ "$tree" = . ] && side=new
+      PYTHONPATH=/tmp/site:$PWD/$tree CHAIN_ALGORITHMS=EAGLE3 chain_rows "$OUT/eagle_wide_ab/${side}_r$run" \
+        --workloads sharegpt-multiturn --concurrency 32 64 --num-prompts 64 --rounds 4 --modes ${AB_MODES:-adaptive} \
         --policy-trace-dir "$OUT/eagle_wide_ab/${side}_r$run/traces"
     done
   done
