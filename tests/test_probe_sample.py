@@ -47,14 +47,15 @@ class ProbeSpy:
         core.planner.probe, core.drafter.propose = spied_probe, spied_propose
 
 
-def assert_probes_take_the_least_to_catch_up(path, engine_args: dict) -> None:
+def assert_probes_take_the_least_to_catch_up(path, engine_args: dict, prompts_fed: bool = False) -> None:
     """Plain decoding throughout, a probe every 10th plain step: each probe of the full batch
-    proposed for the PROBE_REQUESTS requests whose draft cache lacked the fewest rows."""
+    proposed for the PROBE_REQUESTS requests whose draft cache lacked the fewest rows.
+    prompts_fed: the drafter reads a prompt's rows in its prefill's step (an EAGLE head)."""
     prompts = varied_prompts(BATCH)
     with tiny_engine(path, max_running_requests=BATCH, **engine_args) as engine:
         core = engine.core
         scripted(engine, overlap=True, script=[False])
-        spy = ProbeSpy(core, core.drafter.kv.missing_rows)
+        spy = ProbeSpy(core, lambda req: (core.drafter.kv.missing_rows(req), len(req.output_ids)))
         outputs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
     assert [o["output_ids"] for o in outputs] == plain_greedy_outputs(path, prompts, GREEDY)
     assert len(spy.probes) >= 2
@@ -62,10 +63,14 @@ def assert_probes_take_the_least_to_catch_up(path, engine_args: dict) -> None:
         assert len(sample) == PROBE_REQUESTS
         left_out = [lacking[rid] for rid in batch if rid not in sample]
         assert max(lacking[rid] for rid in sample) <= min(left_out)
-    # the first probe found no cache fed: the shortest prompts had the least to catch up
-    first_batch, first_sample, _ = spy.probes[0]
-    by_length = sorted(range(BATCH), key=lambda i: len(prompts[i]))
-    assert set(first_sample) == {first_batch[i] for i in by_length[:PROBE_REQUESTS]}   # the batch in arrival order
+    first_batch, first_sample, first_lacking = spy.probes[0]
+    if prompts_fed:
+        # the first probe found every prompt's rows fed: each lacked the rows of its decoded tokens only
+        assert all(missing == decoded for missing, decoded in first_lacking.values()), first_lacking
+    else:
+        # the first probe found no cache fed: the shortest prompts had the least to catch up
+        by_length = sorted(range(BATCH), key=lambda i: len(prompts[i]))
+        assert set(first_sample) == {first_batch[i] for i in by_length[:PROBE_REQUESTS]}   # the batch in arrival order
     # ... and the next probes took those again: fed at the first, they lacked only what followed
     assert all(set(sample) == set(first_sample) for _, sample, _ in spy.probes[1:])
 
@@ -74,7 +79,7 @@ def test_an_eagle_probe_of_part_of_the_batch_takes_the_requests_with_least_to_ca
     path, _, _, _ = target
     _, head_path, _, _ = random_head
     assert_probes_take_the_least_to_catch_up(path, fused_args("EAGLE3", head_path, adaptive=True,
-                                                              speculative_num_steps=3))
+                                                              speculative_num_steps=3), prompts_fed=True)
 
 
 def test_a_draft_models_probe_takes_the_requests_with_least_to_catch_up(tmp_path):
