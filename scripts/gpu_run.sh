@@ -23,6 +23,8 @@
 #   scripts/gpu_run.sh step-cost                   (no models staged, ~3 min: plain, 4- and 8-node verify and the fused
 #                                                   EAGLE-3 step at batch 1 and 8 on random 1.5B weights, each with the
 #                                                   host's time by phase: where a verify step's unhidden host time goes)
+#   scripts/gpu_run.sh step-cost-wide              (no models staged: step-cost's EAGLE-3 rows at 32 and 64 with each
+#                                                   graph's 30 slowest kernels; issue 55 at the batches vLLM leads)
 #   AB_OLD=.ab/old scripts/gpu_run.sh step-cost-ab  (no models staged: lab.step_cost for an old tree (`git archive REV
 #                                                   specserve lab | tar -x -C .ab/old`, carried) and this one, alternating,
 #                                                   AB_RUNS=2 times each; STEP_COST_ARGS replaces the default 1.5B rows;
@@ -199,6 +201,13 @@ if [ "$mode" = step-cost ]; then
     --out "$OUT/step_cost" 2>&1 | grep '^{' | tail -20
   python3 -m lab.suite_host_phases lab.step_cost --algorithm EAGLE3 --num-steps 3 --batch-sizes 1 8 \
     --steps 60 --out "$OUT/step_cost_eagle3" 2>&1 | grep '^{' | tail -20
+fi
+if [ "$mode" = step-cost-wide ]; then
+  # issue 55 at 32 and 64: plain, verify of 4 nodes and the fused EAGLE-3 chain of 3 (a random head with the kept
+  # head's 16384-token draft vocabulary), each with its graph's kernel table: where the fused step at 64 (4.5 ms
+  # on chat, H100) loses to vLLM's EAGLE-3 step (3.8 ms)
+  python3 -m lab.suite_host_phases lab.step_cost --algorithm EAGLE3 --num-steps 3 --draft-vocab 16384 \
+    --batch-sizes 32 64 --steps 60 --kernels 30 --out "$OUT/step_cost_wide" 2>&1 | grep '^{' | cut -c1-400 | tail -20
 fi
 if [ "$mode" = prefill-cost ]; then
   shape=${1:-qwen2.5-7b}
