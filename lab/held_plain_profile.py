@@ -41,6 +41,8 @@ MARKED = [("specserve.speculative.model_drafters.eagle", "EagleDrafter", "feed")
           ("specserve.speculative.model_drafters.fused_drafter", "FusedChainDrafter", "_first_drafts"),
           ("specserve.speculative.model_drafters.fused_drafter", "FusedChainDrafter", "propose"),
           ("specserve.engine.draft_planner", "DraftPlanner", "probe"),
+          ("specserve.kv.ledger", "KVLedger", "cache_prefill"),
+          ("specserve.engine.scheduler", "Scheduler", "schedule"),
           ("specserve.kv.ledger", "KVLedger", "before_release"),
           ("specserve.kv.ledger", "KVLedger", "release")]
 
