@@ -125,9 +125,11 @@ def main(argv=None) -> None:
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--disable-radix-cache", action="store_true",
+                        help="without the prefix cache (which keeps an EAGLE prompt from its prefill on)")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     ns = parser.parse_args(argv)
-    ns.workloads, ns.mem_fraction_static, ns.disable_radix_cache = ["sharegpt-multiturn"], 0.8, False
+    ns.workloads, ns.mem_fraction_static = ["sharegpt-multiturn"], 0.8
     ns.num_draft_tokens = 8
     os.makedirs(ns.out, exist_ok=True)
     write = functools.partial(emit_row, os.path.join(ns.out, "held_plain_profile.jsonl"))

@@ -81,7 +81,8 @@
 #                                                   with traces; ~40 s a tree a run)
 #   scripts/gpu_run.sh admission-profile           (after `eagle-head`: lab.held_plain_profile --modes plain pinned at
 #                                                   ADMISSION_CONCURRENCY (32): what the steps that admit requests cost,
-#                                                   by part; ~60 s)
+#                                                   by part; ADMISSION_ARGS="--disable-radix-cache": without the
+#                                                   prefix cache; ~60 s)
 #   scripts/gpu_run.sh hybrid-rows                 (after `eagle-head` on the same warm machine: plain, the default NGRAM
 #                                                   engine (ngram-default), EAGLE-3 chains of 3 with that head, pinned and
 #                                                   adaptive, and the hybrid of that head and the n-gram trie
@@ -468,7 +469,8 @@ if [ "$mode" = admission-profile ]; then
   # the first chain and its sync; lab/held_plain_profile.py), against plain
   python3 -P -m lab.held_plain_profile --target /root/models/qwen2.5-coder-1.5b-instruct.gguf \
     --draft "$(head_dir qwen2.5-coder-1.5b-instruct)" --dataset-path .gpu/sharegpt_bench.json --out "$OUT/admission_profile" \
-    --modes plain pinned --concurrency ${ADMISSION_CONCURRENCY:-32} --rounds 1 2>&1 | grep -v '%|' | grep -v '"kernels"' | tail -20
+    --modes plain pinned --concurrency ${ADMISSION_CONCURRENCY:-32} --rounds 1 ${ADMISSION_ARGS:-} 2>&1 | grep -v '%|' \
+    | grep -v '"kernels"' | tail -20
 fi
 if [ "$mode" = eagle-wide-ab ]; then
   # eagle-wide's adaptive cells for old trees (AB_OLD, one or more: `git archive REV specserve lab | tar -x -C
