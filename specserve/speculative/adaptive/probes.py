@@ -74,8 +74,9 @@ was 16 plain steps away, about what each bucket lasts), 35-45 plain steps of ~1.
 the end of a run where drafting makes 1.5x there; its cells made 1.01-1.11x against
 pinned drafting's 1.10-1.17x. With it they moved within their rounds' spread (H100, one
 lease, two runs: 1.00x / 1.00x at 64, 1.07x / 1.04x at 32, against 1.02x / 0.99x and
-1.09x / 1.01x): the buckets a drain enters are not yet priced, and a probe cannot switch
-an unpriced bucket (docs/journal/2026-12-06.md, session 68).
+1.09x / 1.01x): in the traces the buckets a drain enters had no rates yet, and a probe
+does not switch a bucket whose plain decoding is not steadily priced (docs/journal/2026-12-06.md,
+session 68).
 On the overlap schedule a probe runs only while a step launched ahead computes: one due on
 a step that launches none (a request ends in it) is put off to the next plain step
 (`put_off`) instead of adding its host time to a step the GPU waits for.
