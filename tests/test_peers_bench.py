@@ -4,9 +4,11 @@ EAGLE-3 with a random head of our trainer's layout) with a peer that has no whee
 EAGLE-3 peer without a head, which must be reported and skipped."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -385,3 +387,38 @@ def test_vllm_acceptance_comes_from_its_prometheus_counters():
     assert vllm_spec_counts("vllm:num_requests_running 3.0\n") is None
     before = vllm_spec_counts(page.replace("100.0", "40.0").replace("150.0", "60.0"))
     assert accept_between(before, vllm_spec_counts(page)) == {"decode_steps": 60, "accept_length": 2.5}
+
+
+def test_each_suite_cell_is_warmed_on_other_prompts_of_its_shape_first(monkeypatch):
+    """Before a cell is timed, a wave of the workload's warm-up prompts at the cell's concurrency
+    and output length (an adaptive engine then meets the cell with its policy warm for that batch
+    size); a size workload's cells are timed after the first warm-up alone."""
+    calls = []
+
+    async def run_prompts(session, base_url, model, prompts, concurrency, max_tokens):
+        calls.append((prompts[0][0], len(prompts), concurrency, max_tokens))
+        return [], 1.0
+
+    class Server:
+        base_url = "http://nowhere"
+
+        def alive(self) -> bool:
+            return True
+
+    monkeypatch.setattr(peers, "_run_prompts", run_prompts)
+    monkeypatch.setattr(peers, "spec_counters", lambda base_url: None)
+    monkeypatch.setattr(peers, "cell_summary", lambda results, duration, server: {})
+    monkeypatch.setattr(peers, "size_cell", lambda size, concurrency, summary, results: summary)
+    ns = peers.parse_args(["run", "--quick", "--concurrency", "1", "8", "--max-new-tokens", "16",
+                           "--workloads", "code-types", "prefill-2k"])
+    ns.sizes = {"prefill-2k": peers.parse_size_workload("prefill-2k", 16, 32768)}
+    timed, warm = [[1, 1]] * 64, [[2, 2]] * 64     # the first id tells the lists apart
+    workloads = {"code-types": (timed, warm), "prefill-2k": ([[3, 3]] * 4, [[4, 4]] * 4)}
+    rows = []
+    asyncio.run(peers.measure_engine(Server(), "m", workloads, ns, time.monotonic() + 60, rows.append))
+    first = [(2, 16, 16), (4, 4, 16)]   # every workload's warm-up prompts once, at concurrency 16
+    assert [call[:3] for call in calls[:2]] == first
+    size_out = ns.sizes["prefill-2k"].output_len
+    assert calls[2:] == [(2, 2, 1, 16), (1, 2, 1, 16), (3, 2, 1, size_out), (2, 8, 8, 16), (1, 8, 8, 16)]
+    assert [(r["workload"], r["concurrency"]) for r in rows] == [("code-types", 1), ("prefill-2k", 1),
+                                                                  ("code-types", 8)]

@@ -10,7 +10,8 @@ with the same head; specserve's EAGLE with an EAGLE-2 head, `--eagle2-head MODEL
 (train_eagle --algorithm EAGLE); and STANDALONE drafting with a smaller model named with
 `--draft-model TARGET=DRAFT`) it installs
 the engine's carried wheels (peers_install.py), starts its OpenAI-compatible server, warms
-it on other prompts of every workload, then times the suite's workloads (gpu_suite:
+it on other prompts of every workload, and before each cell on a wave of other prompts of the cell's
+workload and concurrency, then times the suite's workloads (gpu_suite:
 code-types, code-rename, sharegpt-multiturn second turns, sharegpt-repeat = first turns then
 the same list again) at each concurrency, streaming /v1/completions with token-id prompts,
 greedy, `max_tokens` fixed and `ignore_eos`. A speculative specserve or vLLM server's cells also
@@ -344,6 +345,19 @@ async def measure_engine(server: ServerProcess, model: str, workloads: dict, ns:
             prompts = workloads[workload][0][:prompts_per_cell(ns, concurrency)]
             size = sizes.get(workload)
             max_tokens = size.output_len if size else ns.max_new_tokens
+            if size is None:
+                # a wave of other prompts of the cell's shape first: what an engine learns as it serves
+                # (an adaptive policy's prices and modes for this batch size, a trie's counts) is then
+                # what a running server has. Warmed at concurrency 16 only, specserve's EAGLE-3 server met
+                # each one-wave cell at 32 and 64 with its policy cold there (and drafted in none of them:
+                # H100, 1.5B, 2026-12-06).
+                # (Size workloads time plain decoding at fixed shapes; the warm-up above compiles them.)
+                try:
+                    await _time_left(_run_prompts(session, server.base_url, model,
+                                                  workloads[workload][1][:len(prompts)], concurrency, max_tokens),
+                                     budget_end)
+                except TimeoutError:
+                    return _not_run(cells[index:], write)
             for turn in (1, 2) if workload == "sharegpt-repeat" else (1,):
                 cell = {"kind": "cell", "workload": workload, "turn": turn, "concurrency": concurrency}
                 counted = spec_counters(server.base_url)   # the cell's accept length: what it adds
