@@ -384,10 +384,10 @@ def test_the_policy_chains_fused_steps_while_it_drafts(target, head_dir):  # noq
 @pytest.mark.parametrize("overlap", [False, True], ids=["verify", "overlap"])
 def test_the_step_that_feeds_the_head_the_prompts_is_the_policys_one_prefill_step(target, random_head,  # noqa: F811
                                                                                 overlap):
-    """ProposalHints.took_prefill: the step whose proposals first fed the head a batch's
-    prompts is recorded as the drafter's prefill (the policy leaves it out of its episode);
-    the later drafting steps, after plain stretches too (their catch-up feeds decoded rows
-    only), are not."""
+    """ProposalHints.took_prefill: the step that draws a batch's first chains after its prompts
+    (whose rows the prefill's step fed) is recorded as the drafter's prefill (the policy leaves
+    it out of its episode); the later drafting steps, after plain stretches too (their catch-up
+    feeds decoded rows only), are not."""
     path, _, _, held_out = target
     _, head_path, _, _ = random_head
     with tiny_engine(path, **fused_args("EAGLE3", head_path, adaptive=True, speculative_num_steps=3)) as engine:
