@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from specserve.engine.overlap import OverlapSchedule
+from specserve.speculative.adaptive.listener import PolicyListener
 from specserve.speculative.adaptive.policy import AdaptiveDraftLength
 from specserve.speculative.model_drafters import eagle
 from tests.fused_fixtures import FusedSpy, fused_args, save_random_eagle_head, wait_until_fused_state_is_free
@@ -379,6 +380,45 @@ def test_the_policy_chains_fused_steps_while_it_drafts(target, head_dir):  # noq
         tiers = engine.core.adaptive.steps_per_tier
     assert fused.chained > 0 and fused.engine == 0, (fused.chained, fused.engine)
     assert tiers[max(tiers)] > 0 and tiers[1] > 0, tiers    # drafting episodes and plain ones (its probes)
+
+
+class RatesHeard(PolicyListener):
+    """The rates of every choice the policy made for a drafting step of a bucket."""
+
+    def __init__(self, bucket: int):
+        self.bucket = bucket
+        self.choices: list[dict[int, float]] = []
+
+    def rated(self, bucket, batch_size, rids, num_nodes, keys, choosing, choice, rates) -> None:
+        if choosing and bucket == self.bucket:
+            self.choices.append(dict(rates))
+
+
+def test_a_fused_chains_episode_is_rated_tier_against_tier(target, head_dir):  # noqa: F811
+    """A fused chain's step runs every chain whatever the cut, so its policy's tiers are plain
+    decoding and the whole chain: with a cut tier among them, chained steps never priced it,
+    and every choice of the episode went unrated (no rates while a tier is unpriced), its end
+    decided by whether drafting was expected to beat plain at all rather than at leave_margin."""
+    from tests.spec_fixtures import price_steps
+    from tests.test_draft_ahead import ahead_on
+
+    path, _, _, held_out = target
+    algorithm, head_path, _, _ = head_dir
+    args = fused_args(algorithm, head_path, adaptive=True, speculative_num_steps=3)
+    with tiny_engine(path, max_running_requests=8, **args) as engine:
+        ahead_on(engine)
+        price_steps(engine, 0.010, 0.001)
+        heard = RatesHeard(bucket=8)   # (the batch's: a bucket it drains into is priced there anew)
+        engine.core.adaptive.listen(heard)
+        outputs = engine.generate(input_ids=[c.tokens[:c.prompt_len] for c in held_out],
+                                  sampling_params={"temperature": 0.0, "max_new_tokens": 32})
+        assert [o["output_ids"] for o in outputs] == [c.tokens[c.prompt_len:] for c in held_out]
+        assert engine.core.adaptive.tiers == [1, 4]
+        wait_until_fused_state_is_free(engine)
+    # the episode's first steps price the chain (one makeshift step is no price to choose by)
+    rated = [i for i, rates in enumerate(heard.choices) if rates]
+    assert rated and rated[0] <= 2 and len(heard.choices) - rated[0] >= 4, heard.choices
+    assert all(set(rates) == {1, 4} for rates in heard.choices[rated[0]:]), heard.choices
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["verify", "overlap"])

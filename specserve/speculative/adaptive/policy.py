@@ -126,9 +126,18 @@ class AdaptiveDraftLength:
                     on_cpu: bool = False) -> AdaptiveDraftLength:
         """The policy of a drafter's engine: tiers up to num_draft_tokens (tiers_for), the
         drafter's switch margin, ragged where its steps verify through the ragged step, and
-        step costs that grow with the draft nodes on a CPU."""
-        return cls(tiers_for(num_draft_tokens, graph_sizes), drafter.switch_margin, drafter.ragged_verify,
-                   cost_per_node=on_cpu, leave_margin=drafter.leave_margin)
+        step costs that grow with the draft nodes on a CPU. A drafter whose step runs every
+        chain whatever the cut (a fused chain's) chooses between plain decoding and its whole
+        chain: a cut costs the chain's step for fewer tokens, and its chained steps never
+        priced a cut tier, which left the bucket unrated (no rates while a tier is unpriced:
+        TierCuts.best) and its episodes ended where plain decoding was merely expected to
+        tie, not at leave_margin (H100, EAGLE-3 at 64: a warm-up's episode at 1.22x plain
+        ended so, and the timed run decoded all its 123 steps plainly)."""
+        tiers = tiers_for(num_draft_tokens, graph_sizes)
+        if not drafter.ragged_verify:
+            tiers = [1, tiers[-1]]
+        return cls(tiers, drafter.switch_margin, drafter.ragged_verify, cost_per_node=on_cpu,
+                   leave_margin=drafter.leave_margin)
 
     def listen(self, listener: PolicyListener | None) -> None:
         """Sends the policy's decisions and their steps to `listener` (None: to nobody)."""
