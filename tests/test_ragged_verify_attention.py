@@ -1,6 +1,6 @@
 """Ragged VERIFY batches (`ForwardBatch.ragged`): each request has its own number of draft
 nodes (1..n), and the tokens past them are padding of no request. TritonBackend against
-TorchNativeBackend, eager (decode rows and the extend kernel) and through the static
+TorchNativeBackend, eager (decode rows, tree groups and the extend kernel) and through the static
 buffers CUDA graphs use; padding tokens must come out zero, whatever stale memory (NaN)
 the buffers and slot 0 hold.
 
@@ -23,7 +23,7 @@ from specserve.attention.torch_native import TorchNativeBackend  # noqa: E402
 from specserve.attention.triton_backend import TritonBackend  # noqa: E402
 from specserve.kv.pool import PADDING_SLOT, KVPool  # noqa: E402
 from tests.test_triton_attention import (DEVICE, make_batch, make_pool, random_qkv, random_tree_masks,  # noqa: E402
-                                         small_splits)
+                                         route, small_splits)
 
 HEADS = (6, 2, 64)
 N = 6   # tree size of the masks (a graph's n): requests have 1..N nodes
@@ -71,13 +71,13 @@ def check(got: torch.Tensor, expected: torch.Tensor, batch: ForwardBatch) -> Non
     assert torch.equal(got[real:], torch.zeros_like(got[real:])), "padding tokens must come out zero"
 
 
-def run_eager(batch: ForwardBatch, target_programs: int, max_tree_rows: int) -> TritonBackend:
-    """Triton on a ragged batch, against TorchNative, with slot 0 poisoned (K/V stored beforehand)."""
+def run_eager(batch: ForwardBatch, target_programs: int, path: str) -> TritonBackend:
+    """Triton on a ragged batch through `path` (test_triton_attention.route), against
+    TorchNative, with slot 0 poisoned (K/V stored beforehand)."""
     q, k, v = random_qkv(batch.num_tokens, *HEADS)
     expected = reference(batch, q, k, v)
     poison_slot_zero(batch.kv_pool)
-    backend = small_splits(TritonBackend(*HEADS), target_programs)
-    backend.max_tree_rows = max_tree_rows
+    backend = route(small_splits(TritonBackend(*HEADS), target_programs), path)
     backend.plan(batch)
     check(backend.forward(q, None, None, 0, batch), expected, batch)
     return backend
@@ -94,7 +94,7 @@ def test_row_owners_mark_padding():
 def test_eager_ragged_trees_as_decode_rows(pad_tokens, target_programs):
     pool = make_pool(HEADS[1], HEADS[2])
     batch = ragged_batch(pool, [100, 0, 260, 7], [5, 1, 6, 1], pad_tokens)
-    run_eager(batch, target_programs, max_tree_rows=64)
+    run_eager(batch, target_programs, "rows")
     meta = batch.attn_metadata
     assert meta.tree_rows and (meta.partial_out is not None) == (target_programs > 1)
     assert meta.row_owner.tolist() == [0] * 5 + [1] + [2] * 6 + [3] + [-1] * pad_tokens
@@ -106,10 +106,23 @@ def test_eager_ragged_trees_as_decode_rows(pad_tokens, target_programs):
 def test_eager_ragged_trees_through_the_extend_kernel(pad_tokens, target_programs):
     pool = make_pool(HEADS[1], HEADS[2])
     batch = ragged_batch(pool, [30, 200, 0], [1, 6, 4], pad_tokens)
-    run_eager(batch, target_programs, max_tree_rows=8)   # 11+ rows: past the decode rows' limit
+    run_eager(batch, target_programs, "extend")
     meta = batch.attn_metadata
-    assert not meta.tree_rows and meta.zero_out == (pad_tokens > 0)
+    assert not meta.tree_rows and not meta.tree_groups and meta.zero_out == (pad_tokens > 0)
     assert (meta.partial_out is not None) == (target_programs > 1)
+
+
+@pytest.mark.parametrize("pad_tokens", [0, 5])
+@pytest.mark.parametrize("target_programs", [1, 96])
+def test_eager_ragged_trees_as_tree_groups(pad_tokens, target_programs):
+    """A request's 1..N nodes in one program; the padding tokens, which no program writes, come out zero."""
+    pool = make_pool(HEADS[1], HEADS[2])
+    batch = ragged_batch(pool, [30, 200, 0, 129], [1, 6, 4, 3], pad_tokens)
+    run_eager(batch, target_programs, "groups")
+    meta = batch.attn_metadata
+    assert meta.tree_groups and not meta.tree_rows and meta.zero_out == (pad_tokens > 0)
+    assert (meta.partial_out is not None) == (target_programs > 1)
+    assert meta.split_counters is None or not meta.split_counters.any()
 
 
 def test_uniform_trees_marked_ragged_match_the_unmarked_batch():
@@ -159,21 +172,22 @@ def graph_view(batch: ForwardBatch) -> ForwardBatch:
                                extend_lens_host=[0] * batch.batch_size, attn_metadata=None)
 
 
-@pytest.mark.parametrize("tree_rows", [True, False])
-def test_static_ragged_plan_replays_new_lengths(tree_rows):
+@pytest.mark.parametrize("path", ["rows", "groups", "extend"])
+def test_static_ragged_plan_replays_new_lengths(path):
     """One graph state, a 4-request 16-token graph captured once, replayed with two batches
     of different node counts; the static scratch (partials, split counts) and slot 0 hold
     NaN or stale counts beforehand: none of it may reach an output."""
     heads_per_kv = HEADS[0] // HEADS[1]
     pool = make_pool(HEADS[1], HEADS[2])
-    backend = small_splits(TritonBackend(*HEADS), target_programs=160 if tree_rows else 24)
-    backend.max_tree_rows = 64 if tree_rows else 8
+    tree_rows = path == "rows"
+    backend = route(small_splits(TritonBackend(*HEADS), target_programs=24 if path == "extend" else 160), path)
     backend.init_cuda_graph_state(max_bs=4, max_tokens_per_req=N, kv_pool=pool)
     num_tokens = 16
     captured_batch = placeholder_batch(pool, 4, num_tokens)
     backend.plan_for_capture(captured_batch)
     captured = captured_batch.attn_metadata
     assert captured.tree_rows == tree_rows and captured.partial_out is not None
+    assert captured.tree_groups == (path == "groups")
 
     g = backend._graph
     for seed, (prefix_lens, sizes) in enumerate([([60, 3, 200, 0], [5, 1, 3, 2]), ([9, 300, 1, 40], [1, 6, 1, 1])]):
@@ -197,6 +211,7 @@ def test_static_ragged_plan_replays_new_lengths(tree_rows):
         assert meta.partial_out.shape[2] > 1
         if not tree_rows:   # partials for the requests' tokens only
             assert meta.partial_out.shape[0] == min(num_tokens, 4 * N)
+        if path == "extend":
             assert meta.row_blocks == -(-N * heads_per_kv // 64)
         check(backend.forward(q, None, None, 0, replay), expected, batch)
         assert not g.split_counters.any()
@@ -215,7 +230,7 @@ def test_graph_state_fits_every_ragged_graph():
                     n, dtype=torch.bool, device=DEVICE).repeat(bs, 1, 1))
                 backend.plan_for_replay(batch)   # views past the buffers' ends would raise
                 meta = batch.attn_metadata
-                assert meta.tree_rows == (num_tokens <= 10)
+                assert meta.tree_rows == (num_tokens <= 10) and meta.tree_groups == (num_tokens > 10)
                 if meta.tree_rows:   # computed in the static buffer, not a reallocated one
                     assert meta.row_owner.data_ptr() == backend._graph.row_owner.data_ptr()
                     assert meta.row_owner.numel() == num_tokens

@@ -1,5 +1,6 @@
 """TritonBackend against TorchNativeBackend: DECODE, EXTEND (with and without a prefix),
-VERIFY (random trees of different sizes, through the extend kernel and as decode rows) and
+VERIFY (random trees of different sizes, through the extend kernel, as decode rows and as tree
+groups) and
 the static-buffer path used by CUDA graphs.
 
 The kernels run in Triton's interpreter on a CPU, which is slow: sizes stay small, and the
@@ -98,7 +99,15 @@ def attend(backend, batch: ForwardBatch, q, k, v) -> torch.Tensor:
     return backend.forward(q, k, v, 0, batch)
 
 
-def compare(heads, mode, prefix_lens, extend_lens, tree_mask=None, target_programs=24, max_tree_rows=None):
+def route(backend: TritonBackend, path: str) -> TritonBackend:
+    """VERIFY through the decode kernel's rows ("rows"), tree_groups.py ("groups") or the extend kernel."""
+    backend.max_tree_rows = 64 if path == "rows" else 0
+    backend.max_group_rows = 64 if path == "groups" else 0
+    return backend
+
+
+def compare(heads, mode, prefix_lens, extend_lens, tree_mask=None, target_programs=24, max_tree_rows=None,
+            path=None):
     num_heads, num_kv_heads, head_dim = heads
     pool = make_pool(num_kv_heads, head_dim)
     batch = make_batch(pool, mode, prefix_lens, extend_lens, tree_mask)
@@ -107,6 +116,8 @@ def compare(heads, mode, prefix_lens, extend_lens, tree_mask=None, target_progra
     triton_backend = small_splits(TritonBackend(*heads), target_programs)
     if max_tree_rows is not None:
         triton_backend.max_tree_rows = max_tree_rows
+    if path is not None:
+        route(triton_backend, path)
     got = attend(triton_backend, batch, q, k, v)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     return batch
@@ -255,10 +266,30 @@ def test_verify_trees_as_decode_rows(heads, target_programs):
     assert meta.split_counters is None or not meta.split_counters.any()
 
 
-def test_verify_trees_past_the_row_limit_use_the_extend_kernel():
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("target_programs", [1, 96])
+def test_verify_trees_as_tree_groups(heads, target_programs):
+    """A program per request and kv head holds all its nodes' query rows (a node past a
+    request's tree sees only itself): one split, or several merged by the last split, which
+    leaves its arrival counters zero."""
+    masks = random_tree_masks([6, 1, 4], seed=5)
+    masks[1:, torch.arange(6), torch.arange(6)] = True
+    batch = compare(heads, ForwardMode.VERIFY, prefix_lens=[100, 0, 260], extend_lens=[6, 6, 6], tree_mask=masks,
+                    target_programs=target_programs, path="groups")
+    meta = batch.attn_metadata
+    assert meta.tree_groups and not meta.tree_rows
+    assert (meta.partial_out is not None) == (target_programs > 1)
+    assert meta.split_counters is None or not meta.split_counters.any()
+
+
+def test_verify_trees_past_the_row_limit_use_tree_groups_then_the_extend_kernel():
     batch = compare((6, 2, 64), ForwardMode.VERIFY, prefix_lens=[30, 70], extend_lens=[5, 5],
                     tree_mask=random_tree_masks([5, 5]), max_tree_rows=9)
-    assert not batch.attn_metadata.tree_rows
+    assert batch.attn_metadata.tree_groups and not batch.attn_metadata.tree_rows
+    masks = random_tree_masks([12, 12])   # 12 nodes x 6 heads: 72 rows, more than a program holds
+    batch = compare((12, 2, 64), ForwardMode.VERIFY, prefix_lens=[30, 70], extend_lens=[12, 12], tree_mask=masks,
+                    max_tree_rows=9)
+    assert not batch.attn_metadata.tree_groups and not batch.attn_metadata.tree_rows
 
 
 def test_verify_chain_without_mask_is_causal():
@@ -307,9 +338,9 @@ def padded_graph_batch(pool: KVPool, real: ForwardBatch, bs: int, tokens_per_req
         logits_indices=torch.arange(num_tokens, device=DEVICE), tree_mask=tree_mask)
 
 
-@pytest.mark.parametrize("mode,tree_rows", [(ForwardMode.DECODE, False), (ForwardMode.VERIFY, False),
-                                            (ForwardMode.VERIFY, True)])
-def test_static_buffers_match_plan(mode, tree_rows):
+@pytest.mark.parametrize("mode,path", [(ForwardMode.DECODE, None), (ForwardMode.VERIFY, "extend"),
+                                       (ForwardMode.VERIFY, "rows"), (ForwardMode.VERIFY, "groups")])
+def test_static_buffers_match_plan(mode, path):
     heads = num_heads, num_kv_heads, head_dim = (6, 2, 64)
     tokens_per_req = 1 if mode is ForwardMode.DECODE else 5
     pool = make_pool(num_kv_heads, head_dim)
@@ -318,9 +349,7 @@ def test_static_buffers_match_plan(mode, tree_rows):
     q, k, v = random_qkv(real.num_tokens, num_heads, num_kv_heads, head_dim)
 
     def triton_backend() -> TritonBackend:
-        backend = small_splits(TritonBackend(*heads), target_programs=160 if tree_rows else 24)
-        backend.max_tree_rows = 64 if tree_rows else 0
-        return backend
+        return route(small_splits(TritonBackend(*heads), target_programs=24 if path == "extend" else 160), path)
     expected = attend(triton_backend(), real, q, k, v)
 
     backend = triton_backend()
@@ -340,7 +369,8 @@ def test_static_buffers_match_plan(mode, tree_rows):
         a, b = getattr(captured, name), getattr(replayed, name)
         assert (a is None) == (b is None) and (a is None or a.data_ptr() == b.data_ptr()), name
     assert captured.row_blocks == replayed.row_blocks and replayed.partial_out is not None
-    assert captured.tree_rows == replayed.tree_rows == tree_rows
+    assert captured.tree_rows == replayed.tree_rows == (path == "rows")
+    assert captured.tree_groups == replayed.tree_groups == (path == "groups")
 
     pad_q, pad_k, pad_v = (torch.cat([x, torch.zeros((tokens_per_req, *x.shape[1:]), device=DEVICE)])
                            for x in (q, k, v))

@@ -1,7 +1,9 @@
 """The Triton attention backend: split-K decode, and one extend kernel for EXTEND (causal)
 and VERIFY (tree mask), over the token-granular KV pool. A VERIFY batch of few tree nodes
 goes through the decode kernel instead, one query row per node (its TREE mode): at small
-batches that is 2-3x faster than the extend kernel and its merge.
+batches that is 2-3x faster than the extend kernel and its merge. A larger one whose trees
+fit a program's query rows goes through tree_groups.py, a program per request and kv head
+that reads the request's keys once for all its nodes.
 
 Ragged VERIFY (`ForwardBatch.ragged`): request b has its own node count extend_lens[b]
 (1..n, n = tree_mask.shape[-1]), the nodes request after request, and the tokens past
@@ -49,6 +51,7 @@ from specserve.attention.kernels.decode import decode_attention, row_owners
 from specserve.attention.kernels.extend import (extend_attention, num_row_blocks, ragged_block_table,
                                                 ragged_blocks_bound)
 from specserve.attention.kernels.online_softmax import MAX_SPLITS
+from specserve.attention.kernels.tree_groups import MAX_GROUP_ROWS, group_rows, tree_group_attention
 from specserve.kv.pool import KVPool
 
 
@@ -67,7 +70,8 @@ class TritonMetadata:
     block_table: tuple[torch.Tensor, torch.Tensor] | None = None  # ragged EXTEND: (request, row block) per program
     tree_rows: bool = False  # VERIFY through the decode kernel, a row per tree node (split_counters per node)
     row_owner: torch.Tensor | None = None  # tree_rows: (num_tokens,) int32, each row's request, -1 for padding
-    zero_out: bool = False   # ragged VERIFY through the extend kernel: padding tokens' output is zeroed
+    zero_out: bool = False   # ragged VERIFY past its requests' tokens: padding tokens' output is zeroed
+    tree_groups: bool = False  # VERIFY through tree_groups.py, a program per request (split_counters per request)
 
 
 @dataclass
@@ -100,6 +104,9 @@ class TritonBackend(AttentionBackend):
     # VERIFY batches of up to this many tokens (tree nodes, ragged padding included) run as decode rows; measured
     # on an H200 at batch 1 (9-17 nodes: 2-3x faster than extend + merge) and batch 8 (step_cost)
     max_tree_rows = 64
+    # larger VERIFY batches whose trees fit one program's query rows (nodes x group, padded) run through
+    # tree_groups.py, which reads a request's keys once for all its nodes (0: the extend kernel instead)
+    max_group_rows = MAX_GROUP_ROWS
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__(num_heads, num_kv_heads, head_dim)
@@ -118,12 +125,13 @@ class TritonBackend(AttentionBackend):
             tree_mask = batch.tree_mask.to(torch.uint8).contiguous()
         max_kv = max((p + e for p, e in zip(batch.prefix_lens_host, batch.extend_lens_host)), default=0)
         tree_rows = self._tree_rows(batch)
+        tree_groups = self._tree_groups(batch, tree_rows)
         row_blocks, splits = self._grid(batch.mode, bs, max(batch.extend_lens_host, default=0), max_kv, device,
-                                        tree_rows=num_tokens if tree_rows else 0)
+                                        tree_rows=num_tokens if tree_rows else 0, tree_groups=tree_groups)
         padded = batch.ragged and sum(batch.extend_lens_host) < num_tokens
         partial_out = partial_lse = split_counters = split_counts = None
         if splits > 1:
-            if batch.mode is ForwardMode.DECODE or tree_rows:
+            if batch.mode is ForwardMode.DECODE or tree_rows or tree_groups:
                 split_counters = torch.zeros(num_tokens * self.num_kv_heads, dtype=torch.int32, device=device)
             else:  # padding tokens keep a count of 1: the merge leaves them alone
                 split_counts = (torch.ones if padded else torch.empty)(num_tokens, dtype=torch.int32, device=device)
@@ -136,16 +144,22 @@ class TritonBackend(AttentionBackend):
             partial_out=partial_out, partial_lse=partial_lse,
             split_counters=split_counters, split_counts=split_counts, tree_rows=tree_rows,
             row_owner=row_owners(qo_indptr, num_tokens) if tree_rows else None,
-            zero_out=padded and not tree_rows)
+            zero_out=padded and not tree_rows, tree_groups=tree_groups)
 
     def _tree_rows(self, batch: ForwardBatch) -> bool:
         """Whether this VERIFY batch goes through the decode kernel's TREE mode: a tree mask,
-        few rows in all, and ragged or the same n nodes for every request (an eager batch
-        of trees of different sizes, not marked ragged, keeps the extend kernel)."""
+        few rows in all, and ragged or the same n nodes for every request."""
         if batch.mode is not ForwardMode.VERIFY or batch.tree_mask is None:
             return False
-        uniform = batch.num_tokens == batch.batch_size * batch.tree_mask.shape[-1]
-        return (batch.ragged or uniform) and batch.num_tokens <= self.max_tree_rows
+        return _ragged_or_uniform(batch) and batch.num_tokens <= self.max_tree_rows
+
+    def _tree_groups(self, batch: ForwardBatch, tree_rows: bool) -> bool:
+        """Whether this VERIFY batch, too large for decode rows, goes through tree_groups.py: a
+        request's nodes times the q heads of a kv head fit one program's query rows."""
+        if tree_rows or batch.mode is not ForwardMode.VERIFY or batch.tree_mask is None:
+            return False
+        rows = group_rows(batch.tree_mask.shape[-1], self.group)
+        return _ragged_or_uniform(batch) and rows <= self.max_group_rows
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 batch: ForwardBatch) -> torch.Tensor:
@@ -158,7 +172,11 @@ class TritonBackend(AttentionBackend):
         # (num_tokens, num_heads, head_dim); tokens of no request are written by no program
         out = (torch.zeros if meta.zero_out else torch.empty)(q.shape, dtype=q.dtype, device=q.device)
         buffers = (pool.k_buffers[layer], pool.v_buffers[layer], pool.req_to_token, meta.req_rows, meta.prefix_lens)
-        if meta.mode is ForwardMode.DECODE or meta.tree_rows:
+        if meta.tree_groups:
+            tree_group_attention(q, *buffers, batch.out_slots, meta.qo_indptr, meta.tree_mask, out, self.scale,
+                                 partial_out=meta.partial_out, partial_lse=meta.partial_lse,
+                                 split_counters=meta.split_counters)
+        elif meta.mode is ForwardMode.DECODE or meta.tree_rows:
             decode_attention(q, *buffers, batch.out_slots, out, self.scale, partial_out=meta.partial_out,
                              partial_lse=meta.partial_lse, split_counters=meta.split_counters,
                              tree_mask=meta.tree_mask if meta.tree_rows else None, row_owner=meta.row_owner,
@@ -207,6 +225,9 @@ class TritonBackend(AttentionBackend):
             for tree_n in range(1, n + 1):  # EXTEND, and VERIFY through the extend kernel: bs * tree_n partial tokens
                 _, splits = self._grid(ForwardMode.VERIFY, bs, tree_n, kv_pool.max_context, device)
                 partial_rows = max(partial_rows, bs * tree_n * self.num_heads * splits if splits > 1 else 0)
+            # VERIFY through tree_groups.py: bs * n partial tokens, split as bs requests
+            _, splits = self._grid(ForwardMode.VERIFY, bs, n, kv_pool.max_context, device, tree_groups=True)
+            partial_rows = max(partial_rows, bs * n * self.num_heads * splits if splits > 1 else 0)
         tree_rows = min(max_bs * n, self.max_tree_rows) if n > 1 else 0
         for rows in range(1, tree_rows + 1):  # VERIFY graphs of any tree size up to n run as decode rows
             _, splits = self._grid(ForwardMode.VERIFY, 1, rows, kv_pool.max_context, device, tree_rows=rows)
@@ -251,8 +272,9 @@ class TritonBackend(AttentionBackend):
             tree_mask = g.tree_mask[:bs, :n, :n]
             tree_mask.copy_(batch.tree_mask)
         tree_rows = self._tree_rows(batch)
+        tree_groups = self._tree_groups(batch, tree_rows)
         row_blocks, splits = self._grid(batch.mode, bs, tokens_per_req, g.max_context, g.req_rows.device,
-                                        tree_rows=num_tokens if tree_rows else 0)
+                                        tree_rows=num_tokens if tree_rows else 0, tree_groups=tree_groups)
         row_owner = None
         if tree_rows:
             row_owner = row_owners(qo_indptr, num_tokens, out=g.row_owner[:num_tokens])
@@ -263,23 +285,24 @@ class TritonBackend(AttentionBackend):
             rows = tokens * self.num_heads * splits
             partial_out = g.partial_out[:rows * self.head_dim].view(tokens, self.num_heads, splits, self.head_dim)
             partial_lse = g.partial_lse[:rows].view(tokens, self.num_heads, splits)
-            if batch.ragged and not tree_rows:  # padding tokens the merge visits: a count of 1 leaves them alone
+            if batch.ragged and not (tree_rows or tree_groups):  # padding tokens the merge visits: a count of 1
                 g.split_counts[:tokens].fill_(1)
         batch.attn_metadata = TritonMetadata(
             mode=batch.mode, req_rows=g.req_rows[:bs], prefix_lens=g.prefix_lens[:bs],
             qo_indptr=qo_indptr, tree_mask=tree_mask, row_blocks=row_blocks,
             partial_out=partial_out, partial_lse=partial_lse, split_counters=g.split_counters,
             split_counts=g.split_counts, tree_rows=tree_rows, row_owner=row_owner,
-            zero_out=batch.ragged and not tree_rows)
+            zero_out=batch.ragged and not tree_rows, tree_groups=tree_groups)
 
     # --- grid ---
     def _grid(self, mode: ForwardMode, bs: int, tokens_per_req: int, max_kv_len: int,
-              device: torch.device, tree_rows: int = 0) -> tuple[int, int]:
+              device: torch.device, tree_rows: int = 0, tree_groups: bool = False) -> tuple[int, int]:
         """(row blocks per request, kv splits): split a request's keys only as far as
         needed to give the GPU about `target_programs` programs. `tree_rows`: a VERIFY batch
-        through the decode kernel, its row count (one row and one merge counter per token)."""
-        if tree_rows:
-            return 1, self._splits(tree_rows, max_kv_len, self.max_decode_splits, device)
+        through the decode kernel, its row count (one row and one merge counter per token);
+        `tree_groups`: through tree_groups.py (a program and a merge counter per request)."""
+        if tree_rows or tree_groups:
+            return 1, self._splits(tree_rows or bs, max_kv_len, self.max_decode_splits, device)
         row_blocks = 1 if mode is ForwardMode.DECODE else num_row_blocks(tokens_per_req, self.group)
         most = self.max_decode_splits if mode is ForwardMode.DECODE else MAX_SPLITS
         return row_blocks, self._splits(bs * row_blocks, max_kv_len, most, device)
@@ -290,6 +313,13 @@ class TritonBackend(AttentionBackend):
         target = self.target_programs or _default_target_programs(device)
         splits = min(triton.cdiv(max_kv_len, self.min_keys_per_split), triton.cdiv(target, programs), most)
         return max(splits, 1)
+
+
+def _ragged_or_uniform(batch: ForwardBatch) -> bool:
+    """A VERIFY batch whose rows the decode rows or tree groups can place: ragged, or n nodes
+    for every request (an eager batch of trees of different sizes, not marked ragged, keeps
+    the extend kernel)."""
+    return batch.ragged or batch.num_tokens == batch.batch_size * batch.tree_mask.shape[-1]
 
 
 def _check_ragged(batch: ForwardBatch) -> None:

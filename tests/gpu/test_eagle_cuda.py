@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specserve.attention import triton_backend
 from specserve.speculative.model_drafters import eagle
 from specserve.training.eagle_batches import BatchBuilder
 from specserve.training.eagle_eval import accepted_runs, replay_decoding
@@ -28,12 +29,25 @@ from tests.test_eagle_drafter_tree import TREES, check_trees, random_head  # noq
 CUDA = {"device": "cuda", "max_total_tokens": 4096}
 
 
+def verify_through_tree_groups(monkeypatch) -> list[int]:
+    """Every VERIFY batch through tree_groups.py (none as decode rows); the list counts its launches."""
+    launches = []
+    monkeypatch.setattr(triton_backend.TritonBackend, "max_tree_rows", 0)
+    original = triton_backend.tree_group_attention
+    monkeypatch.setattr(triton_backend, "tree_group_attention",
+                        lambda *args, **kwargs: (launches.append(1), original(*args, **kwargs)))
+    return launches
+
+
 @pytest.mark.parametrize("graph_max_bs", [8, 2])     # 2: the batches of 8 run eagerly
 @pytest.mark.parametrize("num_steps", [1, 3])
-def test_eagle_verify_steps_match_the_replay_on_cuda(target, head_dir, graph_max_bs, num_steps, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize("verify_attention", ["default", "tree-groups"])
+def test_eagle_verify_steps_match_the_replay_on_cuda(target, head_dir, graph_max_bs, num_steps, verify_attention,  # noqa: F811
+                                                     monkeypatch):
     path, _, _, held_out = target
     algorithm, head_path, head, extractor = head_dir
     graphs = GraphKinds(monkeypatch)
+    groups = verify_through_tree_groups(monkeypatch) if verify_attention == "tree-groups" else None
     with tiny_engine(path, cuda_graph_max_bs=graph_max_bs, **CUDA,
                      **eagle_args(algorithm, head_path, speculative_num_steps=num_steps)) as engine:
         assert engine.core.drafter.fused.graphs is not None
@@ -43,6 +57,7 @@ def test_eagle_verify_steps_match_the_replay_on_cuda(target, head_dir, graph_max
         assert [o["output_ids"] for o in outputs] == [c.tokens[c.prompt_len:] for c in held_out]
         wait_until_fused_state_is_free(engine)
     assert spy.engine == 0 and graphs.replays["greedy"] > 0
+    assert groups is None or groups, "no verify step went through tree_groups.py"
     # pinned drafting on the overlap schedule: steps chained on the device (graphs, and eager batches too)
     assert spy.chained > 0 and (graph_max_bs != 8 or graphs.replays["chained"] > 0), (spy.chained, graphs.replays)
     batch = BatchBuilder(extractor, None, bool(head.config.aux_layers))(held_out).conversations

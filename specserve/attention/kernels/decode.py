@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 
 from specserve.attention.kernels.online_softmax import (
-    LOG2_E, MERGE_CHUNK, attend_block, check_layout, dot_precision, load_kv_block, merge_head_splits, nonempty_splits,
-    split_range, store_split)
+    LOG2_E, MERGE_CHUNK, attend_block, check_layout, dot_precision, finish_split, load_kv_block, split_range,
+    store_split)
 from specserve.pdl import uses_pdl
 
 # launch configuration; BLOCK_N keys per step
@@ -129,22 +129,12 @@ def _decode_kernel(q_ptr, k_buffer, v_buffer, req_to_token, req_rows, prefix_len
     final_ptrs = final_ptr + req * stride_ft + heads[:, None] * stride_fh + dims[None, :]
     lse_ptrs = lse_ptr + req * stride_lt + heads * stride_lh + split
     if STORE_LSE:
-        splits = nonempty_splits(kv_len, num_splits, BLOCK_N)
-        if splits == 1:  # a context of one block: its one split writes the output
-            if split == 0:
-                store_split(final_ptrs, lse_ptrs, acc, m_i, l_i, row_ok, dim_ok, False)
-        elif lo < hi:
-            out_ptrs = out_ptr + req * stride_ot + heads[:, None] * stride_oh + split * stride_os + dims[None, :]
-            store_split(out_ptrs, lse_ptrs, acc, m_i, l_i, row_ok, dim_ok, True)
-            tl.debug_barrier()  # every thread's stores are issued before the release below
-            counter = counters + req * tl.num_programs(1) + kv_head
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == splits - 1:
-                group = kv_head * GROUP + tl.arange(0, BLOCK_G)  # the merge needs no padding for tl.dot
-                merge_head_splits(out_ptr + req * stride_ot + group[:, None] * stride_oh + dims[None, :],
-                                  lse_ptr + req * stride_lt + group * stride_lh,
-                                  final_ptr + req * stride_ft + group[:, None] * stride_fh + dims[None, :],
-                                  tl.arange(0, BLOCK_G) < GROUP, dim_ok, stride_os, splits, MERGE_CHUNK, False)
-                tl.store(counter, 0)
+        group = kv_head * GROUP + tl.arange(0, BLOCK_G)  # the merge needs no padding for tl.dot
+        finish_split(acc, m_i, l_i, row_ok, dim_ok, final_ptrs, lse_ptrs,
+                     out_ptr + req * stride_ot + heads[:, None] * stride_oh + split * stride_os + dims[None, :],
+                     counters + req * tl.num_programs(1) + kv_head, kv_len, lo, hi, split, num_splits,
+                     out_ptr, lse_ptr, final_ptr, req, 1, group, tl.arange(0, BLOCK_G) < GROUP, dims,
+                     stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ft, stride_fh, BLOCK_N, MERGE_CHUNK)
     else:
         store_split(final_ptrs, lse_ptrs, acc, m_i, l_i, row_ok, dim_ok, False)
 

@@ -83,6 +83,31 @@ def store_split(out_ptrs, lse_ptrs, acc, m_i, l_i, row_ok, dim_ok, STORE_LSE: tl
 
 
 @triton.jit
+def finish_split(acc, m_i, l_i, row_ok, dim_ok, final_ptrs, lse_ptrs, split_ptrs, counter, kv_len, lo, hi,
+                 split, num_splits, out_ptr, lse_ptr, final_ptr, first_token, num_tokens, group_heads, group_ok, dims,
+                 stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ft, stride_fh,
+                 BLOCK_N: tl.constexpr, MERGE_CHUNK: tl.constexpr):
+    """A split's rows done (acc, m_i, l_i): a context of one split writes the output, else the
+    split stores its partial (split_ptrs, lse_ptrs) and counts itself in `counter`; the last
+    split to arrive merges tokens first_token .. first_token + num_tokens - 1 (their heads
+    `group_heads`, of which `group_ok` are real) and zeroes the counter for the next launch."""
+    splits = nonempty_splits(kv_len, num_splits, BLOCK_N)
+    if splits == 1:  # a context of one block: its one split writes the output
+        if split == 0:
+            store_split(final_ptrs, lse_ptrs, acc, m_i, l_i, row_ok, dim_ok, False)
+    elif lo < hi:
+        store_split(split_ptrs, lse_ptrs, acc, m_i, l_i, row_ok, dim_ok, True)
+        tl.debug_barrier()  # every thread's stores are issued before the release below
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == splits - 1:
+            for token in range(first_token, first_token + num_tokens):
+                merge_head_splits(out_ptr + token * stride_ot + group_heads[:, None] * stride_oh + dims[None, :],
+                                  lse_ptr + token * stride_lt + group_heads * stride_lh,
+                                  final_ptr + token * stride_ft + group_heads[:, None] * stride_fh + dims[None, :],
+                                  group_ok, dim_ok, stride_os, splits, MERGE_CHUNK, False)
+            tl.store(counter, 0)
+
+
+@triton.jit
 def merge_head_splits(partial_ptrs, lse_ptrs, out_ptrs, head_ok, dim_ok, stride_ps, num_splits,
                       BLOCK_S: tl.constexpr, MAY_BE_EMPTY: tl.constexpr):
     """Combine the first num_splits splits of a block of heads of one token.
