@@ -220,7 +220,7 @@ def test_static_ragged_plan_replays_new_lengths(path):
 def test_graph_state_fits_every_ragged_graph():
     """Any bs <= max_bs and num_tokens <= max_bs * max_tokens_per_req plans within the state."""
     pool = make_pool(HEADS[1], HEADS[2])
-    backend = small_splits(TritonBackend(*HEADS), target_programs=160)
+    backend = route(small_splits(TritonBackend(*HEADS), target_programs=160), "groups")
     backend.max_tree_rows = 10
     backend.init_cuda_graph_state(max_bs=3, max_tokens_per_req=4, kv_pool=pool)
     for bs in range(1, 4):

@@ -21,6 +21,7 @@ import triton  # noqa: E402,F401  -- no triton must fail these tests, never skip
 from specserve.attention.base import ForwardBatch, ForwardMode  # noqa: E402
 from specserve.attention.kernels import decode as decode_kernels  # noqa: E402
 from specserve.attention.kernels.extend import extend_attention, num_row_blocks  # noqa: E402
+from specserve.attention.kernels.tree_groups import MAX_GROUP_ROWS  # noqa: E402
 from specserve.attention.torch_native import TorchNativeBackend  # noqa: E402
 from specserve.attention.triton_backend import TritonBackend  # noqa: E402
 from specserve.kv.pool import PADDING_SLOT, KVPool  # noqa: E402
@@ -102,7 +103,7 @@ def attend(backend, batch: ForwardBatch, q, k, v) -> torch.Tensor:
 def route(backend: TritonBackend, path: str) -> TritonBackend:
     """VERIFY through the decode kernel's rows ("rows"), tree_groups.py ("groups") or the extend kernel."""
     backend.max_tree_rows = 64 if path == "rows" else 0
-    backend.max_group_rows = 64 if path == "groups" else 0
+    backend.max_group_rows = MAX_GROUP_ROWS if path == "groups" else 0
     return backend
 
 
@@ -282,7 +283,8 @@ def test_verify_trees_as_tree_groups(heads, target_programs):
     assert meta.split_counters is None or not meta.split_counters.any()
 
 
-def test_verify_trees_past_the_row_limit_use_tree_groups_then_the_extend_kernel():
+def test_verify_trees_past_the_row_limit_use_tree_groups_then_the_extend_kernel(monkeypatch):
+    monkeypatch.setattr(TritonBackend, "max_group_rows", MAX_GROUP_ROWS)   # SPECSERVE_TREE_GROUPS=1
     batch = compare((6, 2, 64), ForwardMode.VERIFY, prefix_lens=[30, 70], extend_lens=[5, 5],
                     tree_mask=random_tree_masks([5, 5]), max_tree_rows=9)
     assert batch.attn_metadata.tree_groups and not batch.attn_metadata.tree_rows

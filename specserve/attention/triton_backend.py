@@ -41,6 +41,7 @@ padded as above with one node (extend_len 1).
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -105,8 +106,9 @@ class TritonBackend(AttentionBackend):
     # on an H200 at batch 1 (9-17 nodes: 2-3x faster than extend + merge) and batch 8 (step_cost)
     max_tree_rows = 64
     # larger VERIFY batches whose trees fit one program's query rows (nodes x group, padded) run through
-    # tree_groups.py, which reads a request's keys once for all its nodes (0: the extend kernel instead)
-    max_group_rows = MAX_GROUP_ROWS
+    # tree_groups.py, which reads a request's keys once for all its nodes (0: the extend kernel instead).
+    # Opt-in (SPECSERVE_TREE_GROUPS=1) until a GPU has run it: its tests ran in Triton's interpreter only
+    max_group_rows = MAX_GROUP_ROWS if os.environ.get("SPECSERVE_TREE_GROUPS", "0") == "1" else 0
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__(num_heads, num_kv_heads, head_dim)

@@ -33,6 +33,7 @@ def verify_through_tree_groups(monkeypatch) -> list[int]:
     """Every VERIFY batch through tree_groups.py (none as decode rows); the list counts its launches."""
     launches = []
     monkeypatch.setattr(triton_backend.TritonBackend, "max_tree_rows", 0)
+    monkeypatch.setattr(triton_backend.TritonBackend, "max_group_rows", triton_backend.MAX_GROUP_ROWS)
     original = triton_backend.tree_group_attention
     monkeypatch.setattr(triton_backend, "tree_group_attention",
                         lambda *args, **kwargs: (launches.append(1), original(*args, **kwargs)))
