@@ -8,6 +8,8 @@ import pytest
 
 from lab.policy_sim import SCENARIOS, simulate
 from lab.policy_sim_b1 import timed_cell
+from specserve.bench.policy_trace import PolicyTrace
+from specserve.speculative.adaptive.draft_cuts import PLAIN
 from specserve.speculative.adaptive.listener import PolicyListener
 from specserve.speculative.adaptive.modes import BYPASS_BUDGET, EPISODE_WINDOW, MAX_PLAIN_HOLD, BucketModes
 from specserve.speculative.adaptive.policy import MAX_OPTIMISM, PLAIN_HOLD, SWITCH_MARGIN, AdaptiveDraftLength
@@ -155,11 +157,23 @@ def test_the_switch_margin_grows_with_the_episodes_overshoot(overshoot, margin):
     adaptive = AdaptiveDraftLength([1, 4])
     if overshoot is not None:
         adaptive.modes.episode_overshoot[1] = overshoot
-    assert adaptive._switch_margin(1) == pytest.approx(SWITCH_MARGIN * margin)
+    assert adaptive.switch_margin_at(1) == pytest.approx(SWITCH_MARGIN * margin)
     adaptive.optimism[1] = 1.3                             # the larger of the two records counts
-    assert adaptive._switch_margin(1) == pytest.approx(SWITCH_MARGIN * max(margin, 1.3))
+    assert adaptive.switch_margin_at(1) == pytest.approx(SWITCH_MARGIN * max(margin, 1.3))
     adaptive.optimism[1] = 2.5                             # and no more than MAX_OPTIMISM
-    assert adaptive._switch_margin(1) == pytest.approx(SWITCH_MARGIN * MAX_OPTIMISM)
+    assert adaptive.switch_margin_at(1) == pytest.approx(SWITCH_MARGIN * MAX_OPTIMISM)
+
+
+def test_a_probes_trace_names_the_margin_it_had_to_beat_and_what_raised_it():
+    adaptive = AdaptiveDraftLength([1, 4])
+    adaptive.modes.episode_overshoot[16] = 1.2
+    trace = PolicyTrace(adaptive)
+    trace.rated(16, 16, ["a"], [4], None, False, PLAIN, {1: 100.0, 4: 113.0})
+    trace.rated(16, 16, ["a"], [4], None, True, PLAIN, {1: 100.0, 4: 113.0})   # a drafting step's choice: no margin
+    trace.close()
+    probe, choice = trace.events
+    assert probe["margin"] == pytest.approx(SWITCH_MARGIN * 1.2, abs=1e-3)
+    assert (probe["overshoot"], probe["optimism"]) == (1.2, None) and "margin" not in choice
 
 
 def test_a_probe_that_switches_records_the_gain_it_expected():
@@ -236,7 +250,7 @@ def test_an_episode_that_won_leaves_no_overshoot_to_raise_the_next_switchs_margi
     x MAX_OPTIMISM and a probe expecting 1.67x (a kept EAGLE-3 head at batch 1) stayed plain."""
     adaptive = won_by_a_run_of_misses()
     assert adaptive.modes.plain_until[1] == adaptive.costs.steps(1)   # won: the bucket is open
-    assert adaptive._switch_margin(1) == pytest.approx(SWITCH_MARGIN)
+    assert adaptive.switch_margin_at(1) == pytest.approx(SWITCH_MARGIN)
     for _ in range(20):                                    # a new request: one draft of three accepted
         propose(adaptive, "s")
         adaptive.observe("s", [1, 8])

@@ -8,7 +8,8 @@ losing-episode budget explained them. The trace records, per event:
 
 - `rates`: each tier's expected tokens per second as the policy computed them (a drafting
   step's choice, `measure`, or a probe's), with the batch size, the requests sampled and
-  how many of them had a draft;
+  how many of them had a draft; a probe's also with the switch margin drafting had to beat
+  (`margin`) and the bucket's records that raised it (`overshoot`, `optimism`);
 - `switch`: a probe switching a plain bucket to drafting, whether it bypassed a hold, and the
   stale tier it switched to re-price (`reprices`; None: a switch rated at prices or floors);
 - `episode`: a drafting episode's end, its realized rate against the bucket's plain rate;
@@ -56,6 +57,10 @@ class PolicyTrace(PolicyListener):
                             "with_draft": sum(n > 1 for n in num_nodes), "choose": choosing, "choice": choice.tier,
                             "level": choice.level, "drafted": drafted,
                             "rates": {t: round(r) for t, r in rates.items()}})
+        if not choosing:   # a probe: what drafting had to beat, and what raised it
+            self.events[-1].update(margin=round(self.policy.switch_margin_at(bucket), 3),
+                                   overshoot=self.policy.modes.episode_overshoot.get(bucket),
+                                   optimism=self.policy.optimism.get(bucket))
 
     def step_recorded(self, bucket, batch_size, tree_size, seconds, tokens, steady, nodes, expected, prefill):
         rate = expected[0] / expected[1] if expected is not None and expected[1] > 0 else None   # its choice's tok/s

@@ -212,9 +212,9 @@ class AdaptiveDraftLength:
             return False, None   # what drafting must beat is not known yet (modes.py: plain_trial)
         _, best, rates, cuts = self._rate(bucket, batch_size, rids, num_nodes, keys)
         if not rates:   # a level is not priced at this bucket yet: drafting prices it, if it may win
-            return self.cuts.may_pay(bucket, rids, num_nodes, keys, self._switch_margin(bucket)), None
+            return self.cuts.may_pay(bucket, rids, num_nodes, keys, self.switch_margin_at(bucket)), None
         prices = {t: self.costs.price(bucket, cut.level) for t, cut in cuts.items()}
-        if best.tier > 1 and rates[best.tier] >= self._switch_margin(bucket) * rates[1]:
+        if best.tier > 1 and rates[best.tier] >= self.switch_margin_at(bucket) * rates[1]:
             self._log_decision(bucket, batch_size, rates, prices, "drafts")
             # a gain rated at a floor price (best's level not priced yet) is a bound, not an
             # expectation: its episode prices the level and is no record of overshooting
@@ -246,9 +246,9 @@ class AdaptiveDraftLength:
                           f"{rate * prices[t] / batch_size:.2f} tokens a request)"
                           for t, rate in sorted(rates.items()))
         logger.debug("speculative policy, batch %d (bucket %d): %s; switch margin %.2f: %s",
-                     batch_size, bucket, tiers, self._switch_margin(bucket), verdict)
+                     batch_size, bucket, tiers, self.switch_margin_at(bucket), verdict)
 
-    def _switch_margin(self, bucket: int) -> float:
+    def switch_margin_at(self, bucket: int) -> float:
         """The switch margin, times how much the bucket's drafting choices, or the probes that
         started its episodes (modes.py: episode_overshoot), overshot of late."""
         overshoot = max(self.optimism.get(bucket, 1.0), self.modes.episode_overshoot.get(bucket, 1.0), 1.0)
