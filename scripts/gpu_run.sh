@@ -77,7 +77,9 @@
 #                                                   (one tar); ~70 s)
 #   AB_OLD=.ab/old scripts/gpu_run.sh eagle-wide-ab (after `eagle-head`: eagle-wide's adaptive cells for old trees
 #                                                   (AB_OLD=".ab/a .ab/b") and this one, alternating AB_RUNS (2) times
-#                                                   (AB_MODES="adaptive pinned": pinned too),
+#                                                   (AB_MODES="adaptive pinned": pinned too; AB_NEW_ENV="VAR=1":
+#                                                   this tree's runs under those variables, the old tree then
+#                                                   `git archive HEAD` for the same code without them),
 #                                                   with traces; ~40 s a tree a run)
 #   scripts/gpu_run.sh admission-profile           (after `eagle-head`: lab.held_plain_profile --modes plain pinned at
 #                                                   ADMISSION_CONCURRENCY (32): what the steps that admit requests cost,
@@ -478,9 +480,11 @@ if [ "$mode" = eagle-wide-ab ]; then
   for run in $(seq 1 "${AB_RUNS:-2}"); do
     for tree in ${AB_OLD:?AB_OLD names the old trees: .ab/old} .; do
       side=$(basename "$tree"); [ "$tree" = . ] && side=new
-      PYTHONPATH=/tmp/site:$PWD/$tree CHAIN_ALGORITHMS=EAGLE3 chain_rows "$OUT/eagle_wide_ab/${side}_r$run" \
-        --workloads sharegpt-multiturn --concurrency 32 64 --num-prompts 64 --rounds 4 --modes ${AB_MODES:-adaptive} \
-        --policy-trace-dir "$OUT/eagle_wide_ab/${side}_r$run/traces"
+      # (a subshell: AB_NEW_ENV's variables, e.g. "SPECSERVE_TREE_GROUPS=1", for this tree's runs alone)
+      ( [ "$tree" = . ] && [ -n "${AB_NEW_ENV:-}" ] && export ${AB_NEW_ENV}
+        PYTHONPATH=/tmp/site:$PWD/$tree CHAIN_ALGORITHMS=EAGLE3 chain_rows "$OUT/eagle_wide_ab/${side}_r$run" \
+          --workloads sharegpt-multiturn --concurrency 32 64 --num-prompts 64 --rounds 4 --modes ${AB_MODES:-adaptive} \
+          --policy-trace-dir "$OUT/eagle_wide_ab/${side}_r$run/traces" )
     done
   done
   tar -cf "$OUT/eagle_wide_ab_traces.tar" -C "$OUT/eagle_wide_ab" . && find "$OUT/eagle_wide_ab" -name traces -type d -exec rm -rf {} +
