@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 
 from specserve.attention.kernels.online_softmax import (
-    LOG2_E, MERGE_CHUNK, attend_block, check_layout, dot_precision, finish_split, load_kv_block, split_range,
-    store_split)
+    LOG2_E, MERGE_CHUNK, attend_block, check_layout, dot_precision, finish_split, load_kv_block, split_program,
+    split_range, store_split)
 from specserve.pdl import uses_pdl
 
 # launch configuration; BLOCK_N keys per step
@@ -75,10 +75,7 @@ def _decode_kernel(q_ptr, k_buffer, v_buffer, req_to_token, req_rows, prefix_len
                    DOT_PRECISION: tl.constexpr, MERGE_CHUNK: tl.constexpr, TREE: tl.constexpr,
                    USE_PDL: tl.constexpr):
     # `req` is the program's query row: a request's one new token, or in TREE mode a tree node
-    req = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    num_splits = tl.num_programs(2)
+    req, kv_head, split, num_splits = split_program()
 
     if USE_PDL:  # the next kernel (o_proj) may start fetching its weights
         tl.extra.cuda.gdc_launch_dependents()

@@ -24,6 +24,12 @@ MERGE_CHUNK = 8  # splits a merge reads at once (a running max across chunks)
 
 
 @triton.jit
+def split_program():
+    """(row, kv_head, split, num_splits) of a split-K program over a (rows, kv_heads, splits) grid."""
+    return tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2), tl.num_programs(2)
+
+
+@triton.jit
 def split_range(kv_len, split, num_splits, BLOCK_N: tl.constexpr):
     """Key positions [lo, hi) of one split; splits are whole blocks, and the last ones may
     be empty (lo >= hi) so that the grid can be fixed while lengths vary."""

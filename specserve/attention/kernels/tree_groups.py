@@ -25,8 +25,8 @@ import triton.language as tl
 
 from specserve.attention.kernels.decode import CONFIG
 from specserve.attention.kernels.online_softmax import (
-    LOG2_E, MERGE_CHUNK, attend_block, check_layout, dot_precision, finish_split, load_kv_block, split_range,
-    store_split)
+    LOG2_E, MERGE_CHUNK, attend_block, check_layout, dot_precision, finish_split, load_kv_block, split_program,
+    split_range, store_split)
 from specserve.pdl import uses_pdl
 
 # query rows a program may hold (nodes x group, padded): past it the extend kernel is used
@@ -47,10 +47,7 @@ def _tree_group_kernel(q_ptr, k_buffer, v_buffer, req_to_token, req_rows, prefix
                        HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, STORE_LSE: tl.constexpr,
                        DOT_PRECISION: tl.constexpr, MERGE_CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
-    req = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    num_splits = tl.num_programs(2)
+    req, kv_head, split, num_splits = split_program()
     if USE_PDL:  # the next kernel (o_proj) may start fetching its weights
         tl.extra.cuda.gdc_launch_dependents()
     qo_start = tl.load(qo_indptr + req).to(tl.int64)
