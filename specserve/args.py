@@ -175,7 +175,8 @@ class ServerArgs:
     speculative_ngram_min_bfs_breadth: int = _spec(1, "fewest children expanded per draft node")
     speculative_ngram_max_bfs_breadth: int = _spec(10, "most children expanded per draft node")
     speculative_ngram_match_type: str = _spec("BFS", "BFS: by count; PROB: by path probability", choices=("BFS", "PROB"))
-    speculative_ngram_forecast: int | None = _spec(None, "NGRAM (specserve's): greedy batches of up to 8 requests "
+    speculative_ngram_forecast: int | None = _spec(None, "NGRAM and the hybrid's trie (specserve's): greedy batches "
+                                               "of up to 8 requests "
                                                "launch each verify step before the step before it is read, its "
                                                "drafts picked on the device from the trie's forecast: this many "
                                                "likeliest next tokens for every node the step before may end on, "
@@ -257,9 +258,9 @@ class ServerArgs:
             raise ArgumentError(f"speculative_num_draft_tokens must be >= 1, got {self.speculative_num_draft_tokens}")
         if self.speculative_ngram_forecast is not None and self.speculative_ngram_forecast < 0:
             raise ArgumentError(f"speculative_ngram_forecast must be >= 0 (0: off), got {self.speculative_ngram_forecast}")
-        if self.speculative_ngram_forecast and self.speculative != "NGRAM":
+        if self.speculative_ngram_forecast and self.speculative != "NGRAM" and not self.speculative_hybrid_ngram:
             raise NotSupportedError(f"speculative_ngram_forecast forecasts the n-gram trie's drafts: it needs "
-                                    f"speculative_algorithm NGRAM, got {algorithm!r}")
+                                    f"speculative_algorithm NGRAM or speculative_hybrid_ngram, got {algorithm!r}")
         if self.speculative in MODEL_ALGORITHMS:
             self._check_draft_model()
             if not self.speculative_hybrid_ngram:

@@ -18,11 +18,13 @@ import pytest
 import torch
 
 from specserve.args import ServerArgs
+from specserve.engine.draft_ahead import ForecastStep
 from specserve.errors import ArgumentError
 from specserve.speculative.hybrid import source_choice
 from specserve.speculative.hybrid.drafter import HybridDrafter, merge_proposals
 from specserve.speculative.hybrid.fused_hybrid import FusedHybridDrafter
 from specserve.speculative.hybrid.source_choice import HEAD_RECHECK_STEPS, SourceChoice
+from specserve.training.target_features import TargetFeatureExtractor
 from specserve.verify.tree import TreeProposal
 from tests.fused_fixtures import FusedSpy, save_random_eagle_head
 from tests.spec_fixtures import (assert_draft_pool_is_free, cached_draft_rows, make_tiny_directory, tiny_engine,
@@ -132,6 +134,90 @@ def test_head_steps_are_fused_and_chained_beside_trie_steps(models, plain):
         assert used.get("ngram", 0) > 0 and used.get("head", 0) > 0, used
         assert spy.fused > 0 and spy.chained > 0 and spy.engine > 0, vars(spy)
         wait_until_everything_is_free(engine)
+
+
+def observed_states(engine) -> dict[tuple, torch.Tensor]:
+    """Spies on the target's states the hybrid is given: (prompt, position) -> state."""
+    drafter, states = engine.core.drafter, {}
+    observe = drafter.observe_hidden
+
+    def observing(reqs, starts, given, rows, owned=False):
+        for req, start, request_rows in zip(reqs, starts, rows):
+            for offset, row in enumerate(request_rows):
+                states[(tuple(req.prompt_ids), start + offset)] = given[row].clone()
+        return observe(reqs, starts, given, rows, owned)
+    drafter.observe_hidden = observing
+    return states
+
+
+def test_trie_steps_are_forecast_and_give_the_head_their_states(models, plain, monkeypatch):
+    target, head = models
+    with tiny_engine(target, **hybrid_args(head, speculative_ngram_forecast=2)) as engine:
+        check_forecast_steps(ahead_on(engine), plain["greedy"], monkeypatch, tolerance=1e-4)
+
+
+def check_forecast_steps(engine, plain_greedy: list[list[int]], monkeypatch, tolerance: float) -> None:
+    """With --speculative-ngram-forecast (on by default on a GPU), a batch whose every request
+    drafts from the trie queues its next trie step before this one is read, its drafts picked
+    from the trie's forecast (engine/draft_ahead.py); the output is plain decoding's, those
+    drafts count as the trie's, and the head is given the target's states of the tokens those
+    steps commit (a forecast step's rows, cut where a request ended; on a GPU, a graph's
+    outputs the next replay overwrites): those of one forward over the whole sequence."""
+    held, forecast_positions = [], set()
+    hold = ForecastStep.hold
+
+    def holding(self, *args):
+        held_step = hold(self, *args)
+        held.append(held_step[0])   # its accepted nodes' states are observed from each request's kv_len on
+        forecast_positions.update((tuple(req.prompt_ids), req.kv_len) for req in held_step[0].reqs)
+        return held_step
+    monkeypatch.setattr(ForecastStep, "hold", holding)
+    states = observed_states(engine)
+    outputs = two_turns(engine, GREEDY)
+    assert [o["output_ids"] for o in outputs] == plain_greedy
+    # requests that end at different steps, some while the step after theirs is forecast already
+    # (every step forecast: the gate's record of the runs above says it does not pay here)
+    gate = engine.core.drafting.forecast_gate
+    wants = gate.wants
+    gate.wants = lambda records, batch_size: (True, wants(records, batch_size)[1])
+    lengths = [13, 19, 25, 31]
+    ending = engine.generate(input_ids=PROMPTS, sampling_params=[{**GREEDY, "max_new_tokens": n} for n in lengths])
+    assert [o["output_ids"] for o in ending] == [a[:n] for a, n in zip(plain_greedy, lengths)]
+    used = sources(outputs + ending)
+    assert used.get("ngram", 0) > 0 and used.get("head", 0) > 0, used
+    assert used == engine.core.drafter.proposals
+    assert any(len(step.reqs) > 1 for step in held), [len(step.reqs) for step in held]
+    assert any(step.rows is not None for step in held)
+    assert forecast_positions <= states.keys()
+    runner = engine.core.runner
+    extract = TargetFeatureExtractor(runner.model, runner.hidden_capture.layers, max_tokens=256, max_sequences=1)
+    checked = 0
+    for prompt, output in zip(PROMPTS + [p + o + FOLLOW_UP for p, o in zip(PROMPTS, plain_greedy)], plain_greedy):
+        positions = sorted(p for key, p in forecast_positions if key == tuple(prompt))
+        if positions:
+            want = extract([list(prompt) + output]).layers
+            for position in positions:
+                torch.testing.assert_close(states[(tuple(prompt), position)], want[position],
+                                           atol=tolerance, rtol=tolerance)
+            checked += len(positions)
+    assert checked == len(forecast_positions) > 0
+    wait_until_everything_is_free(engine)
+
+
+def test_a_forecast_is_asked_only_while_every_request_drafts_from_the_trie():
+    """... and none is due to take the head's drafts at its next step (HEAD_RECHECK_STEPS)."""
+    ngram = SimpleNamespace(forecasts=lambda batch_size: True)
+    drafter = HybridDrafter(ngram, SimpleNamespace(num_steps=3), max_nodes=8)
+    assert not drafter.forecasts(2)
+    reqs = [SimpleNamespace(rid=rid, last_token=7, num_tokens=10, spec=SimpleNamespace(draft_sources={})) for rid in "ab"]
+    trie = TreeProposal.from_lists([([7, 1, 2], [-1, 0, 1])] * 2)
+    for streak in range(1, HEAD_RECHECK_STEPS + 1):
+        drafter.forecast_held(reqs, trie, [3, 3], [2, 2])
+        assert drafter.forecasts(2) == (streak < HEAD_RECHECK_STEPS)
+        assert drafter.proposals["ngram"] == 2 * streak
+    drafter.choice.took(["a"], np.zeros(1, dtype=bool))   # a step of the head's for one of them
+    drafter._trie_only = drafter.choice.trie_may_go_on(["a", "b"])
+    assert not drafter.forecasts(2)
 
 
 def test_a_fused_head_gives_way_only_to_trie_drafts_worth_the_break():

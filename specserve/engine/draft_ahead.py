@@ -59,14 +59,14 @@ import torch
 from specserve.engine.commit import StepOutcome
 from specserve.engine.scheduler import Scheduler
 from specserve.grammar.greedy_paths import LogitsAt, keep_to_grammar
-from specserve.kv.pool import PADDING_SLOT
+from specserve.kv.pool import PADDING_SLOT, host_to_device_async
 from specserve.request.forecast_record import ForecastGate
 from specserve.request.req import Req, same_requests
 from specserve.runner.forecast_step import pick
 from specserve.runner.model_runner import InFlight, ModelRunner
 from specserve.runner.stream_events import record
 from specserve.runner.tree_step import GreedyOutcome, pad_node_slots
-from specserve.speculative.drafter import ChainedSteps, Drafter, FusedSteps, hints
+from specserve.speculative.drafter import ChainedSteps, Drafter, ForecastSteps, FusedSteps, hints
 from specserve.verify.tree import TreeProposal
 
 
@@ -103,19 +103,21 @@ class DraftStep:
 
     def read(self) -> StepOutcome:
         """Waits for the step (the one host sync) and parses its outcome."""
-        packed = self.launched.wait()
+        packed, hidden = self.launched.wait(), self.hidden
         if self.rows is not None:
             packed = packed[self.rows]
+            if hidden is not None:   # without waiting: a blocking copy would wait for the step launched after it
+                hidden = hidden.index_select(0, host_to_device_async(torch.tensor(self.rows), hidden.device))
         if self.read_fused is not None:   # the drafter keeps the next drafts; the table is written
             parsed = self.read_fused(packed)
             return StepOutcome(parsed.tokens, parsed.accepted, parsed.accept_lens, True, None)
         if self.num_slots == 1:   # no drafts: the argmax is the outcome, the step wrote its slots in the table
             bs = len(self.reqs)
             outcome = StepOutcome([[token] for token in packed.tolist()], np.zeros((bs, 1), dtype=np.int64),
-                                  np.ones(bs, dtype=np.int64), True, self.hidden)
+                                  np.ones(bs, dtype=np.int64), True, hidden)
         else:
             parsed = GreedyOutcome.parse(packed)
-            outcome = StepOutcome(parsed.tokens, parsed.accepted, parsed.accept_lens, True, self.hidden)
+            outcome = StepOutcome(parsed.tokens, parsed.accepted, parsed.accept_lens, True, hidden)
         if any(r.grammar is not None for r in self.reqs):   # verified unmasked: greedy_paths.py
             tree = self.tree
             moved = keep_to_grammar([r.grammar for r in self.reqs], outcome.tokens, outcome.accepted,
@@ -173,15 +175,16 @@ class ForecastStep:
     table: np.ndarray          # the forecast it picked from (trees of up to the table's width)
     gate: ForecastGate         # its engine's, which hears what each request's pick found
     step_ratio: float          # the gate's r when it was launched
+    hidden: torch.Tensor | None = None   # (bs, n, features) when the runner keeps them
 
-    def hold(self, scheduler: Scheduler, drafter: Drafter, before: StepOutcome, live: list[int],
+    def hold(self, scheduler: Scheduler, drafter: ForecastSteps, before: StepOutcome, live: list[int],
              started: float) -> tuple[DraftStep, TreeProposal, list[int], list[int]]:
         """The step for the requests at rows `live` (those the step before did not end), its
         trees the first n nodes of the ones the step before's outcome picked (`before`), as on
         the device; the slots of nodes no tree took are freed (the device wrote none of them:
         it gave them the padding slot). Each live request's record notes whether it found its
         entry. Also returns, for the policy, the trees whole (what the drafter proposed), their
-        node counts and keys."""
+        node counts and keys, which the drafter hears too (ForecastSteps.forecast_held)."""
         bs, n = self.node_slots.shape
         picked = pick(self.table, before.accept_lens, before.accepted, before.tokens, n)
         for i in live:   # the evidence for whether their next steps forecast (request/forecast_record.py)
@@ -195,13 +198,15 @@ class ForecastStep:
         num_nodes = verified.num_nodes[live]
         tree = TreeProposal(verified.tokens[live], verified.parents[live], num_nodes)
         reqs = [self.reqs[i] for i in live]
-        step = DraftStep(reqs, num_nodes, node_slots, node_slots[taken[live]].tolist(), self.launched, None, started,
-                         rows=None if len(live) == bs else live, tree=tree, nodes_run=bs * n, forecast=True)
+        step = DraftStep(reqs, num_nodes, node_slots, node_slots[taken[live]].tolist(), self.launched, self.hidden,
+                         started, rows=None if len(live) == bs else live, tree=tree, nodes_run=bs * n, forecast=True)
         full = picked.full
         proposed = TreeProposal(full.tokens[live], full.parents[live], full.num_nodes[live])
-        return step, proposed, proposed.num_nodes.tolist(), [picked.keys[i] for i in live]
+        proposed_nodes, keys = proposed.num_nodes.tolist(), [picked.keys[i] for i in live]
+        drafter.forecast_held(reqs, proposed, proposed_nodes, keys)
+        return step, proposed, proposed_nodes, keys
 
-    def free(self, scheduler: Scheduler, drafter: Drafter, rows: list[int]) -> None:
+    def free(self, scheduler: Scheduler, drafter: ForecastSteps, rows: list[int]) -> None:
         """Frees these rows' slots (the step may still write them: whoever gets them next
         writes after it, in stream order)."""
         scheduler.free_slots(self.node_slots[rows].ravel().tolist())
@@ -219,7 +224,7 @@ def launch_forecast_step(runner: ModelRunner, before: DraftStep, table: np.ndarr
     if before.rows is not None:   # the rows of requests the step before that ended are cut
         outcome = outcome.index_select(0, torch.tensor(before.rows, device=outcome.device))
     step = runner.run_forecast_trees(reqs, [r.kv_len for r in reqs], node_slots, outcome, table)
-    return ForecastStep(reqs, copies.launch(step.outcome), node_slots, table, gate, step_ratio)
+    return ForecastStep(reqs, copies.launch(step.outcome), node_slots, table, gate, step_ratio, step.hidden)
 
 
 class OutcomeCopies:

@@ -232,6 +232,8 @@ class DraftingStep(StepPipeline):
                 record.skip()
             return None
         table, n, step_ratio = forecast
+        if step.hidden is not None:   # a graph's outputs, which the forecast step's replay overwrites before they are read
+            step.hidden = step.hidden.clone()
         slots = self.scheduler.alloc_slots(len(reqs) * n)
         try:
             return launch_forecast_step(self.runner, step, table, slots, self.copies, self.forecast_gate, step_ratio)

@@ -233,3 +233,9 @@ class ForecastSteps:
         """The forecast table (runner/forecast_step.py's layout) for the step after the one
         verifying `proposal` for these requests, next trees of up to `nodes` nodes."""
         raise NotImplementedError
+
+    def forecast_held(self, reqs: list["Req"], proposal: TreeProposal, num_nodes: list[int],
+                      keys: list[int]) -> None:
+        """A step picked from the forecast is held for these requests (the step before it
+        committed): its trees whole, their node counts and evidence classes, as a proposal's
+        would be. A drafter that keeps its own record of what each step drafted adds it here."""

@@ -2,7 +2,8 @@
 are the fused chain's, replayed from the fused graphs and chained on the device, its trie steps
 verified by the engine's graphs between them (speculative/hybrid/fused_hybrid.py). Greedy output
 equals plain decoding, pinned and under the adaptive policy, with both sources drafting, and
-seeded sampling gives plain decoding's tokens; every target and head slot comes back. The
+seeded sampling gives plain decoding's tokens; every target and head slot comes back; trie steps
+are forecast, the head still given their states (which a graph's next replay overwrites). The
 random tiny target and head of tests/test_hybrid_drafting.py."""
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from specserve.speculative.hybrid import source_choice
 from specserve.speculative.hybrid.fused_hybrid import FusedHybridDrafter
 from tests.fused_fixtures import FusedSpy
 from tests.spec_fixtures import tiny_engine
-from tests.test_hybrid_drafting import (GREEDY, SEEDED, hybrid_args, models, sources, two_turns,  # noqa: F401
-                                        wait_until_everything_is_free)
+from tests.test_hybrid_drafting import (GREEDY, SEEDED, check_forecast_steps, hybrid_args, models,  # noqa: F401
+                                        sources, two_turns, wait_until_everything_is_free)
 
 CUDA = {"device": "cuda", "max_total_tokens": 4096}
 
@@ -53,3 +54,10 @@ def test_hybrid_seeded_sampling_is_plain_decodings_on_cuda(models, plain_cuda, m
         assert [o["output_ids"] for o in outputs] == plain_cuda["seeded"]
         assert len(sources(outputs)) == 2
         wait_until_everything_is_free(engine)
+
+
+def test_hybrid_trie_steps_are_forecast_on_cuda(models, plain_cuda, monkeypatch):  # noqa: F811
+    target, head = models
+    with tiny_engine(target, **CUDA, **hybrid_args(head)) as engine:   # forecasts: on by default on a GPU
+        assert engine.core.runner.graphs is not None
+        check_forecast_steps(engine, plain_cuda["greedy"], monkeypatch, tolerance=1e-3)

@@ -17,6 +17,14 @@ Where no request of the step takes the trie's draft, the head drafts as EAGLE al
 (sampled requests' chains sampled, with their q). Sampled requests are verified exactly
 either way.
 
+While every request of a greedy batch drafts from the trie, the next step may be queued before
+this one is read, its trie drafts picked on the device from the trie's forecast, as NGRAM's are
+(ForecastSteps, --speculative-ngram-forecast; engine/draft_ahead.py): that hides the read, the
+commit and the next proposal behind the GPU's step (H100, 1.5B, batch 1: a hybrid's trie step
+took ~2.67 ms where NGRAM's forecast steps took ~2.32). Only while no request is due to take the
+head's drafts (source_choice.HEAD_RECHECK_STEPS): a step picked from a forecast verifies trie
+drafts for all.
+
 This class's head runs EagleDrafter's own chain or EAGLE-2's trees; a head that drafts chains
 is the fused chain's, whose steps verify and draft in one device function, chained ahead
 (fused_hybrid.py, a subclass).
@@ -27,7 +35,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from specserve.speculative.drafter import Drafter, ProposalHints, ReadsHiddenStates
+from specserve.speculative.drafter import Drafter, ForecastSteps, ProposalHints, ReadsHiddenStates
 from specserve.speculative.hybrid.source_choice import HEAD, NGRAM, SourceChoice
 from specserve.verify.tree import TreeProposal
 
@@ -39,7 +47,7 @@ if TYPE_CHECKING:
     from specserve.speculative.ngram.drafter import NgramDrafter
 
 
-class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates):
+class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates, ForecastSteps):
     # a probe costs what the head's does where it drafts for any of the probed requests
     probe_every = 16
     probe_every_at_most = 128
@@ -53,6 +61,7 @@ class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates):
         self.proposals = {NGRAM: 0, HEAD: 0}   # drafts proposed by each source, over all requests
         self._seen: dict[str, int] = {}        # rid -> its tokens when last observed
         self._unrecorded: list[tuple] = []     # proposals made ahead of that (_record)
+        self._trie_only = False                # the last step drafted from the trie alone, and may again
 
     # --- the two sources ---
     def add_prompt(self, req: "Req") -> None:
@@ -70,6 +79,7 @@ class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates):
         num_nodes = proposal.num_nodes.tolist()
         self._count(reqs, use_trie, num_nodes)
         self._keys = self.choice.policy_keys(use_trie, trie_keys)
+        self._trie_only = bool(use_trie.all()) and self.choice.trie_may_go_on(rids)
         return proposal, num_nodes
 
     def _head_drafts(self, reqs: list["Req"], max_nodes: list[int],
@@ -99,6 +109,25 @@ class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates):
                 source = NGRAM if trie else HEAD
                 self.proposals[source] += 1
                 req.spec.draft_sources[source] = req.spec.draft_sources.get(source, 0) + 1
+
+    # --- forecasts: the next trie step queued before this one is read ---
+    def forecasts(self, batch_size: int) -> bool:
+        return self._trie_only and self.ngram.forecasts(batch_size)
+
+    def forecast(self, reqs: list["Req"], proposal: TreeProposal, nodes: int) -> np.ndarray:
+        return self.ngram.forecast(reqs, proposal, nodes)
+
+    def forecast_held(self, reqs: list["Req"], proposal: TreeProposal, num_nodes: list[int],
+                      keys: list[int]) -> None:
+        """The forecast's trie drafts, recorded as a proposal's: the choice's shadows (the
+        head drafted nothing), the sources' counts, the policy's keys and the trie streaks."""
+        rids, use_trie = [req.rid for req in reqs], np.ones(len(reqs), dtype=bool)
+        self.choice.took(rids, use_trie)
+        roots = TreeProposal.root_only([r.last_token for r in reqs])
+        self._record(reqs, proposal, num_nodes, keys, roots, [1] * len(reqs))
+        self._count(reqs, use_trie, num_nodes)
+        self._keys = self.choice.policy_keys(use_trie, keys)
+        self._trie_only = self.choice.trie_may_go_on(rids)
 
     def observe_hidden(self, reqs: list["Req"], starts: list[int], states: "torch.Tensor",
                        rows: list[list[int]], owned: bool = False) -> None:

@@ -104,4 +104,5 @@ class FusedHybridDrafter(HybridDrafter, ChainedSteps):
         head_only = np.zeros(len(reqs), dtype=bool)
         self._count(reqs, head_only, head_nodes)
         self._keys = self.choice.policy_keys(head_only, trie_keys)
+        self._trie_only = False
         return head, head_nodes

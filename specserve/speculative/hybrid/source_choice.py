@@ -83,9 +83,18 @@ class SourceChoice:
         use_trie = self.preferred(rids, trie_nodes, trie_keys)
         if fused_head and use_trie.any() and not self.pays_to_break(rids, use_trie, trie_keys):
             use_trie[:] = False
+        self.took(rids, use_trie)
+        return use_trie
+
+    def took(self, rids: list[str], use_trie: np.ndarray) -> None:
+        """A step's sources (True: the trie's), for each request's streak of trie steps."""
         for rid, trie in zip(rids, use_trie.tolist()):
             self._trie_streak[rid] = self._trie_streak.get(rid, 0) + 1 if trie else 0
-        return use_trie
+
+    def trie_may_go_on(self, rids: list[str]) -> bool:
+        """Whether none of these requests is due to take the head's drafts at its next step
+        (HEAD_RECHECK_STEPS)."""
+        return all(self._trie_streak.get(rid, 0) < HEAD_RECHECK_STEPS for rid in rids)
 
     def preferred(self, rids: list[str], trie_nodes: list[int], trie_keys: list[int]) -> np.ndarray:
         """(bs,) bool: where the trie's draft is expected to commit more than the head's, the
@@ -93,8 +102,7 @@ class SourceChoice:
         use_trie = np.zeros(len(rids), dtype=bool)
         for i, (rid, nodes, key) in enumerate(zip(rids, trie_nodes, trie_keys)):
             trie = self.expected_from_trie(key) if nodes > 1 else None
-            use_trie[i] = (trie is not None and self._trie_streak.get(rid, 0) < HEAD_RECHECK_STEPS
-                           and trie > self.expected_from_head(rid))
+            use_trie[i] = (trie is not None and self.trie_may_go_on([rid]) and trie > self.expected_from_head(rid))
         return use_trie
 
     def pays_to_break(self, rids: list[str], use_trie: np.ndarray, trie_keys: list[int]) -> bool:

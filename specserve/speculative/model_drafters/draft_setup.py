@@ -83,7 +83,7 @@ def prepare_draft(args: ServerArgs, target: ModelConfig, device: torch.device, d
     def make_drafter(runner: "ModelRunner") -> Drafter:
         lend_vocabulary(head, runner, copies)
         drafter = EagleDrafter(eagle_runner.EagleHeadRunner(args, head, runner.model, runner.pool))
-        return with_ngram(args, drafter) if args.speculative_hybrid_ngram else drafter
+        return with_ngram(args, drafter, runner.device.type == "cuda") if args.speculative_hybrid_ngram else drafter
 
     return DraftSetup(eagle_runner.kv_bytes_per_token(head, dtype), eagle_runner.target_capture(head), make_drafter)
 
@@ -96,15 +96,16 @@ def fuses_chain(args: ServerArgs) -> bool:
         args.speculative in ("EAGLE", "EAGLE3") and (args.speculative_eagle_topk or 1) == 1)
 
 
-def with_ngram(args: ServerArgs, head: Drafter) -> Drafter:
+def with_ngram(args: ServerArgs, head: Drafter, on_gpu: bool) -> Drafter:
     """--speculative-hybrid-ngram: the head's drafter and an n-gram trie, each request's step
-    drafted by either (speculative/hybrid/); a fused chain's head steps stay fused."""
+    drafted by either (speculative/hybrid/); a fused chain's head steps stay fused; the trie
+    forecasts as NGRAM's does on this device (--speculative-ngram-forecast)."""
     from specserve.speculative.hybrid.drafter import HybridDrafter
     from specserve.speculative.hybrid.fused_hybrid import FusedHybridDrafter
     from specserve.speculative.model_drafters.fused_drafter import FusedChainDrafter
     from specserve.speculative.ngram.drafter import NgramDrafter
     kind = FusedHybridDrafter if isinstance(head, FusedChainDrafter) else HybridDrafter
-    return kind(NgramDrafter.from_args(args), head, args.speculative_verify_size)
+    return kind(NgramDrafter.from_args(args, on_gpu), head, args.speculative_verify_size)
 
 
 def prepare_fused_chain(args: ServerArgs, target: ModelConfig, device: torch.device, dtype: torch.dtype,
@@ -129,7 +130,7 @@ def prepare_fused_chain(args: ServerArgs, target: ModelConfig, device: torch.dev
         lend_vocabulary(head, runner, copies)
         head_runner = eagle_runner.EagleHeadRunner(args, head, runner.model, runner.pool)
         drafter = FusedChainDrafter(head_runner, FusedChainRunner(runner, head_runner))
-        return with_ngram(args, drafter) if args.speculative_hybrid_ngram else drafter
+        return with_ngram(args, drafter, runner.device.type == "cuda") if args.speculative_hybrid_ngram else drafter
 
     return DraftSetup(eagle_runner.kv_bytes_per_token(head, dtype), eagle_runner.target_capture(head), make_drafter)
 
