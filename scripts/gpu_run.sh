@@ -90,7 +90,9 @@
 #                                                   adaptive, and the hybrid of that head and the n-gram trie
 #                                                   (--speculative-hybrid-ngram, adaptive; HYBRID_MODES="pinned adaptive"
 #                                                   adds it pinned) on chat and code-types at 1/8/64, side by side; the
-#                                                   hybrid's rows count its drafts by source; three engines, ~150 s)
+#                                                   hybrid's rows count its drafts by source; HYBRID_FORECAST="0 2":
+#                                                   one hybrid engine per --speculative-ngram-forecast value;
+#                                                   three engines, ~150 s)
 #   scripts/gpu_run.sh peers-size [SHAPE [ENGINE...]] (issue 59's cells for a shape of bench/random_model.SHAPES,
 #                                                   qwen2.5-7b by default, on random weights (--load-format dummy):
 #                                                   PEERS_SIZE_PART=decode (random-512, random-2048 at 1/8/32/64, 256 out)
@@ -501,7 +503,8 @@ if [ "$mode" = eagle-wide ]; then
 fi
 if [ "$mode" = hybrid-rows ]; then
   CHAIN_ALGORITHMS=EAGLE3 chain_rows "$OUT/hybrid_rows" --concurrency 1 8 64 --num-prompts 64 \
-    --hybrid-modes ${HYBRID_MODES:-adaptive} --ngram-default --policy-trace-dir "$OUT/hybrid_rows/traces"
+    --hybrid-modes ${HYBRID_MODES:-adaptive} ${HYBRID_FORECAST:+--hybrid-forecast $HYBRID_FORECAST} \
+    --ngram-default --policy-trace-dir "$OUT/hybrid_rows/traces"
   # the traces' folders are deeper than a call returns: one tar instead
   tar -cf "$OUT/hybrid_traces.tar" -C "$OUT/hybrid_rows" traces && rm -rf "$OUT/hybrid_rows/traces"
 fi

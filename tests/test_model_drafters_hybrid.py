@@ -94,3 +94,27 @@ def test_one_workload_in_rounds_gives_its_rows_and_a_greedy_match_rate(models, t
     assert runs == [("sharegpt-multiturn", config, round_) for round_ in (0, 1)
                     for config in ("plain", "eagle3-3-pinned")]     # the modes in turn, round by round
     assert [r["rate"] for r in rows if r["kind"] == "greedy_match_rate"] == [1.0]
+
+
+def test_hybrid_forecast_gives_an_engine_per_value(models, tmp_path, monkeypatch):  # noqa: F811
+    """--hybrid-forecast 0 2: two hybrid engines, their tries forecasting 0 and 2 candidates."""
+    target, head = models
+    monkeypatch.setattr(model_drafters, "suite_workloads", lambda engine, ns: {"code-types": (PROMPTS, WARM)})
+    monkeypatch.setattr(model_drafters, "measure_copy_bandwidth", lambda device: 1e9)
+    candidates, make_engine = [], model_drafters.make_engine
+
+    def made(ns, config):
+        engine = make_engine(ns, config)
+        candidates.append(getattr(getattr(engine.core.drafter, "ngram", None), "forecast_candidates", None))
+        return engine
+    monkeypatch.setattr(model_drafters, "make_engine", made)
+    model_drafters.main(["--target", str(target), "--draft", str(head), "--algorithm", "EAGLE3", "--num-steps", "3",
+                         "--device", "cpu", "--dtype", "float32", "--workloads", "code-types", "--concurrency", "1",
+                         "--num-prompts", "2", "--bs1-prompts", "2", "--max-new-tokens", "12", "--modes", "pinned",
+                         "--hybrid-modes", "pinned", "--hybrid-forecast", "0", "2", "--out", str(tmp_path)])
+    rows = [json.loads(line) for line in (tmp_path / "model_drafters.jsonl").read_text().splitlines()]
+    assert [r["config"] for r in rows if r["kind"] == "engine"] == [
+        "eagle3-3", "eagle3-3-hybrid-forecast0", "eagle3-3-hybrid-forecast2"]
+    assert candidates == [None, 0, 2]
+    assert {r["config"] for r in rows if r["kind"] == "specserve"} == {
+        "plain", "eagle3-3-pinned", "eagle3-3-hybrid-forecast0-pinned", "eagle3-3-hybrid-forecast2-pinned"}

@@ -6,8 +6,9 @@ and concurrency 8/32/64, with the draft length pinned and with the adaptive poli
 Several --algorithm values compare them in one call (e.g. EAGLE3 NAIVE_EAGLE with the same head).
 --hybrid-modes adds, for each EAGLE / EAGLE3 config, an engine of the same head drafting from
 the n-gram trie too (--speculative-hybrid-ngram, speculative/hybrid/; rows `eagle3-3-hybrid-MODE`,
-with their proposals by source summed over requests); --ngram-default adds the NGRAM engine of
-default flags (adaptive; rows `ngram-default`) on the same prompts.
+with their proposals by source summed over requests; --hybrid-forecast 0 2: one such engine per
+value of its --speculative-ngram-forecast, rows `...-hybrid-forecastC-MODE`); --ngram-default adds
+the NGRAM engine of default flags (adaptive; rows `ngram-default`) on the same prompts.
 
     python -m specserve.bench.model_drafters --target /root/models/qwen2.5-coder-1.5b-instruct.gguf \\
         --algorithm STANDALONE --draft /root/models/qwen2.5-coder-0.5b-instruct.gguf \\
@@ -51,6 +52,7 @@ class Config(NamedTuple):
     topk: int = 1
     token_map: str | None = None
     hybrid: bool = False      # speculative_hybrid_ngram
+    forecast: int | None = None   # the hybrid's speculative_ngram_forecast (None: the device's default)
 
 
 def set_mode(engine, drafter, mode: str) -> None:
@@ -177,7 +179,8 @@ def make_engine(ns, config: Config):
     return Engine(model_path=ns.target, speculative_algorithm=config.algorithm, speculative_draft_model_path=ns.draft,
                   speculative_num_steps=config.num_steps, speculative_eagle_topk=config.topk,
                   speculative_num_draft_tokens=num_draft_tokens,
-                  speculative_token_map=config.token_map, speculative_hybrid_ngram=config.hybrid, **common)
+                  speculative_token_map=config.token_map, speculative_hybrid_ngram=config.hybrid,
+                  speculative_ngram_forecast=config.forecast, **common)
 
 
 def config_name(ns, config: Config, draft_model) -> str:
@@ -186,7 +189,8 @@ def config_name(ns, config: Config, draft_model) -> str:
     if config.algorithm in FUSED_CHAIN_ALGORITHMS:
         return config.algorithm.lower()
     name = f"{config.algorithm.lower()}-{config.num_steps}" + \
-        (f"-top{config.topk}-{ns.num_draft_tokens}" if config.topk > 1 else "") + ("-hybrid" if config.hybrid else "")
+        (f"-top{config.topk}-{ns.num_draft_tokens}" if config.topk > 1 else "") + ("-hybrid" if config.hybrid else "") + \
+        (f"-forecast{config.forecast}" if config.forecast is not None else "")
     if config.token_map is not None:
         name += f"-map{draft_model.config.draft_vocab_size}"      # the draft vocabulary the map leaves
     return name
@@ -233,7 +237,8 @@ def engine_configs(ns) -> list[Config]:
     configs = [Config(algorithm) if algorithm in FUSED_CHAIN_ALGORITHMS else Config(algorithm, steps, topk, token_map)
                for algorithm in ns.algorithm for steps in ns.num_steps for topk in ns.topk for token_map in maps]
     if ns.hybrid_modes:
-        configs += [c._replace(hybrid=True) for c in configs if c.algorithm in HYBRID_ALGORITHMS]
+        configs += [c._replace(hybrid=True, forecast=forecast) for c in configs if c.algorithm in HYBRID_ALGORITHMS
+                    for forecast in ns.hybrid_forecast]
     if ns.ngram_default:
         configs.append(Config("NGRAM"))
     return list(dict.fromkeys(configs))      # a fused chain has one shape: once
@@ -322,6 +327,9 @@ def main(argv=None) -> None:
     parser.add_argument("--hybrid-modes", nargs="*", default=[], choices=("pinned", "adaptive", "held"),
                         help="EAGLE / EAGLE3: one more engine per config, the same head drafting from the n-gram "
                              "trie too (--speculative-hybrid-ngram), in these modes")
+    parser.add_argument("--hybrid-forecast", type=int, nargs="+", default=[None],
+                        help="one hybrid engine per value of its --speculative-ngram-forecast (rows "
+                             "`...-hybrid-forecastC-MODE`; default: one engine, the device's default)")
     parser.add_argument("--ngram-default", action="store_true",
                         help="also the NGRAM engine of default flags (adaptive) on the same prompts")
     parser.add_argument("--policy-trace-dir", default=None,
