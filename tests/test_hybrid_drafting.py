@@ -10,6 +10,7 @@ outside EAGLE / EAGLE3 are refused naming the field. Random tiny targets and hea
 """
 from __future__ import annotations
 
+import asyncio
 import zlib
 from types import SimpleNamespace
 
@@ -442,3 +443,27 @@ def test_the_warmup_leaves_the_hybrid_drafter_as_it_found_it(models):
             assert warm.core.drafter.ngram.trie.num_nodes() == 0 and not warm.core.drafter.head.kv.sequences
             assert [o["output_ids"] for o in two_turns(warm, GREEDY)] == expected
             wait_until_everything_is_free(warm)
+
+
+def test_a_failing_forecast_step_record_fails_no_request_and_leaks_nothing(models, plain):
+    """The hybrid's record of a forecast step (forecast_held, as the step is held) raising for
+    one request: a forecast runs only for a batch whose next step is launched ahead, so the
+    failure isolation's one-by-one steps never meet it: every request finishes with plain
+    decoding's tokens, and the slots of the forecast step that was not held are all back."""
+    from tests.test_failure_isolation import failing_for_victim
+    target, head = models
+    rids = ["first", "victim", "last"]
+    with tiny_engine(target, **hybrid_args(head, speculative_ngram_forecast=2)) as engine:
+        ahead_on(engine)
+        gate = engine.core.drafting.forecast_gate
+        wants = gate.wants
+        gate.wants = lambda records, batch_size: (True, wants(records, batch_size)[1])
+
+        async def together():
+            return await asyncio.gather(*(engine.async_generate(input_ids=p, sampling_params=GREEDY, rid=r)
+                                          for p, r in zip(PROMPTS, rids)))
+        with failing_for_victim(engine.core, "drafter", "forecast_held", 2) as calls:
+            results = asyncio.run(together())
+        assert calls["failed"] >= 1
+        assert [r["output_ids"] for r in results] == plain["greedy"][:3]
+        wait_until_everything_is_free(engine)

@@ -189,6 +189,14 @@ class ForecastStep:
         picked = pick(self.table, before.accept_lens, before.accepted, before.tokens, n)
         for i in live:   # the evidence for whether their next steps forecast (request/forecast_record.py)
             self.gate.observe(self.reqs[i].forecast, bool(picked.found[i]), int(before.accept_lens[i]), self.step_ratio)
+        reqs, full = [self.reqs[i] for i in live], picked.full
+        proposed = TreeProposal(full.tokens[live], full.parents[live], full.num_nodes[live])
+        proposed_nodes, keys = proposed.num_nodes.tolist(), [picked.keys[i] for i in live]
+        try:
+            drafter.forecast_held(reqs, proposed, proposed_nodes, keys)
+        except BaseException:   # the step is nobody's: every slot it has comes back
+            self.free(scheduler, drafter, list(range(bs)))
+            raise
         verified = picked.verified
         taken = np.arange(n) < verified.num_nodes[:, None]
         ended = np.ones(bs, dtype=bool)
@@ -197,13 +205,8 @@ class ForecastStep:
         node_slots = np.where(taken, self.node_slots, PADDING_SLOT)[live]
         num_nodes = verified.num_nodes[live]
         tree = TreeProposal(verified.tokens[live], verified.parents[live], num_nodes)
-        reqs = [self.reqs[i] for i in live]
         step = DraftStep(reqs, num_nodes, node_slots, node_slots[taken[live]].tolist(), self.launched, self.hidden,
                          started, rows=None if len(live) == bs else live, tree=tree, nodes_run=bs * n, forecast=True)
-        full = picked.full
-        proposed = TreeProposal(full.tokens[live], full.parents[live], full.num_nodes[live])
-        proposed_nodes, keys = proposed.num_nodes.tolist(), [picked.keys[i] for i in live]
-        drafter.forecast_held(reqs, proposed, proposed_nodes, keys)
         return step, proposed, proposed_nodes, keys
 
     def free(self, scheduler: Scheduler, drafter: ForecastSteps, rows: list[int]) -> None:
