@@ -166,10 +166,11 @@ pieces_out() {   # FILE DIR: FILE into DIR in 15-MiB pieces (a call returns 16 M
     && split -b 15M -d -a 1 "$1" "$dir/$(basename "$1").part" && ls -l "$dir"
 }
 chain_rows() {   # OUT_DIR [model_drafters flags]: /root/eagle3-1.5b's NAIVE_EAGLE and EAGLE-3 chains of 3 (or
-                 # $CHAIN_ALGORITHMS), pinned and adaptive
+                 # $CHAIN_ALGORITHMS), pinned and adaptive; TEMPERATURE=0.7: every mode sampling (top-p $TOP_P)
   local out=$1; shift
   python3 -P -m specserve.bench.model_drafters --algorithm ${CHAIN_ALGORITHMS:-NAIVE_EAGLE EAGLE3} --target /root/models/qwen2.5-coder-1.5b-instruct.gguf \
     --draft /root/eagle3-1.5b --num-steps 3 --topk 1 --workloads sharegpt-multiturn code-types \
+    ${TEMPERATURE:+--temperature $TEMPERATURE --top-p ${TOP_P:-1.0}} \
     --dataset-path .gpu/sharegpt_bench.json --out "$out" "$@" 2>&1 | grep -v '%|' | tail -40
 }
 head_dir() {   # MODEL [eagle3|eagle2]: where its head lives on the device machine (/root/eagle3-1.5b, /root/eagle2-0.5b)

@@ -118,3 +118,29 @@ def test_hybrid_forecast_gives_an_engine_per_value(models, tmp_path, monkeypatch
     assert candidates == [None, 0, 2]
     assert {r["config"] for r in rows if r["kind"] == "specserve"} == {
         "plain", "eagle3-3-pinned", "eagle3-3-hybrid-forecast0-pinned", "eagle3-3-hybrid-forecast2-pinned"}
+
+
+def test_temperature_samples_every_mode(models, tmp_path, monkeypatch):  # noqa: F811
+    """--temperature 0.8 --top-p 0.9: every timed run and its warm-up sample with them (plain's
+    too); the rows carry them; the drafting mode still drafts (accept length over 1)."""
+    from specserve.bench import gpu_suite
+    target, head = models
+    monkeypatch.setattr(model_drafters, "suite_workloads", lambda engine, ns: {"code-types": (PROMPTS, WARM)})
+    monkeypatch.setattr(model_drafters, "measure_copy_bandwidth", lambda device: 1e9)
+    seen, run_turn = [], gpu_suite.run_turn
+
+    async def recording(engine, prompts, params, concurrency, label):
+        seen.append((label, params))
+        return await run_turn(engine, prompts, params, concurrency, label)
+    monkeypatch.setattr(gpu_suite, "run_turn", recording)
+    model_drafters.main(["--target", str(target), "--draft", str(head), "--algorithm", "EAGLE3", "--num-steps", "3",
+                         "--device", "cpu", "--dtype", "float32", "--workloads", "code-types", "--concurrency", "1",
+                         "--num-prompts", "2", "--bs1-prompts", "2", "--max-new-tokens", "24", "--modes", "pinned",
+                         "--temperature", "0.8", "--top-p", "0.9", "--out", str(tmp_path)])
+    assert {label.split(" t1")[0] for label, _ in seen} == {"plain", "eagle3-3-pinned", "warm-up plain",
+                                                             "warm-up eagle3-3-pinned"}
+    assert all(params["temperature"] == 0.8 and params["top_p"] == 0.9 for _, params in seen)
+    rows = [json.loads(line) for line in (tmp_path / "model_drafters.jsonl").read_text().splitlines()]
+    runs = [r for r in rows if r["kind"] == "specserve"]
+    assert len(runs) == 2 and all(r["temperature"] == 0.8 and r["top_p"] == 0.9 for r in runs)
+    assert next(r for r in runs if r["config"] == "eagle3-3-pinned")["accept_length"] > 1

@@ -172,10 +172,11 @@ def config_label(spec: tuple | None) -> str:
 
 
 def run(engine, prompts, concurrency: int, max_new_tokens: int, label: str, turns: int = 1,
-        watch: RunWatch | None = None) -> list[dict]:
+        watch: RunWatch | None = None, sampling: dict | None = None) -> list[dict]:
     """The prompts' turns, from an empty prefix cache: each run prefills its prompts in full,
-    whichever configuration or repeat ran them before (later turns reuse the earlier ones')."""
-    params = {"temperature": 0, "max_new_tokens": max_new_tokens}
+    whichever configuration or repeat ran them before (later turns reuse the earlier ones').
+    Greedy, or with `sampling`'s parameters (e.g. {"temperature": 0.7})."""
+    params = {"temperature": 0, **(sampling or {}), "max_new_tokens": max_new_tokens}
     engine.flush_cache()
     out = []
     for turn in range(turns):

@@ -14,6 +14,10 @@ the NGRAM engine of default flags (adaptive; rows `ngram-default`) on the same p
         --algorithm STANDALONE --draft /root/models/qwen2.5-coder-0.5b-instruct.gguf \\
         --dataset-path .gpu/sharegpt_subset.json --out $OUT
 
+Greedy by default; --temperature T [--top-p P] times every mode (plain too) sampling, unseeded:
+drafts sampled from the head's q and verified by residual rejection, the n-gram trie's verified
+against the target's distribution (the rows carry the parameters). The greedy match rate stays greedy.
+
 One engine per draft length (the draft chain's graphs are captured for it); plain decoding
 runs on the same engine with the drafter set aside. --token-map FILE (EAGLE / EAGLE3) runs
 every config again with that FR-Spec map (speculative_token_map), to compare the draft step
@@ -156,12 +160,13 @@ def time_mode(engine, drafter, ns, watch: RunWatch, mode: str, label: str, cell:
     set_mode(engine, drafter, mode)
     concurrency = cell["concurrency"]
     # traced too: what the policy carries into the timed run is decided here
-    run(engine, warm_prompts, concurrency, ns.max_new_tokens // 2, f"warm-up {label}", 1, watch)
+    sampling = {"temperature": ns.temperature, "top_p": ns.top_p}
+    run(engine, warm_prompts, concurrency, ns.max_new_tokens // 2, f"warm-up {label}", 1, watch, sampling)
     timer = DraftTimer(drafter)
     try:
-        for summary in run(engine, prompts, concurrency, ns.max_new_tokens, label, 1, watch):
-            write({"kind": "specserve", **cell, "config": label, **summary, **timer.summary(), "roofline_fraction":
-                   summary["output_tokens_per_s"] / roofline if concurrency == 1 else None})
+        for summary in run(engine, prompts, concurrency, ns.max_new_tokens, label, 1, watch, sampling):
+            write({"kind": "specserve", **cell, "config": label, **sampling, **summary, **timer.summary(),
+                   "roofline_fraction": summary["output_tokens_per_s"] / roofline if concurrency == 1 else None})
     finally:
         timer.close()
     return drafter
@@ -318,6 +323,9 @@ def main(argv=None) -> None:
     parser.add_argument("--num-prompts", type=int, default=128, help="timed prompts per workload (as many again warm up)")
     parser.add_argument("--bs1-prompts", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="the timed runs' sampling (0: greedy); unseeded, so each run samples its own answers")
+    parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 32, 64])
     parser.add_argument("--rounds", type=int, default=1,
                         help="each cell's modes in turn this many times (a run at 8 lasts ~0.5 s: one round is noise); "
