@@ -2,7 +2,8 @@
 EAGLE's fused chain of three: stops inside an accepted path are cut, sampling is lossless
 (chi-square against the exact distribution, with a control that ignores q), also when there
 is no q table and sampled drafts take the unfused chain; seeded requests get plain
-decoding's tokens; the flags are checked. Greedy identity, the verify steps training
+decoding's tokens; both also with each step queued before the one before it is read
+(chained, as on a GPU); the flags are checked. Greedy identity, the verify steps training
 predicts and the KV accounting of every fused chain, K = 1 included: test_eagle_fused_chain.py.
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ from specserve.verify import rules
 from tests.fused_fixtures import (FusedSpy, fused_args, save_random_eagle_head, save_random_mtp_head,
                                   wait_until_fused_state_is_free)
 from tests.spec_fixtures import make_tiny_directory, plain_greedy_outputs, tiny_engine, truncated_mid_path
+from tests.test_draft_ahead import ahead_on
 from tests.test_eagle_drafter import head_dir, target  # noqa: F401  (a target and heads trained on it)
 from tests.test_spec_sampling import PROMPT, SAMPLES, chi_square_p, exact_joint, exact_step_logits
 from tests.test_spec_sampling import VOCAB as SAMPLING_VOCAB
@@ -87,17 +89,21 @@ class FusedVerifySpy:
         monkeypatch.setattr(specserve.speculative.model_drafters.fused_step, "verify_sampling", spy)
 
 
-def sample(models, config: dict, fused: bool = True) -> list[dict]:
-    """SAMPLES continuations of PROMPT; fused: every step was a fused one (else none was)."""
+def sample(models, config: dict, fused: bool = True, ahead: bool = False) -> list[dict]:
+    """SAMPLES continuations of PROMPT; fused: every step was a fused one (else none was);
+    ahead: steps launched ahead, as on a GPU (fused steps chained before the step before is read)."""
     target_path, args, _ = models
     params = [{**config, "max_new_tokens": 5, "ignore_eos": True} for _ in range(SAMPLES)]
     # KV for all 1024 running requests and their drafts (the CPU default is the model's
     # context); sampling under a pool that forces preemption: test_sampling_under_kv_pressure
     with tiny_engine(target_path, max_running_requests=1024, max_total_tokens=32768, **args) as engine:
+        if ahead:
+            ahead_on(engine)
         spy = FusedSpy(engine.core.drafter)
         outputs = engine.generate(input_ids=[PROMPT] * SAMPLES, sampling_params=params)
         wait_until_fused_state_is_free(engine)
     assert (spy.engine == 0 and spy.fused > 0) if fused else (spy.fused == 0 and spy.engine > 0)
+    assert (spy.chained > 0) == (ahead and fused), vars(spy)
     return outputs
 
 
@@ -108,10 +114,13 @@ def accept_histogram(outputs: list[dict]) -> Counter:
     return histogram
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["read", "chained"])
 @pytest.mark.parametrize("config", [{"temperature": 1.0}, {"temperature": 0.8, "top_k": 4}], ids=str)
-def test_samples_follow_the_exact_distribution(sampling_models, monkeypatch, config):
+def test_samples_follow_the_exact_distribution(sampling_models, monkeypatch, config, ahead):
+    """Each step proposed after the step before is read, or queued before it (chained): the
+    same exact distribution."""
     spy = FusedVerifySpy(monkeypatch)
-    outputs = sample(sampling_models, config)
+    outputs = sample(sampling_models, config, ahead=ahead)
     assert set(spy.rules) == {("rejection", True)}      # every step: residual rejection with q
     histogram = accept_histogram(outputs)
     assert histogram[2] > 0.1 * sum(histogram.values()), histogram      # drafts get accepted
@@ -128,20 +137,53 @@ def test_chi_square_catches_an_accept_rule_that_ignores_q(sampling_models, monke
     assert p < 1e-6, f"p = {p:.3g}: a verifier that ignores q went unnoticed"
 
 
-def test_seeded_requests_get_the_tokens_of_plain_decoding(sampling_models, monkeypatch):
-    """A seed asks for plain decoding's tokens: argmax drafts and the coupled rule."""
+@pytest.mark.parametrize("ahead", [False, True], ids=["read", "chained"])
+def test_seeded_requests_get_the_tokens_of_plain_decoding(sampling_models, monkeypatch, ahead):
+    """A seed asks for plain decoding's tokens: argmax drafts and the coupled rule, whether a
+    step is queued before the one before it is read (chained) or not. Requests of several
+    lengths: chained steps continue for those the step before did not end."""
     target_path, args, _ = sampling_models
     prompts = [PROMPT[i:] for i in range(8)]
-    params = [{"temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True, "seed": 100 + i} for i in range(8)]
+    params = [{"temperature": 1.0, "max_new_tokens": 8 + i, "ignore_eos": True, "seed": 100 + i} for i in range(8)]
     with tiny_engine(target_path) as plain:
         expected = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=params)]
     spy = FusedVerifySpy(monkeypatch)
     with tiny_engine(target_path, **args) as engine:
+        if ahead:
+            ahead_on(engine)
+        steps = FusedSpy(engine.core.drafter)
         outputs = engine.generate(input_ids=prompts, sampling_params=params)
         wait_until_fused_state_is_free(engine)
     assert [o["output_ids"] for o in outputs] == expected
     assert set(spy.rules) == {("coupled", False)}
     assert max(accept_histogram(outputs)) > 1        # drafts were accepted
+    assert (steps.chained > 0) == ahead, vars(steps)
+
+
+def test_sampled_batches_their_fused_step_does_not_take_are_verified_by_the_sampler(sampling_models, monkeypatch):
+    """Steps launched ahead, as on a GPU, where the fused step does not take every sampled
+    batch (as where a head cache is full: here every batch whose tokens sum to a multiple of
+    3): those are verified by the engine's sampler at once, with the q their drafts were
+    drawn from; the samples keep the exact distribution, seeded requests plain decoding's
+    tokens, and every slot comes back."""
+    from specserve.speculative.model_drafters.fused_drafter import FusedChainDrafter
+    fuses = FusedChainDrafter._fuses
+    monkeypatch.setattr(FusedChainDrafter, "_fuses",
+                        lambda self, reqs: sum(r.num_tokens for r in reqs) % 3 != 0 and fuses(self, reqs))
+    target_path, args, _ = sampling_models
+    params = [{"temperature": 1.0, "max_new_tokens": 5, "ignore_eos": True}] * SAMPLES
+    prompts = [PROMPT[i:] for i in range(8)]
+    seeded = [{"temperature": 1.0, "max_new_tokens": 8 + i, "ignore_eos": True, "seed": 100 + i} for i in range(8)]
+    with tiny_engine(target_path) as plain:
+        expected = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=seeded)]
+    with tiny_engine(target_path, max_running_requests=1024, max_total_tokens=32768, **args) as engine:
+        ahead_on(engine)
+        spy = FusedSpy(engine.core.drafter)
+        outputs = engine.generate(input_ids=[PROMPT] * SAMPLES, sampling_params=params)
+        assert [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=seeded)] == expected
+        wait_until_fused_state_is_free(engine)
+    assert spy.fused > 0 and spy.engine > 0 and spy.chained > 0, vars(spy)
+    assert chi_square_p(outputs, exact_joint(sampling_models[2], temperature=1.0)) > 1e-4
 
 
 def test_without_a_q_table_sampled_drafts_take_the_unfused_chain(sampling_models, monkeypatch):

@@ -173,7 +173,7 @@ class EngineCore:
         draft = self.planner.drafts(reqs, self.ahead.plain_step_for(reqs))
         if not draft and self.ahead.plain is not None and self.sampler.masked_argmax_is_enough(reqs):
             return self.plain
-        if draft and self.planner.drafts_greedily(reqs):
+        if draft and self.planner.drafts_ahead(reqs):
             return self.drafting
         return self.verify if draft else self.verify_plain
 

@@ -22,7 +22,10 @@ and what was indexed or read with the step qualify (`Drafter.proposes_ahead`: NG
 the fused EAGLE / NAIVE_EAGLE / MTP chain, whose steps are launched through the drafter's
 launch_fused where it serves the batch: the next drafts come with the outcome), and only
 greedy requests (their commit needs the argmax alone; under a grammar, the argmax and, where
-the model strays from it, one node's mask: grammar/greedy_paths.py).
+the model strays from it, one node's mask: grammar/greedy_paths.py), or sampled ones a fused
+chain's step verifies on the device (FusedSteps.samples_fused: the q its drafts were drawn
+from stays on the device, and its randomness is keyed by seed and position, so a step
+launched ahead commits what it would have after the read).
 
 A fused chain's step goes further (`ChainedStep`; under the adaptive policy while the
 batch's bucket drafts, the policy's choice for it made once the step before is committed):
@@ -77,7 +80,8 @@ class DraftStep:
     num_nodes: np.ndarray         # (bs,) real nodes per request
     node_slots: np.ndarray        # (bs, n) the nodes' KV slots, padding nodes PADDING_SLOT
     slots: list[int]              # the same slots, request after request: held by no request before commit
-    launched: InFlight            # (bs, 1 + 2n) greedy outcome (tree_step.commit_path), or (bs,) argmax for n = 1
+    # (bs, 1 + 2n) greedy outcome (tree_step.commit_path), or (bs,) argmax for n = 1; None: verified already
+    launched: InFlight | None
     hidden: torch.Tensor | None   # (bs, n, features) when the runner keeps them
     started: float                # when the host started the work this step's cost counts from
     # a fused drafter's step (its own outcome layout, with the next drafts): the drafter's read_fused
@@ -91,6 +95,7 @@ class DraftStep:
     # of the forecast step after it)
     next_width: int | None = None
     forecast: bool = False         # picked from a forecast (ForecastStep), not proposed after the read
+    verified: StepOutcome | None = None   # a sampled batch its fused step did not take: the sampler's outcome
 
     @property
     def num_slots(self) -> int:
@@ -103,6 +108,8 @@ class DraftStep:
 
     def read(self) -> StepOutcome:
         """Waits for the step (the one host sync) and parses its outcome."""
+        if self.verified is not None:
+            return self.verified
         packed, hidden = self.launched.wait(), self.hidden
         if self.rows is not None:
             packed = packed[self.rows]
@@ -262,16 +269,20 @@ class OutcomeCopies:
 
 
 def launch_draft_step(runner: ModelRunner, drafter: Drafter, reqs: list[Req], proposal: TreeProposal,
-                      slots: list[int], started: float, copies: OutcomeCopies) -> DraftStep:
+                      slots: list[int], started: float, copies: OutcomeCopies, kind: str = "greedy") -> DraftStep | None:
     """Queues the step's forward, greedy verification and table commit (n > 1), or its
     argmax (n = 1), and the copy of the outcome to the host, without waiting; or the
-    drafter's fused step (verification and the next drafts), where it serves the batch."""
+    drafter's fused step (verification and the next drafts), where it serves the batch.
+    kind: the verification (runner/fused_chain.KINDS); a sampled batch (a fused drafter's)
+    that its fused step does not take is not launched: None, for the engine's sampler."""
     n = proposal.num_slots
     node_slots = pad_node_slots(slots, proposal.num_nodes, n)
-    fused = drafter.launch_fused(reqs, proposal, slots) if isinstance(drafter, FusedSteps) else None
+    fused = drafter.launch_fused(reqs, proposal, slots, kind) if isinstance(drafter, FusedSteps) else None
     if fused is not None:
         return DraftStep(reqs, proposal.num_nodes, node_slots, slots, fused, None, started,
                          functools.partial(drafter.read_fused, reqs))
+    if kind != "greedy":
+        return None
     step = runner.run_trees(reqs, proposal, slots)
     launched = copies.launch(step.outcome if n > 1 else step.logits[:, 0].argmax(-1))
     return DraftStep(reqs, proposal.num_nodes, node_slots, slots, launched, step.hidden, started,

@@ -69,15 +69,24 @@ class DraftPlanner:
             return False
         return draft
 
-    def drafts_greedily(self, reqs: list[Req]) -> bool:
+    def drafts_ahead(self, reqs: list[Req]) -> bool:
         """Whether a drafting step of these requests runs launched ahead (drafting_step.py):
-        proposals that read committed tokens only, and greedy requests, with or without a grammar."""
+        proposals that read committed tokens only, and greedy requests, with or without a
+        grammar, or sampled ones a fused drafter's step verifies (FusedSteps.samples_fused)."""
         if not self.drafter.proposes_ahead:
             return False
         # a grammar's masks apply after the device's unmasked verification (grammar/greedy_paths.py),
         # except in a fused drafter's step, whose next drafts follow the unmasked outcome on the device
-        return self.sampler.argmax_is_enough(reqs) or (
-            self.sampler.masked_argmax_is_enough(reqs) and not isinstance(self.drafter, FusedSteps))
+        fused = isinstance(self.drafter, FusedSteps)
+        return self.sampler.argmax_is_enough(reqs) or (self.sampler.masked_argmax_is_enough(reqs) and not fused) or (
+            fused and self.fused_kind(reqs) is not None)
+
+    def fused_kind(self, reqs: list[Req]) -> str | None:
+        """The verification a fused drafter's step launched ahead runs for these requests:
+        greedy, a sampled kind its step verifies, or None (the engine's sampler verifies them)."""
+        if self.sampler.argmax_is_enough(reqs):
+            return "greedy"
+        return self.drafter.samples_fused(reqs, self.sampler.sampling_rule)
 
     def drafts_next(self, reqs: list[Req]) -> bool:
         """Whether the next step of this batch drafts, asked as the step is launched ahead

@@ -1,4 +1,5 @@
-"""DraftingStep: greedy drafting steps, with the next step of the same batch proposed and
+"""DraftingStep: drafting steps launched ahead (greedy ones, and sampled ones a fused drafter's
+step verifies: FusedSteps.samples_fused), with the next step of the same batch proposed and
 launched between this step's commit and the bookkeeping it does not need, or, for a fused
 chain and an NGRAM step with forecasts, before this step is read (draft_ahead.py says why and
 what stays the same).
@@ -25,11 +26,13 @@ from specserve.engine.draft_ahead import (ChainedStep, DraftStep, ForecastStep, 
 from specserve.engine.draft_planner import Shadows
 from specserve.engine.step_output import StepOutput, committed_tokens
 from specserve.engine.step_parts import StepParts, StepPipeline
-from specserve.engine.verify_step import drafts_with_slots
+from specserve.engine.verify_step import drafts_with_slots, sampled_outcome
 from specserve.request.forecast_record import ForecastGate, ForecastRecord
 from specserve.request.req import Batch, Req
 from specserve.runner.forecast_step import has_entries
+from specserve.runner.tree_step import pad_node_slots
 from specserve.speculative.drafter import ChainedSteps, ForecastSteps, FusedSteps, ReadsHiddenStates
+from specserve.verify.tree import TreeProposal
 
 
 @dataclass
@@ -75,7 +78,7 @@ class DraftingStep(StepPipeline):
         self.ahead.drop()
         proposal, slots = drafts_with_slots(self.planner, self.scheduler, reqs, True)
         try:
-            step = launch_draft_step(self.runner, self.planner.drafter, reqs, proposal, slots, started, self.copies)
+            step = self._launch_step(reqs, proposal, slots, started)
         except BaseException:
             self.scheduler.free_slots(slots)  # no request holds them until commit
             raise
@@ -150,7 +153,7 @@ class DraftingStep(StepPipeline):
         """Whether the scheduler's next step is a greedy drafting step of this same batch,
         which may then be launched ahead (the policy asked last: should_draft moves its modes)."""
         drafting = self.ahead.drafting
-        return (drafting is not None and drafting.batch_is_next(reqs) and self.planner.drafts_greedily(reqs)
+        return (drafting is not None and drafting.batch_is_next(reqs) and self.planner.drafts_ahead(reqs)
                 and self.planner.drafts_next(reqs))
 
     def _launch_ahead(self, reqs: list[Req], outputs: list[StepOutput], now: float) -> tuple[bool, Shadows | None]:
@@ -169,12 +172,25 @@ class DraftingStep(StepPipeline):
             return self.ahead.plain.launch_ahead(reqs, opens_dry_stretch=True), shadows
         slots = self.scheduler.alloc_slots(sum(num_nodes))
         try:
-            self.ahead.drafting.hold(launch_draft_step(self.runner, self.planner.drafter, reqs, proposal, slots, now,
-                                                       self.copies))
+            self.ahead.drafting.hold(self._launch_step(reqs, proposal, slots, now))
         except BaseException:
             self.scheduler.free_slots(slots)
             raise
         return True, shadows
+
+    def _launch_step(self, reqs: list[Req], proposal: TreeProposal, slots: list[int], started: float) -> DraftStep:
+        """The step launched (draft_ahead.launch_draft_step), verified as its requests ask:
+        greedily, or in a fused drafter's step of a sampled kind; a sampled batch that step
+        does not take (a head cache full) is verified by the sampler at once."""
+        drafter = self.planner.drafter
+        kind = self.planner.fused_kind(reqs) if isinstance(drafter, FusedSteps) else "greedy"
+        step = None if kind is None else launch_draft_step(self.runner, drafter, reqs, proposal, slots, started,
+                                                           self.copies, kind)
+        if step is None:
+            node_slots = pad_node_slots(slots, proposal.num_nodes, proposal.num_slots)
+            step = DraftStep(reqs, proposal.num_nodes, node_slots, slots, None, None, started,
+                             verified=sampled_outcome(self.runner, self.sampler, reqs, proposal, slots))
+        return step
 
     def _plain_runs_ahead(self, reqs: list[Req]) -> bool:
         """Whether a step with nothing to verify may run as a plain step on the overlap schedule

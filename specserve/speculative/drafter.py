@@ -187,6 +187,12 @@ class FusedSteps:
         host), with the drafter's own bookkeeping of the next drafts."""
         raise NotImplementedError
 
+    def samples_fused(self, reqs: list["Req"], sampling_rule: str) -> str | None:
+        """The verification (runner/fused_chain.KINDS) its fused step runs for these
+        requests, which sample: their steps then run launched ahead, as greedy ones do
+        (engine/drafting_step.py); None where the engine verifies them with its sampler."""
+        return None
+
 
 class ChainedSteps(FusedSteps):
     """A fused drafter whose next greedy step can be queued before the host reads the step

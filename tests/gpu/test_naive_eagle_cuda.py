@@ -24,8 +24,8 @@ CUDA = {"device": "cuda", "max_total_tokens": 4096}
 
 
 class GraphKinds:
-    """The kind of every fused graph replay ("chained": a greedy one whose inputs the step
-    before derived on the device, engine/draft_ahead.py)."""
+    """The kind of every fused graph replay ("chained": one whose inputs the step before
+    derived on the device, engine/draft_ahead.py, of that step's kind)."""
 
     def __init__(self, monkeypatch):
         self.replays = Counter()
@@ -91,4 +91,5 @@ def test_sampling_runs_through_the_coupled_and_rejection_graphs(target_dir, copy
         assert [len(o["output_ids"]) for o in sampled] == [16] * 4
         assert sum(o["meta_info"]["spec_accept_histogram"].get(2, 0) for o in sampled) > 0
         wait_until_fused_state_is_free(engine)
-    assert graphs.replays["coupled"] > 0 and graphs.replays["rejection"] > 0
+    # sampled steps are chained too (engine/draft_ahead.py): the seeded tokens above are plain decoding's
+    assert graphs.replays["coupled"] > 0 and graphs.replays["rejection"] > 0 and graphs.replays["chained"] > 0

@@ -49,9 +49,10 @@ Q_TABLE_BYTES = 512 << 20
 
 
 @dataclass
-class GreedyLaunch:
-    """The last greedy fused step, on the device: what launch_chained derives the next from."""
+class LastLaunch:
+    """The last fused step, on the device: what launch_chained derives the next from."""
     reqs: list["Req"]
+    kind: str                      # its verification (KINDS), the next step's too
     launched: InFlight             # the step, as its launch returned it
     inputs: FusedStepInputs        # a graph's own buffer, or the eager step's
     outcome: torch.Tensor          # (bs, 1 + 2n + K), a graph's output until its next replay
@@ -78,7 +79,7 @@ class FusedChainRunner:
                         Q_TABLE_BYTES >> 20)
         self.kinds = KINDS if fits else tuple(kind for kind in KINDS if kind != "rejection")
         self.scratch_rows = (target.pool.scratch_row, head.padding_row)
-        self.last: GreedyLaunch | None = None
+        self.last: LastLaunch | None = None
         self.graphs = None
         if target.graphs is not None and head.graphs is not None:
             max_bs = min(target.graphs.max_bs, head.graphs.max_bs)
@@ -101,9 +102,8 @@ class FusedChainRunner:
         self.last = None
         if self.graphs is not None and len(reqs) <= self.graphs.max_bs:
             launched, bucket = self.graphs.replay(reqs, proposal, node_slots, head_slots, head_rows, kind)
-            if kind == "greedy":
-                self.last = GreedyLaunch(list(reqs), launched, self.graphs.device_inputs[bucket], launched.device,
-                                         bucket)
+            self.last = LastLaunch(list(reqs), kind, launched, self.graphs.device_inputs[bucket], launched.device,
+                                   bucket)
             return launched
         bs = len(reqs)
         host = FusedStepInputs.allocate(bs, self.nodes, "cpu", pin=self.device.type == "cuda")
@@ -113,24 +113,27 @@ class FusedChainRunner:
 
     def chains(self, launched: InFlight, reqs: list["Req"]) -> bool:
         """Whether launch_chained can follow the step `launched` for `reqs` (the last step
-        launched, a greedy one, for these requests or some of them in the same order; no
-        tensor parallelism: workers replay from host-built inputs)."""
+        launched, for these requests or some of them in the same order; no tensor parallelism:
+        workers replay from host-built inputs)."""
         return (self.last is not None and self.last.launched is launched and self.target.tp is None
                 and kept_rows(self.last.reqs, reqs) is not None)
 
     @torch.inference_mode()
     def launch_chained(self, reqs: list["Req"], node_slots: np.ndarray, head_slots: np.ndarray) -> InFlight:
-        """The next greedy step of the last one's requests (`chains`), launched before the
-        host has read that one: its inputs are derived on the device (fused_step.cut_rows
-        where the last step ended some requests, then chain_inputs). An eager step (a batch
-        past the graphs) reads its prefix lengths for its planning: a host sync.
+        """The next step of the last one's requests (`chains`), verified as it was, launched
+        before the host has read that one: its inputs are derived on the device
+        (fused_step.cut_rows where the last step ended some requests, then chain_inputs; the
+        sampling columns and seeds stay, sampled drafts' q is in the q table, and the
+        randomness is keyed by seed and position: a step gives what it would after the read).
+        An eager step (a batch past the graphs) reads its prefix lengths for its planning: a
+        host sync.
         node_slots: (bs, n) the target's KV slots; head_slots: (bs, 2K) the head's."""
         last = self.last
         rows = kept_rows(last.reqs, reqs)
         rows = None if len(rows) == len(last.reqs) else rows
         if last.bucket is not None:   # a graph's step: so is the next, as large or smaller
             launched, bucket, inputs = self.graphs.replay_chained(last, rows, node_slots, head_slots)
-            self.last = GreedyLaunch(list(reqs), launched, inputs, launched.device, bucket)
+            self.last = LastLaunch(list(reqs), last.kind, launched, inputs, launched.device, bucket)
             return launched
         bs = len(reqs)
         outcome = last.outcome
@@ -144,7 +147,7 @@ class FusedChainRunner:
         chain_inputs(inputs, outcome, torch.as_tensor(node_slots, device=self.device),
                      torch.as_tensor(head_slots, device=self.device))
         prefix = inputs.tree.prefix_lens[:bs].tolist()   # eager planning reads them: a host sync
-        return self._run_eagerly(reqs, inputs, "greedy", prefix)
+        return self._run_eagerly(reqs, inputs, last.kind, prefix)
 
     def _run_eagerly(self, reqs: list["Req"], inputs: FusedStepInputs, kind: str, kv_lens: list[int]) -> InFlight:
         bs = len(reqs)
@@ -152,7 +155,7 @@ class FusedChainRunner:
         outcome = run_fused_step(self.target, self.head, inputs, kind, self.q_table, self.target.attn_backend.plan,
                                  self.head.backend.plan, probs, kv_lens)
         launched = InFlight.launch(outcome)
-        self.last = GreedyLaunch(list(reqs), launched, inputs, outcome, None) if kind == "greedy" else None
+        self.last = LastLaunch(list(reqs), kind, launched, inputs, outcome, None)
         return launched
 
     def keeps_q(self, kind: str) -> bool:
@@ -252,9 +255,9 @@ class FusedGraphs:
         return self._outcome_on_its_way(bucket, bs, kind), bucket
 
     @torch.inference_mode()
-    def replay_chained(self, last: GreedyLaunch, rows: list[int] | None, node_slots: np.ndarray,
+    def replay_chained(self, last: LastLaunch, rows: list[int] | None, node_slots: np.ndarray,
                        head_slots: np.ndarray) -> tuple[InFlight, int, FusedStepInputs]:
-        """The greedy graph of the next step's bucket, on inputs rewritten from `last`'s on
+        """The graph of the next step's bucket and `last`'s kind, on inputs rewritten from `last`'s on
         the device (fused_step.cut_rows for the requests at `rows` of it, None: all of them,
         then chain_inputs), after its replay in stream order. Returns the step, the bucket and
         its input buffer."""
@@ -277,8 +280,8 @@ class FusedGraphs:
             cut_rows(last.inputs, index, inputs, self.runner.scratch_rows)
             outcome = outcome.index_select(0, index)
         chain_inputs(inputs, outcome, staged_device[:, :n], staged_device[:, n:n + r])
-        self.graphs[bucket, "greedy"].replay()
-        return self._outcome_on_its_way(bucket, bs, "greedy"), bucket, inputs
+        self.graphs[bucket, last.kind].replay()
+        return self._outcome_on_its_way(bucket, bs, last.kind), bucket, inputs
 
     def _outcome_on_its_way(self, bucket: int, bs: int, kind: str) -> InFlight:
         turn = self._turn[bucket] = 1 - self._turn.get(bucket, 1)

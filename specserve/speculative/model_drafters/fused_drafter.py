@@ -16,8 +16,9 @@ stored target states, then its first K drafts (a host sync, on such steps only).
 request gets its next 2K head rows reserved (eagle_runner.reserved_head_rows), and the step
 is fused.
 
-On the engine's greedy path (pinned drafting, or the adaptive policy while the batch's
-bucket drafts), the next fused step is queued before the host reads this one
+On the engine's path of steps launched ahead (greedy batches, and sampled ones this step
+verifies: samples_fused; pinned drafting, or the adaptive policy while the batch's bucket
+drafts), the next fused step is queued before the host reads this one
 (launch_chained: speculative/model_drafters/fused_chain.py derives its inputs from this step's outcome on the
 device; engine/draft_ahead.py): its head rows are allocated then and taken into the head's
 table once this step is committed (adopt_chained).
@@ -176,6 +177,15 @@ class FusedChainDrafter(EagleDrafter, ChainedSteps):
             while_running()
         parsed = self.read_fused(reqs, launched.wait())   # the step's one sync
         return SampledStep(parsed.tokens, parsed.accepted_nodes, None, None)
+
+    def samples_fused(self, reqs: list["Req"], sampling_rule: str) -> str | None:
+        """Sampled drafts need the q table (without it propose takes the unfused chain)."""
+        kind = verification_kind(reqs, sampling_rule)
+        sampled_drafts = any(draft_temperature(r) > 0 for r in reqs)
+        if kind == "greedy" or kind not in self.fused.kinds or (sampled_drafts and self.fused.q_table is None) \
+                or not all(fusable(r) for r in reqs):
+            return None
+        return kind
 
     def launch_fused(self, reqs: list["Req"], proposal: TreeProposal, slots: list[int],
                      kind: str = "greedy") -> "InFlight | None":
