@@ -253,16 +253,22 @@ def test_a_small_cache_preempts_and_evicts_without_changing_the_output(models, p
         wait_until_everything_is_free(engine)
 
 
-def test_seeded_sampling_is_plain_decodings(models, plain, monkeypatch):
+@pytest.mark.parametrize("ahead", [False, True], ids=["read", "chained"])
+def test_seeded_sampling_is_plain_decodings(models, plain, monkeypatch, ahead):
     """The coupled rule: a seeded request samples plain decoding's tokens, whichever source
-    drafted (the trie's drafts taken wherever they are expected to beat the head's, chain or not)."""
+    drafted (the trie's drafts taken wherever they are expected to beat the head's, chain or not),
+    also with steps launched ahead, as on a GPU (the head's fused steps chained)."""
     monkeypatch.setattr(source_choice, "BREAK_GAIN", 0.0)
     target, head = models
     with tiny_engine(target, **hybrid_args(head)) as engine:
+        if ahead:
+            ahead_on(engine)
+        spy = FusedSpy(engine.core.drafter.head)
         outputs = two_turns(engine, SEEDED)
         assert [o["output_ids"] for o in outputs] == plain["seeded"]
         assert len(sources(outputs)) == 2
         wait_until_everything_is_free(engine)
+    assert (spy.chained > 0) == ahead, vars(spy)
 
 
 @pytest.mark.parametrize("ahead", [False, True], ids=["sync", "ahead"])

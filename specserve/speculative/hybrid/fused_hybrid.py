@@ -69,6 +69,11 @@ class FusedHybridDrafter(HybridDrafter, ChainedSteps):
         return head, head_nodes, use_trie
 
     # --- the fused head's steps ---
+    def samples_fused(self, reqs: list["Req"], sampling_rule: str) -> str | None:
+        """The head's: a sampled batch's steps run launched ahead, its head steps fused and
+        chained; a step with trie drafts (no q) is verified by the engine's sampler."""
+        return self.head.samples_fused(reqs, sampling_rule)
+
     def verify_fused(self, reqs: list["Req"], proposal: TreeProposal, slots: list[int], sampler: "Sampler",
                      while_running: Callable[[], None] | None = None) -> "SampledStep | None":
         return self.head.verify_fused(reqs, proposal, slots, sampler, while_running)
