@@ -240,6 +240,16 @@ def test_a_fused_head_gives_way_only_to_trie_drafts_worth_the_break():
     assert not choice.breaks_chain(["a", "b"], [6, 1], [2, 0])
     assert choice.choose(["a", "b"], [6, 6], [2, 2], fused_head=True).tolist() == [True, True]
     assert choice.breaks_chain(["a", "b"], [6, 6], [2, 2])
+    # what an instrument hears of each choice (bench/policy_trace.py)
+    heard = []
+    choice.listener = heard.append
+    choice.choose(["a", "b"], [6, 1], [2, 0], fused_head=True)
+    choice.breaks_chain(["a", "b"], [6, 6], [2, 2])
+    assert [{k: e[k] for k in ("kind", "with_trie", "preferred", "taken")} for e in heard] == [
+        {"kind": "choose", "with_trie": 1, "preferred": 1, "taken": 0},
+        {"kind": "counterfactual", "with_trie": 2, "preferred": 2, "taken": True}]
+    assert [(e["trie_gain"], e["head_tokens"]) for e in heard] == [(pytest.approx(3, abs=0.05), pytest.approx(4, abs=0.05)),
+                                                                  (pytest.approx(6, abs=0.05), pytest.approx(4, abs=0.05))]
 
 
 def test_a_small_cache_preempts_and_evicts_without_changing_the_output(models, plain):

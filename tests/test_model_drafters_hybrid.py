@@ -56,6 +56,11 @@ def test_one_call_gives_plain_ngram_eagle_and_hybrid_rows(models, tmp_path, monk
     traced = {path.parent.name: path.read_text() for path in (tmp_path / "traces").glob("*/policy_trace.jsonl")}
     assert set(traced) == {"eagle3-3", "eagle3-3-hybrid", "ngram-default"}, traced.keys()
     assert "code-types c4 eagle3-3-adaptive" in traced["eagle3-3"] and "ngram-default" in traced["ngram-default"]
+    # the hybrid's trace holds its source choices too (source_choice.py), the others' none
+    choices = [json.loads(line) for line in traced["eagle3-3-hybrid"].splitlines() if '"e": "source"' in line]
+    assert choices and all(c["kind"] in ("choose", "counterfactual") and 0 <= c["preferred"] <= c["with_trie"] <= c["bs"]
+                           for c in choices)
+    assert '"e": "source"' not in traced["eagle3-3"]
 
 
 def test_a_cell_starts_with_an_empty_trie():

@@ -17,7 +17,12 @@ losing-episode budget explained them. The trace records, per event:
 - `step`: every decode step's batch size, tier, wall ms, committed tokens and mode; `steady`
   False on a plain step that plain mode would not run so: it probed where most plain steps
   do not (`probe`), or it was not launched ahead of the step before it (what the adaptive
-  engine's plain steps lose against plain's).
+  engine's plain steps lose against plain's);
+- `source` (a hybrid drafter's, speculative/hybrid/source_choice.py): each step's choice
+  between the trie's drafts and the head's (`choose`), or a chained head step's
+  counterfactual (`counterfactual`: whether the trie's would have broken the chain): how many
+  requests had trie drafts, preferred them and took them, the trie's expected gain and the
+  head's expected tokens.
 
 `summary()` condenses them per bucket: switches and bypasses, episodes won and lost,
 drafting steps, and how far the rate expected at the chosen tier was from the realized
@@ -30,17 +35,23 @@ import statistics
 from collections import defaultdict
 
 from specserve.speculative.adaptive.listener import PolicyListener
+from specserve.speculative.hybrid.source_choice import SourceChoice
 
 
 class PolicyTrace(PolicyListener):
-    def __init__(self, policy):
-        self.policy = policy
+    def __init__(self, policy, choice: SourceChoice | None = None):
+        """choice: a hybrid drafter's source choice, whose decisions are traced too."""
+        self.policy, self.choice = policy, choice
         self.events: list[dict] = []
         self._probed = False   # the next recorded step is the plain step whose probe was just recorded
         policy.listen(self)
+        if choice is not None:
+            choice.listener = self.events.append
 
     def close(self) -> None:
         self.policy.listen(None)
+        if self.choice is not None:
+            self.choice.listener = None
 
     def dump(self, path: str, run: str) -> None:
         """Appends the events to `path`, each tagged with the run's name (one file holds a
@@ -93,6 +104,8 @@ class PolicyTrace(PolicyListener):
             "switches": 0, "bypasses": 0, "episodes": 0, "episodes_lost": 0, "draft_steps": 0, "plain_steps": 0,
             "_optimism": []})
         for event in self.events:
+            if event["e"] == "source":
+                continue
             row = per_bucket[event["bucket"]]
             if event["e"] == "switch":
                 row["switches"] += 1

@@ -12,6 +12,7 @@ import torch
 from specserve.bench.policy_trace import PolicyTrace
 from specserve.engine.kernel_cache import TritonCompileCounter
 from specserve.engine.step_events import StepListener
+from specserve.speculative.hybrid.drafter import HybridDrafter
 
 
 class RunWatch(StepListener):
@@ -65,7 +66,9 @@ class RunWatch(StepListener):
             self.host.reset()
         if self.trace is not None:
             self.trace.close()
-        self.trace = PolicyTrace(self.core.adaptive) if self.core.adaptive is not None else None
+        drafter = self.core.drafter
+        choice = drafter.choice if isinstance(drafter, HybridDrafter) else None
+        self.trace = PolicyTrace(self.core.adaptive, choice) if self.core.adaptive is not None else None
 
     def summary(self) -> dict:
         counted = self._compiles.compiles is not None  # None: hooks someone else set are left alone

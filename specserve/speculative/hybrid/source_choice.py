@@ -24,6 +24,8 @@ for the head's drafts none, so that it measures them per request.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from specserve.speculative.adaptive.acceptance import AcceptanceEvidence
@@ -63,6 +65,8 @@ class SourceChoice:
         self.ngram = AcceptanceEvidence([max_nodes])   # per match-length class
         self.head = AcceptanceEvidence([max_nodes])    # per request
         self._trie_streak: dict[str, int] = {}         # rid -> steps the trie drafted in a row
+        # an instrument's (bench/policy_trace.py), told each choice as a dict; None: nobody listens
+        self.listener: Callable[[dict], None] | None = None
 
     def expected_from_trie(self, key: int) -> float | None:
         """Tokens a trie proposal of class `key` is expected to commit: its class's measure, or
@@ -81,9 +85,12 @@ class SourceChoice:
         head's steps are fused, so trie drafts are taken only where they pay for breaking
         its chain (BREAK_GAIN)."""
         use_trie = self.preferred(rids, trie_nodes, trie_keys)
+        event = None if self.listener is None else self._event("choose", rids, trie_nodes, trie_keys, use_trie, fused_head)
         if fused_head and use_trie.any() and not self.pays_to_break(rids, use_trie, trie_keys):
             use_trie[:] = False
         self.took(rids, use_trie)
+        if event is not None:
+            self.listener({**event, "taken": int(use_trie.sum())})
         return use_trie
 
     def took(self, rids: list[str], use_trie: np.ndarray) -> None:
@@ -108,16 +115,39 @@ class SourceChoice:
     def pays_to_break(self, rids: list[str], use_trie: np.ndarray, trie_keys: list[int]) -> bool:
         """Whether the trie's drafts where `use_trie` are expected to commit BREAK_GAIN times
         the batch's head tokens more than the head's drafts would."""
+        gain, head = self._gain(rids, use_trie, trie_keys)
+        return gain >= BREAK_GAIN * head
+
+    def _gain(self, rids: list[str], use_trie: np.ndarray, trie_keys: list[int]) -> tuple[float, float]:
+        """What the trie's drafts where `use_trie` are expected to commit over the head's, and
+        what the head's drafts are expected to commit over the batch."""
         head = [self.expected_from_head(rid) for rid in rids]
         gain = sum(self.expected_from_trie(key) - expected
                    for trie, key, expected in zip(use_trie.tolist(), trie_keys, head) if trie)
-        return gain >= BREAK_GAIN * sum(head)
+        return gain, sum(head)
 
     def breaks_chain(self, rids: list[str], trie_nodes: list[int], trie_keys: list[int]) -> bool:
         """Whether trie drafts at these roots would have paid for breaking the head's chain
         (a chained step's counterfactual: the next step is then proposed after its read)."""
         use_trie = self.preferred(rids, trie_nodes, trie_keys)
-        return bool(use_trie.any()) and self.pays_to_break(rids, use_trie, trie_keys)
+        breaks = bool(use_trie.any()) and self.pays_to_break(rids, use_trie, trie_keys)
+        if self.listener is not None:
+            self.listener({**self._event("counterfactual", rids, trie_nodes, trie_keys, use_trie, True),
+                           "taken": breaks})
+        return breaks
+
+    def _event(self, kind: str, rids: list[str], trie_nodes: list[int], trie_keys: list[int], use_trie: np.ndarray,
+               fused_head: bool) -> dict:
+        """A choice for the listener: the batch, how many requests had trie drafts, preferred
+        them (`use_trie`) and were due the head's recheck, the trie's expected gain over the
+        head where preferred and the head's expected tokens over the batch; the caller adds
+        `taken` (how many took the trie's drafts; a counterfactual: whether they would break
+        the chain)."""
+        gain, head = self._gain(rids, use_trie, trie_keys)
+        return {"e": "source", "kind": kind, "bs": len(rids), "fused_head": fused_head,
+                "with_trie": sum(n > 1 for n in trie_nodes), "preferred": int(use_trie.sum()),
+                "due_head": sum(not self.trie_may_go_on([rid]) for rid in rids),
+                "trie_gain": round(gain, 2), "head_tokens": round(head, 2)}
 
     def record(self, rids: list[str], trie: TreeProposal, trie_nodes: list[int], trie_keys: list[int],
                head: TreeProposal, head_nodes: list[int]) -> None:
