@@ -325,9 +325,10 @@ class UnfedHead:
         self.fed_at_release += end - start
         return rows[start:end]
 
-    def share(self, req, start, slots):
+    def share(self, req, start, slots, cached):
         own = self.rows[req.rid][start:start + len(slots)]
-        self.pool.slots.free([slot for slot, cached in zip(own, slots) if slot != cached])
+        assert own[cached:] == slots[cached:]   # past what another request cached first: its own rows
+        self.pool.slots.free([slot for slot, tree in zip(own[:cached], slots) if slot != tree])
         self.rows[req.rid][start:start + len(slots)] = slots
         self.shared[req.rid] = start + len(slots)
 

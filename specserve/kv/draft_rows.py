@@ -42,9 +42,10 @@ class DraftRows(Protocol):
         many as it holds), to be cached. finishing: the request is leaving (it may be fed
         what it lacks now, its target states being about to go)."""
 
-    def share(self, req: "Req", start: int, slots: list[int]) -> None:
-        """Rows start .. start + len - 1 are the tree's from now on, held in these slots
-        (where another request cached them first, the request's own copies are freed)."""
+    def share(self, req: "Req", start: int, slots: list[int], cached: int) -> None:
+        """Rows start .. start + len - 1 are the tree's from now on, held in these slots: the
+        first `cached` of them the copies of another request that cached them first (the
+        request's own copies are freed), the others the request's own."""
 
     def detach(self, req: "Req") -> None:
         """The request leaves: its own rows are freed, the tree's stay."""

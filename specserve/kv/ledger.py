@@ -173,7 +173,7 @@ class KVLedger:
         inserted = self.tree.insert(self._key(req, start, end), req.kv_slots[start:end], below=req.cache_node,
                                     draft_slots=drafts)
         if drafts is not None:
-            self.draft.share(req, start, inserted.draft_slots)
+            self.draft.share(req, start, inserted.draft_slots, inserted.cached)
         return inserted
 
     def trim(self, req: Req, length: int) -> None:

@@ -202,18 +202,20 @@ class DraftKVTable:
             held += 1
         return seq.slots[start:held]
 
-    def share(self, req: "Req", start: int, slots: list[int]) -> None:
-        """Rows start .. start + len(slots) - 1 are the tree's, in `slots`: where another request
-        cached them first, the request's own copies are freed and its table names the tree's."""
+    def share(self, req: "Req", start: int, slots: list[int], cached: int) -> None:
+        """Rows start .. start + len(slots) - 1 are the tree's, in `slots`: the first `cached`
+        another request cached first, whose copies replace the request's own (freed; its table
+        names the tree's), the others its own (a prompt's rows, cached as it is prefilled, are
+        mostly these: no scan of them)."""
         seq = self.sequences[req.rid]
-        end = start + len(slots)
-        duplicates = [own for own, cached in zip(seq.slots[start:end], slots) if own != cached]
+        end, theirs = start + len(slots), start + cached
+        duplicates = [own for own, tree in zip(seq.slots[start:theirs], slots) if own != tree]
         if duplicates:
             if any(entry[0] == seq.row for entry in self._new_entries):
                 self.write_table()   # the entries it replaces first: one write never names a position twice
             self.pool.slots.free(duplicates)
-            seq.slots[start:end] = slots
-            self._new_entries.append((seq.row, start, list(slots)))
+            seq.slots[start:theirs] = slots[:cached]
+            self._new_entries.append((seq.row, start, list(slots[:cached])))
         seq.shared = end
         seq.committed = max(seq.committed, end)
 

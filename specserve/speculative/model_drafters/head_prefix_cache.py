@@ -43,8 +43,8 @@ class HeadPrefixRows(DraftRows):
             held = self.kv.held_rows(req, start, end)
         return held
 
-    def share(self, req: "Req", start: int, slots: list[int]) -> None:
-        self.kv.share(req, start, slots)
+    def share(self, req: "Req", start: int, slots: list[int], cached: int) -> None:
+        self.kv.share(req, start, slots, cached)
 
     def detach(self, req: "Req") -> None:
         self.kv.detach(req)
