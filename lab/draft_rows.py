@@ -153,7 +153,7 @@ def main(argv=None) -> None:
                     speculative_num_draft_tokens=16, log_level="warning", dtype=ns.dtype, device=ns.device)
     core = engine.core
     if core.overlap is None:   # CUDA-graph-only by default: what a GPU engine runs
-        core.overlap, core.draft_ahead = OverlapSchedule(core.runner, core.scheduler), DraftAhead(core.scheduler)
+        core.overlap, core.draft_ahead = OverlapSchedule(core.runner, core.scheduler, core.sampler), DraftAhead(core.scheduler)
     rows, streams = DraftRows(core.runner), collections.Counter()
     set_drafter = gpu_suite.set_drafter
 

@@ -108,7 +108,7 @@ def time_plain_steps(engine, stand_in: DeviceTimeReplay, prompts: list[list[int]
     requests (the batch stays whole while timed)."""
     core = engine.core
     set_drafter(engine, *(spec or (None,)))
-    core.overlap = OverlapSchedule(core.runner, core.scheduler)   # CUDA-graph-only by default
+    core.overlap = OverlapSchedule(core.runner, core.scheduler, core.sampler)   # CUDA-graph-only by default
     params = {"temperature": 0, "max_new_tokens": PREFILL_MARGIN + warm_steps + steps, "ignore_eos": True}
     reqs = [engine._make_request(p, params, False, 0, f"plain-host-{i}") for i, p in enumerate(prompts)]
     for req in reqs:

@@ -182,7 +182,7 @@ def run_turnover(engine, stand_in, prompts, spec, batch_size: int, output_len: i
     set_drafter(engine, *(spec or (None,)))
     if hold_plain and core.adaptive is not None:
         core.adaptive.modes.request_switch = lambda bucket, expected_gain=None: None
-    core.overlap = OverlapSchedule(core.runner, core.scheduler)   # CUDA-graph-only by default
+    core.overlap = OverlapSchedule(core.runner, core.scheduler, core.sampler)   # CUDA-graph-only by default
     fresh = iter(prompts)
     counter = itertools.count()
     live = {}

@@ -22,7 +22,7 @@ def ahead_on(engine, plain_steps: bool = True):
     """What a GPU engine has: plain steps and drafting steps launched ahead (plain_steps=False:
     drafting steps alone, so that a step with nothing to draft stays a drafting step)."""
     core = engine.core
-    core.overlap = OverlapSchedule(core.runner, core.scheduler) if plain_steps else None
+    core.overlap = OverlapSchedule(core.runner, core.scheduler, core.sampler) if plain_steps else None
     core.draft_ahead = DraftAhead(core.scheduler)
     return engine
 

@@ -75,7 +75,7 @@ def scripted(engine, overlap: bool, script: list[bool] = SCRIPT) -> ScriptedPoli
     if not overlap:
         core.overlap = None
     elif core.overlap is None:
-        core.overlap = OverlapSchedule(core.runner, core.scheduler)
+        core.overlap = OverlapSchedule(core.runner, core.scheduler, core.sampler)
     policy = core.adaptive = ScriptedPolicy(core.adaptive.tiers, script)
     return policy
 
@@ -228,7 +228,7 @@ def test_the_real_policy_and_always_drafting_keep_output_and_free_everything(tmp
             core = engine.core
             assert (core.adaptive is None) == disable
             if not disable:   # no probe sees a draft accepted: once plain, the batch stays plain
-                core.overlap = OverlapSchedule(core.runner, core.scheduler)
+                core.overlap = OverlapSchedule(core.runner, core.scheduler, core.sampler)
             outputs = engine.generate(input_ids=prompts, sampling_params=greedy)
             assert [o["output_ids"] for o in outputs] == expected
             assert sum(o["meta_info"]["preemptions"] for o in outputs) > 0

@@ -248,7 +248,7 @@ def test_watch_splits_host_time_by_phase_and_counts_the_wait_for_the_device(engi
         return original_wait(self)
     monkeypatch.setattr(InFlight, "wait", slow_wait)
     core = engine.core
-    monkeypatch.setattr(core, "overlap", OverlapSchedule(core.runner, core.scheduler))   # CUDA-graph-only by default
+    monkeypatch.setattr(core, "overlap", OverlapSchedule(core.runner, core.scheduler, core.sampler))   # CUDA-graph-only by default
     monkeypatch.setattr(RunWatch, "phase_timer", HostPhases)
     watch = RunWatch(engine)
     try:

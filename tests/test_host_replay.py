@@ -73,7 +73,7 @@ def test_stand_in_follows_steps_launched_ahead(engine, recorded):
     config = engine.core.runner.config
     stand_in = ReplayForward(PROMPTS, recorded, config.eos_token_ids[0], config.vocab_size)
     params = {"temperature": 0, "max_new_tokens": NEW_TOKENS}
-    engine.core.overlap = OverlapSchedule(engine.core.runner, engine.core.scheduler)
+    engine.core.overlap = OverlapSchedule(engine.core.runner, engine.core.scheduler, engine.core.sampler)
     try:
         with stand_in.installed(engine.core.runner):
             for spec in (None, (8, False, True)):

@@ -1,7 +1,8 @@
-"""Plain greedy decoding one step ahead (the overlap schedule): step N+1 is queued with step
-N's argmax as its roots before step N's tokens are read. On a GPU that hides the host's work;
-here (CPU, forced on) it must change nothing: the same outputs as the normal path, whatever
-ends a request (length, stop string, EOS, abort, preemption), and every KV slot comes back."""
+"""Plain decoding one step ahead (the overlap schedule): step N+1 is queued with step N's
+argmax (or its tokens sampled on the device) as its roots before step N's tokens are read. On
+a GPU that hides the host's work; here (CPU, forced on) it must change nothing: the same outputs
+as the normal path, greedy or sampled, whatever ends a request (length, stop string, EOS,
+abort, preemption), every KV slot comes back, and unseeded samples keep the exact distribution."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +10,10 @@ import pytest
 from specserve.bench.prompts import SAMPLE_PROMPTS
 from specserve.engine.step_events import StepListener
 
+from tests.spec_fixtures import tiny_engine
 from tests.test_kv_accounting import wait_until_all_kv_is_free
+from tests.test_spec_sampling import (NEW_TOKENS, PROMPT, SAMPLES, chi_square_p, exact_joint, model_dir,  # noqa: F401
+                                      step_logits)
 
 GREEDY = {"temperature": 0, "max_new_tokens": 24}
 
@@ -19,7 +23,7 @@ def overlapped(engine):
     that were read from a launch ahead."""
     from specserve.engine.overlap import OverlapSchedule
     core = engine.core
-    schedule = core.overlap = OverlapSchedule(core.runner, core.scheduler)
+    schedule = core.overlap = OverlapSchedule(core.runner, core.scheduler, core.sampler)
     used = {"ahead": 0}
     current_step = schedule.current_step
 
@@ -64,6 +68,39 @@ def test_outputs_equal_the_normal_path(plain, ahead):
     assert solo["output_ids"] == expected[1]["output_ids"]
     assert ahead.used["ahead"] > 20                   # the launched-ahead steps were really used
     wait_until_all_kv_is_free(ahead)
+
+
+def test_sampled_requests_run_ahead_with_the_normal_path_s_tokens(plain, ahead):
+    """Seeded requests with each sampling filter, beside greedy ones, and alone: their tokens,
+    sampled on the device at each step's launch, are the ones the normal path (the sampler
+    after the read) gives, and their steps are launched ahead. Penalties keep them off it."""
+    prompts = SAMPLE_PROMPTS[:5]
+    sampled = {"temperature": 0.9, "max_new_tokens": 20, "ignore_eos": True}
+    params = [dict(sampled, seed=1), dict(sampled, seed=2, top_k=5), dict(sampled, seed=3, top_p=0.8),
+              dict(sampled, seed=4, min_p=0.1, max_new_tokens=9), dict(GREEDY, max_new_tokens=14)]
+    expected = [o["output_ids"] for o in plain.generate(prompts, params)]
+    before = ahead.used["ahead"]
+    assert [o["output_ids"] for o in ahead.generate(prompts, params)] == expected
+    assert ahead.used["ahead"] - before > 15
+    assert ahead.generate(prompts[2], params[2])["output_ids"] == expected[2]   # batch 1 all the way
+    before = ahead.used["ahead"]
+    penalised = dict(sampled, seed=5, repetition_penalty=1.2)
+    assert ahead.generate(prompts[0], penalised)["output_ids"] == plain.generate(prompts[0], penalised)["output_ids"]
+    assert ahead.used["ahead"] == before
+    wait_until_all_kv_is_free(ahead)
+
+
+def test_unseeded_samples_run_ahead_with_the_exact_distribution(model_dir, step_logits):
+    """test_spec_sampling's tiny target and exact joint distribution of four tokens: plain
+    decoding with every step launched ahead, unseeded, at temperature 1 and with top-k."""
+    for config in ({"temperature": 1.0}, {"temperature": 0.8, "top_k": 4}):
+        with tiny_engine(model_dir[0], max_running_requests=1024, max_total_tokens=32768) as engine:
+            used = overlapped(engine)
+            params = [{**config, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}] * SAMPLES
+            outputs = engine.generate(input_ids=[PROMPT] * SAMPLES, sampling_params=params)
+            wait_until_all_kv_is_free(engine)
+        assert used["ahead"] >= NEW_TOKENS - 2
+        assert chi_square_p(outputs, exact_joint(step_logits, **config)) > 1e-4, config
 
 
 def test_constrained_requests_run_ahead_under_their_grammars(plain, ahead):

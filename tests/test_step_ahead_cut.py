@@ -13,7 +13,8 @@ from specserve.runner.model_runner import InFlight
 
 
 def launched_step(finished: list[bool]) -> tuple[list, StepAhead]:
-    reqs = [SimpleNamespace(finished=f, kv_len=5 + i, grammar=None) for i, f in enumerate(finished)]
+    reqs = [SimpleNamespace(finished=f, kv_len=5 + i, grammar=None, params=SimpleNamespace(greedy=True))
+            for i, f in enumerate(finished)]
     argmax = torch.tensor([70 + i for i in range(len(reqs))])
     hidden = torch.arange(2.0 * len(reqs)).reshape(len(reqs), 2)
     return reqs, StepAhead(list(reqs), [10 + i for i in range(len(reqs))], InFlight(argmax, argmax, None), hidden)

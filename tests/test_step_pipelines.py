@@ -1,8 +1,9 @@
 """EngineCore.pipeline_for: which pipeline runs each step (engine/*_step.py). A prefill runs
 PrefillStep; a greedy decode step on an engine that launches steps ahead runs PlainStep
-without a drafter and DraftingStep with an n-gram drafter; a sampling step runs
-VerifyStep (verify_plain without drafts, verify with them). Outputs stay those of the
-engine without the schedules that launch ahead."""
+without a drafter and DraftingStep with an n-gram drafter; a sampling step runs PlainStep
+there too without a drafter, where it samples from the logits alone (a penalty's does not:
+VerifyStep's verify_plain), and VerifyStep's verify with an n-gram drafter. Outputs stay those
+of the engine without the schedules that launch ahead."""
 from __future__ import annotations
 
 from collections import Counter
@@ -15,6 +16,7 @@ from tests.test_draft_ahead import ahead_on
 PROMPTS = [[5, 6, 7, 8, 9] * 4, [20, 21, 22, 23] * 5]
 GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
 SAMPLED = {"temperature": 0.8, "seed": 7, "max_new_tokens": 12, "ignore_eos": True}
+PENALISED = {**SAMPLED, "repetition_penalty": 1.2}
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,8 @@ def assert_decode_steps_ran(counted: Counter, kind: str) -> None:
 
 
 # (speculation, sampling, the decode steps' pipeline launching nothing ahead, and launching ahead)
-CASES = [({}, GREEDY, "verify_plain", "plain"), ({}, SAMPLED, "verify_plain", "verify_plain"),
+CASES = [({}, GREEDY, "verify_plain", "plain"), ({}, SAMPLED, "verify_plain", "plain"),
+         ({}, PENALISED, "verify_plain", "verify_plain"),
          (ngram_args(4), GREEDY, "drafting", "drafting"), (ngram_args(4), SAMPLED, "verify", "verify")]
 
 

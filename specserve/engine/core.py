@@ -59,10 +59,10 @@ class EngineCore:
                  adaptive: AdaptiveDraftLength | None = None, overlap: bool = False):
         self.runner, self.scheduler, self.sampler = runner, scheduler, sampler
         self.planner = DraftPlanner(drafter, adaptive, sampler, num_draft_tokens, runner.context_length)
-        # plain greedy steps run one step ahead (always without a drafter, and with one while the
+        # plain steps run one step ahead (always without a drafter, and with one while the
         # adaptive draft length says plain decoding wins); greedy drafting steps are launched
         # before the last one's bookkeeping
-        self.ahead = StepsAhead(OverlapSchedule(runner, scheduler) if overlap else None,
+        self.ahead = StepsAhead(OverlapSchedule(runner, scheduler, sampler) if overlap else None,
                                 DraftAhead(scheduler) if overlap else None)
         self.text = DeferredText()   # detokenizing, done while the GPU runs the next step
         self.requests: dict[str, Req] = {}
@@ -171,7 +171,7 @@ class EngineCore:
         if self.ahead.drafting_step_for(reqs):
             return self.drafting
         draft = self.planner.drafts(reqs, self.ahead.plain_step_for(reqs))
-        if not draft and self.ahead.plain is not None and self.sampler.masked_argmax_is_enough(reqs):
+        if not draft and self.ahead.plain is not None and self.ahead.plain.serves(reqs):
             return self.plain
         if draft and self.planner.drafts_ahead(reqs):
             return self.drafting

@@ -198,7 +198,7 @@ class DraftingStep(StepPipeline):
         propose: greedy requests of a batch small enough (DraftPlanner.may_run_dry), and a
         drafter whose steps the engine verifies itself."""
         return (self.ahead.plain is not None and self.planner.may_run_dry(len(reqs))
-                and self.sampler.masked_argmax_is_enough(reqs)
+                and self.ahead.plain.serves(reqs)
                 and not isinstance(self.planner.drafter, FusedSteps))
 
     def _launch_chained(self, reqs: list[Req], step: DraftStep) -> ChainedStep | ForecastStep | None:

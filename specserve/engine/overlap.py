@@ -1,7 +1,11 @@
-"""The overlap schedule: plain greedy decode steps run one step ahead.
+"""The overlap schedule: plain decode steps run one step ahead.
 
 Step N+1 is queued on the GPU before step N's tokens are read: its roots are step N's
-argmax, copied on the device, and its KV slots are allocated before step N commits. Each
+argmax, copied on the device, and its KV slots are allocated before step N commits. Sampled
+steps too, where their tokens come from the step's logits alone (temperature, top-k, top-p,
+min-p and a seed: Sampler.samples_on_device): they are sampled on the device (sample_plain:
+the random numbers are keyed by seed and position, so a step launched ahead samples what it
+would after the read), and those tokens root the next step. Each
 decode step writes its own slot into req_to_token on the device (tree_step.write_decode_slots),
 so step N+1 finds step N's entry there and no commit writes the table again. While
 the GPU runs step N+1, the host commits step N (stop checks, detokenizing, streaming) and
@@ -15,8 +19,8 @@ every other step at 64 (128-token answers) broke the chain on ~40% of the steps,
 paying its host time in full. A step launched ahead for a batch that changes otherwise (a
 request arrived, was preempted or aborted) is dropped: its slots are freed and its output
 ignored. Only steps
-that need nothing but the argmax qualify (greedy, no penalties, logprobs or min_new_tokens
-still in force): every other sampling option depends on tokens the host has not seen yet.
+that need nothing but the argmax or such sampling qualify (no penalties, logprobs or
+min_new_tokens still in force): every other option depends on tokens the host has not seen yet.
 Requests under a grammar qualify too, greedy ones (sampling ones take the sampler's masked
 path): their steps are launched on the previous step's unmasked argmax like any other, no
 mask filled before the launch (filled first, at 64 requests the fill, ~1 ms a step on an H200's
@@ -42,6 +46,7 @@ from specserve.request.req import Batch, Req, ReqState, same_requests
 from specserve.runner.model_runner import InFlight, ModelRunner
 from specserve.runner.side_stream import beside
 from specserve.runner.stream_events import record
+from specserve.sampling.sampler import Sampler
 
 
 @dataclass
@@ -96,13 +101,20 @@ class StepAhead:
 
 
 class OverlapSchedule:
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler):
-        self.runner, self.scheduler = runner, scheduler
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler | None = None):
+        """sampler: samples the steps of sampled requests on the device (None: greedy steps only)."""
+        self.runner, self.scheduler, self.sampler = runner, scheduler, sampler
         self.ahead: StepAhead | None = None
         # requests whose row of the step ahead was cut, as a grammar forbade the token it was
         # launched on: they have no step in flight, and join the next launch at their last token
         self.waiting: set[int] = set()   # their ids
         self.relaunches = 0   # such rows cut, all told
+
+    def serves(self, reqs: list[Req]) -> bool:
+        """Whether these requests' plain steps run on this schedule: greedy ones that need the
+        argmax alone (under a grammar's mask, if any), or, with a sampler, ones whose tokens
+        are sampled from the logits alone (Sampler.samples_on_device)."""
+        return Sampler.masked_argmax_is_enough(reqs) or (self.sampler is not None and Sampler.samples_on_device(reqs))
 
     def current_step(self, reqs: list[Req], last_tokens: Callable[[], list[int]]) -> StepAhead:
         """The step to read now: the one launched ahead for exactly these requests (but those
@@ -216,6 +228,8 @@ class OverlapSchedule:
 
     def _launch(self, reqs: list[Req], kv_lens: list[int], slots: list[int], roots) -> StepAhead:
         launched, hidden, logits = self.runner.launch_greedy_decode(reqs, kv_lens, slots, roots)
+        if not all(r.params.greedy for r in reqs):   # sampled on the device, rooted at kv_lens
+            launched = InFlight.launch(self.sampler.sample_plain(logits, reqs, kv_lens))
         step = StepAhead(list(reqs), slots, launched, hidden=hidden)
         if any(r.grammar is not None for r in reqs):
             # copied before the next launch overwrites a graph's logits (64 x 151k fp32 logits:

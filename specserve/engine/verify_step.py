@@ -151,7 +151,7 @@ class VerifyStep(StepPipeline):
             # a plain step here prices plain decoding only where plain mode runs its steps so too
             # (drafting steps skip the check: `or` stops at them)
             steady = proposal.num_slots > 1 or not (self.planner.rare_probe(reqs, step.probing) or (
-                self.ahead.plain is not None and self.sampler.argmax_is_enough(reqs)))
+                self.ahead.plain is not None and self.ahead.plain.serves(reqs)))
             self.planner.record_step(len(reqs), proposal.num_slots, time.perf_counter() - step.started,
                                      committed_tokens(outputs), steady, int(proposal.num_nodes.sum()))
         return outputs

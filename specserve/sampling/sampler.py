@@ -64,6 +64,25 @@ class Sampler:
         return all(r.params.greedy and not r.params.has_penalties and not r.return_logprob
                    and r.params.min_new_tokens <= len(r.output_ids) for r in reqs)
 
+    @staticmethod
+    def samples_on_device(reqs: list[Req]) -> bool:
+        """Whether their plain decode steps sample from the step's logits alone: the filters and
+        a seed (no penalties, logprobs, min_new_tokens still holding stops back, or grammar), so
+        that a step's tokens can root the next one on the device (sample_plain; the overlap
+        schedule's sampled steps: engine/overlap.py)."""
+        return all(not r.params.has_penalties and not r.return_logprob
+                   and r.params.min_new_tokens <= len(r.output_ids) and r.grammar is None for r in reqs)
+
+    def sample_plain(self, logits: torch.Tensor, reqs: list[Req], positions: list[int]) -> torch.Tensor:
+        """A plain decode step's tokens (bs,), on the device, queued without a host sync (the
+        tensors it needs go through pinned memory): logits (bs, vocab) at each request's last
+        token, whose positions (the tokens in each KV cache) key the random numbers. The tokens
+        `sample` commits for the same step: the same filters, the same rule, the same numbers.
+        For requests that samples_on_device."""
+        sampling = self._sampling_tensors(reqs, None, positions)
+        roots = DraftTrees.root_only(torch.zeros(len(reqs), dtype=torch.long, device=logits.device))
+        return verify_sampling(roots, logits.unsqueeze(1), **sampling).committed_tokens[:, 0]
+
     def first_tokens(self, logits: torch.Tensor, reqs: list[Req]) -> SampledStep:
         """A prefill's first tokens (logits (bs, 1, vocab)). Where each request needs only the
         argmax under its grammar (masked_argmax_is_enough), they are that argmax, read once.
@@ -163,9 +182,13 @@ class Sampler:
                                pinned=pinned)
         return mask.to(self.device, non_blocking=True)
 
-    def _sampling_tensors(self, reqs: list[Req], draft_probs: torch.Tensor | None) -> dict:
-        def column(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=self.device)
+    def _sampling_tensors(self, reqs: list[Req], draft_probs: torch.Tensor | None,
+                          positions: list[int] | None = None) -> dict:
+        """positions: the roots' (default: each request's last token's)."""
+        pinned = torch.device(self.device).type == "cuda"
+
+        def column(values, dtype):   # through pinned memory: a pageable copy may wait for a step in flight
+            return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(self.device, non_blocking=True)
         top_ks = [r.params.top_k for r in reqs if not r.params.greedy]   # greedy rows ignore the filters
         return {
             "temperatures": column([0.0 if r.params.greedy else r.params.temperature for r in reqs], torch.float32),
@@ -174,7 +197,7 @@ class Sampler:
             "min_ps": column([r.params.min_p for r in reqs], torch.float32),
             "seeds": column([r.seed for r in reqs], torch.long),
             # the root's position (the last token's); random numbers are keyed by position
-            "positions": column([r.num_tokens - 1 for r in reqs], torch.long),
+            "positions": column(positions if positions is not None else [r.num_tokens - 1 for r in reqs], torch.long),
             # the full-vocabulary sort of top-k / top-p is the costly part: skip it when unused
             "need_top_k_top_p": any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in reqs),
             "need_min_p": any(r.params.min_p > 0 for r in reqs),

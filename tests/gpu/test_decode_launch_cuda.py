@@ -1,5 +1,5 @@
-"""The lean decode launch on a GPU (cuda_graph.launch_decode): plain greedy decoding on the
-overlap schedule through graphs that hold the argmax and write each step's KV-table entry
+"""The lean decode launch on a GPU (cuda_graph.launch_decode): plain greedy decoding (and seeded
+sampling, sampled on the device) on the overlap schedule through graphs that hold the argmax and write each step's KV-table entry
 equals eager decoding, while requests end at different steps (the batch shrinks, crosses
 buckets; the step launched ahead leaves out a request its length ends and has the row of one
 a stop token ended cut), batches larger than the graphs fall back to
@@ -39,6 +39,22 @@ def test_graphed_plain_decoding_equals_eager_on_cuda(model_dir, graph_max_bs):
         one_by_one = [engine.generate(input_ids=p, sampling_params=q)["output_ids"] for p, q in zip(PROMPTS, params())]
         assert one_by_one == expected
         assert engine.core.overlap is not None and len(launches) > 40 and max(launches) <= graph_max_bs
+        wait_until_all_kv_is_free(engine)
+
+
+def test_graphed_sampled_decoding_on_the_overlap_schedule_equals_eager_on_cuda(model_dir):
+    """Seeded sampling: each step's tokens sampled on the device from the graph's logits (the
+    overlap schedule's sampled steps, engine/overlap.py) are the eager engine's sampler's."""
+    sampled = [{"temperature": 0.8, "top_p": 0.9, "seed": 11 + i, "max_new_tokens": n, "ignore_eos": True}
+               for i, n in enumerate(LENGTHS)]
+    with tiny_engine(model_dir, device="cuda", disable_cuda_graph=True, max_total_tokens=4096) as eager:
+        expected = [o["output_ids"] for o in eager.generate(input_ids=PROMPTS, sampling_params=sampled)]
+    with tiny_engine(model_dir, device="cuda", cuda_graph_max_bs=8, max_total_tokens=4096) as engine:
+        graphs, launches = engine.core.runner.graphs, []
+        launch = graphs.launch_decode
+        graphs.launch_decode = lambda *args: launches.append(len(args[0])) or launch(*args)
+        assert [o["output_ids"] for o in engine.generate(input_ids=PROMPTS, sampling_params=sampled)] == expected
+        assert len(launches) > 30
         wait_until_all_kv_is_free(engine)
 
 
