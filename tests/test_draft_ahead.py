@@ -59,6 +59,25 @@ def test_outputs_equal_plain_and_steps_are_taken_from_ahead(engine_factory, plai
     wait_until_all_kv_is_free(engine)
 
 
+def test_sampled_steps_are_verified_on_the_device_and_taken_from_ahead(engine_factory, plain):
+    """Seeded sampling with each filter (the coupled rule: plain decoding's tokens) on an
+    n-gram engine: its drafting steps are verified by the sampler on the device
+    (Sampler.verify_on_device), launched ahead as greedy ones are, and drafts get accepted."""
+    sampled = {"temperature": 0.7, "max_new_tokens": 60, "ignore_eos": True}
+    prompts = [CODE_PROMPT] * 3 + SAMPLE_PROMPTS[:2]
+    params = [dict(sampled, seed=1), dict(sampled, seed=2, top_k=8), dict(sampled, seed=3, top_p=0.9),
+              dict(sampled, seed=4, min_p=0.05, max_new_tokens=20), dict(GREEDY, max_new_tokens=30)]
+    expected = [o["output_ids"] for o in plain.generate(prompts, params)]
+    engine = ahead_on(engine_factory(max_total_tokens=4096, **ngram_args(8)))
+    outputs = engine.generate(prompts, params)
+    assert [o["output_ids"] for o in outputs] == expected
+    assert engine.core.draft_ahead.steps_taken > 10
+    assert max(o["meta_info"]["spec_accept_length"] for o in outputs) > 1.5
+    solo = engine.generate(CODE_PROMPT, params[0])   # batch 1 all the way
+    assert solo["output_ids"] == expected[0]
+    wait_until_all_kv_is_free(engine)
+
+
 def assert_plain_answers(engine, plain_answers) -> None:
     """The engine answers requests() and the code prompt alone as plain decoding did, and
     drafts the latter well."""

@@ -1,9 +1,9 @@
 """EngineCore.pipeline_for: which pipeline runs each step (engine/*_step.py). A prefill runs
 PrefillStep; a greedy decode step on an engine that launches steps ahead runs PlainStep
-without a drafter and DraftingStep with an n-gram drafter; a sampling step runs PlainStep
-there too without a drafter, where it samples from the logits alone (a penalty's does not:
-VerifyStep's verify_plain), and VerifyStep's verify with an n-gram drafter. Outputs stay those
-of the engine without the schedules that launch ahead."""
+without a drafter and DraftingStep with an n-gram drafter; so does a sampling step that samples
+from the logits alone (on the device: the sampler's verify_on_device, sample_plain); one with a
+penalty runs VerifyStep (verify_plain without drafts, verify with them). Outputs stay those of
+the engine without the schedules that launch ahead."""
 from __future__ import annotations
 
 from collections import Counter
@@ -52,7 +52,8 @@ def assert_decode_steps_ran(counted: Counter, kind: str) -> None:
 # (speculation, sampling, the decode steps' pipeline launching nothing ahead, and launching ahead)
 CASES = [({}, GREEDY, "verify_plain", "plain"), ({}, SAMPLED, "verify_plain", "plain"),
          ({}, PENALISED, "verify_plain", "verify_plain"),
-         (ngram_args(4), GREEDY, "drafting", "drafting"), (ngram_args(4), SAMPLED, "verify", "verify")]
+         (ngram_args(4), GREEDY, "drafting", "drafting"), (ngram_args(4), SAMPLED, "drafting", "drafting"),
+         (ngram_args(4), PENALISED, "verify", "verify")]
 
 
 @pytest.mark.parametrize("speculation, params, kind, kind_ahead", CASES)

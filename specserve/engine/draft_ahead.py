@@ -80,8 +80,7 @@ class DraftStep:
     num_nodes: np.ndarray         # (bs,) real nodes per request
     node_slots: np.ndarray        # (bs, n) the nodes' KV slots, padding nodes PADDING_SLOT
     slots: list[int]              # the same slots, request after request: held by no request before commit
-    # (bs, 1 + 2n) greedy outcome (tree_step.commit_path), or (bs,) argmax for n = 1; None: verified already
-    launched: InFlight | None
+    launched: InFlight            # (bs, 1 + 2n) greedy outcome (tree_step.commit_path), or (bs,) argmax for n = 1
     hidden: torch.Tensor | None   # (bs, n, features) when the runner keeps them
     started: float                # when the host started the work this step's cost counts from
     # a fused drafter's step (its own outcome layout, with the next drafts): the drafter's read_fused
@@ -95,7 +94,7 @@ class DraftStep:
     # of the forecast step after it)
     next_width: int | None = None
     forecast: bool = False         # picked from a forecast (ForecastStep), not proposed after the read
-    verified: StepOutcome | None = None   # a sampled batch its fused step did not take: the sampler's outcome
+    table_written: bool = True     # the device wrote the accepted slots into the table (a sampled step's: n = 1 only)
 
     @property
     def num_slots(self) -> int:
@@ -108,8 +107,6 @@ class DraftStep:
 
     def read(self) -> StepOutcome:
         """Waits for the step (the one host sync) and parses its outcome."""
-        if self.verified is not None:
-            return self.verified
         packed, hidden = self.launched.wait(), self.hidden
         if self.rows is not None:
             packed = packed[self.rows]
@@ -124,7 +121,7 @@ class DraftStep:
                                   np.ones(bs, dtype=np.int64), True, hidden)
         else:
             parsed = GreedyOutcome.parse(packed)
-            outcome = StepOutcome(parsed.tokens, parsed.accepted, parsed.accept_lens, True, hidden)
+            outcome = StepOutcome(parsed.tokens, parsed.accepted, parsed.accept_lens, self.table_written, hidden)
         if any(r.grammar is not None for r in self.reqs):   # verified unmasked: greedy_paths.py
             tree = self.tree
             moved = keep_to_grammar([r.grammar for r in self.reqs], outcome.tokens, outcome.accepted,

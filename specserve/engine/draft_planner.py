@@ -72,14 +72,17 @@ class DraftPlanner:
     def drafts_ahead(self, reqs: list[Req]) -> bool:
         """Whether a drafting step of these requests runs launched ahead (drafting_step.py):
         proposals that read committed tokens only, and greedy requests, with or without a
-        grammar, or sampled ones a fused drafter's step verifies (FusedSteps.samples_fused)."""
+        grammar, or sampled ones verified on the device: a fused drafter's step's kind
+        (FusedSteps.samples_fused), else the sampler's (Sampler.samples_on_device)."""
         if not self.drafter.proposes_ahead:
             return False
         # a grammar's masks apply after the device's unmasked verification (grammar/greedy_paths.py),
         # except in a fused drafter's step, whose next drafts follow the unmasked outcome on the device
         fused = isinstance(self.drafter, FusedSteps)
-        return self.sampler.argmax_is_enough(reqs) or (self.sampler.masked_argmax_is_enough(reqs) and not fused) or (
-            fused and self.fused_kind(reqs) is not None)
+        if self.sampler.argmax_is_enough(reqs) or (self.sampler.masked_argmax_is_enough(reqs) and not fused):
+            return True
+        # sampled: in a fused drafter's step, or by the sampler on the device (Sampler.verify_on_device)
+        return (fused and self.fused_kind(reqs) is not None) or self.sampler.samples_on_device(reqs)
 
     def fused_kind(self, reqs: list[Req]) -> str | None:
         """The verification a fused drafter's step launched ahead runs for these requests:

@@ -1,5 +1,6 @@
-"""DraftingStep: drafting steps launched ahead (greedy ones, and sampled ones a fused drafter's
-step verifies: FusedSteps.samples_fused), with the next step of the same batch proposed and
+"""DraftingStep: drafting steps launched ahead (greedy ones, and sampled ones verified on the
+device: in a fused drafter's step, FusedSteps.samples_fused, or by the sampler,
+Sampler.verify_on_device), with the next step of the same batch proposed and
 launched between this step's commit and the bookkeeping it does not need, or, for a fused
 chain and an NGRAM step with forecasts, before this step is read (draft_ahead.py says why and
 what stays the same).
@@ -26,7 +27,7 @@ from specserve.engine.draft_ahead import (ChainedStep, DraftStep, ForecastStep, 
 from specserve.engine.draft_planner import Shadows
 from specserve.engine.step_output import StepOutput, committed_tokens
 from specserve.engine.step_parts import StepParts, StepPipeline
-from specserve.engine.verify_step import drafts_with_slots, sampled_outcome
+from specserve.engine.verify_step import drafts_with_slots
 from specserve.request.forecast_record import ForecastGate, ForecastRecord
 from specserve.request.req import Batch, Req
 from specserve.runner.forecast_step import has_entries
@@ -180,17 +181,30 @@ class DraftingStep(StepPipeline):
 
     def _launch_step(self, reqs: list[Req], proposal: TreeProposal, slots: list[int], started: float) -> DraftStep:
         """The step launched (draft_ahead.launch_draft_step), verified as its requests ask:
-        greedily, or in a fused drafter's step of a sampled kind; a sampled batch that step
-        does not take (a head cache full) is verified by the sampler at once."""
+        greedily, or in a fused drafter's step of a sampled kind; a sampled batch no fused step
+        takes (a drafter that fuses none, a head cache full) by the sampler, on the device."""
         drafter = self.planner.drafter
-        kind = self.planner.fused_kind(reqs) if isinstance(drafter, FusedSteps) else "greedy"
+        if isinstance(drafter, FusedSteps):
+            kind = self.planner.fused_kind(reqs)
+        else:
+            kind = "greedy" if self.sampler.masked_argmax_is_enough(reqs) else None   # a grammar's: greedy_paths.py
         step = None if kind is None else launch_draft_step(self.runner, drafter, reqs, proposal, slots, started,
                                                            self.copies, kind)
-        if step is None:
-            node_slots = pad_node_slots(slots, proposal.num_nodes, proposal.num_slots)
-            step = DraftStep(reqs, proposal.num_nodes, node_slots, slots, None, None, started,
-                             verified=sampled_outcome(self.runner, self.sampler, reqs, proposal, slots))
-        return step
+        return step if step is not None else self._launch_sampled(reqs, proposal, slots, started)
+
+    def _launch_sampled(self, reqs: list[Req], proposal: TreeProposal, slots: list[int], started: float) -> DraftStep:
+        """The engine's forward of a sampled batch and the sampler's verification of it, queued
+        without a host sync (Sampler.verify_on_device; the random numbers are keyed by seed and
+        position, so a step launched ahead commits what it would after the read). Its accepted
+        slots go into the table at the commit (a decode step's, n = 1, on the device, whose
+        outcome is its tokens alone, as an argmax step's)."""
+        prepared = self.sampler.prepare(proposal.trees(), reqs, proposal.draft_probs)   # sent before the forward
+        out = self.runner.run_trees(reqs, proposal, slots)
+        packed = self.sampler.verify_on_device(out.logits, prepared)
+        n = proposal.num_slots
+        launched = self.copies.launch(packed if n > 1 else packed[:, 1 + n])
+        return DraftStep(reqs, proposal.num_nodes, pad_node_slots(slots, proposal.num_nodes, n), slots, launched,
+                         out.hidden, started, tree=proposal, table_written=n == 1)
 
     def _plain_runs_ahead(self, reqs: list[Req]) -> bool:
         """Whether a step with nothing to verify may run as a plain step on the overlap schedule

@@ -19,9 +19,9 @@ from specserve.engine.scheduler import Scheduler
 from specserve.engine.step_output import StepOutput, committed_tokens
 from specserve.engine.step_parts import StepParts, StepPipeline
 from specserve.request.req import Batch, Req
-from specserve.runner.model_runner import InFlight, ModelRunner
+from specserve.runner.model_runner import InFlight
 from specserve.runner.tree_step import GreedyOutcome, pad_node_slots
-from specserve.sampling.sampler import SampledStep, Sampler
+from specserve.sampling.sampler import SampledStep
 from specserve.speculative.adaptive.draft_cuts import fit_to_free_slots
 from specserve.speculative.drafter import FusedSteps, ReadsHiddenStates
 from specserve.verify.tree import TreeProposal
@@ -42,18 +42,6 @@ def drafts_with_slots(planner: DraftPlanner, scheduler: Scheduler, reqs: list[Re
         num_nodes = fit_to_free_slots(list(num_nodes), free)
         proposal = proposal.cut(num_nodes)
     return proposal, scheduler.alloc_slots(sum(num_nodes))
-
-
-def sampled_outcome(runner: ModelRunner, sampler: Sampler, reqs: list[Req], proposal: TreeProposal,
-                    slots: list[int]) -> StepOutcome:
-    """A sampled step verified by the engine's sampler at once (its logits read: a host sync):
-    what each request commits, the accepted nodes' states where the runner keeps them."""
-    trees = proposal.trees()
-    prepared = sampler.prepare(trees, reqs, proposal.draft_probs)   # sent before the forward
-    out = runner.run_trees(reqs, proposal, slots)
-    sampled = sampler.sample(out.logits, trees, reqs, prepared)
-    n = proposal.num_slots
-    return StepOutcome.from_sampled(sampled, n, table_written=n == 1, hidden=out.hidden)
 
 
 @dataclass

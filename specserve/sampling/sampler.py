@@ -128,12 +128,10 @@ class Sampler:
             logits = logits.masked_fill(too_early.unsqueeze(-1) & stop_mask.unsqueeze(1), float("-inf"))
         if any(r.grammar is not None for r in reqs):
             logits = apply_grammar_bitmask(logits, self._grammar_bitmask(host_trees, reqs))
-        if prepared.sampling is None:
-            result = verify_greedy(trees, logits)
-        else:
-            result = verify_sampling(trees, logits, **prepared.sampling)
+        result = verify_greedy(trees, logits) if prepared.sampling is None else verify_sampling(
+            trees, logits, **prepared.sampling)
         # the one host sync of the step
-        packed = torch.cat([result.accept_lens.unsqueeze(1), result.accepted_nodes, result.committed_tokens], 1).cpu()
+        packed = _packed(result).cpu()
         n = trees.tokens.shape[1]
         lens = packed[:, 0].tolist()
         accepted = [row[:k] for row, k in zip(packed[:, 1:1 + n].tolist(), lens)]
@@ -142,6 +140,16 @@ class Sampler:
         if any(r.return_logprob for r in reqs):
             logprobs, top = self._logprobs(raw_logits, result, reqs, lens)
         return SampledStep(tokens=tokens, accepted_nodes=accepted, logprobs=logprobs, top_logprobs=top)
+
+    def verify_on_device(self, logits: torch.Tensor, prepared: "PreparedSampling") -> torch.Tensor:
+        """A step's verification, on the device and without a host sync, for requests that
+        samples_on_device (no penalties, early stops, grammar or logprobs: nothing the host
+        adds after the forward): what `sample` commits, packed as tree_step.commit_path's
+        outcome (bs, 1 + 2n): accept length, accepted nodes, committed tokens."""
+        trees = prepared.device_trees
+        if prepared.sampling is None:
+            return _packed(verify_greedy(trees, logits))
+        return _packed(verify_sampling(trees, logits, **prepared.sampling))
 
     def _penalty_tensors(self, reqs) -> tuple:
         bs, vocab = len(reqs), self.vocab_size
@@ -232,3 +240,8 @@ class Sampler:
         top = [[list(zip(top_ids[b][j][:reqs[b].top_logprobs_num], top_values[b][j][:reqs[b].top_logprobs_num]))
                 for j in range(lens[b])] for b in range(bs)]
         return values, top
+
+
+def _packed(result) -> torch.Tensor:
+    """A VerifyResult as one (bs, 1 + 2n) tensor: accept lengths, accepted nodes, committed tokens."""
+    return torch.cat([result.accept_lens.unsqueeze(1), result.accepted_nodes, result.committed_tokens], 1)
