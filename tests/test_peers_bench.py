@@ -395,7 +395,8 @@ def test_each_suite_cell_is_warmed_on_other_prompts_of_its_shape_first(monkeypat
     size); a size workload's cells are timed after the first warm-up alone."""
     calls = []
 
-    async def run_prompts(session, base_url, model, prompts, concurrency, max_tokens):
+    async def run_prompts(session, base_url, model, prompts, concurrency, max_tokens, sampling):
+        assert sampling == {}   # greedy unless --temperature
         calls.append((prompts[0][0], len(prompts), concurrency, max_tokens))
         return [], 1.0
 
@@ -422,3 +423,34 @@ def test_each_suite_cell_is_warmed_on_other_prompts_of_its_shape_first(monkeypat
     assert calls[2:] == [(2, 2, 1, 16), (1, 2, 1, 16), (3, 2, 1, size_out), (2, 8, 8, 16), (1, 8, 8, 16)]
     assert [(r["workload"], r["concurrency"]) for r in rows] == [("code-types", 1), ("prefill-2k", 1),
                                                                   ("code-types", 8)]
+
+
+def test_temperature_samples_every_request_of_every_engine(monkeypatch):
+    """--temperature 0.7 --top-p 0.9: every warm-up and timed request is sent with them (the
+    OpenAI fields every engine reads), each cell row carries them, and the report compares no
+    outputs across engines there (each samples its own)."""
+    sent = []
+
+    async def run_prompts(session, base_url, model, prompts, concurrency, max_tokens, sampling):
+        sent.append(sampling)
+        return [], 1.0
+
+    class Server:
+        base_url = "http://nowhere"
+
+        def alive(self) -> bool:
+            return True
+
+    monkeypatch.setattr(peers, "_run_prompts", run_prompts)
+    monkeypatch.setattr(peers, "spec_counters", lambda base_url: None)
+    monkeypatch.setattr(peers, "cell_summary", lambda results, duration, server: {"output_hashes": ["a"]})
+    ns = peers.parse_args(["run", "--quick", "--concurrency", "1", "--max-new-tokens", "16",
+                           "--workloads", "code-types", "--temperature", "0.7", "--top-p", "0.9"])
+    rows = []
+    asyncio.run(peers.measure_engine(Server(), "m", {"code-types": ([[1, 1]] * 8, [[2, 2]] * 8)}, ns,
+                                     time.monotonic() + 60, rows.append))
+    assert len(sent) == 3 and all(s == {"temperature": 0.7, "top_p": 0.9} for s in sent)
+    assert [(r["temperature"], r["top_p"]) for r in rows] == [(0.7, 0.9)]
+    from specserve.bench.peers_report import agreement
+    assert agreement(rows[0], {"output_hashes": ["a"]}) is None and agreement({"output_hashes": ["a"]},
+                                                                             {"output_hashes": ["a"]}) == 1.0

@@ -112,6 +112,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      "fixed sizes (bench/size_workloads.py): random-N (N-token prompts), prefill-N (time to first "
                      "token of one N-token prompt at a time), context-N (decode speed with N tokens of context); "
                      "N in tokens or thousands (2k, 8k, 32k)")
+    run.add_argument("--temperature", type=float, default=0.0,
+                     help="every timed request's and warm-up's sampling (0: greedy), sent as the OpenAI field to "
+                          "every engine alike, unseeded")
+    run.add_argument("--top-p", type=float, default=1.0)
     run.add_argument("--specserve-args", default="", help="extra flags for specserve's servers, e.g. '--device cpu'")
     run.add_argument("--out", default=os.environ.get("OUT", "peers-out"))
     report = commands.add_parser("report", help="merge peers.jsonl files into one table")
@@ -130,6 +134,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(str(error))
     if ns.command == "run":   # build_workloads sets both for size workloads
         ns.context_length, ns.sizes = CONTEXT_LENGTH, {}
+        ns.sampling = {"temperature": ns.temperature, "top_p": ns.top_p} if ns.temperature > 0 else {}
     if ns.command == "run" and ns.quick:
         ns.bs1_prompts = min(ns.bs1_prompts, 2)
         ns.num_prompts = max(min(ns.num_prompts, 64), max(ns.concurrency))
@@ -338,7 +343,7 @@ async def measure_engine(server: ServerProcess, model: str, workloads: dict, ns:
         try:
             for _, warm in workloads.values():     # compiles, graphs and caches, on other prompts first
                 await _time_left(_run_prompts(session, server.base_url, model, warm[:WARM_PROMPTS],
-                                              WARM_CONCURRENCY, WARM_TOKENS), budget_end)
+                                              WARM_CONCURRENCY, WARM_TOKENS, ns.sampling), budget_end)
         except TimeoutError:
             return _not_run(cells, write)
         for index, (workload, concurrency) in enumerate(cells):
@@ -354,16 +359,17 @@ async def measure_engine(server: ServerProcess, model: str, workloads: dict, ns:
                 # (Size workloads time plain decoding at fixed shapes; the warm-up above compiles them.)
                 try:
                     await _time_left(_run_prompts(session, server.base_url, model,
-                                                  workloads[workload][1][:len(prompts)], concurrency, max_tokens),
-                                     budget_end)
+                                                  workloads[workload][1][:len(prompts)], concurrency, max_tokens,
+                                                  ns.sampling), budget_end)
                 except TimeoutError:
                     return _not_run(cells[index:], write)
             for turn in (1, 2) if workload == "sharegpt-repeat" else (1,):
-                cell = {"kind": "cell", "workload": workload, "turn": turn, "concurrency": concurrency}
+                cell = {"kind": "cell", "workload": workload, "turn": turn, "concurrency": concurrency, **ns.sampling}
                 counted = spec_counters(server.base_url)   # the cell's accept length: what it adds
                 try:
                     results, duration = await _time_left(
-                        _run_prompts(session, server.base_url, model, prompts, concurrency, max_tokens), budget_end)
+                        _run_prompts(session, server.base_url, model, prompts, concurrency, max_tokens, ns.sampling),
+                        budget_end)
                 except TimeoutError:
                     return _not_run(cells[index:], write)
                 summary = cell_summary(results, duration, server)
@@ -388,11 +394,12 @@ async def _time_left(work, budget_end: float):
 
 
 async def _run_prompts(session, base_url: str, model: str, prompts: list[list[int]], concurrency: int,
-                       max_tokens: int):
-    """One turn with bench_serving's client: streaming /v1/completions, greedy, ignore_eos."""
+                       max_tokens: int, sampling: dict):
+    """One turn with bench_serving's client: streaming /v1/completions, ignore_eos, greedy or
+    with `sampling`'s OpenAI fields (temperature, top_p)."""
     from specserve.bench.datasets import DatasetRow
     from specserve.bench.serving import request_openai, run_turn
-    args = SimpleNamespace(disable_stream=False, disable_ignore_eos=False, extra_request_body={}, api_key=None,
+    args = SimpleNamespace(disable_stream=False, disable_ignore_eos=False, extra_request_body=sampling, api_key=None,
                            disable_tqdm=True, num_turns=1, max_concurrency=concurrency,
                            request_rate=float("inf"), seed=1)
     rows = [DatasetRow(prompt=ids, prompt_len=len(ids), output_len=max_tokens) for ids in prompts]  # ids: a prompt

@@ -64,9 +64,10 @@ def collect(rows: list[dict]) -> tuple[dict[CellKey, dict[str, dict]], list[str]
 
 
 def agreement(row: dict, reference: dict | None) -> float | None:
-    """Fraction of prompts whose greedy output equals specserve plain's (bf16: not required)."""
+    """Fraction of prompts whose greedy output equals specserve plain's (bf16: not required);
+    None for a sampled cell (each engine samples its own answers)."""
     mine, theirs = row.get("output_hashes"), (reference or {}).get("output_hashes")
-    if not mine or not theirs or len(mine) != len(theirs):
+    if not mine or not theirs or len(mine) != len(theirs) or row.get("temperature"):
         return None
     return sum(a == b for a, b in zip(mine, theirs)) / len(mine)
 
