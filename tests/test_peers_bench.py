@@ -389,6 +389,20 @@ def test_vllm_acceptance_comes_from_its_prometheus_counters():
     assert accept_between(before, vllm_spec_counts(page)) == {"decode_steps": 60, "accept_length": 2.5}
 
 
+class StubServer:
+    base_url = "http://nowhere"
+
+    def alive(self) -> bool:
+        return True
+
+
+def measured_without_a_server(monkeypatch, run_prompts, summary: dict) -> None:
+    """measure_engine's requests go to `run_prompts`; each cell's summary is `summary`."""
+    monkeypatch.setattr(peers, "_run_prompts", run_prompts)
+    monkeypatch.setattr(peers, "spec_counters", lambda base_url: None)
+    monkeypatch.setattr(peers, "cell_summary", lambda results, duration, server: summary)
+
+
 def test_each_suite_cell_is_warmed_on_other_prompts_of_its_shape_first(monkeypatch):
     """Before a cell is timed, a wave of the workload's warm-up prompts at the cell's concurrency
     and output length (an adaptive engine then meets the cell with its policy warm for that batch
@@ -400,15 +414,7 @@ def test_each_suite_cell_is_warmed_on_other_prompts_of_its_shape_first(monkeypat
         calls.append((prompts[0][0], len(prompts), concurrency, max_tokens))
         return [], 1.0
 
-    class Server:
-        base_url = "http://nowhere"
-
-        def alive(self) -> bool:
-            return True
-
-    monkeypatch.setattr(peers, "_run_prompts", run_prompts)
-    monkeypatch.setattr(peers, "spec_counters", lambda base_url: None)
-    monkeypatch.setattr(peers, "cell_summary", lambda results, duration, server: {})
+    measured_without_a_server(monkeypatch, run_prompts, {})
     monkeypatch.setattr(peers, "size_cell", lambda size, concurrency, summary, results: summary)
     ns = peers.parse_args(["run", "--quick", "--concurrency", "1", "8", "--max-new-tokens", "16",
                            "--workloads", "code-types", "prefill-2k"])
@@ -416,7 +422,7 @@ def test_each_suite_cell_is_warmed_on_other_prompts_of_its_shape_first(monkeypat
     timed, warm = [[1, 1]] * 64, [[2, 2]] * 64     # the first id tells the lists apart
     workloads = {"code-types": (timed, warm), "prefill-2k": ([[3, 3]] * 4, [[4, 4]] * 4)}
     rows = []
-    asyncio.run(peers.measure_engine(Server(), "m", workloads, ns, time.monotonic() + 60, rows.append))
+    asyncio.run(peers.measure_engine(StubServer(), "m", workloads, ns, time.monotonic() + 60, rows.append))
     first = [(2, 16, 16), (4, 4, 16)]   # every workload's warm-up prompts once, at concurrency 16
     assert [call[:3] for call in calls[:2]] == first
     size_out = ns.sizes["prefill-2k"].output_len
@@ -435,19 +441,11 @@ def test_temperature_samples_every_request_of_every_engine(monkeypatch):
         sent.append(sampling)
         return [], 1.0
 
-    class Server:
-        base_url = "http://nowhere"
-
-        def alive(self) -> bool:
-            return True
-
-    monkeypatch.setattr(peers, "_run_prompts", run_prompts)
-    monkeypatch.setattr(peers, "spec_counters", lambda base_url: None)
-    monkeypatch.setattr(peers, "cell_summary", lambda results, duration, server: {"output_hashes": ["a"]})
+    measured_without_a_server(monkeypatch, run_prompts, {"output_hashes": ["a"]})
     ns = peers.parse_args(["run", "--quick", "--concurrency", "1", "--max-new-tokens", "16",
                            "--workloads", "code-types", "--temperature", "0.7", "--top-p", "0.9"])
     rows = []
-    asyncio.run(peers.measure_engine(Server(), "m", {"code-types": ([[1, 1]] * 8, [[2, 2]] * 8)}, ns,
+    asyncio.run(peers.measure_engine(StubServer(), "m", {"code-types": ([[1, 1]] * 8, [[2, 2]] * 8)}, ns,
                                      time.monotonic() + 60, rows.append))
     assert len(sent) == 3 and all(s == {"temperature": 0.7, "top_p": 0.9} for s in sent)
     assert [(r["temperature"], r["top_p"]) for r in rows] == [(0.7, 0.9)]
