@@ -51,17 +51,26 @@ def _key_slots(pos, prefix_len, table_row_ptr, new_slot):
 
 
 @triton.jit
-def _tree_key_slots(pos, key_ok, prefix_len, table_row_ptr, new_slots_ptr, mask_row_ptr, tree_n):
-    """(slot, visible) of each key position of a tree node: the prefix from the request's
-    `req_to_token` row, then the request's tree_n new slots (its node count), visible where
-    the node's mask row says so."""
+def tree_key_slots(pos, key_ok, prefix_len, table_row_ptr, new_slots_ptr, tree_n):
+    """The KV slot of each key position of a request's tree step: the prefix from its
+    `req_to_token` row, then its tree_n new slots (its node count); and, for the tree mask,
+    whether each is a prefix key, its index among the new keys, and whether it is one."""
     in_prefix = pos < prefix_len
     new_index = pos - prefix_len
     is_new = key_ok & (new_index >= 0) & (new_index < tree_n)
     from_table = tl.load(table_row_ptr + pos, mask=key_ok & in_prefix, other=0).to(tl.int64)
     from_new = tl.load(new_slots_ptr + new_index, mask=is_new, other=0).to(tl.int64)
+    return tl.where(in_prefix, from_table, from_new), in_prefix, new_index, is_new
+
+
+@triton.jit
+def _tree_key_slots(pos, key_ok, prefix_len, table_row_ptr, new_slots_ptr, mask_row_ptr, tree_n):
+    """(slot, visible) of each key position of one tree node: visible where the node's mask
+    row says so."""
+    slots, in_prefix, new_index, is_new = tree_key_slots(pos, key_ok, prefix_len, table_row_ptr, new_slots_ptr,
+                                                         tree_n)
     seen = tl.load(mask_row_ptr + new_index, mask=is_new, other=0) != 0
-    return tl.where(in_prefix, from_table, from_new), key_ok & (in_prefix | seen)
+    return slots, key_ok & (in_prefix | seen)
 
 
 @triton.jit

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.attention.kernels.decode import CONFIG
+from specserve.attention.kernels.decode import CONFIG, tree_key_slots
 from specserve.attention.kernels.online_softmax import (
     LOG2_E, MERGE_CHUNK, attend_block, check_layout, dot_precision, finish_split, load_kv_block, split_program,
     split_range, store_split)
@@ -76,12 +76,8 @@ def _tree_group_kernel(q_ptr, k_buffer, v_buffer, req_to_token, req_rows, prefix
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         key_ok = pos < hi
-        in_prefix = pos < prefix_len
-        new_index = pos - prefix_len
-        is_new = key_ok & (new_index >= 0)
-        from_table = tl.load(table_row + pos, mask=key_ok & in_prefix, other=0).to(tl.int64)
-        from_new = tl.load(out_slots + qo_start + new_index, mask=is_new, other=0).to(tl.int64)
-        slots = tl.where(in_prefix, from_table, from_new)
+        slots, in_prefix, new_index, is_new = tree_key_slots(pos, key_ok, prefix_len, table_row,
+                                                             out_slots + qo_start, tree_n)
         k, v = load_kv_block(k_buffer, v_buffer, slots, kv_head, stride_slot, stride_kv_head, dims,
                              key_ok, dim_ok, q.dtype)
         seen = tl.load(mask_rows[:, None] + new_index[None, :], mask=row_ok[:, None] & is_new[None, :], other=0) != 0

@@ -109,7 +109,8 @@ class SourceChoice:
         use_trie = np.zeros(len(rids), dtype=bool)
         for i, (rid, nodes, key) in enumerate(zip(rids, trie_nodes, trie_keys)):
             trie = self.expected_from_trie(key) if nodes > 1 else None
-            use_trie[i] = (trie is not None and self.trie_may_go_on([rid]) and trie > self.expected_from_head(rid))
+            use_trie[i] = (trie is not None and self._trie_streak.get(rid, 0) < HEAD_RECHECK_STEPS
+                           and trie > self.expected_from_head(rid))
         return use_trie
 
     def pays_to_break(self, rids: list[str], use_trie: np.ndarray, trie_keys: list[int]) -> bool:
