@@ -55,9 +55,10 @@ def run_together(engine) -> list:
 
 
 @contextlib.contextmanager
-def failing_for_victim(core, path: str, method: str, from_token: int):
+def failing_for_victim(core, path: str, method: str, from_token: int, at_most: int | None = None):
     """Makes core.<path>.method raise whenever the victim (once it has >= from_token outputs)
-    is among the requests of its call: Req arguments, or a forward batch's req_to_token rows."""
+    is among the requests of its call: Req arguments, or a forward batch's req_to_token rows;
+    at_most: only that many times (a passing fault)."""
     owner = operator.attrgetter(path)(core)
     original = getattr(owner, method)
     calls = {"failed": 0}
@@ -74,7 +75,7 @@ def failing_for_victim(core, path: str, method: str, from_token: int):
         return False
 
     def wrapper(*args, **kwargs):
-        if involves_victim(args):
+        if (at_most is None or calls["failed"] < at_most) and involves_victim(args):
             calls["failed"] += 1
             raise RuntimeError("injected failure")
         return original(*args, **kwargs)

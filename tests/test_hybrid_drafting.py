@@ -25,6 +25,7 @@ from specserve.speculative.hybrid import source_choice
 from specserve.speculative.hybrid.drafter import HybridDrafter, merge_proposals
 from specserve.speculative.hybrid.fused_hybrid import FusedHybridDrafter
 from specserve.speculative.hybrid.source_choice import HEAD_RECHECK_STEPS, SourceChoice
+from specserve.speculative.hybrid.step_prices import CHAINED, RESTART, TRIE, StepPrices
 from specserve.training.target_features import TargetFeatureExtractor
 from specserve.verify.tree import TreeProposal
 from tests.fused_fixtures import FusedSpy, save_random_eagle_head
@@ -223,8 +224,8 @@ def test_a_forecast_is_asked_only_while_every_request_drafts_from_the_trie():
 
 def test_a_fused_head_gives_way_only_to_trie_drafts_worth_the_break():
     """Where the head's steps are fused, the batch takes trie drafts only where they are
-    expected to commit BREAK_GAIN times the head's tokens more; beside an unfused head (trees),
-    wherever they beat it."""
+    expected to commit more than the head's by the excess its steps cost (in head tokens);
+    beside an unfused head (trees), wherever they beat it."""
     choice = SourceChoice(8, head_depth=3)
     trie = TreeProposal.from_lists([([0, 1, 2, 3, 4, 5], [-1, 0, 1, 2, 3, 4])] * 2)
     head = TreeProposal.from_lists([([0, 1, 8, 9], [-1, 0, 1, 2])] * 2)
@@ -233,23 +234,76 @@ def test_a_fused_head_gives_way_only_to_trie_drafts_worth_the_break():
         choice.observe_batch(["a", "b"], [[1, 2, 3, 4, 6], [1, 2, 3, 4, 6]])
     assert choice.expected_from_trie(2) == pytest.approx(5, abs=0.01)
     assert choice.expected_from_head("a") == pytest.approx(2, abs=0.01)
-    # one request's gain (3 tokens) is less than BREAK_GAIN times the batch's head tokens (4); two requests' is more
-    assert 3 < source_choice.BREAK_GAIN * 4 <= 6
-    assert choice.choose(["a", "b"], [6, 1], [2, 0], fused_head=False).tolist() == [True, False]
-    assert choice.choose(["a", "b"], [6, 1], [2, 0], fused_head=True).tolist() == [False, False]
-    assert not choice.breaks_chain(["a", "b"], [6, 1], [2, 0])
-    assert choice.choose(["a", "b"], [6, 6], [2, 2], fused_head=True).tolist() == [True, True]
-    assert choice.breaks_chain(["a", "b"], [6, 6], [2, 2])
+    # one request's gain (3 tokens) is less than the batch's head tokens (4) times an excess of 1; two requests' is more
+    assert choice.choose(["a", "b"], [6, 1], [2, 0], excess=None).tolist() == [True, False]
+    assert choice.choose(["a", "b"], [6, 1], [2, 0], excess=1.0).tolist() == [False, False]
+    assert not choice.breaks_chain(["a", "b"], [6, 1], [2, 0], 1.0)
+    assert choice.choose(["a", "b"], [6, 6], [2, 2], excess=1.0).tolist() == [True, True]
+    assert choice.breaks_chain(["a", "b"], [6, 6], [2, 2], 1.0)
+    # a cheaper trie step (an excess of 0.5: 2 tokens) lets the lone request's 3 through; a dearer one stops both
+    assert choice.choose(["a", "b"], [6, 1], [2, 0], excess=0.5).tolist() == [True, False]
+    assert not choice.breaks_chain(["a", "b"], [6, 6], [2, 2], 2.0)
     # what an instrument hears of each choice (bench/policy_trace.py)
     heard = []
     choice.listener = heard.append
-    choice.choose(["a", "b"], [6, 1], [2, 0], fused_head=True)
-    choice.breaks_chain(["a", "b"], [6, 6], [2, 2])
-    assert [{k: e[k] for k in ("kind", "with_trie", "preferred", "taken")} for e in heard] == [
-        {"kind": "choose", "with_trie": 1, "preferred": 1, "taken": 0},
-        {"kind": "counterfactual", "with_trie": 2, "preferred": 2, "taken": True}]
+    choice.choose(["a", "b"], [6, 1], [2, 0], excess=1.0)
+    choice.breaks_chain(["a", "b"], [6, 6], [2, 2], 1.25)
+    assert [{k: e[k] for k in ("kind", "with_trie", "preferred", "taken", "excess")} for e in heard] == [
+        {"kind": "choose", "with_trie": 1, "preferred": 1, "taken": 0, "excess": 1.0},
+        {"kind": "counterfactual", "with_trie": 2, "preferred": 2, "taken": True, "excess": 1.25}]
     assert [(e["trie_gain"], e["head_tokens"]) for e in heard] == [(pytest.approx(3, abs=0.05), pytest.approx(4, abs=0.05)),
                                                                   (pytest.approx(6, abs=0.05), pytest.approx(4, abs=0.05))]
+
+
+def test_steps_are_priced_by_kind_from_commit_to_commit():
+    """A step's price is the time from the commit before it, the batch unchanged, found by its
+    first request's root; a proposal that never ran is passed over; the excesses follow."""
+    prices = StepPrices()
+    assert prices.break_excess(1) is None and prices.stay_excess(1) is None
+    prices.committed(["a"], 9, now=0.0)                  # a plain step: nothing proposed at 9
+    for root, kind, now in ((10, CHAINED, 0.002), (13, TRIE, 0.0047), (20, RESTART, 0.0087), (24, CHAINED, 0.0107)):
+        prices.proposed("a", root, kind)
+        prices.committed(["a"], root, now)
+    assert prices.price(CHAINED, 1) == pytest.approx(0.002)
+    assert prices.price(TRIE, 1) == pytest.approx(0.0027)
+    assert prices.price(RESTART, 1) == pytest.approx(0.004)
+    # a trie step and its restart (6.7 ms) against two chained steps (4 ms), in chained steps
+    assert prices.break_excess(1) == pytest.approx(1.35)
+    assert prices.stay_excess(1) == pytest.approx(0.35)
+    assert prices.price(CHAINED, 64) is None             # per batch bucket
+    prices.proposed("a", 30, TRIE)                       # looked at, never run
+    prices.proposed("a", 31, CHAINED)
+    prices.committed(["a"], 31, now=0.0167)
+    # a chained step of 6 ms, no trie step: the median of 2, 2 and 6 ms
+    assert prices.price(CHAINED, 1) == pytest.approx(0.002) and prices.price(TRIE, 1) == pytest.approx(0.0027)
+    prices.proposed("a", 40, TRIE)
+    prices.committed(["a", "b"], 40, now=0.02)           # the batch changed: not priced
+    assert prices.price(TRIE, 1) == pytest.approx(0.0027) and prices.price(TRIE, 2) is None
+
+
+def test_a_fused_hybrid_weighs_trie_drafts_by_the_prices_it_measured():
+    """Once its steps are priced, a fused hybrid asks the trie's drafts for the measured excess:
+    where the chain is broken, a trie step's beyond a chained one; at a chained step, a trie
+    step's and its restart's beyond two chained ones; before that, UNPRICED_EXCESS."""
+    ngram = SimpleNamespace(propose=lambda reqs, max_nodes: (TreeProposal.root_only([0] * len(reqs)), [1] * len(reqs)),
+                            proposal_keys=lambda: [0])
+    head = SimpleNamespace(num_steps=3, chained_proposal=lambda reqs: (TreeProposal.root_only([0]), [1]))
+    hybrid = FusedHybridDrafter(ngram, head, 8)
+    asked = []
+    hybrid.choice.breaks_chain = lambda rids, nodes, keys, excess: asked.append(excess) or False
+    req = SimpleNamespace(rid="a", num_tokens=10, last_token=0, spec=SimpleNamespace(draft_sources={}))
+    assert hybrid._trie_excess(1) == source_choice.UNPRICED_EXCESS
+    hybrid.chained_proposal([req])
+    assert asked == [source_choice.UNPRICED_EXCESS]
+    now = 0.0
+    hybrid.prices.committed(["a"], 10, now)   # the chained step proposed above
+    for root, (kind, seconds) in enumerate(((CHAINED, 0.002), (TRIE, 0.005), (RESTART, 0.006)), start=11):
+        now += seconds
+        hybrid.prices.proposed("a", root, kind)
+        hybrid.prices.committed(["a"], root, now)
+    assert hybrid._trie_excess(1) == pytest.approx(1.5)          # (5 - 2) / 2
+    hybrid.chained_proposal([req])
+    assert asked[-1] == pytest.approx(3.5)                     # (5 + 6 - 4) / 2
 
 
 def test_a_small_cache_preempts_and_evicts_without_changing_the_output(models, plain):
@@ -462,10 +516,12 @@ def test_the_warmup_leaves_the_hybrid_drafter_as_it_found_it(models):
 
 
 def test_a_failing_forecast_step_record_fails_no_request_and_leaks_nothing(models, plain):
-    """The hybrid's record of a forecast step (forecast_held, as the step is held) raising for
-    one request: a forecast runs only for a batch whose next step is launched ahead, so the
+    """The hybrid's record of a forecast step (forecast_held, as the step is held) raising once
+    for one request: a forecast runs only for a batch whose next step is launched ahead, so the
     failure isolation's one-by-one steps never meet it: every request finishes with plain
-    decoding's tokens, and the slots of the forecast step that was not held are all back."""
+    decoding's tokens, and the slots of the forecast step that was not held are all back. (A
+    fault that stays may fail the victim, whose later batches are forecast again, as any
+    request fails whose own step keeps failing.)"""
     from tests.test_failure_isolation import failing_for_victim
     target, head = models
     rids = ["first", "victim", "last"]
@@ -478,7 +534,7 @@ def test_a_failing_forecast_step_record_fails_no_request_and_leaks_nothing(model
         async def together():
             return await asyncio.gather(*(engine.async_generate(input_ids=p, sampling_params=GREEDY, rid=r)
                                           for p, r in zip(PROMPTS, rids)))
-        with failing_for_victim(engine.core, "drafter", "forecast_held", 2) as calls:
+        with failing_for_victim(engine.core, "drafter", "forecast_held", 2, at_most=1) as calls:
             results = asyncio.run(together())
         assert calls["failed"] >= 1
         assert [r["output_ids"] for r in results] == plain["greedy"][:3]

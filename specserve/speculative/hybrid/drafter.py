@@ -31,12 +31,14 @@ is the fused chain's, whose steps verify and draft in one device function, chain
 """
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from specserve.speculative.drafter import Drafter, ForecastSteps, ProposalHints, ReadsHiddenStates
 from specserve.speculative.hybrid.source_choice import HEAD, NGRAM, SourceChoice
+from specserve.speculative.hybrid.step_prices import RESTART, TRIE, StepPrices
 from specserve.verify.tree import TreeProposal
 
 if TYPE_CHECKING:
@@ -57,6 +59,7 @@ class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates, ForecastSteps):
         self.ngram, self.head = ngram, head
         self.max_nodes = max_nodes
         self.choice = SourceChoice(max_nodes, head.num_steps)
+        self.prices = StepPrices()
         self._keys: list[int] = []
         self.proposals = {NGRAM: 0, HEAD: 0}   # drafts proposed by each source, over all requests
         self._seen: dict[str, int] = {}        # rid -> its tokens when last observed
@@ -72,7 +75,8 @@ class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates, ForecastSteps):
         rids = [req.rid for req in reqs]
         trie, trie_nodes = self.ngram.propose(reqs, max_nodes)
         trie_keys = self.ngram.proposal_keys()
-        use_trie = self.choice.choose(rids, trie_nodes, trie_keys, self.fused_head)
+        use_trie = self.choice.choose(rids, trie_nodes, trie_keys, self._trie_excess(len(reqs)))
+        self.prices.proposed(rids[0], reqs[0].num_tokens, TRIE if use_trie.any() else RESTART)
         head, head_nodes, use_trie = self._head_drafts(reqs, max_nodes, use_trie)
         self._record(reqs, trie, trie_nodes, trie_keys, head, head_nodes)
         proposal = merge_proposals(trie, head, use_trie)
@@ -81,6 +85,11 @@ class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates, ForecastSteps):
         self._keys = self.choice.policy_keys(use_trie, trie_keys)
         self._trie_only = bool(use_trie.all()) and self.choice.trie_may_go_on(rids)
         return proposal, num_nodes
+
+    def _trie_excess(self, batch_size: int) -> float | None:
+        """What a trie step must pay for beyond the head's (source_choice.choose); None: nothing,
+        the head's steps being the engine's verify steps as the trie's are."""
+        return None
 
     def _head_drafts(self, reqs: list["Req"], max_nodes: list[int],
                      use_trie: np.ndarray) -> tuple[TreeProposal, list[int], np.ndarray]:
@@ -123,6 +132,7 @@ class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates, ForecastSteps):
         head drafted nothing), the sources' counts, the policy's keys and the trie streaks."""
         rids, use_trie = [req.rid for req in reqs], np.ones(len(reqs), dtype=bool)
         self.choice.took(rids, use_trie)
+        self.prices.proposed(rids[0], reqs[0].num_tokens, TRIE)
         roots = TreeProposal.root_only([r.last_token for r in reqs])
         self._record(reqs, proposal, num_nodes, keys, roots, [1] * len(reqs))
         self._count(reqs, use_trie, num_nodes)
@@ -140,7 +150,10 @@ class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates, ForecastSteps):
         self.observe_batch([req], [committed])
 
     def observe_batch(self, reqs: list["Req"], committed: list[list[int]]) -> None:
-        self.choice.observe_batch([req.rid for req in reqs], committed)
+        rids = [req.rid for req in reqs]
+        if reqs:
+            self.prices.committed(rids, reqs[0].num_tokens - len(committed[0]), time.perf_counter())
+        self.choice.observe_batch(rids, committed)
         for record in self._unrecorded:
             self.choice.record(*record)
         self._unrecorded.clear()
@@ -155,6 +168,7 @@ class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates, ForecastSteps):
 
     def release(self, req: "Req") -> None:
         self.choice.release(req.rid)
+        self.prices.release(req.rid)
         self._seen.pop(req.rid, None)
         self.ngram.release(req)
         self.head.release(req)

@@ -9,7 +9,7 @@ A step is one of two kinds:
 - every request drafts from the head: the fused step, chained to the next while the batch
   stays the same. While it runs, the trie proposes at the chained step's roots too (a lookup,
   microseconds), as a counterfactual the choice learns from; where those drafts would have
-  paid for breaking the chain (source_choice.BREAK_GAIN), no next step is chained, and the
+  paid for breaking the chain (source_choice.py), no next step is chained, and the
   next proposal, made once this step is read, looks again;
 - some request drafts from the trie: the engine verifies the step, the trie's drafts beside
   the head's pending chains for the other requests where they have current argmax ones
@@ -19,9 +19,12 @@ A step is one of two kinds:
   next drafts start from a catch-up of the rows such steps committed.
 
 A request's choice is the hybrid's (source_choice.py) with one more condition: over the
-batch, the trie's drafts must be expected to commit BREAK_GAIN times the head's tokens more
-than the head's would, so a lone request with a middling trie match does not break every
-request's chain (nor keep the batch off the fused steps).
+batch, the trie's drafts must be expected to commit more than the head's would by what their
+step costs beyond the head's (step_prices.py: each kind of step priced per batch bucket as it
+runs; a trie step and the restart after it where the head's steps are chained, a trie step
+alone where the chain is broken already), so a lone request with a middling trie match does not
+break every request's chain (nor keep the batch off the fused steps), and at 64, where a trie
+step and its restart cost ~4 chained steps, twice the head's tokens is not enough.
 """
 from __future__ import annotations
 
@@ -31,6 +34,8 @@ import numpy as np
 
 from specserve.speculative.drafter import ChainedSteps
 from specserve.speculative.hybrid.drafter import HybridDrafter
+from specserve.speculative.hybrid.source_choice import UNPRICED_EXCESS
+from specserve.speculative.hybrid.step_prices import CHAINED
 from specserve.speculative.model_drafters.fused_drafter import FusedChainDrafter
 from specserve.verify.tree import TreeProposal
 
@@ -57,6 +62,13 @@ class FusedHybridDrafter(HybridDrafter, ChainedSteps):
         self.head: FusedChainDrafter = head
         # the trie was expected to pay at the last chained step's roots: chain no step after it
         self._trie_next = False
+
+    def _trie_excess(self, batch_size: int) -> float:
+        """A step proposed after a read: the chain is broken (or never ran), so the head's next
+        step restarts whichever source drafts now; a trie step is weighed against the chained
+        steps a restart leads back to."""
+        excess = self.prices.stay_excess(batch_size)
+        return UNPRICED_EXCESS if excess is None else excess
 
     def _head_drafts(self, reqs: list["Req"], max_nodes: list[int],
                      use_trie: np.ndarray) -> tuple[TreeProposal, list[int], np.ndarray]:
@@ -104,7 +116,10 @@ class FusedHybridDrafter(HybridDrafter, ChainedSteps):
         rids = [req.rid for req in reqs]
         trie, trie_nodes = self.ngram.propose(reqs, [self.max_nodes] * len(reqs))
         trie_keys = self.ngram.proposal_keys()
-        self._trie_next = self.choice.breaks_chain(rids, trie_nodes, trie_keys)
+        excess = self.prices.break_excess(len(reqs))
+        self._trie_next = self.choice.breaks_chain(rids, trie_nodes, trie_keys,
+                                                   UNPRICED_EXCESS if excess is None else excess)
+        self.prices.proposed(rids[0], reqs[0].num_tokens, CHAINED)
         self._record(reqs, trie, trie_nodes, trie_keys, head, head_nodes)
         head_only = np.zeros(len(reqs), dtype=bool)
         self._count(reqs, head_only, head_nodes)

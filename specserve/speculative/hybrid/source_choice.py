@@ -39,19 +39,18 @@ HEAD_RECHECK_STEPS = 16
 # the next step is queued before this one is read), a step of trie drafts breaks the chain: it
 # is verified on its own (its other requests take their pending drafts or their roots alone),
 # and the head's next fused step first catches up on the rows it skipped (an eager forward and
-# a host sync). At batch 1 on an H100 (1.5B, EAGLE-3 chains of 3)
-# a chained step took ~2.0 ms, the trie's verify step ~2.2 ms and a restarted head step ~4 ms: a
-# trie step and the restart it causes cost about two chained steps, so the batch's trie drafts
-# must be expected to commit BREAK_GAIN times the head's tokens more than the head's would. With
-# the rule only where the head's steps were chained, a batch of 8 on chat whose requests each
-# preferred the trie now and then never got back to fused steps: every step mixed, each (then)
-# with EagleDrafter's unfused chain for the head's requests, 5.7-13.9 ms a step where fused ones
-# took ~2.6 ms. By the same
-# arithmetic over both steps (trie drafts T and the head's H a request beat two fused steps where
-# T - H > H * ((trie step + restarted step) / fused step - 2)) the gain would grow with the batch
-# (~1.7 at 8, ~3.6 at 64: restarts cost more there), but a gain scaled so measured worse than
-# this one in every cell of one lease (code edits at 8: 2.3x against 3.5x of plain).
+# a host sync). So the batch's trie drafts must be expected to commit more than the head's by
+# what their steps cost beyond the head's (step_prices.py, measured per batch bucket): where the
+# chain runs, a trie step and the restart after it against a chained step; where it is broken
+# already, a trie step against the chained steps the restart leads back to. BREAK_GAIN scales
+# that excess (1: tokens weighed exactly by the measured prices). Before the prices are measured,
+# the trie's drafts must commit UNPRICED_EXCESS times the batch's head tokens more: at batch 1 on
+# an H100 (1.5B, EAGLE-3 chains of 3) a chained step took ~2.0 ms, the trie's verify step ~2.2
+# and a restarted head step ~4, so a trie step and its restart cost about two chained steps.
+# Without the rule, a batch of 8 on chat whose requests each preferred the trie now and then
+# never got back to fused steps (5.7-13.9 ms a step where fused ones took ~2.6 ms).
 BREAK_GAIN = 1.0
+UNPRICED_EXCESS = 1.0
 
 
 class SourceChoice:
@@ -80,13 +79,14 @@ class SourceChoice:
     def expected_from_head(self, rid: str) -> float:
         return min(self.head.expected_tokens(rid, self.max_nodes), self.head_most)
 
-    def choose(self, rids: list[str], trie_nodes: list[int], trie_keys: list[int], fused_head: bool = False) -> np.ndarray:
-        """(bs,) bool: True where the request drafts from the trie this step. fused_head: the
-        head's steps are fused, so trie drafts are taken only where they pay for breaking
-        its chain (BREAK_GAIN)."""
+    def choose(self, rids: list[str], trie_nodes: list[int], trie_keys: list[int],
+               excess: float | None = None) -> np.ndarray:
+        """(bs,) bool: True where the request drafts from the trie this step. excess: where the
+        head's steps are fused, what a trie step costs beyond the head's, in the head's steps
+        (step_prices.py; None: unpriced): trie drafts are taken only where they pay for it."""
         use_trie = self.preferred(rids, trie_nodes, trie_keys)
-        event = None if self.listener is None else self._event("choose", rids, trie_nodes, trie_keys, use_trie, fused_head)
-        if fused_head and use_trie.any() and not self.pays_to_break(rids, use_trie, trie_keys):
+        event = None if self.listener is None else self._event("choose", rids, trie_nodes, trie_keys, use_trie, excess)
+        if excess is not None and use_trie.any() and not self.pays(rids, use_trie, trie_keys, excess):
             use_trie[:] = False
         self.took(rids, use_trie)
         if event is not None:
@@ -113,11 +113,11 @@ class SourceChoice:
                            and trie > self.expected_from_head(rid))
         return use_trie
 
-    def pays_to_break(self, rids: list[str], use_trie: np.ndarray, trie_keys: list[int]) -> bool:
-        """Whether the trie's drafts where `use_trie` are expected to commit BREAK_GAIN times
-        the batch's head tokens more than the head's drafts would."""
+    def pays(self, rids: list[str], use_trie: np.ndarray, trie_keys: list[int], excess: float) -> bool:
+        """Whether the trie's drafts where `use_trie` are expected to commit more than the head's
+        would by BREAK_GAIN * excess times the batch's head tokens."""
         gain, head = self._gain(rids, use_trie, trie_keys)
-        return gain >= BREAK_GAIN * head
+        return gain >= BREAK_GAIN * excess * head
 
     def _gain(self, rids: list[str], use_trie: np.ndarray, trie_keys: list[int]) -> tuple[float, float]:
         """What the trie's drafts where `use_trie` are expected to commit over the head's, and
@@ -127,25 +127,27 @@ class SourceChoice:
                    for trie, key, expected in zip(use_trie.tolist(), trie_keys, head) if trie)
         return gain, sum(head)
 
-    def breaks_chain(self, rids: list[str], trie_nodes: list[int], trie_keys: list[int]) -> bool:
+    def breaks_chain(self, rids: list[str], trie_nodes: list[int], trie_keys: list[int], excess: float) -> bool:
         """Whether trie drafts at these roots would have paid for breaking the head's chain
-        (a chained step's counterfactual: the next step is then proposed after its read)."""
+        (a chained step's counterfactual: the next step is then proposed after its read);
+        excess: what breaking costs beyond the chain's steps, as in choose."""
         use_trie = self.preferred(rids, trie_nodes, trie_keys)
-        breaks = bool(use_trie.any()) and self.pays_to_break(rids, use_trie, trie_keys)
+        breaks = bool(use_trie.any()) and self.pays(rids, use_trie, trie_keys, excess)
         if self.listener is not None:
-            self.listener({**self._event("counterfactual", rids, trie_nodes, trie_keys, use_trie, True),
+            self.listener({**self._event("counterfactual", rids, trie_nodes, trie_keys, use_trie, excess),
                            "taken": breaks})
         return breaks
 
     def _event(self, kind: str, rids: list[str], trie_nodes: list[int], trie_keys: list[int], use_trie: np.ndarray,
-               fused_head: bool) -> dict:
+               excess: float | None) -> dict:
         """A choice for the listener: the batch, how many requests had trie drafts, preferred
         them (`use_trie`) and were due the head's recheck, the trie's expected gain over the
         head where preferred and the head's expected tokens over the batch; the caller adds
         `taken` (how many took the trie's drafts; a counterfactual: whether they would break
-        the chain)."""
+        the chain). excess: the price the trie's drafts had to pay (None: beside an unfused head)."""
         gain, head = self._gain(rids, use_trie, trie_keys)
-        return {"e": "source", "kind": kind, "bs": len(rids), "fused_head": fused_head,
+        return {"e": "source", "kind": kind, "bs": len(rids), "fused_head": excess is not None,
+                "excess": None if excess is None else round(excess, 2),
                 "with_trie": sum(n > 1 for n in trie_nodes), "preferred": int(use_trie.sum()),
                 "due_head": sum(not self.trie_may_go_on([rid]) for rid in rids),
                 "trie_gain": round(gain, 2), "head_tokens": round(head, 2)}
