@@ -256,7 +256,7 @@ def test_a_fused_head_gives_way_only_to_trie_drafts_worth_the_break():
 
 
 def test_steps_are_priced_by_kind_from_commit_to_commit():
-    """A step's price is the time from the commit before it, the batch unchanged, found by its
+    """A step's price is the time from the commit before it, no prefill between, found by its
     first request's root; a proposal that never ran is passed over; the excesses follow."""
     prices = StepPrices()
     assert prices.break_excess(1) is None and prices.stay_excess(1) is None
@@ -276,9 +276,13 @@ def test_steps_are_priced_by_kind_from_commit_to_commit():
     prices.committed(["a"], 31, now=0.0167)
     # a chained step of 6 ms, no trie step: the median of 2, 2 and 6 ms
     assert prices.price(CHAINED, 1) == pytest.approx(0.002) and prices.price(TRIE, 1) == pytest.approx(0.0027)
+    prices.prefilled()                                   # a prompt joined: its prefill is in the next interval
     prices.proposed("a", 40, TRIE)
-    prices.committed(["a", "b"], 40, now=0.02)           # the batch changed: not priced
-    assert prices.price(TRIE, 1) == pytest.approx(0.0027) and prices.price(TRIE, 2) is None
+    prices.committed(["a", "b"], 40, now=0.03)
+    assert prices.price(TRIE, 2) is None
+    prices.proposed("a", 41, TRIE)                       # the next step is priced, at the batch's bucket
+    prices.committed(["a", "b"], 41, now=0.034)
+    assert prices.price(TRIE, 2) == pytest.approx(0.004) and prices.price(TRIE, 1) == pytest.approx(0.0027)
 
 
 def test_a_fused_hybrid_weighs_trie_drafts_by_the_prices_it_measured():

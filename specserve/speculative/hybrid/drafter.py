@@ -144,6 +144,7 @@ class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates, ForecastSteps):
         self.head.observe_hidden(reqs, starts, states, rows, owned)
 
     def prefilled(self, reqs: list["Req"]) -> None:
+        self.prices.prefilled()
         self.head.prefilled(reqs)
 
     def observe(self, req: "Req", committed: list[int]) -> None:

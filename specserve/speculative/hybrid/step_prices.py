@@ -12,12 +12,13 @@ step took ~2.0 ms at batch 1 and 5-6 ms at 64, a trie step of 16 nodes 2.7 and 1
 the restart after it 3.9-5.7 and 14-16 ms; so at 64 a batch's trie drafts that committed twice the
 head's tokens (the rule without prices) lost to the chain they broke.
 
-A step's price is the time from the commit of the step before to its own commit, the batch
-unchanged in between: with steps launched ahead, that is what the step adds to a run (its own
-GPU time where the host hides behind it, the host's where it does not). Each step is known by
-its first request and the position of its root, noted when the step is proposed and found
-again at its commit; a proposal that never ran (a look that decided on a plain step) is
-dropped once its request has moved past it.
+A step's price is the time from the commit of the step before to its own commit, no prompt
+prefilled in between: with steps launched ahead, that is what the step adds to a run (its own
+GPU time where the host hides behind it, the host's where it does not). Requests that end
+leave the batch without a step of their own, so those intervals count (at 64 a batch that
+drains changes at nearly every step). Each step is known by its first request and the position
+of its root, noted when the step is proposed and found again at its commit; a proposal that
+never ran (a look that decided on a plain step) is dropped once its request has moved past it.
 """
 from __future__ import annotations
 
@@ -35,8 +36,7 @@ class StepPrices:
         self._seconds = RecentMedians(PRICE_WINDOW)
         self._median: dict[tuple[str, int], float] = {}
         self._proposed: dict[str, list[tuple[int, str]]] = {}   # rid -> (root position, kind), in order
-        self._last_commit: float | None = None
-        self._last_rids: list[str] = []
+        self._last_commit: float | None = None   # None: nothing since a prefill (or ever) to price from
 
     def proposed(self, rid: str, root: int, kind: str) -> None:
         """A step proposed for a batch whose first request is `rid`, rooted at position `root`."""
@@ -45,10 +45,14 @@ class StepPrices:
     def committed(self, rids: list[str], root: int, now: float) -> None:
         """A step of `rids` rooted at `root` (its first request's) committed at `now`."""
         kind = self._kind_at(rids[0], root) if rids else None
-        if kind is not None and self._last_commit is not None and rids == self._last_rids:
+        if kind is not None and self._last_commit is not None:
             key = (kind, batch_bucket(len(rids)))
             self._median[key] = self._seconds.add(key, now - self._last_commit)
-        self._last_commit, self._last_rids = now, rids
+        self._last_commit = now
+
+    def prefilled(self) -> None:
+        """A prefill ran: the next commit's interval holds it, and prices nothing."""
+        self._last_commit = None
 
     def _kind_at(self, rid: str, root: int) -> str | None:
         steps = self._proposed.get(rid)
