@@ -45,6 +45,17 @@ SHAPES = {"chain": {"speculative_num_steps": 3},
           "tree": {"speculative_num_steps": 3, "speculative_eagle_topk": 2, "speculative_num_draft_tokens": 6}}
 
 
+MEASURED_COMMIT = StepPrices.committed
+
+
+@pytest.fixture(autouse=True)
+def unpriced_steps(monkeypatch):
+    """The engines here choose between the sources as before any step is priced: prices are
+    wall times, which on a shared CPU move from run to run, and the choice with them
+    (test_an_engine_prices_its_steps restores them; the rule under prices is tested alone)."""
+    monkeypatch.setattr(StepPrices, "committed", lambda self, rids, root, now: None)
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """(target, head): a random 256-token target of HF's initialisation (its greedy answers
@@ -243,6 +254,9 @@ def test_a_fused_head_gives_way_only_to_trie_drafts_worth_the_break():
     # a cheaper trie step (an excess of 0.5: 2 tokens) lets the lone request's 3 through; a dearer one stops both
     assert choice.choose(["a", "b"], [6, 1], [2, 0], excess=0.5).tolist() == [True, False]
     assert not choice.breaks_chain(["a", "b"], [6, 6], [2, 2], 2.0)
+    # beside trie drafts, a request without pending head drafts verifies its root alone: its head tokens but one are lost
+    assert choice.choose(["a", "b"], [6, 1], [2, 0], 0.6, np.array([True, True])).tolist() == [True, False]
+    assert choice.choose(["a", "b"], [6, 1], [2, 0], 0.6, np.array([True, False])).tolist() == [False, False]
     # what an instrument hears of each choice (bench/policy_trace.py)
     heard = []
     choice.listener = heard.append
@@ -255,9 +269,10 @@ def test_a_fused_head_gives_way_only_to_trie_drafts_worth_the_break():
                                                                   (pytest.approx(6, abs=0.05), pytest.approx(4, abs=0.05))]
 
 
-def test_steps_are_priced_by_kind_from_commit_to_commit():
+def test_steps_are_priced_by_kind_from_commit_to_commit(monkeypatch):
     """A step's price is the time from the commit before it, no prefill between, found by its
     first request's root; a proposal that never ran is passed over; the excesses follow."""
+    monkeypatch.setattr(StepPrices, "committed", MEASURED_COMMIT)
     prices = StepPrices()
     assert prices.break_excess(1) is None and prices.stay_excess(1) is None
     prices.committed(["a"], 9, now=0.0)                  # a plain step: nothing proposed at 9
@@ -285,18 +300,33 @@ def test_steps_are_priced_by_kind_from_commit_to_commit():
     assert prices.price(TRIE, 2) == pytest.approx(0.004) and prices.price(TRIE, 1) == pytest.approx(0.0027)
 
 
-def test_a_fused_hybrid_weighs_trie_drafts_by_the_prices_it_measured():
+def test_an_engine_prices_its_steps(models, monkeypatch):
+    """Serving, the fused hybrid prices the kinds of step it runs at the batch's bucket (the
+    trie's where the answer loops; the head's restarts where it drafts after a read)."""
+    monkeypatch.setattr(StepPrices, "committed", MEASURED_COMMIT)
+    target, head = models
+    with tiny_engine(target, **hybrid_args(head)) as engine:
+        engine.generate(input_ids=REPEATING, sampling_params={**GREEDY, "max_new_tokens": 64})
+        prices = engine.core.drafter.prices
+        assert prices.price(TRIE, 1) > 0 and prices.price(RESTART, 1) > 0
+        assert prices.price(TRIE, 2) is None
+
+
+def test_a_fused_hybrid_weighs_trie_drafts_by_the_prices_it_measured(monkeypatch):
     """Once its steps are priced, a fused hybrid asks the trie's drafts for the measured excess:
     where the chain is broken, a trie step's beyond a chained one; at a chained step, a trie
     step's and its restart's beyond two chained ones; before that, UNPRICED_EXCESS."""
     ngram = SimpleNamespace(propose=lambda reqs, max_nodes: (TreeProposal.root_only([0] * len(reqs)), [1] * len(reqs)),
                             proposal_keys=lambda: [0])
-    head = SimpleNamespace(num_steps=3, chained_proposal=lambda reqs: (TreeProposal.root_only([0]), [1]))
+    head = SimpleNamespace(num_steps=3, chained_proposal=lambda reqs: (TreeProposal.root_only([0]), [1]),
+                           holds_chain=lambda req: req.rid == "a")
+    monkeypatch.setattr(StepPrices, "committed", MEASURED_COMMIT)
     hybrid = FusedHybridDrafter(ngram, head, 8)
     asked = []
     hybrid.choice.breaks_chain = lambda rids, nodes, keys, excess: asked.append(excess) or False
     req = SimpleNamespace(rid="a", num_tokens=10, last_token=0, spec=SimpleNamespace(draft_sources={}))
-    assert hybrid._trie_excess(1) == source_choice.UNPRICED_EXCESS
+    excess, ready = hybrid._trie_price([req, SimpleNamespace(rid="b")])
+    assert excess == source_choice.UNPRICED_EXCESS and ready.tolist() == [True, False]
     hybrid.chained_proposal([req])
     assert asked == [source_choice.UNPRICED_EXCESS]
     now = 0.0
@@ -305,7 +335,7 @@ def test_a_fused_hybrid_weighs_trie_drafts_by_the_prices_it_measured():
         now += seconds
         hybrid.prices.proposed("a", root, kind)
         hybrid.prices.committed(["a"], root, now)
-    assert hybrid._trie_excess(1) == pytest.approx(1.5)          # (5 - 2) / 2
+    assert hybrid._trie_price([req])[0] == pytest.approx(1.5)    # (5 - 2) / 2
     hybrid.chained_proposal([req])
     assert asked[-1] == pytest.approx(3.5)                     # (5 + 6 - 4) / 2
 
@@ -465,8 +495,8 @@ def test_sampled_output_follows_the_target_with_drafts_from_either_source(letter
         drafter = engine.core.drafter
         choose, steps = drafter.choice.choose, []
 
-        def forced(rids, trie_nodes, trie_keys, fused_head=False):
-            choose(rids, trie_nodes, trie_keys, fused_head)   # its bookkeeping
+        def forced(rids, trie_nodes, trie_keys, *price):
+            choose(rids, trie_nodes, trie_keys, *price)   # its bookkeeping
             trie_step = split == "half" and len(steps) % 2 == 0
             use_trie = np.array([trie_step and nodes > 1 and zlib.crc32(rid.encode()) % 2 == 0
                                  for rid, nodes in zip(rids, trie_nodes)])

@@ -13,7 +13,8 @@ from specserve.bench import model_drafters
 from specserve.speculative.ngram.drafter import NgramDrafter
 from specserve.speculative.ngram.trie import NgramConfig
 from specserve.speculative.ngram.writer import TrieWriterError
-from tests.test_hybrid_drafting import PROMPTS, REPEATING, models  # noqa: F401
+# unpriced_steps: autouse here too (the rows' sources would move with the CPU's wall times)
+from tests.test_hybrid_drafting import PROMPTS, REPEATING, models, unpriced_steps  # noqa: F401
 
 WARM = [[40, 41, 42, 43] * 4, [7, 8] * 8, list(range(80, 100)), [60, 61, 62] * 5]
 HYBRID_LABELS = {"eagle3-3-hybrid-pinned", "eagle3-3-hybrid-adaptive"}

@@ -4,7 +4,8 @@ verified by the engine's graphs between them (speculative/hybrid/fused_hybrid.py
 equals plain decoding, pinned and under the adaptive policy, with both sources drafting, and
 seeded sampling gives plain decoding's tokens; every target and head slot comes back; trie steps
 are forecast, the head still given their states (which a graph's next replay overwrites). The
-random tiny target and head of tests/test_hybrid_drafting.py."""
+random tiny target and head of tests/test_hybrid_drafting.py, choosing as before any step is priced
+(its `unpriced_steps`, autouse here too: the choice under measured prices moves with wall times)."""
 from __future__ import annotations
 
 import pytest
@@ -14,7 +15,7 @@ from specserve.speculative.hybrid.fused_hybrid import FusedHybridDrafter
 from tests.fused_fixtures import FusedSpy
 from tests.spec_fixtures import tiny_engine
 from tests.test_hybrid_drafting import (GREEDY, SEEDED, check_forecast_steps, hybrid_args, models,  # noqa: F401
-                                        sources, two_turns, wait_until_everything_is_free)
+                                        sources, two_turns, unpriced_steps, wait_until_everything_is_free)
 
 CUDA = {"device": "cuda", "max_total_tokens": 4096}
 

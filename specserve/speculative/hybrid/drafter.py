@@ -53,7 +53,6 @@ class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates, ForecastSteps):
     # a probe costs what the head's does where it drafts for any of the probed requests
     probe_every = 16
     probe_every_at_most = 128
-    fused_head = False   # whether the head's steps are fused ones, which a trie step breaks (fused_hybrid.py)
 
     def __init__(self, ngram: "NgramDrafter", head: "EagleDrafter", max_nodes: int):
         self.ngram, self.head = ngram, head
@@ -75,7 +74,7 @@ class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates, ForecastSteps):
         rids = [req.rid for req in reqs]
         trie, trie_nodes = self.ngram.propose(reqs, max_nodes)
         trie_keys = self.ngram.proposal_keys()
-        use_trie = self.choice.choose(rids, trie_nodes, trie_keys, self._trie_excess(len(reqs)))
+        use_trie = self.choice.choose(rids, trie_nodes, trie_keys, *self._trie_price(reqs))
         self.prices.proposed(rids[0], reqs[0].num_tokens, TRIE if use_trie.any() else RESTART)
         head, head_nodes, use_trie = self._head_drafts(reqs, max_nodes, use_trie)
         self._record(reqs, trie, trie_nodes, trie_keys, head, head_nodes)
@@ -86,10 +85,11 @@ class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates, ForecastSteps):
         self._trie_only = bool(use_trie.all()) and self.choice.trie_may_go_on(rids)
         return proposal, num_nodes
 
-    def _trie_excess(self, batch_size: int) -> float | None:
-        """What a trie step must pay for beyond the head's (source_choice.choose); None: nothing,
+    def _trie_price(self, reqs: list["Req"]) -> tuple[float | None, np.ndarray | None]:
+        """What a trie step must pay for beyond the head's, and which requests would keep head
+        drafts beside it (source_choice.choose); None, None: nothing, every request keeps them,
         the head's steps being the engine's verify steps as the trie's are."""
-        return None
+        return None, None
 
     def _head_drafts(self, reqs: list["Req"], max_nodes: list[int],
                      use_trie: np.ndarray) -> tuple[TreeProposal, list[int], np.ndarray]:

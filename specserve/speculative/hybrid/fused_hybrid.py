@@ -55,7 +55,6 @@ class FusedHybridDrafter(HybridDrafter, ChainedSteps):
     ragged_verify = FusedChainDrafter.ragged_verify
     switch_margin = FusedChainDrafter.switch_margin
     leave_margin = FusedChainDrafter.leave_margin
-    fused_head = True
 
     def __init__(self, ngram: "NgramDrafter", head: FusedChainDrafter, max_nodes: int):
         super().__init__(ngram, head, max_nodes)
@@ -63,12 +62,14 @@ class FusedHybridDrafter(HybridDrafter, ChainedSteps):
         # the trie was expected to pay at the last chained step's roots: chain no step after it
         self._trie_next = False
 
-    def _trie_excess(self, batch_size: int) -> float:
+    def _trie_price(self, reqs: list["Req"]) -> tuple[float, np.ndarray]:
         """A step proposed after a read: the chain is broken (or never ran), so the head's next
         step restarts whichever source drafts now; a trie step is weighed against the chained
-        steps a restart leads back to."""
-        excess = self.prices.stay_excess(batch_size)
-        return UNPRICED_EXCESS if excess is None else excess
+        steps a restart leads back to. Beside trie drafts, the other requests verify the head's
+        pending chains where they have them, else their roots alone."""
+        excess = self.prices.stay_excess(len(reqs))
+        ready = np.fromiter((self.head.holds_chain(req) for req in reqs), dtype=bool, count=len(reqs))
+        return UNPRICED_EXCESS if excess is None else excess, ready
 
     def _head_drafts(self, reqs: list["Req"], max_nodes: list[int],
                      use_trie: np.ndarray) -> tuple[TreeProposal, list[int], np.ndarray]:

@@ -80,13 +80,16 @@ class SourceChoice:
         return min(self.head.expected_tokens(rid, self.max_nodes), self.head_most)
 
     def choose(self, rids: list[str], trie_nodes: list[int], trie_keys: list[int],
-               excess: float | None = None) -> np.ndarray:
+               excess: float | None = None, head_ready: np.ndarray | None = None) -> np.ndarray:
         """(bs,) bool: True where the request drafts from the trie this step. excess: where the
         head's steps are fused, what a trie step costs beyond the head's, in the head's steps
-        (step_prices.py; None: unpriced): trie drafts are taken only where they pay for it."""
+        (step_prices.py; None: unpriced): trie drafts are taken only where they pay for it.
+        head_ready: (bs,) bool, the requests that keep head drafts in a step with trie drafts
+        (None: all); the others verify their roots alone there."""
         use_trie = self.preferred(rids, trie_nodes, trie_keys)
-        event = None if self.listener is None else self._event("choose", rids, trie_nodes, trie_keys, use_trie, excess)
-        if excess is not None and use_trie.any() and not self.pays(rids, use_trie, trie_keys, excess):
+        event = None if self.listener is None else self._event("choose", rids, trie_nodes, trie_keys, use_trie, excess,
+                                                              head_ready)
+        if excess is not None and use_trie.any() and not self.pays(rids, use_trie, trie_keys, excess, head_ready):
             use_trie[:] = False
         self.took(rids, use_trie)
         if event is not None:
@@ -113,18 +116,25 @@ class SourceChoice:
                            and trie > self.expected_from_head(rid))
         return use_trie
 
-    def pays(self, rids: list[str], use_trie: np.ndarray, trie_keys: list[int], excess: float) -> bool:
-        """Whether the trie's drafts where `use_trie` are expected to commit more than the head's
-        would by BREAK_GAIN * excess times the batch's head tokens."""
-        gain, head = self._gain(rids, use_trie, trie_keys)
+    def pays(self, rids: list[str], use_trie: np.ndarray, trie_keys: list[int], excess: float,
+             head_ready: np.ndarray | None = None) -> bool:
+        """Whether the trie's step (its drafts where `use_trie`) is expected to commit more than
+        the head's would by BREAK_GAIN * excess times the batch's head tokens."""
+        gain, head = self._gain(rids, use_trie, trie_keys, head_ready)
         return gain >= BREAK_GAIN * excess * head
 
-    def _gain(self, rids: list[str], use_trie: np.ndarray, trie_keys: list[int]) -> tuple[float, float]:
-        """What the trie's drafts where `use_trie` are expected to commit over the head's, and
-        what the head's drafts are expected to commit over the batch."""
+    def _gain(self, rids: list[str], use_trie: np.ndarray, trie_keys: list[int],
+              head_ready: np.ndarray | None = None) -> tuple[float, float]:
+        """What a step with the trie's drafts where `use_trie` is expected to commit over one of
+        the head's drafts alone (less what the requests without head drafts beside them, per
+        head_ready, lose: all but their root), and what the head's drafts are expected to commit
+        over the batch."""
         head = [self.expected_from_head(rid) for rid in rids]
         gain = sum(self.expected_from_trie(key) - expected
                    for trie, key, expected in zip(use_trie.tolist(), trie_keys, head) if trie)
+        if head_ready is not None:
+            gain -= sum(expected - 1 for trie, ready, expected in zip(use_trie.tolist(), head_ready.tolist(), head)
+                        if not trie and not ready)
         return gain, sum(head)
 
     def breaks_chain(self, rids: list[str], trie_nodes: list[int], trie_keys: list[int], excess: float) -> bool:
@@ -139,13 +149,13 @@ class SourceChoice:
         return breaks
 
     def _event(self, kind: str, rids: list[str], trie_nodes: list[int], trie_keys: list[int], use_trie: np.ndarray,
-               excess: float | None) -> dict:
+               excess: float | None, head_ready: np.ndarray | None = None) -> dict:
         """A choice for the listener: the batch, how many requests had trie drafts, preferred
         them (`use_trie`) and were due the head's recheck, the trie's expected gain over the
         head where preferred and the head's expected tokens over the batch; the caller adds
         `taken` (how many took the trie's drafts; a counterfactual: whether they would break
         the chain). excess: the price the trie's drafts had to pay (None: beside an unfused head)."""
-        gain, head = self._gain(rids, use_trie, trie_keys)
+        gain, head = self._gain(rids, use_trie, trie_keys, head_ready)
         return {"e": "source", "kind": kind, "bs": len(rids), "fused_head": excess is not None,
                 "excess": None if excess is None else round(excess, 2),
                 "with_trie": sum(n > 1 for n in trie_nodes), "preferred": int(use_trie.sum()),

@@ -135,6 +135,12 @@ class FusedChainDrafter(EagleDrafter, ChainedSteps):
                 drafts.append(pending)
         return chain_proposal(max_nodes, [r.last_token for r in reqs], drafted, drafts, None, self.num_steps)
 
+    def holds_chain(self, req: "Req") -> bool:
+        """Whether pending_chains would find the request's argmax drafts from its root (the
+        head cache's sync aside): no sync, for a choice made before the proposal."""
+        pending = self.pending.get(req.rid)
+        return pending is not None and pending[0] == req.num_tokens and draft_temperature(req) == 0
+
     def _fuses(self, reqs: list["Req"]) -> bool:
         """Whether the fused step serves this batch (else the engine verifies it)."""
         return all(r.rid in self._reserved and fusable(r) for r in reqs)
