@@ -156,8 +156,7 @@ class SourceChoice:
         `taken` (how many took the trie's drafts; a counterfactual: whether they would break
         the chain). excess: the price the trie's drafts had to pay (None: beside an unfused head)."""
         gain, head = self._gain(rids, use_trie, trie_keys, head_ready)
-        return {"e": "source", "kind": kind, "bs": len(rids), "fused_head": excess is not None,
-                "excess": None if excess is None else round(excess, 2),
+        return {"e": "source", "kind": kind, "bs": len(rids), "excess": None if excess is None else round(excess, 2),
                 "with_trie": sum(n > 1 for n in trie_nodes), "preferred": int(use_trie.sum()),
                 "due_head": sum(not self.trie_may_go_on([rid]) for rid in rids),
                 "trie_gain": round(gain, 2), "head_tokens": round(head, 2)}

@@ -138,8 +138,7 @@ class FusedChainDrafter(EagleDrafter, ChainedSteps):
     def holds_chain(self, req: "Req") -> bool:
         """Whether pending_chains would find the request's argmax drafts from its root (the
         head cache's sync aside): no sync, for a choice made before the proposal."""
-        pending = self.pending.get(req.rid)
-        return pending is not None and pending[0] == req.num_tokens and draft_temperature(req) == 0
+        return draft_temperature(req) == 0 and self._current_drafts(req) is not None
 
     def _fuses(self, reqs: list["Req"]) -> bool:
         """Whether the fused step serves this batch (else the engine verifies it)."""
@@ -152,13 +151,18 @@ class FusedChainDrafter(EagleDrafter, ChainedSteps):
         q = q[:, :proposal.num_slots - 1]       # a batch of root-only trees has no drafts' q
         return dataclasses.replace(proposal, draft_probs=torch.cat([q, torch.zeros_like(q[:, :1])], dim=1))
 
+    def _current_drafts(self, req: "Req") -> list[int] | None:
+        """The pending drafts, if they start at the request's next position."""
+        pending = self.pending.get(req.rid)
+        return pending[1] if pending is not None and pending[0] == req.num_tokens else None
+
     def _drafts_of(self, req: "Req") -> list[int] | None:
         """The pending drafts, if they start at the request's next position and the head's
         cache holds every row before the root (a fused step feeds the rows from there)."""
-        pending = self.pending.get(req.rid)
-        if pending is None or pending[0] != req.num_tokens or req.rid not in self.kv.sequences:
+        drafts = self._current_drafts(req)
+        if drafts is None or req.rid not in self.kv.sequences:
             return None
-        return pending[1] if self.kv.sync(req).committed == self.kv.rows_of(req) else None
+        return drafts if self.kv.sync(req).committed == self.kv.rows_of(req) else None
 
     def _first_drafts(self, reqs: list["Req"]) -> None:
         """EAGLE's catch-up and chain of K drafts, for requests without pending drafts; their
