@@ -13,7 +13,7 @@ import pytest
 from specserve.speculative.hybrid import source_choice
 from specserve.speculative.hybrid.fused_hybrid import FusedHybridDrafter
 from tests.fused_fixtures import FusedSpy
-from tests.spec_fixtures import tiny_engine
+from tests.spec_fixtures import price_steps, tiny_engine
 from tests.test_hybrid_drafting import (GREEDY, SEEDED, check_forecast_steps, hybrid_args, models,  # noqa: F401
                                         sources, two_turns, unpriced_steps, wait_until_everything_is_free)
 
@@ -35,6 +35,8 @@ def test_hybrid_greedy_output_is_plain_decodings_on_cuda(models, plain_cuda, ada
         monkeypatch.setattr(source_choice, "BREAK_GAIN", 0.0)
     target, head = models
     with tiny_engine(target, **CUDA, **hybrid_args(head, adaptive=adaptive)) as engine:
+        if adaptive:   # priced from a fixed cost model: a GPU's tiny steps cost little beside the host's work,
+            price_steps(engine, 0.010, 0.0001)   # and measured, the policy held the batch plain
         drafter = engine.core.drafter
         assert isinstance(drafter, FusedHybridDrafter) and drafter.head.fused.graphs is not None
         spy = FusedSpy(drafter.head)
