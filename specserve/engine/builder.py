@@ -7,6 +7,7 @@ after tens of seconds; each slow stage logs a line with its time.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -148,7 +149,11 @@ def _build_core(args: ServerArgs, checked: Preflight, tp):
         graph_sizes = runner.graphs.sizes if runner.graphs is not None else None
         adaptive = AdaptiveDraftLength.for_drafter(drafter, args.speculative_verify_size, graph_sizes,
                                                    on_cpu=runner.device.type == "cpu")
-    core = EngineCore(runner, scheduler, Sampler(config.vocab_size, device), drafter,
+    sampler = Sampler(config.vocab_size, device)
+    # opt-in (SPECSERVE_SAMPLING_GRAPHS=1) until a GPU has run it: its test is tests/gpu/test_decode_launch_cuda.py
+    if runner.graphs is not None and os.environ.get("SPECSERVE_SAMPLING_GRAPHS", "0") == "1":
+        sampler.graph_plain_steps(runner.graphs.decode_logits())
+    core = EngineCore(runner, scheduler, sampler, drafter,
                       args.speculative_verify_size, args.log_interval_s, adaptive,
                       overlap=runner.graphs is not None and not args.disable_overlap_schedule)
     warmup.warm_up(core, tokenizer, args)  # first-use compiles happen now, not in a request

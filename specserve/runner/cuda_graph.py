@@ -174,6 +174,11 @@ class CudaGraphRunner:
         nodes = bs * m if every_node else int(proposal.num_nodes.sum())
         return bucket, smallest_level(self.levels, bucket, nodes + bucket - bs)
 
+    def decode_logits(self) -> list[torch.Tensor]:
+        """Each decode graph's logits buffer (bucket, vocab), whose first rows launch_decode's
+        logits are."""
+        return [self.outputs[bs, 1].logits[:, 0] for bs in self.buckets if (bs, 1) in self.outputs]
+
     def can_launch_decode(self, bs: int) -> bool:
         return bs <= self.max_bs and 1 in self.sizes
 

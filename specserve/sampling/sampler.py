@@ -14,6 +14,7 @@ import torch
 from specserve.grammar.apply import apply_grammar_bitmask
 from specserve.grammar.tree_masks import grammar_bitmask
 from specserve.request.req import Req
+from specserve.sampling.plain_graphs import PlainSamplingGraphs
 from specserve.verify.rules import SAMPLING_RULES, apply_penalties_to_tree, verify_greedy, verify_sampling
 from specserve.verify.tree import DraftTrees
 
@@ -48,6 +49,12 @@ class Sampler:
         # how sampled drafts are verified (verify_sampling's rule): "coupled" gives a seeded
         # request the same tokens as plain decoding; "rejection" is kept for comparisons
         self.sampling_rule = sampling_rule
+        self.plain_graphs: PlainSamplingGraphs | None = None   # sampled plain steps over decode graphs' logits
+
+    def graph_plain_steps(self, static_logits: list[torch.Tensor]) -> None:
+        """Samples plain steps whose logits are a decode graph's (static_logits: each bucket's
+        (bucket, vocab) buffer) through CUDA graphs of their own (plain_graphs.py)."""
+        self.plain_graphs = PlainSamplingGraphs(static_logits, self.vocab_size)
 
     @staticmethod
     def argmax_is_enough(reqs: list[Req]) -> bool:
@@ -79,6 +86,10 @@ class Sampler:
         token, whose positions (the tokens in each KV cache) key the random numbers. The tokens
         `sample` commits for the same step: the same filters, the same rule, the same numbers.
         For requests that samples_on_device."""
+        graphs = self.plain_graphs
+        if graphs is not None and graphs.covers(logits):
+            values = self._sampling_values(reqs, positions)
+            return graphs.sample(logits, values, *self._filters_used(reqs))
         sampling = self._sampling_tensors(reqs, None, positions)
         roots = DraftTrees.root_only(torch.zeros(len(reqs), dtype=torch.long, device=logits.device))
         return verify_sampling(roots, logits.unsqueeze(1), **sampling).committed_tokens[:, 0]
@@ -190,25 +201,38 @@ class Sampler:
                                pinned=pinned)
         return mask.to(self.device, non_blocking=True)
 
+    def _sampling_values(self, reqs: list[Req], positions: list[int] | None = None) -> dict[str, list]:
+        """verify_sampling's per-request columns, on the host. positions: the roots' (default:
+        each request's last token's); random numbers are keyed by position."""
+        return {
+            "temperatures": [0.0 if r.params.greedy else r.params.temperature for r in reqs],
+            "top_ks": [r.params.top_k if r.params.top_k > 0 else self.vocab_size for r in reqs],
+            "top_ps": [r.params.top_p for r in reqs],
+            "min_ps": [r.params.min_p for r in reqs],
+            "seeds": [r.seed for r in reqs],
+            "positions": positions if positions is not None else [r.num_tokens - 1 for r in reqs],
+        }
+
+    @staticmethod
+    def _filters_used(reqs: list[Req]) -> tuple[bool, bool]:
+        """(need_top_k_top_p, need_min_p): the full-vocabulary sort of top-k / top-p is the
+        costly part, skipped when no request uses it."""
+        return any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in reqs), any(r.params.min_p > 0 for r in reqs)
+
     def _sampling_tensors(self, reqs: list[Req], draft_probs: torch.Tensor | None,
                           positions: list[int] | None = None) -> dict:
         """positions: the roots' (default: each request's last token's)."""
         pinned = torch.device(self.device).type == "cuda"
-
-        def column(values, dtype):   # through pinned memory: a pageable copy may wait for a step in flight
-            return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(self.device, non_blocking=True)
+        dtypes = {"temperatures": torch.float32, "top_ps": torch.float32, "min_ps": torch.float32}
+        # through pinned memory: a pageable copy may wait for a step in flight
+        columns = {name: torch.tensor(values, dtype=dtypes.get(name, torch.long), pin_memory=pinned)
+                   .to(self.device, non_blocking=True) for name, values in self._sampling_values(reqs, positions).items()}
+        need_top_k_top_p, need_min_p = self._filters_used(reqs)
         top_ks = [r.params.top_k for r in reqs if not r.params.greedy]   # greedy rows ignore the filters
         return {
-            "temperatures": column([0.0 if r.params.greedy else r.params.temperature for r in reqs], torch.float32),
-            "top_ks": column([r.params.top_k if r.params.top_k > 0 else self.vocab_size for r in reqs], torch.long),
-            "top_ps": column([r.params.top_p for r in reqs], torch.float32),
-            "min_ps": column([r.params.min_p for r in reqs], torch.float32),
-            "seeds": column([r.seed for r in reqs], torch.long),
-            # the root's position (the last token's); random numbers are keyed by position
-            "positions": column(positions if positions is not None else [r.num_tokens - 1 for r in reqs], torch.long),
-            # the full-vocabulary sort of top-k / top-p is the costly part: skip it when unused
-            "need_top_k_top_p": any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in reqs),
-            "need_min_p": any(r.params.min_p > 0 for r in reqs),
+            **columns,
+            "need_top_k_top_p": need_top_k_top_p,
+            "need_min_p": need_min_p,
             # when every sampled row has a top-k, rank only that many tokens instead of sorting
             "max_top_k": max(top_ks) if top_ks and all(0 < k < self.vocab_size for k in top_ks) else None,
             **self._rule(reqs, draft_probs),

@@ -42,19 +42,29 @@ def test_graphed_plain_decoding_equals_eager_on_cuda(model_dir, graph_max_bs):
         wait_until_all_kv_is_free(engine)
 
 
+FILTERS = ({"top_p": 0.9}, {"top_k": 20}, {"min_p": 0.1}, {}, {"top_p": 0.8, "min_p": 0.05})
+
+
 def test_graphed_sampled_decoding_on_the_overlap_schedule_equals_eager_on_cuda(model_dir):
     """Seeded sampling: each step's tokens sampled on the device from the graph's logits (the
-    overlap schedule's sampled steps, engine/overlap.py) are the eager engine's sampler's."""
-    sampled = [{"temperature": 0.8, "top_p": 0.9, "seed": 11 + i, "max_new_tokens": n, "ignore_eos": True}
-               for i, n in enumerate(LENGTHS)]
+    overlap schedule's sampled steps, engine/overlap.py), through the sampling graphs of each set
+    of filters (sampling/plain_graphs.py), are the eager engine's sampler's, in a batch and alone."""
+    sampled = [{"temperature": 0.8, "seed": 11 + i, "max_new_tokens": n, "ignore_eos": True, **filters}
+               for i, (n, filters) in enumerate(zip(LENGTHS, FILTERS))]
     with tiny_engine(model_dir, device="cuda", disable_cuda_graph=True, max_total_tokens=4096) as eager:
         expected = [o["output_ids"] for o in eager.generate(input_ids=PROMPTS, sampling_params=sampled)]
+        alone = [eager.generate(input_ids=p, sampling_params=q)["output_ids"] for p, q in zip(PROMPTS, sampled)]
     with tiny_engine(model_dir, device="cuda", cuda_graph_max_bs=8, max_total_tokens=4096) as engine:
         graphs, launches = engine.core.runner.graphs, []
         launch = graphs.launch_decode
         graphs.launch_decode = lambda *args: launches.append(len(args[0])) or launch(*args)
-        assert [o["output_ids"] for o in engine.generate(input_ids=PROMPTS, sampling_params=sampled)] == expected
+        for _ in range(2):   # the second pass replays the graphs the first captured
+            assert [o["output_ids"] for o in engine.generate(input_ids=PROMPTS, sampling_params=sampled)] == expected
+        assert [engine.generate(input_ids=p, sampling_params=q)["output_ids"]
+                for p, q in zip(PROMPTS, sampled)] == alone
         assert len(launches) > 30
+        # (bucket, filters): the batch's, each request's alone (top-k and top-p share one), in several buckets
+        assert len(engine.core.sampler.plain_graphs.graphs) >= 5, engine.core.sampler.plain_graphs.graphs.keys()
         wait_until_all_kv_is_free(engine)
 
 
