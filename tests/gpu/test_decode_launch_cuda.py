@@ -45,7 +45,7 @@ def test_graphed_plain_decoding_equals_eager_on_cuda(model_dir, graph_max_bs):
 FILTERS = ({"top_p": 0.9}, {"top_k": 20}, {"min_p": 0.1}, {}, {"top_p": 0.8, "min_p": 0.05})
 
 
-def test_graphed_sampled_decoding_on_the_overlap_schedule_equals_eager_on_cuda(model_dir):
+def test_graphed_sampled_decoding_on_the_overlap_schedule_equals_eager_on_cuda(model_dir, monkeypatch):
     """Seeded sampling: each step's tokens sampled on the device from the graph's logits (the
     overlap schedule's sampled steps, engine/overlap.py), through the sampling graphs of each set
     of filters (sampling/plain_graphs.py), are the eager engine's sampler's, in a batch and alone."""
@@ -54,6 +54,7 @@ def test_graphed_sampled_decoding_on_the_overlap_schedule_equals_eager_on_cuda(m
     with tiny_engine(model_dir, device="cuda", disable_cuda_graph=True, max_total_tokens=4096) as eager:
         expected = [o["output_ids"] for o in eager.generate(input_ids=PROMPTS, sampling_params=sampled)]
         alone = [eager.generate(input_ids=p, sampling_params=q)["output_ids"] for p, q in zip(PROMPTS, sampled)]
+    monkeypatch.setenv("SPECSERVE_SAMPLING_GRAPHS", "1")   # opt-in until measured (engine/builder.py)
     with tiny_engine(model_dir, device="cuda", cuda_graph_max_bs=8, max_total_tokens=4096) as engine:
         graphs, launches = engine.core.runner.graphs, []
         launch = graphs.launch_decode
