@@ -269,6 +269,26 @@ def test_a_fused_head_gives_way_only_to_trie_drafts_worth_the_break():
                                                                   (pytest.approx(6, abs=0.05), pytest.approx(4, abs=0.05))]
 
 
+def test_a_requests_trie_expectations_follow_what_its_contending_drafts_commit():
+    """The trie's classes are measured over every request; a request whose contending trie drafts
+    (those its class expects to beat the head with) commit less than their class promised has its
+    expectations scaled down, one whose drafts commit more, up (trie_calibration.py)."""
+    choice = SourceChoice(8, head_depth=3)
+    trie = TreeProposal.from_lists([([0, 1, 2, 3, 4, 5], [-1, 0, 1, 2, 3, 4])] * 3)
+    head = TreeProposal.from_lists([([0, 1, 8, 9], [-1, 0, 1, 2])] * 3)
+    for _ in range(30):   # the class: "a" commits 2 of its drafts' tokens, "b" 5, "c" has no draft
+        choice.record(["a", "b", "c"], trie, [6, 6, 1], [2, 2, 0], head, [4, 4, 4])
+        choice.observe_batch(["a", "b", "c"], [[1, 7], [1, 2, 3, 4, 6], [1, 7]])
+    assert choice.expected_from_trie(2) == pytest.approx(3.5, abs=0.05)   # the class, over both
+    assert choice.expected_from_trie(2, "a") == pytest.approx(2, abs=0.05)
+    assert choice.expected_from_trie(2, "b") == pytest.approx(5, abs=0.05)
+    assert choice.expected_from_trie(2, "c") == pytest.approx(3.5, abs=0.05)   # no drafts of its own: the class
+    assert choice.expected_from_head("a") == choice.expected_from_head("b") == pytest.approx(2, abs=0.01)
+    assert choice.choose(["a", "b"], [6, 6], [2, 2]).tolist() == [False, True]
+    choice.release("a")
+    assert choice.expected_from_trie(2, "a") == pytest.approx(3.5, abs=0.05)
+
+
 def test_steps_are_priced_by_kind_from_commit_to_commit(monkeypatch):
     """A step's price is the time from the commit before it, no prefill between, found by its
     first request's root; a proposal that never ran is passed over; the excesses follow."""
@@ -549,7 +569,7 @@ def test_the_warmup_leaves_the_hybrid_drafter_as_it_found_it(models):
             wait_until_everything_is_free(warm)
 
 
-def test_a_failing_forecast_step_record_fails_no_request_and_leaks_nothing(models, plain):
+def test_a_failing_forecast_step_record_fails_no_request_and_leaks_nothing(models, plain, monkeypatch):
     """The hybrid's record of a forecast step (forecast_held, as the step is held) raising once
     for one request: a forecast runs only for a batch whose next step is launched ahead, so the
     failure isolation's one-by-one steps never meet it: every request finishes with plain
@@ -557,6 +577,8 @@ def test_a_failing_forecast_step_record_fails_no_request_and_leaks_nothing(model
     fault that stays may fail the victim, whose later batches are forecast again, as any
     request fails whose own step keeps failing.)"""
     from tests.test_failure_isolation import failing_for_victim
+    # the trie preferred wherever it has a measured match: batches of trie drafts alone, which forecast
+    monkeypatch.setattr(SourceChoice, "expected_from_head", lambda self, rid: 1.0)
     target, head = models
     rids = ["first", "victim", "last"]
     with tiny_engine(target, **hybrid_args(head, speculative_ngram_forecast=2)) as engine:

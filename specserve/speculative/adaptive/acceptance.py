@@ -21,9 +21,9 @@ from specserve.verify.tree import TreeProposal
 ACCEPT_EMA = 0.3     # tokens per proposal change with the text
 
 
-class _Shadow:
+class Shadow:
     """One past proposal being walked down by the tokens committed since."""
-    __slots__ = ("children", "inner", "key", "node", "path")
+    __slots__ = ("children", "ended", "inner", "key", "node", "path")
 
     def __init__(self, children: dict[tuple[int, int], int], inner: set[int], key: int | None):
         self.children = children   # (parent node, token) -> node
@@ -31,6 +31,7 @@ class _Shadow:
         self.key = key             # the drafter's evidence class, if any
         self.node = 0              # deepest node matched so far
         self.path: list[int] = []  # matched nodes below the root, increasing
+        self.ended = False         # its walk is over: path is what it committed
 
 
 class AcceptanceEvidence:
@@ -39,7 +40,7 @@ class AcceptanceEvidence:
         self._prior = {t: float(t) for t in tiers}   # before any evidence: every draft node accepted
         self._expected: dict[str, dict[int, float]] = {}    # per request
         self._by_key: dict[int, dict[int, float]] = {}      # per evidence class
-        self._shadows: dict[str, list[_Shadow]] = {}
+        self._shadows: dict[str, list[Shadow]] = {}
 
     def expected_tokens(self, rid: str, tier: int, key: int | None = None) -> float:
         """Tokens a step at this tier is expected to commit for the request (given a draft
@@ -54,17 +55,22 @@ class AcceptanceEvidence:
         return key in self._by_key
 
     def record(self, rids: list[str], trees: TreeProposal, num_nodes: list[int],
-               keys: list[int] | None = None) -> None:
-        """Full proposals (before any cut, verified or probes), one shadow per real draft."""
+               keys: list[int] | None = None) -> list[Shadow | None]:
+        """Full proposals (before any cut, verified or probes), one shadow per real draft;
+        returns each row's (None where nothing was drafted)."""
         if max(num_nodes) <= 1:
-            return   # nothing drafted: no array to read
+            return [None] * len(rids)   # nothing drafted: no array to read
         tokens, parents = trees.tokens.tolist(), trees.parents.tolist()
+        recorded: list[Shadow | None] = []
         for row, (rid, count) in enumerate(zip(rids, num_nodes)):
+            shadow = None
             if count > 1:
                 row_parents, row_tokens = parents[row], tokens[row]
                 children = {(row_parents[i], row_tokens[i]): i for i in range(1, count)}
-                shadow = _Shadow(children, set(row_parents[1:count]), keys[row] if keys else None)
+                shadow = Shadow(children, set(row_parents[1:count]), keys[row] if keys else None)
                 self._shadows.setdefault(rid, []).append(shadow)
+            recorded.append(shadow)
+        return recorded
 
     @property
     def walking(self) -> bool:
@@ -87,11 +93,13 @@ class AcceptanceEvidence:
             if resolved:
                 self._learn(resolved)
 
-    def _walk_all(self, rid: str, shadows: list[_Shadow], committed: list[int]) -> list[tuple[str, _Shadow]]:
+    def _walk_all(self, rid: str, shadows: list[Shadow], committed: list[int]) -> list[tuple[str, Shadow]]:
         """The request's walks that ended; the others stay pending."""
         pending, ended = [], []
         for shadow in shadows:
             (pending if _walk(shadow, committed) else ended).append(shadow)
+        for shadow in ended:
+            shadow.ended = True
         if pending:
             self._shadows[rid] = pending
         else:
@@ -102,7 +110,7 @@ class AcceptanceEvidence:
         self._shadows.pop(rid, None)
         self._expected.pop(rid, None)
 
-    def _learn(self, resolved: list[tuple[str, _Shadow]]) -> None:
+    def _learn(self, resolved: list[tuple[str, Shadow]]) -> None:
         """One step's ended walks move each estimate they belong to (`expected_tokens` reads
         a proposal's class's, else its request's) once, toward their mean. An update per walk
         let the last few walks of a batch decide a class's estimate (ACCEPT_EMA per walk: at
@@ -120,15 +128,19 @@ class AcceptanceEvidence:
         self._move(self._prior, [shadow.path for _, shadow in resolved], ACCEPT_EMA * ACCEPT_EMA)
 
     def _move(self, estimate: dict[int, float], paths: list[list[int]], weight: float) -> None:
-        """Toward the mean of what the walks' proposals, cut to t nodes, would have committed:
-        the accepted path runs through increasing node indices, so the matched nodes below t,
-        plus the bonus."""
+        """Toward the mean of what the walks' proposals, cut to t nodes, would have committed."""
         for t in self.tiers:
-            mean = 1.0 + sum(bisect_left(path, t) for path in paths) / len(paths)
+            mean = sum(committed_at(path, t) for path in paths) / len(paths)
             estimate[t] += weight * (mean - estimate[t])
 
 
-def _walk(shadow: _Shadow, committed: list[int]) -> bool:
+def committed_at(path: list[int], tier: int) -> int:
+    """What a walked proposal cut to `tier` nodes would have committed: the accepted path runs
+    through increasing node indices, so the matched nodes below the tier, plus the bonus."""
+    return 1 + bisect_left(path, tier)
+
+
+def _walk(shadow: Shadow, committed: list[int]) -> bool:
     """Follows committed tokens down the tree; False once the walk has ended."""
     for token in committed:
         child = shadow.children.get((shadow.node, token))

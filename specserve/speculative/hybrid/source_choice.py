@@ -12,7 +12,10 @@ depend on the drafts, so what any proposal would have committed is known):
   every step, and the counts behind a match show in the class's measured acceptance (the
   trie does not report them per proposal);
 - the head: per request (a head is good on some text and poor on other), from the steps it
-  drafted for the request, or the head's estimate over all requests before the request has one.
+  drafted for the request, or the head's estimate over all requests before the request has one;
+- a class's expectation, for a request, is scaled by what that request's contending trie drafts
+  (those whose class expected more than the head) committed against it (trie_calibration.py): a
+  class measured on code promises a chat request what code commits.
 
 A request drafts from the trie where it matched, its class (or a shorter match's) has been
 measured, and the class expects more tokens than the head does for the request; otherwise from the head (the source
@@ -29,6 +32,7 @@ from typing import Callable
 import numpy as np
 
 from specserve.speculative.adaptive.acceptance import AcceptanceEvidence
+from specserve.speculative.hybrid.trie_calibration import TrieCalibration
 from specserve.verify.tree import TreeProposal
 
 NGRAM, HEAD = "ngram", "head"
@@ -63,17 +67,20 @@ class SourceChoice:
         self.head_most = head_depth + 1
         self.ngram = AcceptanceEvidence([max_nodes])   # per match-length class
         self.head = AcceptanceEvidence([max_nodes])    # per request
+        self.calibration = TrieCalibration(max_nodes)  # per request: what its classes' promises are worth
         self._trie_streak: dict[str, int] = {}         # rid -> steps the trie drafted in a row
         # an instrument's (bench/policy_trace.py), told each choice as a dict; None: nobody listens
         self.listener: Callable[[dict], None] | None = None
 
-    def expected_from_trie(self, key: int) -> float | None:
+    def expected_from_trie(self, key: int, rid: str | None = None) -> float | None:
         """Tokens a trie proposal of class `key` is expected to commit: its class's measure, or
-        that of the longest shorter match measured (a longer match is no weaker evidence); None
-        where no match this long or shorter has been measured."""
+        that of the longest shorter match measured (a longer match is no weaker evidence), for
+        request `rid` scaled by its calibration (trie_calibration.py); None where no match this
+        long or shorter has been measured."""
         for shorter in range(key, -1, -1):
             if self.ngram.knows(shorter):
-                return self.ngram.expected_tokens("", self.max_nodes, shorter)
+                expected = self.ngram.expected_tokens("", self.max_nodes, shorter)
+                return expected if rid is None else expected * self.calibration.factor(rid)
         return None
 
     def expected_from_head(self, rid: str) -> float:
@@ -111,7 +118,7 @@ class SourceChoice:
         request not due for a recheck of the head."""
         use_trie = np.zeros(len(rids), dtype=bool)
         for i, (rid, nodes, key) in enumerate(zip(rids, trie_nodes, trie_keys)):
-            trie = self.expected_from_trie(key) if nodes > 1 else None
+            trie = self.expected_from_trie(key, rid) if nodes > 1 else None
             use_trie[i] = (trie is not None and self._trie_streak.get(rid, 0) < HEAD_RECHECK_STEPS
                            and trie > self.expected_from_head(rid))
         return use_trie
@@ -130,8 +137,8 @@ class SourceChoice:
         head_ready, lose: all but their root), and what the head's drafts are expected to commit
         over the batch."""
         head = [self.expected_from_head(rid) for rid in rids]
-        gain = sum(self.expected_from_trie(key) - expected
-                   for trie, key, expected in zip(use_trie.tolist(), trie_keys, head) if trie)
+        gain = sum(self.expected_from_trie(key, rid) - expected
+                   for rid, trie, key, expected in zip(rids, use_trie.tolist(), trie_keys, head) if trie)
         if head_ready is not None:
             gain -= sum(expected - 1 for trie, ready, expected in zip(use_trie.tolist(), head_ready.tolist(), head)
                         if not trie and not ready)
@@ -164,12 +171,19 @@ class SourceChoice:
     def record(self, rids: list[str], trie: TreeProposal, trie_nodes: list[int], trie_keys: list[int],
                head: TreeProposal, head_nodes: list[int]) -> None:
         """Every trie proposal, and the head's (those of the requests it drafted for), as
-        shadows to walk."""
-        self.ngram.record(rids, trie, trie_nodes, trie_keys)
+        shadows to walk; the trie's that contend with the head (their class expects more than
+        the head does for the request) calibrate their request's trie expectations."""
+        shadows = self.ngram.record(rids, trie, trie_nodes, trie_keys)
+        for rid, shadow, key in zip(rids, shadows, trie_keys):
+            if shadow is not None:
+                expected = self.expected_from_trie(key)
+                if expected is not None and expected > self.expected_from_head(rid):
+                    self.calibration.note(rid, shadow, expected)
         self.head.record(rids, head, head_nodes)
 
     def observe_batch(self, rids: list[str], committed: list[list[int]]) -> None:
         self.ngram.observe_batch(rids, committed)
+        self.calibration.update(rids)
         self.head.observe_batch(rids, committed)
 
     def policy_keys(self, use_trie: np.ndarray, trie_keys: list[int]) -> list[int | None]:
@@ -184,4 +198,5 @@ class SourceChoice:
     def release(self, rid: str) -> None:
         self.ngram.release(rid)
         self.head.release(rid)
+        self.calibration.release(rid)
         self._trie_streak.pop(rid, None)
