@@ -1,6 +1,7 @@
 """The sampling graphs' host side (sampling/plain_graphs.py; the graphs themselves run in
 tests/gpu/test_decode_launch_cuda.py): one packed buffer holds every column without overlap,
-its float columns exact, and only a decode graph's logits buffer (or its first rows) is taken."""
+its float columns exact, only a decode graph's logits buffer (or its first rows) is taken, and
+with a graph's replay stood in for on the CPU, each step's tokens are the eager sampler's."""
 from __future__ import annotations
 
 import numpy as np
@@ -33,3 +34,61 @@ def test_only_a_decode_graphs_logits_are_covered():
     assert not graphs.covers(buffer[1:4])          # not the buffer's first rows
     assert not graphs.covers(buffer.clone())       # another tensor: the eager path samples it
     assert not graphs.covers(torch.zeros(8, 32))
+
+
+class _EagerGraph:
+    """A CUDA graph's stand-in on the CPU: replay runs the captured function again into the
+    output the capture returned (what a replay writes)."""
+
+    def __init__(self, run):
+        self.run = run
+
+    def replay(self):
+        self.output.copy_(self.run())
+
+    def pool(self):
+        return None
+
+
+def eager_capture(run, pool):
+    graph = _EagerGraph(run)
+    graph.output = run()
+    return graph, graph.output
+
+
+class _NoEvent:
+    def synchronize(self):
+        pass
+
+
+def test_graphed_plain_sampling_gives_the_eager_samplers_tokens(monkeypatch):
+    """The graphed path's host side (sampling/plain_graphs.py) on the CPU, a graph's replay
+    stood in for by running its function again: each batch's parameters packed into the bucket's
+    inputs, rows past the batch padded, a graph per set of filters, the two host buffers in turn,
+    and each step's tokens those of the eager sampler on the same logits."""
+    from specserve.request.req import Req
+    from specserve.request.sampling_params import SamplingParams
+    from specserve.sampling import plain_graphs
+    from specserve.sampling.sampler import Sampler
+    monkeypatch.setattr(plain_graphs, "capture_graph", eager_capture)
+    monkeypatch.setattr(plain_graphs.torch.cuda, "Event", _NoEvent)
+    monkeypatch.setattr(plain_graphs, "record", lambda event: event)
+    vocab, bucket = 64, 8
+    buffer = torch.zeros(bucket, 1, vocab)[:, 0]
+    graphed, eager = Sampler(vocab, torch.device("cpu")), Sampler(vocab, torch.device("cpu"))
+    graphed.graph_plain_steps([buffer])
+    filters = ({"top_p": 0.9}, {"top_k": 5}, {"min_p": 0.1}, {}, {"temperature": 0.0}, {"top_p": 0.7, "min_p": 0.05})
+    reqs = [Req(rid=str(i), prompt_ids=[1, 2, 3], params=SamplingParams(**{"temperature": 0.8, **f}), detokenizer=None,
+                seed=100 + i, stop_ids=frozenset(), max_new_tokens=8) for i, f in enumerate(filters)]
+    generator = torch.Generator().manual_seed(0)
+    batches = [reqs, reqs[:3], reqs[1:2], reqs[2:3], reqs[3:5], reqs]
+    for step, batch in enumerate(batches * 2):
+        buffer.copy_(torch.randn(bucket, vocab, generator=generator) * 3)
+        positions = [10 + step + i for i in range(len(batch))]
+        logits = buffer[:len(batch)]
+        assert graphed.plain_graphs.covers(logits)
+        tokens = graphed.sample_plain(logits, batch, positions)
+        assert tokens.tolist() == eager.sample_plain(logits.clone(), batch, positions).tolist(), step
+    # one graph per set of filters over the one bucket: top-k / top-p, min-p, both, neither
+    assert {key[1:] for key in graphed.plain_graphs.graphs} == {(True, True), (True, False), (False, True),
+                                                                (False, False)}

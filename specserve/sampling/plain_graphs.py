@@ -54,7 +54,7 @@ class _Graph:
         bucket = logits.shape[0]
         self.bucket, self.vocab_size = bucket, vocab_size
         self.inputs = PlainSamplingInputs.allocate(bucket, logits.device)
-        self.hosts = [PlainSamplingInputs.allocate(bucket, "cpu", pin=True) for _ in range(2)]
+        self.hosts = [PlainSamplingInputs.allocate(bucket, "cpu", pin=logits.is_cuda) for _ in range(2)]
         self.copied = [torch.cuda.Event(), torch.cuda.Event()]
         self.used = [False, False]
         self.turn = 0
