@@ -14,7 +14,7 @@ what its walk needs precomputed (children by (parent, token), the nodes that hav
 """
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right, insort
 
 from specserve.verify.tree import TreeProposal
 
@@ -40,6 +40,7 @@ class AcceptanceEvidence:
         self._prior = {t: float(t) for t in tiers}   # before any evidence: every draft node accepted
         self._expected: dict[str, dict[int, float]] = {}    # per request
         self._by_key: dict[int, dict[int, float]] = {}      # per evidence class
+        self._measured: list[int] = []                      # its keys, ascending
         self._shadows: dict[str, list[Shadow]] = {}
 
     def expected_tokens(self, rid: str, tier: int, key: int | None = None) -> float:
@@ -53,6 +54,11 @@ class AcceptanceEvidence:
         """Whether some walk of a proposal of evidence class `key` has ended (its estimate is
         measured, not the prior)."""
         return key in self._by_key
+
+    def measured_at_most(self, key: int) -> int | None:
+        """The largest measured class key <= `key` (None: none is)."""
+        index = bisect_right(self._measured, key)
+        return self._measured[index - 1] if index else None
 
     def record(self, rids: list[str], trees: TreeProposal, num_nodes: list[int],
                keys: list[int] | None = None) -> list[Shadow | None]:
@@ -119,7 +125,10 @@ class AcceptanceEvidence:
         groups: dict[int, tuple[dict[int, float], list[list[int]]]] = {}
         for rid, shadow in resolved:
             if shadow.key is not None:
-                expected = self._by_key.setdefault(shadow.key, dict(self._prior))
+                expected = self._by_key.get(shadow.key)
+                if expected is None:
+                    expected = self._by_key[shadow.key] = dict(self._prior)
+                    insort(self._measured, shadow.key)
             else:
                 expected = self._expected.setdefault(rid, dict(self._prior))
             groups.setdefault(id(expected), (expected, []))[1].append(shadow.path)

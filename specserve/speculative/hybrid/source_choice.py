@@ -77,11 +77,11 @@ class SourceChoice:
         that of the longest shorter match measured (a longer match is no weaker evidence), for
         request `rid` scaled by its calibration (trie_calibration.py); None where no match this
         long or shorter has been measured."""
-        for shorter in range(key, -1, -1):
-            if self.ngram.knows(shorter):
-                expected = self.ngram.expected_tokens("", self.max_nodes, shorter)
-                return expected if rid is None else expected * self.calibration.factor(rid)
-        return None
+        measured = self.ngram.measured_at_most(key)
+        if measured is None:
+            return None
+        expected = self.ngram.expected_tokens("", self.max_nodes, measured)
+        return expected if rid is None else expected * self.calibration.factor(rid)
 
     def expected_from_head(self, rid: str) -> float:
         return min(self.head.expected_tokens(rid, self.max_nodes), self.head_most)
