@@ -7,24 +7,26 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specserve.sampling.plain_graphs import FLOAT_COLUMNS, INT_COLUMNS, PlainSamplingGraphs, PlainSamplingInputs
+from specserve.sampling.columns import FLOAT_COLUMNS, INT_COLUMNS, SamplingColumns
+from specserve.sampling.plain_graphs import PlainSamplingGraphs
 
 
 def test_the_packed_columns_hold_each_value_apart():
-    bucket = 4
-    inputs = PlainSamplingInputs.allocate(bucket, "cpu")
-    columns = inputs.columns(bucket)
-    assert set(columns) == set(FLOAT_COLUMNS) | set(INT_COLUMNS)
-    values = {name: np.arange(bucket) + 10 * i + (0.25 if name in FLOAT_COLUMNS else 0)
+    rows = 4
+    inputs = SamplingColumns.allocate(rows, "cpu")
+    columns = inputs.columns()
+    assert set(columns) == set(FLOAT_COLUMNS) | set(INT_COLUMNS) and inputs.rows == rows
+    values = {name: (np.arange(rows) + 10 * i + (0.25 if name in FLOAT_COLUMNS else 0)).tolist()
               for i, name in enumerate(columns)}
-    for name, view in columns.items():
-        view.numpy()[:] = values[name]
-    for name, view in inputs.columns(bucket).items():
+    inputs.fill(values)
+    for name, view in inputs.columns().items():
         assert view.dtype == (torch.float32 if name in FLOAT_COLUMNS else torch.long)
-        assert view.shape == (bucket,) and view.tolist() == values[name].tolist(), name
+        assert view.shape == (rows,) and view.tolist() == values[name], name
     # the packed buffer is what a single copy sends: a copy of it carries every column
-    copy = PlainSamplingInputs(inputs.packed.clone())
-    assert all(torch.equal(copy.columns(bucket)[name], columns[name]) for name in columns)
+    copy = SamplingColumns(inputs.packed.clone())
+    assert all(torch.equal(copy.columns()[name], columns[name]) for name in columns)
+    inputs.fill({name: [7] for name in columns}, start=2)   # rows from an offset, the others kept
+    assert inputs.columns()["seeds"].tolist() == [values["seeds"][0], values["seeds"][1], 7, values["seeds"][3]]
 
 
 def test_only_a_decode_graphs_logits_are_covered():

@@ -10,40 +10,20 @@ does (the same operations; top-k rows ranked by a sort rather than a top-k selec
 apply_sampling_filters makes equal), so a step's tokens do not depend on which ran.
 
 Each graph reads the logits buffer of one decode graph bucket (its rows past the batch are
-padding: greedy rows whose tokens nobody reads) and its parameters from one packed int64
-buffer, filled on the host through numpy views and sent with a single copy; two pinned host
+padding: greedy rows whose tokens nobody reads) and its parameters from one packed buffer
+(columns.py), filled on the host and sent with a single copy; two pinned host
 buffers per graph are used in turn, so a step launched ahead never waits for the copy of the
 step before it, which the stream runs only after that step's forward.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from specserve.runner.cuda_graph import capture_graph
 from specserve.runner.stream_events import record
+from specserve.sampling.columns import SamplingColumns
 from specserve.verify.rules import verify_sampling
 from specserve.verify.tree import DraftTrees
-
-FLOAT_COLUMNS = ("temperatures", "top_ps", "min_ps")
-INT_COLUMNS = ("top_ks", "seeds", "positions")
-
-
-@dataclass
-class PlainSamplingInputs:
-    """Views into one packed int64 buffer (bucket rows a column): the integer columns, then
-    the float32 ones in the upper half's storage."""
-    packed: torch.Tensor
-
-    @classmethod
-    def allocate(cls, bucket: int, device, pin: bool = False) -> "PlainSamplingInputs":
-        return cls(torch.zeros(2 * len(INT_COLUMNS) * bucket, dtype=torch.long, device=device, pin_memory=pin))
-
-    def columns(self, bucket: int) -> dict[str, torch.Tensor]:
-        ints = {name: self.packed[i * bucket:(i + 1) * bucket] for i, name in enumerate(INT_COLUMNS)}
-        floats = self.packed[len(INT_COLUMNS) * bucket:].view(torch.float32)
-        return ints | {name: floats[i * bucket:(i + 1) * bucket] for i, name in enumerate(FLOAT_COLUMNS)}
 
 
 class _Graph:
@@ -52,14 +32,14 @@ class _Graph:
 
     def __init__(self, logits: torch.Tensor, vocab_size: int, need_top_k_top_p: bool, need_min_p: bool, pool):
         bucket = logits.shape[0]
-        self.bucket, self.vocab_size = bucket, vocab_size
-        self.inputs = PlainSamplingInputs.allocate(bucket, logits.device)
-        self.hosts = [PlainSamplingInputs.allocate(bucket, "cpu", pin=logits.is_cuda) for _ in range(2)]
+        self.vocab_size = vocab_size
+        self.inputs = SamplingColumns.allocate(bucket, logits.device)
+        self.hosts = [SamplingColumns.allocate(bucket, "cpu", pin=logits.is_cuda) for _ in range(2)]
         self.copied = [torch.cuda.Event(), torch.cuda.Event()]
         self.used = [False, False]
         self.turn = 0
-        columns = self.inputs.columns(bucket)
-        self._pad(columns, 0)
+        columns = self.inputs.columns()
+        self._pad(columns, 0)   # until a replay's copy
         roots = DraftTrees.root_only(torch.zeros(bucket, dtype=torch.long, device=logits.device))
 
         def sample() -> torch.Tensor:
@@ -78,12 +58,9 @@ class _Graph:
         turn, self.turn = self.turn, 1 - self.turn
         if self.used[turn]:   # its copy was queued two steps ago, before the step since read
             self.copied[turn].synchronize()
-        host = self.hosts[turn]
-        views = {name: column.numpy() for name, column in host.columns(self.bucket).items()}
-        bs = len(values["seeds"])
-        for name, view in views.items():
-            view[:bs] = values[name]
-        self._pad(views, bs)
+        host, bs = self.hosts[turn], len(values["seeds"])
+        host.fill(values)
+        self._pad({name: column.numpy() for name, column in host.columns().items()}, bs)
         self.inputs.packed.copy_(host.packed, non_blocking=True)
         record(self.copied[turn])
         self.used[turn] = True

@@ -14,6 +14,7 @@ import torch
 from specserve.grammar.apply import apply_grammar_bitmask
 from specserve.grammar.tree_masks import grammar_bitmask
 from specserve.request.req import Req
+from specserve.sampling.columns import SamplingColumns
 from specserve.sampling.plain_graphs import PlainSamplingGraphs
 from specserve.verify.rules import SAMPLING_RULES, apply_penalties_to_tree, verify_greedy, verify_sampling
 from specserve.verify.tree import DraftTrees
@@ -223,10 +224,10 @@ class Sampler:
                           positions: list[int] | None = None) -> dict:
         """positions: the roots' (default: each request's last token's)."""
         pinned = torch.device(self.device).type == "cuda"
-        dtypes = {"temperatures": torch.float32, "top_ps": torch.float32, "min_ps": torch.float32}
-        # through pinned memory: a pageable copy may wait for a step in flight
-        columns = {name: torch.tensor(values, dtype=dtypes.get(name, torch.long), pin_memory=pinned)
-                   .to(self.device, non_blocking=True) for name, values in self._sampling_values(reqs, positions).items()}
+        # one copy, through pinned memory: a pageable copy may wait for a step in flight
+        host = SamplingColumns.allocate(len(reqs), "cpu", pin=pinned)
+        host.fill(self._sampling_values(reqs, positions))
+        columns = host.to(self.device).columns()
         need_top_k_top_p, need_min_p = self._filters_used(reqs)
         top_ks = [r.params.top_k for r in reqs if not r.params.greedy]   # greedy rows ignore the filters
         return {
