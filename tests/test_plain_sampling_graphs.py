@@ -25,8 +25,10 @@ def test_the_packed_columns_hold_each_value_apart():
     # the packed buffer is what a single copy sends: a copy of it carries every column
     copy = SamplingColumns(inputs.packed.clone())
     assert all(torch.equal(copy.columns()[name], columns[name]) for name in columns)
-    inputs.fill({name: [7] for name in columns}, start=2)   # rows from an offset, the others kept
-    assert inputs.columns()["seeds"].tolist() == [values["seeds"][0], values["seeds"][1], 7, values["seeds"][3]]
+    inputs.fill({name: [7] for name in columns})   # without padding the rows past the values are kept
+    assert inputs.columns()["seeds"].tolist() == [7] + values["seeds"][1:]
+    inputs.fill({name: [5, 6] for name in columns}, padding={name: 0.5 if name in FLOAT_COLUMNS else 9 for name in columns})
+    assert inputs.columns()["seeds"].tolist() == [5, 6, 9, 9] and inputs.columns()["top_ps"].tolist() == [5, 6, 0.5, 0.5]
 
 
 def test_only_a_decode_graphs_logits_are_covered():

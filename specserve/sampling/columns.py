@@ -35,10 +35,14 @@ class SamplingColumns:
         floats = self.packed[len(INT_COLUMNS) * rows:].view(torch.float32)
         return ints | {name: floats[i * rows:(i + 1) * rows] for i, name in enumerate(FLOAT_COLUMNS)}
 
-    def fill(self, values: dict[str, list], start: int = 0) -> None:
-        """Host buffers: rows start .. start + len of each column's values."""
+    def fill(self, values: dict[str, list], padding: dict[str, float] | None = None) -> None:
+        """Host buffers: each column's values from row 0, and, where `padding` gives each column's
+        value, the rows past them set to it, in the same pass."""
         for name, column in self.columns().items():
-            column.numpy()[start:start + len(values[name])] = values[name]
+            rows = column.numpy()
+            rows[:len(values[name])] = values[name]
+            if padding is not None:
+                rows[len(values[name]):] = padding[name]
 
     def to(self, device) -> "SamplingColumns":
         """This buffer on `device`, in one copy (non-blocking from pinned memory)."""

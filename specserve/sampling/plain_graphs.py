@@ -32,14 +32,17 @@ class _Graph:
 
     def __init__(self, logits: torch.Tensor, vocab_size: int, need_top_k_top_p: bool, need_min_p: bool, pool):
         bucket = logits.shape[0]
-        self.vocab_size = vocab_size
         self.inputs = SamplingColumns.allocate(bucket, logits.device)
         self.hosts = [SamplingColumns.allocate(bucket, "cpu", pin=logits.is_cuda) for _ in range(2)]
         self.copied = [torch.cuda.Event(), torch.cuda.Event()]
         self.used = [False, False]
         self.turn = 0
+        # Rows past a batch: greedy, without filters.
+        self.padding = {"temperatures": 0.0, "top_ps": 1.0, "min_ps": 0.0, "top_ks": vocab_size, "seeds": 0,
+                        "positions": 0}
         columns = self.inputs.columns()
-        self._pad(columns, 0)   # until a replay's copy
+        for name, column in columns.items():   # until a replay's copy
+            column.fill_(self.padding[name])
         roots = DraftTrees.root_only(torch.zeros(bucket, dtype=torch.long, device=logits.device))
 
         def sample() -> torch.Tensor:
@@ -47,20 +50,13 @@ class _Graph:
                                    need_min_p=need_min_p).committed_tokens[:, 0]
         self.graph, self.tokens = capture_graph(sample, pool)
 
-    def _pad(self, columns: dict, start: int) -> None:
-        """Rows from `start` on: greedy, without filters."""
-        for name, value in (("temperatures", 0.0), ("top_ps", 1.0), ("min_ps", 0.0), ("top_ks", self.vocab_size),
-                            ("seeds", 0), ("positions", 0)):
-            columns[name][start:] = value
-
     def replay(self, values: dict[str, list]) -> torch.Tensor:
         """The batch's tokens (bs,), queued: values holds each column's bs rows."""
         turn, self.turn = self.turn, 1 - self.turn
         if self.used[turn]:   # its copy was queued two steps ago, before the step since read
             self.copied[turn].synchronize()
         host, bs = self.hosts[turn], len(values["seeds"])
-        host.fill(values)
-        self._pad({name: column.numpy() for name, column in host.columns().items()}, bs)
+        host.fill(values, self.padding)
         self.inputs.packed.copy_(host.packed, non_blocking=True)
         record(self.copied[turn])
         self.used[turn] = True
