@@ -209,6 +209,8 @@ def merge_proposals(trie: TreeProposal, head: TreeProposal, use_trie: np.ndarray
     if not use_trie.any():
         return head
     assert head.draft_probs is None, "a sampled head draft shares a step with trie drafts"
+    if use_trie.all():
+        return trie
     width = max(trie.num_slots, head.num_slots)
     tokens = np.where(use_trie[:, None], _padded(trie.tokens, width, 0), _padded(head.tokens, width, 0))
     parents = np.where(use_trie[:, None], _padded(trie.parents, width, -1), _padded(head.parents, width, -1))
