@@ -102,14 +102,16 @@ def tree_group_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
                          req_to_token: torch.Tensor, req_rows: torch.Tensor, prefix_lens: torch.Tensor,
                          out_slots: torch.Tensor, qo_indptr: torch.Tensor, tree_mask: torch.Tensor,
                          out: torch.Tensor, scale: float, partial_out: torch.Tensor | None = None,
-                         partial_lse: torch.Tensor | None = None, split_counters: torch.Tensor | None = None) -> None:
+                         partial_lse: torch.Tensor | None = None, split_counters: torch.Tensor | None = None,
+                         launch: dict | None = None) -> None:
     """q, out, out_slots: a row per tree node, request after request (qo_indptr (requests + 1,)
     int32; rows past the last request are left alone); tree_mask (requests, n, n) uint8/bool,
     each request's nodes 0 .. tree_n - 1 (tree_n <= n); req_rows, prefix_lens (requests,)
     int32; k/v_buffer (slots, num_kv_heads, head_dim). partial_out (rows, num_heads, splits,
     head_dim) and partial_lse (rows, num_heads, splits) fp32 give the split count, and
     split_counters (>= requests * num_kv_heads,) int32, all zero (and zero again after the
-    call), the merge's arrival counts; without them one split writes `out` directly."""
+    call), the merge's arrival counts; without them one split writes `out` directly. launch:
+    BLOCK_N, num_warps or num_stages instead of the defaults (lab/tree_group_sweep.py)."""
     requests, n = tree_mask.shape[0], tree_mask.shape[-1]
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_buffer.shape[1]
@@ -125,6 +127,7 @@ def tree_group_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     num_splits = partial_out.shape[2] if split_out else 1
     target, lse = (partial_out, partial_lse) if split_out else (out.unsqueeze(2), out)
     pdl = uses_pdl(q.device)
+    launch = {"BLOCK_N": CONFIG["BLOCK_N"], "num_warps": 4, "num_stages": CONFIG["num_stages"], **(launch or {})}
     _tree_group_kernel[(requests, num_kv_heads, num_splits)](
         q, k_buffer, v_buffer, req_to_token, req_rows, prefix_lens, out_slots, qo_indptr, tree_mask,
         target, lse, out, split_counters if split_out else out_slots,
@@ -132,6 +135,6 @@ def tree_group_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         tree_mask.stride(0), tree_mask.stride(1), target.stride(0), target.stride(1), target.stride(2),
         lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), scale * LOG2_E,
         HEAD_DIM=head_dim, GROUP=group, BLOCK_R=block_r, BLOCK_G=triton.next_power_of_2(group),
-        BLOCK_N=CONFIG["BLOCK_N"], BLOCK_D=max(16, triton.next_power_of_2(head_dim)), STORE_LSE=split_out,
-        DOT_PRECISION=dot_precision(q.dtype), MERGE_CHUNK=MERGE_CHUNK, USE_PDL=pdl, num_warps=4,
-        num_stages=CONFIG["num_stages"], **({"launch_pdl": True} if pdl else {}))
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), STORE_LSE=split_out,
+        DOT_PRECISION=dot_precision(q.dtype), MERGE_CHUNK=MERGE_CHUNK, USE_PDL=pdl, **launch,
+        **({"launch_pdl": True} if pdl else {}))
