@@ -102,12 +102,12 @@ def uniform_at(seeds: torch.Tensor, positions: torch.Tensor, salt: int, index: t
 
     index: positions' shape (one number per position), or positions.shape + (k,) (k numbers
     per position)."""
-    return _uniform_of_key(_keys(seeds, positions, salt), positions.dim(), index, dtype)
+    return _uniform_of_key(_keys(seeds, positions, salt), index, dtype)
 
 
-def _uniform_of_key(key: torch.Tensor, key_dims: int, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """uniform_at's numbers from the keys _keys gave (key_dims: the positions' dimensions)."""
-    if index.dim() > key_dims:
+def _uniform_of_key(key: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """uniform_at's numbers from the keys _keys gave (shaped as the positions)."""
+    if index.dim() > key.dim():
         key = key.unsqueeze(-1)
     return _stream(key, index, dtype)
 
@@ -152,10 +152,10 @@ def exponential_race(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.
         mass = torch.cat([mass, probs[..., full * RACE_BLOCK:].sum(dim=-1, keepdim=True)], dim=-1)
     key = _keys(seeds, positions, salt)   # both races' numbers come from one key per position
     block_index = torch.arange(num_blocks, device=probs.device)
-    block = _race(mass, _uniform_of_key(key, positions.dim(), block_index.expand(*positions.shape, -1), torch.float64))
+    block = _race(mass, _uniform_of_key(key, block_index.expand(*positions.shape, -1), torch.float64))
     width = min(RACE_BLOCK, vocab)
     tokens = block.unsqueeze(-1) * RACE_BLOCK + torch.arange(width, device=probs.device)   # (..., width)
     in_vocab = tokens < vocab
     members = torch.where(in_vocab, probs.gather(-1, tokens.clamp(max=vocab - 1)), 0.0)
-    member = _race(members, _uniform_of_key(key, positions.dim(), num_blocks + tokens, torch.float64))
+    member = _race(members, _uniform_of_key(key, num_blocks + tokens, torch.float64))
     return tokens.gather(-1, member.unsqueeze(-1)).squeeze(-1)
