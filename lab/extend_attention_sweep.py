@@ -85,6 +85,33 @@ def median_ms(launch, iters: int, device: torch.device) -> float:
     return statistics.median(times)
 
 
+def graphed_ms(launch, iters: int, device: torch.device, per_graph: int = 20) -> float:
+    """The median time of one launch, each of `iters` timings a CUDA graph's replay of
+    `per_graph` launches: what a launch costs inside a step's graph, without the host's launch
+    latency that an eagerly timed launch of a few microseconds of work measures instead."""
+    launch()   # compiles
+    if device.type != "cuda":
+        return 0.0
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        launch()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(per_graph):
+            launch()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / per_graph)
+    return statistics.median(times)
+
+
 class Case:
     """One chunk of `chunk` new tokens after `depth` tokens of one prompt, K/V in a pool of
     contiguous slots; q in the layout the model gives (tokens, heads, head_dim)."""

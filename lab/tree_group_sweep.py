@@ -3,12 +3,15 @@ against the decode kernel's plain step over the same keys, on a model's attentio
 
     python -m lab.tree_group_sweep --shape qwen2.5-coder-1.5b --batch-sizes 64 --nodes 4 --contexts 384 2048
 
-One JSON row per (batch, nodes, context, kernel, configuration): the median time of --iters launches and the
-largest difference from the default configuration's output. At 64 requests x 4 nodes (H100, 1.5B, 300-token
+One JSON row per (batch, nodes, context, kernel, configuration): the median time of a launch over --iters timings
+(`ms`: launched eagerly, the host's launch latency included, which at these sizes it is mostly; `graphed_ms`:
+replayed in a CUDA graph of 20, as in a step) and the largest difference from the default configuration's output. At 64 requests x 4 nodes (H100, 1.5B, 300-token
 prompts, lab.step_cost) a layer's tree-group attention took ~30 us where the plain step's decode attention took
 ~17: the question is whether a launch configuration or split count closes part of that before the kernel
-itself changes. `splits` is the key split (the plan picks about 4 programs per SM, up to the pool's longest
-context: 5 at 64 requests and 2 kv heads on an H100).
+itself changes. `splits` is the key split (TritonBackend._tree_group_splits: about 2 programs per SM, rounded down;
+2 at 64 requests and 2 kv heads on an H100, where the decode kernel's rule gave 5, the slowest but one there).
+Graphed, 64 x 4 nodes on an H100 (2026-12-07): decode 10.6 us on 384 keys and 56.4 on 2048; tree groups 20.4 and
+65.4 at 2 splits, 15.3 and 75.2 at 1 split with 8 warps.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import json
 import torch
 
 from lab.decode_attention_sweep import decode_batch
-from lab.extend_attention_sweep import attention_shape, median_ms
+from lab.extend_attention_sweep import attention_shape, graphed_ms, median_ms
 from specserve.attention.kernels.tree_groups import tree_group_attention
 from specserve.attention.triton_backend import TritonBackend
 from specserve.bench.random_model import SHAPES
@@ -81,8 +84,9 @@ def sweep(ns: argparse.Namespace):
         row = {"batch": bs, "nodes": nodes, "context": context, "heads": shape}
         backend.plan(plain)
         q_plain = inputs["q"][::nodes].contiguous()
-        yield {**row, "kernel": "decode (plain step)", "ms": round(median_ms(
-            lambda: backend.forward(q_plain, None, None, 0, plain), ns.iters, device), 4)}
+        decode = lambda: backend.forward(q_plain, None, None, 0, plain)   # noqa: E731
+        yield {**row, "kernel": "decode (plain step)", "ms": round(median_ms(decode, ns.iters, device), 4),
+               "graphed_ms": round(graphed_ms(decode, ns.iters, device), 4)}
         default, want = launcher(inputs, 1, None, backend.scale)
         default()
         for splits in ns.splits:
@@ -91,6 +95,7 @@ def sweep(ns: argparse.Namespace):
                 go, got = launcher(inputs, splits, launch, backend.scale)
                 ms = median_ms(go, ns.iters, device)   # its first launch compiles, and fills `got`
                 yield {**row, "kernel": "tree_groups", "splits": splits, **launch, "ms": round(ms, 4),
+                       "graphed_ms": round(graphed_ms(go, ns.iters, device), 4),
                        "max_err": round((got.float() - want.float()).abs().max().item(), 4)}
         del inputs, plain
         if device.type == "cuda":

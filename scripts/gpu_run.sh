@@ -37,10 +37,12 @@
 #                                                   through FA3 (--prefill-attention-backend fa3, where sglang-kernel's wheel
 #                                                   is staged) and with that split through cuDNN; between them decode
 #                                                   attention, Triton's against FA3's (lab/decode_attention_sweep.py); ~5 min)
-#   scripts/gpu_run.sh sampling                    (no models staged, ~2 min: what a sampled plain step's sampling costs by part,
+#   scripts/gpu_run.sh sampling                    (no models staged, ~4 min: what a sampled plain step's sampling costs by part,
 #                                                   graphed and eager (lab/sampling_cost.py), then the sampling graphs' tests
 #                                                   (SPECSERVE_SAMPLING_GRAPHS=1 turns them on in an engine; sampled rows with
-#                                                   and without them: SPECSERVE_SAMPLING_GRAPHS=0/1 TEMPERATURE=0.7 eagle-rows)
+#                                                   and without them: SPECSERVE_SAMPLING_GRAPHS=0/1 TEMPERATURE=0.7 eagle-rows),
+#                                                   then greedy against sampled plain decoding on random 1.5B weights
+#                                                   (lab/sampled_decode_rate.py, at 1/8/64))
 #   scripts/gpu_run.sh row-kernels [MODEL]         (the few-row kernels (SPECSERVE_ROW_KERNELS=0 turns them off): their tests on the
 #                                                   GPU, then greedy outputs with and without them; ~2 min with the 1.5B)
 #   scripts/gpu_run.sh standalone [NUM_STEPS...]   (STANDALONE 0.5B -> 1.5B against plain; tests/gpu/test_standalone_cuda.py)
@@ -260,8 +262,14 @@ for line in sys.stdin:
 fi
 if [ "$mode" = sampling ]; then
   python3 -m lab.sampling_cost --out "$OUT" 2>&1 | cut -c1-400
-  TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_launch_cuda.py \
-    tests/test_plain_sampling_graphs.py 2>&1 | tail -8 | tee "$OUT/pytest_sampling.txt"
+  # -v names the test running when a device-side assert ends the process; the whole log is kept
+  part=0
+  for tests in tests/gpu/test_plain_sampling_graphs_cuda.py "tests/gpu/test_decode_launch_cuda.py tests/test_plain_sampling_graphs.py"; do
+    part=$((part + 1))
+    TRITON_INTERPRET=0 python3 -m pytest -v -p no:cacheprovider $tests > "$OUT/pytest_sampling_$part.log" 2>&1
+    grep -E "PASSED|FAILED|ERROR|Assertion|passed|failed" "$OUT/pytest_sampling_$part.log" | cut -c1-300 | tail -12
+  done
+  python3 -m lab.sampled_decode_rate 2> /dev/null | tee "$OUT/sampled_decode_rate.jsonl"
 fi
 if [ "$mode" = row-kernels ]; then
   # whether the opt-in few-row kernels compute cuBLAS's rows: their tests at the GPU's sizes and configs, then
