@@ -43,10 +43,13 @@ class _Graph:
         columns = self.inputs.columns()
         for name, column in columns.items():   # until a replay's copy
             column.fill_(self.padding[name])
-        roots = DraftTrees.root_only(torch.zeros(bucket, dtype=torch.long, device=logits.device))
+        # Kept with the graph, as every tensor its replays read: the capture keeps only their
+        # addresses, and memory freed with the closure is the caching allocator's to hand out again
+        # (a later eager step wrote there, and the next replay gathered at garbage indices).
+        self.roots = DraftTrees.root_only(torch.zeros(bucket, dtype=torch.long, device=logits.device))
 
         def sample() -> torch.Tensor:
-            return verify_sampling(roots, logits.unsqueeze(1), **columns, need_top_k_top_p=need_top_k_top_p,
+            return verify_sampling(self.roots, logits.unsqueeze(1), **columns, need_top_k_top_p=need_top_k_top_p,
                                    need_min_p=need_min_p).committed_tokens[:, 0]
         self.graph, self.tokens = capture_graph(sample, pool)
 

@@ -3,9 +3,11 @@ sampler's tokens each time, and so do graphs of its parts alone: the filters, an
 
 On an H100 (2026-12-07) a graph of the whole sampling gave the eager tokens on its first replay
 and tripped a device-side assert ("scatter gather kernel index out of bounds", one thread a
-row) on its second, with the same parameters and new logits. These tests run from the parts
-up (pytest -v names the one running when an assert ends the process), so a lease shows which
-part reads what its replay did not write."""
+row) on its second, with the same parameters and new logits: the roots' tree tensors it reads
+were freed with the capture's closure, and the eager sampler between the replays allocated
+their memory (plain_graphs.py keeps them now). The eager call between replays is what these
+tests keep; they run from the parts up (pytest -v names the one running when an assert ends
+the process)."""
 from __future__ import annotations
 
 import torch
