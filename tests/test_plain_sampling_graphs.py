@@ -4,6 +4,8 @@ its float columns exact, only a decode graph's logits buffer (or its first rows)
 with a graph's replay stood in for on the CPU, each step's tokens are the eager sampler's."""
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 
@@ -42,13 +44,16 @@ def test_only_a_decode_graphs_logits_are_covered():
 
 class _EagerGraph:
     """A CUDA graph's stand-in on the CPU: replay runs the captured function again into the
-    output the capture returned (what a replay writes)."""
+    output the capture returned (what a replay writes). Like a CUDA graph it does not keep the
+    function, nor what the function reads: whoever holds the graph must."""
 
     def __init__(self, run):
-        self.run = run
+        self.run = weakref.ref(run)
 
     def replay(self):
-        self.output.copy_(self.run())
+        run = self.run()
+        assert run is not None, "the captured function (and the tensors it reads) was freed before a replay"
+        self.output.copy_(run())
 
     def pool(self):
         return None

@@ -43,15 +43,17 @@ class _Graph:
         columns = self.inputs.columns()
         for name, column in columns.items():   # until a replay's copy
             column.fill_(self.padding[name])
-        # Kept with the graph, as every tensor its replays read: the capture keeps only their
-        # addresses, and memory freed with the closure is the caching allocator's to hand out again
-        # (a later eager step wrote there, and the next replay gathered at garbage indices).
-        self.roots = DraftTrees.root_only(torch.zeros(bucket, dtype=torch.long, device=logits.device))
+        roots = DraftTrees.root_only(torch.zeros(bucket, dtype=torch.long, device=logits.device))
 
         def sample() -> torch.Tensor:
-            return verify_sampling(self.roots, logits.unsqueeze(1), **columns, need_top_k_top_p=need_top_k_top_p,
+            return verify_sampling(roots, logits.unsqueeze(1), **columns, need_top_k_top_p=need_top_k_top_p,
                                    need_min_p=need_min_p).committed_tokens[:, 0]
         self.graph, self.tokens = capture_graph(sample, pool)
+        # The captured function lives as long as its graph, and with it every tensor the replays
+        # read (the roots): a graph keeps only their addresses, and memory freed with the closure
+        # is the caching allocator's to hand out again (an eager step's tensors landed on the
+        # roots, and the next replay gathered at garbage indices).
+        self.captured = sample
 
     def replay(self, values: dict[str, list]) -> torch.Tensor:
         """The batch's tokens (bs,), queued: values holds each column's bs rows."""
