@@ -202,7 +202,7 @@ if [ "$mode" = checks ] || [ "$mode" = all ]; then
   # (the decoder tests of test_gemv and test_rows_linear drive a CPU model through the interpreter;
   # gpu_checks runs those paths here)
   TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/test_triton_attention.py tests/test_gemv.py \
-    tests/test_rows_linear.py tests/test_tree_kernels.py -k "not batch1_decoder_path and not decoder_row_kernels" 2>&1 \
+    tests/test_rows_linear.py tests/test_tree_kernels.py tests/test_random_kernels.py -k "not batch1_decoder_path and not decoder_row_kernels" 2>&1 \
     | tail -5 | tee "$OUT/pytest_gpu.txt"
   python3 -m lab.check_gpu 2>&1 | tee "$OUT/check_gpu.txt"
   for dtype in float32 bfloat16; do
@@ -264,7 +264,7 @@ if [ "$mode" = sampling ]; then
   python3 -m lab.sampling_cost --out "$OUT" 2>&1 | cut -c1-400
   # -v names the test running when a device-side assert ends the process; the whole log is kept
   part=0
-  for tests in tests/gpu/test_plain_sampling_graphs_cuda.py "tests/gpu/test_decode_launch_cuda.py tests/test_plain_sampling_graphs.py"; do
+  for tests in "tests/test_random_kernels.py tests/gpu/test_verify_cuda.py tests/gpu/test_plain_sampling_graphs_cuda.py" "tests/gpu/test_decode_launch_cuda.py tests/test_plain_sampling_graphs.py"; do
     part=$((part + 1))
     TRITON_INTERPRET=0 python3 -m pytest -v -p no:cacheprovider $tests > "$OUT/pytest_sampling_$part.log" 2>&1
     grep -E "PASSED|FAILED|ERROR|Assertion|passed|failed" "$OUT/pytest_sampling_$part.log" | cut -c1-300 | tail -12

@@ -2,10 +2,12 @@
 
 Sampling must be reproducible per request whatever else shares its batch, so nothing here
 keeps state (no torch.Generator): the same key gives the same number on any batch
-composition, device or step. The hash is splitmix64's finaliser written with int64 torch
-ops, so it runs on any device, never syncs with the host and fuses into one kernel under
-torch.compile. Two facts about int64 tensors shape it: multiplication wraps modulo 2**64
-(what splitmix64 wants), and `>>` is arithmetic, so logical shifts mask the sign bits away.
+composition, device or step. The hash is splitmix64's finaliser (splitmix.py) written with
+int64 torch ops, so it runs on any device and never syncs with the host; on a GPU one Triton
+kernel computes the same numbers (random_kernels.py), where the torch ops would be ~55
+launches a draw. Two facts about int64 tensors shape the torch version: multiplication wraps
+modulo 2**64 (what splitmix64 wants), and `>>` is arithmetic, so logical shifts mask the
+sign bits away.
 
 Key conventions (who uses which salt):
 - `position` is the position of the token being decided (prefix_len + 1 for the token
@@ -20,25 +22,19 @@ Key conventions (who uses which salt):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
+
+from specserve.verify.splitmix import FLOAT32_BITS, FLOAT64_BITS, GOLDEN, MUL1, MUL2, SHIFTS, salt_word, signed
 
 SALT_TOKEN = 1
 SALT_ACCEPT = 2
 SALT_DRAFT = 3
 
-_MASK64 = (1 << 64) - 1
-
-
-def _signed(value: int) -> int:
-    """A 64-bit pattern as the int64 torch stores it."""
-    value &= _MASK64
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-_GOLDEN = _signed(0x9E3779B97F4A7C15)
-_MUL1 = _signed(0xBF58476D1CE4E5B9)
-_MUL2 = _signed(0x94D049BB133111EB)
+_GOLDEN = signed(GOLDEN)
+_MUL1 = signed(MUL1)
+_MUL2 = signed(MUL2)
 
 
 def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -47,25 +43,17 @@ def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finaliser: a bijection of 64-bit words with full avalanche."""
-    x = (x ^ _shr(x, 30)) * _MUL1
-    x = (x ^ _shr(x, 27)) * _MUL2
-    return x ^ _shr(x, 31)
-
-
-def _mix_int(x: int) -> int:
-    """_mix on a Python int, for constants."""
-    x &= _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return _signed(x ^ (x >> 31))
+    """splitmix64's finaliser (splitmix.py): a bijection of 64-bit words with full avalanche."""
+    x = (x ^ _shr(x, SHIFTS[0])) * _MUL1
+    x = (x ^ _shr(x, SHIFTS[1])) * _MUL2
+    return x ^ _shr(x, SHIFTS[2])
 
 
 def _keys(seeds: torch.Tensor, positions: torch.Tensor, salt: int) -> torch.Tensor:
     """One 64-bit key per (seed, position, salt): same shape as positions."""
     seeds = seeds.to(torch.int64).view(-1, *([1] * (positions.dim() - 1)))
     key = _mix(seeds + _GOLDEN)
-    key = _mix(key ^ _mix_int(salt + 0x5151))
+    key = _mix(key ^ signed(salt_word(salt)))
     # position * odd constant is injective modulo 2**64, and _mix is a bijection
     return _mix(key + positions.to(torch.int64) * _GOLDEN)
 
@@ -73,7 +61,7 @@ def _keys(seeds: torch.Tensor, positions: torch.Tensor, salt: int) -> torch.Tens
 def _to_uniform(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Top bits of 64-bit words -> (k + 0.5) / 2**m in (0, 1): m = 23 for float32 (exact, so
     never 0 nor 1), 52 for float64."""
-    mantissa = 23 if dtype == torch.float32 else 52
+    mantissa = FLOAT32_BITS if dtype == torch.float32 else FLOAT64_BITS
     return (_shr(bits, 64 - mantissa).to(dtype) + 0.5) * (2.0 ** -mantissa)
 
 
@@ -91,9 +79,9 @@ def uniform(seeds: torch.Tensor, positions: torch.Tensor, salt: int,
     seeds: (bs,) int; positions: (bs,) or (bs, n) int. Returns positions.shape + shape_tail,
     float32 (23 random bits) or float64 (52 bits).
     """
-    key = _keys(seeds, positions, salt)
     index = torch.arange(math.prod(shape_tail), device=positions.device, dtype=torch.int64)
-    return _stream(key.unsqueeze(-1), index, dtype).view(*positions.shape, *shape_tail)
+    return uniform_at(seeds, positions, salt, index.expand(*positions.shape, -1), dtype).view(
+        *positions.shape, *shape_tail)
 
 
 def uniform_at(seeds: torch.Tensor, positions: torch.Tensor, salt: int, index: torch.Tensor,
@@ -101,15 +89,21 @@ def uniform_at(seeds: torch.Tensor, positions: torch.Tensor, salt: int, index: t
     """uniform(seeds, positions, salt, (m,))[..., index] without drawing the other numbers.
 
     index: positions' shape (one number per position), or positions.shape + (k,) (k numbers
-    per position)."""
-    return _uniform_of_key(_keys(seeds, positions, salt), index, dtype)
+    per position; leading dimensions may broadcast). On a GPU one Triton kernel computes the
+    same numbers (random_kernels.py), where the torch ops below are ~55 launches."""
+    return _draws(seeds, positions, salt, dtype)(index)
 
 
-def _uniform_of_key(key: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """uniform_at's numbers from the keys _keys gave (shaped as the positions)."""
-    if index.dim() > key.dim():
-        key = key.unsqueeze(-1)
-    return _stream(key, index, dtype)
+def _draws(seeds: torch.Tensor, positions: torch.Tensor, salt: int,
+           dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """index -> uniform_at(seeds, positions, salt, index, dtype), for several draws with one key
+    per position: on a GPU a kernel a draw (it hashes the key again, in registers), elsewhere
+    the keys hashed once for every draw."""
+    if positions.is_cuda:
+        from specserve.verify import random_kernels   # lazily: CPU-only installs never import Triton
+        return lambda index: random_kernels.uniform_at(seeds, positions, salt_word(salt), index, dtype)
+    key = _keys(seeds, positions, salt)
+    return lambda index: _stream(key.unsqueeze(-1) if index.dim() > key.dim() else key, index, dtype)
 
 
 # Tokens per block of the two-level race. Part of the sampling rule: changing it changes
@@ -150,12 +144,12 @@ def exponential_race(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.
     mass = probs[..., :full * RACE_BLOCK].unflatten(-1, (full, RACE_BLOCK)).sum(dim=-1)   # (..., full)
     if full < num_blocks:                          # the last, partial block
         mass = torch.cat([mass, probs[..., full * RACE_BLOCK:].sum(dim=-1, keepdim=True)], dim=-1)
-    key = _keys(seeds, positions, salt)   # both races' numbers come from one key per position
+    draw = _draws(seeds, positions, salt, torch.float64)   # both races' numbers from one key per position
     block_index = torch.arange(num_blocks, device=probs.device)
-    block = _race(mass, _uniform_of_key(key, block_index.expand(*positions.shape, -1), torch.float64))
+    block = _race(mass, draw(block_index.expand(*positions.shape, -1)))
     width = min(RACE_BLOCK, vocab)
     tokens = block.unsqueeze(-1) * RACE_BLOCK + torch.arange(width, device=probs.device)   # (..., width)
     in_vocab = tokens < vocab
     members = torch.where(in_vocab, probs.gather(-1, tokens.clamp(max=vocab - 1)), 0.0)
-    member = _race(members, _uniform_of_key(key, num_blocks + tokens, torch.float64))
+    member = _race(members, draw(num_blocks + tokens))
     return tokens.gather(-1, member.unsqueeze(-1)).squeeze(-1)
