@@ -13,7 +13,7 @@ from scipy.stats import chisquare
 from specserve.verify import random as srandom
 from specserve.verify.filters import apply_sampling_filters
 from specserve.verify import rules as verify_module
-from specserve.verify.rules import apply_penalties_to_tree, verify_greedy, verify_sampling
+from specserve.verify.rules import apply_penalties_to_tree, plain_step_tokens, verify_greedy, verify_sampling
 from specserve.verify.tree import DraftTrees
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -388,6 +388,26 @@ def test_root_only_sampling_equals_plain_sampler(rule: str) -> None:
     probs = apply_sampling_filters(logits[:, 0], temps, top_ks, top_ps, min_ps)
     plain = srandom.exponential_race(probs, seeds, prefix + 1, srandom.SALT_TOKEN)
     assert torch.equal(result.bonus_tokens, plain) and result.accept_lens.eq(1).all()
+
+
+def test_a_plain_steps_tokens_are_the_root_only_verifys() -> None:
+    """plain_step_tokens (a plain decode step's sampling, the tree bookkeeping left out) commits
+    verify_sampling's token for roots alone: greedy rows, each filter, large seeds and positions."""
+    bs, vocab = 40, 700   # three race blocks, the last partial
+    logits = torch.randn(bs, vocab, generator=torch.Generator().manual_seed(5)) * 3
+    temps = torch.tensor([0.0, 0.7, 1.0, 1.3] * 10)
+    top_ks = torch.tensor([0, 5, vocab, 40, 0] * 8)
+    top_ps, min_ps = torch.tensor([1.0, 0.9, 0.5, 1.0] * 10), torch.tensor([0.0, 0.0, 0.0, 0.0, 0.2] * 8)
+    seeds, positions = torch.arange(bs) * 1_000_003 - 2**40, torch.arange(bs) * 7 + 2**33
+    roots = DraftTrees.root_only(torch.zeros(bs, dtype=torch.long))
+    for kwargs in ({}, {"need_min_p": False, "top_ks": torch.zeros(bs, dtype=torch.long)},
+                   {"max_top_k": 40, "top_ks": torch.full((bs,), 40)}):
+        args = dict(temperatures=temps, top_ks=top_ks, top_ps=top_ps, min_ps=min_ps, seeds=seeds, positions=positions)
+        args.update(kwargs)
+        if "need_min_p" in args:
+            args["min_ps"] = torch.zeros(bs)
+        verified = verify_sampling(roots, logits.unsqueeze(1), **args).committed_tokens[:, 0]
+        assert torch.equal(plain_step_tokens(logits, **args), verified), kwargs
 
 
 # --- penalties at tree nodes -----------------------------------------------------------------

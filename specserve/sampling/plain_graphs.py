@@ -1,11 +1,13 @@
-"""CUDA graphs of a sampled plain decode step's sampling: the filters and the seeded race of
-verify_sampling over a decode graph's logits, one graph per (batch bucket, filters used).
+"""CUDA graphs of a sampled plain decode step's sampling: the filters and the seeded race
+(rules.plain_step_tokens) over a decode graph's logits, one graph per (batch bucket, filters used).
 
-Eagerly, Sampler.sample_plain launches ~220 small device operations (softmax, the top-k /
-top-p ranking, the counter-based random numbers, the race): on an H100 (1.5B, batch 1,
-temperature 0.7, top-p 0.95) a sampled plain step took 2.9 ms against greedy's 1.5 ms with every
-step launched ahead, the host's launches setting the pace. Replayed from a graph they cost one
-copy of the batch's parameters and one launch. The graph computes exactly what the eager call
+Eagerly, Sampler.sample_plain launched ~190 small device operations (softmax, the top-k /
+top-p ranking, the counter-based random numbers, the race, a root-only tree's verification):
+on an H100 (1.5B random weights, temperature 0.7, top-p 0.95) sampled plain decoding ran at
+0.40x greedy's rate at batch 1 (BENCHMARKS.md), the host's launches setting the pace. Without
+the trees' bookkeeping and with the counter hash in one kernel (random_kernels.py) they are
+~70 (~35 without top-p), a CPU census; replayed from a graph they cost one copy of the
+batch's parameters and one launch. The graph computes exactly what the eager call
 does (the same operations; top-k rows ranked by a sort rather than a top-k selection, which
 apply_sampling_filters makes equal), so a step's tokens do not depend on which ran.
 
@@ -22,8 +24,7 @@ import torch
 from specserve.runner.cuda_graph import capture_graph
 from specserve.runner.stream_events import record
 from specserve.sampling.columns import SamplingColumns
-from specserve.verify.rules import verify_sampling
-from specserve.verify.tree import DraftTrees
+from specserve.verify.rules import plain_step_tokens
 
 
 class _Graph:
@@ -43,16 +44,14 @@ class _Graph:
         columns = self.inputs.columns()
         for name, column in columns.items():   # until a replay's copy
             column.fill_(self.padding[name])
-        roots = DraftTrees.root_only(torch.zeros(bucket, dtype=torch.long, device=logits.device))
 
         def sample() -> torch.Tensor:
-            return verify_sampling(roots, logits.unsqueeze(1), **columns, need_top_k_top_p=need_top_k_top_p,
-                                   need_min_p=need_min_p).committed_tokens[:, 0]
+            return plain_step_tokens(logits, **columns, need_top_k_top_p=need_top_k_top_p, need_min_p=need_min_p)
         self.graph, self.tokens = capture_graph(sample, pool)
         # The captured function lives as long as its graph, and with it every tensor the replays
-        # read (the roots): a graph keeps only their addresses, and memory freed with the closure
-        # is the caching allocator's to hand out again (an eager step's tensors landed on the
-        # roots, and the next replay gathered at garbage indices).
+        # read: a graph keeps only their addresses, and memory freed with the closure is the
+        # caching allocator's to hand out again (the root trees the function once built: an
+        # eager step's tensors landed on them, and the next replay gathered at garbage indices).
         self.captured = sample
 
     def replay(self, values: dict[str, list]) -> torch.Tensor:

@@ -16,7 +16,8 @@ from specserve.grammar.tree_masks import grammar_bitmask
 from specserve.request.req import Req
 from specserve.sampling.columns import SamplingColumns
 from specserve.sampling.plain_graphs import PlainSamplingGraphs
-from specserve.verify.rules import SAMPLING_RULES, apply_penalties_to_tree, verify_greedy, verify_sampling
+from specserve.verify.rules import (SAMPLING_RULES, apply_penalties_to_tree, plain_step_tokens, verify_greedy,
+                                    verify_sampling)
 from specserve.verify.tree import DraftTrees
 
 
@@ -92,8 +93,8 @@ class Sampler:
             values = self._sampling_values(reqs, positions)
             return graphs.sample(logits, values, *self._filters_used(reqs))
         sampling = self._sampling_tensors(reqs, None, positions)
-        roots = DraftTrees.root_only(torch.zeros(len(reqs), dtype=torch.long, device=logits.device))
-        return verify_sampling(roots, logits.unsqueeze(1), **sampling).committed_tokens[:, 0]
+        del sampling["rule"]   # a root alone: both rules draw the same token
+        return plain_step_tokens(logits, **sampling)
 
     def first_tokens(self, logits: torch.Tensor, reqs: list[Req]) -> SampledStep:
         """A prefill's first tokens (logits (bs, 1, vocab)). Where each request needs only the

@@ -118,6 +118,19 @@ def verify_sampling(trees: DraftTrees, logits: torch.Tensor, temperatures: torch
     return _verify_rejection(trees, probs, seeds, positions, draft_probs)
 
 
+def plain_step_tokens(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
+                      min_ps: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, *,
+                      need_top_k_top_p: bool = True, need_min_p: bool = True,
+                      max_top_k: int | None = None) -> torch.Tensor:
+    """The token a plain decode step samples (bs,), from its logits (bs, V): verify_sampling's
+    committed token for trees of a root alone, by either rule (both draw it as the race at the
+    root's position + 1), without the trees' bookkeeping, ~35 device operations fewer. The same
+    shapes as inside verify_sampling ((bs, 1, V)), so the same reductions and the same token."""
+    probs = apply_sampling_filters(logits.unsqueeze(1), temperatures, top_ks, top_ps, min_ps,
+                                   need_top_k_top_p=need_top_k_top_p, need_min_p=need_min_p, max_top_k=max_top_k)
+    return exponential_race(probs, seeds, positions.to(torch.int64).unsqueeze(1) + 1, SALT_TOKEN)[:, 0]
+
+
 def _verify_coupled(trees: DraftTrees, probs: torch.Tensor, seeds: torch.Tensor,
                     positions: torch.Tensor) -> VerifyResult:
     """Greedy verification over the tokens the plain sampler would draw.
