@@ -41,7 +41,7 @@ def _uniform_kernel(seeds_ptr, positions_ptr, index_ptr, index_s0, index_s1, out
     seed = tl.load(seeds_ptr + row // positions_per_seed).to(tl.uint64, bitcast=True)
     position = tl.load(positions_ptr + row).to(tl.uint64, bitcast=True)
     key = _mix(seed + _GOLDEN)
-    key = _mix(key ^ salt_word.to(tl.uint64, bitcast=True))
+    key = _mix(key ^ salt_word.to(tl.int64).to(tl.uint64, bitcast=True))   # an i32 argument where it fits
     key = _mix(key + position * _GOLDEN)
     index = tl.load(index_ptr + row * index_s0 + cols * index_s1, mask=live, other=0).to(tl.uint64, bitcast=True)
     top = _mix((key + index + 1) * _GOLDEN) >> (64 - MANTISSA)
