@@ -34,7 +34,7 @@ def _mix(x):
 
 @triton.jit
 def _uniform_kernel(seeds_ptr, positions_ptr, index_ptr, index_s0, index_s1, out_ptr, k, positions_per_seed,
-                    salt_word, MANTISSA: tl.constexpr, BLOCK: tl.constexpr):
+                    salt_word, MANTISSA: tl.constexpr, DOUBLE: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = cols < k
@@ -45,7 +45,7 @@ def _uniform_kernel(seeds_ptr, positions_ptr, index_ptr, index_s0, index_s1, out
     key = _mix(key + position * _GOLDEN)
     index = tl.load(index_ptr + row * index_s0 + cols * index_s1, mask=live, other=0).to(tl.uint64, bitcast=True)
     top = _mix((key + index + 1) * _GOLDEN) >> (64 - MANTISSA)
-    if MANTISSA == FLOAT64_BITS:
+    if DOUBLE:
         u = (top.to(tl.float64) + 0.5) * (0.5 ** MANTISSA)
     else:
         u = (top.to(tl.float32) + 0.5) * (0.5 ** MANTISSA)
@@ -64,9 +64,10 @@ def uniform_at(seeds: torch.Tensor, positions: torch.Tensor, salt_word: int, ind
     positions_flat = positions.to(torch.int64).reshape(rows).contiguous()
     seeds = seeds.to(torch.int64).contiguous()
     out = torch.empty((rows, k), dtype=dtype, device=positions.device)
+    double = dtype == torch.float64
     if rows and k:
         block = min(1024, triton.next_power_of_2(k))
         _uniform_kernel[(rows, triton.cdiv(k, block))](
             seeds, positions_flat, index, index.stride(0), index.stride(1), out, k, max(rows // seeds.numel(), 1),
-            signed(salt_word), MANTISSA=FLOAT64_BITS if dtype == torch.float64 else FLOAT32_BITS, BLOCK=block)
+            signed(salt_word), MANTISSA=FLOAT64_BITS if double else FLOAT32_BITS, DOUBLE=double, BLOCK=block)
     return out.view(positions.shape) if per_position else out.view(*positions.shape, k)
