@@ -37,7 +37,7 @@
 #                                                   through FA3 (--prefill-attention-backend fa3, where sglang-kernel's wheel
 #                                                   is staged) and with that split through cuDNN; between them decode
 #                                                   attention, Triton's against FA3's (lab/decode_attention_sweep.py); ~5 min)
-#   scripts/gpu_run.sh sampling                    (no models staged, ~4 min: what a sampled plain step's sampling costs by part,
+#   scripts/gpu_run.sh sampling                    (no models staged, ~7 min: what a sampled plain step's sampling costs by part,
 #                                                   graphed and eager (lab/sampling_cost.py), then the sampling graphs' tests
 #                                                   (SPECSERVE_SAMPLING_GRAPHS=1 turns them on in an engine; sampled rows with
 #                                                   and without them: SPECSERVE_SAMPLING_GRAPHS=0/1 TEMPERATURE=0.7 eagle-rows),
