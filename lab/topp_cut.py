@@ -6,8 +6,8 @@ At 64 requests x 151,936 tokens the filters' sort and its ~30 full passes took 2
 sampled plain step on an H100 (lab/sampling_cost.py, 2026-12-07). This is the candidate for
 issue 55's sampled steps, kept here until a GPU has timed it.
 
-The cut's definition is exact on every device: masses as integers, q = floor(p * 2**40) (int64,
-so every sum is the same whatever its order), the tokens ranked by probability with ties by
+The cut's definition is exact on every device: masses as integers, q = floor(p * 2**24) (int32 sums,
+the same whatever their order), the tokens ranked by probability with ties by
 lowest id, a row's top-k total Q, the target T = floor(top_p * Q) (at least 1; no cut where
 top_p >= 1), and a rank kept where it is below top_k and the mass ranked before it is below T.
 `sorted_keep` is that definition through a stable sort and an int64 cumsum (a CPU's way);
@@ -28,14 +28,14 @@ import triton.language as tl
 
 from lab.extend_attention_sweep import graphed_ms
 
-SCALE = 2.0 ** 40      # q = floor(p * SCALE): p <= 1, so a row's total stays far below 2**63
+SCALE = 2.0 ** 24      # q = floor(p * SCALE): p <= 1, so a row's total (<= 2**24 + V) fits in int32
 DIGIT_BITS = 4
 LEVELS = 32 // DIGIT_BITS
-NO_CUT = 2 ** 62       # T where top_p >= 1: above any total
+NO_CUT = 2 ** 30       # T where top_p >= 1: above any total
 
 
 def quantized(probs: torch.Tensor) -> torch.Tensor:
-    return torch.floor(probs.double() * SCALE).to(torch.int64)
+    return torch.floor(probs.double() * SCALE).to(torch.int64)   # int32 would do; int64 sums on the CPU
 
 
 def sorted_keep(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
@@ -58,16 +58,16 @@ def _histogram(probs_ptr, vocab, prefix, fixed, shift, BLOCK: tl.constexpr):
     """Counts and masses (16,) of the digit at `shift` over the row's tokens whose bits above it
     are `prefix` (under the mask `fixed`)."""
     digits = tl.arange(0, 16)
-    counts = tl.zeros([16], tl.int64)
-    masses = tl.zeros([16], tl.int64)
+    counts = tl.zeros([16], tl.int32)
+    masses = tl.zeros([16], tl.int32)
     for start in range(0, vocab, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         p = tl.load(probs_ptr + cols, mask=cols < vocab, other=0.0)
-        bits = p.to(tl.int32, bitcast=True).to(tl.int64)
+        bits = p.to(tl.int32, bitcast=True)   # a probability's bits order as its values (sign bit 0)
         inside = (cols < vocab) & ((bits & fixed) == prefix)
         hit = inside[:, None] & (((bits >> shift) & 15)[:, None] == digits[None, :])
-        q = (p.to(tl.float64) * 1099511627776.0).to(tl.int64)
-        counts += tl.sum(hit.to(tl.int64), axis=0)
+        q = (p.to(tl.float64) * 16777216.0).to(tl.int32)
+        counts += tl.sum(hit.to(tl.int32), axis=0)
         masses += tl.sum(tl.where(hit, q[:, None], 0), axis=0)
     return counts, masses
 
@@ -79,10 +79,10 @@ def _select(probs_ptr, vocab, k, target, BLOCK: tl.constexpr):
     token still qualifies (the largest token of the row always does, target >= 1)."""
     digits = tl.arange(0, 16)
     above = digits[None, :] > digits[:, None]          # (D, E): E above D
-    prefix = tl.zeros([], tl.int64)
-    fixed = tl.zeros([], tl.int64)
-    count_above = tl.zeros([], tl.int64)
-    mass_above = tl.zeros([], tl.int64)
+    prefix = tl.zeros([], tl.int32)
+    fixed = tl.zeros([], tl.int32)
+    count_above = tl.zeros([], tl.int32)
+    mass_above = tl.zeros([], tl.int32)
     for level in tl.static_range(8):
         shift = 28 - 4 * level
         counts, masses = _histogram(probs_ptr, vocab, prefix, fixed, shift, BLOCK)
@@ -94,8 +94,8 @@ def _select(probs_ptr, vocab, k, target, BLOCK: tl.constexpr):
         digit = tl.where(digit == 16, top, digit)
         count_above += tl.sum(tl.where(digits == digit, count_gt, 0), axis=0)
         mass_above += tl.sum(tl.where(digits == digit, mass_gt, 0), axis=0)
-        prefix = prefix | (digit.to(tl.int64) << shift)
-        fixed = fixed | (tl.full([], 15, tl.int64) << shift)
+        prefix = prefix | (digit << shift)
+        fixed = fixed | (tl.full([], 15, tl.int32) << shift)   # the top digit's mask wraps to negative
     return prefix, count_above, mass_above
 
 
@@ -103,37 +103,37 @@ def _select(probs_ptr, vocab, k, target, BLOCK: tl.constexpr):
 def _radix_keep_kernel(probs_ptr, stride, top_ks_ptr, top_ps_ptr, out_ptr, vocab, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = probs_ptr + row * stride
-    k = tl.load(top_ks_ptr + row).to(tl.int64)
+    k = tl.load(top_ks_ptr + row).to(tl.int32)
     k = tl.where((k <= 0) | (k > vocab), vocab, k)
     top_p = tl.load(top_ps_ptr + row)
     # the top-k total: the k-th largest value v_k (its tokens by id fill the k), or every token's
     if k < vocab:
-        bits_k, count_k, mass_k = _select(row_ptr, vocab, k, 4611686018427387904, BLOCK)
-        q_k = (bits_k.to(tl.int32).to(tl.float32, bitcast=True).to(tl.float64) * 1099511627776.0).to(tl.int64)
+        bits_k, count_k, mass_k = _select(row_ptr, vocab, k, 1073741824, BLOCK)
+        q_k = (bits_k.to(tl.float32, bitcast=True).to(tl.float64) * 16777216.0).to(tl.int32)
         total = mass_k + (k - count_k) * q_k
     else:
-        total = tl.zeros([], tl.int64)
+        total = tl.zeros([], tl.int32)
         for start in range(0, vocab, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             p = tl.load(row_ptr + cols, mask=cols < vocab, other=0.0)
-            total += tl.sum((p.to(tl.float64) * 1099511627776.0).to(tl.int64), axis=0)
-    target = tl.maximum((top_p.to(tl.float64) * total.to(tl.float64)).to(tl.int64), 1)
-    target = tl.where(top_p >= 1.0, 4611686018427387904, target)
+            total += tl.sum((p.to(tl.float64) * 16777216.0).to(tl.int32), axis=0)
+    target = tl.maximum((top_p.to(tl.float64) * total.to(tl.float64)).to(tl.int32), 1)
+    target = tl.where(top_p >= 1.0, 1073741824, target)
     bits, count_gt, mass_gt = _select(row_ptr, vocab, k, target, BLOCK)
-    q = (bits.to(tl.int32).to(tl.float32, bitcast=True).to(tl.float64) * 1099511627776.0).to(tl.int64)
+    q = (bits.to(tl.float32, bitcast=True).to(tl.float64) * 16777216.0).to(tl.int32)
     # tied tokens kept: the j-th (by id) while count_gt + j < k and mass_gt + j * q < target
     by_mass = tl.where(q > 0, (target - mass_gt + q - 1) // tl.maximum(q, 1), vocab)
     ties_kept = tl.minimum(k - count_gt, by_mass)
-    seen = tl.zeros([], tl.int64)
+    seen = tl.zeros([], tl.int32)
     for start in range(0, vocab, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         live = cols < vocab
-        p_bits = tl.load(row_ptr + cols, mask=live, other=0.0).to(tl.int32, bitcast=True).to(tl.int64)
+        p_bits = tl.load(row_ptr + cols, mask=live, other=0.0).to(tl.int32, bitcast=True)
         tie = live & (p_bits == bits)
-        rank = seen + tl.cumsum(tie.to(tl.int64), axis=0) - tie.to(tl.int64)
+        rank = seen + tl.cumsum(tie.to(tl.int32), axis=0) - tie.to(tl.int32)
         keep = (p_bits > bits) | (tie & (rank < ties_kept))
         tl.store(out_ptr + row * vocab + cols, keep.to(tl.int8), mask=live)
-        seen += tl.sum(tie.to(tl.int64), axis=0)
+        seen += tl.sum(tie.to(tl.int32), axis=0)
 
 
 def radix_keep(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, block: int = 1024) -> torch.Tensor:
