@@ -32,6 +32,7 @@ import torch
 from specserve.attention.kernels.extend import extend_attention, num_row_blocks
 from specserve.attention.prefix_split import attend_in_two
 from specserve.bench.random_model import SHAPES
+from specserve.runner.cuda_graph import capture_graph
 
 GRID = dict(BLOCK_M=(64, 128), BLOCK_N=(32, 64), num_warps=(4, 8), num_stages=(2, 3))
 
@@ -92,15 +93,7 @@ def graphed_ms(launch, iters: int, device: torch.device, per_graph: int = 20) ->
     launch()   # compiles
     if device.type != "cuda":
         return 0.0
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        launch()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(per_graph):
-            launch()
+    graph, _ = capture_graph(lambda: [launch() for _ in range(per_graph)], None)
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

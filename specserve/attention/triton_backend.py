@@ -321,17 +321,17 @@ class TritonBackend(AttentionBackend):
         or within 1 us a layer of it. Decode's rule gives 32, 9 and 5: at 64 requests 5 splits took
         23.8 us against 2's 20.4 on 384 keys and 70.2 against 65.4 on 2048; at 32, 8 splits took
         47.1 against 4's 39.9 on 2048 keys (9 was not timed)."""
-        programs = max(bs * self.num_kv_heads, 1)
         target = (self.target_programs or _default_target_programs(device)) // 2
-        splits = min(triton.cdiv(max_kv_len, self.min_keys_per_split), target // programs, self.max_decode_splits)
-        return max(splits, 1)
+        return self._capped_splits(target // max(bs * self.num_kv_heads, 1), max_kv_len, self.max_decode_splits)
 
     def _splits(self, row_programs: int, max_kv_len: int, most: int, device: torch.device) -> int:
         """Key splits for `row_programs` query blocks per kv head: no more than fill the GPU."""
-        programs = max(row_programs * self.num_kv_heads, 1)
         target = self.target_programs or _default_target_programs(device)
-        splits = min(triton.cdiv(max_kv_len, self.min_keys_per_split), triton.cdiv(target, programs), most)
-        return max(splits, 1)
+        return self._capped_splits(triton.cdiv(target, max(row_programs * self.num_kv_heads, 1)), max_kv_len, most)
+
+    def _capped_splits(self, splits: int, max_kv_len: int, most: int) -> int:
+        """`splits`, at most `most`, none of fewer than min_keys_per_split keys, and at least one."""
+        return max(min(splits, triton.cdiv(max_kv_len, self.min_keys_per_split), most), 1)
 
 
 def _ragged_or_uniform(batch: ForwardBatch) -> bool:

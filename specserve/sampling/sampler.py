@@ -92,9 +92,7 @@ class Sampler:
         if graphs is not None and graphs.covers(logits):
             values = self._sampling_values(reqs, positions)
             return graphs.sample(logits, values, *self._filters_used(reqs))
-        sampling = self._sampling_tensors(reqs, None, positions)
-        del sampling["rule"]   # a root alone: both rules draw the same token
-        return plain_step_tokens(logits, **sampling)
+        return plain_step_tokens(logits, **self._sampling_tensors(reqs, positions))
 
     def first_tokens(self, logits: torch.Tensor, reqs: list[Req]) -> SampledStep:
         """A prefill's first tokens (logits (bs, 1, vocab)). Where each request needs only the
@@ -122,7 +120,8 @@ class Sampler:
             return PreparedSampling(None, None, None, device_trees=None)
         penalties = self._penalty_tensors(reqs) if any(r.params.has_penalties for r in reqs) else None
         early_stops = self._early_stop_masks(trees, reqs)
-        sampling = None if all(r.params.greedy for r in reqs) else self._sampling_tensors(reqs, draft_probs)
+        sampling = None if all(r.params.greedy for r in reqs) else {**self._sampling_tensors(reqs),
+                                                                     **self._rule(reqs, draft_probs)}
         return PreparedSampling(penalties, early_stops, sampling, device_trees=trees.to(self.device))
 
     def sample(self, logits: torch.Tensor, trees: DraftTrees, reqs: list[Req],
@@ -221,9 +220,9 @@ class Sampler:
         costly part, skipped when no request uses it."""
         return any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in reqs), any(r.params.min_p > 0 for r in reqs)
 
-    def _sampling_tensors(self, reqs: list[Req], draft_probs: torch.Tensor | None,
-                          positions: list[int] | None = None) -> dict:
-        """positions: the roots' (default: each request's last token's)."""
+    def _sampling_tensors(self, reqs: list[Req], positions: list[int] | None = None) -> dict:
+        """The filters' and the race's arguments (a verify step adds its rule: `_rule`).
+        positions: the roots' (default: each request's last token's)."""
         pinned = torch.device(self.device).type == "cuda"
         # one copy, through pinned memory: a pageable copy may wait for a step in flight
         host = SamplingColumns.allocate(len(reqs), "cpu", pin=pinned)
@@ -237,7 +236,6 @@ class Sampler:
             "need_min_p": need_min_p,
             # when every sampled row has a top-k, rank only that many tokens instead of sorting
             "max_top_k": max(top_ks) if top_ks and all(0 < k < self.vocab_size for k in top_ks) else None,
-            **self._rule(reqs, draft_probs),
         }
 
     def _rule(self, reqs: list[Req], draft_probs: torch.Tensor | None) -> dict:
