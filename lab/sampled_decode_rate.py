@@ -1,5 +1,5 @@
 """Plain decoding's output rate, greedy against seeded sampling with the sampling done eagerly and
-through the sampling graphs (sampling/plain_graphs.py, SPECSERVE_SAMPLING_GRAPHS=1), on random
+through the sampling graphs (sampling/plain_graphs.py, the default; SPECSERVE_SAMPLING_GRAPHS=0 turns them off), on random
 weights of a real model's shape (no checkpoint staged):
 
     python -m lab.sampled_decode_rate --shape qwen2.5-coder-1.5b --batch-sizes 1 8 64

@@ -37,11 +37,10 @@
 #                                                   through FA3 (--prefill-attention-backend fa3, where sglang-kernel's wheel
 #                                                   is staged) and with that split through cuDNN; between them decode
 #                                                   attention, Triton's against FA3's (lab/decode_attention_sweep.py); ~5 min)
-#   scripts/gpu_run.sh sampling                    (no models staged, ~7 min: what a sampled plain step's sampling costs by part,
+#   scripts/gpu_run.sh sampling                    (no models staged, ~5 min: what a sampled plain step's sampling costs by part,
 #                                                   graphed and eager (lab/sampling_cost.py), then the sampling graphs' tests
-#                                                   (SPECSERVE_SAMPLING_GRAPHS=1 turns them on in an engine; sampled rows with
-#                                                   and without them: SPECSERVE_SAMPLING_GRAPHS=0/1 TEMPERATURE=0.7 eagle-rows),
-#                                                   then lab/topp_cut.py's sort-free top-k/top-p cut against the sort,
+#                                                   (on by default; SPECSERVE_SAMPLING_GRAPHS=0 turns them off in an engine: sampled
+#                                                   rows without them: SPECSERVE_SAMPLING_GRAPHS=0 TEMPERATURE=0.7 eagle-rows),
 #                                                   then greedy against sampled plain decoding on random 1.5B weights
 #                                                   (lab/sampled_decode_rate.py, at 1/8/64))
 #   scripts/gpu_run.sh row-kernels [MODEL]         (the few-row kernels (SPECSERVE_ROW_KERNELS=0 turns them off): their tests on the
@@ -265,12 +264,11 @@ if [ "$mode" = sampling ]; then
   python3 -m lab.sampling_cost --out "$OUT" 2>&1 | cut -c1-400
   # -v names the test running when a device-side assert ends the process; the whole log is kept
   part=0
-  for tests in "tests/test_random_kernels.py tests/test_topp_cut.py tests/gpu/test_verify_cuda.py tests/gpu/test_plain_sampling_graphs_cuda.py" "tests/gpu/test_decode_launch_cuda.py tests/test_plain_sampling_graphs.py"; do
+  for tests in "tests/test_random_kernels.py tests/gpu/test_verify_cuda.py tests/gpu/test_plain_sampling_graphs_cuda.py" "tests/gpu/test_decode_launch_cuda.py tests/test_plain_sampling_graphs.py"; do
     part=$((part + 1))
     TRITON_INTERPRET=0 python3 -m pytest -v -p no:cacheprovider $tests > "$OUT/pytest_sampling_$part.log" 2>&1
     grep -E "PASSED|FAILED|ERROR|Assertion|passed|failed" "$OUT/pytest_sampling_$part.log" | cut -c1-300 | tail -12
   done
-  python3 -m lab.topp_cut 2>&1 | tee "$OUT/topp_cut.jsonl"   # the sort-free cut against the sort, graphed
   python3 -m lab.sampled_decode_rate 2> /dev/null | tee "$OUT/sampled_decode_rate.jsonl"
 fi
 if [ "$mode" = row-kernels ]; then

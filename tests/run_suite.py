@@ -41,8 +41,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 KERNEL_TESTS = {"test_triton_attention.py", "test_fused_ops.py", "test_gemv.py", "test_prefill_graph.py",
-                "test_tree_kernels.py", "test_hybrid_attention.py", "test_forecast_kernel.py", "test_random_kernels.py",
-                "test_topp_cut.py"}
+                "test_tree_kernels.py", "test_hybrid_attention.py", "test_forecast_kernel.py", "test_random_kernels.py"}
 LOADS_A_MODEL = re.compile(r"smollm2|Engine\(|engine_factory|launch_server|start_server")
 SLOWEST = 5   # tests listed under each group's line, by duration
 DURATION = re.compile(r"^\d+\.\d+s (call|setup|teardown) ")

@@ -150,8 +150,9 @@ def _build_core(args: ServerArgs, checked: Preflight, tp):
         adaptive = AdaptiveDraftLength.for_drafter(drafter, args.speculative_verify_size, graph_sizes,
                                                    on_cpu=runner.device.type == "cpu")
     sampler = Sampler(config.vocab_size, device)
-    # opt-in (SPECSERVE_SAMPLING_GRAPHS=1) until a GPU has run it: its test is tests/gpu/test_decode_launch_cuda.py
-    if runner.graphs is not None and os.environ.get("SPECSERVE_SAMPLING_GRAPHS", "0") == "1":
+    # a plain step's sampling replayed from CUDA graphs (tests/gpu/test_decode_launch_cuda.py); SPECSERVE_SAMPLING_GRAPHS=0
+    # samples eagerly instead, the way to tell whether a sampled run's difference comes from them
+    if runner.graphs is not None and os.environ.get("SPECSERVE_SAMPLING_GRAPHS", "1") != "0":
         sampler.graph_plain_steps(runner.graphs.decode_logits())
     core = EngineCore(runner, scheduler, sampler, drafter,
                       args.speculative_verify_size, args.log_interval_s, adaptive,

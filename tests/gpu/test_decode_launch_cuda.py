@@ -54,7 +54,7 @@ def test_graphed_sampled_decoding_on_the_overlap_schedule_equals_eager_on_cuda(m
     with tiny_engine(model_dir, device="cuda", disable_cuda_graph=True, max_total_tokens=4096) as eager:
         expected = [o["output_ids"] for o in eager.generate(input_ids=PROMPTS, sampling_params=sampled)]
         alone = [eager.generate(input_ids=p, sampling_params=q)["output_ids"] for p, q in zip(PROMPTS, sampled)]
-    monkeypatch.setenv("SPECSERVE_SAMPLING_GRAPHS", "1")   # opt-in until measured (engine/builder.py)
+    monkeypatch.setenv("SPECSERVE_SAMPLING_GRAPHS", "1")   # the default (engine/builder.py), whatever the environment says
     with tiny_engine(model_dir, device="cuda", cuda_graph_max_bs=8, max_total_tokens=4096) as engine:
         graphs, launches = engine.core.runner.graphs, []
         launch = graphs.launch_decode
