@@ -101,3 +101,29 @@ def test_graphed_plain_sampling_gives_the_eager_samplers_tokens(monkeypatch):
     # one graph per set of filters over the one bucket: top-k / top-p, min-p, both, neither
     assert {key[1:] for key in graphed.plain_graphs.graphs} == {(True, True), (True, False), (False, True),
                                                                 (False, False)}
+
+
+def test_capture_all_takes_every_bucket_and_filter_set_largest_first(monkeypatch):
+    """The warm-up's capture_all: each bucket's four graphs (top-k/top-p, min-p, both, neither),
+    the largest bucket's first (so the shared pool is sized once); a sampled step afterwards
+    captures nothing."""
+    from specserve.sampling import plain_graphs
+    captured_rows = []
+
+    def recording_capture(run, pool):
+        graph, output = eager_capture(run, pool)
+        captured_rows.append(output.shape[0])
+        return graph, output
+    monkeypatch.setattr(plain_graphs, "capture_graph", recording_capture)
+    monkeypatch.setattr(plain_graphs.torch.cuda, "Event", _NoEvent)
+    monkeypatch.setattr(plain_graphs, "record", lambda event: event)
+    vocab = 32
+    buffers = [torch.zeros(bucket, 1, vocab)[:, 0] for bucket in (1, 8, 4)]
+    graphs = PlainSamplingGraphs(buffers, vocab_size=vocab)
+    assert graphs.capture_all() == 12
+    assert captured_rows == [8] * 4 + [4] * 4 + [1] * 4
+    assert graphs.capture_all() == 0
+    values = {"temperatures": [0.7, 0.0], "top_ps": [0.9, 1.0], "min_ps": [0.0, 0.0], "top_ks": [vocab, vocab],
+              "seeds": [3, 0], "positions": [5, 6]}
+    tokens = graphs.sample(buffers[2][:2], values, need_top_k_top_p=True, need_min_p=False)
+    assert tokens.shape == (2,) and len(captured_rows) == 12

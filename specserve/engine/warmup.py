@@ -19,6 +19,8 @@ import logging
 import time
 from dataclasses import dataclass
 
+import torch
+
 from specserve.engine.kernel_cache import TritonCompileCounter, use_persistent_triton_cache
 from specserve.engine.stats import StepLogger
 from specserve.engine.warmup_plan import (DRAFT_PROMPT, SHORT_PROMPT, BatchShape, EngineShape, WarmupPlan,
@@ -75,6 +77,9 @@ class WarmupReport:
     drafter: str | None
     triton_compiles: int | None      # None: not counted (no Triton)
     triton_seconds: float
+    sampling_graphs: int = 0         # sampled plain steps' graphs captured (sampling/plain_graphs.py)
+    sampling_graph_seconds: float = 0.0
+    sampling_graph_bytes: int = 0    # the device memory their capture reserved
 
     def summary(self) -> str:
         plan = self.plan
@@ -90,6 +95,9 @@ class WarmupReport:
                          f"{_span(tier_sizes)} ({len(tier_sizes)})")
         if plan.sampling_variants:
             parts.append(f"{len(SAMPLING_VARIANTS)} sampling variants")
+        if self.sampling_graphs:
+            parts.append(f"{self.sampling_graphs} sampling graphs captured ({self.sampling_graph_seconds:.1f} s, "
+                         f"{self.sampling_graph_bytes / 2**20:.0f} MiB)")
         line = f"start-up warm-up: {self.seconds:.1f} s, {self.steps} steps: " + ", ".join(parts)
         if self.triton_compiles is not None:
             line += (f"; {self.triton_compiles} Triton kernels compiled or loaded from cache "
@@ -114,12 +122,24 @@ def warm_up(core, tokenizer, args, plan: WarmupPlan | None = None) -> WarmupRepo
     start = time.perf_counter()
     # uncached: every prompt shape runs in full, and real requests find none of these prompts cached
     with TritonCompileCounter() as compiles, core.scheduler.without_prefix_cache():
+        graphs = _capture_sampling_graphs(core.sampler)
         _run_plan(core, driver, plan, args)
     _check_clean(core, free_slots, free_rows)
     report = WarmupReport(plan, time.perf_counter() - start, driver.steps,
-                          args.speculative if plan.tiers else None, compiles.compiles, compiles.seconds)
+                          args.speculative if plan.tiers else None, compiles.compiles, compiles.seconds, *graphs)
     logger.info(report.summary())
     return report
+
+
+def _capture_sampling_graphs(sampler) -> tuple[int, float, int]:
+    """Every sampled plain step's graph (sampling/plain_graphs.py), before any sampled step
+    captures one lazily, so that their shared pool is sized by the largest: (how many, seconds,
+    device bytes reserved)."""
+    if sampler.plain_graphs is None:
+        return 0, 0.0, 0
+    start, reserved = time.perf_counter(), torch.cuda.memory_reserved()
+    captured = sampler.plain_graphs.capture_all()
+    return captured, time.perf_counter() - start, torch.cuda.memory_reserved() - reserved
 
 
 def _run_plan(core, driver: "_Driver", plan: WarmupPlan, args) -> None:

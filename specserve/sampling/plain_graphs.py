@@ -19,6 +19,8 @@ step before it, which the stream runs only after that step's forward.
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from specserve.runner.cuda_graph import capture_graph
@@ -69,8 +71,8 @@ class _Graph:
 
 
 class PlainSamplingGraphs:
-    """The graphs of one engine, captured on first use over the decode graphs' logits buffers
-    (static_logits: one (bucket, vocab) tensor per bucket)."""
+    """The graphs of one engine over the decode graphs' logits buffers (static_logits: one
+    (bucket, vocab) tensor per bucket), captured by the warm-up (capture_all) or on first use."""
 
     def __init__(self, static_logits: list[torch.Tensor], vocab_size: int):
         self.buffers = {logits.data_ptr(): logits for logits in static_logits}
@@ -84,9 +86,25 @@ class PlainSamplingGraphs:
         return buffer is not None and logits.shape[0] <= buffer.shape[0] and logits.stride() == buffer.stride()
 
     @torch.inference_mode()
+    def capture_all(self) -> int:
+        """Captures every bucket's graph for every set of filters (start-up's warm-up calls it),
+        so that no sampled request pays a capture, and the requests decoding beside it no wait,
+        at its first step of a new batch size. The largest bucket first: the shared pool takes
+        that graph's memory once and the smaller graphs reuse it. Returns how many it captured."""
+        before = len(self.graphs)
+        for logits in sorted(self.buffers.values(), key=lambda buffer: -buffer.shape[0]):
+            for filters in itertools.product((True, False), repeat=2):
+                self._graph(logits, *filters)
+        return len(self.graphs) - before
+
+    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, values: dict[str, list], need_top_k_top_p: bool,
                need_min_p: bool) -> torch.Tensor:
         """verify_sampling's plain tokens (bs,) for logits that `covers` accepts."""
+        return self._graph(logits, need_top_k_top_p, need_min_p).replay(values)
+
+    def _graph(self, logits: torch.Tensor, need_top_k_top_p: bool, need_min_p: bool) -> _Graph:
+        """The graph over logits' buffer for these filters, captured if it is not yet."""
         key = (logits.data_ptr(), need_top_k_top_p, need_min_p)
         graph = self.graphs.get(key)
         if graph is None:
@@ -94,4 +112,4 @@ class PlainSamplingGraphs:
                                               need_min_p, self.pool)
             if self.pool is None:
                 self.pool = graph.graph.pool()
-        return graph.replay(values)
+        return graph
