@@ -45,12 +45,15 @@ def main(argv=None) -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--no-top-p", action="store_true")
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS),
+                        help="greedy first: the others' rates are given over it")
     parser.add_argument("--log-level", default="warning", help="info: the start-up warm-up's summary too")
     ns = parser.parse_args(argv)
     from specserve.engine.engine import Engine
     path = write_model_config(f"/tmp/random-{ns.shape}", ns.shape)   # weights: --load-format dummy
     greedy = {}
-    for setting, (graphs, sampled) in SETTINGS.items():
+    for setting in ns.settings:
+        graphs, sampled = SETTINGS[setting]
         os.environ["SPECSERVE_SAMPLING_GRAPHS"] = graphs   # read when the engine is built
         engine = Engine(model_path=path, load_format="dummy", log_level=ns.log_level, max_total_tokens=100_000)
         try:
