@@ -89,9 +89,10 @@ def _top_k_top_p_keep(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.T
 
 
 # Ranks a prefix sum runs along before it moves to the next chunk. torch's scan along the last
-# dimension walks each row serially, a row per thread block: over 151,936 ranks of 8 rows it took
-# most of the filters' 0.77 ms on an H100, where chunks of 128 are scanned side by side.
-MASS_CHUNK = 128
+# dimension walks a long row serially: over 151,936 ranks it took 0.19 ms at 8 rows on an H100, where
+# chunks scanned side by side take 0.02-0.04. 512 is the size whose filters were fastest over 1-256
+# rows there (128 lost at 64 rows and more, where torch's scan of many short rows slows down).
+MASS_CHUNK = 512
 
 
 def _prefix_mass(ranked: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
