@@ -11,7 +11,8 @@ from lab.policy_sim_b1 import timed_cell
 from specserve.bench.policy_trace import PolicyTrace
 from specserve.speculative.adaptive.draft_cuts import PLAIN
 from specserve.speculative.adaptive.listener import PolicyListener
-from specserve.speculative.adaptive.modes import BYPASS_BUDGET, EPISODE_WINDOW, MAX_PLAIN_HOLD, BucketModes
+from specserve.speculative.adaptive.modes import (BYPASS_BUDGET, EPISODE_WINDOW, GUARD_STEPS, MAX_PLAIN_HOLD,
+                                                  BucketModes)
 from specserve.speculative.adaptive.policy import MAX_OPTIMISM, PLAIN_HOLD, SWITCH_MARGIN, AdaptiveDraftLength
 from specserve.speculative.adaptive.probes import (
     ADMIT_BACKOFF_DOUBLINGS, ADMIT_GAP, REOPEN_FOLLOW_UPS, ProbeSchedule)
@@ -376,3 +377,23 @@ def test_a_batch_that_shrinks_out_of_a_drafting_bucket_probes_at_once_with_costl
     assert not policy.should_draft(16)
     assert policy.probe_due(16, every_at_least=16, every_at_most=128) is drafting
     assert not policy.probe_due(16, every_at_least=16, every_at_most=128)   # once
+
+
+def test_an_episode_the_guard_stops_is_judged_won_where_it_beat_plain():
+    """The guard stops an episode once its recent steps fall below plain's rate; an episode
+    that beat plain by the margin all the same reopens its bucket and leaves no overshoot
+    record (policy.record_step then clears its choices' optimism too), one that did not keeps it."""
+    for early_tokens, wins in ((60, True), (20, False)):
+        modes = BucketModes()
+        modes.should_draft(1, 0)
+        modes.record_outcome(1, 1, 0.05, 1)                # plain: 20 tokens/s
+        modes.request_switch(1, 3.0)
+        modes.should_draft(1, 1), modes.should_draft(1, 1)
+        assert not modes.record_outcome(1, early_tokens, 1.0, 2, reopen_margin=SWITCH_MARGIN)
+        for step in range(3, 3 + 3 * GUARD_STEPS):   # 10 tokens/s from here
+            verdict = modes.record_outcome(1, 0.5, 0.05, step, reopen_margin=SWITCH_MARGIN)
+            if 1 in modes.plain:
+                break
+        assert 1 in modes.plain, "the guard did not stop the episode"
+        assert verdict is wins
+        assert (1 in modes.episode_overshoot) is not wins

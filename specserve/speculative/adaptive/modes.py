@@ -260,20 +260,22 @@ class BucketModes:
         return 0 if episode is None else episode.steps
 
     def record_outcome(self, bucket: int, tokens: int, seconds: float, steps: int, batch_size: int = 1,
-                       prefill: bool = False) -> None:
+                       prefill: bool = False, reopen_margin: float | None = None) -> bool:
         """Plain mode: the reference rate. Drafting: the episode, stopped once its recent
-        steps are clearly below the reference; a step that carried the drafter's prefill of
-        a prompt is not part of it (policy.record_step)."""
+        steps are clearly below the reference, and judged as go_plain judges it: True where it
+        won by reopen_margin all the same. A step that carried the drafter's prefill of a
+        prompt is not part of it (policy.record_step)."""
         self.clock[bucket] = self.clock.get(bucket, 0.0) + seconds
         per_request = tokens / batch_size
         if bucket in self.plain:
             self.plain_rate[bucket] = self._plain_rates.add(bucket, per_request / seconds)
-            return
+            return False
         if prefill:
-            return
+            return False
         episode = self._episodes.setdefault(bucket, Episode())
         episode.add(per_request, seconds)
         plain_rate = self.plain_rate.get(bucket)
         if (episode.steps >= GUARD_STEPS and plain_rate is not None
                 and episode.recent_rate() < GUARD_RATIO * plain_rate):
-            self.go_plain(bucket, steps)
+            return self.go_plain(bucket, steps, reopen_margin)
+        return False

@@ -292,10 +292,7 @@ class AdaptiveDraftLength:
             self._expected[bucket] = (choice.tokens, self.costs.price(bucket, choice.level))
         if best.tier == 1:  # not a re-measurement of tier 1: plain decoding is expected to win
             if self.modes.go_plain(bucket, self.costs.steps(bucket), reopen_margin=self.switch_margin):
-                self.probes.reopen(bucket)   # an episode that won: its drafts may be back in a few tokens
-                # ... and it ended on the steps that disappointed its choice: no record of overshoot
-                self._overshoots.clear(bucket)
-                self.optimism.pop(bucket, None)
+                self._episode_won(bucket)
         elif not self.costs.steadily_priced(bucket, 1) and self.modes.episode_steps(bucket) >= GUARD_STEPS:
             # plain decoding was priced only by steps plain mode does not run (modes.py)
             self.modes.plain_trial(bucket, self.costs.steps(bucket))
@@ -351,8 +348,18 @@ class AdaptiveDraftLength:
         tier = self.costs.record(bucket, tree_size, seconds, steady)
         self.steps_per_tier[tier] += 1
         self._explored(bucket, tier, steady)
-        if tokens is not None and seconds > 0:
-            self.modes.record_outcome(bucket, tokens, seconds, self.costs.steps(bucket), batch_size, prefill)
+        if tokens is not None and seconds > 0 and self.modes.record_outcome(
+                bucket, tokens, seconds, self.costs.steps(bucket), batch_size, prefill, self.switch_margin):
+            self._episode_won(bucket)   # stopped by its recent steps, it had won all the same
+
+    def _episode_won(self, bucket: int) -> None:
+        """An episode that ended having beaten plain decoding by the switch margin: its drafts
+        may be back in a few tokens, and it ended on the steps that disappointed its choices, so
+        they leave no record of overshoot (kept, a won episode's early over-promise raises the
+        switch margin against the drafts that won it)."""
+        self.probes.reopen(bucket)
+        self._overshoots.clear(bucket)
+        self.optimism.pop(bucket, None)
 
     def _explored(self, bucket: int, level: int, steady: bool) -> None:
         """After a step that re-priced a stale tier: where it was makeshift (an episode's first
