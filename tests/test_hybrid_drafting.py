@@ -289,6 +289,26 @@ def test_a_requests_trie_expectations_follow_what_its_contending_drafts_commit()
     assert choice.expected_from_trie(2, "a") == pytest.approx(3.5, abs=0.05)
 
 
+def test_one_walk_moves_a_requests_trie_calibration_a_step_from_its_class():
+    """A request's calibration starts at its class's promise: a first walk that committed 3 of
+    the 12 tokens expected moves the factor by ACCEPT_EMA of the miss, not to 3 / 12."""
+    from specserve.speculative.adaptive.acceptance import ACCEPT_EMA, Shadow
+    from specserve.speculative.hybrid.trie_calibration import TrieCalibration
+    calibration = TrieCalibration(16)
+
+    def walked_three_of_twelve():
+        shadow = Shadow({}, set(), key=2)
+        shadow.path, shadow.ended = [1, 2], True   # two drafted tokens matched: 3 committed
+        calibration.note("a", shadow, expected=12.0)
+        calibration.update(["a"])
+    assert calibration.factor("a") == 1.0
+    walked_three_of_twelve()
+    assert calibration.factor("a") == pytest.approx((12 + ACCEPT_EMA * (3 - 12)) / 12)
+    for _ in range(40):
+        walked_three_of_twelve()
+    assert calibration.factor("a") == pytest.approx(0.25, abs=0.01)
+
+
 def test_steps_are_priced_by_kind_from_commit_to_commit(monkeypatch):
     """A step's price is the time from the commit before it, no prefill between, found by its
     first request's root; a proposal that never ran is passed over; the excesses follow."""
