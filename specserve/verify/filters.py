@@ -49,7 +49,8 @@ def apply_sampling_filters(logits: torch.Tensor, temperatures: torch.Tensor, top
     probs = probs / probs.sum(dim=-1, keepdim=True)
     # a greedy row: all zeros, then 1 added at its argmax (non-greedy rows add 0 there, exactly)
     probs = probs.masked_fill_(greedy, 0.0)
-    return probs.scatter_add_(-1, logits.argmax(dim=-1, keepdim=True), greedy.to(probs.dtype).expand(*probs.shape[:-1], 1))
+    ones = greedy.to(probs.dtype).expand(*probs.shape[:-1], 1)
+    return probs.scatter_add_(-1, logits.argmax(dim=-1, keepdim=True), ones)
 
 
 def _top_k_top_p_keep(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
