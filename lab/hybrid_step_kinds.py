@@ -12,9 +12,9 @@ A config without a hybrid (EAGLE-3 alone, NGRAM) has no choice events: its draft
 are all of one kind, draft.
 
 On an H100 (1.5B, the kept head, code-types at batch 1, 195b37f) this split showed where the
-hybrid lost to NGRAM alone (138 against 97 ms): trie steps of 2.69 ms where NGRAM's took 2.13,
+hybrid lost to NGRAM alone (138 against 97 ms): trie steps of 2.71 ms where NGRAM's took 2.17,
 and detours to the head (4 restarts of ~5 ms and 10 head steps committing 3.6 tokens each,
-where trie steps committed 11.9).
+where trie steps committed 12.2).
 
 `python -m lab.hybrid_step_kinds TRACES [--runs "code-types c1" ...]`: TRACES is a folder of
 per-config folders with policy_trace.jsonl (the traces tar, unpacked); one JSON line per

@@ -8,7 +8,7 @@ chained step takes ~2). Weighed against one step, that cost kept requests on the
 where the trie's drafts would have paid over the run they started: on code edits at batch 1,
 whose trie runs last ~10 steps, the hybrid made 4.5x plain where NGRAM alone made 6.6x, a third
 of its time in detours of 3-5 head steps that committed 3.6 tokens each against the trie
-steps' 11.9.
+steps' 12.2.
 
 A run is counted when it ends: its request switched sources or finished (a run cut by its
 request's end is shorter than the source would have kept it: counted as it was, the estimate
