@@ -24,8 +24,7 @@ from specserve.errors import ArgumentError
 from specserve.speculative.hybrid import source_choice
 from specserve.speculative.hybrid.drafter import HybridDrafter, merge_proposals
 from specserve.speculative.hybrid.fused_hybrid import FusedHybridDrafter
-from specserve.speculative.hybrid.run_lengths import RUN_EMA, RunLengths
-from specserve.speculative.hybrid.source_choice import HEAD, HEAD_RECHECK_STEPS, NGRAM, SourceChoice
+from specserve.speculative.hybrid.source_choice import HEAD_RECHECK_STEPS, SourceChoice
 from specserve.speculative.hybrid.step_prices import CHAINED, RESTART, TRIE, StepPrices
 from specserve.training.target_features import TargetFeatureExtractor
 from specserve.verify.tree import TreeProposal
@@ -310,23 +309,6 @@ def test_one_walk_moves_a_requests_trie_calibration_a_step_from_its_class():
     assert calibration.factor("a") == pytest.approx(0.25, abs=0.01)
 
 
-def test_runs_are_counted_per_request_and_averaged_per_source():
-    """A run ends where its request switches sources or finishes; each source's mean moves
-    by RUN_EMA with every run that ends."""
-    runs = RunLengths()
-    for source in (NGRAM, NGRAM, NGRAM, NGRAM, HEAD):
-        runs.step("a", source)
-    runs.step("b", HEAD)
-    assert runs.mean(NGRAM) == 4 and runs.mean(HEAD) is None
-    runs.step("b", NGRAM)                  # b's head run of 1 ended; a's goes on
-    runs.step("a", HEAD)
-    assert runs.mean(HEAD) == 1
-    runs.release("a")                      # a's head run of 2, cut by its end
-    assert runs.mean(HEAD) == pytest.approx(1 + RUN_EMA * (2 - 1))
-    runs.step("b", HEAD)
-    assert runs.mean(NGRAM) == pytest.approx(4 + RUN_EMA * (1 - 4))
-
-
 def test_steps_are_priced_by_kind_from_commit_to_commit(monkeypatch):
     """A step's price is the time from the commit before it, no prefill between, found by its
     first request's root; a proposal that never ran is passed over; the excesses follow."""
@@ -343,11 +325,6 @@ def test_steps_are_priced_by_kind_from_commit_to_commit(monkeypatch):
     # a trie step and its restart (6.7 ms) against two chained steps (4 ms), in chained steps
     assert prices.break_excess(1) == pytest.approx(1.35)
     assert prices.stay_excess(1) == pytest.approx(0.35)
-    # the restart spread over a trie run of 4 steps: (2.7 - 2 + 2 / 4) / 2
-    assert prices.break_excess(1, trie_run=4) == pytest.approx(0.6)
-    # against a head run of 2 steps, a restart and a chained step (3 ms a step): 2.7 / 3 - 1 < 0
-    assert prices.stay_excess(1, head_run=2) == 0.0
-    assert prices.stay_excess(1, head_run=20) == pytest.approx(2.7 / 2.1 - 1)
     assert prices.price(CHAINED, 64) is None             # per batch bucket
     prices.proposed("a", 30, TRIE)                       # looked at, never run
     prices.proposed("a", 31, CHAINED)
@@ -401,12 +378,6 @@ def test_a_fused_hybrid_weighs_trie_drafts_by_the_prices_it_measured(monkeypatch
     assert hybrid._trie_price([req])[0] == pytest.approx(1.5)    # (5 - 2) / 2
     hybrid.chained_proposal([req])
     assert asked[-1] == pytest.approx(3.5)                     # (5 + 6 - 4) / 2
-    # runs ended: the head's (the chained steps above) after 2 steps, then the trie's after 3
-    for trie in (True, True, True, False):
-        hybrid.choice.took(["a"], np.full(1, trie))
-    hybrid.chained_proposal([req])
-    assert asked[-1] == pytest.approx((5 - 2 + (6 - 2) / 3) / 2)
-    assert hybrid._trie_price([req])[0] == pytest.approx(5 / (2 + (6 - 2) / 2) - 1)
 
 
 def test_a_small_cache_preempts_and_evicts_without_changing_the_output(models, plain):

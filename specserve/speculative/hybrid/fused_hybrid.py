@@ -21,22 +21,20 @@ A step is one of two kinds:
 A request's choice is the hybrid's (source_choice.py) with one more condition: over the
 batch, the trie's drafts must be expected to commit more than the head's would by what their
 step costs beyond the head's (step_prices.py: each kind of step priced per batch bucket as it
-runs; where the head's steps are chained, a trie step and the restart after it, spread over the
-trie's runs; where the chain is broken already, a trie step against the head's run a restart
-would start, spread over the head's runs), so a lone request with a middling trie match does not
+runs; a trie step and the restart after it where the head's steps are chained, a trie step
+alone where the chain is broken already), so a lone request with a middling trie match does not
 break every request's chain (nor keep the batch off the fused steps), and at 64, where a trie
 step and its restart cost ~4 chained steps, twice the head's tokens is not enough.
 """
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
 from specserve.speculative.drafter import ChainedSteps
 from specserve.speculative.hybrid.drafter import HybridDrafter
-from specserve.speculative.hybrid.source_choice import HEAD, NGRAM, UNPRICED_EXCESS
+from specserve.speculative.hybrid.source_choice import UNPRICED_EXCESS
 from specserve.speculative.hybrid.step_prices import CHAINED
 from specserve.speculative.model_drafters.fused_drafter import FusedChainDrafter
 from specserve.verify.tree import TreeProposal
@@ -66,11 +64,10 @@ class FusedHybridDrafter(HybridDrafter, ChainedSteps):
 
     def _trie_price(self, reqs: list["Req"]) -> tuple[float, np.ndarray]:
         """A step proposed after a read: the chain is broken (or never ran), so the head's next
-        step is a restart; a trie step is weighed against a step of the head's run it would
-        start, the restart spread over the length of the head's runs (run_lengths.py). Beside
-        trie drafts, the other requests verify the head's pending chains where they have them,
-        else their roots alone."""
-        excess = self.prices.stay_excess(len(reqs), self.choice.runs.mean(HEAD) or math.inf)
+        step restarts whichever source drafts now; a trie step is weighed against the chained
+        steps a restart leads back to. Beside trie drafts, the other requests verify the head's
+        pending chains where they have them, else their roots alone."""
+        excess = self.prices.stay_excess(len(reqs))
         ready = np.fromiter((self.head.holds_chain(req) for req in reqs), dtype=bool, count=len(reqs))
         return UNPRICED_EXCESS if excess is None else excess, ready
 
@@ -120,13 +117,12 @@ class FusedHybridDrafter(HybridDrafter, ChainedSteps):
         rids = [req.rid for req in reqs]
         trie, trie_nodes = self.ngram.propose(reqs, [self.max_nodes] * len(reqs))
         trie_keys = self.ngram.proposal_keys()
-        excess = self.prices.break_excess(len(reqs), self.choice.runs.mean(NGRAM) or 1.0)
+        excess = self.prices.break_excess(len(reqs))
         self._trie_next = self.choice.breaks_chain(rids, trie_nodes, trie_keys,
                                                    UNPRICED_EXCESS if excess is None else excess)
         self.prices.proposed(rids[0], reqs[0].num_tokens, CHAINED)
         self._record(reqs, trie, trie_nodes, trie_keys, head, head_nodes)
         head_only = np.zeros(len(reqs), dtype=bool)
-        self.choice.took(rids, head_only)
         self._count(reqs, head_only, head_nodes)
         self._keys = self.choice.policy_keys(head_only, trie_keys)
         self._trie_only = False

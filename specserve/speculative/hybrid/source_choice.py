@@ -32,7 +32,6 @@ from typing import Callable
 import numpy as np
 
 from specserve.speculative.adaptive.acceptance import AcceptanceEvidence
-from specserve.speculative.hybrid.run_lengths import RunLengths
 from specserve.speculative.hybrid.trie_calibration import TrieCalibration
 from specserve.verify.tree import TreeProposal
 
@@ -70,7 +69,6 @@ class SourceChoice:
         self.head = AcceptanceEvidence([max_nodes])    # per request
         self.calibration = TrieCalibration(max_nodes)  # per request: what its classes' promises are worth
         self._trie_streak: dict[str, int] = {}         # rid -> steps the trie drafted in a row
-        self.runs = RunLengths()                       # how long requests stay with a source
         # an instrument's (bench/policy_trace.py), told each choice as a dict; None: nobody listens
         self.listener: Callable[[dict], None] | None = None
 
@@ -106,10 +104,9 @@ class SourceChoice:
         return use_trie
 
     def took(self, rids: list[str], use_trie: np.ndarray) -> None:
-        """A step's sources (True: the trie's), for each request's streak of trie steps and its runs."""
+        """A step's sources (True: the trie's), for each request's streak of trie steps."""
         for rid, trie in zip(rids, use_trie.tolist()):
             self._trie_streak[rid] = self._trie_streak.get(rid, 0) + 1 if trie else 0
-            self.runs.step(rid, NGRAM if trie else HEAD)
 
     def trie_may_go_on(self, rids: list[str]) -> bool:
         """Whether none of these requests is due to take the head's drafts at its next step
@@ -203,4 +200,3 @@ class SourceChoice:
         self.head.release(rid)
         self.calibration.release(rid)
         self._trie_streak.pop(rid, None)
-        self.runs.release(rid)

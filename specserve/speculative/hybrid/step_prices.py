@@ -11,8 +11,6 @@ They differ most where it matters: on an H100 (1.5B, EAGLE-3 chains of 3, code e
 step took ~2.0 ms at batch 1 and 5-6 ms at 64, a trie step of 16 nodes 2.7 and 12-14.6 ms, and
 the restart after it 3.9-5.7 and 14-16 ms; so at 64 a batch's trie drafts that committed twice the
 head's tokens (the rule without prices) lost to the chain they broke.
-A restart is paid once per run of the head's steps, so the excesses spread it over the length of
-the runs the engine's requests make (run_lengths.py).
 
 A step's price is the time from the commit of the step before to its own commit, no prompt
 prefilled in between: with steps launched ahead, that is what the step adds to a run (its own
@@ -23,8 +21,6 @@ of its root, noted when the step is proposed and found again at its commit; a pr
 never ran (a look that decided on a plain step) is dropped once its request has moved past it.
 """
 from __future__ import annotations
-
-import math
 
 from specserve.speculative.adaptive.costs import RecentMedians, batch_bucket
 
@@ -70,29 +66,23 @@ class StepPrices:
         """Seconds a step of `kind` costs at this batch's bucket; None before one was measured."""
         return self._median.get((kind, batch_bucket(batch_size)))
 
-    def break_excess(self, batch_size: int, trie_run: float = 1.0) -> float | None:
-        """Where the head's steps are chained: what a trie step costs beyond a chained one, and
-        the restart that ends its run (beyond a chained step) spread over the run's trie_run
-        steps, in chained steps (trie_run 1: a trie step and its restart against two chained
-        steps). None where the trie or the chain is not priced at this bucket."""
+    def break_excess(self, batch_size: int) -> float | None:
+        """Where the head's steps are chained: what a trie step and the restart after it cost
+        beyond two chained steps, in chained steps. None where the trie or the chain is not
+        priced at this bucket."""
         chained, trie = self.price(CHAINED, batch_size), self.price(TRIE, batch_size)
         if chained is None or trie is None:
             return None
-        return max(trie - chained + (self._restart(batch_size, chained) - chained) / trie_run, 0.0) / chained
+        restart = self.price(RESTART, batch_size) or RESTART_PRIOR * chained
+        return max(trie + restart - 2 * chained, 0.0) / chained
 
-    def stay_excess(self, batch_size: int, head_run: float = math.inf) -> float | None:
-        """Where the chain is broken already: what a trie step costs beyond a step of the head's
-        run that would start instead, as a fraction of it; that run is a restart and chained
-        steps, head_run in all (inf: the restart not counted, as if it were paid once the trie's
-        steps end anyway). None where the trie or the chain is not priced at this bucket."""
+    def stay_excess(self, batch_size: int) -> float | None:
+        """Where the chain is broken already (the head's next step is a restart, now or once
+        the trie's steps end): what a trie step costs beyond a chained step, in chained steps."""
         chained, trie = self.price(CHAINED, batch_size), self.price(TRIE, batch_size)
         if chained is None or trie is None:
             return None
-        head_step = chained + (self._restart(batch_size, chained) - chained) / head_run
-        return max(trie / head_step - 1.0, 0.0)
-
-    def _restart(self, batch_size: int, chained: float) -> float:
-        return self.price(RESTART, batch_size) or RESTART_PRIOR * chained
+        return max(trie - chained, 0.0) / chained
 
     def release(self, rid: str) -> None:
         self._proposed.pop(rid, None)
