@@ -21,7 +21,7 @@ import torch
 
 from specserve.model.gemv import graph_time_us
 from specserve.sampling.plain_graphs import PlainSamplingGraphs
-from specserve.verify.filters import _prefix_mass, apply_sampling_filters
+from specserve.verify.filters import apply_sampling_filters, prefix_mass
 from specserve.verify.random import SALT_TOKEN, exponential_race
 from specserve.verify.rules import verify_sampling
 from specserve.verify.tree import DraftTrees
@@ -66,7 +66,7 @@ def parts(bs: int, vocab: int, device) -> dict:
         "sort": lambda: probs.sort(dim=-1, descending=True),
         "topk_1024": lambda: probs.topk(1024, dim=-1),
         "cumsum": lambda: probs.cumsum(dim=-1),                  # torch's scan along each row
-        "prefix_mass": lambda: _prefix_mass(probs),              # the filters' chunked scan
+        "prefix_mass": lambda: prefix_mass(probs),              # the filters' chunked scan
         "filters_top_p": lambda: apply_sampling_filters(logits, temps, top_ks, top_ps, min_ps, need_min_p=False),
         "filters_none": lambda: apply_sampling_filters(logits, temps, top_ks, top_ps, min_ps,
                                                        need_top_k_top_p=False, need_min_p=False),

@@ -142,18 +142,18 @@ def test_filters_match_reference() -> None:
 
 
 def test_prefix_mass_is_a_cumulative_sum_whose_prefixes_do_not_depend_on_what_follows() -> None:
-    """The chunked scan (filters._prefix_mass) over lengths that fill their last chunk or not:
+    """The chunked scan (filters.prefix_mass) over lengths that fill their last chunk or not:
     the cumulative sum, and a row's first r sums the same bits whether the row goes on or not
     (a top-k selection's masses are the sort's)."""
-    from specserve.verify.filters import MASS_CHUNK, _prefix_mass
+    from specserve.verify.filters import MASS_CHUNK, prefix_mass
     gen = torch.Generator().manual_seed(3)
     for length in (1, MASS_CHUNK - 1, MASS_CHUNK, 3 * MASS_CHUNK + 5):
         ranked = torch.rand(4, 2, length, generator=gen).sort(dim=-1, descending=True).values
-        mass = _prefix_mass(ranked)
+        mass = prefix_mass(ranked)
         assert mass.shape == ranked.shape
         torch.testing.assert_close(mass, ranked.double().cumsum(-1).float(), rtol=1e-6, atol=1e-6)
         for cut in {1, length // 2 + 1, length}:
-            assert torch.equal(_prefix_mass(ranked[..., :cut].contiguous()), mass[..., :cut])
+            assert torch.equal(prefix_mass(ranked[..., :cut].contiguous()), mass[..., :cut])
 
 
 def test_top_k_selection_equals_the_sort_even_with_ties() -> None:

@@ -75,7 +75,7 @@ def _top_k_top_p_keep(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.T
     top_ks = torch.where((top_ks <= 0) | (top_ks > vocab), vocab, top_ks)
     # greedy rows of a selection may ask for more than were ranked: their mask is not used
     top_ks = top_ks.clamp(max=ranked.shape[-1]).expand(*ranked.shape[:-1], 1)
-    mass = _prefix_mass(ranked)                                             # mass[r]: ranks 0..r
+    mass = prefix_mass(ranked)                                              # mass[r]: ranks 0..r
     top_ps = _per_row(top_ps.to(probs.dtype), probs)
     threshold = top_ps * mass.gather(-1, top_ks - 1)
     # rank r + 1 is kept while the mass of ranks 0..r is below the threshold; rank 0 always
@@ -85,7 +85,7 @@ def _top_k_top_p_keep(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.T
     above, tied = probs > smallest_kept, probs == smallest_kept
     if selected:   # a selection leaves tied tokens in no set order: count them by id
         needed = count - above.sum(dim=-1, keepdim=True)
-        return above | (tied & (_prefix_mass(tied, torch.int32) <= needed))
+        return above | (tied & (prefix_mass(tied, torch.int32) <= needed))
     return above | (tied & (torch.arange(vocab, device=probs.device) <= ids.gather(-1, count - 1)))
 
 
@@ -96,7 +96,7 @@ def _top_k_top_p_keep(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.T
 MASS_CHUNK = 512
 
 
-def _prefix_mass(ranked: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+def prefix_mass(ranked: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Cumulative sums along the last dimension (in dtype: default ranked's), scanned within
     chunks of MASS_CHUNK and then across the chunks' totals. A prefix's sum depends only on the
     ranks up to it, so a top-k selection's prefix masses are the full sort's first ones."""
