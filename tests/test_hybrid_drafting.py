@@ -24,6 +24,7 @@ from specserve.errors import ArgumentError
 from specserve.speculative.hybrid import source_choice
 from specserve.speculative.hybrid.drafter import HybridDrafter, merge_proposals
 from specserve.speculative.hybrid.fused_hybrid import FusedHybridDrafter
+from specserve.speculative.hybrid.run_rates import RunRates
 from specserve.speculative.hybrid.source_choice import HEAD_RECHECK_STEPS, SourceChoice
 from specserve.speculative.hybrid.step_prices import CHAINED, RESTART, TRIE, StepPrices
 from specserve.training.target_features import TargetFeatureExtractor
@@ -378,6 +379,33 @@ def test_a_fused_hybrid_weighs_trie_drafts_by_the_prices_it_measured(monkeypatch
     assert hybrid._trie_price([req])[0] == pytest.approx(1.5)    # (5 - 2) / 2
     hybrid.chained_proposal([req])
     assert asked[-1] == pytest.approx(3.5)                     # (5 + 6 - 4) / 2
+
+
+def test_steps_off_the_chain_keep_the_output_and_free_everything(models, monkeypatch):
+    """Where the head's runs are priced below any step off the chain (run_rates.py), a broken
+    chain is not restarted: the trie drafts where it matches, and at batch 1 the roots alone
+    run as plain steps launched ahead. The output is plain decoding's, one
+    prompt at a time and four together, and every slot is freed."""
+    monkeypatch.setattr(StepPrices, "committed", MEASURED_COMMIT)
+    monkeypatch.setattr(RunRates, "head_rate", lambda self, batch_size: 1e-3)
+    target, head = models
+    with tiny_engine(target) as engine:
+        expected = [[o["output_ids"] for o in engine.generate(input_ids=p, sampling_params=GREEDY)]
+                    for p in ([PROMPTS[1]], [PROMPTS[2]], PROMPTS)]
+    with tiny_engine(target, **hybrid_args(head)) as engine:
+        ahead_on(engine)
+        drafter, off = engine.core.drafter, []
+        stay_off = drafter.choice.stay_off
+        drafter.choice.stay_off = lambda rids, *args: off.append((len(rids), bool(args[2].any()))) or stay_off(rids, *args)
+        plain_steps = engine.core.overlap.launch_ahead
+        launched = []
+        engine.core.overlap.launch_ahead = lambda reqs, **kw: launched.append(len(reqs)) or plain_steps(reqs, **kw)
+        outputs = [[o["output_ids"] for o in engine.generate(input_ids=p, sampling_params=GREEDY)]
+                   for p in ([PROMPTS[1]], [PROMPTS[2]], PROMPTS)]
+        assert outputs == expected
+        assert (1, True) in off and (1, False) in off and any(size == 4 for size, _ in off), off
+        assert launched.count(1) > 0
+        wait_until_everything_is_free(engine)
 
 
 def test_a_small_cache_preempts_and_evicts_without_changing_the_output(models, plain):

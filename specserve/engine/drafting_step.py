@@ -210,10 +210,12 @@ class DraftingStep(StepPipeline):
         """Whether a step with nothing to verify may run as a plain step on the overlap schedule
         (plain_step.py), which launches its successors ahead while the drafter has nothing to
         propose: greedy requests of a batch small enough (DraftPlanner.may_run_dry), and a
-        drafter whose steps the engine verifies itself."""
+        proposal the engine verifies itself (not one that reserved a fused drafter's step, which
+        drafts the next step in it)."""
+        drafter = self.planner.drafter
         return (self.ahead.plain is not None and self.planner.may_run_dry(len(reqs))
                 and self.ahead.plain.serves(reqs)
-                and not isinstance(self.planner.drafter, FusedSteps))
+                and not (isinstance(drafter, FusedSteps) and drafter.holds_fused_rows()))
 
     def _launch_chained(self, reqs: list[Req], step: DraftStep) -> ChainedStep | ForecastStep | None:
         """The next step of the same batch, queued before this one is read: its drafts and

@@ -193,6 +193,12 @@ class FusedSteps:
         (engine/drafting_step.py); None where the engine verifies them with its sampler."""
         return None
 
+    def holds_fused_rows(self) -> bool:
+        """Whether the last proposal reserved rows for its own fused step: a proposal of roots
+        alone that did not may run as a plain step (engine/drafting_step.py), one that did
+        drafts the next step in it."""
+        return True
+
 
 class ChainedSteps(FusedSteps):
     """A fused drafter whose next greedy step can be queued before the host reads the step

@@ -74,8 +74,8 @@ class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates, ForecastSteps):
         rids = [req.rid for req in reqs]
         trie, trie_nodes = self.ngram.propose(reqs, max_nodes)
         trie_keys = self.ngram.proposal_keys()
-        use_trie = self.choice.choose(rids, trie_nodes, trie_keys, *self._trie_price(reqs))
-        self.prices.proposed(rids[0], reqs[0].num_tokens, TRIE if use_trie.any() else RESTART)
+        use_trie = self._choose(reqs, trie_nodes, trie_keys)
+        self.prices.proposed(rids[0], reqs[0].num_tokens, self._step_kind(use_trie))
         head, head_nodes, use_trie = self._head_drafts(reqs, max_nodes, use_trie)
         self._record(reqs, trie, trie_nodes, trie_keys, head, head_nodes)
         proposal = merge_proposals(trie, head, use_trie)
@@ -84,6 +84,14 @@ class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates, ForecastSteps):
         self._keys = self.choice.policy_keys(use_trie, trie_keys)
         self._trie_only = bool(use_trie.all()) and self.choice.trie_may_go_on(rids)
         return proposal, num_nodes
+
+    def _choose(self, reqs: list["Req"], trie_nodes: list[int], trie_keys: list[int]) -> np.ndarray:
+        """(bs,) bool: the requests that draft from the trie this step (source_choice.choose)."""
+        return self.choice.choose([req.rid for req in reqs], trie_nodes, trie_keys, *self._trie_price(reqs))
+
+    def _step_kind(self, use_trie: np.ndarray) -> str:
+        """The step's kind, as step_prices.py prices it."""
+        return TRIE if use_trie.any() else RESTART
 
     def _trie_price(self, reqs: list["Req"]) -> tuple[float | None, np.ndarray | None]:
         """What a trie step must pay for beyond the head's, and which requests would keep head
@@ -153,7 +161,8 @@ class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates, ForecastSteps):
     def observe_batch(self, reqs: list["Req"], committed: list[list[int]]) -> None:
         rids = [req.rid for req in reqs]
         if reqs:
-            self.prices.committed(rids, reqs[0].num_tokens - len(committed[0]), time.perf_counter())
+            self._priced(reqs, committed, self.prices.committed(rids, reqs[0].num_tokens - len(committed[0]),
+                                                                time.perf_counter()))
         self.choice.observe_batch(rids, committed)
         for record in self._unrecorded:
             self.choice.record(*record)
@@ -162,6 +171,9 @@ class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates, ForecastSteps):
             self._seen[req.rid] = req.num_tokens
         self.ngram.observe_batch(reqs, committed)
         self.head.observe_batch(reqs, committed)
+
+    def _priced(self, reqs: list["Req"], committed: list[list[int]], priced: tuple[str, float] | None) -> None:
+        """A step's kind and price (StepPrices.committed), for what watches runs of steps."""
 
     def flush(self) -> None:
         self.ngram.flush()

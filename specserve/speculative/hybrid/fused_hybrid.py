@@ -25,6 +25,16 @@ runs; a trie step and the restart after it where the head's steps are chained, a
 alone where the chain is broken already), so a lone request with a middling trie match does not
 break every request's chain (nor keep the batch off the fused steps), and at 64, where a trie
 step and its restart cost ~4 chained steps, twice the head's tokens is not enough.
+
+Where the chain is broken, the head's next step is a restart, and the choice above weighs it as
+the chained step it leads back to. So first the steps off the chain are weighed against the
+head's runs (run_rates.py): while the recent steps off the chain, with this one (the trie's
+drafts where it has them, else the head's pending chains or the roots alone, as a plain step
+where that pays), commit more a second than the head's runs did from their restarts on, the
+step stays off the chain. On code edits the trie's gaps are a step or two long, and a restart
+there held the batch on the chain's ~4-token steps where the trie's committed 12-16 (H100,
+1.5B, batch 1: 4 such detours, 44 ms of a 138-ms run where NGRAM alone took 97); on chat the
+recent steps fall under the head's rate after a plain step or two, and the head restarts.
 """
 from __future__ import annotations
 
@@ -35,7 +45,8 @@ import numpy as np
 from specserve.speculative.drafter import ChainedSteps
 from specserve.speculative.hybrid.drafter import HybridDrafter
 from specserve.speculative.hybrid.source_choice import UNPRICED_EXCESS
-from specserve.speculative.hybrid.step_prices import CHAINED
+from specserve.speculative.hybrid.run_rates import RunRates
+from specserve.speculative.hybrid.step_prices import CHAINED, PLAIN, RESTART, TRIE
 from specserve.speculative.model_drafters.fused_drafter import FusedChainDrafter
 from specserve.verify.tree import TreeProposal
 
@@ -61,6 +72,50 @@ class FusedHybridDrafter(HybridDrafter, ChainedSteps):
         self.head: FusedChainDrafter = head
         # the trie was expected to pay at the last chained step's roots: chain no step after it
         self._trie_next = False
+        self.runs = RunRates()
+        self._off_chain = False   # this proposal stays off the head's chain (no restart)
+
+    def _choose(self, reqs: list["Req"], trie_nodes: list[int], trie_keys: list[int]) -> np.ndarray:
+        """The step off the chain where it pays against the head's runs (the module docstring);
+        else the choice's rule."""
+        use_trie = self._off_chain_drafts(reqs, trie_nodes, trie_keys)
+        self._off_chain = use_trie is not None
+        return use_trie if use_trie is not None else super()._choose(reqs, trie_nodes, trie_keys)
+
+    def _off_chain_drafts(self, reqs: list["Req"], trie_nodes: list[int], trie_keys: list[int]) -> np.ndarray | None:
+        """(bs,) bool, the requests that take the trie's drafts in a step off the chain (the
+        others verify their pending chains or their roots alone); None where restarting the
+        head is expected to pay, or where the head's runs or the trie's steps are not priced
+        at this bucket yet."""
+        bs, rids = len(reqs), [req.rid for req in reqs]
+        head_rate, trie_price = self.runs.head_rate(bs), self.prices.price(TRIE, bs)
+        if head_rate is None or trie_price is None:
+            return None
+        held = [self.head.holds_chain(req) for req in reqs]
+        use_trie = np.array([nodes > 1 for nodes in trie_nodes], dtype=bool)
+        tokens = 0.0
+        for i, (rid, key) in enumerate(zip(rids, trie_keys)):
+            trie = self.choice.expected_from_trie(key, rid) if use_trie[i] else None
+            tokens += max(trie or 1.0, 1.0) if use_trie[i] else self.choice.expected_from_head(rid) if held[i] else 1.0
+        price, plain_price = trie_price, self.prices.price(PLAIN, bs)
+        if plain_price is not None and not any(held) and bs / plain_price > tokens / trie_price:
+            use_trie[:], tokens, price = False, bs, plain_price   # roots alone: a plain step
+        off_rate = self.runs.off_rate(tokens, price)
+        if off_rate < head_rate:
+            return None
+        return self.choice.stay_off(rids, trie_nodes, trie_keys, use_trie, off_rate, head_rate)
+
+    def _step_kind(self, use_trie: np.ndarray) -> str:
+        if use_trie.any():
+            return TRIE
+        return PLAIN if self._off_chain else RESTART
+
+    def _priced(self, reqs: list["Req"], committed: list[list[int]], priced: tuple[str, float] | None) -> None:
+        if priced is None:
+            self.runs.interrupted()
+        else:
+            kind, seconds = priced
+            self.runs.step(kind in (CHAINED, RESTART), len(reqs), sum(map(len, committed)), seconds)
 
     def _trie_price(self, reqs: list["Req"]) -> tuple[float, np.ndarray]:
         """A step proposed after a read: the chain is broken (or never ran), so the head's next
@@ -74,7 +129,7 @@ class FusedHybridDrafter(HybridDrafter, ChainedSteps):
     def _head_drafts(self, reqs: list["Req"], max_nodes: list[int],
                      use_trie: np.ndarray) -> tuple[TreeProposal, list[int], np.ndarray]:
         self._trie_next = False
-        if use_trie.any():
+        if use_trie.any() or self._off_chain:
             head, head_nodes = self.head.pending_chains(reqs, [1 if t else m for t, m in zip(use_trie.tolist(),
                                                                                               max_nodes)])
             return head, head_nodes, use_trie | (np.asarray(head_nodes) <= 1)
@@ -90,6 +145,9 @@ class FusedHybridDrafter(HybridDrafter, ChainedSteps):
     def verify_fused(self, reqs: list["Req"], proposal: TreeProposal, slots: list[int], sampler: "Sampler",
                      while_running: Callable[[], None] | None = None) -> "SampledStep | None":
         return self.head.verify_fused(reqs, proposal, slots, sampler, while_running)
+
+    def holds_fused_rows(self) -> bool:
+        return self.head.holds_fused_rows()   # none after pending_chains: a step off the chain
 
     def launch_fused(self, reqs: list["Req"], proposal: TreeProposal, slots: list[int],
                      kind: str = "greedy") -> "InFlight | None":

@@ -103,6 +103,17 @@ class SourceChoice:
             self.listener({**event, "taken": int(use_trie.sum())})
         return use_trie
 
+    def stay_off(self, rids: list[str], trie_nodes: list[int], trie_keys: list[int], use_trie: np.ndarray,
+                 off_rate: float, head_rate: float) -> np.ndarray:
+        """A step the fused hybrid keeps off the head's chain by rates (fused_hybrid.py), the
+        trie's drafts where `use_trie`: recorded as a choice is (the streaks, the listener's
+        event with both rates in tokens a second). Returns use_trie."""
+        self.took(rids, use_trie)
+        if self.listener is not None:
+            self.listener({**self._event("choose", rids, trie_nodes, trie_keys, use_trie, None),
+                           "taken": int(use_trie.sum()), "off_rate": round(off_rate), "head_rate": round(head_rate)})
+        return use_trie
+
     def took(self, rids: list[str], use_trie: np.ndarray) -> None:
         """A step's sources (True: the trie's), for each request's streak of trie steps."""
         for rid, trie in zip(rids, use_trie.tolist()):

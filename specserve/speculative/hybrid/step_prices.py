@@ -6,7 +6,9 @@ The kinds, by how the step's drafts were proposed (fused_hybrid.py):
 - CHAINED: the head's fused step, queued before the step before it was read;
 - RESTART: the head's fused step proposed after a read (after trie steps, plain steps or a
   change of the batch): the head first catches up on the rows it did not draft from;
-- TRIE: a step with trie drafts, which the engine verifies on its own.
+- TRIE: a step with trie drafts, which the engine verifies on its own;
+- PLAIN: a step no source drafted for (the adaptive policy's plain steps, and the fused
+  hybrid's roots alone where neither source pays: fused_hybrid.py).
 They differ most where it matters: on an H100 (1.5B, EAGLE-3 chains of 3, code edits) a chained
 step took ~2.0 ms at batch 1 and 5-6 ms at 64, a trie step of 16 nodes 2.7 and 12-14.6 ms, and
 the restart after it 3.9-5.7 and 14-16 ms; so at 64 a batch's trie drafts that committed twice the
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 from specserve.speculative.adaptive.costs import RecentMedians, batch_bucket
 
-CHAINED, RESTART, TRIE = "chained", "restart", "trie"
+CHAINED, RESTART, TRIE, PLAIN = "chained", "restart", "trie", "plain"
 PRICE_WINDOW = 5   # the median of the last few steps of a kind: one stall is one step
 # Where restarts are not priced yet (they are the rarest kind): a restart costs this many
 # chained steps (H100 above: 2-2.8x at batch 1, ~2.5x at 64)
@@ -42,13 +44,20 @@ class StepPrices:
         """A step proposed for a batch whose first request is `rid`, rooted at position `root`."""
         self._proposed.setdefault(rid, []).append((root, kind))
 
-    def committed(self, rids: list[str], root: int, now: float) -> None:
-        """A step of `rids` rooted at `root` (its first request's) committed at `now`."""
-        kind = self._kind_at(rids[0], root) if rids else None
-        if kind is not None and self._last_commit is not None:
-            key = (kind, batch_bucket(len(rids)))
-            self._median[key] = self._seconds.add(key, now - self._last_commit)
+    def committed(self, rids: list[str], root: int, now: float) -> tuple[str, float] | None:
+        """A step of `rids` rooted at `root` (its first request's) committed at `now`: a step
+        proposed as none of the drafting kinds is PLAIN. Returns its kind and price, None where
+        a prefill came between (or the batch is empty)."""
+        if not rids:
+            return None
+        kind = self._kind_at(rids[0], root) or PLAIN
+        priced = None
+        if self._last_commit is not None:
+            key, seconds = (kind, batch_bucket(len(rids))), now - self._last_commit
+            self._median[key] = self._seconds.add(key, seconds)
+            priced = kind, seconds
         self._last_commit = now
+        return priced
 
     def prefilled(self) -> None:
         """A prefill ran: the next commit's interval holds it, and prices nothing."""

@@ -140,6 +140,9 @@ class FusedChainDrafter(EagleDrafter, ChainedSteps):
         head cache's sync aside): no sync, for a choice made before the proposal."""
         return draft_temperature(req) == 0 and self._current_drafts(req) is not None
 
+    def holds_fused_rows(self) -> bool:
+        return bool(self._reserved)
+
     def _fuses(self, reqs: list["Req"]) -> bool:
         """Whether the fused step serves this batch (else the engine verifies it)."""
         return all(r.rid in self._reserved and fusable(r) for r in reqs)
