@@ -161,8 +161,8 @@ class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates, ForecastSteps):
     def observe_batch(self, reqs: list["Req"], committed: list[list[int]]) -> None:
         rids = [req.rid for req in reqs]
         if reqs:
-            self._priced(reqs, committed, self.prices.committed(rids, reqs[0].num_tokens - len(committed[0]),
-                                                                time.perf_counter()))
+            self._timed(reqs, committed, self.prices.committed(rids, reqs[0].num_tokens - len(committed[0]),
+                                                              time.perf_counter()))
         self.choice.observe_batch(rids, committed)
         for record in self._unrecorded:
             self.choice.record(*record)
@@ -172,8 +172,8 @@ class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates, ForecastSteps):
         self.ngram.observe_batch(reqs, committed)
         self.head.observe_batch(reqs, committed)
 
-    def _priced(self, reqs: list["Req"], committed: list[list[int]], priced: tuple[str, float] | None) -> None:
-        """A step's kind and price (StepPrices.committed), for what watches runs of steps."""
+    def _timed(self, reqs: list["Req"], committed: list[list[int]], timed: tuple[str | None, float] | None) -> None:
+        """A step's kind and time (StepPrices.committed), for what watches runs of steps."""
 
     def flush(self) -> None:
         self.ngram.flush()

@@ -110,11 +110,11 @@ class FusedHybridDrafter(HybridDrafter, ChainedSteps):
             return TRIE
         return PLAIN if self._off_chain else RESTART
 
-    def _priced(self, reqs: list["Req"], committed: list[list[int]], priced: tuple[str, float] | None) -> None:
-        if priced is None:
+    def _timed(self, reqs: list["Req"], committed: list[list[int]], timed: tuple[str | None, float] | None) -> None:
+        if timed is None:
             self.runs.interrupted()
         else:
-            kind, seconds = priced
+            kind, seconds = timed
             self.runs.step(kind in (CHAINED, RESTART), len(reqs), sum(map(len, committed)), seconds)
 
     def _trie_price(self, reqs: list["Req"]) -> tuple[float, np.ndarray]:

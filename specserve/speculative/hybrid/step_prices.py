@@ -7,8 +7,9 @@ The kinds, by how the step's drafts were proposed (fused_hybrid.py):
 - RESTART: the head's fused step proposed after a read (after trie steps, plain steps or a
   change of the batch): the head first catches up on the rows it did not draft from;
 - TRIE: a step with trie drafts, which the engine verifies on its own;
-- PLAIN: a step no source drafted for (the adaptive policy's plain steps, and the fused
-  hybrid's roots alone where neither source pays: fused_hybrid.py).
+- PLAIN: the fused hybrid's roots alone, where neither source pays (fused_hybrid.py): a plain
+  step launched ahead at batch 1, a verify of the roots above it.
+A step proposed as none of these (the adaptive policy's plain steps) is not priced.
 They differ most where it matters: on an H100 (1.5B, EAGLE-3 chains of 3, code edits) a chained
 step took ~2.0 ms at batch 1 and 5-6 ms at 64, a trie step of 16 nodes 2.7 and 12-14.6 ms, and
 the restart after it 3.9-5.7 and 14-16 ms; so at 64 a batch's trie drafts that committed twice the
@@ -45,19 +46,19 @@ class StepPrices:
         self._proposed.setdefault(rid, []).append((root, kind))
 
     def committed(self, rids: list[str], root: int, now: float) -> tuple[str, float] | None:
-        """A step of `rids` rooted at `root` (its first request's) committed at `now`: a step
-        proposed as none of the drafting kinds is PLAIN. Returns its kind and price, None where
-        a prefill came between (or the batch is empty)."""
+        """A step of `rids` rooted at `root` (its first request's) committed at `now`. Returns
+        its kind (None: proposed as none) and its time, None where a prefill came between (or
+        the batch is empty)."""
         if not rids:
             return None
-        kind = self._kind_at(rids[0], root) or PLAIN
-        priced = None
+        kind, timed = self._kind_at(rids[0], root), None
         if self._last_commit is not None:
-            key, seconds = (kind, batch_bucket(len(rids))), now - self._last_commit
-            self._median[key] = self._seconds.add(key, seconds)
-            priced = kind, seconds
+            timed = kind, now - self._last_commit
+            if kind is not None:
+                key = (kind, batch_bucket(len(rids)))
+                self._median[key] = self._seconds.add(key, timed[1])
         self._last_commit = now
-        return priced
+        return timed
 
     def prefilled(self) -> None:
         """A prefill ran: the next commit's interval holds it, and prices nothing."""
