@@ -59,14 +59,18 @@ def smollm2_engine(smollm2_path):
 @pytest.fixture(scope="session")
 def engine_factory(smollm2_path, smollm2_checkpoint):
     """`engine_factory(**server_args)` makes an fp32 CPU engine over SmolLM2 (e.g. with a tiny KV cache)
-    from the session's already-loaded checkpoint instead of parsing the GGUF again; every engine it
-    made is shut down at the end of the session."""
+    from the session's already-loaded checkpoint instead of parsing the GGUF again, and over the
+    weights the process's first such engine built (spec_fixtures.shared_model_build: its own
+    modules, the same read-only tensors; ~6 s less an engine); every engine it made is shut down
+    at the end of the session."""
     import copy
     import dataclasses
     from unittest import mock
 
     from specserve.engine import builder
     from specserve.engine.engine import Engine
+    from specserve.runner import model_runner
+    from tests.spec_fixtures import shared_model_build
 
     def reuse_checkpoint(model_path, dtype, device="cpu"):
         assert model_path == smollm2_path and dtype == torch.float32, (model_path, dtype)
@@ -78,7 +82,8 @@ def engine_factory(smollm2_path, smollm2_checkpoint):
 
     def make(**server_args):
         kwargs = {"dtype": "float32", "device": "cpu", "log_level": "warning", **server_args}
-        with mock.patch.object(builder, "load_checkpoint", reuse_checkpoint):
+        with mock.patch.object(builder, "load_checkpoint", reuse_checkpoint), \
+                mock.patch.object(model_runner, "build_model", shared_model_build(model_runner.build_model)):
             engine = Engine(model_path=smollm2_path, **kwargs)
         engines.append(engine)
         return engine

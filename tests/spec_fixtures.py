@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import threading
 import time
 from unittest import mock
 
@@ -31,7 +32,51 @@ CODE = '''def merge_sorted(a, b):
 CODE_PROMPT = f"Python code:\n```python\n{CODE}```\nRepeat the code above:\n```python\n"
 
 
-# ---- SmolLM2 engines that share one parsed checkpoint ----
+# ---- SmolLM2 engines that share one parsed checkpoint and its built weights ----
+_built_models: dict = {}   # (config, device, dtype, context length, the checkpoint's tensors) -> a built model
+_build_lock = threading.Lock()
+
+
+def _model_tensors(model) -> dict:
+    """id -> tensor of every tensor a built model's modules hold (parameters, buffers and plain
+    attributes such as CpuLinear.packed, also inside lists, tuples and dicts)."""
+    found = {}
+
+    def add(value):
+        if isinstance(value, torch.Tensor):
+            found[id(value)] = value
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                add(item)
+        elif isinstance(value, dict):
+            for item in value.values():
+                add(item)
+    for module in model.modules():
+        add(vars(module))
+    return found
+
+
+def shared_model_build(original_build):
+    """runner.model_runner.build_model for test engines over one loaded checkpoint: the first
+    engine of a process builds the model as any engine does (copying the weights in, then the
+    CPU layouts: oneDNN's packed copy and the column-major one, ~6 s of one core for SmolLM2);
+    each later engine gets its own module tree (so a patch on one engine's model, or its
+    per-engine attributes, stay its own) over those same weight tensors, bit for bit what it
+    would have built. The weights are read-only once built: no forward writes them."""
+    def build(config, state_dict, device, dtype, context_length, tp=None):
+        if tp is not None:
+            return original_build(config, state_dict, device, dtype, context_length, tp)
+        key = (repr(config), str(device), dtype, context_length,
+               tuple((name, t.data_ptr(), tuple(t.shape), t.dtype) for name, t in state_dict.items()))
+        with _build_lock:
+            if key not in _built_models:
+                _built_models[key] = original_build(config, state_dict, device, dtype, context_length, tp)
+            model = _built_models[key]
+            # the same tensors (memo), new modules and attributes
+            return copy.deepcopy(model, memo=_model_tensors(model))
+    return build
+
+
 class SmolEngines:
     """Makes fp32 CPU engines over SmolLM2 from an already-loaded checkpoint (parsing the GGUF
     again costs seconds); `close()` shuts down and drops every engine it made."""
@@ -43,6 +88,7 @@ class SmolEngines:
     def make(self, **server_args):
         from specserve.engine import builder
         from specserve.engine.engine import Engine
+        from specserve.runner import model_runner
 
         def reuse_checkpoint(model_path, dtype, device="cpu"):
             assert model_path == self.path and dtype == torch.float32, (model_path, dtype)
@@ -51,7 +97,8 @@ class SmolEngines:
                                        tokenizer=copy.deepcopy(self.checkpoint.tokenizer))
 
         kwargs = {"dtype": "float32", "device": "cpu", "log_level": "warning", "max_total_tokens": 4096, **server_args}
-        with mock.patch.object(builder, "load_checkpoint", reuse_checkpoint):
+        with mock.patch.object(builder, "load_checkpoint", reuse_checkpoint), \
+                mock.patch.object(model_runner, "build_model", shared_model_build(model_runner.build_model)):
             engine = Engine(model_path=self.path, **kwargs)
         self.engines.append(engine)
         return engine

@@ -241,24 +241,32 @@ def _drive(engine, prompt: str, params: dict, rid: str):
 FORECAST = pytest.mark.parametrize("forecast", [0, 2])
 
 
+ARRIVING_PROMPTS, ARRIVING_PARAMS = [CODE_PROMPT, SAMPLE_PROMPTS[0]], dict(GREEDY, max_new_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def plain_arriving(plain) -> list[list[int]]:
+    """Plain decoding's answers to the two requests below, once for both parametrizations."""
+    return [o["output_ids"] for o in plain.generate(ARRIVING_PROMPTS, ARRIVING_PARAMS)]
+
+
 @FORECAST
-def test_a_request_arriving_while_a_step_is_ahead_waits_for_its_commit(engine_factory, plain, forecast):
+def test_a_request_arriving_while_a_step_is_ahead_waits_for_its_commit(engine_factory, plain_arriving, forecast):
     engine = ahead_on(engine_factory(max_total_tokens=4096, **ngram_args(8, speculative_ngram_forecast=forecast)))
     core = _stepped_by_hand(engine)
-    params = dict(GREEDY, max_new_tokens=40, ignore_eos=True)
-    first = _drive(engine, CODE_PROMPT, params, "first")
+    params = ARRIVING_PARAMS
+    first = _drive(engine, ARRIVING_PROMPTS[0], params, "first")
     core.add_request(first)
     _step_until_ahead(core, [first])
     before = len(first.output_ids)
-    second = _drive(engine, SAMPLE_PROMPTS[0], params, "second")
+    second = _drive(engine, ARRIVING_PROMPTS[1], params, "second")
     core.add_request(second)
     outputs = core.step()   # the step ahead, read and committed: no prefill yet
     assert [o.req for o in outputs] == [first] and len(first.output_ids) > before
     assert core.draft_ahead.step is None and second.kv_len == 0
     while core.has_work():
         core.step()
-    expected = plain.generate([CODE_PROMPT, SAMPLE_PROMPTS[0]], params)
-    assert [first.output_ids, second.output_ids] == [o["output_ids"] for o in expected]
+    assert [first.output_ids, second.output_ids] == plain_arriving
     core.scheduler.check_kv()
     assert core.scheduler.available_slots() == core.runner.pool.size
 
@@ -281,16 +289,23 @@ def test_abort_while_a_step_is_ahead_frees_its_slots(engine_factory, forecast):
     assert core.scheduler.available_slots() == core.runner.pool.size
 
 
+SMALL_CACHE_PROMPTS = [CODE_PROMPT[:120]] + SAMPLE_PROMPTS[:5]
+SMALL_CACHE_PARAMS = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def plain_small_cache(plain) -> list[list[int]]:
+    """Plain decoding's answers (a roomy cache), once for both parametrizations of the test."""
+    return [o["output_ids"] for o in plain.generate(SMALL_CACHE_PROMPTS, SMALL_CACHE_PARAMS)]
+
+
 @FORECAST
-def test_a_small_cache_preempts_and_keeps_outputs(engine_factory, plain, forecast):
+def test_a_small_cache_preempts_and_keeps_outputs(engine_factory, plain_small_cache, forecast):
     small = ahead_on(engine_factory(max_total_tokens=200, max_running_requests=8,
                                     **ngram_args(8, speculative_ngram_forecast=forecast)))
-    params = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}
-    prompts = [CODE_PROMPT[:120]] + SAMPLE_PROMPTS[:5]
-    expected = plain.generate(prompts, params)
-    got = small.generate(prompts, params)
+    got = small.generate(SMALL_CACHE_PROMPTS, SMALL_CACHE_PARAMS)
     assert sum(o["meta_info"]["preemptions"] for o in got) > 0
-    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in expected]
+    assert [o["output_ids"] for o in got] == plain_small_cache
     wait_until_all_kv_is_free(small)
 
 
@@ -348,17 +363,25 @@ def test_a_replayed_graph_s_outputs_cut_to_the_batch_when_read():
     assert CutStepOutputs(TreeStepOutputs(full.logits, None, None), bs, m).trees is None
 
 
+def greedy_constrained_requests() -> tuple[list[str], list[dict]]:
+    from tests.test_structured_output import constrained_requests
+    requests = [(prompt, params) for _, prompt, params in constrained_requests() if params["temperature"] == 0]
+    return [p for p, _ in requests], [q for _, q in requests]
+
+
+@pytest.fixture(scope="module")
+def plain_constrained(plain) -> list[list[int]]:
+    """Plain decoding's answers to the greedy constrained requests, once for both parametrizations."""
+    return [o["output_ids"] for o in plain.generate(*greedy_constrained_requests())]
+
+
 @FORECAST
-def test_constrained_drafting_steps_are_launched_ahead(engine_factory, plain, forecast):
+def test_constrained_drafting_steps_are_launched_ahead(engine_factory, plain_constrained, forecast):
     """Verified unmasked, then kept to their grammars on the host (grammar/greedy_paths.py),
     constrained greedy drafting steps run launched ahead like the others, plain's outputs."""
-    from tests.test_structured_output import constrained_requests
-
-    requests = [(prompt, params) for _, prompt, params in constrained_requests() if params["temperature"] == 0]
-    prompts, params = [p for p, _ in requests], [q for _, q in requests]
+    prompts, params = greedy_constrained_requests()
     engine = ahead_on(engine_factory(max_total_tokens=4096, **ngram_args(6, speculative_ngram_forecast=forecast)))
-    expected = plain.generate(prompts, params)
     got = engine.generate(prompts, params)
-    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in expected]
+    assert [o["output_ids"] for o in got] == plain_constrained
     assert engine.core.draft_ahead.steps_taken > 10
     wait_until_all_kv_is_free(engine)
