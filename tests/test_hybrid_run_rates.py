@@ -88,3 +88,14 @@ def test_a_broken_chain_restarts_the_head_only_where_its_runs_beat_the_steps_off
     hybrid.choice.listener = heard.append
     hybrid.propose([req], [16])
     assert heard[-1]["kind"] == "choose" and heard[-1]["taken"] == 1 and heard[-1]["head_rate"] == 1200
+
+
+def test_off_the_chain_a_pending_chain_keeps_its_request_where_the_trie_promises_less():
+    hybrid = FusedHybridDrafter(Trie(), SimpleNamespace(num_steps=3), 16)
+    hybrid.choice.expected_from_trie = lambda key, rid=None: {5: 3.0, 7: 9.0}.get(key)
+    hybrid.choice.expected_from_head = lambda rid: 4.0
+    use_trie, tokens = hybrid._off_chain_tokens(["a", "b", "c", "d"], [16, 16, 16, 1], [5, 7, 6, 0],
+                                                held=[True, True, False, False])
+    # a: its chain (4) over the trie's 3; b: the trie's 9; c: an unmeasured class, over the root alone; d: its root
+    assert use_trie.tolist() == [False, True, True, False]
+    assert tokens == pytest.approx(4 + 9 + 1 + 1)

@@ -92,11 +92,7 @@ class FusedHybridDrafter(HybridDrafter, ChainedSteps):
         if head_rate is None or trie_price is None:
             return None
         held = [self.head.holds_chain(req) for req in reqs]
-        use_trie = np.array([nodes > 1 for nodes in trie_nodes], dtype=bool)
-        tokens = 0.0
-        for i, (rid, key) in enumerate(zip(rids, trie_keys)):
-            trie = self.choice.expected_from_trie(key, rid) if use_trie[i] else None
-            tokens += max(trie or 1.0, 1.0) if use_trie[i] else self.choice.expected_from_head(rid) if held[i] else 1.0
+        use_trie, tokens = self._off_chain_tokens(rids, trie_nodes, trie_keys, held)
         price, plain_price = trie_price, self.prices.price(PLAIN, bs)
         if plain_price is not None and not any(held) and bs / plain_price > tokens / trie_price:
             use_trie[:], tokens, price = False, bs, plain_price   # roots alone: a plain step
@@ -104,6 +100,19 @@ class FusedHybridDrafter(HybridDrafter, ChainedSteps):
         if off_rate < head_rate:
             return None
         return self.choice.stay_off(rids, trie_nodes, trie_keys, use_trie, off_rate, head_rate)
+
+    def _off_chain_tokens(self, rids: list[str], trie_nodes: list[int], trie_keys: list[int],
+                          held: list[bool]) -> tuple[np.ndarray, float]:
+        """Where a step off the chain takes the trie's drafts (where it has some expected to
+        commit at least what the request's pending chain would, or its root alone: a class not
+        measured yet counts one token), and the tokens the step is expected to commit."""
+        use_trie, tokens = np.zeros(len(rids), dtype=bool), 0.0
+        for i, (rid, nodes, key, chain) in enumerate(zip(rids, trie_nodes, trie_keys, held)):
+            otherwise = self.choice.expected_from_head(rid) if chain else 1.0
+            trie = (self.choice.expected_from_trie(key, rid) or 1.0) if nodes > 1 else None
+            use_trie[i] = trie is not None and trie >= otherwise
+            tokens += trie if use_trie[i] else otherwise
+        return use_trie, tokens
 
     def _step_kind(self, use_trie: np.ndarray) -> str:
         if use_trie.any():
