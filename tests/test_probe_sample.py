@@ -102,3 +102,47 @@ def test_ngram_probes_rotate_through_the_batch(tmp_path):
     batch = spy.probes[0][0]
     assert first == batch[:PROBE_REQUESTS]                                # a window from the start ...
     assert second == (batch * 2)[PROBE_REQUESTS:2 * PROBE_REQUESTS]       # ... then the next one
+
+
+SAMPLED = {"temperature": 0.9, "max_new_tokens": 24, "ignore_eos": True}   # unseeded: drafts sampled from q
+
+
+def draft_temperatures(core) -> list[tuple[bool, list[float]]]:
+    """Per chain the head drafts: whether a probe asked for it, and its rows' temperatures."""
+    calls, probing = [], []
+    runner, probe = core.drafter.runner, core.planner.probe
+    draft = runner.draft
+
+    def spied_probe(reqs):
+        probing.append(True)
+        try:
+            return probe(reqs)
+        finally:
+            probing.pop()
+
+    def spied_draft(rows, features, sample):
+        calls.append((bool(probing), [row.temperature for row in rows]))
+        return draft(rows, features, sample)
+    core.planner.probe, runner.draft = spied_probe, spied_draft
+    return calls
+
+
+def test_an_eagle_probe_drafts_the_heads_argmax_for_sampled_requests(target, random_head):  # noqa: F811
+    """A probe's chains are walked by exact matches against plain sampling, which would count a
+    sampled node sum(p q) where rejection accepts sum(min(p, q)): a probe drafts argmax chains
+    (EagleDrafter.propose_probe), and drafting steps still sample theirs."""
+    path, _, _, _ = target
+    _, head_path, _, _ = random_head
+    prompts = varied_prompts(4)
+    for drafting in (False, True):
+        with tiny_engine(path, max_running_requests=4, **fused_args("EAGLE3", head_path, adaptive=True,
+                                                                    speculative_num_steps=3)) as engine:
+            scripted(engine, overlap=True, script=[drafting])
+            calls = draft_temperatures(engine.core)
+            engine.generate(input_ids=prompts, sampling_params=SAMPLED)
+        probes = [temperatures for probe, temperatures in calls if probe]
+        steps = [temperatures for probe, temperatures in calls if not probe]
+        if drafting:
+            assert steps and all(t == SAMPLED["temperature"] for temps in steps for t in temps), steps
+        else:
+            assert probes and all(t == 0.0 for temps in probes for t in temps), probes

@@ -221,7 +221,7 @@ class DraftPlanner:
         start = time.perf_counter()
         sample = self._probe_sample(reqs)
         if sample:
-            proposal, num_nodes = self.drafter.propose(sample, self.limits(sample))
+            proposal, num_nodes = self.drafter.propose_probe(sample, self.limits(sample))
             rids, keys = [r.rid for r in sample], hints(self.drafter).proposal_keys()
             self.adaptive.record_proposals(rids, proposal, num_nodes, keys)
             self.adaptive.probe(len(reqs), rids, num_nodes, keys)

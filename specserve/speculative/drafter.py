@@ -65,6 +65,11 @@ class Drafter:
         host. Returns the padded trees and each tree's real node count."""
         raise NotImplementedError
 
+    def propose_probe(self, reqs: list["Req"], max_nodes: list[int]) -> tuple[TreeProposal, list[int]]:
+        """A probe's proposal (engine/draft_planner.py): shadows only, walked down the tokens
+        plain steps commit. As propose, unless the drafter says otherwise."""
+        return self.propose(reqs, max_nodes)
+
     def observe(self, req: "Req", committed: list[int]) -> None:
         """Tokens the request just committed."""
 

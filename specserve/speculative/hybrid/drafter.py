@@ -64,6 +64,7 @@ class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates, ForecastSteps):
         self._seen: dict[str, int] = {}        # rid -> its tokens when last observed
         self._unrecorded: list[tuple] = []     # proposals made ahead of that (_record)
         self._trie_only = False                # the last step drafted from the trie alone, and may again
+        self._probing = False                  # this proposal is a probe's: the head drafts its argmax
 
     # --- the two sources ---
     def add_prompt(self, req: "Req") -> None:
@@ -93,6 +94,14 @@ class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates, ForecastSteps):
         """The step's kind, as step_prices.py prices it."""
         return TRIE if use_trie.any() else RESTART
 
+    def propose_probe(self, reqs: list["Req"], max_nodes: list[int]) -> tuple[TreeProposal, list[int]]:
+        """The head's drafts argmax, as the head's own probes are (EagleDrafter.propose_probe)."""
+        sampled, self.head.sampled_drafts, self._probing = self.head.sampled_drafts, False, True
+        try:
+            return self.propose(reqs, max_nodes)
+        finally:
+            self.head.sampled_drafts, self._probing = sampled, False
+
     def _trie_price(self, reqs: list["Req"]) -> tuple[float | None, np.ndarray | None]:
         """What a trie step must pay for beyond the head's, and which requests would keep head
         drafts beside it (source_choice.choose); None, None: nothing, every request keeps them,
@@ -103,7 +112,7 @@ class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates, ForecastSteps):
                      use_trie: np.ndarray) -> tuple[TreeProposal, list[int], np.ndarray]:
         """The head's drafts for the requests that do not take the trie's, and which take the
         trie's after them."""
-        self.head.sampled_drafts = not use_trie.any()   # see the module docstring
+        self.head.sampled_drafts = not (use_trie.any() or self._probing)   # see the module docstring
         head, head_nodes = self.head.propose(reqs, [1 if t else m for t, m in zip(use_trie.tolist(), max_nodes)])
         if head.draft_probs is None:   # a request the head could not draft for (its cache full) takes the trie's
             use_trie = use_trie | (np.asarray(head_nodes) <= 1)
