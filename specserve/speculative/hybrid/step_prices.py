@@ -45,7 +45,7 @@ class StepPrices:
         """A step proposed for a batch whose first request is `rid`, rooted at position `root`."""
         self._proposed.setdefault(rid, []).append((root, kind))
 
-    def committed(self, rids: list[str], root: int, now: float) -> tuple[str, float] | None:
+    def committed(self, rids: list[str], root: int, now: float) -> tuple[str | None, float] | None:
         """A step of `rids` rooted at `root` (its first request's) committed at `now`. Returns
         its kind (None: proposed as none) and its time, None where a prefill came between (or
         the batch is empty)."""
