@@ -99,6 +99,12 @@
 #                                                   hybrid's rows count its drafts by source; HYBRID_FORECAST="0 2":
 #                                                   one hybrid engine per --speculative-ngram-forecast value;
 #                                                   three engines, ~150 s)
+#   AB_OLD=.ab/old scripts/gpu_run.sh hybrid-ab   (after `eagle-head`: hybrid-rows' engines less pinned EAGLE-3 (EAGLE-3
+#                                                   adaptive, the hybrid adaptive with forecast 2, NGRAM default, plain)
+#                                                   for old trees and this one, alternating AB_RUNS (1) times, the old
+#                                                   first in odd runs; HYBRID_AB_WORKLOADS (chat, code-types),
+#                                                   HYBRID_AB_CONCURRENCY (1 8 64), TEMPERATURE / TOP_P; traces in one
+#                                                   tar a tree a run; ~100 s a tree a run once compiled)
 #   scripts/gpu_run.sh peers-size [SHAPE [ENGINE...]] (issue 59's cells for a shape of bench/random_model.SHAPES,
 #                                                   qwen2.5-7b by default, on random weights (--load-format dummy):
 #                                                   PEERS_SIZE_PART=decode (random-512, random-2048 at 1/8/32/64, 256 out)
@@ -510,6 +516,20 @@ if [ "$mode" = eagle-wide-ab ]; then
     done
   done
   tar -cf "$OUT/eagle_wide_ab_traces.tar" -C "$OUT/eagle_wide_ab" . && find "$OUT/eagle_wide_ab" -name traces -type d -exec rm -rf {} +
+fi
+if [ "$mode" = hybrid-ab ]; then
+  # the hybrid's policy on old trees (AB_OLD: `git archive REV specserve lab | tar -x -C .ab/NAME`, carried) against
+  # this one, each tree's run beside the same EAGLE-3, NGRAM and plain engines of that tree
+  for run in $(seq 1 "${AB_RUNS:-1}"); do
+    trees="${AB_OLD:?AB_OLD names the old trees: .ab/old} ."; [ $((run % 2)) = 0 ] && trees=". ${AB_OLD}"
+    for tree in $trees; do
+      side=$(basename "$tree"); [ "$tree" = . ] && side=new; dir="$OUT/hybrid_ab/${side}_r$run"
+      PYTHONPATH=/tmp/site:$PWD/$tree CHAIN_ALGORITHMS=EAGLE3 chain_rows "$dir" --modes adaptive \
+        --workloads ${HYBRID_AB_WORKLOADS:-sharegpt-multiturn code-types} --concurrency ${HYBRID_AB_CONCURRENCY:-1 8 64} \
+        --num-prompts 64 --hybrid-modes adaptive --hybrid-forecast 2 --ngram-default --policy-trace-dir "$dir/traces"
+      tar -cf "$dir/traces.tar" -C "$dir" traces && rm -rf "$dir/traces"
+    done
+  done
 fi
 if [ "$mode" = eagle-rows ]; then
   chain_rows "$OUT/eagle_rows" --concurrency 1 8 64 --num-prompts 64
