@@ -20,6 +20,24 @@ sys.path.insert(0, ROOT)
 # OMP_NUM_THREADS where set: run_suite.py sets it to a process's share of the cores
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, min(4, os.cpu_count() or 1)))
 
+# run_suite.py's kernel group (under Triton's interpreter) records what its kernel tests launch, and
+# test_gpu_compile.py, last in that process, compiles those launches for an H100 instead of running the
+# kernel tests again
+RECORD_KERNEL_SPECS = os.environ.get("SPECSERVE_RECORD_KERNEL_SPECS") == "1"
+if RECORD_KERNEL_SPECS:
+    from tests import gpu_compile_check
+    gpu_compile_check.start_recording()
+
+
+def pytest_collection_modifyitems(items):
+    """Tests marked `after_kernel_tests` run last (see RECORD_KERNEL_SPECS)."""
+    items.sort(key=lambda item: item.get_closest_marker("after_kernel_tests") is not None)
+
+
+def pytest_runtest_setup(item):
+    if RECORD_KERNEL_SPECS:
+        gpu_compile_check.test_file_started(item.path.name)
+
 
 # ---- models (core engine tests) ----
 @pytest.fixture(scope="session")

@@ -6,7 +6,8 @@ defined with TRITON_INTERPRET unset to compile, and set to record what the CPU t
 
     python -m tests.gpu_compile_check attention        the attention kernels at a 1.5B's heads, bf16
     python -m tests.gpu_compile_check record OUT FILE...  (TRITON_INTERPRET=1) runs the test files and
-                                                       writes each kernel specialization they launched
+                                                       writes each kernel specialization they launched (a
+                                                       process that ran them already: start_recording)
     python -m tests.gpu_compile_check compile SPECS    compiles those; one line per failure, then a count
 """
 from __future__ import annotations
@@ -79,26 +80,61 @@ def _specialization(fn, args: tuple, kwargs: dict) -> tuple[str, str, dict, dict
     return fn.__module__, fn.__name__, signature, constexprs, options
 
 
-def record(out: str, test_files: list[str]) -> None:
-    """Runs the test files under the interpreter; writes the distinct specializations they launched, one per
-    kernel, pointer types and flags (bool / str / None constexprs): sizes alone add compile time, not cases."""
-    import pytest
+# the CPU test files whose interpreted launches are compiled (tests/test_gpu_compile.py); run_suite.py's kernel
+# group runs them under the interpreter anyway, and records their launches as it goes (start_recording)
+KERNEL_TEST_FILES = ("test_triton_attention.py", "test_ragged_verify_attention.py", "test_tree_kernels.py",
+                     "test_fused_ops.py", "test_draft_argmax.py", "test_forecast_kernel.py", "test_random_kernels.py")
+_launched: dict[str, list] = {}    # one specialization per kernel, pointer types and flags
+_files_run: set[str] = set()       # the kernel test files whose launches were recorded
+_current_file: list[str] = [""]    # the test file running now (conftest.py's pytest_runtest_setup)
+
+
+def start_recording() -> None:
+    """Records each interpreted launch of a test in KERNEL_TEST_FILES from now on, in this process: one
+    per kernel, pointer types and flags (bool / str / None constexprs): sizes alone add compile time, not
+    cases."""
     from triton.runtime import interpreter
-    launched: dict[str, list] = {}
     run = interpreter.InterpretedFunction.run
 
     def recording_run(self, *args, grid, warmup, **kwargs):
-        module, name, signature, constexprs, options = _specialization(self.fn, args, kwargs)
-        flags = {k: v for k, v in constexprs.items() if not isinstance(v, int) or isinstance(v, bool)}
-        launched.setdefault(json.dumps([module, name, signature, flags], sort_keys=True, default=str),
-                            [module, name, signature, constexprs, options])
+        if _current_file[0] in KERNEL_TEST_FILES:
+            module, name, signature, constexprs, options = _specialization(self.fn, args, kwargs)
+            flags = {k: v for k, v in constexprs.items() if not isinstance(v, int) or isinstance(v, bool)}
+            _launched.setdefault(json.dumps([module, name, signature, flags], sort_keys=True, default=str),
+                                 [module, name, signature, constexprs, options])
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
     interpreter.InterpretedFunction.run = recording_run
-    if pytest.main(["-q", "-p", "no:cacheprovider", *test_files]) != 0:
-        raise SystemExit("the test files failed under the interpreter")
+
+
+def test_file_started(name: str) -> None:
+    _current_file[0] = name
+    if name in KERNEL_TEST_FILES:
+        _files_run.add(name)
+
+
+def recorded_all() -> bool:
+    """Whether this process recorded every file of KERNEL_TEST_FILES."""
+    return _files_run >= set(KERNEL_TEST_FILES)
+
+
+def write_recorded(out: str) -> int:
     with open(out, "w") as f:
-        json.dump(list(launched.values()), f, default=str)
-    print(f"{len(launched)} specializations")
+        json.dump(list(_launched.values()), f, default=str)
+    return len(_launched)
+
+
+def record(out: str, test_files: list[str]) -> None:
+    """Runs the test files under the interpreter; writes the distinct specializations they launched."""
+    import pytest
+
+    class FileTracker:
+        @staticmethod
+        def pytest_runtest_setup(item):
+            test_file_started(item.path.name)
+    start_recording()
+    if pytest.main(["-q", "-p", "no:cacheprovider", *test_files], plugins=[FileTracker()]) != 0:
+        raise SystemExit("the test files failed under the interpreter")
+    print(f"{write_recorded(out)} specializations")
 
 
 def compile_recorded(specs_path: str) -> None:

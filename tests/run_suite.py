@@ -13,7 +13,8 @@ torch and pytest start-up and ~4 s of parsing SmolLM2's GGUF again. What a file'
 loads is freed when the file ends (conftest.py's _free_engines_made_by_the_module), so a
 shared process peaks near its largest file. The other files, tiny random models and pure
 functions, share one process; the Triton kernel tests share another, under Triton's
-interpreter (TRITON_INTERPRET=1 must be set before Triton is first imported). A file that
+interpreter (TRITON_INTERPRET=1 must be set before Triton is first imported), and record what
+they launch for test_gpu_compile.py, which runs last there and compiles it for an H100. A file that
 fails to import fails alone (--continue-on-collection-errors).
 
 Two processes run at a time where there are two cores or more (--jobs N changes that), the
@@ -41,7 +42,8 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 KERNEL_TESTS = {"test_triton_attention.py", "test_fused_ops.py", "test_gemv.py", "test_prefill_graph.py",
-                "test_tree_kernels.py", "test_hybrid_attention.py", "test_forecast_kernel.py", "test_random_kernels.py"}
+                "test_tree_kernels.py", "test_hybrid_attention.py", "test_forecast_kernel.py", "test_random_kernels.py",
+                "test_ragged_verify_attention.py", "test_draft_argmax.py", "test_gpu_compile.py"}
 LOADS_A_MODEL = re.compile(r"smollm2|Engine\(|engine_factory|launch_server|start_server")
 SLOWEST = 5   # tests listed under each group's line, by duration
 DURATION = re.compile(r"^\d+\.\d+s (call|setup|teardown) ")
@@ -54,8 +56,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 2026-12-07 (after SmolLM2 test engines came to share their built weights) are that day's local
 # seconds, one file a process with OMP_NUM_THREADS=1, unscaled: that machine was as fast as CI's
 # (test_draft_ahead.py 200 s there, 199 s in that day's CI run); "light" is that CI run's 1042 s
-# less what test_structured_output.py then saved
-SECONDS = {"kernels": 60, "light": 1036, "test_seeded_speculation.py": 186, "test_peers_bench.py": 143,
+# less what test_structured_output.py then saved; "kernels" and "light" since test_gpu_compile.py and two kernel files
+# moved into the kernel group: that day's local seconds there (106 s) and the light group's CI seconds less theirs
+SECONDS = {"kernels": 105, "light": 915, "test_seeded_speculation.py": 186, "test_peers_bench.py": 143,
            "test_draft_ahead.py": 151, "test_structured_suite.py": 99, "test_overlap.py": 93,
            "test_prefix_cache_engine.py": 77, "test_generation.py": 90, "test_spec_greedy.py": 49,
            "test_engine_sampling.py": 58, "test_server_shutdown.py": 64, "test_server.py": 30,
@@ -117,6 +120,7 @@ def run_group(paths: list[str], pytest_args: list[str], threads: int = 0) -> tup
         env["OMP_NUM_THREADS"] = str(threads)
     if os.path.basename(paths[0]) in KERNEL_TESTS:
         env["TRITON_INTERPRET"] = "1"
+        env["SPECSERVE_RECORD_KERNEL_SPECS"] = "1"   # for test_gpu_compile.py, last in the group (conftest.py)
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                              "--continue-on-collection-errors", f"--durations={SLOWEST}", *paths, *pytest_args],
                             cwd=ROOT, env=env, capture_output=True, text=True)
