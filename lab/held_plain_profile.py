@@ -13,6 +13,13 @@ prompt (EagleDrafter._catch_up, or `prefilled`, in the prefill's step), their ch
 FusedChainDrafter._first_drafts, its one host sync included. Rows to held_plain_profile.jsonl: per mode the
 unprofiled tok/s, the timed parts (calls, host ms, GPU ms between events around each), and
 the profiled run's GPU busy time against the wall, with the kernels by GPU time.
+
+`--hybrid` profiles the hybrid of the head and the n-gram trie instead, its own parts timed too (the
+trie's lookups, the choice, its bookkeeping), beside each drafting step's launch (a graph's replay or
+the eager function) and commit: where, at 64 on an H100, its head steps took ~7.4 ms against EAGLE-3's
+~4.2 (BENCHMARKS.md). On this project's CPU (tiny random target and head, batch 64, every step a head
+step) its commits took 1.83 ms a step against EAGLE-3's 1.05: the trie's lookups for the counterfactual
+held in each commit (0.38 ms) and its observe_batch (0.34 ms), not enough to explain the GPU's gap.
 """
 from __future__ import annotations
 
@@ -44,7 +51,21 @@ MARKED = [("specserve.speculative.model_drafters.eagle", "EagleDrafter", "feed")
           ("specserve.kv.ledger", "KVLedger", "cache_prefill"),
           ("specserve.engine.scheduler", "Scheduler", "schedule"),
           ("specserve.kv.ledger", "KVLedger", "before_release"),
-          ("specserve.kv.ledger", "KVLedger", "release")]
+          ("specserve.kv.ledger", "KVLedger", "release"),
+          # a drafting step's launch (a graph's replay, or the same function eagerly: a batch past the graphs)
+          # and its commit, the next step's proposal held in it
+          ("specserve.speculative.model_drafters.fused_chain", "FusedGraphs", "replay"),
+          ("specserve.speculative.model_drafters.fused_chain", "FusedGraphs", "replay_chained"),
+          ("specserve.speculative.model_drafters.fused_chain", "FusedChainRunner", "_run_eagerly"),
+          ("specserve.engine.drafting_step", "DraftingStep", "commit"),
+          ("specserve.engine.drafting_step", "DraftingStep", "_hold_chained")]
+# --hybrid: what the hybrid adds to the head's steps (the trie's lookups, the choice, its bookkeeping)
+HYBRID_MARKED = [("specserve.speculative.hybrid.fused_hybrid", "FusedHybridDrafter", "chained_proposal"),
+                 ("specserve.speculative.hybrid.drafter", "HybridDrafter", "propose"),
+                 ("specserve.speculative.hybrid.drafter", "HybridDrafter", "observe_batch"),
+                 ("specserve.speculative.ngram.drafter", "NgramDrafter", "propose"),
+                 ("specserve.speculative.hybrid.source_choice", "SourceChoice", "choose"),
+                 ("specserve.speculative.hybrid.source_choice", "SourceChoice", "breaks_chain")]
 
 
 class PartTimes:
@@ -84,11 +105,11 @@ class PartTimes:
 
 
 @contextlib.contextmanager
-def marked_methods(times: PartTimes):
-    """Each MARKED method timed into `times` while the block runs."""
+def marked_methods(times: PartTimes, marked: list[tuple[str, str, str]] = MARKED):
+    """Each `marked` method timed into `times` while the block runs."""
     import importlib
     originals = []
-    for module_name, class_name, method in MARKED:
+    for module_name, class_name, method in marked:
         cls = getattr(importlib.import_module(module_name), class_name)
         original = cls.__dict__[method]
         originals.append((cls, method, original))
@@ -127,6 +148,9 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--disable-radix-cache", action="store_true",
                         help="without the prefix cache (which keeps an EAGLE prompt from its prefill on)")
+    parser.add_argument("--hybrid", action="store_true",
+                        help="the hybrid of the head and the n-gram trie (--speculative-hybrid-ngram, forecast 2), its "
+                             "own parts timed too: where its drafting steps at 64 cost more than EAGLE-3's alone")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     ns = parser.parse_args(argv)
     ns.workloads, ns.mem_fraction_static = ["sharegpt-multiturn"], 0.8
@@ -134,7 +158,8 @@ def main(argv=None) -> None:
     os.makedirs(ns.out, exist_ok=True)
     write = functools.partial(emit_row, os.path.join(ns.out, "held_plain_profile.jsonl"))
 
-    engine = make_engine(ns, Config("EAGLE3", num_steps=3))
+    engine = make_engine(ns, Config("EAGLE3", num_steps=3, hybrid=ns.hybrid, forecast=2 if ns.hybrid else None))
+    marked = MARKED + HYBRID_MARKED if ns.hybrid else MARKED
     drafter = engine.core.drafter
     prompts, warm_prompts = suite_workloads(engine, ns)["sharegpt-multiturn"]
     try:
@@ -146,7 +171,7 @@ def main(argv=None) -> None:
                     set_mode(engine, drafter, mode)
                     run(engine, warm_prompts[:count], concurrency, ns.max_new_tokens // 2, f"warm-up {mode}")
                     summary = run(engine, prompts[:count], concurrency, ns.max_new_tokens, mode)[0]
-                    write({"kind": "timed", "mode": mode, "concurrency": concurrency, "round": round_,
+                    write({"kind": "timed", "hybrid": ns.hybrid, "mode": mode, "concurrency": concurrency, "round": round_,
                            "tok_s": summary["output_tokens_per_s"], "duration_s": summary["duration_s"],
                            "accept_length": summary.get("accept_length")})
             for mode in ns.modes:
@@ -154,9 +179,9 @@ def main(argv=None) -> None:
                 set_mode(engine, drafter, mode)
                 run(engine, warm_prompts[:count], concurrency, ns.max_new_tokens // 2, f"warm-up {mode}")
                 times = PartTimes(ns.device == "cuda")
-                with marked_methods(times):   # the parts timed, unprofiled
+                with marked_methods(times, marked):   # the parts timed, unprofiled
                     summary = run(engine, prompts[:count], concurrency, ns.max_new_tokens, mode)[0]
-                write({"kind": "parts", "mode": mode, "concurrency": concurrency,
+                write({"kind": "parts", "hybrid": ns.hybrid, "mode": mode, "concurrency": concurrency,
                        "tok_s": summary["output_tokens_per_s"], "parts": times.summary()})
                 activities = [torch.profiler.ProfilerActivity.CPU] + \
                     ([torch.profiler.ProfilerActivity.CUDA] if ns.device == "cuda" else [])
@@ -164,7 +189,7 @@ def main(argv=None) -> None:
                     start = time.perf_counter()
                     run(engine, prompts[:count], concurrency, ns.max_new_tokens, mode)
                     wall = time.perf_counter() - start
-                write({"kind": "kernels", "mode": mode, "concurrency": concurrency,
+                write({"kind": "kernels", "hybrid": ns.hybrid, "mode": mode, "concurrency": concurrency,
                        **kernel_summary(prof, wall, ns.top)})
     finally:
         engine.shutdown()

@@ -77,7 +77,10 @@
 #                                                   policy makes of it; ~80 s)
 #   scripts/gpu_run.sh held-profile                (after `eagle-head` on the same warm machine: lab.held_plain_profile, chat at
 #                                                   32 and 64, plain / held / adaptive, 2 rounds, the drafter's parts timed and
-#                                                   a kernel table each; ~90 s)
+#                                                   a kernel table each; ~90 s; HELD_PROFILE_ARGS: more flags, e.g.
+#                                                   "--hybrid --modes pinned --concurrency 64 --rounds 1": the hybrid's
+#                                                   drafting steps at 64 by part, and "--modes pinned --concurrency 64
+#                                                   --rounds 1" EAGLE-3's beside them, in a second call)
 #   scripts/gpu_run.sh eagle-wide                  (after `eagle-head` on the same warm machine: EAGLE-3 chains of 3, adaptive
 #                                                   and pinned, chat at 32 and 64, 4 rounds, with the policy's traces
 #                                                   (one tar); ~70 s)
@@ -492,7 +495,7 @@ if [ "$mode" = held-profile ]; then
   # what an EAGLE engine the policy holds plain costs against plain decoding at 32 and 64 (lab/held_plain_profile.py)
   python3 -P -m lab.held_plain_profile --target /root/models/qwen2.5-coder-1.5b-instruct.gguf \
     --draft "$(head_dir qwen2.5-coder-1.5b-instruct)" --dataset-path .gpu/sharegpt_bench.json --out "$OUT/held_profile" \
-    2>&1 | grep -v '%|' | grep -v '"kernels"' | tail -20
+    ${HELD_PROFILE_ARGS:-} 2>&1 | grep -v '%|' | grep -v '"kernels"' | tail -20
 fi
 if [ "$mode" = admission-profile ]; then
   # where a pinned EAGLE-3 engine's steps that admit requests go at 32 (the head's catch-up over new prompts,
