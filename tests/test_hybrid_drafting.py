@@ -312,33 +312,45 @@ def test_one_walk_moves_a_requests_trie_calibration_a_step_from_its_class():
 
 def test_steps_are_priced_by_kind_from_commit_to_commit(monkeypatch):
     """A step's price is the time from the commit before it, no prefill between, found by its
-    first request's root; a proposal that never ran is passed over; the excesses follow."""
+    first request's root; a proposal that never ran is passed over; a kind is priced from its
+    second step at a bucket on, at the cheaper of its first two (the first is often a stall),
+    then at the median; the excesses follow."""
     monkeypatch.setattr(StepPrices, "committed", MEASURED_COMMIT)
     prices = StepPrices()
     assert prices.break_excess(1) is None and prices.stay_excess(1) is None
     prices.committed(["a"], 9, now=0.0)                  # a plain step: nothing proposed at 9
-    for root, kind, now in ((10, CHAINED, 0.002), (13, TRIE, 0.0047), (20, RESTART, 0.0087), (24, CHAINED, 0.0107)):
+    now, root = 0.0, 10
+
+    def step(kind: str, seconds: float, rids=("a",)) -> None:
+        nonlocal now, root
+        now += seconds
         prices.proposed("a", root, kind)
-        prices.committed(["a"], root, now)
+        prices.committed(list(rids), root, now)
+        root += 4
+    step(CHAINED, 0.002), step(TRIE, 0.272), step(RESTART, 0.004)   # the first trie step a stall (a compile)
+    assert prices.price(TRIE, 1) is None and prices.price(RESTART, 1) is None and prices.price(CHAINED, 1) is None
+    assert prices.break_excess(1) is None
+    step(CHAINED, 0.002), step(TRIE, 0.0027), step(RESTART, 0.004), step(CHAINED, 0.002)
     assert prices.price(CHAINED, 1) == pytest.approx(0.002)
-    assert prices.price(TRIE, 1) == pytest.approx(0.0027)
+    assert prices.price(TRIE, 1) == pytest.approx(0.0027)   # the cheaper of 272 and 2.7 ms
     assert prices.price(RESTART, 1) == pytest.approx(0.004)
     # a trie step and its restart (6.7 ms) against two chained steps (4 ms), in chained steps
     assert prices.break_excess(1) == pytest.approx(1.35)
     assert prices.stay_excess(1) == pytest.approx(0.35)
     assert prices.price(CHAINED, 64) is None             # per batch bucket
-    prices.proposed("a", 30, TRIE)                       # looked at, never run
-    prices.proposed("a", 31, CHAINED)
-    prices.committed(["a"], 31, now=0.0167)
-    # a chained step of 6 ms, no trie step: the median of 2, 2 and 6 ms
+    prices.proposed("a", root, TRIE)                     # looked at, never run
+    root += 1
+    step(CHAINED, 0.006)
+    # a chained step of 6 ms, no trie step: the median of 2, 2, 2 and 6 ms
     assert prices.price(CHAINED, 1) == pytest.approx(0.002) and prices.price(TRIE, 1) == pytest.approx(0.0027)
+    step(TRIE, 0.0031)                                   # a third trie step: the median of 272, 2.7 and 3.1 ms
+    assert prices.price(TRIE, 1) == pytest.approx(0.0031)
     prices.prefilled()                                   # a prompt joined: its prefill is in the next interval
-    prices.proposed("a", 40, TRIE)
-    prices.committed(["a", "b"], 40, now=0.03)
+    step(TRIE, 0.0133, rids=("a", "b"))
+    step(TRIE, 0.004, rids=("a", "b"))                   # the next steps are priced, at the batch's bucket
     assert prices.price(TRIE, 2) is None
-    prices.proposed("a", 41, TRIE)                       # the next step is priced, at the batch's bucket
-    prices.committed(["a", "b"], 41, now=0.034)
-    assert prices.price(TRIE, 2) == pytest.approx(0.004) and prices.price(TRIE, 1) == pytest.approx(0.0027)
+    step(TRIE, 0.005, rids=("a", "b"))
+    assert prices.price(TRIE, 2) == pytest.approx(0.004) and prices.price(TRIE, 1) == pytest.approx(0.0031)
 
 
 def test_an_engine_prices_its_steps(models, monkeypatch):
@@ -372,7 +384,8 @@ def test_a_fused_hybrid_weighs_trie_drafts_by_the_prices_it_measured(monkeypatch
     assert asked == [source_choice.UNPRICED_EXCESS]
     now = 0.0
     hybrid.prices.committed(["a"], 10, now)   # the chained step proposed above
-    for root, (kind, seconds) in enumerate(((CHAINED, 0.002), (TRIE, 0.005), (RESTART, 0.006)), start=11):
+    steps = ((CHAINED, 0.002), (TRIE, 0.005), (RESTART, 0.006)) * 2   # each kind priced from its second step
+    for root, (kind, seconds) in enumerate(steps, start=11):
         now += seconds
         hybrid.prices.proposed("a", root, kind)
         hybrid.prices.committed(["a"], root, now)

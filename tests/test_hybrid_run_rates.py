@@ -63,7 +63,7 @@ def test_a_broken_chain_restarts_the_head_only_where_its_runs_beat_the_steps_off
 
     def committed(kind, tokens, seconds):
         hybrid.runs.step(kind == RESTART or kind == "chained", 1, tokens, seconds)
-        hybrid.prices._median[(kind, 1)] = seconds
+        hybrid.prices._price[(kind, 1)] = seconds
 
     def proposed():
         restarts.clear(), pending.clear()

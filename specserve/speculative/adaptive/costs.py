@@ -59,6 +59,10 @@ class RecentMedians:
     def count(self, key) -> int:
         return len(self._recent.get(key, ()))
 
+    def values(self, key) -> tuple[float, ...]:
+        """The key's last `window` values, oldest first."""
+        return tuple(self._recent.get(key, ()))
+
 
 class StepCosts:
     def __init__(self, tiers: list[int], cost_per_node: bool = False):

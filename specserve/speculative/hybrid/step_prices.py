@@ -15,6 +15,14 @@ step took ~2.0 ms at batch 1 and 5-6 ms at 64, a trie step of 16 nodes 2.7 and 1
 the restart after it 3.9-5.7 and 14-16 ms; so at 64 a batch's trie drafts that committed twice the
 head's tokens (the rule without prices) lost to the chain they broke.
 
+A kind's first step at a bucket is often its slowest by far (a kernel compiled for its shape, a
+graph captured, cold caches), and a price that high keeps its kind from running again, so from
+ever being priced again: on an H100 (1.5B, sampled code edits at batch 8) the first trie step
+took 272 ms and the second 10; priced at their median, a trie step and its restart came to ~36
+chained steps, and no trie draft broke the head's chain for the rest of the run (head steps of
+~24 tokens where trie steps committed ~85). So a kind is priced from its second step at a
+bucket on, at the cheaper of its first two, then at the median of its last PRICE_WINDOW.
+
 A step's price is the time from the commit of the step before to its own commit, no prompt
 prefilled in between: with steps launched ahead, that is what the step adds to a run (its own
 GPU time where the host hides behind it, the host's where it does not). Requests that end
@@ -25,10 +33,13 @@ never ran (a look that decided on a plain step) is dropped once its request has 
 """
 from __future__ import annotations
 
+import statistics
+
 from specserve.speculative.adaptive.costs import RecentMedians, batch_bucket
 
 CHAINED, RESTART, TRIE, PLAIN = "chained", "restart", "trie", "plain"
 PRICE_WINDOW = 5   # the median of the last few steps of a kind: one stall is one step
+FIRST_PRICED = 2   # a kind is priced from its this-many-th step at a bucket on (the module docstring)
 # Where restarts are not priced yet (they are the rarest kind): a restart costs this many
 # chained steps (H100 above: 2-2.8x at batch 1, ~2.5x at 64)
 RESTART_PRIOR = 2.0
@@ -37,7 +48,7 @@ RESTART_PRIOR = 2.0
 class StepPrices:
     def __init__(self):
         self._seconds = RecentMedians(PRICE_WINDOW)
-        self._median: dict[tuple[str, int], float] = {}
+        self._price: dict[tuple[str, int], float] = {}   # (kind, bucket) -> seconds, from FIRST_PRICED steps on
         self._proposed: dict[str, list[tuple[int, str]]] = {}   # rid -> (root position, kind), in order
         self._last_commit: float | None = None   # None: nothing since a prefill (or ever) to price from
 
@@ -55,10 +66,17 @@ class StepPrices:
         if self._last_commit is not None:
             timed = kind, now - self._last_commit
             if kind is not None:
-                key = (kind, batch_bucket(len(rids)))
-                self._median[key] = self._seconds.add(key, timed[1])
+                self._add((kind, batch_bucket(len(rids))), timed[1])
         self._last_commit = now
         return timed
+
+    def _add(self, key: tuple[str, int], seconds: float) -> None:
+        self._seconds.add(key, seconds)
+        recent = self._seconds.values(key)
+        if len(recent) > FIRST_PRICED:
+            self._price[key] = statistics.median(recent)
+        elif len(recent) == FIRST_PRICED:
+            self._price[key] = min(recent)
 
     def prefilled(self) -> None:
         """A prefill ran: the next commit's interval holds it, and prices nothing."""
@@ -73,8 +91,8 @@ class StepPrices:
         return None
 
     def price(self, kind: str, batch_size: int) -> float | None:
-        """Seconds a step of `kind` costs at this batch's bucket; None before one was measured."""
-        return self._median.get((kind, batch_bucket(batch_size)))
+        """Seconds a step of `kind` costs at this batch's bucket; None before FIRST_PRICED were measured."""
+        return self._price.get((kind, batch_bucket(batch_size)))
 
     def break_excess(self, batch_size: int) -> float | None:
         """Where the head's steps are chained: what a trie step and the restart after it cost
