@@ -96,11 +96,12 @@ class HybridDrafter(Drafter, ProposalHints, ReadsHiddenStates, ForecastSteps):
 
     def propose_probe(self, reqs: list["Req"], max_nodes: list[int]) -> tuple[TreeProposal, list[int]]:
         """The head's drafts argmax, as the head's own probes are (EagleDrafter.propose_probe)."""
-        sampled, self.head.sampled_drafts, self._probing = self.head.sampled_drafts, False, True
+        self._probing = True
         try:
-            return self.propose(reqs, max_nodes)
+            with self.head.argmax_drafts():
+                return self.propose(reqs, max_nodes)
         finally:
-            self.head.sampled_drafts, self._probing = sampled, False
+            self._probing = False
 
     def _trie_price(self, reqs: list["Req"]) -> tuple[float | None, np.ndarray | None]:
         """What a trie step must pay for beyond the head's, and which requests would keep head

@@ -26,6 +26,8 @@ head's top-k, a deterministic function of the context, which verification takes 
 """
 from __future__ import annotations
 
+import contextlib
+
 import itertools
 from typing import TYPE_CHECKING
 
@@ -83,9 +85,15 @@ class EagleDrafter(Drafter, ProposalHints, ReadsHiddenStates):
         rejection commit 2.589 tokens a step, walks of sampled probes expected 2.415, argmax
         drafts commit 2.574. A bucket held plain on walks of sampled chains underrated drafting
         by ~7%; argmax walks by ~0.6%."""
+        with self.argmax_drafts():
+            return self.propose(reqs, max_nodes)
+
+    @contextlib.contextmanager
+    def argmax_drafts(self):
+        """Every chain drafted inside the block is the head's argmax (see sampled_drafts)."""
         sampled, self.sampled_drafts = self.sampled_drafts, False
         try:
-            return self.propose(reqs, max_nodes)
+            yield
         finally:
             self.sampled_drafts = sampled
 
