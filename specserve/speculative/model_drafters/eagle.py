@@ -27,7 +27,6 @@ head's top-k, a deterministic function of the context, which verification takes 
 from __future__ import annotations
 
 import contextlib
-
 import itertools
 from typing import TYPE_CHECKING
 
