@@ -51,6 +51,7 @@ from specserve.bench.result_rows import emit_row
 from specserve.request.forecast_record import ForecastRecord
 from specserve.runner.forecast_step import empty_table
 from specserve.speculative.drafter import Drafter, ForecastSteps
+from specserve.speculative.model_drafters.fused_drafter import verification_kind
 from specserve.verify.tree import TreeProposal
 
 class ChainDrafter(Drafter):
@@ -103,8 +104,11 @@ class AlwaysForecast(ForecastRecord):
         return True
 
 
-# a step's graph of a batch bucket, or None where the step runs eagerly (CPU, no graphs)
-GraphOf = Callable[[int], "torch.cuda.CUDAGraph | None"]
+# a step's graph of a batch bucket (and, for the fused step, a verification kind), or None where the
+# step runs eagerly (CPU, no graphs)
+GraphOf = Callable[[int, str], "torch.cuda.CUDAGraph | None"]
+
+GREEDY = {"temperature": 0}
 
 
 def use_step(engine, step: str, size: int, fused_drafter: Drafter | None = None) -> GraphOf:
@@ -119,19 +123,21 @@ def use_step(engine, step: str, size: int, fused_drafter: Drafter | None = None)
     core.stats.speculative = drafter is not None
     graphs = fused_drafter.fused.graphs if step == "fused" else core.runner.graphs
     if graphs is None:
-        return lambda bs: None
-    key = "greedy" if step == "fused" else size
-    return lambda bs: graphs.graphs[graphs.buckets[bisect.bisect_left(graphs.buckets, bs)], key]
+        return lambda bs, kind: None
+    return lambda bs, kind: graphs.graphs[graphs.buckets[bisect.bisect_left(graphs.buckets, bs)],
+                                          kind if step == "fused" else size]
 
 
-def start_requests(engine, bs: int, step: str, size: int, steps: int, prompt_len: int, warm_steps: int) -> list:
-    """bs greedy requests of random prompts, prefilled and decoding (warm_steps steps in)."""
+def start_requests(engine, bs: int, step: str, size: int, steps: int, prompt_len: int, warm_steps: int,
+                   sampling: dict = GREEDY) -> list:
+    """bs requests of random prompts (greedy, or under `sampling`'s parameters), prefilled and
+    decoding (warm_steps steps in)."""
     core = engine.core
     rng = random.Random(bs * 100 + size)
     reqs = []
     for i in range(bs):
         prompt = [rng.randrange(10, 4000) for _ in range(prompt_len)]
-        req = engine._make_request(prompt, {"temperature": 0, "max_new_tokens": 4 * steps + 100, "ignore_eos": True},
+        req = engine._make_request(prompt, {**sampling, "max_new_tokens": 4 * steps + 100, "ignore_eos": True},
                                    False, 0, f"step-cost-{step}-{bs}-{size}-{i}")
         if step == "forecast":
             req.forecast = AlwaysForecast()
@@ -155,10 +161,11 @@ PHASE_TIMER = None
 
 
 def time_steps(engine, bs: int, step: str, size: int, steps: int, kernels: int = 0,
-               fused_drafter: Drafter | None = None, prompt_len: int = 300, warm_steps: int = 10) -> dict:
+               fused_drafter: Drafter | None = None, prompt_len: int = 300, warm_steps: int = 10,
+               sampling: dict = GREEDY) -> dict:
     core = engine.core
     graph_of = use_step(engine, step, size, fused_drafter)
-    reqs = start_requests(engine, bs, step, size, steps, prompt_len, warm_steps)
+    reqs = start_requests(engine, bs, step, size, steps, prompt_len, warm_steps, sampling)
     fused_steps = FusedStepCount(fused_drafter) if step == "fused" else None
     synchronize = torch.cuda.synchronize if core.runner.device.type == "cuda" else lambda: None
     tokens_before = sum(len(r.output_ids) for r in reqs)
@@ -180,7 +187,10 @@ def time_steps(engine, bs: int, step: str, size: int, steps: int, kernels: int =
         row.update(fused_share=fused_steps.close() / steps, drafts="a random head's: accept length is not the point")
     if step == "forecast":   # steps launched from a forecast, of those timed (the rest: after the read)
         row["forecast_share"] = (core.drafter.made - made_before) / steps
-    graph = graph_of(bs)
+    # a sampled step's graph is its forward (and, fused, the head and verification under the kind the
+    # step ran); the sampling of a plain or verify step runs after it, in the wall time only
+    row["verification"] = verification_kind(reqs, core.sampler.sampling_rule)   # greedy, or the sampled rule
+    graph = graph_of(bs, row["verification"])
     if graph is not None:
         gpu_ms = events_time_us(graph.replay) / 1e3
         row.update(graph_gpu_ms=gpu_ms, host_not_hidden_ms=wall_ms - gpu_ms)
@@ -264,17 +274,23 @@ def engine_rows(ns, shape: str, path: str, algorithm: str, sizes: list[int], wri
     for bs in ns.batch_sizes:
         for step, size in plan:
             row = time_steps(engine, bs, step, size, ns.steps, ns.kernels, fused_drafter, ns.prompt_len,
-                             ns.warm_steps)
+                             ns.warm_steps, sampling_of(ns))
             row = {"kind": "step_cost", "shape": shape, "engine": algorithm,
                    "max_tree_rows": TritonBackend.max_tree_rows,
                    "hidden_capture": engine.core.runner.hidden_capture is not None, **row,
                    "device": device, "date": time.strftime("%Y-%m-%d")}
+            if ns.temperature > 0:
+                row.update(temperature=ns.temperature, top_p=ns.top_p)
             rows.append(write(row))
     del engine, fused_drafter
     gc.collect()   # the next engine's memory (graphs, KV cache) comes from this one's
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return rows
+
+
+def sampling_of(ns) -> dict:
+    return {"temperature": ns.temperature, "top_p": ns.top_p} if ns.temperature > 0 else GREEDY
 
 
 def main(argv=None) -> list[dict]:
@@ -292,6 +308,10 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--prompt-len", type=int, default=300)
     parser.add_argument("--forecast", action="store_true",
                         help="NGRAM: also verify steps launched before the step before is read (forecast drafts)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="every request sampled at this temperature (0: greedy): a sampled step's cost "
+                             "against a sampled plain step's")
+    parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--kernels", type=int, default=0, help="also list the N slowest kernels of each step's graph")
     parser.add_argument("--device", default="cuda", help="cuda (graph times) or cpu (wall times only: smoke runs)")
     parser.add_argument("--model-dir", default="/tmp", help="where the random model (and head) are written")

@@ -22,7 +22,9 @@
 #                                                   the last MODEL, qwen2.5-coder-1.5b-instruct by default; ~8 min)
 #   scripts/gpu_run.sh step-cost                   (no models staged, ~3 min: plain, 4- and 8-node verify and the fused
 #                                                   EAGLE-3 step at batch 1 and 8 on random 1.5B weights, each with the
-#                                                   host's time by phase: where a verify step's unhidden host time goes)
+#                                                   host's time by phase: where a verify step's unhidden host time goes;
+#                                                   STEP_COST_EXTRA="--temperature 0.7 --top-p 0.95 --kernels 30": every
+#                                                   step sampled, against a sampled plain step, with kernel tables)
 #   scripts/gpu_run.sh step-cost-wide              (no models staged: step-cost's EAGLE-3 rows at 32 and 64 with each
 #                                                   graph's 30 slowest kernels; issue 55 at the batches vLLM leads)
 #   AB_OLD=.ab/old scripts/gpu_run.sh step-cost-ab  (no models staged: lab.step_cost for an old tree (`git archive REV
@@ -220,10 +222,10 @@ if [ "$mode" = checks ] || [ "$mode" = all ]; then
   done
 fi
 if [ "$mode" = step-cost ]; then
-  python3 -m lab.suite_host_phases lab.step_cost --batch-sizes 1 8 --sizes 1 4 8 --steps 60 \
+  python3 -m lab.suite_host_phases lab.step_cost --batch-sizes 1 8 --sizes 1 4 8 --steps 60 ${STEP_COST_EXTRA:-} \
     --out "$OUT/step_cost" 2>&1 | grep '^{' | tail -20
   python3 -m lab.suite_host_phases lab.step_cost --algorithm EAGLE3 --num-steps 3 --batch-sizes 1 8 \
-    --steps 60 --out "$OUT/step_cost_eagle3" 2>&1 | grep '^{' | tail -20
+    --steps 60 ${STEP_COST_EXTRA:-} --out "$OUT/step_cost_eagle3" 2>&1 | grep '^{' | tail -20
 fi
 if [ "$mode" = step-cost-wide ]; then
   # issue 55 at 32 and 64: plain, verify of 4 nodes and the fused EAGLE-3 chain of 3 (a random head with the kept

@@ -115,3 +115,16 @@ def test_fused_step_ops_are_counted_by_the_line_that_issued_them(tiny_shape, cap
     assert "?" not in by_line and all(count > 0 for count in by_line.values())
     printed = capsys.readouterr().out.splitlines()
     assert printed[0] == f"ops per step: {sum(by_line.values()):.0f}" and len(printed) == 4
+
+
+def test_sampled_rows_run_every_step_sampled_and_fused(tmp_path, tiny_shape):
+    """--temperature: every request sampled; the fused step still runs fused (its verification
+    by the sampled rule), and the rows say what they sampled at."""
+    rows = step_cost.main(["--shape", tiny_shape, "--algorithm", "EAGLE3", "--num-steps", "2", "--draft-vocab", "1024",
+                           "--batch-sizes", "2", "--steps", "3", "--warm-steps", "1", "--prompt-len", "16",
+                           "--device", "cpu", "--temperature", "0.7", "--top-p", "0.9",
+                           "--model-dir", str(tmp_path), "--out", str(tmp_path / "out")])
+    assert [(r["engine"], r["step"]) for r in rows] == [("NGRAM", "plain"), ("NGRAM", "verify"),
+                                                         ("EAGLE3", "plain"), ("EAGLE3", "verify"), ("EAGLE3", "fused")]
+    assert all((r["temperature"], r["top_p"], r["verification"]) == (0.7, 0.9, "rejection") for r in rows)
+    assert next(r for r in rows if r["step"] == "fused")["fused_share"] == 1.0
