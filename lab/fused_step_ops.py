@@ -23,7 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lab.random_head import write_random_eagle3_head
-from lab.step_cost import start_requests, use_step
+from lab.step_cost import GREEDY, start_requests, use_step
 from specserve.bench.random_model import SHAPES, write_model_config
 from specserve.speculative.model_drafters import fused_chain
 
@@ -62,6 +62,8 @@ def main(argv=None) -> collections.Counter:
     parser.add_argument("--num-steps", type=int, default=3)
     parser.add_argument("--draft-vocab", type=int, default=32000)
     parser.add_argument("--top", type=int, default=80)
+    parser.add_argument("--temperature", type=float, default=0.0, help="the request sampled (0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--device", default="cuda", help="cuda: eager (no graphs), Triton kernels uncounted")
     ns = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="fused-ops-") as directory:
@@ -78,7 +80,8 @@ def main(argv=None) -> collections.Counter:
 
 
 def _census(ns, directory: str, steps: int = 3) -> Census:
-    """The ops of `steps` fused steps of one greedy request, after its first drafts."""
+    """The ops of `steps` fused steps of one request (greedy, or sampled at --temperature), after
+    its first drafts."""
     from specserve.engine.engine import Engine
     path = write_model_config(os.path.join(directory, "target"), ns.shape)
     head = write_random_eagle3_head(os.path.join(directory, "head"), ns.shape, ns.draft_vocab)
@@ -88,7 +91,8 @@ def _census(ns, directory: str, steps: int = 3) -> Census:
                     speculative_eagle_topk=1, speculative_draft_model_path=head)
     engine.shutdown()   # the step loop is driven from this thread
     use_step(engine, "fused", ns.num_steps + 1, engine.core.drafter)
-    start_requests(engine, 1, "fused", ns.num_steps + 1, 10, 40, 3)
+    sampling = {"temperature": ns.temperature, "top_p": ns.top_p} if ns.temperature > 0 else GREEDY
+    start_requests(engine, 1, "fused", ns.num_steps + 1, 10, 40, 3, sampling)
     census, run = Census(), fused_chain.run_fused_step
 
     def counted(*args, **kwargs):
