@@ -43,6 +43,10 @@ A drafting step's own choice may expect what it then realizes while the episode 
 disappoints the probe that started it: on an H200 (1.5B, multi-turn chat at 32, session 34)
 probes expected 1.56-1.57x, the episodes realized 1.03-1.06x, each switch a step not launched
 ahead and requests pulled apart.
+An episode's record counts as far as it saw (OVERSHOOT_EVIDENCE): a batch-1 episode of a
+few steps realizes mostly its draws' luck, and one such record (H100, 1.5B, chat sampled at
+batch 1: 9 steps, expected 1.23x, realized 0.99x) raised the margin to 1.30 for the rest of a
+run where pinned drafting made 1.43x; 32 requests' 8 steps count for nearly all of theirs.
 An episode that won by the switch margin adds no record: its switch paid, and the run of
 disappointing steps its choice ended it on is no measure of the probe (H200, 1.5B, EAGLE-3 at
 batch 1, code-types: the records a warm-up left raised the margin above the 1.28x the timed
@@ -104,6 +108,9 @@ PLAIN_HOLD = 16        # steps a bucket stays plain after a drafting episode tha
 MAX_PLAIN_HOLD = 1024  # after episodes that lost the hold doubles, up to this
 BYPASS_BUDGET = 0.1    # the time losing episodes lose may be this fraction of the time before a bypass
 EPISODE_WINDOW = 5     # episodes whose expected / realized gain make a bucket's episode_overshoot
+# an episode's overshoot record counts for requests x steps / (requests x steps + this): one of few
+# requests and steps, whose realized rate is mostly noise, moves the switch margin little
+OVERSHOOT_EVIDENCE = 32
 
 
 @dataclass
@@ -113,15 +120,23 @@ class Episode:
     tokens: float = 0.0
     seconds: float = 0.0
     steps: int = 0
+    request_steps: int = 0               # its steps' batch sizes, summed
     recent: deque = field(default_factory=lambda: deque(maxlen=GUARD_WINDOW))
     expected_gain: float | None = None   # over plain decoding, what the probe that switched expected
     pricing: bool = False                # switched to price tiers (no gain expected): a loss is no verdict
 
-    def add(self, tokens: float, seconds: float) -> None:
+    def add(self, tokens: float, seconds: float, batch_size: int = 1) -> None:
         self.tokens += tokens
         self.seconds += seconds
         self.steps += 1
+        self.request_steps += batch_size
         self.recent.append((tokens, seconds))
+
+    def overshoot(self, plain_rate: float) -> float:
+        """The gain the probe expected over the gain realized, shrunk towards 1 by how little
+        the episode saw (OVERSHOOT_EVIDENCE)."""
+        measured = self.expected_gain / (self.rate() / plain_rate)
+        return 1.0 + (measured - 1.0) * self.request_steps / (self.request_steps + OVERSHOOT_EVIDENCE)
 
     def rate(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
@@ -236,8 +251,7 @@ class BucketModes:
         else:
             hold = PLAIN_HOLD
         if judged and not won and episode.expected_gain is not None and episode.tokens > 0:
-            realized = episode.rate() / plain_rate
-            self.episode_overshoot[bucket] = self._overshoots.add(bucket, episode.expected_gain / realized)
+            self.episode_overshoot[bucket] = self._overshoots.add(bucket, episode.overshoot(plain_rate))
         self.hold[bucket] = hold
         self.plain_until[bucket] = steps if won else steps + self.hold[bucket]
         self._held_for[bucket] = frozenset() if won else frozenset(self.drafted.get(bucket, ()))
@@ -273,7 +287,7 @@ class BucketModes:
         if prefill:
             return False
         episode = self._episodes.setdefault(bucket, Episode())
-        episode.add(per_request, seconds)
+        episode.add(per_request, seconds, batch_size)
         plain_rate = self.plain_rate.get(bucket)
         if (episode.steps >= GUARD_STEPS and plain_rate is not None
                 and episode.recent_rate() < GUARD_RATIO * plain_rate):

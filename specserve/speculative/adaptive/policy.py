@@ -35,6 +35,7 @@ level not priced at the bucket yet is rated at its floor and priced by the steps
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -56,7 +57,8 @@ if TYPE_CHECKING:
 __all__ = [
     "AdaptiveDraftLength", "tiers_for", "COST_WINDOW", "REFRESH_EVERY", "REFRESH_MARGIN", "SWITCH_MARGIN", "EXPLORE_RATIO",
     "BYPASS_BUDGET", "GUARD_RATIO", "GUARD_STEPS", "MAX_PLAIN_HOLD", "PLAIN_HOLD", "REALIZED_WINDOW",
-    "MAX_PROBE_EVERY", "PROBE_BUDGET", "PROBE_COST_EMA", "PROBE_REQUESTS", "OPTIMISM_WINDOW", "MAX_OPTIMISM"]
+    "MAX_PROBE_EVERY", "PROBE_BUDGET", "PROBE_COST_EMA", "PROBE_REQUESTS", "OPTIMISM_WINDOW", "MAX_OPTIMISM",
+    "LEAVE_MARGIN_BATCH"]
 
 # a plain bucket drafts again only when drafting is expected to beat plain by this much:
 # a switch costs a step that is not launched ahead, and a probe sees only a sample, so
@@ -80,6 +82,17 @@ EXPLORE_RATIO = 0.6
 # (SmolLM2-135M, a JSON edit on 2 shared cores: probes expecting 1.6-2.1x kept it plain).
 OPTIMISM_WINDOW = 8
 MAX_OPTIMISM = 1.5
+# A drafter's leave margin (Drafter.leave_margin) holds for steps of this many requests or more;
+# a smaller step's expected rate averages fewer requests' noisy evidence, so its episode ends
+# further below plain's: 1 - (1 - margin) * sqrt(LEAVE_MARGIN_BATCH / batch) (a fused chain's
+# 0.85: 0.70 at batch 1, 0.79 at 2). At batch 1 a request's expected tokens swing with each
+# step's accepts: an H100 trace (1.5B, the kept head, chat sampled at T 0.7) ended a warm-up
+# episode that realized ~1.0x on one step expected at 0.81x plain, and the bucket stayed plain
+# where pinned drafting made 1.43x. lab/policy_sim_b1 (32 seeds, chains of 3, nodes accepted
+# with probability p; sampled: H100 sampled step costs), 0.85 -> 0.70 at batch 1: greedy p 0.62
+# 1.03 -> 1.07x plain (pinned 1.27x), sampled p 0.62 1.10 -> 1.19x (pinned 1.38x), p 0.8
+# 1.59 -> 1.60x / 1.72 -> 1.73x; p 0.2-0.5 (drafting loses) 0.995-1.00x either way.
+LEAVE_MARGIN_BATCH = 4
 # A probe's verdict goes to the debug log at most this often per bucket: why a speculative
 # server keeps a batch size plain (or drafts) is otherwise invisible from outside
 DECISION_LOG_INTERVAL_S = 5.0
@@ -283,7 +296,7 @@ class AdaptiveDraftLength:
             return cut
         choice, best, rates, cuts = self._rate(bucket, len(rids), rids, num_nodes, keys, choosing=True)
         if best.tier == 1 and rates and self.leave_margin < 1.0:
-            choice, best = self._staying(choice, best, rates, cuts)
+            choice, best = self._staying(choice, best, rates, cuts, self.leave_margin_at(len(rids)))
         if not rates and choice.tier > 1 and not self.cuts.may_pay(bucket, rids, num_nodes, keys, 1.0):
             best = choice = PLAIN   # what is left to price cannot win: the episode ends
         if choice.tier > 1 and rates and self.costs.rateable(bucket, choice.level):
@@ -299,14 +312,23 @@ class AdaptiveDraftLength:
             return PLAIN
         return choice
 
+    def leave_margin_at(self, batch_size: int) -> float:
+        """The leave margin for a step of this many requests: the drafter's from
+        LEAVE_MARGIN_BATCH requests up; below, as far under 1 again as one step's expected
+        rate is noisier (its requests' evidence averaged, the noise falling with the square
+        root of their number): a fused chain's 0.85 is 0.70 at batch 1 (module docstring)."""
+        if self.leave_margin >= 1.0 or batch_size >= LEAVE_MARGIN_BATCH:
+            return self.leave_margin
+        return 1.0 - (1.0 - self.leave_margin) * math.sqrt(LEAVE_MARGIN_BATCH / batch_size)
+
     def _staying(self, choice: DraftCut, best: DraftCut, rates: dict[int, float],
-                 cuts: dict[int, DraftCut]) -> tuple[DraftCut, DraftCut]:
+                 cuts: dict[int, DraftCut], leave_margin: float) -> tuple[DraftCut, DraftCut]:
         """Where plain decoding is expected to win (best is tier 1), the episode goes on at the
         best drafting tier still expected to reach leave_margin of plain's rate; a choice that
         re-prices another tier stands."""
         drafting = [t for t in rates if t > 1]
         stay = max(drafting, key=rates.get) if drafting else None
-        if stay is None or rates[stay] < self.leave_margin * rates[1]:
+        if stay is None or rates[stay] < leave_margin * rates[1]:
             return choice, best
         return (cuts[stay] if choice.tier == 1 else choice), cuts[stay]
 
