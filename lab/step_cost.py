@@ -29,6 +29,8 @@ nodes on a target that keeps no states, the same two on the EAGLE-3 engine's tar
 batch size: the fused step's time as target verify + hidden capture + head and
 verification + host (GPU-time differences of those rows). The drafts are the random
 head's: accept lengths are ~1 and are not the point.
+With `--topk k --tree-nodes n` the fused step is EAGLE-2's tree instead: verify of n
+nodes, the head fed the accepted path and its K - 1 steps of k beams, and the next tree.
 """
 from __future__ import annotations
 
@@ -256,7 +258,8 @@ def engine_rows(ns, shape: str, path: str, algorithm: str, sizes: list[int], wri
     steps of `sizes`) or EAGLE3 (plain, verify of K + 1 and the fused step)."""
     from specserve.engine.engine import Engine
     extra = {"speculative_num_draft_tokens": max(sizes)} if algorithm == "NGRAM" else {
-        "speculative_num_steps": ns.num_steps, "speculative_eagle_topk": 1,
+        "speculative_num_steps": ns.num_steps, "speculative_eagle_topk": ns.topk,
+        **({"speculative_num_draft_tokens": ns.tree_nodes} if ns.topk > 1 else {}),
         "speculative_draft_model_path": write_random_eagle3_head(
             os.path.join(ns.model_dir, f"random-{shape}-eagle3-head"), shape, ns.draft_vocab)}
     engine = Engine(model_path=path, load_format="dummy", log_level="warning", speculative_algorithm=algorithm,
@@ -268,7 +271,7 @@ def engine_rows(ns, shape: str, path: str, algorithm: str, sizes: list[int], wri
     if algorithm == "NGRAM" and ns.forecast:
         plan += [("forecast", size) for size in sorted(sizes) if size > 1]
     if fused_drafter is not None:
-        plan.append(("fused", ns.num_steps + 1))
+        plan.append(("fused", fused_drafter.fused.nodes))
     device = torch.cuda.get_device_name() if engine.core.runner.device.type == "cuda" else "cpu"
     rows = []
     for bs in ns.batch_sizes:
@@ -301,6 +304,10 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--num-steps", "--speculative-num-steps", type=int, default=3,
                         help="EAGLE3: K, the drafts of a fused step's chain")
     parser.add_argument("--draft-vocab", type=int, default=32000, help="EAGLE3: the random head's draft vocabulary")
+    parser.add_argument("--topk", "--speculative-eagle-topk", type=int, default=1,
+                        help="EAGLE3: > 1 for EAGLE-2's trees of --tree-nodes nodes (the fused tree step)")
+    parser.add_argument("--tree-nodes", "--speculative-num-draft-tokens", type=int, default=8,
+                        help="EAGLE3 with --topk > 1: the tree's nodes, at least --num-steps + 1")
     parser.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 8, 32, 64])
     parser.add_argument("--sizes", type=int, nargs="*", default=[1, 4, 8, 16])
     parser.add_argument("--steps", type=int, default=100)
@@ -326,7 +333,9 @@ def main(argv=None) -> list[dict]:
         parser.error(f"--num-steps must be >= 1, got {ns.num_steps}")
     os.makedirs(ns.out, exist_ok=True)
     eagle = ns.algorithm == "EAGLE3"
-    sizes = [1, ns.num_steps + 1] if eagle else ns.sizes
+    if eagle and ns.topk > 1 and ns.tree_nodes < ns.num_steps + 1:
+        parser.error(f"--tree-nodes must be at least --num-steps + 1 ({ns.num_steps + 1}), got {ns.tree_nodes}")
+    sizes = [1, (ns.tree_nodes if ns.topk > 1 else ns.num_steps + 1)] if eagle else ns.sizes
     plain_ms: dict[int, float] = {}
 
     def write(row: dict) -> dict:

@@ -3,7 +3,10 @@ equals plain decoding, and every tree the engine verifies is the one a plain re-
 builds from the head alone (each path recomputed from scratch: the head's step 0 over the
 request's rows with the target's states, then the path's drafts one by one; top-k children,
 k best by cumulative log-probability kept per step, the best num_draft_tokens - 1 overall).
-That holds only if the batched beams attend to exactly their own ancestors. The head's pool
+That holds only if the batched beams attend to exactly their own ancestors. Every step after
+a request's first tree verifies it and drafts the next in one fused step (fused_step.py),
+which feeds the head the accepted path's states, also when the step is queued before the one
+it follows is read; sampled trees are verified there by the coupled rule. The head's pool
 comes back whole. Heads: the ones tests/test_eagle_drafter.py trains, and a random one.
 """
 from __future__ import annotations
@@ -15,7 +18,10 @@ import torch.nn.functional as F
 from specserve.speculative.heads.eagle_checkpoint import save_head
 from specserve.training.eagle_trainer import build_head
 from specserve.training.target_features import TargetFeatureExtractor
+from specserve.speculative.model_drafters.fused_drafter import FusedChainDrafter
+from tests.fused_fixtures import FusedSpy, wait_until_fused_state_is_free
 from tests.spec_fixtures import tiny_engine
+from tests.test_draft_ahead import ahead_on
 from tests.test_eagle_drafter import VOCAB, eagle_args, head_dir, target, wait_until_head_kv_is_free  # noqa: F401
 
 TREES = [(2, 3, 6), (3, 3, 10), (4, 2, 5)]      # (top-k, steps, nodes)
@@ -100,29 +106,59 @@ def test_a_random_heads_trees_are_the_reference_trees(target, random_head, topk,
     check_trees(target, random_head, topk, steps, nodes, longest_accepted=1)
 
 
-def check_trees(target, head_dir, topk: int, steps: int, nodes: int, longest_accepted: int, **engine_args) -> None:
+@pytest.mark.parametrize("topk,steps,nodes", TREES[:2])
+def test_trees_of_steps_launched_ahead_are_the_reference_trees(target, head_dir, topk, steps, nodes):
+    """As on a GPU: each fused tree step is queued before the step it follows is read, its
+    tree derived on the device from that step's outcome (fused_step.chain_inputs)."""
+    check_trees(target, head_dir, topk, steps, nodes, longest_accepted=3, ahead=True)
+
+
+def test_a_tree_smaller_than_its_depth_is_verified_by_the_engine(target, random_head):
+    """A tree of fewer nodes than K + 1 levels (top-k 2, 5 steps, 4 nodes) cannot feed the
+    head its whole accepted path from the tree's nodes: EagleDrafter's unfused tree serves it."""
+    check_trees(target, random_head, 2, 5, 4, longest_accepted=1, fused=False)
+
+
+def check_trees(target, head_dir, topk: int, steps: int, nodes: int, longest_accepted: int, ahead: bool = False,
+                fused: bool = True, **engine_args) -> None:
     """Greedy output equals plain decoding, the verified trees equal reference_tree's, the
-    head's pool comes back whole; some step accepted longest_accepted tokens."""
+    head's pool comes back whole; some step accepted longest_accepted tokens. `fused`: every
+    step after a request's first drafts verified and drafted the next tree in one fused step
+    (fused_step.py), launched ahead of the read (chained) where the engine does (`ahead`: on the CPU too)."""
     path, _, _, held_out = target
-    algorithm, head_path, head, extractor = head_dir
     algorithm, head_path, head, extractor = head_dir
     proposals = []
     with tiny_engine(path, **eagle_args(algorithm, head_path, speculative_num_steps=steps,
                                         speculative_eagle_topk=topk, speculative_num_draft_tokens=nodes),
                      **engine_args) as engine:
-        propose = engine.core.drafter.propose
+        drafter = engine.core.drafter
+        assert isinstance(drafter, FusedChainDrafter) == fused
+        if ahead:
+            ahead_on(engine)
+        chains = engine.core.draft_ahead is not None   # steps launched ahead: a GPU engine's, or `ahead`
+        spy = FusedSpy(drafter) if fused else None
 
-        def spy(reqs, max_nodes):
-            proposal, num_nodes = propose(reqs, max_nodes)
-            proposals.extend((r.prompt_ids + r.output_ids, proposal.tokens[i, 1:].tolist(), proposal.parents[i, 1:].tolist())
-                             for i, (r, n) in enumerate(zip(reqs, num_nodes)) if n == nodes)
-            return proposal, num_nodes
-        engine.core.drafter.propose = spy
+        def spied(propose):
+            def proposing(reqs, *args):
+                proposal, num_nodes = propose(reqs, *args)
+                proposals.extend((r.prompt_ids + r.output_ids, proposal.tokens[i, 1:].tolist(),
+                                  proposal.parents[i, 1:].tolist())
+                                 for i, (r, n) in enumerate(zip(reqs, num_nodes)) if n == nodes)
+                return proposal, num_nodes
+            return proposing
+        drafter.propose = spied(drafter.propose)
+        if fused:   # a chained step's tree, on the host once the step before is read
+            drafter.chained_proposal = spied(drafter.chained_proposal)
         outputs = engine.generate(input_ids=[c.tokens[:c.prompt_len] for c in held_out[:4]],
                                   sampling_params={"temperature": 0.0, "max_new_tokens": 32})
         assert [o["output_ids"] for o in outputs] == [c.tokens[c.prompt_len:] for c in held_out[:4]]
         assert max(n for o in outputs for n in o["meta_info"]["spec_accept_histogram"]) >= longest_accepted
+        if fused:
+            wait_until_fused_state_is_free(engine)
         wait_until_head_kv_is_free(engine)
+    if fused:
+        assert spy.engine == 0 and spy.fused == sum(o["meta_info"]["spec_verify_ct"] for o in outputs)
+        assert (spy.chained > 0) == chains, spy.chained
     assert len(proposals) >= 8
     with torch.no_grad():
         for context, tokens, parents in proposals[::2]:
@@ -131,3 +167,37 @@ def check_trees(target, head_dir, topk: int, steps: int, nodes: int, longest_acc
             assert (tokens, parents) == expected, f"context of {len(context)} tokens"
 
 
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["read", "chained"])
+def test_sampled_trees_are_verified_in_the_fused_step_by_the_coupled_rule(target, head_dir, monkeypatch, ahead):
+    """A tree's drafts are the head's top-k, never sampled: a sampled batch's fused steps
+    verify them by the coupled rule without a q, and a seed gets plain decoding's tokens,
+    whether a step is queued before the one before it is read or not."""
+    import specserve.speculative.model_drafters.fused_step as fused_step
+    path, _, _, held_out = target
+    algorithm, head_path, _, _ = head_dir
+    prompts = [c.tokens[:c.prompt_len] for c in held_out[:6]]
+    params = [{"temperature": 0.8, "max_new_tokens": 12 + i, "ignore_eos": True, "seed": 7 + i} for i in range(6)]
+    with tiny_engine(path) as plain:
+        expected = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=params)]
+    rules, verify = [], fused_step.verify_sampling
+
+    def spy(trees, logits, *args, rule, **kwargs):
+        rules.append((rule, args[-1] is not None))   # the last positional argument: draft_probs
+        return verify(trees, logits, *args, rule=rule, **kwargs)
+    monkeypatch.setattr(fused_step, "verify_sampling", spy)
+    with tiny_engine(path, **eagle_args(algorithm, head_path, speculative_num_steps=3, speculative_eagle_topk=2,
+                                        speculative_num_draft_tokens=6)) as engine:
+        if ahead:
+            ahead_on(engine)
+        steps = FusedSpy(engine.core.drafter)
+        outputs = engine.generate(input_ids=prompts, sampling_params=params)
+        unseeded = engine.generate(input_ids=prompts,
+                                   sampling_params={"temperature": 0.8, "max_new_tokens": 12, "ignore_eos": True})
+        wait_until_fused_state_is_free(engine)
+    assert [o["output_ids"] for o in outputs] == expected
+    assert [len(o["output_ids"]) for o in unseeded] == [12] * 6
+    assert set(rules) == {("coupled", False)}
+    assert steps.engine == 0 and steps.fused > 0 and (steps.chained > 0) == ahead, vars(steps)
+    assert max(n for o in outputs for n in o["meta_info"]["spec_accept_histogram"]) > 1   # drafts were accepted

@@ -192,7 +192,7 @@ def test_fused_inputs_rewrite_the_request_columns_only_for_another_batch():
                                  seed=None)
         return SimpleNamespace(row=row, kv_len=10 + row, seed=row, params=params)
 
-    inputs = FusedStepInputs.allocate(4, 3, "cpu")
+    inputs = FusedStepInputs.allocate(4, 3, 4, "cpu")
     proposal, _ = chain_proposal([3, 3], [1, 2], [0, 1], [[5, 6], [7, 8]], None, 2)
     head_slots = np.arange(8).reshape(2, 4)
     greedy, sampled = [request(0, 0.0), request(1, 0.0)], [request(0, 0.7), request(1, 0.5)]
@@ -221,7 +221,7 @@ def test_a_chained_step_takes_the_kept_requests_and_the_outcome_s_drafts():
     from specserve.speculative.model_drafters.model_proposals import chain_proposal
 
     n, k = 3, 2
-    source = FusedStepInputs.allocate(3, n, "cpu")
+    source = FusedStepInputs.allocate(3, n, 2 * k, "cpu")
     source.tree.prefix_lens[:] = torch.tensor([10, 20, 30])
     source.tree.req_rows[:] = torch.tensor([4, 5, 6])
     source.head_rows[:] = torch.tensor([7, 8, 9])
@@ -234,7 +234,7 @@ def test_a_chained_step_takes_the_kept_requests_and_the_outcome_s_drafts():
                             [1, 0, -1, -1, 21, -1, -1, 23, 24],
                             [3, 0, 1, 2, 31, 32, 33, 35, 36]])
     rows = torch.tensor([0, 2])
-    target = FusedStepInputs.allocate(3, n, "cpu")
+    target = FusedStepInputs.allocate(3, n, 2 * k, "cpu")
     cut_rows(source, rows, target, (99, 98))
     chain_inputs(target, outcome.index_select(0, rows), torch.tensor([[40, 41, 42], [50, 51, 52]]),
                  torch.arange(8).view(2, 4))
@@ -247,10 +247,27 @@ def test_a_chained_step_takes_the_kept_requests_and_the_outcome_s_drafts():
     assert target.head_slots.tolist()[:2] == [[0, 1, 2, 3], [4, 5, 6, 7]] and target.seeds.tolist() == [1, 3, 0]
     assert target.top_ps.tolist() == [0.5, 0.7, 1.0]
     # the padding cut_rows writes is what fill writes
-    host = FusedStepInputs.allocate(3, n, "cpu")
+    host = FusedStepInputs.allocate(3, n, 2 * k, "cpu")
     request = SimpleNamespace(row=4, kv_len=10, seed=1, params=SimpleNamespace(
         top_k=0, greedy=True, temperature=0.0, top_p=1.0, min_p=0.0, seed=None))
     proposal, _ = chain_proposal([3], [1], [0], [[5, 6]], None, 2)
     host.fill([request], proposal, np.arange(3).reshape(1, 3), np.arange(4).reshape(1, 4), [7], (99, 98), 512)
     for field, padding in zip(host.request_fields(), FusedStepInputs.padding((99, 98))):
         assert (field[1:] == padding).all()
+
+
+def test_a_chained_tree_step_takes_the_outcome_s_tree():
+    """chain_inputs after a fused tree step (EAGLE-2's top-k > 1): the next tree's tokens and
+    parents come from the outcome, behind the last committed token as root."""
+    from specserve.speculative.model_drafters.fused_step import FusedStepInputs, chain_inputs
+
+    n = 4   # the tree's nodes: the outcome is accept length, accepted (n), committed (n), tokens (n - 1), parents (n - 1)
+    inputs = FusedStepInputs.allocate(2, n, 8, "cpu")
+    inputs.tree.prefix_lens[:] = torch.tensor([10, 20])
+    outcome = torch.tensor([[2, 0, 2, -1, -1, 11, 12, -1, -1, 15, 16, 17, 0, 0, 1],
+                            [1, 0, -1, -1, -1, 21, -1, -1, -1, 25, 26, 27, 0, 1, 2]])
+    chain_inputs(inputs, outcome, torch.arange(8).view(2, 4), torch.arange(16).view(2, 8), trees=True)
+    tree = inputs.tree
+    assert tree.tokens.tolist() == [[12, 15, 16, 17], [21, 25, 26, 27]]
+    assert tree.parents.tolist() == [[-1, 0, 0, 1], [-1, 0, 1, 2]]
+    assert tree.prefix_lens.tolist() == [12, 21] and tree.num_nodes.tolist() == [4, 4]

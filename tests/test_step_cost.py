@@ -128,3 +128,18 @@ def test_sampled_rows_run_every_step_sampled_and_fused(tmp_path, tiny_shape):
                                                          ("EAGLE3", "plain"), ("EAGLE3", "verify"), ("EAGLE3", "fused")]
     assert all((r["temperature"], r["top_p"], r["verification"]) == (0.7, 0.9, "rejection") for r in rows)
     assert next(r for r in rows if r["step"] == "fused")["fused_share"] == 1.0
+
+
+def test_fused_tree_rows_on_the_cpu(tmp_path, tiny_shape):
+    """--topk 2 --tree-nodes 6: the fused step is EAGLE-2's tree, verified against a verify of
+    6 nodes, every timed step fused."""
+    rows = step_cost.main(["--shape", tiny_shape, "--algorithm", "EAGLE3", "--num-steps", "3", "--topk", "2",
+                           "--tree-nodes", "6", "--draft-vocab", "1024", "--batch-sizes", "2", "--steps", "3",
+                           "--warm-steps", "1", "--prompt-len", "16", "--device", "cpu",
+                           "--model-dir", str(tmp_path), "--out", str(tmp_path / "out")])
+    assert [(r["engine"], r["step"], r["draft_size"]) for r in rows] == [
+        ("NGRAM", "plain", 1), ("NGRAM", "verify", 6), ("EAGLE3", "plain", 1), ("EAGLE3", "verify", 6),
+        ("EAGLE3", "fused", 6)]
+    assert next(r for r in rows if r["step"] == "fused")["fused_share"] == 1.0
+    with pytest.raises(SystemExit):
+        step_cost.main(["--shape", tiny_shape, "--algorithm", "EAGLE3", "--topk", "2", "--tree-nodes", "3"])

@@ -4,8 +4,9 @@ verification kind) and eagerly (batches larger than the graphs): greedy output e
 decoding and every request's verify steps are the ones the trainer's replay predicts (heads
 trained on the CPU by tests/test_eagle_drafter.py's fixtures); seeded sampling gives plain
 decoding's tokens through the coupled graphs, unseeded sampling runs through the rejection
-graphs; every target and head KV slot comes back. EAGLE-2 trees (not fused) built in the
-drafting graphs equal the CPU reference's (tests/test_eagle_drafter_tree.py). With the
+graphs; every target and head KV slot comes back. EAGLE-2 trees, verified and drafted in the
+fused step's graphs (chained where launched ahead), equal the CPU reference's
+(tests/test_eagle_drafter_tree.py). With the
 adaptive policy (tests/test_eagle_adaptive.py's scripted plain stretches, the plain steps
 launched ahead from the decode graphs, whose hidden-state outputs the next replay
 overwrites), output stays plain decoding's and every draft after a plain stretch is the

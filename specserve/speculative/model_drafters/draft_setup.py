@@ -90,10 +90,18 @@ def prepare_draft(args: ServerArgs, target: ModelConfig, device: torch.device, d
 
 def fuses_chain(args: ServerArgs) -> bool:
     """Whether the drafter verifies and drafts in one fused step (fused_drafter.py): NAIVE_EAGLE
-    and MTP always, EAGLE / EAGLE3 when they draft a chain (top-k 1), with or without the
-    n-gram trie beside them (speculative/hybrid/fused_hybrid.py); EAGLE-2's trees do not."""
-    return args.speculative in FUSED_CHAIN_ALGORITHMS or (
-        args.speculative in ("EAGLE", "EAGLE3") and (args.speculative_eagle_topk or 1) == 1)
+    and MTP always, EAGLE / EAGLE3 with a chain (top-k 1), with or without the n-gram trie
+    beside them (speculative/hybrid/fused_hybrid.py), and with EAGLE-2's trees (top-k > 1)
+    without it (the hybrid's steps beside the trie's drafts take the head's pending chains) and
+    of at least K + 1 nodes (the head is fed the accepted path, up to the tree's K + 1 levels,
+    from the tree's nodes)."""
+    if args.speculative in FUSED_CHAIN_ALGORITHMS:
+        return True
+    if args.speculative not in ("EAGLE", "EAGLE3"):
+        return False
+    if (args.speculative_eagle_topk or 1) == 1:
+        return True
+    return not args.speculative_hybrid_ngram and args.speculative_verify_size >= args.speculative_steps + 1
 
 
 def with_ngram(args: ServerArgs, head: Drafter, on_gpu: bool) -> Drafter:

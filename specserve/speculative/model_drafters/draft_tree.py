@@ -19,25 +19,25 @@ and when the frontier is chosen anew each beam takes over its new node's parent'
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 from specserve.attention.base import ForwardBatch, ForwardMode
 from specserve.kv.pool import KVPool
-from specserve.speculative.model_drafters.draft_chain import ChainInputs, ChainModel, ChainRow, fed_rows_batch
+from specserve.speculative.model_drafters.draft_chain import ChainInputs, ChainModel, ChainRow, FedSpan, fed_rows_batch
 
 
 def run_tree(model: ChainModel, pool: KVPool, inputs: ChainInputs, plan: Callable[[ForwardBatch], None],
              topk: int, num_steps: int, num_nodes: int, first_features: torch.Tensor | None = None,
-             host_rows: list[ChainRow] | None = None) -> torch.Tensor:
+             host_rows: Sequence[ChainRow | FedSpan] | None = None) -> torch.Tensor:
     """(bs, 2 * (num_nodes - 1)) int64: the chosen drafts' target tokens, best first, then
     their parents as node numbers of the tree (0: the root, draft i: i + 1). inputs.slots
     hold (num_steps - 1) * topk draft-step slots per request, step after step."""
     bs, n, k = inputs.batch_size, inputs.rows_per_req, topk
     device = inputs.tokens.device
     host_prefix = [row.prefix_len for row in host_rows] if host_rows is not None else [0] * bs
-    host_last = [row.prefix_len + len(row.tokens) - 1 for row in host_rows] if host_rows is not None else [0] * bs
+    host_last = [row.prefix_len + row.num_fed - 1 for row in host_rows] if host_rows is not None else [0] * bs
     batch = fed_rows_batch(inputs, pool, host_prefix, rows_per_req=k)
     plan(batch)
     state = model.forward(batch, first_features)

@@ -3,8 +3,9 @@ fused by the head's fc): a one-layer head drafts from the target's own hidden st
 chain of K tokens per step (--speculative-eagle-topk 1) or EAGLE-2's dynamic tree of
 --speculative-num-draft-tokens nodes (top-k > 1: draft_tree.py); eagle_runner.py has the
 head's forwards. A chain's steps are fused by default (fused_drafter.py, a subclass: the
-target's verification and the next chain in one device function); this class's own chain
-still serves the steps that cannot be fused and every request's first drafts.
+target's verification and the next chain in one device function), and so are a tree's (the
+next tree instead); this class's own chain or tree still serves the steps that cannot be
+fused, every request's first drafts, and the hybrid's trees (speculative/hybrid/).
 
 The target's states arrive after every forward that caches tokens (`observe_hidden`: a
 prefill's every token, a verify step's accepted nodes) and wait here until the head feeds

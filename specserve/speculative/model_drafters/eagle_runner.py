@@ -74,16 +74,17 @@ def load_eagle_head(args: ServerArgs, target: ModelConfig, device: torch.device,
 
 
 def head_context(context_length: int, args: ServerArgs) -> int:
-    """Rows (and RoPE positions) a head's cache spans: a tree's steps reach K rows past the
-    root's, a chain's fused step 2K - 1 (reserved_head_rows)."""
-    steps = args.speculative_steps
-    return chain_context(context_length, 2 * steps - 1 if (args.speculative_eagle_topk or 1) == 1 else steps)
+    """Rows (and RoPE positions) a head's cache spans: a fused step's reserved rows past the
+    root's (reserved_head_rows, less the root's own)."""
+    return chain_context(context_length, reserved_head_rows(args.speculative_steps, args.speculative_eagle_topk or 1) - 1)
 
 
-def reserved_head_rows(num_steps: int) -> int:
-    """Head rows a fused step writes per request: the K + 1 fed rows and the K - 1 draft
-    steps' rows past them (a draft step sits after the last accepted row)."""
-    return 2 * num_steps
+def reserved_head_rows(num_steps: int, topk: int = 1) -> int:
+    """Head slots a fused step writes per request: the K + 1 fed rows, then a chain's K - 1
+    draft steps' rows past them (a draft step sits after the last accepted row, over a fed
+    row that was not), or a tree's K - 1 steps of top-k beams (draft_tree.py: each beam's
+    row is its own table row's)."""
+    return num_steps + 1 + (num_steps - 1) * topk
 
 
 def target_capture(head: EagleHead) -> HiddenCapture:
@@ -101,7 +102,7 @@ def head_pool_size(target_pool: KVPool, num_steps: int, topk: int) -> int:
     freed; a tree's steps' top-k rows). With the prefix cache, requests that share a cached
     prefix hold few tokens of their own, and a head pool only as large as the target's ran out
     first (its requests went without drafts while the target had room)."""
-    draft_rows = max(2 * reserved_head_rows(num_steps), (num_steps - 1) * topk)
+    draft_rows = 2 * reserved_head_rows(num_steps, topk)
     return target_pool.size + target_pool.max_requests * draft_rows
 
 

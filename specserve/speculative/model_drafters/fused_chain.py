@@ -1,5 +1,5 @@
-"""Launches the fused chain step (fused_step.py: verification, commit and the next K drafts
-in one device function): replayed from one CUDA graph per (batch bucket, verification kind)
+"""Launches the fused chain step (fused_step.py: verification, commit and the next K drafts,
+or EAGLE-2's next tree, in one device function): replayed from one CUDA graph per (batch bucket, verification kind)
 on a GPU, or run eagerly (the CPU, a batch larger than the graphs); the host reads back one
 packed outcome per step. Also keeps the q table of every request's pending drafts for the
 next step's residual rejection. Separate from fused_step.py: this is the capture, replay and
@@ -30,6 +30,7 @@ from specserve.runner.ranks.graph_steps import GraphStepHeader, announce_graph_s
 from specserve.runner.ranks.step_broadcast import sharded_model
 from specserve.runner.stream_events import record
 from specserve.runner.tree_step import pad_node_slots
+from specserve.speculative.model_drafters.eagle_runner import reserved_head_rows
 from specserve.speculative.model_drafters.fused_step import FusedStepInputs, chain_inputs, cut_rows, run_fused_step
 from specserve.verify.tree import TreeProposal
 
@@ -66,19 +67,23 @@ class FusedChainRunner:
         self.target, self.head = target, head
         self.device = target.device
         self.num_steps = head.num_steps
-        self.nodes = self.num_steps + 1
+        self.trees = head.topk > 1     # EAGLE-2's trees of tree_nodes nodes, argmax drafts: no q to keep
+        self.nodes = head.tree_nodes if self.trees else self.num_steps + 1
+        self.head_columns = reserved_head_rows(self.num_steps, head.topk)
+        self.drafts_width = 2 * (self.nodes - 1) if self.trees else self.num_steps   # the outcome's after commit_path's
         self.vocab_size = target.config.vocab_size
         # q of every request's pending drafts, by target table row (the scratch row included)
         rows = target.pool.max_requests + 1
-        fits = rows * self.num_steps * self.vocab_size * 4 <= Q_TABLE_BYTES
+        fits = not self.trees and rows * self.num_steps * self.vocab_size * 4 <= Q_TABLE_BYTES
         self.q_table = torch.zeros((rows, self.num_steps, self.vocab_size), dtype=torch.float32,
                                    device=self.device) if fits else None
-        if not fits:
+        if not fits and not self.trees:
             logger.info("fused chain: no q table for %d requests x %d drafts x %d tokens (over %d MiB): batches "
                         "with sampled drafts take the unfused chain", rows, self.num_steps, self.vocab_size,
                         Q_TABLE_BYTES >> 20)
         self.kinds = KINDS if fits else tuple(kind for kind in KINDS if kind != "rejection")
-        self.scratch_rows = (target.pool.scratch_row, head.padding_row)
+        # (a tree's head rows are its first beam's: the padding request's too)
+        self.scratch_rows = (target.pool.scratch_row, head.padding_row * head.topk)
         self.last: LastLaunch | None = None
         self.graphs = None
         if target.graphs is not None and head.graphs is not None:
@@ -106,9 +111,10 @@ class FusedChainRunner:
                                    bucket)
             return launched
         bs = len(reqs)
-        host = FusedStepInputs.allocate(bs, self.nodes, "cpu", pin=self.device.type == "cuda")
+        host = FusedStepInputs.allocate(bs, self.nodes, self.head_columns, "cpu", pin=self.device.type == "cuda")
         host.fill(reqs, proposal, node_slots, head_slots, head_rows, self.scratch_rows, self.vocab_size)
-        inputs = FusedStepInputs.view(host.packed.to(self.device, non_blocking=True), bs, self.nodes)
+        inputs = FusedStepInputs.view(host.packed.to(self.device, non_blocking=True), bs, self.nodes,
+                                      self.head_columns)
         return self._run_eagerly(reqs, inputs, kind, [r.kv_len for r in reqs])
 
     def chains(self, launched: InFlight, reqs: list["Req"]) -> bool:
@@ -138,14 +144,14 @@ class FusedChainRunner:
         bs = len(reqs)
         outcome = last.outcome
         if rows is None:
-            inputs = FusedStepInputs.view(last.inputs.packed.clone(), bs, self.nodes)
+            inputs = FusedStepInputs.view(last.inputs.packed.clone(), bs, self.nodes, self.head_columns)
         else:
             index = torch.tensor(rows, device=self.device)
-            inputs = FusedStepInputs.allocate(bs, self.nodes, self.device)
+            inputs = FusedStepInputs.allocate(bs, self.nodes, self.head_columns, self.device)
             cut_rows(last.inputs, index, inputs, self.scratch_rows)
             outcome = outcome.index_select(0, index)
         chain_inputs(inputs, outcome, torch.as_tensor(node_slots, device=self.device),
-                     torch.as_tensor(head_slots, device=self.device))
+                     torch.as_tensor(head_slots, device=self.device), self.trees)
         prefix = inputs.tree.prefix_lens[:bs].tolist()   # eager planning reads them: a host sync
         return self._run_eagerly(reqs, inputs, last.kind, prefix)
 
@@ -186,22 +192,23 @@ class FusedGraphs:
         self.buckets = batch_size_buckets(max_bs)
         self.max_bs = self.buckets[-1]
         device, nodes = runner.device, runner.nodes
-        self.device_inputs = {bs: FusedStepInputs.allocate(bs, nodes, device) for bs in self.buckets}
-        self.host_inputs = {bs: FusedStepInputs.allocate(bs, nodes, "cpu", pin=True) for bs in self.buckets}
+        columns = runner.head_columns
+        self.device_inputs = {bs: FusedStepInputs.allocate(bs, nodes, columns, device) for bs in self.buckets}
+        self.host_inputs = {bs: FusedStepInputs.allocate(bs, nodes, columns, "cpu", pin=True) for bs in self.buckets}
         self.probs = torch.zeros((self.max_bs, runner.num_steps, runner.vocab_size), device=device) \
             if runner.q_table is not None else None
         self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
         self.outcomes: dict[tuple[int, str], torch.Tensor] = {}
         # the outcome's pinned host copies per bucket, two in turn (a chained step's copy is on
         # its way while the host reads the step before), each read before the replay after next
-        self.host_outcomes = {bs: [torch.empty((bs, 1 + 2 * nodes + runner.num_steps), dtype=torch.long,
+        self.host_outcomes = {bs: [torch.empty((bs, 1 + 2 * nodes + runner.drafts_width), dtype=torch.long,
                                                pin_memory=True) for _ in range(2)] for bs in self.buckets}
         self._outcome_read = {bs: [torch.cuda.Event(), torch.cuda.Event()] for bs in self.buckets}
         self._turn: dict[int, int] = {}
         self._copied: dict[int, torch.cuda.Event] = {}
-        # a chained step's KV slots and the last step's row of each request, (bucket, n + 2K + 1):
+        # a chained step's KV slots and the last step's row of each request, (bucket, n + head columns + 1):
         # pinned on the host, their device copy, and its event
-        width = nodes + 2 * runner.num_steps + 1
+        width = nodes + columns + 1
         self._chain_slots = {bs: torch.empty((bs, width), dtype=torch.long, pin_memory=True) for bs in self.buckets}
         self._chain_slots_device = {bs: torch.empty((bs, width), dtype=torch.long, device=device) for bs in self.buckets}
         self._chain_copied: dict[int, torch.cuda.Event] = {}
@@ -279,7 +286,7 @@ class FusedGraphs:
             index = staged_device[:, n + r]
             cut_rows(last.inputs, index, inputs, self.runner.scratch_rows)
             outcome = outcome.index_select(0, index)
-        chain_inputs(inputs, outcome, staged_device[:, :n], staged_device[:, n:n + r])
+        chain_inputs(inputs, outcome, staged_device[:, :n], staged_device[:, n:n + r], self.runner.trees)
         self.graphs[bucket, last.kind].replay()
         return self._outcome_on_its_way(bucket, bs, last.kind), bucket, inputs
 

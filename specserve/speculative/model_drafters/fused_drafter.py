@@ -1,5 +1,6 @@
 """The fused chain drafter: EAGLE / EAGLE3 with top-k 1 (a chain of K drafts), NAIVE_EAGLE and
-MTP (K = 1), where the target's verification of step N and the head's K drafts for step
+MTP (K = 1), and EAGLE / EAGLE3 with EAGLE-2's trees (top-k > 1: the pending drafts are the
+head's next tree, verified without a q), where the target's verification of step N and the head's K drafts for step
 N + 1 run in one device function (speculative/model_drafters/fused_step.py; one CUDA graph replay,
 fused_chain.py): no host round trip between them, one host sync per step, which reads the
 committed tokens and the next drafts together.
@@ -13,7 +14,7 @@ position of the first) and its head cache fed up to the row before the root. A r
 without pending drafts (a prompt just prefilled, a resumed preemption, or a step the engine
 verified itself) first goes through EagleDrafter's chain: the catch-up of its rows from the
 stored target states, then its first K drafts (a host sync, on such steps only). Then every
-request gets its next 2K head rows reserved (eagle_runner.reserved_head_rows), and the step
+request gets its next head rows reserved (eagle_runner.reserved_head_rows: 2K for a chain), and the step
 is fused.
 
 On the engine's path of steps launched ahead (greedy batches, and sampled ones this step
@@ -44,8 +45,7 @@ from specserve.runner.tree_step import GreedyOutcome
 from specserve.sampling.sampler import SampledStep
 from specserve.speculative.drafter import ChainedSteps
 from specserve.speculative.model_drafters.eagle import EagleDrafter
-from specserve.speculative.model_drafters.eagle_runner import reserved_head_rows
-from specserve.speculative.model_drafters.model_proposals import chain_proposal, draft_temperature
+from specserve.speculative.model_drafters.model_proposals import chain_proposal, draft_temperature, tree_proposal
 from specserve.verify.tree import TreeProposal
 
 if TYPE_CHECKING:
@@ -84,8 +84,10 @@ class FusedChainDrafter(EagleDrafter, ChainedSteps):
     def __init__(self, runner: "EagleHeadRunner", fused: "FusedChainRunner"):
         super().__init__(runner)
         self.fused = fused
-        self.reserved_rows = reserved_head_rows(self.num_steps)
-        self.pending: dict[str, tuple[int, list[int]]] = {}   # rid -> (position of the first draft, K drafts)
+        self.trees = fused.trees
+        self.reserved_rows = fused.head_columns
+        # rid -> (position of the first draft, its drafts: K of a chain, or a tree's n - 1 tokens and their parents)
+        self.pending: dict[str, tuple[int, list[int]]] = {}
         # requests whose fused rows this step reserved -> the reserved rows' 2K head slots
         self._reserved: dict[str, list[int]] = {}
         # requests whose reserved rows belong to a fused step launched and not read yet
@@ -93,7 +95,7 @@ class FusedChainDrafter(EagleDrafter, ChainedSteps):
 
     def propose(self, reqs: list["Req"], max_nodes: list[int]) -> tuple[TreeProposal, list[int]]:
         self._reserved = {}
-        sampled = any(draft_temperature(r) > 0 for r in reqs)
+        sampled = not self.trees and any(draft_temperature(r) > 0 for r in reqs)   # (trees: argmax drafts)
         if sampled and self.fused.q_table is None:
             return super().propose(reqs, max_nodes)   # the unfused chain, which hands its q over itself
         pendings = [self._drafts_of(req) for req in reqs]   # (a sync of each head cache: once a step)
@@ -115,11 +117,17 @@ class FusedChainDrafter(EagleDrafter, ChainedSteps):
                 drafted.append(index)
                 drafts.append(pending)
         self.kv.write_table()
-        roots = [r.last_token for r in reqs]
-        proposal, num_nodes = chain_proposal(max_nodes, roots, drafted, drafts, None, self.num_steps)
+        proposal, num_nodes = self._proposal(max_nodes, [r.last_token for r in reqs], drafted, drafts)
         if not self._fuses(reqs) and sampled and drafted:
             proposal = self._with_q(proposal, reqs)
         return proposal, num_nodes
+
+    def _proposal(self, max_nodes: list[int], roots: list[int], drafted: list[int],
+                  drafts: list[list[int]]) -> tuple[TreeProposal, list[int]]:
+        """The pending drafts of the requests `drafted` as chains or trees, cut to max_nodes."""
+        if self.trees:
+            return tree_proposal(max_nodes, roots, drafted, drafts, self.fused.nodes)
+        return chain_proposal(max_nodes, roots, drafted, drafts, None, self.num_steps)
 
     def pending_chains(self, reqs: list["Req"], max_nodes: list[int]) -> tuple[TreeProposal, list[int]]:
         """Chains for a step the engine verifies beside another source's deterministic drafts
@@ -171,12 +179,15 @@ class FusedChainDrafter(EagleDrafter, ChainedSteps):
     def _first_drafts(self, reqs: list["Req"]) -> None:
         """EAGLE's catch-up and chain of K drafts, for requests without pending drafts; their
         q goes where the fused step reads it."""
-        nodes = self.num_steps + 1
+        nodes = self.fused.nodes
         proposal, num_nodes = super().propose(reqs, [nodes] * len(reqs))
         drafted = [i for i, count in enumerate(num_nodes) if count == nodes]
         if not drafted:
             return
-        drafts = proposal.tokens[drafted, 1:].tolist()
+        drafts = proposal.tokens[drafted, 1:]
+        if self.trees:   # draft_tree's layout: the tokens, then their parents
+            drafts = np.concatenate([drafts, proposal.parents[drafted, 1:]], axis=1)
+        drafts = drafts.tolist()
         for i, chain in zip(drafted, drafts):
             self.pending[reqs[i].rid] = (reqs[i].num_tokens, chain)
         probs = None if proposal.draft_probs is None else proposal.draft_probs[drafted]
@@ -184,7 +195,7 @@ class FusedChainDrafter(EagleDrafter, ChainedSteps):
 
     def verify_fused(self, reqs: list["Req"], proposal: TreeProposal, slots: list[int], sampler: "Sampler",
                      while_running: Callable[[], None] | None = None) -> "SampledStep | None":
-        launched = self.launch_fused(reqs, proposal, slots, verification_kind(reqs, sampler.sampling_rule))
+        launched = self.launch_fused(reqs, proposal, slots, self._verification(reqs, sampler.sampling_rule))
         if launched is None:
             return None
         if while_running is not None:
@@ -194,12 +205,19 @@ class FusedChainDrafter(EagleDrafter, ChainedSteps):
 
     def samples_fused(self, reqs: list["Req"], sampling_rule: str) -> str | None:
         """Sampled drafts need the q table (without it propose takes the unfused chain)."""
-        kind = verification_kind(reqs, sampling_rule)
-        sampled_drafts = any(draft_temperature(r) > 0 for r in reqs)
+        kind = self._verification(reqs, sampling_rule)
+        sampled_drafts = not self.trees and any(draft_temperature(r) > 0 for r in reqs)
         if kind == "greedy" or kind not in self.fused.kinds or (sampled_drafts and self.fused.q_table is None) \
                 or not all(fusable(r) for r in reqs):
             return None
         return kind
+
+    def _verification(self, reqs: list["Req"], sampling_rule: str) -> str:
+        """verification_kind; a tree's drafts are the head's top-k, never sampled: verified
+        without a q, by the sampler's rule (which the fused step serves only coupled)."""
+        if self.trees:
+            return "greedy" if all(r.params.greedy for r in reqs) else sampling_rule
+        return verification_kind(reqs, sampling_rule)
 
     def launch_fused(self, reqs: list["Req"], proposal: TreeProposal, slots: list[int],
                      kind: str = "greedy") -> "InFlight | None":
@@ -211,7 +229,7 @@ class FusedChainDrafter(EagleDrafter, ChainedSteps):
         return launched
 
     def chain_nodes(self, reqs: list["Req"], launched: "InFlight") -> int:
-        nodes = self.num_steps + 1
+        nodes = self.fused.nodes
         if not self.fused.chains(launched, reqs):
             return 0
         # both tables must hold the next step's positions: this step's nodes, the next one's
@@ -234,10 +252,8 @@ class FusedChainDrafter(EagleDrafter, ChainedSteps):
     def chained_proposal(self, reqs: list["Req"]) -> tuple[TreeProposal, list[int]]:
         """The chains a step launch_chained queued verifies, on the host once the step before
         is read: each request's last token and its pending drafts."""
-        nodes = self.num_steps + 1
-        roots = [r.last_token for r in reqs]
-        return chain_proposal([nodes] * len(reqs), roots, list(range(len(reqs))),
-                              [self.pending[r.rid][1] for r in reqs], None, self.num_steps)
+        return self._proposal([self.fused.nodes] * len(reqs), [r.last_token for r in reqs], list(range(len(reqs))),
+                              [self.pending[r.rid][1] for r in reqs])
 
     def adopt_chained(self, reqs: list["Req"], head_slots: np.ndarray) -> None:
         for req, slots in zip(reqs, head_slots.tolist()):
@@ -248,7 +264,7 @@ class FusedChainDrafter(EagleDrafter, ChainedSteps):
         self.kv.pool.slots.free(head_slots.ravel().tolist())
 
     def read_fused(self, reqs: list["Req"], outcome: torch.Tensor) -> GreedyOutcome:
-        nodes = self.num_steps + 1
+        nodes = self.fused.nodes
         parsed = GreedyOutcome.parse(outcome[:, :1 + 2 * nodes])   # commit_path's layout, whatever the verification
         for req, tokens, drafts in zip(reqs, parsed.tokens, outcome[:, 1 + 2 * nodes:].tolist()):
             # rows L - 1 .. L - 2 + a now hold the committed tokens; the reserved rows after them

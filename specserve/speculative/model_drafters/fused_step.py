@@ -2,7 +2,9 @@
 target verifies the chain [root, d1 .. dK] and the head drafts the next K tokens from the
 target's states of the accepted positions in one function with no host sync, and its packed
 inputs (FusedStepInputs). K = --speculative-num-steps (1 for NAIVE_EAGLE and MTP); n = K + 1
-chain nodes. Separate from fused_chain.py, which launches it (a CUDA graph replay per batch
+chain nodes. EAGLE-2's trees (top-k > 1) take the same step with a tree of n =
+--speculative-num-draft-tokens nodes (at least K + 1) and the head's next tree (end of this
+docstring). Separate from fused_chain.py, which launches it (a CUDA graph replay per batch
 bucket and verification kind, or eagerly) and keeps the q table: this file is what one step
 computes, the same whether captured or not.
 
@@ -34,6 +36,15 @@ Per request, with L tokens (the root at position L - 1, the pending drafts at L 
 Eager steps (no graph: the CPU, a batch larger than the graphs) read the accept lengths on
 the host between 2. and 3. when K > 1: eager attention plans the draft steps from exact host
 lengths. Graphs plan from device state and need no such read.
+
+Trees (top-k > 1): 1. and 2. take the tree as they take a chain (its parents; verification
+is argmax, or the coupled rule: a tree's drafts are the head's top-k, never sampled, so there
+is no q). The accepted path is at most the tree's depth + 1 = K + 1 nodes, so the head is fed
+the same K + 1 rows, row L - 1 + j reading the committed token at L + j and the target's
+state at the path's j-th node. draft_tree.run_tree then drafts from the last real row: its
+K - 1 steps of top-k beams write the reserved slots after the fed rows' (each beam's table
+row its own: the fed rows go into every beam's row here). The outcome ends with the next
+tree, (bs, 2(n - 1)): its tokens best first, then their parents as node numbers.
 """
 from __future__ import annotations
 
@@ -47,7 +58,7 @@ from specserve.attention.base import ForwardBatch
 from specserve.kv.pool import PADDING_SLOT
 from specserve.runner.tree_step import TreeStepInputs, commit_path, forward_tree, greedy_commit
 from specserve.speculative.model_drafters.draft_chain import ChainInputs, FedSpan, constant_range, run_chain
-from specserve.speculative.model_drafters.eagle_runner import reserved_head_rows
+from specserve.speculative.model_drafters.draft_tree import run_tree
 from specserve.speculative.model_drafters.model_proposals import draft_temperature
 from specserve.verify.rules import VerifyResult, verify_sampling
 from specserve.verify.tree import DraftTrees, TreeProposal
@@ -62,9 +73,10 @@ if TYPE_CHECKING:
 class FusedStepInputs:
     """Views into one packed int64 buffer (host, pinned for graphs, or device)."""
     packed: torch.Tensor
-    tree: TreeStepInputs              # the target's chains (tree_step.py's fields), n nodes
-    head_slots: torch.Tensor          # (bs, 2K) the head's slots of rows L - 1 .. L + 2K - 2
-    head_rows: torch.Tensor           # (bs,) the head pool's table rows
+    tree: TreeStepInputs              # the target's chains or trees (tree_step.py's fields), n nodes
+    head_slots: torch.Tensor          # (bs, reserved_head_rows) a chain's: rows L - 1 .. L + 2K - 2; a tree's: its
+                                      # K + 1 fed rows', then its draft steps' beams'
+    head_rows: torch.Tensor           # (bs,) the head pool's table rows (a tree's: its first beam's)
     seeds: torch.Tensor               # (bs,)
     top_ks: torch.Tensor              # (bs,) vocabulary size for none
     temperatures: torch.Tensor        # (bs,) float64 views of int64 storage: the target's, 0 for greedy rows
@@ -73,17 +85,18 @@ class FusedStepInputs:
     draft_temperatures: torch.Tensor  # 0: argmax drafts
 
     @classmethod
-    def allocate(cls, bs: int, nodes: int, device, pin: bool = False) -> FusedStepInputs:
-        size = 3 * bs * nodes + 3 * bs + bs * reserved_head_rows(nodes - 1) + 7 * bs
-        return cls.view(torch.zeros(size, dtype=torch.long, device=device, pin_memory=pin), bs, nodes)
+    def allocate(cls, bs: int, nodes: int, head_columns: int, device, pin: bool = False) -> FusedStepInputs:
+        """nodes: the target's per request; head_columns: the head slots a request's step writes
+        (eagle_runner.reserved_head_rows)."""
+        size = 3 * bs * nodes + 3 * bs + bs * head_columns + 7 * bs
+        return cls.view(torch.zeros(size, dtype=torch.long, device=device, pin_memory=pin), bs, nodes, head_columns)
 
     @classmethod
-    def view(cls, packed: torch.Tensor, bs: int, nodes: int) -> FusedStepInputs:
+    def view(cls, packed: torch.Tensor, bs: int, nodes: int, head_columns: int) -> FusedStepInputs:
         tree_size = 3 * bs * nodes + 3 * bs
-        head_rows = reserved_head_rows(nodes - 1)
-        parts = packed[tree_size:].split([bs * head_rows] + [bs] * 7)
+        parts = packed[tree_size:].split([bs * head_columns] + [bs] * 7)
         floats = [part.view(torch.float64) for part in parts[4:]]
-        return cls(packed, TreeStepInputs.view(packed[:tree_size], bs, nodes), parts[0].view(bs, head_rows),
+        return cls(packed, TreeStepInputs.view(packed[:tree_size], bs, nodes), parts[0].view(bs, head_columns),
                    parts[1], parts[2], parts[3], *floats)
 
     def request_fields(self) -> list[torch.Tensor]:
@@ -102,7 +115,7 @@ class FusedStepInputs:
     def fill(self, reqs: list["Req"], proposal: TreeProposal, node_slots: np.ndarray, head_slots: np.ndarray,
              head_rows: list[int], scratch_rows: tuple[int, int], vocab_size: int) -> None:
         """Writes the batch into a host buffer; rows after it become padding requests.
-        head_slots: (len(reqs), 2K); scratch_rows: the target's and the head's padding rows.
+        head_slots: (len(reqs), head columns); scratch_rows: the target's and the head's padding rows.
         The per-request columns (head rows and sampling parameters) are rewritten only when
         the batch differs from the one this buffer last held (a graph's host buffer is
         filled every step, mostly for the same requests)."""
@@ -151,31 +164,40 @@ def run_fused_step(target: "ModelRunner", head: "EagleHeadRunner", inputs: Fused
     step = forward_tree(model, target.attn_backend, target.pool, inputs.tree, plan_target, kv_lens_host,
                         commit=False, capture=target.hidden_capture)
     outcome = _verify_and_commit(kind, step.trees, step.logits, inputs, q_table, target.pool)
-    write_head_table(head.pool, inputs)
+    write_head_table(head.pool, inputs, head.topk, head.fed_rows)
     bs, n = inputs.tree.shape
     probs = None if probs_out is None else probs_out[:bs]
-    drafts = _draft_next(head, outcome[:, 0], outcome[:, 1 + n:], step.hidden, inputs, plan_head, kv_lens_host,
-                         probs)
+    if head.topk > 1:
+        drafts = _draft_tree(head, outcome, step.hidden, inputs, plan_head, kv_lens_host)
+    else:
+        drafts = _draft_next(head, outcome[:, 0], outcome[:, 1 + n:], step.hidden, inputs, plan_head, kv_lens_host,
+                             probs)
     if probs is not None:
         q_table.index_copy_(0, inputs.tree.req_rows, probs)
     return torch.cat([outcome, drafts], dim=1)
 
 
 def chain_inputs(inputs: FusedStepInputs, outcome: torch.Tensor, node_slots: torch.Tensor,
-                 head_slots: torch.Tensor) -> None:
-    """Rewrites the first bs rows of `inputs` (a greedy step's, on the device) into the next
-    step's, from that step's outcome (bs, 1 + 2n + K) without a host sync: the root is the
-    last committed token, the chain its K next drafts, at a prefix longer by the accept
-    length; every request gets a full chain whatever it had (commit stops a request at its
-    end), and the KV slots the host gives: node_slots (bs, n), head_slots (bs, 2K). Request
+                 head_slots: torch.Tensor, trees: bool = False) -> None:
+    """Rewrites the first bs rows of `inputs` (a step's, on the device) into the next step's,
+    from that step's outcome (bs, 1 + 2n + K), or with `trees` (bs, 1 + 2n + 2(n - 1)),
+    without a host sync: the root is the last committed token, the chain its K next drafts
+    (the tree its n - 1 drafts and their parents), at a prefix longer by the accept length;
+    every request gets a full chain whatever it had (commit stops a request at its end), and
+    the KV slots the host gives: node_slots (bs, n), head_slots (bs, head columns). Request
     rows, table rows and sampling columns stay."""
     bs, n = node_slots.shape
     tree = inputs.tree
     accept_lens = outcome[:, 0]
     committed = outcome[:, 1 + n:1 + 2 * n]
     tree.tokens[:bs, :1] = committed.gather(1, (accept_lens - 1).clamp(min=0).unsqueeze(1))
-    tree.tokens[:bs, 1:] = outcome[:, 1 + 2 * n:]
-    tree.parents[:bs] = torch.arange(-1, n - 1, device=tree.parents.device)
+    if trees:
+        tree.tokens[:bs, 1:] = outcome[:, 1 + 2 * n:3 * n]
+        tree.parents[:bs, :1] = -1
+        tree.parents[:bs, 1:] = outcome[:, 3 * n:]
+    else:
+        tree.tokens[:bs, 1:] = outcome[:, 1 + 2 * n:]
+        tree.parents[:bs] = torch.arange(-1, n - 1, device=tree.parents.device)
     tree.num_nodes[:bs] = n
     tree.prefix_lens[:bs] += accept_lens
     tree.out_slots[:bs] = node_slots
@@ -195,14 +217,22 @@ def cut_rows(source: FusedStepInputs, rows: torch.Tensor, target: FusedStepInput
         field[bs:] = padding
 
 
-def write_head_table(pool, inputs: FusedStepInputs) -> None:
+def write_head_table(pool, inputs: FusedStepInputs, topk: int = 1, fed_rows: int = 0) -> None:
     """The head's table entries of the reserved rows, req_to_token[head row, L - 1 + j] =
     head_slots[:, j], written inside the step from the packed inputs: no table write of its
     own per step (DraftKVTable.reserve leaves these rows to the step). Padding requests
-    write their padding slots into the head's padding row."""
-    columns = inputs.tree.prefix_lens.unsqueeze(1) + constant_range(0, inputs.head_slots.shape[1],
-                                                                      inputs.head_slots.device)
-    pool.req_to_token[inputs.head_rows.unsqueeze(1), columns] = inputs.head_slots.to(pool.req_to_token.dtype)
+    write their padding slots into the head's padding row. A tree's fed rows go into each of
+    its topk beams' rows (each beam attends to them); its draft steps write their own."""
+    device = inputs.head_slots.device
+    if topk == 1:
+        slots, rows = inputs.head_slots, inputs.head_rows.unsqueeze(1)
+    else:
+        slots = inputs.head_slots[:, :fed_rows].repeat_interleave(topk, dim=0)           # (bs * k, fed)
+        rows = (inputs.head_rows.unsqueeze(1) + constant_range(0, topk, device)).reshape(-1, 1)
+    columns = inputs.tree.prefix_lens.repeat_interleave(topk).unsqueeze(1) if topk > 1 else \
+        inputs.tree.prefix_lens.unsqueeze(1)
+    columns = columns + constant_range(0, slots.shape[1], device)
+    pool.req_to_token[rows, columns] = slots.to(pool.req_to_token.dtype)
 
 
 def _verify_and_commit(kind: str, trees: DraftTrees, logits: torch.Tensor, inputs: FusedStepInputs,
@@ -242,6 +272,27 @@ def _draft_next(head: "EagleHeadRunner", accept_lens: torch.Tensor, committed_to
     features = head.head.project(hidden.reshape(bs * n, -1).to(head.dtype))
     host_rows = None if kv_lens_host is None else _fed_spans(kv_lens_host, accept_lens, n)
     return run_chain(head.chain_model, head.pool, chain, plan, probs, features, host_rows)
+
+
+def _draft_tree(head: "EagleHeadRunner", outcome: torch.Tensor, hidden: torch.Tensor, inputs: FusedStepInputs,
+                plan: Callable[[ForwardBatch], None], kv_lens_host: list[int] | None) -> torch.Tensor:
+    """EAGLE-2's next tree (draft_tree.run_tree: (bs, 2 * (nodes - 1)) tokens, then parents)
+    from the accepted path: fed row L - 1 + j reads the committed token at L + j and the
+    target's state at the path's node j (its depth-j node: a path is at most K + 1 nodes, the
+    tree's depth and the fed rows'). The draft steps' beams take the slots after the fed rows."""
+    bs, n = inputs.tree.shape
+    fed = head.fed_rows
+    accept_lens = outcome[:, 0]
+    path = outcome[:, 1:1 + fed].clamp(min=0)                       # junk rows past the accept length read the root
+    committed = outcome[:, 1 + n:1 + n + fed]
+    states = hidden.gather(1, path.unsqueeze(2).expand(bs, fed, hidden.shape[-1]))
+    chain = ChainInputs(inputs.packed, tokens=committed.clamp(min=0), num_fed=accept_lens, slots=inputs.head_slots,
+                        req_rows=inputs.head_rows // head.topk, prefix_lens=inputs.tree.prefix_lens,
+                        seeds=inputs.seeds, temperatures=inputs.draft_temperatures)
+    features = head.head.project(states.reshape(bs * fed, -1).to(head.dtype))
+    host_rows = None if kv_lens_host is None else _fed_spans(kv_lens_host, accept_lens, fed)
+    return run_tree(head.chain_model, head.pool, chain, plan, head.topk, head.num_steps, head.tree_nodes,
+                    features, host_rows)
 
 
 def _fed_spans(kv_lens_host: list[int], accept_lens: torch.Tensor, nodes: int) -> list[FedSpan]:
