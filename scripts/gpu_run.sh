@@ -83,6 +83,9 @@
 #                                                   "--hybrid --modes pinned --concurrency 64 --rounds 1": the hybrid's
 #                                                   drafting steps at 64 by part, and "--modes pinned --concurrency 64
 #                                                   --rounds 1" EAGLE-3's beside them, in a second call)
+#   scripts/gpu_run.sh tree-rows                   (after `eagle-head` on the same warm machine: EAGLE-3's top-4 trees
+#                                                   of 8 nodes and chains of 3, pinned and adaptive, chat and code-types
+#                                                   at 1 and 8; TEMPERATURE / TOP_P: sampled)
 #   scripts/gpu_run.sh eagle-wide                  (after `eagle-head` on the same warm machine: EAGLE-3 chains of 3, adaptive
 #                                                   and pinned, chat at 32 and 64, 4 rounds, with the policy's traces
 #                                                   (one tar); ~70 s)
@@ -538,6 +541,11 @@ if [ "$mode" = hybrid-ab ]; then
 fi
 if [ "$mode" = eagle-rows ]; then
   chain_rows "$OUT/eagle_rows" --concurrency 1 8 64 --num-prompts 64
+fi
+if [ "$mode" = tree-rows ]; then
+  # EAGLE-2's top-4 trees of 8 nodes (fused since session 80) beside chains of 3, pinned and adaptive, at 1 and 8
+  CHAIN_ALGORITHMS=EAGLE3 chain_rows "$OUT/tree_rows" --topk 1 4 --num-draft-tokens 8 --concurrency 1 8 \
+    --num-prompts 64 --modes adaptive pinned
 fi
 if [ "$mode" = eagle-wide ]; then
   # issue 56's chat cells at 32 and 64 over 4 rounds, adaptive against pinned, with the policy's traces (why the

@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 import torch
 
-from specserve.speculative.model_drafters.eagle_runner import reserved_head_rows
 from specserve.training.eagle_batches import BatchBuilder
 from specserve.training.eagle_eval import accepted_runs, replay_decoding
 from tests.fused_fixtures import FusedSpy, fused_args, save_random_eagle_head, wait_until_fused_state_is_free
@@ -82,13 +81,14 @@ def test_greedy_verify_steps_are_what_training_predicts(target, head_dir, num_st
     assert set(accept_histogram(outputs)) == set(range(1, num_steps + 2))     # every accept length
 
 
-@pytest.mark.parametrize("num_steps,naive,ahead", [(1, True, False), (2, False, False), (3, False, False),
-                                                   (3, False, True)], ids=["naive", "K2", "K3", "K3-ahead"])
-def test_an_untrained_head_keeps_greedy_output_and_frees_everything(tmp_path, num_steps, naive, ahead):
+@pytest.mark.parametrize("num_steps,naive,ahead,topk", [(1, True, False, 1), (2, False, False, 1), (3, False, False, 1),
+                                                        (3, False, True, 1), (3, False, True, 2)],
+                         ids=["naive", "K2", "K3", "K3-ahead", "K3-tree-ahead"])
+def test_an_untrained_head_keeps_greedy_output_and_frees_everything(tmp_path, num_steps, naive, ahead, topk):
     """A 256-token target and a random head over half its vocabulary (every draft
     rejected): batches, preemption (a small cache), an abort, penalised and sampled
     requests in the same batches (the engine verifies those); the head never holds more
-    than its requests' rows and the fused steps' reserved rows."""
+    than its requests' rows and the fused steps' reserved rows. topk 2: EAGLE-2's trees of 6."""
     target_path, head_path = tmp_path / "target", tmp_path / "head"
     make_tiny_directory(target_path, "qwen2", seed=1)
     save_random_eagle_head(target_path, head_path, draft_vocab=torch.arange(0, 256, 2))
@@ -98,7 +98,9 @@ def test_an_untrained_head_keeps_greedy_output_and_frees_everything(tmp_path, nu
     with tiny_engine(target_path) as plain:
         expected = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=greedy)]
         expected_penalised = plain.generate(input_ids=prompts[0], sampling_params=penalised)["output_ids"]
-    with tiny_engine(target_path, max_total_tokens=160, **chain_args("EAGLE3", head_path, num_steps, naive)) as engine:
+    tree = {"speculative_eagle_topk": topk, "speculative_num_draft_tokens": 6} if topk > 1 else {}
+    with tiny_engine(target_path, max_total_tokens=160, **chain_args("EAGLE3", head_path, num_steps, naive),
+                     **tree) as engine:
         if ahead:
             ahead_on(engine)
         drafter = engine.core.drafter
@@ -120,17 +122,20 @@ def test_an_untrained_head_keeps_greedy_output_and_frees_everything(tmp_path, nu
     assert set(histogram) == {1}      # every first draft rejected: the junk rows are all but the first
 
 
+@pytest.mark.parametrize("tree", [{}, {"speculative_eagle_topk": 2, "speculative_num_draft_tokens": 6}],
+                         ids=["chain", "tree"])
 @pytest.mark.parametrize("ahead", [False, True], ids=["sync", "ahead"])
-def test_preemption_and_aborts_with_every_accept_length(target, head_dir, ahead):  # noqa: F811
+def test_preemption_and_aborts_with_every_accept_length(target, head_dir, ahead, tree):  # noqa: F811
     """The trained heads (accept lengths 1 .. K + 1) and a cache too small for the batch:
     requests are preempted and resumed (their head cache rebuilt from their prefill's
     states), one is aborted mid-stream; output stays plain decoding's and everything is
     freed, also with fused steps launched ahead (a step ahead is dropped or retired when
-    the batch changes)."""
+    the batch changes), for chains of 3 and EAGLE-2's trees of depth 3."""
     path, _, _, held_out = target
     algorithm, head_path, _, _ = head_dir
     prompts = [c.tokens[:c.prompt_len] for c in held_out]
-    with tiny_engine(path, max_total_tokens=150, **fused_args(algorithm, head_path, speculative_num_steps=3)) as engine:
+    with tiny_engine(path, max_total_tokens=150, **fused_args(algorithm, head_path, speculative_num_steps=3,
+                                                              **tree)) as engine:
         if ahead:
             ahead_on(engine)
         drafter = engine.core.drafter
@@ -158,7 +163,7 @@ class HeadRowsSpy:
     def __init__(self, drafter):
         self.steps, self.excess = 0, []
         read_fused = drafter.read_fused
-        table = drafter.fused.head.pool.req_to_token
+        table, fanout = drafter.fused.head.pool.req_to_token, drafter.kv.row_fanout   # (a tree's beams: fanout rows)
 
         def read(reqs, *args):
             outcome = read_fused(reqs, *args)
@@ -166,13 +171,14 @@ class HeadRowsSpy:
             for req, tokens in zip(reqs, outcome.tokens):
                 seq = drafter.kv.sequences[req.rid]
                 rows = drafter.kv.rows_of(req)     # before the commit: L - 1
-                if seq.committed != rows or len(seq.slots) != rows + reserved_head_rows(drafter.num_steps):
+                if seq.committed != rows or len(seq.slots) != rows + drafter.reserved_rows:
                     self.excess.append((req.rid, rows, seq.committed, len(seq.slots)))
                 # the rows this step leaves committed (a step chained after it, launched before this
                 # read, has written its own reserved rows' entries past them already)
                 fed = rows + len(tokens)
-                if table[seq.row, :fed].tolist() != seq.slots[:fed]:
-                    self.excess.append((req.rid, "head table", table[seq.row, :fed].tolist(), seq.slots[:fed]))
+                for beam in range(seq.row * fanout, (seq.row + 1) * fanout):
+                    if table[beam, :fed].tolist() != seq.slots[:fed]:
+                        self.excess.append((req.rid, beam, "head table", table[beam, :fed].tolist(), seq.slots[:fed]))
             assert not drafter.kv._new_entries, "the fused rows' table entries are the step's to write"
             return outcome
         drafter.read_fused = read
