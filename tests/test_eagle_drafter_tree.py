@@ -119,6 +119,13 @@ def test_a_tree_smaller_than_its_depth_is_verified_by_the_engine(target, random_
     check_trees(target, random_head, 2, 5, 4, longest_accepted=1, fused=False)
 
 
+def test_fused_trees_turned_off_take_the_unfused_trees(target, random_head, monkeypatch):
+    """SPECSERVE_FUSED_TREES=0 (read at import: draft_setup.FUSED_TREES), for an A/B of the two."""
+    from specserve.speculative.model_drafters import draft_setup
+    monkeypatch.setattr(draft_setup, "FUSED_TREES", False)
+    check_trees(target, random_head, 2, 3, 6, longest_accepted=1, fused=False)
+
+
 def check_trees(target, head_dir, topk: int, steps: int, nodes: int, longest_accepted: int, ahead: bool = False,
                 fused: bool = True, **engine_args) -> None:
     """Greedy output equals plain decoding, the verified trees equal reference_tree's, the

@@ -37,6 +37,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("specserve")
 
+# EAGLE-2's trees through the fused step (SPECSERVE_FUSED_TREES=0: EagleDrafter's unfused trees, for an A/B)
+FUSED_TREES = os.environ.get("SPECSERVE_FUSED_TREES", "1") == "1"
+
 
 @dataclass
 class DraftSetup:
@@ -101,7 +104,8 @@ def fuses_chain(args: ServerArgs) -> bool:
         return False
     if (args.speculative_eagle_topk or 1) == 1:
         return True
-    return not args.speculative_hybrid_ngram and args.speculative_verify_size >= args.speculative_steps + 1
+    return (FUSED_TREES and not args.speculative_hybrid_ngram
+            and args.speculative_verify_size >= args.speculative_steps + 1)
 
 
 def with_ngram(args: ServerArgs, head: Drafter, on_gpu: bool) -> Drafter:
