@@ -394,6 +394,41 @@ def test_a_fused_hybrid_weighs_trie_drafts_by_the_prices_it_measured(monkeypatch
     assert asked[-1] == pytest.approx(3.5)                     # (5 + 6 - 4) / 2
 
 
+def test_a_large_batch_s_counterfactual_looks_at_a_window_moving_through_it():
+    """A chained step of 40 requests: the trie proposes for COUNTERFACTUAL_REQUESTS of them, a
+    window that moves on by that many each step (wrapping), and only they are asked whether
+    breaking the chain would pay and recorded as shadows (both sources'); every request keeps
+    its head chain. A batch of 16 is looked at whole."""
+    from specserve.speculative.hybrid.fused_hybrid import COUNTERFACTUAL_REQUESTS
+    proposed, asked, recorded = [], [], []
+
+    def ngram_propose(reqs, max_nodes):
+        proposed.append([r.rid for r in reqs])
+        return TreeProposal.root_only([0] * len(reqs)), [1] * len(reqs)
+
+    def chains(reqs):
+        return TreeProposal.from_lists([([0, 5, 6], [-1, 0, 1])] * len(reqs)), [3] * len(reqs)
+    ngram = SimpleNamespace(propose=ngram_propose, proposal_keys=lambda: [0] * len(proposed[-1]))
+    head = SimpleNamespace(num_steps=2, chained_proposal=chains)
+    hybrid = FusedHybridDrafter(ngram, head, 8)
+    hybrid.choice.breaks_chain = lambda rids, nodes, keys, excess: asked.append(rids) or False
+    hybrid.choice.record = lambda rids, trie, trie_nodes, keys, head, head_nodes: recorded.append(
+        (rids, head.batch_size, head_nodes))
+    reqs = [SimpleNamespace(rid=str(i), num_tokens=10, last_token=0, spec=SimpleNamespace(draft_sources={}))
+            for i in range(40)]
+    for req in reqs:
+        hybrid._seen[req.rid] = req.num_tokens
+    window = COUNTERFACTUAL_REQUESTS
+    for step in range(3):
+        proposal, nodes = hybrid.chained_proposal(reqs)
+        assert proposal.batch_size == 40 and nodes == [3] * 40 and hybrid.proposal_keys() == [None] * 40
+        expected = [str((step * window + i) % 40) for i in range(window)]
+        assert proposed[-1] == asked[-1] == recorded[-1][0] == expected
+        assert recorded[-1][1:] == (window, [3] * window)
+    hybrid.chained_proposal(reqs[:window])
+    assert proposed[-1] == [r.rid for r in reqs[:window]]
+
+
 def test_steps_off_the_chain_keep_the_output_and_free_everything(models, monkeypatch):
     """Where the head's runs are priced below any step off the chain (run_rates.py), a broken
     chain is not restarted: the trie drafts where it matches, and at batch 1 the roots alone

@@ -80,6 +80,12 @@ class TreeProposal(_BatchOfTrees):
         probs = None if self.draft_probs is None else self.draft_probs[:, :width]
         return TreeProposal(self.tokens[:, :width], self.parents[:, :width], nodes, probs)
 
+    def rows(self, rows: Sequence[int]) -> TreeProposal:
+        """The trees of these requests (indices into the batch), in that order."""
+        index = np.asarray(rows, dtype=np.int64)
+        probs = None if self.draft_probs is None else self.draft_probs[torch.from_numpy(index).to(self.draft_probs.device)]
+        return TreeProposal(self.tokens[index], self.parents[index], self.num_nodes[index], probs)
+
     def keep(self, kept: np.ndarray) -> TreeProposal:
         """The trees with only the nodes `kept` (bs, n) bool marks, in their order (a kept
         node's parent must be kept: a cut removes whole subtrees), the width to the largest."""
