@@ -53,7 +53,6 @@ from specserve.bench.result_rows import emit_row
 from specserve.request.forecast_record import ForecastRecord
 from specserve.runner.forecast_step import empty_table
 from specserve.speculative.drafter import Drafter, ForecastSteps
-from specserve.speculative.model_drafters.fused_drafter import verification_kind
 from specserve.verify.tree import TreeProposal
 
 class ChainDrafter(Drafter):
@@ -191,7 +190,11 @@ def time_steps(engine, bs: int, step: str, size: int, steps: int, kernels: int =
         row["forecast_share"] = (core.drafter.made - made_before) / steps
     # a sampled step's graph is its forward (and, fused, the head and verification under the kind the
     # step ran); the sampling of a plain or verify step runs after it, in the wall time only
-    row["verification"] = verification_kind(reqs, core.sampler.sampling_rule)   # greedy, or the sampled rule
+    # greedy, or the sampler's rule: the fused step's own (rejection where its chains' drafts are sampled),
+    # else the rule drafts without a q are verified by (ChainDrafter's random tokens are no sample of a q)
+    rule = core.sampler.sampling_rule
+    row["verification"] = fused_drafter.verification(reqs, rule) if step == "fused" else \
+        "greedy" if all(r.params.greedy for r in reqs) else rule
     graph = graph_of(bs, row["verification"])
     if graph is not None:
         gpu_ms = events_time_us(graph.replay) / 1e3

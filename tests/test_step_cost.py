@@ -126,7 +126,8 @@ def test_sampled_rows_run_every_step_sampled_and_fused(tmp_path, tiny_shape):
                            "--model-dir", str(tmp_path), "--out", str(tmp_path / "out")])
     assert [(r["engine"], r["step"]) for r in rows] == [("NGRAM", "plain"), ("NGRAM", "verify"),
                                                          ("EAGLE3", "plain"), ("EAGLE3", "verify"), ("EAGLE3", "fused")]
-    assert all((r["temperature"], r["top_p"], r["verification"]) == (0.7, 0.9, "rejection") for r in rows)
+    assert all((r["temperature"], r["top_p"]) == (0.7, 0.9) for r in rows)
+    assert [r["verification"] for r in rows] == ["coupled"] * 4 + ["rejection"]   # the fused chain's sampled drafts
     assert next(r for r in rows if r["step"] == "fused")["fused_share"] == 1.0
 
 

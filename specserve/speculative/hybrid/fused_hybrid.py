@@ -198,26 +198,23 @@ class FusedHybridDrafter(HybridDrafter, ChainedSteps):
         rids = [req.rid for req in reqs]
         self.prices.proposed(rids[0], reqs[0].num_tokens, CHAINED)
         window = self._counterfactual_window(len(reqs))
-        sample = reqs if window is None else [reqs[i] for i in window]
+        sample = [reqs[i] for i in window]
         trie, trie_nodes = self.ngram.propose(sample, [self.max_nodes] * len(sample))
         trie_keys = self.ngram.proposal_keys()
         excess = self.prices.break_excess(len(reqs))
         self._trie_next = self.choice.breaks_chain([req.rid for req in sample], trie_nodes, trie_keys,
                                                    UNPRICED_EXCESS if excess is None else excess)
-        if window is None:
-            self._record(sample, trie, trie_nodes, trie_keys, head, head_nodes)
-        else:
-            self._record(sample, trie, trie_nodes, trie_keys, head.rows(window), [head_nodes[i] for i in window])
+        self._record(sample, trie, trie_nodes, trie_keys, head.rows(window), [head_nodes[i] for i in window])
         head_only = np.zeros(len(reqs), dtype=bool)
         self._count(reqs, head_only, head_nodes)
         self._keys = [None] * len(reqs)   # the head's drafts: the policy measures them per request
         self._trie_only = False
         return head, head_nodes
 
-    def _counterfactual_window(self, bs: int) -> list[int] | None:
-        """The rows of a batch of bs whose counterfactual this chained step looks at (None: all)."""
+    def _counterfactual_window(self, bs: int) -> list[int]:
+        """The rows of a batch of bs whose counterfactual this chained step looks at."""
         if bs <= COUNTERFACTUAL_REQUESTS:
-            return None
+            return list(range(bs))
         start = self._window_start % bs
         self._window_start = start + COUNTERFACTUAL_REQUESTS
         return [(start + i) % bs for i in range(COUNTERFACTUAL_REQUESTS)]

@@ -195,7 +195,7 @@ class FusedChainDrafter(EagleDrafter, ChainedSteps):
 
     def verify_fused(self, reqs: list["Req"], proposal: TreeProposal, slots: list[int], sampler: "Sampler",
                      while_running: Callable[[], None] | None = None) -> "SampledStep | None":
-        launched = self.launch_fused(reqs, proposal, slots, self._verification(reqs, sampler.sampling_rule))
+        launched = self.launch_fused(reqs, proposal, slots, self.verification(reqs, sampler.sampling_rule))
         if launched is None:
             return None
         if while_running is not None:
@@ -205,14 +205,14 @@ class FusedChainDrafter(EagleDrafter, ChainedSteps):
 
     def samples_fused(self, reqs: list["Req"], sampling_rule: str) -> str | None:
         """Sampled drafts need the q table (without it propose takes the unfused chain)."""
-        kind = self._verification(reqs, sampling_rule)
+        kind = self.verification(reqs, sampling_rule)
         sampled_drafts = not self.trees and any(draft_temperature(r) > 0 for r in reqs)
         if kind == "greedy" or kind not in self.fused.kinds or (sampled_drafts and self.fused.q_table is None) \
                 or not all(fusable(r) for r in reqs):
             return None
         return kind
 
-    def _verification(self, reqs: list["Req"], sampling_rule: str) -> str:
+    def verification(self, reqs: list["Req"], sampling_rule: str) -> str:
         """verification_kind; a tree's drafts are the head's top-k, never sampled: verified
         without a q, by the sampler's rule (which the fused step serves only coupled)."""
         if self.trees:

@@ -224,15 +224,12 @@ def write_head_table(pool, inputs: FusedStepInputs, topk: int = 1, fed_rows: int
     write their padding slots into the head's padding row. A tree's fed rows go into each of
     its topk beams' rows (each beam attends to them); its draft steps write their own."""
     device = inputs.head_slots.device
-    if topk == 1:
-        slots, rows = inputs.head_slots, inputs.head_rows.unsqueeze(1)
-    else:
-        slots = inputs.head_slots[:, :fed_rows].repeat_interleave(topk, dim=0)           # (bs * k, fed)
-        rows = (inputs.head_rows.unsqueeze(1) + constant_range(0, topk, device)).reshape(-1, 1)
-    columns = inputs.tree.prefix_lens.repeat_interleave(topk).unsqueeze(1) if topk > 1 else \
-        inputs.tree.prefix_lens.unsqueeze(1)
-    columns = columns + constant_range(0, slots.shape[1], device)
-    pool.req_to_token[rows, columns] = slots.to(pool.req_to_token.dtype)
+    slots = inputs.head_slots[:, :fed_rows] if topk > 1 else inputs.head_slots
+    beams = inputs.head_rows.view(-1, 1, 1)
+    if topk > 1:
+        beams = beams + constant_range(0, topk, device).view(1, -1, 1)
+    columns = inputs.tree.prefix_lens.view(-1, 1, 1) + constant_range(0, slots.shape[1], device)
+    pool.req_to_token[beams, columns] = slots.unsqueeze(1).to(pool.req_to_token.dtype)
 
 
 def _verify_and_commit(kind: str, trees: DraftTrees, logits: torch.Tensor, inputs: FusedStepInputs,
